@@ -1,0 +1,84 @@
+"""GGUF key and tensor-name templates, quant block sizes and architectures.
+
+This is the only module that spells a tensor name or a metadata key (gguf-py keeps its
+``Keys`` / ``TENSOR_NAMES`` the same way in ``gguf/constants.py``). Standard llama.cpp keys
+come from ``gguf.Keys``; pyinfer's own keys live under the ``pyinfer.`` prefix.
+"""
+from __future__ import annotations
+
+import gguf
+
+GGUF_VERSION = 3
+ARCH = "llama"  # the only GGUF architecture pyinfer writes and reads
+HF_ARCHITECTURES = ("LlamaForCausalLM",)
+HIDDEN_ACTS = ("silu", "relu")
+
+# ---- weight types -------------------------------------------------------------------------
+QT = gguf.GGMLQuantizationType
+OUTTYPES = {"f32": QT.F32, "f16": QT.F16, "q8_0": QT.Q8_0, "q4_0": QT.Q4_0}
+#: (elements per block, bytes per block), as ggml defines them (ggml-common.h).
+QK_BLOCK = {QT.F32: (1, 4), QT.F16: (1, 2), QT.Q8_0: (32, 34), QT.Q4_0: (32, 18)}
+
+# ---- metadata keys --------------------------------------------------------------------------
+K_ARCH = gguf.Keys.General.ARCHITECTURE
+K_NAME = gguf.Keys.General.NAME
+K_FILE_TYPE = gguf.Keys.General.FILE_TYPE
+K_CONTEXT_LENGTH = gguf.Keys.LLM.CONTEXT_LENGTH.format(arch=ARCH)
+K_EMBEDDING_LENGTH = gguf.Keys.LLM.EMBEDDING_LENGTH.format(arch=ARCH)
+K_BLOCK_COUNT = gguf.Keys.LLM.BLOCK_COUNT.format(arch=ARCH)
+K_FEED_FORWARD_LENGTH = gguf.Keys.LLM.FEED_FORWARD_LENGTH.format(arch=ARCH)
+K_VOCAB_SIZE = gguf.Keys.LLM.VOCAB_SIZE.format(arch=ARCH)
+K_HEAD_COUNT = gguf.Keys.Attention.HEAD_COUNT.format(arch=ARCH)
+K_HEAD_COUNT_KV = gguf.Keys.Attention.HEAD_COUNT_KV.format(arch=ARCH)
+K_RMS_EPS = gguf.Keys.Attention.LAYERNORM_RMS_EPS.format(arch=ARCH)
+K_ROPE_FREQ_BASE = gguf.Keys.Rope.FREQ_BASE.format(arch=ARCH)
+K_ROPE_DIM = gguf.Keys.Rope.DIMENSION_COUNT.format(arch=ARCH)
+
+# pyinfer's own keys
+K_PYINFER_VERSION = "pyinfer.version"
+K_HIDDEN_ACT = "pyinfer.hidden_act"  # "silu" | "relu"
+K_FFN_LAYOUT = "pyinfer.ffn_layout"  # "neuron_major": ffn_down stored as ffn_down_t
+FFN_LAYOUT_NEURON_MAJOR = "neuron_major"
+K_ROPE_LAYOUT = "pyinfer.rope_layout"  # "neox": Q/K rows in Hugging Face order (rotate_half)
+ROPE_LAYOUT_NEOX = "neox"
+K_SOURCE = "pyinfer.source"  # where the weights came from (HF dir name or GGUF file name)
+K_HF_TOKENIZER_JSON = "pyinfer.tokenizer.huggingface_json"  # verbatim tokenizer.json, if any
+
+# tokenizer keys (llama.cpp's spelling)
+K_TOK_MODEL = gguf.Keys.Tokenizer.MODEL
+K_TOK_PRE = gguf.Keys.Tokenizer.PRE
+K_TOK_LIST = gguf.Keys.Tokenizer.LIST
+K_TOK_TYPE = gguf.Keys.Tokenizer.TOKEN_TYPE
+K_TOK_SCORES = gguf.Keys.Tokenizer.SCORES
+K_TOK_MERGES = gguf.Keys.Tokenizer.MERGES
+K_TOK_BOS = gguf.Keys.Tokenizer.BOS_ID
+K_TOK_EOS = gguf.Keys.Tokenizer.EOS_ID
+K_TOK_UNK = gguf.Keys.Tokenizer.UNK_ID
+K_TOK_PAD = gguf.Keys.Tokenizer.PAD_ID
+K_TOK_EOT = gguf.Keys.Tokenizer.EOT_ID
+K_TOK_ADD_BOS = gguf.Keys.Tokenizer.ADD_BOS
+K_TOK_ADD_EOS = gguf.Keys.Tokenizer.ADD_EOS
+K_TOK_ADD_SPACE_PREFIX = gguf.Keys.Tokenizer.ADD_PREFIX
+K_CHAT_TEMPLATE = gguf.Keys.Tokenizer.CHAT_TEMPLATE
+
+# ---- tensor names (llama.cpp spelling; ffn_down_t, fc1/fc2, gpu_* are PowerInfer's) --------
+TOKEN_EMBD = "token_embd.weight"  # (n_vocab, n_embd)
+OUTPUT_NORM = "output_norm.weight"  # (n_embd,)
+OUTPUT = "output.weight"  # (n_vocab, n_embd); absent when embeddings are tied
+ATTN_NORM = "blk.{bid}.attn_norm.weight"  # (n_embd,)
+ATTN_Q = "blk.{bid}.attn_q.weight"  # (n_head * head_dim, n_embd), HF row order
+ATTN_K = "blk.{bid}.attn_k.weight"  # (n_head_kv * head_dim, n_embd), HF row order
+ATTN_V = "blk.{bid}.attn_v.weight"  # (n_head_kv * head_dim, n_embd)
+ATTN_OUT = "blk.{bid}.attn_output.weight"  # (n_embd, n_head * head_dim)
+FFN_NORM = "blk.{bid}.ffn_norm.weight"  # (n_embd,)
+FFN_GATE = "blk.{bid}.ffn_gate.weight"  # (n_ff, n_embd): one row per neuron
+FFN_UP = "blk.{bid}.ffn_up.weight"  # (n_ff, n_embd): one row per neuron
+FFN_DOWN_T = "blk.{bid}.ffn_down_t.weight"  # (n_ff, n_embd): ffn_down transposed
+FC1 = "blk.{bid}.fc1.weight"  # (rank, n_embd) predictor
+FC2 = "blk.{bid}.fc2.weight"  # (n_ff, rank) predictor
+GPU_IDX = "blk.{bid}.gpu_idx"  # (n_ff,) I32 0/1 mask
+GPU_BUCKET = "blk.{bid}.gpu_bucket"  # (n_hot,) I32 sorted hot neuron ids
+ACT_COUNT = "blk.{bid}.act_count"  # (n_ff,) I32 per-neuron activation counts (profiler)
+
+# llama.cpp's source-file tensor name we un-transpose from
+SRC_FFN_DOWN = "blk.{bid}.ffn_down.weight"  # (n_embd, n_ff)

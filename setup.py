@@ -1,0 +1,72 @@
+"""Builds the Cython kernels in cython/ into pyinfer.ops.
+
+OpenMP and the x86 SIMD flags are optional: each is probed with the compiler first, and the
+build goes on without it (with a warning), as scikit-learn's build treats OpenMP.
+"""
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+
+
+def _compiler_accepts(flags, code="int main(void){return 0;}\n", link=True):
+    cc = os.environ.get("CC", "cc")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "probe.c")
+        with open(src, "w") as f:
+            f.write(code)
+        cmd = [cc, src, "-o", os.path.join(tmp, "probe")] + flags
+        if not link:
+            cmd.insert(1, "-c")
+        return subprocess.run(cmd, capture_output=True).returncode == 0
+
+
+def _cpu_flags():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+compile_args = ["-O3", "-fno-strict-aliasing"]
+link_args = []
+macros = [("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")]
+
+if os.environ.get("PYINFER_NO_OPENMP") != "1" and _compiler_accepts(["-fopenmp"]):
+    compile_args.append("-fopenmp")
+    link_args.append("-fopenmp")
+else:
+    print("warning: building pyinfer kernels without OpenMP: -t has no effect", file=sys.stderr)
+
+# SIMD: only what this CPU has (the package is built where it runs; -march=native would
+# emit AVX-512 that other CPUs lack, and -mavx2 -mfma -mf16c measured as fast: FACTS.md).
+if os.environ.get("PYINFER_NO_SIMD") != "1" and {"avx2", "fma", "f16c"} <= _cpu_flags():
+    if _compiler_accepts(["-mavx2", "-mfma", "-mf16c"]):
+        compile_args += ["-mavx2", "-mfma", "-mf16c"]
+
+extensions = [
+    Extension(
+        "pyinfer.ops._kernels",
+        ["cython/kernels.pyx"],
+        include_dirs=[np.get_include(), "cython"],
+        extra_compile_args=compile_args,
+        extra_link_args=link_args,
+        define_macros=macros,
+    ),
+]
+
+setup(
+    ext_modules=cythonize(
+        extensions,
+        language_level=3,
+        compiler_directives={"boundscheck": False, "wraparound": False, "cdivision": True},
+    )
+)
