@@ -82,3 +82,18 @@ ACT_COUNT = "blk.{bid}.act_count"  # (n_ff,) I32 per-neuron activation counts (p
 
 # llama.cpp's source-file tensor name we un-transpose from
 SRC_FFN_DOWN = "blk.{bid}.ffn_down.weight"  # (n_embd, n_ff)
+
+# ---- appended by convert/ ---------------------------------------------------------------------
+K_KEY_LENGTH = gguf.Keys.Attention.KEY_LENGTH.format(arch=ARCH)  # head_dim of K (written always)
+K_VALUE_LENGTH = gguf.Keys.Attention.VALUE_LENGTH.format(arch=ARCH)  # head_dim of V (written always)
+K_ROPE_SCALING_TYPE = gguf.Keys.Rope.SCALING_TYPE.format(arch=ARCH)  # read from sources: must be none
+K_TOK_SEP = gguf.Keys.Tokenizer.SEP_ID
+K_TOK_PREFIX = "tokenizer.ggml."  # every llama.cpp tokenizer key starts with this
+K_CHAT_TEMPLATE_PREFIX = "tokenizer.chat_template"  # also matches named templates (.tool_use, ...)
+# SentencePiece / llama.cpp token types (gguf.TokenType)
+TOKEN_TYPE_NORMAL = int(gguf.TokenType.NORMAL)  # 1
+TOKEN_TYPE_UNKNOWN = int(gguf.TokenType.UNKNOWN)  # 2
+TOKEN_TYPE_CONTROL = int(gguf.TokenType.CONTROL)  # 3
+TOKEN_TYPE_USER_DEFINED = int(gguf.TokenType.USER_DEFINED)  # 4
+TOKEN_TYPE_UNUSED = int(gguf.TokenType.UNUSED)  # 5
+TOKEN_TYPE_BYTE = int(gguf.TokenType.BYTE)  # 6

@@ -1,0 +1,42 @@
+# The two commands a new user needs (README.md): `make demo` and `make test`.
+# Both set up a virtual environment in .venv, install pyinfer into it, and build the kernels.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+MODELS := models
+SRC_GGUF := $(MODELS)/SmolLM2-135M-Instruct.Q4_1.gguf
+GGUF := $(MODELS)/smollm2-135m-instruct.q8_0.gguf
+THREADS ?= 2
+PROMPT ?= What is the capital of Germany?
+
+.PHONY: install install-test demo test bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+# torch==2.13.0 first: that exact version is the CPU wheel (a bare `torch` pulls a CUDA build).
+install: $(BIN)/python
+	$(BIN)/pip install --quiet -e .
+
+install-test: $(BIN)/python
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e ".[test,train]"
+
+$(SRC_GGUF):
+	PATH=$(BIN):$$PATH tools/fetch_smollm2.sh $(MODELS)
+
+$(GGUF): $(SRC_GGUF) | install
+	$(BIN)/pyinfer-convert $(SRC_GGUF) $(GGUF) --outtype q8_0
+
+demo: install $(GGUF)
+	$(BIN)/pyinfer-run $(GGUF) --chat -p "$(PROMPT)" --temp 0 -n 64 -t $(THREADS)
+
+test: install-test $(SRC_GGUF)
+	PYINFER_SMOLLM2_GGUF=$(SRC_GGUF) $(BIN)/python -m pytest -q -ra tests
+
+bench: install $(GGUF)
+	$(BIN)/python tools/bench.py $(GGUF) --threads 1 2
+
+clean:
+	rm -rf build pyinfer/ops/*.so cython/*.c *.egg-info

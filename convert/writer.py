@@ -1,0 +1,153 @@
+"""Streams a pyinfer GGUF file to disk, one tensor at a time, atomically.
+
+A source (Hugging Face directory or llama.cpp GGUF) describes the output as a `Metadata` table and a
+list of `TensorJob`s whose ``load`` produces the float32 array only when it is written. The tensor
+infos are declared first (their byte sizes are known from the shapes), so the data of at most one
+tensor, plus its encoded copy, is in memory at any time.
+
+The file goes to ``<out>.tmp`` next to ``out`` and is renamed over ``out`` with `os.replace` only
+when complete; on any exception (KeyboardInterrupt included) the temporary file is removed.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import gguf
+import numpy as np
+
+from pyinfer.constants import ARCH, K_ARCH, OUTTYPES, QK_BLOCK, QT
+
+VT = gguf.GGUFValueType
+
+#: outtype name -> general.file_type
+FILE_TYPES = {
+    "f32": gguf.LlamaFileType.ALL_F32,
+    "f16": gguf.LlamaFileType.MOSTLY_F16,
+    "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+    "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+}
+
+
+class Metadata:
+    """Ordered GGUF key/value table: key -> (value, value type, array element type)."""
+
+    def __init__(self) -> None:
+        self.items: dict[str, tuple[Any, VT, VT | None]] = {}
+
+    def set(self, key: str, value: Any, vtype: VT, sub_type: VT | None = None) -> None:
+        self.items[key] = (value, vtype, sub_type)
+
+    def u32(self, key: str, value: int) -> None:
+        self.set(key, int(value), VT.UINT32)
+
+    def i32(self, key: str, value: int) -> None:
+        self.set(key, int(value), VT.INT32)
+
+    def f32(self, key: str, value: float) -> None:
+        self.set(key, float(value), VT.FLOAT32)
+
+    def boolean(self, key: str, value: bool) -> None:
+        self.set(key, bool(value), VT.BOOL)
+
+    def string(self, key: str, value: str) -> None:
+        self.set(key, str(value), VT.STRING)
+
+    def array(self, key: str, values: Sequence[Any], sub_type: VT) -> None:
+        if len(values) == 0:  # GGUF cannot store an empty array
+            return
+        self.set(key, list(values), VT.ARRAY, sub_type)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.items
+
+    def get(self, key: str, default: Any = None) -> Any:
+        item = self.items.get(key)
+        return default if item is None else item[0]
+
+
+@dataclass
+class TensorJob:
+    """One output tensor: ``load()`` returns a float32 array of ``shape`` (numpy order, rows first)."""
+
+    name: str
+    shape: tuple[int, ...]
+    qtype: gguf.GGMLQuantizationType
+    load: Callable[[], np.ndarray]
+
+
+def matrix_qtype(cols: int, outtype: str) -> gguf.GGMLQuantizationType:
+    """The type a 2-D weight with rows of ``cols`` elements gets for ``outtype``.
+
+    Block types (q8_0, q4_0) need rows that are a whole number of 32-element blocks; other rows
+    fall back to f16 (design.md, "Weight types").
+    """
+    qtype = OUTTYPES[outtype]
+    block = QK_BLOCK[qtype][0]
+    if cols % block != 0:
+        return QT.F16
+    return qtype
+
+
+def tensor_nbytes(shape: Sequence[int], qtype: gguf.GGMLQuantizationType) -> int:
+    """Bytes a tensor of ``shape`` (numpy order) takes when stored as ``qtype``."""
+    block, block_bytes = QK_BLOCK[qtype]
+    n = int(np.prod(shape, dtype=np.int64))
+    assert shape[-1] % block == 0, (shape, qtype)
+    return n // block * block_bytes
+
+
+def encode(arr: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
+    """float32 array -> the array GGUFWriter stores for ``qtype`` (f32, f16, or uint8 blocks)."""
+    arr = np.ascontiguousarray(arr, dtype=np.float32)
+    if qtype == QT.F32:
+        return arr
+    if qtype == QT.F16:
+        return arr.astype(np.float16)
+    return np.ascontiguousarray(gguf.quants.quantize(arr, qtype))
+
+
+def write_gguf(out_path: str, meta: Metadata, jobs: Sequence[TensorJob], progress: bool | None = None) -> None:
+    """Write ``meta`` and the tensors of ``jobs`` to ``out_path`` via ``out_path + '.tmp'``.
+
+    ``progress``: a tqdm bar over tensors on stderr (None: only when stderr is a terminal).
+    Raises whatever a job's ``load`` raises; the temporary file is removed and ``out_path`` is
+    left untouched in that case.
+    """
+    from tqdm import tqdm
+
+    tmp_path = out_path + ".tmp"
+    writer = gguf.GGUFWriter(tmp_path, ARCH)
+    try:
+        for key, (value, vtype, sub_type) in meta.items.items():
+            if key == K_ARCH:  # GGUFWriter writes general.architecture itself
+                continue
+            writer.add_key_value(key, value, vtype, sub_type)
+        for job in jobs:
+            # dtype float32 + raw_dtype: the shape is taken as the element shape, not a byte shape
+            writer.add_tensor_info(job.name, job.shape, np.dtype(np.float32),
+                                   tensor_nbytes(job.shape, job.qtype), raw_dtype=job.qtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        bar = tqdm(jobs, desc="converting", unit="tensor", file=sys.stderr,
+                   disable=(None if progress is None else not progress), leave=False)
+        for job in bar:
+            arr = job.load()
+            if tuple(arr.shape) != tuple(job.shape):
+                raise AssertionError(f"{job.name}: produced shape {arr.shape}, declared {job.shape}")
+            data = encode(arr, job.qtype)
+            del arr
+            writer.write_tensor_data(data)
+        bar.close()
+        writer.close()
+        os.replace(tmp_path, out_path)
+    except BaseException:
+        writer.close()
+        try:
+            os.remove(tmp_path)
+        except FileNotFoundError:
+            pass
+        raise

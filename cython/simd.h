@@ -1,0 +1,362 @@
+/* SIMD row kernels for pyinfer (dot products, axpy, activation quantization).
+ *
+ * Cython cannot express F16C conversion or FMA, so the inner loops live here as static inline
+ * functions. With AVX2+FMA+F16C (setup.py passes -mavx2 -mfma -mf16c when the CPU has them) the
+ * intrinsic paths are used; otherwise a portable scalar path with the same numerics (up to f32
+ * summation order) is compiled.
+ *
+ * Weight rows are raw bytes as ggml stores them; qtype is the ggml type id:
+ *   PI_F32 (0): float32[n]; PI_F16 (1): IEEE half[n];
+ *   PI_Q4_0 (2): blocks of 18 bytes = f16 d + uint8 qs[16], x[j] = d*((qs[j]&15)-8),
+ *                x[j+16] = d*((qs[j]>>4)-8);
+ *   PI_Q8_0 (8): blocks of 34 bytes = f16 d + int8 qs[32], x[j] = d*qs[j]   (ggml-common.h).
+ * Quantized rows are dotted against the activation quantized to 8 bits per 32-block with an f32
+ * scale (as llama.cpp's ggml_vec_dot_q4_0_q8_0 / q8_0_q8_0 do), so the inner loop is integer.
+ */
+#ifndef PYINFER_SIMD_H
+#define PYINFER_SIMD_H
+
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define PI_SIMD 1
+#else
+#define PI_SIMD 0
+#endif
+
+#define PI_F32 0
+#define PI_F16 1
+#define PI_Q4_0 2
+#define PI_Q8_0 8
+#define PI_QK 32
+
+static inline int pi_simd_enabled(void) { return PI_SIMD; }
+
+static inline int pi_openmp_enabled(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+static inline int pi_is_quant(int qtype) { return qtype == PI_Q4_0 || qtype == PI_Q8_0; }
+
+/* Bytes from the start of a row to column col (col a multiple of 32 for quantized types). */
+static inline size_t pi_col_offset(int qtype, int col) {
+    switch (qtype) {
+    case PI_F32: return (size_t)col * 4;
+    case PI_F16: return (size_t)col * 2;
+    case PI_Q4_0: return (size_t)(col / PI_QK) * 18;
+    default: return (size_t)(col / PI_QK) * 34;
+    }
+}
+
+static inline float pi_f16_to_f32(uint16_t h) {
+#if PI_SIMD
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = ((uint32_t)h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu;
+    uint32_t mant = h & 0x3ffu;
+    uint32_t bits;
+    float f;
+    if (exp == 0) {
+        f = ldexpf((float)mant, -24); /* zero or subnormal */
+        return sign ? -f : f;
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else {
+        bits = sign | ((exp + 112u) << 23) | (mant << 13);
+    }
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+static inline float pi_load_d(const uint8_t *blk) {
+    uint16_t h;
+    memcpy(&h, blk, 2);
+    return pi_f16_to_f32(h);
+}
+
+#if PI_SIMD
+static inline float pi_hsum(__m256 v) {
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    __m128 sh = _mm_movehdup_ps(lo);
+    __m128 s = _mm_add_ps(lo, sh);
+    sh = _mm_movehl_ps(sh, s);
+    return _mm_cvtss_f32(_mm_add_ss(s, sh));
+}
+
+/* 8 f32 sums of 4 int8 products each; x (weights) and y (activations) signed int8. */
+static inline __m256 pi_mul_sum_i8(__m256i x, __m256i y) {
+    const __m256i ax = _mm256_sign_epi8(x, x);
+    const __m256i sy = _mm256_sign_epi8(y, x);
+    const __m256i dot = _mm256_maddubs_epi16(ax, sy);
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(dot, _mm256_set1_epi16(1)));
+}
+
+/* The 32 weights of a q4_0 block as int8 in [-8, 7], element order j = 0..31. */
+static inline __m256i pi_unpack_q4(const uint8_t *qs) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)qs);
+    const __m128i m = _mm_set1_epi8(15);
+    const __m128i lo = _mm_and_si128(b, m);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
+    return _mm256_sub_epi8(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(8));
+}
+#endif
+
+/* ---- f32 / f16 dots ---- */
+
+static inline float pi_dot_f32(const float *a, const float *b, int n) {
+    int i = 0;
+    float s = 0.0f;
+#if PI_SIMD
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    __m256 s2 = _mm256_setzero_ps(), s3 = _mm256_setzero_ps();
+    for (; i + 32 <= n; i += 32) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+        s2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 16), _mm256_loadu_ps(b + i + 16), s2);
+        s3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 24), _mm256_loadu_ps(b + i + 24), s3);
+    }
+    for (; i + 8 <= n; i += 8)
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+    s = pi_hsum(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+#endif
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+static inline float pi_dot_f16(const uint16_t *w, const float *x, int n) {
+    int i = 0;
+    float s = 0.0f;
+#if PI_SIMD
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    __m256 s2 = _mm256_setzero_ps(), s3 = _mm256_setzero_ps();
+#define PI_H(k) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + i + (k))))
+    for (; i + 32 <= n; i += 32) {
+        s0 = _mm256_fmadd_ps(PI_H(0), _mm256_loadu_ps(x + i), s0);
+        s1 = _mm256_fmadd_ps(PI_H(8), _mm256_loadu_ps(x + i + 8), s1);
+        s2 = _mm256_fmadd_ps(PI_H(16), _mm256_loadu_ps(x + i + 16), s2);
+        s3 = _mm256_fmadd_ps(PI_H(24), _mm256_loadu_ps(x + i + 24), s3);
+    }
+    for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(PI_H(0), _mm256_loadu_ps(x + i), s0);
+#undef PI_H
+    s = pi_hsum(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+#endif
+    for (; i < n; i++) s += pi_f16_to_f32(w[i]) * x[i];
+    return s;
+}
+
+/* ---- activation quantization: x (n, a multiple of 32) -> per-block f32 scale d, int8 q ---- */
+
+static inline void pi_quantize_q8(const float *x, int n, float *d, int8_t *q) {
+    for (int b = 0; b < n / PI_QK; b++) {
+        const float *xb = x + b * PI_QK;
+        float amax = 0.0f;
+        for (int j = 0; j < PI_QK; j++) {
+            float v = fabsf(xb[j]);
+            amax = v > amax ? v : amax;
+        }
+        const float db = amax / 127.0f;
+        const float id = db != 0.0f ? 1.0f / db : 0.0f;
+        d[b] = db;
+        for (int j = 0; j < PI_QK; j++) q[b * PI_QK + j] = (int8_t)lrintf(xb[j] * id);
+    }
+}
+
+/* ---- quantized row . quantized activation ---- */
+
+static inline float pi_dot_q8_0(const uint8_t *row, const float *xd, const int8_t *xq, int nb) {
+    int b = 0;
+    float s = 0.0f;
+#if PI_SIMD
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (; b + 2 <= nb; b += 2) {
+        const uint8_t *k0 = row + 34 * b, *k1 = k0 + 34;
+        __m256 p0 = pi_mul_sum_i8(_mm256_loadu_si256((const __m256i *)(k0 + 2)),
+                                  _mm256_loadu_si256((const __m256i *)(xq + 32 * b)));
+        __m256 p1 = pi_mul_sum_i8(_mm256_loadu_si256((const __m256i *)(k1 + 2)),
+                                  _mm256_loadu_si256((const __m256i *)(xq + 32 * b + 32)));
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(pi_load_d(k0) * xd[b]), p0, acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(pi_load_d(k1) * xd[b + 1]), p1, acc1);
+    }
+    for (; b < nb; b++) {
+        const uint8_t *k0 = row + 34 * b;
+        __m256 p0 = pi_mul_sum_i8(_mm256_loadu_si256((const __m256i *)(k0 + 2)),
+                                  _mm256_loadu_si256((const __m256i *)(xq + 32 * b)));
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(pi_load_d(k0) * xd[b]), p0, acc0);
+    }
+    s = pi_hsum(_mm256_add_ps(acc0, acc1));
+#else
+    for (; b < nb; b++) {
+        const uint8_t *blk = row + 34 * b;
+        const int8_t *qw = (const int8_t *)(blk + 2);
+        const int8_t *qx = xq + 32 * b;
+        int isum = 0;
+        for (int j = 0; j < PI_QK; j++) isum += (int)qw[j] * (int)qx[j];
+        s += (pi_load_d(blk) * xd[b]) * (float)isum;
+    }
+#endif
+    return s;
+}
+
+static inline float pi_dot_q4_0(const uint8_t *row, const float *xd, const int8_t *xq, int nb) {
+    int b = 0;
+    float s = 0.0f;
+#if PI_SIMD
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (; b + 2 <= nb; b += 2) {
+        const uint8_t *k0 = row + 18 * b, *k1 = k0 + 18;
+        __m256 p0 = pi_mul_sum_i8(pi_unpack_q4(k0 + 2),
+                                  _mm256_loadu_si256((const __m256i *)(xq + 32 * b)));
+        __m256 p1 = pi_mul_sum_i8(pi_unpack_q4(k1 + 2),
+                                  _mm256_loadu_si256((const __m256i *)(xq + 32 * b + 32)));
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(pi_load_d(k0) * xd[b]), p0, acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(pi_load_d(k1) * xd[b + 1]), p1, acc1);
+    }
+    for (; b < nb; b++) {
+        const uint8_t *k0 = row + 18 * b;
+        __m256 p0 = pi_mul_sum_i8(pi_unpack_q4(k0 + 2),
+                                  _mm256_loadu_si256((const __m256i *)(xq + 32 * b)));
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(pi_load_d(k0) * xd[b]), p0, acc0);
+    }
+    s = pi_hsum(_mm256_add_ps(acc0, acc1));
+#else
+    for (; b < nb; b++) {
+        const uint8_t *blk = row + 18 * b;
+        const uint8_t *qs = blk + 2;
+        const int8_t *qx = xq + 32 * b;
+        int isum = 0;
+        for (int j = 0; j < 16; j++) {
+            isum += ((int)(qs[j] & 15) - 8) * (int)qx[j];
+            isum += ((int)(qs[j] >> 4) - 8) * (int)qx[j + 16];
+        }
+        s += (pi_load_d(blk) * xd[b]) * (float)isum;
+    }
+#endif
+    return s;
+}
+
+/* Row . activation for any type: x is used for f32/f16, (xd, xq) for quantized rows. */
+static inline float pi_dot_row(int qtype, const uint8_t *row, const float *x, const float *xd,
+                               const int8_t *xq, int n) {
+    switch (qtype) {
+    case PI_F32: return pi_dot_f32((const float *)row, x, n);
+    case PI_F16: return pi_dot_f16((const uint16_t *)row, x, n);
+    case PI_Q4_0: return pi_dot_q4_0(row, xd, xq, n / PI_QK);
+    default: return pi_dot_q8_0(row, xd, xq, n / PI_QK);
+    }
+}
+
+/* ---- out[0:n] += a * row[0:n] (row dequantized in f32) ---- */
+
+static inline void pi_axpy_f32(float a, const float *w, float *out, int n) {
+    int i = 0;
+#if PI_SIMD
+    const __m256 va = _mm256_set1_ps(a);
+    for (; i + 16 <= n; i += 16) {
+        _mm256_storeu_ps(out + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(w + i), _mm256_loadu_ps(out + i)));
+        _mm256_storeu_ps(out + i + 8,
+                         _mm256_fmadd_ps(va, _mm256_loadu_ps(w + i + 8), _mm256_loadu_ps(out + i + 8)));
+    }
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(w + i), _mm256_loadu_ps(out + i)));
+#endif
+    for (; i < n; i++) out[i] += a * w[i];
+}
+
+static inline void pi_axpy_f16(float a, const uint16_t *w, float *out, int n) {
+    int i = 0;
+#if PI_SIMD
+    const __m256 va = _mm256_set1_ps(a);
+    for (; i + 8 <= n; i += 8) {
+        __m256 wv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + i)));
+        _mm256_storeu_ps(out + i, _mm256_fmadd_ps(va, wv, _mm256_loadu_ps(out + i)));
+    }
+#endif
+    for (; i < n; i++) out[i] += a * pi_f16_to_f32(w[i]);
+}
+
+#if PI_SIMD
+/* out[0:8] += s * (float)q[0:8] for 8 int8 in the low half of a 128-bit register */
+static inline void pi_fma8_i8(__m256 s, __m128i q8, float *out) {
+    __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8));
+    _mm256_storeu_ps(out, _mm256_fmadd_ps(s, v, _mm256_loadu_ps(out)));
+}
+#endif
+
+static inline void pi_axpy_q8_0(float a, const uint8_t *row, float *out, int nb) {
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = row + 34 * b;
+        const float s = a * pi_load_d(blk);
+        float *o = out + 32 * b;
+#if PI_SIMD
+        const __m256 vs = _mm256_set1_ps(s);
+        const __m128i q0 = _mm_loadu_si128((const __m128i *)(blk + 2));
+        const __m128i q1 = _mm_loadu_si128((const __m128i *)(blk + 18));
+        pi_fma8_i8(vs, q0, o);
+        pi_fma8_i8(vs, _mm_srli_si128(q0, 8), o + 8);
+        pi_fma8_i8(vs, q1, o + 16);
+        pi_fma8_i8(vs, _mm_srli_si128(q1, 8), o + 24);
+#else
+        const int8_t *q = (const int8_t *)(blk + 2);
+        for (int j = 0; j < PI_QK; j++) o[j] += s * (float)q[j];
+#endif
+    }
+}
+
+static inline void pi_axpy_q4_0(float a, const uint8_t *row, float *out, int nb) {
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = row + 18 * b;
+        const float s = a * pi_load_d(blk);
+        float *o = out + 32 * b;
+#if PI_SIMD
+        const __m256 vs = _mm256_set1_ps(s);
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(blk + 2));
+        const __m128i m = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
+        const __m128i lo = _mm_sub_epi8(_mm_and_si128(bytes, m), eight);
+        const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(bytes, 4), m), eight);
+        pi_fma8_i8(vs, lo, o);
+        pi_fma8_i8(vs, _mm_srli_si128(lo, 8), o + 8);
+        pi_fma8_i8(vs, hi, o + 16);
+        pi_fma8_i8(vs, _mm_srli_si128(hi, 8), o + 24);
+#else
+        const uint8_t *qs = blk + 2;
+        for (int j = 0; j < 16; j++) {
+            o[j] += s * (float)((int)(qs[j] & 15) - 8);
+            o[j + 16] += s * (float)((int)(qs[j] >> 4) - 8);
+        }
+#endif
+    }
+}
+
+static inline void pi_axpy_row(int qtype, float a, const uint8_t *row, float *out, int n) {
+    switch (qtype) {
+    case PI_F32: pi_axpy_f32(a, (const float *)row, out, n); break;
+    case PI_F16: pi_axpy_f16(a, (const uint16_t *)row, out, n); break;
+    case PI_Q4_0: pi_axpy_q4_0(a, row, out, n / PI_QK); break;
+    default: pi_axpy_q8_0(a, row, out, n / PI_QK); break;
+    }
+}
+
+/* out[0:n] = row dequantized (exactly d*q in f32, as gguf.quants.dequantize gives it). */
+static inline void pi_dequant_row(int qtype, const uint8_t *row, float *out, int n) {
+    if (qtype == PI_F32) {
+        memcpy(out, row, (size_t)n * 4);
+        return;
+    }
+    memset(out, 0, (size_t)n * 4);
+    pi_axpy_row(qtype, 1.0f, row, out, n);
+}
+
+static inline void pi_add_f32(float *out, const float *a, int n) {
+    for (int i = 0; i < n; i++) out[i] += a[i];
+}
+
+#endif /* PYINFER_SIMD_H */

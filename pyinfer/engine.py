@@ -1,0 +1,150 @@
+"""The engine: opens a pyinfer GGUF, owns model, tokenizer and KV cache, and yields token ids.
+
+Deals in token ids only (nanochat ``Engine.generate``); text belongs to the callers (CLI, REPL,
+Python API). Keeps the evaluated tokens so a follow-up prompt that shares a prefix with them
+(the next turn of a chat) evaluates only its new tokens.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import gguf
+import numpy as np
+
+from pyinfer.config import ModelConfig
+from pyinfer.errors import PyinferError
+from pyinfer.model import Model
+from pyinfer.sampler import SamplingParams, sample
+from pyinfer.tokenizer import Tokenizer
+from pyinfer.weights import ModelWeights
+
+DEFAULT_N_CTX = 4096
+
+
+def open_gguf(path: str) -> gguf.GGUFReader:
+    """Memory-map a GGUF file read-only. Raises PyinferError for a missing, non-GGUF or
+    truncated file (gguf's own exception text is kept after the colon)."""
+    if not os.path.exists(path):
+        raise PyinferError(f"model file not found: {path}")
+    if os.path.isdir(path):
+        raise PyinferError(f"{path} is a directory, not a GGUF file")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise PyinferError(f"{path} is not a GGUF file (bad magic {magic!r})")
+    try:
+        return gguf.GGUFReader(path, "r")
+    except Exception as e:  # gguf raises ValueError/IndexError/... on a damaged file
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise PyinferError(f"{path} is not a valid GGUF file (truncated or damaged): {msg}") from None
+
+
+@dataclass
+class Timings:
+    """Milliseconds and token counts, as llama.cpp's perf summary reports them."""
+
+    load_ms: float = 0.0
+    prompt_n: int = 0
+    prompt_ms: float = 0.0
+    eval_n: int = 0
+    eval_ms: float = 0.0
+    sample_ms: float = 0.0
+
+    def reset(self):
+        self.prompt_n = self.eval_n = 0
+        self.prompt_ms = self.eval_ms = self.sample_ms = 0.0
+
+
+class Engine:
+    """A loaded model ready to generate.
+
+    Args:
+        model_path: a GGUF written by ``pyinfer-convert``.
+        n_ctx: context size in tokens (default min(4096, the model's training context)).
+        n_threads: kernel threads (default: all cores).
+    Raises PyinferError for a bad file or an impossible setting.
+    """
+
+    def __init__(self, model_path: str, *, n_ctx: int | None = None, n_threads: int | None = None,
+                 verbose: bool = False):
+        t0 = time.perf_counter()
+        self.path = model_path
+        self.reader = open_gguf(model_path)
+        self.cfg = ModelConfig.from_gguf(self.reader)
+        self.weights = ModelWeights.from_gguf(self.reader, self.cfg)
+        self.tokenizer = Tokenizer.from_gguf(self.reader)
+        if n_ctx is None or n_ctx <= 0:
+            n_ctx = min(DEFAULT_N_CTX, self.cfg.n_ctx_train)
+        if n_threads is None or n_threads <= 0:
+            n_threads = os.cpu_count() or 1
+        self.n_ctx = n_ctx
+        self.n_threads = n_threads
+        self.model = Model(self.cfg, self.weights, n_ctx, n_threads)
+        self.tokens: list[int] = []  # tokens whose keys/values are in the cache, in order
+        self.timings = Timings(load_ms=(time.perf_counter() - t0) * 1e3)
+        self.verbose = verbose
+
+    # ---- evaluation ------------------------------------------------------------------------
+    def reset(self):
+        """Forget the cached tokens (the cache memory is reused)."""
+        self.tokens = []
+
+    def eval_prompt(self, tokens: list[int]) -> np.ndarray:
+        """Make the cache hold exactly ``tokens`` and return the last token's logits (n_vocab,).
+
+        Reuses the longest common prefix with what the cache already holds; at least the last
+        token is evaluated so its logits exist. Raises PyinferError if the prompt does not fit.
+        """
+        if not tokens:
+            raise PyinferError("empty prompt")
+        if len(tokens) > self.n_ctx:
+            raise PyinferError(f"prompt is {len(tokens)} tokens, longer than the context "
+                               f"({self.n_ctx}); raise -c/--ctx-size or shorten the prompt")
+        n_keep = 0
+        for a, b in zip(self.tokens, tokens):
+            if a != b:
+                break
+            n_keep += 1
+        n_keep = min(n_keep, len(tokens) - 1)
+        new = tokens[n_keep:]
+        t0 = time.perf_counter()
+        logits = self.model.forward(new, n_keep)
+        self.timings.prompt_ms += (time.perf_counter() - t0) * 1e3
+        self.timings.prompt_n += len(new)
+        self.tokens = list(tokens)
+        return logits
+
+    def eval_token(self, token: int) -> np.ndarray:
+        """Append one token to the cache and return its logits (n_vocab,)."""
+        t0 = time.perf_counter()
+        logits = self.model.forward([token], len(self.tokens))
+        self.timings.eval_ms += (time.perf_counter() - t0) * 1e3
+        self.timings.eval_n += 1
+        self.tokens.append(token)
+        return logits
+
+    def generate(self, prompt_tokens: list[int], params: SamplingParams = SamplingParams(), *,
+                 max_tokens: int = -1, seed: int | None = None, ignore_eos: bool = False,
+                 stop_ids: Iterable[int] | None = None) -> Iterator[int]:
+        """Yield sampled token ids after ``prompt_tokens`` until a stop id, ``max_tokens``
+        (-1: until the context is full) or the end of the context. The stop token is not yielded.
+        Deterministic for a given ``seed`` (None: fresh entropy)."""
+        stops = set(self.tokenizer.stop_ids if stop_ids is None else stop_ids)
+        rng = np.random.default_rng(seed)
+        logits = self.eval_prompt(list(prompt_tokens))
+        n = 0
+        while max_tokens < 0 or n < max_tokens:
+            t0 = time.perf_counter()
+            recent = self.tokens[-params.repeat_last_n:] if params.repeat_last_n > 0 else ()
+            tok = sample(logits, params, rng, recent)
+            self.timings.sample_ms += (time.perf_counter() - t0) * 1e3
+            if tok in stops and not ignore_eos:
+                return
+            yield tok
+            n += 1
+            if len(self.tokens) >= self.n_ctx or (max_tokens >= 0 and n >= max_tokens):
+                return
+            logits = self.eval_token(tok)

@@ -1,0 +1,471 @@
+"""Text <-> token ids, built from the vocabulary a GGUF file embeds.
+
+Three sources, tried in order (``Tokenizer.from_gguf``):
+
+1. ``pyinfer.tokenizer.huggingface_json``: the source model's tokenizer.json, verbatim, loaded with
+   ``tokenizers`` (exact ids of the source).
+2. ``tokenizer.ggml.model == "gpt2"``: byte-level BPE rebuilt with ``tokenizers`` from tokens + merges,
+   with the pre-tokenizer regexes llama.cpp uses for ``tokenizer.ggml.pre`` (``llama-vocab.cpp``,
+   ``llm_tokenizer_bpe``).
+3. ``tokenizer.ggml.model == "llama"``: SentencePiece rebuilt as a ``ModelProto`` from tokens, scores and
+   token types. llama.cpp merges SPM pieces by score (``llm_tokenizer_spm``), which is what SentencePiece's
+   BPE model does, so the proto is always written as ``model_type=BPE``.
+
+Streaming: ``StreamDecoder`` turns ids into text one token at a time and never emits half of a multi-byte
+UTF-8 character (the engine prints its output as it goes).
+"""
+from __future__ import annotations
+
+import re
+from typing import Iterable
+
+import numpy as np
+
+from . import constants as C
+from .errors import PyinferError
+
+# llama.cpp token types (gguf.TokenType); SentencePiece uses the same numbers in ModelProto.
+TT_NORMAL, TT_UNKNOWN, TT_CONTROL, TT_USER_DEFINED, TT_UNUSED, TT_BYTE = 1, 2, 3, 4, 5, 6
+
+# End-of-turn token names, tried in order when the file names no eot id.
+_EOT_NAMES = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")
+
+# ---- byte-level BPE pre-tokenizer regexes ---------------------------------------------------
+# Copied from llama.cpp src/llama-vocab.cpp (llm_tokenizer_bpe constructor). llama.cpp applies the
+# regexes one after another, each splitting the pieces the previous one produced, keeping matched and
+# unmatched text as separate pieces: that is `tokenizers` Split(..., behavior="isolated") in sequence.
+_GPT2_RE = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3_RE = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_RE = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_DEFAULT_RES = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_RE, r"\p{N}+", r"[0-9][0-9][0-9]")
+
+#: tokenizer.ggml.pre -> (regexes in order, ignore_merges). llama.cpp's names (llama-vocab.cpp load()).
+BPE_PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...], bool]] = {
+    "default": (_DEFAULT_RES, False),
+    "gpt-2": ((_GPT2_RE,), False),
+    "gpt2": ((_GPT2_RE,), False),
+    "mpt": ((_GPT2_RE,), False),
+    "olmo": ((_GPT2_RE,), False),
+    "jais": ((_GPT2_RE,), False),
+    "smollm": ((r"\p{N}", _GPT2_RE), False),
+    "starcoder": ((r"\p{N}", _GPT2_RE), False),
+    "refact": ((r"\p{N}", _GPT2_RE), False),
+    "command-r": ((r"\p{N}", _GPT2_RE), False),
+    "codeshell": ((r"\p{N}", _GPT2_RE), False),
+    "exaone": ((r"\p{N}", _GPT2_RE), False),
+    "minerva-7b": ((r"\p{N}", _GPT2_RE), False),
+    "llama-bpe": ((_LLAMA3_RE,), True),
+    "llama3": ((_LLAMA3_RE,), True),
+    "dbrx": ((_LLAMA3_RE,), False),
+    "smaug-bpe": ((_LLAMA3_RE,), False),
+    "qwen2": ((_QWEN2_RE,), False),
+    "stablelm2": ((_QWEN2_RE,), False),
+}
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (openai/gpt-2 encoder.py ``bytes_to_unicode``)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+#: str.translate table: GPT-2 printable character -> the byte value it stands for (as a code point).
+_BYTE_DECODER = {ord(c): b for b, c in _bytes_to_unicode().items()}
+_SPM_SPACE = "\u2581"  # "▁", SentencePiece's escaped space
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+class Tokenizer:
+    """Encode text to token ids and decode ids to text for one model.
+
+    Build it with ``Tokenizer.from_gguf(reader)``. Thread-safety: ``encode(parse_special=False)`` on the
+    Hugging Face / gpt2 paths flips a flag on the shared ``tokenizers`` object; do not call it
+    concurrently with ``parse_special=True`` on the same instance.
+    """
+
+    def __init__(
+        self,
+        *,
+        kind: str,
+        tokens: list[str],
+        token_types: np.ndarray,
+        bos_id: int | None,
+        eos_id: int | None,
+        eot_id: int | None,
+        add_bos: bool,
+        add_space_prefix: bool,
+        hf=None,
+        sp=None,
+        chat_template: str | None = None,
+    ):
+        self.kind = kind  # "huggingface" | "gpt2" | "llama"
+        self._tokens = tokens
+        self._types = token_types  # (n_vocab,) int32, llama.cpp token types
+        self._bos, self._eos, self._eot = bos_id, eos_id, eot_id
+        self.add_bos = add_bos
+        self.add_space_prefix = add_space_prefix
+        self._hf = hf  # tokenizers.Tokenizer (paths 1 and 2)
+        self._sp = sp  # sentencepiece.SentencePieceProcessor (path 3)
+        self.chat_template = chat_template
+        self._byte_level = kind == "gpt2" or (kind == "huggingface" and _uses_byte_level(hf))
+        self._bytes_cache: dict[int, bytes] = {}
+        special = np.nonzero((token_types == TT_CONTROL) | (token_types == TT_USER_DEFINED))[0]
+        self._special_ids = frozenset(int(i) for i in special)
+        self._control_ids = frozenset(int(i) for i in np.nonzero(token_types == TT_CONTROL)[0])
+        if sp is not None:
+            self._sp_ids = {tokens[i]: int(i) for i in special}
+            # Longest first, so "<|im_end|>" wins over a shorter token it starts with.
+            names = sorted(self._sp_ids, key=len, reverse=True)
+            self._sp_split = re.compile("(" + "|".join(map(re.escape, names)) + ")") if names else None
+            self._sp_ctrl_split = (
+                re.compile("(" + "|".join(re.escape(n) for n in names if self._sp_ids[n] not in self._control_ids) + ")")
+                if any(self._sp_ids[n] not in self._control_ids for n in names)
+                else None
+            )
+
+    # ---- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_gguf(cls, reader) -> "Tokenizer":
+        """Build the tokenizer a ``gguf.GGUFReader`` embeds.
+
+        Raises PyinferError when the file has no vocabulary, an unknown ``tokenizer.ggml.model`` or an
+        unknown byte-level pre-tokenizer (``tokenizer.ggml.pre``).
+        """
+        model = _field(reader, C.K_TOK_MODEL)
+        hf_json = _field(reader, C.K_HF_TOKENIZER_JSON)
+        tokens = _field(reader, C.K_TOK_LIST)
+        if tokens is None and hf_json is None:
+            raise PyinferError("the GGUF file has no tokenizer (no tokenizer.ggml.tokens)")
+        types_f = reader.fields.get(C.K_TOK_TYPE)
+        if tokens is None:
+            tokens = []
+        if types_f is not None:
+            types = np.asarray(types_f.contents(), dtype=np.int32)
+        else:
+            types = np.full(len(tokens), TT_NORMAL, dtype=np.int32)
+        if len(types) != len(tokens):
+            raise PyinferError(f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+
+        bos = _field(reader, C.K_TOK_BOS)
+        eos = _field(reader, C.K_TOK_EOS)
+        eot = _field(reader, C.K_TOK_EOT)
+        if eot is None:
+            index = {t: i for i, t in ((int(i), tokens[i]) for i in np.nonzero(types != TT_NORMAL)[0])}
+            eot = next((index[n] for n in _EOT_NAMES if n in index), None)
+            if eot is None:  # some files mark these NORMAL; a miss here costs one pass over the list
+                eot = next((tokens.index(n) for n in _EOT_NAMES if n in tokens), eos)
+        add_bos = _field(reader, C.K_TOK_ADD_BOS)
+        add_space_prefix = _field(reader, C.K_TOK_ADD_SPACE_PREFIX)
+        pre = _field(reader, C.K_TOK_PRE, "default")
+        if add_bos is None:  # llama.cpp's defaults (llama_vocab::impl::load)
+            add_bos = model == "llama" or pre in ("llama-bpe", "llama3")
+        if add_space_prefix is None:
+            add_space_prefix = model == "llama"
+        common = dict(
+            tokens=tokens,
+            token_types=types,
+            bos_id=None if bos is None else int(bos),
+            eos_id=None if eos is None else int(eos),
+            eot_id=None if eot is None else int(eot),
+            add_bos=bool(add_bos),
+            add_space_prefix=bool(add_space_prefix),
+            chat_template=_field(reader, C.K_CHAT_TEMPLATE),
+        )
+        if hf_json is not None:
+            import tokenizers
+
+            try:
+                hf = tokenizers.Tokenizer.from_str(hf_json)
+            except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exception
+                raise PyinferError(f"bad {C.K_HF_TOKENIZER_JSON}: {str(e).splitlines()[0]}") from None
+            if not tokens:
+                n = hf.get_vocab_size(with_added_tokens=True)
+                common["tokens"] = [hf.id_to_token(i) or "" for i in range(n)]
+                common["token_types"] = np.full(n, TT_NORMAL, dtype=np.int32)
+            return cls(kind="huggingface", hf=hf, **common)
+        if model == "gpt2":
+            merges = _field(reader, C.K_TOK_MERGES)
+            if merges is None:
+                raise PyinferError("gpt2 tokenizer without tokenizer.ggml.merges")
+            return cls(kind="gpt2", hf=_build_bpe(tokens, types, merges, pre), **common)
+        if model == "llama":
+            scores = reader.fields.get(C.K_TOK_SCORES)
+            scores = np.zeros(len(tokens), np.float32) if scores is None else np.asarray(scores.contents(), np.float32)
+            unk = _field(reader, C.K_TOK_UNK)
+            sp = _build_spm(tokens, types, scores, unk, common["add_space_prefix"])
+            return cls(kind="llama", sp=sp, **common)
+        raise PyinferError(f"unsupported tokenizer model {model}")
+
+    # ---- properties ---------------------------------------------------------------------------
+    @property
+    def bos_id(self) -> int | None:
+        return self._bos
+
+    @property
+    def eos_id(self) -> int | None:
+        return self._eos
+
+    @property
+    def eot_id(self) -> int | None:
+        """End of turn: tokenizer.ggml.eot_token_id, else a known end-of-turn token, else eos."""
+        return self._eot
+
+    @property
+    def n_vocab(self) -> int:
+        return len(self._tokens)
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """Ids that end generation (eos and end-of-turn)."""
+        return frozenset(i for i in (self._eos, self._eot) if i is not None)
+
+    def is_special(self, token_id: int) -> bool:
+        """Control or user-defined token (``<|im_start|>``, ``<s>`` ...)."""
+        return token_id in self._special_ids
+
+    # ---- encode / decode ----------------------------------------------------------------------
+    def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = True) -> list[int]:
+        """Token ids of ``text``.
+
+        add_bos: prepend BOS; default from ``tokenizer.ggml.add_bos_token``.
+        parse_special: match control tokens written in the text (``<|im_start|>``) as one id each, as
+        llama.cpp's ``parse_special`` does; with False they are tokenized as plain text (user-defined
+        tokens are matched either way, like llama.cpp).
+        """
+        if add_bos is None:
+            add_bos = self.add_bos
+        if self._sp is not None:
+            ids = self._encode_spm(text, parse_special)
+        elif parse_special:
+            ids = self._hf.encode(text, add_special_tokens=False).ids
+        else:
+            self._hf.encode_special_tokens = True
+            try:
+                ids = self._hf.encode(text, add_special_tokens=False).ids
+            finally:
+                self._hf.encode_special_tokens = False
+        if add_bos and self._bos is not None:
+            ids = [self._bos] + list(ids)
+        return list(ids)
+
+    def _encode_spm(self, text: str, parse_special: bool) -> list[int]:
+        # llama.cpp (llama_vocab::impl::tokenize, SPM): split on special tokens first; every text
+        # fragment is tokenized on its own, with the dummy-prefix space when add_space_prefix is set.
+        splitter = self._sp_split if parse_special else self._sp_ctrl_split
+        parts = splitter.split(text) if splitter is not None else [text]
+        ids: list[int] = []
+        for k, part in enumerate(parts):
+            if k % 2:
+                ids.append(self._sp_ids[part])
+            elif part:
+                ids.extend(self._sp.encode(part))
+        return ids
+
+    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+        """Text of ``ids``. Control tokens appear as their text unless ``skip_special``.
+
+        Bytes that do not form valid UTF-8 become U+FFFD.
+        """
+        ids = [int(i) for i in ids]
+        if self._sp is None:
+            return self._hf.decode(ids, skip_special_tokens=skip_special)
+        out: list[str] = []
+        run: list[int] = []
+        for i in ids:
+            if i in self._special_ids:
+                if run:
+                    out.append(self._sp.decode(run))
+                    run = []
+                if not (skip_special and i in self._control_ids):
+                    out.append(self._tokens[i])
+            else:
+                run.append(i)
+        if run:
+            out.append(self._sp.decode(run))
+        return "".join(out)
+
+    def token_to_bytes(self, token_id: int) -> bytes:
+        """The bytes token ``token_id`` stands for (spaces restored, byte tokens as their byte).
+
+        Special tokens give their text in UTF-8. SentencePiece's leading dummy-prefix space is kept here;
+        ``decode`` and ``StreamDecoder`` remove it.
+        """
+        b = self._bytes_cache.get(token_id)
+        if b is not None:
+            return b
+        if not 0 <= token_id < len(self._tokens):
+            raise PyinferError(f"token id {token_id} out of range (n_vocab {len(self._tokens)})")
+        piece = self._tokens[token_id]
+        if token_id in self._special_ids:
+            b = piece.encode("utf-8")
+        elif self._byte_level:
+            b = piece.translate(_BYTE_DECODER).encode("latin-1", errors="replace")
+        else:
+            m = _BYTE_PIECE.fullmatch(piece)
+            if m is not None and self._types[token_id] == TT_BYTE:
+                b = bytes([int(m.group(1), 16)])
+            else:
+                b = piece.replace(_SPM_SPACE, " ").encode("utf-8")
+        self._bytes_cache[token_id] = b
+        return b
+
+    def token_to_piece(self, token_id: int) -> str:
+        """Human-readable text of one token (a partial UTF-8 sequence shows as U+FFFD)."""
+        return self.token_to_bytes(token_id).decode("utf-8", errors="replace")
+
+    def stream_decoder(self, skip_special: bool = True) -> "StreamDecoder":
+        return StreamDecoder(self, skip_special=skip_special)
+
+
+def _uses_byte_level(hf) -> bool:
+    import json
+
+    dec = json.loads(hf.to_str()).get("decoder") or {}
+    kinds = [dec.get("type")] + [d.get("type") for d in dec.get("decoders", [])]
+    return "ByteLevel" in kinds
+
+
+def _build_bpe(tokens: list[str], types: np.ndarray, merges: list[str], pre: str):
+    """Byte-level BPE with llama.cpp's pre-tokenizer for ``pre`` (a `tokenizers.Tokenizer`)."""
+    from tokenizers import AddedToken, Regex
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    if pre not in BPE_PRE_TOKENIZERS:
+        known = ", ".join(sorted(BPE_PRE_TOKENIZERS))
+        raise PyinferError(f"unknown byte-level pre-tokenizer {pre!r} (tokenizer.ggml.pre); known: {known}")
+    regexes, ignore_merges = BPE_PRE_TOKENIZERS[pre]
+    vocab = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)  # first id wins on a duplicate, as llama.cpp's token_to_id map
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    bpe = models.BPE(vocab=vocab, merges=pairs, ignore_merges=ignore_merges, fuse_unk=False)
+    tok = HFTokenizer(bpe)
+    steps = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
+    steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
+    tok.decoder = decoders.ByteLevel()
+    special = [AddedToken(tokens[i], special=True, normalized=False) for i in np.nonzero(types == TT_CONTROL)[0]]
+    user = [AddedToken(tokens[i], special=False, normalized=False) for i in np.nonzero(types == TT_USER_DEFINED)[0]]
+    if special:
+        tok.add_special_tokens(special)
+    if user:
+        tok.add_tokens(user)
+    return tok
+
+
+def _build_spm(tokens: list[str], types: np.ndarray, scores: np.ndarray, unk_id, add_space_prefix: bool):
+    """SentencePieceProcessor from llama.cpp's SPM vocabulary (tokens, scores, token types)."""
+    import sentencepiece as spm
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    if len(scores) != len(tokens):
+        raise PyinferError(f"tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens")
+    proto = pb.ModelProto()
+    proto.trainer_spec.model_type = pb.TrainerSpec.BPE
+    proto.trainer_spec.vocab_size = len(tokens)
+    proto.trainer_spec.byte_fallback = bool(np.any(types == TT_BYTE))
+    # SentencePiece wants exactly one UNKNOWN piece; llama.cpp's files name it by id and type.
+    unk = int(unk_id) if unk_id is not None else None
+    if unk is None:
+        found = np.nonzero(types == TT_UNKNOWN)[0]
+        unk = int(found[0]) if len(found) else None
+    if unk is None:
+        raise PyinferError("SentencePiece vocabulary without an unknown token")
+    proto.trainer_spec.unk_id = unk
+    proto.trainer_spec.bos_id = -1  # BOS/EOS are added by Tokenizer.encode, not by SentencePiece
+    proto.trainer_spec.eos_id = -1
+    proto.trainer_spec.pad_id = -1
+    norm = proto.normalizer_spec
+    norm.name = "identity"
+    norm.add_dummy_prefix = add_space_prefix
+    norm.remove_extra_whitespaces = False  # llama.cpp never collapses whitespace
+    norm.escape_whitespaces = True
+    sp_types = types.copy()
+    sp_types[(sp_types < TT_NORMAL) | (sp_types > TT_BYTE)] = TT_NORMAL
+    sp_types[sp_types == TT_UNKNOWN] = TT_CONTROL  # only the one unk_id piece may be UNKNOWN
+    sp_types[unk] = TT_UNKNOWN
+    Piece = pb.ModelProto.SentencePiece
+    proto.pieces.extend(
+        Piece(piece=t, score=float(s), type=int(ty)) for t, s, ty in zip(tokens, scores.tolist(), sp_types.tolist())
+    )
+    sp = spm.SentencePieceProcessor()
+    try:
+        sp.LoadFromSerializedProto(proto.SerializeToString())
+    except Exception as e:  # noqa: BLE001 - sentencepiece raises RuntimeError/OSError
+        raise PyinferError(f"bad SentencePiece vocabulary: {str(e).splitlines()[0]}") from None
+    return sp
+
+
+class StreamDecoder:
+    """Incremental detokenizer: ``feed(id)`` returns only complete UTF-8 characters.
+
+    A character whose bytes are split across tokens (an emoji made of byte tokens) is held back until its
+    last byte arrives. ``flush()`` returns whatever is left (an incomplete tail as U+FFFD). The
+    concatenated output equals ``tokenizer.decode(ids, skip_special)`` for valid UTF-8.
+    Special tokens are dropped when ``skip_special`` (the default, as llama.cpp prints its output).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = True):
+        self._tok = tokenizer
+        self._skip = skip_special
+        self._pending = b""
+        # SentencePiece's dummy-prefix space of a fragment's first piece is not part of the text.
+        self._strip_space = tokenizer._sp is not None and tokenizer.add_space_prefix
+
+    def feed(self, token_id: int) -> str:
+        tok = self._tok
+        token_id = int(token_id)
+        if token_id in tok._special_ids:
+            if tok._sp is not None:
+                self._strip_space = tok.add_space_prefix
+            if self._skip and token_id in tok._control_ids:
+                return ""
+            b = tok.token_to_bytes(token_id)
+        else:
+            b = tok.token_to_bytes(token_id)
+            if self._strip_space and b:
+                if b[:1] == b" ":
+                    b = b[1:]
+                self._strip_space = False
+        buf = self._pending + b
+        cut = _complete_prefix_len(buf)
+        self._pending = buf[cut:]
+        return buf[:cut].decode("utf-8", errors="replace")
+
+    def flush(self) -> str:
+        out = self._pending.decode("utf-8", errors="replace")
+        self._pending = b""
+        return out
+
+
+def _complete_prefix_len(buf: bytes) -> int:
+    """Length of the longest prefix of ``buf`` that does not end inside a UTF-8 sequence."""
+    n = len(buf)
+    # Walk back over at most 3 continuation bytes to the lead byte of the last sequence.
+    i = n - 1
+    while i >= 0 and n - i <= 4 and (buf[i] & 0xC0) == 0x80:
+        i -= 1
+    if i < 0 or n - i > 4:
+        return n
+    lead = buf[i]
+    need = 2 if lead & 0xE0 == 0xC0 else 3 if lead & 0xF0 == 0xE0 else 4 if lead & 0xF8 == 0xF0 else 1
+    return i if n - i < need else n
