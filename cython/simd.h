@@ -100,14 +100,6 @@ static inline __m256 pi_mul_sum_i8(__m256i x, __m256i y) {
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(dot, _mm256_set1_epi16(1)));
 }
 
-/* The 32 weights of a q4_0 block as int8 in [-8, 7], element order j = 0..31. */
-static inline __m256i pi_unpack_q4(const uint8_t *qs) {
-    const __m128i b = _mm_loadu_si128((const __m128i *)qs);
-    const __m128i m = _mm_set1_epi8(15);
-    const __m128i lo = _mm_and_si128(b, m);
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
-    return _mm256_sub_epi8(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(8));
-}
 #endif
 
 /* ---- f32 / f16 dots ---- */
@@ -153,10 +145,14 @@ static inline float pi_dot_f16(const uint16_t *w, const float *x, int n) {
     return s;
 }
 
-/* ---- activation quantization: x (n, a multiple of 32) -> per-block f32 scale d, int8 q ---- */
+/* ---- activation quantization: x (n, a multiple of 32) -> per-block f32 scale d, int8 q ----
+ * d is laid out as [d_0 .. d_{nb-1} | s_0 .. s_{nb-1}] with s_b = 8 * d_b * sum_j q_bj: the q4_0
+ * dot multiplies the unsigned nibbles (0..15) directly and subtracts the offset 8 once per block
+ * through s_b, which saves the sign tricks and the subtraction (2nb floats needed in d). */
 
 static inline void pi_quantize_q8(const float *x, int n, float *d, int8_t *q) {
-    for (int b = 0; b < n / PI_QK; b++) {
+    const int nb = n / PI_QK;
+    for (int b = 0; b < nb; b++) {
         const float *xb = x + b * PI_QK;
         float amax = 0.0f;
         for (int j = 0; j < PI_QK; j++) {
@@ -165,8 +161,14 @@ static inline void pi_quantize_q8(const float *x, int n, float *d, int8_t *q) {
         }
         const float db = amax / 127.0f;
         const float id = db != 0.0f ? 1.0f / db : 0.0f;
+        int sum = 0;
+        for (int j = 0; j < PI_QK; j++) {
+            const int v = (int)lrintf(xb[j] * id);
+            q[b * PI_QK + j] = (int8_t)v;
+            sum += v;
+        }
         d[b] = db;
-        for (int j = 0; j < PI_QK; j++) q[b * PI_QK + j] = (int8_t)lrintf(xb[j] * id);
+        d[nb + b] = 8.0f * db * (float)sum;
     }
 }
 
@@ -207,43 +209,60 @@ static inline float pi_dot_q8_0(const uint8_t *row, const float *xd, const int8_
 }
 
 static inline float pi_dot_q4_0(const uint8_t *row, const float *xd, const int8_t *xq, int nb) {
+    /* sum_b dw_b * dx_b * sum_j (u_j - 8) y_j = sum_b dw_b * (dx_b * sum_j u_j y_j - s_b) */
+    const float *xs = xd + nb;
     int b = 0;
-    float s = 0.0f;
+    float s = 0.0f, corr = 0.0f;
 #if PI_SIMD
+    const __m256i m4 = _mm256_set1_epi8(15);
+    const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+#define PI_Q4U(qs) _mm256_and_si256(_mm256_inserti128_si256(                                \
+        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(qs))),                      \
+        _mm_srli_epi16(_mm_loadu_si128((const __m128i *)(qs)), 4), 1), m4)
+#define PI_DOTU(u, y) _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16((u), (y)), ones))
+    float corr1 = 0.0f;
     for (; b + 2 <= nb; b += 2) {
         const uint8_t *k0 = row + 18 * b, *k1 = k0 + 18;
-        __m256 p0 = pi_mul_sum_i8(pi_unpack_q4(k0 + 2),
-                                  _mm256_loadu_si256((const __m256i *)(xq + 32 * b)));
-        __m256 p1 = pi_mul_sum_i8(pi_unpack_q4(k1 + 2),
-                                  _mm256_loadu_si256((const __m256i *)(xq + 32 * b + 32)));
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(pi_load_d(k0) * xd[b]), p0, acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(pi_load_d(k1) * xd[b + 1]), p1, acc1);
+        const float d0 = pi_load_d(k0), d1 = pi_load_d(k1);
+        __m256 p0 = PI_DOTU(PI_Q4U(k0 + 2), _mm256_loadu_si256((const __m256i *)(xq + 32 * b)));
+        __m256 p1 = PI_DOTU(PI_Q4U(k1 + 2), _mm256_loadu_si256((const __m256i *)(xq + 32 * b + 32)));
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d0 * xd[b]), p0, acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d1 * xd[b + 1]), p1, acc1);
+        corr += d0 * xs[b];
+        corr1 += d1 * xs[b + 1];
     }
     for (; b < nb; b++) {
         const uint8_t *k0 = row + 18 * b;
-        __m256 p0 = pi_mul_sum_i8(pi_unpack_q4(k0 + 2),
-                                  _mm256_loadu_si256((const __m256i *)(xq + 32 * b)));
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(pi_load_d(k0) * xd[b]), p0, acc0);
+        const float d0 = pi_load_d(k0);
+        __m256 p0 = PI_DOTU(PI_Q4U(k0 + 2), _mm256_loadu_si256((const __m256i *)(xq + 32 * b)));
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d0 * xd[b]), p0, acc0);
+        corr += d0 * xs[b];
     }
+#undef PI_Q4U
+#undef PI_DOTU
     s = pi_hsum(_mm256_add_ps(acc0, acc1));
+    corr += corr1;
 #else
     for (; b < nb; b++) {
         const uint8_t *blk = row + 18 * b;
         const uint8_t *qs = blk + 2;
         const int8_t *qx = xq + 32 * b;
+        const float dw = pi_load_d(blk);
         int isum = 0;
         for (int j = 0; j < 16; j++) {
-            isum += ((int)(qs[j] & 15) - 8) * (int)qx[j];
-            isum += ((int)(qs[j] >> 4) - 8) * (int)qx[j + 16];
+            isum += (int)(qs[j] & 15) * (int)qx[j];
+            isum += (int)(qs[j] >> 4) * (int)qx[j + 16];
         }
-        s += (pi_load_d(blk) * xd[b]) * (float)isum;
+        s += (dw * xd[b]) * (float)isum;
+        corr += dw * xs[b];
     }
 #endif
-    return s;
+    return s - corr;
 }
 
-/* Row . activation for any type: x is used for f32/f16, (xd, xq) for quantized rows. */
+/* Row . activation for any type: x is used for f32/f16, (xd, xq) from pi_quantize_q8 for
+ * quantized rows. */
 static inline float pi_dot_row(int qtype, const uint8_t *row, const float *x, const float *xd,
                                const int8_t *xq, int n) {
     switch (qtype) {
@@ -343,6 +362,122 @@ static inline void pi_axpy_row(int qtype, float a, const uint8_t *row, float *ou
     case PI_Q4_0: pi_axpy_q4_0(a, row, out, n / PI_QK); break;
     default: pi_axpy_q8_0(a, row, out, n / PI_QK); break;
     }
+}
+
+/* ---- out[0:n] += sum_{r<4} a[r] * row_r[0:n]: four rows per pass, so the accumulator is loaded
+ * and stored once per four rows (the down projection's inner loop). ---- */
+
+static inline void pi_axpy4_row(int qtype, const float *a, const uint8_t *r0, const uint8_t *r1,
+                                const uint8_t *r2, const uint8_t *r3, float *out, int n) {
+#if PI_SIMD
+    const uint8_t *rw[4] = {r0, r1, r2, r3};
+    if (qtype == PI_F32 || qtype == PI_F16) {
+        const __m256 a0 = _mm256_set1_ps(a[0]), a1 = _mm256_set1_ps(a[1]);
+        const __m256 a2 = _mm256_set1_ps(a[2]), a3 = _mm256_set1_ps(a[3]);
+        int i = 0;
+        if (qtype == PI_F32) {
+            const float *w0 = (const float *)r0, *w1 = (const float *)r1;
+            const float *w2 = (const float *)r2, *w3 = (const float *)r3;
+            for (; i + 8 <= n; i += 8) {
+                __m256 acc = _mm256_loadu_ps(out + i);
+                acc = _mm256_fmadd_ps(a0, _mm256_loadu_ps(w0 + i), acc);
+                acc = _mm256_fmadd_ps(a1, _mm256_loadu_ps(w1 + i), acc);
+                acc = _mm256_fmadd_ps(a2, _mm256_loadu_ps(w2 + i), acc);
+                acc = _mm256_fmadd_ps(a3, _mm256_loadu_ps(w3 + i), acc);
+                _mm256_storeu_ps(out + i, acc);
+            }
+            for (; i < n; i++) out[i] += a[0] * w0[i] + a[1] * w1[i] + a[2] * w2[i] + a[3] * w3[i];
+        } else {
+            const uint16_t *w0 = (const uint16_t *)r0, *w1 = (const uint16_t *)r1;
+            const uint16_t *w2 = (const uint16_t *)r2, *w3 = (const uint16_t *)r3;
+#define PI_H(w) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((w) + i)))
+            for (; i + 8 <= n; i += 8) {
+                __m256 acc = _mm256_loadu_ps(out + i);
+                acc = _mm256_fmadd_ps(a0, PI_H(w0), acc);
+                acc = _mm256_fmadd_ps(a1, PI_H(w1), acc);
+                acc = _mm256_fmadd_ps(a2, PI_H(w2), acc);
+                acc = _mm256_fmadd_ps(a3, PI_H(w3), acc);
+                _mm256_storeu_ps(out + i, acc);
+            }
+#undef PI_H
+            for (; i < n; i++)
+                out[i] += a[0] * pi_f16_to_f32(w0[i]) + a[1] * pi_f16_to_f32(w1[i]) +
+                          a[2] * pi_f16_to_f32(w2[i]) + a[3] * pi_f16_to_f32(w3[i]);
+        }
+        return;
+    }
+    const int nb = n / PI_QK;
+    if (qtype == PI_Q8_0) {
+        for (int b = 0; b < nb; b++) {
+            __m256 sc[4];
+            const uint8_t *q[4];
+            for (int r = 0; r < 4; r++) {
+                const uint8_t *blk = rw[r] + 34 * b;
+                sc[r] = _mm256_set1_ps(a[r] * pi_load_d(blk));
+                q[r] = blk + 2;
+            }
+            float *o = out + 32 * b;
+            for (int j = 0; j < 4; j++) {
+                __m256 acc = _mm256_loadu_ps(o + 8 * j);
+                for (int r = 0; r < 4; r++) {
+                    __m256 v = _mm256_cvtepi32_ps(
+                        _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q[r] + 8 * j))));
+                    acc = _mm256_fmadd_ps(sc[r], v, acc);
+                }
+                _mm256_storeu_ps(o + 8 * j, acc);
+            }
+        }
+        return;
+    }
+    /* q4_0 */
+    const __m128i m = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
+    for (int b = 0; b < nb; b++) {
+        __m256 sc[4];
+        __m128i lo[4], hi[4];
+        for (int r = 0; r < 4; r++) {
+            const uint8_t *blk = rw[r] + 18 * b;
+            sc[r] = _mm256_set1_ps(a[r] * pi_load_d(blk));
+            const __m128i bytes = _mm_loadu_si128((const __m128i *)(blk + 2));
+            lo[r] = _mm_sub_epi8(_mm_and_si128(bytes, m), eight);
+            hi[r] = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(bytes, 4), m), eight);
+        }
+        float *o = out + 32 * b;
+        __m256 acc0 = _mm256_loadu_ps(o), acc1 = _mm256_loadu_ps(o + 8);
+        __m256 acc2 = _mm256_loadu_ps(o + 16), acc3 = _mm256_loadu_ps(o + 24);
+        for (int r = 0; r < 4; r++) {
+            acc0 = _mm256_fmadd_ps(sc[r], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo[r])), acc0);
+            acc1 = _mm256_fmadd_ps(sc[r], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                              _mm_srli_si128(lo[r], 8))), acc1);
+            acc2 = _mm256_fmadd_ps(sc[r], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi[r])), acc2);
+            acc3 = _mm256_fmadd_ps(sc[r], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                              _mm_srli_si128(hi[r], 8))), acc3);
+        }
+        _mm256_storeu_ps(o, acc0);
+        _mm256_storeu_ps(o + 8, acc1);
+        _mm256_storeu_ps(o + 16, acc2);
+        _mm256_storeu_ps(o + 24, acc3);
+    }
+#else
+    pi_axpy_row(qtype, a[0], r0, out, n);
+    pi_axpy_row(qtype, a[1], r1, out, n);
+    pi_axpy_row(qtype, a[2], r2, out, n);
+    pi_axpy_row(qtype, a[3], r3, out, n);
+#endif
+}
+
+/* out[0:cols] += sum_{k0 <= k < k1} coef[k] * w[idx ? idx[k] : k] (rows stride bytes apart). */
+static inline void pi_axpy_rows_range(int qtype, const uint8_t *w, size_t stride, const float *coef,
+                                      const int32_t *idx, long k0, long k1, float *out, int cols) {
+    long k = k0;
+    for (; k + 4 <= k1; k += 4) {
+        const size_t i0 = idx ? (size_t)idx[k] : (size_t)k, i1 = idx ? (size_t)idx[k + 1] : (size_t)k + 1;
+        const size_t i2 = idx ? (size_t)idx[k + 2] : (size_t)k + 2;
+        const size_t i3 = idx ? (size_t)idx[k + 3] : (size_t)k + 3;
+        pi_axpy4_row(qtype, coef + k, w + i0 * stride, w + i1 * stride, w + i2 * stride,
+                     w + i3 * stride, out, cols);
+    }
+    for (; k < k1; k++)
+        pi_axpy_row(qtype, coef[k], w + (idx ? (size_t)idx[k] : (size_t)k) * stride, out, cols);
 }
 
 /* out[0:n] = row dequantized (exactly d*q in f32, as gguf.quants.dequantize gives it). */

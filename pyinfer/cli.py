@@ -1,26 +1,36 @@
 """pyinfer-run: generate text from a pyinfer GGUF with llama.cpp-style flags.
 
 Streams the continuation to stdout and prints a llama.cpp-style timing summary to stderr.
+``-i`` starts the interactive chat (pyinfer/repl.py). Built on the Python API (pyinfer/api.py).
 User mistakes end with a one-line ``error: ...`` and exit status 1.
 """
 from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 from pyinfer.errors import PyinferError
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pyinfer-run", description=__doc__.splitlines()[0])
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag as one ``error:`` line and exit status 1 (not usage + 2)."""
+
+    def error(self, message):
+        self.exit(1, f"error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser(prog: str = "pyinfer-run") -> argparse.ArgumentParser:
+    p = _Parser(prog=prog, description=__doc__.splitlines()[0])
     p.add_argument("model", nargs="?", help="GGUF written by pyinfer-convert")
     p.add_argument("-m", "--model", dest="model_opt", help="same as the positional MODEL")
     src = p.add_mutually_exclusive_group()
     src.add_argument("-p", "--prompt", help="raw completion prompt (as llama.cpp's -p)")
     src.add_argument("-f", "--file", help="read the prompt from this file")
-    p.add_argument("-n", "--n-predict", type=int, default=256,
-                   help="tokens to generate (-1: until end of text or a full context; default 256)")
+    p.add_argument("-i", "--interactive", action="store_true",
+                   help="chat in a read-eval-print loop (same as pyinfer-chat)")
+    p.add_argument("-n", "--n-predict", type=int, default=None,
+                   help="tokens to generate (-1: until end of text or a full context; "
+                        "default 256, in a chat -1)")
     p.add_argument("-t", "--threads", type=int, default=None, help="kernel threads (default: all cores)")
     p.add_argument("-c", "--ctx-size", type=int, default=0,
                    help="context size in tokens (0: min(4096, the model's))")
@@ -34,8 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end of text")
     p.add_argument("--chat", action="store_true",
                    help="render the prompt as one user turn with the GGUF's chat template")
-    p.add_argument("--system", default=None, help="system message for --chat")
+    p.add_argument("--system", default=None, help="system message for --chat and -i")
     p.add_argument("--no-display-prompt", action="store_true", help="do not echo the prompt")
+    p.add_argument("--device", default=None, help="cpu (default) or auto")
+    p.add_argument("--vram-budget", type=float, default=None, help="GiB of GPU memory for hot neurons")
+    p.add_argument("--verbose", action="store_true",
+                   help="in a chat, print speed and FFN sparsity after every answer")
     return p
 
 
@@ -54,15 +68,40 @@ def print_timings(t, file=sys.stderr):
           file=file)
 
 
-def run(args) -> int:
-    from pyinfer.chat import render_chat
-    from pyinfer.engine import Engine
-    from pyinfer.sampler import SamplingParams
-    from pyinfer.tokenizer import StreamDecoder
-
+def check_args(args) -> str:
+    """Validate flags that argparse cannot; return the model path. Raises PyinferError."""
     model_path = args.model_opt or args.model
     if not model_path:
         raise PyinferError("no model given: pyinfer-run MODEL.gguf -p PROMPT")
+    if args.threads is not None and args.threads <= 0:
+        raise PyinferError("-t/--threads must be >= 1")
+    if args.ctx_size < 0:
+        raise PyinferError("-c/--ctx-size must be >= 0")
+    if args.n_predict is not None and args.n_predict < -1:
+        raise PyinferError("-n/--n-predict must be -1 or >= 0")
+    return model_path
+
+
+def sampling_kwargs(args) -> dict:
+    """Keyword arguments of ``LLM.stream_text`` for the sampling flags."""
+    return dict(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n)
+
+
+def load(args, model_path: str):
+    from pyinfer.api import LLM
+
+    llm = LLM(model_path, n_ctx=args.ctx_size or None, n_threads=args.threads, device=args.device,
+              vram_budget=args.vram_budget, seed=None if args.seed < 0 else args.seed)
+    return llm
+
+
+def run(args) -> int:
+    model_path = check_args(args)
+    if args.interactive:
+        from pyinfer.repl import run_repl
+
+        return run_repl(args)
     if args.file:
         try:
             with open(args.file, encoding="utf-8") as f:
@@ -72,48 +111,32 @@ def run(args) -> int:
     else:
         prompt = args.prompt
     if prompt is None:
-        raise PyinferError("no prompt given: use -p PROMPT or -f FILE")
-    if args.threads is not None and args.threads <= 0:
-        raise PyinferError("-t/--threads must be >= 1")
-    try:
-        params = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
-                                min_p=args.min_p, repeat_penalty=args.repeat_penalty,
-                                repeat_last_n=args.repeat_last_n)
-    except ValueError as e:
-        raise PyinferError(str(e)) from None
+        raise PyinferError("no prompt given: use -p PROMPT, -f FILE or -i")
+    n_predict = 256 if args.n_predict is None else args.n_predict
 
-    eng = Engine(model_path, n_ctx=args.ctx_size or None, n_threads=args.threads)
-    tok = eng.tokenizer
+    llm = load(args, model_path)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": prompt})
-        text = render_chat(tok.chat_template, messages, add_generation_prompt=True,
-                           bos_token=tok.bos_token, eos_token=tok.eos_token)
-        ids = tok.encode(text, add_bos=False if text.startswith(tok.bos_token or "\0") else None)
+        ids = llm.chat_tokens(messages)
     else:
-        text = prompt
-        ids = tok.encode(prompt)
-    if len(ids) >= eng.n_ctx:
-        raise PyinferError(f"prompt is {len(ids)} tokens, longer than the context ({eng.n_ctx}); "
-                           "raise -c/--ctx-size or shorten the prompt")
+        ids = llm.tokenize(prompt)
+    llm.check_fits(ids)
     if not args.no_display_prompt and not args.chat:
         sys.stdout.write(prompt)
         sys.stdout.flush()
-    seed = None if args.seed < 0 else args.seed
-    dec = StreamDecoder(tok)
-    t0 = time.perf_counter()
-    try:
-        for t in eng.generate(ids, params, max_tokens=args.n_predict, seed=seed,
-                              ignore_eos=args.ignore_eos):
-            sys.stdout.write(dec.feed(t))
-            sys.stdout.flush()
-    except KeyboardInterrupt:
-        print("\n[interrupted]", file=sys.stderr)
-    sys.stdout.write(dec.flush() + "\n")
+    if n_predict != 0:
+        try:
+            for piece in llm.stream_text(ids, max_tokens=None if n_predict < 0 else n_predict,
+                                         ignore_eos=args.ignore_eos, **sampling_kwargs(args)):
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        except KeyboardInterrupt:
+            print("\n[interrupted]", file=sys.stderr)
+    sys.stdout.write("\n")
     sys.stdout.flush()
-    eng.timings.total_ms = (time.perf_counter() - t0) * 1e3
     print(file=sys.stderr)
-    print_timings(eng.timings)
+    print_timings(llm.engine.timings)
     return 0
 
 
@@ -123,6 +146,9 @@ def main(argv=None) -> int:
         return run(args)
     except PyinferError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
         return 1
 
 

@@ -34,7 +34,7 @@ def rel_err(a, b):
 
 def convert(model_dir, tmp_path, outtype):
     out = tmp_path / f"model-{outtype}.gguf"
-    assert convert_main([str(model_dir), str(out), "--outtype", outtype, "--dense"]) == 0
+    assert convert_main([str(model_dir), str(out), "--outtype", outtype]) == 0
     return out
 
 
@@ -43,7 +43,7 @@ def convert(model_dir, tmp_path, outtype):
 @pytest.mark.parametrize("n_kv_heads", [2, 4])
 def test_logits_match_transformers_f32(tmp_path, hidden_act, tied, n_kv_heads):
     model_dir = make_random_llama(tmp_path / "hf", hidden_act=hidden_act, tied=tied,
-                                  n_kv_heads=n_kv_heads, tokenizer=None)
+                                  n_kv_heads=n_kv_heads, tokenizer="bpe")
     ref = hf_logits(model_dir, PROMPT)
     eng = Engine(str(convert(model_dir, tmp_path, "f32")), n_ctx=64, n_threads=2)
     ours = eng.model.forward(PROMPT, 0, all_logits=True)
@@ -54,7 +54,7 @@ def test_logits_match_transformers_f32(tmp_path, hidden_act, tied, n_kv_heads):
 @pytest.mark.parametrize("outtype", ["f16", "q8_0", "q4_0"])
 def test_logits_match_transformers_quantized(tmp_path, outtype):
     model_dir = make_random_llama(tmp_path / "hf", hidden_act="silu", tied=False, n_kv_heads=2,
-                                  tokenizer=None)
+                                  tokenizer="bpe")
     ref = hf_logits(model_dir, PROMPT)
     eng = Engine(str(convert(model_dir, tmp_path, outtype)), n_ctx=64, n_threads=2)
     ours = eng.model.forward(PROMPT, 0, all_logits=True)
@@ -65,7 +65,7 @@ def test_logits_match_transformers_quantized(tmp_path, outtype):
 def test_incremental_decode_equals_batched_prefill(tmp_path, n_threads):
     """Token-at-a-time decode through the KV cache gives the logits of one batched pass."""
     model_dir = make_random_llama(tmp_path / "hf", hidden_act="silu", tied=True, n_kv_heads=2,
-                                  tokenizer=None)
+                                  tokenizer="bpe")
     ref = hf_logits(model_dir, PROMPT)
     eng = Engine(str(convert(model_dir, tmp_path, "f32")), n_ctx=64, n_threads=n_threads)
     split = 5

@@ -1,0 +1,77 @@
+"""``pyinfer-convert SRC OUT [--outtype f16|f32|q8_0|q4_0]``.
+
+SRC is a Hugging Face ``LlamaForCausalLM`` directory (config.json + *.safetensors + tokenizer files)
+or a llama.cpp GGUF file of architecture ``llama``. OUT is written atomically (``OUT.tmp`` then a
+rename); on failure nothing is left behind. User errors print ``error: <message>`` and exit 1.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from pyinfer.constants import OUTTYPES
+from pyinfer.errors import PyinferError
+
+
+def convert(src: str, out: str, outtype: str = "f16", progress: bool | None = None) -> None:
+    """Convert ``src`` (HF directory or GGUF file) to the pyinfer GGUF ``out``.
+
+    Raises PyinferError for anything the user can fix (missing or unsupported input, bad path).
+    """
+    from .from_gguf import is_gguf, plan_gguf
+    from .hf import plan_hf
+    from .writer import write_gguf
+
+    if outtype not in OUTTYPES:
+        raise PyinferError(f"unknown outtype {outtype!r} (choose from {', '.join(OUTTYPES)})")
+    if not os.path.exists(src):
+        raise PyinferError(f"{src} does not exist")
+    out_dir = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(out_dir):
+        raise PyinferError(f"output directory {out_dir} does not exist")
+    if os.path.isdir(out):
+        raise PyinferError(f"{out} is a directory")
+    if os.path.isdir(src):
+        meta, jobs = plan_hf(src, outtype)
+    elif is_gguf(src):
+        if os.path.abspath(src) == os.path.abspath(out):
+            raise PyinferError("the output would overwrite the source file")
+        meta, jobs = plan_gguf(src, outtype)
+    else:
+        raise PyinferError(f"{src} is neither a model directory nor a GGUF file")
+    try:
+        write_gguf(out, meta, jobs, progress=progress)
+    except OSError as e:
+        raise PyinferError(f"cannot write {out}: {e.strerror or e}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="pyinfer-convert",
+        description="Convert a Hugging Face Llama directory or a llama.cpp GGUF to a pyinfer GGUF.")
+    parser.add_argument("src", help="Hugging Face model directory or llama.cpp .gguf file")
+    parser.add_argument("out", help="output .gguf path (written via OUT.tmp, then renamed)")
+    parser.add_argument("--outtype", choices=list(OUTTYPES), default="f16",
+                        help="type of the 2-D weights (norms stay f32); default f16")
+    args = parser.parse_args(argv)
+    t0 = time.perf_counter()
+    try:
+        convert(args.src, args.out, args.outtype)
+    except PyinferError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 1
+    except MemoryError:
+        print("error: out of memory", file=sys.stderr)
+        return 1
+    size = os.path.getsize(args.out) / 2**20
+    print(f"wrote {args.out} ({args.outtype}, {size:.1f} MiB) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+"""llama.cpp GGUF (architecture ``llama``) -> pyinfer tensors and metadata.
+
+Every tensor is dequantized with ``gguf.quants.dequantize`` (Q4_1, Q8_0, K-quants, ...) and
+re-encoded in the chosen outtype. Two layout changes (design.md):
+
+- llama.cpp's ``convert_hf_to_gguf.py`` permutes the rows of Q and K for its interleaved RoPE:
+  ``w.reshape(n, 2, rows/n/2, cols).swapaxes(1, 2)``; `unpermute_qk` inverts it, giving back the
+  Hugging Face (rotate_half / NeoX) row order.
+- ``ffn_down`` (n_embd, n_ff) becomes ``ffn_down_t`` (n_ff, n_embd).
+
+The tokenizer (``tokenizer.*`` keys, chat templates) is copied with its value types. A file that
+pyinfer itself wrote (``pyinfer.rope_layout`` present) is re-encoded without either change.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import gguf
+import numpy as np
+
+from pyinfer import __version__
+from pyinfer import constants as C
+from pyinfer.errors import PyinferError
+
+from . import warn
+from .tokenizer import add_eot_id
+from .writer import FILE_TYPES, VT, Metadata, TensorJob, matrix_qtype
+
+GGUF_MAGIC = b"GGUF"
+#: general.* keys worth carrying over (descriptive only)
+_GENERAL_COPY = ("general.name", "general.organization", "general.basename", "general.finetune",
+                 "general.size_label", "general.license", "general.type")
+
+
+def is_gguf(path: str) -> bool:
+    """True when ``path`` starts with the GGUF magic."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp Q/K row order -> Hugging Face order. ``w`` (n_head * head_dim, cols)."""
+    rows, cols = w.shape
+    return w.reshape(n_head, rows // n_head // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Hugging Face Q/K row order -> llama.cpp's (its ``LlamaModel.permute``); for tests."""
+    rows, cols = w.shape
+    return w.reshape(n_head, 2, rows // n_head // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def open_gguf(path: str) -> gguf.GGUFReader:
+    """GGUFReader over ``path``; PyinferError for a file that is not a complete GGUF."""
+    try:
+        reader = gguf.GGUFReader(path, "r")
+    except Exception as e:  # the reader raises ValueError/IndexError/... on damaged files
+        raise PyinferError(f"{path} is not a valid GGUF file (truncated or damaged: {type(e).__name__})") from None
+    size = os.path.getsize(path)
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise PyinferError(f"{path} is truncated (tensor {t.name} ends past the end of the file)")
+    return reader
+
+
+def _scalar(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def _copy_field(meta: Metadata, field: Any) -> None:
+    vtype = field.types[0]
+    if vtype == VT.ARRAY:
+        meta.set(field.name, field.contents(), VT.ARRAY, field.types[-1])
+    else:
+        meta.set(field.name, field.contents(), vtype)
+
+
+def plan_gguf(path: str, outtype: str) -> tuple[Metadata, list[TensorJob]]:
+    """Metadata and tensor jobs for a llama.cpp (or pyinfer) GGUF file of architecture llama.
+
+    Raises PyinferError for a damaged file, another architecture, rope scaling, or missing tensors.
+    """
+    reader = open_gguf(path)
+    arch = _scalar(reader, C.K_ARCH, "(none)")
+    if arch != C.ARCH:
+        raise PyinferError(f"unsupported architecture {arch}")
+    scaling = _scalar(reader, C.K_ROPE_SCALING_TYPE, "none")
+    if scaling not in ("none", "", None):
+        raise PyinferError(f"unsupported rope scaling {scaling!r}")
+    tensors = {t.name: t for t in reader.tensors}
+    if "rope_freqs.weight" in tensors:
+        raise PyinferError("unsupported rope scaling (rope_freqs.weight)")
+    ours = C.K_ROPE_LAYOUT in reader.fields  # written by pyinfer: already neox / neuron-major
+    act = _scalar(reader, C.K_HIDDEN_ACT, "silu")  # llama.cpp's llama architecture is SwiGLU
+    if act not in C.HIDDEN_ACTS:
+        raise PyinferError(f"unsupported hidden_act {act!r}")
+
+    def need(key: str) -> Any:
+        v = _scalar(reader, key)
+        if v is None:
+            raise PyinferError(f"{path} lacks {key}")
+        return v
+
+    n_embd, n_layer, n_ff = need(C.K_EMBEDDING_LENGTH), need(C.K_BLOCK_COUNT), need(C.K_FEED_FORWARD_LENGTH)
+    n_head = need(C.K_HEAD_COUNT)
+    n_head_kv = _scalar(reader, C.K_HEAD_COUNT_KV, n_head)
+    head_dim = _scalar(reader, C.K_KEY_LENGTH, _scalar(reader, C.K_ROPE_DIM, n_embd // n_head))
+    if C.TOKEN_EMBD not in tensors:
+        raise PyinferError(f"{path} has no {C.TOKEN_EMBD}")
+    n_vocab = int(tensors[C.TOKEN_EMBD].shape[1])  # GGUF shapes are (cols, rows)
+
+    meta = Metadata()
+    meta.string(C.K_ARCH, C.ARCH)
+    for key in _GENERAL_COPY:
+        if key in reader.fields:
+            _copy_field(meta, reader.fields[key])
+    meta.u32(C.K_FILE_TYPE, FILE_TYPES[outtype])
+    if outtype not in ("f32", "f16"):
+        meta.u32("general.quantization_version", 2)
+    meta.u32(C.K_CONTEXT_LENGTH, _scalar(reader, C.K_CONTEXT_LENGTH, 2048))
+    meta.u32(C.K_EMBEDDING_LENGTH, n_embd)
+    meta.u32(C.K_BLOCK_COUNT, n_layer)
+    meta.u32(C.K_FEED_FORWARD_LENGTH, n_ff)
+    meta.u32(C.K_HEAD_COUNT, n_head)
+    meta.u32(C.K_HEAD_COUNT_KV, n_head_kv)
+    meta.f32(C.K_RMS_EPS, _scalar(reader, C.K_RMS_EPS, 1e-5))
+    meta.f32(C.K_ROPE_FREQ_BASE, _scalar(reader, C.K_ROPE_FREQ_BASE, 10000.0))
+    meta.u32(C.K_ROPE_DIM, _scalar(reader, C.K_ROPE_DIM, head_dim))
+    meta.u32(C.K_KEY_LENGTH, head_dim)
+    meta.u32(C.K_VALUE_LENGTH, _scalar(reader, C.K_VALUE_LENGTH, head_dim))
+    meta.u32(C.K_VOCAB_SIZE, n_vocab)
+    meta.string(C.K_PYINFER_VERSION, __version__)
+    meta.string(C.K_HIDDEN_ACT, act)
+    meta.string(C.K_FFN_LAYOUT, C.FFN_LAYOUT_NEURON_MAJOR)
+    meta.string(C.K_ROPE_LAYOUT, C.ROPE_LAYOUT_NEOX)
+    meta.string(C.K_SOURCE, _scalar(reader, C.K_SOURCE) if ours else os.path.basename(path))
+    for name, field in reader.fields.items():
+        if name.startswith(C.K_TOK_PREFIX) or name.startswith(C.K_CHAT_TEMPLATE_PREFIX) \
+                or name == C.K_HF_TOKENIZER_JSON:
+            _copy_field(meta, field)
+    if C.K_TOK_LIST not in meta:
+        warn(f"{os.path.basename(path)} has no tokenizer: writing none")
+    elif len(meta.get(C.K_TOK_LIST)) != n_vocab:
+        raise PyinferError(f"{path}: {len(meta.get(C.K_TOK_LIST))} tokens but {n_vocab} embeddings")
+    else:
+        add_eot_id(meta, meta.get(C.K_TOK_LIST))
+
+    used: set[str] = set()
+
+    def src(name: str, shape: tuple[int, ...]) -> Any:
+        t = tensors.get(name)
+        if t is None:
+            raise PyinferError(f"{path} has no tensor {name}")
+        if tuple(int(d) for d in t.shape[::-1]) != shape:
+            raise PyinferError(f"tensor {name} has shape {tuple(t.shape[::-1])}, expected {shape}")
+        used.add(name)
+        return t
+
+    def load(t: Any) -> np.ndarray:
+        return gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(
+            tuple(int(d) for d in t.shape[::-1]))
+
+    def mat(name: str, shape: tuple[int, int]) -> TensorJob:
+        t = src(name, shape)
+        return TensorJob(name, shape, matrix_qtype(shape[1], outtype), lambda: load(t))
+
+    def qk(name: str, shape: tuple[int, int], n: int) -> TensorJob:
+        if ours:
+            return mat(name, shape)
+        t = src(name, shape)
+        return TensorJob(name, shape, matrix_qtype(shape[1], outtype),
+                         lambda: np.ascontiguousarray(unpermute_qk(load(t), n)))
+
+    def down_t(i: int) -> TensorJob:
+        name = C.FFN_DOWN_T.format(bid=i)
+        if ours:
+            return mat(name, (n_ff, n_embd))
+        t = src(C.SRC_FFN_DOWN.format(bid=i), (n_embd, n_ff))
+        return TensorJob(name, (n_ff, n_embd), matrix_qtype(n_embd, outtype),
+                         lambda: np.ascontiguousarray(load(t).T))
+
+    def norm(name: str) -> TensorJob:
+        t = src(name, (n_embd,))
+        return TensorJob(name, (n_embd,), C.QT.F32, lambda: load(t))
+
+    q_dim, kv_dim = n_head * head_dim, n_head_kv * head_dim
+    jobs = [mat(C.TOKEN_EMBD, (n_vocab, n_embd))]
+    for i in range(n_layer):
+        jobs += [
+            norm(C.ATTN_NORM.format(bid=i)),
+            qk(C.ATTN_Q.format(bid=i), (q_dim, n_embd), n_head),
+            qk(C.ATTN_K.format(bid=i), (kv_dim, n_embd), n_head_kv),
+            mat(C.ATTN_V.format(bid=i), (kv_dim, n_embd)),
+            mat(C.ATTN_OUT.format(bid=i), (n_embd, q_dim)),
+            norm(C.FFN_NORM.format(bid=i)),
+            mat(C.FFN_GATE.format(bid=i), (n_ff, n_embd)),
+            mat(C.FFN_UP.format(bid=i), (n_ff, n_embd)),
+            down_t(i),
+        ]
+    jobs.append(norm(C.OUTPUT_NORM))
+    if C.OUTPUT in tensors:
+        jobs.append(mat(C.OUTPUT, (n_vocab, n_embd)))
+    ignored = sorted(set(tensors) - used)
+    if ignored:
+        warn(f"ignoring {len(ignored)} tensor(s) the llama architecture does not use: {', '.join(ignored[:4])}"
+             + (" ..." if len(ignored) > 4 else ""))
+    return meta, jobs

@@ -1,0 +1,398 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+"""Compiled CPU kernels of pyinfer (wrapped by pyinfer/ops/cpu.py; NumPy twins in ops/reference.py).
+
+Layout follows scikit-learn's Cython kernels: each ``def`` checks shapes and raises ValueError,
+then runs a loop without the GIL under ``prange(..., schedule='static', num_threads=n_threads)``.
+Weights arrive as raw row bytes: ``w`` is a C-contiguous uint8 (rows, bytes_per_row) view (a
+read-only memmap is fine: every weight memoryview is ``const``), ``qtype`` is the ggml type id
+(0 f32, 1 f16, 2 q4_0, 8 q8_0) and ``cols`` the logical row length. The row loops are in simd.h.
+
+Quantized (q4_0 / q8_0) dot products quantize the activation to 8 bits per 32-block first, as
+llama.cpp's ggml_vec_dot_q4_0_q8_0 does: relative error about 1e-3 against an f32 dot.
+"""
+from cython.parallel cimport prange, parallel
+from libc.stdint cimport uint8_t, int8_t, int32_t
+from libc.stdlib cimport malloc, free, calloc
+from libc.string cimport memset
+from libc.math cimport expf, sqrtf, cos, sin, pow
+
+cdef extern from "simd.h" nogil:
+    int pi_openmp_enabled()
+    int pi_simd_enabled()
+    int pi_is_quant(int qtype)
+    size_t pi_col_offset(int qtype, int col)
+    float pi_dot_f32(const float *a, const float *b, int n)
+    float pi_dot_row(int qtype, const uint8_t *row, const float *x, const float *xd,
+                     const int8_t *xq, int n)
+    void pi_quantize_q8(const float *x, int n, float *d, int8_t *q)
+    void pi_axpy_f32(float a, const float *w, float *out, int n)
+    void pi_axpy_row(int qtype, float a, const uint8_t *row, float *out, int n)
+    void pi_dequant_row(int qtype, const uint8_t *row, float *out, int n)
+    void pi_add_f32(float *out, const float *a, int n)
+    void pi_axpy_rows_range(int qtype, const uint8_t *w, size_t stride, const float *coef,
+                            const int32_t *idx, long k0, long k1, float *out, int cols)
+
+# rows per parallel work item in matmul (prefill): a tile of weight rows stays in L1 while every
+# token is dotted with it, and each output row gets a contiguous run of writes.
+DEF ROW_TILE = 16
+# columns per work item in matmul_t (a multiple of 32 so quantized blocks are never split)
+DEF COL_TILE = 64
+
+
+def openmp_enabled():
+    """True when the kernels were compiled with OpenMP (n_threads > 1 has an effect)."""
+    return bool(pi_openmp_enabled())
+
+
+def simd_enabled():
+    """True when the AVX2/FMA/F16C paths of simd.h were compiled in."""
+    return bool(pi_simd_enabled())
+
+
+cdef inline int _bytes_per_row(int qtype, int cols) except -1:
+    if qtype == 0:
+        return cols * 4
+    if qtype == 1:
+        return cols * 2
+    if qtype == 2 or qtype == 8:
+        if cols % 32:
+            raise ValueError(f"quantized row length {cols} is not a multiple of 32")
+        return (cols // 32) * (18 if qtype == 2 else 34)
+    raise ValueError(f"unsupported weight type {qtype}")
+
+
+cdef inline int _check_w(const uint8_t[:, ::1] w, int qtype, int cols) except -1:
+    if w.shape[1] != _bytes_per_row(qtype, cols):
+        raise ValueError(f"weight rows have {w.shape[1]} bytes, expected "
+                         f"{_bytes_per_row(qtype, cols)} for type {qtype} and {cols} columns")
+    return 0
+
+
+cdef inline int _check_len(Py_ssize_t got, Py_ssize_t want, str what) except -1:
+    if got != want:
+        raise ValueError(f"{what}: got length {got}, expected {want}")
+    return 0
+
+
+cdef int _check_idx(const int32_t[::1] idx, Py_ssize_t rows) except -1:
+    cdef Py_ssize_t k
+    cdef int bad = 0
+    with nogil:
+        for k in range(idx.shape[0]):
+            if idx[k] < 0 or idx[k] >= rows:
+                bad = 1
+                break
+    if bad:
+        raise IndexError(f"row index {idx[k]} out of range for {rows} rows")
+    return 0
+
+
+# ---------------------------------------------------------------- dense and sparse GEMV
+
+def matvec(const uint8_t[:, ::1] w, int qtype, int cols, const float[::1] x, float[::1] out,
+           int n_threads):
+    """out[r] = w[r] . x for every row r. x (cols,) f32, out (rows,) f32."""
+    _check_w(w, qtype, cols)
+    _check_len(x.shape[0], cols, "matvec x")
+    _check_len(out.shape[0], w.shape[0], "matvec out")
+    cdef Py_ssize_t rows = w.shape[0], r, stride = w.shape[1]
+    cdef int quant = pi_is_quant(qtype)
+    cdef float *xd = NULL
+    cdef int8_t *xq = NULL
+    if rows == 0:
+        return
+    with nogil:
+        if quant:
+            xd = <float *> malloc((2 * (cols // 32) + 1) * sizeof(float))
+            xq = <int8_t *> malloc(cols + 32)
+            pi_quantize_q8(&x[0], cols, xd, xq)
+        for r in prange(rows, schedule='static', num_threads=n_threads):
+            out[r] = pi_dot_row(qtype, &w[0, 0] + r * stride, &x[0], xd, xq, cols)
+        free(xd)
+        free(xq)
+
+
+def gather_matvec(const uint8_t[:, ::1] w, int qtype, int cols, const float[::1] x,
+                  const int32_t[::1] idx, float[::1] out, int n_threads):
+    """out[k] = w[idx[k]] . x (PowerInfer's sparse up/gate operator). idx int32 (n_active,)."""
+    _check_w(w, qtype, cols)
+    _check_len(x.shape[0], cols, "gather_matvec x")
+    _check_len(out.shape[0], idx.shape[0], "gather_matvec out")
+    _check_idx(idx, w.shape[0])
+    cdef Py_ssize_t n = idx.shape[0], k, stride = w.shape[1]
+    cdef int quant = pi_is_quant(qtype)
+    cdef float *xd = NULL
+    cdef int8_t *xq = NULL
+    if n == 0:
+        return
+    with nogil:
+        if quant:
+            xd = <float *> malloc((2 * (cols // 32) + 1) * sizeof(float))
+            xq = <int8_t *> malloc(cols + 32)
+            pi_quantize_q8(&x[0], cols, xd, xq)
+        for k in prange(n, schedule='static', num_threads=n_threads):
+            out[k] = pi_dot_row(qtype, &w[0, 0] + idx[k] * stride, &x[0], xd, xq, cols)
+        free(xd)
+        free(xq)
+
+
+def matmul(const uint8_t[:, ::1] w, int qtype, int cols, const float[:, ::1] x,
+           float[:, ::1] out, int n_threads):
+    """out = x @ w.T (prefill). x (n_tok, cols) f32, out (n_tok, rows) f32.
+
+    Parallel over tiles of weight rows; each tile is read from memory once and dotted with every
+    token (tokens are quantized once for quantized weights)."""
+    _check_w(w, qtype, cols)
+    _check_len(x.shape[1], cols, "matmul x columns")
+    _check_len(out.shape[0], x.shape[0], "matmul out rows")
+    _check_len(out.shape[1], w.shape[0], "matmul out columns")
+    cdef Py_ssize_t rows = w.shape[0], n_tok = x.shape[0], stride = w.shape[1]
+    cdef Py_ssize_t n_tiles = (rows + ROW_TILE - 1) // ROW_TILE, tile, t, tq, r, r1
+    cdef int quant = pi_is_quant(qtype)
+    cdef int nb = cols // 32
+    cdef float *xd = NULL
+    cdef int8_t *xq = NULL
+    if rows == 0 or n_tok == 0:
+        return
+    with nogil:
+        if quant:
+            xd = <float *> malloc((2 * n_tok * nb + 1) * sizeof(float))
+            xq = <int8_t *> malloc(n_tok * cols + 32)
+            for tq in prange(n_tok, schedule='static', num_threads=n_threads):
+                pi_quantize_q8(&x[tq, 0], cols, xd + 2 * tq * nb, xq + tq * cols)
+        for tile in prange(n_tiles, schedule='static', num_threads=n_threads):
+            r1 = min(rows, (tile + 1) * ROW_TILE)
+            for t in range(n_tok):
+                for r in range(tile * ROW_TILE, r1):
+                    out[t, r] = pi_dot_row(qtype, &w[0, 0] + r * stride, &x[t, 0],
+                                           xd + 2 * t * nb, xq + t * cols, cols)
+        free(xd)
+        free(xq)
+
+
+# ---------------------------------------------------------------- transposed (down) products
+
+cdef void _axpy_rows(const uint8_t *w, Py_ssize_t stride, int qtype, int cols, const float *coef,
+                     const int32_t *idx, Py_ssize_t n, float *out, int n_threads) noexcept nogil:
+    """out = sum_k coef[k] * w[idx[k] or k]: each thread sums a contiguous share of the rows into
+    its own accumulator (cols floats, in L1), so the weights stream in row order; thread 0 sums
+    into out and the others' partial sums are added at the end."""
+    cdef Py_ssize_t k0, k1
+    cdef int c, nt = n_threads
+    cdef float *acc
+    cdef float *tmp = NULL
+    if nt > n // 8:
+        nt = max(1, <int>(n // 8))
+    memset(out, 0, cols * sizeof(float))
+    if nt == 1:
+        pi_axpy_rows_range(qtype, w, stride, coef, idx, 0, n, out, cols)
+        return
+    tmp = <float *> calloc((nt - 1) * cols + 1, sizeof(float))
+    for c in prange(nt, schedule='static', num_threads=nt):
+        acc = out if c == 0 else tmp + (c - 1) * cols
+        k0 = c * n // nt
+        k1 = (c + 1) * n // nt
+        pi_axpy_rows_range(qtype, w, stride, coef, idx, k0, k1, acc, cols)
+    for c in range(1, nt):
+        pi_add_f32(out, tmp + (c - 1) * cols, cols)
+    free(tmp)
+
+
+def axpy_rows(const uint8_t[:, ::1] w, int qtype, int cols, const float[::1] coef,
+              const int32_t[::1] idx, float[::1] out, int n_threads):
+    """out = sum_k coef[k] * w[idx[k]] (sparse down projection over ffn_down_t); overwrites out."""
+    _check_w(w, qtype, cols)
+    _check_len(coef.shape[0], idx.shape[0], "axpy_rows coef")
+    _check_len(out.shape[0], cols, "axpy_rows out")
+    _check_idx(idx, w.shape[0])
+    cdef Py_ssize_t n = idx.shape[0]
+    cdef const float *cp = &coef[0] if n > 0 else NULL
+    cdef const int32_t *ip = &idx[0] if n > 0 else NULL
+    if cols == 0:
+        return
+    with nogil:
+        _axpy_rows(&w[0, 0] if w.shape[0] > 0 else NULL, w.shape[1], qtype, cols, cp, ip, n,
+                   &out[0], n_threads)
+
+
+def matvec_t(const uint8_t[:, ::1] w, int qtype, int cols, const float[::1] a, float[::1] out,
+             int n_threads):
+    """out = a @ w = sum_r a[r] * w[r]. a (rows,) f32, out (cols,) f32."""
+    _check_w(w, qtype, cols)
+    _check_len(a.shape[0], w.shape[0], "matvec_t a")
+    _check_len(out.shape[0], cols, "matvec_t out")
+    cdef Py_ssize_t n = w.shape[0]
+    if cols == 0:
+        return
+    with nogil:
+        _axpy_rows(&w[0, 0] if n > 0 else NULL, w.shape[1], qtype, cols,
+                   &a[0] if n > 0 else NULL, NULL, n, &out[0], n_threads)
+
+
+def matmul_t(const uint8_t[:, ::1] w, int qtype, int cols, const float[:, ::1] a,
+             float[:, ::1] out, int n_threads):
+    """out = a @ w. a (n_tok, rows) f32, out (n_tok, cols) f32.
+
+    Parallel over 64-column strips: each strip of every weight row is dequantized once into a
+    small buffer and added into every token's output strip, so no reduction between threads."""
+    _check_w(w, qtype, cols)
+    _check_len(a.shape[1], w.shape[0], "matmul_t a columns")
+    _check_len(out.shape[0], a.shape[0], "matmul_t out rows")
+    _check_len(out.shape[1], cols, "matmul_t out columns")
+    cdef Py_ssize_t rows = w.shape[0], n_tok = a.shape[0], stride = w.shape[1]
+    cdef Py_ssize_t n_strips = (cols + COL_TILE - 1) // COL_TILE, s, t, r
+    cdef int c0, cn
+    cdef float *buf
+    cdef float av
+    if n_tok == 0 or cols == 0:
+        return
+    with nogil, parallel(num_threads=n_threads):
+        buf = <float *> malloc(COL_TILE * sizeof(float))
+        for s in prange(n_strips, schedule='static'):
+            c0 = s * COL_TILE
+            cn = min(cols - c0, COL_TILE)
+            for t in range(n_tok):
+                memset(&out[t, c0], 0, cn * sizeof(float))
+            for r in range(rows):
+                pi_dequant_row(qtype, &w[0, 0] + r * stride + pi_col_offset(qtype, c0), buf, cn)
+                for t in range(n_tok):
+                    av = a[t, r]
+                    if av != 0.0:
+                        pi_axpy_f32(av, buf, &out[t, c0], cn)
+        free(buf)
+
+
+def get_rows(const uint8_t[:, ::1] w, int qtype, int cols, const int32_t[::1] ids,
+             float[:, ::1] out):
+    """out[i] = w[ids[i]] dequantized to f32 (embedding lookup). out (n_ids, cols)."""
+    _check_w(w, qtype, cols)
+    _check_len(out.shape[0], ids.shape[0], "get_rows out rows")
+    _check_len(out.shape[1], cols, "get_rows out columns")
+    _check_idx(ids, w.shape[0])
+    cdef Py_ssize_t i, stride = w.shape[1]
+    if cols == 0:
+        return
+    with nogil:
+        for i in range(ids.shape[0]):
+            pi_dequant_row(qtype, &w[0, 0] + ids[i] * stride, &out[i, 0], cols)
+
+
+# ---------------------------------------------------------------- norms, rope, attention, act
+
+def rmsnorm(const float[:, ::1] x, const float[::1] weight, float eps, float[:, ::1] out):
+    """out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * weight. x, out (n_tok, n); weight (n,)."""
+    cdef Py_ssize_t n_tok = x.shape[0], n = x.shape[1], t, i
+    _check_len(weight.shape[0], n, "rmsnorm weight")
+    _check_len(out.shape[0], n_tok, "rmsnorm out rows")
+    _check_len(out.shape[1], n, "rmsnorm out columns")
+    cdef float scale
+    if n == 0:
+        return
+    with nogil:
+        for t in range(n_tok):
+            scale = 1.0 / sqrtf(pi_dot_f32(&x[t, 0], &x[t, 0], n) / n + eps)
+            for i in range(n):
+                out[t, i] = x[t, i] * scale * weight[i]
+
+
+def rope_neox(float[:, :, ::1] x, const int32_t[::1] positions, double freq_base, int n_rot):
+    """Rotate the first n_rot dims of each head in place, Hugging Face rotate_half (NeoX) style:
+    theta_i = pos * freq_base^(-2i/n_rot), (x[i], x[i+n_rot/2]) -> (x[i]cos - x[i+h]sin,
+    x[i+h]cos + x[i]sin). x (n_tok, n_heads, head_dim), positions (n_tok,) int32."""
+    cdef Py_ssize_t n_tok = x.shape[0], n_heads = x.shape[1], head_dim = x.shape[2]
+    cdef Py_ssize_t t, h, i, half = n_rot // 2
+    _check_len(positions.shape[0], n_tok, "rope_neox positions")
+    if n_rot % 2 or n_rot > head_dim or n_rot < 0:
+        raise ValueError(f"rope_neox: n_rot {n_rot} must be even and <= head_dim {head_dim}")
+    cdef float *cs
+    cdef float *sn
+    cdef double theta
+    cdef float x0, x1
+    if half == 0 or n_tok == 0:
+        return
+    with nogil:
+        cs = <float *> malloc(half * sizeof(float))
+        sn = <float *> malloc(half * sizeof(float))
+        for t in range(n_tok):
+            for i in range(half):
+                theta = positions[t] * pow(freq_base, -2.0 * i / n_rot)
+                cs[i] = <float> cos(theta)
+                sn[i] = <float> sin(theta)
+            for h in range(n_heads):
+                for i in range(half):
+                    x0 = x[t, h, i]
+                    x1 = x[t, h, i + half]
+                    x[t, h, i] = x0 * cs[i] - x1 * sn[i]
+                    x[t, h, i + half] = x1 * cs[i] + x0 * sn[i]
+        free(cs)
+        free(sn)
+
+
+def attention(const float[:, :, ::1] q, const float[:, :, ::1] k_cache,
+              const float[:, :, ::1] v_cache, int n_past, float[:, :, ::1] out, int n_threads):
+    """Causal grouped-query attention for n_tok new tokens at positions n_past .. n_past+n_tok-1.
+
+    q, out (n_tok, n_head, head_dim); k_cache, v_cache (n_ctx, n_head_kv, head_dim) already
+    holding the new tokens' K/V. Head h reads kv head h // (n_head // n_head_kv); token t attends
+    to cache rows 0 .. n_past+t; scale 1/sqrt(head_dim); softmax in f32 with max subtraction."""
+    cdef Py_ssize_t n_tok = q.shape[0], n_head = q.shape[1], hd = q.shape[2]
+    cdef Py_ssize_t n_kv = k_cache.shape[1], n_ctx = k_cache.shape[0]
+    if (k_cache.shape[2] != hd or v_cache.shape[0] != n_ctx or v_cache.shape[1] != n_kv
+            or v_cache.shape[2] != hd):
+        raise ValueError("attention: k_cache/v_cache shapes do not match q")
+    if n_kv == 0 or n_head % n_kv:
+        raise ValueError(f"attention: n_head {n_head} is not a multiple of n_head_kv {n_kv}")
+    if out.shape[0] != n_tok or out.shape[1] != n_head or out.shape[2] != hd:
+        raise ValueError("attention: out shape differs from q")
+    if n_past < 0 or n_past + n_tok > n_ctx:
+        raise ValueError(f"attention: positions {n_past}..{n_past + n_tok} exceed n_ctx {n_ctx}")
+    cdef Py_ssize_t group = n_head // n_kv, item, t, h, kvh, j, n_att
+    cdef float scale = 1.0 / sqrtf(<float> hd), mx, ssum, inv
+    cdef float *sc
+    if n_tok == 0 or hd == 0:
+        return
+    with nogil, parallel(num_threads=n_threads):
+        sc = <float *> malloc((n_past + n_tok) * sizeof(float))
+        for item in prange(n_tok * n_head, schedule='static'):
+            t = item // n_head
+            h = item % n_head
+            kvh = h // group
+            n_att = n_past + t + 1
+            mx = -3.4e38
+            for j in range(n_att):
+                sc[j] = pi_dot_f32(&q[t, h, 0], &k_cache[j, kvh, 0], hd) * scale
+                if sc[j] > mx:
+                    mx = sc[j]
+            ssum = 0.0
+            for j in range(n_att):
+                sc[j] = expf(sc[j] - mx)
+                ssum = ssum + sc[j]
+            inv = 1.0 / ssum
+            memset(&out[t, h, 0], 0, hd * sizeof(float))
+            for j in range(n_att):
+                pi_axpy_f32(sc[j] * inv, &v_cache[j, kvh, 0], &out[t, h, 0], hd)
+        free(sc)
+
+
+def silu_mul(const float[::1] gate, const float[::1] up, float[::1] out):
+    """out = silu(gate) * up = gate / (1 + exp(-gate)) * up, elementwise (flat f32 arrays)."""
+    cdef Py_ssize_t n = gate.shape[0], i
+    _check_len(up.shape[0], n, "silu_mul up")
+    _check_len(out.shape[0], n, "silu_mul out")
+    cdef float g
+    with nogil:
+        for i in range(n):
+            g = gate[i]
+            out[i] = g / (1.0 + expf(-g)) * up[i]
+
+
+def relu_mul(const float[::1] gate, const float[::1] up, float[::1] out):
+    """out = max(gate, 0) * up, elementwise (flat f32 arrays)."""
+    cdef Py_ssize_t n = gate.shape[0], i
+    _check_len(up.shape[0], n, "relu_mul up")
+    _check_len(out.shape[0], n, "relu_mul out")
+    cdef float g
+    with nogil:
+        for i in range(n):
+            g = gate[i]
+            out[i] = (g if g > 0.0 else 0.0) * up[i]

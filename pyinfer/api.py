@@ -1,0 +1,365 @@
+"""The Python API: ``LLM``, shaped like llama-cpp-python's ``Llama``.
+
+``LLM`` wraps one ``Engine`` and turns its token ids into text: completions and chat completions as
+OpenAI-shaped dicts (or iterators of chunks with ``stream=True``), stop strings, usage counts.
+The CLI, the REPL and the server are built on it.
+
+Example::
+
+    from pyinfer import LLM
+    llm = LLM("smollm2-q8.gguf", n_ctx=2048)
+    out = llm.create_chat_completion([{"role": "user", "content": "Hi!"}], temperature=0)
+    print(out["choices"][0]["message"]["content"])
+"""
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+
+from pyinfer.errors import PyinferError
+from pyinfer.sampler import SamplingParams
+
+_CPU_DEVICES = (None, "auto", "cpu")
+
+
+@dataclass
+class GenerationStats:
+    """What one completion did: counts, times (ms), FFN work, why it ended.
+
+    ``prompt_evaluated`` is how many prompt tokens were run through the model; the rest
+    (``prompt_tokens - prompt_evaluated``) were reused from the KV cache.
+    """
+
+    prompt_tokens: int = 0
+    prompt_evaluated: int = 0
+    completion_tokens: int = 0
+    prompt_ms: float = 0.0
+    eval_ms: float = 0.0
+    neurons_computed: int = 0
+    neurons_total: int = 0
+    finish_reason: str | None = None
+    interrupted: bool = False
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Decode speed: generated tokens per second of model evaluation."""
+        return 1e3 * self.completion_tokens / self.eval_ms if self.eval_ms > 0 else 0.0
+
+    @property
+    def ffn_sparsity(self) -> float:
+        """Fraction of FFN neurons skipped (0.0 for the dense FFN)."""
+        if self.neurons_total <= 0:
+            return 0.0
+        return 1.0 - self.neurons_computed / self.neurons_total
+
+
+@dataclass
+class _Snapshot:
+    prompt_n: int
+    prompt_ms: float
+    eval_n: int
+    eval_ms: float
+    computed: int
+    total: int
+
+
+def stop_holdback(text: str, stops: Iterable[str]) -> int:
+    """Index where the longest tail of ``text`` that could begin a stop string starts
+    (``len(text)`` if none). Text before it is safe to emit while streaming."""
+    for i in range(max(0, len(text) - max((len(s) for s in stops), default=0) + 1), len(text)):
+        tail = text[i:]
+        if any(s.startswith(tail) for s in stops):
+            return i
+    return len(text)
+
+
+class LLM:
+    """A model loaded for generation.
+
+    Args:
+        model_path: a GGUF written by ``pyinfer-convert``.
+        n_ctx: context size in tokens (None or 0: min(4096, the model's training context)).
+        n_threads: kernel threads (None: all cores).
+        device: "cpu", "auto" or None; other devices need an engine built with GPU support.
+        vram_budget: GiB of GPU memory to use for hot neurons (only with a GPU engine).
+        seed: seed of the random stream that per-call seeds are drawn from (None: fresh entropy).
+        verbose: print load information to stderr.
+    Raises PyinferError for a bad file or setting.
+    """
+
+    def __init__(self, model_path: str, *, n_ctx: int | None = None, n_threads: int | None = None,
+                 device: str | None = None, vram_budget: float | None = None,
+                 seed: int | None = None, verbose: bool = False):
+        from pyinfer.engine import Engine
+        import inspect
+
+        accepted = inspect.signature(Engine.__init__).parameters
+        extra: dict[str, Any] = {}
+        if device not in _CPU_DEVICES:
+            if "device" not in accepted:
+                raise PyinferError(f"device {device!r} is not supported by this build "
+                                   "(only 'cpu' and 'auto' work for now)")
+            extra["device"] = device
+        if vram_budget is not None:
+            if "vram_budget" in accepted:
+                extra["vram_budget"] = vram_budget
+            elif device not in _CPU_DEVICES:  # pragma: no cover - caught above
+                raise PyinferError("vram_budget needs a GPU engine")
+        if n_threads is not None and n_threads <= 0:
+            raise PyinferError("n_threads must be >= 1")
+        if n_ctx is not None and n_ctx < 0:
+            raise PyinferError("n_ctx must be >= 0")
+        self.model_path = model_path
+        self.engine = Engine(model_path, n_ctx=n_ctx or None, n_threads=n_threads, verbose=verbose,
+                             **extra)
+        self.tokenizer = self.engine.tokenizer
+        self.verbose = verbose
+        self.model_name = os.path.basename(model_path)
+        self._rng = np.random.default_rng(seed)
+        self.last_stats = GenerationStats()
+        tok = self.tokenizer
+        self.bos_token = tok.token_to_piece(tok.bos_id) if tok.bos_id is not None else ""
+        self.eos_token = tok.token_to_piece(tok.eos_id) if tok.eos_id is not None else ""
+        self.chat_template = tok.chat_template
+
+    # ---- tokens --------------------------------------------------------------------------------
+    @property
+    def n_ctx(self) -> int:
+        return self.engine.n_ctx
+
+    def tokenize(self, text: str | bytes, add_bos: bool | None = None, special: bool = True) -> list[int]:
+        """Token ids of ``text`` (bytes are read as UTF-8). ``add_bos`` None: the model's default;
+        ``special``: control tokens written in the text (``<|im_end|>``) become one id each."""
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return self.tokenizer.encode(text, add_bos=add_bos, parse_special=special)
+
+    def detokenize(self, tokens: Iterable[int], skip_special: bool = False) -> str:
+        """Text of ``tokens``. (llama-cpp-python returns bytes; this returns str.)"""
+        return self.tokenizer.decode(list(tokens), skip_special=skip_special)
+
+    def reset(self) -> None:
+        """Forget the KV cache (the next prompt is evaluated from its first token)."""
+        self.engine.reset()
+
+    # ---- token generation ----------------------------------------------------------------------
+    def _params(self, temperature, top_k, top_p, min_p, repeat_penalty,
+                repeat_last_n=64) -> SamplingParams:
+        try:
+            return SamplingParams(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
+                                  min_p=float(min_p), repeat_penalty=float(repeat_penalty),
+                                  repeat_last_n=int(repeat_last_n))
+        except ValueError as e:
+            raise PyinferError(str(e)) from None
+
+    def _seed(self, seed: int | None) -> int:
+        return int(self._rng.integers(2**63)) if seed is None else int(seed)
+
+    def generate(self, tokens: list[int], *, max_tokens: int | None = None, temperature: float = 0.8,
+                 top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
+                 repeat_last_n: int = 64, seed: int | None = None,
+                 stop_ids: Iterable[int] | None = None, ignore_eos: bool = False) -> Iterator[int]:
+        """Yield token ids that follow ``tokens`` until an end-of-text/turn id (not yielded),
+        ``max_tokens`` (None or <= 0: until the context is full) or a full context.
+
+        The KV cache keeps the longest common prefix with the previous call, so a prompt that
+        extends the last one (a chat's next turn) evaluates only its new tokens.
+        Raises PyinferError when ``tokens`` is empty or does not leave room for one token.
+        """
+        tokens = list(tokens)
+        self.check_fits(tokens)
+        params = self._params(temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n)
+        limit = -1 if max_tokens is None or max_tokens <= 0 else int(max_tokens)
+        yield from self.engine.generate(tokens, params, max_tokens=limit, seed=self._seed(seed),
+                                        ignore_eos=ignore_eos, stop_ids=stop_ids)
+
+    def check_fits(self, tokens: list[int]) -> None:
+        """Raise PyinferError unless ``tokens`` is non-empty and leaves room for one more token."""
+        if not tokens:
+            raise PyinferError("empty prompt")
+        if len(tokens) >= self.n_ctx:
+            raise PyinferError(f"prompt is {len(tokens)} tokens, longer than the context "
+                               f"({self.n_ctx}); raise n_ctx (-c/--ctx-size) or shorten the prompt")
+
+    def _snapshot(self) -> _Snapshot:
+        t = self.engine.timings
+        ffn = getattr(getattr(self.engine, "model", None), "ffn", None)
+        return _Snapshot(t.prompt_n, t.prompt_ms, t.eval_n, t.eval_ms,
+                         int(getattr(ffn, "neurons_computed", 0)), int(getattr(ffn, "neurons_total", 0)))
+
+    def stream_text(self, prompt_tokens: list[int], *, max_tokens: int | None = None,
+                    stop: str | list[str] | None = None, temperature: float = 0.8, top_k: int = 40,
+                    top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
+                    repeat_last_n: int = 64, seed: int | None = None, ignore_eos: bool = False,
+                    should_stop=None) -> Iterator[str]:
+        """Yield the text that follows ``prompt_tokens``, piece by piece, as it is generated.
+
+        Honours ``stop`` strings: the text ends just before the first one, and no part of a stop
+        string is ever yielded (text that could begin one is held back until it cannot).
+        ``should_stop``: a callable checked after every token; when it returns True generation ends
+        (finish_reason "stop", ``interrupted`` set). On return, ``self.last_stats`` holds the counts
+        and ``finish_reason`` ("stop" or "length").
+        """
+        stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
+        stats = self.last_stats = GenerationStats(prompt_tokens=len(prompt_tokens))
+        before = self._snapshot()
+        dec = self.tokenizer.stream_decoder(skip_special=True)
+        limit = None if max_tokens is None or max_tokens <= 0 else int(max_tokens)
+        gen = self.generate(prompt_tokens, max_tokens=limit, temperature=temperature, top_k=top_k,
+                            top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
+                            repeat_last_n=repeat_last_n, seed=seed, ignore_eos=ignore_eos)
+        pending = ""  # decoded text not yet yielded (could be the start of a stop string)
+        finish = None
+        try:
+            for tok in gen:
+                stats.completion_tokens += 1
+                pending += dec.feed(tok)
+                if stops:
+                    cut = min((i for i in (pending.find(s) for s in stops) if i >= 0), default=-1)
+                    if cut >= 0:
+                        pending = pending[:cut]
+                        finish = "stop"
+                        break
+                    safe = stop_holdback(pending, stops)
+                else:
+                    safe = len(pending)
+                if safe:
+                    yield pending[:safe]
+                    pending = pending[safe:]
+                if should_stop is not None and should_stop():
+                    stats.interrupted = True
+                    finish = "stop"
+                    break
+            else:
+                pending += dec.flush()
+                if stops:
+                    cut = min((i for i in (pending.find(s) for s in stops) if i >= 0), default=-1)
+                    if cut >= 0:
+                        pending = pending[:cut]
+                        finish = "stop"
+            if pending:
+                yield pending
+        finally:
+            gen.close()
+            if finish is None:
+                hit_limit = limit is not None and stats.completion_tokens >= limit
+                full = len(self.engine.tokens) >= self.n_ctx
+                finish = "length" if hit_limit or full else "stop"
+            stats.finish_reason = finish
+            after = self._snapshot()
+            stats.prompt_evaluated = after.prompt_n - before.prompt_n
+            stats.prompt_ms = after.prompt_ms - before.prompt_ms
+            stats.eval_ms = after.eval_ms - before.eval_ms
+            stats.neurons_computed = after.computed - before.computed
+            stats.neurons_total = after.total - before.total
+
+    # ---- completions ---------------------------------------------------------------------------
+    def create_completion(self, prompt: str | list[int], max_tokens: int | None = 16,
+                          temperature: float = 0.8, top_p: float = 0.95, top_k: int = 40,
+                          min_p: float = 0.05, repeat_penalty: float = 1.0,
+                          stop: str | list[str] | None = None, seed: int | None = None,
+                          stream: bool = False, ignore_eos: bool = False):
+        """Complete ``prompt`` (text, or token ids). Returns an OpenAI ``text_completion`` dict::
+
+            {"id", "object": "text_completion", "created", "model",
+             "choices": [{"text", "index": 0, "logprobs": None, "finish_reason": "stop"|"length"}],
+             "usage": {"prompt_tokens", "completion_tokens", "total_tokens"}}
+
+        or, with ``stream=True``, an iterator of chunks of the same shape whose ``text`` pieces add
+        up to the full text (the last chunk carries the finish_reason and empty text).
+        max_tokens None or <= 0: until end of text or a full context. Raises PyinferError for a prompt
+        that does not fit or bad sampling parameters (before any chunk is produced).
+        """
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        self.check_fits(ids)
+        self._params(temperature, top_k, top_p, min_p, repeat_penalty)
+        kw = dict(max_tokens=max_tokens, stop=stop, temperature=temperature, top_k=top_k, top_p=top_p,
+                  min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, ignore_eos=ignore_eos)
+        cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def chunk(text, finish):
+            return {"id": cid, "object": "text_completion", "created": created, "model": self.model_name,
+                    "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}]}
+
+        if stream:
+            def chunks():
+                for piece in self.stream_text(ids, **kw):
+                    yield chunk(piece, None)
+                yield chunk("", self.last_stats.finish_reason)
+            return chunks()
+        text = "".join(self.stream_text(ids, **kw))
+        out = chunk(text, self.last_stats.finish_reason)
+        out["usage"] = self.usage()
+        return out
+
+    def usage(self) -> dict:
+        """OpenAI ``usage`` of the last completion: prompt, completion and total tokens."""
+        s = self.last_stats
+        return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens,
+                "total_tokens": s.prompt_tokens + s.completion_tokens}
+
+    def __call__(self, prompt, **kw):
+        """Same as ``create_completion`` (as llama-cpp-python's ``Llama.__call__``)."""
+        return self.create_completion(prompt, **kw)
+
+    # ---- chat ----------------------------------------------------------------------------------
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Prompt text for ``messages`` with the GGUF's chat template (sandboxed Jinja2)."""
+        from pyinfer.chat import render_chat
+
+        return render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                           bos_token=self.bos_token, eos_token=self.eos_token)
+
+    def chat_tokens(self, messages: list[dict]) -> list[int]:
+        """Token ids of ``messages`` rendered with a generation prompt (the start of an assistant
+        turn). BOS is added only when the model wants it and the template did not write it."""
+        text = self.render_chat(messages)
+        add_bos = False if self.bos_token and text.startswith(self.bos_token) else None
+        return self.tokenize(text, add_bos=add_bos, special=True)
+
+    def create_chat_completion(self, messages: list[dict], max_tokens: int | None = None,
+                               temperature: float = 0.8, top_p: float = 0.95, top_k: int = 40,
+                               min_p: float = 0.05, repeat_penalty: float = 1.0,
+                               stop: str | list[str] | None = None, seed: int | None = None,
+                               stream: bool = False):
+        """Answer a conversation. ``messages``: ``[{"role": "system"|"user"|"assistant",
+        "content": str}, ...]``. Returns an OpenAI ``chat.completion`` dict::
+
+            {"id", "object": "chat.completion", "created", "model",
+             "choices": [{"index": 0, "message": {"role": "assistant", "content"},
+                          "finish_reason": "stop"|"length"}],
+             "usage": {"prompt_tokens", "completion_tokens", "total_tokens"}}
+
+        or, with ``stream=True``, an iterator of ``chat.completion.chunk`` dicts: the first delta
+        carries the role, the next ones ``content`` pieces, the last one the finish_reason.
+        Generation ends at the model's end-of-turn token. max_tokens None: until the context is full.
+        """
+        ids = self.chat_tokens(messages)
+        self.check_fits(ids)
+        self._params(temperature, top_k, top_p, min_p, repeat_penalty)
+        kw = dict(max_tokens=max_tokens, stop=stop, temperature=temperature, top_k=top_k, top_p=top_p,
+                  min_p=min_p, repeat_penalty=repeat_penalty, seed=seed)
+        cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def chunk(delta, finish):
+            return {"id": cid, "object": "chat.completion.chunk", "created": created,
+                    "model": self.model_name,
+                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+
+        if stream:
+            def chunks():
+                yield chunk({"role": "assistant", "content": ""}, None)
+                for piece in self.stream_text(ids, **kw):
+                    yield chunk({"content": piece}, None)
+                yield chunk({}, self.last_stats.finish_reason)
+            return chunks()
+        text = "".join(self.stream_text(ids, **kw))
+        return {"id": cid, "object": "chat.completion", "created": created, "model": self.model_name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "logprobs": None, "finish_reason": self.last_stats.finish_reason}],
+                "usage": self.usage()}

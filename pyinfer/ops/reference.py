@@ -1,0 +1,124 @@
+"""NumPy twins of the CPU kernels in pyinfer/ops/cpu.py: same names, same signatures, plain and slow.
+
+They are the specification the compiled kernels are tested against (tests/test_kernels.py).
+``dequantize`` decodes ggml blocks itself (ggml-common.h layout) and is itself checked against
+``gguf.quants.dequantize``. ``n_threads`` arguments are accepted and ignored.
+"""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+
+QT = gguf.GGMLQuantizationType
+
+
+def dequantize(w) -> np.ndarray:
+    """A QTensor's values as float32 (rows, cols).
+
+    q8_0 block: f16 d + int8 qs[32], x = d*q. q4_0 block: f16 d + uint8 qs[16],
+    x[j] = d*((qs[j] & 15) - 8), x[j+16] = d*((qs[j] >> 4) - 8)."""
+    if w.qtype == QT.F32:
+        return np.asarray(w.data, dtype=np.float32)
+    if w.qtype == QT.F16:
+        return np.asarray(w.data).astype(np.float32)
+    nbytes = 34 if w.qtype == QT.Q8_0 else 18
+    blocks = np.asarray(w.data).reshape(w.rows, w.cols // 32, nbytes)
+    d = blocks[..., :2].copy().view(np.float16).astype(np.float32)  # (rows, nb, 1)
+    if w.qtype == QT.Q8_0:
+        q = blocks[..., 2:].view(np.int8).astype(np.float32)
+    else:
+        qs = blocks[..., 2:]
+        q = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.float32) - 8.0
+    return (d * q).reshape(w.rows, w.cols)
+
+
+def quantize_act_q8(x: np.ndarray) -> np.ndarray:
+    """x (..., n) f32 as the quantized kernels see it: per 32-block d = amax/127 (f32),
+    q = rint(x / d) as int8, returned dequantized (d*q) in f32. Mirrors simd.h pi_quantize_q8."""
+    xb = np.asarray(x, dtype=np.float32).reshape(*x.shape[:-1], -1, 32)
+    d = (np.abs(xb).max(axis=-1, keepdims=True) / np.float32(127.0)).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d != 0, np.float32(1.0) / d, np.float32(0.0)).astype(np.float32)
+    q = np.rint(xb * inv)
+    return (q * d).reshape(x.shape).astype(np.float32)
+
+
+def matvec(w, x, out, n_threads=1):
+    out[...] = dequantize(w) @ x
+    return out
+
+
+def matmul(w, x, out, n_threads=1):
+    out[...] = x @ dequantize(w).T
+    return out
+
+
+def matvec_t(w, a, out, n_threads=1):
+    out[...] = a @ dequantize(w)
+    return out
+
+
+def matmul_t(w, a, out, n_threads=1):
+    out[...] = a @ dequantize(w)
+    return out
+
+
+def gather_matvec(w, x, idx, out, n_threads=1):
+    out[...] = dequantize(w)[np.asarray(idx, dtype=np.int64)] @ x
+    return out
+
+
+def axpy_rows(w, coef, idx, out, n_threads=1):
+    out[...] = np.asarray(coef, dtype=np.float32) @ dequantize(w)[np.asarray(idx, dtype=np.int64)]
+    return out
+
+
+def get_rows(w, ids, out):
+    out[...] = dequantize(w)[np.asarray(ids, dtype=np.int64)]
+    return out
+
+
+def rmsnorm(x, weight, eps, out):
+    x = np.asarray(x, dtype=np.float32)
+    ms = np.mean(x * x, axis=-1, keepdims=True)
+    out[...] = x / np.sqrt(ms + np.float32(eps)) * weight
+    return out
+
+
+def rope_neox(x, positions, freq_base, n_rot):
+    half = n_rot // 2
+    inv_freq = float(freq_base) ** (-2.0 * np.arange(half) / n_rot)  # (half,) f64
+    theta = np.asarray(positions, dtype=np.float64)[:, None] * inv_freq  # (n_tok, half)
+    cos = np.cos(theta)[:, None, :].astype(np.float32)
+    sin = np.sin(theta)[:, None, :].astype(np.float32)
+    x0 = x[..., :half].copy()
+    x1 = x[..., half:n_rot].copy()
+    x[..., :half] = x0 * cos - x1 * sin
+    x[..., half:n_rot] = x1 * cos + x0 * sin
+    return x
+
+
+def attention(q, k_cache, v_cache, n_past, out, n_threads=1):
+    n_tok, n_head, head_dim = q.shape
+    group = n_head // k_cache.shape[1]
+    n_kv = n_past + n_tok
+    k = np.repeat(k_cache[:n_kv], group, axis=1)  # (n_kv, n_head, head_dim)
+    v = np.repeat(v_cache[:n_kv], group, axis=1)
+    scores = np.einsum("thd,jhd->thj", q, k) / np.float32(np.sqrt(head_dim))
+    mask = np.arange(n_kv)[None, :] > (n_past + np.arange(n_tok))[:, None]  # (n_tok, n_kv)
+    scores = np.where(mask[:, None, :], -np.inf, scores)
+    scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    scores /= scores.sum(axis=-1, keepdims=True)
+    out[...] = np.einsum("thj,jhd->thd", scores, v)
+    return out
+
+
+def silu_mul(gate, up, out):
+    g = np.asarray(gate, dtype=np.float32)
+    out[...] = g / (np.float32(1.0) + np.exp(-g)) * up
+    return out
+
+
+def relu_mul(gate, up, out):
+    out[...] = np.maximum(gate, np.float32(0.0)) * up
+    return out

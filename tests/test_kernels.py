@@ -1,0 +1,367 @@
+"""Compiled CPU kernels (pyinfer/ops/cpu.py) against their NumPy twins (pyinfer/ops/reference.py),
+and the twins against code nobody here wrote (gguf.quants.dequantize, torch).
+
+Outputs are poisoned with NaN before every kernel call and all inputs are read-only, as the
+memory-mapped weights are. Quantized dot products (matvec, matmul, gather_matvec on q8_0/q4_0)
+quantize the activation to 8 bits per block: they are checked tightly against the twin fed the
+same quantized activation, and against the exact f32 product at relative error 1e-2.
+"""
+import os
+import shutil
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+
+from pyinfer.ops import cpu
+from pyinfer.ops import reference as ref
+
+QT = gguf.GGMLQuantizationType
+QTYPES = [QT.F32, QT.F16, QT.Q8_0, QT.Q4_0]
+QUANT = (QT.Q8_0, QT.Q4_0)
+THREADS = [1, 2]
+
+
+def _ro(a):
+    a = np.ascontiguousarray(a)
+    a.setflags(write=False)
+    return a
+
+
+def _nan(shape):
+    return np.full(shape, np.nan, dtype=np.float32)
+
+
+def _rand(rng, *shape):
+    return _ro(rng.standard_normal(shape).astype(np.float32))
+
+
+def _cols(rng, qtype):
+    if qtype in QUANT:
+        return 32 * int(rng.integers(1, 10))
+    return int(rng.choice([1, 7, 8, 31, 33, 100, 257]))
+
+
+def _weight(rng, qtype, rows=None, cols=None):
+    rows = int(rng.integers(1, 90)) if rows is None else rows
+    cols = _cols(rng, qtype) if cols is None else cols
+    w = cpu.QTensor.from_array(rng.standard_normal((rows, cols)).astype(np.float32), qtype)
+    w.data.setflags(write=False)  # like a GGUFReader memmap
+    return w
+
+
+def _rel(got, want):
+    assert np.all(np.isfinite(got)), "kernel left NaN in its output"
+    scale = max(float(np.linalg.norm(want)), 1e-30)
+    return float(np.linalg.norm(got - want)) / scale
+
+
+def _close(got, want, qtype):
+    """Exact-dequantization kernels: f32 accumulation differences only."""
+    assert np.all(np.isfinite(got)), "kernel left NaN in its output"
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * (1 + np.abs(want).max(initial=0)))
+
+
+def _check_dot(got, w, x, ref_fn, *args):
+    """Dot-product kernels: tight against the twin on the same (possibly quantized) activation,
+    and within 1e-2 relative of the exact product for quantized weights."""
+    want = ref_fn(w, x, *args)
+    if w.qtype in QUANT:
+        want_q = ref_fn(w, ref.quantize_act_q8(x), *args)
+        assert _rel(got, want_q) < 1e-5
+        # 1e-2 of the typical output size (the norm of a few outputs may be cancellation-small)
+        typical = np.sqrt(np.mean(ref.dequantize(w) ** 2) * np.sum(x.astype(np.float64) ** 2))
+        err = np.sqrt(np.mean((got.astype(np.float64) - want) ** 2))
+        assert err < 1e-2 * max(typical, np.sqrt(np.mean(want.astype(np.float64) ** 2)))
+    else:
+        _close(got, want, w.qtype)
+
+
+# ------------------------------------------------------------------ dequantization / layout
+
+@pytest.mark.parametrize("qtype", QUANT)
+def test_reference_dequantize_matches_gguf(qtype):
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((17, 96)).astype(np.float32) * rng.uniform(0.01, 100, (17, 1))
+    data = gguf.quants.quantize(a, qtype)
+    w = cpu.QTensor(data, qtype, 17, 96)
+    want = gguf.quants.dequantize(data, qtype)
+    np.testing.assert_array_equal(ref.dequantize(w), want)
+    assert np.abs(want - a).max() <= np.abs(a).max() / 4  # the format round-trips sensibly
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_get_rows_exact(qtype):
+    rng = np.random.default_rng(2)
+    w = _weight(rng, qtype, rows=40)
+    ids = _ro(np.array([0, 39, 5, 5, 17], dtype=np.int32))
+    out = _nan((5, w.cols))
+    cpu.get_rows(w, ids, out)
+    if qtype in QUANT:
+        want = gguf.quants.dequantize(w.data, qtype)[ids]
+    else:
+        want = w.data.astype(np.float32)[ids]
+    np.testing.assert_array_equal(out, want)
+    out0 = np.zeros((0, w.cols), np.float32)
+    cpu.get_rows(w, np.zeros(0, np.int32), out0)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_from_reader_tensor(tmp_path, qtype):
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((6, 64)).astype(np.float32)
+    w = cpu.QTensor.from_array(a, qtype)
+    path = tmp_path / "t.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    if qtype in QUANT:
+        writer.add_tensor("w", w.data, raw_dtype=qtype)
+    else:
+        writer.add_tensor("w", w.data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    t = gguf.GGUFReader(str(path)).tensors[0]
+    wr = cpu.QTensor.from_reader_tensor(t)
+    assert (wr.rows, wr.cols, wr.qtype) == (6, 64, qtype)
+    assert np.shares_memory(wr.raw, t.data)  # a view of the memmap, not a copy
+    np.testing.assert_array_equal(ref.dequantize(wr), ref.dequantize(w))
+    x = rng.standard_normal(64).astype(np.float32)
+    np.testing.assert_array_equal(cpu.matvec(wr, x, _nan(6)), cpu.matvec(w, x, _nan(6)))
+
+
+def test_qtensor_rejects_bad_shapes():
+    with pytest.raises(ValueError):
+        cpu.QTensor(np.zeros((4, 30), np.uint8), QT.Q8_0, 4, 30)
+    with pytest.raises(ValueError):
+        cpu.QTensor(np.zeros((4, 8), np.float16), QT.F32, 4, 8)
+    with pytest.raises(ValueError):
+        cpu.QTensor(np.zeros((4, 34), np.uint8), QT.Q8_0, 4, 64)
+
+
+# ------------------------------------------------------------------ GEMV family
+
+@pytest.mark.parametrize("n_threads", THREADS)
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_matvec(qtype, n_threads):
+    rng = np.random.default_rng(10 + int(qtype))
+    for _ in range(4):
+        w = _weight(rng, qtype)
+        x = _rand(rng, w.cols)
+        out = _nan(w.rows)
+        cpu.matvec(w, x, out, n_threads)
+        _check_dot(out, w, x, lambda w_, x_: ref.matvec(w_, x_, _nan(w.rows)))
+
+
+@pytest.mark.parametrize("n_threads", THREADS)
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_matmul(qtype, n_threads):
+    rng = np.random.default_rng(20 + int(qtype))
+    for n_tok in (1, 3, 19):
+        w = _weight(rng, qtype)
+        x = _rand(rng, n_tok, w.cols)
+        out = _nan((n_tok, w.rows))
+        cpu.matmul(w, x, out, n_threads)
+        _check_dot(out, w, x, lambda w_, x_: ref.matmul(w_, x_, _nan((n_tok, w.rows))))
+        # prefill and decode must agree token by token (same numerics)
+        for t in range(n_tok):
+            np.testing.assert_allclose(out[t], cpu.matvec(w, x[t], _nan(w.rows), n_threads),
+                                       rtol=1e-5, atol=1e-5)
+
+
+def _active_sets(rng, rows):
+    return {
+        "empty": np.zeros(0, np.int32),
+        "one": np.array([rows - 1], np.int32),
+        "all": np.arange(rows, dtype=np.int32),
+        "random": np.sort(rng.choice(rows, max(1, rows // 3), replace=False)).astype(np.int32),
+        "repeat": rng.integers(0, rows, 2 * rows).astype(np.int32),
+    }
+
+
+@pytest.mark.parametrize("n_threads", THREADS)
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_gather_matvec(qtype, n_threads):
+    rng = np.random.default_rng(30 + int(qtype))
+    w = _weight(rng, qtype, rows=int(rng.integers(40, 120)))
+    x = _rand(rng, w.cols)
+    for name, idx in _active_sets(rng, w.rows).items():
+        idx = _ro(idx)
+        out = _nan(idx.size)
+        cpu.gather_matvec(w, x, idx, out, n_threads)
+        if idx.size == 0:
+            continue
+        _check_dot(out, w, x, lambda w_, x_: ref.gather_matvec(w_, x_, idx, _nan(idx.size)))
+
+
+@pytest.mark.parametrize("n_threads", THREADS)
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_axpy_rows(qtype, n_threads):
+    rng = np.random.default_rng(40 + int(qtype))
+    w = _weight(rng, qtype, rows=int(rng.integers(40, 120)))
+    for name, idx in _active_sets(rng, w.rows).items():
+        idx = _ro(idx)
+        coef = _rand(rng, idx.size)
+        out = _nan(w.cols)
+        cpu.axpy_rows(w, coef, idx, out, n_threads)
+        _close(out, ref.axpy_rows(w, coef, idx, _nan(w.cols)), qtype)
+        if name == "empty":
+            assert not out.any()
+
+
+@pytest.mark.parametrize("n_threads", THREADS)
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_matvec_t(qtype, n_threads):
+    rng = np.random.default_rng(50 + int(qtype))
+    for rows in (1, 7, 300):
+        w = _weight(rng, qtype, rows=rows)
+        a = _rand(rng, rows)
+        out = _nan(w.cols)
+        cpu.matvec_t(w, a, out, n_threads)
+        _close(out, ref.matvec_t(w, a, _nan(w.cols)), qtype)
+
+
+@pytest.mark.parametrize("n_threads", THREADS)
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_matmul_t(qtype, n_threads):
+    rng = np.random.default_rng(60 + int(qtype))
+    for n_tok in (1, 5):
+        w = _weight(rng, qtype, cols=int(rng.choice([32, 96, 160])) if qtype in QUANT else 130)
+        a = rng.standard_normal((n_tok, w.rows)).astype(np.float32)
+        a[a < 0] = 0.0  # ReLU-like zeros take the skip path
+        a = _ro(a)
+        out = _nan((n_tok, w.cols))
+        cpu.matmul_t(w, a, out, n_threads)
+        _close(out, ref.matmul_t(w, a, _nan((n_tok, w.cols))), qtype)
+
+
+def test_shape_and_index_errors():
+    rng = np.random.default_rng(70)
+    w = _weight(rng, QT.Q8_0, rows=8, cols=64)
+    with pytest.raises(ValueError):
+        cpu.matvec(w, _rand(rng, 63), _nan(8))
+    with pytest.raises(ValueError):
+        cpu.matvec(w, _rand(rng, 64), _nan(7))
+    with pytest.raises(IndexError):
+        cpu.gather_matvec(w, _rand(rng, 64), np.array([8], np.int32), _nan(1))
+    with pytest.raises(IndexError):
+        cpu.axpy_rows(w, _rand(rng, 1), np.array([-1], np.int32), _nan(64))
+    with pytest.raises(ValueError):  # read-only output
+        cpu.matvec(w, _rand(rng, 64), _ro(_nan(8)))
+
+
+# ------------------------------------------------------------------ norm, rope, attention, act
+
+def test_rmsnorm():
+    rng = np.random.default_rng(80)
+    for shape in [(37,), (4, 576), (3, 5)]:
+        x = _rand(rng, *shape)
+        wt = _rand(rng, shape[-1])
+        out = _nan(shape)
+        cpu.rmsnorm(x, wt, 1e-5, out)
+        np.testing.assert_allclose(out, ref.rmsnorm(x, wt, 1e-5, _nan(shape)), rtol=1e-5, atol=1e-6)
+
+
+def _torch():
+    return pytest.importorskip("torch")
+
+
+@pytest.mark.parametrize("n_rot", [64, 32])
+def test_rope_neox(n_rot):
+    rng = np.random.default_rng(90)
+    x = rng.standard_normal((5, 3, 64)).astype(np.float32)
+    pos = np.array([0, 1, 7, 100, 8000])
+    got = cpu.rope_neox(x.copy(), pos, 1e5, n_rot)
+    want = ref.rope_neox(x.copy(), pos, 1e5, n_rot)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(got[..., n_rot:], x[..., n_rot:])
+    # Hugging Face's rotate_half formula, written out in torch (float64 angles)
+    torch = _torch()
+    half = n_rot // 2
+    inv = 1.0 / (1e5 ** (torch.arange(0, n_rot, 2, dtype=torch.float64) / n_rot))
+    emb = torch.cat([torch.outer(torch.tensor(pos, dtype=torch.float64), inv)] * 2, dim=-1)
+    xt = torch.tensor(x[..., :n_rot], dtype=torch.float64)
+    rot = torch.cat([-xt[..., half:], xt[..., :half]], dim=-1)
+    hf = xt * emb.cos()[:, None, :] + rot * emb.sin()[:, None, :]
+    np.testing.assert_allclose(got[..., :n_rot], hf.numpy(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("n_threads", THREADS)
+def test_attention(n_threads):
+    rng = np.random.default_rng(100)
+    torch = _torch()
+    for n_head, n_kv, hd, n_past, n_tok in [(9, 3, 64, 0, 1), (9, 3, 64, 0, 6), (4, 4, 16, 11, 3),
+                                            (8, 2, 32, 30, 1), (6, 1, 8, 5, 4)]:
+        n_ctx = n_past + n_tok + 3
+        q = _rand(rng, n_tok, n_head, hd)
+        k = rng.standard_normal((n_ctx, n_kv, hd)).astype(np.float32)
+        v = rng.standard_normal((n_ctx, n_kv, hd)).astype(np.float32)
+        k[n_past + n_tok:] = np.nan  # rows past the new tokens must never be read
+        v[n_past + n_tok:] = np.nan
+        k, v = _ro(k), _ro(v)
+        out = _nan((n_tok, n_head, hd))
+        cpu.attention(q, k, v, n_past, out, n_threads)
+        want = ref.attention(q, k, v, n_past, _nan((n_tok, n_head, hd)))
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)
+        # torch SDPA with an explicit causal mask over the whole prefix
+        n_all = n_past + n_tok
+        g = n_head // n_kv
+        qt = torch.tensor(q).transpose(0, 1)  # (n_head, n_tok, hd)
+        kt = torch.tensor(k[:n_all]).repeat_interleave(g, dim=1).transpose(0, 1)
+        vt = torch.tensor(v[:n_all]).repeat_interleave(g, dim=1).transpose(0, 1)
+        mask = torch.arange(n_all)[None, :] <= (n_past + torch.arange(n_tok))[:, None]
+        sd = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask)
+        np.testing.assert_allclose(out, sd.transpose(0, 1).numpy(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["silu_mul", "relu_mul"])
+def test_activations(name):
+    rng = np.random.default_rng(110)
+    for shape in [(1536,), (3, 77), (0,)]:
+        g, u = _rand(rng, *shape) * 4, _rand(rng, *shape)
+        out = _nan(shape)
+        getattr(cpu, name)(g, u, out)
+        np.testing.assert_allclose(out, getattr(ref, name)(g, u, _nan(shape)), rtol=1e-5, atol=1e-6)
+    # in place over the gate buffer, as the FFN does it
+    g = rng.standard_normal(100).astype(np.float32)
+    want = getattr(ref, name)(g, g * 2, _nan(100))
+    getattr(cpu, name)(g, g * 2, g)
+    np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-6)
+
+
+def test_info():
+    assert isinstance(cpu.openmp_enabled(), bool)
+    assert isinstance(cpu.simd_enabled(), bool)
+
+
+# ------------------------------------------------------------------ optional builds
+
+@pytest.mark.slow
+@pytest.mark.parametrize("env", ["PYINFER_NO_OPENMP", "PYINFER_NO_SIMD"])
+def test_build_variants(tmp_path, env):
+    """The package builds and computes right without OpenMP and without SIMD (about 40 s each)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for item in ("setup.py", "pyproject.toml", "cython", "pyinfer"):
+        src = os.path.join(root, item)
+        (shutil.copytree if os.path.isdir(src) else shutil.copy)(
+            src, tmp_path / item, **({"ignore": shutil.ignore_patterns("*.so", "*.c")}
+                                     if os.path.isdir(src) else {}))
+    envv = dict(os.environ, **{env: "1"})
+    subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=tmp_path, env=envv,
+                   check=True, capture_output=True)
+    code = ("import numpy as np, gguf; from pyinfer.ops import cpu, reference as ref\n"
+            "rng=np.random.default_rng(0)\n"
+            "for qt in (0, 1, 2, 8):\n"
+            "    w=cpu.QTensor.from_array(rng.standard_normal((50,96)).astype(np.float32), qt)\n"
+            "    x=rng.standard_normal(96).astype(np.float32); o=np.empty(50,np.float32)\n"
+            "    cpu.matvec(w,x,o,2); r=ref.matvec(w,ref.quantize_act_q8(x) if qt>1 else x,o*0)\n"
+            "    assert np.allclose(o,r,rtol=1e-4,atol=1e-4), qt\n"
+            "    a=rng.standard_normal(50).astype(np.float32); o=np.empty(96,np.float32)\n"
+            "    assert np.allclose(cpu.matvec_t(w,a,o,2), ref.matvec_t(w,a,o*0), atol=1e-3)\n"
+            f"print(cpu.openmp_enabled(), cpu.simd_enabled())\n")
+    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=envv, check=True,
+                         capture_output=True, text=True)
+    omp, simd = res.stdout.split()
+    assert (omp if env == "PYINFER_NO_OPENMP" else simd) == "False"
