@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 
@@ -47,6 +48,10 @@ def convert(src: str, out: str, outtype: str = "f16", progress: bool | None = No
         raise PyinferError(f"cannot write {out}: {e.strerror or e}") from None
 
 
+def _interrupt(signum, frame):  # noqa: ARG001 - signal handler signature
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="pyinfer-convert",
@@ -56,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--outtype", choices=list(OUTTYPES), default="f16",
                         help="type of the 2-D weights (norms stay f32); default f16")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` cleans up OUT.tmp like Ctrl-C does
     t0 = time.perf_counter()
     try:
         convert(args.src, args.out, args.outtype)

@@ -29,6 +29,8 @@ cdef extern from "simd.h" nogil:
     void pi_axpy_row(int qtype, float a, const uint8_t *row, float *out, int n)
     void pi_dequant_row(int qtype, const uint8_t *row, float *out, int n)
     void pi_add_f32(float *out, const float *a, int n)
+    void pi_axpy4_row(int qtype, const float *a, const uint8_t *r0, const uint8_t *r1,
+                      const uint8_t *r2, const uint8_t *r3, float *out, int n)
     void pi_axpy_rows_range(int qtype, const uint8_t *w, size_t stride, const float *coef,
                             const int32_t *idx, long k0, long k1, float *out, int cols)
 
@@ -234,31 +236,43 @@ def matmul_t(const uint8_t[:, ::1] w, int qtype, int cols, const float[:, ::1] a
     """out = a @ w. a (n_tok, rows) f32, out (n_tok, cols) f32.
 
     Parallel over 64-column strips: each strip of every weight row is dequantized once into a
-    small buffer and added into every token's output strip, so no reduction between threads."""
+    small buffer and added into every token's output strip (4 rows per pass), so no reduction
+    between threads."""
     _check_w(w, qtype, cols)
     _check_len(a.shape[1], w.shape[0], "matmul_t a columns")
     _check_len(out.shape[0], a.shape[0], "matmul_t out rows")
     _check_len(out.shape[1], cols, "matmul_t out columns")
     cdef Py_ssize_t rows = w.shape[0], n_tok = a.shape[0], stride = w.shape[1]
-    cdef Py_ssize_t n_strips = (cols + COL_TILE - 1) // COL_TILE, s, t, r
+    cdef Py_ssize_t n_strips = (cols + COL_TILE - 1) // COL_TILE, s, t, r, j, r4 = rows - rows % 4
     cdef int c0, cn
     cdef float *buf
-    cdef float av
+    cdef float *av
     if n_tok == 0 or cols == 0:
         return
     with nogil, parallel(num_threads=n_threads):
-        buf = <float *> malloc(COL_TILE * sizeof(float))
+        # 4 dequantized row strips, then 4 coefficients per token: out loaded/stored once per 4 rows
+        buf = <float *> malloc((4 * COL_TILE + 4 * n_tok) * sizeof(float))
+        av = buf + 4 * COL_TILE
         for s in prange(n_strips, schedule='static'):
             c0 = s * COL_TILE
             cn = min(cols - c0, COL_TILE)
             for t in range(n_tok):
                 memset(&out[t, c0], 0, cn * sizeof(float))
-            for r in range(rows):
+            for r in range(0, r4, 4):
+                for j in range(4):
+                    pi_dequant_row(qtype, &w[0, 0] + (r + j) * stride + pi_col_offset(qtype, c0),
+                                   buf + j * COL_TILE, cn)
+                for t in range(n_tok):
+                    for j in range(4):
+                        av[4 * t + j] = a[t, r + j]
+                for t in range(n_tok):
+                    pi_axpy4_row(0, av + 4 * t, <uint8_t *> buf, <uint8_t *> (buf + COL_TILE),
+                                 <uint8_t *> (buf + 2 * COL_TILE), <uint8_t *> (buf + 3 * COL_TILE),
+                                 &out[t, c0], cn)
+            for r in range(r4, rows):
                 pi_dequant_row(qtype, &w[0, 0] + r * stride + pi_col_offset(qtype, c0), buf, cn)
                 for t in range(n_tok):
-                    av = a[t, r]
-                    if av != 0.0:
-                        pi_axpy_f32(av, buf, &out[t, c0], cn)
+                    pi_axpy_f32(a[t, r], buf, &out[t, c0], cn)
         free(buf)
 
 

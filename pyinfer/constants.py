@@ -97,3 +97,20 @@ TOKEN_TYPE_CONTROL = int(gguf.TokenType.CONTROL)  # 3
 TOKEN_TYPE_USER_DEFINED = int(gguf.TokenType.USER_DEFINED)  # 4
 TOKEN_TYPE_UNUSED = int(gguf.TokenType.UNUSED)  # 5
 TOKEN_TYPE_BYTE = int(gguf.TokenType.BYTE)  # 6
+
+# ---- the offline stage's metadata (pyinfer's own keys) -----------------------------------
+K_SPARSE_MODE = "pyinfer.sparse.mode"  # "relu" (exact zeros) | "cats" (|act(gate)| > threshold)
+K_ACT_THRESHOLD = "pyinfer.sparse.act_threshold"  # f32[n_layer]: CATS threshold on |act(gate)|
+K_PRED_THRESHOLD = "pyinfer.predictor.threshold"  # f32[n_layer]: neuron runs where logit >= this
+K_PRED_RANK = "pyinfer.predictor.rank"  # i32[n_layer]
+K_PRED_RECALL = "pyinfer.predictor.recall"  # f32[n_layer], held-out
+K_PRED_PRECISION = "pyinfer.predictor.precision"  # f32[n_layer], held-out
+K_TARGET_RECALL = "pyinfer.target_recall"
+K_TARGET_SPARSITY = "pyinfer.target_sparsity"
+K_CALIB_SOURCE = "pyinfer.calib.source"
+K_CALIB_TOKENS = "pyinfer.calib.tokens"
+K_CALIB_SEED = "pyinfer.calib.seed"
+K_VRAM_BUDGET = "pyinfer.placement.vram_budget"  # bytes the stored gpu split was solved for
+K_GROUP_SIZE = "pyinfer.placement.group_size"
+SPARSE_MODE_RELU = "relu"
+SPARSE_MODE_CATS = "cats"

@@ -14,8 +14,10 @@ from typing import Iterable, Iterator
 import gguf
 import numpy as np
 
-from pyinfer.config import ModelConfig
+from pyinfer import constants as C
+from pyinfer.config import ModelConfig, read_field
 from pyinfer.errors import PyinferError
+from pyinfer.ffn import DenseFFN, Predictor, SparseFFN
 from pyinfer.model import Model
 from pyinfer.sampler import SamplingParams, sample
 from pyinfer.tokenizer import Tokenizer
@@ -65,11 +67,12 @@ class Engine:
         model_path: a GGUF written by ``pyinfer-convert``.
         n_ctx: context size in tokens (default min(4096, the model's training context)).
         n_threads: kernel threads (default: all cores).
+        dense: compute every FFN neuron even when the file has predictors (for comparison).
     Raises PyinferError for a bad file or an impossible setting.
     """
 
     def __init__(self, model_path: str, *, n_ctx: int | None = None, n_threads: int | None = None,
-                 verbose: bool = False):
+                 dense: bool = False, verbose: bool = False):
         t0 = time.perf_counter()
         self.path = model_path
         self.reader = open_gguf(model_path)
@@ -82,10 +85,40 @@ class Engine:
             n_threads = os.cpu_count() or 1
         self.n_ctx = n_ctx
         self.n_threads = n_threads
-        self.model = Model(self.cfg, self.weights, n_ctx, n_threads)
+        self.model = Model(self.cfg, self.weights, n_ctx, n_threads,
+                           ffn=DenseFFN(self.cfg) if dense else self._sparse_ffn())
         self.tokens: list[int] = []  # tokens whose keys/values are in the cache, in order
         self.timings = Timings(load_ms=(time.perf_counter() - t0) * 1e3)
         self.verbose = verbose
+
+    def _sparse_ffn(self):
+        """The SparseFFN the file's offline stage calibrated, or None (dense) if it has none."""
+        mode = read_field(self.reader, C.K_SPARSE_MODE)
+        if mode is None:
+            return None
+        n_layer = self.cfg.n_layer
+        act_thr = np.asarray(read_field(self.reader, C.K_ACT_THRESHOLD, [0.0] * n_layer),
+                             np.float32)
+        pred_thr = read_field(self.reader, C.K_PRED_THRESHOLD)
+        layers = self.weights.layers
+        predictors = None
+        if pred_thr is not None and all(lw.fc1 is not None for lw in layers):
+            predictors = [Predictor(lw.fc1, lw.fc2, t) for lw, t in zip(layers, pred_thr)]
+        if len(act_thr) != n_layer or (pred_thr is not None and len(pred_thr) != n_layer):
+            raise PyinferError("sparse metadata does not have one entry per layer")
+        return SparseFFN(self.cfg, predictors, act_thr)
+
+    @property
+    def is_sparse(self) -> bool:
+        return isinstance(self.model.ffn, SparseFFN)
+
+    def ffn_sparsity(self) -> float:
+        """Measured fraction of FFN neurons skipped since the last ``reset_stats`` (0 if dense)."""
+        return self.model.ffn.stats.sparsity
+
+    def reset_stats(self):
+        self.model.ffn.stats.reset()
+        self.timings.reset()
 
     # ---- evaluation ------------------------------------------------------------------------
     def reset(self):

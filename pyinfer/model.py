@@ -1,7 +1,7 @@
 """The Llama forward pass on the CPU: embed -> layers (attention, FFN) -> norm -> logits.
 
 Reads top to bottom like llama2.c ``run.c: forward()`` and gpt-fast ``model.py``. The FFN is a
-separate object (``DenseFFN`` here; the sparse, predictor-driven FFN slots in beside it) so the
+separate object (``pyinfer.ffn``: dense, or sparse over predicted-active neurons) so the
 attention half never changes when the FFN does.
 """
 from __future__ import annotations
@@ -9,57 +9,10 @@ from __future__ import annotations
 import numpy as np
 
 from pyinfer.config import ModelConfig
+from pyinfer.ffn import DenseFFN, linear
 from pyinfer.kv_cache import KVCache
 from pyinfer.ops import cpu
-from pyinfer.weights import LayerWeights, ModelWeights
-
-
-def linear(w: cpu.QTensor, x: np.ndarray, out: np.ndarray, n_threads: int) -> np.ndarray:
-    """out = x @ w.T for x (n_tok, cols) -> out (n_tok, rows); GEMV when n_tok is 1."""
-    if x.shape[0] == 1:
-        cpu.matvec(w, x[0], out[0], n_threads)
-    else:
-        cpu.matmul(w, x, out, n_threads)
-    return out
-
-
-def linear_t(w: cpu.QTensor, a: np.ndarray, out: np.ndarray, n_threads: int) -> np.ndarray:
-    """out = a @ w for a (n_tok, rows) -> out (n_tok, cols): the neuron-major down projection."""
-    if a.shape[0] == 1:
-        cpu.matvec_t(w, a[0], out[0], n_threads)
-    else:
-        cpu.matmul_t(w, a, out, n_threads)
-    return out
-
-
-class DenseFFN:
-    """Every neuron of the FFN: down_t^T (act(gate x) * up x), PowerInfer's layout with all rows.
-
-    Counts the neurons it computes so the engine can report the fraction of FFN work done.
-    """
-
-    def __init__(self, cfg: ModelConfig):
-        self.cfg = cfg
-        self.mul = cpu.silu_mul if cfg.hidden_act == "silu" else cpu.relu_mul
-        self.neurons_computed = 0
-        self.neurons_total = 0
-
-    def __call__(self, lw: LayerWeights, layer: int, x: np.ndarray, h: np.ndarray,
-                 out: np.ndarray, n_threads: int) -> np.ndarray:
-        """x: (n_tok, n_embd) residual before the FFN norm (predictors read it); h: normed x.
-
-        Writes the FFN output (n_tok, n_embd) into ``out`` and returns it.
-        """
-        n_tok, n_ff = h.shape[0], self.cfg.n_ff
-        gate = np.empty((n_tok, n_ff), np.float32)  # (n_tok, n_ff)
-        up = np.empty((n_tok, n_ff), np.float32)  # (n_tok, n_ff)
-        linear(lw.ffn_gate, h, gate, n_threads)
-        linear(lw.ffn_up, h, up, n_threads)
-        self.mul(gate, up, gate)
-        linear_t(lw.ffn_down_t, gate, out, n_threads)
-        self.neurons_computed += n_tok * n_ff
-        self.neurons_total += n_tok * n_ff
-        return out
+from pyinfer.weights import ModelWeights
 
 
 class Model:

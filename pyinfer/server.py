@@ -153,6 +153,11 @@ class EngineWorker:
         self._thread = threading.Thread(target=self._loop, name="pyinfer-engine", daemon=True)
         self._thread.start()
 
+    @property
+    def pending(self) -> int:
+        """Requests waiting or running."""
+        return self._pending
+
     def submit(self, fn: Callable[[threading.Event], None]) -> threading.Event:
         with self._lock:
             if self._pending >= 1 + self.max_queue:
@@ -317,7 +322,7 @@ def create_app(llm, max_queue: int = 4):
             {"id": llm.model_name, "object": "model", "created": created, "owned_by": "pyinfer"}]})
 
     async def health(request: Request):
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "ok", "requests_pending": worker.pending})
 
     async def not_found(request: Request, exc):
         return error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")

@@ -92,7 +92,7 @@ def test_held_back_text_is_released_when_it_is_not_a_stop():
     llm = scripted(["a", "<", "b", "c"])
     chunks = list(llm.stream_text([0], stop="<|end|>"))
     assert chunks == ["a", "<b", "c"]  # "<" waited for the next token, then went out
-    assert llm.last_stats.finish_reason == "length"  # the script ran out: max tokens of the engine
+    assert llm.last_stats.finish_reason == "stop"  # the script ran out, as at an end-of-text id
 
 
 def test_earliest_stop_wins_and_text_is_cut_before_it():

@@ -344,6 +344,17 @@ def test_error_not_gguf(tmp_path):
     _expect_error(tmp_path, str(f), contains="neither a model directory nor a GGUF file")
 
 
+def test_error_gguf_architecture(tmp_path):
+    f = str(tmp_path / "gemma.gguf")
+    w = gguf.GGUFWriter(f, "gemma3")
+    w.add_tensor(C.TOKEN_EMBD, np.zeros((8, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    _expect_error(tmp_path, f, contains="unsupported architecture gemma3")
+
+
 @pytest.mark.parametrize("frac", [0.001, 0.5, 0.999])
 def test_error_truncated_gguf(converted, tmp_path, frac):
     data = open(converted, "rb").read()

@@ -1,0 +1,171 @@
+"""The feed-forward half of a layer: dense, or sparse over the neurons predicted active.
+
+All FFNs compute ``down_t^T (act(gate h) * up h)`` over PowerInfer's neuron-major layout (one row
+per neuron in ffn_gate, ffn_up and ffn_down_t). They differ only in which neurons they touch:
+
+- ``DenseFFN``: every neuron.
+- ``SparseFFN`` (PowerInfer, arXiv 2312.12456 §4-5): a per-layer predictor picks candidate
+  neurons from the residual x before the FFN norm; for ReLU models a neuron then counts as active
+  where relu(gate) > 0, for SwiGLU models where |silu(gate)| exceeds the layer's calibrated
+  threshold (CATS, Lee et al. 2024). Only active neurons' up and down rows are read.
+
+Both count neurons so the engine can report the measured activation sparsity.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from pyinfer.config import ModelConfig
+from pyinfer.ops import cpu
+from pyinfer.weights import LayerWeights
+
+
+def _act(name: str):
+    if name == "silu":
+        return lambda g: g / (1.0 + np.exp(-g))
+    return lambda g: np.maximum(g, 0.0)
+
+
+def linear(w: cpu.QTensor, x: np.ndarray, out: np.ndarray, n_threads: int) -> np.ndarray:
+    """out = x @ w.T for x (n_tok, cols) -> out (n_tok, rows); GEMV when n_tok is 1."""
+    if x.shape[0] == 1:
+        cpu.matvec(w, x[0], out[0], n_threads)
+    else:
+        cpu.matmul(w, x, out, n_threads)
+    return out
+
+
+def linear_t(w: cpu.QTensor, a: np.ndarray, out: np.ndarray, n_threads: int) -> np.ndarray:
+    """out = a @ w for a (n_tok, rows) -> out (n_tok, cols): the neuron-major down projection."""
+    if a.shape[0] == 1:
+        cpu.matvec_t(w, a[0], out[0], n_threads)
+    else:
+        cpu.matmul_t(w, a, out, n_threads)
+    return out
+
+
+class FFNStats:
+    """Neuron counts since the last reset: ``active`` neurons had up/down rows read,
+    ``candidates`` had their gate row read, ``total`` = tokens x n_ff."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.active = self.candidates = self.total = 0
+
+    @property
+    def sparsity(self) -> float:
+        """Fraction of FFN neurons skipped (0 for dense)."""
+        return 1.0 - self.active / self.total if self.total else 0.0
+
+
+class DenseFFN:
+    """Every neuron of every token."""
+
+    def __init__(self, cfg: ModelConfig):
+        self.cfg = cfg
+        self.mul = cpu.silu_mul if cfg.hidden_act == "silu" else cpu.relu_mul
+        self.stats = FFNStats()
+
+    def __call__(self, lw: LayerWeights, layer: int, x: np.ndarray, h: np.ndarray,
+                 out: np.ndarray, n_threads: int) -> np.ndarray:
+        """x: (n_tok, n_embd) residual before the FFN norm; h: normed x. Writes (n_tok, n_embd)
+        FFN output into ``out`` and returns it."""
+        n_tok, n_ff = h.shape[0], self.cfg.n_ff
+        gate = np.empty((n_tok, n_ff), np.float32)  # (n_tok, n_ff)
+        up = np.empty((n_tok, n_ff), np.float32)  # (n_tok, n_ff)
+        linear(lw.ffn_gate, h, gate, n_threads)
+        linear(lw.ffn_up, h, up, n_threads)
+        self.mul(gate, up, gate)
+        linear_t(lw.ffn_down_t, gate, out, n_threads)
+        self.stats.total += n_tok * n_ff
+        self.stats.active += n_tok * n_ff
+        self.stats.candidates += n_tok * n_ff
+        return out
+
+
+class Predictor:
+    """One layer's activation predictor, PowerInfer's tensor form: a neuron is a candidate where
+    ``fc2 @ relu(fc1 @ x) >= threshold``. fc1 (rank, n_embd) f32, fc2 (n_ff, rank) f32."""
+
+    def __init__(self, fc1: np.ndarray, fc2: np.ndarray, threshold: float):
+        self.fc1 = cpu.QTensor(np.ascontiguousarray(fc1, np.float32), cpu.QT.F32, *fc1.shape)
+        self.fc2 = cpu.QTensor(np.ascontiguousarray(fc2, np.float32), cpu.QT.F32, *fc2.shape)
+        self.threshold = float(threshold)
+        self._hid = np.empty(fc1.shape[0], np.float32)  # (rank,)
+        self._logits = np.empty(fc2.shape[0], np.float32)  # (n_ff,)
+
+    def active(self, x: np.ndarray, n_threads: int) -> np.ndarray:
+        """Candidate neuron ids (int32, sorted) for one token's x (n_embd,)."""
+        cpu.matvec(self.fc1, x, self._hid, n_threads)
+        np.maximum(self._hid, 0.0, out=self._hid)
+        cpu.matvec(self.fc2, self._hid, self._logits, n_threads)
+        return np.flatnonzero(self._logits >= self.threshold).astype(np.int32)
+
+    def mask(self, x: np.ndarray) -> np.ndarray:
+        """Candidate mask (n_tok, n_ff) bool for x (n_tok, n_embd)."""
+        hid = np.maximum(x @ self.fc1.data.T, 0.0)
+        return hid @ self.fc2.data.T >= self.threshold
+
+
+class SparseFFN:
+    """Only the neurons predicted and found active (see the module docstring).
+
+    predictors: one ``Predictor`` per layer, or None to read every gate row (then only the
+    activation threshold prunes). act_threshold: (n_layer,) f32, |act(gate)| must exceed it
+    (0 for ReLU models, whose inactive neurons are exact zeros).
+    """
+
+    def __init__(self, cfg: ModelConfig, predictors: list[Predictor] | None,
+                 act_threshold: np.ndarray):
+        self.cfg = cfg
+        self.predictors = predictors
+        self.act_threshold = np.asarray(act_threshold, np.float32)
+        self.act = _act(cfg.hidden_act)
+        self.all_ids = np.arange(cfg.n_ff, dtype=np.int32)
+        self.stats = FFNStats()
+
+    def __call__(self, lw: LayerWeights, layer: int, x: np.ndarray, h: np.ndarray,
+                 out: np.ndarray, n_threads: int) -> np.ndarray:
+        if h.shape[0] > 1:
+            return self._batch(lw, layer, x, h, out, n_threads)
+        n_ff = self.cfg.n_ff
+        ids = (self.predictors[layer].active(x[0], n_threads) if self.predictors
+               else self.all_ids)
+        g = np.empty(ids.shape[0], np.float32)  # (n_candidates,)
+        cpu.gather_matvec(lw.ffn_gate, h[0], ids, g, n_threads)
+        a = self.act(g)
+        keep = np.abs(a) > self.act_threshold[layer]
+        ids_active = ids[keep]
+        a = np.ascontiguousarray(a[keep], np.float32)  # (n_active,)
+        u = np.empty_like(a)
+        cpu.gather_matvec(lw.ffn_up, h[0], ids_active, u, n_threads)
+        a *= u
+        cpu.axpy_rows(lw.ffn_down_t, a, ids_active, out[0], n_threads)
+        self.stats.total += n_ff
+        self.stats.candidates += ids.shape[0]
+        self.stats.active += ids_active.shape[0]
+        return out
+
+    def _batch(self, lw, layer, x, h, out, n_threads):
+        """Prefill: dense GEMMs (the union of active neurons over a batch is most of the layer),
+        masked to exactly the neurons the token-at-a-time path would compute."""
+        n_tok, n_ff = h.shape[0], self.cfg.n_ff
+        gate = np.empty((n_tok, n_ff), np.float32)
+        up = np.empty((n_tok, n_ff), np.float32)
+        linear(lw.ffn_gate, h, gate, n_threads)
+        linear(lw.ffn_up, h, up, n_threads)
+        a = self.act(gate)
+        mask = np.abs(a) > self.act_threshold[layer]
+        if self.predictors:
+            cand = self.predictors[layer].mask(x)
+            mask &= cand
+            self.stats.candidates += int(cand.sum())
+        else:
+            self.stats.candidates += n_tok * n_ff
+        a = np.where(mask, a * up, 0.0).astype(np.float32)
+        linear_t(lw.ffn_down_t, a, out, n_threads)
+        self.stats.total += n_tok * n_ff
+        self.stats.active += int(mask.sum())
+        return out

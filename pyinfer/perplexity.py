@@ -1,0 +1,95 @@
+"""pyinfer-perplexity: perplexity of a model on a text file, llama.cpp's method.
+
+The text is tokenized once and cut into chunks of the context size; each chunk is evaluated from
+an empty cache (its first token replaced by BOS when the tokenizer adds one) and only the second
+half of each chunk is scored, so every scored token sees at least n_ctx/2 tokens of context
+(llama.cpp ``examples/perplexity/perplexity.cpp``). In sparse mode it also prints the mean
+fraction of FFN neurons computed per token.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+
+import numpy as np
+
+from pyinfer.errors import PyinferError
+
+
+def log_softmax_at(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """log p(target) per row: logits (n, n_vocab) f32, targets (n,) int -> (n,) f64."""
+    z = logits.astype(np.float64)
+    m = z.max(axis=1, keepdims=True)
+    lse = m[:, 0] + np.log(np.exp(z - m).sum(axis=1))
+    return z[np.arange(z.shape[0]), targets] - lse
+
+
+def perplexity(engine, tokens: list[int], n_ctx: int, max_chunks: int = 0, progress=True):
+    """Returns (ppl, n_scored, fraction_of_ffn_neurons_computed).
+
+    tokens: the whole text's ids; n_ctx: chunk size (<= engine.n_ctx). Raises PyinferError when
+    the text is shorter than one chunk."""
+    n_chunks = len(tokens) // n_ctx
+    if max_chunks > 0:
+        n_chunks = min(n_chunks, max_chunks)
+    if n_chunks == 0:
+        raise PyinferError(f"the text has {len(tokens)} tokens, fewer than one chunk of {n_ctx}; "
+                           "use a longer text or a smaller -c")
+    from tqdm import tqdm
+
+    engine.reset_stats()
+    bos = engine.tokenizer.bos_id if engine.tokenizer.add_bos else None
+    first = n_ctx // 2
+    nll, count = 0.0, 0
+    bar = tqdm(range(n_chunks), desc="perplexity", unit="chunk", disable=not progress)
+    for c in bar:
+        chunk = list(tokens[c * n_ctx:(c + 1) * n_ctx])
+        if bos is not None:
+            chunk[0] = bos
+        engine.reset()
+        logits = engine.model.forward(chunk, 0, all_logits=True)  # (n_ctx, n_vocab)
+        lp = log_softmax_at(logits[first:n_ctx - 1], np.asarray(chunk[first + 1:n_ctx]))
+        nll -= lp.sum()
+        count += lp.shape[0]
+        bar.set_postfix(ppl=f"{math.exp(nll / count):.4f}")
+    return math.exp(nll / count), count, 1.0 - engine.ffn_sparsity()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="pyinfer-perplexity", description=__doc__.splitlines()[0])
+    ap.add_argument("model", help="GGUF written by pyinfer-convert")
+    ap.add_argument("-f", "--file", required=True, help="text file to score")
+    ap.add_argument("-c", "--ctx-size", type=int, default=512, help="chunk size in tokens")
+    ap.add_argument("-t", "--threads", type=int, default=None)
+    ap.add_argument("--chunks", type=int, default=0, help="score at most this many chunks")
+    ap.add_argument("--dense", action="store_true", help="compute every FFN neuron")
+    args = ap.parse_args(argv)
+    try:
+        from pyinfer.engine import Engine
+
+        try:
+            with open(args.file, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise PyinferError(f"cannot read {args.file}: {e}") from None
+        if args.ctx_size < 8:
+            raise PyinferError("-c/--ctx-size must be at least 8")
+        eng = Engine(args.model, n_ctx=args.ctx_size, n_threads=args.threads, dense=args.dense)
+        tokens = eng.tokenizer.encode(text, add_bos=False)
+        t0 = time.perf_counter()
+        ppl, n, frac = perplexity(eng, tokens, args.ctx_size, args.chunks)
+        dt = time.perf_counter() - t0
+    except PyinferError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    mode = "sparse" if eng.is_sparse else "dense"
+    print(f"perplexity: {ppl:.4f} over {n} tokens ({mode}, ctx {args.ctx_size}, {dt:.1f} s)")
+    if eng.is_sparse:
+        print(f"ffn neurons computed per token: {frac:.1%} (sparsity {1 - frac:.1%})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""pyinfer-run as a user runs it (a subprocess): one-line ``error:`` and exit 1 for user mistakes,
+and a greedy ``--chat`` answer on SmolLM2."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def pyinfer_run(*args, timeout=120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, "-m", "pyinfer.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env=env)
+
+
+def assert_user_error(r: subprocess.CompletedProcess, *words: str):
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("error: "), r.stderr
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+    assert "Traceback" not in r.stderr
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_uint32("llama.block_count", 1)
+    w.add_tensor("token_embd.weight", np.random.default_rng(0).random((64, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_missing_model_file(tmp_path):
+    assert_user_error(pyinfer_run(str(tmp_path / "nope.gguf"), "-p", "hi"), "not found")
+
+
+def test_not_a_gguf_file(tmp_path):
+    p = tmp_path / "model.gguf"
+    p.write_text("this is not a model\n")
+    assert_user_error(pyinfer_run(str(p), "-p", "hi"), "not a GGUF file")
+
+
+def test_truncated_gguf(tmp_path, tiny_gguf):
+    data = open(tiny_gguf, "rb").read()
+    p = tmp_path / "truncated.gguf"
+    p.write_bytes(data[:len(data) // 2])
+    assert_user_error(pyinfer_run(str(p), "-p", "hi"), "truncated")
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "two"])
+def test_bad_threads(tmp_path, value):
+    assert_user_error(pyinfer_run(str(tmp_path / "m.gguf"), "-p", "hi", "-t", value), "-t/--threads")
+
+
+def test_no_prompt_and_no_model(tmp_path, tiny_gguf):
+    assert_user_error(pyinfer_run("-p", "hi"), "no model")
+    assert_user_error(pyinfer_run(str(tmp_path / "m.gguf")), "no prompt")
+
+
+def test_unknown_flag():
+    assert_user_error(pyinfer_run("m.gguf", "--no-such-flag"), "--no-such-flag")
+
+
+def test_unreadable_prompt_file(tmp_path, tiny_gguf):
+    assert_user_error(pyinfer_run(tiny_gguf, "-f", str(tmp_path / "missing.txt")), "cannot read prompt file")
+
+
+@pytest.mark.slow
+def test_prompt_longer_than_context(smollm2_q8):
+    r = pyinfer_run(smollm2_q8, "-c", "16", "-p", "one two three four five six seven eight nine ten " * 3)
+    assert_user_error(r, "longer than the context (16)")
+
+
+@pytest.mark.slow
+def test_greedy_chat_answers_berlin(smollm2_q8):
+    r = pyinfer_run(smollm2_q8, "--chat", "-p", "What is the capital of Germany?", "--temp", "0",
+                    "-n", "24", "-c", "256", timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "Berlin" in r.stdout
+    assert "What is the capital" not in r.stdout  # --chat does not echo the prompt
+    assert "pyinfer_perf:        eval time" in r.stderr  # llama.cpp-style timing summary

@@ -1,0 +1,149 @@
+"""The chat REPL: conversation fitting and commands over a scripted model (fast), and pyinfer-chat
+driven through a pseudo-terminal on the converted SmolLM2 (slow)."""
+from __future__ import annotations
+
+import io
+import os
+import re
+import shutil
+import sys
+import time
+
+import pytest
+
+from pyinfer.api import GenerationStats
+from pyinfer.errors import PyinferError
+from pyinfer.repl import ChatSession, repl
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class FakeLLM:
+    """Each message costs 4 tokens plus one per word; every answer is ``answer``."""
+
+    def __init__(self, n_ctx=64, answer="ok then"):
+        self.n_ctx = n_ctx
+        self.answer = answer
+        self.prompts = []
+        self.last_stats = GenerationStats()
+        self.model_name = "fake"
+
+    def chat_tokens(self, messages):
+        n = sum(4 + len(m["content"].split()) for m in messages) + 3
+        return list(range(n))
+
+    def stream_text(self, ids, max_tokens=None, should_stop=None, **kw):
+        self.prompts.append(len(ids))
+        self.last_stats = GenerationStats(prompt_tokens=len(ids), prompt_evaluated=len(ids),
+                                          completion_tokens=2, finish_reason="stop")
+        for w in self.answer.split(" "):
+            yield w + " "
+
+
+def test_session_keeps_turns_and_drops_the_oldest_when_full():
+    llm = FakeLLM(n_ctx=64)
+    s = ChatSession(llm, system="be brief", max_tokens=16)  # 48 tokens of room for the prompt
+    s.ask("one two three")
+    s.ask("four five six")
+    assert [m["role"] for m in s.messages] == ["system", "user", "assistant", "user", "assistant"]
+    assert s.last_dropped == 0
+    s.ask("seven " * 10)
+    assert s.last_dropped == 2  # the first user/assistant pair went, the system message stayed
+    assert s.messages[0] == {"role": "system", "content": "be brief"}
+    assert s.messages[1]["content"] == "four five six"
+    assert len(llm.chat_tokens(s.messages[:-1])) <= 48
+
+
+def test_session_refuses_a_message_longer_than_the_context():
+    s = ChatSession(FakeLLM(n_ctx=32), max_tokens=8)
+    with pytest.raises(PyinferError, match="more than the context"):
+        s.ask("word " * 40)
+    assert s.messages == []  # unchanged: the REPL goes on
+
+
+def test_reset_keeps_the_system_message():
+    s = ChatSession(FakeLLM(), system="sys")
+    s.ask("hi")
+    s.reset()
+    assert s.messages == [{"role": "system", "content": "sys"}]
+
+
+def test_repl_commands(monkeypatch):
+    lines = iter(["/help", "hello", "/stats", "/nope", "/reset", "multi \\", "line", "/exit", "never"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    llm = FakeLLM()
+    s = ChatSession(llm)
+    out, err = io.StringIO(), io.StringIO()
+    assert repl(s, verbose=True, out=out, err=err) == 0
+    assert "/reset" in err.getvalue() and "/exit" in err.getvalue()  # /help
+    assert "ok then" in out.getvalue()
+    assert err.getvalue().count("tokens evaluated") == 3  # --verbose twice, /stats once
+    assert "unknown command /nope" in err.getvalue()
+    assert "[new conversation]" in err.getvalue()
+    assert s.messages[0]["content"] == "multi \nline"  # the backslash joined the lines
+    assert next(lines) == "never"  # /exit stopped reading
+
+
+def test_repl_ends_on_eof(monkeypatch):
+    def eof(prompt=""):
+        raise EOFError
+    monkeypatch.setattr("builtins.input", eof)
+    assert repl(ChatSession(FakeLLM()), out=io.StringIO(), err=io.StringIO()) == 0
+
+
+# ---- the real thing: pyinfer-chat in a pseudo-terminal -------------------------------------------
+PROMPT = re.compile(r"\n(\x1b\[[0-9;?]*[a-zA-Z])*> ")
+
+
+def _spawn(model, *args):
+    pexpect = pytest.importorskip("pexpect")
+    exe = shutil.which("pyinfer-chat", path=os.path.dirname(sys.executable))
+    cmd, argv = (exe, []) if exe else (sys.executable, ["-m", "pyinfer.repl"])
+    env = dict(os.environ, PYTHONPATH=ROOT, TERM="dumb", PYTHONUNBUFFERED="1")
+    child = pexpect.spawn(cmd, argv + [model, *args], cwd=ROOT, env=env, encoding="utf-8",
+                          timeout=240, dimensions=(40, 200))
+    return child
+
+
+def _answer(child, question: str) -> str:
+    """Send one message and return what the REPL printed before the next prompt."""
+    child.sendline(question)
+    child.expect(re.escape(question))  # the terminal echo
+    child.expect(PROMPT)
+    return child.before
+
+
+@pytest.mark.slow
+def test_chat_remembers_resets_and_stops_on_ctrl_c(smollm2_q8):
+    child = _spawn(smollm2_q8, "--temp", "0", "-c", "1024", "-n", "48", "--verbose",
+                   "--system", "You are a helpful assistant.")
+    try:
+        child.expect("Ctrl-D exits")
+        child.expect("> ")
+        a1 = _answer(child, "Hi, my name is Alice.")
+        assert "tokens evaluated" in a1
+        a2 = _answer(child, "What is my name?")
+        assert "Alice" in a2, a2
+        # the second turn ran only its new tokens; the first turn came from the KV cache
+        evaluated, reused = map(int, re.search(r"prompt: (\d+) tokens evaluated, (\d+) reused", a2).groups())
+        assert reused > evaluated > 0
+
+        child.sendline("/reset")
+        child.expect(r"\[new conversation\]")
+        child.expect(PROMPT)
+        a3 = _answer(child, "What is my name?")
+        assert "Alice" not in a3, a3
+
+        child.sendline("Write a long story about a dragon who loves to read books.")
+        child.expect("dragon who loves to read books")
+        child.expect(r"\w+ \w+ \w+")  # the answer is streaming
+        t0 = time.monotonic()
+        child.sendintr()
+        child.expect(r"\[interrupted\]")
+        child.expect(PROMPT)
+        assert time.monotonic() - t0 < 30
+        child.sendline("/exit")
+        child.expect(pytest.importorskip("pexpect").EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0 or child.signalstatus is None

@@ -1,0 +1,66 @@
+"""The sparse FFN: skipping neurons must change nothing but the work done.
+
+- On a ReLU model, skipping exactly the neurons whose relu(gate) is zero is lossless: the logits
+  equal transformers' dense ones while fewer neurons are computed.
+- The token-at-a-time path (gather-GEMV + AXPY kernels) equals the batched masked path for any
+  predictor and threshold, so perplexity measured in batches is the sparsity decode really has.
+"""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from convert.cli import main as convert_main  # noqa: E402
+from pyinfer.engine import Engine  # noqa: E402
+from pyinfer.ffn import Predictor, SparseFFN  # noqa: E402
+from tests._models import make_random_llama  # noqa: E402
+
+PROMPT = [1, 17, 42, 7, 99, 3, 64, 5, 120, 33, 8, 250, 11, 12]
+
+
+def engine_for(tmp_path, hidden_act, outtype="f32"):
+    model_dir = make_random_llama(tmp_path / "hf", hidden_act=hidden_act, tied=False, n_kv_heads=2,
+                                  tokenizer="bpe", intermediate_size=256)
+    out = tmp_path / "m.gguf"
+    assert convert_main([str(model_dir), str(out), "--outtype", outtype]) == 0
+    return model_dir, Engine(str(out), n_ctx=64, n_threads=2, dense=True)
+
+
+def decode_all(eng, tokens):
+    eng.reset()
+    return np.stack([eng.model.forward([t], i) for i, t in enumerate(tokens)])
+
+
+def test_relu_zero_skipping_is_lossless(tmp_path):
+    model_dir, eng = engine_for(tmp_path, "relu")
+    hf = transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([PROMPT])).logits[0].numpy()
+    cfg = eng.cfg
+    eng.model.ffn = SparseFFN(cfg, None, np.zeros(cfg.n_layer, np.float32))
+    ours = decode_all(eng, PROMPT)
+    assert np.max(np.abs(ours - ref)) / np.max(np.abs(ref)) < 1e-3
+    assert 0.2 < eng.model.ffn.stats.sparsity < 0.8  # random ReLU: about half the gates are <= 0
+
+
+@pytest.mark.parametrize("hidden_act,outtype", [("silu", "f32"), ("relu", "q8_0"),
+                                                ("silu", "q4_0"), ("relu", "f16")])
+def test_decode_path_equals_batched_masked_path(tmp_path, hidden_act, outtype):
+    _, eng = engine_for(tmp_path, hidden_act, outtype)
+    cfg = eng.cfg
+    rng = np.random.default_rng(0)
+    rank = 16
+    preds = [Predictor(rng.normal(size=(rank, cfg.n_embd)).astype(np.float32),
+                       rng.normal(size=(cfg.n_ff, rank)).astype(np.float32), 0.5)
+             for _ in range(cfg.n_layer)]
+    thr = np.full(cfg.n_layer, 0.01 if hidden_act == "silu" else 0.0, np.float32)
+    eng.model.ffn = SparseFFN(cfg, preds, thr)
+    eng.reset()
+    batched = eng.model.forward(PROMPT, 0, all_logits=True)
+    batched_sparsity = eng.model.ffn.stats.sparsity
+    eng.model.ffn.stats.reset()
+    stepped = decode_all(eng, PROMPT)
+    assert np.max(np.abs(stepped - batched)) / np.max(np.abs(batched)) < 1e-4
+    assert eng.model.ffn.stats.sparsity == pytest.approx(batched_sparsity, abs=1e-9)
+    assert eng.model.ffn.stats.sparsity > 0.3
