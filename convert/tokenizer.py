@@ -102,8 +102,7 @@ def _gpt2_vocab(meta: Metadata, tj: dict[str, Any], n_vocab: int) -> list[str]:
     return tokens
 
 
-def _spm_vocab(meta: Metadata, path: str, tj: dict[str, Any] | None, tcfg: dict[str, Any],
-               model_dir: str, n_vocab: int) -> list[str]:
+def _spm_vocab(meta: Metadata, path: str, tcfg: dict[str, Any], model_dir: str, n_vocab: int) -> list[str]:
     import sentencepiece as spm
 
     try:
@@ -226,7 +225,7 @@ def hf_tokenizer_metadata(model_dir: str, n_vocab: int) -> Metadata | None:
     meta = Metadata()
     kind = None
     if has_sp:
-        tokens, kind = _spm_vocab(meta, sp_path, tj, tcfg, model_dir, n_vocab), "llama"
+        tokens, kind = _spm_vocab(meta, sp_path, tcfg, model_dir, n_vocab), "llama"
     elif tj is not None and (tj.get("model") or {}).get("type") == "BPE" and _is_byte_level(tj):
         tokens, kind = _gpt2_vocab(meta, tj, n_vocab), "gpt2"
     else:

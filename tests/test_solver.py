@@ -125,6 +125,14 @@ def test_large_budget_places_everything():
         assert p.objective == sum(float(c.sum()) for c in counts)
 
 
+def test_everything_fits_places_never_active_neurons_too():
+    counts = [np.array([5, 0, 0, 3]), np.zeros(3)]
+    p = solve_placement(counts, 2, 14, group_size=2, min_neurons_per_layer=2)
+    assert all(m.all() for m in p.gpu_idx) and p.bytes_used == 14 and p.objective == 8
+    q = solve_placement(counts, 2, 13, group_size=2, min_neurons_per_layer=2, mip_rel_gap=0.0)
+    assert q.objective == 8 and q.gpu_bucket[1].size == 0  # zero-count layer stays on the CPU
+
+
 def test_hot_neurons_first_and_layers_by_number():
     # 12 layers so that text order ("10" < "2") would differ from numeric order.
     counts = [np.zeros(64) for _ in range(12)]

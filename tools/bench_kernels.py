@@ -1,6 +1,6 @@
 """Benchmark the CPU kernels: prints time and effective weight bandwidth (GB/s) per kernel, type
 and thread count. Weights are bigger than the caches where it matters (output projection), so the
-figures are close to streaming from memory. Times are the best of 9 short trials.
+figures are close to streaming from memory. Times are the best single call.
 
     .venv/bin/python tools/bench_kernels.py [--quick]
 """
@@ -23,20 +23,17 @@ QT = gguf.GGMLQuantizationType
 TYPES = {"f32": QT.F32, "f16": QT.F16, "q8_0": QT.Q8_0, "q4_0": QT.Q4_0}
 
 
-def _time(fn, trials=9, trial_time=0.03):
-    """Best per-call wall time over several short trials: on a shared, busy machine the minimum
-    is the figure closest to an idle machine's."""
+def _time(fn, budget=0.4, max_calls=400):
+    """Best single-call wall time over many calls: on a shared, busy machine (other processes on
+    the 2 cores stall an OpenMP barrier for a whole time slice) the minimum is the figure closest
+    to an idle machine's. Each call reads a different weight copy, so caches do not flatter it."""
     fn()
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < trial_time:
-        fn()
-        n += 1
-    best = float("inf")
-    for _ in range(trials):
+    best, t_end, n = float("inf"), time.perf_counter() + budget, 0
+    while n < max_calls and (n < 5 or time.perf_counter() < t_end):
         t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / n)
+        fn()
+        best = min(best, time.perf_counter() - t0)
+        n += 1
     return best
 
 
