@@ -93,6 +93,8 @@ def matrix_qtype(cols: int, outtype: str) -> gguf.GGMLQuantizationType:
 
 def tensor_nbytes(shape: Sequence[int], qtype: gguf.GGMLQuantizationType) -> int:
     """Bytes a tensor of ``shape`` (numpy order) takes when stored as ``qtype``."""
+    if qtype == QT.I32:  # offline-stage index/count tensors (gpu_idx, gpu_bucket, act_count)
+        return int(np.prod(shape, dtype=np.int64)) * 4
     block, block_bytes = QK_BLOCK[qtype]
     n = int(np.prod(shape, dtype=np.int64))
     assert shape[-1] % block == 0, (shape, qtype)
@@ -100,7 +102,12 @@ def tensor_nbytes(shape: Sequence[int], qtype: gguf.GGMLQuantizationType) -> int
 
 
 def encode(arr: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
-    """float32 array -> the array GGUFWriter stores for ``qtype`` (f32, f16, or uint8 blocks)."""
+    """float32 array -> the array GGUFWriter stores for ``qtype`` (f32, f16, or uint8 blocks).
+
+    I32 tensors take an integer array as it is (never through float32, which would round
+    counts above 2**24)."""
+    if qtype == QT.I32:
+        return np.ascontiguousarray(arr, dtype=np.int32)
     arr = np.ascontiguousarray(arr, dtype=np.float32)
     if qtype == QT.F32:
         return arr

@@ -1,0 +1,124 @@
+"""Activation profiler: runs pyinfer's own engine over calibration tokens and records, per layer,
+the FFN input and every neuron's activation magnitude.
+
+A ``RecordingFFN`` (a ``DenseFFN`` that also writes what it sees) is installed as the model's FFN;
+calibration sequences are evaluated as batched prefill chunks, each from an empty cache
+(``engine.model.forward(chunk, 0)``). Recorded per layer l and token t:
+
+- ``x[l, t]``: the residual stream *before* the FFN norm, the predictor's input (f32, n_embd);
+- ``act[l, t]``: ``|act(gate)|`` of every neuron (f16 to halve memory, n_ff), act = relu or silu.
+
+From these, :func:`activity` derives which neurons count as active: ReLU models where
+``relu(gate) > 0`` (sparse mode "relu"), SwiGLU models where ``|silu(gate)|`` exceeds the layer's
+target-sparsity quantile (sparse mode "cats", CATS: Lee et al. 2024), the per-layer threshold
+SparseFFN applies at run time.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pyinfer import constants as C
+from pyinfer.errors import PyinferError
+from pyinfer.ffn import DenseFFN, linear, linear_t
+
+
+class RecordingFFN(DenseFFN):
+    """DenseFFN that copies x and |act(gate)| of every token into preallocated buffers.
+
+    x_rec: (n_layer, n_tokens, n_embd) f32; act_rec: (n_layer, n_tokens, n_ff) f16. Layers write
+    at their own cursor, so tokens are recorded in evaluation order."""
+
+    def __init__(self, cfg, n_tokens: int):
+        super().__init__(cfg)
+        self.x_rec = np.empty((cfg.n_layer, n_tokens, cfg.n_embd), np.float32)
+        self.act_rec = np.empty((cfg.n_layer, n_tokens, cfg.n_ff), np.float16)
+        self.cursor = np.zeros(cfg.n_layer, np.int64)
+        self.silu = cfg.hidden_act == "silu"
+
+    def __call__(self, lw, layer, x, h, out, n_threads):
+        n_tok, n_ff = h.shape[0], self.cfg.n_ff
+        gate = np.empty((n_tok, n_ff), np.float32)  # (n_tok, n_ff)
+        up = np.empty((n_tok, n_ff), np.float32)  # (n_tok, n_ff)
+        linear(lw.ffn_gate, h, gate, n_threads)
+        linear(lw.ffn_up, h, up, n_threads)
+        s = int(self.cursor[layer])
+        if s + n_tok > self.x_rec.shape[1]:
+            raise AssertionError("RecordingFFN: more tokens than allocated")
+        self.x_rec[layer, s:s + n_tok] = x
+        a = gate / (1.0 + np.exp(-gate)) if self.silu else np.maximum(gate, 0.0)
+        np.abs(a, out=a)
+        self.act_rec[layer, s:s + n_tok] = a
+        self.cursor[layer] = s + n_tok
+        self.mul(gate, up, gate)  # the same kernel the dense FFN uses
+        linear_t(lw.ffn_down_t, gate, out, n_threads)
+        self.stats.total += n_tok * n_ff
+        self.stats.active += n_tok * n_ff
+        self.stats.candidates += n_tok * n_ff
+        return out
+
+
+@dataclass
+class Profile:
+    """What the profiler recorded: x (n_layer, n_tok, n_embd) f32, act (n_layer, n_tok, n_ff) f16
+    = |act(gate)|, and the tokens evaluated, in order."""
+
+    x: np.ndarray
+    act: np.ndarray
+    tokens: list[int]
+
+    @property
+    def n_tokens(self) -> int:
+        return self.x.shape[1]
+
+
+def chunks(sequences: list[list[int]], chunk_len: int) -> list[list[int]]:
+    """Each sequence cut into pieces of at most ``chunk_len`` tokens (each evaluated from pos 0)."""
+    out = []
+    for seq in sequences:
+        for i in range(0, len(seq), chunk_len):
+            out.append(list(seq[i:i + chunk_len]))
+    return out
+
+
+def profile(engine, sequences: list[list[int]], chunk_len: int = 512,
+            progress: bool | None = None) -> Profile:
+    """Evaluate ``sequences`` (token ids) with ``engine`` and record every layer's FFN input and
+    activations (see the module docstring). chunk_len <= engine.n_ctx. The engine's FFN is
+    restored afterwards."""
+    from tqdm import tqdm
+
+    if chunk_len > engine.n_ctx:
+        raise ValueError(f"chunk_len {chunk_len} > engine context {engine.n_ctx}")
+    pieces = chunks(sequences, chunk_len)
+    n = sum(len(p) for p in pieces)
+    if n == 0:
+        raise PyinferError("no calibration tokens to profile")
+    rec = RecordingFFN(engine.cfg, n)
+    saved = engine.model.ffn
+    engine.model.ffn = rec
+    tokens: list[int] = []
+    try:
+        for piece in tqdm(pieces, desc="profiling", unit="chunk", leave=False,
+                          disable=None if progress is None else not progress):
+            engine.reset()
+            engine.model.forward(piece, 0, all_logits=False)
+            tokens += piece
+    finally:
+        engine.model.ffn = saved
+        engine.reset()
+    return Profile(rec.x_rec, rec.act_rec, tokens)
+
+
+def activity(act: np.ndarray, mode: str, target_sparsity: float) -> tuple[np.ndarray, float]:
+    """One layer's (active mask (n_tok, n_ff) bool, activation threshold).
+
+    act: (n_tok, n_ff) |act(gate)| (f16). mode "relu": active where act > 0, threshold 0.
+    mode "cats": threshold = the ``target_sparsity`` quantile of act over all (token, neuron)
+    pairs, active where act > threshold (SparseFFN's strict comparison)."""
+    if mode == C.SPARSE_MODE_RELU:
+        return act > 0, 0.0
+    a = act.astype(np.float32)
+    thr = float(np.float32(np.quantile(a, target_sparsity)))
+    return a > np.float32(thr), thr
