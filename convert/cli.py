@@ -1,4 +1,7 @@
-"""``pyinfer-convert SRC OUT [--outtype f16|f32|q8_0|q4_0]``.
+"""``pyinfer-convert SRC OUT [--outtype f16|f32|q8_0|q4_0] [offline-stage flags] [--dense]``.
+
+By default the offline stage (calibration, profiling, predictors, placement: predictors/offline.py)
+runs after the conversion and its results go into the same file; ``--dense`` skips it.
 
 SRC is a Hugging Face ``LlamaForCausalLM`` directory (config.json + *.safetensors + tokenizer files)
 or a llama.cpp GGUF file of architecture ``llama``. OUT is written atomically (``OUT.tmp`` then a
@@ -60,11 +63,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", help="output .gguf path (written via OUT.tmp, then renamed)")
     parser.add_argument("--outtype", choices=list(OUTTYPES), default="f16",
                         help="type of the 2-D weights (norms stay f32); default f16")
+    from predictors.offline import add_arguments, options_from_args
+
+    add_arguments(parser)  # the offline stage's flags (--dense skips it)
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` cleans up OUT.tmp like Ctrl-C does
     t0 = time.perf_counter()
     try:
-        convert(args.src, args.out, args.outtype)
+        if args.dense:
+            convert(args.src, args.out, args.outtype)
+        else:
+            from predictors.offline import convert_sparse
+
+            convert_sparse(args.src, args.out, args.outtype, options_from_args(args))
     except PyinferError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

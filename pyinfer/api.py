@@ -13,10 +13,11 @@ Example::
 """
 from __future__ import annotations
 
+import inspect
 import os
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
 import numpy as np
@@ -89,14 +90,18 @@ class LLM:
         vram_budget: GiB of GPU memory to use for hot neurons (only with a GPU engine).
         seed: seed of the random stream that per-call seeds are drawn from (None: fresh entropy).
         verbose: print load information to stderr.
+        dense: compute every FFN neuron even when the file has predictors (the offline stage's).
+        reset_gpu_index, disable_gpu_index, n_gpu_layers: GPU placement options of
+            ``pyinfer.engine.Engine`` (re-solve the split, whole layers only, llama.cpp -ngl).
     Raises PyinferError for a bad file or setting.
     """
 
     def __init__(self, model_path: str, *, n_ctx: int | None = None, n_threads: int | None = None,
                  device: str | None = None, vram_budget: float | None = None,
-                 seed: int | None = None, verbose: bool = False):
+                 seed: int | None = None, verbose: bool = False, dense: bool = False,
+                 reset_gpu_index: bool = False, disable_gpu_index: bool = False,
+                 n_gpu_layers: int | None = None):
         from pyinfer.engine import Engine
-        import inspect
 
         accepted = inspect.signature(Engine.__init__).parameters
         extra: dict[str, Any] = {}
@@ -105,6 +110,12 @@ class LLM:
                 raise PyinferError(f"device {device!r} is not supported by this build "
                                    "(only 'cpu' and 'auto' work for now)")
             extra["device"] = device
+        elif device is not None and "device" in accepted:
+            extra["device"] = device  # "cpu" must reach the engine: its default takes a GPU if present
+        for key, value in (("reset_gpu_index", reset_gpu_index),
+                           ("disable_gpu_index", disable_gpu_index), ("n_gpu_layers", n_gpu_layers)):
+            if value and key in accepted:
+                extra[key] = value
         if vram_budget is not None:
             if "vram_budget" in accepted:
                 extra["vram_budget"] = vram_budget
@@ -116,7 +127,7 @@ class LLM:
             raise PyinferError("n_ctx must be >= 0")
         self.model_path = model_path
         self.engine = Engine(model_path, n_ctx=n_ctx or None, n_threads=n_threads, verbose=verbose,
-                             **extra)
+                             dense=dense, **extra)
         self.tokenizer = self.engine.tokenizer
         self.verbose = verbose
         self.model_name = os.path.basename(model_path)
@@ -189,8 +200,14 @@ class LLM:
     def _snapshot(self) -> _Snapshot:
         t = self.engine.timings
         ffn = getattr(getattr(self.engine, "model", None), "ffn", None)
-        return _Snapshot(t.prompt_n, t.prompt_ms, t.eval_n, t.eval_ms,
-                         int(getattr(ffn, "neurons_computed", 0)), int(getattr(ffn, "neurons_total", 0)))
+        # FFNs count neurons in ``ffn.stats`` (active of total, pyinfer/ffn.py FFNStats); read through
+        # getattr so an FFN without counters reports no sparsity instead of failing.
+        st = getattr(ffn, "stats", None)
+        if st is not None:
+            computed, total = getattr(st, "active", 0), getattr(st, "total", 0)
+        else:
+            computed, total = getattr(ffn, "neurons_computed", 0), getattr(ffn, "neurons_total", 0)
+        return _Snapshot(t.prompt_n, t.prompt_ms, t.eval_n, t.eval_ms, int(computed), int(total))
 
     def stream_text(self, prompt_tokens: list[int], *, max_tokens: int | None = None,
                     stop: str | list[str] | None = None, temperature: float = 0.8, top_k: int = 40,

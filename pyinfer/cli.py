@@ -46,8 +46,17 @@ def build_parser(prog: str = "pyinfer-run") -> argparse.ArgumentParser:
                    help="render the prompt as one user turn with the GGUF's chat template")
     p.add_argument("--system", default=None, help="system message for --chat and -i")
     p.add_argument("--no-display-prompt", action="store_true", help="do not echo the prompt")
-    p.add_argument("--device", default=None, help="cpu (default) or auto")
+    p.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"],
+                   help="auto: the GPU when CuPy sees one (default, silent), cpu, or cuda")
     p.add_argument("--vram-budget", type=float, default=None, help="GiB of GPU memory for hot neurons")
+    p.add_argument("--reset-gpu-index", action="store_true",
+                   help="re-solve the hot-neuron split from the file's activation counts")
+    p.add_argument("--disable-gpu-index", action="store_true",
+                   help="ignore the stored hot-neuron split; offload whole layers instead")
+    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=None,
+                   help="llama.cpp-style baseline: the first N layers' FFNs dense on the GPU")
+    p.add_argument("--dense", action="store_true",
+                   help="compute every FFN neuron (ignore the file's predictors)")
     p.add_argument("--verbose", action="store_true",
                    help="in a chat, print speed and FFN sparsity after every answer")
     return p
@@ -92,7 +101,9 @@ def load(args, model_path: str):
     from pyinfer.api import LLM
 
     llm = LLM(model_path, n_ctx=args.ctx_size or None, n_threads=args.threads, device=args.device,
-              vram_budget=args.vram_budget, seed=None if args.seed < 0 else args.seed)
+              vram_budget=args.vram_budget, seed=None if args.seed < 0 else args.seed,
+              dense=args.dense, reset_gpu_index=args.reset_gpu_index,
+              disable_gpu_index=args.disable_gpu_index, n_gpu_layers=args.n_gpu_layers)
     return llm
 
 

@@ -18,6 +18,7 @@ from pyinfer import constants as C
 from pyinfer.config import ModelConfig, read_field
 from pyinfer.errors import PyinferError
 from pyinfer.ffn import DenseFFN, Predictor, SparseFFN
+from pyinfer.hybrid import place_ffn
 from pyinfer.model import Model
 from pyinfer.sampler import SamplingParams, sample
 from pyinfer.tokenizer import Tokenizer
@@ -68,11 +69,20 @@ class Engine:
         n_ctx: context size in tokens (default min(4096, the model's training context)).
         n_threads: kernel threads (default: all cores).
         dense: compute every FFN neuron even when the file has predictors (for comparison).
+        device: "auto" (the GPU when CuPy sees one, else the CPU with a notice), "cpu" or "cuda";
+            None (default): "auto" without the notice.
+        vram_budget: GiB of device memory to use (default: free memory minus a margin).
+        reset_gpu_index: re-solve the hot-neuron split from the stored activation counts.
+        disable_gpu_index: ignore the stored split; offload whole layers instead.
+        n_gpu_layers: llama.cpp -ngl: the first k layers' FFNs dense on the GPU (baseline).
+        See ``pyinfer.hybrid.place_ffn``.
     Raises PyinferError for a bad file or an impossible setting.
     """
 
     def __init__(self, model_path: str, *, n_ctx: int | None = None, n_threads: int | None = None,
-                 dense: bool = False, verbose: bool = False):
+                 dense: bool = False, verbose: bool = False, device: str | None = None,
+                 vram_budget: float | None = None, reset_gpu_index: bool = False,
+                 disable_gpu_index: bool = False, n_gpu_layers: int | None = None):
         t0 = time.perf_counter()
         self.path = model_path
         self.reader = open_gguf(model_path)
@@ -85,8 +95,12 @@ class Engine:
             n_threads = os.cpu_count() or 1
         self.n_ctx = n_ctx
         self.n_threads = n_threads
-        self.model = Model(self.cfg, self.weights, n_ctx, n_threads,
-                           ffn=DenseFFN(self.cfg) if dense else self._sparse_ffn())
+        ffn = (None if dense else self._sparse_ffn()) or DenseFFN(self.cfg)
+        ffn = place_ffn(self.reader, self.cfg, self.weights, ffn, device=device,
+                        vram_budget=vram_budget, reset_gpu_index=reset_gpu_index,
+                        disable_gpu_index=disable_gpu_index, n_gpu_layers=n_gpu_layers,
+                        verbose=verbose)
+        self.model = Model(self.cfg, self.weights, n_ctx, n_threads, ffn=ffn)
         self.tokens: list[int] = []  # tokens whose keys/values are in the cache, in order
         self.timings = Timings(load_ms=(time.perf_counter() - t0) * 1e3)
         self.verbose = verbose
@@ -110,7 +124,7 @@ class Engine:
 
     @property
     def is_sparse(self) -> bool:
-        return isinstance(self.model.ffn, SparseFFN)
+        return isinstance(self.model.ffn, SparseFFN) or getattr(self.model.ffn, "is_sparse", False)
 
     def ffn_sparsity(self) -> float:
         """Measured fraction of FFN neurons skipped since the last ``reset_stats`` (0 if dense)."""

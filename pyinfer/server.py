@@ -353,8 +353,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-t", "--threads", type=int, default=None, help="kernel threads (default: all cores)")
     p.add_argument("--queue-size", type=int, default=4,
                    help="requests that may wait behind the running one before 503 (default 4)")
-    p.add_argument("--device", default=None, help="cpu (default) or auto")
+    p.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"],
+                   help="auto: the GPU when CuPy sees one (default), cpu, or cuda")
     p.add_argument("--vram-budget", type=float, default=None, help="GiB of GPU memory for hot neurons")
+    p.add_argument("--reset-gpu-index", action="store_true",
+                   help="re-solve the hot-neuron split from the file's activation counts")
+    p.add_argument("--disable-gpu-index", action="store_true",
+                   help="ignore the stored hot-neuron split; offload whole layers instead")
+    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=None,
+                   help="llama.cpp-style baseline: the first N layers' FFNs dense on the GPU")
+    p.add_argument("--dense", action="store_true", help="compute every FFN neuron (ignore predictors)")
     p.add_argument("-s", "--seed", type=int, default=-1, help="RNG seed (-1: random)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
@@ -373,10 +381,9 @@ def main(argv=None) -> int:
             raise PyinferError("--queue-size must be >= 0")
         if args.threads is not None and args.threads <= 0:
             raise PyinferError("-t/--threads must be >= 1")
-        from pyinfer.api import LLM
+        from pyinfer.cli import load
 
-        llm = LLM(args.model, n_ctx=args.ctx_size or None, n_threads=args.threads, device=args.device,
-                  vram_budget=args.vram_budget, seed=None if args.seed < 0 else args.seed)
+        llm = load(args, args.model)
         app = create_app(llm, max_queue=args.queue_size)
     except PyinferError as e:
         print(f"error: {e}", file=sys.stderr)

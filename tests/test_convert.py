@@ -228,7 +228,7 @@ def test_spm_tokenizer(models, tmp_path):
 
 def test_no_tokenizer_warns(models, tmp_path):
     out = str(tmp_path / "m.gguf")
-    p = run_cli(models["notok"], out, "--outtype", "q8_0")
+    p = run_cli(models["notok"], out, "--outtype", "q8_0", "--dense")
     assert p.returncode == 0, p.stderr
     assert "warning: no tokenizer" in p.stderr
     r = gguf.GGUFReader(out)
@@ -287,7 +287,7 @@ def test_pyinfer_gguf_requantizes(converted, tmp_path):
 # ---------------------------------------------------------------- errors
 def _expect_error(tmp_path, src: str, out: str | None = None, contains: str = "") -> str:
     out = out or str(tmp_path / "out.gguf")
-    p = run_cli(src, out)
+    p = run_cli(src, out, "--dense")
     assert p.returncode == 1, p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), p.stderr
@@ -388,7 +388,7 @@ def test_existing_output_survives_failure(models, converted, tmp_path):
     out = tmp_path / "out.gguf"
     out.write_bytes(b"old")
     d = _copy_with_config(models, tmp_path, hidden_act="gelu")
-    p = run_cli(d, str(out))
+    p = run_cli(d, str(out), "--dense")
     assert p.returncode == 1 and out.read_bytes() == b"old"
 
 
@@ -402,7 +402,7 @@ def test_smollm2_unpermute_matches_transformers(tmp_path):
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     out = str(tmp_path / "smol-q8.gguf")
-    p = run_cli(SMOL, out, "--outtype", "f32")
+    p = run_cli(SMOL, out, "--outtype", "f32", "--dense")
     assert p.returncode == 0, p.stderr
     cfg = AutoConfig.from_pretrained(os.path.dirname(SMOL), gguf_file=os.path.basename(SMOL))
     with torch.device("meta"):  # the loader wants a model to map names; no weights are made here
@@ -432,7 +432,7 @@ def test_signal_mid_write_leaves_nothing(tmp_path, sig):
 
     out = tmp_path / "out.gguf"
     env = dict(os.environ, PYTHONPATH=ROOT)
-    p = subprocess.Popen([sys.executable, "-m", "convert.cli", SMOL, str(out), "--outtype", "q4_0"], cwd=ROOT,
+    p = subprocess.Popen([sys.executable, "-m", "convert.cli", SMOL, str(out), "--outtype", "q4_0", "--dense"], cwd=ROOT,
                          env=env, stderr=subprocess.PIPE, text=True,
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 60

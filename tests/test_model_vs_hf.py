@@ -34,7 +34,7 @@ def rel_err(a, b):
 
 def convert(model_dir, tmp_path, outtype):
     out = tmp_path / f"model-{outtype}.gguf"
-    assert convert_main([str(model_dir), str(out), "--outtype", outtype]) == 0
+    assert convert_main([str(model_dir), str(out), "--outtype", outtype, "--dense"]) == 0
     return out
 
 

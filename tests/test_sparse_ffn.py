@@ -23,7 +23,7 @@ def engine_for(tmp_path, hidden_act, outtype="f32"):
     model_dir = make_random_llama(tmp_path / "hf", hidden_act=hidden_act, tied=False, n_kv_heads=2,
                                   tokenizer="bpe", intermediate_size=256)
     out = tmp_path / "m.gguf"
-    assert convert_main([str(model_dir), str(out), "--outtype", outtype]) == 0
+    assert convert_main([str(model_dir), str(out), "--outtype", outtype, "--dense"]) == 0
     return model_dir, Engine(str(out), n_ctx=64, n_threads=2, dense=True)
 
 

@@ -10,7 +10,7 @@ activations to exact zeros; the config stays plain relu) -> held-out perplexity,
 hot-neuron concentration -> save_pretrained (config, safetensors, tokenizer) + heldout.txt + metrics.json.
 
 Usage (the recipe in docs/relu-fixture.md):
-    python tools/train_relu_fixture.py --out tests/fixtures/relu-llama --steps 800 --seed 0
+    python tools/train_relu_fixture.py --out tests/fixtures/relu-llama --steps 250 --seed 0
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ def evaluate(model, windows, batch: int = 8) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("tests/fixtures/relu-llama"))
-    ap.add_argument("--steps", type=int, default=800)
+    ap.add_argument("--steps", type=int, default=250)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vocab-size", type=int, default=3000)
     ap.add_argument("--hidden", type=int, default=128)
@@ -199,9 +199,9 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--weight-decay", type=float, default=0.1)
-    ap.add_argument("--l1", type=float, default=1.0,
+    ap.add_argument("--l1", type=float, default=0.1,
                     help="weight of the L1 penalty on relu(gate(x)) (mean over layers, tokens, neurons)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", choices=["float32", "float16"], default="float32")

@@ -1,0 +1,281 @@
+"""The offline stage of ``pyinfer-convert`` (PowerInfer arXiv 2312.12456 §5): calibrate, profile,
+train one activation predictor per layer, place hot neurons, and pack it all into the GGUF.
+
+Flow (one function, :func:`convert_sparse`):
+
+1. the dense conversion goes to a staging file ``<out>.dense.tmp`` (``convert.cli.convert``);
+2. a dense ``Engine`` over it produces the calibration tokens (``--calib`` files, or the model's own
+   text: predictors/calibrate.py) and the profile (predictors/profile.py): per layer the FFN input
+   x and |act(gate)| of every neuron;
+3. per layer: the active mask (ReLU: act > 0; SwiGLU: |silu(gate)| above the target-sparsity
+   quantile, CATS), activation counts, and a predictor ``fc2 @ relu(fc1 @ x) >= threshold``
+   trained for the target recall (predictors/train.py);
+4. with ``--vram-budget``, the GPU split (pyinfer/placement.py, predictors/solver.py);
+5. the final file: the converter's metadata and tensor jobs (re-planned from the source) plus
+   the new keys and tensors, through ``convert.writer.write_gguf`` (``<out>.tmp`` then rename).
+
+The staging file is removed in a ``finally``; ``write_gguf`` removes ``<out>.tmp`` on any
+exception, so an interrupted or failed conversion leaves no partial file. Layers are always
+paired by number.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pyinfer import constants as C
+from pyinfer.errors import PyinferError
+
+DEFAULT_CALIB_TOKENS = 4096  # SmolLM2-135M: about 2 min of generation + 1 min profiling, 1 thread
+DEFAULT_TARGET_RECALL = 0.95
+DEFAULT_TARGET_SPARSITY = 0.45  # CATS only; see docs/benchmarks.md "Offline stage (issue 3)"
+DEFAULT_SEED = 0
+DEFAULT_MAX_EPOCHS = 20
+DEFAULT_PATIENCE = 3
+CHUNK_LEN = 512  # tokens per profiling prefill chunk and per generated calibration sequence
+MIN_CALIB_TOKENS = 64
+
+
+@dataclass
+class OfflineOptions:
+    """Settings of the offline stage (the ``pyinfer-convert`` flags of the same names).
+
+    vram_budget_gib: None stores no GPU split (activation counts are always stored, so a GPU
+    engine can solve for its own budget at load time). predictor_rank: "auto" (choose_rank) or a
+    positive int. n_threads: kernel and torch threads (None: all cores)."""
+
+    calib_files: list[str] = field(default_factory=list)
+    calib_tokens: int = DEFAULT_CALIB_TOKENS
+    seed: int = DEFAULT_SEED
+    target_recall: float = DEFAULT_TARGET_RECALL
+    target_sparsity: float = DEFAULT_TARGET_SPARSITY
+    vram_budget_gib: float | None = None
+    predictor_rank: str | int = "auto"
+    n_threads: int | None = None
+    max_epochs: int = DEFAULT_MAX_EPOCHS
+    patience: int = DEFAULT_PATIENCE
+    progress: bool | None = None
+
+    def check(self) -> None:
+        """Raise PyinferError for a setting outside its range (before any work is done)."""
+        if not 0.0 < self.target_recall < 1.0:
+            raise PyinferError(f"--target-recall must be in (0, 1), got {self.target_recall}")
+        if not 0.0 < self.target_sparsity < 1.0:
+            raise PyinferError(f"--target-sparsity must be in (0, 1), got {self.target_sparsity}")
+        if self.vram_budget_gib is not None and not self.vram_budget_gib > 0:
+            raise PyinferError(f"--vram-budget must be > 0 GiB, got {self.vram_budget_gib}")
+        if self.max_epochs < 1:
+            raise PyinferError(f"--epochs must be >= 1, got {self.max_epochs}")
+        if self.calib_tokens < MIN_CALIB_TOKENS:
+            raise PyinferError(f"--calib-tokens must be at least {MIN_CALIB_TOKENS}, got {self.calib_tokens}")
+        if self.predictor_rank != "auto":
+            try:
+                rank = int(self.predictor_rank)
+            except (TypeError, ValueError):
+                raise PyinferError(f"--predictor-rank must be 'auto' or a positive integer, "
+                                   f"got {self.predictor_rank!r}") from None
+            if rank < 1:
+                raise PyinferError(f"--predictor-rank must be >= 1, got {rank}")
+            self.predictor_rank = rank
+
+
+def _plan(src: str, outtype: str):
+    """The converter's metadata and tensor jobs (convert.cli.convert already checked the paths)."""
+    from convert.from_gguf import plan_gguf
+    from convert.hf import plan_hf
+
+    return plan_hf(src, outtype) if os.path.isdir(src) else plan_gguf(src, outtype)
+
+
+def _log(msg: str, progress) -> None:
+    if progress is not False:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def convert_sparse(src: str, out: str, outtype: str = "f16", opts: OfflineOptions | None = None) -> dict:
+    """Convert ``src`` to ``out`` with the offline stage (module docstring).
+
+    Returns a summary dict: ``rows`` (list of report.LayerReport), ``mode``, ``calib_source``,
+    ``seconds`` per step. Raises PyinferError for user errors (see OfflineOptions.check, calibration
+    files, budget, a model too small for the sparsity); nothing is left at ``out`` on failure.
+    """
+    from convert.cli import convert
+    from convert.writer import VT, TensorJob, write_gguf
+    from pyinfer.engine import Engine
+    from pyinfer.placement import model_gpu_bytes, solve, tensor_sizes
+    from predictors.calibrate import calibration_tokens, read_calib_files
+    from predictors.profile import profile
+    from predictors.report import format_table
+    from predictors.solver import DEFAULT_GROUP_SIZE
+
+    opts = opts or OfflineOptions()
+    opts.check()
+    calib_text = read_calib_files(opts.calib_files) if opts.calib_files else None
+    staging = out + ".dense.tmp"
+    secs: dict[str, float] = {}
+    eng = None
+    try:
+        t0 = time.perf_counter()
+        convert(src, staging, outtype, progress=opts.progress)
+        secs["dense conversion"] = time.perf_counter() - t0
+        n_threads = opts.n_threads or os.cpu_count() or 1
+        eng = Engine(staging, n_ctx=None, n_threads=n_threads, dense=True)
+        cfg = eng.cfg
+        chunk_len = min(CHUNK_LEN, eng.n_ctx)
+        mode = C.SPARSE_MODE_RELU if cfg.hidden_act == "relu" else C.SPARSE_MODE_CATS
+        if mode == C.SPARSE_MODE_CATS and round(cfg.n_ff * (1 - opts.target_sparsity)) < 1:
+            raise PyinferError(f"the model is too small for --target-sparsity {opts.target_sparsity}: "
+                               f"its {cfg.n_ff} FFN neurons per layer would leave none active")
+        sizes = tensor_sizes(eng.reader)
+        budget_bytes = None
+        if opts.vram_budget_gib is not None:
+            budget_bytes = int(round(opts.vram_budget_gib * 2**30))
+            total = model_gpu_bytes(sizes, cfg)
+            if budget_bytes > total:
+                raise PyinferError(f"--vram-budget {opts.vram_budget_gib} GiB is larger than the whole "
+                                   f"model ({total / 2**30:.3f} GiB with its KV cache); no split is needed")
+
+        # 1. calibration text, 2. profile
+        t0 = time.perf_counter()
+        seqs, source = calibration_tokens(eng, opts.calib_files, opts.calib_tokens, opts.seed,
+                                          chunk_len, opts.progress, text=calib_text)
+        secs["calibration text"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        prof = profile(eng, seqs, chunk_len, opts.progress)
+        secs["profiling"] = time.perf_counter() - t0
+
+        # 3. per-layer activity and predictors
+        t0 = time.perf_counter()
+        rows, preds, counts, act_thr = _train_layers(prof, cfg, mode, opts, n_threads)
+        secs["predictor training"] = time.perf_counter() - t0
+        del prof
+
+        # 4. placement (fixed bytes include the predictors about to be written)
+        placement = None
+        if budget_bytes is not None:
+            t0 = time.perf_counter()
+            for i, (fc1, fc2, _) in enumerate(preds):
+                sizes[C.FC1.format(bid=i)] = fc1.nbytes
+                sizes[C.FC2.format(bid=i)] = fc2.nbytes
+            placement = solve(counts, sizes, cfg, budget_bytes, group_size=DEFAULT_GROUP_SIZE)
+            for r, b in zip(rows, placement.gpu_bucket):
+                r.gpu = int(b.size)
+            secs["placement"] = time.perf_counter() - t0
+        eng = None  # drop the staging memmap before the final write
+
+        # 5. the final file
+        t0 = time.perf_counter()
+        meta, jobs = _plan(src, outtype)
+        meta.string(C.K_SPARSE_MODE, mode)
+        meta.array(C.K_ACT_THRESHOLD, [float(t) for t in act_thr], VT.FLOAT32)
+        meta.array(C.K_PRED_THRESHOLD, [float(p[2]) for p in preds], VT.FLOAT32)
+        meta.array(C.K_PRED_RANK, [int(p[0].shape[0]) for p in preds], VT.INT32)
+        meta.array(C.K_PRED_RECALL, [r.recall for r in rows], VT.FLOAT32)
+        meta.array(C.K_PRED_PRECISION, [r.precision for r in rows], VT.FLOAT32)
+        meta.f32(C.K_TARGET_RECALL, opts.target_recall)
+        if mode == C.SPARSE_MODE_CATS:
+            meta.f32(C.K_TARGET_SPARSITY, opts.target_sparsity)
+        meta.string(C.K_CALIB_SOURCE, source)
+        meta.u32(C.K_CALIB_TOKENS, sum(len(s) for s in seqs))
+        meta.u32(C.K_CALIB_SEED, opts.seed)
+        new_jobs = []
+        for i, (fc1, fc2, _) in enumerate(preds):
+            new_jobs.append(TensorJob(C.FC1.format(bid=i), fc1.shape, C.QT.F32, lambda a=fc1: a))
+            new_jobs.append(TensorJob(C.FC2.format(bid=i), fc2.shape, C.QT.F32, lambda a=fc2: a))
+            new_jobs.append(TensorJob(C.ACT_COUNT.format(bid=i), counts[i].shape, C.QT.I32,
+                                      lambda a=counts[i]: a))
+        if placement is not None:
+            meta.set(C.K_VRAM_BUDGET, int(budget_bytes), VT.UINT64)
+            meta.u32(C.K_GROUP_SIZE, DEFAULT_GROUP_SIZE)
+            for i, (mask, bucket) in enumerate(zip(placement.gpu_idx, placement.gpu_bucket)):
+                new_jobs.append(TensorJob(C.GPU_IDX.format(bid=i), mask.shape, C.QT.I32, lambda a=mask: a))
+                if bucket.size:  # GGUF holds no empty tensor: absence means "no GPU neurons"
+                    new_jobs.append(TensorJob(C.GPU_BUCKET.format(bid=i), bucket.shape, C.QT.I32,
+                                              lambda a=bucket: a))
+        try:
+            write_gguf(out, meta, list(jobs) + new_jobs, progress=opts.progress)
+        except OSError as e:
+            raise PyinferError(f"cannot write {out}: {e.strerror or e}") from None
+        secs["final write"] = time.perf_counter() - t0
+    finally:
+        eng = None
+        try:
+            os.remove(staging)
+        except FileNotFoundError:
+            pass
+    _log(format_table(rows, mode, cfg.n_ff), opts.progress)
+    _log("offline stage: " + ", ".join(f"{k} {v:.1f} s" for k, v in secs.items())
+         + f"; calibration {sum(len(s) for s in seqs)} tokens ({source})", opts.progress)
+    return {"rows": rows, "mode": mode, "calib_source": source, "seconds": secs, "placement": placement}
+
+
+def _train_layers(prof, cfg, mode: str, opts: OfflineOptions, n_threads: int):
+    """Per layer: (report rows, [(fc1, fc2, threshold)], counts int32 (n_ff,), act thresholds)."""
+    from tqdm import tqdm
+
+    from predictors.profile import activity
+    from predictors.report import LayerReport
+    from predictors.train import MIN_RANK, choose_rank, train_predictor
+
+    rows, preds, counts, thrs = [], [], [], []
+    for i in tqdm(range(cfg.n_layer), desc="predictors", unit="layer", leave=False,
+                  disable=None if opts.progress is None else not opts.progress):
+        active, thr = activity(prof.act[i], mode, opts.target_sparsity)
+        x = prof.x[i]
+        counts.append(active.sum(0).astype(np.int32))
+        thrs.append(thr)
+        sparsity = 1.0 - float(active.mean())
+        rank = choose_rank(active, cfg.n_embd) if opts.predictor_rank == "auto" else int(opts.predictor_rank)
+        if not active.any():
+            # A dead layer: predict nothing (logits are 0 < threshold 1).
+            rank = MIN_RANK if opts.predictor_rank == "auto" else rank
+            fc1 = np.zeros((rank, cfg.n_embd), np.float32)
+            fc2 = np.zeros((cfg.n_ff, rank), np.float32)
+            preds.append((fc1, fc2, 1.0))
+            rows.append(LayerReport(i, sparsity, thr, rank, 1.0, 1.0, 1.0, 0, 0.0))
+            continue
+        res = train_predictor(x, active, rank, target_recall=opts.target_recall, seed=opts.seed + i,
+                              max_epochs=opts.max_epochs, patience=opts.patience, n_threads=n_threads)
+        preds.append((res.fc1, res.fc2, res.threshold))
+        rows.append(LayerReport(i, sparsity, thr, res.rank, res.recall, res.precision,
+                                res.predicted_sparsity, res.epochs, res.train_seconds))
+    return rows, preds, counts, thrs
+
+
+def add_arguments(parser) -> None:
+    """The offline stage's ``pyinfer-convert`` flags."""
+    g = parser.add_argument_group("offline stage (predictors and neuron placement; skipped with --dense)")
+    g.add_argument("--dense", action="store_true",
+                   help="convert only: no calibration, predictors or placement")
+    g.add_argument("--calib", action="append", default=[], metavar="FILE",
+                   help="plain-text calibration file (repeatable); default: text the model generates "
+                        "itself from fixed seed prompts. Never pass held-out evaluation text")
+    g.add_argument("--calib-tokens", type=int, default=DEFAULT_CALIB_TOKENS, metavar="N",
+                   help=f"calibration tokens to profile (default {DEFAULT_CALIB_TOKENS})")
+    g.add_argument("--calib-seed", type=int, default=DEFAULT_SEED, metavar="SEED",
+                   help="seed of the self-generated calibration text and of training (default 0)")
+    g.add_argument("--target-recall", type=float, default=DEFAULT_TARGET_RECALL, metavar="R",
+                   help=f"held-out recall each layer's predictor threshold is tuned to (default {DEFAULT_TARGET_RECALL})")
+    g.add_argument("--target-sparsity", type=float, default=DEFAULT_TARGET_SPARSITY, metavar="S",
+                   help="SwiGLU models: fraction of neurons below the activation threshold "
+                        f"(CATS; default {DEFAULT_TARGET_SPARSITY}); ReLU models use their exact zeros")
+    g.add_argument("--vram-budget", type=float, default=None, metavar="GiB",
+                   help="GiB of GPU memory to store a hot/cold neuron split for (default: no split "
+                        "stored; activation counts are always stored so the GPU engine can solve at load)")
+    g.add_argument("--predictor-rank", default="auto", metavar="auto|K",
+                   help="predictor hidden width: auto (per layer, from sparsity and skew) or K")
+    g.add_argument("--epochs", type=int, default=DEFAULT_MAX_EPOCHS,
+                   help=f"max predictor training epochs per layer (default {DEFAULT_MAX_EPOCHS})")
+    g.add_argument("-t", "--threads", type=int, default=None,
+                   help="threads for profiling and training (default: all cores)")
+
+
+def options_from_args(args) -> OfflineOptions:
+    return OfflineOptions(calib_files=list(args.calib), calib_tokens=args.calib_tokens, seed=args.calib_seed,
+                          target_recall=args.target_recall, target_sparsity=args.target_sparsity,
+                          vram_budget_gib=args.vram_budget, predictor_rank=args.predictor_rank,
+                          n_threads=args.threads, max_epochs=args.epochs)

@@ -1,0 +1,157 @@
+"""Neuron placement for a VRAM budget: the split stored in the file, or one re-solved from the
+stored activation counts (PowerInfer arXiv 2312.12456 §5, neuron placement policy).
+
+The budget the user gives is for the whole GPU. What the FFN neurons may use is
+
+    ffn_budget = vram_budget - fixed_gpu_bytes
+    fixed_gpu_bytes = every tensor that is not an FFN matrix (ffn_gate / ffn_up / ffn_down_t),
+                      except token_embd when the output matrix is separate (the embedding lookup
+                      stays on the CPU; with tied embeddings token_embd *is* the output matrix)
+                      -> attention matrices, norms, output matrix, predictors fc1/fc2
+                    + the KV cache for n_ctx tokens: 2 * n_layer * n_ctx * n_head_kv * head_dim * 4
+                      bytes (f32, as pyinfer's cache holds it), n_ctx = min(4096, training context)
+                      (the engine's default context)
+
+and one neuron costs the bytes of its ffn_gate + ffn_up + ffn_down_t rows at the file's weight
+type. A budget below fixed_gpu_bytes leaves every neuron on the CPU.
+
+File form (written by ``pyinfer-convert``'s offline stage): ``blk.N.act_count`` (I32, n_ff) always;
+with a budget also ``blk.N.gpu_idx`` (I32 0/1 mask, n_ff) for every layer and ``blk.N.gpu_bucket``
+(I32 sorted hot ids) for layers that have GPU neurons. GGUF cannot hold an empty tensor, so a
+layer with no GPU neurons has no ``gpu_bucket``: its absence means empty.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from pyinfer import constants as C
+from pyinfer.config import ModelConfig, read_field
+from pyinfer.errors import PyinferError
+
+KV_BYTES_PER_ELEMENT = 4  # pyinfer's KV cache is f32
+DEFAULT_PLACEMENT_CTX = 4096  # the engine's default context (engine.DEFAULT_N_CTX)
+
+
+def tensor_sizes(reader) -> dict[str, int]:
+    """name -> bytes of every tensor in a GGUF reader."""
+    return {t.name: int(t.n_bytes) for t in reader.tensors}
+
+
+def _is_ffn(name: str) -> bool:
+    return name.endswith((".ffn_gate.weight", ".ffn_up.weight", ".ffn_down_t.weight"))
+
+
+def kv_cache_bytes(cfg: ModelConfig, n_ctx: int | None = None) -> int:
+    n_ctx = min(DEFAULT_PLACEMENT_CTX, cfg.n_ctx_train) if n_ctx is None else n_ctx
+    return 2 * cfg.n_layer * n_ctx * cfg.n_embd_kv * KV_BYTES_PER_ELEMENT
+
+
+def fixed_gpu_bytes(sizes: dict[str, int], cfg: ModelConfig, n_ctx: int | None = None) -> int:
+    """Bytes that go to the GPU before any FFN neuron (module docstring formula).
+
+    sizes: tensor name -> bytes (:func:`tensor_sizes`, plus any tensor about to be written)."""
+    fixed = 0
+    for name, nbytes in sizes.items():
+        if _is_ffn(name) or name.endswith((".gpu_idx", ".gpu_bucket", ".act_count")):
+            continue
+        if name == C.TOKEN_EMBD and not cfg.tied_embeddings:
+            continue
+        fixed += nbytes
+    return fixed + kv_cache_bytes(cfg, n_ctx)
+
+
+def ffn_bytes_per_neuron(sizes: dict[str, int], cfg: ModelConfig) -> list[int]:
+    """Per layer, bytes of one neuron's ffn_gate + ffn_up + ffn_down_t rows (n_ff rows each)."""
+    out = []
+    for i in range(cfg.n_layer):
+        b = sum(sizes[t.format(bid=i)] for t in (C.FFN_GATE, C.FFN_UP, C.FFN_DOWN_T))
+        out.append(b // cfg.n_ff)
+    return out
+
+
+def model_gpu_bytes(sizes: dict[str, int], cfg: ModelConfig, n_ctx: int | None = None) -> int:
+    """Everything the GPU would hold if the whole model fit: fixed bytes + all FFN neurons."""
+    return fixed_gpu_bytes(sizes, cfg, n_ctx) + sum(n for k, n in sizes.items() if _is_ffn(k))
+
+
+def solve(counts: list[np.ndarray], sizes: dict[str, int], cfg: ModelConfig, vram_budget_bytes: int,
+          group_size: int | None = None, n_ctx: int | None = None, time_limit: float | None = None):
+    """``predictors.solver.solve_placement`` for a whole-GPU budget (module docstring formula)."""
+    from predictors.solver import DEFAULT_GROUP_SIZE, DEFAULT_TIME_LIMIT_S, solve_placement
+
+    budget = max(0, int(vram_budget_bytes) - fixed_gpu_bytes(sizes, cfg, n_ctx))
+    p = solve_placement(counts, ffn_bytes_per_neuron(sizes, cfg), budget,
+                        group_size=group_size or DEFAULT_GROUP_SIZE,
+                        time_limit=DEFAULT_TIME_LIMIT_S if time_limit is None else time_limit)
+    p.budget_bytes = int(vram_budget_bytes)
+    return p
+
+
+def stored_counts(reader, cfg: ModelConfig) -> list[np.ndarray] | None:
+    """Per-layer activation counts (int64 (n_ff,)) from ``blk.N.act_count``, or None if absent."""
+    by_name = {t.name: t for t in reader.tensors}
+    counts = []
+    for i in range(cfg.n_layer):
+        t = by_name.get(C.ACT_COUNT.format(bid=i))
+        if t is None:
+            return None
+        a = np.asarray(t.data).reshape(-1).astype(np.int64)
+        if a.size != cfg.n_ff:
+            raise PyinferError(f"{C.ACT_COUNT.format(bid=i)} has {a.size} entries, expected {cfg.n_ff}")
+        counts.append(a)
+    return counts
+
+
+def stored_placement(reader, cfg: ModelConfig):
+    """The split the file was converted with (``Placement``), or None when it has none."""
+    from predictors.solver import Placement
+
+    budget = read_field(reader, C.K_VRAM_BUDGET)
+    if budget is None:
+        return None
+    by_name = {t.name: t for t in reader.tensors}
+    idx, buckets = [], []
+    for i in range(cfg.n_layer):
+        t = by_name.get(C.GPU_IDX.format(bid=i))
+        if t is None:
+            raise PyinferError(f"{C.GPU_IDX.format(bid=i)} is missing although the file has a GPU split")
+        mask = np.asarray(t.data).reshape(-1).astype(np.int32)
+        b = by_name.get(C.GPU_BUCKET.format(bid=i))
+        bucket = (np.asarray(b.data).reshape(-1).astype(np.int32) if b is not None
+                  else np.zeros(0, np.int32))  # absent = no GPU neurons in this layer
+        if not np.array_equal(np.flatnonzero(mask).astype(np.int32), bucket):
+            raise PyinferError(f"layer {i}: gpu_idx and gpu_bucket disagree")
+        idx.append(mask)
+        buckets.append(bucket)
+    sizes = tensor_sizes(reader)
+    bpn = ffn_bytes_per_neuron(sizes, cfg)
+    used = sum(int(b.size) * bpn[i] for i, b in enumerate(buckets))
+    counts = stored_counts(reader, cfg)
+    obj = float(sum(c[b].sum() for c, b in zip(counts, buckets))) if counts else 0.0
+    return Placement(idx, buckets, used, obj, "stored", 0.0, int(budget))
+
+
+def placement_from_gguf(reader, cfg: ModelConfig, vram_budget_bytes: int | None = None,
+                        n_ctx: int | None = None):
+    """The neuron split for a GPU engine.
+
+    vram_budget_bytes None: the split stored in the file (None if it has none). A budget equal to
+    the stored one also returns the stored split; any other budget re-solves from the stored
+    ``act_count`` tensors (well under a second for small models; see tests/test_offline.py).
+    Returns ``predictors.solver.Placement`` or None. Raises PyinferError when a re-solve is asked
+    of a file without activation counts (convert it without --dense) or for a budget <= 0.
+    """
+    if vram_budget_bytes is None:
+        return stored_placement(reader, cfg)
+    if vram_budget_bytes <= 0:
+        raise PyinferError("the VRAM budget must be > 0")
+    stored = read_field(reader, C.K_VRAM_BUDGET)
+    if stored is not None and int(stored) == int(vram_budget_bytes) and n_ctx is None:
+        return stored_placement(reader, cfg)
+    counts = stored_counts(reader, cfg)
+    if counts is None:
+        raise PyinferError("this file has no activation counts (blk.N.act_count); "
+                           "convert it with the offline stage (pyinfer-convert without --dense)")
+    group = read_field(reader, C.K_GROUP_SIZE)
+    return solve(counts, tensor_sizes(reader), cfg, int(vram_budget_bytes),
+                 group_size=int(group) if group is not None else None, n_ctx=n_ctx)

@@ -1,0 +1,276 @@
+"""The offline stage of pyinfer-convert (issue 3): calibration, profiler, predictors, placement.
+
+Tiny random Llama models (tests/_models.py) keep this fast; the real ReLU fixture and SmolLM2
+runs are marked slow. The profiler is checked against transformers (hooks on the HF modules), a
+reference nobody here wrote.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import gguf
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+import torch  # noqa: E402
+
+from convert.cli import main as convert_main  # noqa: E402
+from pyinfer import constants as C  # noqa: E402
+from pyinfer.config import ModelConfig, read_field  # noqa: E402
+from pyinfer.engine import Engine  # noqa: E402
+from tests._models import make_random_llama  # noqa: E402
+
+FAST = ["--calib-tokens", "256", "--epochs", "3", "-t", "1"]
+FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "relu-llama")
+
+
+def tensors(path):
+    return {t.name: np.asarray(t.data) for t in gguf.GGUFReader(path).tensors}
+
+
+@pytest.fixture(scope="module")
+def relu_dir(tmp_path_factory):
+    return make_random_llama(tmp_path_factory.mktemp("relu"), hidden_act="relu", tokenizer="bpe",
+                             intermediate_size=256, n_layers=3, name="relu")
+
+
+@pytest.fixture(scope="module")
+def silu_dir(tmp_path_factory):
+    return make_random_llama(tmp_path_factory.mktemp("silu"), hidden_act="silu", tokenizer="bpe",
+                             intermediate_size=128, n_layers=2, name="silu")
+
+
+@pytest.fixture(scope="module")
+def relu_sparse(relu_dir, tmp_path_factory):
+    """The ReLU model converted with the offline stage and a GPU split."""
+    out = str(tmp_path_factory.mktemp("relu_out") / "m.gguf")
+    # fixed tensors + KV cache take 0.00056 GiB and each layer's 256 neurons 0.00018 GiB (the
+    # solver's per-layer minimum is 256 neurons): 0.0009 GiB puts one of the three layers on the GPU
+    assert convert_main([relu_dir, out, "--outtype", "f32", "--vram-budget", "0.0009", *FAST]) == 0
+    return out
+
+
+def test_output_file_has_the_offline_stage(relu_sparse):
+    r = gguf.GGUFReader(relu_sparse)
+    cfg = ModelConfig.from_gguf(r)
+    t = tensors(relu_sparse)
+    assert read_field(r, C.K_SPARSE_MODE) == C.SPARSE_MODE_RELU
+    ranks = read_field(r, C.K_PRED_RANK)
+    assert len(ranks) == cfg.n_layer
+    for key in (C.K_PRED_THRESHOLD, C.K_ACT_THRESHOLD, C.K_PRED_RECALL, C.K_PRED_PRECISION):
+        assert len(read_field(r, key)) == cfg.n_layer, key
+    assert read_field(r, C.K_ACT_THRESHOLD) == [0.0] * cfg.n_layer
+    assert read_field(r, C.K_CALIB_TOKENS) == 256
+    assert read_field(r, C.K_CALIB_SOURCE).startswith("self-generated")
+    assert read_field(r, C.K_VRAM_BUDGET) == round(0.0009 * 2**30)
+    assert read_field(r, C.K_GROUP_SIZE) > 0
+    n_gpu = 0
+    for i in range(cfg.n_layer):
+        assert t[C.FC1.format(bid=i)].shape == (ranks[i], cfg.n_embd)
+        assert t[C.FC2.format(bid=i)].shape == (cfg.n_ff, ranks[i])
+        counts = t[C.ACT_COUNT.format(bid=i)]
+        assert counts.dtype == np.int32 and counts.shape == (cfg.n_ff,)
+        assert 0 < counts.sum() and counts.max() <= 256
+        mask = t[C.GPU_IDX.format(bid=i)]
+        assert mask.dtype == np.int32 and set(np.unique(mask)) <= {0, 1}
+        bucket = t.get(C.GPU_BUCKET.format(bid=i), np.zeros(0, np.int32))
+        np.testing.assert_array_equal(np.flatnonzero(mask), bucket)
+        n_gpu += bucket.size
+    assert 0 < n_gpu < cfg.n_layer * cfg.n_ff
+
+
+def test_run_sparse_and_dense(relu_sparse, capsys):
+    from pyinfer.cli import main as run_main
+
+    eng = Engine(relu_sparse, n_ctx=64, n_threads=1)
+    assert eng.is_sparse and eng.model.ffn.predictors is not None
+    assert not Engine(relu_sparse, n_ctx=64, n_threads=1, dense=True).is_sparse
+    for extra in ([], ["--dense"]):
+        assert run_main([relu_sparse, "-p", "The quick", "-n", "4", "--temp", "0", "-s", "0", "-t", "1",
+                         "-c", "64", *extra]) == 0
+    from pyinfer import LLM
+
+    assert LLM(relu_sparse, n_ctx=64, n_threads=1).engine.is_sparse
+    assert not LLM(relu_sparse, n_ctx=64, n_threads=1, dense=True).engine.is_sparse
+
+
+def test_placement_resolve_from_counts(relu_sparse):
+    from pyinfer.placement import fixed_gpu_bytes, ffn_bytes_per_neuron, placement_from_gguf, tensor_sizes
+
+    r = gguf.GGUFReader(relu_sparse)
+    cfg = ModelConfig.from_gguf(r)
+    stored = placement_from_gguf(r, cfg)
+    assert stored is not None and stored.n_gpu_neurons > 0
+    sizes = tensor_sizes(r)
+    for budget in (int(0.0007 * 2**30), int(0.0011 * 2**30)):
+        t0 = time.perf_counter()
+        p = placement_from_gguf(r, cfg, budget)
+        assert time.perf_counter() - t0 < 1.0
+        bpn = ffn_bytes_per_neuron(sizes, cfg)
+        used = sum(int(m.sum()) * bpn[i] for i, m in enumerate(p.gpu_idx))
+        assert used == p.bytes_used <= budget - fixed_gpu_bytes(sizes, cfg)
+        for m, b in zip(p.gpu_idx, p.gpu_bucket):
+            np.testing.assert_array_equal(np.flatnonzero(m), b)
+    assert placement_from_gguf(r, cfg, int(0.0011 * 2**30)).n_gpu_neurons > stored.n_gpu_neurons
+
+
+@pytest.mark.parametrize("act", ["relu", "silu"])
+def test_profiler_matches_transformers(act, relu_dir, silu_dir, tmp_path):
+    from predictors.profile import profile
+
+    model_dir = relu_dir if act == "relu" else silu_dir
+    out = str(tmp_path / "dense.gguf")
+    assert convert_main([model_dir, out, "--outtype", "f32", "--dense"]) == 0
+    eng = Engine(out, n_ctx=64, n_threads=1, dense=True)
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(3, 200, 40).tolist(), rng.integers(3, 200, 30).tolist()]
+    prof = profile(eng, seqs, chunk_len=32, progress=False)  # 40 -> 32 + 8, then 30
+    assert prof.n_tokens == 70
+
+    hf = transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    xs, acts = {}, {}
+    hooks = []
+    for i, layer in enumerate(hf.model.layers):
+        hooks.append(layer.post_attention_layernorm.register_forward_pre_hook(
+            lambda m, a, i=i: xs.setdefault(i, []).append(a[0][0].clone())))
+        hooks.append(layer.mlp.act_fn.register_forward_hook(
+            lambda m, a, o, i=i: acts.setdefault(i, []).append(o[0].clone())))
+    with torch.no_grad():
+        for piece in (seqs[0][:32], seqs[0][32:], seqs[1]):
+            hf(torch.tensor([piece]))
+    for h in hooks:
+        h.remove()
+    for i in range(eng.cfg.n_layer):
+        x_ref = torch.cat(xs[i]).numpy()
+        a_ref = torch.cat(acts[i]).abs().numpy()
+        np.testing.assert_allclose(prof.x[i], x_ref, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(prof.act[i].astype(np.float32), a_ref, rtol=2e-3, atol=1e-4)
+        if act == "relu":  # exact zeros are exactly where transformers has them
+            np.testing.assert_array_equal(prof.act[i] > 0, a_ref > 1e-6)
+
+
+# ---------------------------------------------------------------- errors
+def _expect_error(tmp_path, args, contains, capsys):
+    out = str(tmp_path / "o.gguf")
+    capsys.readouterr()
+    assert convert_main([*args[:1], out, *args[1:]]) == 1
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.strip().splitlines() if not ln.startswith("pyinfer: no GPU")]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert contains in lines[0], lines[0]
+    assert os.listdir(tmp_path) == []  # no output, no OUT.tmp, no staging file
+
+
+def test_bad_inputs(relu_dir, silu_dir, tmp_path, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    binary = tmp_path / "bin.txt"
+    binary.write_bytes(b"text\0more")
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("caf\xe9 cr\xe8me".encode("latin-1"))
+    short = tmp_path / "short.txt"
+    short.write_text("only a few words here.")
+    d = tmp_path / "out"
+    d.mkdir()
+    cases = [
+        ([relu_dir, "--calib", str(empty)], "empty"),
+        ([relu_dir, "--calib", str(binary)], "binary"),
+        ([relu_dir, "--calib", str(latin)], "not UTF-8"),
+        ([relu_dir, "--calib", str(short), "-t", "1"], "too short"),
+        ([relu_dir, "--vram-budget", "0"], "--vram-budget"),
+        ([relu_dir, "--vram-budget", "-1"], "--vram-budget"),
+        ([relu_dir, "--vram-budget", "100", *FAST], "larger than the whole model"),
+        ([relu_dir, "--target-recall", "1.5"], "--target-recall"),
+        ([relu_dir, "--target-recall", "0"], "--target-recall"),
+        ([relu_dir, "--target-sparsity", "1"], "--target-sparsity"),
+        ([silu_dir, "--target-sparsity", "0.999", *FAST], "too small"),
+        ([relu_dir, "--predictor-rank", "zero"], "--predictor-rank"),
+    ]
+    for i, (args, contains) in enumerate(cases):
+        sub = d / str(i)
+        sub.mkdir()
+        _expect_error(sub, args, contains, capsys)
+
+
+@pytest.mark.parametrize("where", ["predictors.train.train_predictor", "predictors.profile.profile"])
+def test_interrupted_conversion_leaves_nothing(relu_dir, tmp_path, monkeypatch, where, capsys):
+    import importlib
+
+    mod, name = where.rsplit(".", 1)
+
+    def boom(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(importlib.import_module(mod), name, boom)
+    out = tmp_path / "m.gguf"
+    assert convert_main([relu_dir, str(out), "--outtype", "f32", *FAST]) == 1
+    assert "error: interrupted" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []
+
+
+def test_interrupted_final_write_leaves_nothing(relu_dir, tmp_path, monkeypatch, capsys):
+    import convert.writer as writer
+
+    real = writer.encode
+
+    def encode(arr, qtype):  # fail on the first offline-stage tensor, mid-file
+        if qtype == C.QT.I32:
+            raise KeyboardInterrupt
+        return real(arr, qtype)
+
+    monkeypatch.setattr(writer, "encode", encode)
+    out = tmp_path / "m.gguf"
+    assert convert_main([relu_dir, str(out), "--outtype", "f32", *FAST]) == 1
+    assert os.listdir(tmp_path) == []
+
+
+def test_calib_file_and_fixed_rank(silu_dir, tmp_path):
+    text = tmp_path / "calib.txt"
+    text.write_text(" ".join(f"The quick brown fox {i} jumps over the lazy dog." for i in range(200)))
+    out = str(tmp_path / "m.gguf")
+    assert convert_main([silu_dir, out, "--calib", str(text), "--predictor-rank", "16",
+                         "--target-sparsity", "0.5", *FAST]) == 0
+    r = gguf.GGUFReader(out)
+    assert read_field(r, C.K_SPARSE_MODE) == C.SPARSE_MODE_CATS
+    assert read_field(r, C.K_CALIB_SOURCE) == "files:calib.txt"
+    assert read_field(r, C.K_PRED_RANK) == [16, 16]
+    assert all(t > 0 for t in read_field(r, C.K_ACT_THRESHOLD))
+    assert abs(read_field(r, C.K_TARGET_SPARSITY) - 0.5) < 1e-6
+    assert read_field(r, C.K_VRAM_BUDGET) is None  # no budget, no split
+    assert not any(t.name.endswith("gpu_idx") for t in r.tensors)
+    counts = tensors(out)[C.ACT_COUNT.format(bid=0)]
+    assert abs(counts.sum() / (256 * counts.size) - 0.5) < 0.02  # the CATS quantile
+    eng = Engine(out, n_ctx=64, n_threads=1)
+    assert eng.is_sparse
+
+
+def test_calibration_is_reproducible(relu_dir, tmp_path):
+    from predictors.calibrate import generate_tokens
+
+    out = str(tmp_path / "d.gguf")
+    assert convert_main([relu_dir, out, "--outtype", "f32", "--dense"]) == 0
+    eng = Engine(out, n_ctx=128, n_threads=1, dense=True)
+    a = generate_tokens(eng, 300, seed=3, max_len=128, progress=False)
+    b = generate_tokens(eng, 300, seed=3, max_len=128, progress=False)
+    assert a == b and sum(map(len, a)) == 300 and len(a) > 1
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists(os.path.join(FIXTURE, "config.json")),
+                    reason="tests/fixtures/relu-llama not trained yet (tools/train_relu_fixture.py)")
+def test_relu_fixture(tmp_path):
+    """The trained ReLU fixture: predictors reach the recall at >= 80% of neurons skipped."""
+    out = str(tmp_path / "relu.gguf")
+    assert convert_main([FIXTURE, out, "--outtype", "f32", "-t", "1"]) == 0
+    r = gguf.GGUFReader(out)
+    recall = np.array(read_field(r, C.K_PRED_RECALL))
+    assert recall.min() >= 0.95 - 0.01  # tuned on held-out calibration tokens
+    eng = Engine(out, n_ctx=256, n_threads=1)
+    with open(os.path.join(FIXTURE, "heldout.txt"), encoding="utf-8") as f:
+        toks = eng.tokenizer.encode(f.read(), add_bos=False)[:256]
+    eng.reset_stats()
+    eng.model.forward(toks, 0)
+    assert eng.ffn_sparsity() >= 0.8
