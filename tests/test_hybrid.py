@@ -16,18 +16,14 @@ import sys
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
-
-from convert.cli import main as convert_main  # noqa: E402
-from pyinfer.device import GiB, NumpyDevice, dequantize_rows  # noqa: E402
-from pyinfer.engine import Engine  # noqa: E402
-from pyinfer.errors import PyinferError  # noqa: E402
-from pyinfer.ffn import DenseFFN, Predictor, SparseFFN  # noqa: E402
-from pyinfer.hybrid import HybridFFN, LayerOffloadFFN, place_ffn  # noqa: E402
-from pyinfer.ops import cpu, cuda  # noqa: E402
-from pyinfer.ops.cpu import QT, QTensor  # noqa: E402
-from tests._models import make_random_llama  # noqa: E402
+from pyinfer.device import GiB, NumpyDevice, dequantize_rows
+from pyinfer.engine import Engine
+from pyinfer.errors import PyinferError
+from pyinfer.ffn import DenseFFN, Predictor, SparseFFN
+from pyinfer.hybrid import HybridFFN, LayerOffloadFFN, place_ffn
+from pyinfer.ops import cpu, cuda
+from pyinfer.ops.cpu import QT, QTensor
+from tests._models import make_random_llama
 
 PROMPT = [1, 17, 42, 7, 99, 3, 64, 5, 120, 33, 8, 250]
 NO_GPU = f"no CUDA device: {cuda.unavailable_reason()}"
@@ -37,6 +33,12 @@ TOL = {"f32": 1e-4, "f16": 1e-4, "q8_0": 2e-2, "q4_0": 2e-2}
 
 
 def engine_for(tmp_path, hidden_act, outtype):
+    """A random 3-layer Llama converted to ``outtype`` (needs torch + transformers: the kernel
+    tests below do not, so a GPU image without them still runs those)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from convert.cli import main as convert_main
+
     model_dir = make_random_llama(tmp_path / "hf", hidden_act=hidden_act, tied=False, n_kv_heads=2,
                                   tokenizer="bpe", intermediate_size=256, n_layers=3)
     out = tmp_path / "m.gguf"

@@ -203,7 +203,7 @@ def main() -> None:
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--l1", type=float, default=0.1,
                     help="weight of the L1 penalty on relu(gate(x)) (mean over layers, tokens, neurons)")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", choices=["float32", "float16"], default="float32")
     ap.add_argument("--time-steps", type=int, default=0,
                     help="only time this many steps (no saving), to choose --steps")
