@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pyinfer.errors import PyinferError
+from pyinfer.errors import PyinferError, exit_code_of
 
 
 class _Parser(argparse.ArgumentParser):
@@ -153,14 +153,7 @@ def run(args) -> int:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return run(args)
-    except PyinferError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 1
+    return exit_code_of(run, args)
 
 
 if __name__ == "__main__":

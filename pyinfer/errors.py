@@ -6,3 +6,18 @@ CLIs catch it and print ``error: <message>`` on one line with exit status 1, nev
 
 class PyinferError(Exception):
     """A user-facing error with a one-line message."""
+
+
+def exit_code_of(fn, *args) -> int:
+    """Run a CLI body ``fn(*args)``; turn a PyinferError or Ctrl-C into ``error: ...`` on stderr
+    and exit status 1 (never a traceback for a user mistake). Returns fn's status otherwise."""
+    import sys
+
+    try:
+        return fn(*args)
+    except PyinferError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 1

@@ -13,7 +13,7 @@ import sys
 from contextlib import contextmanager
 
 from pyinfer.api import LLM, GenerationStats
-from pyinfer.errors import PyinferError
+from pyinfer.errors import PyinferError, exit_code_of
 
 HELP = """commands:
   /help    this text
@@ -218,14 +218,7 @@ def main(argv=None) -> int:
 
     args = build_parser("pyinfer-chat").parse_args(argv)
     args.interactive = True
-    try:
-        return run_repl(args)
-    except PyinferError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 1
+    return exit_code_of(run_repl, args)
 
 
 if __name__ == "__main__":
