@@ -10,7 +10,7 @@ activations to exact zeros; the config stays plain relu) -> held-out perplexity,
 hot-neuron concentration -> save_pretrained (config, safetensors, tokenizer) + heldout.txt + metrics.json.
 
 Usage (the recipe in docs/relu-fixture.md):
-    python tools/train_relu_fixture.py --out tests/fixtures/relu-llama --steps 250 --seed 0
+    python tools/train_relu_fixture.py --out tests/fixtures/relu-llama --steps 1200 --seed 0 --threads 2
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ def evaluate(model, windows, batch: int = 8) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("tests/fixtures/relu-llama"))
-    ap.add_argument("--steps", type=int, default=250)
+    ap.add_argument("--steps", type=int, default=1200)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vocab-size", type=int, default=3000)
     ap.add_argument("--hidden", type=int, default=128)
