@@ -6,12 +6,14 @@ calibration sequences are evaluated as batched prefill chunks, each from an empt
 (``engine.model.forward(chunk, 0)``). Recorded per layer l and token t:
 
 - ``x[l, t]``: the residual stream *before* the FFN norm, the predictor's input (f32, n_embd);
-- ``act[l, t]``: ``|act(gate)|`` of every neuron (f16 to halve memory, n_ff), act = relu or silu.
+- ``act[l, t]``: every neuron's activation magnitude (f16 to halve memory, n_ff): ``relu(gate)``
+  for ReLU models, ``|silu(gate) * up|`` (the GLU output) for SwiGLU models.
 
 From these, :func:`activity` derives which neurons count as active: ReLU models where
-``relu(gate) > 0`` (sparse mode "relu"), SwiGLU models where ``|silu(gate)|`` exceeds the layer's
-target-sparsity quantile (sparse mode "cats", CATS: Lee et al. 2024), the per-layer threshold
-SparseFFN applies at run time.
+``relu(gate) > 0`` (sparse mode "relu"), SwiGLU models where ``|silu(gate) * up|`` exceeds the
+layer's target-sparsity quantile (sparse mode "glu"), the per-layer threshold SparseFFN applies at
+run time. (Ranking by ``|silu(gate)|`` alone, CATS, cost 13% perplexity on SmolLM2 at 40% sparsity
+against 1% for the GLU output: docs/benchmarks.md.)
 """
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ class RecordingFFN(DenseFFN):
         if s + n_tok > self.x_rec.shape[1]:
             raise AssertionError("RecordingFFN: more tokens than allocated")
         self.x_rec[layer, s:s + n_tok] = x
-        a = gate / (1.0 + np.exp(-gate)) if self.silu else np.maximum(gate, 0.0)
+        a = gate / (1.0 + np.exp(-gate)) * up if self.silu else np.maximum(gate, 0.0)
         np.abs(a, out=a)
         self.act_rec[layer, s:s + n_tok] = a
         self.cursor[layer] = s + n_tok
@@ -65,7 +67,7 @@ class Profile:
     = |act(gate)|, and the tokens evaluated, in order."""
 
     x: np.ndarray
-    act: np.ndarray
+    act: np.ndarray  # relu(gate) (ReLU models) or |silu(gate) * up| (SwiGLU models)
     tokens: list[int]
 
     @property
@@ -114,8 +116,8 @@ def profile(engine, sequences: list[list[int]], chunk_len: int = 512,
 def activity(act: np.ndarray, mode: str, target_sparsity: float) -> tuple[np.ndarray, float]:
     """One layer's (active mask (n_tok, n_ff) bool, activation threshold).
 
-    act: (n_tok, n_ff) |act(gate)| (f16). mode "relu": active where act > 0, threshold 0.
-    mode "cats": threshold = the ``target_sparsity`` quantile of act over all (token, neuron)
+    act: (n_tok, n_ff) magnitudes (f16). mode "relu": active where act > 0, threshold 0.
+    modes "glu"/"cats": threshold = the ``target_sparsity`` quantile of act over all (token, neuron)
     pairs, active where act > threshold (SparseFFN's strict comparison)."""
     if mode == C.SPARSE_MODE_RELU:
         return act > 0, 0.0

@@ -99,7 +99,7 @@ TOKEN_TYPE_UNUSED = int(gguf.TokenType.UNUSED)  # 5
 TOKEN_TYPE_BYTE = int(gguf.TokenType.BYTE)  # 6
 
 # ---- the offline stage's metadata (pyinfer's own keys) -----------------------------------
-K_SPARSE_MODE = "pyinfer.sparse.mode"  # "relu" (exact zeros) | "cats" (|act(gate)| > threshold)
+K_SPARSE_MODE = "pyinfer.sparse.mode"  # "relu" | "cats" (|act(gate)|) | "glu" (|act(gate)*up|)
 K_ACT_THRESHOLD = "pyinfer.sparse.act_threshold"  # f32[n_layer]: CATS threshold on |act(gate)|
 K_PRED_THRESHOLD = "pyinfer.predictor.threshold"  # f32[n_layer]: neuron runs where logit >= this
 K_PRED_RANK = "pyinfer.predictor.rank"  # i32[n_layer]
@@ -114,3 +114,5 @@ K_VRAM_BUDGET = "pyinfer.placement.vram_budget"  # bytes the stored gpu split wa
 K_GROUP_SIZE = "pyinfer.placement.group_size"
 SPARSE_MODE_RELU = "relu"
 SPARSE_MODE_CATS = "cats"
+SPARSE_MODE_GLU = "glu"
+SPARSE_MODES = (SPARSE_MODE_RELU, SPARSE_MODE_CATS, SPARSE_MODE_GLU)

@@ -110,6 +110,8 @@ class Engine:
         mode = read_field(self.reader, C.K_SPARSE_MODE)
         if mode is None:
             return None
+        if mode not in C.SPARSE_MODES:
+            raise PyinferError(f"unknown sparse mode {mode!r} in {C.K_SPARSE_MODE}")
         n_layer = self.cfg.n_layer
         act_thr = np.asarray(read_field(self.reader, C.K_ACT_THRESHOLD, [0.0] * n_layer),
                              np.float32)
@@ -120,7 +122,7 @@ class Engine:
             predictors = [Predictor(lw.fc1, lw.fc2, t) for lw, t in zip(layers, pred_thr)]
         if len(act_thr) != n_layer or (pred_thr is not None and len(pred_thr) != n_layer):
             raise PyinferError("sparse metadata does not have one entry per layer")
-        return SparseFFN(self.cfg, predictors, act_thr)
+        return SparseFFN(self.cfg, predictors, act_thr, mode)
 
     @property
     def is_sparse(self) -> bool:

@@ -5,9 +5,13 @@ per neuron in ffn_gate, ffn_up and ffn_down_t). They differ only in which neuron
 
 - ``DenseFFN``: every neuron.
 - ``SparseFFN`` (PowerInfer, arXiv 2312.12456 §4-5): a per-layer predictor picks candidate
-  neurons from the residual x before the FFN norm; for ReLU models a neuron then counts as active
-  where relu(gate) > 0, for SwiGLU models where |silu(gate)| exceeds the layer's calibrated
-  threshold (CATS, Lee et al. 2024). Only active neurons' up and down rows are read.
+  neurons from the residual x before the FFN norm; a candidate then counts as active by the
+  file's sparse mode: "relu" where relu(gate) > 0 (exact zeros; only active neurons' up rows are
+  read), "cats" where |silu(gate)| exceeds the layer's calibrated threshold (CATS, Lee et al.
+  2024; up rows only for active neurons), "glu" where |silu(gate) * up| exceeds it (the GLU
+  output's magnitude, as TEAL/R-Sparse rank neurons; gate and up rows of every candidate are read,
+  down rows only for active ones). On SmolLM2 at 40% sparsity "glu" costs 1% perplexity where
+  "cats" costs 13% (docs/benchmarks.md).
 
 Both count neurons so the engine can report the measured activation sparsity.
 """
@@ -113,13 +117,16 @@ class SparseFFN:
     """Only the neurons predicted and found active (see the module docstring).
 
     predictors: one ``Predictor`` per layer, or None to read every gate row (then only the
-    activation threshold prunes). act_threshold: (n_layer,) f32, |act(gate)| must exceed it
-    (0 for ReLU models, whose inactive neurons are exact zeros).
+    activation threshold prunes). act_threshold: (n_layer,) f32, the magnitude (see ``mode``)
+    must exceed it (0 for ReLU models, whose inactive neurons are exact zeros). mode: "relu",
+    "cats" or "glu" (module docstring); default "relu" for ReLU models, "cats" otherwise.
     """
 
     def __init__(self, cfg: ModelConfig, predictors: list[Predictor] | None,
-                 act_threshold: np.ndarray):
+                 act_threshold: np.ndarray, mode: str | None = None):
         self.cfg = cfg
+        self.mode = mode or ("relu" if cfg.hidden_act == "relu" else "cats")
+        self.glu = self.mode == "glu"
         self.predictors = predictors
         self.act_threshold = np.asarray(act_threshold, np.float32)
         self.act = _act(cfg.hidden_act)
@@ -136,12 +143,20 @@ class SparseFFN:
         g = np.empty(ids.shape[0], np.float32)  # (n_candidates,)
         cpu.gather_matvec(lw.ffn_gate, h[0], ids, g, n_threads)
         a = self.act(g)
-        keep = np.abs(a) > self.act_threshold[layer]
-        ids_active = ids[keep]
-        a = np.ascontiguousarray(a[keep], np.float32)  # (n_active,)
-        u = np.empty_like(a)
-        cpu.gather_matvec(lw.ffn_up, h[0], ids_active, u, n_threads)
-        a *= u
+        if self.glu:  # rank by the GLU output: every candidate's up row is needed first
+            u = np.empty_like(g)
+            cpu.gather_matvec(lw.ffn_up, h[0], ids, u, n_threads)
+            a *= u
+            keep = np.abs(a) > self.act_threshold[layer]
+            ids_active = ids[keep]
+            a = np.ascontiguousarray(a[keep], np.float32)  # (n_active,)
+        else:
+            keep = np.abs(a) > self.act_threshold[layer]
+            ids_active = ids[keep]
+            a = np.ascontiguousarray(a[keep], np.float32)  # (n_active,)
+            u = np.empty_like(a)
+            cpu.gather_matvec(lw.ffn_up, h[0], ids_active, u, n_threads)
+            a *= u
         cpu.axpy_rows(lw.ffn_down_t, a, ids_active, out[0], n_threads)
         self.stats.total += n_ff
         self.stats.candidates += ids.shape[0]
@@ -157,6 +172,8 @@ class SparseFFN:
         linear(lw.ffn_gate, h, gate, n_threads)
         linear(lw.ffn_up, h, up, n_threads)
         a = self.act(gate)
+        if self.glu:
+            a *= up
         mask = np.abs(a) > self.act_threshold[layer]
         if self.predictors:
             cand = self.predictors[layer].mask(x)
@@ -164,7 +181,7 @@ class SparseFFN:
             self.stats.candidates += int(cand.sum())
         else:
             self.stats.candidates += n_tok * n_ff
-        a = np.where(mask, a * up, 0.0).astype(np.float32)
+        a = np.where(mask, a if self.glu else a * up, 0.0).astype(np.float32)
         linear_t(lw.ffn_down_t, a, out, n_threads)
         self.stats.total += n_tok * n_ff
         self.stats.active += int(mask.sum())

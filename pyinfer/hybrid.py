@@ -114,6 +114,9 @@ class HybridFFN:
 
     def __init__(self, sparse: SparseFFN, weights: ModelWeights, dev, gpu_bucket: list[np.ndarray]):
         cfg = sparse.cfg
+        if getattr(sparse, "glu", False):
+            raise PyinferError("the GPU hot-neuron kernels implement the 'relu' and 'cats' sparse "
+                               "modes, not 'glu'; run with --device cpu or -ngl N")
         if len(gpu_bucket) != cfg.n_layer:
             raise PyinferError(f"placement has {len(gpu_bucket)} layers, the model {cfg.n_layer}")
         self.cfg, self.cpu, self.dev = cfg, sparse, dev

@@ -136,8 +136,12 @@ def test_profiler_matches_transformers(act, relu_dir, silu_dir, tmp_path):
     for i, layer in enumerate(hf.model.layers):
         hooks.append(layer.post_attention_layernorm.register_forward_pre_hook(
             lambda m, a, i=i: xs.setdefault(i, []).append(a[0][0].clone())))
-        hooks.append(layer.mlp.act_fn.register_forward_hook(
-            lambda m, a, o, i=i: acts.setdefault(i, []).append(o[0].clone())))
+        if act == "relu":  # relu(gate): exact zeros
+            hooks.append(layer.mlp.act_fn.register_forward_hook(
+                lambda m, a, o, i=i: acts.setdefault(i, []).append(o[0].clone())))
+        else:  # the GLU output silu(gate) * up, what down_proj receives
+            hooks.append(layer.mlp.down_proj.register_forward_pre_hook(
+                lambda m, a, i=i: acts.setdefault(i, []).append(a[0][0].clone())))
     with torch.no_grad():
         for piece in (seqs[0][:32], seqs[0][32:], seqs[1]):
             hf(torch.tensor([piece]))
@@ -234,7 +238,7 @@ def test_calib_file_and_fixed_rank(silu_dir, tmp_path):
     assert convert_main([silu_dir, out, "--calib", str(text), "--predictor-rank", "16",
                          "--target-sparsity", "0.5", *FAST]) == 0
     r = gguf.GGUFReader(out)
-    assert read_field(r, C.K_SPARSE_MODE) == C.SPARSE_MODE_CATS
+    assert read_field(r, C.K_SPARSE_MODE) == C.SPARSE_MODE_GLU
     assert read_field(r, C.K_CALIB_SOURCE) == "files:calib.txt"
     assert read_field(r, C.K_PRED_RANK) == [16, 16]
     assert all(t > 0 for t in read_field(r, C.K_ACT_THRESHOLD))

@@ -44,9 +44,10 @@ def test_relu_zero_skipping_is_lossless(tmp_path):
     assert 0.2 < eng.model.ffn.stats.sparsity < 0.8  # random ReLU: about half the gates are <= 0
 
 
-@pytest.mark.parametrize("hidden_act,outtype", [("silu", "f32"), ("relu", "q8_0"),
-                                                ("silu", "q4_0"), ("relu", "f16")])
-def test_decode_path_equals_batched_masked_path(tmp_path, hidden_act, outtype):
+@pytest.mark.parametrize("hidden_act,outtype,mode", [("silu", "f32", "cats"), ("relu", "q8_0", "relu"),
+                                                     ("silu", "q4_0", "cats"), ("relu", "f16", "relu"),
+                                                     ("silu", "f32", "glu"), ("silu", "q8_0", "glu")])
+def test_decode_path_equals_batched_masked_path(tmp_path, hidden_act, outtype, mode):
     _, eng = engine_for(tmp_path, hidden_act, outtype)
     cfg = eng.cfg
     rng = np.random.default_rng(0)
@@ -55,7 +56,7 @@ def test_decode_path_equals_batched_masked_path(tmp_path, hidden_act, outtype):
                        rng.normal(size=(cfg.n_ff, rank)).astype(np.float32), 0.5)
              for _ in range(cfg.n_layer)]
     thr = np.full(cfg.n_layer, 0.01 if hidden_act == "silu" else 0.0, np.float32)
-    eng.model.ffn = SparseFFN(cfg, preds, thr)
+    eng.model.ffn = SparseFFN(cfg, preds, thr, mode)
     eng.reset()
     batched = eng.model.forward(PROMPT, 0, all_logits=True)
     batched_sparsity = eng.model.ffn.stats.sparsity
