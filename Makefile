@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 MODELS := models
 SRC_GGUF := $(MODELS)/SmolLM2-135M-Instruct.Q4_1.gguf
-GGUF := $(MODELS)/smollm2-135m-instruct.q8_0.gguf
+GGUF := $(MODELS)/smollm2-135m-instruct.sparse.q8_0.gguf
 THREADS ?= 2
 PROMPT ?= What is the capital of Germany?
 
@@ -16,8 +16,10 @@ $(BIN)/python:
 	$(BIN)/pip install --quiet --upgrade pip
 
 # torch==2.13.0 first: that exact version is the CPU wheel (a bare `torch` pulls a CUDA build).
+# The offline stage of pyinfer-convert trains predictors with PyTorch (the `train` extra).
 install: $(BIN)/python
-	$(BIN)/pip install --quiet -e .
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e ".[train]"
 
 install-test: $(BIN)/python
 	$(BIN)/pip install --quiet torch==2.13.0
@@ -27,7 +29,7 @@ $(SRC_GGUF):
 	PATH=$(BIN):$$PATH tools/fetch_smollm2.sh $(MODELS)
 
 $(GGUF): $(SRC_GGUF) | install
-	$(BIN)/pyinfer-convert $(SRC_GGUF) $(GGUF) --outtype q8_0
+	$(BIN)/pyinfer-convert $(SRC_GGUF) $(GGUF) --outtype q8_0 -t $(THREADS)
 
 demo: install $(GGUF)
 	$(BIN)/pyinfer-run $(GGUF) --chat -p "$(PROMPT)" --temp 0 -n 64 -t $(THREADS)

