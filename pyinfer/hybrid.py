@@ -330,7 +330,9 @@ def place_ffn(reader, cfg: ModelConfig, weights: ModelWeights, cpu_ffn, *, devic
             raise PyinferError(f"--device cuda: no CUDA device ({cuda.unavailable_reason()})")
         backend = CupyDevice()
     budget = resolve_budget(backend, vram_budget)
-    whole_layers = n_gpu_layers is not None or disable_gpu_index or not isinstance(cpu_ffn, SparseFFN)
+    # The hot-neuron kernels implement the "relu" and "cats" rules; a "glu" file offloads whole layers.
+    whole_layers = (n_gpu_layers is not None or disable_gpu_index or not isinstance(cpu_ffn, SparseFFN)
+                    or getattr(cpu_ffn, "glu", False))
     if whole_layers:
         k = _layers_that_fit(weights, budget) if n_gpu_layers is None else int(n_gpu_layers)
         if n_gpu_layers is not None and k > _layers_that_fit(weights, budget):
