@@ -62,8 +62,10 @@ def build_parser(prog: str = "pyinfer-run") -> argparse.ArgumentParser:
     return p
 
 
-def print_timings(t, file=sys.stderr):
-    """llama.cpp's perf summary (llama_perf_context_print), same fields and units."""
+def print_timings(t, file=None):
+    """llama.cpp's perf summary (llama_perf_context_print), same fields and units; to ``file``
+    (default: the current sys.stderr, looked up at call time)."""
+    file = file or sys.stderr
     def line(label, ms, n, unit):
         per = ms / n if n else 0.0
         tps = 1e3 * n / ms if ms > 0 else 0.0
