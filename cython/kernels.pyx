@@ -29,8 +29,10 @@ cdef extern from "simd.h" nogil:
     void pi_axpy_row(int qtype, float a, const uint8_t *row, float *out, int n)
     void pi_dequant_row(int qtype, const uint8_t *row, float *out, int n)
     void pi_add_f32(float *out, const float *a, int n)
-    void pi_prefetch_row(const uint8_t *p, size_t nbytes)
+    void pi_prefetch_l1(const uint8_t *p, size_t nbytes)
+    void pi_prefetch_l2(const uint8_t *p, size_t nbytes)
     int pi_prefetch_dist(size_t row_bytes)
+    int PI_L1_PREFETCH_MAX_ROW
     void pi_axpy4_row(int qtype, const float *a, const uint8_t *r0, const uint8_t *r1,
                       const uint8_t *r2, const uint8_t *r3, float *out, int n)
     void pi_axpy_rows_range(int qtype, const uint8_t *w, size_t stride, const float *coef,
@@ -125,6 +127,7 @@ def gather_matvec(const uint8_t[:, ::1] w, int qtype, int cols, const float[::1]
     _check_idx(idx, w.shape[0])
     cdef Py_ssize_t n = idx.shape[0], k, stride = w.shape[1]
     cdef Py_ssize_t pd = pi_prefetch_dist(stride)
+    cdef int near = stride <= PI_L1_PREFETCH_MAX_ROW
     cdef int quant = pi_is_quant(qtype)
     cdef float *xd = NULL
     cdef int8_t *xq = NULL
@@ -137,7 +140,9 @@ def gather_matvec(const uint8_t[:, ::1] w, int qtype, int cols, const float[::1]
             pi_quantize_q8(&x[0], cols, xd, xq)
         for k in prange(n, schedule='static', num_threads=n_threads):
             if k + pd < n:
-                pi_prefetch_row(&w[0, 0] + idx[k + pd] * stride, stride)
+                pi_prefetch_l2(&w[0, 0] + idx[k + pd] * stride, stride)
+            if near and k + 2 < n:
+                pi_prefetch_l1(&w[0, 0] + idx[k + 2] * stride, stride)
             out[k] = pi_dot_row(qtype, &w[0, 0] + idx[k] * stride, &x[0], xd, xq, cols)
         free(xd)
         free(xq)

@@ -364,21 +364,41 @@ static inline void pi_axpy_row(int qtype, float a, const uint8_t *row, float *ou
     }
 }
 
-/* Software prefetch of a whole row: gathered rows are short (q4_0 576 columns = 324 bytes) and in
- * no pattern the hardware prefetcher follows, so without it every row costs a DRAM latency. */
-static inline void pi_prefetch_row(const uint8_t *p, size_t nbytes) {
+/* Software prefetch of every cache line of [p, p + nbytes), p not necessarily line-aligned.
+ * Gathered rows are short (SmolLM2's q8_0 rows are 612 bytes, not line-aligned) and in no pattern
+ * the hardware prefetcher follows, so without it every row costs a DRAM latency. Two levels
+ * (measured on the 2-core EPYC box, docs/benchmarks.md): rows far ahead go to L2 (hint T1: the L2
+ * has more miss buffers than the L1, so more lines are in flight), the next rows to L1 (T0).
+ * Prefetching from p itself instead of its line start missed a row's last line about half the
+ * time, and each missed line stalled the row on a full DRAM latency. */
+static inline void pi_prefetch_l1(const uint8_t *p, size_t nbytes) {
 #if PI_SIMD
-    for (size_t o = 0; o < nbytes; o += 64) _mm_prefetch((const char *)(p + o), _MM_HINT_T0);
+    const uint8_t *a = (const uint8_t *)((uintptr_t)p & ~(uintptr_t)63);
+    for (; a < p + nbytes; a += 64) _mm_prefetch((const char *)a, _MM_HINT_T0);
 #else
     (void)p;
     (void)nbytes;
 #endif
 }
 
-/* How many rows ahead to prefetch: about 4 KiB in flight. */
+static inline void pi_prefetch_l2(const uint8_t *p, size_t nbytes) {
+#if PI_SIMD
+    const uint8_t *a = (const uint8_t *)((uintptr_t)p & ~(uintptr_t)63);
+    for (; a < p + nbytes; a += 64) _mm_prefetch((const char *)a, _MM_HINT_T1);
+#else
+    (void)p;
+    (void)nbytes;
+#endif
+}
+
+/* Rows longer than this are not prefetched into L1: the hardware prefetcher follows a long row
+ * once it is in it, and four 8 KB rows would fill a 32 KB L1. */
+#define PI_L1_PREFETCH_MAX_ROW 2048
+
+/* How many rows ahead the L2 prefetch runs: about 16 KiB ahead, 2 to 32 rows. */
 static inline int pi_prefetch_dist(size_t row_bytes) {
-    size_t d = 4096 / (row_bytes ? row_bytes : 1);
-    return d < 1 ? 1 : (d > 16 ? 16 : (int)d);
+    size_t d = 16384 / (row_bytes ? row_bytes : 1);
+    return d < 2 ? 2 : (d > 32 ? 32 : (int)d);
 }
 
 /* ---- out[0:n] += sum_{r<4} a[r] * row_r[0:n]: four rows per pass, so the accumulator is loaded
@@ -487,16 +507,17 @@ static inline void pi_axpy_rows_range(int qtype, const uint8_t *w, size_t stride
                                       const int32_t *idx, long k0, long k1, float *out, int cols) {
     long k = k0;
     const size_t nbytes = pi_col_offset(qtype, cols);
-    const long pd = pi_prefetch_dist(nbytes);
+    const long pd = 4 * ((pi_prefetch_dist(nbytes) + 3) / 4);
+#define PI_ROW(j) (w + (idx ? (size_t)idx[j] : (size_t)(j)) * stride)
+    const int near = nbytes <= PI_L1_PREFETCH_MAX_ROW;
+    for (long j = k; near && j < k + 4 && j < k1; j++) pi_prefetch_l1(PI_ROW(j), nbytes);
     for (; k + 4 <= k1; k += 4) {
-        for (long j = k + 4 * pd; j < k + 4 * pd + 4 && j < k1; j++)
-            pi_prefetch_row(w + (idx ? (size_t)idx[j] : (size_t)j) * stride, nbytes);
-        const size_t i0 = idx ? (size_t)idx[k] : (size_t)k, i1 = idx ? (size_t)idx[k + 1] : (size_t)k + 1;
-        const size_t i2 = idx ? (size_t)idx[k + 2] : (size_t)k + 2;
-        const size_t i3 = idx ? (size_t)idx[k + 3] : (size_t)k + 3;
-        pi_axpy4_row(qtype, coef + k, w + i0 * stride, w + i1 * stride, w + i2 * stride,
-                     w + i3 * stride, out, cols);
+        for (long j = k + pd; j < k + pd + 4 && j < k1; j++) pi_prefetch_l2(PI_ROW(j), nbytes);
+        for (long j = k + 4; near && j < k + 8 && j < k1; j++) pi_prefetch_l1(PI_ROW(j), nbytes);
+        pi_axpy4_row(qtype, coef + k, PI_ROW(k), PI_ROW(k + 1), PI_ROW(k + 2), PI_ROW(k + 3), out,
+                     cols);
     }
+#undef PI_ROW
     for (; k < k1; k++)
         pi_axpy_row(qtype, coef[k], w + (idx ? (size_t)idx[k] : (size_t)k) * stride, out, cols);
 }
