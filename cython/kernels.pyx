@@ -420,3 +420,34 @@ def relu_mul(const float[::1] gate, const float[::1] up, float[::1] out):
         for i in range(n):
             g = gate[i]
             out[i] = (g if g > 0.0 else 0.0) * up[i]
+
+
+def select_active(const float[::1] g, const float[::1] u, const int32_t[::1] ids, int silu,
+                  float thr, float[::1] coef, int32_t[::1] idx):
+    """The sparse FFN's neuron selection, one pass: a = act(g[j]) (* u[j] when u is given),
+    kept where |a| > thr. Writes the kept a into coef[:n] and their neuron ids (ids[j], or j when
+    ids is None) into idx[:n]; returns n. g, u (n_cand,) f32; coef, idx (n_cand,) f32 / int32;
+    act = silu (g / (1 + exp(-g))) if silu else relu."""
+    cdef Py_ssize_t n = g.shape[0], j, k = 0
+    cdef int has_u = u is not None, has_ids = ids is not None
+    if has_u:
+        _check_len(u.shape[0], n, "select_active u")
+    if has_ids:
+        _check_len(ids.shape[0], n, "select_active ids")
+    _check_len(coef.shape[0], n, "select_active coef")
+    _check_len(idx.shape[0], n, "select_active idx")
+    cdef float x, a
+    with nogil:
+        for j in range(n):
+            x = g[j]
+            if silu:
+                a = x / (1.0 + expf(-x))
+            else:
+                a = x if x > 0.0 else 0.0
+            if has_u:
+                a = a * u[j]
+            if a > thr or a < -thr:
+                coef[k] = a
+                idx[k] = ids[j] if has_ids else <int32_t> j
+                k += 1
+    return k

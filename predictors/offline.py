@@ -40,6 +40,10 @@ DEFAULT_TARGET_SPARSITY = 0.40  # SwiGLU ("glu" mode) only; see docs/benchmarks.
 DEFAULT_SEED = 0
 DEFAULT_MAX_EPOCHS = 12  # SmolLM2: ~6 s of one core per layer; most layers stop by patience
 DEFAULT_PATIENCE = 3
+# Time to gather a weight row by index / time to stream it in a dense GEMV, from DRAM. Measured on
+# the 2-core EPYC box at SmolLM2's 612-byte q8_0 rows and about 56% of rows read, 2 threads:
+# 21.0 GB/s dense against 12.6 GB/s gathered (docs/benchmarks.md, "Gather and AXPY from memory").
+GATHER_COST = 1.7
 CHUNK_LEN = 512  # tokens per profiling prefill chunk and per generated calibration sequence
 MIN_CALIB_TOKENS = 64
 
@@ -154,9 +158,17 @@ def convert_sparse(src: str, out: str, outtype: str = "f16", opts: OfflineOption
         prof = profile(eng, seqs, chunk_len, opts.progress)
         secs["profiling"] = time.perf_counter() - t0
 
-        # 3. per-layer activity and predictors
+        # 3. per-layer activity and predictors; f16 predictors unless the file is f32 (half the
+        # bytes each token reads; the threshold was calibrated in f32, f16 rounding moves the
+        # logits by about 1e-3 of their scale)
         t0 = time.perf_counter()
         rows, preds, counts, act_thr = _train_layers(prof, cfg, mode, opts, n_threads)
+        pred_qtype = C.QT.F32 if outtype == "f32" else C.QT.F16
+        block, block_bytes = C.QK_BLOCK[C.OUTTYPES[outtype]]
+        row_bytes = cfg.n_embd // block * block_bytes
+        for r, (fc1, fc2, _) in zip(rows, preds):
+            pred_bytes = (fc1.size + fc2.size) * (4 if pred_qtype == C.QT.F32 else 2)
+            r.cpu_predictor = predictor_pays(mode, r.predicted_sparsity, pred_bytes, row_bytes, cfg.n_ff)
         secs["predictor training"] = time.perf_counter() - t0
         del prof
 
@@ -165,8 +177,8 @@ def convert_sparse(src: str, out: str, outtype: str = "f16", opts: OfflineOption
         if budget_bytes is not None:
             t0 = time.perf_counter()
             for i, (fc1, fc2, _) in enumerate(preds):
-                sizes[C.FC1.format(bid=i)] = fc1.nbytes
-                sizes[C.FC2.format(bid=i)] = fc2.nbytes
+                sizes[C.FC1.format(bid=i)] = fc1.size * (4 if pred_qtype == C.QT.F32 else 2)
+                sizes[C.FC2.format(bid=i)] = fc2.size * (4 if pred_qtype == C.QT.F32 else 2)
             placement = solve(counts, sizes, cfg, budget_bytes, group_size=DEFAULT_GROUP_SIZE)
             for r, b in zip(rows, placement.gpu_bucket):
                 r.gpu = int(b.size)
@@ -180,6 +192,7 @@ def convert_sparse(src: str, out: str, outtype: str = "f16", opts: OfflineOption
         meta.array(C.K_ACT_THRESHOLD, [float(t) for t in act_thr], VT.FLOAT32)
         meta.array(C.K_PRED_THRESHOLD, [float(p[2]) for p in preds], VT.FLOAT32)
         meta.array(C.K_PRED_RANK, [int(p[0].shape[0]) for p in preds], VT.INT32)
+        meta.array(C.K_PRED_CPU, [int(r.cpu_predictor) for r in rows], VT.INT32)
         meta.array(C.K_PRED_RECALL, [r.recall for r in rows], VT.FLOAT32)
         meta.array(C.K_PRED_PRECISION, [r.precision for r in rows], VT.FLOAT32)
         meta.f32(C.K_TARGET_RECALL, opts.target_recall)
@@ -190,8 +203,8 @@ def convert_sparse(src: str, out: str, outtype: str = "f16", opts: OfflineOption
         meta.u32(C.K_CALIB_SEED, opts.seed)
         new_jobs = []
         for i, (fc1, fc2, _) in enumerate(preds):
-            new_jobs.append(TensorJob(C.FC1.format(bid=i), fc1.shape, C.QT.F32, lambda a=fc1: a))
-            new_jobs.append(TensorJob(C.FC2.format(bid=i), fc2.shape, C.QT.F32, lambda a=fc2: a))
+            new_jobs.append(TensorJob(C.FC1.format(bid=i), fc1.shape, pred_qtype, lambda a=fc1: a))
+            new_jobs.append(TensorJob(C.FC2.format(bid=i), fc2.shape, pred_qtype, lambda a=fc2: a))
             new_jobs.append(TensorJob(C.ACT_COUNT.format(bid=i), counts[i].shape, C.QT.I32,
                                       lambda a=counts[i]: a))
         if placement is not None:
@@ -217,6 +230,21 @@ def convert_sparse(src: str, out: str, outtype: str = "f16", opts: OfflineOption
     _log("offline stage: " + ", ".join(f"{k} {v:.1f} s" for k, v in secs.items())
          + f"; calibration {sum(len(s) for s in seqs)} tokens ({source})", opts.progress)
     return {"rows": rows, "mode": mode, "calib_source": source, "seconds": secs, "placement": placement}
+
+
+def predictor_pays(mode: str, skipped: float, predictor_bytes: int, row_bytes: int, n_ff: int) -> bool:
+    """Whether running a layer's predictor on the CPU reads less than not running it.
+
+    Without it, decode reads every gate row (and in "glu" mode every up row) with the dense GEMV;
+    with it, the predictor's own bytes plus the candidates' rows, gathered at ``GATHER_COST``
+    times the dense cost per byte. Rows read after the activation threshold (up rows in
+    "relu"/"cats" mode, down rows) are the same either way and cancel. ``skipped``: fraction of
+    neurons the predictor rules out (held-out); ``row_bytes``: one weight row in the file's type.
+    """
+    rows_per_neuron = 2 if mode == C.SPARSE_MODE_GLU else 1
+    without = rows_per_neuron * n_ff * row_bytes
+    with_pred = predictor_bytes + (1.0 - skipped) * without * GATHER_COST
+    return with_pred < without
 
 
 def _train_layers(prof, cfg, mode: str, opts: OfflineOptions, n_threads: int):

@@ -103,6 +103,7 @@ K_SPARSE_MODE = "pyinfer.sparse.mode"  # "relu" | "cats" (|act(gate)|) | "glu" (
 K_ACT_THRESHOLD = "pyinfer.sparse.act_threshold"  # f32[n_layer]: CATS threshold on |act(gate)|
 K_PRED_THRESHOLD = "pyinfer.predictor.threshold"  # f32[n_layer]: neuron runs where logit >= this
 K_PRED_RANK = "pyinfer.predictor.rank"  # i32[n_layer]
+K_PRED_CPU = "pyinfer.predictor.cpu"  # i32[n_layer]: 1 = CPU decode runs the predictor (absent: all 1)
 K_PRED_RECALL = "pyinfer.predictor.recall"  # f32[n_layer], held-out
 K_PRED_PRECISION = "pyinfer.predictor.precision"  # f32[n_layer], held-out
 K_TARGET_RECALL = "pyinfer.target_recall"

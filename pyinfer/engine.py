@@ -120,9 +120,12 @@ class Engine:
         predictors = None
         if pred_thr is not None and all(lw.fc1 is not None for lw in layers):
             predictors = [Predictor(lw.fc1, lw.fc2, t) for lw, t in zip(layers, pred_thr)]
-        if len(act_thr) != n_layer or (pred_thr is not None and len(pred_thr) != n_layer):
+        use = read_field(self.reader, C.K_PRED_CPU)
+        if len(act_thr) != n_layer or (pred_thr is not None and len(pred_thr) != n_layer) or (
+                use is not None and len(use) != n_layer):
             raise PyinferError("sparse metadata does not have one entry per layer")
-        return SparseFFN(self.cfg, predictors, act_thr, mode)
+        use = None if use is None or predictors is None else [bool(u) for u in use]
+        return SparseFFN(self.cfg, predictors, act_thr, mode, use_predictor=use)
 
     @property
     def is_sparse(self) -> bool:

@@ -91,14 +91,19 @@ class DenseFFN:
 
 class Predictor:
     """One layer's activation predictor, PowerInfer's tensor form: a neuron is a candidate where
-    ``fc2 @ relu(fc1 @ x) >= threshold``. fc1 (rank, n_embd) f32, fc2 (n_ff, rank) f32."""
+    ``fc2 @ relu(fc1 @ x) >= threshold``. fc1 (rank, n_embd), fc2 (n_ff, rank), f32 or f16 (as the
+    file stores them; f16 halves the bytes read per token), dotted in f32 by pyinfer's kernels."""
 
     def __init__(self, fc1: np.ndarray, fc2: np.ndarray, threshold: float):
-        self.fc1 = cpu.QTensor(np.ascontiguousarray(fc1, np.float32), cpu.QT.F32, *fc1.shape)
-        self.fc2 = cpu.QTensor(np.ascontiguousarray(fc2, np.float32), cpu.QT.F32, *fc2.shape)
+        self.fc1 = _pred_tensor(fc1)
+        self.fc2 = _pred_tensor(fc2)
         self.threshold = float(threshold)
         self._hid = np.empty(fc1.shape[0], np.float32)  # (rank,)
         self._logits = np.empty(fc2.shape[0], np.float32)  # (n_ff,)
+
+    @property
+    def nbytes(self) -> int:
+        return self.fc1.nbytes + self.fc2.nbytes
 
     def active(self, x: np.ndarray, n_threads: int) -> np.ndarray:
         """Candidate neuron ids (int32, sorted) for one token's x (n_embd,)."""
@@ -107,10 +112,22 @@ class Predictor:
         cpu.matvec(self.fc2, self._hid, self._logits, n_threads)
         return np.flatnonzero(self._logits >= self.threshold).astype(np.int32)
 
-    def mask(self, x: np.ndarray) -> np.ndarray:
+    def mask(self, x: np.ndarray, n_threads: int = 1) -> np.ndarray:
         """Candidate mask (n_tok, n_ff) bool for x (n_tok, n_embd)."""
-        hid = np.maximum(x @ self.fc1.data.T, 0.0)
-        return hid @ self.fc2.data.T >= self.threshold
+        x = np.ascontiguousarray(x, np.float32)
+        hid = np.empty((x.shape[0], self.fc1.rows), np.float32)
+        logits = np.empty((x.shape[0], self.fc2.rows), np.float32)
+        linear(self.fc1, x, hid, n_threads)
+        np.maximum(hid, 0.0, out=hid)
+        linear(self.fc2, hid, logits, n_threads)
+        return logits >= self.threshold
+
+
+def _pred_tensor(a: np.ndarray) -> cpu.QTensor:
+    a = np.ascontiguousarray(a)
+    if a.dtype != np.float16:
+        a = np.ascontiguousarray(a, np.float32)
+    return cpu.QTensor(a, cpu.QT.F16 if a.dtype == np.float16 else cpu.QT.F32, *a.shape)
 
 
 class SparseFFN:
@@ -120,17 +137,30 @@ class SparseFFN:
     activation threshold prunes). act_threshold: (n_layer,) f32, the magnitude (see ``mode``)
     must exceed it (0 for ReLU models, whose inactive neurons are exact zeros). mode: "relu",
     "cats" or "glu" (module docstring); default "relu" for ReLU models, "cats" otherwise.
+    use_predictor: (n_layer,) bool, where token-at-a-time decode runs the predictor (default:
+    every layer that has one). The offline stage turns it off where the predictor costs more
+    bytes than it saves (``predictors.offline.predictor_pays``); those layers read every gate
+    (and, in "glu" mode, up) row with the dense GEMV, which streams faster than a gather. Either
+    way the same neurons count as active: prefill applies the predictor's mask only where decode
+    does, so both paths compute one function.
     """
 
     def __init__(self, cfg: ModelConfig, predictors: list[Predictor] | None,
-                 act_threshold: np.ndarray, mode: str | None = None):
+                 act_threshold: np.ndarray, mode: str | None = None,
+                 use_predictor=None):
         self.cfg = cfg
         self.mode = mode or ("relu" if cfg.hidden_act == "relu" else "cats")
         self.glu = self.mode == "glu"
         self.predictors = predictors
+        n_layer = len(act_threshold)
+        if predictors is None:
+            use_predictor = [False] * n_layer
+        elif use_predictor is None:
+            use_predictor = [True] * n_layer
+        self.use_predictor = np.asarray(use_predictor, bool)  # (n_layer,)
         self.act_threshold = np.asarray(act_threshold, np.float32)
         self.act = _act(cfg.hidden_act)
-        self.all_ids = np.arange(cfg.n_ff, dtype=np.int32)
+        self.silu = cfg.hidden_act == "silu"
         self.stats = FFNStats()
 
     def __call__(self, lw: LayerWeights, layer: int, x: np.ndarray, h: np.ndarray,
@@ -138,29 +168,35 @@ class SparseFFN:
         if h.shape[0] > 1:
             return self._batch(lw, layer, x, h, out, n_threads)
         n_ff = self.cfg.n_ff
-        ids = (self.predictors[layer].active(x[0], n_threads) if self.predictors
-               else self.all_ids)
-        g = np.empty(ids.shape[0], np.float32)  # (n_candidates,)
-        cpu.gather_matvec(lw.ffn_gate, h[0], ids, g, n_threads)
-        a = self.act(g)
+        thr = self.act_threshold[layer]
+        if self.use_predictor[layer]:
+            ids = self.predictors[layer].active(x[0], n_threads)
+            g = np.empty(ids.shape[0], np.float32)  # (n_candidates,)
+            cpu.gather_matvec(lw.ffn_gate, h[0], ids, g, n_threads)
+        else:  # every neuron is a candidate: the dense GEMV streams faster than a gather
+            ids = None
+            g = np.empty(n_ff, np.float32)
+            cpu.matvec(lw.ffn_gate, h[0], g, n_threads)
+        coef = np.empty_like(g)  # (n_candidates,) then [:n_active]
+        idx = np.empty(g.shape[0], np.int32)
         if self.glu:  # rank by the GLU output: every candidate's up row is needed first
             u = np.empty_like(g)
-            cpu.gather_matvec(lw.ffn_up, h[0], ids, u, n_threads)
-            a *= u
-            keep = np.abs(a) > self.act_threshold[layer]
-            ids_active = ids[keep]
-            a = np.ascontiguousarray(a[keep], np.float32)  # (n_active,)
-        else:
-            keep = np.abs(a) > self.act_threshold[layer]
-            ids_active = ids[keep]
-            a = np.ascontiguousarray(a[keep], np.float32)  # (n_active,)
-            u = np.empty_like(a)
-            cpu.gather_matvec(lw.ffn_up, h[0], ids_active, u, n_threads)
-            a *= u
-        cpu.axpy_rows(lw.ffn_down_t, a, ids_active, out[0], n_threads)
+            if ids is None:
+                cpu.matvec(lw.ffn_up, h[0], u, n_threads)
+            else:
+                cpu.gather_matvec(lw.ffn_up, h[0], ids, u, n_threads)
+            n = cpu.select_active(g, u, ids, self.silu, thr, coef, idx)
+            coef, idx = coef[:n], idx[:n]
+        else:  # up rows only for neurons whose activation passed
+            n = cpu.select_active(g, None, ids, self.silu, thr, coef, idx)
+            coef, idx = coef[:n], idx[:n]
+            u = np.empty(n, np.float32)
+            cpu.gather_matvec(lw.ffn_up, h[0], idx, u, n_threads)
+            coef *= u
+        cpu.axpy_rows(lw.ffn_down_t, coef, idx, out[0], n_threads)
         self.stats.total += n_ff
-        self.stats.candidates += ids.shape[0]
-        self.stats.active += ids_active.shape[0]
+        self.stats.candidates += n_ff if ids is None else ids.shape[0]
+        self.stats.active += n
         return out
 
     def _batch(self, lw, layer, x, h, out, n_threads):
@@ -175,8 +211,8 @@ class SparseFFN:
         if self.glu:
             a *= up
         mask = np.abs(a) > self.act_threshold[layer]
-        if self.predictors:
-            cand = self.predictors[layer].mask(x)
+        if self.use_predictor[layer]:
+            cand = self.predictors[layer].mask(x, n_threads)
             mask &= cand
             self.stats.candidates += int(cand.sum())
         else:

@@ -92,8 +92,9 @@ class _DeviceLayer:
         self.fc1 = self.fc2 = None
         self.pred_threshold = 0.0
         if predictor is not None:
-            self.fc1 = dev.array(predictor.fc1.data)  # (rank, n_embd) f32
-            self.fc2 = dev.array(predictor.fc2.data)  # (n_ff, rank) f32
+            # the device kernel takes f32 (files may store f16 predictors)
+            self.fc1 = dev.array(np.asarray(predictor.fc1.data, np.float32))  # (rank, n_embd)
+            self.fc2 = dev.array(np.asarray(predictor.fc2.data, np.float32))  # (n_ff, rank)
             self.pred_threshold = predictor.threshold
 
     @property

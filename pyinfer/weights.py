@@ -27,8 +27,8 @@ class LayerWeights:
     ffn_gate: QTensor  # (n_ff, n_embd) one row per neuron
     ffn_up: QTensor  # (n_ff, n_embd) one row per neuron
     ffn_down_t: QTensor  # (n_ff, n_embd) ffn_down transposed: one row per neuron
-    fc1: np.ndarray | None = None  # (rank, n_embd) f32 predictor, when the file has one
-    fc2: np.ndarray | None = None  # (n_ff, rank) f32
+    fc1: np.ndarray | None = None  # (rank, n_embd) f32 or f16 predictor, when the file has one
+    fc2: np.ndarray | None = None  # (n_ff, rank) f32 or f16
 
 
 @dataclass
@@ -65,9 +65,12 @@ class ModelWeights:
                 raise PyinferError(f"tensor {name} must be f32 with {n} elements")
             return a.reshape(n)
 
-        def optional_f32(name):
+        def optional_float(name):
             t = by_name.get(name)
-            return None if t is None else np.asarray(t.data, dtype=np.float32)
+            if t is None:
+                return None
+            a = np.asarray(t.data)
+            return a if a.dtype in (np.float32, np.float16) else a.astype(np.float32)
 
         E, F = cfg.n_embd, cfg.n_ff
         layers = []
@@ -82,8 +85,8 @@ class ModelWeights:
                 ffn_gate=tensor(C.FFN_GATE.format(bid=i), F, E),
                 ffn_up=tensor(C.FFN_UP.format(bid=i), F, E),
                 ffn_down_t=tensor(C.FFN_DOWN_T.format(bid=i), F, E),
-                fc1=optional_f32(C.FC1.format(bid=i)),
-                fc2=optional_f32(C.FC2.format(bid=i)),
+                fc1=optional_float(C.FC1.format(bid=i)),
+                fc2=optional_float(C.FC2.format(bid=i)),
             ))
         token_embd = tensor(C.TOKEN_EMBD, cfg.n_vocab, E)
         output = token_embd if cfg.tied_embeddings else tensor(C.OUTPUT, cfg.n_vocab, E)

@@ -331,6 +331,26 @@ def test_activations(name):
     np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("silu", [True, False])
+@pytest.mark.parametrize("with_up,with_ids", [(True, False), (False, True), (True, True)])
+def test_select_active(silu, with_up, with_ids):
+    """Kept values and ids equal the NumPy twin's; nothing past the count is written."""
+    rng = np.random.default_rng(7)
+    for n, thr in [(1536, 0.3), (5, 0.0), (0, 0.1), (64, 1e9)]:
+        g = _rand(rng, n) * 3
+        up = _rand(rng, n) if with_up else None
+        ids = np.sort(rng.choice(10 * n + 1, n, replace=False)).astype(np.int32) if with_ids else None
+        coef, idx = _nan((n,)), np.full(n, -7, np.int32)
+        want_c, want_i = _nan((n,)), np.full(n, -7, np.int32)
+        k = cpu.select_active(g, up, ids, silu, thr, coef, idx)
+        assert k == ref.select_active(g, up, ids, silu, thr, want_c, want_i)
+        np.testing.assert_array_equal(idx, want_i)
+        np.testing.assert_allclose(coef[:k], want_c[:k], rtol=1e-5, atol=1e-7)
+        assert np.isnan(coef[k:]).all()
+    assert 0 < cpu.select_active(_rand(rng, 100), None, None, silu, 0.05, _nan((100,)),
+                                 np.zeros(100, np.int32)) < 100
+
+
 def test_info():
     assert isinstance(cpu.openmp_enabled(), bool)
     assert isinstance(cpu.simd_enabled(), bool)

@@ -60,7 +60,8 @@ def test_output_file_has_the_offline_stage(relu_sparse):
     assert read_field(r, C.K_SPARSE_MODE) == C.SPARSE_MODE_RELU
     ranks = read_field(r, C.K_PRED_RANK)
     assert len(ranks) == cfg.n_layer
-    for key in (C.K_PRED_THRESHOLD, C.K_ACT_THRESHOLD, C.K_PRED_RECALL, C.K_PRED_PRECISION):
+    for key in (C.K_PRED_THRESHOLD, C.K_ACT_THRESHOLD, C.K_PRED_RECALL, C.K_PRED_PRECISION,
+                C.K_PRED_CPU):
         assert len(read_field(r, key)) == cfg.n_layer, key
     assert read_field(r, C.K_ACT_THRESHOLD) == [0.0] * cfg.n_layer
     assert read_field(r, C.K_CALIB_TOKENS) == 256
@@ -311,6 +312,8 @@ def test_smollm2_default_offline_stage(tmp_path, capsys):
     r = gguf.GGUFReader(out)
     assert read_field(r, C.K_SPARSE_MODE) == C.SPARSE_MODE_GLU
     assert abs(read_field(r, C.K_TARGET_RECALL) - 0.99) < 1e-6
+    fc1 = next(t for t in r.tensors if t.name == C.FC1.format(bid=0))
+    assert fc1.tensor_type == C.QT.F16  # predictors in f16 beside q8_0 weights
     assert all(abs(x - 0.99) < 0.01 for x in read_field(r, C.K_PRED_RECALL))
     capsys.readouterr()
     assert run_main([out, "--chat", "-p", "What is the capital of Germany?", "--temp", "0",
@@ -322,3 +325,18 @@ def test_smollm2_default_offline_stage(tmp_path, capsys):
     ids = eng.tokenizer.encode("The Jargon File is a glossary of hacker slang.")
     eng.model.forward(ids, 0)
     assert eng.ffn_sparsity() > 0.3
+
+
+def test_predictor_pays():
+    """The per-layer choice on SmolLM2's and the ReLU fixture's measured numbers
+    (docs/benchmarks.md): a SwiGLU predictor that rules out 9% of neurons never pays; a ReLU one
+    that rules out 86% does; no predictor pays for more than its own bytes."""
+    from predictors.offline import predictor_pays
+
+    q8_row = 576 // 32 * 34  # SmolLM2 q8_0 row bytes
+    smol_pred = 288 * (576 + 1536) * 2  # rank-288 f16 predictor
+    assert not predictor_pays(C.SPARSE_MODE_GLU, 0.09, smol_pred, q8_row, 1536)
+    assert not predictor_pays(C.SPARSE_MODE_GLU, 0.09, 0, q8_row, 1536)  # gathers cost more
+    relu_pred = 64 * (128 + 512) * 4  # the fixture: rank 64, f32
+    assert predictor_pays(C.SPARSE_MODE_RELU, 0.86, relu_pred, 128 * 4, 512)
+    assert not predictor_pays(C.SPARSE_MODE_RELU, 0.99, 10 * 512 * 128 * 4, 128 * 4, 512)

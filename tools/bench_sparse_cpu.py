@@ -63,7 +63,7 @@ class SyntheticPredictor:
     def active(self, x, n_threads):
         return np.flatnonzero(self.rng.random(self.p.shape[0]) < self.p).astype(np.int32)
 
-    def mask(self, x):
+    def mask(self, x, n_threads=1):
         return self.rng.random((x.shape[0], self.p.shape[0])) < self.p
 
 

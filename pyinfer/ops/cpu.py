@@ -181,6 +181,16 @@ def _flat(a: np.ndarray) -> np.ndarray:
     return a.reshape(-1)
 
 
+def select_active(g: np.ndarray, up: np.ndarray | None, ids: np.ndarray | None, silu: bool,
+                  threshold: float, coef: np.ndarray, idx: np.ndarray) -> int:
+    """One pass of the sparse FFN's selection: a = act(g) (* up), kept where |a| > threshold.
+
+    g, up (n_cand,) f32; ids (n_cand,) int32 neuron ids of the candidates, or None for 0..n-1;
+    act = silu if ``silu`` else relu. Writes kept a into coef[:n] (f32) and their neuron ids into
+    idx[:n] (int32), both (n_cand,); returns n."""
+    return _k.select_active(g, up, ids, int(silu), float(threshold), coef, idx)
+
+
 def silu_mul(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> np.ndarray:
     """out = silu(gate) * up elementwise (any shape, f32, C-contiguous; out may alias gate)."""
     _k.silu_mul(_flat(gate), _flat(up), _flat(out))

@@ -122,3 +122,15 @@ def silu_mul(gate, up, out):
 def relu_mul(gate, up, out):
     out[...] = np.maximum(gate, np.float32(0.0)) * up
     return out
+
+
+def select_active(g, up, ids, silu, threshold, coef, idx):
+    g = np.asarray(g, dtype=np.float32)
+    a = g / (np.float32(1.0) + np.exp(-g)) if silu else np.maximum(g, np.float32(0.0))
+    if up is not None:
+        a = a * up
+    keep = np.flatnonzero(np.abs(a) > np.float32(threshold))
+    n = keep.size
+    coef[:n] = a[keep]
+    idx[:n] = keep if ids is None else np.asarray(ids)[keep]
+    return n
