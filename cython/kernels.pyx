@@ -451,3 +451,245 @@ def select_active(const float[::1] g, const float[::1] u, const int32_t[::1] ids
                 idx[k] = ids[j] if has_ids else <int32_t> j
                 k += 1
     return k
+
+
+# ---------------------------------------------------------------- fused single-token decode
+# One call per half-layer instead of about eight kernel calls and as many NumPy temporaries: at
+# SmolLM2's size each call's Python and thread wake-up overhead (about 4 us) is a sixth of decode.
+# The loops are the same as the separate kernels' (same activation quantization, same row order,
+# same reductions), so results equal the unfused path's.
+
+cdef void _rmsnorm1(const float *x, const float *weight, float eps, float *out, int n) noexcept nogil:
+    cdef float scale = 1.0 / sqrtf(pi_dot_f32(x, x, n) / n + eps)
+    cdef int i
+    for i in range(n):
+        out[i] = x[i] * scale * weight[i]
+
+
+cdef void _rope1(float *x, int n_heads, int head_dim, int pos, double freq_base, int n_rot,
+                 float *cs, float *sn) noexcept nogil:
+    cdef int h, i, half = n_rot // 2
+    cdef double theta
+    cdef float x0, x1
+    for i in range(half):
+        theta = pos * pow(freq_base, -2.0 * i / n_rot)
+        cs[i] = <float> cos(theta)
+        sn[i] = <float> sin(theta)
+    for h in range(n_heads):
+        for i in range(half):
+            x0 = x[h * head_dim + i]
+            x1 = x[h * head_dim + i + half]
+            x[h * head_dim + i] = x0 * cs[i] - x1 * sn[i]
+            x[h * head_dim + i + half] = x1 * cs[i] + x0 * sn[i]
+
+
+cdef void _multi_matvec(int n_mat, const uint8_t **w, const int *qt, const Py_ssize_t *stride,
+                        const Py_ssize_t *rows, int cols, const float *x, float **out,
+                        int n_threads) noexcept nogil:
+    """out[m][r] = w[m][r] . x for up to 3 matrices sharing x, in one parallel loop; x is
+    quantized once for the quantized ones (as matvec does per matrix)."""
+    cdef float *xd = NULL
+    cdef int8_t *xq = NULL
+    cdef Py_ssize_t off[4]
+    cdef Py_ssize_t r, total
+    cdef int m, any_quant = 0
+    off[0] = 0
+    for m in range(n_mat):
+        off[m + 1] = off[m] + rows[m]
+        any_quant = any_quant | pi_is_quant(qt[m])
+    total = off[n_mat]
+    if any_quant:
+        xd = <float *> malloc((2 * (cols // 32) + 1) * sizeof(float))
+        xq = <int8_t *> malloc(cols + 32)
+        pi_quantize_q8(x, cols, xd, xq)
+    for r in prange(total, schedule='static', num_threads=n_threads):
+        m = 0 if r < off[1] else (1 if r < off[2] else 2)
+        out[m][r - off[m]] = pi_dot_row(qt[m], w[m] + (r - off[m]) * stride[m], x, xd, xq, cols)
+    free(xd)
+    free(xq)
+
+
+def decode_attn(float[::1] x, const float[::1] attn_norm, float eps,
+                const uint8_t[:, ::1] wq, int tq, const uint8_t[:, ::1] wk, int tk,
+                const uint8_t[:, ::1] wv, int tv, const uint8_t[:, ::1] wo, int to,
+                float[:, :, ::1] k_cache, float[:, :, ::1] v_cache, int n_past, int n_head,
+                double freq_base, int n_threads):
+    """The attention half of one layer for one token, in place on the residual x (n_embd,) f32:
+    x += wo @ attention(rope(wq h), cache), h = rmsnorm(x); K and V of the token (rope on K) are
+    written to k_cache/v_cache row n_past ((n_ctx, n_head_kv, head_dim) f32). Rope over the whole
+    head (NeoX layout), as ``Model.forward``. Same numerics as rmsnorm, matvec, rope_neox and
+    attention called one by one."""
+    cdef int n_embd = x.shape[0]
+    cdef Py_ssize_t n_ctx = k_cache.shape[0], n_kv = k_cache.shape[1], hd = k_cache.shape[2]
+    cdef Py_ssize_t nq = n_head * hd, nkv = n_kv * hd
+    _check_w(wq, tq, n_embd)
+    _check_w(wk, tk, n_embd)
+    _check_w(wv, tv, n_embd)
+    _check_w(wo, to, nq)
+    _check_len(attn_norm.shape[0], n_embd, "decode_attn attn_norm")
+    _check_len(wq.shape[0], nq, "decode_attn wq rows")
+    _check_len(wk.shape[0], nkv, "decode_attn wk rows")
+    _check_len(wv.shape[0], nkv, "decode_attn wv rows")
+    _check_len(wo.shape[0], n_embd, "decode_attn wo rows")
+    if (v_cache.shape[0] != n_ctx or v_cache.shape[1] != n_kv or v_cache.shape[2] != hd
+            or n_kv == 0 or n_head % n_kv or hd % 2):
+        raise ValueError("decode_attn: cache shapes do not match the heads")
+    if n_past < 0 or n_past >= n_ctx:
+        raise ValueError(f"decode_attn: position {n_past} outside the cache ({n_ctx})")
+    cdef const uint8_t *ws[3]
+    cdef int qts[3]
+    cdef Py_ssize_t strides[3]
+    cdef Py_ssize_t rows[3]
+    cdef float *outs[3]
+    cdef float *buf
+    cdef float *h
+    cdef float *q
+    cdef float *att
+    cdef float *y
+    cdef float *sc
+    cdef Py_ssize_t group = n_head // n_kv, hh, kvh, j, i, n_att = n_past + 1
+    cdef float scale = 1.0 / sqrtf(<float> hd), mx, ssum, inv
+    with nogil:
+        buf = <float *> malloc((2 * n_embd + 2 * nq + hd) * sizeof(float))
+        h = buf
+        y = h + n_embd
+        q = y + n_embd
+        att = q + nq
+        _rmsnorm1(&x[0], &attn_norm[0], eps, h, n_embd)
+        ws[0] = &wq[0, 0]
+        ws[1] = &wk[0, 0]
+        ws[2] = &wv[0, 0]
+        qts[0] = tq
+        qts[1] = tk
+        qts[2] = tv
+        strides[0] = wq.shape[1]
+        strides[1] = wk.shape[1]
+        strides[2] = wv.shape[1]
+        rows[0] = nq
+        rows[1] = nkv
+        rows[2] = nkv
+        outs[0] = q
+        outs[1] = &k_cache[n_past, 0, 0]
+        outs[2] = &v_cache[n_past, 0, 0]
+        _multi_matvec(3, ws, qts, strides, rows, n_embd, h, outs, n_threads)
+        _rope1(q, n_head, hd, n_past, freq_base, hd, att, att + hd // 2)
+        _rope1(&k_cache[n_past, 0, 0], n_kv, hd, n_past, freq_base, hd, att, att + hd // 2)
+    with nogil, parallel(num_threads=n_threads):
+        sc = <float *> malloc(n_att * sizeof(float))
+        for hh in prange(n_head, schedule='static'):
+            kvh = hh // group
+            mx = -3.4e38
+            for j in range(n_att):
+                sc[j] = pi_dot_f32(q + hh * hd, &k_cache[j, kvh, 0], hd) * scale
+                if sc[j] > mx:
+                    mx = sc[j]
+            ssum = 0.0
+            for j in range(n_att):
+                sc[j] = expf(sc[j] - mx)
+                ssum = ssum + sc[j]
+            inv = 1.0 / ssum
+            memset(att + hh * hd, 0, hd * sizeof(float))
+            for j in range(n_att):
+                pi_axpy_f32(sc[j] * inv, &v_cache[j, kvh, 0], att + hh * hd, hd)
+        free(sc)
+    with nogil:
+        ws[0] = &wo[0, 0]
+        qts[0] = to
+        strides[0] = wo.shape[1]
+        rows[0] = n_embd
+        outs[0] = y
+        _multi_matvec(1, ws, qts, strides, rows, nq, att, outs, n_threads)
+        for i in range(n_embd):
+            x[i] += y[i]
+        free(buf)
+
+
+def decode_ffn(float[::1] x, const float[::1] ffn_norm, float eps,
+               const uint8_t[:, ::1] wg, int tg, const uint8_t[:, ::1] wu, int tu,
+               const uint8_t[:, ::1] wd, int td, int mode, int silu, float thr, int n_threads):
+    """The FFN half of one layer for one token, in place on the residual x (n_embd,) f32:
+    x += down_t^T a, h = rmsnorm(x), g = gate h, u = up h (one row per neuron, (n_ff, n_embd)).
+    mode 0 (dense): a = act(g) * u over every neuron. mode 1 ("glu" without a predictor): a =
+    act(g) * u kept where |a| > thr. mode 2 ("relu"/"cats" without a predictor): neurons with
+    |act(g)| > thr, whose up rows alone are then read. act = silu if silu else relu. Returns the
+    number of neurons whose down row was read. Same numerics as the unfused DenseFFN/SparseFFN."""
+    cdef int n_embd = x.shape[0]
+    cdef Py_ssize_t n_ff = wg.shape[0]
+    _check_w(wg, tg, n_embd)
+    _check_w(wu, tu, n_embd)
+    _check_w(wd, td, n_embd)
+    _check_len(ffn_norm.shape[0], n_embd, "decode_ffn ffn_norm")
+    _check_len(wu.shape[0], n_ff, "decode_ffn up rows")
+    _check_len(wd.shape[0], n_ff, "decode_ffn down rows")
+    if mode < 0 or mode > 2:
+        raise ValueError(f"decode_ffn: unknown mode {mode}")
+    cdef const uint8_t *ws[3]
+    cdef int qts[3]
+    cdef Py_ssize_t strides[3]
+    cdef Py_ssize_t rows[3]
+    cdef float *outs[3]
+    cdef float *buf
+    cdef float *h
+    cdef float *y
+    cdef float *g
+    cdef float *u
+    cdef float *coef
+    cdef int32_t *idx
+    cdef float *xd = NULL
+    cdef int8_t *xq = NULL
+    cdef Py_ssize_t j, k, n = 0
+    cdef float gv, a
+    cdef Py_ssize_t su = wu.shape[1]
+    with nogil:
+        buf = <float *> malloc((2 * n_embd + 3 * n_ff) * sizeof(float))
+        idx = <int32_t *> malloc((n_ff + 1) * sizeof(int32_t))
+        h = buf
+        y = h + n_embd
+        g = y + n_embd
+        u = g + n_ff
+        coef = u + n_ff
+        _rmsnorm1(&x[0], &ffn_norm[0], eps, h, n_embd)
+        ws[0] = &wg[0, 0]
+        ws[1] = &wu[0, 0]
+        qts[0] = tg
+        qts[1] = tu
+        strides[0] = wg.shape[1]
+        strides[1] = su
+        rows[0] = n_ff
+        rows[1] = n_ff
+        outs[0] = g
+        outs[1] = u
+        _multi_matvec(1 if mode == 2 else 2, ws, qts, strides, rows, n_embd, h, outs, n_threads)
+        for j in range(n_ff):
+            gv = g[j]
+            if silu:
+                a = gv / (1.0 + expf(-gv))
+            else:
+                a = gv if gv > 0.0 else 0.0
+            if mode != 2:
+                a = a * u[j]
+            if mode == 0:
+                coef[j] = a
+            elif a > thr or a < -thr:
+                coef[n] = a
+                idx[n] = <int32_t> j
+                n += 1
+        if mode == 0:
+            n = n_ff
+            _axpy_rows(&wd[0, 0], wd.shape[1], td, n_embd, coef, NULL, n_ff, y, n_threads)
+        else:
+            if mode == 2 and n > 0:
+                if pi_is_quant(tu):
+                    xd = <float *> malloc((2 * (n_embd // 32) + 1) * sizeof(float))
+                    xq = <int8_t *> malloc(n_embd + 32)
+                    pi_quantize_q8(h, n_embd, xd, xq)
+                for k in prange(n, schedule='static', num_threads=n_threads):
+                    coef[k] = coef[k] * pi_dot_row(tu, &wu[0, 0] + idx[k] * su, h, xd, xq, n_embd)
+                free(xd)
+                free(xq)
+            _axpy_rows(&wd[0, 0], wd.shape[1], td, n_embd, coef, idx, n, y, n_threads)
+        for j in range(n_embd):
+            x[j] += y[j]
+        free(buf)
+        free(idx)
+    return n

@@ -88,6 +88,18 @@ class DenseFFN:
         self.stats.candidates += n_tok * n_ff
         return out
 
+    def decode(self, lw: LayerWeights, layer: int, x: np.ndarray, eps: float,
+               n_threads: int) -> bool:
+        """One token's whole FFN half-layer in one fused call, in place on the residual x
+        (n_embd,) (``cpu.decode_ffn``). Returns False where this FFN cannot (never, here)."""
+        n_ff = self.cfg.n_ff
+        cpu.decode_ffn(x, lw.ffn_norm, eps, lw.ffn_gate, lw.ffn_up, lw.ffn_down_t, cpu.FFN_DENSE,
+                       self.cfg.hidden_act == "silu", 0.0, n_threads)
+        self.stats.total += n_ff
+        self.stats.active += n_ff
+        self.stats.candidates += n_ff
+        return True
+
 
 class Predictor:
     """One layer's activation predictor, PowerInfer's tensor form: a neuron is a candidate where
@@ -198,6 +210,21 @@ class SparseFFN:
         self.stats.candidates += n_ff if ids is None else ids.shape[0]
         self.stats.active += n
         return out
+
+    def decode(self, lw: LayerWeights, layer: int, x: np.ndarray, eps: float,
+               n_threads: int) -> bool:
+        """One token's FFN half-layer fused into one call (``cpu.decode_ffn``) where the layer
+        runs no predictor; returns False (nothing done) where it does."""
+        if self.use_predictor[layer]:
+            return False
+        n_ff = self.cfg.n_ff
+        mode = cpu.FFN_GLU if self.glu else cpu.FFN_ACT
+        n = cpu.decode_ffn(x, lw.ffn_norm, eps, lw.ffn_gate, lw.ffn_up, lw.ffn_down_t, mode,
+                           self.silu, self.act_threshold[layer], n_threads)
+        self.stats.total += n_ff
+        self.stats.candidates += n_ff
+        self.stats.active += n
+        return True
 
     def _batch(self, lw, layer, x, h, out, n_threads):
         """Prefill: dense GEMMs (the union of active neurons over a batch is most of the layer),

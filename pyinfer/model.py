@@ -19,7 +19,8 @@ class Model:
     """A Llama-family transformer over memory-mapped weights with a preallocated KV cache."""
 
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, n_ctx: int, n_threads: int = 1,
-                 ffn=None):
+                 ffn=None, fused: bool = True):
+        self.fused = fused  # one-token steps through the fused half-layer kernels
         self.cfg = cfg
         self.w = weights
         self.n_ctx = n_ctx
@@ -43,6 +44,8 @@ class Model:
 
         x = np.empty((T, cfg.n_embd), np.float32)  # (n_tok, n_embd) residual stream
         cpu.get_rows(w.token_embd, ids, x)
+        if T == 1 and self.fused:
+            return self._decode_fused(x, n_past, all_logits)
         h = np.empty_like(x)  # (n_tok, n_embd) normed input of a sublayer
         q = np.empty((T, cfg.n_embd_q), np.float32)  # (n_tok, n_head * head_dim)
         k = np.empty((T, cfg.n_embd_kv), np.float32)  # (n_tok, n_head_kv * head_dim)
@@ -69,9 +72,34 @@ class Model:
             self.ffn(lw, i, x, h, y, nt)
             x += y
 
+        return self._logits(x, all_logits)
+
+    def _decode_fused(self, x: np.ndarray, n_past: int, all_logits: bool) -> np.ndarray:
+        """One token: per layer, the attention half in one kernel call (``cpu.decode_attn``) and
+        the FFN half in one (``ffn.decode``) where the FFN supports it; the same function as the
+        step-by-step loop in ``forward``."""
+        cfg, w, nt = self.cfg, self.w, self.n_threads
+        xv = x[0]
+        ffn_decode = getattr(self.ffn, "decode", None)
+        h = y = None
+        for i, lw in enumerate(w.layers):
+            cpu.decode_attn(xv, lw.attn_norm, cfg.rms_eps, lw.wq, lw.wk, lw.wv, lw.wo,
+                            self.cache.k[i], self.cache.v[i], n_past, cfg.n_head,
+                            cfg.rope_freq_base, nt)
+            if ffn_decode is None or not ffn_decode(lw, i, xv, cfg.rms_eps, nt):
+                if h is None:
+                    h, y = np.empty_like(x), np.empty_like(x)
+                cpu.rmsnorm(x, lw.ffn_norm, cfg.rms_eps, h)
+                self.ffn(lw, i, x, h, y, nt)
+                x += y
+        return self._logits(x, all_logits)
+
+    def _logits(self, x: np.ndarray, all_logits: bool) -> np.ndarray:
+        """Final norm and output projection: (n_vocab,) of the last row, or (n_tok, n_vocab)."""
+        cfg, w, nt = self.cfg, self.w, self.n_threads
         if not all_logits:
             x = x[-1:]
-            h = h[-1:]
+        h = np.empty_like(x)
         cpu.rmsnorm(x, w.output_norm, cfg.rms_eps, h)
         logits = np.empty((h.shape[0], cfg.n_vocab), np.float32)  # (n_tok, n_vocab)
         linear(w.output, h, logits, nt)

@@ -73,3 +73,20 @@ def test_incremental_decode_equals_batched_prefill(tmp_path, n_threads):
     for i in range(split, len(PROMPT)):
         step = eng.model.forward([PROMPT[i]], i)
         assert rel_err(step, ref[i]) < TOLERANCES["f32"]
+
+
+@pytest.mark.parametrize("hidden_act,outtype", [("silu", "q8_0"), ("relu", "q4_0"), ("silu", "f16")])
+def test_fused_decode_equals_step_by_step(tmp_path, hidden_act, outtype):
+    """The fused half-layer kernels (cpu.decode_attn / decode_ffn) compute what the kernel-by-kernel
+    loop computes, token by token through the cache, and both stay within the type's tolerance of
+    transformers."""
+    model_dir = make_random_llama(tmp_path / "hf", hidden_act=hidden_act, tied=False, n_kv_heads=2,
+                                  tokenizer="bpe")
+    ref = hf_logits(model_dir, PROMPT)
+    eng = Engine(str(convert(model_dir, tmp_path, outtype)), n_ctx=64, n_threads=2)
+    runs = {}
+    for fused in (True, False):
+        eng.model.fused = fused
+        runs[fused] = np.stack([eng.model.forward([t], i) for i, t in enumerate(PROMPT)])
+    assert rel_err(runs[True], runs[False]) < 1e-5
+    assert rel_err(runs[True], ref) < TOLERANCES[outtype]

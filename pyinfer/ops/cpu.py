@@ -181,6 +181,35 @@ def _flat(a: np.ndarray) -> np.ndarray:
     return a.reshape(-1)
 
 
+def decode_attn(x: np.ndarray, attn_norm: np.ndarray, eps: float, wq: QTensor, wk: QTensor,
+                wv: QTensor, wo: QTensor, k_cache: np.ndarray, v_cache: np.ndarray, n_past: int,
+                n_head: int, freq_base: float, n_threads: int = 1) -> np.ndarray:
+    """One token's attention half-layer in one call, in place: x += wo @ attn(rope(wq rmsnorm(x)),
+    cache), the token's K (roped) and V written to cache row n_past. x (n_embd,) f32; caches
+    (n_ctx, n_head_kv, head_dim) f32. Equals rmsnorm, matvec, rope_neox, attention, matvec called
+    one by one. Raises ValueError on shapes that do not fit."""
+    _k.decode_attn(x, attn_norm, float(eps), wq.raw, int(wq.qtype), wk.raw, int(wk.qtype), wv.raw,
+                   int(wv.qtype), wo.raw, int(wo.qtype), k_cache, v_cache, int(n_past),
+                   int(n_head), float(freq_base), n_threads)
+    return x
+
+
+FFN_DENSE, FFN_GLU, FFN_ACT = 0, 1, 2
+
+
+def decode_ffn(x: np.ndarray, ffn_norm: np.ndarray, eps: float, gate: QTensor, up: QTensor,
+               down_t: QTensor, mode: int, silu: bool, threshold: float, n_threads: int = 1) -> int:
+    """One token's FFN half-layer in one call, in place: x += down_t^T a over h = rmsnorm(x).
+
+    mode FFN_DENSE: every neuron, a = act(gate h) * (up h). FFN_GLU: neurons with
+    |act(gate h) * (up h)| > threshold. FFN_ACT: neurons with |act(gate h)| > threshold (up rows
+    read for those only). x (n_embd,) f32; gate, up, down_t (n_ff, n_embd). Returns the number of
+    down rows read. Equals DenseFFN / SparseFFN without a predictor."""
+    return _k.decode_ffn(x, ffn_norm, float(eps), gate.raw, int(gate.qtype), up.raw,
+                         int(up.qtype), down_t.raw, int(down_t.qtype), int(mode), int(silu),
+                         float(threshold), n_threads)
+
+
 def select_active(g: np.ndarray, up: np.ndarray | None, ids: np.ndarray | None, silu: bool,
                   threshold: float, coef: np.ndarray, idx: np.ndarray) -> int:
     """One pass of the sparse FFN's selection: a = act(g) (* up), kept where |a| > threshold.
