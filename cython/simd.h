@@ -96,8 +96,13 @@ static inline float pi_hsum(__m256 v) {
 static inline __m256 pi_mul_sum_i8(__m256i x, __m256i y) {
     const __m256i ax = _mm256_sign_epi8(x, x);
     const __m256i sy = _mm256_sign_epi8(y, x);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    /* VNNI: u8 x s8 products summed by fours straight into s32 (no s16 step) */
+    return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), ax, sy));
+#else
     const __m256i dot = _mm256_maddubs_epi16(ax, sy);
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(dot, _mm256_set1_epi16(1)));
+#endif
 }
 
 #endif
@@ -215,12 +220,18 @@ static inline float pi_dot_q4_0(const uint8_t *row, const float *xd, const int8_
     float s = 0.0f, corr = 0.0f;
 #if PI_SIMD
     const __m256i m4 = _mm256_set1_epi8(15);
+#if !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
     const __m256i ones = _mm256_set1_epi16(1);
+#endif
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
 #define PI_Q4U(qs) _mm256_and_si256(_mm256_inserti128_si256(                                \
         _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(qs))),                      \
         _mm_srli_epi16(_mm_loadu_si128((const __m128i *)(qs)), 4), 1), m4)
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define PI_DOTU(u, y) _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), (u), (y)))
+#else
 #define PI_DOTU(u, y) _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16((u), (y)), ones))
+#endif
     float corr1 = 0.0f;
     for (; b + 2 <= nb; b += 2) {
         const uint8_t *k0 = row + 18 * b, *k1 = k0 + 18;
