@@ -415,10 +415,80 @@ static inline int pi_prefetch_dist(size_t row_bytes) {
 /* ---- out[0:n] += sum_{r<4} a[r] * row_r[0:n]: four rows per pass, so the accumulator is loaded
  * and stored once per four rows (the down projection's inner loop). ---- */
 
+#if PI_SIMD && defined(__AVX512F__) && defined(__AVX512BW__)
+#define PI_AVX512 1
+/* 512-bit versions of the quantized and f16 four-row AXPY: int8 -> f32 conversion is the inner
+ * loop's cost, and one 512-bit convert does the work of two 256-bit ones. Returns 0 for a type
+ * it does not handle. */
+static inline int pi_axpy4_row_512(int qtype, const float *a, const uint8_t *const *rw, float *out,
+                                   int n) {
+    const int nb = n / PI_QK;
+    if (qtype == PI_Q8_0) {
+        for (int b = 0; b < nb; b++) {
+            float *o = out + 32 * b;
+            __m512 acc0 = _mm512_loadu_ps(o), acc1 = _mm512_loadu_ps(o + 16);
+            for (int r = 0; r < 4; r++) {
+                const uint8_t *blk = rw[r] + 34 * b;
+                const __m512 sc = _mm512_set1_ps(a[r] * pi_load_d(blk));
+                const __m128i q0 = _mm_loadu_si128((const __m128i *)(blk + 2));
+                const __m128i q1 = _mm_loadu_si128((const __m128i *)(blk + 18));
+                acc0 = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), acc0);
+                acc1 = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), acc1);
+            }
+            _mm512_storeu_ps(o, acc0);
+            _mm512_storeu_ps(o + 16, acc1);
+        }
+        return 1;
+    }
+    if (qtype == PI_Q4_0) {
+        const __m128i m = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
+        for (int b = 0; b < nb; b++) {
+            float *o = out + 32 * b;
+            __m512 acc0 = _mm512_loadu_ps(o), acc1 = _mm512_loadu_ps(o + 16);
+            for (int r = 0; r < 4; r++) {
+                const uint8_t *blk = rw[r] + 18 * b;
+                const __m512 sc = _mm512_set1_ps(a[r] * pi_load_d(blk));
+                const __m128i bytes = _mm_loadu_si128((const __m128i *)(blk + 2));
+                const __m128i lo = _mm_sub_epi8(_mm_and_si128(bytes, m), eight);
+                const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(bytes, 4), m), eight);
+                acc0 = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)), acc0);
+                acc1 = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)), acc1);
+            }
+            _mm512_storeu_ps(o, acc0);
+            _mm512_storeu_ps(o + 16, acc1);
+        }
+        return 1;
+    }
+    if (qtype == PI_F16 && n % 16 == 0) {
+        const __m512 a0 = _mm512_set1_ps(a[0]), a1 = _mm512_set1_ps(a[1]);
+        const __m512 a2 = _mm512_set1_ps(a[2]), a3 = _mm512_set1_ps(a[3]);
+        const uint16_t *w0 = (const uint16_t *)rw[0], *w1 = (const uint16_t *)rw[1];
+        const uint16_t *w2 = (const uint16_t *)rw[2], *w3 = (const uint16_t *)rw[3];
+#define PI_H16(w) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((w) + i)))
+        for (int i = 0; i < n; i += 16) {
+            __m512 acc = _mm512_loadu_ps(out + i);
+            acc = _mm512_fmadd_ps(a0, PI_H16(w0), acc);
+            acc = _mm512_fmadd_ps(a1, PI_H16(w1), acc);
+            acc = _mm512_fmadd_ps(a2, PI_H16(w2), acc);
+            acc = _mm512_fmadd_ps(a3, PI_H16(w3), acc);
+            _mm512_storeu_ps(out + i, acc);
+        }
+#undef PI_H16
+        return 1;
+    }
+    return 0;
+}
+#else
+#define PI_AVX512 0
+#endif
+
 static inline void pi_axpy4_row(int qtype, const float *a, const uint8_t *r0, const uint8_t *r1,
                                 const uint8_t *r2, const uint8_t *r3, float *out, int n) {
 #if PI_SIMD
     const uint8_t *rw[4] = {r0, r1, r2, r3};
+#if PI_AVX512
+    if (pi_axpy4_row_512(qtype, a, rw, out, n)) return;
+#endif
     if (qtype == PI_F32 || qtype == PI_F16) {
         const __m256 a0 = _mm256_set1_ps(a[0]), a1 = _mm256_set1_ps(a[1]);
         const __m256 a2 = _mm256_set1_ps(a[2]), a3 = _mm256_set1_ps(a[3]);
