@@ -426,7 +426,8 @@ def select_active(const float[::1] g, const float[::1] u, const int32_t[::1] ids
                   float thr, float[::1] coef, int32_t[::1] idx):
     """The sparse FFN's neuron selection, one pass: a = act(g[j]) (* u[j] when u is given),
     kept where |a| > thr. Writes the kept a into coef[:n] and their neuron ids (ids[j], or j when
-    ids is None) into idx[:n]; returns n. g, u (n_cand,) f32; coef, idx (n_cand,) f32 / int32;
+    ids is None) into idx[:n]; returns n (entries from n on are scratch). g, u (n_cand,) f32;
+    coef, idx (n_cand,) f32 / int32;
     act = silu (g / (1 + exp(-g))) if silu else relu."""
     cdef Py_ssize_t n = g.shape[0], j, k = 0
     cdef int has_u = u is not None, has_ids = ids is not None
@@ -446,10 +447,9 @@ def select_active(const float[::1] g, const float[::1] u, const int32_t[::1] ids
                 a = x if x > 0.0 else 0.0
             if has_u:
                 a = a * u[j]
-            if a > thr or a < -thr:
-                coef[k] = a
-                idx[k] = ids[j] if has_ids else <int32_t> j
-                k += 1
+            coef[k] = a  # branch-free compaction (see decode_ffn)
+            idx[k] = ids[j] if has_ids else <int32_t> j
+            k += (<int> (a > thr)) | (<int> (a < -thr))
     return k
 
 
@@ -606,13 +606,17 @@ def decode_attn(float[::1] x, const float[::1] attn_norm, float eps,
 
 def decode_ffn(float[::1] x, const float[::1] ffn_norm, float eps,
                const uint8_t[:, ::1] wg, int tg, const uint8_t[:, ::1] wu, int tu,
-               const uint8_t[:, ::1] wd, int td, int mode, int silu, float thr, int n_threads):
+               const uint8_t[:, ::1] wd, int td, int mode, int silu, float thr,
+               float dense_above, int n_threads):
     """The FFN half of one layer for one token, in place on the residual x (n_embd,) f32:
     x += down_t^T a, h = rmsnorm(x), g = gate h, u = up h (one row per neuron, (n_ff, n_embd)).
     mode 0 (dense): a = act(g) * u over every neuron. mode 1 ("glu" without a predictor): a =
     act(g) * u kept where |a| > thr. mode 2 ("relu"/"cats" without a predictor): neurons with
-    |act(g)| > thr, whose up rows alone are then read. act = silu if silu else relu. Returns the
-    number of neurons whose down row was read. Same numerics as the unfused DenseFFN/SparseFFN."""
+    |act(g)| > thr, whose up rows alone are then read. act = silu if silu else relu. In modes 1
+    and 2, when more than dense_above * n_ff neurons are kept, the down projection streams every
+    row with the dropped neurons' coefficients at 0 (the same sums: in a model, a stream reads
+    faster per byte than a gather of most rows). Returns the number of neurons kept. Same numerics
+    as the unfused DenseFFN/SparseFFN."""
     cdef int n_embd = x.shape[0]
     cdef Py_ssize_t n_ff = wg.shape[0]
     _check_w(wg, tg, n_embd)
@@ -670,10 +674,10 @@ def decode_ffn(float[::1] x, const float[::1] ffn_norm, float eps,
                 a = a * u[j]
             if mode == 0:
                 coef[j] = a
-            elif a > thr or a < -thr:
+            else:  # branch-free compaction: a kept/dropped branch mispredicts half the time
                 coef[n] = a
                 idx[n] = <int32_t> j
-                n += 1
+                n += (<int> (a > thr)) | (<int> (a < -thr))
         if mode == 0:
             n = n_ff
             _axpy_rows(&wd[0, 0], wd.shape[1], td, n_embd, coef, NULL, n_ff, y, n_threads)
@@ -687,7 +691,13 @@ def decode_ffn(float[::1] x, const float[::1] ffn_norm, float eps,
                     coef[k] = coef[k] * pi_dot_row(tu, &wu[0, 0] + idx[k] * su, h, xd, xq, n_embd)
                 free(xd)
                 free(xq)
-            _axpy_rows(&wd[0, 0], wd.shape[1], td, n_embd, coef, idx, n, y, n_threads)
+            if n > dense_above * n_ff:
+                memset(g, 0, n_ff * sizeof(float))
+                for k in range(n):
+                    g[idx[k]] = coef[k]
+                _axpy_rows(&wd[0, 0], wd.shape[1], td, n_embd, g, NULL, n_ff, y, n_threads)
+            else:
+                _axpy_rows(&wd[0, 0], wd.shape[1], td, n_embd, coef, idx, n, y, n_threads)
         for j in range(n_embd):
             x[j] += y[j]
         free(buf)

@@ -24,6 +24,14 @@ from pyinfer.ops import cpu
 from pyinfer.weights import LayerWeights
 
 
+# Fraction of kept neurons above which fused decode streams the whole down projection (zero
+# coefficients for the rest) instead of gathering the kept rows. Measured in the model (SmolLM2
+# q8_0, 2 threads, docs/benchmarks.md): with 58% of rows kept the stream was as fast as or 3-5%
+# faster than the gather (the micro-benchmark's break-even, 65%, does not hold once the rows come
+# from memory between other layers' weights); well below it (ReLU models, 10%) gathers win.
+DENSE_DOWN_ABOVE = 0.4
+
+
 def _act(name: str):
     if name == "silu":
         return lambda g: g / (1.0 + np.exp(-g))
@@ -173,6 +181,7 @@ class SparseFFN:
         self.act_threshold = np.asarray(act_threshold, np.float32)
         self.act = _act(cfg.hidden_act)
         self.silu = cfg.hidden_act == "silu"
+        self.dense_down_above = DENSE_DOWN_ABOVE
         self.stats = FFNStats()
 
     def __call__(self, lw: LayerWeights, layer: int, x: np.ndarray, h: np.ndarray,
@@ -220,7 +229,7 @@ class SparseFFN:
         n_ff = self.cfg.n_ff
         mode = cpu.FFN_GLU if self.glu else cpu.FFN_ACT
         n = cpu.decode_ffn(x, lw.ffn_norm, eps, lw.ffn_gate, lw.ffn_up, lw.ffn_down_t, mode,
-                           self.silu, self.act_threshold[layer], n_threads)
+                           self.silu, self.act_threshold[layer], n_threads, self.dense_down_above)
         self.stats.total += n_ff
         self.stats.candidates += n_ff
         self.stats.active += n

@@ -47,11 +47,14 @@ def test_relu_zero_skipping_is_lossless(tmp_path):
 @pytest.mark.parametrize("hidden_act,outtype,mode", [("silu", "f32", "cats"), ("relu", "q8_0", "relu"),
                                                      ("silu", "q4_0", "cats"), ("relu", "f16", "relu"),
                                                      ("silu", "f32", "glu"), ("silu", "q8_0", "glu")])
-@pytest.mark.parametrize("pred_dtype,use_every", [(np.float32, True), (np.float16, False)])
+@pytest.mark.parametrize("pred_dtype,use_every,dense_above", [(np.float32, True, 0.4),
+                                                               (np.float16, False, 1.0),
+                                                               (np.float16, False, 0.0)])
 def test_decode_path_equals_batched_masked_path(tmp_path, hidden_act, outtype, mode, pred_dtype,
-                                                use_every):
-    """Decode (gathers over predicted rows, or dense GEMVs where a layer skips its predictor)
-    equals prefill (dense GEMMs masked), with f32 or f16 predictors."""
+                                                use_every, dense_above):
+    """Decode (gathers over predicted rows, or dense GEMVs where a layer skips its predictor;
+    down rows gathered, or streamed with zeros above ``dense_above``) equals prefill (dense GEMMs
+    masked), with f32 or f16 predictors."""
     _, eng = engine_for(tmp_path, hidden_act, outtype)
     cfg = eng.cfg
     rng = np.random.default_rng(0)
@@ -62,6 +65,7 @@ def test_decode_path_equals_batched_masked_path(tmp_path, hidden_act, outtype, m
     thr = np.full(cfg.n_layer, 0.01 if hidden_act == "silu" else 0.0, np.float32)
     use = None if use_every else [i % 2 == 0 for i in range(cfg.n_layer)]
     eng.model.ffn = SparseFFN(cfg, preds, thr, mode, use_predictor=use)
+    eng.model.ffn.dense_down_above = dense_above
     eng.reset()
     batched = eng.model.forward(PROMPT, 0, all_logits=True)
     batched_sparsity = eng.model.ffn.stats.sparsity

@@ -198,16 +198,19 @@ FFN_DENSE, FFN_GLU, FFN_ACT = 0, 1, 2
 
 
 def decode_ffn(x: np.ndarray, ffn_norm: np.ndarray, eps: float, gate: QTensor, up: QTensor,
-               down_t: QTensor, mode: int, silu: bool, threshold: float, n_threads: int = 1) -> int:
+               down_t: QTensor, mode: int, silu: bool, threshold: float, n_threads: int = 1,
+               dense_above: float = 1.0) -> int:
     """One token's FFN half-layer in one call, in place: x += down_t^T a over h = rmsnorm(x).
 
     mode FFN_DENSE: every neuron, a = act(gate h) * (up h). FFN_GLU: neurons with
     |act(gate h) * (up h)| > threshold. FFN_ACT: neurons with |act(gate h)| > threshold (up rows
-    read for those only). x (n_embd,) f32; gate, up, down_t (n_ff, n_embd). Returns the number of
-    down rows read. Equals DenseFFN / SparseFFN without a predictor."""
+    read for those only). x (n_embd,) f32; gate, up, down_t (n_ff, n_embd). When more than
+    ``dense_above`` of the neurons are kept (sparse modes), the down projection streams all rows
+    with the others' coefficients at 0 (same sums). Returns the number of neurons kept. Equals
+    DenseFFN / SparseFFN without a predictor."""
     return _k.decode_ffn(x, ffn_norm, float(eps), gate.raw, int(gate.qtype), up.raw,
                          int(up.qtype), down_t.raw, int(down_t.qtype), int(mode), int(silu),
-                         float(threshold), n_threads)
+                         float(threshold), float(dense_above), n_threads)
 
 
 def select_active(g: np.ndarray, up: np.ndarray | None, ids: np.ndarray | None, silu: bool,
@@ -216,7 +219,8 @@ def select_active(g: np.ndarray, up: np.ndarray | None, ids: np.ndarray | None, 
 
     g, up (n_cand,) f32; ids (n_cand,) int32 neuron ids of the candidates, or None for 0..n-1;
     act = silu if ``silu`` else relu. Writes kept a into coef[:n] (f32) and their neuron ids into
-    idx[:n] (int32), both (n_cand,); returns n."""
+    idx[:n] (int32), both (n_cand,); returns n. Entries from n on are scratch (the compaction is
+    branch-free and writes each candidate before deciding whether to keep it)."""
     return _k.select_active(g, up, ids, int(silu), float(threshold), coef, idx)
 
 
