@@ -12,12 +12,15 @@ Reports tokens/s scaled to 32 layers, the sparse/dense ratio, and the fraction o
 bound reached: bytes read per token / time, divided by the read bandwidth measured here with a
 dense f32 GEMV over a matrix far larger than the caches.
 
-    python tools/bench_sparse_cpu.py --layers 4 --threads 1 2 --types f16 q4_0
+    python tools/bench_sparse_cpu.py --layers 4 --threads 1 2 --types f16 q4_0 [--reps 5]
+
+Bandwidth, dense and sparse decode are measured in interleaved rounds; each figure is a median.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -112,6 +115,8 @@ def main(argv=None):
     ap.add_argument("--types", nargs="+", default=["f16", "q4_0"])
     ap.add_argument("--sparsity", type=float, default=0.9)
     ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=5,
+                    help="rounds of (bandwidth, dense, sparse), interleaved; medians reported")
     args = ap.parse_args(argv)
     print("| type | threads | dense tok/s | sparse tok/s | sparse/dense | measured sparsity "
           "| bytes/token sparse (MB) | GB/s sparse | read bandwidth GB/s | fraction of bound |")
@@ -124,15 +129,19 @@ def main(argv=None):
         attn_bytes = sum(w.nbytes for w in (lw.wq, lw.wk, lw.wv, lw.wo))
         row_bytes = lw.ffn_gate.nbytes // cfg.n_ff  # one neuron's row in one matrix
         for nt in args.threads:
-            bw = read_bandwidth(nt)
             dense = Model(cfg, weights, n_ctx=64 + args.tokens, n_threads=nt, ffn=DenseFFN(cfg))
-            tps_dense = decode_rate(dense, args.tokens)
             pred = SyntheticPredictor(np.random.default_rng(1), cfg.n_ff, 1 - args.sparsity)
             # threshold -1: every predicted neuron is computed (ReLU zeros come from the predictor)
             ffn = SparseFFN(cfg, [pred] * cfg.n_layer, np.full(cfg.n_layer, -1.0, np.float32))
             sparse = Model(cfg, weights, n_ctx=64 + args.tokens, n_threads=nt, ffn=ffn)
             ffn.stats.reset()
-            tps_sparse = decode_rate(sparse, args.tokens)
+            # interleaved rounds: a slow spell of the shared machine hits all three alike
+            bws, tds, tss = [], [], []
+            for _ in range(args.reps):
+                bws.append(read_bandwidth(nt))
+                tds.append(decode_rate(dense, args.tokens))
+                tss.append(decode_rate(sparse, args.tokens))
+            bw, tps_dense, tps_sparse = (statistics.median(v) for v in (bws, tds, tss))
             density = 1 - ffn.stats.sparsity
             bytes_tok = cfg.n_layer * (attn_bytes + 3 * row_bytes * density * cfg.n_ff)
             gbs = bytes_tok * tps_sparse / 1e9
