@@ -384,3 +384,75 @@ def test_build_variants(tmp_path, env):
                          capture_output=True, text=True)
     omp, simd = res.stdout.split()
     assert (omp if env == "PYINFER_NO_OPENMP" else simd) == "False"
+
+
+# ------------------------------------------------------------------ fused one-token decode
+
+def _gap_threshold(a):
+    """A threshold in the widest gap between sorted |a| near the median, so that rounding
+    differences between kernel and twin cannot move a neuron across it."""
+    s = np.sort(np.abs(a))
+    lo, hi = len(s) // 4, 3 * len(s) // 4
+    i = lo + int(np.argmax(np.diff(s[lo:hi + 1])))
+    return float((s[i] + s[i + 1]) / 2)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("n_threads", THREADS)
+def test_decode_attn(qtype, n_threads):
+    rng = np.random.default_rng(int(qtype) * 10 + n_threads)
+    n_embd, n_head, n_kv, hd, n_ctx, n_past = 64, 4, 2, 16, 12, 7
+    ws = [_weight(rng, qtype, r, c) for r, c in ((n_head * hd, n_embd), (n_kv * hd, n_embd),
+                                                 (n_kv * hd, n_embd), (n_embd, n_head * hd))]
+    norm = _ro(rng.uniform(0.5, 1.5, n_embd).astype(np.float32))
+    x0 = rng.standard_normal(n_embd).astype(np.float32)
+    caches = []
+    for _ in range(2):
+        k = rng.standard_normal((n_ctx, n_kv, hd)).astype(np.float32)
+        v = rng.standard_normal((n_ctx, n_kv, hd)).astype(np.float32)
+        caches.append((k, v))
+    (k1, v1), (k2, v2) = caches
+    k2[:], v2[:] = k1, v1
+    k1[n_past:] = v1[n_past:] = np.nan  # the kernel writes row n_past and reads no row after it
+    got = cpu.decode_attn(x0.copy(), norm, 1e-5, *ws, k1, v1, n_past, n_head, 1e4, n_threads)
+    want = ref.decode_attn(x0.copy(), norm, 1e-5, *ws, k2, v2, n_past, n_head, 1e4)
+    tol = 1e-3 if qtype in QUANT else 1e-5
+    assert _rel(got, want) < tol
+    assert _rel(k1[n_past], k2[n_past]) < tol and _rel(v1[n_past], v2[n_past]) < tol
+    assert np.isnan(k1[n_past + 1:]).all()
+    with pytest.raises(ValueError):
+        cpu.decode_attn(x0.copy(), norm, 1e-5, *ws, k1, v1, n_ctx, n_head, 1e4, n_threads)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("n_threads", THREADS)
+@pytest.mark.parametrize("mode,silu", [(cpu.FFN_DENSE, True), (cpu.FFN_DENSE, False),
+                                       (cpu.FFN_GLU, True), (cpu.FFN_ACT, True),
+                                       (cpu.FFN_ACT, False)])
+def test_decode_ffn(qtype, n_threads, mode, silu):
+    """Every mode against the twin; active sets empty, one, about half and all; the down
+    projection gathered (dense_above 1) or streamed with zeros (dense_above 0)."""
+    rng = np.random.default_rng(int(qtype) + 7 * n_threads + 31 * mode)
+    n_embd, n_ff = 64, 96
+    gate, up, down = (_weight(rng, qtype, n_ff, n_embd) for _ in range(3))
+    norm = _ro(rng.uniform(0.5, 1.5, n_embd).astype(np.float32))
+    x0 = rng.standard_normal(n_embd).astype(np.float32)
+    h = ref.rmsnorm(x0[None], norm, 1e-5, np.empty((1, n_embd), np.float32))[0]
+    a = ref._act(ref.dequantize(gate) @ ref._dot_input(gate, h), silu)
+    if mode == cpu.FFN_GLU:
+        a = a * (ref.dequantize(up) @ ref._dot_input(up, h))
+    top = np.sort(np.abs(a))
+    thresholds = [1e30, float((top[-1] + top[-2]) / 2), _gap_threshold(a), -1.0]
+    tol = 1e-3 if qtype in QUANT else 1e-5
+    for thr in thresholds if mode != cpu.FFN_DENSE else [0.0]:
+        want_x = x0.copy()
+        want_n = ref.decode_ffn(want_x, norm, 1e-5, gate, up, down, mode, silu, thr)
+        for dense_above in (1.0, 0.0):
+            got_x = x0.copy()
+            n = cpu.decode_ffn(got_x, norm, 1e-5, gate, up, down, mode, silu, thr, n_threads,
+                               dense_above)
+            assert n == want_n
+            assert np.abs(got_x - want_x).max() <= tol * (1 + np.abs(want_x - x0).max())
+    if mode != cpu.FFN_DENSE:
+        assert [ref.decode_ffn(x0.copy(), norm, 1e-5, gate, up, down, mode, silu, t)
+                for t in thresholds[:2]] == [0, 1]

@@ -134,3 +134,43 @@ def select_active(g, up, ids, silu, threshold, coef, idx):
     coef[:n] = a[keep]
     idx[:n] = keep if ids is None else np.asarray(ids)[keep]
     return n
+
+
+def _dot_input(w, x):
+    """The activation a dot-product kernel sees: quantized to 8-bit blocks for q4_0/q8_0 rows."""
+    return quantize_act_q8(x) if w.qtype in (QT.Q8_0, QT.Q4_0) else np.asarray(x, np.float32)
+
+
+def _act(g, silu):
+    g = np.asarray(g, dtype=np.float32)
+    return g / (np.float32(1.0) + np.exp(-g)) if silu else np.maximum(g, np.float32(0.0))
+
+
+def decode_attn(x, attn_norm, eps, wq, wk, wv, wo, k_cache, v_cache, n_past, n_head, freq_base,
+                n_threads=1):
+    n_kv, hd = k_cache.shape[1], k_cache.shape[2]
+    h = rmsnorm(x[None], attn_norm, eps, np.empty((1, x.size), np.float32))[0]
+    q = (dequantize(wq) @ _dot_input(wq, h)).astype(np.float32).reshape(1, n_head, hd)
+    k = (dequantize(wk) @ _dot_input(wk, h)).astype(np.float32).reshape(1, n_kv, hd)
+    v = (dequantize(wv) @ _dot_input(wv, h)).astype(np.float32).reshape(n_kv, hd)
+    rope_neox(q, [n_past], freq_base, hd)
+    rope_neox(k, [n_past], freq_base, hd)
+    k_cache[n_past] = k[0]
+    v_cache[n_past] = v
+    att = attention(q, k_cache, v_cache, n_past, np.empty((1, n_head, hd), np.float32))
+    x += (dequantize(wo) @ _dot_input(wo, att.reshape(-1))).astype(np.float32)
+    return x
+
+
+def decode_ffn(x, ffn_norm, eps, gate, up, down_t, mode, silu, threshold, n_threads=1,
+               dense_above=1.0):
+    n_ff = gate.rows
+    h = rmsnorm(x[None], ffn_norm, eps, np.empty((1, x.size), np.float32))[0]
+    a = _act(dequantize(gate) @ _dot_input(gate, h), silu)
+    if mode != 2:
+        a = a * (dequantize(up) @ _dot_input(up, h))
+    keep = np.ones(n_ff, bool) if mode == 0 else np.abs(a) > np.float32(threshold)
+    if mode == 2:
+        a[keep] *= dequantize(up)[keep] @ _dot_input(up, h)
+    x += (a[keep] @ dequantize(down_t)[keep]).astype(np.float32)
+    return int(keep.sum())
