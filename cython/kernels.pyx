@@ -25,6 +25,12 @@ cdef extern from "simd.h" nogil:
     float pi_dot_row(int qtype, const uint8_t *row, const float *x, const float *xd,
                      const int8_t *xq, int n)
     void pi_quantize_q8(const float *x, int n, float *d, int8_t *q)
+    void pi_dot4_q8_0(const uint8_t *row, const float *xd, long xd_stride, const int8_t *xq,
+                      long xq_stride, int nb, float *out, long out_stride)
+    void pi_dot4_q4_0(const uint8_t *row, const float *xd, long xd_stride, const int8_t *xq,
+                      long xq_stride, int nb, float *out, long out_stride)
+    int PI_Q8_0_ID "PI_Q8_0"
+    int PI_Q4_0_ID "PI_Q4_0"
     void pi_axpy_f32(float a, const float *w, float *out, int n)
     void pi_axpy_row(int qtype, float a, const uint8_t *row, float *out, int n)
     void pi_dequant_row(int qtype, const uint8_t *row, float *out, int n)
@@ -174,10 +180,22 @@ def matmul(const uint8_t[:, ::1] w, int qtype, int cols, const float[:, ::1] x,
                 pi_quantize_q8(&x[tq, 0], cols, xd + 2 * tq * nb, xq + tq * cols)
         for tile in prange(n_tiles, schedule='static', num_threads=n_threads):
             r1 = min(rows, (tile + 1) * ROW_TILE)
-            for t in range(n_tok):
+            t = 0
+            if qtype == PI_Q8_0_ID or qtype == PI_Q4_0_ID:  # four tokens per pass over a row
+                while t + 4 <= n_tok:
+                    for r in range(tile * ROW_TILE, r1):
+                        if qtype == PI_Q8_0_ID:
+                            pi_dot4_q8_0(&w[0, 0] + r * stride, xd + 2 * t * nb, 2 * nb,
+                                         xq + t * cols, cols, nb, &out[t, r], out.shape[1])
+                        else:
+                            pi_dot4_q4_0(&w[0, 0] + r * stride, xd + 2 * t * nb, 2 * nb,
+                                         xq + t * cols, cols, nb, &out[t, r], out.shape[1])
+                    t = t + 4
+            while t < n_tok:
                 for r in range(tile * ROW_TILE, r1):
                     out[t, r] = pi_dot_row(qtype, &w[0, 0] + r * stride, &x[t, 0],
                                            xd + 2 * t * nb, xq + t * cols, cols)
+                t = t + 1
         free(xd)
         free(xq)
 

@@ -272,6 +272,109 @@ static inline float pi_dot_q4_0(const uint8_t *row, const float *xd, const int8_
     return s - corr;
 }
 
+/* ---- one row . four tokens (prefill): the weight block is loaded, made absolute (q8_0) or
+ * unpacked (q4_0) and its scale converted once for four tokens. Each token keeps the single-token
+ * dot's two accumulators, fed in the same order, so every result is bit-identical to
+ * pi_dot_q8_0 / pi_dot_q4_0 (prefill and decode agree exactly). Token t's activation is
+ * (xd + t * xd_stride, xq + t * xq_stride); out[t * out_stride]. ---- */
+
+static inline void pi_dot4_q8_0(const uint8_t *row, const float *xd, long xd_stride,
+                                const int8_t *xq, long xq_stride, int nb, float *out,
+                                long out_stride) {
+#if PI_SIMD
+    __m256 a0[4], a1[4];
+    for (int t = 0; t < 4; t++) a0[t] = a1[t] = _mm256_setzero_ps();
+    int b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        const uint8_t *k0 = row + 34 * b, *k1 = k0 + 34;
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(k0 + 2));
+        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(k1 + 2));
+        const float d0 = pi_load_d(k0), d1 = pi_load_d(k1);
+        for (int t = 0; t < 4; t++) {
+            const int8_t *y = xq + t * xq_stride + 32 * b;
+            const float *dx = xd + t * xd_stride;
+            __m256 p0 = pi_mul_sum_i8(w0, _mm256_loadu_si256((const __m256i *)y));
+            __m256 p1 = pi_mul_sum_i8(w1, _mm256_loadu_si256((const __m256i *)(y + 32)));
+            a0[t] = _mm256_fmadd_ps(_mm256_set1_ps(d0 * dx[b]), p0, a0[t]);
+            a1[t] = _mm256_fmadd_ps(_mm256_set1_ps(d1 * dx[b + 1]), p1, a1[t]);
+        }
+    }
+    for (; b < nb; b++) {
+        const uint8_t *k0 = row + 34 * b;
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(k0 + 2));
+        const float d0 = pi_load_d(k0);
+        for (int t = 0; t < 4; t++) {
+            __m256 p0 = pi_mul_sum_i8(
+                w0, _mm256_loadu_si256((const __m256i *)(xq + t * xq_stride + 32 * b)));
+            a0[t] = _mm256_fmadd_ps(_mm256_set1_ps(d0 * xd[t * xd_stride + b]), p0, a0[t]);
+        }
+    }
+    for (int t = 0; t < 4; t++) out[t * out_stride] = pi_hsum(_mm256_add_ps(a0[t], a1[t]));
+#else
+    for (int t = 0; t < 4; t++)
+        out[t * out_stride] = pi_dot_q8_0(row, xd + t * xd_stride, xq + t * xq_stride, nb);
+#endif
+}
+
+static inline void pi_dot4_q4_0(const uint8_t *row, const float *xd, long xd_stride,
+                                const int8_t *xq, long xq_stride, int nb, float *out,
+                                long out_stride) {
+#if PI_SIMD
+    const __m256i m4 = _mm256_set1_epi8(15);
+#if !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
+    const __m256i ones = _mm256_set1_epi16(1);
+#endif
+#define PI_Q4U(qs) _mm256_and_si256(_mm256_inserti128_si256(                                \
+        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(qs))),                      \
+        _mm_srli_epi16(_mm_loadu_si128((const __m128i *)(qs)), 4), 1), m4)
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define PI_DOTU(u, y) _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), (u), (y)))
+#else
+#define PI_DOTU(u, y) _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16((u), (y)), ones))
+#endif
+    __m256 a0[4], a1[4];
+    float c0[4], c1[4];
+    for (int t = 0; t < 4; t++) {
+        a0[t] = a1[t] = _mm256_setzero_ps();
+        c0[t] = c1[t] = 0.0f;
+    }
+    int b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        const uint8_t *k0 = row + 18 * b, *k1 = k0 + 18;
+        const float d0 = pi_load_d(k0), d1 = pi_load_d(k1);
+        const __m256i u0 = PI_Q4U(k0 + 2), u1 = PI_Q4U(k1 + 2);
+        for (int t = 0; t < 4; t++) {
+            const int8_t *y = xq + t * xq_stride + 32 * b;
+            const float *dx = xd + t * xd_stride, *xs = dx + nb;
+            __m256 p0 = PI_DOTU(u0, _mm256_loadu_si256((const __m256i *)y));
+            __m256 p1 = PI_DOTU(u1, _mm256_loadu_si256((const __m256i *)(y + 32)));
+            a0[t] = _mm256_fmadd_ps(_mm256_set1_ps(d0 * dx[b]), p0, a0[t]);
+            a1[t] = _mm256_fmadd_ps(_mm256_set1_ps(d1 * dx[b + 1]), p1, a1[t]);
+            c0[t] += d0 * xs[b];
+            c1[t] += d1 * xs[b + 1];
+        }
+    }
+    for (; b < nb; b++) {
+        const uint8_t *k0 = row + 18 * b;
+        const float d0 = pi_load_d(k0);
+        const __m256i u0 = PI_Q4U(k0 + 2);
+        for (int t = 0; t < 4; t++) {
+            const float *dx = xd + t * xd_stride, *xs = dx + nb;
+            __m256 p0 = PI_DOTU(u0, _mm256_loadu_si256((const __m256i *)(xq + t * xq_stride + 32 * b)));
+            a0[t] = _mm256_fmadd_ps(_mm256_set1_ps(d0 * dx[b]), p0, a0[t]);
+            c0[t] += d0 * xs[b];
+        }
+    }
+#undef PI_Q4U
+#undef PI_DOTU
+    for (int t = 0; t < 4; t++)
+        out[t * out_stride] = pi_hsum(_mm256_add_ps(a0[t], a1[t])) - (c0[t] + c1[t]);
+#else
+    for (int t = 0; t < 4; t++)
+        out[t * out_stride] = pi_dot_q4_0(row, xd + t * xd_stride, xq + t * xq_stride, nb);
+#endif
+}
+
 /* Row . activation for any type: x is used for f32/f16, (xd, xq) from pi_quantize_q8 for
  * quantized rows. */
 static inline float pi_dot_row(int qtype, const uint8_t *row, const float *x, const float *xd,
