@@ -39,6 +39,8 @@ cdef extern from "simd.h" nogil:
     void pi_prefetch_l2(const uint8_t *p, size_t nbytes)
     int pi_prefetch_dist(size_t row_bytes)
     int PI_L1_PREFETCH_MAX_ROW
+    void pi_axpy4_strip64(const float *a, long a_stride, const float *buf, float *out,
+                          long out_stride, long n_tok)
     void pi_axpy4_row(int qtype, const float *a, const uint8_t *r0, const uint8_t *r1,
                       const uint8_t *r2, const uint8_t *r3, float *out, int n)
     void pi_axpy_rows_range(int qtype, const uint8_t *w, size_t stride, const float *coef,
@@ -293,10 +295,13 @@ def matmul_t(const uint8_t[:, ::1] w, int qtype, int cols, const float[:, ::1] a
                 for t in range(n_tok):
                     for j in range(4):
                         av[4 * t + j] = a[t, r + j]
-                for t in range(n_tok):
-                    pi_axpy4_row(0, av + 4 * t, <uint8_t *> buf, <uint8_t *> (buf + COL_TILE),
-                                 <uint8_t *> (buf + 2 * COL_TILE), <uint8_t *> (buf + 3 * COL_TILE),
-                                 &out[t, c0], cn)
+                if cn == COL_TILE:  # full strip: two tokens per pass, outputs in registers
+                    pi_axpy4_strip64(av, 4, buf, &out[0, c0], out.shape[1], n_tok)
+                else:
+                    for t in range(n_tok):
+                        pi_axpy4_row(0, av + 4 * t, <uint8_t *> buf, <uint8_t *> (buf + COL_TILE),
+                                     <uint8_t *> (buf + 2 * COL_TILE),
+                                     <uint8_t *> (buf + 3 * COL_TILE), &out[t, c0], cn)
             for r in range(r4, rows):
                 pi_dequant_row(qtype, &w[0, 0] + r * stride + pi_col_offset(qtype, c0), buf, cn)
                 for t in range(n_tok):

@@ -686,6 +686,58 @@ static inline void pi_axpy4_row(int qtype, const float *a, const uint8_t *r0, co
 #endif
 }
 
+/* Prefill's down projection (matmul_t): out_t[0:64] += sum_{j<4} a_t[j] * buf_j[0:64] for the
+ * tokens t of a strip, with the four dequantized row strips (buf, 4 x 64 floats) loaded once per
+ * token pair and both tokens' 64 outputs kept in registers across the four rows. Same sums in
+ * the same order as pi_axpy4_row over each token. */
+static inline void pi_axpy4_strip64(const float *a, long a_stride, const float *buf, float *out,
+                                    long out_stride, long n_tok) {
+#if PI_SIMD
+    long t = 0;
+    for (; t + 2 <= n_tok; t += 2) {
+        float *o0 = out + t * out_stride, *o1 = o0 + out_stride;
+        const float *c0 = a + t * a_stride, *c1 = c0 + a_stride;
+        for (int h = 0; h < 64; h += 32) {  /* 2 tokens x 32 columns = 8 accumulators */
+            __m256 p0 = _mm256_loadu_ps(o0 + h), p1 = _mm256_loadu_ps(o0 + h + 8);
+            __m256 p2 = _mm256_loadu_ps(o0 + h + 16), p3 = _mm256_loadu_ps(o0 + h + 24);
+            __m256 q0 = _mm256_loadu_ps(o1 + h), q1 = _mm256_loadu_ps(o1 + h + 8);
+            __m256 q2 = _mm256_loadu_ps(o1 + h + 16), q3 = _mm256_loadu_ps(o1 + h + 24);
+            for (int j = 0; j < 4; j++) {
+                const float *bj = buf + j * 64 + h;
+                const __m256 w0 = _mm256_loadu_ps(bj), w1 = _mm256_loadu_ps(bj + 8);
+                const __m256 w2 = _mm256_loadu_ps(bj + 16), w3 = _mm256_loadu_ps(bj + 24);
+                const __m256 s = _mm256_set1_ps(c0[j]), u = _mm256_set1_ps(c1[j]);
+                p0 = _mm256_fmadd_ps(s, w0, p0);
+                p1 = _mm256_fmadd_ps(s, w1, p1);
+                p2 = _mm256_fmadd_ps(s, w2, p2);
+                p3 = _mm256_fmadd_ps(s, w3, p3);
+                q0 = _mm256_fmadd_ps(u, w0, q0);
+                q1 = _mm256_fmadd_ps(u, w1, q1);
+                q2 = _mm256_fmadd_ps(u, w2, q2);
+                q3 = _mm256_fmadd_ps(u, w3, q3);
+            }
+            _mm256_storeu_ps(o0 + h, p0);
+            _mm256_storeu_ps(o0 + h + 8, p1);
+            _mm256_storeu_ps(o0 + h + 16, p2);
+            _mm256_storeu_ps(o0 + h + 24, p3);
+            _mm256_storeu_ps(o1 + h, q0);
+            _mm256_storeu_ps(o1 + h + 8, q1);
+            _mm256_storeu_ps(o1 + h + 16, q2);
+            _mm256_storeu_ps(o1 + h + 24, q3);
+        }
+    }
+    for (; t < n_tok; t++)
+        pi_axpy4_row(PI_F32, a + t * a_stride, (const uint8_t *)buf, (const uint8_t *)(buf + 64),
+                     (const uint8_t *)(buf + 128), (const uint8_t *)(buf + 192),
+                     out + t * out_stride, 64);
+#else
+    for (long t = 0; t < n_tok; t++)
+        pi_axpy4_row(PI_F32, a + t * a_stride, (const uint8_t *)buf, (const uint8_t *)(buf + 64),
+                     (const uint8_t *)(buf + 128), (const uint8_t *)(buf + 192),
+                     out + t * out_stride, 64);
+#endif
+}
+
 /* out[0:cols] += sum_{k0 <= k < k1} coef[k] * w[idx ? idx[k] : k] (rows stride bytes apart). */
 static inline void pi_axpy_rows_range(int qtype, const uint8_t *w, size_t stride, const float *coef,
                                       const int32_t *idx, long k0, long k1, float *out, int cols) {
