@@ -326,20 +326,68 @@ def get_rows(const uint8_t[:, ::1] w, int qtype, int cols, const int32_t[::1] id
 
 # ---------------------------------------------------------------- norms, rope, attention, act
 
+cdef inline float _act1(float g, int silu) noexcept nogil:
+    """silu(g) = g / (1 + exp(-g)) if silu, else relu(g)."""
+    if silu:
+        return g / (1.0 + expf(-g))
+    return g if g > 0.0 else 0.0
+
+
+cdef void _rmsnorm1(const float *x, const float *weight, float eps, float *out, int n) noexcept nogil:
+    cdef float scale = 1.0 / sqrtf(pi_dot_f32(x, x, n) / n + eps)
+    cdef int i
+    for i in range(n):
+        out[i] = x[i] * scale * weight[i]
+
+
+cdef void _rope1(float *x, int n_heads, int head_dim, int pos, double freq_base, int n_rot,
+                 float *cs, float *sn) noexcept nogil:
+    cdef int h, i, half = n_rot // 2
+    cdef double theta
+    cdef float x0, x1
+    for i in range(half):
+        theta = pos * pow(freq_base, -2.0 * i / n_rot)
+        cs[i] = <float> cos(theta)
+        sn[i] = <float> sin(theta)
+    for h in range(n_heads):
+        for i in range(half):
+            x0 = x[h * head_dim + i]
+            x1 = x[h * head_dim + i + half]
+            x[h * head_dim + i] = x0 * cs[i] - x1 * sn[i]
+            x[h * head_dim + i + half] = x1 * cs[i] + x0 * sn[i]
+
+
+cdef void _attend_head(const float *q, const float *k, const float *v, Py_ssize_t row_stride,
+                       Py_ssize_t n_att, Py_ssize_t hd, float scale, float *sc,
+                       float *out) noexcept nogil:
+    """One head, one query: out (hd,) = softmax(q . k_j * scale) @ v_j over the n_att cache rows
+    k_j = k + j * row_stride (likewise v); f32 softmax with max subtraction; sc (n_att,) scratch."""
+    cdef Py_ssize_t j
+    cdef float mx = -3.4e38, ssum = 0.0, inv
+    for j in range(n_att):
+        sc[j] = pi_dot_f32(q, k + j * row_stride, hd) * scale
+        if sc[j] > mx:
+            mx = sc[j]
+    for j in range(n_att):
+        sc[j] = expf(sc[j] - mx)
+        ssum = ssum + sc[j]
+    inv = 1.0 / ssum
+    memset(out, 0, hd * sizeof(float))
+    for j in range(n_att):
+        pi_axpy_f32(sc[j] * inv, v + j * row_stride, out, hd)
+
+
 def rmsnorm(const float[:, ::1] x, const float[::1] weight, float eps, float[:, ::1] out):
     """out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * weight. x, out (n_tok, n); weight (n,)."""
     cdef Py_ssize_t n_tok = x.shape[0], n = x.shape[1], t, i
     _check_len(weight.shape[0], n, "rmsnorm weight")
     _check_len(out.shape[0], n_tok, "rmsnorm out rows")
     _check_len(out.shape[1], n, "rmsnorm out columns")
-    cdef float scale
     if n == 0:
         return
     with nogil:
         for t in range(n_tok):
-            scale = 1.0 / sqrtf(pi_dot_f32(&x[t, 0], &x[t, 0], n) / n + eps)
-            for i in range(n):
-                out[t, i] = x[t, i] * scale * weight[i]
+            _rmsnorm1(&x[t, 0], &weight[0], eps, &out[t, 0], n)
 
 
 def rope_neox(float[:, :, ::1] x, const int32_t[::1] positions, double freq_base, int n_rot):
@@ -347,32 +395,18 @@ def rope_neox(float[:, :, ::1] x, const int32_t[::1] positions, double freq_base
     theta_i = pos * freq_base^(-2i/n_rot), (x[i], x[i+n_rot/2]) -> (x[i]cos - x[i+h]sin,
     x[i+h]cos + x[i]sin). x (n_tok, n_heads, head_dim), positions (n_tok,) int32."""
     cdef Py_ssize_t n_tok = x.shape[0], n_heads = x.shape[1], head_dim = x.shape[2]
-    cdef Py_ssize_t t, h, i, half = n_rot // 2
+    cdef Py_ssize_t t, half = n_rot // 2
     _check_len(positions.shape[0], n_tok, "rope_neox positions")
     if n_rot % 2 or n_rot > head_dim or n_rot < 0:
         raise ValueError(f"rope_neox: n_rot {n_rot} must be even and <= head_dim {head_dim}")
     cdef float *cs
-    cdef float *sn
-    cdef double theta
-    cdef float x0, x1
     if half == 0 or n_tok == 0:
         return
     with nogil:
-        cs = <float *> malloc(half * sizeof(float))
-        sn = <float *> malloc(half * sizeof(float))
+        cs = <float *> malloc(2 * half * sizeof(float))
         for t in range(n_tok):
-            for i in range(half):
-                theta = positions[t] * pow(freq_base, -2.0 * i / n_rot)
-                cs[i] = <float> cos(theta)
-                sn[i] = <float> sin(theta)
-            for h in range(n_heads):
-                for i in range(half):
-                    x0 = x[t, h, i]
-                    x1 = x[t, h, i + half]
-                    x[t, h, i] = x0 * cs[i] - x1 * sn[i]
-                    x[t, h, i + half] = x1 * cs[i] + x0 * sn[i]
+            _rope1(&x[t, 0, 0], n_heads, head_dim, positions[t], freq_base, n_rot, cs, cs + half)
         free(cs)
-        free(sn)
 
 
 def attention(const float[:, :, ::1] q, const float[:, :, ::1] k_cache,
@@ -393,8 +427,8 @@ def attention(const float[:, :, ::1] q, const float[:, :, ::1] k_cache,
         raise ValueError("attention: out shape differs from q")
     if n_past < 0 or n_past + n_tok > n_ctx:
         raise ValueError(f"attention: positions {n_past}..{n_past + n_tok} exceed n_ctx {n_ctx}")
-    cdef Py_ssize_t group = n_head // n_kv, item, t, h, kvh, j, n_att
-    cdef float scale = 1.0 / sqrtf(<float> hd), mx, ssum, inv
+    cdef Py_ssize_t group = n_head // n_kv, item, t, h, kvh
+    cdef float scale = 1.0 / sqrtf(<float> hd)
     cdef float *sc
     if n_tok == 0 or hd == 0:
         return
@@ -404,20 +438,8 @@ def attention(const float[:, :, ::1] q, const float[:, :, ::1] k_cache,
             t = item // n_head
             h = item % n_head
             kvh = h // group
-            n_att = n_past + t + 1
-            mx = -3.4e38
-            for j in range(n_att):
-                sc[j] = pi_dot_f32(&q[t, h, 0], &k_cache[j, kvh, 0], hd) * scale
-                if sc[j] > mx:
-                    mx = sc[j]
-            ssum = 0.0
-            for j in range(n_att):
-                sc[j] = expf(sc[j] - mx)
-                ssum = ssum + sc[j]
-            inv = 1.0 / ssum
-            memset(&out[t, h, 0], 0, hd * sizeof(float))
-            for j in range(n_att):
-                pi_axpy_f32(sc[j] * inv, &v_cache[j, kvh, 0], &out[t, h, 0], hd)
+            _attend_head(&q[t, h, 0], &k_cache[0, kvh, 0], &v_cache[0, kvh, 0], n_kv * hd,
+                         n_past + t + 1, hd, scale, sc, &out[t, h, 0])
         free(sc)
 
 
@@ -460,14 +482,10 @@ def select_active(const float[::1] g, const float[::1] u, const int32_t[::1] ids
         _check_len(ids.shape[0], n, "select_active ids")
     _check_len(coef.shape[0], n, "select_active coef")
     _check_len(idx.shape[0], n, "select_active idx")
-    cdef float x, a
+    cdef float a
     with nogil:
         for j in range(n):
-            x = g[j]
-            if silu:
-                a = x / (1.0 + expf(-x))
-            else:
-                a = x if x > 0.0 else 0.0
+            a = _act1(g[j], silu)
             if has_u:
                 a = a * u[j]
             coef[k] = a  # branch-free compaction (see decode_ffn)
@@ -481,30 +499,6 @@ def select_active(const float[::1] g, const float[::1] u, const int32_t[::1] ids
 # SmolLM2's size each call's Python and thread wake-up overhead (about 4 us) is a sixth of decode.
 # The loops are the same as the separate kernels' (same activation quantization, same row order,
 # same reductions), so results equal the unfused path's.
-
-cdef void _rmsnorm1(const float *x, const float *weight, float eps, float *out, int n) noexcept nogil:
-    cdef float scale = 1.0 / sqrtf(pi_dot_f32(x, x, n) / n + eps)
-    cdef int i
-    for i in range(n):
-        out[i] = x[i] * scale * weight[i]
-
-
-cdef void _rope1(float *x, int n_heads, int head_dim, int pos, double freq_base, int n_rot,
-                 float *cs, float *sn) noexcept nogil:
-    cdef int h, i, half = n_rot // 2
-    cdef double theta
-    cdef float x0, x1
-    for i in range(half):
-        theta = pos * pow(freq_base, -2.0 * i / n_rot)
-        cs[i] = <float> cos(theta)
-        sn[i] = <float> sin(theta)
-    for h in range(n_heads):
-        for i in range(half):
-            x0 = x[h * head_dim + i]
-            x1 = x[h * head_dim + i + half]
-            x[h * head_dim + i] = x0 * cs[i] - x1 * sn[i]
-            x[h * head_dim + i + half] = x1 * cs[i] + x0 * sn[i]
-
 
 cdef void _multi_matvec(int n_mat, const uint8_t **w, const int *qt, const Py_ssize_t *stride,
                         const Py_ssize_t *rows, int cols, const float *x, float **out,
@@ -570,8 +564,8 @@ def decode_attn(float[::1] x, const float[::1] attn_norm, float eps,
     cdef float *att
     cdef float *y
     cdef float *sc
-    cdef Py_ssize_t group = n_head // n_kv, hh, kvh, j, i, n_att = n_past + 1
-    cdef float scale = 1.0 / sqrtf(<float> hd), mx, ssum, inv
+    cdef Py_ssize_t group = n_head // n_kv, hh, kvh, i, n_att = n_past + 1
+    cdef float scale = 1.0 / sqrtf(<float> hd)
     with nogil:
         buf = <float *> malloc((2 * n_embd + 2 * nq + hd) * sizeof(float))
         h = buf
@@ -601,19 +595,8 @@ def decode_attn(float[::1] x, const float[::1] attn_norm, float eps,
         sc = <float *> malloc(n_att * sizeof(float))
         for hh in prange(n_head, schedule='static'):
             kvh = hh // group
-            mx = -3.4e38
-            for j in range(n_att):
-                sc[j] = pi_dot_f32(q + hh * hd, &k_cache[j, kvh, 0], hd) * scale
-                if sc[j] > mx:
-                    mx = sc[j]
-            ssum = 0.0
-            for j in range(n_att):
-                sc[j] = expf(sc[j] - mx)
-                ssum = ssum + sc[j]
-            inv = 1.0 / ssum
-            memset(att + hh * hd, 0, hd * sizeof(float))
-            for j in range(n_att):
-                pi_axpy_f32(sc[j] * inv, &v_cache[j, kvh, 0], att + hh * hd, hd)
+            _attend_head(q + hh * hd, &k_cache[0, kvh, 0], &v_cache[0, kvh, 0], n_kv * hd, n_att,
+                         hd, scale, sc, att + hh * hd)
         free(sc)
     with nogil:
         ws[0] = &wo[0, 0]
@@ -665,7 +648,7 @@ def decode_ffn(float[::1] x, const float[::1] ffn_norm, float eps,
     cdef float *xd = NULL
     cdef int8_t *xq = NULL
     cdef Py_ssize_t j, k, n = 0
-    cdef float gv, a
+    cdef float a
     cdef Py_ssize_t su = wu.shape[1]
     with nogil:
         buf = <float *> malloc((2 * n_embd + 3 * n_ff) * sizeof(float))
@@ -688,11 +671,7 @@ def decode_ffn(float[::1] x, const float[::1] ffn_norm, float eps,
         outs[1] = u
         _multi_matvec(1 if mode == 2 else 2, ws, qts, strides, rows, n_embd, h, outs, n_threads)
         for j in range(n_ff):
-            gv = g[j]
-            if silu:
-                a = gv / (1.0 + expf(-gv))
-            else:
-                a = gv if gv > 0.0 else 0.0
+            a = _act1(g[j], silu)
             if mode != 2:
                 a = a * u[j]
             if mode == 0:

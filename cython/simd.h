@@ -213,6 +213,20 @@ static inline float pi_dot_q8_0(const uint8_t *row, const float *xd, const int8_
     return s;
 }
 
+#if PI_SIMD
+/* q4_0 helpers for pi_dot_q4_0 and pi_dot4_q4_0 (both declare m4 = 15s and, without VNNI, ones):
+ * PI_Q4U unpacks a block's 16 bytes into its 32 unsigned nibbles (low halves first, as ggml
+ * orders them); PI_DOTU sums u8 x s8 products by fours into 8 f32 lanes. */
+#define PI_Q4U(qs) _mm256_and_si256(_mm256_inserti128_si256(                                \
+        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(qs))),                      \
+        _mm_srli_epi16(_mm_loadu_si128((const __m128i *)(qs)), 4), 1), m4)
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define PI_DOTU(u, y) _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), (u), (y)))
+#else
+#define PI_DOTU(u, y) _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16((u), (y)), ones))
+#endif
+#endif
+
 static inline float pi_dot_q4_0(const uint8_t *row, const float *xd, const int8_t *xq, int nb) {
     /* sum_b dw_b * dx_b * sum_j (u_j - 8) y_j = sum_b dw_b * (dx_b * sum_j u_j y_j - s_b) */
     const float *xs = xd + nb;
@@ -224,14 +238,6 @@ static inline float pi_dot_q4_0(const uint8_t *row, const float *xd, const int8_
     const __m256i ones = _mm256_set1_epi16(1);
 #endif
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-#define PI_Q4U(qs) _mm256_and_si256(_mm256_inserti128_si256(                                \
-        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(qs))),                      \
-        _mm_srli_epi16(_mm_loadu_si128((const __m128i *)(qs)), 4), 1), m4)
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define PI_DOTU(u, y) _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), (u), (y)))
-#else
-#define PI_DOTU(u, y) _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16((u), (y)), ones))
-#endif
     float corr1 = 0.0f;
     for (; b + 2 <= nb; b += 2) {
         const uint8_t *k0 = row + 18 * b, *k1 = k0 + 18;
@@ -250,8 +256,6 @@ static inline float pi_dot_q4_0(const uint8_t *row, const float *xd, const int8_
         acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d0 * xd[b]), p0, acc0);
         corr += d0 * xs[b];
     }
-#undef PI_Q4U
-#undef PI_DOTU
     s = pi_hsum(_mm256_add_ps(acc0, acc1));
     corr += corr1;
 #else
@@ -324,14 +328,6 @@ static inline void pi_dot4_q4_0(const uint8_t *row, const float *xd, long xd_str
 #if !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
     const __m256i ones = _mm256_set1_epi16(1);
 #endif
-#define PI_Q4U(qs) _mm256_and_si256(_mm256_inserti128_si256(                                \
-        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(qs))),                      \
-        _mm_srli_epi16(_mm_loadu_si128((const __m128i *)(qs)), 4), 1), m4)
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define PI_DOTU(u, y) _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), (u), (y)))
-#else
-#define PI_DOTU(u, y) _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16((u), (y)), ones))
-#endif
     __m256 a0[4], a1[4];
     float c0[4], c1[4];
     for (int t = 0; t < 4; t++) {
@@ -365,8 +361,6 @@ static inline void pi_dot4_q4_0(const uint8_t *row, const float *xd, long xd_str
             c0[t] += d0 * xs[b];
         }
     }
-#undef PI_Q4U
-#undef PI_DOTU
     for (int t = 0; t < 4; t++)
         out[t * out_stride] = pi_hsum(_mm256_add_ps(a0[t], a1[t])) - (c0[t] + c1[t]);
 #else
@@ -374,6 +368,11 @@ static inline void pi_dot4_q4_0(const uint8_t *row, const float *xd, long xd_str
         out[t * out_stride] = pi_dot_q4_0(row, xd + t * xd_stride, xq + t * xq_stride, nb);
 #endif
 }
+
+#if PI_SIMD
+#undef PI_Q4U
+#undef PI_DOTU
+#endif
 
 /* Row . activation for any type: x is used for f32/f16, (xd, xq) from pi_quantize_q8 for
  * quantized rows. */
