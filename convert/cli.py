@@ -16,7 +16,7 @@ import sys
 import time
 
 from pyinfer.constants import OUTTYPES
-from pyinfer.errors import PyinferError
+from pyinfer.errors import PyinferError, exit_code_of
 
 
 def convert(src: str, out: str, outtype: str = "f16", progress: bool | None = None) -> None:
@@ -63,32 +63,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", help="output .gguf path (written via OUT.tmp, then renamed)")
     parser.add_argument("--outtype", choices=list(OUTTYPES), default="f16",
                         help="type of the 2-D weights (norms stay f32); default f16")
-    from predictors.offline import add_arguments, options_from_args
+    from predictors.offline import add_arguments
 
     add_arguments(parser)  # the offline stage's flags (--dense skips it)
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` cleans up OUT.tmp like Ctrl-C does
-    t0 = time.perf_counter()
-    try:
-        if args.dense:
-            convert(args.src, args.out, args.outtype)
-        else:
-            from predictors.offline import convert_sparse
+    return exit_code_of(_run, args)
 
-            convert_sparse(args.src, args.out, args.outtype, options_from_args(args))
-    except PyinferError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 1
-    except MemoryError:
-        print("error: out of memory", file=sys.stderr)
-        return 1
+
+def _run(args) -> int:
+    from predictors.offline import options_from_args
+
+    t0 = time.perf_counter()
+    if args.dense:
+        convert(args.src, args.out, args.outtype)
+    else:
+        from predictors.offline import convert_sparse
+
+        convert_sparse(args.src, args.out, args.outtype, options_from_args(args))
     size = os.path.getsize(args.out) / 2**20
     print(f"wrote {args.out} ({args.outtype}, {size:.1f} MiB) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -9,8 +9,9 @@ class PyinferError(Exception):
 
 
 def exit_code_of(fn, *args) -> int:
-    """Run a CLI body ``fn(*args)``; turn a PyinferError or Ctrl-C into ``error: ...`` on stderr
-    and exit status 1 (never a traceback for a user mistake). Returns fn's status otherwise."""
+    """Run a CLI body ``fn(*args)``; turn a PyinferError, Ctrl-C or MemoryError into
+    ``error: ...`` on stderr and exit status 1 (never a traceback for a user mistake). Returns
+    fn's status otherwise."""
     import sys
 
     try:
@@ -20,4 +21,7 @@ def exit_code_of(fn, *args) -> int:
         return 1
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
+        return 1
+    except MemoryError:
+        print("error: out of memory", file=sys.stderr)
         return 1

@@ -124,9 +124,13 @@ def relu_mul(gate, up, out):
     return out
 
 
-def select_active(g, up, ids, silu, threshold, coef, idx):
+def _act(g, silu):
     g = np.asarray(g, dtype=np.float32)
-    a = g / (np.float32(1.0) + np.exp(-g)) if silu else np.maximum(g, np.float32(0.0))
+    return g / (np.float32(1.0) + np.exp(-g)) if silu else np.maximum(g, np.float32(0.0))
+
+
+def select_active(g, up, ids, silu, threshold, coef, idx):
+    a = _act(g, silu)
     if up is not None:
         a = a * up
     keep = np.flatnonzero(np.abs(a) > np.float32(threshold))
@@ -139,11 +143,6 @@ def select_active(g, up, ids, silu, threshold, coef, idx):
 def _dot_input(w, x):
     """The activation a dot-product kernel sees: quantized to 8-bit blocks for q4_0/q8_0 rows."""
     return quantize_act_q8(x) if w.qtype in (QT.Q8_0, QT.Q4_0) else np.asarray(x, np.float32)
-
-
-def _act(g, silu):
-    g = np.asarray(g, dtype=np.float32)
-    return g / (np.float32(1.0) + np.exp(-g)) if silu else np.maximum(g, np.float32(0.0))
 
 
 def decode_attn(x, attn_norm, eps, wq, wk, wv, wo, k_cache, v_cache, n_past, n_head, freq_base,
