@@ -164,10 +164,11 @@ def convert_sparse(src: str, out: str, outtype: str = "f16", opts: OfflineOption
         t0 = time.perf_counter()
         rows, preds, counts, act_thr = _train_layers(prof, cfg, mode, opts, n_threads)
         pred_qtype = C.QT.F32 if outtype == "f32" else C.QT.F16
+        pred_elt = C.QK_BLOCK[pred_qtype][1]  # bytes per predictor weight: 4 or 2
         block, block_bytes = C.QK_BLOCK[C.OUTTYPES[outtype]]
         row_bytes = cfg.n_embd // block * block_bytes
         for r, (fc1, fc2, _) in zip(rows, preds):
-            pred_bytes = (fc1.size + fc2.size) * (4 if pred_qtype == C.QT.F32 else 2)
+            pred_bytes = (fc1.size + fc2.size) * pred_elt
             r.cpu_predictor = predictor_pays(mode, r.predicted_sparsity, pred_bytes, row_bytes, cfg.n_ff)
         secs["predictor training"] = time.perf_counter() - t0
         del prof
@@ -177,8 +178,8 @@ def convert_sparse(src: str, out: str, outtype: str = "f16", opts: OfflineOption
         if budget_bytes is not None:
             t0 = time.perf_counter()
             for i, (fc1, fc2, _) in enumerate(preds):
-                sizes[C.FC1.format(bid=i)] = fc1.size * (4 if pred_qtype == C.QT.F32 else 2)
-                sizes[C.FC2.format(bid=i)] = fc2.size * (4 if pred_qtype == C.QT.F32 else 2)
+                sizes[C.FC1.format(bid=i)] = fc1.size * pred_elt
+                sizes[C.FC2.format(bid=i)] = fc2.size * pred_elt
             placement = solve(counts, sizes, cfg, budget_bytes, group_size=DEFAULT_GROUP_SIZE)
             for r, b in zip(rows, placement.gpu_bucket):
                 r.gpu = int(b.size)
