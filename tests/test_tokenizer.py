@@ -9,7 +9,7 @@
 """
 from __future__ import annotations
 
-import glob
+import hashlib
 import io
 import json
 import os
@@ -20,6 +20,8 @@ import unicodedata
 import gguf
 import numpy as np
 import pytest
+from tests._corpus import (NO_SYSTEM_CORPORA_ENV, SYSTEM_CORPORA, english_sentences, fortune_lines,
+                           system_corpus_dir)
 from tests._paths import smollm2_gguf_path
 
 from pyinfer import constants as C
@@ -42,22 +44,9 @@ SPECIAL_TEXT = "<|im_start|>user\nhi<|im_end|>"
 
 
 def _corpus() -> list[str]:
-    """Lines of English text: the fortunes package when installed, else generated sentences."""
-    lines: list[str] = []
-    for f in sorted(glob.glob("/usr/share/games/fortunes/*"))[:8]:
-        if "." in os.path.basename(f) or not os.path.isfile(f):
-            continue
-        with open(f, encoding="utf-8", errors="ignore") as fh:
-            lines += [s for s in fh.read().splitlines() if s.strip()]
-    if len(lines) < 2000:
-        rng = np.random.default_rng(0)
-        words = "the of and to in is was it for on that with as his he be at by I this had not are but".split()
-        words += "from or have an they which one you were all her she there would their we him been has".split()
-        words += "when who will no more if out so said what up its about than into them can only other".split()
-        for _ in range(20000):
-            n = int(rng.integers(3, 15))
-            s = " ".join(rng.choice(words, n))
-            lines.append(s.capitalize() + rng.choice([".", "!", "?", ",", f" {int(rng.integers(0, 5000))}."]))
+    """Lines of English text: the shipped generated sentences (enough for a 1000-piece vocabulary on
+    their own), after the fortunes package's lines where it is installed and not hidden."""
+    lines = fortune_lines() + english_sentences(20000)
     lines += TEXTS * 5 + ["def f(x):\n    return x ** 2\n", "for i in range(10):\n\tprint(i)"] * 20
     return lines
 
@@ -95,6 +84,20 @@ def _check_stream(tok: Tokenizer, ids: list[int], skip_special: bool) -> None:
     pieces = [d.feed(i) for i in ids] + [d.flush()]
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) == tok.decode(ids, skip_special=skip_special)
+
+
+# ---- the training text ------------------------------------------------------------------------
+def test_shipped_corpus_is_fixed():
+    # The same text on every machine and Python version, so tokenizer failures reproduce (tests/_corpus.py).
+    text = "\n".join(english_sentences(20000))
+    assert hashlib.sha256(text.encode()).hexdigest()[:16] == "93bbc33c8c84bf10"
+
+
+def test_no_system_corpora_hides_them(monkeypatch):
+    monkeypatch.setenv(NO_SYSTEM_CORPORA_ENV, "1")
+    assert fortune_lines() == [] and all(system_corpus_dir(p) is None for p in SYSTEM_CORPORA)
+    monkeypatch.setenv(NO_SYSTEM_CORPORA_ENV, "0")
+    assert [system_corpus_dir(p) for p in SYSTEM_CORPORA] == [p if os.path.isdir(p) else None for p in SYSTEM_CORPORA]
 
 
 # ---- byte-level BPE ---------------------------------------------------------------------------
