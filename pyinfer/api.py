@@ -105,13 +105,11 @@ class LLM:
 
         accepted = inspect.signature(Engine.__init__).parameters
         extra: dict[str, Any] = {}
-        if device not in _CPU_DEVICES:
-            if "device" not in accepted:
-                raise PyinferError(f"device {device!r} is not supported by this build "
-                                   "(only 'cpu' and 'auto' work for now)")
-            extra["device"] = device
-        elif device is not None and "device" in accepted:
-            extra["device"] = device  # "cpu" must reach the engine: its default takes a GPU if present
+        if "device" in accepted:
+            extra["device"] = device  # None: the GPU when there is one, quietly (generation)
+        elif device not in _CPU_DEVICES:
+            raise PyinferError(f"device {device!r} is not supported by this build "
+                               "(only 'cpu' and 'auto' work for now)")
         for key, value in (("reset_gpu_index", reset_gpu_index),
                            ("disable_gpu_index", disable_gpu_index), ("n_gpu_layers", n_gpu_layers)):
             if value and key in accepted:

@@ -1,21 +1,26 @@
-"""The GPU backend behind ``pyinfer.hybrid``: one small interface, two implementations.
+"""The device behind ``pyinfer.gpu_model``: one small interface, two implementations.
 
-- ``CupyDevice``: the RawKernels of ``pyinfer.ops.cuda`` on a CUDA device (needs CuPy and a GPU).
-- ``NumpyDevice``: the same methods with NumPy on host arrays. It is the NumPy twin of every
-  kernel (the GPU tests compare them) and lets the hybrid split and merge be tested on a machine
-  without a GPU.
+- ``CupyDevice``: the RawKernels of ``pyinfer.ops.cuda`` on a CUDA device, all work queued on one
+  non-blocking stream, host buffers for transfers pinned (page-locked) so copies are asynchronous.
+- ``NumpyDevice``: the same methods with NumPy on host arrays. Each method is the NumPy twin of
+  the kernel of the same name (the one-token kernels' twins are the batched ``pyinfer.ops.xp``
+  functions the GPU runs for prefill), so the GPU forward runs and is tested on a machine without
+  a GPU.
 
-Device arrays are whatever the backend holds (cupy or numpy arrays). Every method that launches
-work is asynchronous on a GPU; ``to_host`` and ``merge`` are the points that wait. Only
-activations (x, h, the prediction mask, partial outputs) cross between host and device after
-``rows`` has uploaded the weights once.
+Both count the bytes of every array they allocate for the model (``allocated_bytes``), so VRAM
+budget accounting is exact and testable. Device arrays are whatever the backend holds (cupy or
+numpy arrays); ``xp`` is the array module. Kernel methods are asynchronous on a GPU; ``wait``
+(an event recorded after a download) and ``to_host`` are the points where the host waits.
 """
 from __future__ import annotations
+
+import contextlib
 
 import gguf
 import numpy as np
 
 from pyinfer.ops import cuda
+from pyinfer.ops import xp as X
 from pyinfer.ops.cpu import QT, QTensor
 from pyinfer.ops.cuda import DeviceRows
 
@@ -34,9 +39,19 @@ def dequantize_rows(raw: np.ndarray, qtype: QT, cols: int) -> np.ndarray:
     return gguf.quants.dequantize(raw, qtype).reshape(-1, cols).astype(np.float32)
 
 
-def _gathered(w: QTensor, ids: np.ndarray | None) -> np.ndarray:
-    """The rows ``ids`` of w (all rows when None) as one new contiguous (n, row_bytes) uint8 copy."""
-    return np.ascontiguousarray(w.raw if ids is None else w.raw[np.asarray(ids, np.intp)])
+def gathered(tensors: list[QTensor], ids: np.ndarray | None = None) -> np.ndarray:
+    """The rows ``ids`` (all when None) of each tensor, stacked: one new contiguous (n, row_bytes)
+    uint8 array (tensors of one type and width, e.g. wq, wk and wv fused into one matrix)."""
+    parts = [t.raw if ids is None else t.raw[np.asarray(ids, np.intp)] for t in tensors]
+    return np.ascontiguousarray(parts[0] if len(parts) == 1 else np.concatenate(parts))
+
+
+def as_qtensor(a: np.ndarray) -> QTensor:
+    """A predictor matrix (f32 or f16 ndarray) as a QTensor of its own type."""
+    a = np.ascontiguousarray(a)
+    if a.dtype != np.float16:
+        a = np.ascontiguousarray(a, np.float32)
+    return QTensor(a, QT.F16 if a.dtype == np.float16 else QT.F32, *a.shape)
 
 
 class NumpyDevice:
@@ -44,9 +59,11 @@ class NumpyDevice:
     free device memory (bytes), so budget logic can be tested too."""
 
     name = "numpy"
+    xp = np
 
     def __init__(self, free_bytes: int = 64 * GiB):
         self._free = int(free_bytes)
+        self.allocated_bytes = 0  # bytes of every array allocated through this device
 
     def free_bytes(self) -> int:
         return self._free
@@ -54,65 +71,119 @@ class NumpyDevice:
     def describe(self) -> str:
         return f"NumPy stand-in device ({self._free / GiB:.1f} GiB reported free)"
 
+    def activate(self):
+        """Context in which kernels go to this device's stream (nothing to do on the host)."""
+        return contextlib.nullcontext()
+
     # -- memory ------------------------------------------------------------------------------
-    def rows(self, w: QTensor, ids: np.ndarray | None = None) -> DeviceRows:
-        data = _gathered(w, ids)
-        return DeviceRows(data, w.qtype, data.shape[0], w.cols, dequantize_rows(data, w.qtype, w.cols))
+    def rows(self, tensors: list[QTensor], ids: np.ndarray | None = None) -> DeviceRows:
+        """Rows ``ids`` of the tensors (same type and width), stacked, copied to the device as
+        stored (module ``gathered``)."""
+        data = gathered(tensors, ids)
+        t = tensors[0]
+        self.allocated_bytes += data.nbytes
+        return DeviceRows(data, t.qtype, data.shape[0], t.cols, dequantize_rows(data, t.qtype, t.cols))
 
     def array(self, a: np.ndarray) -> np.ndarray:
-        return np.array(a, copy=True)
+        a = np.array(a, copy=True)
+        self.allocated_bytes += a.nbytes
+        return a
 
-    def empty(self, n: int, dtype) -> np.ndarray:
-        return np.full(n, np.nan, dtype) if np.dtype(dtype).kind == "f" else np.zeros(n, dtype)
+    def empty(self, shape, dtype) -> np.ndarray:
+        a = np.full(shape, np.nan, dtype) if np.dtype(dtype).kind == "f" else np.zeros(shape, dtype)
+        self.allocated_bytes += a.nbytes
+        return a
+
+    def pinned(self, shape, dtype) -> np.ndarray:
+        """A host buffer for transfers (page-locked on a GPU)."""
+        return np.zeros(shape, dtype)
 
     def upload(self, host: np.ndarray, dev: np.ndarray) -> np.ndarray:
-        dev[:host.size] = host.reshape(-1)
+        """dev[:host.size] = host (asynchronous on a GPU when host is pinned)."""
+        dev.reshape(-1)[:host.size] = host.reshape(-1)
         return dev
 
-    def to_host(self, dev: np.ndarray, out: np.ndarray) -> np.ndarray:
-        out[...] = dev.reshape(out.shape)
-        return out
+    def download(self, dev: np.ndarray, host: np.ndarray) -> np.ndarray:
+        """host = dev, queued (``record`` + ``wait`` tell when it has landed on a GPU)."""
+        host.reshape(-1)[...] = dev.reshape(-1)[:host.size]
+        return host
+
+    def to_host(self, dev, out: np.ndarray) -> np.ndarray:
+        """out = dev, waiting for it."""
+        return self.download(dev, out)
+
+    def record(self):
+        return None
+
+    def wait(self, event) -> None:
+        pass
 
     def synchronize(self) -> None:
         pass
 
     # -- kernels' twins ----------------------------------------------------------------------
-    def predict(self, fc1, fc2, threshold: float, x, hid, mask) -> None:
-        h = np.maximum(fc1 @ x, 0.0)
+    def predict(self, fc1: DeviceRows, fc2: DeviceRows, threshold: float, x, hid, mask) -> None:
+        h = np.maximum(fc1.f32 @ x, 0.0)
         hid[:h.size] = h
-        mask[...] = (fc2 @ h >= threshold).astype(np.uint8)
+        mask[...] = (fc2.f32 @ h >= threshold).astype(np.uint8)
 
-    def gather_gemv(self, w: DeviceRows, x, out, ids=None, mask=None) -> None:
-        out[...] = w.f32 @ x
+    def gemv(self, w: DeviceRows, x, out, ids=None, mask=None, accumulate: bool = False) -> None:
+        y = (w.f32 @ x).astype(np.float32)
         if mask is not None:
-            out[mask[ids] == 0] = 0.0
+            y[mask[ids] == 0] = 0.0
+        if accumulate:
+            out += y
+        else:
+            out[...] = y
 
     def ffn_gate_up(self, gate: DeviceRows, up: DeviceRows, x, coef, counts, act: str,
-                    act_thr: float, ids=None, mask=None) -> None:
+                    act_thr: float, ids=None, mask=None, glu: bool = False) -> None:
         cand = np.ones(gate.rows, bool) if mask is None else mask[ids] != 0
-        g = gate.f32[cand] @ x
-        a = g / (1.0 + np.exp(-g)) if act == "silu" else np.maximum(g, 0.0)
-        keep = np.abs(a) > act_thr
-        c = np.zeros(int(cand.sum()), np.float32)
-        c[keep] = a[keep] * (up.f32[cand][keep] @ x)
+        a = X.act(gate.f32[cand] @ x, act == "silu")
+        if glu:
+            c = a * (up.f32[cand] @ x)
+            keep = np.abs(c) > act_thr
+            c = np.where(keep, c, 0.0)
+        else:
+            keep = np.abs(a) > act_thr
+            c = np.zeros(int(cand.sum()), np.float32)
+            c[keep] = a[keep] * (up.f32[cand][keep] @ x)
         coef[...] = 0.0
         coef[cand] = c
         counts[0] += int(cand.sum())
         counts[1] += int(keep.sum())
 
-    def axpy_rows(self, w: DeviceRows, coef, out, skip_zero: bool = True) -> None:
+    def axpy_rows(self, w: DeviceRows, coef, out, skip_zero: bool = True,
+                  accumulate: bool = False) -> None:
         nz = coef != 0 if skip_zero else np.ones(coef.size, bool)
-        out[...] = coef[nz] @ w.f32[nz] if nz.any() else 0.0
+        y = coef[nz] @ w.f32[nz] if nz.any() else np.zeros(w.cols, np.float32)
+        if accumulate:
+            out += y
+        else:
+            out[...] = y
 
-    def merge(self, dev_out, partial: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """out (host) = dev_out + partial: the CPU's partial FFN output merged into the device's."""
-        dev_out += partial.reshape(-1)
-        out[...] = dev_out.reshape(out.shape)
-        return out
+    def dequant(self, w: DeviceRows, r0: int, n_rows: int, out) -> None:
+        out[:n_rows * w.cols] = w.f32[r0:r0 + n_rows].reshape(-1)
+
+    def rmsnorm(self, x, w, eps: float, out) -> None:
+        X.rmsnorm(x, w, eps, out)
+
+    def rope_store(self, q, k, v, cache_k, cache_v, cos_sin, pos: int) -> None:
+        X.rope(q[None], cos_sin, pos)
+        kk = k.copy()[None]
+        X.rope(kk, cos_sin, pos)
+        cache_k[pos] = kk[0]
+        cache_v[pos] = v
+
+    def attn_decode(self, q, cache_k, cache_v, n_att: int, out) -> None:
+        out[...] = X.attention(q[None], cache_k, cache_v, n_att - 1)[0]
+
+    def add(self, out, a) -> None:
+        out += a
 
 
 class CupyDevice:
-    """The current CUDA device through CuPy RawKernels (``pyinfer.ops.cuda``).
+    """The current CUDA device through CuPy RawKernels (``pyinfer.ops.cuda``), one stream.
 
     Raises PyinferError when no CUDA device is usable (see ``pyinfer.ops.cuda.available``)."""
 
@@ -123,8 +194,9 @@ class CupyDevice:
 
         if not cuda.available():
             raise PyinferError(f"no CUDA device: {cuda.unavailable_reason()}")
-        self.cp = cuda.cupy
-        self._partial = {}  # size -> device scratch for merge
+        self.cp = self.xp = cuda.cupy
+        self.stream = self.cp.cuda.Stream(non_blocking=True)
+        self.allocated_bytes = 0
 
     def free_bytes(self) -> int:
         free, _total = self.cp.cuda.runtime.memGetInfo()
@@ -138,47 +210,96 @@ class CupyDevice:
         free, total = self.cp.cuda.runtime.memGetInfo()
         return f"{name}, {free / GiB:.1f} of {total / GiB:.1f} GiB free"
 
-    def rows(self, w: QTensor, ids: np.ndarray | None = None) -> DeviceRows:
-        data = self.cp.asarray(_gathered(w, ids))  # one host gather, one upload
-        return DeviceRows(data, w.qtype, int(data.shape[0]), w.cols)
+    def activate(self):
+        return self.stream
+
+    # -- memory ------------------------------------------------------------------------------
+    def _alloc(self, fn):
+        try:
+            with self.stream:
+                return fn()
+        except self.cp.cuda.memory.OutOfMemoryError as e:
+            from pyinfer.errors import PyinferError
+
+            raise PyinferError(f"out of GPU memory ({e}); lower --vram-budget or -ngl") from None
+
+    def rows(self, tensors: list[QTensor], ids: np.ndarray | None = None) -> DeviceRows:
+        host = gathered(tensors, ids)  # one host gather, one upload
+        data = self._alloc(lambda: self.cp.asarray(host))
+        self.allocated_bytes += data.nbytes
+        t = tensors[0]
+        return DeviceRows(data, t.qtype, int(data.shape[0]), t.cols)
 
     def array(self, a: np.ndarray):
-        return self.cp.asarray(np.ascontiguousarray(a))
+        a = self._alloc(lambda: self.cp.asarray(np.ascontiguousarray(a)))
+        self.allocated_bytes += a.nbytes
+        return a
 
-    def empty(self, n: int, dtype):
-        return self.cp.zeros(n, dtype)
+    def empty(self, shape, dtype):
+        a = self._alloc(lambda: self.cp.zeros(shape, dtype))
+        self.allocated_bytes += a.nbytes
+        return a
+
+    def pinned(self, shape, dtype) -> np.ndarray:
+        import cupyx
+
+        a = cupyx.empty_pinned(shape, dtype)
+        a[...] = 0
+        return a
 
     def upload(self, host: np.ndarray, dev):
-        dev[:host.size].set(np.ascontiguousarray(host).reshape(-1))
+        dev.reshape(-1)[:host.size].set(host.reshape(-1), stream=self.stream)
         return dev
 
+    def download(self, dev, host: np.ndarray) -> np.ndarray:
+        dev.reshape(-1)[:host.size].get(stream=self.stream, out=host.reshape(-1), blocking=False)
+        return host
+
     def to_host(self, dev, out: np.ndarray) -> np.ndarray:
-        dev.get(out=out.reshape(-1))  # out must be C-contiguous (the model's buffers are)
+        dev.reshape(-1)[:out.size].get(stream=self.stream, out=out.reshape(-1))
+        self.stream.synchronize()
         return out
 
-    def synchronize(self) -> None:
-        self.cp.cuda.get_current_stream().synchronize()
+    def record(self):
+        return self.stream.record()
 
+    def wait(self, event) -> None:
+        event.synchronize()
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+    # -- kernels (``pyinfer.ops.cuda``; call inside ``activate()``) ---------------------------
     def predict(self, fc1, fc2, threshold: float, x, hid, mask) -> None:
         cuda.predictor_mask(fc1, fc2, x, hid, mask, threshold)
 
-    def gather_gemv(self, w, x, out, ids=None, mask=None) -> None:
-        cuda.gather_gemv(w, x, out, ids, mask)
+    def gemv(self, w, x, out, ids=None, mask=None, accumulate: bool = False) -> None:
+        cuda.gather_gemv(w, x, out, ids, mask, accumulate)
 
-    def ffn_gate_up(self, gate, up, x, coef, counts, act, act_thr, ids=None, mask=None) -> None:
-        cuda.ffn_gate_up(gate, up, x, coef, counts, act, act_thr, ids, mask)
+    def ffn_gate_up(self, gate, up, x, coef, counts, act, act_thr, ids=None, mask=None,
+                    glu: bool = False) -> None:
+        cuda.ffn_gate_up(gate, up, x, coef, counts, act, act_thr, ids, mask, glu)
 
-    def axpy_rows(self, w, coef, out, skip_zero: bool = True) -> None:
-        cuda.axpy_rows(w, coef, out, skip_zero)
+    def axpy_rows(self, w, coef, out, skip_zero: bool = True, accumulate: bool = False) -> None:
+        cuda.axpy_rows(w, coef, out, skip_zero, accumulate)
 
-    def merge(self, dev_out, partial: np.ndarray, out: np.ndarray) -> np.ndarray:
-        n = dev_out.size
-        buf = self._partial.get(n)
-        if buf is None:
-            buf = self._partial[n] = self.cp.empty(n, self.cp.float32)
-        buf.set(np.ascontiguousarray(partial, np.float32).reshape(-1))
-        cuda.merge_add(dev_out, buf)
-        return self.to_host(dev_out, out)
+    def dequant(self, w, r0: int, n_rows: int, out) -> None:
+        cuda.dequant(w, r0, n_rows, out)
+
+    def rmsnorm(self, x, w, eps: float, out) -> None:
+        cuda.rmsnorm(x.reshape(-1, x.shape[-1]), w, eps, out)
+
+    def rope_store(self, q, k, v, cache_k, cache_v, cos_sin, pos: int) -> None:
+        cuda.rope_store(q, k, v, cache_k, cache_v, cos_sin, pos)
+
+    def attn_decode(self, q, cache_k, cache_v, n_att: int, out) -> None:
+        if n_att > cuda.MAX_DECODE_ATTN_ROWS:  # scores do not fit in shared memory
+            out[...] = X.attention(q[None], cache_k, cache_v, n_att - 1)[0]
+        else:
+            cuda.attn_decode(q, cache_k, cache_v, n_att, out)
+
+    def add(self, out, a) -> None:
+        cuda.add(out, a)
 
 
 def default_device():

@@ -18,8 +18,7 @@ from pyinfer import constants as C
 from pyinfer.config import ModelConfig, read_field
 from pyinfer.errors import PyinferError
 from pyinfer.ffn import DenseFFN, Predictor, SparseFFN
-from pyinfer.hybrid import place_ffn
-from pyinfer.model import Model
+from pyinfer.hybrid import place_model
 from pyinfer.sampler import SamplingParams, sample
 from pyinfer.tokenizer import Tokenizer
 from pyinfer.weights import ModelWeights
@@ -69,18 +68,19 @@ class Engine:
         n_ctx: context size in tokens (default min(4096, the model's training context)).
         n_threads: kernel threads (default: all cores).
         dense: compute every FFN neuron even when the file has predictors (for comparison).
-        device: "auto" (the GPU when CuPy sees one, else the CPU with a notice), "cpu" or "cuda";
-            None (default): "auto" without the notice.
+        device: "cpu" (default: the offline stage and tests get the CPU reference unless they
+            ask), "auto" (the GPU when CuPy sees one, else the CPU with a notice), "cuda", or
+            None: "auto" without the notice (what generation through LLM / the CLIs uses).
         vram_budget: GiB of device memory to use (default: free memory minus a margin).
         reset_gpu_index: re-solve the hot-neuron split from the stored activation counts.
         disable_gpu_index: ignore the stored split; offload whole layers instead.
         n_gpu_layers: llama.cpp -ngl: the first k layers' FFNs dense on the GPU (baseline).
-        See ``pyinfer.hybrid.place_ffn``.
+        See ``pyinfer.hybrid.place_model``.
     Raises PyinferError for a bad file or an impossible setting.
     """
 
     def __init__(self, model_path: str, *, n_ctx: int | None = None, n_threads: int | None = None,
-                 dense: bool = False, verbose: bool = False, device: str | None = None,
+                 dense: bool = False, verbose: bool = False, device: str | None = "cpu",
                  vram_budget: float | None = None, reset_gpu_index: bool = False,
                  disable_gpu_index: bool = False, n_gpu_layers: int | None = None):
         t0 = time.perf_counter()
@@ -96,11 +96,12 @@ class Engine:
         self.n_ctx = n_ctx
         self.n_threads = n_threads
         ffn = (None if dense else self._sparse_ffn()) or DenseFFN(self.cfg)
-        ffn = place_ffn(self.reader, self.cfg, self.weights, ffn, device=device,
-                        vram_budget=vram_budget, reset_gpu_index=reset_gpu_index,
-                        disable_gpu_index=disable_gpu_index, n_gpu_layers=n_gpu_layers,
-                        verbose=verbose)
-        self.model = Model(self.cfg, self.weights, n_ctx, n_threads, ffn=ffn)
+        # a CPU Model, or the GPU-resident GpuModel (pyinfer.gpu_model) with its placement
+        self.model = place_model(self.reader, self.cfg, self.weights, ffn, n_ctx, n_threads,
+                                 device=device, vram_budget=vram_budget,
+                                 reset_gpu_index=reset_gpu_index,
+                                 disable_gpu_index=disable_gpu_index, n_gpu_layers=n_gpu_layers,
+                                 verbose=verbose)
         self.tokens: list[int] = []  # tokens whose keys/values are in the cache, in order
         self.timings = Timings(load_ms=(time.perf_counter() - t0) * 1e3)
         self.verbose = verbose

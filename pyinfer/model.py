@@ -28,6 +28,17 @@ class Model:
         self.cache = KVCache(cfg, n_ctx)
         self.ffn = ffn if ffn is not None else DenseFFN(cfg)
 
+    def embed(self, tokens, n_past: int) -> np.ndarray:
+        """(n_tok, n_embd) f32 embeddings of ``tokens``; ValueError when they do not fit after
+        n_past tokens in the context."""
+        ids = np.asarray(tokens, dtype=np.int32).reshape(-1)
+        T = ids.shape[0]
+        if T == 0 or n_past + T > self.n_ctx:
+            raise ValueError(f"{n_past} + {T} tokens do not fit in a context of {self.n_ctx}")
+        x = np.empty((T, self.cfg.n_embd), np.float32)  # (n_tok, n_embd) residual stream
+        cpu.get_rows(self.w.token_embd, ids, x)
+        return x
+
     def forward(self, tokens, n_past: int, all_logits: bool = False) -> np.ndarray:
         """Evaluate ``tokens`` at positions n_past.. and return logits.
 
@@ -35,24 +46,26 @@ class Model:
         (n_tok, n_vocab) with ``all_logits``. The KV cache rows n_past..n_past+n_tok-1 are written.
         Raises ValueError when the tokens do not fit in the context.
         """
-        cfg, w, nt = self.cfg, self.w, self.n_threads
-        ids = np.asarray(tokens, dtype=np.int32).reshape(-1)
-        T = ids.shape[0]
-        if T == 0 or n_past + T > self.n_ctx:
-            raise ValueError(f"{n_past} + {T} tokens do not fit in a context of {self.n_ctx}")
-        positions = np.arange(n_past, n_past + T, dtype=np.int32)
+        x = self.embed(tokens, n_past)
+        self.run_layers(x, n_past, 0)
+        return self.logits(x, all_logits)
 
-        x = np.empty((T, cfg.n_embd), np.float32)  # (n_tok, n_embd) residual stream
-        cpu.get_rows(w.token_embd, ids, x)
+    def run_layers(self, x: np.ndarray, n_past: int, first: int = 0) -> np.ndarray:
+        """Layers ``first``.. on the residual stream x (n_tok, n_embd) f32, in place; returns x.
+        (A GPU model runs its leading layers on the device and hands the rest to this.)"""
+        cfg, w, nt = self.cfg, self.w, self.n_threads
+        T = x.shape[0]
         if T == 1 and self.fused:
-            return self._decode_fused(x, n_past, all_logits)
+            return self._decode_fused(x, n_past, first)
+        positions = np.arange(n_past, n_past + T, dtype=np.int32)
         h = np.empty_like(x)  # (n_tok, n_embd) normed input of a sublayer
         q = np.empty((T, cfg.n_embd_q), np.float32)  # (n_tok, n_head * head_dim)
         k = np.empty((T, cfg.n_embd_kv), np.float32)  # (n_tok, n_head_kv * head_dim)
         v = np.empty((T, cfg.n_embd_kv), np.float32)
         attn = np.empty((T, cfg.n_head, cfg.head_dim), np.float32)
         y = np.empty_like(x)  # (n_tok, n_embd) sublayer output
-        for i, lw in enumerate(w.layers):
+        for i in range(first, cfg.n_layer):
+            lw = w.layers[i]
             # attention
             cpu.rmsnorm(x, lw.attn_norm, cfg.rms_eps, h)
             linear(lw.wq, h, q, nt)
@@ -71,18 +84,18 @@ class Model:
             cpu.rmsnorm(x, lw.ffn_norm, cfg.rms_eps, h)
             self.ffn(lw, i, x, h, y, nt)
             x += y
+        return x
 
-        return self._logits(x, all_logits)
-
-    def _decode_fused(self, x: np.ndarray, n_past: int, all_logits: bool) -> np.ndarray:
+    def _decode_fused(self, x: np.ndarray, n_past: int, first: int = 0) -> np.ndarray:
         """One token: per layer, the attention half in one kernel call (``cpu.decode_attn``) and
         the FFN half in one (``ffn.decode``) where the FFN supports it; the same function as the
-        step-by-step loop in ``forward``."""
+        step-by-step loop in ``run_layers``."""
         cfg, w, nt = self.cfg, self.w, self.n_threads
         xv = x[0]
         ffn_decode = getattr(self.ffn, "decode", None)
         h = y = None
-        for i, lw in enumerate(w.layers):
+        for i in range(first, cfg.n_layer):
+            lw = w.layers[i]
             cpu.decode_attn(xv, lw.attn_norm, cfg.rms_eps, lw.wq, lw.wk, lw.wv, lw.wo,
                             self.cache.k[i], self.cache.v[i], n_past, cfg.n_head,
                             cfg.rope_freq_base, nt)
@@ -92,9 +105,9 @@ class Model:
                 cpu.rmsnorm(x, lw.ffn_norm, cfg.rms_eps, h)
                 self.ffn(lw, i, x, h, y, nt)
                 x += y
-        return self._logits(x, all_logits)
+        return x
 
-    def _logits(self, x: np.ndarray, all_logits: bool) -> np.ndarray:
+    def logits(self, x: np.ndarray, all_logits: bool = False) -> np.ndarray:
         """Final norm and output projection: (n_vocab,) of the last row, or (n_tok, n_vocab)."""
         cfg, w, nt = self.cfg, self.w, self.n_threads
         if not all_logits:

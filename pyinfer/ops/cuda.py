@@ -149,42 +149,46 @@ __device__ __forceinline__ float el_q4_0(const u8* row, int c) {
 }
 """
 
-PREDICTOR_SRC = COMMON_SRC + r"""
-// hid[r] = relu(fc1[r] . x), warp per row. fc1 (rank, n_embd) f32 row-major.
-extern "C" __global__ void predictor_fc1(const float* fc1, int rank, int n_embd,
-                                         const float* x, float* hid) {
+_PREDICTOR_TEMPLATE = r"""
+// hid[r] = relu(fc1[r] . x), warp per row. fc1 (rank, n_embd) @T@ rows of row_bytes bytes.
+extern "C" __global__ void predictor_fc1_@T@(const u8* fc1, long long row_bytes, int rank,
+                                             int n_embd, const float* x, float* hid) {
     const int r = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
     if (r >= rank) return;
-    const float s = warp_sum(dot_f32((const u8*)(fc1 + (long long)r * n_embd), n_embd, x, lane));
+    const float s = warp_sum(dot_@T@(fc1 + r * row_bytes, n_embd, x, lane));
     if (lane == 0) hid[r] = fmaxf(s, 0.f);
 }
-// mask[n] = (fc2[n] . hid >= threshold), warp per row. fc2 (n_ff, rank) f32 row-major.
-extern "C" __global__ void predictor_fc2(const float* fc2, int n_ff, int rank, const float* hid,
-                                         float threshold, u8* mask) {
+// mask[n] = (fc2[n] . hid >= threshold), warp per row. fc2 (n_ff, rank) @T@.
+extern "C" __global__ void predictor_fc2_@T@(const u8* fc2, long long row_bytes, int n_ff,
+                                             int rank, const float* hid, float threshold, u8* mask) {
     const int n = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
     if (n >= n_ff) return;
-    const float s = warp_sum(dot_f32((const u8*)(fc2 + (long long)n * rank), rank, hid, lane));
+    const float s = warp_sum(dot_@T@(fc2 + n * row_bytes, rank, hid, lane));
     if (lane == 0) mask[n] = s >= threshold ? 1 : 0;
 }
 """
 
 _GATHER_TEMPLATE = r"""
-// out[k] = w[k] . x for the n_rows rows of w (row_bytes apart), warp per row; where use_mask,
-// rows whose neuron ids[k] is not in the prediction mask are skipped and give 0.
+// out[k] = (accumulate ? out[k] : 0) + w[k] . x for the n_rows rows of w (row_bytes apart),
+// warp per row; where use_mask, rows whose neuron ids[k] is not in the prediction mask are
+// skipped (0 added). accumulate=1 adds a projection into the residual stream in place.
 extern "C" __global__ void gather_gemv_@T@(const u8* w, long long row_bytes, int n_rows, int cols,
-        const float* x, const int* ids, const u8* mask, int use_mask, float* out) {
+        const float* x, const int* ids, const u8* mask, int use_mask, int accumulate, float* out) {
     const int k = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
     if (k >= n_rows) return;
-    if (use_mask && !mask[ids[k]]) { if (lane == 0) out[k] = 0.f; return; }
-    const float s = warp_sum(dot_@T@(w + k * row_bytes, cols, x, lane));
-    if (lane == 0) out[k] = s;
+    float s = 0.f;
+    if (!use_mask || mask[ids[k]]) s = warp_sum(dot_@T@(w + k * row_bytes, cols, x, lane));
+    if (lane == 0) out[k] = accumulate ? out[k] + s : s;
 }
 // The hot neurons of one layer, fused: for row k (neuron ids[k]) predicted active (or every row
-// when !use_mask), a = act(gate[k] . x) (act 0: relu, 1: silu); where |a| > act_thr,
-// coef[k] = a * (up[k] . x), else 0 (up is not read). counts[0] += candidates, counts[1] += active.
+// when !use_mask), a = act(gate[k] . x) (act 0: relu, 1: silu), u = up[k] . x and
+//   glu 0: kept where |a| > act_thr (up read only then), coef[k] = a * u
+//   glu 1: kept where |a * u| > act_thr, coef[k] = a * u
+// else coef[k] = 0: pyinfer.ffn.SparseFFN's rules ("relu"/"cats" and "glu"); act_thr < 0 keeps
+// every row (dense). counts[0] += candidates, counts[1] += kept.
 extern "C" __global__ void ffn_gate_up_@T@(const u8* gate, const u8* up, long long row_bytes,
         int n_rows, int cols, const float* x, const int* ids, const u8* mask, int use_mask,
-        int act, float act_thr, float* coef, u64* counts) {
+        int act, int glu, float act_thr, float* coef, u64* counts) {
     __shared__ unsigned int n_cand, n_act;
     if (threadIdx.x == 0) { n_cand = 0; n_act = 0; }
     __syncthreads();
@@ -194,8 +198,15 @@ extern "C" __global__ void ffn_gate_up_@T@(const u8* gate, const u8* up, long lo
         if (!use_mask || mask[ids[k]]) {
             const float g = warp_sum(dot_@T@(gate + k * row_bytes, cols, x, lane));
             const float a = act ? g / (1.f + expf(-g)) : fmaxf(g, 0.f);
-            const bool keep = fabsf(a) > act_thr;
-            if (keep) c = a * warp_sum(dot_@T@(up + k * row_bytes, cols, x, lane));
+            bool keep;
+            if (glu) {
+                c = a * warp_sum(dot_@T@(up + k * row_bytes, cols, x, lane));
+                keep = fabsf(c) > act_thr;
+                if (!keep) c = 0.f;
+            } else {
+                keep = fabsf(a) > act_thr;
+                if (keep) c = a * warp_sum(dot_@T@(up + k * row_bytes, cols, x, lane));
+            }
             if (lane == 0) { atomicAdd(&n_cand, 1u); if (keep) atomicAdd(&n_act, 1u); }
         }
         if (lane == 0) coef[k] = c;
@@ -211,7 +222,7 @@ extern "C" __global__ void ffn_gate_up_@T@(const u8* gate, const u8* up, long lo
 _AXPY_TEMPLATE = r"""
 // out[c] += sum_{k in chunk} coef[k] * w[k][c]: thread per column c, grid.y over chunks of
 // rows_per_chunk rows (so a 4096-wide row set still fills the GPU); zero coefs are skipped
-// when skip_zero (the test is uniform across the block: no divergence). out is zeroed first.
+// when skip_zero (the test is uniform across the block: no divergence). Adds into out.
 extern "C" __global__ void axpy_rows_@T@(const u8* w, long long row_bytes, int n_rows, int cols,
         const float* coef, int rows_per_chunk, int skip_zero, float* out) {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
@@ -226,27 +237,131 @@ extern "C" __global__ void axpy_rows_@T@(const u8* w, long long row_bytes, int n
     }
     if (s != 0.f) atomicAdd(out + c, s);
 }
+// out[(r - r0) * cols + c] = w[r][c] for rows r0 <= r < r0 + n_rows: dequantize to f32 (prefill
+// runs its GEMMs through cuBLAS on these).
+extern "C" __global__ void dequant_@T@(const u8* w, long long row_bytes, int r0, int n_rows,
+                                       int cols, float* out) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)n_rows * cols) return;
+    const int r = (int)(i / cols), c = (int)(i % cols);
+    out[i] = el_@T@(w + (long long)(r0 + r) * row_bytes, c);
+}
+"""
+
+ATTN_SRC = COMMON_SRC + r"""
+__device__ __forceinline__ float block_sum(float v, float* red) {  // blockDim multiple of 32
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float s = 0.f;
+    for (int i = 0; i < nw; ++i) s += red[i];
+    return s;
+}
+__device__ __forceinline__ float block_max(float v, float* red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    __syncthreads();
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float m = red[0];
+    for (int i = 1; i < nw; ++i) m = fmaxf(m, red[i]);
+    return m;
+}
+// out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w, block per row t.
+extern "C" __global__ void rmsnorm_f32(const float* x, const float* w, int n, float eps, float* out) {
+    __shared__ float red[32];
+    const float* xr = x + (long long)blockIdx.x * n;
+    float* o = out + (long long)blockIdx.x * n;
+    float s = 0.f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) s += xr[i] * xr[i];
+    const float scale = rsqrtf(block_sum(s, red) / n + eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) o[i] = xr[i] * scale * w[i];
+}
+// One token at position pos: NeoX rotary embedding (rotate_half) of q (n_head, hd) in place and
+// of k (n_kv, hd) into cache_k[pos]; v copied to cache_v[pos]. Caches (n_ctx, n_kv, hd) f32.
+// cos_sin (n_ctx, hd/2, 2) f32: cos and sin of pos * base^(-2i/hd), computed once in f64.
+extern "C" __global__ void rope_store(float* q, const float* k, const float* v, float* cache_k,
+        float* cache_v, const float* cos_sin, int n_head, int n_kv, int hd, int pos) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x, half = hd >> 1;
+    const long long row = (long long)pos * n_kv * hd;
+    if (i < (n_head + n_kv) * half) {
+        const int head = i / half, j = i % half;
+        const float c = cos_sin[((long long)pos * half + j) * 2], s = cos_sin[((long long)pos * half + j) * 2 + 1];
+        if (head < n_head) {
+            float* p = q + head * hd;
+            const float a = p[j], b = p[j + half];
+            p[j] = a * c - b * s;
+            p[j + half] = b * c + a * s;
+        } else {
+            const int h = head - n_head;
+            const float* p = k + h * hd;
+            const float a = p[j], b = p[j + half];
+            cache_k[row + h * hd + j] = a * c - b * s;
+            cache_k[row + h * hd + j + half] = b * c + a * s;
+        }
+    }
+    if (i < n_kv * hd) cache_v[row + i] = v[i];
+}
+// One query token, block per query head: out[h] = softmax(q[h] . k_j * scale) @ v_j over the
+// n_att cache rows j < n_att (grouped-query: head h reads KV head h / (n_head / n_kv)).
+// Dynamic shared memory: n_att floats of scores.
+extern "C" __global__ void attn_decode(const float* q, const float* cache_k, const float* cache_v,
+        int n_att, int n_head, int n_kv, int hd, float scale, float* out) {
+    extern __shared__ float sc[];
+    __shared__ float red[32];
+    const int h = blockIdx.x, kvh = h / (n_head / n_kv);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const float* qh = q + h * hd;
+    const long long stride = (long long)n_kv * hd;
+    for (int j = warp; j < n_att; j += nw) {
+        const float* kj = cache_k + j * stride + kvh * hd;
+        float s = 0.f;
+        for (int d = lane; d < hd; d += 32) s += qh[d] * kj[d];
+        s = warp_sum(s);
+        if (lane == 0) sc[j] = s * scale;
+    }
+    __syncthreads();
+    float m = -INFINITY;
+    for (int j = threadIdx.x; j < n_att; j += blockDim.x) m = fmaxf(m, sc[j]);
+    m = block_max(m, red);
+    float l = 0.f;
+    for (int j = threadIdx.x; j < n_att; j += blockDim.x) { const float e = expf(sc[j] - m); sc[j] = e; l += e; }
+    l = block_sum(l, red);  // its __syncthreads also publishes sc
+    const float inv = 1.f / l;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        const float* vd = cache_v + kvh * hd + d;
+        float o = 0.f;
+        for (int j = 0; j < n_att; ++j) o += sc[j] * vd[j * stride];
+        out[h * hd + d] = o * inv;
+    }
+}
+// out[i] += a[i] (the CPU's partial FFN output merged into the residual stream).
+extern "C" __global__ void add_f32(float* out, const float* a, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] += a[i];
+}
 """
 
 _TYPES = ("f32", "f16", "q8_0", "q4_0")
+PREDICTOR_SRC = COMMON_SRC + "".join(_PREDICTOR_TEMPLATE.replace("@T@", t) for t in ("f32", "f16"))
 GATHER_SRC = COMMON_SRC + "".join(_GATHER_TEMPLATE.replace("@T@", t) for t in _TYPES)
-AXPY_SRC = COMMON_SRC + "".join(_AXPY_TEMPLATE.replace("@T@", t) for t in _TYPES) + r"""
-extern "C" __global__ void merge_add(float* out, const float* partial, int n) {
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) out[i] += partial[i];
-}
-extern "C" __global__ void zero_f32(float* out, int n) {
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) out[i] = 0.f;
-}
-"""
+AXPY_SRC = COMMON_SRC + "".join(_AXPY_TEMPLATE.replace("@T@", t) for t in _TYPES)
 
 #: name -> CUDA source; one RawModule each (tests compile every one with nvcc).
-SOURCES = {"predictor": PREDICTOR_SRC, "gather": GATHER_SRC, "axpy": AXPY_SRC}
+SOURCES = {"predictor": PREDICTOR_SRC, "gather": GATHER_SRC, "axpy": AXPY_SRC, "attn": ATTN_SRC}
+#: kernels each source must define (the nvcc test counts them)
+N_KERNELS = {"predictor": 4, "gather": 8, "axpy": 8, "attn": 4}
 _TYPE_NAME = {QT.F32: "f32", QT.F16: "f16", QT.Q8_0: "q8_0", QT.Q4_0: "q4_0"}
 
 _BLOCK = 256  # threads per block: 8 warps (8 rows) for the warp-per-row kernels
 _ROWS_PER_CHUNK = 64  # AXPY rows per grid.y chunk
+_ATTN_BLOCK = 128
+#: attention scores per query head live in shared memory: at most this many cache rows on the
+#: decode kernel (48 KiB, the default dynamic shared memory limit); longer contexts use the
+#: batched (cuBLAS) path
+MAX_DECODE_ATTN_ROWS = 48 * 1024 // 4 - 64
 
 
 @functools.lru_cache(maxsize=None)
@@ -255,8 +370,14 @@ def _module(name: str, device_id: int):
         return cupy.RawModule(code=SOURCES[name], options=("-std=c++14",))
 
 
+@functools.lru_cache(maxsize=None)
+def _function(module: str, fn: str, device_id: int):
+    return _module(module, device_id).get_function(fn)
+
+
 def _kernel(module: str, fn: str):
-    return _module(module, cupy.cuda.Device().id).get_function(fn)
+    """The compiled kernel ``fn`` of source ``module`` on the current device (looked up once)."""
+    return _function(module, fn, cupy.cuda.Device().id)
 
 
 # ---- device-resident weights ---------------------------------------------------------------------
@@ -274,28 +395,34 @@ class DeviceRows:
 
     @property
     def row_bytes(self) -> int:
-        return int(self.data.shape[1])
+        return int(self.data.shape[1]) if self.rows else 0
 
     @property
     def nbytes(self) -> int:
-        return int(self.rows * self.row_bytes)
+        return int(self.data.nbytes)
 
 
 def _grid_rows(n_rows: int) -> tuple[int]:
-    return ((n_rows * 32 + _BLOCK - 1) // _BLOCK,)
+    return (max(1, (n_rows * 32 + _BLOCK - 1) // _BLOCK),)
+
+
+def _grid(n: int, block: int = _BLOCK) -> tuple[int]:
+    return (max(1, (n + block - 1) // block),)
 
 
 # ---- wrappers (cupy arrays in, cupy arrays out; all asynchronous on the current stream) ----------
-def predictor_mask(fc1, fc2, x, hid, mask, threshold: float) -> None:
-    """mask[n] = (fc2 @ relu(fc1 @ x))[n] >= threshold. fc1 (rank, n_embd) f32, fc2 (n_ff, rank)
-    f32, x (n_embd,) f32, hid (>= rank,) f32 scratch, mask (n_ff,) uint8 out."""
-    rank, n_embd = fc1.shape
-    n_ff = fc2.shape[0]
-    _kernel("predictor", "predictor_fc1")(_grid_rows(rank), (_BLOCK,),
-                                          (fc1, np.int32(rank), np.int32(n_embd), x, hid))
-    _kernel("predictor", "predictor_fc2")(_grid_rows(n_ff), (_BLOCK,),
-                                          (fc2, np.int32(n_ff), np.int32(rank), hid,
-                                           np.float32(threshold), mask))
+def predictor_mask(fc1: DeviceRows, fc2: DeviceRows, x, hid, mask, threshold: float) -> None:
+    """mask[n] = (fc2 @ relu(fc1 @ x))[n] >= threshold. fc1 (rank, n_embd), fc2 (n_ff, rank),
+    f32 or f16 as the file stores them; x (n_embd,) f32, hid (>= rank,) f32 scratch, mask (n_ff,)
+    uint8 out."""
+    t = _TYPE_NAME[fc1.qtype]
+    _kernel("predictor", f"predictor_fc1_{t}")(
+        _grid_rows(fc1.rows), (_BLOCK,),
+        (fc1.data, np.int64(fc1.row_bytes), np.int32(fc1.rows), np.int32(fc1.cols), x, hid))
+    _kernel("predictor", f"predictor_fc2_{_TYPE_NAME[fc2.qtype]}")(
+        _grid_rows(fc2.rows), (_BLOCK,),
+        (fc2.data, np.int64(fc2.row_bytes), np.int32(fc2.rows), np.int32(fc2.cols), hid,
+         np.float32(threshold), mask))
 
 
 def _mask_args(ids, mask):
@@ -314,31 +441,40 @@ def _dummy():
     return _dummy_for(cupy.cuda.Device().id)
 
 
-def gather_gemv(w: DeviceRows, x, out, ids=None, mask=None) -> None:
-    """out[k] = w[k] . x; with ``mask`` (n_ff,) uint8 and ``ids`` (n_rows,) int32, rows whose
-    neuron ids[k] is unmasked give 0 without being read. x (cols,) f32, out (n_rows,) f32."""
+def gather_gemv(w: DeviceRows, x, out, ids=None, mask=None, accumulate: bool = False) -> None:
+    """out[k] (+)= w[k] . x; with ``mask`` (n_ff,) uint8 and ``ids`` (n_rows,) int32, rows whose
+    neuron ids[k] is unmasked add 0 without being read. x (cols,) f32, out (n_rows,) f32."""
+    if w.rows == 0:
+        return
     ids, mask, use = _mask_args(ids, mask)
     _kernel("gather", f"gather_gemv_{_TYPE_NAME[w.qtype]}")(
         _grid_rows(w.rows), (_BLOCK,),
-        (w.data, np.int64(w.row_bytes), np.int32(w.rows), np.int32(w.cols), x, ids, mask, use, out))
+        (w.data, np.int64(w.row_bytes), np.int32(w.rows), np.int32(w.cols), x, ids, mask, use,
+         np.int32(bool(accumulate)), out))
 
 
 def ffn_gate_up(gate: DeviceRows, up: DeviceRows, x, coef, counts, act: str, act_thr: float,
-                ids=None, mask=None) -> None:
-    """coef[k] = act(gate[k].x) * (up[k].x) where predicted (mask[ids[k]]) and |act| > act_thr,
-    else 0. x (cols,) f32, coef (n_rows,) f32, counts (2,) uint64 accumulates [candidates, active].
-    act "relu" | "silu"; act_thr < 0 computes every row (dense)."""
+                ids=None, mask=None, glu: bool = False) -> None:
+    """coef[k] = act(gate[k].x) * (up[k].x) where predicted (mask[ids[k]]) and the magnitude
+    passes (|act| > act_thr, or |act * up| with ``glu``), else 0. x (cols,) f32, coef (n_rows,)
+    f32, counts (2,) uint64 accumulates [candidates, kept]. act "relu" | "silu"; act_thr < 0
+    computes every row (dense)."""
+    if gate.rows == 0:
+        return
     ids, mask, use = _mask_args(ids, mask)
     _kernel("gather", f"ffn_gate_up_{_TYPE_NAME[gate.qtype]}")(
         _grid_rows(gate.rows), (_BLOCK,),
         (gate.data, up.data, np.int64(gate.row_bytes), np.int32(gate.rows), np.int32(gate.cols),
-         x, ids, mask, use, np.int32(act == "silu"), np.float32(act_thr), coef, counts))
+         x, ids, mask, use, np.int32(act == "silu"), np.int32(bool(glu)), np.float32(act_thr),
+         coef, counts))
 
 
-def axpy_rows(w: DeviceRows, coef, out, skip_zero: bool = True) -> None:
-    """out = sum_k coef[k] * w[k] (overwrites out (cols,) f32). coef (n_rows,) f32."""
+def axpy_rows(w: DeviceRows, coef, out, skip_zero: bool = True, accumulate: bool = False) -> None:
+    """out (+)= sum_k coef[k] * w[k]: out (cols,) f32 is overwritten unless ``accumulate``.
+    coef (n_rows,) f32."""
     cols = w.cols
-    _kernel("axpy", "zero_f32")(((cols + _BLOCK - 1) // _BLOCK,), (_BLOCK,), (out, np.int32(cols)))
+    if not accumulate:
+        out.fill(0)
     if w.rows == 0:
         return
     grid = ((cols + _BLOCK - 1) // _BLOCK, (w.rows + _ROWS_PER_CHUNK - 1) // _ROWS_PER_CHUNK)
@@ -348,7 +484,45 @@ def axpy_rows(w: DeviceRows, coef, out, skip_zero: bool = True) -> None:
          np.int32(_ROWS_PER_CHUNK), np.int32(bool(skip_zero)), out))
 
 
-def merge_add(out, partial) -> None:
-    """out += partial (both (n,) f32 on the device): the CPU's partial FFN output merged in."""
+def dequant(w: DeviceRows, r0: int, n_rows: int, out) -> None:
+    """out[:n_rows * cols] = rows r0 .. r0+n_rows of w dequantized to f32 (row-major)."""
+    n = n_rows * w.cols
+    if n == 0:
+        return
+    _kernel("axpy", f"dequant_{_TYPE_NAME[w.qtype]}")(
+        _grid(n), (_BLOCK,),
+        (w.data, np.int64(w.row_bytes), np.int32(r0), np.int32(n_rows), np.int32(w.cols), out))
+
+
+def rmsnorm(x, w, eps: float, out) -> None:
+    """out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w. x, out (n_tok, n) f32, w (n,) f32."""
+    n_tok, n = x.shape
+    _kernel("attn", "rmsnorm_f32")((n_tok,), (_BLOCK,), (x, w, np.int32(n), np.float32(eps), out))
+
+
+def rope_store(q, k, v, cache_k, cache_v, cos_sin, pos: int) -> None:
+    """One token: RoPE (NeoX) of q (n_head, hd) in place and of k into cache_k[pos]; v to
+    cache_v[pos]. Caches (n_ctx, n_kv, hd) f32; cos_sin (n_ctx, hd/2, 2) f32."""
+    n_head, hd = q.shape
+    n_kv = k.shape[0]
+    n = max((n_head + n_kv) * (hd // 2), n_kv * hd)
+    _kernel("attn", "rope_store")(_grid(n), (_BLOCK,),
+                                  (q, k, v, cache_k, cache_v, cos_sin, np.int32(n_head),
+                                   np.int32(n_kv), np.int32(hd), np.int32(pos)))
+
+
+def attn_decode(q, cache_k, cache_v, n_att: int, out) -> None:
+    """out (n_head, hd) = causal attention of one query q (n_head, hd) over cache rows < n_att
+    (caches (n_ctx, n_kv, hd) f32), scale 1/sqrt(hd). n_att <= MAX_DECODE_ATTN_ROWS."""
+    n_head, hd = q.shape
+    n_kv = cache_k.shape[1]
+    _kernel("attn", "attn_decode")((n_head,), (_ATTN_BLOCK,),
+                                   (q, cache_k, cache_v, np.int32(n_att), np.int32(n_head),
+                                    np.int32(n_kv), np.int32(hd), np.float32(1.0 / np.sqrt(hd)),
+                                    out), shared_mem=4 * n_att)
+
+
+def add(out, a) -> None:
+    """out += a, both (n,) f32 on the device."""
     n = out.size
-    _kernel("axpy", "merge_add")(((n + _BLOCK - 1) // _BLOCK,), (_BLOCK,), (out, partial, np.int32(n)))
+    _kernel("attn", "add_f32")(_grid(n), (_BLOCK,), (out, a, np.int32(n)))

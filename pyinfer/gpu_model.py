@@ -1,0 +1,492 @@
+"""The GPU-resident forward pass: PowerInfer's hybrid engine (arXiv 2312.12456 §4-6).
+
+The residual stream lives on the device. Layers 0..n_resident-1 are *resident*: their norms,
+attention matrices, KV cache and predictor are on the device, and so are the rows of their
+*hot* FFN neurons (the placement's ``gpu_bucket``). Per token and resident layer:
+
+    GPU: rmsnorm -> fused q/k/v GEMV -> RoPE + KV store -> attention -> wo GEMV (+= x)
+         rmsnorm -> predictor mask -> [h, mask down to pinned host memory, event]
+         hot neurons: fused gate/up -> AXPY over their down rows (+= x)
+    CPU: (waits for the event: the one per-layer sync) cold neurons of the same rule with the
+         fused CPU kernels -> partial output (pinned) -> up -> GPU: x += partial
+
+so the CPU works on the cold neurons while the GPU works on the hot ones, and only two n_embd
+vectors (and the n_ff-byte mask) cross PCIe per split layer. A layer whose neurons are all hot
+never waits for the CPU. Layers from n_resident on, when the budget does not hold them, run on the
+CPU with the fused CPU kernels (``pyinfer.model.Model.run_layers``): the residual comes down once.
+The logits come down once per token (the output matrix is on the device when it fits).
+
+The calling thread is the CPU executor: kernel launches return at once, so after queueing a
+layer's GPU work it computes the cold neurons (the Cython kernels release the GIL and run their
+own OpenMP threads); a second Python thread would add a hand-off and no parallelism.
+
+Prefill runs batched: GEMMs through cuBLAS (CuPy ``matmul``) on weights dequantized in bounded
+chunks, attention over the cache in query chunks (``pyinfer.ops.xp``); the CPU's cold part loops
+over the batch's tokens with the decode kernels, so prefill and decode compute one function.
+
+Every step is written once over the device interface (``pyinfer.device``): with ``NumpyDevice``
+the whole forward runs with NumPy on a machine without a GPU, which is how the tests check it
+against the CPU ``Model``. Same function on every path: the same sparse rule ("relu"/"cats"/"glu"
+as ``SparseFFN`` applies it, the file's per-layer choice of running the predictor), dense within
+float tolerance.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pyinfer.config import ModelConfig
+from pyinfer.device import as_qtensor
+from pyinfer.ffn import DenseFFN, FFNStats, SparseFFN
+from pyinfer.model import Model
+from pyinfer.ops import cpu
+from pyinfer.ops import xp as X
+from pyinfer.weights import ModelWeights
+
+#: most rows of a weight dequantized at once for a prefill GEMM: bounds the scratch to
+#: DEQUANT_CHUNK_ELEMS * 4 bytes (64 MiB)
+DEQUANT_CHUNK_ELEMS = 16 << 20
+#: prefill tokens per device pass (bounds the activations of a batch)
+UBATCH = 256
+
+
+def layer_fixed_bytes(cfg: ModelConfig, lw, n_ctx: int, predictor) -> int:
+    """Bytes a resident layer holds on the device before any FFN neuron: norms, q/k/v/o as
+    stored, the KV cache (2 * n_ctx * n_head_kv * head_dim f32) and the predictor (as stored)."""
+    b = 2 * cfg.n_embd * 4 + lw.wq.nbytes + lw.wk.nbytes + lw.wv.nbytes + lw.wo.nbytes
+    b += 2 * n_ctx * cfg.n_embd_kv * 4
+    if predictor is not None:
+        b += predictor.fc1.nbytes + predictor.fc2.nbytes
+    return b
+
+
+def neuron_bytes(lw) -> int:
+    """Bytes of one FFN neuron on the device: its ffn_gate, ffn_up and ffn_down_t rows."""
+    return int(lw.ffn_gate.raw.shape[1] + lw.ffn_up.raw.shape[1] + lw.ffn_down_t.raw.shape[1])
+
+
+def output_bytes(cfg: ModelConfig, weights: ModelWeights) -> int:
+    return cfg.n_embd * 4 + weights.output.nbytes
+
+
+def buffer_bytes(cfg: ModelConfig, n_ctx: int, rank: int) -> int:
+    """Bytes of the forward's own device buffers (GpuModel.__init__ allocates exactly these):
+    one-token activations, the prefill dequantization chunk and the RoPE table."""
+    E, F, V = cfg.n_embd, cfg.n_ff, cfg.n_vocab
+    decode = 4 * (3 * E + 2 * cfg.n_embd_q + 2 * cfg.n_embd_kv + rank + F + V) + F + 16
+    cols = max(E, cfg.n_embd_q, F)
+    rows = max(cfg.n_embd_q + 2 * cfg.n_embd_kv, F, V)
+    return decode + 4 * min(rows * cols, DEQUANT_CHUNK_ELEMS) + 4 * n_ctx * cfg.head_dim
+
+
+def prefill_reserve_bytes(cfg: ModelConfig, n_ctx: int) -> int:
+    """Device memory left free for one UBATCH of prefill temporaries (CuPy takes them from its
+    pool per batch): activations of UBATCH tokens and the scores of a 64-query attention chunk."""
+    E, F, T = cfg.n_embd, cfg.n_ff, UBATCH
+    att_chunk = 3 * 4 * 64 * cfg.n_head * n_ctx  # scores, their exp, the causal mask
+    return 4 * T * (4 * E + 3 * cfg.n_embd_q + 7 * F) + att_chunk
+
+
+@dataclass
+class GpuPlan:
+    """What goes on the device. n_resident: layers 0..n_resident-1 are resident (module
+    docstring); output: the final norm and output matrix are on the device; hot: per layer, the
+    sorted int32 ids of the neurons on the device (empty for non-resident layers); dense: every
+    neuron of a layer is computed (no sparsity)."""
+
+    n_resident: int
+    output: bool
+    hot: list[np.ndarray]
+    dense: bool = False
+    planned_bytes: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+class _ResidentLayer:
+    """One resident layer's device arrays (shapes in comments)."""
+
+    def __init__(self, dev, cfg: ModelConfig, lw, n_ctx: int, hot: np.ndarray, predictor, use_pred):
+        same = lw.wq.qtype == lw.wk.qtype == lw.wv.qtype
+        self.wqkv = dev.rows([lw.wq, lw.wk, lw.wv]) if same else None  # (n_q + 2 n_kv, n_embd)
+        self.wq = self.wk = self.wv = None
+        if not same:
+            self.wq, self.wk, self.wv = dev.rows([lw.wq]), dev.rows([lw.wk]), dev.rows([lw.wv])
+        self.wo = dev.rows([lw.wo])  # (n_embd, n_head * head_dim)
+        self.attn_norm = dev.array(np.asarray(lw.attn_norm, np.float32))  # (n_embd,)
+        self.ffn_norm = dev.array(np.asarray(lw.ffn_norm, np.float32))
+        shape = (n_ctx, cfg.n_head_kv, cfg.head_dim)
+        self.k = dev.empty(shape, np.float32)  # (n_ctx, n_head_kv, head_dim) KV cache
+        self.v = dev.empty(shape, np.float32)
+        self.fc1 = self.fc2 = None
+        self.pred_thr = 0.0
+        if use_pred:
+            self.fc1 = dev.rows([as_qtensor(predictor.fc1.data)])  # (rank, n_embd) as stored
+            self.fc2 = dev.rows([as_qtensor(predictor.fc2.data)])  # (n_ff, rank)
+            self.pred_thr = predictor.threshold
+        self.hot = np.asarray(hot, np.int32)  # (n_hot,) sorted neuron ids on the device
+        self.n_hot = int(self.hot.size)
+        cold = np.ones(cfg.n_ff, bool)
+        cold[self.hot] = False
+        self.cold_ids = np.flatnonzero(cold).astype(np.int32)  # (n_cold,) the CPU's neurons
+        if self.n_hot:
+            self.ids = dev.array(self.hot)  # (n_hot,) int32
+            self.gate = dev.rows([lw.ffn_gate], self.hot)  # (n_hot, row_bytes) as stored
+            self.up = dev.rows([lw.ffn_up], self.hot)
+            self.down = dev.rows([lw.ffn_down_t], self.hot)
+
+
+class GpuModel:
+    """The model of ``pyinfer.model.Model`` (same ``forward``) with the GPU-resident plan.
+
+    cfg, weights: the model. cpu_ffn: the CPU FFN (SparseFFN or DenseFFN) that defines the
+    function and computes the cold neurons. dev: a ``pyinfer.device`` backend. plan: GpuPlan.
+    Raises PyinferError when the device runs out of memory.
+    """
+
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, n_ctx: int, n_threads: int,
+                 cpu_ffn, dev, plan: GpuPlan):
+        self.cfg, self.w, self.n_ctx, self.n_threads = cfg, weights, n_ctx, n_threads
+        self.dev, self.plan = dev, plan
+        self.cpu_ffn = cpu_ffn
+        # the CPU model: embeddings, layers past n_resident, logits when the output stays here
+        self.cpu = Model(cfg, weights, n_ctx, n_threads, ffn=cpu_ffn)
+        sparse = isinstance(cpu_ffn, SparseFFN) and not plan.dense
+        self.sparse = sparse
+        self.glu = sparse and cpu_ffn.glu
+        self.silu = cfg.hidden_act == "silu"
+        self.act_thr = (cpu_ffn.act_threshold if sparse
+                        else np.full(cfg.n_layer, -1.0, np.float32))  # -1: keep every neuron
+        preds = cpu_ffn.predictors if sparse else None
+        self.use_pred = [bool(sparse and preds is not None and cpu_ffn.use_predictor[i])
+                         for i in range(cfg.n_layer)]
+        before = dev.allocated_bytes
+        self.layers = [
+            _ResidentLayer(dev, cfg, weights.layers[i], n_ctx, plan.hot[i],
+                           preds[i] if preds else None, self.use_pred[i])
+            for i in range(plan.n_resident)]
+        self.output_norm = self.output = None
+        if plan.output:
+            self.output_norm = dev.array(np.asarray(weights.output_norm, np.float32))
+            self.output = dev.rows([weights.output])  # (n_vocab, n_embd) as stored
+        rank = max([preds[i].fc1.rows for i in range(cfg.n_layer) if self.use_pred[i]] or [1])
+        E, F = cfg.n_embd, cfg.n_ff
+        # one-token buffers, allocated once (llama2.c RunState)
+        self._x = dev.empty((1, E), np.float32)  # (1, n_embd) residual stream
+        self._h = dev.empty((1, E), np.float32)  # (1, n_embd) normed sublayer input
+        self._qkv = dev.empty(cfg.n_embd_q + 2 * cfg.n_embd_kv, np.float32)  # (n_q + 2 n_kv,)
+        self._attn = dev.empty(cfg.n_embd_q, np.float32)  # (n_head * head_dim,)
+        self._hid = dev.empty(rank, np.float32)  # (rank,) predictor hidden layer
+        self._mask = dev.empty(F, np.uint8)  # (n_ff,) predicted candidates
+        self._coef = dev.empty(F, np.float32)  # (n_hot,) act(gate) * up, 0 where inactive
+        self._partial = dev.empty(E, np.float32)  # (n_embd,) the CPU's partial FFN output
+        self._logits = dev.empty(cfg.n_vocab, np.float32)  # (n_vocab,)
+        self._counts = dev.array(np.zeros(2, np.uint64))  # [candidates, active] of hot neurons
+        cols = max(E, cfg.n_embd_q, F)
+        rows = max(cfg.n_embd_q + 2 * cfg.n_embd_kv, F, cfg.n_vocab)
+        self._deq = dev.empty(min(rows * cols, DEQUANT_CHUNK_ELEMS), np.float32)  # prefill chunk
+        self._cos_sin = dev.array(X.rope_cos_sin(n_ctx, cfg.head_dim, cfg.rope_freq_base))
+        self.device_bytes = dev.allocated_bytes - before
+        # pinned host buffers for the per-layer transfers
+        self._x_pin = dev.pinned((1, E), np.float32)
+        self._h_pin = dev.pinned((UBATCH, E), np.float32)
+        self._mask_pin = dev.pinned((UBATCH, F), np.uint8)
+        self._part_pin = dev.pinned((UBATCH, E), np.float32)
+        self._logits_pin = dev.pinned(cfg.n_vocab, np.float32)
+        self._host_stats = FFNStats()  # cold neurons of resident layers + totals
+        self.stats = _SumStats([cpu_ffn.stats, self._host_stats], self)
+        self.profile = Profile()
+
+    # ---- the Model interface ----------------------------------------------------------------
+    @property
+    def cache(self):
+        return self.cpu.cache
+
+    @property
+    def ffn(self):
+        return self
+
+    @property
+    def is_sparse(self) -> bool:
+        return self.sparse
+
+    @property
+    def n_hot(self) -> int:
+        return sum(ly.n_hot for ly in self.layers)
+
+    def device_counts(self) -> tuple[int, int]:
+        c = np.zeros(2, np.uint64)
+        self.dev.to_host(self._counts, c)
+        return int(c[0]), int(c[1])
+
+    def reset_device_counts(self) -> None:
+        self.dev.upload(np.zeros(2, np.uint64), self._counts)
+
+    def forward(self, tokens, n_past: int, all_logits: bool = False) -> np.ndarray:
+        """As ``Model.forward``: logits (n_vocab,) of the last token, or (n_tok, n_vocab)."""
+        x_host = self.cpu.embed(tokens, n_past)  # the embedding lookup stays on the CPU
+        T = x_host.shape[0]
+        if self.plan.n_resident == 0:
+            self.cpu.run_layers(x_host, n_past, 0)
+            return self.cpu.logits(x_host, all_logits)
+        t0 = time.perf_counter()
+        with self.dev.activate():
+            if T == 1:
+                out = self._decode(x_host, n_past, all_logits)
+            else:
+                out = self._prefill(x_host, n_past, all_logits)
+        self.profile.tokens += T
+        self.profile.wall_ms += (time.perf_counter() - t0) * 1e3
+        return out
+
+    # ---- one token --------------------------------------------------------------------------
+    def _decode(self, x_host, n_past: int, all_logits: bool):
+        cfg, dev = self.cfg, self.dev
+        x, h = self._x, self._h
+        self._x_pin[...] = x_host
+        dev.upload(self._x_pin, x)
+        nq, nkv, hd = cfg.n_embd_q, cfg.n_embd_kv, cfg.head_dim
+        q = self._qkv[:nq].reshape(cfg.n_head, hd)
+        k = self._qkv[nq:nq + nkv].reshape(cfg.n_head_kv, hd)
+        v = self._qkv[nq + nkv:].reshape(cfg.n_head_kv, hd)
+        for i, ly in enumerate(self.layers):
+            # attention
+            dev.rmsnorm(x, ly.attn_norm, cfg.rms_eps, h)
+            if ly.wqkv is not None:
+                dev.gemv(ly.wqkv, h[0], self._qkv)
+            else:
+                dev.gemv(ly.wq, h[0], self._qkv[:nq])
+                dev.gemv(ly.wk, h[0], self._qkv[nq:nq + nkv])
+                dev.gemv(ly.wv, h[0], self._qkv[nq + nkv:])
+            dev.rope_store(q, k, v, ly.k, ly.v, self._cos_sin, n_past)
+            dev.attn_decode(q, ly.k, ly.v, n_past + 1, self._attn.reshape(cfg.n_head, hd))
+            dev.gemv(ly.wo, self._attn, x[0], accumulate=True)
+            # feed-forward: hot neurons here, cold ones on the CPU meanwhile
+            dev.rmsnorm(x, ly.ffn_norm, cfg.rms_eps, h)
+            self._ffn_decode(i, ly, x, h)
+        return self._finish(x, 1, n_past, all_logits)
+
+    def _ffn_decode(self, i: int, ly: _ResidentLayer, x, h) -> None:
+        dev, F = self.dev, self.cfg.n_ff
+        use_pred = self.use_pred[i]
+        if use_pred:
+            dev.predict(ly.fc1, ly.fc2, ly.pred_thr, x[0], self._hid, self._mask)
+        split = ly.n_hot < F
+        if split:  # the CPU's input goes down first, so it works while the GPU does the hot rows
+            dev.download(h, self._h_pin[:1])
+            if use_pred:
+                dev.download(self._mask, self._mask_pin[:1])
+            ready = dev.record()
+        if ly.n_hot:
+            dev.ffn_gate_up(ly.gate, ly.up, h[0], self._coef[:ly.n_hot], self._counts,
+                            self.cfg.hidden_act, float(self.act_thr[i]), ids=ly.ids,
+                            mask=self._mask if use_pred else None, glu=self.glu)
+            dev.axpy_rows(ly.down, self._coef[:ly.n_hot], x[0], skip_zero=self.sparse,
+                          accumulate=True)
+        self._host_stats.total += F
+        if split:
+            t0 = time.perf_counter()
+            dev.wait(ready)  # the one per-layer sync
+            t1 = time.perf_counter()
+            mask = self._mask_pin[0] if use_pred else None
+            self._cold(i, ly, self._h_pin[0], mask, self._part_pin[0])
+            dev.upload(self._part_pin[:1], self._partial)
+            dev.add(x[0], self._partial)
+            self.profile.wait_ms += (t1 - t0) * 1e3
+            self.profile.cold_ms += (time.perf_counter() - t1) * 1e3
+            self.profile.syncs += 1
+
+    def _cold(self, i: int, ly: _ResidentLayer, h: np.ndarray, mask, out: np.ndarray) -> None:
+        """The cold neurons of layer i for one token, with the CPU kernels and SparseFFN's rule:
+        out (n_embd,) f32 = their down projection."""
+        lw, nt = self.w.layers[i], self.n_threads
+        ids = ly.cold_ids if mask is None else ly.cold_ids[mask[ly.cold_ids] != 0]
+        n_cand = ids.shape[0]
+        g = np.empty(n_cand, np.float32)  # (n_candidates,)
+        cpu.gather_matvec(lw.ffn_gate, h, ids, g, nt)
+        coef = np.empty(n_cand, np.float32)
+        idx = np.empty(n_cand, np.int32)
+        if not self.sparse or self.glu:  # every candidate's up row is needed first
+            u = np.empty(n_cand, np.float32)
+            cpu.gather_matvec(lw.ffn_up, h, ids, u, nt)
+            if not self.sparse:  # dense: every neuron, a = act(gate) * up
+                (cpu.silu_mul if self.silu else cpu.relu_mul)(g, u, coef)
+                idx, n = ids, n_cand
+            else:
+                n = cpu.select_active(g, u, ids, self.silu, float(self.act_thr[i]), coef, idx)
+        else:  # up rows only for neurons whose activation passed
+            n = cpu.select_active(g, None, ids, self.silu, float(self.act_thr[i]), coef, idx)
+            u = np.empty(n, np.float32)
+            cpu.gather_matvec(lw.ffn_up, h, idx[:n], u, nt)
+            coef[:n] *= u
+        cpu.axpy_rows(lw.ffn_down_t, np.ascontiguousarray(coef[:n]), np.ascontiguousarray(idx[:n]),
+                      out, nt)
+        self._host_stats.candidates += n_cand
+        self._host_stats.active += n
+
+    def _finish(self, x, T: int, n_past: int, all_logits: bool):
+        """Layers past the resident ones on the CPU, then the logits (brought down once)."""
+        dev, cfg = self.dev, self.cfg
+        if self.plan.n_resident < cfg.n_layer or not self.plan.output:
+            x_host = np.empty((T, cfg.n_embd), np.float32)
+            dev.to_host(x, x_host)
+            self.cpu.run_layers(x_host, n_past, self.plan.n_resident)
+            return self.cpu.logits(x_host, all_logits)
+        if not all_logits:
+            h = self._h
+            dev.rmsnorm(x[T - 1:T], self.output_norm, cfg.rms_eps, h)
+            dev.gemv(self.output, h[0], self._logits)
+            return dev.to_host(self._logits, self._logits_pin).copy()
+        hn = X.rmsnorm(x, self.output_norm, cfg.rms_eps)
+        logits = np.empty((T, cfg.n_vocab), np.float32)
+        return dev.to_host(self._linear(self.output, hn), logits)
+
+    # ---- a batch of tokens (prefill) --------------------------------------------------------
+    def _prefill(self, x_host, n_past: int, all_logits: bool):
+        T = x_host.shape[0]
+        if T > UBATCH:  # bounded device temporaries: one UBATCH at a time
+            outs = []
+            for t0 in range(0, T, UBATCH):
+                part = self._prefill(x_host[t0:t0 + UBATCH], n_past + t0, all_logits)
+                outs.append(part if all_logits else None)
+            return np.concatenate(outs) if all_logits else part
+        cfg, dev, xp = self.cfg, self.dev, self.dev.xp
+        x = dev.xp.asarray(x_host)  # (T, n_embd) residual stream on the device
+        nq, nkv, hd = cfg.n_embd_q, cfg.n_embd_kv, cfg.head_dim
+        for i, ly in enumerate(self.layers):
+            h = X.rmsnorm(x, ly.attn_norm, cfg.rms_eps)
+            if ly.wqkv is not None:
+                qkv = self._linear(ly.wqkv, h)
+            else:
+                qkv = xp.concatenate([self._linear(w, h) for w in (ly.wq, ly.wk, ly.wv)], axis=1)
+            q = xp.ascontiguousarray(qkv[:, :nq]).reshape(T, cfg.n_head, hd)
+            k = xp.ascontiguousarray(qkv[:, nq:nq + nkv]).reshape(T, cfg.n_head_kv, hd)
+            X.rope(q, self._cos_sin, n_past)
+            X.rope(k, self._cos_sin, n_past)
+            ly.k[n_past:n_past + T] = k
+            ly.v[n_past:n_past + T] = qkv[:, nq + nkv:].reshape(T, cfg.n_head_kv, hd)
+            attn = X.attention(q, ly.k, ly.v, n_past)
+            x += self._linear(ly.wo, attn.reshape(T, nq))
+            h = X.rmsnorm(x, ly.ffn_norm, cfg.rms_eps)
+            self._ffn_prefill(i, ly, x, h)
+        return self._finish(x, T, n_past, all_logits)
+
+    def _ffn_prefill(self, i: int, ly: _ResidentLayer, x, h) -> None:
+        dev, xp, F = self.dev, self.dev.xp, self.cfg.n_ff
+        T = x.shape[0]
+        use_pred = self.use_pred[i]
+        cand = None
+        if use_pred:
+            hid = xp.maximum(self._linear(ly.fc1, x), 0.0)
+            cand = self._linear(ly.fc2, hid) >= ly.pred_thr  # (T, n_ff) bool
+        split = ly.n_hot < F
+        if split:
+            dev.download(h, self._h_pin[:T])
+            if use_pred:
+                dev.download(cand.astype(xp.uint8), self._mask_pin[:T])
+            ready = dev.record()
+        if ly.n_hot:
+            g = self._linear(ly.gate, h)  # (T, n_hot)
+            a = X.act(g, self.silu)
+            u = self._linear(ly.up, h)
+            c = a * u
+            keep = xp.abs(c if self.glu else a) > xp.float32(self.act_thr[i])
+            if cand is not None:
+                mine = cand[:, ly.ids]
+                keep &= mine
+                self._counts[0] += mine.sum().astype(xp.uint64)
+            else:
+                self._counts[0] += xp.uint64(T * ly.n_hot)
+            self._counts[1] += keep.sum().astype(xp.uint64)
+            x += self._linear_t(ly.down, xp.where(keep, c, xp.float32(0.0)).astype(xp.float32))
+        self._host_stats.total += T * F
+        if split:
+            t0 = time.perf_counter()
+            dev.wait(ready)
+            t1 = time.perf_counter()
+            for t in range(T):
+                mask = self._mask_pin[t] if use_pred else None
+                self._cold(i, ly, self._h_pin[t], mask, self._part_pin[t])
+            x += dev.xp.asarray(self._part_pin[:T])
+            self.profile.wait_ms += (t1 - t0) * 1e3
+            self.profile.cold_ms += (time.perf_counter() - t1) * 1e3
+            self.profile.syncs += 1
+
+    def _linear(self, w, a):
+        """a (T, cols) @ w.T -> (T, rows) f32: w dequantized in chunks, GEMM (cuBLAS on a GPU)."""
+        xp = self.dev.xp
+        T = a.shape[0]
+        out = xp.empty((T, w.rows), xp.float32)
+        step = max(1, DEQUANT_CHUNK_ELEMS // w.cols)
+        for r0 in range(0, w.rows, step):
+            n = min(step, w.rows - r0)
+            self.dev.dequant(w, r0, n, self._deq)
+            out[:, r0:r0 + n] = a @ self._deq[:n * w.cols].reshape(n, w.cols).T
+        return out
+
+    def _linear_t(self, w, a):
+        """a (T, rows) @ w -> (T, cols) f32 (the neuron-major down projection), in chunks."""
+        xp = self.dev.xp
+        out = xp.zeros((a.shape[0], w.cols), xp.float32)
+        step = max(1, DEQUANT_CHUNK_ELEMS // w.cols)
+        for r0 in range(0, w.rows, step):
+            n = min(step, w.rows - r0)
+            self.dev.dequant(w, r0, n, self._deq)
+            out += a[:, r0:r0 + n] @ self._deq[:n * w.cols].reshape(n, w.cols)
+        return out
+
+
+@dataclass
+class Profile:
+    """Where a GpuModel's time went since the last reset (host clock, milliseconds): ``cold_ms``
+    computing cold neurons on the CPU, ``wait_ms`` blocked on the GPU at the per-layer sync,
+    ``wall_ms`` whole forward calls; ``syncs`` per-layer syncs; ``tokens`` evaluated."""
+
+    wall_ms: float = 0.0
+    cold_ms: float = 0.0
+    wait_ms: float = 0.0
+    syncs: int = 0
+    tokens: int = 0
+
+    def reset(self):
+        self.wall_ms = self.cold_ms = self.wait_ms = 0.0
+        self.syncs = self.tokens = 0
+
+
+class _SumStats:
+    """FFNStats-shaped view over the CPU FFN's counters, the cold-neuron counters and the
+    device's hot-neuron counters (read from the device on access)."""
+
+    def __init__(self, parts: list[FFNStats], model: GpuModel):
+        self._parts, self._model = parts, model
+
+    @property
+    def total(self) -> int:
+        return sum(p.total for p in self._parts)
+
+    def _dev(self):
+        return self._model.device_counts() if self._model.n_hot else (0, 0)
+
+    @property
+    def candidates(self) -> int:
+        return sum(p.candidates for p in self._parts) + self._dev()[0]
+
+    @property
+    def active(self) -> int:
+        return sum(p.active for p in self._parts) + self._dev()[1]
+
+    @property
+    def sparsity(self) -> float:
+        total = self.total
+        return 1.0 - self.active / total if total else 0.0
+
+    def reset(self):
+        for p in self._parts:
+            p.reset()
+        self._model.reset_device_counts()
+        self._model.profile.reset()
+
+
+def is_dense(ffn) -> bool:
+    return isinstance(ffn, DenseFFN) or not isinstance(ffn, SparseFFN)
