@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import itertools
-import time
 
 import numpy as np
 import pytest
@@ -183,19 +182,16 @@ def _seven_b_instance(seed=0):
 
 
 @pytest.mark.parametrize("frac,min_neurons", [(0.05, 256), (0.1, 256), (0.4, 256), (0.01, 2048)])
-def test_seven_b_greedy_close_to_ilp_and_fast(frac, min_neurons):
+def test_seven_b_greedy_close_to_ilp(frac, min_neurons):
     counts, bpn, total = _seven_b_instance()
     budget = int(frac * total)
     # Load-time re-solve: a time limit bounds the rare hard case (a minimum so large that only one
     # or two layers can be split: the knapsack's root gap is ~15% and HiGHS needs ~1-2 s to close
     # it); the greedy warm start means the incumbent is always at least the greedy answer.
-    t0 = time.perf_counter()
+    # (its speed, 0.13-0.27 s on 2 cores for min 256, is a benchmark figure: docs/benchmarks.md)
     ilp = solve_placement(counts, bpn, budget, group_size=64, min_neurons_per_layer=min_neurons, time_limit=0.5)
-    t_ilp = time.perf_counter() - t0
     greedy = solve_placement(counts, bpn, budget, group_size=64, min_neurons_per_layer=min_neurons, use_ilp=False)
     _check_valid(ilp, counts, bpn, budget, min_neurons)
     _check_valid(greedy, counts, bpn, budget, min_neurons)
     assert ilp.objective >= greedy.objective
     assert greedy.objective >= ilp.objective * (1 - 5e-3)
-    # "well under a second" on 2 cores (measured 0.13-0.27 s for min 256); bound generous for CI.
-    assert t_ilp < 1.0, t_ilp
