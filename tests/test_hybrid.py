@@ -390,13 +390,16 @@ def test_gpu_model_equals_cpu_model(tmp_path, hidden_act, outtype, mode, kind):
 def test_gpu_memory_pool_holds_the_plan(tmp_path):
     """CuPy's pool grows by exactly the plan's bytes (up to its 512-byte rounding), and stays
     within the budget through a prefill and decode."""
+    from pyinfer.hybrid import _Sizes
+
     cp = cuda.cupy
     eng = engine_for(tmp_path, "relu", "f16")
     cfg, w = eng.cfg, eng.weights
+    sizes = _Sizes(cfg, w, sparse_ffn(cfg, "relu"), 64, dense=False)
+    budget = (sizes.fixed() + 0.7 * cfg.n_ff * sum(sizes.neuron)) / GiB
     pool = cp.get_default_memory_pool()
     pool.free_all_blocks()
     used0 = pool.used_bytes()
-    budget = 0.004
     gm = place_model(None, cfg, w, sparse_ffn(cfg, "relu"), 64, 2, device="cuda", vram_budget=budget)
     assert isinstance(gm, GpuModel) and 0 < gm.n_hot < cfg.n_ff * cfg.n_layer
     grown = pool.used_bytes() - used0

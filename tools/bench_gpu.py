@@ -1,33 +1,45 @@
 #!/usr/bin/env python3
-"""Benchmark 3 of issue 4: hot neurons on the GPU vs whole layers on the GPU, same VRAM budget.
+"""GPU benchmark of issue 10: hybrid hot/cold split vs llama.cpp-style layer offload vs all on
+the GPU, whole-model decode, at the same VRAM budgets.
 
-A 7B-shaped ReLU FFN (Llama-2-7B: n_embd 4096, n_ff 11008; ``--layers`` layers, random f16
-weights) with a synthetic predictor whose candidates follow a power law: neuron n of a layer is a
-candidate for a token with probability p_n ~ rank^-alpha, scaled so that ``--density`` (default
-20%) of the neurons are candidates per token; ReLU drops about half of them (~90% sparsity).
-The predictor is a real one (fc1/fc2, run by the GPU kernel): one hidden unit reads a constant
-input dimension and fc2 gives each neuron the bias Phi^-1(p_n); the other units add unit noise.
+Models: Llama-2-7B and -13B shapes (``--shape 7b|13b``; ``--layers`` fewer for a quick run), ReLU
+FFN, random weights at ``--qtype f16|q4_0``, built in memory (no file). ProSparse-like power-law
+sparsity is built into the weights so that it is real, not simulated:
 
-At VRAM budgets holding 10%, 30%, 50% and 100% of the FFN weights it times one decode step of the
-FFNs (attention is not part of it: in pyinfer it is the same CPU code in every configuration):
+- embedding column 0 is the constant C = sqrt(n_embd), and no layer writes to it (row 0 of wo and
+  column 0 of ffn_down_t are 0), so x[0] = C in every layer and h[0] = C / rms(x) is a bias input;
+- gate row n = b_n e_0 + U_n R (a low-rank random part, rank r): after the norm
+  P(gate_n . h > 0) = p_n, with p_n ~ rank^-alpha in a random neuron order, mean ``--density``
+  (default 10%: ~90% of the neurons are exact ReLU zeros per token);
+- the predictor is exact by construction: fc1 = [e_0 / C; R; -R] (relu(Rx) - relu(-Rx) = Rx),
+  fc2 = [b_n C, U_n, -U_n] (rank 1 + 2r), so ``fc2 relu(fc1 x) >= -margin`` holds for every
+  active neuron (sign of a positive multiple of gate . h) plus a margin of extra candidates.
+- the activation counts that place hot neurons are the expected ones, p_n x 1e6.
 
-- hybrid:   HybridFFN, the hottest neurons (solve_placement over the expected counts) on the GPU
-- offload:  llama.cpp -ngl: the first floor(budget * layers) FFNs dense on the GPU, the rest dense
-            on the CPU
-- plus CPU-only sparse and dense, and at 100% all-on-GPU sparse (= hybrid) vs all-on-GPU dense.
+For each budget in ``--budgets`` (fractions of the FFN weights, on top of everything else the
+GPU needs) it times decode (``--tokens`` after a ``--prompt``-token prefill; tokens/s):
 
-Every configuration is checked against the CPU SparseFFN / DenseFFN output before it is timed.
-Prints a markdown table. Needs a CUDA device and CuPy; exits with status 2 and a message without.
+- hybrid:  GpuModel, PowerInfer's placement (attention, KV, predictors, output, then hot neurons)
+- offload: llama.cpp -ngl at the same budget: whole layers (attention + dense FFN) on the GPU,
+           the rest dense on the CPU
+- at 100%: all on the GPU, sparse (= hybrid) and dense.
 
-    python tools/bench_gpu.py [--layers 8] [--tokens 32] [--threads N]
+A second, profiled pass per configuration times every kernel and copy with CUDA events to split
+a token's time: GPU kernels, copies, CPU cold neurons, host waits, and the GPU idle time per layer
+(wall - GPU busy, over n_layer: launch gaps + transfers + syncs). Each configuration's logits are
+checked against the first one of the same FFN rule (sparse or dense) before timing.
+
+    python tools/bench_gpu.py --shape 7b --qtype f16 [--layers 32] [--tokens 24] [--threads 16]
+    python tools/bench_gpu.py --numpy --n-embd 256 --n-ff 688 --layers 2   # smoke test, no GPU
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import os
+import statistics
 import sys
 import time
-from types import SimpleNamespace
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # FACTS.md: OpenBLAS threads clash with OpenMP's
 import numpy as np  # noqa: E402
@@ -35,166 +47,288 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pyinfer.config import ModelConfig  # noqa: E402
+from pyinfer.device import GiB, NumpyDevice  # noqa: E402
 from pyinfer.ffn import DenseFFN, Predictor, SparseFFN  # noqa: E402
+from pyinfer.gpu_model import GpuModel  # noqa: E402
+from pyinfer.hybrid import _Sizes, plan_hybrid, plan_layers  # noqa: E402
+from pyinfer.model import Model  # noqa: E402
 from pyinfer.ops import cuda  # noqa: E402
 from pyinfer.ops.cpu import QT, QTensor  # noqa: E402
+from pyinfer.weights import LayerWeights, ModelWeights  # noqa: E402
 
-N_EMBD, N_FF, N_HEAD = 4096, 11008, 32  # Llama-2-7B (--n-embd/--n-ff change them for a smoke run)
-LLAMA2_7B_LAYERS = 32
+SHAPES = {  # n_embd, n_ff, n_head, n_layer (Llama-2)
+    "7b": (4096, 11008, 32, 32),
+    "13b": (5120, 13824, 40, 40),
+}
+N_VOCAB = 32000
 
 
 def phi_inv(p: np.ndarray) -> np.ndarray:
-    """Inverse standard normal CDF, elementwise."""
     from statistics import NormalDist
 
     nd = NormalDist()
     return np.array([nd.inv_cdf(float(v)) for v in p])
 
 
-def make_layer(rng, density: float, alpha: float, rank: int, sample_x: np.ndarray):
-    def f16(shape):
-        return QTensor((rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float16),
-                       QT.F16, *shape)
-
-    lw = SimpleNamespace(ffn_gate=f16((N_FF, N_EMBD)), ffn_up=f16((N_FF, N_EMBD)),
-                         ffn_down_t=f16((N_FF, N_EMBD)))
-    # power-law candidate probabilities, mean = density, in a random neuron order
-    p = np.arange(1, N_FF + 1, dtype=np.float64) ** -alpha
+def power_law(n: int, mean: float, alpha: float, rng) -> np.ndarray:
+    """Per-neuron activation probabilities ~ rank^-alpha with the given mean, random order."""
+    p = np.arange(1, n + 1, dtype=np.float64) ** -alpha
     lo, hi = 0.0, 1e6
-    for _ in range(60):  # scale so that mean(min(1, s * p)) = density
+    for _ in range(60):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if np.minimum(1, mid * p).mean() < density else (lo, mid)
-    p = np.clip(lo * p, 1e-4, 1 - 1e-4)[rng.permutation(N_FF)]
-    fc1 = rng.standard_normal((rank, N_EMBD), dtype=np.float32) / np.sqrt(N_EMBD)
-    fc1[0] = 0.0
-    fc1[0, 0] = 1.0  # hidden unit 0 = relu(x[0]) = 1: the bias channel
-    fc2 = rng.standard_normal((N_FF, rank), dtype=np.float32)
-    hid = np.maximum(sample_x @ fc1.T, 0.0)[:, 1:]
-    z = hid @ fc2[:, 1:].T
-    fc2[:, 1:] /= z.std(axis=0)[:, None]  # unit noise per neuron over the sample tokens
-    fc2[:, 0] = phi_inv(p)
-    return lw, Predictor(fc1, fc2, 0.0), p
+        lo, hi = (mid, hi) if np.minimum(1, mid * p).mean() < mean else (lo, mid)
+    return np.clip(lo * p, 1e-4, 0.999)[rng.permutation(n)]
 
 
-def sample_inputs(rng, n):
-    x = rng.standard_normal((n, N_EMBD), dtype=np.float32)
-    x[:, 0] = 1.0  # the predictor's bias channel
-    return x
+def q(a: np.ndarray, qtype: QT) -> QTensor:
+    return QTensor.from_array(a, qtype)
 
 
-def time_ffn(ffn, layers, xs, n_threads, sync):
-    out = np.empty((1, N_EMBD), np.float32)
-    t0 = time.perf_counter()
-    for x in xs:
-        for i, lw in enumerate(layers):
-            ffn(lw, i, x[None], x[None], out, n_threads)
-    sync()
-    return (time.perf_counter() - t0) / len(xs)
+def build_model(shape: str, qtype: QT, n_layers: int, density: float, alpha: float, rank: int,
+                margin: float, seed: int = 0, n_embd=None, n_ff=None):
+    """cfg, ModelWeights, per-layer Predictor and expected counts of the model described in the
+    module docstring. Base matrices are drawn once; each layer permutes their rows (neurons keep
+    their gate/up/down rows together), so layers differ at the cost of a copy."""
+    E, F, H, L = SHAPES[shape]
+    E, F = n_embd or E, n_ff or F
+    L = n_layers or L
+    H = max(1, E // 128)
+    rng = np.random.default_rng(seed)
+    cfg = ModelConfig(n_vocab=N_VOCAB, n_embd=E, n_layer=L, n_ff=F, n_head=H, n_head_kv=H,
+                      head_dim=E // H, n_ctx_train=4096, rope_freq_base=1e4, rms_eps=1e-5,
+                      hidden_act="relu", tied_embeddings=True)
+    C = float(np.sqrt(E))
+    f32 = np.float32
+    emb = rng.standard_normal((N_VOCAB, E), dtype=f32)
+    emb[:, 0] = C
+    token_embd = q(emb, QT.F16)
+    del emb
+    p = power_law(F, density, alpha, rng)
+    # gate = b e_0 + U R: P(gate . h > 0) = p with h0 = C / sqrt(2), (R h)_j ~ N(0, 1)
+    R = rng.standard_normal((rank, E), dtype=f32) * np.sqrt(2.0 / E)
+    R[:, 0] = 0.0
+    U = rng.standard_normal((F, rank), dtype=f32) / np.sqrt(rank)
+    noise = np.sqrt((U * U).sum(1))  # std of U_n R h
+    b = (phi_inv(p) * noise / (C / np.sqrt(2.0))).astype(f32)
+    gate = U @ R
+    gate[:, 0] = b
+    up = rng.standard_normal((F, E), dtype=f32) / np.sqrt(E)
+    down = rng.standard_normal((F, E), dtype=f32) * 1e-3
+    down[:, 0] = 0.0
+    base = {"gate": q(gate, qtype), "up": q(up, qtype), "down": q(down, qtype)}
+    del gate, up, down
+    att = {}
+    for name in ("wq", "wk", "wv", "wo"):
+        w = rng.standard_normal((E, E), dtype=f32) * (1e-3 if name == "wo" else 1 / np.sqrt(E))
+        if name == "wo":
+            w[0] = 0.0  # attention never writes x[0]
+        att[name] = q(w, qtype)
+    fc1 = np.concatenate([np.eye(1, E, dtype=f32) / C, R, -R]).astype(np.float16)
+    ones = np.ones(E, f32)
+    layers, preds, counts = [], [], []
+    for i in range(L):
+        perm = rng.permutation(F)
+        rows = {k: QTensor(np.ascontiguousarray(t.data[perm]), t.qtype, F, E) for k, t in base.items()}
+        # other rows per layer; wo keeps row 0 (all zero) in place
+        wo_perm = np.concatenate([[0], 1 + rng.permutation(E - 1)])
+        aperm = {k: QTensor(np.ascontiguousarray(t.data[wo_perm if k == "wo" else rng.permutation(E)]),
+                            t.qtype, E, E) for k, t in att.items()}
+        layers.append(LayerWeights(attn_norm=ones, wq=aperm["wq"], wk=aperm["wk"], wv=aperm["wv"],
+                                   wo=aperm["wo"], ffn_norm=ones, ffn_gate=rows["gate"],
+                                   ffn_up=rows["up"], ffn_down_t=rows["down"]))
+        fc2 = np.concatenate([(b * C)[perm, None], U[perm], -U[perm]], axis=1).astype(np.float16)
+        preds.append(Predictor(fc1, fc2, -margin))
+        counts.append(np.round(p[perm] * 1e6))
+    weights = ModelWeights(token_embd=token_embd, output_norm=ones, output=token_embd, layers=layers)
+    return cfg, weights, preds, counts
 
 
-def first_output(ffn, layers, x, n_threads):
-    outs = []
-    for i, lw in enumerate(layers):
-        out = np.empty((1, N_EMBD), np.float32)
-        ffn(lw, i, x[None], x[None], out, n_threads)
-        outs.append(out[0].copy())
-    return np.stack(outs)
+class ProfilingDevice:
+    """Wraps a CupyDevice: every kernel and copy is bracketed by CUDA events (stream order), so
+    the GPU time of each is known exactly; used for the profiled pass only."""
+
+    KERNELS = ("predict", "gemv", "ffn_gate_up", "axpy_rows", "dequant", "rmsnorm", "rope_store",
+               "attn_decode", "add")
+    COPIES = ("upload", "download", "to_host")
+
+    def __init__(self, dev):
+        self._dev = dev
+        self.events = []  # (kind, start, end)
+
+    def __getattr__(self, name):
+        fn = getattr(self._dev, name)
+        kind = "kernel" if name in self.KERNELS else "copy" if name in self.COPIES else None
+        if kind is None:
+            return fn
+
+        def wrapped(*a, **k):
+            e0 = self._dev.stream.record()
+            r = fn(*a, **k)
+            self.events.append((kind, e0, self._dev.stream.record()))
+            return r
+        return wrapped
+
+    def take(self):
+        """(kernel ms, copy ms) since the last call."""
+        self._dev.stream.synchronize()
+        cp = self._dev.cp
+        out = {"kernel": 0.0, "copy": 0.0}
+        for kind, a, b in self.events:
+            out[kind] += cp.cuda.get_elapsed_time(a, b)
+        self.events = []
+        return out["kernel"], out["copy"]
+
+
+def decode_run(model, prompt, n_tokens, warmup):
+    """Prefill ``prompt`` then decode; returns per-token wall seconds of the timed tokens."""
+    model.forward(prompt, 0)
+    pos = len(prompt)
+    times = []
+    for i in range(warmup + n_tokens):
+        t0 = time.perf_counter()
+        model.forward([(7 * i + 3) % N_VOCAB], pos)
+        sync = getattr(getattr(model, "dev", None), "synchronize", None)
+        if sync:
+            sync()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+        pos += 1
+    return times
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=32, help="timed decode steps")
+    ap.add_argument("--shape", default="7b", choices=sorted(SHAPES))
+    ap.add_argument("--qtype", default="f16", choices=["f16", "q4_0"])
+    ap.add_argument("--layers", type=int, default=None, help="default: the shape's")
+    ap.add_argument("--tokens", type=int, default=24, help="timed decode tokens")
     ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--prompt", type=int, default=16, help="prefill tokens before decoding")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU kernel threads")
-    ap.add_argument("--density", type=float, default=0.20,
-                    help="predicted candidates per token (ReLU keeps about half: ~90%% sparsity)")
+    ap.add_argument("--density", type=float, default=0.10, help="mean fraction of active neurons")
     ap.add_argument("--alpha", type=float, default=1.0, help="power-law exponent of the hot set")
-    ap.add_argument("--rank", type=int, default=256, help="predictor hidden size")
+    ap.add_argument("--rank", type=int, default=128, help="low-rank part of gate (predictor 1+2r)")
+    ap.add_argument("--margin", type=float, default=0.05, help="predictor threshold -margin")
     ap.add_argument("--budgets", default="0.1,0.3,0.5,1.0", help="fractions of the FFN weights")
-    ap.add_argument("--n-embd", type=int, default=N_EMBD)
-    ap.add_argument("--n-ff", type=int, default=N_FF)
+    ap.add_argument("--n-ctx", type=int, default=512)
+    ap.add_argument("--n-embd", type=int, default=None)
+    ap.add_argument("--n-ff", type=int, default=None)
+    ap.add_argument("--cpu-baseline", action="store_true", help="also time the CPU-only model")
     ap.add_argument("--numpy", action="store_true",
-                    help="smoke-test this script without a GPU: NumpyDevice stands in (timings "
-                         "mean nothing)")
+                    help="smoke-test without a GPU: NumpyDevice stands in (timings mean nothing)")
     args = ap.parse_args(argv)
-    globals().update(N_EMBD=args.n_embd, N_FF=args.n_ff)
     if not cuda.available() and not args.numpy:
-        print(f"bench_gpu: needs a CUDA device and CuPy ({cuda.unavailable_reason()}); "
-              "run it on a GPU machine: pip install -e .[cuda] && python tools/bench_gpu.py",
+        print(f"bench_gpu: needs a CUDA device and CuPy ({cuda.unavailable_reason()})",
               file=sys.stderr)
         return 2
+    qtype = QT.F16 if args.qtype == "f16" else QT.Q4_0
+    t0 = time.perf_counter()
+    cfg, weights, preds, counts = build_model(args.shape, qtype, args.layers, args.density,
+                                              args.alpha, args.rank, args.margin,
+                                              n_embd=args.n_embd, n_ff=args.n_ff)
+    L, F = cfg.n_layer, cfg.n_ff
+    print(f"built {args.shape} x{L} layers {args.qtype} in {time.perf_counter() - t0:.0f} s",
+          file=sys.stderr)
+    zero = np.zeros(L, np.float32)
 
-    from predictors.solver import solve_placement
-    from pyinfer.device import CupyDevice
-    from pyinfer.hybrid import HybridFFN, LayerOffloadFFN
+    def make_sparse():
+        return SparseFFN(cfg, preds, zero, "relu")
 
     if args.numpy:
-        from pyinfer.device import NumpyDevice
-
-        dev = NumpyDevice()
+        def new_dev():
+            return NumpyDevice(free_bytes=1 << 40)
     else:
-        dev = CupyDevice()
-    rng = np.random.default_rng(0)
-    L = args.layers
-    cfg = ModelConfig(n_vocab=32000, n_embd=N_EMBD, n_layer=L, n_ff=N_FF, n_head=N_HEAD,
-                      n_head_kv=N_HEAD, head_dim=N_EMBD // N_HEAD, n_ctx_train=4096,
-                      rope_freq_base=1e4, rms_eps=1e-5, hidden_act="relu", tied_embeddings=False)
-    print(f"building {L} layers (random f16 weights, predictor rank {args.rank})...", file=sys.stderr)
-    calib = sample_inputs(rng, 256)
-    built = [make_layer(rng, args.density, args.alpha, args.rank, calib) for _ in range(L)]
-    layers = [b[0] for b in built]
-    preds = [b[1] for b in built]
-    probs = [b[2] for b in built]
-    weights = SimpleNamespace(layers=layers)
-    zero_thr = np.zeros(L, np.float32)
-    ffn_bytes = sum(lw.ffn_gate.nbytes + lw.ffn_up.nbytes + lw.ffn_down_t.nbytes for lw in layers)
-    bpn = 3 * layers[0].ffn_gate.raw.shape[1]
-    xs = sample_inputs(rng, args.warmup + args.tokens)
-    check_x = xs[0]
+        from pyinfer.device import CupyDevice
 
-    sparse_ref = SparseFFN(cfg, preds, zero_thr)
-    ref_sparse = first_output(sparse_ref, layers, check_x, args.threads)
-    ref_dense = first_output(DenseFFN(cfg), layers, check_x, args.threads)
-
-    def run(name, ffn, ref, budget_frac):
-        got = first_output(ffn, layers, check_x, args.threads)
-        err = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
-        time_ffn(ffn, layers, xs[:args.warmup], args.threads, dev.synchronize)
-        ffn.stats.reset()
-        s = time_ffn(ffn, layers, xs[args.warmup:], args.threads, dev.synchronize)
-        gpu_bytes = getattr(ffn, "device_bytes", 0)
-        rows.append((budget_frac, name, s * 1e3, LLAMA2_7B_LAYERS / L / s if s else 0.0,
-                     gpu_bytes / 2**30, ffn.stats.sparsity, err))
-        print(f"  {budget_frac:>5} {name}: {s * 1e3:.2f} ms/token", file=sys.stderr)
-
+        def new_dev():
+            return CupyDevice()
+    dev0 = new_dev()
+    prompt = [(11 * i + 5) % N_VOCAB for i in range(args.prompt)]
+    sizes_s = _Sizes(cfg, weights, make_sparse(), args.n_ctx, dense=False)
+    sizes_d = _Sizes(cfg, weights, DenseFFN(cfg), args.n_ctx, dense=True)
+    ffn_bytes = F * sum(sizes_s.neuron)
+    refs = {}
     rows = []
-    print(f"device: {dev.describe()}; FFN weights {ffn_bytes / 2**30:.2f} GiB", file=sys.stderr)
-    run("CPU only, sparse", SparseFFN(cfg, preds, zero_thr), ref_sparse, "-")
-    run("CPU only, dense", DenseFFN(cfg), ref_dense, "-")
-    for frac in (float(f) for f in args.budgets.split(",")):
-        budget = int(frac * ffn_bytes)
-        counts = [np.round(p * 1e6) for p in probs]
-        pl = solve_placement(counts, bpn, budget, min_neurons_per_layer=0)
-        label = f"{frac:.0%}"
-        run("hybrid (hot neurons on GPU)", HybridFFN(SparseFFN(cfg, preds, zero_thr), weights, dev,
-                                                      pl.gpu_bucket), ref_sparse, label)
-        k = int(frac * L + 1e-9)
-        run(f"offload -ngl {k} (dense)", LayerOffloadFFN(DenseFFN(cfg), weights, dev, k),
-            ref_dense, label)
-        if frac >= 1.0:
-            run("all on GPU, dense", LayerOffloadFFN(DenseFFN(cfg), weights, dev, L), ref_dense, label)
-        if cuda.cupy is not None and not args.numpy:
-            cuda.cupy.get_default_memory_pool().free_all_blocks()
 
-    print(f"\nFFN decode step, {L} layers of Llama-2-7B shape (f16, ReLU, {args.density:.0%} "
-          f"candidates, power law alpha={args.alpha}), {args.threads} CPU threads; "
-          f"{dev.describe()}\n")
-    print("| VRAM budget (of FFN weights) | configuration | ms/token | tok/s (x32 layers, FFN only) "
-          "| GPU weights GiB | measured sparsity | max rel. err vs CPU |")
-    print("|---|---|---|---|---|---|---|")
-    for budget, name, ms, tps, gib, sp, err in rows:
-        print(f"| {budget} | {name} | {ms:.2f} | {tps:.2f} | {gib:.2f} | {sp:.1%} | {err:.1e} |")
+    def run(label, budget_frac, ffn, plan):
+        kind = "dense" if isinstance(ffn, DenseFFN) else "sparse"
+        gc.collect()
+        if not args.numpy:
+            cuda.cupy.get_default_memory_pool().free_all_blocks()
+        dev = new_dev()
+        model = (Model(cfg, weights, args.n_ctx, args.threads, ffn=ffn) if plan is None
+                 else GpuModel(cfg, weights, args.n_ctx, args.threads, ffn, dev, plan))
+        logits = model.forward(prompt, 0)
+        if kind in refs:
+            ref = refs[kind]
+            err = float(np.max(np.abs(logits - ref)) / np.max(np.abs(ref)))
+        else:
+            refs[kind], err = logits, 0.0
+        times = decode_run(model, prompt, args.tokens, args.warmup)
+        med = statistics.median(times)
+        prof = {}
+        if plan is not None:
+            if not args.numpy:  # profiled pass: the same tokens with every kernel bracketed
+                pd = ProfilingDevice(model.dev)
+                model.dev = pd
+                model.forward(prompt, 0)
+                pd.take()  # not the prefill's
+                n = max(4, args.tokens // 3)
+                for i in range(n):
+                    model.forward([(7 * i + 3) % N_VOCAB], len(prompt) + i)
+                k_ms, c_ms = pd.take()
+                prof = {"kernel": k_ms, "copy": c_ms, "n": n}
+                model.dev = pd._dev
+            model.stats.reset()
+            decode_run(model, prompt, 4, 0)  # sparsity and the CPU-side profile, no events
+            sp = model.stats.sparsity
+            p = model.profile
+            prof.update(cold=p.cold_ms / max(p.tokens, 1), wait=p.wait_ms / max(p.tokens, 1),
+                        syncs=p.syncs / max(p.tokens, 1))
+            gpu_gib = model.device_bytes / GiB
+            res = plan.n_resident
+        else:
+            model.ffn.stats.reset()
+            decode_run(model, prompt, 2, 0)
+            sp, gpu_gib, res = model.ffn.stats.sparsity, 0.0, 0
+        rows.append(dict(budget=budget_frac, label=label, ms=med * 1e3, tps=1 / med, gib=gpu_gib,
+                         res=res, sparsity=sp, err=err, **prof))
+        print(f"  {budget_frac:>5} {label}: {med * 1e3:.2f} ms/token", file=sys.stderr)
+        del model
+
+    print(f"device: {dev0.describe()}; FFN weights {ffn_bytes / GiB:.2f} GiB, fixed (hybrid) "
+          f"{sizes_s.fixed() / GiB:.2f} GiB", file=sys.stderr)
+    if args.cpu_baseline:
+        run("CPU only, sparse", "-", make_sparse(), None)
+    for frac in (float(f) for f in args.budgets.split(",")):
+        label = f"{frac:.0%}"
+        budget = int(sizes_s.fixed() + frac * ffn_bytes) + 4 * F * L
+        run("hybrid (hot neurons on GPU)", label, make_sparse(),
+            plan_hybrid(cfg, sizes_s, budget, counts))
+        plan = plan_layers(cfg, sizes_d, budget, None, dense=True)
+        run(f"offload -ngl {plan.n_resident} (dense)", label, DenseFFN(cfg), plan)
+
+    print(f"\nDecode, Llama-2-{args.shape} shape x{L} layers, {args.qtype}, ReLU at "
+          f"{1 - args.density:.0%} target sparsity (power law alpha={args.alpha}), "
+          f"{args.threads} CPU threads, prompt {args.prompt}, {args.tokens} tokens (median); "
+          f"{dev0.describe()}\n")
+    print("| budget (of FFN) | configuration | ms/token | tokens/s | GPU GiB | resident layers "
+          "| sparsity | GPU kernels ms | copies ms | CPU cold ms | host wait ms | GPU busy "
+          "| GPU idle/layer us | max rel. err |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "kernel" in r:
+            n = r["n"]
+            k, c = r["kernel"] / n, r["copy"] / n
+            busy = (k + c) / r["ms"]
+            idle = (r["ms"] - k - c) / L * 1e3
+            extra = f"{k:.2f} | {c:.3f} | {r['cold']:.2f} | {r['wait']:.2f} | {busy:.0%} | {idle:.0f}"
+        elif "cold" in r:
+            extra = f"- | - | {r['cold']:.2f} | {r['wait']:.2f} | - | -"
+        else:
+            extra = "- | - | - | - | - | -"
+        print(f"| {r['budget']} | {r['label']} | {r['ms']:.2f} | {r['tps']:.1f} | {r['gib']:.2f} | "
+              f"{r['res']} | {r['sparsity']:.1%} | {extra} | {r['err']:.1e} |")
     return 0
 
 
