@@ -60,6 +60,7 @@ class NumpyDevice:
 
     name = "numpy"
     xp = np
+    graphs = False  # no CUDA graphs: every step runs eagerly
 
     def __init__(self, free_bytes: int = 64 * GiB):
         self._free = int(free_bytes)
@@ -168,14 +169,16 @@ class NumpyDevice:
     def rmsnorm(self, x, w, eps: float, out) -> None:
         X.rmsnorm(x, w, eps, out)
 
-    def rope_store(self, q, k, v, cache_k, cache_v, cos_sin, pos: int) -> None:
-        X.rope(q[None], cos_sin, pos)
+    def rope_store(self, q, k, v, cache_k, cache_v, cos_sin, pos) -> None:
+        p = int(pos[0])  # pos: (1,) int32 device array (what a CUDA graph reads)
+        X.rope(q[None], cos_sin, p)
         kk = k.copy()[None]
-        X.rope(kk, cos_sin, pos)
-        cache_k[pos] = kk[0]
-        cache_v[pos] = v
+        X.rope(kk, cos_sin, p)
+        cache_k[p] = kk[0]
+        cache_v[p] = v
 
-    def attn_decode(self, q, cache_k, cache_v, n_att: int, out) -> None:
+    def attn_decode(self, q, cache_k, cache_v, pos, out, n_att: int) -> None:
+        """n_att = pos + 1 rows (the host's copy of pos, which CupyDevice needs for sizing)."""
         out[...] = X.attention(q[None], cache_k, cache_v, n_att - 1)[0]
 
     def add(self, out, a) -> None:
@@ -188,6 +191,7 @@ class CupyDevice:
     Raises PyinferError when no CUDA device is usable (see ``pyinfer.ops.cuda.available``)."""
 
     name = "cuda"
+    graphs = True  # decode is captured as CUDA graphs (pyinfer.gpu_model.GpuModel._capture)
 
     def __init__(self):
         from pyinfer.errors import PyinferError
@@ -289,14 +293,15 @@ class CupyDevice:
     def rmsnorm(self, x, w, eps: float, out) -> None:
         cuda.rmsnorm(x.reshape(-1, x.shape[-1]), w, eps, out)
 
-    def rope_store(self, q, k, v, cache_k, cache_v, cos_sin, pos: int) -> None:
+    def rope_store(self, q, k, v, cache_k, cache_v, cos_sin, pos) -> None:
         cuda.rope_store(q, k, v, cache_k, cache_v, cos_sin, pos)
 
-    def attn_decode(self, q, cache_k, cache_v, n_att: int, out) -> None:
+    def attn_decode(self, q, cache_k, cache_v, pos, out, n_att: int) -> None:
+        """n_att: pos + 1, or any bound of it (a captured graph passes n_ctx)."""
         if n_att > cuda.MAX_DECODE_ATTN_ROWS:  # scores do not fit in shared memory
-            out[...] = X.attention(q[None], cache_k, cache_v, n_att - 1)[0]
+            out[...] = X.attention(q[None], cache_k, cache_v, int(pos.get()[0]))[0]
         else:
-            cuda.attn_decode(q, cache_k, cache_v, n_att, out)
+            cuda.attn_decode(q, cache_k, cache_v, pos, out, n_att)
 
     def add(self, out, a) -> None:
         cuda.add(out, a)

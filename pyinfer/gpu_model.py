@@ -32,6 +32,7 @@ float tolerance.
 """
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -41,7 +42,7 @@ from pyinfer.config import ModelConfig
 from pyinfer.device import as_qtensor
 from pyinfer.ffn import DenseFFN, FFNStats, SparseFFN
 from pyinfer.model import Model
-from pyinfer.ops import cpu
+from pyinfer.ops import cpu, cuda
 from pyinfer.ops import xp as X
 from pyinfer.weights import ModelWeights
 
@@ -75,7 +76,7 @@ def buffer_bytes(cfg: ModelConfig, n_ctx: int, rank: int) -> int:
     """Bytes of the forward's own device buffers (GpuModel.__init__ allocates exactly these):
     one-token activations, the prefill dequantization chunk and the RoPE table."""
     E, F, V = cfg.n_embd, cfg.n_ff, cfg.n_vocab
-    decode = 4 * (3 * E + 2 * cfg.n_embd_q + 2 * cfg.n_embd_kv + rank + F + V) + F + 16
+    decode = 4 * (3 * E + 2 * cfg.n_embd_q + 2 * cfg.n_embd_kv + rank + F + V) + F + 16 + 4
     cols = max(E, cfg.n_embd_q, F)
     rows = max(cfg.n_embd_q + 2 * cfg.n_embd_kv, F, V)
     return decode + 4 * min(rows * cols, DEQUANT_CHUNK_ELEMS) + 4 * n_ctx * cfg.head_dim
@@ -183,6 +184,7 @@ class GpuModel:
         self._partial = dev.empty(E, np.float32)  # (n_embd,) the CPU's partial FFN output
         self._logits = dev.empty(cfg.n_vocab, np.float32)  # (n_vocab,)
         self._counts = dev.array(np.zeros(2, np.uint64))  # [candidates, active] of hot neurons
+        self._pos = dev.array(np.zeros(1, np.int32))  # (1,) position of the decoded token
         cols = max(E, cfg.n_embd_q, F)
         rows = max(cfg.n_embd_q + 2 * cfg.n_embd_kv, F, cfg.n_vocab)
         self._deq = dev.empty(min(rows * cols, DEQUANT_CHUNK_ELEMS), np.float32)  # prefill chunk
@@ -194,6 +196,16 @@ class GpuModel:
         self._mask_pin = dev.pinned((UBATCH, F), np.uint8)
         self._part_pin = dev.pinned((UBATCH, E), np.float32)
         self._logits_pin = dev.pinned(cfg.n_vocab, np.float32)
+        self._pos_pin = dev.pinned(1, np.int32)
+        # CUDA graphs for decode: every layer resident, the logits on the device, scores of the
+        # whole context in shared memory (``_capture``)
+        self._use_graphs = (getattr(dev, "graphs", False) and plan.n_resident == cfg.n_layer
+                            and plan.output and n_ctx <= cuda.MAX_DECODE_ATTN_ROWS)
+        self._graphs = None
+        self._capturing = False
+        self._decoded = False
+        self._split_layers: list[int] = []
+        self.graph_events = None  # set to a list to time each graph on the device (benchmarks)
         self._host_stats = FFNStats()  # cold neurons of resident layers + totals
         self.stats = _SumStats([cpu_ffn.stats, self._host_stats], self)
         self.profile = Profile()
@@ -242,10 +254,25 @@ class GpuModel:
 
     # ---- one token --------------------------------------------------------------------------
     def _decode(self, x_host, n_past: int, all_logits: bool):
+        dev = self.dev
+        self._x_pin[...] = x_host
+        self._pos_pin[0] = n_past
+        dev.upload(self._x_pin, self._x)
+        dev.upload(self._pos_pin, self._pos)
+        if self._use_graphs and not all_logits:
+            if self._graphs is None and self._decoded:  # the first token ran eagerly: caches warm
+                self._capture()
+            if self._graphs is not None:
+                return self._replay()
+        self._decoded = True
+        self._layers_decode(n_past + 1)
+        return self._finish(self._x, 1, n_past, all_logits)
+
+    def _layers_decode(self, max_att: int) -> None:
+        """Queue one token's resident layers (the host joins in at each split layer's sync).
+        max_att: a bound of the cache rows attended (pos + 1; n_ctx when captured)."""
         cfg, dev = self.cfg, self.dev
         x, h = self._x, self._h
-        self._x_pin[...] = x_host
-        dev.upload(self._x_pin, x)
         nq, nkv, hd = cfg.n_embd_q, cfg.n_embd_kv, cfg.head_dim
         q = self._qkv[:nq].reshape(cfg.n_head, hd)
         k = self._qkv[nq:nq + nkv].reshape(cfg.n_head_kv, hd)
@@ -259,13 +286,12 @@ class GpuModel:
                 dev.gemv(ly.wq, h[0], self._qkv[:nq])
                 dev.gemv(ly.wk, h[0], self._qkv[nq:nq + nkv])
                 dev.gemv(ly.wv, h[0], self._qkv[nq + nkv:])
-            dev.rope_store(q, k, v, ly.k, ly.v, self._cos_sin, n_past)
-            dev.attn_decode(q, ly.k, ly.v, n_past + 1, self._attn.reshape(cfg.n_head, hd))
+            dev.rope_store(q, k, v, ly.k, ly.v, self._cos_sin, self._pos)
+            dev.attn_decode(q, ly.k, ly.v, self._pos, self._attn.reshape(cfg.n_head, hd), max_att)
             dev.gemv(ly.wo, self._attn, x[0], accumulate=True)
             # feed-forward: hot neurons here, cold ones on the CPU meanwhile
             dev.rmsnorm(x, ly.ffn_norm, cfg.rms_eps, h)
             self._ffn_decode(i, ly, x, h)
-        return self._finish(x, 1, n_past, all_logits)
 
     def _ffn_decode(self, i: int, ly: _ResidentLayer, x, h) -> None:
         dev, F = self.dev, self.cfg.n_ff
@@ -277,25 +303,93 @@ class GpuModel:
             dev.download(h, self._h_pin[:1])
             if use_pred:
                 dev.download(self._mask, self._mask_pin[:1])
-            ready = dev.record()
+            ready = self._segment_end() if self._capturing else dev.record()
         if ly.n_hot:
             dev.ffn_gate_up(ly.gate, ly.up, h[0], self._coef[:ly.n_hot], self._counts,
                             self.cfg.hidden_act, float(self.act_thr[i]), ids=ly.ids,
                             mask=self._mask if use_pred else None, glu=self.glu)
             dev.axpy_rows(ly.down, self._coef[:ly.n_hot], x[0], skip_zero=self.sparse,
                           accumulate=True)
-        self._host_stats.total += F
-        if split:
-            t0 = time.perf_counter()
-            dev.wait(ready)  # the one per-layer sync
-            t1 = time.perf_counter()
-            mask = self._mask_pin[0] if use_pred else None
-            self._cold(i, ly, self._h_pin[0], mask, self._part_pin[0])
+        if self._capturing:
+            if split:
+                self._segment_end()
+                self._split_layers.append(i)
+        else:
+            self._host_stats.total += F
+            if split:
+                self._host_part(i, ly, ready)
+        if split:  # the CPU's partial output goes up and is added on the device
             dev.upload(self._part_pin[:1], self._partial)
             dev.add(x[0], self._partial)
-            self.profile.wait_ms += (t1 - t0) * 1e3
-            self.profile.cold_ms += (time.perf_counter() - t1) * 1e3
-            self.profile.syncs += 1
+
+    def _host_part(self, i: int, ly: _ResidentLayer, ready) -> None:
+        """Wait for the layer's FFN input (the one per-layer sync) and compute its cold neurons
+        into the pinned partial-output buffer."""
+        t0 = time.perf_counter()
+        self.dev.wait(ready)
+        t1 = time.perf_counter()
+        mask = self._mask_pin[0] if self.use_pred[i] else None
+        self._cold(i, ly, self._h_pin[0], mask, self._part_pin[0])
+        self.profile.wait_ms += (t1 - t0) * 1e3
+        self.profile.cold_ms += (time.perf_counter() - t1) * 1e3
+        self.profile.syncs += 1
+
+    # ---- CUDA graphs: one token's launches captured once, replayed per token ----------------
+    def _segment_end(self):
+        """While capturing: close the current graph at a point where the host joins in, open the
+        next one."""
+        stream = self.dev.stream
+        self._graphs.append(stream.end_capture())
+        stream.begin_capture()
+
+    def _capture(self) -> None:
+        """Record one token's device work as CUDA graphs, split where the host joins in: per
+        split layer, [work up to its FFN input going down] and [its hot neurons]; then the rest
+        and the logits going down. The position comes from device memory (``self._pos``), so
+        the graphs replay for any token. Launch overhead per layer drops from one Python call
+        per kernel to one graph launch per segment (PowerInfer's per-layer sync remains)."""
+        stream = self.dev.stream
+        self._graphs, self._split_layers = [], []
+        self._capturing = True
+        try:
+            stream.begin_capture()
+            self._layers_decode(self.n_ctx)
+            cfg, dev = self.cfg, self.dev
+            dev.rmsnorm(self._x, self.output_norm, cfg.rms_eps, self._h)
+            dev.gemv(self.output, self._h[0], self._logits)
+            dev.download(self._logits, self._logits_pin)
+            self._graphs.append(stream.end_capture())
+        except Exception as e:  # a driver or CuPy that cannot capture: stay eager
+            try:
+                if stream.is_capturing():
+                    stream.end_capture()
+            except Exception:
+                pass
+            self._graphs, self._use_graphs = None, False
+            print(f"pyinfer: CUDA graph capture failed ({type(e).__name__}: {e}); decoding "
+                  "without graphs", file=sys.stderr)
+        finally:
+            self._capturing = False
+
+    def _replay(self) -> np.ndarray:
+        dev, stream, F = self.dev, self.dev.stream, self.cfg.n_ff
+        g = self._graphs
+        ev = self.graph_events  # benchmarks: a list collects (start, end) events per graph
+
+        def launch(graph):
+            e0 = stream.record() if ev is not None else None
+            graph.launch(stream)
+            if ev is not None:
+                ev.append((e0, stream.record()))
+        for j, i in enumerate(self._split_layers):
+            launch(g[2 * j])
+            ready = dev.record()
+            launch(g[2 * j + 1])
+            self._host_part(i, self.layers[i], ready)
+        launch(g[-1])
+        dev.synchronize()
+        self._host_stats.total += F * len(self.layers)
+        return self._logits_pin.copy()
 
     def _cold(self, i: int, ly: _ResidentLayer, h: np.ndarray, mask, out: np.ndarray) -> None:
         """The cold neurons of layer i for one token, with the CPU kernels and SparseFFN's rule:

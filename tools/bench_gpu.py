@@ -24,9 +24,11 @@ GPU needs) it times decode (``--tokens`` after a ``--prompt``-token prefill; tok
            the rest dense on the CPU
 - at 100%: all on the GPU, sparse (= hybrid) and dense.
 
-A second, profiled pass per configuration times every kernel and copy with CUDA events to split
-a token's time: GPU kernels, copies, CPU cold neurons, host waits, and the GPU idle time per layer
-(wall - GPU busy, over n_layer: launch gaps + transfers + syncs). Each configuration's logits are
+A second, profiled pass per configuration brackets each CUDA graph of a token with events to
+split its time: GPU work (kernels and copies, per token), CPU cold neurons, host waits at the
+per-layer syncs, GPU busy fraction and the GPU idle time per layer (wall - GPU work, over n_layer:
+what launches, transfers and syncs cost). Configurations that run eagerly (layers on the CPU:
+no graphs) report only their host-side figures. Each configuration's logits are
 checked against the first one of the same FFN rule (sparse or dense) before timing.
 
     python tools/bench_gpu.py --shape 7b --qtype f16 [--layers 32] [--tokens 24] [--threads 16]
@@ -143,42 +145,6 @@ def build_model(shape: str, qtype: QT, n_layers: int, density: float, alpha: flo
     return cfg, weights, preds, counts
 
 
-class ProfilingDevice:
-    """Wraps a CupyDevice: every kernel and copy is bracketed by CUDA events (stream order), so
-    the GPU time of each is known exactly; used for the profiled pass only."""
-
-    KERNELS = ("predict", "gemv", "ffn_gate_up", "axpy_rows", "dequant", "rmsnorm", "rope_store",
-               "attn_decode", "add")
-    COPIES = ("upload", "download", "to_host")
-
-    def __init__(self, dev):
-        self._dev = dev
-        self.events = []  # (kind, start, end)
-
-    def __getattr__(self, name):
-        fn = getattr(self._dev, name)
-        kind = "kernel" if name in self.KERNELS else "copy" if name in self.COPIES else None
-        if kind is None:
-            return fn
-
-        def wrapped(*a, **k):
-            e0 = self._dev.stream.record()
-            r = fn(*a, **k)
-            self.events.append((kind, e0, self._dev.stream.record()))
-            return r
-        return wrapped
-
-    def take(self):
-        """(kernel ms, copy ms) since the last call."""
-        self._dev.stream.synchronize()
-        cp = self._dev.cp
-        out = {"kernel": 0.0, "copy": 0.0}
-        for kind, a, b in self.events:
-            out[kind] += cp.cuda.get_elapsed_time(a, b)
-        self.events = []
-        return out["kernel"], out["copy"]
-
-
 def decode_run(model, prompt, n_tokens, warmup):
     """Prefill ``prompt`` then decode; returns per-token wall seconds of the timed tokens."""
     model.forward(prompt, 0)
@@ -268,17 +234,17 @@ def main(argv=None) -> int:
         med = statistics.median(times)
         prof = {}
         if plan is not None:
-            if not args.numpy:  # profiled pass: the same tokens with every kernel bracketed
-                pd = ProfilingDevice(model.dev)
-                model.dev = pd
-                model.forward(prompt, 0)
-                pd.take()  # not the prefill's
+            if not args.numpy and model._graphs is not None:
+                # profiled pass: each CUDA graph bracketed by events; the host queues a graph
+                # faster than the GPU runs it, so the brackets hold GPU work, not launch gaps
+                model.graph_events = []
                 n = max(4, args.tokens // 3)
                 for i in range(n):
-                    model.forward([(7 * i + 3) % N_VOCAB], len(prompt) + i)
-                k_ms, c_ms = pd.take()
-                prof = {"kernel": k_ms, "copy": c_ms, "n": n}
-                model.dev = pd._dev
+                    model.forward([(7 * i + 3) % N_VOCAB], len(prompt) + args.warmup + i)
+                cp = cuda.cupy
+                busy = sum(cp.cuda.get_elapsed_time(a, b) for a, b in model.graph_events)
+                prof = {"gpu": busy, "n": n}
+                model.graph_events = None
             model.stats.reset()
             decode_run(model, prompt, 4, 0)  # sparsity and the CPU-side profile, no events
             sp = model.stats.sparsity
@@ -313,18 +279,17 @@ def main(argv=None) -> int:
           f"{args.threads} CPU threads, prompt {args.prompt}, {args.tokens} tokens (median); "
           f"{dev0.describe()}\n")
     print("| budget (of FFN) | configuration | ms/token | tokens/s | GPU GiB | resident layers "
-          "| sparsity | GPU kernels ms | copies ms | CPU cold ms | host wait ms | GPU busy "
+          "| sparsity | GPU work ms | CPU cold ms | host wait ms | syncs | GPU busy "
           "| GPU idle/layer us | max rel. err |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        if "kernel" in r:
-            n = r["n"]
-            k, c = r["kernel"] / n, r["copy"] / n
-            busy = (k + c) / r["ms"]
-            idle = (r["ms"] - k - c) / L * 1e3
-            extra = f"{k:.2f} | {c:.3f} | {r['cold']:.2f} | {r['wait']:.2f} | {busy:.0%} | {idle:.0f}"
+        if "gpu" in r:
+            k = r["gpu"] / r["n"]
+            idle = (r["ms"] - k) / L * 1e3
+            extra = (f"{k:.2f} | {r['cold']:.2f} | {r['wait']:.2f} | {r['syncs']:.0f} | "
+                     f"{k / r['ms']:.0%} | {idle:.0f}")
         elif "cold" in r:
-            extra = f"- | - | {r['cold']:.2f} | {r['wait']:.2f} | - | -"
+            extra = f"- | {r['cold']:.2f} | {r['wait']:.2f} | {r['syncs']:.0f} | - | -"
         else:
             extra = "- | - | - | - | - | -"
         print(f"| {r['budget']} | {r['label']} | {r['ms']:.2f} | {r['tps']:.1f} | {r['gib']:.2f} | "

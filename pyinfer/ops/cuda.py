@@ -279,12 +279,13 @@ extern "C" __global__ void rmsnorm_f32(const float* x, const float* w, int n, fl
     const float scale = rsqrtf(block_sum(s, red) / n + eps);
     for (int i = threadIdx.x; i < n; i += blockDim.x) o[i] = xr[i] * scale * w[i];
 }
-// One token at position pos: NeoX rotary embedding (rotate_half) of q (n_head, hd) in place and
-// of k (n_kv, hd) into cache_k[pos]; v copied to cache_v[pos]. Caches (n_ctx, n_kv, hd) f32.
-// cos_sin (n_ctx, hd/2, 2) f32: cos and sin of pos * base^(-2i/hd), computed once in f64.
+// One token at position pos = *pos_p: NeoX rotary embedding (rotate_half) of q (n_head, hd) in
+// place and of k (n_kv, hd) into cache_k[pos]; v copied to cache_v[pos]. Caches (n_ctx, n_kv, hd)
+// f32. cos_sin (n_ctx, hd/2, 2) f32: cos and sin of pos * base^(-2i/hd), computed once in f64.
+// The position is read from device memory so a captured CUDA graph replays for any position.
 extern "C" __global__ void rope_store(float* q, const float* k, const float* v, float* cache_k,
-        float* cache_v, const float* cos_sin, int n_head, int n_kv, int hd, int pos) {
-    const int i = blockIdx.x * blockDim.x + threadIdx.x, half = hd >> 1;
+        float* cache_v, const float* cos_sin, int n_head, int n_kv, int hd, const int* pos_p) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x, half = hd >> 1, pos = *pos_p;
     const long long row = (long long)pos * n_kv * hd;
     if (i < (n_head + n_kv) * half) {
         const int head = i / half, j = i % half;
@@ -304,13 +305,14 @@ extern "C" __global__ void rope_store(float* q, const float* k, const float* v, 
     }
     if (i < n_kv * hd) cache_v[row + i] = v[i];
 }
-// One query token, block per query head: out[h] = softmax(q[h] . k_j * scale) @ v_j over the
-// n_att cache rows j < n_att (grouped-query: head h reads KV head h / (n_head / n_kv)).
-// Dynamic shared memory: n_att floats of scores.
+// One query token at position *pos_p, block per query head: out[h] = softmax(q[h] . k_j * scale)
+// @ v_j over the n_att = *pos_p + 1 cache rows (grouped-query: head h reads KV head
+// h / (n_head / n_kv)). Dynamic shared memory: at least n_att floats of scores.
 extern "C" __global__ void attn_decode(const float* q, const float* cache_k, const float* cache_v,
-        int n_att, int n_head, int n_kv, int hd, float scale, float* out) {
+        const int* pos_p, int n_head, int n_kv, int hd, float scale, float* out) {
     extern __shared__ float sc[];
     __shared__ float red[32];
+    const int n_att = *pos_p + 1;
     const int h = blockIdx.x, kvh = h / (n_head / n_kv);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const float* qh = q + h * hd;
@@ -323,7 +325,7 @@ extern "C" __global__ void attn_decode(const float* q, const float* cache_k, con
         if (lane == 0) sc[j] = s * scale;
     }
     __syncthreads();
-    float m = -INFINITY;
+    float m = -3.402823466e38f;  // -FLT_MAX (NVRTC has no math.h INFINITY)
     for (int j = threadIdx.x; j < n_att; j += blockDim.x) m = fmaxf(m, sc[j]);
     m = block_max(m, red);
     float l = 0.f;
@@ -500,26 +502,28 @@ def rmsnorm(x, w, eps: float, out) -> None:
     _kernel("attn", "rmsnorm_f32")((n_tok,), (_BLOCK,), (x, w, np.int32(n), np.float32(eps), out))
 
 
-def rope_store(q, k, v, cache_k, cache_v, cos_sin, pos: int) -> None:
+def rope_store(q, k, v, cache_k, cache_v, cos_sin, pos) -> None:
     """One token: RoPE (NeoX) of q (n_head, hd) in place and of k into cache_k[pos]; v to
-    cache_v[pos]. Caches (n_ctx, n_kv, hd) f32; cos_sin (n_ctx, hd/2, 2) f32."""
+    cache_v[pos]. Caches (n_ctx, n_kv, hd) f32; cos_sin (n_ctx, hd/2, 2) f32; pos (1,) int32 on
+    the device."""
     n_head, hd = q.shape
     n_kv = k.shape[0]
     n = max((n_head + n_kv) * (hd // 2), n_kv * hd)
     _kernel("attn", "rope_store")(_grid(n), (_BLOCK,),
                                   (q, k, v, cache_k, cache_v, cos_sin, np.int32(n_head),
-                                   np.int32(n_kv), np.int32(hd), np.int32(pos)))
+                                   np.int32(n_kv), np.int32(hd), pos))
 
 
-def attn_decode(q, cache_k, cache_v, n_att: int, out) -> None:
-    """out (n_head, hd) = causal attention of one query q (n_head, hd) over cache rows < n_att
-    (caches (n_ctx, n_kv, hd) f32), scale 1/sqrt(hd). n_att <= MAX_DECODE_ATTN_ROWS."""
+def attn_decode(q, cache_k, cache_v, pos, out, max_att: int) -> None:
+    """out (n_head, hd) = causal attention of one query q (n_head, hd) at position pos ((1,)
+    int32 on the device) over cache rows <= pos (caches (n_ctx, n_kv, hd) f32), scale
+    1/sqrt(hd). max_att >= pos + 1 sizes the shared memory; <= MAX_DECODE_ATTN_ROWS."""
     n_head, hd = q.shape
     n_kv = cache_k.shape[1]
     _kernel("attn", "attn_decode")((n_head,), (_ATTN_BLOCK,),
-                                   (q, cache_k, cache_v, np.int32(n_att), np.int32(n_head),
+                                   (q, cache_k, cache_v, pos, np.int32(n_head),
                                     np.int32(n_kv), np.int32(hd), np.float32(1.0 / np.sqrt(hd)),
-                                    out), shared_mem=4 * n_att)
+                                    out), shared_mem=4 * max_att)
 
 
 def add(out, a) -> None:
