@@ -251,16 +251,28 @@ class CupyDevice:
         a[...] = 0
         return a
 
+    # Copies go through cudaMemcpyAsync on the stream (CuPy's get/set refuse device-to-host
+    # copies while a stream captures a CUDA graph); host buffers are pinned where it matters.
+    def _memcpy(self, dst: int, src: int, nbytes: int, kind: int) -> None:
+        if nbytes:
+            self.cp.cuda.runtime.memcpyAsync(dst, src, nbytes, kind, self.stream.ptr)
+
     def upload(self, host: np.ndarray, dev):
-        dev.reshape(-1)[:host.size].set(host.reshape(-1), stream=self.stream)
+        """dev[:host.size] = host: dev C-contiguous, host C-contiguous of dev's dtype."""
+        assert dev.flags.c_contiguous and host.flags.c_contiguous and host.dtype == dev.dtype
+        assert host.size <= dev.size
+        self._memcpy(dev.data.ptr, host.ctypes.data, host.nbytes, 1)  # cudaMemcpyHostToDevice
         return dev
 
     def download(self, dev, host: np.ndarray) -> np.ndarray:
-        dev.reshape(-1)[:host.size].get(stream=self.stream, out=host.reshape(-1), blocking=False)
+        """host = dev[:host.size], queued on the stream (``record``/``wait`` tell when done)."""
+        assert dev.flags.c_contiguous and host.flags.c_contiguous and host.dtype == dev.dtype
+        assert host.size <= dev.size
+        self._memcpy(host.ctypes.data, dev.data.ptr, host.nbytes, 2)  # cudaMemcpyDeviceToHost
         return host
 
     def to_host(self, dev, out: np.ndarray) -> np.ndarray:
-        dev.reshape(-1)[:out.size].get(stream=self.stream, out=out.reshape(-1))
+        self.download(dev, out)
         self.stream.synchronize()
         return out
 
