@@ -155,7 +155,7 @@ class NumpyDevice:
         counts[1] += int(keep.sum())
 
     def axpy_rows(self, w: DeviceRows, coef, out, skip_zero: bool = True,
-                  accumulate: bool = False) -> None:
+                  accumulate: bool = False, scratch=None) -> None:
         nz = coef != 0 if skip_zero else np.ones(coef.size, bool)
         y = coef[nz] @ w.f32[nz] if nz.any() else np.zeros(w.cols, np.float32)
         if accumulate:
@@ -296,8 +296,9 @@ class CupyDevice:
                     glu: bool = False) -> None:
         cuda.ffn_gate_up(gate, up, x, coef, counts, act, act_thr, ids, mask, glu)
 
-    def axpy_rows(self, w, coef, out, skip_zero: bool = True, accumulate: bool = False) -> None:
-        cuda.axpy_rows(w, coef, out, skip_zero, accumulate)
+    def axpy_rows(self, w, coef, out, skip_zero: bool = True, accumulate: bool = False,
+                  scratch=None) -> None:
+        cuda.axpy_rows(w, coef, out, skip_zero, accumulate, scratch)
 
     def dequant(self, w, r0: int, n_rows: int, out) -> None:
         cuda.dequant(w, r0, n_rows, out)

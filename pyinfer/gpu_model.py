@@ -77,6 +77,7 @@ def buffer_bytes(cfg: ModelConfig, n_ctx: int, rank: int) -> int:
     one-token activations, the prefill dequantization chunk and the RoPE table."""
     E, F, V = cfg.n_embd, cfg.n_ff, cfg.n_vocab
     decode = 4 * (3 * E + 2 * cfg.n_embd_q + 2 * cfg.n_embd_kv + rank + F + V) + F + 16 + 4
+    decode += 4 * cuda.axpy_chunks(F) * E  # AXPY partial sums
     cols = max(E, cfg.n_embd_q, F)
     rows = max(cfg.n_embd_q + 2 * cfg.n_embd_kv, F, V)
     return decode + 4 * min(rows * cols, DEQUANT_CHUNK_ELEMS) + 4 * n_ctx * cfg.head_dim
@@ -185,6 +186,7 @@ class GpuModel:
         self._logits = dev.empty(cfg.n_vocab, np.float32)  # (n_vocab,)
         self._counts = dev.array(np.zeros(2, np.uint64))  # [candidates, active] of hot neurons
         self._pos = dev.array(np.zeros(1, np.int32))  # (1,) position of the decoded token
+        self._axpy = dev.empty(cuda.axpy_chunks(F) * E, np.float32)  # AXPY partial sums
         cols = max(E, cfg.n_embd_q, F)
         rows = max(cfg.n_embd_q + 2 * cfg.n_embd_kv, F, cfg.n_vocab)
         self._deq = dev.empty(min(rows * cols, DEQUANT_CHUNK_ELEMS), np.float32)  # prefill chunk
@@ -309,7 +311,7 @@ class GpuModel:
                             self.cfg.hidden_act, float(self.act_thr[i]), ids=ly.ids,
                             mask=self._mask if use_pred else None, glu=self.glu)
             dev.axpy_rows(ly.down, self._coef[:ly.n_hot], x[0], skip_zero=self.sparse,
-                          accumulate=True)
+                          accumulate=True, scratch=self._axpy)
         if self._capturing:
             if split:
                 self._segment_end()

@@ -220,11 +220,14 @@ extern "C" __global__ void ffn_gate_up_@T@(const u8* gate, const u8* up, long lo
 """
 
 _AXPY_TEMPLATE = r"""
-// out[c] += sum_{k in chunk} coef[k] * w[k][c]: thread per column c, grid.y over chunks of
-// rows_per_chunk rows (so a 4096-wide row set still fills the GPU); zero coefs are skipped
-// when skip_zero (the test is uniform across the block: no divergence). Adds into out.
-extern "C" __global__ void axpy_rows_@T@(const u8* w, long long row_bytes, int n_rows, int cols,
-        const float* coef, int rows_per_chunk, int skip_zero, float* out) {
+// Stage 1 of out = sum_k coef[k] * w[k]: partial[chunk][c] = sum over the chunk's rows_per_chunk
+// rows k of coef[k] * w[k][c]; thread per column c, grid.y over chunks (so a 4096-wide row set
+// still fills the GPU); zero coefs are skipped when skip_zero (uniform across the block: no
+// divergence). No atomics: axpy_sum adds the chunks in a fixed order, so results are
+// reproducible and no address is contended (per-column atomics from 172 chunks cost more than
+// the sparse rows themselves on a 7B layer).
+extern "C" __global__ void axpy_part_@T@(const u8* w, long long row_bytes, int n_rows, int cols,
+        const float* coef, int rows_per_chunk, int skip_zero, float* partial) {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= cols) return;
     const int k0 = blockIdx.y * rows_per_chunk;
@@ -235,7 +238,7 @@ extern "C" __global__ void axpy_rows_@T@(const u8* w, long long row_bytes, int n
         if (skip_zero && a == 0.f) continue;
         s += a * el_@T@(w + k * row_bytes, c);
     }
-    if (s != 0.f) atomicAdd(out + c, s);
+    partial[(long long)blockIdx.y * cols + c] = s;
 }
 // out[(r - r0) * cols + c] = w[r][c] for rows r0 <= r < r0 + n_rows: dequantize to f32 (prefill
 // runs its GEMMs through cuBLAS on these).
@@ -349,12 +352,22 @@ extern "C" __global__ void add_f32(float* out, const float* a, int n) {
 _TYPES = ("f32", "f16", "q8_0", "q4_0")
 PREDICTOR_SRC = COMMON_SRC + "".join(_PREDICTOR_TEMPLATE.replace("@T@", t) for t in ("f32", "f16"))
 GATHER_SRC = COMMON_SRC + "".join(_GATHER_TEMPLATE.replace("@T@", t) for t in _TYPES)
-AXPY_SRC = COMMON_SRC + "".join(_AXPY_TEMPLATE.replace("@T@", t) for t in _TYPES)
+AXPY_SRC = COMMON_SRC + "".join(_AXPY_TEMPLATE.replace("@T@", t) for t in _TYPES) + r"""
+// Stage 2: out[c] (+)= sum_j partial[j][c], chunks in order.
+extern "C" __global__ void axpy_sum(const float* partial, int n_chunks, int cols, int accumulate,
+                                    float* out) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= cols) return;
+    float s = 0.f;
+    for (int j = 0; j < n_chunks; ++j) s += partial[(long long)j * cols + c];
+    out[c] = accumulate ? out[c] + s : s;
+}
+"""
 
 #: name -> CUDA source; one RawModule each (tests compile every one with nvcc).
 SOURCES = {"predictor": PREDICTOR_SRC, "gather": GATHER_SRC, "axpy": AXPY_SRC, "attn": ATTN_SRC}
 #: kernels each source must define (the nvcc test counts them)
-N_KERNELS = {"predictor": 4, "gather": 8, "axpy": 8, "attn": 4}
+N_KERNELS = {"predictor": 4, "gather": 8, "axpy": 9, "attn": 4}
 _TYPE_NAME = {QT.F32: "f32", QT.F16: "f16", QT.Q8_0: "q8_0", QT.Q4_0: "q4_0"}
 
 _BLOCK = 256  # threads per block: 8 warps (8 rows) for the warp-per-row kernels
@@ -471,19 +484,33 @@ def ffn_gate_up(gate: DeviceRows, up: DeviceRows, x, coef, counts, act: str, act
          coef, counts))
 
 
-def axpy_rows(w: DeviceRows, coef, out, skip_zero: bool = True, accumulate: bool = False) -> None:
+def axpy_chunks(n_rows: int) -> int:
+    """Row chunks of an AXPY over n_rows rows (the partial-sum scratch holds this many rows of
+    cols floats)."""
+    return (n_rows + _ROWS_PER_CHUNK - 1) // _ROWS_PER_CHUNK
+
+
+def axpy_rows(w: DeviceRows, coef, out, skip_zero: bool = True, accumulate: bool = False,
+              scratch=None) -> None:
     """out (+)= sum_k coef[k] * w[k]: out (cols,) f32 is overwritten unless ``accumulate``.
-    coef (n_rows,) f32."""
+    coef (n_rows,) f32. scratch: f32 device buffer of >= axpy_chunks(n_rows) * cols (allocated
+    here when None)."""
     cols = w.cols
-    if not accumulate:
-        out.fill(0)
     if w.rows == 0:
+        if not accumulate:
+            out.fill(0)
         return
-    grid = ((cols + _BLOCK - 1) // _BLOCK, (w.rows + _ROWS_PER_CHUNK - 1) // _ROWS_PER_CHUNK)
-    _kernel("axpy", f"axpy_rows_{_TYPE_NAME[w.qtype]}")(
+    n_chunks = axpy_chunks(w.rows)
+    if scratch is None:
+        scratch = cupy.empty(n_chunks * cols, cupy.float32)
+    grid = ((cols + _BLOCK - 1) // _BLOCK, n_chunks)
+    _kernel("axpy", f"axpy_part_{_TYPE_NAME[w.qtype]}")(
         grid, (_BLOCK,),
         (w.data, np.int64(w.row_bytes), np.int32(w.rows), np.int32(cols), coef,
-         np.int32(_ROWS_PER_CHUNK), np.int32(bool(skip_zero)), out))
+         np.int32(_ROWS_PER_CHUNK), np.int32(bool(skip_zero)), scratch))
+    _kernel("axpy", "axpy_sum")(_grid(cols), (_BLOCK,),
+                                (scratch, np.int32(n_chunks), np.int32(cols),
+                                 np.int32(bool(accumulate)), out))
 
 
 def dequant(w: DeviceRows, r0: int, n_rows: int, out) -> None:
