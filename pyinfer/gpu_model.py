@@ -20,6 +20,11 @@ The calling thread is the CPU executor: kernel launches return at once, so after
 layer's GPU work it computes the cold neurons (the Cython kernels release the GIL and run their
 own OpenMP threads); a second Python thread would add a hand-off and no parallelism.
 
+On a GPU, decode runs as CUDA graphs when every layer and the output are resident: one token's
+launches are captured once (the position is read from device memory) and replayed, split where
+the host joins in at a split layer; Python then launches a handful of graphs per token instead
+of a dozen kernels per layer (``_capture``; measured in docs/benchmarks.md).
+
 Prefill runs batched: GEMMs through cuBLAS (CuPy ``matmul``) on weights dequantized in bounded
 chunks, attention over the cache in query chunks (``pyinfer.ops.xp``); the CPU's cold part loops
 over the batch's tokens with the decode kernels, so prefill and decode compute one function.
@@ -40,7 +45,7 @@ import numpy as np
 
 from pyinfer.config import ModelConfig
 from pyinfer.device import as_qtensor
-from pyinfer.ffn import DenseFFN, FFNStats, SparseFFN
+from pyinfer.ffn import FFNStats, SparseFFN
 from pyinfer.model import Model
 from pyinfer.ops import cpu, cuda
 from pyinfer.ops import xp as X
@@ -582,7 +587,3 @@ class _SumStats:
             p.reset()
         self._model.reset_device_counts()
         self._model.profile.reset()
-
-
-def is_dense(ffn) -> bool:
-    return isinstance(ffn, DenseFFN) or not isinstance(ffn, SparseFFN)

@@ -22,7 +22,7 @@ import numpy as np
 
 from pyinfer import constants as C
 from pyinfer.config import ModelConfig, read_field
-from pyinfer.device import GiB, CupyDevice, NumpyDevice  # noqa: F401 (re-exported)
+from pyinfer.device import GiB, CupyDevice
 from pyinfer.errors import PyinferError
 from pyinfer.ffn import SparseFFN
 from pyinfer.gpu_model import (GpuModel, GpuPlan, buffer_bytes, layer_fixed_bytes, neuron_bytes,
