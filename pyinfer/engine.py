@@ -18,6 +18,7 @@ from pyinfer import constants as C
 from pyinfer.config import ModelConfig, read_field
 from pyinfer.errors import PyinferError
 from pyinfer.ffn import DenseFFN, Predictor, SparseFFN
+from pyinfer.gguf_check import check_gguf
 from pyinfer.hybrid import place_model
 from pyinfer.sampler import SamplingParams, sample
 from pyinfer.tokenizer import Tokenizer
@@ -27,8 +28,10 @@ DEFAULT_N_CTX = 4096
 
 
 def open_gguf(path: str) -> gguf.GGUFReader:
-    """Memory-map a GGUF file read-only. Raises PyinferError for a missing, non-GGUF or
-    truncated file (gguf's own exception text is kept after the colon)."""
+    """Memory-map a GGUF file read-only. Raises PyinferError for a missing, non-GGUF, truncated
+    or malformed file: ``pyinfer.gguf_check`` bounds every count, length and offset first, so
+    gguf's reader never loops over a hostile count (gguf's own exception text, if it still
+    raises, is kept after the colon)."""
     if not os.path.exists(path):
         raise PyinferError(f"model file not found: {path}")
     if os.path.isdir(path):
@@ -37,6 +40,7 @@ def open_gguf(path: str) -> gguf.GGUFReader:
         magic = f.read(4)
     if magic != b"GGUF":
         raise PyinferError(f"{path} is not a GGUF file (bad magic {magic!r})")
+    check_gguf(path)
     try:
         return gguf.GGUFReader(path, "r")
     except Exception as e:  # gguf raises ValueError/IndexError/... on a damaged file
