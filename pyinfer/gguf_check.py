@@ -103,11 +103,12 @@ class _Scanner:
 
     # ---- metadata --------------------------------------------------------------------------
     def value_type(self, what: str, in_array: bool = False) -> int:
-        raw = self.u32(f"the type of {what}")
+        raw = self.u32(f"the element type of {what}" if in_array else f"the type of {what}")
         if raw == VT.ARRAY and in_array:
             self.fail(f"{what} is an array of arrays (nested arrays are not supported)")
         if raw not in SCALAR_BYTES and raw not in (VT.STRING, VT.ARRAY):
-            self.fail(f"{what} has unknown value type {raw}")
+            self.fail(f"{what} is an array of unknown value type {raw}" if in_array
+                      else f"{what} has unknown value type {raw}")
         return raw
 
     def skip_value(self, vtype: int, what: str):
@@ -117,7 +118,7 @@ class _Scanner:
         elif vtype == VT.STRING:
             self.skip_string(what)
         else:
-            etype = self.value_type(f"the elements of {what}", in_array=True)
+            etype = self.value_type(what, in_array=True)
             n = self.u64(f"the element count of {what}")
             item = SCALAR_BYTES.get(etype, 8)  # a string takes at least its u64 length
             if n > self.left() // item:
@@ -169,7 +170,7 @@ class _Scanner:
                 if alignment == 0 or alignment & (alignment - 1):
                     self.fail(f"{key} is {alignment}, not a power of two")
             else:
-                self.skip_value(vtype, f"the value of {key!r}")
+                self.skip_value(vtype, f"key {key!r}")
 
         if n_tensors > self.left() // _MIN_TENSOR_INFO_BYTES:
             self.fail(f"the header claims {n_tensors} tensors, more than the "
