@@ -296,3 +296,13 @@ def test_fuzz(tiny, tmp_path):
     summary = json.loads(lines[-1].removeprefix("SUMMARY "))
     assert summary["cases"] == 300
     assert summary["error"] > 100 and summary["ok"] > 10, summary  # mutations bite, some pass
+
+
+def test_cli_says_so_in_one_line(tmp_path):
+    """pyinfer-run --temp 0 printed garbage with exit 0 on a model that gives NaN logits."""
+    bad = write_tiny_gguf(str(tmp_path / "nan.gguf"), tensors={
+        C.OUTPUT_NORM: (np.full(N_EMBD, np.nan, np.float32), QT.F32)})
+    r = run_child(["-m", "pyinfer.cli", bad, "-p", "the thin", "-n", "4", "--temp", "0"],
+                  timeout=60)
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    assert r.stderr.strip().splitlines() == ["error: the model produced NaN logits at token 2"]
