@@ -5,6 +5,7 @@ computed in ``__post_init__``.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import gguf
@@ -12,13 +13,53 @@ import gguf
 from pyinfer import constants as C
 from pyinfer.errors import PyinferError
 
+_VT = gguf.GGUFValueType
+_INTEGER_TYPES = frozenset({_VT.UINT8, _VT.INT8, _VT.UINT16, _VT.INT16, _VT.UINT32, _VT.INT32,
+                            _VT.UINT64, _VT.INT64})
+#: Python kind -> the GGUF value types that may hold it (a float may be stored as an integer).
+_TYPES_OF_KIND = {int: _INTEGER_TYPES, float: _INTEGER_TYPES | {_VT.FLOAT32, _VT.FLOAT64},
+                  str: frozenset({_VT.STRING}), bool: frozenset({_VT.BOOL})}
+_KIND_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "a bool"}
+_PLURALS = {int: "integers", float: "numbers", str: "strings", bool: "bools"}
 
-def read_field(reader: gguf.GGUFReader, key: str, default=None):
-    """Return the decoded value of metadata ``key`` (str, number, list), or ``default``."""
+
+def read_field(reader: gguf.GGUFReader, key: str, default=None, kind: type | None = None,
+               item: type | None = None):
+    """Return the decoded value of metadata ``key`` (str, number, list), or ``default``.
+
+    kind: int, float, str, bool or list: the value must be stored as that (a float may be stored
+    as an integer; it is returned as float); item: for ``kind=list``, the kind of its elements.
+    Raises PyinferError when the stored type differs, or a string is not UTF-8 (gguf decodes
+    strings lazily, on this call).
+    """
     f = reader.fields.get(key)
     if f is None:
         return default
-    return f.contents()
+    if kind is not None:
+        _check_kind(f, key, kind, item)
+    try:
+        value = f.contents()
+    except UnicodeDecodeError:
+        raise PyinferError(f"GGUF metadata {key!r} holds a string that is not UTF-8") from None
+    if kind is float:
+        value = float(value)
+    elif kind is list and item is float:
+        value = [float(v) for v in value]
+    return value
+
+
+def _check_kind(f, key: str, kind: type, item: type | None):
+    types = list(f.types)
+    stored = " of ".join(_VT(t).name for t in types) if types else "empty"
+    if kind is list:
+        ok = bool(types) and types[0] == _VT.ARRAY and (
+            item is None or len(types) == 1 or types[-1] in _TYPES_OF_KIND[item])
+        want = "an array" + (f" of {_PLURALS[item]}" if item is not None else "")
+    else:
+        ok = len(types) == 1 and types[0] in _TYPES_OF_KIND[kind]
+        want = _KIND_NAMES[kind]
+    if not ok:
+        raise PyinferError(f"GGUF metadata {key!r} is stored as {stored}, expected {want}")
 
 
 @dataclass(frozen=True)
@@ -46,6 +87,16 @@ class ModelConfig:
     n_embd_kv: int = field(init=False)  # n_head_kv * head_dim
 
     def __post_init__(self):
+        for name in ("n_vocab", "n_embd", "n_layer", "n_ff", "n_head", "n_head_kv", "head_dim",
+                     "n_ctx_train"):
+            if getattr(self, name) < 1:
+                raise PyinferError(f"{name} is {getattr(self, name)}; it must be at least 1")
+        if self.head_dim % 2:  # RoPE rotates pairs of dimensions
+            raise PyinferError(f"head_dim {self.head_dim} is odd")
+        if not (math.isfinite(self.rope_freq_base) and self.rope_freq_base > 0):
+            raise PyinferError(f"rope_freq_base {self.rope_freq_base} is not a positive number")
+        if not (math.isfinite(self.rms_eps) and self.rms_eps >= 0):
+            raise PyinferError(f"rms_eps {self.rms_eps} is not a non-negative number")
         if self.n_head % self.n_head_kv:
             raise PyinferError(f"n_head {self.n_head} is not a multiple of n_head_kv {self.n_head_kv}")
         object.__setattr__(self, "n_gqa", self.n_head // self.n_head_kv)
@@ -66,34 +117,38 @@ class ModelConfig:
             raise PyinferError("this GGUF was not written by pyinfer-convert "
                                "(no neuron-major FFN); convert it first: pyinfer-convert SRC out.gguf")
 
-        def need(key):
-            v = read_field(reader, key)
+        def need(key, kind=int):
+            v = read_field(reader, key, kind=kind)
             if v is None:
                 raise PyinferError(f"GGUF metadata key {key!r} is missing")
             return v
 
-        n_embd = int(need(C.K_EMBEDDING_LENGTH))
-        n_head = int(need(C.K_HEAD_COUNT))
+        def get(key, default, kind=int):
+            return read_field(reader, key, default, kind=kind)
+
+        n_embd = need(C.K_EMBEDDING_LENGTH)
+        n_head = need(C.K_HEAD_COUNT)
+        if n_head <= 0:
+            raise PyinferError(f"{C.K_HEAD_COUNT} is {n_head}; it must be at least 1")
         names = {t.name for t in reader.tensors}
         embd = next((t for t in reader.tensors if t.name == C.TOKEN_EMBD), None)
         if embd is None:
             raise PyinferError(f"tensor {C.TOKEN_EMBD} is missing")
-        n_vocab = int(read_field(reader, C.K_VOCAB_SIZE, embd.shape[-1]))
-        hidden_act = str(read_field(reader, C.K_HIDDEN_ACT, "silu"))
+        hidden_act = get(C.K_HIDDEN_ACT, "silu", str)
         if hidden_act not in C.HIDDEN_ACTS:
             raise PyinferError(f"unsupported hidden_act {hidden_act!r}")
         return cls(
-            n_vocab=n_vocab,
+            n_vocab=get(C.K_VOCAB_SIZE, int(embd.shape[-1])),
             n_embd=n_embd,
-            n_layer=int(need(C.K_BLOCK_COUNT)),
-            n_ff=int(need(C.K_FEED_FORWARD_LENGTH)),
+            n_layer=need(C.K_BLOCK_COUNT),
+            n_ff=need(C.K_FEED_FORWARD_LENGTH),
             n_head=n_head,
-            n_head_kv=int(read_field(reader, C.K_HEAD_COUNT_KV, n_head)),
-            head_dim=int(read_field(reader, C.K_ROPE_DIM, n_embd // n_head)),
-            n_ctx_train=int(read_field(reader, C.K_CONTEXT_LENGTH, 2048)),
-            rope_freq_base=float(read_field(reader, C.K_ROPE_FREQ_BASE, 10000.0)),
-            rms_eps=float(read_field(reader, C.K_RMS_EPS, 1e-5)),
+            n_head_kv=get(C.K_HEAD_COUNT_KV, n_head),
+            head_dim=get(C.K_ROPE_DIM, n_embd // n_head),
+            n_ctx_train=get(C.K_CONTEXT_LENGTH, 2048),
+            rope_freq_base=get(C.K_ROPE_FREQ_BASE, 10000.0, float),
+            rms_eps=get(C.K_RMS_EPS, 1e-5, float),
             hidden_act=hidden_act,
             tied_embeddings=C.OUTPUT not in names,
-            name=str(read_field(reader, C.K_NAME, "")),
+            name=get(C.K_NAME, "", str),
         )

@@ -18,6 +18,7 @@ from pyinfer import constants as C
 from pyinfer.config import ModelConfig, read_field
 from pyinfer.errors import PyinferError
 from pyinfer.ffn import DenseFFN, Predictor, SparseFFN
+from pyinfer.gguf_check import check_gguf
 from pyinfer.hybrid import place_model
 from pyinfer.sampler import SamplingParams, sample
 from pyinfer.tokenizer import Tokenizer
@@ -27,8 +28,10 @@ DEFAULT_N_CTX = 4096
 
 
 def open_gguf(path: str) -> gguf.GGUFReader:
-    """Memory-map a GGUF file read-only. Raises PyinferError for a missing, non-GGUF or
-    truncated file (gguf's own exception text is kept after the colon)."""
+    """Memory-map a GGUF file read-only. Raises PyinferError for a missing, non-GGUF, truncated
+    or malformed file: ``pyinfer.gguf_check`` bounds every count, length and offset first, so
+    gguf's reader never loops over a hostile count (gguf's own exception text, if it still
+    raises, is kept after the colon)."""
     if not os.path.exists(path):
         raise PyinferError(f"model file not found: {path}")
     if os.path.isdir(path):
@@ -37,6 +40,7 @@ def open_gguf(path: str) -> gguf.GGUFReader:
         magic = f.read(4)
     if magic != b"GGUF":
         raise PyinferError(f"{path} is not a GGUF file (bad magic {magic!r})")
+    check_gguf(path)
     try:
         return gguf.GGUFReader(path, "r")
     except Exception as e:  # gguf raises ValueError/IndexError/... on a damaged file
@@ -108,23 +112,23 @@ class Engine:
 
     def _sparse_ffn(self):
         """The SparseFFN the file's offline stage calibrated, or None (dense) if it has none."""
-        mode = read_field(self.reader, C.K_SPARSE_MODE)
+        mode = read_field(self.reader, C.K_SPARSE_MODE, kind=str)
         if mode is None:
             return None
         if mode not in C.SPARSE_MODES:
             raise PyinferError(f"unknown sparse mode {mode!r} in {C.K_SPARSE_MODE}")
         n_layer = self.cfg.n_layer
-        act_thr = np.asarray(read_field(self.reader, C.K_ACT_THRESHOLD, [0.0] * n_layer),
-                             np.float32)
-        pred_thr = read_field(self.reader, C.K_PRED_THRESHOLD)
+        act_thr = np.asarray(read_field(self.reader, C.K_ACT_THRESHOLD, [0.0] * n_layer,
+                                        kind=list, item=float), np.float32)
+        pred_thr = read_field(self.reader, C.K_PRED_THRESHOLD, kind=list, item=float)
+        use = read_field(self.reader, C.K_PRED_CPU, kind=list, item=int)
+        if len(act_thr) != n_layer or (pred_thr is not None and len(pred_thr) != n_layer) or (
+                use is not None and len(use) != n_layer):
+            raise PyinferError("sparse metadata does not have one entry per layer")
         layers = self.weights.layers
         predictors = None
         if pred_thr is not None and all(lw.fc1 is not None for lw in layers):
             predictors = [Predictor(lw.fc1, lw.fc2, t) for lw, t in zip(layers, pred_thr)]
-        use = read_field(self.reader, C.K_PRED_CPU)
-        if len(act_thr) != n_layer or (pred_thr is not None and len(pred_thr) != n_layer) or (
-                use is not None and len(use) != n_layer):
-            raise PyinferError("sparse metadata does not have one entry per layer")
         use = None if use is None or predictors is None else [bool(u) for u in use]
         return SparseFFN(self.cfg, predictors, act_thr, mode, use_predictor=use)
 
@@ -149,10 +153,12 @@ class Engine:
         """Make the cache hold exactly ``tokens`` and return the last token's logits (n_vocab,).
 
         Reuses the longest common prefix with what the cache already holds; at least the last
-        token is evaluated so its logits exist. Raises PyinferError if the prompt does not fit.
+        token is evaluated so its logits exist. Raises PyinferError if the prompt does not fit,
+        holds an id outside the model's vocabulary, or the model produces NaN/Inf logits.
         """
         if not tokens:
             raise PyinferError("empty prompt")
+        self._check_ids(tokens)
         if len(tokens) > self.n_ctx:
             raise PyinferError(f"prompt is {len(tokens)} tokens, longer than the context "
                                f"({self.n_ctx}); raise -c/--ctx-size or shorten the prompt")
@@ -164,20 +170,39 @@ class Engine:
         n_keep = min(n_keep, len(tokens) - 1)
         new = tokens[n_keep:]
         t0 = time.perf_counter()
+        self.tokens = list(tokens[:n_keep])  # what the cache holds if the forward fails
         logits = self.model.forward(new, n_keep)
         self.timings.prompt_ms += (time.perf_counter() - t0) * 1e3
         self.timings.prompt_n += len(new)
+        self._check_finite(logits, len(tokens) - 1)
         self.tokens = list(tokens)
         return logits
 
     def eval_token(self, token: int) -> np.ndarray:
-        """Append one token to the cache and return its logits (n_vocab,)."""
+        """Append one token to the cache and return its logits (n_vocab,). Raises PyinferError
+        for an id outside the vocabulary or NaN/Inf logits (the token is then not appended)."""
+        self._check_ids([token])
         t0 = time.perf_counter()
         logits = self.model.forward([token], len(self.tokens))
         self.timings.eval_ms += (time.perf_counter() - t0) * 1e3
         self.timings.eval_n += 1
+        self._check_finite(logits, len(self.tokens))
         self.tokens.append(token)
         return logits
+
+    def _check_ids(self, tokens):
+        n_vocab = self.cfg.n_vocab
+        bad = next((t for t in tokens if not 0 <= t < n_vocab), None)
+        if bad is not None:
+            raise PyinferError(f"token id {bad} is outside the model's vocabulary ({n_vocab})")
+
+    @staticmethod
+    def _check_finite(logits: np.ndarray, pos: int):
+        """A broken model (or file) gives NaN/Inf logits: say so instead of sampling garbage.
+        pos: the token's position in the context."""
+        if not np.isfinite(logits).all():
+            what = "NaN" if np.isnan(logits).any() else "infinite"
+            raise PyinferError(f"the model produced {what} logits at token {pos}")
 
     def generate(self, prompt_tokens: list[int], params: SamplingParams = SamplingParams(), *,
                  max_tokens: int = -1, seed: int | None = None, ignore_eos: bool = False,

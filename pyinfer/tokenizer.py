@@ -16,12 +16,14 @@ UTF-8 character (the engine prints its output as it goes).
 """
 from __future__ import annotations
 
+import contextlib
 import re
 from typing import Iterable
 
 import numpy as np
 
 from . import constants as C
+from .config import read_field
 from .errors import PyinferError
 
 # llama.cpp token types (gguf.TokenType); SentencePiece uses the same numbers in ModelProto.
@@ -88,11 +90,6 @@ _SPM_SPACE = "\u2581"  # "▁", SentencePiece's escaped space
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
-
-
 class Tokenizer:
     """Encode text to token ids and decode ids to text for one model.
 
@@ -116,6 +113,10 @@ class Tokenizer:
         sp=None,
         chat_template: str | None = None,
     ):
+        for what, i in (("bos", bos_id), ("eos", eos_id), ("eot", eot_id)):
+            if i is not None and not 0 <= i < len(tokens):
+                raise PyinferError(f"the {what} token id {i} is outside the vocabulary "
+                                   f"({len(tokens)} tokens)")
         self.kind = kind  # "huggingface" | "gpt2" | "llama"
         self._tokens = tokens
         self._types = token_types  # (n_vocab,) int32, llama.cpp token types
@@ -147,34 +148,41 @@ class Tokenizer:
         """Build the tokenizer a ``gguf.GGUFReader`` embeds.
 
         Raises PyinferError when the file has no vocabulary, an unknown ``tokenizer.ggml.model`` or an
-        unknown byte-level pre-tokenizer (``tokenizer.ggml.pre``).
+        unknown byte-level pre-tokenizer (``tokenizer.ggml.pre``), a field of the wrong type, a
+        string that is not UTF-8, a special token id outside the vocabulary or a merge that names
+        a token the vocabulary lacks.
         """
-        model = _field(reader, C.K_TOK_MODEL)
-        hf_json = _field(reader, C.K_HF_TOKENIZER_JSON)
-        tokens = _field(reader, C.K_TOK_LIST)
+
+        def _field(key, default=None, kind=None, item=None):
+            return read_field(reader, key, default, kind=kind, item=item)
+
+        model = _field(C.K_TOK_MODEL, kind=str)
+        hf_json = _field(C.K_HF_TOKENIZER_JSON, kind=str)
+        tokens = _field(C.K_TOK_LIST, kind=list, item=str)
         if tokens is None and hf_json is None:
             raise PyinferError("the GGUF file has no tokenizer (no tokenizer.ggml.tokens)")
-        types_f = reader.fields.get(C.K_TOK_TYPE)
+        types = _field(C.K_TOK_TYPE, kind=list, item=int)
         if tokens is None:
             tokens = []
-        if types_f is not None:
-            types = np.asarray(types_f.contents(), dtype=np.int32)
+        if types is not None:
+            # values outside llama.cpp's types (0 = undefined) mean nothing to anyone: drop them
+            types = np.asarray([t if 0 <= t <= TT_BYTE else 0 for t in types], dtype=np.int32)
         else:
             types = np.full(len(tokens), TT_NORMAL, dtype=np.int32)
         if len(types) != len(tokens):
             raise PyinferError(f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
 
-        bos = _field(reader, C.K_TOK_BOS)
-        eos = _field(reader, C.K_TOK_EOS)
-        eot = _field(reader, C.K_TOK_EOT)
+        bos = _field(C.K_TOK_BOS, kind=int)
+        eos = _field(C.K_TOK_EOS, kind=int)
+        eot = _field(C.K_TOK_EOT, kind=int)
         if eot is None:
             index = {t: i for i, t in ((int(i), tokens[i]) for i in np.nonzero(types != TT_NORMAL)[0])}
             eot = next((index[n] for n in _EOT_NAMES if n in index), None)
             if eot is None:  # some files mark these NORMAL; a miss here costs one pass over the list
                 eot = next((tokens.index(n) for n in _EOT_NAMES if n in tokens), eos)
-        add_bos = _field(reader, C.K_TOK_ADD_BOS)
-        add_space_prefix = _field(reader, C.K_TOK_ADD_SPACE_PREFIX)
-        pre = _field(reader, C.K_TOK_PRE, "default")
+        add_bos = _field(C.K_TOK_ADD_BOS, kind=bool)
+        add_space_prefix = _field(C.K_TOK_ADD_SPACE_PREFIX, kind=bool)
+        pre = _field(C.K_TOK_PRE, "default", kind=str)
         if add_bos is None:  # llama.cpp's defaults (llama_vocab::impl::load)
             add_bos = model == "llama" or pre in ("llama-bpe", "llama3")
         if add_space_prefix is None:
@@ -187,29 +195,27 @@ class Tokenizer:
             eot_id=None if eot is None else int(eot),
             add_bos=bool(add_bos),
             add_space_prefix=bool(add_space_prefix),
-            chat_template=_field(reader, C.K_CHAT_TEMPLATE),
+            chat_template=_field(C.K_CHAT_TEMPLATE, kind=str),
         )
         if hf_json is not None:
             import tokenizers
 
-            try:
+            with _tokenizers_errors(C.K_HF_TOKENIZER_JSON):
                 hf = tokenizers.Tokenizer.from_str(hf_json)
-            except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exception
-                raise PyinferError(f"bad {C.K_HF_TOKENIZER_JSON}: {str(e).splitlines()[0]}") from None
             if not tokens:
                 n = hf.get_vocab_size(with_added_tokens=True)
                 common["tokens"] = [hf.id_to_token(i) or "" for i in range(n)]
                 common["token_types"] = np.full(n, TT_NORMAL, dtype=np.int32)
             return cls(kind="huggingface", hf=hf, **common)
         if model == "gpt2":
-            merges = _field(reader, C.K_TOK_MERGES)
+            merges = _field(C.K_TOK_MERGES, kind=list, item=str)
             if merges is None:
                 raise PyinferError("gpt2 tokenizer without tokenizer.ggml.merges")
             return cls(kind="gpt2", hf=_build_bpe(tokens, types, merges, pre), **common)
         if model == "llama":
-            scores = reader.fields.get(C.K_TOK_SCORES)
-            scores = np.zeros(len(tokens), np.float32) if scores is None else np.asarray(scores.contents(), np.float32)
-            unk = _field(reader, C.K_TOK_UNK)
+            scores = _field(C.K_TOK_SCORES, kind=list, item=float)
+            scores = np.zeros(len(tokens), np.float32) if scores is None else np.asarray(scores, np.float32)
+            unk = _field(C.K_TOK_UNK, kind=int)
             sp = _build_spm(tokens, types, scores, unk, common["add_space_prefix"])
             return cls(kind="llama", sp=sp, **common)
         raise PyinferError(f"unsupported tokenizer model {model}")
@@ -335,6 +341,36 @@ class Tokenizer:
         return StreamDecoder(self, skip_special=skip_special)
 
 
+@contextlib.contextmanager
+def _tokenizers_errors(what: str):
+    """Turn what ``tokenizers`` raises on a bad vocabulary into PyinferError: a plain Exception,
+    or a Rust panic (pyo3's PanicException derives from BaseException, so it is caught by name)."""
+    try:
+        yield
+    except BaseException as e:  # noqa: BLE001 - re-raised below unless it is one of the two
+        if isinstance(e, PyinferError) or not (isinstance(e, Exception)
+                                                or type(e).__name__ == "PanicException"):
+            raise
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise PyinferError(f"bad {what}: {msg}") from None
+
+
+def _check_merges(vocab: dict[str, int], merges: list[str]) -> list[tuple[str, str]]:
+    """Merge strings "A B" as pairs; PyinferError unless A, B and AB are all in the vocabulary
+    (``tokenizers`` panics on a merge without a space or with a result it cannot find)."""
+    pairs = []
+    for i, m in enumerate(merges):
+        pair = m.split(" ", 1)
+        if len(pair) != 2 or not pair[0] or not pair[1]:
+            raise PyinferError(f"{C.K_TOK_MERGES}[{i}] {m!r} is not two tokens separated by a space")
+        for t in (pair[0], pair[1], pair[0] + pair[1]):
+            if t not in vocab:
+                raise PyinferError(f"{C.K_TOK_MERGES}[{i}] {m!r} names {t!r}, which is not in the "
+                                   "vocabulary")
+        pairs.append((pair[0], pair[1]))
+    return pairs
+
+
 def _uses_byte_level(hf) -> bool:
     import json
 
@@ -356,19 +392,21 @@ def _build_bpe(tokens: list[str], types: np.ndarray, merges: list[str], pre: str
     vocab = {}
     for i, t in enumerate(tokens):
         vocab.setdefault(t, i)  # first id wins on a duplicate, as llama.cpp's token_to_id map
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
-    bpe = models.BPE(vocab=vocab, merges=pairs, ignore_merges=ignore_merges, fuse_unk=False)
-    tok = HFTokenizer(bpe)
+    pairs = _check_merges(vocab, merges)
+    with _tokenizers_errors("byte-level BPE vocabulary"):
+        bpe = models.BPE(vocab=vocab, merges=pairs, ignore_merges=ignore_merges, fuse_unk=False)
+        tok = HFTokenizer(bpe)
     steps = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
     steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
     tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
     tok.decoder = decoders.ByteLevel()
     special = [AddedToken(tokens[i], special=True, normalized=False) for i in np.nonzero(types == TT_CONTROL)[0]]
     user = [AddedToken(tokens[i], special=False, normalized=False) for i in np.nonzero(types == TT_USER_DEFINED)[0]]
-    if special:
-        tok.add_special_tokens(special)
-    if user:
-        tok.add_tokens(user)
+    with _tokenizers_errors("byte-level BPE vocabulary"):
+        if special:
+            tok.add_special_tokens(special)
+        if user:
+            tok.add_tokens(user)
     return tok
 
 
@@ -390,6 +428,8 @@ def _build_spm(tokens: list[str], types: np.ndarray, scores: np.ndarray, unk_id,
         unk = int(found[0]) if len(found) else None
     if unk is None:
         raise PyinferError("SentencePiece vocabulary without an unknown token")
+    if not 0 <= unk < len(tokens):
+        raise PyinferError(f"the unknown token id {unk} is outside the vocabulary ({len(tokens)} tokens)")
     proto.trainer_spec.unk_id = unk
     proto.trainer_spec.bos_id = -1  # BOS/EOS are added by Tokenizer.encode, not by SentencePiece
     proto.trainer_spec.eos_id = -1

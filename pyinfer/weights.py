@@ -13,7 +13,9 @@ import numpy as np
 from pyinfer import constants as C
 from pyinfer.config import ModelConfig
 from pyinfer.errors import PyinferError
-from pyinfer.ops.cpu import QTensor
+from pyinfer.ops.cpu import SUPPORTED, QTensor
+
+QT = gguf.GGMLQuantizationType
 
 
 @dataclass
@@ -42,7 +44,9 @@ class ModelWeights:
     def from_gguf(cls, reader: gguf.GGUFReader, cfg: ModelConfig) -> "ModelWeights":
         """Map every tensor of ``reader`` by name (layers by number, never by sorted name).
 
-        Raises PyinferError for a missing tensor or a shape that disagrees with ``cfg``.
+        Raises PyinferError for a missing tensor, a type pyinfer does not run, a shape that
+        disagrees with ``cfg``, or a predictor (fc1 (rank, n_embd), fc2 (n_ff, rank), F32 or F16)
+        of the wrong shape or type or without its other half.
         """
         by_name = {t.name: t for t in reader.tensors}
 
@@ -50,7 +54,13 @@ class ModelWeights:
             t = by_name.get(name)
             if t is None:
                 raise PyinferError(f"tensor {name} is missing from the GGUF")
-            q = QTensor.from_reader_tensor(t)
+            if len(t.shape) != 2:
+                raise PyinferError(f"tensor {name} has {len(t.shape)} dimensions, expected 2")
+            try:
+                q = QTensor.from_reader_tensor(t)
+            except ValueError as e:  # an unsupported type or a row length its blocks do not fit
+                raise PyinferError(f"tensor {name}: {e} (pyinfer runs "
+                                   f"{', '.join(s.name for s in SUPPORTED)})") from None
             if (q.rows, q.cols) != (rows, cols):
                 raise PyinferError(f"tensor {name} has shape ({q.rows}, {q.cols}), "
                                    f"expected ({rows}, {cols})")
@@ -65,16 +75,35 @@ class ModelWeights:
                 raise PyinferError(f"tensor {name} must be f32 with {n} elements")
             return a.reshape(n)
 
-        def optional_float(name):
-            t = by_name.get(name)
-            if t is None:
-                return None
+        def predictor(i):
+            """(fc1, fc2) of layer i, or (None, None) when the layer has no predictor."""
+            n1, n2 = C.FC1.format(bid=i), C.FC2.format(bid=i)
+            t1, t2 = by_name.get(n1), by_name.get(n2)
+            if t1 is None and t2 is None:
+                return None, None
+            if t1 is None or t2 is None:
+                raise PyinferError(f"layer {i} has {n1 if t2 is None else n2} without "
+                                   f"{n2 if t2 is None else n1}")
+            fc1, fc2 = predictor_half(n1, t1), predictor_half(n2, t2)
+            rank = fc1.shape[0]
+            if fc1.shape != (rank, E) or fc2.shape != (F, rank):
+                raise PyinferError(f"layer {i} predictor shapes {n1} {fc1.shape} and {n2} "
+                                   f"{fc2.shape} do not fit (rank, {E}) and ({F}, rank)")
+            return fc1, fc2
+
+        def predictor_half(name, t):
+            if QT(t.tensor_type) not in (QT.F32, QT.F16):
+                raise PyinferError(f"predictor tensor {name} is {QT(t.tensor_type).name}; "
+                                   "it must be F32 or F16")
             a = np.asarray(t.data)
-            return a if a.dtype in (np.float32, np.float16) else a.astype(np.float32)
+            if a.ndim != 2:
+                raise PyinferError(f"predictor tensor {name} has {a.ndim} dimensions, expected 2")
+            return a
 
         E, F = cfg.n_embd, cfg.n_ff
         layers = []
         for i in range(cfg.n_layer):
+            fc1, fc2 = predictor(i)
             layers.append(LayerWeights(
                 attn_norm=vector(C.ATTN_NORM.format(bid=i), E),
                 wq=tensor(C.ATTN_Q.format(bid=i), cfg.n_embd_q, E),
@@ -85,8 +114,8 @@ class ModelWeights:
                 ffn_gate=tensor(C.FFN_GATE.format(bid=i), F, E),
                 ffn_up=tensor(C.FFN_UP.format(bid=i), F, E),
                 ffn_down_t=tensor(C.FFN_DOWN_T.format(bid=i), F, E),
-                fc1=optional_float(C.FC1.format(bid=i)),
-                fc2=optional_float(C.FC2.format(bid=i)),
+                fc1=fc1,
+                fc2=fc2,
             ))
         token_embd = tensor(C.TOKEN_EMBD, cfg.n_vocab, E)
         output = token_embd if cfg.tied_embeddings else tensor(C.OUTPUT, cfg.n_vocab, E)
