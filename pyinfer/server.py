@@ -342,28 +342,28 @@ def create_app(llm, max_queue: int = 4):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pyinfer.cli import _Parser
+    from pyinfer.options import Parser, arg_type
 
-    p = _Parser(prog="pyinfer-serve", description=__doc__.splitlines()[0])
+    p = Parser(prog="pyinfer-serve", description=__doc__.splitlines()[0])
     p.add_argument("model", help="GGUF written by pyinfer-convert")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
-    p.add_argument("-c", "--ctx-size", type=int, default=0,
+    p.add_argument("-c", "--ctx-size", type=arg_type("ctx_size"), default=0,
                    help="context size in tokens (0: min(4096, the model's))")
-    p.add_argument("-t", "--threads", type=int, default=None, help="kernel threads (default: all cores)")
+    p.add_argument("-t", "--threads", type=arg_type("threads"), default=None, help="kernel threads (default: all cores)")
     p.add_argument("--queue-size", type=int, default=4,
                    help="requests that may wait behind the running one before 503 (default 4)")
     p.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"],
                    help="auto: the GPU when CuPy sees one (default), cpu, or cuda")
-    p.add_argument("--vram-budget", type=float, default=None, help="GiB of GPU memory for hot neurons")
+    p.add_argument("--vram-budget", type=arg_type("vram_budget"), default=None, help="GiB of GPU memory for hot neurons")
     p.add_argument("--reset-gpu-index", action="store_true",
                    help="re-solve the hot-neuron split from the file's activation counts")
     p.add_argument("--disable-gpu-index", action="store_true",
                    help="ignore the stored hot-neuron split; offload whole layers instead")
-    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=None,
+    p.add_argument("-ngl", "--n-gpu-layers", type=arg_type("n_gpu_layers"), default=None,
                    help="llama.cpp-style baseline: the first N layers' FFNs dense on the GPU")
     p.add_argument("--dense", action="store_true", help="compute every FFN neuron (ignore predictors)")
-    p.add_argument("-s", "--seed", type=int, default=-1, help="RNG seed (-1: random)")
+    p.add_argument("-s", "--seed", type=arg_type("seed"), default=-1, help="RNG seed (-1: random)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
 
@@ -379,8 +379,6 @@ def main(argv=None) -> int:
             raise PyinferError(f"--port must be in 0..65535, got {args.port}")
         if args.queue_size < 0:
             raise PyinferError("--queue-size must be >= 0")
-        if args.threads is not None and args.threads <= 0:
-            raise PyinferError("-t/--threads must be >= 1")
         from pyinfer.cli import load
 
         llm = load(args, args.model)
