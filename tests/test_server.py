@@ -415,3 +415,64 @@ def test_non_streaming_request_stops_when_its_client_disconnects(server):
     assert stopped_after < max(1.0, 0.25 * 440 * per_token), (stopped_after, per_token)
     r = httpx.post(server + "/v1/completions", json=dict(body, max_tokens=2), timeout=60)
     assert r.status_code == 200
+
+
+_SLOW_TEMPLATE_SERVER = """
+import sys
+import uvicorn
+from pyinfer.chat import render_chat
+from pyinfer.server import create_app
+from tests.test_server import FakeLLM
+
+# two seconds of template work (the render time bound) per chat request
+SLOW = "{% macro f(n) %}{{ f(n - 1) ~ f(n - 1) if n else 'x' }}{% endmacro %}{{ f(60) }}"
+llm = FakeLLM(chat_tokens=lambda messages: [1] * len(render_chat(SLOW, messages)))
+uvicorn.run(create_app(llm), host="127.0.0.1", port=int(sys.argv[1]), log_level="warning",
+            timeout_graceful_shutdown=5)
+"""
+
+
+def test_slow_template_blocks_no_endpoint_and_sigterm_still_stops_the_server():
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_TEMPLATE_SERVER, str(port)], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.2)
+        results = {}
+        t = threading.Thread(target=lambda: results.setdefault("chat", httpx.post(
+            url + "/v1/chat/completions", json={"messages": GERMANY}, timeout=30)))
+        t.start()
+        time.sleep(0.5)  # rendering now
+        t0 = time.monotonic()
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        assert time.monotonic() - t0 < 1.0  # the event loop is free while the template renders
+        t.join(30)
+        r = results["chat"]
+        assert r.status_code == 400 and "chat template refused" in r.json()["error"]["message"], r.text
+        # SIGTERM in the middle of another slow rendering: the server still stops, promptly
+        t = threading.Thread(target=lambda: httpx.post(url + "/v1/chat/completions",
+                                                       json={"messages": GERMANY}, timeout=30))
+        t.start()
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        proc.terminate()
+        proc.wait(timeout=15)
+        assert time.monotonic() - t0 < 10
+        t.join(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=20)
