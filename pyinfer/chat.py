@@ -17,7 +17,6 @@ orders of magnitude below all of them.
 from __future__ import annotations
 
 import json
-import operator
 import re
 import sys
 import time
@@ -103,10 +102,10 @@ def _check_args(args, kwargs) -> None:
 def _check_format(fmt) -> None:
     if isinstance(fmt, str) and _HUGE_WIDTH.search(fmt.replace("%%", "")) and ("%" in fmt or "{" in fmt):
         # "%0*d" or "{:>9999999}": a width that makes gigabytes from one value
-        for m in re.finditer(r"%[-+ #0]*(\*|\d+)|\{[^{}]*:[^{}]*?(\d+)[^{}]*\}", fmt):
-            width = m.group(1) or m.group(2)
-            if width == "*" or (width and int(width) > MAX_VALUE):
-                raise _TemplateLimit("a format with a huge or computed width")
+        for m in re.finditer(r"%[-+ #0]*(\*|\d+)?(?:\.(\*|\d+))?|\{[^{}]*:[^{}]*?(\d+)[^{}]*\}", fmt):
+            for width in m.groups():  # width, precision, or a {:...} spec's first number
+                if width == "*" or (width and int(width) > MAX_VALUE):
+                    raise _TemplateLimit("a format with a huge or computed width")
 
 
 def _safe_range(*args):

@@ -149,6 +149,7 @@ def test_smollm2_embedded_template(hf_tokenizer):
     ("{{ 'ab'.ljust(10**9) }}", "an argument larger than"),
     ("{{ '%0999999999d' % 1 }}", "a format with a huge or computed width"),
     ("{{ '%0*d' % (10**9, 1) }}", "a format with a huge or computed width"),
+    ("{{ '%.999999999f' % 1.0 }}", "a format with a huge or computed width"),
     ("{{ '{:>999999999}'.format(1) }}", "a format with a huge or computed width"),
     ("{{ '%0999999999d'|format(1) }}", "a format with a huge or computed width"),
     ("{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
@@ -177,6 +178,10 @@ def test_output_is_capped_by_the_input_size():
         render_chat(template, [{"role": "user", "content": "0123456789"}], limits=limits)
     # the same template within its budget renders as Jinja would
     assert render_chat(template, [{"role": "user", "content": "ab"}], limits=limits) == "ab" * 300
+
+
+def test_ordinary_formats_still_work():
+    assert render_chat("{{ '%5.2f|%s|%%' % (1.5, 'a') }}{{ '{:>4}'.format('b') }}", []) == " 1.50|a|%   b"
 
 
 def test_limits_leave_a_long_conversation_alone():
