@@ -4,8 +4,9 @@ By default the offline stage (calibration, profiling, predictors, placement: pre
 runs after the conversion and its results go into the same file; ``--dense`` skips it.
 
 SRC is a Hugging Face ``LlamaForCausalLM`` directory (config.json + *.safetensors + tokenizer files)
-or a llama.cpp GGUF file of architecture ``llama``. OUT is written atomically (``OUT.tmp`` then a
-rename); on failure nothing is left behind. User errors print ``error: <message>`` and exit 1.
+or a llama.cpp GGUF file of architecture ``llama``. OUT is written atomically (a uniquely named
+temporary file beside it, then a rename); on failure nothing is left behind and no other file is
+touched. User errors print ``error: <message>`` and exit 1.
 """
 from __future__ import annotations
 
@@ -19,9 +20,12 @@ from pyinfer.constants import OUTTYPES
 from pyinfer.errors import PyinferError, exit_code_of
 
 
-def convert(src: str, out: str, outtype: str = "f16", progress: bool | None = None) -> None:
+def convert(src: str, out: str, outtype: str = "f16", progress: bool | None = None,
+            allow_unused: bool = False) -> None:
     """Convert ``src`` (HF directory or GGUF file) to the pyinfer GGUF ``out``.
 
+    ``allow_unused``: convert even when the source has tensors the conversion leaves out (by
+    default that is an error: a config whose layer count is too small truncates the model).
     Raises PyinferError for anything the user can fix (missing or unsupported input, bad path).
     """
     from .from_gguf import is_gguf, plan_gguf
@@ -38,11 +42,11 @@ def convert(src: str, out: str, outtype: str = "f16", progress: bool | None = No
     if os.path.isdir(out):
         raise PyinferError(f"{out} is a directory")
     if os.path.isdir(src):
-        meta, jobs = plan_hf(src, outtype)
+        meta, jobs = plan_hf(src, outtype, allow_unused)
     elif is_gguf(src):
         if os.path.abspath(src) == os.path.abspath(out):
             raise PyinferError("the output would overwrite the source file")
-        meta, jobs = plan_gguf(src, outtype)
+        meta, jobs = plan_gguf(src, outtype, allow_unused)
     else:
         raise PyinferError(f"{src} is neither a model directory nor a GGUF file")
     try:
@@ -60,14 +64,17 @@ def main(argv: list[str] | None = None) -> int:
         prog="pyinfer-convert",
         description="Convert a Hugging Face Llama directory or a llama.cpp GGUF to a pyinfer GGUF.")
     parser.add_argument("src", help="Hugging Face model directory or llama.cpp .gguf file")
-    parser.add_argument("out", help="output .gguf path (written via OUT.tmp, then renamed)")
+    parser.add_argument("out", help="output .gguf path (written to a temporary file beside it, then renamed)")
     parser.add_argument("--outtype", choices=list(OUTTYPES), default="f16",
                         help="type of the 2-D weights (norms stay f32); default f16")
+    parser.add_argument("--allow-unused-tensors", action="store_true",
+                        help="convert even when the source has tensors the model leaves out "
+                             "(e.g. more layers than config.json's num_hidden_layers)")
     from predictors.offline import add_arguments
 
     add_arguments(parser)  # the offline stage's flags (--dense skips it)
     args = parser.parse_args(argv)
-    signal.signal(signal.SIGTERM, _interrupt)  # `kill` cleans up OUT.tmp like Ctrl-C does
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` cleans up the temporary file like Ctrl-C
     return exit_code_of(_run, args)
 
 
@@ -76,11 +83,12 @@ def _run(args) -> int:
 
     t0 = time.perf_counter()
     if args.dense:
-        convert(args.src, args.out, args.outtype)
+        convert(args.src, args.out, args.outtype, allow_unused=args.allow_unused_tensors)
     else:
         from predictors.offline import convert_sparse
 
-        convert_sparse(args.src, args.out, args.outtype, options_from_args(args))
+        convert_sparse(args.src, args.out, args.outtype, options_from_args(args),
+                       allow_unused=args.allow_unused_tensors)
     size = os.path.getsize(args.out) / 2**20
     print(f"wrote {args.out} ({args.outtype}, {size:.1f} MiB) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return 0

@@ -82,10 +82,11 @@ def _copy_field(meta: Metadata, field: Any) -> None:
         meta.set(field.name, field.contents(), vtype)
 
 
-def plan_gguf(path: str, outtype: str) -> tuple[Metadata, list[TensorJob]]:
+def plan_gguf(path: str, outtype: str, allow_unused: bool = False) -> tuple[Metadata, list[TensorJob]]:
     """Metadata and tensor jobs for a llama.cpp (or pyinfer) GGUF file of architecture llama.
 
-    Raises PyinferError for a damaged file, another architecture, rope scaling, or missing tensors.
+    Raises PyinferError for a damaged file, another architecture, rope scaling, missing tensors,
+    or (unless ``allow_unused``) tensors of layers beyond ``block_count`` (a truncated model).
     """
     reader = open_gguf(path)
     arch = _scalar(reader, C.K_ARCH, "(none)")
@@ -208,6 +209,12 @@ def plan_gguf(path: str, outtype: str) -> tuple[Metadata, list[TensorJob]]:
     if C.OUTPUT in tensors:
         jobs.append(mat(C.OUTPUT, (n_vocab, n_embd)))
     ignored = sorted(set(tensors) - used)
+    beyond = [n for n in ignored if n.startswith("blk.") and n.split(".")[1].isdigit()
+              and int(n.split(".")[1]) >= n_layer]
+    if beyond and not allow_unused:
+        raise PyinferError(f"{path} has {len(beyond)} tensor(s) of layers beyond its block_count {n_layer} "
+                           f"({', '.join(beyond[:3])}{' ...' if len(beyond) > 3 else ''}): the model would be "
+                           "truncated; pass --allow-unused-tensors to convert anyway")
     if ignored:
         warn(f"ignoring {len(ignored)} tensor(s) the llama architecture does not use: {', '.join(ignored[:4])}"
              + (" ..." if len(ignored) > 4 else ""))

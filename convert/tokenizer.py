@@ -213,15 +213,58 @@ def hf_tokenizer_metadata(model_dir: str, n_vocab: int) -> Metadata | None:
     if not has_tj and not has_sp:
         return None
     tcfg = _read_json(tc_path) if os.path.isfile(tc_path) else {}
+    if not isinstance(tcfg, dict):
+        raise PyinferError(f"{tc_path} must be a JSON object, not a {type(tcfg).__name__}")
     tj_text, tj = None, None
     if has_tj:
-        with open(tj_path, encoding="utf-8") as f:
-            tj_text = f.read()
         try:
+            with open(tj_path, encoding="utf-8") as f:
+                tj_text = f.read()
             tj = json.loads(tj_text)
-        except ValueError as e:
+        except (OSError, ValueError, RecursionError) as e:
             raise PyinferError(f"cannot read {tj_path}: {e}") from None
+        _check_tokenizer_json(tj, tj_path)
+    try:
+        return _tokenizer_metadata(model_dir, n_vocab, tcfg, tj, tj_text, has_sp, sp_path)
+    except (TypeError, AttributeError, KeyError, IndexError, ValueError) as e:
+        # a structure _check_tokenizer_json does not cover (tokenizer_config.json's fields ...)
+        raise PyinferError(f"the tokenizer files in {model_dir} have an unexpected structure "
+                           f"({type(e).__name__}: {e})") from None
 
+
+def _check_tokenizer_json(tj: Any, path: str) -> None:
+    """PyinferError unless ``tj`` has the shape the converter reads: an object whose ``model`` is an
+    object; for BPE a ``vocab`` of name -> id and ``merges`` of strings or pairs; ``added_tokens``
+    a list of {"id": int, "content": str}; the pre-tokenizer and decoder objects or null."""
+    def bad(why: str) -> PyinferError:
+        return PyinferError(f"{path}: {why}")
+
+    if not isinstance(tj, dict):
+        raise bad(f"must be a JSON object, not a {type(tj).__name__}")
+    model = tj.get("model")
+    if model is not None and not isinstance(model, dict):
+        raise bad(f"'model' must be an object, not a {type(model).__name__}")
+    for key in ("pre_tokenizer", "decoder", "post_processor"):
+        if tj.get(key) is not None and not isinstance(tj[key], dict):
+            raise bad(f"'{key}' must be an object or null")
+    added = tj.get("added_tokens", [])
+    if not isinstance(added, list) or not all(
+            isinstance(t, dict) and isinstance(t.get("id"), int) and t["id"] >= 0
+            and isinstance(t.get("content"), str) for t in added):
+        raise bad("'added_tokens' must be a list of {\"id\": int, \"content\": str}")
+    if model and model.get("type") == "BPE":
+        vocab = model.get("vocab")
+        if not isinstance(vocab, dict) or not all(isinstance(i, int) and i >= 0 for i in vocab.values()):
+            raise bad("model.vocab must map token texts to non-negative ids")
+        merges = model.get("merges", [])
+        if not isinstance(merges, list) or not all(
+                isinstance(m, str) or (isinstance(m, list) and len(m) == 2 and all(isinstance(x, str) for x in m))
+                for m in merges):
+            raise bad("model.merges must be a list of \"a b\" strings or [a, b] pairs")
+
+
+def _tokenizer_metadata(model_dir: str, n_vocab: int, tcfg: dict[str, Any], tj: dict[str, Any] | None,
+                        tj_text: str | None, has_sp: bool, sp_path: str) -> Metadata:
     meta = Metadata()
     kind = None
     if has_sp:

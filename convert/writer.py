@@ -5,13 +5,16 @@ list of `TensorJob`s whose ``load`` produces the float32 array only when it is w
 infos are declared first (their byte sizes are known from the shapes), so the data of at most one
 tensor, plus its encoded copy, is in memory at any time.
 
-The file goes to ``<out>.tmp`` next to ``out`` and is renamed over ``out`` with `os.replace` only
-when complete; on any exception (KeyboardInterrupt included) the temporary file is removed.
+The file goes to a temporary file of a unique name next to ``out`` (``.<name>.<random>.tmp``, made
+by `tempfile.mkstemp`, so a user's own ``out.tmp`` is never touched) and is renamed over ``out``
+with `os.replace` only when complete; on any exception (KeyboardInterrupt included) the temporary
+file is removed.
 """
 from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -19,6 +22,7 @@ import gguf
 import numpy as np
 
 from pyinfer.constants import ARCH, K_ARCH, OUTTYPES, QK_BLOCK, QT
+from pyinfer.errors import PyinferError
 
 VT = gguf.GGUFValueType
 
@@ -116,8 +120,26 @@ def encode(arr: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
     return np.ascontiguousarray(gguf.quants.quantize(arr, qtype))
 
 
+def temp_path_beside(path: str, suffix: str = ".tmp") -> str:
+    """A new, empty file of a unique name in ``path``'s directory (``.<name>.<random><suffix>``),
+    so that a rename onto ``path`` is atomic and no file of the user's is overwritten or removed.
+    Its mode is what a plain ``open(path, "w")`` would give (mkstemp's is 0600).
+    Raises PyinferError when the directory does not take a new file."""
+    directory, name = os.path.split(os.path.abspath(path))
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=suffix, dir=directory)
+    except OSError as e:
+        raise PyinferError(f"cannot create a file in {directory}: {e.strerror or e}") from None
+    os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
+    return tmp
+
+
 def write_gguf(out_path: str, meta: Metadata, jobs: Sequence[TensorJob], progress: bool | None = None) -> None:
-    """Write ``meta`` and the tensors of ``jobs`` to ``out_path`` via ``out_path + '.tmp'``.
+    """Write ``meta`` and the tensors of ``jobs`` to ``out_path`` via a unique temporary file in
+    the same directory (``temp_path_beside``), renamed over ``out_path`` when complete.
 
     ``progress``: a tqdm bar over tensors on stderr (None: only when stderr is a terminal).
     Raises whatever a job's ``load`` raises; the temporary file is removed and ``out_path`` is
@@ -125,8 +147,12 @@ def write_gguf(out_path: str, meta: Metadata, jobs: Sequence[TensorJob], progres
     """
     from tqdm import tqdm
 
-    tmp_path = out_path + ".tmp"
-    writer = gguf.GGUFWriter(tmp_path, ARCH)
+    tmp_path = temp_path_beside(out_path)
+    try:
+        writer = gguf.GGUFWriter(tmp_path, ARCH)
+    except BaseException:
+        os.remove(tmp_path)
+        raise
     try:
         for key, (value, vtype, sub_type) in meta.items.items():
             if key == K_ARCH:  # GGUFWriter writes general.architecture itself

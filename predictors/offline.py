@@ -3,7 +3,8 @@ train one activation predictor per layer, place hot neurons, and pack it all int
 
 Flow (one function, :func:`convert_sparse`):
 
-1. the dense conversion goes to a staging file ``<out>.dense.tmp`` (``convert.cli.convert``);
+1. the dense conversion goes to a staging file ``.<out>.<random>.dense.tmp`` beside ``out``
+   (``convert.cli.convert``);
 2. a dense ``Engine`` over it produces the calibration tokens (``--calib`` files, or the model's own
    text: predictors/calibrate.py) and the profile (predictors/profile.py): per layer the FFN input
    x and |act(gate)| of every neuron;
@@ -12,9 +13,9 @@ Flow (one function, :func:`convert_sparse`):
    trained for the target recall (predictors/train.py);
 4. with ``--vram-budget``, the GPU split (pyinfer/placement.py, predictors/solver.py);
 5. the final file: the converter's metadata and tensor jobs (re-planned from the source) plus
-   the new keys and tensors, through ``convert.writer.write_gguf`` (``<out>.tmp`` then rename).
+   the new keys and tensors, through ``convert.writer.write_gguf`` (a unique temporary file, then rename).
 
-The staging file is removed in a ``finally``; ``write_gguf`` removes ``<out>.tmp`` on any
+The staging file is removed in a ``finally``; ``write_gguf`` removes its temporary file on any
 exception, so an interrupted or failed conversion leaves no partial file. Layers are always
 paired by number.
 """
@@ -30,6 +31,7 @@ import numpy as np
 
 from pyinfer import constants as C
 from pyinfer.errors import PyinferError
+from pyinfer.options import arg_type
 
 DEFAULT_CALIB_TOKENS = 4096  # SmolLM2-135M: about 2 min of generation + 1 min profiling, 1 thread
 # Predictor recall by sparse mode. ReLU: 0.95, the issue's default (the fixture loses 0.9% perplexity
@@ -91,12 +93,12 @@ class OfflineOptions:
             self.predictor_rank = rank
 
 
-def _plan(src: str, outtype: str):
+def _plan(src: str, outtype: str, allow_unused: bool = False):
     """The converter's metadata and tensor jobs (convert.cli.convert already checked the paths)."""
     from convert.from_gguf import plan_gguf
     from convert.hf import plan_hf
 
-    return plan_hf(src, outtype) if os.path.isdir(src) else plan_gguf(src, outtype)
+    return plan_hf(src, outtype, allow_unused) if os.path.isdir(src) else plan_gguf(src, outtype, allow_unused)
 
 
 def _log(msg: str, progress) -> None:
@@ -104,7 +106,8 @@ def _log(msg: str, progress) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
-def convert_sparse(src: str, out: str, outtype: str = "f16", opts: OfflineOptions | None = None) -> dict:
+def convert_sparse(src: str, out: str, outtype: str = "f16", opts: OfflineOptions | None = None,
+                   allow_unused: bool = False) -> dict:
     """Convert ``src`` to ``out`` with the offline stage (module docstring).
 
     Returns a summary dict: ``rows`` (list of report.LayerReport), ``mode``, ``calib_source``,
@@ -123,12 +126,14 @@ def convert_sparse(src: str, out: str, outtype: str = "f16", opts: OfflineOption
     opts = opts or OfflineOptions()
     opts.check()
     calib_text = read_calib_files(opts.calib_files) if opts.calib_files else None
-    staging = out + ".dense.tmp"
+    from convert.writer import temp_path_beside
+
+    staging = temp_path_beside(out, ".dense.tmp")  # unique: never a file of the user's
     secs: dict[str, float] = {}
     eng = None
     try:
         t0 = time.perf_counter()
-        convert(src, staging, outtype, progress=opts.progress)
+        convert(src, staging, outtype, progress=opts.progress, allow_unused=allow_unused)
         secs["dense conversion"] = time.perf_counter() - t0
         n_threads = opts.n_threads or os.cpu_count() or 1
         eng = Engine(staging, n_ctx=None, n_threads=n_threads, dense=True)
@@ -188,7 +193,7 @@ def convert_sparse(src: str, out: str, outtype: str = "f16", opts: OfflineOption
 
         # 5. the final file
         t0 = time.perf_counter()
-        meta, jobs = _plan(src, outtype)
+        meta, jobs = _plan(src, outtype, allow_unused)
         meta.string(C.K_SPARSE_MODE, mode)
         meta.array(C.K_ACT_THRESHOLD, [float(t) for t in act_thr], VT.FLOAT32)
         meta.array(C.K_PRED_THRESHOLD, [float(p[2]) for p in preds], VT.FLOAT32)
@@ -306,7 +311,7 @@ def add_arguments(parser) -> None:
                    help="predictor hidden width: auto (per layer, from sparsity and skew) or K")
     g.add_argument("--epochs", type=int, default=DEFAULT_MAX_EPOCHS,
                    help=f"max predictor training epochs per layer (default {DEFAULT_MAX_EPOCHS})")
-    g.add_argument("-t", "--threads", type=int, default=None,
+    g.add_argument("-t", "--threads", type=arg_type("threads"), default=None,
                    help="threads for profiling and training (default: all cores)")
 
 

@@ -22,6 +22,7 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
+from pyinfer import options
 from pyinfer.errors import PyinferError
 from pyinfer.sampler import SamplingParams
 
@@ -103,6 +104,12 @@ class LLM:
                  n_gpu_layers: int | None = None):
         from pyinfer.engine import Engine
 
+        options.check_optional("threads", n_threads, "n_threads")
+        options.check_optional("ctx_size", n_ctx, "n_ctx")
+        options.check_optional("vram_budget", vram_budget, "vram_budget")
+        options.check_optional("n_gpu_layers", n_gpu_layers, "n_gpu_layers")
+        seed = options.seed_or_none(seed)
+
         accepted = inspect.signature(Engine.__init__).parameters
         extra: dict[str, Any] = {}
         if "device" in accepted:
@@ -119,10 +126,6 @@ class LLM:
                 extra["vram_budget"] = vram_budget
             elif device not in _CPU_DEVICES:  # pragma: no cover - caught above
                 raise PyinferError("vram_budget needs a GPU engine")
-        if n_threads is not None and n_threads <= 0:
-            raise PyinferError("n_threads must be >= 1")
-        if n_ctx is not None and n_ctx < 0:
-            raise PyinferError("n_ctx must be >= 0")
         self.model_path = model_path
         self.engine = Engine(model_path, n_ctx=n_ctx or None, n_threads=n_threads, verbose=verbose,
                              dense=dense, **extra)
@@ -159,15 +162,23 @@ class LLM:
     # ---- token generation ----------------------------------------------------------------------
     def _params(self, temperature, top_k, top_p, min_p, repeat_penalty,
                 repeat_last_n=64) -> SamplingParams:
-        try:
-            return SamplingParams(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
-                                  min_p=float(min_p), repeat_penalty=float(repeat_penalty),
-                                  repeat_last_n=int(repeat_last_n))
-        except ValueError as e:
-            raise PyinferError(str(e)) from None
+        """Checked SamplingParams (pyinfer/options.py ranges); PyinferError for a bad value."""
+        return SamplingParams(**options.sampling(temperature, top_k, top_p, min_p, repeat_penalty,
+                                                 repeat_last_n))
 
     def _seed(self, seed: int | None) -> int:
+        seed = options.seed_or_none(seed)  # -1: random, as llama.cpp
         return int(self._rng.integers(2**63)) if seed is None else int(seed)
+
+    @staticmethod
+    def _check_request(max_tokens, stop, seed) -> None:
+        """PyinferError for a bad ``max_tokens`` (None, -1, 0 or a positive count), ``stop``
+        (a string or a list of strings) or ``seed``."""
+        options.check_optional("n_predict", max_tokens, "max_tokens")
+        if stop is not None and not isinstance(stop, str) and not (
+                isinstance(stop, (list, tuple)) and all(isinstance(x, str) for x in stop)):
+            raise PyinferError("stop must be a string or a list of strings")
+        options.seed_or_none(seed)
 
     def generate(self, tokens: list[int], *, max_tokens: int | None = None, temperature: float = 0.8,
                  top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
@@ -182,6 +193,7 @@ class LLM:
         """
         tokens = list(tokens)
         self.check_fits(tokens)
+        self._check_request(max_tokens, None, seed)
         params = self._params(temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n)
         limit = -1 if max_tokens is None or max_tokens <= 0 else int(max_tokens)
         yield from self.engine.generate(tokens, params, max_tokens=limit, seed=self._seed(seed),
@@ -278,7 +290,7 @@ class LLM:
                           temperature: float = 0.8, top_p: float = 0.95, top_k: int = 40,
                           min_p: float = 0.05, repeat_penalty: float = 1.0,
                           stop: str | list[str] | None = None, seed: int | None = None,
-                          stream: bool = False, ignore_eos: bool = False):
+                          stream: bool = False, ignore_eos: bool = False, should_stop=None):
         """Complete ``prompt`` (text, or token ids). Returns an OpenAI ``text_completion`` dict::
 
             {"id", "object": "text_completion", "created", "model",
@@ -287,14 +299,18 @@ class LLM:
 
         or, with ``stream=True``, an iterator of chunks of the same shape whose ``text`` pieces add
         up to the full text (the last chunk carries the finish_reason and empty text).
-        max_tokens None or <= 0: until end of text or a full context. Raises PyinferError for a prompt
-        that does not fit or bad sampling parameters (before any chunk is produced).
+        max_tokens None, 0 or -1: until end of text or a full context. seed None or -1: random.
+        ``should_stop``: a callable checked after every token (see ``stream_text``); the server
+        passes "the client has gone". Raises PyinferError for a prompt that does not fit or bad
+        sampling parameters (before any chunk is produced).
         """
         ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self.check_fits(ids)
         self._params(temperature, top_k, top_p, min_p, repeat_penalty)
+        self._check_request(max_tokens, stop, seed)
         kw = dict(max_tokens=max_tokens, stop=stop, temperature=temperature, top_k=top_k, top_p=top_p,
-                  min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, ignore_eos=ignore_eos)
+                  min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, ignore_eos=ignore_eos,
+                  should_stop=should_stop)
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
         def chunk(text, finish):
@@ -341,7 +357,7 @@ class LLM:
                                temperature: float = 0.8, top_p: float = 0.95, top_k: int = 40,
                                min_p: float = 0.05, repeat_penalty: float = 1.0,
                                stop: str | list[str] | None = None, seed: int | None = None,
-                               stream: bool = False):
+                               stream: bool = False, should_stop=None):
         """Answer a conversation. ``messages``: ``[{"role": "system"|"user"|"assistant",
         "content": str}, ...]``. Returns an OpenAI ``chat.completion`` dict::
 
@@ -353,12 +369,14 @@ class LLM:
         or, with ``stream=True``, an iterator of ``chat.completion.chunk`` dicts: the first delta
         carries the role, the next ones ``content`` pieces, the last one the finish_reason.
         Generation ends at the model's end-of-turn token. max_tokens None: until the context is full.
+        ``seed`` and ``should_stop`` as in ``create_completion``.
         """
+        self._params(temperature, top_k, top_p, min_p, repeat_penalty)
+        self._check_request(max_tokens, stop, seed)
         ids = self.chat_tokens(messages)
         self.check_fits(ids)
-        self._params(temperature, top_k, top_p, min_p, repeat_penalty)
         kw = dict(max_tokens=max_tokens, stop=stop, temperature=temperature, top_k=top_k, top_p=top_p,
-                  min_p=min_p, repeat_penalty=repeat_penalty, seed=seed)
+                  min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, should_stop=should_stop)
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         def chunk(delta, finish):

@@ -6,15 +6,27 @@ Jinja2's ``ImmutableSandboxedEnvironment``, which blocks attribute access such a
 The environment matches the one Hugging Face transformers uses (``trim_blocks``, ``lstrip_blocks``,
 ``raise_exception``, ``strftime_now``, ``tojson``), so a template renders the same here as in
 ``apply_chat_template``.
+
+The sandbox stops code execution, not work: a template can still loop for hours or build a string
+of gigabytes. ``_BoundedEnvironment`` bounds that: ``range`` of at most MAX_RANGE items, no
+``lipsum``, ``**`` / ``*`` / ``+`` / ``%`` and every call refused when their result would be huge,
+and rendering itself runs under a step and time budget (a line tracer on the template's own frames)
+with its output capped (RenderLimits). Each limit raises PyinferError; a real chat template stays
+orders of magnitude below all of them.
 """
 from __future__ import annotations
 
 import json
+import re
+import sys
+import time
+from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.utils import Namespace
 
 from .errors import PyinferError
 
@@ -44,13 +56,193 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+#: Most items ``range()`` gives a template (Jinja's own sandbox allows 100,000).
+MAX_RANGE = 10_000
+#: Largest string or list one template expression may build, and largest integer argument of a
+#: call (``"x".center(n)``, ``lipsum(n=...)``, ``indent(n)``): in characters or items.
+MAX_VALUE = 1 << 22
+#: Largest integer a template may compute with ``**``, in bits.
+MAX_INT_BITS = 4096
+#: A format string (``%`` or ``str.format``) with a number this long asks for a huge width.
+_HUGE_WIDTH = re.compile(r"\d{7,}|\*")
+
+
+@dataclass(frozen=True)
+class RenderLimits:
+    """Budget of one rendering: template lines executed, wall-clock seconds, output characters
+    (``output_base`` plus ``output_per_input`` times the characters of the messages)."""
+
+    steps: int = 1_000_000
+    seconds: float = 2.0
+    output_base: int = 1 << 20
+    output_per_input: int = 4
+
+
+class _TemplateLimit(Exception):
+    """A template went over a RenderLimits / _BoundedEnvironment bound."""
+
+
+def _size(v) -> int:
+    return len(v) if isinstance(v, (str, list, tuple, dict)) else 0
+
+
+def _check_value(v):
+    if _size(v) > MAX_VALUE:
+        raise _TemplateLimit(f"a value of more than {MAX_VALUE} characters or items")
+    return v
+
+
+def _check_args(args, kwargs) -> None:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, int) and not isinstance(a, bool) and abs(a) > MAX_VALUE:
+            raise _TemplateLimit(f"an argument larger than {MAX_VALUE} ({a})")
+        _check_value(a)
+
+
+def _check_format(fmt) -> None:
+    if isinstance(fmt, str) and _HUGE_WIDTH.search(fmt.replace("%%", "")) and ("%" in fmt or "{" in fmt):
+        # "%0*d" or "{:>9999999}": a width that makes gigabytes from one value
+        for m in re.finditer(r"%[-+ #0]*(\*|\d+)?(?:\.(\*|\d+))?|\{[^{}]*:[^{}]*?(\d+)[^{}]*\}", fmt):
+            for width in m.groups():  # width, precision, or a {:...} spec's first number
+                if width == "*" or (width and int(width) > MAX_VALUE):
+                    raise _TemplateLimit("a format with a huge or computed width")
+
+
+def _safe_range(*args):
+    r = range(*args)
+    if len(r) > MAX_RANGE:
+        raise _TemplateLimit(f"range() of more than {MAX_RANGE} items")
+    return r
+
+
+class _BoundedNamespace(Namespace):
+    """``namespace()`` whose attributes cannot grow past MAX_VALUE (a loop doubling ``ns.s``)."""
+
+    def __setitem__(self, name, value):
+        super().__setitem__(name, _check_value(value))
+
+
+def _bounded_filter(f):
+    def wrapper(*args, **kwargs):
+        _check_args(args, kwargs)
+        if f is _FORMAT_FILTER and args:  # "%9999999d"|format(1)
+            _check_format(args[0])
+        return _check_value(f(*args, **kwargs))
+
+    for attr in ("jinja_pass_arg",):  # keep @pass_context / @pass_environment markers
+        if hasattr(f, attr):
+            setattr(wrapper, attr, getattr(f, attr))
+    return wrapper
+
+
+_FORMAT_FILTER = jinja2.filters.FILTERS["format"]
+
+
+class _BoundedEnvironment(ImmutableSandboxedEnvironment):
+    """The immutable sandbox with every way of making a huge value bounded (module docstring)."""
+
+    intercepted_binops = frozenset(["**", "*", "+", "%"])
+
+    def call_binop(self, context, op, left, right):
+        if op == "**":
+            if isinstance(left, int) and isinstance(right, int) and right > 0 and abs(left) > 1 \
+                    and right * abs(left).bit_length() > MAX_INT_BITS:
+                raise _TemplateLimit(f"a number of more than {MAX_INT_BITS} bits")
+            return _check_value(left ** right)
+        if op == "*":
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and max(len(seq), 1) * n > MAX_VALUE:
+                    raise _TemplateLimit(f"a value of more than {MAX_VALUE} characters or items")
+            return left * right
+        if op == "%":
+            if isinstance(left, str):
+                _check_format(left)
+            return _check_value(left % right)
+        if op == "+":
+            if _size(left) + _size(right) > MAX_VALUE:
+                raise _TemplateLimit(f"a value of more than {MAX_VALUE} characters or items")
+            return left + right
+        return super().call_binop(context, op, left, right)
+
+    def getattr(self, obj, attribute):
+        if isinstance(obj, str) and attribute in ("format", "format_map"):  # "{:>9999999}".format(1)
+            _check_format(obj)
+        return super().getattr(obj, attribute)
+
+    def getitem(self, obj, argument):
+        if isinstance(obj, str) and argument in ("format", "format_map"):
+            _check_format(obj)
+        return super().getitem(obj, argument)
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - Jinja's own signature
+        _check_args(args, kwargs)
+        return _check_value(super().call(__context, __obj, *args, **kwargs))
+
+
 @lru_cache(maxsize=8)
 def _compile(template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = _tojson
+    env = _BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters = {name: _bounded_filter(f) for name, f in env.filters.items()}
+    env.filters["tojson"] = _bounded_filter(_tojson)
+    env.globals.pop("lipsum", None)  # lorem ipsum generator: no template needs it, lipsum(n=10**7) costs
+    env.globals["range"] = _safe_range
+    env.globals["namespace"] = _BoundedNamespace
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env.from_string(template)
+
+
+class _Budget:
+    """A line tracer for the template's compiled code (filename "<template>"): counts executed
+    lines and checks the clock, so loops with no calls in them are bounded too."""
+
+    def __init__(self, limits: RenderLimits):
+        self.steps = limits.steps
+        self.seconds = limits.seconds
+        self.deadline = time.monotonic() + limits.seconds
+
+    def global_trace(self, frame, event, arg):
+        if frame.f_code.co_filename == "<template>":
+            return self.local_trace
+        return None
+
+    def local_trace(self, frame, event, arg):
+        if event == "line":
+            self.steps -= 1
+            if self.steps < 0:
+                raise _TemplateLimit("too many steps")
+            if self.steps & 1023 == 0 and time.monotonic() > self.deadline:
+                raise _TemplateLimit(f"more than {self.seconds:g} s")
+        return self.local_trace
+
+
+def _text_size(x) -> int:
+    """Characters of the strings in a (nested) message structure."""
+    if isinstance(x, str):
+        return len(x)
+    if isinstance(x, dict):
+        return sum(_text_size(k) + _text_size(v) for k, v in x.items())
+    if isinstance(x, (list, tuple)):
+        return sum(_text_size(v) for v in x)
+    return 8
+
+
+def _render_bounded(tmpl: jinja2.Template, limits: RenderLimits, max_out: int, **variables) -> str:
+    budget = _Budget(limits)
+    old = sys.gettrace()
+    sys.settrace(budget.global_trace)
+    try:
+        parts, n = [], 0
+        for piece in tmpl.generate(**variables):
+            n += len(piece)
+            if n > max_out:
+                raise _TemplateLimit(f"an output of more than {max_out} characters")
+            if time.monotonic() > budget.deadline:
+                raise _TemplateLimit(f"more than {limits.seconds:g} s")
+            parts.append(piece)
+        return "".join(parts)
+    finally:
+        sys.settrace(old)
 
 
 def render_chat(
@@ -59,6 +251,7 @@ def render_chat(
     add_generation_prompt: bool = True,
     bos_token: str = "",
     eos_token: str = "",
+    limits: RenderLimits = RenderLimits(),
     **extra,
 ) -> str:
     """Prompt text for ``messages`` (``[{"role": "user", "content": "hi"}, ...]``).
@@ -67,19 +260,29 @@ def render_chat(
     add_generation_prompt: end with the header of an assistant turn.
     bos_token / eos_token: the strings templates may insert (``{{ bos_token }}``).
     extra: more template variables (e.g. ``tools``), passed through.
-    Raises PyinferError (one line) on a syntax error, a sandbox violation or ``raise_exception``.
+    limits: the step, time and output budget (RenderLimits).
+    Raises PyinferError (one line) on a syntax error, a sandbox violation, ``raise_exception``, or a
+    template that goes over a limit (too slow, too much output, a huge number or string).
     """
     if not template:
         template = CHATML_TEMPLATE
+    max_out = limits.output_base + limits.output_per_input * _text_size([messages, extra])
     try:
         tmpl = _compile(template)
-        return tmpl.render(
+        return _render_bounded(
+            tmpl, limits, max_out,
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=bos_token,
             eos_token=eos_token,
             **extra,
         )
+    except _TemplateLimit as e:
+        raise PyinferError(f"chat template refused: it needs {e} (a hostile or broken template)") from None
+    except RecursionError:
+        raise PyinferError("chat template refused: it recurses too deeply") from None
+    except MemoryError:
+        raise PyinferError("chat template refused: it ran out of memory") from None
     except _TemplateError as e:
         raise PyinferError(f"chat template: {_one_line(e)}") from None
     except jinja2.exceptions.SecurityError as e:

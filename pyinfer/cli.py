@@ -10,13 +10,8 @@ import argparse
 import sys
 
 from pyinfer.errors import PyinferError, exit_code_of
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports a bad flag as one ``error:`` line and exit status 1 (not usage + 2)."""
-
-    def error(self, message):
-        self.exit(1, f"error: {message} (see {self.prog} --help)\n")
+from pyinfer.options import Parser as _Parser
+from pyinfer.options import arg_type, prompt_file_limit, read_text_file
 
 
 def build_parser(prog: str = "pyinfer-run") -> argparse.ArgumentParser:
@@ -28,19 +23,19 @@ def build_parser(prog: str = "pyinfer-run") -> argparse.ArgumentParser:
     src.add_argument("-f", "--file", help="read the prompt from this file")
     p.add_argument("-i", "--interactive", action="store_true",
                    help="chat in a read-eval-print loop (same as pyinfer-chat)")
-    p.add_argument("-n", "--n-predict", type=int, default=None,
+    p.add_argument("-n", "--n-predict", type=arg_type("n_predict"), default=None,
                    help="tokens to generate (-1: until end of text or a full context; "
                         "default 256, in a chat -1)")
-    p.add_argument("-t", "--threads", type=int, default=None, help="kernel threads (default: all cores)")
-    p.add_argument("-c", "--ctx-size", type=int, default=0,
+    p.add_argument("-t", "--threads", type=arg_type("threads"), default=None, help="kernel threads (default: all cores)")
+    p.add_argument("-c", "--ctx-size", type=arg_type("ctx_size"), default=0,
                    help="context size in tokens (0: min(4096, the model's))")
-    p.add_argument("--temp", type=float, default=0.8, help="temperature (0: greedy)")
-    p.add_argument("--top-k", type=int, default=40)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--min-p", type=float, default=0.05)
-    p.add_argument("--repeat-penalty", type=float, default=1.0)
-    p.add_argument("--repeat-last-n", type=int, default=64)
-    p.add_argument("-s", "--seed", type=int, default=-1, help="RNG seed (-1: random)")
+    p.add_argument("--temp", type=arg_type("temperature"), default=0.8, help="temperature (0: greedy)")
+    p.add_argument("--top-k", type=arg_type("top_k"), default=40)
+    p.add_argument("--top-p", type=arg_type("top_p"), default=0.95)
+    p.add_argument("--min-p", type=arg_type("min_p"), default=0.05)
+    p.add_argument("--repeat-penalty", type=arg_type("repeat_penalty"), default=1.0)
+    p.add_argument("--repeat-last-n", type=arg_type("repeat_last_n"), default=64)
+    p.add_argument("-s", "--seed", type=arg_type("seed"), default=-1, help="RNG seed (-1: random)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end of text")
     p.add_argument("--chat", action="store_true",
                    help="render the prompt as one user turn with the GGUF's chat template")
@@ -48,12 +43,12 @@ def build_parser(prog: str = "pyinfer-run") -> argparse.ArgumentParser:
     p.add_argument("--no-display-prompt", action="store_true", help="do not echo the prompt")
     p.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"],
                    help="auto: the GPU when CuPy sees one (default, silent), cpu, or cuda")
-    p.add_argument("--vram-budget", type=float, default=None, help="GiB of GPU memory for hot neurons")
+    p.add_argument("--vram-budget", type=arg_type("vram_budget"), default=None, help="GiB of GPU memory for hot neurons")
     p.add_argument("--reset-gpu-index", action="store_true",
                    help="re-solve the hot-neuron split from the file's activation counts")
     p.add_argument("--disable-gpu-index", action="store_true",
                    help="ignore the stored hot-neuron split; offload whole layers instead")
-    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=None,
+    p.add_argument("-ngl", "--n-gpu-layers", type=arg_type("n_gpu_layers"), default=None,
                    help="llama.cpp-style baseline: the first N layers' FFNs dense on the GPU")
     p.add_argument("--dense", action="store_true",
                    help="compute every FFN neuron (ignore the file's predictors)")
@@ -80,16 +75,11 @@ def print_timings(t, file=None):
 
 
 def check_args(args) -> str:
-    """Validate flags that argparse cannot; return the model path. Raises PyinferError."""
+    """Validate what argparse cannot (each numeric flag's range is checked by its ``type``,
+    pyinfer/options.py); return the model path. Raises PyinferError."""
     model_path = args.model_opt or args.model
     if not model_path:
         raise PyinferError("no model given: pyinfer-run MODEL.gguf -p PROMPT")
-    if args.threads is not None and args.threads <= 0:
-        raise PyinferError("-t/--threads must be >= 1")
-    if args.ctx_size < 0:
-        raise PyinferError("-c/--ctx-size must be >= 0")
-    if args.n_predict is not None and args.n_predict < -1:
-        raise PyinferError("-n/--n-predict must be -1 or >= 0")
     return model_path
 
 
@@ -103,7 +93,7 @@ def load(args, model_path: str):
     from pyinfer.api import LLM
 
     llm = LLM(model_path, n_ctx=args.ctx_size or None, n_threads=args.threads, device=args.device,
-              vram_budget=args.vram_budget, seed=None if args.seed < 0 else args.seed,
+              vram_budget=args.vram_budget, seed=None if args.seed == -1 else args.seed,
               dense=args.dense, reset_gpu_index=args.reset_gpu_index,
               disable_gpu_index=args.disable_gpu_index, n_gpu_layers=args.n_gpu_layers)
     return llm
@@ -116,11 +106,7 @@ def run(args) -> int:
 
         return run_repl(args)
     if args.file:
-        try:
-            with open(args.file, encoding="utf-8") as f:
-                prompt = f.read()
-        except (OSError, UnicodeDecodeError) as e:
-            raise PyinferError(f"cannot read prompt file {args.file}: {e}") from None
+        prompt = read_text_file(args.file, prompt_file_limit(args.ctx_size), "prompt file")
     else:
         prompt = args.prompt
     if prompt is None:

@@ -8,7 +8,6 @@ fraction of FFN neurons computed per token.
 """
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 import time
@@ -16,6 +15,7 @@ import time
 import numpy as np
 
 from pyinfer.errors import PyinferError
+from pyinfer.options import MAX_TEXT_FILE_BYTES, Parser, arg_type, read_text_file
 
 
 def log_softmax_at(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
@@ -58,22 +58,18 @@ def perplexity(engine, tokens: list[int], n_ctx: int, max_chunks: int = 0, progr
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="pyinfer-perplexity", description=__doc__.splitlines()[0])
+    ap = Parser(prog="pyinfer-perplexity", description=__doc__.splitlines()[0])
     ap.add_argument("model", help="GGUF written by pyinfer-convert")
     ap.add_argument("-f", "--file", required=True, help="text file to score")
-    ap.add_argument("-c", "--ctx-size", type=int, default=512, help="chunk size in tokens")
-    ap.add_argument("-t", "--threads", type=int, default=None)
-    ap.add_argument("--chunks", type=int, default=0, help="score at most this many chunks")
+    ap.add_argument("-c", "--ctx-size", type=arg_type("ctx_size"), default=512, help="chunk size in tokens")
+    ap.add_argument("-t", "--threads", type=arg_type("threads"), default=None)
+    ap.add_argument("--chunks", type=arg_type("chunks"), default=0, help="score at most this many chunks")
     ap.add_argument("--dense", action="store_true", help="compute every FFN neuron")
     args = ap.parse_args(argv)
     try:
         from pyinfer.engine import Engine
 
-        try:
-            with open(args.file, encoding="utf-8") as f:
-                text = f.read()
-        except (OSError, UnicodeDecodeError) as e:
-            raise PyinferError(f"cannot read {args.file}: {e}") from None
+        text = read_text_file(args.file, MAX_TEXT_FILE_BYTES, "text file", hint="score a part of it")
         if args.ctx_size < 8:
             raise PyinferError("-c/--ctx-size must be at least 8")
         eng = Engine(args.model, n_ctx=args.ctx_size, n_threads=args.threads, dense=args.dense)

@@ -112,10 +112,14 @@ def format_stats(s: GenerationStats) -> str:
 
 
 @contextmanager
-def _sigint_sets_flag(flag: list):
+def _sigint_sets_flag(flag: list, generating: list | None = None):
     """While inside, Ctrl-C sets ``flag[0]`` instead of raising, so an answer stops between two
-    tokens and the engine's cache bookkeeping is never cut in half."""
+    tokens and the engine's cache bookkeeping is never cut in half. Until ``generating[0]`` is
+    True (rendering the template, evaluating the prompt) there is no token to stop at: Ctrl-C
+    raises KeyboardInterrupt there, and the caller forgets the half-filled KV cache."""
     def handler(signum, frame):
+        if generating is not None and not generating[0]:
+            raise KeyboardInterrupt
         flag[0] = True
     try:
         old = signal.signal(signal.SIGINT, handler)
@@ -172,16 +176,24 @@ def repl(session: ChatSession, verbose: bool = False, out=sys.stdout, err=sys.st
             else:
                 print(f"[unknown command {name}; /help lists them]", file=err)
             continue
-        stop = [False]
+        stop, generating = [False], [False]
 
         def show(piece):
             out.write(piece)
             out.flush()
+
+        def should_stop():  # called after every token: from the first one on, Ctrl-C only sets stop
+            generating[0] = True
+            return stop[0]
         try:
-            with _sigint_sets_flag(stop):
-                last = session.ask(text, show, should_stop=lambda: stop[0])
+            with _sigint_sets_flag(stop, generating):
+                last = session.ask(text, show, should_stop=should_stop)
         except PyinferError as e:
             print(f"error: {e}", file=err)
+            continue
+        except KeyboardInterrupt:  # while rendering or evaluating the prompt
+            session.llm.reset()  # the cache may hold part of the prompt: start it afresh next time
+            print("\n[interrupted]", file=err)
             continue
         print(file=out)
         if session.last_dropped:

@@ -4,19 +4,27 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``"stream": 
 server-sent events, ending with ``data: [DONE]``), ``GET /v1/models``, ``GET /health``.
 One engine serves one request at a time: requests wait in a bounded queue, and a request that finds
 it full gets 503. A malformed request gets a 4xx with an OpenAI-style error body; nothing a client
-sends stops the server. Install with ``pip install pyinfer[server]``.
+sends stops the server: bodies are bounded before they are read, chat templates render in a worker
+thread under a time and size bound (pyinfer/chat.py), and a client that leaves stops its answer.
+``--api-key KEY`` asks every request but ``/health`` for ``Authorization: Bearer KEY`` (as
+llama.cpp's server and the OpenAI client do); a non-loopback ``--host`` needs it (or ``--no-api-key``).
+Install with ``pip install pyinfer[server]``.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hmac
+import ipaddress
 import json
+import os
 import queue
 import sys
 import threading
 import time
 from typing import Any, Callable
 
+from pyinfer import options
 from pyinfer.errors import PyinferError
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more than any prompt that fits a context
@@ -38,17 +46,16 @@ def error_body(message: str, param: str | None = None, kind: str = "invalid_requ
 
 
 # ---- request validation ------------------------------------------------------------------------
-def _number(body: dict, name: str, default, lo=None, hi=None, integer=False):
+def _number(body: dict, name: str, default, option: str):
+    """``body[name]`` checked against ``option``'s range (pyinfer/options.py, shared with the CLI
+    and the API); ``default`` when absent or null. NaN and infinities are refused."""
     v = body.get(name, default)
     if v is None:
         return default
-    ok = isinstance(v, int) if integer else isinstance(v, (int, float))
-    if not ok or isinstance(v, bool):
-        raise BadRequest(f"'{name}' must be {'an integer' if integer else 'a number'}", name)
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        rng = f">= {lo}" if hi is None else f"between {lo} and {hi}"
-        raise BadRequest(f"'{name}' must be {rng}, got {v}", name)
-    return v
+    try:
+        return options.check(option, v, f"'{name}'")
+    except PyinferError as e:
+        raise BadRequest(str(e), name) from None
 
 
 def sampling_options(body: dict, max_tokens_default: int | None) -> dict:
@@ -57,7 +64,7 @@ def sampling_options(body: dict, max_tokens_default: int | None) -> dict:
     Raises BadRequest for a wrong type or range. Unknown fields are ignored, as OpenAI-compatible
     servers do (clients send ``model``, ``user`` ...); ``n`` must be 1.
     """
-    if _number(body, "n", 1, integer=True) != 1:
+    if body.get("n", 1) not in (1, None) or isinstance(body.get("n"), (bool, float)):
         raise BadRequest("only n=1 is supported", "n")
     stop = body.get("stop")
     if stop is not None:
@@ -69,19 +76,17 @@ def sampling_options(body: dict, max_tokens_default: int | None) -> dict:
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be a boolean", "stream")
     opts = dict(
-        max_tokens=_number(body, "max_tokens", max_tokens_default, lo=1, integer=True),
+        max_tokens=_number(body, "max_tokens", max_tokens_default, "max_tokens"),
         # llama.cpp server's defaults, not OpenAI's (temperature 1, no filters): kinder to small models
-        temperature=_number(body, "temperature", 0.8, lo=0.0, hi=2.0),
-        top_p=_number(body, "top_p", 0.95, lo=0.0, hi=1.0),
-        top_k=_number(body, "top_k", 40, lo=0, integer=True),
-        min_p=_number(body, "min_p", 0.05, lo=0.0, hi=1.0),
-        repeat_penalty=_number(body, "repeat_penalty", 1.0, lo=1e-3, hi=10.0),
-        seed=_number(body, "seed", None, integer=True),
+        temperature=_number(body, "temperature", 0.8, "temperature"),
+        top_p=_number(body, "top_p", 0.95, "top_p"),  # 0: greedy (OpenAI; options.sampling)
+        top_k=_number(body, "top_k", 40, "top_k"),
+        min_p=_number(body, "min_p", 0.05, "min_p"),
+        repeat_penalty=_number(body, "repeat_penalty", 1.0, "repeat_penalty"),
+        seed=_number(body, "seed", None, "seed"),  # -1: random, as llama.cpp's server
         stop=stop,
         stream=stream,
     )
-    if opts["top_p"] == 0:  # OpenAI allows 0: only the most likely token survives
-        opts["top_p"], opts["temperature"] = 1.0, 0.0
     return opts
 
 
@@ -180,11 +185,57 @@ class EngineWorker:
 
 
 # ---- the app -----------------------------------------------------------------------------------
-def create_app(llm, max_queue: int = 4):
-    """The Starlette app serving ``llm`` (a ``pyinfer.LLM``)."""
+def is_loopback(host: str) -> bool:
+    """True for an address only this machine reaches (127.0.0.0/8, ::1, "localhost")."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host.lower() == "localhost"
+
+
+def bearer_ok(authorization: bytes, api_key: str) -> bool:
+    """Whether an ``Authorization`` header value is ``Bearer <api_key>`` (constant-time compare)."""
+    scheme, _, token = authorization.partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), api_key.encode())
+
+
+class ApiKeyMiddleware:
+    """ASGI middleware: 401 with an OpenAI-shaped error unless the request carries
+    ``Authorization: Bearer <api_key>``; ``/health`` stays open (as llama.cpp's server keeps it)."""
+
+    PUBLIC = ("/health",)
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.api_key = api_key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in self.PUBLIC:
+            auth = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not bearer_ok(auth, self.api_key):
+                from starlette.responses import JSONResponse
+
+                body = error_body("invalid or missing API key: send 'Authorization: Bearer <key>'",
+                                  kind="authentication_error")
+                response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _until_disconnect(receive) -> None:
+    """Return when the client has gone (the body has been read: the next message is the disconnect)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def create_app(llm, max_queue: int = 4, api_key: str | None = None):
+    """The Starlette app serving ``llm`` (a ``pyinfer.LLM``); ``api_key``: see ApiKeyMiddleware."""
     from starlette.applications import Starlette
+    from starlette.concurrency import run_in_threadpool
+    from starlette.middleware import Middleware
     from starlette.requests import Request
-    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
     worker = EngineWorker(max_queue)
@@ -194,15 +245,36 @@ def create_app(llm, max_queue: int = 4):
         return JSONResponse(error_body(message, param, kind), status_code=status)
 
     async def read_json(request: Request) -> dict:
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            raise BadRequest(f"request body larger than {MAX_BODY_BYTES} bytes", status=413)
+        """The JSON object of the body, read only while it stays under MAX_BODY_BYTES (refused
+        from Content-Length before reading, or as soon as a chunked body passes the limit)."""
+        too_big = BadRequest(f"request body larger than {MAX_BODY_BYTES} bytes", status=413)
+        length = request.headers.get("content-length")
+        if length is not None:
+            if not length.isdigit():
+                raise BadRequest("invalid Content-Length header")
+            if int(length) > MAX_BODY_BYTES:
+                raise too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise too_big
+            chunks.append(chunk)
         try:
-            body = json.loads(raw)
+            body = json.loads(b"".join(chunks))
         except (ValueError, UnicodeDecodeError):
             raise BadRequest("request body is not valid JSON") from None
+        except RecursionError:
+            raise BadRequest("request body is nested too deeply") from None
         if not isinstance(body, dict):
             raise BadRequest("request body must be a JSON object")
+        try:  # a lone surrogate ("\ud800") parses, but no tokenizer can encode it
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise BadRequest("request body has a string that is not valid Unicode "
+                             "(a lone surrogate escape such as \\ud800)") from None
+        except RecursionError:
+            raise BadRequest("request body is nested too deeply") from None
         return body
 
     def check_room(prompt_ids: list[int], max_tokens: int | None) -> None:
@@ -215,8 +287,10 @@ def create_app(llm, max_queue: int = 4):
                              f"tokens + max_tokens {max_tokens} = {len(prompt_ids) + max_tokens}",
                              "max_tokens")
 
-    async def run_job(make: Callable[[], Any], stream: bool, usage: bool = False):
-        """Queue ``make`` (which returns a dict, or an iterator of chunk dicts) on the worker."""
+    async def run_job(request: Request, make: Callable[[Callable[[], bool]], Any], stream: bool,
+                      usage: bool = False):
+        """Queue ``make(should_stop)`` (which returns a dict, or an iterator of chunk dicts) on the
+        worker; ``should_stop()`` turns True when the client has gone, and generation ends there."""
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
         done = object()
@@ -226,7 +300,7 @@ def create_app(llm, max_queue: int = 4):
                 loop.call_soon_threadsafe(out.put_nowait, done)
                 return
             try:
-                result = make()
+                result = make(cancel.is_set)
                 if not stream:
                     loop.call_soon_threadsafe(out.put_nowait, result)
                     return
@@ -252,10 +326,19 @@ def create_app(llm, max_queue: int = 4):
             return error(503, "the server is busy (request queue full); retry later",
                          kind="server_busy")
         if not stream:
+            # Wait for the answer or the client's disconnect, whichever comes first; on a
+            # disconnect the job's should_stop turns True and the engine is free within a token.
+            answer = asyncio.ensure_future(out.get())
+            gone = asyncio.ensure_future(_until_disconnect(request.receive))
             try:
-                result = await out.get()
+                await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 cancel.set()
+                gone.cancel()
+            if not answer.done():
+                answer.cancel()
+                return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
+            result = answer.result()
             if isinstance(result, BadRequest):
                 return error(result.status, str(result), result.param)
             if isinstance(result, Exception):
@@ -292,13 +375,15 @@ def create_app(llm, max_queue: int = 4):
             prompt = completion_prompt(body)
             opts = sampling_options(body, max_tokens_default=16)
             usage = include_usage(body)
-            ids = llm.tokenize(prompt) if isinstance(prompt, str) else prompt
+            # tokenizing up to 1 MiB takes a while: off the event loop, which keeps serving
+            ids = await run_in_threadpool(llm.tokenize, prompt) if isinstance(prompt, str) else prompt
             if isinstance(prompt, list) and any(not 0 <= t < llm.tokenizer.n_vocab for t in prompt):
                 raise BadRequest("'prompt' has a token id outside the vocabulary", "prompt")
             check_room(ids, opts["max_tokens"])
         except BadRequest as e:
             return error(e.status, str(e), e.param)
-        return await run_job(lambda: llm.create_completion(ids, **opts), opts["stream"], usage)
+        return await run_job(request, lambda stop: llm.create_completion(ids, should_stop=stop, **opts),
+                             opts["stream"], usage)
 
     async def chat_completions(request: Request):
         try:
@@ -307,15 +392,19 @@ def create_app(llm, max_queue: int = 4):
             opts = sampling_options(body, max_tokens_default=None)
             usage = include_usage(body)
             if body.get("max_completion_tokens") is not None and body.get("max_tokens") is None:
-                opts["max_tokens"] = _number(body, "max_completion_tokens", None, lo=1, integer=True)
+                opts["max_tokens"] = _number(body, "max_completion_tokens", None, "max_tokens")
             try:
-                ids = llm.chat_tokens(messages)
+                # the template is the model file's code: rendered in a worker thread (bounded in
+                # time and size by pyinfer/chat.py), so a slow one never blocks other requests
+                ids = await run_in_threadpool(llm.chat_tokens, messages)
             except PyinferError as e:
                 raise BadRequest(str(e), "messages") from None
             check_room(ids, opts["max_tokens"])
         except BadRequest as e:
             return error(e.status, str(e), e.param)
-        return await run_job(lambda: llm.create_chat_completion(messages, **opts), opts["stream"], usage)
+        return await run_job(request, lambda stop: llm.create_chat_completion(messages, should_stop=stop,
+                                                                              **opts),
+                             opts["stream"], usage)
 
     async def models(request: Request):
         return JSONResponse({"object": "list", "data": [
@@ -338,32 +427,40 @@ def create_app(llm, max_queue: int = 4):
     ]
     from starlette.exceptions import HTTPException
 
-    return Starlette(routes=routes, exception_handlers={HTTPException: not_found, Exception: server_error})
+    middleware = [Middleware(ApiKeyMiddleware, api_key=api_key)] if api_key else []
+    return Starlette(routes=routes, middleware=middleware,
+                     exception_handlers={HTTPException: not_found, Exception: server_error})
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pyinfer.cli import _Parser
+    from pyinfer.options import Parser, arg_type
 
-    p = _Parser(prog="pyinfer-serve", description=__doc__.splitlines()[0])
+    p = Parser(prog="pyinfer-serve", description=__doc__.splitlines()[0])
     p.add_argument("model", help="GGUF written by pyinfer-convert")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1; any other needs --api-key or --no-api-key)")
+    p.add_argument("--api-key", default=os.environ.get("PYINFER_API_KEY") or None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every request but /health "
+                        "(default: $PYINFER_API_KEY; none)")
+    p.add_argument("--no-api-key", action="store_true",
+                   help="serve a non-loopback --host without an API key (anyone who reaches it may use it)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
-    p.add_argument("-c", "--ctx-size", type=int, default=0,
+    p.add_argument("-c", "--ctx-size", type=arg_type("ctx_size"), default=0,
                    help="context size in tokens (0: min(4096, the model's))")
-    p.add_argument("-t", "--threads", type=int, default=None, help="kernel threads (default: all cores)")
+    p.add_argument("-t", "--threads", type=arg_type("threads"), default=None, help="kernel threads (default: all cores)")
     p.add_argument("--queue-size", type=int, default=4,
                    help="requests that may wait behind the running one before 503 (default 4)")
     p.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"],
                    help="auto: the GPU when CuPy sees one (default), cpu, or cuda")
-    p.add_argument("--vram-budget", type=float, default=None, help="GiB of GPU memory for hot neurons")
+    p.add_argument("--vram-budget", type=arg_type("vram_budget"), default=None, help="GiB of GPU memory for hot neurons")
     p.add_argument("--reset-gpu-index", action="store_true",
                    help="re-solve the hot-neuron split from the file's activation counts")
     p.add_argument("--disable-gpu-index", action="store_true",
                    help="ignore the stored hot-neuron split; offload whole layers instead")
-    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=None,
+    p.add_argument("-ngl", "--n-gpu-layers", type=arg_type("n_gpu_layers"), default=None,
                    help="llama.cpp-style baseline: the first N layers' FFNs dense on the GPU")
     p.add_argument("--dense", action="store_true", help="compute every FFN neuron (ignore predictors)")
-    p.add_argument("-s", "--seed", type=int, default=-1, help="RNG seed (-1: random)")
+    p.add_argument("-s", "--seed", type=arg_type("seed"), default=-1, help="RNG seed (-1: random)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
 
@@ -375,22 +472,26 @@ def main(argv=None) -> int:
             import uvicorn
         except ImportError:
             raise PyinferError("the server needs Starlette and uvicorn: pip install 'pyinfer[server]'") from None
+        if args.api_key is not None and (not args.api_key or any(c.isspace() for c in args.api_key)):
+            raise PyinferError("--api-key must be a non-empty key without spaces")
+        if not is_loopback(args.host) and not args.api_key and not args.no_api_key:
+            raise PyinferError(f"refusing to listen on {args.host}, which other machines can reach, "
+                               "without --api-key KEY (or pass --no-api-key to serve anyone)")
         if not 0 <= args.port <= 65535:
             raise PyinferError(f"--port must be in 0..65535, got {args.port}")
         if args.queue_size < 0:
             raise PyinferError("--queue-size must be >= 0")
-        if args.threads is not None and args.threads <= 0:
-            raise PyinferError("-t/--threads must be >= 1")
         from pyinfer.cli import load
 
         llm = load(args, args.model)
-        app = create_app(llm, max_queue=args.queue_size)
+        app = create_app(llm, max_queue=args.queue_size, api_key=args.api_key)
     except PyinferError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"pyinfer-serve: {llm.model_name}, context {llm.n_ctx} tokens, "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    # SIGTERM waits at most a few seconds for open requests (a stream stops within a token)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0
 
 

@@ -133,15 +133,62 @@ def test_prompt_must_fit():
 
 def test_bad_sampling_parameters_raise_before_streaming():
     llm = scripted(["a"])
-    with pytest.raises(PyinferError):
-        llm.create_completion([0], top_p=0.0, stream=True)
+    with pytest.raises(PyinferError, match="top_p must be a finite number >= 0 and <= 1"):
+        llm.create_completion([0], top_p=1.5, stream=True)
 
 
-def test_constructor_errors(tmp_path):
+@pytest.mark.parametrize("kw,message", [
+    (dict(temperature=-0.1), "temperature must be a finite number >= 0"),
+    (dict(temperature=float("nan")), "temperature must be a finite number"),
+    (dict(temperature=float("inf")), "temperature must be a finite number"),
+    (dict(top_k=-1), "top_k must be an integer in 0.."),
+    (dict(top_k=2.5), "top_k must be an integer"),
+    (dict(min_p=1.5), "min_p must be a finite number >= 0 and <= 1"),
+    (dict(top_p=float("nan")), "top_p must be a finite number"),
+    (dict(repeat_penalty=0.0), "repeat_penalty must be a finite number > 0"),
+    (dict(repeat_penalty=float("nan")), "repeat_penalty must be a finite number > 0"),
+    (dict(max_tokens=-2), "max_tokens must be an integer in -1.."),
+    (dict(max_tokens=10**20), "max_tokens must be an integer in -1.."),
+    (dict(seed=-2), "seed must be an integer in 0..18446744073709551615 (or -1)"),
+    (dict(seed=1.5), "seed must be an integer"),
+    (dict(stop=3), "stop must be a string or a list of strings"),
+])
+def test_bad_request_values_are_pyinfer_errors(kw, message):
+    llm = scripted(["a"])
+    for create in (lambda: llm.create_completion([0], **kw),
+                   lambda: llm.create_chat_completion([{"role": "user", "content": "x"}], **kw)):
+        with pytest.raises(PyinferError) as e:
+            create()
+        assert message in str(e.value)
+
+
+def test_top_p_zero_is_greedy_and_seed_minus_one_is_random():
+    llm = scripted(["a", "b"])
+    assert llm._params(0.8, 40, 0.0, 0.05, 1.0).temperature == 0.0
+    assert llm.create_completion([0], seed=-1, max_tokens=2)["choices"][0]["text"] == "ab"
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(n_threads=0), "n_threads must be an integer in 1..512, got 0"),
+    (dict(n_threads=100000), "n_threads must be an integer in 1..512, got 100000"),
+    (dict(n_threads=2**31), "n_threads must be an integer in 1..512"),
+    (dict(n_ctx=-1), "n_ctx must be an integer in 0..16777216, got -1"),
+    (dict(n_ctx=9999999999999999999), "n_ctx must be an integer in 0..16777216"),
+    (dict(vram_budget=-1.0), "vram_budget must be a finite number > 0"),
+    (dict(vram_budget=float("nan")), "vram_budget must be a finite number > 0"),
+    (dict(n_gpu_layers=-1), "n_gpu_layers must be an integer in 0.."),
+    (dict(seed=-5), "seed must be an integer"),
+])
+def test_constructor_errors(tmp_path, kw, message):
+    # the values are refused before the file is even opened
+    with pytest.raises(PyinferError) as e:
+        LLM(str(tmp_path / "none.gguf"), **kw)
+    assert message in str(e.value)
+
+
+def test_constructor_missing_file(tmp_path):
     with pytest.raises(PyinferError, match="not found"):
         LLM(str(tmp_path / "none.gguf"), device="cpu")
-    with pytest.raises(PyinferError, match="n_threads"):
-        LLM(str(tmp_path / "none.gguf"), n_threads=0)
 
 
 def test_lazy_import():

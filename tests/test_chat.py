@@ -1,6 +1,9 @@
 """pyinfer.chat against transformers' apply_chat_template on the same template string."""
 from __future__ import annotations
 
+import sys
+import time
+
 import gguf
 import pytest
 
@@ -130,3 +133,76 @@ def test_smollm2_embedded_template(hf_tokenizer):
     for messages in CHATS[:2]:
         expected = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         assert render_chat(template, messages) == expected
+
+
+# ---- templates that burn CPU or memory fail fast (issue 9) ----------------------------------------
+@pytest.mark.parametrize("template, message", [
+    ("{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}", "range() of more than"),
+    ("{% for i in range(10000) %}{% for j in range(10000) %}x{% endfor %}{% endfor %}", "too many steps"),
+    # no output and no calls inside the loops: only the step budget sees them
+    ("{% set r = range(10000) %}{% for i in r %}{% for j in r %}{% endfor %}{% endfor %}", "too many steps"),
+    ("{{ 2 ** (2 ** 40) }}", "a number of more than 4096 bits"),
+    ("{{ lipsum(n=10**7) }}", "an argument larger than"),
+    ("{{ lipsum() }}", "'lipsum' is undefined"),
+    ("{{ 'x' * 10**10 }}", "a value of more than"),
+    ("{{ 'x'|center(10**9) }}", "an argument larger than"),
+    ("{{ 'ab'.ljust(10**9) }}", "an argument larger than"),
+    ("{{ '%0999999999d' % 1 }}", "a format with a huge or computed width"),
+    ("{{ '%0*d' % (10**9, 1) }}", "a format with a huge or computed width"),
+    ("{{ '%.999999999f' % 1.0 }}", "a format with a huge or computed width"),
+    ("{{ '{:>999999999}'.format(1) }}", "a format with a huge or computed width"),
+    ("{{ '%0999999999d'|format(1) }}", "a format with a huge or computed width"),
+    ("{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+     "a value of more than"),
+    ("{% set big %}{% for i in range(10000) %}{% for j in range(10000) %}x{% endfor %}{% endfor %}"
+     "{% endset %}{{ big|length }}", "too many steps"),
+    ("{% macro f(n) %}{{ f(n - 1) ~ f(n - 1) if n else 'x' }}{% endmacro %}{{ f(60) }}", "more than 2 s"),
+    ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "recurses too deeply"),
+])
+def test_costly_template_fails_fast(template, message):
+    t0 = time.monotonic()
+    with pytest.raises(PyinferError) as e:
+        render_chat(template, CHATS[0])
+    assert message in str(e.value), str(e.value)
+    assert "\n" not in str(e.value)
+    assert time.monotonic() - t0 < 4.0  # the 2 s clock, with room for a busy machine
+
+
+def test_output_is_capped_by_the_input_size():
+    from pyinfer.chat import RenderLimits
+
+    limits = RenderLimits(output_base=1000, output_per_input=2)
+    template = "{% for i in range(300) %}{{ messages[0]['content'] }}{% endfor %}"
+    # 1000 + 2 x the 25 characters of the message (keys and values: "role" "user" "content" ...)
+    with pytest.raises(PyinferError, match="an output of more than 1050 characters"):
+        render_chat(template, [{"role": "user", "content": "0123456789"}], limits=limits)
+    # the same template within its budget renders as Jinja would
+    assert render_chat(template, [{"role": "user", "content": "ab"}], limits=limits) == "ab" * 300
+
+
+def test_ordinary_formats_still_work():
+    assert render_chat("{{ '%5.2f|%s|%%' % (1.5, 'a') }}{{ '{:>4}'.format('b') }}", []) == " 1.50|a|%   b"
+
+
+def test_limits_leave_a_long_conversation_alone():
+    chat = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"message {i} " * 50}
+            for i in range(2000)]
+    out = render_chat(SMOLLM2_TEMPLATE, chat)
+    assert out.count("<|im_start|>") == 2002 and out.endswith("<|im_start|>assistant\n")
+
+
+def test_bounded_rendering_restores_the_tracer():
+    seen = []
+
+    def tracer(frame, event, arg):
+        seen.append(event)
+        return None
+
+    sys.settrace(tracer)
+    try:
+        render_chat(SMOLLM2_TEMPLATE, CHATS[0])
+        with pytest.raises(PyinferError):
+            render_chat("{{ 2 ** (2 ** 40) }}", CHATS[0])
+        assert sys.gettrace() is tracer
+    finally:
+        sys.settrace(None)

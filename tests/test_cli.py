@@ -59,9 +59,59 @@ def test_truncated_gguf(tmp_path, tiny_gguf):
     assert_user_error(pyinfer_run(str(p), "-p", "hi"), "truncated")
 
 
-@pytest.mark.parametrize("value", ["0", "-2", "two"])
+@pytest.mark.parametrize("value", ["0", "-2", "two", "100000", "2147483648"])
 def test_bad_threads(tmp_path, value):
-    assert_user_error(pyinfer_run(str(tmp_path / "m.gguf"), "-p", "hi", "-t", value), "-t/--threads")
+    assert_user_error(pyinfer_run(str(tmp_path / "m.gguf"), "-p", "hi", "-t", value),
+                      "-t/--threads", "must be an integer in 1..512")
+
+
+# Every numeric flag is range-checked before the model is opened (pyinfer/options.py).
+@pytest.mark.parametrize("flag,value,words", [
+    ("-c", "9999999999999999999", "must be an integer in 0..16777216"),
+    ("-c", "-1", "-c/--ctx-size"),
+    ("--temp", "-1", "must be a finite number >= 0"),
+    ("--temp", "nan", "must be a finite number >= 0"),
+    ("--temp", "inf", "--temp"),
+    ("--top-k", "-1", "--top-k"),
+    ("--top-p", "1.5", "must be a finite number >= 0 and <= 1"),
+    ("--min-p", "-0.1", "--min-p"),
+    ("--repeat-penalty", "nan", "must be a finite number > 0"),
+    ("--repeat-penalty", "0", "--repeat-penalty"),
+    ("-n", "-2", "-n/--n-predict"),
+    ("--vram-budget", "-1", "--vram-budget"),
+    ("--vram-budget", "nan", "--vram-budget"),
+    ("-ngl", "-1", "-ngl/--n-gpu-layers"),
+    ("-s", "-2", "-s/--seed"),
+])
+def test_bad_numeric_flags(tmp_path, flag, value, words):
+    assert_user_error(pyinfer_run(str(tmp_path / "m.gguf"), "-p", "hi", flag, value), flag, words)
+
+
+def test_bad_flags_in_the_chat_and_perplexity_too(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    for module in ("pyinfer.repl", "pyinfer.perplexity"):
+        r = subprocess.run([sys.executable, "-m", module, str(tmp_path / "m.gguf"), "-f", "x.txt",
+                            "-t", "100000"], capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
+        assert_user_error(r, "-t/--threads", "must be an integer in 1..512")
+
+
+def test_endless_prompt_file_is_refused_unread(tiny_gguf):
+    # /dev/zero never ends: the file is read up to a bound (64 bytes per context token), then refused
+    r = pyinfer_run(tiny_gguf, "-f", "/dev/zero", "-c", "4096", timeout=60)
+    assert_user_error(r, "prompt file /dev/zero is larger than 262144 bytes")
+
+
+def test_endless_perplexity_file_is_refused(tiny_gguf):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    r = subprocess.run([sys.executable, "-m", "pyinfer.perplexity", tiny_gguf, "-f", "/dev/zero"],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
+    assert_user_error(r, "text file /dev/zero is larger than 67108864 bytes")
+
+
+def test_prompt_file_not_utf8(tmp_path, tiny_gguf):
+    p = tmp_path / "latin1.txt"
+    p.write_bytes(b"caf\xe9\n")
+    assert_user_error(pyinfer_run(tiny_gguf, "-f", str(p)), "not UTF-8")
 
 
 def test_no_prompt_and_no_model(tmp_path, tiny_gguf):

@@ -41,7 +41,9 @@ def convert(src: str, out: str, outtype: str = "f32") -> gguf.GGUFReader:
     from convert.cli import convert as _convert
 
     _convert(src, out, outtype, progress=False)
-    assert not os.path.exists(out + ".tmp")
+    leftovers = [n for n in os.listdir(os.path.dirname(out) or ".")
+                 if n.startswith("." + os.path.basename(out)) and n.endswith(".tmp")]
+    assert not leftovers, leftovers
     return gguf.GGUFReader(out)
 
 
@@ -292,7 +294,9 @@ def _expect_error(tmp_path, src: str, out: str | None = None, contains: str = ""
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), p.stderr
     assert contains in lines[0], lines[0]
-    assert not os.path.exists(out) and not os.path.exists(out + ".tmp")
+    out_dir = os.path.dirname(out)
+    assert not os.path.exists(out)
+    assert not os.path.isdir(out_dir) or not [n for n in os.listdir(out_dir) if n.endswith(".tmp")]
     return lines[0]
 
 
@@ -436,10 +440,184 @@ def test_signal_mid_write_leaves_nothing(tmp_path, sig):
                          env=env, stderr=subprocess.PIPE, text=True,
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 60
-    while not os.path.exists(str(out) + ".tmp") and time.time() < deadline and p.poll() is None:
+    while not os.listdir(tmp_path) and time.time() < deadline and p.poll() is None:
         time.sleep(0.05)
     time.sleep(0.5)
     p.send_signal(getattr(signal, sig))
     _, err = p.communicate(timeout=60)
     assert p.returncode == 1 and err.strip() == "error: interrupted"
     assert os.listdir(tmp_path) == []
+
+
+# ---------------------------------------------------------------- hostile inputs (issue 9)
+def test_failed_conversion_keeps_the_users_tmp_file(models, tmp_path):
+    """The temporary file has a unique name: a user's own OUT.tmp survives a failed conversion."""
+    out = tmp_path / "out.gguf"
+    mine = tmp_path / "out.gguf.tmp"
+    mine.write_bytes(b"my notes")
+    d = _copy_with_config(models, tmp_path, hidden_act="gelu")
+    p = run_cli(d, str(out), "--dense")
+    assert p.returncode == 1, p.stderr
+    assert mine.read_bytes() == b"my notes"
+    assert sorted(os.listdir(tmp_path)) == ["edited", "out.gguf.tmp"]
+
+
+def test_success_keeps_the_users_tmp_file_and_a_normal_mode(models, tmp_path):
+    out = tmp_path / "out.gguf"
+    mine = tmp_path / "out.gguf.tmp"
+    mine.write_bytes(b"my notes")
+    convert(models["notok"], str(out))
+    assert mine.read_bytes() == b"my notes"
+    assert sorted(os.listdir(tmp_path)) == ["out.gguf", "out.gguf.tmp"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(out).st_mode & 0o777 == 0o666 & ~umask  # not mkstemp's 0600
+
+
+@pytest.mark.parametrize("changes,contains", [
+    (dict(hidden_size="64"), "config.json: hidden_size must be an integer in 1..4294967295, got '64'"),
+    (dict(hidden_size=64.0), "hidden_size must be an integer"),
+    (dict(num_hidden_layers=True), "num_hidden_layers must be an integer"),
+    (dict(rope_theta=None), "config.json: rope_theta must be a positive number, got None"),
+    (dict(rope_theta="big"), "rope_theta must be a positive number"),
+    (dict(max_position_embeddings=-5), "config.json: max_position_embeddings must be an integer in 1.."),
+    (dict(intermediate_size=2**40), "intermediate_size must be an integer in 1..4294967295"),
+    (dict(rms_norm_eps=float("nan")), "rms_norm_eps must be a positive number"),
+    (dict(architectures="LlamaForCausalLM"), "architectures must be a list of names"),
+    (dict(rope_scaling=[1, 2]), "rope_scaling must be an object"),
+    (dict(num_attention_heads=3, head_dim=None), "is not a multiple of num_attention_heads 3"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": None}), "rope_theta must be a positive"),
+    (dict(tie_word_embeddings="yes"), "tie_word_embeddings must be true or false"),
+    (dict(hidden_act=["silu"]), "unsupported hidden_act"),
+])
+def test_error_config_value_types(models, tmp_path, changes, contains):
+    d = _copy_with_config(models, tmp_path, **changes)
+    _expect_error(tmp_path, d, contains=contains)
+
+
+@pytest.mark.parametrize("text,contains", [
+    ("[1, 2, 3]", "config.json must be a JSON object, not a list"),
+    ("null", "config.json must be a JSON object, not a NoneType"),
+    ("[" * 100000, "cannot read"),
+])
+def test_error_config_not_an_object(models, tmp_path, text, contains):
+    d = _copy_with_config(models, tmp_path)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        f.write(text)
+    _expect_error(tmp_path, d, contains=contains)
+
+
+def _rewrite_safetensors_header(path: str, edit) -> None:
+    """Apply ``edit(header_dict)`` to a safetensors file's JSON header, keeping the data bytes."""
+    import struct
+
+    with open(path, "rb") as f:
+        (hlen,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(hlen))
+        data = f.read()
+    edit(header)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw + data)
+
+
+def _first_tensor(header: dict) -> str:
+    return sorted(k for k in header if k != "__metadata__")[0]
+
+
+@pytest.mark.parametrize("edit,contains", [
+    # a shape that needs more bytes than its offsets give
+    (lambda h, n: h[n].update(shape=[s * 4 for s in h[n]["shape"]]), "needs"),
+    (lambda h, n: h[n].update(data_offsets=h[n]["data_offsets"][::-1]), "are reversed or negative"),
+    (lambda h, n: h[n].update(data_offsets=[-8, 0]), "are reversed or negative"),
+    (lambda h, n: h[n].update(shape=[-1, 4]), "is not a list of non-negative integers"),
+    (lambda h, n: h[n].update(shape="big"), "is not a list of non-negative integers"),
+    (lambda h, n: h[n].update(data_offsets=[0]), "is not a pair of integers"),
+    (lambda h, n: h.update({n: [1, 2]}), "the entry is not an object"),
+    (lambda h, n: h[n].pop("dtype"), "no dtype"),
+])
+def test_error_malformed_safetensors_header(models, tmp_path, edit, contains):
+    d = _copy_with_config(models, tmp_path)
+    st = os.path.join(d, "model.safetensors")
+    _rewrite_safetensors_header(st, lambda h: edit(h, _first_tensor(h)))
+    msg = _expect_error(tmp_path, d, contains=contains)
+    assert "model.safetensors" in msg
+
+
+def test_error_safetensors_header_not_an_object(models, tmp_path):
+    import struct
+
+    d = _copy_with_config(models, tmp_path)
+    st = os.path.join(d, "model.safetensors")
+    raw = b"[1, 2]  "
+    with open(st, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+    _expect_error(tmp_path, d, contains="the safetensors header is not a JSON object")
+
+
+@pytest.mark.parametrize("edit,contains", [
+    (lambda tj: tj.update(model=["BPE"]), "tokenizer.json: 'model' must be an object, not a list"),
+    (lambda tj: tj.update(model="BPE"), "'model' must be an object, not a str"),
+    (lambda tj: tj["model"].update(vocab=["a", "b"]), "model.vocab must map token texts"),
+    (lambda tj: tj["model"].update(merges=[1, 2]), "model.merges must be a list"),
+    (lambda tj: tj.update(added_tokens={"a": 1}), "'added_tokens' must be a list"),
+    (lambda tj: tj.update(pre_tokenizer=[1]), "'pre_tokenizer' must be an object or null"),
+])
+def test_error_malformed_tokenizer_json(models, tmp_path, edit, contains):
+    d = tmp_path / "tok"
+    shutil.copytree(models["bpe"], d)
+    with open(d / "tokenizer.json") as f:
+        tj = json.load(f)
+    edit(tj)
+    with open(d / "tokenizer.json", "w") as f:
+        json.dump(tj, f)
+    _expect_error(tmp_path, str(d), contains=contains)
+
+
+def test_error_tokenizer_json_not_an_object(models, tmp_path):
+    d = tmp_path / "tok"
+    shutil.copytree(models["bpe"], d)
+    (d / "tokenizer.json").write_text('"just a string"')
+    _expect_error(tmp_path, str(d), contains="tokenizer.json: must be a JSON object, not a str")
+
+
+def test_fewer_layers_in_config_than_checkpoint_is_refused(models, tmp_path):
+    """models["bpe"] has 2 layers; a config saying 1 would silently drop layer 1."""
+    d = tmp_path / "short"
+    shutil.copytree(models["bpe"], d)
+    with open(d / "config.json") as f:
+        cfg = json.load(f)
+    cfg["num_hidden_layers"] = 1
+    with open(d / "config.json", "w") as f:
+        json.dump(cfg, f)
+    _expect_error(tmp_path, str(d), contains="tensor(s) the conversion would leave out (model.layers.1.")
+    out = tmp_path / "out.gguf"
+    p = run_cli(str(d), str(out), "--dense", "--allow-unused-tensors")
+    assert p.returncode == 0, p.stderr
+    assert "converting anyway (--allow-unused-tensors)" in p.stderr
+    assert field(gguf.GGUFReader(str(out)), C.K_BLOCK_COUNT) == 1
+
+
+def test_gguf_with_layers_beyond_block_count_is_refused(converted, tmp_path):
+    """A GGUF source whose block_count is smaller than its blk.N tensors would be truncated too."""
+    src = gguf.GGUFReader(converted)
+    path = str(tmp_path / "short.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    for f in src.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        vtype = f.types[0]
+        if f.name == C.K_BLOCK_COUNT:
+            w.add_uint32(f.name, 1)
+        elif vtype == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(f.name, f.contents(), vtype, f.types[-1])
+        else:
+            w.add_key_value(f.name, f.contents(), vtype)
+    for t in src.tensors:
+        w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    _expect_error(tmp_path, path, contains="tensor(s) of layers beyond its block_count 1 (blk.1.")

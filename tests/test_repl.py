@@ -91,6 +91,56 @@ def test_repl_ends_on_eof(monkeypatch):
     assert repl(ChatSession(FakeLLM()), out=io.StringIO(), err=io.StringIO()) == 0
 
 
+class SlowLLM(FakeLLM):
+    """Spends up to 10 s rendering the template or evaluating the prompt (before the first token)."""
+
+    def __init__(self, slow_in):
+        super().__init__()
+        self.slow_in = slow_in
+        self.resets = 0
+
+    def _busy(self):
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # Python code: a signal handler runs in between
+            sum(range(1000))
+
+    def chat_tokens(self, messages):
+        if self.slow_in == "render" and messages[-1]["content"] == "slow":
+            self._busy()
+        return super().chat_tokens(messages)
+
+    def stream_text(self, ids, max_tokens=None, should_stop=None, **kw):
+        if self.slow_in == "prefill" and self.prompts == []:
+            self.prompts.append(len(ids))
+            self._busy()
+        yield from super().stream_text(ids, max_tokens=max_tokens, should_stop=should_stop, **kw)
+
+    def reset(self):
+        self.resets += 1
+
+
+@pytest.mark.parametrize("slow_in", ["render", "prefill"])
+def test_ctrl_c_works_while_rendering_and_evaluating_the_prompt(monkeypatch, slow_in):
+    import signal
+    import threading
+
+    lines = iter(["slow", "hello", "/exit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    llm = SlowLLM(slow_in)
+    out, err = io.StringIO(), io.StringIO()
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+    t0 = time.monotonic()
+    timer.start()
+    try:
+        assert repl(ChatSession(llm), out=out, err=err) == 0
+    finally:
+        timer.cancel()
+    assert time.monotonic() - t0 < 5  # not the 10 s of the slow step
+    assert "[interrupted]" in err.getvalue()
+    assert llm.resets == 1  # the half-evaluated prompt is not trusted
+    assert "ok then" in out.getvalue()  # the next message was answered
+
+
 # ---- the real thing: pyinfer-chat in a pseudo-terminal -------------------------------------------
 PROMPT = re.compile(r"\n(\x1b\[[0-9;?]*[a-zA-Z])*> ")
 

@@ -228,3 +228,251 @@ def test_busy_server_answers_503_and_recovers(server):
     while pending():
         assert time.monotonic() < deadline
         time.sleep(0.2)
+
+
+# ---- hostile requests against the app in-process (a scripted model; fast) ----------------------
+class _FakeTokenizer:
+    n_vocab = 100
+
+
+class FakeLLM:
+    """Enough of ``pyinfer.LLM`` for the app: one token per character, answers "ok"."""
+
+    n_ctx = 256
+    model_name = "fake"
+    tokenizer = _FakeTokenizer()
+
+    def __init__(self, chat_tokens=None):
+        self.calls = []
+        if chat_tokens is not None:
+            self.chat_tokens = chat_tokens
+
+    def tokenize(self, text):
+        text.encode("utf-8")  # as the real tokenizer: a lone surrogate would raise here
+        return [1] * len(text)
+
+    def chat_tokens(self, messages):
+        return [1] * sum(len(m["content"]) for m in messages)
+
+    def usage(self):
+        return {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+
+    def create_completion(self, ids, should_stop=None, **opts):
+        self.calls.append(opts)
+        return {"object": "text_completion", "choices": [{"text": "ok", "index": 0, "finish_reason": "stop"}]}
+
+    def create_chat_completion(self, messages, should_stop=None, **opts):
+        self.calls.append(opts)
+        return {"object": "chat.completion",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}]}
+
+
+def _client(llm=None, api_key=None):
+    pytest.importorskip("starlette")
+    from starlette.testclient import TestClient
+
+    from pyinfer.server import create_app
+
+    return TestClient(create_app(llm or FakeLLM(), api_key=api_key), raise_server_exceptions=False)
+
+
+@pytest.mark.parametrize("raw,message", [
+    (b'{"prompt": "hi", "temperature": NaN}', "'temperature' must be a finite number >= 0, got nan"),
+    (b'{"prompt": "hi", "temperature": Infinity}', "'temperature' must be a finite number"),
+    (b'{"prompt": "hi", "repeat_penalty": NaN}', "'repeat_penalty' must be a finite number > 0"),
+    (b'{"prompt": "hi", "top_p": -Infinity}', "'top_p' must be a finite number"),
+    (b'{"prompt": "hi", "seed": -2}', "'seed' must be an integer in 0..18446744073709551615 (or -1)"),
+    (b'{"prompt": "hi", "seed": 1e30}', "'seed' must be an integer"),
+    (b'{"prompt": "hi", "top_k": -1}', "'top_k' must be an integer in 0.."),
+    (b'{"prompt": "hi", "max_tokens": 99999999999999999999}', "'max_tokens' must be an integer in 1..16777216"),
+    (b'{"prompt": "\\ud800"}', "not valid Unicode"),
+    (b'{"prompt": "hi", "stop": ["\\udfff"]}', "not valid Unicode"),
+    (b'{"prompt": "hi", "x": ' + b"[" * 100000 + b"]" * 100000 + b"}", "nested too deeply"),
+    (b"[" * 100000, "nested too deeply"),
+])
+def test_hostile_bodies_get_400_not_500(raw, message):
+    r = _client().post("/v1/completions", content=raw, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert message in r.json()["error"]["message"]
+    assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_seed_minus_one_means_random():
+    llm = FakeLLM()
+    r = _client(llm).post("/v1/chat/completions", json={"messages": GERMANY, "seed": -1})
+    assert r.status_code == 200, r.text
+    assert llm.calls[-1]["seed"] == -1  # LLM turns -1 into a fresh seed (tests/test_api.py)
+
+
+def test_body_over_the_limit_is_refused_from_content_length():
+    from pyinfer.server import MAX_BODY_BYTES
+
+    # The header alone decides: the few bytes sent are never parsed.
+    r = _client().post("/v1/completions", content=b"{}",
+                       headers={"Content-Type": "application/json", "Content-Length": str(300 << 20)})
+    assert r.status_code == 413, r.text
+    assert f"larger than {MAX_BODY_BYTES} bytes" in r.json()["error"]["message"]
+
+
+def test_chunked_body_over_the_limit_is_refused_while_reading():
+    from pyinfer.server import MAX_BODY_BYTES
+
+    sent = []
+
+    def body():  # a generator: sent chunked, with no Content-Length
+        for _ in range(64):
+            sent.append(1)
+            yield b" " * (64 << 10)
+
+    r = _client().post("/v1/completions", content=body(), headers={"Content-Type": "application/json"})
+    assert r.status_code == 413, r.text
+    assert f"larger than {MAX_BODY_BYTES} bytes" in r.json()["error"]["message"]
+
+
+def test_api_key():
+    c = _client(api_key="s3cret")
+    body = {"prompt": "hi", "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"},
+                    {"Authorization": "Basic s3cret"}):
+        r = c.post("/v1/completions", json=body, headers=headers)
+        assert r.status_code == 401, (headers, r.text)
+        assert r.json()["error"]["type"] == "authentication_error"
+    assert c.get("/v1/models").status_code == 401
+    assert c.get("/health").status_code == 200  # open, as llama.cpp's
+    assert c.post("/v1/completions", json=body, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    assert c.get("/v1/models", headers={"Authorization": "bearer s3cret"}).status_code == 200
+    assert _client().post("/v1/completions", json=body).status_code == 200  # no key: open
+
+
+def test_loopback_detection():
+    from pyinfer.server import is_loopback
+
+    assert is_loopback("127.0.0.1") and is_loopback("127.1.2.3") and is_loopback("::1")
+    assert is_loopback("localhost") and is_loopback("[::1]")
+    for host in ("0.0.0.0", "::", "192.168.1.5", "example.com", ""):
+        assert not is_loopback(host), host
+
+
+@pytest.mark.parametrize("args,ok", [
+    (["--host", "0.0.0.0"], False), (["--host", "192.168.0.1"], False), (["--host", "::"], False),
+    (["--host", "0.0.0.0", "--api-key", "k"], True), (["--host", "0.0.0.0", "--no-api-key"], True),
+])
+def test_non_loopback_host_needs_an_api_key(tmp_path, args, ok):
+    """Checked before the model loads: a missing model file is the next error when the host is fine."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop("PYINFER_API_KEY", None)
+    r = subprocess.run([sys.executable, "-m", "pyinfer.server", str(tmp_path / "m.gguf"), *args],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    if ok:
+        assert "not found" in r.stderr or "does not exist" in r.stderr or "no such" in r.stderr.lower(), r.stderr
+    else:
+        assert "without --api-key KEY (or pass --no-api-key" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("flag,value", [("-t", "100000"), ("-t", "2147483648"), ("-c", "9999999999999999999"),
+                                        ("--vram-budget", "nan"), ("-ngl", "-1"), ("-s", "-7")])
+def test_server_flags_are_range_checked(tmp_path, flag, value):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    r = subprocess.run([sys.executable, "-m", "pyinfer.server", str(tmp_path / "m.gguf"), flag, value],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
+    assert r.returncode == 1 and r.stderr.startswith(f"error: argument {flag}"), r.stderr
+    assert "must be" in r.stderr
+
+
+@pytest.mark.slow
+def test_non_streaming_request_stops_when_its_client_disconnects(server):
+    """A client that gives up on a non-streaming answer frees the engine within a token or so, as a
+    streaming client does: the server does not generate the rest of max_tokens for nobody."""
+    import httpx
+
+    def pending():
+        return httpx.get(server + "/health", timeout=10).json()["requests_pending"]
+
+    # counting goes on and on: greedy decoding runs to max_tokens unless stopped
+    body = {"prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,", "temperature": 0}
+    t0 = time.monotonic()
+    r = httpx.post(server + "/v1/completions", json=dict(body, max_tokens=32), timeout=120)
+    per_token = (time.monotonic() - t0) / 32  # an upper bound: includes the prompt
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+
+    host, port = server.rsplit("/", 1)[1].split(":")
+    raw = json.dumps(dict(body, max_tokens=440)).encode()  # the prompt + 440 fit the fixture's -c 512
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
+        deadline = time.monotonic() + 30
+        while pending() < 1:
+            assert time.monotonic() < deadline, f"the request never started: {sock.recv(4096)!r}"
+            time.sleep(0.05)
+        time.sleep(0.3)
+    gone = time.monotonic()  # the socket is closed: the client has left
+    while pending():
+        assert time.monotonic() - gone < 30, "the abandoned request never ended"
+        time.sleep(0.05)
+    stopped_after = time.monotonic() - gone
+    # the rest of the 440 tokens would have taken far longer than the stop did
+    assert stopped_after < max(1.0, 0.25 * 440 * per_token), (stopped_after, per_token)
+    r = httpx.post(server + "/v1/completions", json=dict(body, max_tokens=2), timeout=60)
+    assert r.status_code == 200
+
+
+_SLOW_TEMPLATE_SERVER = """
+import sys
+import uvicorn
+from pyinfer.chat import render_chat
+from pyinfer.server import create_app
+from tests.test_server import FakeLLM
+
+# two seconds of template work (the render time bound) per chat request
+SLOW = "{% macro f(n) %}{{ f(n - 1) ~ f(n - 1) if n else 'x' }}{% endmacro %}{{ f(60) }}"
+llm = FakeLLM(chat_tokens=lambda messages: [1] * len(render_chat(SLOW, messages)))
+uvicorn.run(create_app(llm), host="127.0.0.1", port=int(sys.argv[1]), log_level="warning",
+            timeout_graceful_shutdown=5)
+"""
+
+
+def test_slow_template_blocks_no_endpoint_and_sigterm_still_stops_the_server():
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_TEMPLATE_SERVER, str(port)], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.2)
+        results = {}
+        t = threading.Thread(target=lambda: results.setdefault("chat", httpx.post(
+            url + "/v1/chat/completions", json={"messages": GERMANY}, timeout=30)))
+        t.start()
+        time.sleep(0.5)  # rendering now
+        t0 = time.monotonic()
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        assert time.monotonic() - t0 < 1.0  # the event loop is free while the template renders
+        t.join(30)
+        r = results["chat"]
+        assert r.status_code == 400 and "chat template refused" in r.json()["error"]["message"], r.text
+        # SIGTERM in the middle of another slow rendering: the server still stops, promptly
+        t = threading.Thread(target=lambda: httpx.post(url + "/v1/chat/completions",
+                                                       json={"messages": GERMANY}, timeout=30))
+        t.start()
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        proc.terminate()
+        proc.wait(timeout=15)
+        assert time.monotonic() - t0 < 10
+        t.join(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=20)

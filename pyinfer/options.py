@@ -1,0 +1,165 @@
+"""The numeric options a user can set, checked once for the CLI, the Python API and the server.
+
+One range per option (``Range``); ``check(option, value, name)`` returns the value or raises
+PyinferError naming the option as the caller spells it (``-t/--threads`` at the CLI, ``n_threads``
+in the API, ``'temperature'`` in a server request). ``arg_type(option)`` is the same check as an
+argparse ``type=``. Bounds that are not the option's own meaning are there to keep a typo from
+crashing a process: OpenMP segfaults when asked for 100,000 threads, and a context of 10**19 tokens
+overflows the KV cache's size arithmetic.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+
+from pyinfer.errors import PyinferError
+
+#: llama.cpp's GGML_MAX_N_THREADS (ggml/include/ggml.h): more threads than any CPU has.
+MAX_THREADS = 512
+#: 16 Mi tokens: beyond every released model's context; a KV cache that size is terabytes already.
+MAX_CTX = 1 << 24
+#: A prompt file may hold at most this many bytes per context token (English text averages about 4;
+#: 64 leaves room for long whitespace and code tokens) before it is refused unread.
+PROMPT_BYTES_PER_TOKEN = 64
+#: Context used to size that bound when -c is 0 (the engine's default is min(4096, the model's)).
+DEFAULT_CTX_FOR_LIMIT = 4096
+#: Largest text file pyinfer-perplexity scores (wikitext-2's test set is 1.3 MB).
+MAX_TEXT_FILE_BYTES = 64 << 20
+#: A seed is a 64-bit unsigned integer (numpy's default_rng takes any; the bound keeps it printable).
+MAX_SEED = 2**64 - 1
+
+
+@dataclass(frozen=True)
+class Range:
+    """Accepted values of one option: an integer or a finite float within [lo, hi]
+    (``lo_open``: lo itself excluded). ``hi`` None: no upper bound."""
+
+    integer: bool
+    lo: float
+    hi: float | None = None
+    lo_open: bool = False
+    extra: tuple = ()  # values accepted outside the range (e.g. -1 = random seed)
+
+    def describe(self) -> str:
+        def num(x) -> str:
+            return str(int(x)) if self.integer or float(x).is_integer() else f"{x:g}"
+
+        if self.integer:
+            rng = f">= {num(self.lo)}" if self.hi is None else f"in {num(self.lo)}..{num(self.hi)}"
+            kind = "an integer"
+        else:
+            lo = f"{'>' if self.lo_open else '>='} {num(self.lo)}"
+            rng = lo if self.hi is None else f"{lo} and <= {num(self.hi)}"
+            kind = "a finite number"
+        also = "".join(f" (or {e})" for e in self.extra)
+        return f"{kind} {rng}{also}"
+
+    def accepts(self, v) -> bool:
+        if isinstance(v, int) and not isinstance(v, bool) and v in self.extra:
+            return True
+        if self.integer:
+            ok_type = isinstance(v, int)
+        else:
+            ok_type = isinstance(v, (int, float)) and math.isfinite(v)
+        if not ok_type or isinstance(v, bool):
+            return False
+        if v < self.lo or (self.lo_open and v == self.lo):
+            return False
+        return self.hi is None or v <= self.hi
+
+
+OPTIONS: dict[str, Range] = {
+    "threads": Range(integer=True, lo=1, hi=MAX_THREADS),
+    "ctx_size": Range(integer=True, lo=0, hi=MAX_CTX),  # 0: the default context
+    "n_predict": Range(integer=True, lo=-1, hi=MAX_CTX),  # -1: until end of text or a full context
+    "max_tokens": Range(integer=True, lo=1, hi=MAX_CTX),  # the server's (OpenAI: positive)
+    "temperature": Range(integer=False, lo=0.0),
+    "top_k": Range(integer=True, lo=0, hi=2**31 - 1),  # 0: off
+    "top_p": Range(integer=False, lo=0.0, hi=1.0),  # 0: only the most likely token (OpenAI)
+    "min_p": Range(integer=False, lo=0.0, hi=1.0),
+    "repeat_penalty": Range(integer=False, lo=0.0, lo_open=True),
+    "repeat_last_n": Range(integer=True, lo=0, hi=MAX_CTX),
+    "seed": Range(integer=True, lo=0, hi=MAX_SEED, extra=(-1,)),  # -1: random, as llama.cpp
+    "vram_budget": Range(integer=False, lo=0.0, lo_open=True, hi=1 << 20),  # GiB
+    "n_gpu_layers": Range(integer=True, lo=0, hi=1 << 20),
+    "chunks": Range(integer=True, lo=0, hi=1 << 31),
+}
+
+
+def check(option: str, value, name: str | None = None):
+    """``value`` when it is in ``option``'s range (see OPTIONS), else PyinferError
+    ``"<name> must be <range>, got <value>"``. ``name``: how the caller spells the option."""
+    r = OPTIONS[option]
+    if not r.accepts(value):
+        raise PyinferError(f"{name or option} must be {r.describe()}, got {value!r}")
+    return value
+
+
+def check_optional(option: str, value, name: str | None = None):
+    """As ``check``, with None passed through (None means "the default")."""
+    return None if value is None else check(option, value, name)
+
+
+def seed_or_none(seed):
+    """A checked seed, with -1 (random, as llama.cpp spells it) turned into None."""
+    seed = check_optional("seed", seed)
+    return None if seed == -1 else seed
+
+
+def sampling(temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n=64) -> dict:
+    """Checked sampling parameters as ``SamplingParams`` keyword arguments. top_p 0 is accepted
+    (OpenAI's spelling of "only the most likely token") and becomes greedy decoding."""
+    out = dict(temperature=float(check("temperature", temperature)), top_k=int(check("top_k", top_k)),
+               top_p=float(check("top_p", top_p)), min_p=float(check("min_p", min_p)),
+               repeat_penalty=float(check("repeat_penalty", repeat_penalty)),
+               repeat_last_n=int(check("repeat_last_n", repeat_last_n)))
+    if out["top_p"] == 0.0:
+        out["top_p"], out["temperature"] = 1.0, 0.0
+    return out
+
+
+def arg_type(option: str):
+    """An argparse ``type=`` that parses and range-checks ``option`` (ArgumentTypeError otherwise)."""
+    r = OPTIONS[option]
+
+    def parse(text: str):
+        try:
+            v = int(text, 10) if r.integer else float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {r.describe()}, got {text!r}") from None
+        if not r.accepts(v):
+            raise argparse.ArgumentTypeError(f"must be {r.describe()}, got {text}")
+        return v
+
+    parse.__name__ = option
+    return parse
+
+
+def prompt_file_limit(ctx_size: int | None) -> int:
+    """Most bytes a prompt file for a context of ``ctx_size`` tokens (0/None: the default) may hold."""
+    return PROMPT_BYTES_PER_TOKEN * max(ctx_size or DEFAULT_CTX_FOR_LIMIT, DEFAULT_CTX_FOR_LIMIT)
+
+
+def read_text_file(path: str, limit: int, what: str = "file",
+                   hint: str = "shorten it or raise -c/--ctx-size") -> str:
+    """The UTF-8 text of ``path``, reading at most ``limit`` bytes (a file such as /dev/zero never
+    ends). Raises PyinferError when it cannot be read, is not UTF-8 or holds more than ``limit``."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    except OSError as e:
+        raise PyinferError(f"cannot read {what} {path}: {e.strerror or e}") from None
+    if len(data) > limit:
+        raise PyinferError(f"{what} {path} is larger than {limit} bytes; {hint}")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PyinferError(f"cannot read {what} {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag as one ``error:`` line and exit status 1 (not usage + 2)."""
+
+    def error(self, message):
+        self.exit(1, f"error: {message} (see {self.prog} --help)\n")
