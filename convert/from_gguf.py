@@ -22,6 +22,7 @@ import numpy as np
 from pyinfer import __version__
 from pyinfer import constants as C
 from pyinfer.errors import PyinferError
+from pyinfer.gguf_check import check_gguf
 
 from . import warn
 from .tokenizer import add_eot_id
@@ -55,7 +56,10 @@ def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def open_gguf(path: str) -> gguf.GGUFReader:
-    """GGUFReader over ``path``; PyinferError for a file that is not a complete GGUF."""
+    """GGUFReader over ``path``; PyinferError for a file that is not a complete GGUF (the header's
+    counts, lengths and offsets are bounded first by ``pyinfer.gguf_check``, so a hostile file
+    cannot make the reader loop or exhaust memory)."""
+    check_gguf(path)
     try:
         reader = gguf.GGUFReader(path, "r")
     except Exception as e:  # the reader raises ValueError/IndexError/... on damaged files

@@ -306,3 +306,16 @@ def test_cli_says_so_in_one_line(tmp_path):
                   timeout=60)
     assert r.returncode == 1, (r.returncode, r.stderr)
     assert r.stderr.strip().splitlines() == ["error: the model produced NaN logits at token 2"]
+
+
+def test_converter_refuses_the_2_32_count_file(tmp_path):
+    """pyinfer-convert opens a GGUF source through the same header check (convert/from_gguf.py)."""
+    src = write_tiny_gguf(str(tmp_path / "big.gguf"),
+                          overrides={"pyinfer.test.bytes": ([7] * 16, VT.ARRAY, VT.UINT8)})
+    bad = patched(src, tmp_path / "count.gguf", ("array_count", "pyinfer.test.bytes", 1 << 32))
+    r = run_child(["-c", "import sys; from convert.from_gguf import open_gguf\n"
+                   "from pyinfer.errors import PyinferError\n"
+                   "try: open_gguf(sys.argv[1])\n"
+                   "except PyinferError as e: print(e)", bad], timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "4294967296 elements of UINT8" in r.stdout, r.stdout
