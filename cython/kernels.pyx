@@ -44,7 +44,7 @@ cdef extern from "simd.h" nogil:
     void pi_axpy4_row(int qtype, const float *a, const uint8_t *r0, const uint8_t *r1,
                       const uint8_t *r2, const uint8_t *r3, float *out, int n)
     void pi_axpy_rows_range(int qtype, const uint8_t *w, size_t stride, const float *coef,
-                            const int32_t *idx, long k0, long k1, float *out, int cols)
+                            const int32_t *idx, long k0, long k1, long kp, float *out, int cols)
 
 # rows per parallel work item in matmul (prefill): a tile of weight rows stays in L1 while every
 # token is dotted with it, and each output row gets a contiguous run of writes.
@@ -224,7 +224,7 @@ cdef void _axpy_rows(const uint8_t *w, Py_ssize_t stride, int qtype, int cols, c
     cdef float *tmp
     memset(out, 0, cols * sizeof(float))
     if n_chunks == 1:
-        pi_axpy_rows_range(qtype, w, stride, coef, idx, 0, n, out, cols)
+        pi_axpy_rows_range(qtype, w, stride, coef, idx, 0, n, n, out, cols)
         return
     tmp = <float *> malloc(((n_chunks - 1) * cols + 1) * sizeof(float))
     for c in prange(n_chunks, schedule='static', num_threads=nt):
@@ -234,7 +234,7 @@ cdef void _axpy_rows(const uint8_t *w, Py_ssize_t stride, int qtype, int cols, c
         # boundaries on multiples of 4 keep the 4-row passes of pi_axpy_rows_range whole
         k0 = (c * n // n_chunks) & ~3
         k1 = n if c == n_chunks - 1 else ((c + 1) * n // n_chunks) & ~3
-        pi_axpy_rows_range(qtype, w, stride, coef, idx, k0, k1, acc, cols)
+        pi_axpy_rows_range(qtype, w, stride, coef, idx, k0, k1, n, acc, cols)
     for c in range(1, n_chunks):
         pi_add_f32(out, tmp + (c - 1) * cols, cols)
     free(tmp)
