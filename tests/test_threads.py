@@ -183,3 +183,37 @@ def test_greedy_tokens_same_at_any_thread_count(sparse_gguf):
     (tok1, log1), (tok2, log2) = runs
     assert tok1 == tok2
     assert len(log1) == len(log2) and all(a.tobytes() == b.tobytes() for a, b in zip(log1, log2))
+
+
+def test_default_thread_count(monkeypatch):
+    """Physical cores within the affinity mask (llama.cpp's default), never more than allowed."""
+    import os
+
+    n = cpu.default_n_threads()
+    assert 1 <= n <= len(os.sched_getaffinity(0))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert cpu.default_n_threads() == 1
+
+
+def test_engine_default_threads(sparse_gguf):
+    from pyinfer.engine import Engine
+
+    assert Engine(sparse_gguf, n_ctx=32).n_threads == cpu.default_n_threads()
+
+
+@pytest.mark.parametrize("user_env,expect", [({}, "PASSIVE"),
+                                             ({"OMP_WAIT_POLICY": "active"}, "active"),
+                                             ({"GOMP_SPINCOUNT": "5000"}, None)])
+def test_openmp_wait_policy(user_env, expect):
+    """Idle OpenMP threads sleep unless the user chose a policy; set before the kernels load."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env.update(user_env)
+    code = ("import os, pyinfer, pyinfer.ops._kernels; "
+            "print(os.environ.get('OMP_WAIT_POLICY'))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == str(expect)
