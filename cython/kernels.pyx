@@ -44,13 +44,18 @@ cdef extern from "simd.h" nogil:
     void pi_axpy4_row(int qtype, const float *a, const uint8_t *r0, const uint8_t *r1,
                       const uint8_t *r2, const uint8_t *r3, float *out, int n)
     void pi_axpy_rows_range(int qtype, const uint8_t *w, size_t stride, const float *coef,
-                            const int32_t *idx, long k0, long k1, float *out, int cols)
+                            const int32_t *idx, long k0, long k1, long kp, float *out, int cols)
 
 # rows per parallel work item in matmul (prefill): a tile of weight rows stays in L1 while every
 # token is dotted with it, and each output row gets a contiguous run of writes.
 DEF ROW_TILE = 16
 # columns per work item in matmul_t (a multiple of 32 so quantized blocks are never split)
 DEF COL_TILE = 64
+# the down projection's row sum (_axpy_rows) is cut into at most AXPY_CHUNKS chunks of at least
+# AXPY_MIN_ROWS rows, whatever the thread count: 24 splits evenly over 1, 2, 3, 4, 6, 8 and 12
+# threads, and adding 23 partial sums of n_embd floats costs well under 1% of reading the rows.
+DEF AXPY_CHUNKS = 24
+DEF AXPY_MIN_ROWS = 16
 
 
 def openmp_enabled():
@@ -206,26 +211,31 @@ def matmul(const uint8_t[:, ::1] w, int qtype, int cols, const float[:, ::1] x,
 
 cdef void _axpy_rows(const uint8_t *w, Py_ssize_t stride, int qtype, int cols, const float *coef,
                      const int32_t *idx, Py_ssize_t n, float *out, int n_threads) noexcept nogil:
-    """out = sum_k coef[k] * w[idx[k] or k]: each thread sums a contiguous share of the rows into
-    its own accumulator (cols floats, in L1), so the weights stream in row order; thread 0 sums
-    into out and the others' partial sums are added at the end."""
+    """out = sum_k coef[k] * w[idx[k] or k]. The rows are cut into chunks by n alone (never by
+    the thread count), each chunk is summed in row order into its own accumulator (cols floats,
+    in L1) and the chunks are added in chunk order, so the result has the same bits at any
+    n_threads (issue 9: a thread-count split once changed greedy tokens on the sparse path).
+    Threads take contiguous runs of chunks, so the weights still stream in row order."""
     cdef Py_ssize_t k0, k1
-    cdef int c, nt = n_threads
+    cdef Py_ssize_t n_chunks = min(AXPY_CHUNKS, max(1, n // AXPY_MIN_ROWS))
+    cdef Py_ssize_t c
+    cdef int nt = <int> min(<Py_ssize_t> n_threads, n_chunks)
     cdef float *acc
-    cdef float *tmp = NULL
-    if nt > n // 8:
-        nt = max(1, <int>(n // 8))
+    cdef float *tmp
     memset(out, 0, cols * sizeof(float))
-    if nt == 1:
-        pi_axpy_rows_range(qtype, w, stride, coef, idx, 0, n, out, cols)
+    if n_chunks == 1:
+        pi_axpy_rows_range(qtype, w, stride, coef, idx, 0, n, n, out, cols)
         return
-    tmp = <float *> calloc((nt - 1) * cols + 1, sizeof(float))
-    for c in prange(nt, schedule='static', num_threads=nt):
+    tmp = <float *> malloc(((n_chunks - 1) * cols + 1) * sizeof(float))
+    for c in prange(n_chunks, schedule='static', num_threads=nt):
         acc = out if c == 0 else tmp + (c - 1) * cols
-        k0 = c * n // nt
-        k1 = (c + 1) * n // nt
-        pi_axpy_rows_range(qtype, w, stride, coef, idx, k0, k1, acc, cols)
-    for c in range(1, nt):
+        if c > 0:
+            memset(acc, 0, cols * sizeof(float))
+        # boundaries on multiples of 4 keep the 4-row passes of pi_axpy_rows_range whole
+        k0 = (c * n // n_chunks) & ~3
+        k1 = n if c == n_chunks - 1 else ((c + 1) * n // n_chunks) & ~3
+        pi_axpy_rows_range(qtype, w, stride, coef, idx, k0, k1, n, acc, cols)
+    for c in range(1, n_chunks):
         pi_add_f32(out, tmp + (c - 1) * cols, cols)
     free(tmp)
 

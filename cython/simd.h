@@ -737,18 +737,21 @@ static inline void pi_axpy4_strip64(const float *a, long a_stride, const float *
 #endif
 }
 
-/* out[0:cols] += sum_{k0 <= k < k1} coef[k] * w[idx ? idx[k] : k] (rows stride bytes apart). */
+/* out[0:cols] += sum_{k0 <= k < k1} coef[k] * w[idx ? idx[k] : k] (rows stride bytes apart).
+ * Prefetches run ahead up to row kp (>= k1): a caller that sums consecutive ranges (the chunks of
+ * _axpy_rows) passes the end of all of them, so each range starts with its rows already coming. */
 static inline void pi_axpy_rows_range(int qtype, const uint8_t *w, size_t stride, const float *coef,
-                                      const int32_t *idx, long k0, long k1, float *out, int cols) {
+                                      const int32_t *idx, long k0, long k1, long kp, float *out,
+                                      int cols) {
     long k = k0;
     const size_t nbytes = pi_col_offset(qtype, cols);
     const long pd = 4 * ((pi_prefetch_dist(nbytes) + 3) / 4);
 #define PI_ROW(j) (w + (idx ? (size_t)idx[j] : (size_t)(j)) * stride)
     const int near = nbytes <= PI_L1_PREFETCH_MAX_ROW;
-    for (long j = k; near && j < k + 4 && j < k1; j++) pi_prefetch_l1(PI_ROW(j), nbytes);
+    for (long j = k; near && j < k + 4 && j < kp; j++) pi_prefetch_l1(PI_ROW(j), nbytes);
     for (; k + 4 <= k1; k += 4) {
-        for (long j = k + pd; j < k + pd + 4 && j < k1; j++) pi_prefetch_l2(PI_ROW(j), nbytes);
-        for (long j = k + 4; near && j < k + 8 && j < k1; j++) pi_prefetch_l1(PI_ROW(j), nbytes);
+        for (long j = k + pd; j < k + pd + 4 && j < kp; j++) pi_prefetch_l2(PI_ROW(j), nbytes);
+        for (long j = k + 4; near && j < k + 8 && j < kp; j++) pi_prefetch_l1(PI_ROW(j), nbytes);
         pi_axpy4_row(qtype, coef + k, PI_ROW(k), PI_ROW(k + 1), PI_ROW(k + 2), PI_ROW(k + 3), out,
                      cols);
     }

@@ -20,6 +20,7 @@ from pyinfer.errors import PyinferError
 from pyinfer.ffn import DenseFFN, Predictor, SparseFFN
 from pyinfer.gguf_check import check_gguf
 from pyinfer.hybrid import place_model
+from pyinfer.ops import cpu
 from pyinfer.sampler import SamplingParams, sample
 from pyinfer.tokenizer import Tokenizer
 from pyinfer.weights import ModelWeights
@@ -70,7 +71,7 @@ class Engine:
     Args:
         model_path: a GGUF written by ``pyinfer-convert``.
         n_ctx: context size in tokens (default min(4096, the model's training context)).
-        n_threads: kernel threads (default: all cores).
+        n_threads: kernel threads (default: the physical cores, ``cpu.default_n_threads``).
         dense: compute every FFN neuron even when the file has predictors (for comparison).
         device: "cpu" (default: the offline stage and tests get the CPU reference unless they
             ask), "auto" (the GPU when CuPy sees one, else the CPU with a notice), "cuda", or
@@ -96,7 +97,7 @@ class Engine:
         if n_ctx is None or n_ctx <= 0:
             n_ctx = min(DEFAULT_N_CTX, self.cfg.n_ctx_train)
         if n_threads is None or n_threads <= 0:
-            n_threads = os.cpu_count() or 1
+            n_threads = cpu.default_n_threads()
         self.n_ctx = n_ctx
         self.n_threads = n_threads
         ffn = (None if dense else self._sparse_ffn()) or DenseFFN(self.cfg)

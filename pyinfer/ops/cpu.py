@@ -12,6 +12,7 @@ quantized to 8 bits per 32-block (llama.cpp's ggml_vec_dot_q4_0_q8_0 scheme; ``m
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import gguf
@@ -32,6 +33,30 @@ def openmp_enabled() -> bool:
 def simd_enabled() -> bool:
     """True when the AVX2/FMA/F16C paths were compiled in (else portable scalar C)."""
     return _k.simd_enabled()
+
+
+def default_n_threads() -> int:
+    """Kernel threads when the user gives none: the physical cores this process may run on, as
+    llama.cpp picks its default (common.cpp ``cpu_get_num_physical_cores``: one thread per set of
+    hyperthread siblings, since a sibling adds no arithmetic to a GEMV; without the topology files,
+    all logical CPUs up to 4, else half of them). Counts only the CPUs in the affinity mask
+    (``taskset``, container cpusets), which llama.cpp does not."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = list(range(os.cpu_count() or 1))
+    cores = set()
+    for c in cpus:
+        try:
+            with open(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list") as f:
+                cores.add(f.read().strip())
+        except OSError:
+            cores = None
+            break
+    if cores:
+        return len(cores)
+    n = len(cpus)
+    return n if n <= 4 else n // 2
 
 
 @dataclass(frozen=True)

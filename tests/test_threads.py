@@ -1,0 +1,219 @@
+"""Results do not depend on the thread count (issue 9): same input, same file, same seed -> the
+same bits at any ``-t``.
+
+Every kernel that takes ``n_threads`` is run at 1, 2 and 3 threads on random inputs (shapes chosen
+so that 3 threads split the work unevenly and at odd row counts) and must give bit-identical
+output; then a small sparse model must decode the same greedy tokens at -t 1 and -t 2.
+"""
+import numpy as np
+import pytest
+
+from pyinfer.ops import cpu
+
+QT = cpu.QT
+THREADS = (1, 2, 3)
+WTYPES = (QT.F32, QT.F16, QT.Q8_0, QT.Q4_0)
+
+
+def _same_at_every_thread_count(run):
+    """run(n_threads) -> tuple of arrays; asserts they are bit-identical for THREADS."""
+    ref = [np.array(a, copy=True) for a in run(THREADS[0])]
+    for t in THREADS[1:]:
+        got = run(t)
+        for r, g in zip(ref, got):
+            assert r.tobytes() == np.asarray(g).tobytes(), f"differs at {t} threads vs 1"
+
+
+def _weights(rng, rows, cols, qtype):
+    return cpu.QTensor.from_array(rng.normal(size=(rows, cols)).astype(np.float32), qtype)
+
+
+def _poisoned(shape, dtype=np.float32):
+    return np.full(shape, np.nan, dtype)
+
+
+@pytest.mark.parametrize("qtype", WTYPES)
+def test_gemv_kernels(qtype):
+    rng = np.random.default_rng(int(qtype))
+    rows, cols = 203, 96
+    w = _weights(rng, rows, cols, qtype)
+    x = rng.normal(size=cols).astype(np.float32)
+    xs = rng.normal(size=(7, cols)).astype(np.float32)
+    idx = np.sort(rng.choice(rows, 131, replace=False)).astype(np.int32)
+
+    def run(t):
+        return (cpu.matvec(w, x, _poisoned(rows), t),
+                cpu.matmul(w, xs, _poisoned((7, rows)), t),
+                cpu.gather_matvec(w, x, idx, _poisoned(idx.shape[0]), t))
+
+    _same_at_every_thread_count(run)
+
+
+@pytest.mark.parametrize("qtype", WTYPES)
+@pytest.mark.parametrize("rows", [5, 37, 203, 1537])
+def test_transposed_kernels(qtype, rows):
+    """The down projections sum over rows: the order of that sum must not follow the threads."""
+    rng = np.random.default_rng(rows)
+    cols = 96
+    w = _weights(rng, rows, cols, qtype)
+    a = rng.normal(size=rows).astype(np.float32)
+    a_tok = rng.normal(size=(5, rows)).astype(np.float32)
+    n_act = max(1, rows * 3 // 5)
+    idx = np.sort(rng.choice(rows, n_act, replace=False)).astype(np.int32)
+    coef = rng.normal(size=n_act).astype(np.float32)
+
+    def run(t):
+        return (cpu.matvec_t(w, a, _poisoned(cols), t),
+                cpu.matmul_t(w, a_tok, _poisoned((5, cols)), t),
+                cpu.axpy_rows(w, coef, idx, _poisoned(cols), t))
+
+    _same_at_every_thread_count(run)
+
+
+def test_attention():
+    rng = np.random.default_rng(1)
+    n_ctx, n_kv, hd, n_head, n_past, n_tok = 40, 2, 32, 6, 11, 9
+    q = rng.normal(size=(n_tok, n_head, hd)).astype(np.float32)
+    k = rng.normal(size=(n_ctx, n_kv, hd)).astype(np.float32)
+    v = rng.normal(size=(n_ctx, n_kv, hd)).astype(np.float32)
+
+    def run(t):
+        return (cpu.attention(q, k, v, n_past, _poisoned((n_tok, n_head, hd)), t),)
+
+    _same_at_every_thread_count(run)
+
+
+@pytest.mark.parametrize("qtype", [QT.F32, QT.Q8_0, QT.Q4_0])
+def test_decode_attn(qtype):
+    rng = np.random.default_rng(2)
+    n_embd, n_head, n_kv, hd, n_ctx, n_past = 192, 6, 2, 32, 16, 9
+    wq = _weights(rng, n_head * hd, n_embd, qtype)
+    wk = _weights(rng, n_kv * hd, n_embd, qtype)
+    wv = _weights(rng, n_kv * hd, n_embd, qtype)
+    wo = _weights(rng, n_embd, n_head * hd, qtype)
+    norm = rng.uniform(0.5, 1.5, n_embd).astype(np.float32)
+    x0 = rng.normal(size=n_embd).astype(np.float32)
+    k0 = rng.normal(size=(n_ctx, n_kv, hd)).astype(np.float32)
+    v0 = rng.normal(size=(n_ctx, n_kv, hd)).astype(np.float32)
+
+    def run(t):
+        x, k, v = x0.copy(), k0.copy(), v0.copy()
+        cpu.decode_attn(x, norm, 1e-5, wq, wk, wv, wo, k, v, n_past, n_head, 1e4, t)
+        return x, k, v
+
+    _same_at_every_thread_count(run)
+
+
+@pytest.mark.parametrize("qtype", WTYPES)
+@pytest.mark.parametrize("mode,silu,thr", [(cpu.FFN_DENSE, True, 0.0), (cpu.FFN_GLU, True, 0.05),
+                                           (cpu.FFN_ACT, True, 0.1), (cpu.FFN_ACT, False, 0.0)])
+@pytest.mark.parametrize("dense_above", [0.0, 1.0])
+def test_decode_ffn(qtype, mode, silu, thr, dense_above):
+    """Every mode, with the down rows gathered (dense_above 1) and streamed (0)."""
+    rng = np.random.default_rng(3)
+    n_embd, n_ff = 96, 611
+    gate = _weights(rng, n_ff, n_embd, qtype)
+    up = _weights(rng, n_ff, n_embd, qtype)
+    down_t = _weights(rng, n_ff, n_embd, qtype)
+    norm = rng.uniform(0.5, 1.5, n_embd).astype(np.float32)
+    x0 = rng.normal(size=n_embd).astype(np.float32)
+    kept = []
+
+    def run(t):
+        x = x0.copy()
+        kept.append(cpu.decode_ffn(x, norm, 1e-5, gate, up, down_t, mode, silu, thr, t,
+                                   dense_above))
+        return (x,)
+
+    _same_at_every_thread_count(run)
+    assert len(set(kept)) == 1 and 0 < kept[0] <= n_ff
+
+
+def test_select_active():
+    """Sequential today; kept here so a parallel version cannot slip in order-dependent."""
+    rng = np.random.default_rng(4)
+    n = 777
+    g = rng.normal(size=n).astype(np.float32)
+    u = rng.normal(size=n).astype(np.float32)
+    ids = np.sort(rng.choice(4 * n, n, replace=False)).astype(np.int32)
+    coef, idx = _poisoned(n), np.full(n, -1, np.int32)
+    k = cpu.select_active(g, u, ids, True, 0.1, coef, idx)
+    a = g / (1 + np.exp(-g)) * u
+    np.testing.assert_array_equal(idx[:k], ids[np.abs(a) > 0.1])
+
+
+@pytest.fixture(scope="module")
+def sparse_gguf(tmp_path_factory):
+    """A tiny SiLU model converted with the offline stage (predictors, thresholds): the sparse
+    path whose greedy tokens once changed between -t 1 and -t 2."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from convert.cli import main as convert_main
+    from tests._models import make_random_llama
+
+    tmp = tmp_path_factory.mktemp("threads")
+    model_dir = make_random_llama(tmp / "hf", hidden_act="silu", tokenizer="bpe", n_layers=3,
+                                  intermediate_size=256, name="silu")
+    out = str(tmp / "m.gguf")
+    assert convert_main([str(model_dir), out, "--outtype", "q8_0", "--calib-tokens", "256",
+                         "--epochs", "3", "-t", "1"]) == 0
+    return out
+
+
+def test_greedy_tokens_same_at_any_thread_count(sparse_gguf):
+    from pyinfer.engine import Engine
+    from pyinfer.sampler import SamplingParams
+
+    runs = []
+    for t in (1, 2):
+        eng = Engine(sparse_gguf, n_ctx=96, n_threads=t)
+        assert eng.is_sparse
+        logits = []
+        model_forward = eng.model.forward
+
+        def forward(tokens, n_past, *a, **k):  # keep every step's logits to compare bits
+            out = model_forward(tokens, n_past, *a, **k)
+            logits.append(np.array(out, copy=True))
+            return out
+
+        eng.model.forward = forward
+        toks = list(eng.generate([1, 17, 42, 7, 99, 3], SamplingParams(temperature=0.0),
+                                 max_tokens=48, seed=0, ignore_eos=True))
+        runs.append((toks, logits))
+    (tok1, log1), (tok2, log2) = runs
+    assert tok1 == tok2
+    assert len(log1) == len(log2) and all(a.tobytes() == b.tobytes() for a, b in zip(log1, log2))
+
+
+def test_default_thread_count(monkeypatch):
+    """Physical cores within the affinity mask (llama.cpp's default), never more than allowed."""
+    import os
+
+    n = cpu.default_n_threads()
+    assert 1 <= n <= len(os.sched_getaffinity(0))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert cpu.default_n_threads() == 1
+
+
+def test_engine_default_threads(sparse_gguf):
+    from pyinfer.engine import Engine
+
+    assert Engine(sparse_gguf, n_ctx=32).n_threads == cpu.default_n_threads()
+
+
+@pytest.mark.parametrize("user_env,expect", [({}, "PASSIVE"),
+                                             ({"OMP_WAIT_POLICY": "active"}, "active"),
+                                             ({"GOMP_SPINCOUNT": "5000"}, None)])
+def test_openmp_wait_policy(user_env, expect):
+    """Idle OpenMP threads sleep unless the user chose a policy; set before the kernels load."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env.update(user_env)
+    code = ("import os, pyinfer, pyinfer.ops._kernels; "
+            "print(os.environ.get('OMP_WAIT_POLICY'))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == str(expect)
