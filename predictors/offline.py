@@ -31,6 +31,7 @@ import numpy as np
 
 from pyinfer import constants as C
 from pyinfer.errors import PyinferError
+from pyinfer.ops.cpu import default_n_threads
 from pyinfer.options import arg_type
 
 DEFAULT_CALIB_TOKENS = 4096  # SmolLM2-135M: about 2 min of generation + 1 min profiling, 1 thread
@@ -56,7 +57,8 @@ class OfflineOptions:
 
     vram_budget_gib: None stores no GPU split (activation counts are always stored, so a GPU
     engine can solve for its own budget at load time). predictor_rank: "auto" (choose_rank) or a
-    positive int. n_threads: kernel and torch threads (None: all cores)."""
+    positive int. n_threads: kernel and torch threads (None: the physical cores this process may
+    use, ``pyinfer.ops.cpu.default_n_threads``)."""
 
     calib_files: list[str] = field(default_factory=list)
     calib_tokens: int = DEFAULT_CALIB_TOKENS
@@ -135,7 +137,7 @@ def convert_sparse(src: str, out: str, outtype: str = "f16", opts: OfflineOption
         t0 = time.perf_counter()
         convert(src, staging, outtype, progress=opts.progress, allow_unused=allow_unused)
         secs["dense conversion"] = time.perf_counter() - t0
-        n_threads = opts.n_threads or os.cpu_count() or 1
+        n_threads = opts.n_threads or default_n_threads()
         eng = Engine(staging, n_ctx=None, n_threads=n_threads, dense=True)
         cfg = eng.cfg
         chunk_len = min(CHUNK_LEN, eng.n_ctx)
@@ -312,7 +314,7 @@ def add_arguments(parser) -> None:
     g.add_argument("--epochs", type=int, default=DEFAULT_MAX_EPOCHS,
                    help=f"max predictor training epochs per layer (default {DEFAULT_MAX_EPOCHS})")
     g.add_argument("-t", "--threads", type=arg_type("threads"), default=None,
-                   help="threads for profiling and training (default: all cores)")
+                   help="threads for profiling and training (default: the physical cores this process may use)")
 
 
 def options_from_args(args) -> OfflineOptions:

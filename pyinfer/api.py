@@ -86,7 +86,7 @@ class LLM:
     Args:
         model_path: a GGUF written by ``pyinfer-convert``.
         n_ctx: context size in tokens (None or 0: min(4096, the model's training context)).
-        n_threads: kernel threads (None: all cores).
+        n_threads: kernel threads (None: the physical cores this process may run on, as llama.cpp picks them).
         device: "cpu", "auto" or None; other devices need an engine built with GPU support.
         vram_budget: GiB of GPU memory to use for hot neurons (only with a GPU engine).
         seed: seed of the random stream that per-call seeds are drawn from (None: fresh entropy).

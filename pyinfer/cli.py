@@ -26,7 +26,7 @@ def build_parser(prog: str = "pyinfer-run") -> argparse.ArgumentParser:
     p.add_argument("-n", "--n-predict", type=arg_type("n_predict"), default=None,
                    help="tokens to generate (-1: until end of text or a full context; "
                         "default 256, in a chat -1)")
-    p.add_argument("-t", "--threads", type=arg_type("threads"), default=None, help="kernel threads (default: all cores)")
+    p.add_argument("-t", "--threads", type=arg_type("threads"), default=None, help="kernel threads (default: the physical cores this process may use)")
     p.add_argument("-c", "--ctx-size", type=arg_type("ctx_size"), default=0,
                    help="context size in tokens (0: min(4096, the model's))")
     p.add_argument("--temp", type=arg_type("temperature"), default=0.8, help="temperature (0: greedy)")

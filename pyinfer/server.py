@@ -447,7 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     p.add_argument("-c", "--ctx-size", type=arg_type("ctx_size"), default=0,
                    help="context size in tokens (0: min(4096, the model's))")
-    p.add_argument("-t", "--threads", type=arg_type("threads"), default=None, help="kernel threads (default: all cores)")
+    p.add_argument("-t", "--threads", type=arg_type("threads"), default=None, help="kernel threads (default: the physical cores this process may use)")
     p.add_argument("--queue-size", type=int, default=4,
                    help="requests that may wait behind the running one before 503 (default 4)")
     p.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"],
