@@ -150,6 +150,41 @@ def _pred_tensor(a: np.ndarray) -> cpu.QTensor:
     return cpu.QTensor(a, cpu.QT.F16 if a.dtype == np.float16 else cpu.QT.F32, *a.shape)
 
 
+def sparse_step(lw: LayerWeights, h: np.ndarray, ids: np.ndarray | None, silu: bool, glu: bool,
+                threshold: float, out: np.ndarray, n_threads: int) -> int:
+    """One token's FFN over the candidate neurons ``ids`` (sorted int32, or None for all n_ff,
+    read with the dense GEMV) under SparseFFN's rule: "glu" keeps |act(gate h) * up h| >
+    threshold (gate and up rows of every candidate read), otherwise |act(gate h)| > threshold
+    (up rows only of those kept). glu with threshold < 0 keeps every candidate (dense).
+    h (n_embd,) f32; writes their down projection into out (n_embd,) f32; returns how many
+    neurons were kept. The hybrid GPU model computes its cold neurons with this too."""
+    n_cand = lw.ffn_gate.rows if ids is None else ids.shape[0]
+    g = np.empty(n_cand, np.float32)  # (n_candidates,)
+    _dot_rows(lw.ffn_gate, h, ids, g, n_threads)
+    coef = np.empty_like(g)  # (n_candidates,) then [:n_active]
+    idx = np.empty(n_cand, np.int32)
+    if glu:  # rank by the GLU output: every candidate's up row is needed first
+        u = np.empty_like(g)
+        _dot_rows(lw.ffn_up, h, ids, u, n_threads)
+        n = cpu.select_active(g, u, ids, silu, threshold, coef, idx)
+        coef, idx = coef[:n], idx[:n]
+    else:  # up rows only for neurons whose activation passed
+        n = cpu.select_active(g, None, ids, silu, threshold, coef, idx)
+        coef, idx = coef[:n], idx[:n]
+        u = np.empty(n, np.float32)
+        cpu.gather_matvec(lw.ffn_up, h, idx, u, n_threads)
+        coef *= u
+    cpu.axpy_rows(lw.ffn_down_t, coef, idx, out, n_threads)
+    return n
+
+
+def _dot_rows(w: cpu.QTensor, h: np.ndarray, ids, out: np.ndarray, n_threads: int) -> None:
+    if ids is None:
+        cpu.matvec(w, h, out, n_threads)
+    else:
+        cpu.gather_matvec(w, h, ids, out, n_threads)
+
+
 class SparseFFN:
     """Only the neurons predicted and found active (see the module docstring).
 
@@ -189,32 +224,10 @@ class SparseFFN:
         if h.shape[0] > 1:
             return self._batch(lw, layer, x, h, out, n_threads)
         n_ff = self.cfg.n_ff
-        thr = self.act_threshold[layer]
-        if self.use_predictor[layer]:
-            ids = self.predictors[layer].active(x[0], n_threads)
-            g = np.empty(ids.shape[0], np.float32)  # (n_candidates,)
-            cpu.gather_matvec(lw.ffn_gate, h[0], ids, g, n_threads)
-        else:  # every neuron is a candidate: the dense GEMV streams faster than a gather
-            ids = None
-            g = np.empty(n_ff, np.float32)
-            cpu.matvec(lw.ffn_gate, h[0], g, n_threads)
-        coef = np.empty_like(g)  # (n_candidates,) then [:n_active]
-        idx = np.empty(g.shape[0], np.int32)
-        if self.glu:  # rank by the GLU output: every candidate's up row is needed first
-            u = np.empty_like(g)
-            if ids is None:
-                cpu.matvec(lw.ffn_up, h[0], u, n_threads)
-            else:
-                cpu.gather_matvec(lw.ffn_up, h[0], ids, u, n_threads)
-            n = cpu.select_active(g, u, ids, self.silu, thr, coef, idx)
-            coef, idx = coef[:n], idx[:n]
-        else:  # up rows only for neurons whose activation passed
-            n = cpu.select_active(g, None, ids, self.silu, thr, coef, idx)
-            coef, idx = coef[:n], idx[:n]
-            u = np.empty(n, np.float32)
-            cpu.gather_matvec(lw.ffn_up, h[0], idx, u, n_threads)
-            coef *= u
-        cpu.axpy_rows(lw.ffn_down_t, coef, idx, out[0], n_threads)
+        # every neuron is a candidate without the predictor: the dense GEMV streams faster
+        ids = self.predictors[layer].active(x[0], n_threads) if self.use_predictor[layer] else None
+        n = sparse_step(lw, h[0], ids, self.silu, self.glu, float(self.act_threshold[layer]),
+                        out[0], n_threads)
         self.stats.total += n_ff
         self.stats.candidates += n_ff if ids is None else ids.shape[0]
         self.stats.active += n
