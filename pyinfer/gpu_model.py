@@ -45,9 +45,9 @@ import numpy as np
 
 from pyinfer.config import ModelConfig
 from pyinfer.device import as_qtensor
-from pyinfer.ffn import FFNStats, SparseFFN
+from pyinfer.ffn import FFNStats, SparseFFN, sparse_step
 from pyinfer.model import Model
-from pyinfer.ops import cpu, cuda
+from pyinfer.ops import cuda
 from pyinfer.ops import xp as X
 from pyinfer.weights import ModelWeights
 
@@ -96,6 +96,19 @@ def prefill_reserve_bytes(cfg: ModelConfig, n_ctx: int) -> int:
     return 4 * T * (4 * E + 3 * cfg.n_embd_q + 7 * F) + att_chunk
 
 
+def device_predictors(cpu_ffn, n_layer: int, dense: bool) -> list:
+    """Per layer, the Predictor the device runs, or None: the file's per-layer choice
+    (``SparseFFN.use_predictor``), so the device computes the CPU's function; none when dense."""
+    if dense or not isinstance(cpu_ffn, SparseFFN) or cpu_ffn.predictors is None:
+        return [None] * n_layer
+    return [p if use else None for p, use in zip(cpu_ffn.predictors, cpu_ffn.use_predictor)]
+
+
+def predictor_rank(preds: list) -> int:
+    """Rows of the largest device predictor's fc1 (1 without any): the hidden buffer's size."""
+    return max([p.fc1.rows for p in preds if p is not None] or [1])
+
+
 @dataclass
 class GpuPlan:
     """What goes on the device. n_resident: layers 0..n_resident-1 are resident (module
@@ -114,7 +127,7 @@ class GpuPlan:
 class _ResidentLayer:
     """One resident layer's device arrays (shapes in comments)."""
 
-    def __init__(self, dev, cfg: ModelConfig, lw, n_ctx: int, hot: np.ndarray, predictor, use_pred):
+    def __init__(self, dev, cfg: ModelConfig, lw, n_ctx: int, hot: np.ndarray, predictor):
         same = lw.wq.qtype == lw.wk.qtype == lw.wv.qtype
         self.wqkv = dev.rows([lw.wq, lw.wk, lw.wv]) if same else None  # (n_q + 2 n_kv, n_embd)
         self.wq = self.wk = self.wv = None
@@ -128,7 +141,7 @@ class _ResidentLayer:
         self.v = dev.empty(shape, np.float32)
         self.fc1 = self.fc2 = None
         self.pred_thr = 0.0
-        if use_pred:
+        if predictor is not None:
             self.fc1 = dev.rows([as_qtensor(predictor.fc1.data)])  # (rank, n_embd) as stored
             self.fc2 = dev.rows([as_qtensor(predictor.fc2.data)])  # (n_ff, rank)
             self.pred_thr = predictor.threshold
@@ -165,19 +178,16 @@ class GpuModel:
         self.silu = cfg.hidden_act == "silu"
         self.act_thr = (cpu_ffn.act_threshold if sparse
                         else np.full(cfg.n_layer, -1.0, np.float32))  # -1: keep every neuron
-        preds = cpu_ffn.predictors if sparse else None
-        self.use_pred = [bool(sparse and preds is not None and cpu_ffn.use_predictor[i])
-                         for i in range(cfg.n_layer)]
+        preds = device_predictors(cpu_ffn, cfg.n_layer, plan.dense)
+        self.use_pred = [p is not None for p in preds]
         before = dev.allocated_bytes
-        self.layers = [
-            _ResidentLayer(dev, cfg, weights.layers[i], n_ctx, plan.hot[i],
-                           preds[i] if preds else None, self.use_pred[i])
-            for i in range(plan.n_resident)]
+        self.layers = [_ResidentLayer(dev, cfg, weights.layers[i], n_ctx, plan.hot[i], preds[i])
+                       for i in range(plan.n_resident)]
         self.output_norm = self.output = None
         if plan.output:
             self.output_norm = dev.array(np.asarray(weights.output_norm, np.float32))
             self.output = dev.rows([weights.output])  # (n_vocab, n_embd) as stored
-        rank = max([preds[i].fc1.rows for i in range(cfg.n_layer) if self.use_pred[i]] or [1])
+        rank = predictor_rank(preds)
         E, F = cfg.n_embd, cfg.n_ff
         # one-token buffers, allocated once (llama2.c RunState)
         self._x = dev.empty((1, E), np.float32)  # (1, n_embd) residual stream
@@ -329,14 +339,15 @@ class GpuModel:
             dev.upload(self._part_pin[:1], self._partial)
             dev.add(x[0], self._partial)
 
-    def _host_part(self, i: int, ly: _ResidentLayer, ready) -> None:
-        """Wait for the layer's FFN input (the one per-layer sync) and compute its cold neurons
-        into the pinned partial-output buffer."""
+    def _host_part(self, i: int, ly: _ResidentLayer, ready, n_tok: int = 1) -> None:
+        """Wait for the layer's FFN input of n_tok tokens (the one per-layer sync) and compute
+        their cold neurons into the pinned partial-output buffer, token by token."""
         t0 = time.perf_counter()
         self.dev.wait(ready)
         t1 = time.perf_counter()
-        mask = self._mask_pin[0] if self.use_pred[i] else None
-        self._cold(i, ly, self._h_pin[0], mask, self._part_pin[0])
+        for t in range(n_tok):
+            mask = self._mask_pin[t] if self.use_pred[i] else None
+            self._cold(i, ly, self._h_pin[t], mask, self._part_pin[t])
         self.profile.wait_ms += (t1 - t0) * 1e3
         self.profile.cold_ms += (time.perf_counter() - t1) * 1e3
         self.profile.syncs += 1
@@ -401,28 +412,11 @@ class GpuModel:
     def _cold(self, i: int, ly: _ResidentLayer, h: np.ndarray, mask, out: np.ndarray) -> None:
         """The cold neurons of layer i for one token, with the CPU kernels and SparseFFN's rule:
         out (n_embd,) f32 = their down projection."""
-        lw, nt = self.w.layers[i], self.n_threads
         ids = ly.cold_ids if mask is None else ly.cold_ids[mask[ly.cold_ids] != 0]
+        # dense: the GLU rule with a negative threshold keeps every candidate
+        n = sparse_step(self.w.layers[i], h, ids, self.silu, self.glu or not self.sparse,
+                        float(self.act_thr[i]), out, self.n_threads)
         n_cand = ids.shape[0]
-        g = np.empty(n_cand, np.float32)  # (n_candidates,)
-        cpu.gather_matvec(lw.ffn_gate, h, ids, g, nt)
-        coef = np.empty(n_cand, np.float32)
-        idx = np.empty(n_cand, np.int32)
-        if not self.sparse or self.glu:  # every candidate's up row is needed first
-            u = np.empty(n_cand, np.float32)
-            cpu.gather_matvec(lw.ffn_up, h, ids, u, nt)
-            if not self.sparse:  # dense: every neuron, a = act(gate) * up
-                (cpu.silu_mul if self.silu else cpu.relu_mul)(g, u, coef)
-                idx, n = ids, n_cand
-            else:
-                n = cpu.select_active(g, u, ids, self.silu, float(self.act_thr[i]), coef, idx)
-        else:  # up rows only for neurons whose activation passed
-            n = cpu.select_active(g, None, ids, self.silu, float(self.act_thr[i]), coef, idx)
-            u = np.empty(n, np.float32)
-            cpu.gather_matvec(lw.ffn_up, h, idx[:n], u, nt)
-            coef[:n] *= u
-        cpu.axpy_rows(lw.ffn_down_t, np.ascontiguousarray(coef[:n]), np.ascontiguousarray(idx[:n]),
-                      out, nt)
         self._host_stats.candidates += n_cand
         self._host_stats.active += n
 
@@ -503,16 +497,8 @@ class GpuModel:
             x += self._linear_t(ly.down, xp.where(keep, c, xp.float32(0.0)).astype(xp.float32))
         self._host_stats.total += T * F
         if split:
-            t0 = time.perf_counter()
-            dev.wait(ready)
-            t1 = time.perf_counter()
-            for t in range(T):
-                mask = self._mask_pin[t] if use_pred else None
-                self._cold(i, ly, self._h_pin[t], mask, self._part_pin[t])
+            self._host_part(i, ly, ready, T)
             x += dev.xp.asarray(self._part_pin[:T])
-            self.profile.wait_ms += (t1 - t0) * 1e3
-            self.profile.cold_ms += (time.perf_counter() - t1) * 1e3
-            self.profile.syncs += 1
 
     def _linear(self, w, a):
         """a (T, cols) @ w.T -> (T, rows) f32: w dequantized in chunks, GEMM (cuBLAS on a GPU)."""

@@ -25,8 +25,9 @@ from pyinfer.config import ModelConfig, read_field
 from pyinfer.device import GiB, CupyDevice
 from pyinfer.errors import PyinferError
 from pyinfer.ffn import SparseFFN
-from pyinfer.gpu_model import (GpuModel, GpuPlan, buffer_bytes, layer_fixed_bytes, neuron_bytes,
-                               output_bytes, prefill_reserve_bytes)
+from pyinfer.gpu_model import (GpuModel, GpuPlan, buffer_bytes, device_predictors,
+                               layer_fixed_bytes, neuron_bytes, output_bytes, predictor_rank,
+                               prefill_reserve_bytes)
 from pyinfer.model import Model
 from pyinfer.ops import cuda
 from pyinfer.weights import ModelWeights
@@ -58,14 +59,12 @@ class _Sizes:
     """Device bytes of each part of the model under the GpuModel layout."""
 
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, cpu_ffn, n_ctx: int, dense: bool):
-        sparse = isinstance(cpu_ffn, SparseFFN) and not dense
-        preds = cpu_ffn.predictors if sparse else None
-        use = [bool(preds is not None and cpu_ffn.use_predictor[i]) for i in range(cfg.n_layer)]
-        self.layer = [layer_fixed_bytes(cfg, lw, n_ctx, preds[i] if use[i] else None)
+        preds = device_predictors(cpu_ffn, cfg.n_layer, dense)
+        self.layer = [layer_fixed_bytes(cfg, lw, n_ctx, preds[i])
                       for i, lw in enumerate(weights.layers)]
         self.neuron = [neuron_bytes(lw) for lw in weights.layers]
         self.output = output_bytes(cfg, weights)
-        rank = max([preds[i].fc1.rows for i in range(cfg.n_layer) if use[i]] or [1])
+        rank = predictor_rank(preds)
         self.buffers = buffer_bytes(cfg, n_ctx, rank)  # allocated by GpuModel
         self.reserve = prefill_reserve_bytes(cfg, n_ctx)  # kept free for prefill temporaries
         self.n_ff = cfg.n_ff
