@@ -68,6 +68,17 @@ def run_child(args: list[str], timeout: float) -> subprocess.CompletedProcess:
                           env=env, timeout=timeout, preexec_fn=limits)
 
 
+def open_error_in_child(module: str, path) -> str:
+    """The PyinferError message of ``module.open_gguf(path)``, run in a memory-limited child
+    (``run_child``); fails on any other outcome (traceback, signal, timeout)."""
+    r = run_child(["-c", f"import sys; from {module} import open_gguf\n"
+                   "from pyinfer.errors import PyinferError\n"
+                   "try: open_gguf(sys.argv[1])\n"
+                   "except PyinferError as e: print(e)", str(path)], timeout=60)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
+
+
 def test_tiny_model_works(tiny):
     e = Engine(tiny, device="cpu", n_threads=1)
     assert e.is_sparse
@@ -86,12 +97,7 @@ def test_array_count_2_32_in_a_400kb_file(tmp_path):
         tensors={"pyinfer.test.padding": (np.zeros(85_000, np.float32), QT.F32)})
     assert 380_000 < os.path.getsize(src) < 420_000
     bad = patched(src, tmp_path / "count.gguf", ("array_count", "pyinfer.test.bytes", 1 << 32))
-    r = run_child(["-c", "import sys; from pyinfer.engine import open_gguf\n"
-                   "from pyinfer.errors import PyinferError\n"
-                   "try: open_gguf(sys.argv[1])\n"
-                   "except PyinferError as e: print(e)", bad], timeout=60)
-    assert r.returncode == 0, r.stderr
-    msg = r.stdout.strip()
+    msg = open_error_in_child("pyinfer.engine", bad)
     assert "count.gguf" in msg and "4294967296 elements of UINT8" in msg, msg
 
 
@@ -313,9 +319,5 @@ def test_converter_refuses_the_2_32_count_file(tmp_path):
     src = write_tiny_gguf(str(tmp_path / "big.gguf"),
                           overrides={"pyinfer.test.bytes": ([7] * 16, VT.ARRAY, VT.UINT8)})
     bad = patched(src, tmp_path / "count.gguf", ("array_count", "pyinfer.test.bytes", 1 << 32))
-    r = run_child(["-c", "import sys; from convert.from_gguf import open_gguf\n"
-                   "from pyinfer.errors import PyinferError\n"
-                   "try: open_gguf(sys.argv[1])\n"
-                   "except PyinferError as e: print(e)", bad], timeout=60)
-    assert r.returncode == 0, r.stderr
-    assert "4294967296 elements of UINT8" in r.stdout, r.stdout
+    msg = open_error_in_child("convert.from_gguf", bad)
+    assert "4294967296 elements of UINT8" in msg, msg
