@@ -307,15 +307,18 @@ class GpuModel:
             dev.attn_decode(q, ly.k, ly.v, self._pos, self._attn.reshape(cfg.n_head, hd), max_att)
             dev.gemv(ly.wo, self._attn, x[0], accumulate=True)
             # feed-forward: hot neurons here, cold ones on the CPU meanwhile
-            dev.rmsnorm(x, ly.ffn_norm, cfg.rms_eps, h)
             self._ffn_decode(i, ly, x, h)
 
     def _ffn_decode(self, i: int, ly: _ResidentLayer, x, h) -> None:
-        dev, F = self.dev, self.cfg.n_ff
+        dev, F, eps = self.dev, self.cfg.n_ff, self.cfg.rms_eps
         use_pred = self.use_pred[i]
-        if use_pred:
-            dev.predict(ly.fc1, ly.fc2, ly.pred_thr, x[0], self._hid, self._mask)
         split = ly.n_hot < F
+        if use_pred:  # the predictor's hidden layer and the FFN norm in one launch
+            dev.norm_fc1(ly.fc1, x[0], self._hid, ly.ffn_norm, eps, h[0])
+            if split:  # the CPU's candidates; the hot rows evaluate fc2 inline
+                dev.predict_fc2(ly.fc2, self._hid, ly.pred_thr, self._mask)
+        else:
+            dev.rmsnorm(x, ly.ffn_norm, eps, h)
         if split:  # the CPU's input goes down first, so it works while the GPU does the hot rows
             dev.download(h, self._h_pin[:1])
             if use_pred:
@@ -324,7 +327,8 @@ class GpuModel:
         if ly.n_hot:
             dev.ffn_gate_up(ly.gate, ly.up, h[0], self._coef[:ly.n_hot], self._counts,
                             self.cfg.hidden_act, float(self.act_thr[i]), ids=ly.ids,
-                            mask=self._mask if use_pred else None, glu=self.glu)
+                            glu=self.glu,
+                            pred=(ly.fc2, self._hid, ly.pred_thr) if use_pred else None)
             dev.axpy_rows(ly.down, self._coef[:ly.n_hot], x[0], skip_zero=self.sparse,
                           accumulate=True, scratch=self._axpy)
         if self._capturing:
