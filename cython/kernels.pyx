@@ -715,3 +715,77 @@ def decode_ffn(float[::1] x, const float[::1] ffn_norm, float eps,
         free(buf)
         free(idx)
     return n
+
+
+# ---------------------------------------------------------------- the CPU's part of a split layer
+
+def cold_ffn(const uint8_t[:, ::1] wg, int tg, const uint8_t[:, ::1] wu, int tu,
+             const uint8_t[:, ::1] wd, int td, const float[::1] h, const int32_t[::1] ids,
+             const uint8_t[::1] mask, int silu, int glu, float thr, float[::1] out,
+             int n_threads):
+    """One token's FFN over the neurons ``ids`` (sorted int32, e.g. a hybrid layer's cold
+    neurons) that ``mask`` ((n_ff,) uint8, or None: all) marks as candidates, under SparseFFN's
+    rule: "glu" keeps |act(gate h) * up h| > thr, otherwise |act(gate h)| > thr (up rows read
+    only for those kept). out (n_embd,) f32 = their down projection over ffn_down_t rows.
+    Returns (n_candidates, n_kept). Same dots, selection and row-ordered AXPY as
+    ``pyinfer.ffn.sparse_step`` on ids[mask[ids] != 0] (equal results), in two parallel regions
+    instead of three plus NumPy temporaries: the hybrid GPU engine calls this once per layer and
+    token while the GPU works on the hot neurons, so fixed costs per call matter (issue 10)."""
+    cdef int cols = h.shape[0]
+    _check_w(wg, tg, cols)
+    _check_w(wu, tu, cols)
+    _check_w(wd, td, cols)
+    _check_len(out.shape[0], cols, "cold_ffn out")
+    _check_len(wu.shape[0], wg.shape[0], "cold_ffn up rows")
+    _check_len(wd.shape[0], wg.shape[0], "cold_ffn down rows")
+    _check_idx(ids, wg.shape[0])
+    cdef int has_mask = mask is not None
+    if has_mask:
+        _check_len(mask.shape[0], wg.shape[0], "cold_ffn mask")
+    cdef Py_ssize_t n = ids.shape[0], j, k = 0, n_cand = 0, sg = wg.shape[1], su = wu.shape[1]
+    cdef float *coef
+    cdef int32_t *idx
+    cdef uint8_t *kept
+    cdef float *xd = NULL
+    cdef int8_t *xq = NULL
+    cdef float g, a
+    cdef int32_t r
+    with nogil:
+        coef = <float *> malloc((n + 1) * sizeof(float))
+        idx = <int32_t *> malloc((n + 1) * sizeof(int32_t))
+        kept = <uint8_t *> malloc(n + 1)
+        if pi_is_quant(tg) or pi_is_quant(tu):  # h quantized once, as gather_matvec does
+            xd = <float *> malloc((2 * (cols // 32) + 1) * sizeof(float))
+            xq = <int8_t *> malloc(cols + 32)
+            pi_quantize_q8(&h[0], cols, xd, xq)
+        # candidates are scattered and about half pass: dynamic chunks balance the threads;
+        # every neuron's result depends on nothing else, so the schedule cannot change it
+        for j in prange(n, schedule='dynamic', chunksize=16, num_threads=n_threads):
+            r = ids[j]
+            kept[j] = 0
+            if has_mask and mask[r] == 0:
+                continue
+            g = pi_dot_row(tg, &wg[0, 0] + r * sg, &h[0], xd, xq, cols)
+            a = _act1(g, silu)
+            if glu:
+                a = a * pi_dot_row(tu, &wu[0, 0] + r * su, &h[0], xd, xq, cols)
+                if a > thr or a < -thr:
+                    kept[j] = 1
+            elif a > thr or a < -thr:
+                kept[j] = 1
+                a = a * pi_dot_row(tu, &wu[0, 0] + r * su, &h[0], xd, xq, cols)
+            coef[j] = a
+        for j in range(n):  # compaction in neuron order: the AXPY's row order
+            n_cand += (not has_mask) or mask[ids[j]] != 0
+            if kept[j]:
+                coef[k] = coef[j]
+                idx[k] = ids[j]
+                k += 1
+        _axpy_rows(&wd[0, 0] if wd.shape[0] > 0 else NULL, wd.shape[1], td, cols, coef, idx, k,
+                   &out[0], n_threads)
+        free(coef)
+        free(idx)
+        free(kept)
+        free(xd)
+        free(xq)
+    return n_cand, k

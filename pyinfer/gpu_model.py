@@ -45,9 +45,9 @@ import numpy as np
 
 from pyinfer.config import ModelConfig
 from pyinfer.device import as_qtensor
-from pyinfer.ffn import FFNStats, SparseFFN, sparse_step
+from pyinfer.ffn import FFNStats, SparseFFN
 from pyinfer.model import Model
-from pyinfer.ops import cuda
+from pyinfer.ops import cpu, cuda
 from pyinfer.ops import xp as X
 from pyinfer.weights import ModelWeights
 
@@ -414,13 +414,14 @@ class GpuModel:
         return self._logits_pin.copy()
 
     def _cold(self, i: int, ly: _ResidentLayer, h: np.ndarray, mask, out: np.ndarray) -> None:
-        """The cold neurons of layer i for one token, with the CPU kernels and SparseFFN's rule:
-        out (n_embd,) f32 = their down projection."""
-        ids = ly.cold_ids if mask is None else ly.cold_ids[mask[ly.cold_ids] != 0]
+        """The cold neurons of layer i for one token, with SparseFFN's rule (``cpu.cold_ffn``,
+        equal to ``pyinfer.ffn.sparse_step`` on the candidates): out (n_embd,) f32 = their down
+        projection."""
+        lw = self.w.layers[i]
         # dense: the GLU rule with a negative threshold keeps every candidate
-        n = sparse_step(self.w.layers[i], h, ids, self.silu, self.glu or not self.sparse,
-                        float(self.act_thr[i]), out, self.n_threads)
-        n_cand = ids.shape[0]
+        n_cand, n = cpu.cold_ffn(lw.ffn_gate, lw.ffn_up, lw.ffn_down_t, h, ly.cold_ids, mask,
+                                 self.silu, self.glu or not self.sparse, float(self.act_thr[i]),
+                                 out, self.n_threads)
         self._host_stats.candidates += n_cand
         self._host_stats.active += n
 

@@ -30,7 +30,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_gpu import N_VOCAB, build_model  # noqa: E402
-from pyinfer import ffn as ffn_mod  # noqa: E402
 from pyinfer.device import CupyDevice  # noqa: E402
 from pyinfer.ffn import DenseFFN, SparseFFN  # noqa: E402
 from pyinfer.gpu_model import GpuModel  # noqa: E402
@@ -94,7 +93,7 @@ class HostTimer:
         self._orig = {}
 
     def install(self):
-        for name in ("gather_matvec", "select_active", "axpy_rows", "matvec"):
+        for name in ("cold_ffn", "gather_matvec", "select_active", "axpy_rows", "matvec"):
             f = getattr(cpu, name)
             self._orig[name] = f
 
@@ -105,25 +104,10 @@ class HostTimer:
                 self.n[_n] += 1
                 return r
             setattr(cpu, name, w)
-        f = ffn_mod.sparse_step
-
-        def ws(*a, _f=f, **k):
-            t0 = time.perf_counter()
-            r = _f(*a, **k)
-            self.t["sparse_step (all)"] += time.perf_counter() - t0
-            self.n["sparse_step (all)"] += 1
-            return r
-        import pyinfer.gpu_model as gm
-        self._orig["sparse_step"] = f
-        gm.sparse_step = ws
 
     def uninstall(self):
-        import pyinfer.gpu_model as gm
         for name, f in self._orig.items():
-            if name == "sparse_step":
-                gm.sparse_step = f
-            else:
-                setattr(cpu, name, f)
+            setattr(cpu, name, f)
 
     def table(self, n_tok, n_layer):
         lines = [f"  {'host step':<18} {'us/layer':>9} {'ms/tok':>8}"]

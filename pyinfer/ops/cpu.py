@@ -259,3 +259,13 @@ def relu_mul(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> np.ndarray:
     """out = relu(gate) * up elementwise (any shape, f32, C-contiguous; out may alias gate)."""
     _k.relu_mul(_flat(gate), _flat(up), _flat(out))
     return out
+
+
+def cold_ffn(gate: QTensor, up: QTensor, down_t: QTensor, h: np.ndarray, ids: np.ndarray,
+             mask: np.ndarray | None, silu: bool, glu: bool, threshold: float, out: np.ndarray,
+             n_threads: int = 1) -> tuple[int, int]:
+    """The FFN of one token over the candidates among ``ids`` (sorted int32; candidates where
+    ``mask`` (n_ff,) uint8 is set, or all), SparseFFN's rule, into out (n_embd,) f32; returns
+    (n_candidates, n_kept). Equal to ``pyinfer.ffn.sparse_step`` on ids[mask[ids] != 0]."""
+    return _k.cold_ffn(*_wargs(gate)[:2], *_wargs(up)[:2], *_wargs(down_t)[:2], h, ids, mask,
+                       int(silu), int(glu), threshold, out, n_threads)
