@@ -729,7 +729,7 @@ def cold_ffn(const uint8_t[:, ::1] wg, int tg, const uint8_t[:, ::1] wu, int tu,
     only for those kept). out (n_embd,) f32 = their down projection over ffn_down_t rows.
     Returns (n_candidates, n_kept). Same dots, selection and row-ordered AXPY as
     ``pyinfer.ffn.sparse_step`` on ids[mask[ids] != 0] (equal results), in two parallel regions
-    instead of three plus NumPy temporaries: the hybrid GPU engine calls this once per layer and
+    instead of three plus NumPy temporaries, the up rows prefetched with the gate rows: the hybrid GPU engine calls this once per layer and
     token while the GPU works on the hot neurons, so fixed costs per call matter (issue 10)."""
     cdef int cols = h.shape[0]
     _check_w(wg, tg, cols)
@@ -743,8 +743,10 @@ def cold_ffn(const uint8_t[:, ::1] wg, int tg, const uint8_t[:, ::1] wu, int tu,
     if has_mask:
         _check_len(mask.shape[0], wg.shape[0], "cold_ffn mask")
     cdef Py_ssize_t n = ids.shape[0], j, k = 0, n_cand = 0, sg = wg.shape[1], su = wu.shape[1]
+    cdef Py_ssize_t pd = pi_prefetch_dist(sg)
     cdef float *coef
     cdef int32_t *idx
+    cdef int32_t *cand
     cdef uint8_t *kept
     cdef float *xd = NULL
     cdef int8_t *xq = NULL
@@ -753,20 +755,26 @@ def cold_ffn(const uint8_t[:, ::1] wg, int tg, const uint8_t[:, ::1] wu, int tu,
     with nogil:
         coef = <float *> malloc((n + 1) * sizeof(float))
         idx = <int32_t *> malloc((n + 1) * sizeof(int32_t))
+        cand = <int32_t *> malloc((n + 1) * sizeof(int32_t))
         kept = <uint8_t *> malloc(n + 1)
+        for j in range(n):  # the candidates, in neuron order
+            cand[n_cand] = ids[j]
+            n_cand += (not has_mask) or mask[ids[j]] != 0
         if pi_is_quant(tg) or pi_is_quant(tu):  # h quantized once, as gather_matvec does
             xd = <float *> malloc((2 * (cols // 32) + 1) * sizeof(float))
             xq = <int8_t *> malloc(cols + 32)
             pi_quantize_q8(&h[0], cols, xd, xq)
-        # candidates are scattered and about half pass: dynamic chunks balance the threads;
-        # every neuron's result depends on nothing else, so the schedule cannot change it
-        for j in prange(n, schedule='dynamic', chunksize=16, num_threads=n_threads):
-            r = ids[j]
-            kept[j] = 0
-            if has_mask and mask[r] == 0:
-                continue
+        # rows come from memory, not cache (the cold rows of 32 layers outgrow L3): prefetch
+        # the gate and up rows pd candidates ahead, as gather_matvec does. Every neuron's result
+        # depends on nothing else, so the thread count cannot change it.
+        for j in prange(n_cand, schedule='static', num_threads=n_threads):
+            if j + pd < n_cand:
+                pi_prefetch_l2(&wg[0, 0] + cand[j + pd] * sg, sg)
+                pi_prefetch_l2(&wu[0, 0] + cand[j + pd] * su, su)
+            r = cand[j]
             g = pi_dot_row(tg, &wg[0, 0] + r * sg, &h[0], xd, xq, cols)
             a = _act1(g, silu)
+            kept[j] = 0
             if glu:
                 a = a * pi_dot_row(tu, &wu[0, 0] + r * su, &h[0], xd, xq, cols)
                 if a > thr or a < -thr:
@@ -775,16 +783,16 @@ def cold_ffn(const uint8_t[:, ::1] wg, int tg, const uint8_t[:, ::1] wu, int tu,
                 kept[j] = 1
                 a = a * pi_dot_row(tu, &wu[0, 0] + r * su, &h[0], xd, xq, cols)
             coef[j] = a
-        for j in range(n):  # compaction in neuron order: the AXPY's row order
-            n_cand += (not has_mask) or mask[ids[j]] != 0
+        for j in range(n_cand):  # compaction in neuron order: the AXPY's row order
             if kept[j]:
                 coef[k] = coef[j]
-                idx[k] = ids[j]
+                idx[k] = cand[j]
                 k += 1
         _axpy_rows(&wd[0, 0] if wd.shape[0] > 0 else NULL, wd.shape[1], td, cols, coef, idx, k,
                    &out[0], n_threads)
         free(coef)
         free(idx)
+        free(cand)
         free(kept)
         free(xd)
         free(xq)
