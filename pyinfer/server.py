@@ -433,10 +433,11 @@ def create_app(llm, max_queue: int = 4, api_key: str | None = None):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pyinfer.options import Parser, arg_type
+    from pyinfer.options import Parser, add_model, add_version, arg_type
 
     p = Parser(prog="pyinfer-serve", description=__doc__.splitlines()[0])
-    p.add_argument("model", help="GGUF written by pyinfer-convert")
+    add_version(p)
+    add_model(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1; any other needs --api-key or --no-api-key)")
     p.add_argument("--api-key", default=os.environ.get("PYINFER_API_KEY") or None, metavar="KEY",
@@ -483,7 +484,7 @@ def main(argv=None) -> int:
             raise PyinferError("--queue-size must be >= 0")
         from pyinfer.cli import load
 
-        llm = load(args, args.model)
+        llm = load(args, options.model_path(args, "pyinfer-serve MODEL.gguf (or -m MODEL.gguf)"))
         app = create_app(llm, max_queue=args.queue_size, api_key=args.api_key)
     except PyinferError as e:
         print(f"error: {e}", file=sys.stderr)
