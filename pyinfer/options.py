@@ -84,6 +84,7 @@ OPTIONS: dict[str, Range] = {
     "vram_budget": Range(integer=False, lo=0.0, lo_open=True, hi=1 << 20),  # GiB
     "n_gpu_layers": Range(integer=True, lo=0, hi=1 << 20),
     "chunks": Range(integer=True, lo=0, hi=1 << 31),
+    "top_logprobs": Range(integer=True, lo=0, hi=20),  # OpenAI's bound
 }
 
 
