@@ -199,9 +199,9 @@ class LLM:
         self._check_request(max_tokens, None, seed)
         params = self._params(temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n)
         limit = -1 if max_tokens is None or max_tokens <= 0 else int(max_tokens)
+        hooks = {k: v for k, v in (("constraint", constraint), ("on_token", on_token)) if v is not None}
         yield from self.engine.generate(tokens, params, max_tokens=limit, seed=self._seed(seed),
-                                        ignore_eos=ignore_eos, stop_ids=stop_ids,
-                                        constraint=constraint, on_token=on_token)
+                                        ignore_eos=ignore_eos, stop_ids=stop_ids, **hooks)
 
     def check_fits(self, tokens: list[int]) -> None:
         """Raise PyinferError unless ``tokens`` is non-empty and leaves room for one more token."""

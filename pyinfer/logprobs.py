@@ -71,6 +71,11 @@ class LogprobRecorder:
         for piece in tokens:
             offsets.append(pos)
             pos += len(piece)
-        top = [{self._text(a): alp for a, alp in alts} for _, _, alts in entries]
+        top = []
+        for _, _, alts in entries:  # best first; tokens that print alike keep the best one's value
+            d: dict[str, float] = {}
+            for a, alp in alts:
+                d.setdefault(self._text(a), alp)
+            top.append(d)
         return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
                 "top_logprobs": top, "text_offset": offsets}
