@@ -58,6 +58,12 @@ def build_parser(prog: str = "pyinfer-run", chat: bool = False) -> argparse.Argu
     p.add_argument("--repeat-penalty", type=arg_type("repeat_penalty"), default=1.0)
     p.add_argument("--repeat-last-n", type=arg_type("repeat_last_n"), default=64)
     p.add_argument("-s", "--seed", type=arg_type("seed"), default=-1, help="RNG seed (-1: random)")
+    g = p.add_mutually_exclusive_group()  # llama.cpp's spelling of the four
+    g.add_argument("--grammar", default=None, help="constrain the output with a GBNF (or Lark) grammar")
+    g.add_argument("--grammar-file", default=None, help="read the grammar from this file")
+    g.add_argument("-j", "--json-schema", default=None,
+                   help="constrain the output to JSON valid under this schema, e.g. '{\"type\": \"object\"}'")
+    g.add_argument("-jf", "--json-schema-file", default=None, help="read the JSON schema from this file")
     if not chat:
         p.add_argument("--ignore-eos", action="store_true", help="keep generating past end of text")
         p.add_argument("--chat", action="store_true",
@@ -106,9 +112,38 @@ def check_args(args) -> str:
 
 
 def sampling_kwargs(args) -> dict:
-    """Keyword arguments of ``LLM.stream_text`` for the sampling flags."""
-    return dict(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n)
+    """Keyword arguments of ``LLM.stream_text`` for the sampling and grammar flags. Raises
+    PyinferError for a grammar or schema file that cannot be read or does not parse."""
+    kw = dict(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+              repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n)
+    grammar = grammar_of_args(args)
+    if grammar is not None:
+        kw["grammar"] = grammar
+    return kw
+
+
+#: Largest grammar or schema file read (llama.cpp's grammars are a few KiB).
+MAX_GRAMMAR_BYTES = 1 << 20
+
+
+def grammar_of_args(args):
+    """The ``pyinfer.grammar.Grammar`` of --grammar/--grammar-file/-j/-jf, or None; compiled once
+    here so a bad one is an error before the model loads."""
+    from pyinfer.grammar import Grammar
+
+    if getattr(args, "grammar_file", None):
+        args.grammar = read_text_file(args.grammar_file, MAX_GRAMMAR_BYTES, "grammar file", hint="is it the right file?")
+    if getattr(args, "json_schema_file", None):
+        args.json_schema = read_text_file(args.json_schema_file, MAX_GRAMMAR_BYTES, "JSON schema file",
+                                          hint="is it the right file?")
+    if getattr(args, "grammar", None) is not None:
+        g = Grammar("gbnf", args.grammar)
+    elif getattr(args, "json_schema", None) is not None:
+        g = Grammar.json_schema(args.json_schema)
+    else:
+        return None
+    g.llguidance_grammar()
+    return g
 
 
 def gpu_flags(args) -> list[str]:
@@ -158,6 +193,7 @@ def run(args) -> int:
     if prompt is None:
         raise PyinferError("no prompt given: use -p PROMPT, -f FILE or -i")
     n_predict = RUN_N_PREDICT if args.n_predict is None else args.n_predict
+    sampling = sampling_kwargs(args)  # a bad grammar is reported before the model loads
 
     llm = load(args, model_path)
     if args.chat:
@@ -173,7 +209,7 @@ def run(args) -> int:
     if n_predict != 0:
         try:
             for piece in llm.stream_text(ids, max_tokens=None if n_predict < 0 else n_predict,
-                                         ignore_eos=args.ignore_eos, **sampling_kwargs(args)):
+                                         ignore_eos=args.ignore_eos, **sampling):
                 sys.stdout.write(piece)
                 sys.stdout.flush()
         except KeyboardInterrupt:

@@ -67,7 +67,7 @@ FIELDS = {
 #: Fields accepted only at the value that asks for nothing (OpenAI's defaults).
 _NEUTRAL = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},),
             "echo": (False,), "best_of": (1,), "suffix": ("",), "tools": ([],), "tool_choice": ("none",),
-            "parallel_tool_calls": (True, False), "encoding_format": ("float",)}
+            "parallel_tool_calls": (True, False)}
 
 
 def check_fields(body: dict, endpoint: str) -> None:
@@ -137,6 +137,20 @@ def sampling_options(body: dict, max_tokens_default: int | None) -> dict:
         **{k: v for k, v in grammar_fields.items() if v is not None},
     )
     return opts
+
+
+def encode_embeddings(result: dict, fmt: str) -> dict:
+    """``result`` of ``LLM.create_embedding`` with each vector as OpenAI's ``encoding_format`` asks:
+    "float" (a list) or "base64" (little-endian float32 bytes, base64; what the openai client
+    requests by default)."""
+    if fmt == "base64":
+        import base64
+
+        import numpy as np
+
+        for d in result["data"]:
+            d["embedding"] = base64.b64encode(np.asarray(d["embedding"], "<f4").tobytes()).decode("ascii")
+    return result
 
 
 def logprob_options(body: dict, chat: bool) -> dict:
@@ -490,13 +504,17 @@ def create_app(llm, max_queue: int = 4, api_key: str | None = None):
             if not hasattr(llm.engine.model, "run_layers"):
                 return error(501, "embeddings are computed by the CPU model only: start pyinfer-serve "
                              "with --device cpu", kind="not_implemented")
+            fmt = body.get("encoding_format") or "float"
+            if fmt not in ("float", "base64"):
+                raise BadRequest("'encoding_format' must be \"float\" or \"base64\"", "encoding_format")
             dims = body.get("dimensions")
             if dims is not None and dims != llm.engine.cfg.n_embd:
                 raise BadRequest(f"'dimensions' must be {llm.engine.cfg.n_embd} (the model's n_embd)",
                                  "dimensions")
         except BadRequest as e:
             return error(e.status, str(e), e.param)
-        return await run_job(request, lambda stop: llm.create_embedding(inp), stream=False)
+        return await run_job(request, lambda stop: encode_embeddings(llm.create_embedding(inp), fmt),
+                             stream=False)
 
     async def models(request: Request):
         return JSONResponse({"object": "list", "data": [

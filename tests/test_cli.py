@@ -204,3 +204,33 @@ def test_gpu_flags_without_a_gpu_say_they_are_ignored(runnable_gguf):
 def test_convert_takes_the_source_as_dash_m(tmp_path):
     r = run_module("convert.cli", "-m", str(tmp_path / "nope"), str(tmp_path / "out.gguf"))
     assert_user_error(r, "nope does not exist")
+
+
+def test_missing_kernels_say_how_to_build_them(runnable_gguf):
+    code = ("import sys; sys.modules['pyinfer.ops._kernels'] = None  # as after `make clean`\n"
+            "from pyinfer.cli import main; sys.exit(main([sys.argv[1], '-p', 'the', '-n', '1']))")
+    r = subprocess.run([sys.executable, "-c", code, runnable_gguf], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert_user_error(r, "compiled kernels", "make install")
+    r = subprocess.run([sys.executable, "-c", "import sys; sys.modules['pyinfer.ops._kernels'] = None\n"
+                        "try:\n import pyinfer.ops.cpu\nexcept ImportError as e: print('ImportError')"],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert r.stdout.strip() == "ImportError"  # still an ImportError for code that guards the import
+
+
+def test_package_imports_beside_a_folder_named_pyinfer(tmp_path):
+    """The README's example in a script next to a clone named `pyinfer` (no PYTHONPATH): the installed
+    package wins over the folder (Makefile: editable_mode=compat)."""
+    import importlib.metadata
+
+    try:
+        importlib.metadata.distribution("pyinfer")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("pyinfer is not installed in this environment (make install-test installs it)")
+    (tmp_path / "pyinfer").mkdir()
+    (tmp_path / "pyinfer" / "README.md").write_text("a clone\n")
+    (tmp_path / "example.py").write_text("import pyinfer\nfrom pyinfer import LLM\nprint(LLM.__name__)\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([sys.executable, "example.py"], capture_output=True, text=True, timeout=120,
+                       cwd=tmp_path, env=env)
+    assert r.returncode == 0 and r.stdout.strip() == "LLM", r.stderr

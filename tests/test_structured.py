@@ -7,6 +7,7 @@ small random Llama; the SmolLM2 ones are marked slow.
 """
 from __future__ import annotations
 
+import base64
 import json
 import re
 
@@ -162,7 +163,7 @@ def app_client(tiny_llm):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "response_format": {"type": "xml"}}, "response_format"),
-    ("/v1/embeddings", {"input": "the", "encoding_format": "base64"}, "encoding_format"),
+    ("/v1/embeddings", {"input": "the", "encoding_format": "hex"}, "encoding_format"),
     ("/v1/embeddings", {"input": 5}, "input"),
     ("/v1/embeddings", {"input": "the", "dimensions": 7}, "dimensions"),
 ])
@@ -178,6 +179,9 @@ def test_server_embeddings_and_neutral_fields(app_client, tiny_llm):
     data = r.json()["data"]
     assert len(data) == 2 and len(data[0]["embedding"]) == tiny_llm.engine.cfg.n_embd
     assert np.isclose(np.linalg.norm(data[0]["embedding"]), 1.0)
+    r = app_client.post("/v1/embeddings", json={"input": ["the", "then"], "encoding_format": "base64"})
+    b64 = [np.frombuffer(base64.b64decode(d["embedding"]), "<f4") for d in r.json()["data"]]
+    assert np.allclose(b64[1], data[1]["embedding"], atol=1e-7)
     r = app_client.post("/v1/completions", json={"prompt": "the", "max_tokens": 3, "presence_penalty": 0,
                                                  "user": "me", "logprobs": 1, "grammar": 'root ::= "ab"'})
     assert r.status_code == 200, r.text
@@ -185,7 +189,42 @@ def test_server_embeddings_and_neutral_fields(app_client, tiny_llm):
     assert choice["text"] == "ab" and len(choice["logprobs"]["tokens"]) >= 1
 
 
+# ---- the CLI: --grammar-file, -j ---------------------------------------------------------------------
+def _run(*args):
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([sys.executable, "-m", "pyinfer.cli", *args], capture_output=True, text=True,
+                          timeout=300, cwd=root, env=dict(os.environ, PYTHONPATH=root))
+
+
+def test_cli_grammar_file_and_errors(tiny_llm, tmp_path):
+    g = tmp_path / "g.gbnf"
+    g.write_text('root ::= "x" [0-9]{3} ";"\n')
+    r = _run(tiny_llm.model_path, "-p", "the", "--no-display-prompt", "--grammar-file", str(g), "-s", "3", "-t", "1")
+    assert r.returncode == 0, r.stderr
+    assert re.fullmatch(r"x[0-9]{3};", r.stdout.strip()), r.stdout
+    for args, msg in ((["--grammar", "root ::= ("], "bad gbnf"), (["-j", "[1, 2]"], "JSON schema must be"),
+                      (["--grammar-file", str(tmp_path / "none")], "cannot read grammar file")):
+        r = _run(tiny_llm.model_path, "-p", "the", *args)
+        assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert r.stderr.startswith("error: ") and msg in r.stderr, r.stderr
+
+
+@pytest.mark.slow
+def test_cli_json_schema_greedy_smollm2(smollm2_q8):
+    r = _run(smollm2_q8, "--chat", "-p", "Give the capital of Germany as JSON with its country and population.",
+             "--temp", "0", "-n", "64", "-j", json.dumps(SCHEMA))
+    assert r.returncode == 0, r.stderr
+    value = json.loads(r.stdout)
+    jsonschema.validate(value, SCHEMA)
+    assert value["city"] == "Berlin"
+
+
 # ---- SmolLM2 through the openai client (slow) ------------------------------------------------------
+from tests.test_server import client, server  # noqa: E402,F401 - the server fixtures
 @pytest.mark.slow
 def test_openai_client_response_format_json_schema(client):
     msgs = [{"role": "user", "content": "Give the capital of Germany as JSON with its country and population."}]
