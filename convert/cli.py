@@ -63,8 +63,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="pyinfer-convert",
         description="Convert a Hugging Face Llama directory or a llama.cpp GGUF to a pyinfer GGUF.")
-    parser.add_argument("src", help="Hugging Face model directory or llama.cpp .gguf file")
-    parser.add_argument("out", help="output .gguf path (written to a temporary file beside it, then renamed)")
+    from pyinfer.options import add_version
+
+    add_version(parser)
+    parser.add_argument("src", nargs="?", help="Hugging Face model directory or llama.cpp .gguf file")
+    parser.add_argument("out", nargs="?",
+                        help="output .gguf path (written to a temporary file beside it, then renamed)")
+    parser.add_argument("-m", "--model", dest="model_opt", metavar="SRC",
+                        help="the source, as llama.cpp's tools spell it: pyinfer-convert -m SRC OUT")
     parser.add_argument("--outtype", choices=list(OUTTYPES), default="f16",
                         help="type of the 2-D weights (norms stay f32); default f16")
     parser.add_argument("--allow-unused-tensors", action="store_true",
@@ -74,6 +80,12 @@ def main(argv: list[str] | None = None) -> int:
 
     add_arguments(parser)  # the offline stage's flags (--dense skips it)
     args = parser.parse_args(argv)
+    if args.model_opt is not None:  # -m SRC OUT: the one positional given is OUT
+        if args.out is not None:
+            parser.error("give the source once: pyinfer-convert -m SRC OUT or pyinfer-convert SRC OUT")
+        args.src, args.out = args.model_opt, args.src
+    if args.src is None or args.out is None:
+        parser.error("the source and the output are required: pyinfer-convert SRC OUT")
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` cleans up the temporary file like Ctrl-C
     return exit_code_of(_run, args)
 

@@ -18,7 +18,14 @@ from dataclasses import dataclass, field
 import gguf
 import numpy as np
 
-from pyinfer.ops import _kernels as _k
+from pyinfer.errors import KernelsMissing
+
+try:
+    from pyinfer.ops import _kernels as _k
+except ImportError as _e:  # `make clean` removes the build; a fresh clone has none yet
+    raise KernelsMissing(f"pyinfer's compiled kernels (pyinfer.ops._kernels) do not load: {_e}. Build "
+                         "them: `make install` (or `pip install -e .`, or `python setup.py build_ext "
+                         "--inplace` in the source tree)") from None
 
 QT = gguf.GGMLQuantizationType
 SUPPORTED = (QT.F32, QT.F16, QT.Q8_0, QT.Q4_0)
