@@ -250,3 +250,31 @@ def test_gpu_engine_refuses_other_families(tmp_path):
     eng = Engine(convert(d, tmp_path), n_ctx=32, n_threads=1)
     with pytest.raises(PyinferError, match="GPU engine runs Llama files only"):
         place_model(eng.reader, eng.cfg, eng.weights, eng.model.ffn, 32, 1, device="cuda")
+
+
+@pytest.mark.parametrize("family", ["opt", "falcon"])
+def test_offline_stage_on_non_gated_ffn(tmp_path, family):
+    """pyinfer-convert's offline stage profiles a non-gated ReLU FFN (the up projection plus its
+    bias selects neurons), trains PowerInfer's predictor over it, and the sparse file still gives
+    transformers' logits: ReLU's zeros make it lossless."""
+    if family == "opt":
+        d, ref = build(tmp_path, "opt-off", transformers.OPTForCausalLM, transformers.OPTConfig,
+                       hidden_size=64, ffn_dim=256, num_hidden_layers=2, num_attention_heads=4,
+                       max_position_embeddings=128, word_embed_proj_dim=64)
+    else:
+        d, ref = build(tmp_path, "falcon-off", transformers.FalconForCausalLM,
+                       transformers.FalconConfig, hidden_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, ffn_hidden_size=256, activation="relu",
+                       new_decoder_architecture=True, num_kv_heads=2, bias=True)
+    out = str(tmp_path / "sparse.gguf")
+    assert convert_main([d, out, "--outtype", "f32", "--calib-tokens", "256", "--epochs", "3",
+                         "-t", "1"]) == 0
+    eng = Engine(out, n_ctx=64, n_threads=1)
+    ffn = eng.model.ffn
+    assert isinstance(ffn, SparseFFN) and ffn.mode == "relu" and ffn.predictors is not None
+    assert rel_err(eng.model.forward(PROMPT, 0, all_logits=True), ref) < TOL
+    eng.model.forward(PROMPT[:3], 0)
+    ffn.stats.reset()
+    for i in range(3, len(PROMPT)):
+        assert rel_err(eng.model.forward([PROMPT[i]], i), ref[i]) < TOL
+    assert ffn.stats.sparsity > 0.2
