@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from pyinfer.config import ModelConfig
+from pyinfer.errors import PyinferError
 from pyinfer.ffn import DenseFFN, linear
 from pyinfer.kv_cache import KVCache
 from pyinfer.ops import cpu
@@ -34,8 +35,8 @@ class Model:
         self.ffn = ffn if ffn is not None else DenseFFN(cfg)
         self.llama_plain = cfg.llama_plain and weights.llama_plain  # the fused kernels fit
         if cfg.positions == "learned" and n_ctx > weights.pos_embd.rows:
-            raise ValueError(f"a context of {n_ctx} exceeds the {weights.pos_embd.rows} learned "
-                             "positions of this model")
+            raise PyinferError(f"a context of {n_ctx} exceeds the {weights.pos_embd.rows} learned "
+                               "positions of this model (-c/--ctx-size)")
 
     def embed(self, tokens, n_past: int) -> np.ndarray:
         """(n_tok, n_embd) f32 embeddings of ``tokens``; ValueError when they do not fit after

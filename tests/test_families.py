@@ -278,3 +278,14 @@ def test_offline_stage_on_non_gated_ffn(tmp_path, family):
     for i in range(3, len(PROMPT)):
         assert rel_err(eng.model.forward([PROMPT[i]], i), ref[i]) < TOL
     assert ffn.stats.sparsity > 0.2
+
+
+def test_opt_context_past_learned_positions(tmp_path):
+    from pyinfer.errors import PyinferError
+
+    d, _ = build(tmp_path, "opt-ctx", transformers.OPTForCausalLM, transformers.OPTConfig,
+                 hidden_size=64, ffn_dim=128, num_hidden_layers=1, num_attention_heads=4,
+                 max_position_embeddings=32, word_embed_proj_dim=64)
+    path = convert(d, tmp_path)
+    with pytest.raises(PyinferError, match="exceeds the 32 learned positions"):
+        Engine(path, n_ctx=33, n_threads=1)
