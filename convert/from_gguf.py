@@ -103,6 +103,12 @@ def plan_gguf(path: str, outtype: str, allow_unused: bool = False) -> tuple[Meta
     if "rope_freqs.weight" in tensors:
         raise PyinferError("unsupported rope scaling (rope_freqs.weight)")
     ours = C.K_ROPE_LAYOUT in reader.fields  # written by pyinfer: already neox / neuron-major
+    family = _scalar(reader, C.K_FAMILY, "llama")
+    if ours and (family != "llama" or any(k in reader.fields for k in (
+            C.K_NORM, C.K_POSITIONS, C.K_PARALLEL_BLOCK, C.K_FFN_GATED, C.K_FFN_UP_ACT,
+            C.K_ACT_SHIFT, C.K_SLIDING_WINDOW)) or any(".bias" in n for n in tensors)):
+        raise PyinferError(f"re-converting a pyinfer {family} file is not supported (only Llama "
+                           "files); convert from the Hugging Face directory instead")
     act = _scalar(reader, C.K_HIDDEN_ACT, "silu")  # llama.cpp's llama architecture is SwiGLU
     if act not in C.HIDDEN_ACTS:
         raise PyinferError(f"unsupported hidden_act {act!r}")

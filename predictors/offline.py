@@ -121,7 +121,7 @@ def convert_sparse(src: str, out: str, outtype: str = "f16", opts: OfflineOption
     from pyinfer.engine import Engine
     from pyinfer.placement import model_gpu_bytes, solve, tensor_sizes
     from predictors.calibrate import calibration_tokens, read_calib_files
-    from predictors.profile import profile
+    from predictors.profile import profile, sparse_mode
     from predictors.report import format_table
     from predictors.solver import DEFAULT_GROUP_SIZE
 
@@ -141,7 +141,7 @@ def convert_sparse(src: str, out: str, outtype: str = "f16", opts: OfflineOption
         eng = Engine(staging, n_ctx=None, n_threads=n_threads, dense=True)
         cfg = eng.cfg
         chunk_len = min(CHUNK_LEN, eng.n_ctx)
-        mode = C.SPARSE_MODE_RELU if cfg.hidden_act == "relu" else C.SPARSE_MODE_GLU
+        mode = sparse_mode(cfg)
         if opts.target_recall is None:
             opts = dataclasses.replace(opts, target_recall=DEFAULT_TARGET_RECALL[mode])
         if mode != C.SPARSE_MODE_RELU and round(cfg.n_ff * (1 - opts.target_sparsity)) < 1:

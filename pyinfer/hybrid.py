@@ -164,6 +164,14 @@ def place_model(reader, cfg: ModelConfig, weights: ModelWeights, cpu_ffn, n_ctx:
         raise PyinferError(f"unknown device {device!r} (auto, cpu or cuda)")
     if n_gpu_layers is not None and n_gpu_layers < 0:
         raise PyinferError(f"-ngl must be >= 0, got {n_gpu_layers}")
+    if device != "cpu" and not (cfg.llama_plain and weights.llama_plain):
+        if device == "auto" and backend is None:  # the CPU runs every family
+            if not quiet:
+                _notice(f"the GPU engine runs Llama files only, not {cfg.family} with its "
+                        "extensions; running on the CPU")
+            return Model(cfg, weights, n_ctx, n_threads, ffn=cpu_ffn)
+        raise PyinferError(f"the GPU engine runs Llama files only; this {cfg.family} file needs "
+                           "--device cpu")
     if device == "cpu" and backend is None:
         if vram_budget is not None or n_gpu_layers:
             raise PyinferError("--vram-budget and -ngl need a GPU device (--device cuda or auto)")

@@ -328,8 +328,9 @@ def test_error_no_weights(models, tmp_path):
 
 
 def test_error_architecture(models, tmp_path):
-    d = _copy_with_config(models, tmp_path, architectures=["MistralForCausalLM"])
-    _expect_error(tmp_path, d, contains="unsupported architecture MistralForCausalLM")
+    d = _copy_with_config(models, tmp_path, architectures=["GPT2LMHeadModel"])
+    _expect_error(tmp_path, d, contains="unsupported architecture GPT2LMHeadModel (supported: "
+                                        "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM")
 
 
 def test_error_hidden_act(models, tmp_path):
