@@ -480,8 +480,10 @@ def plan_hf(model_dir: str, outtype: str, allow_unused: bool = False) -> tuple[M
     meta = Metadata()
     meta.string(C.K_ARCH, C.ARCH)
     meta.string(C.K_NAME, os.path.basename(os.path.abspath(model_dir)))
+    if outtype == C.OUTTYPE_AUTO:  # the checkpoint holds f32/bf16/f16: f16, as llama.cpp's converter
+        outtype = "f16"
     meta.u32(C.K_FILE_TYPE, FILE_TYPES[outtype])
-    if outtype not in ("f32", "f16"):
+    if outtype not in ("f32", "f16", "bf16"):
         meta.u32("general.quantization_version", 2)  # gguf.GGML_QUANT_VERSION
     meta.u32(C.K_CONTEXT_LENGTH, hp.n_ctx)
     meta.u32(C.K_EMBEDDING_LENGTH, hp.n_embd)

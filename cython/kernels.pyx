@@ -5,7 +5,7 @@ Layout follows scikit-learn's Cython kernels: each ``def`` checks shapes and rai
 then runs a loop without the GIL under ``prange(..., schedule='static', num_threads=n_threads)``.
 Weights arrive as raw row bytes: ``w`` is a C-contiguous uint8 (rows, bytes_per_row) view (a
 read-only memmap is fine: every weight memoryview is ``const``), ``qtype`` is the ggml type id
-(0 f32, 1 f16, 2 q4_0, 8 q8_0) and ``cols`` the logical row length. The row loops are in simd.h.
+(0 f32, 1 f16, 2 q4_0, 3 q4_1, 6 q5_0, 7 q5_1, 8 q8_0, 12 q4_k, 13 q5_k, 14 q6_k, 30 bf16) and ``cols`` the logical row length. The row loops are in simd.h and qtypes.h.
 
 Quantized (q4_0 / q8_0) dot products quantize the activation to 8 bits per 32-block first, as
 llama.cpp's ggml_vec_dot_q4_0_q8_0 does: relative error about 1e-3 against an f32 dot.
@@ -21,6 +21,9 @@ cdef extern from "simd.h" nogil:
     int pi_simd_enabled()
     int pi_is_quant(int qtype)
     size_t pi_col_offset(int qtype, int col)
+    int pi_block_elems(int qtype)
+    int pi_block_bytes(int qtype)
+    void pi_dequant_cols(int qtype, const uint8_t *row, int c0, float *out, int n)
     float pi_dot_f32(const float *a, const float *b, int n)
     float pi_dot_row(int qtype, const uint8_t *row, const float *x, const float *xd,
                      const int8_t *xq, int n)
@@ -69,15 +72,12 @@ def simd_enabled():
 
 
 cdef inline int _bytes_per_row(int qtype, int cols) except -1:
-    if qtype == 0:
-        return cols * 4
-    if qtype == 1:
-        return cols * 2
-    if qtype == 2 or qtype == 8:
-        if cols % 32:
-            raise ValueError(f"quantized row length {cols} is not a multiple of 32")
-        return (cols // 32) * (18 if qtype == 2 else 34)
-    raise ValueError(f"unsupported weight type {qtype}")
+    cdef int nbytes = pi_block_bytes(qtype), block = pi_block_elems(qtype)
+    if nbytes == 0:
+        raise ValueError(f"unsupported weight type {qtype}")
+    if cols % block:
+        raise ValueError(f"row length {cols} is not a multiple of {block} (type {qtype})")
+    return (cols // block) * nbytes
 
 
 cdef inline int _check_w(const uint8_t[:, ::1] w, int qtype, int cols) except -1:
@@ -300,8 +300,7 @@ def matmul_t(const uint8_t[:, ::1] w, int qtype, int cols, const float[:, ::1] a
                 memset(&out[t, c0], 0, cn * sizeof(float))
             for r in range(0, r4, 4):
                 for j in range(4):
-                    pi_dequant_row(qtype, &w[0, 0] + (r + j) * stride + pi_col_offset(qtype, c0),
-                                   buf + j * COL_TILE, cn)
+                    pi_dequant_cols(qtype, &w[0, 0] + (r + j) * stride, c0, buf + j * COL_TILE, cn)
                 for t in range(n_tok):
                     for j in range(4):
                         av[4 * t + j] = a[t, r + j]
@@ -313,7 +312,7 @@ def matmul_t(const uint8_t[:, ::1] w, int qtype, int cols, const float[:, ::1] a
                                      <uint8_t *> (buf + 2 * COL_TILE),
                                      <uint8_t *> (buf + 3 * COL_TILE), &out[t, c0], cn)
             for r in range(r4, rows):
-                pi_dequant_row(qtype, &w[0, 0] + r * stride + pi_col_offset(qtype, c0), buf, cn)
+                pi_dequant_cols(qtype, &w[0, 0] + r * stride, c0, buf, cn)
                 for t in range(n_tok):
                     pi_axpy_f32(a[t, r], buf, &out[t, c0], cn)
         free(buf)

@@ -108,7 +108,7 @@ def _log(msg: str, progress) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
-def convert_sparse(src: str, out: str, outtype: str = "f16", opts: OfflineOptions | None = None,
+def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: OfflineOptions | None = None,
                    allow_unused: bool = False) -> dict:
     """Convert ``src`` to ``out`` with the offline stage (module docstring).
 
@@ -172,8 +172,7 @@ def convert_sparse(src: str, out: str, outtype: str = "f16", opts: OfflineOption
         rows, preds, counts, act_thr = _train_layers(prof, cfg, mode, opts, n_threads)
         pred_qtype = C.QT.F32 if outtype == "f32" else C.QT.F16
         pred_elt = C.QK_BLOCK[pred_qtype][1]  # bytes per predictor weight: 4 or 2
-        block, block_bytes = C.QK_BLOCK[C.OUTTYPES[outtype]]
-        row_bytes = cfg.n_embd // block * block_bytes
+        row_bytes = sizes[C.FFN_UP.format(bid=0)] // cfg.n_ff  # bytes of one neuron's up row
         for r, (fc1, fc2, _) in zip(rows, preds):
             pred_bytes = (fc1.size + fc2.size) * pred_elt
             r.cpu_predictor = predictor_pays(mode, r.predicted_sparsity, pred_bytes, row_bytes, cfg.n_ff)

@@ -22,9 +22,17 @@ HIDDEN_ACTS = ("silu", "relu", "gelu", "fatrelu")
 
 # ---- weight types -------------------------------------------------------------------------
 QT = gguf.GGMLQuantizationType
-OUTTYPES = {"f32": QT.F32, "f16": QT.F16, "q8_0": QT.Q8_0, "q4_0": QT.Q4_0}
+#: pyinfer-convert --outtype names -> the type of the 2-D weights (all run natively by the kernels)
+OUTTYPES = {"f32": QT.F32, "f16": QT.F16, "bf16": QT.BF16, "q8_0": QT.Q8_0, "q4_0": QT.Q4_0,
+            "q4_1": QT.Q4_1, "q5_0": QT.Q5_0, "q5_1": QT.Q5_1, "q4_k": QT.Q4_K, "q5_k": QT.Q5_K,
+            "q6_k": QT.Q6_K}
+#: --outtype auto: a quantized GGUF source keeps each tensor's type, float sources become f16
+OUTTYPE_AUTO = "auto"
 #: (elements per block, bytes per block), as ggml defines them (ggml-common.h).
-QK_BLOCK = {QT.F32: (1, 4), QT.F16: (1, 2), QT.Q8_0: (32, 34), QT.Q4_0: (32, 18)}
+QK_BLOCK = {t: gguf.GGML_QUANT_SIZES[t] for t in OUTTYPES.values()}
+#: a K-quant row whose length is not a multiple of 256 gets the type llama.cpp falls back to
+#: (llama-quant.cpp, "using fallback quantization"); f16 when that does not fit either
+K_QUANT_FALLBACK = {QT.Q4_K: QT.Q5_0, QT.Q5_K: QT.Q5_1, QT.Q6_K: QT.Q8_0}
 
 # ---- metadata keys --------------------------------------------------------------------------
 K_ARCH = gguf.Keys.General.ARCHITECTURE
