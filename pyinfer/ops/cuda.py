@@ -523,6 +523,8 @@ SOURCES = {"predictor": PREDICTOR_SRC, "gather": GATHER_SRC, "axpy": AXPY_SRC, "
 #: kernels each source must define (the nvcc test counts them)
 N_KERNELS = {"predictor": 4, "gather": 8, "axpy": 9, "attn": 4}
 _TYPE_NAME = {QT.F32: "f32", QT.F16: "f16", QT.Q8_0: "q8_0", QT.Q4_0: "q4_0"}
+#: weight types the kernels read (the QT names, lower case)
+GPU_TYPES = tuple(t.name.lower() for t in _TYPE_NAME)
 
 _BLOCK = 256  # threads per block: 8 warps (8 rows) for the warp-per-row kernels
 _ROWS_PER_CHUNK = 64  # AXPY rows per grid.y chunk
