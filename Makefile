@@ -9,7 +9,7 @@ GGUF := $(MODELS)/smollm2-135m-instruct.sparse.q8_0.gguf
 THREADS ?= 2
 PROMPT ?= What is the capital of Germany?
 
-.PHONY: install install-test demo test bench clean
+.PHONY: install install-run install-test demo test bench clean uninstall
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -23,6 +23,11 @@ $(BIN)/python:
 install: $(BIN)/python
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e ".[train]" --config-settings editable_mode=compat
+
+# Run-only: pyinfer-run/-chat/-serve/-inspect/-perplexity and `pyinfer-convert --dense`; no PyTorch
+# (the offline stage then stops with "training predictors needs PyTorch").
+install-run: $(BIN)/python
+	$(BIN)/pip install --quiet -e . --config-settings editable_mode=compat
 
 install-test: $(BIN)/python
 	$(BIN)/pip install --quiet torch==2.13.0
@@ -43,5 +48,11 @@ test: install-test $(SRC_GGUF)
 bench: install $(GGUF)
 	$(BIN)/python tools/bench.py $(GGUF) --threads 1 2
 
+# clean removes build outputs and rebuilds the kernels in place when the venv exists, so an
+# editable install keeps importing; uninstall removes the venv and every build output (models stay).
 clean:
 	rm -rf build pyinfer/ops/*.so cython/*.c *.egg-info
+	if [ -x $(BIN)/python ]; then $(BIN)/pip install --quiet --no-deps -e . --config-settings editable_mode=compat; fi
+
+uninstall:
+	rm -rf $(VENV) build pyinfer/ops/*.so cython/*.c *.egg-info

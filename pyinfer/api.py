@@ -13,7 +13,6 @@ Example::
 """
 from __future__ import annotations
 
-import inspect
 import os
 import time
 import uuid
@@ -27,7 +26,6 @@ from pyinfer.errors import PyinferError
 from pyinfer.logprobs import LogprobRecorder
 from pyinfer.sampler import SamplingParams
 
-_CPU_DEVICES = (None, "auto", "cpu")
 
 
 @dataclass
@@ -88,8 +86,9 @@ class LLM:
         model_path: a GGUF written by ``pyinfer-convert``.
         n_ctx: context size in tokens (None or 0: min(4096, the model's training context)).
         n_threads: kernel threads (None: the physical cores this process may run on, as llama.cpp picks them).
-        device: "cpu", "auto" or None; other devices need an engine built with GPU support.
-        vram_budget: GiB of GPU memory to use for hot neurons (only with a GPU engine).
+        device: "cpu", "cuda", "auto" or None (None and "auto": the GPU when CuPy sees one, else
+            the CPU); "cuda" without a usable GPU raises PyinferError.
+        vram_budget: GiB of GPU memory for the GPU part (attention, KV cache, hot neurons).
         seed: seed of the random stream that per-call seeds are drawn from (None: fresh entropy).
         verbose: print load information to stderr.
         dense: compute every FFN neuron even when the file has predictors (the offline stage's).
@@ -111,22 +110,10 @@ class LLM:
         options.check_optional("n_gpu_layers", n_gpu_layers, "n_gpu_layers")
         seed = options.seed_or_none(seed)
 
-        accepted = inspect.signature(Engine.__init__).parameters
-        extra: dict[str, Any] = {}
-        if "device" in accepted:
-            extra["device"] = device  # None: the GPU when there is one, quietly (generation)
-        elif device not in _CPU_DEVICES:
-            raise PyinferError(f"device {device!r} is not supported by this build "
-                               "(only 'cpu' and 'auto' work for now)")
-        for key, value in (("reset_gpu_index", reset_gpu_index),
-                           ("disable_gpu_index", disable_gpu_index), ("n_gpu_layers", n_gpu_layers)):
-            if value and key in accepted:
-                extra[key] = value
-        if vram_budget is not None:
-            if "vram_budget" in accepted:
-                extra["vram_budget"] = vram_budget
-            elif device not in _CPU_DEVICES:  # pragma: no cover - caught above
-                raise PyinferError("vram_budget needs a GPU engine")
+        # device None: the GPU when there is one, quietly (generation); "cpu" / "cuda" choose.
+        extra: dict[str, Any] = dict(device=device, vram_budget=vram_budget,
+                                     reset_gpu_index=reset_gpu_index,
+                                     disable_gpu_index=disable_gpu_index, n_gpu_layers=n_gpu_layers)
         self.model_path = model_path
         self.engine = Engine(model_path, n_ctx=n_ctx or None, n_threads=n_threads, verbose=verbose,
                              dense=dense, **extra)
