@@ -289,3 +289,78 @@ def test_opt_context_past_learned_positions(tmp_path):
     path = convert(d, tmp_path)
     with pytest.raises(PyinferError, match="exceeds the 32 learned positions"):
         Engine(path, n_ctx=33, n_threads=1)
+
+
+# ---- Gemma 3 ------------------------------------------------------------------------------
+
+def _gemma3_v4(c):
+    """transformers 4's spelling of the same config: rope_theta / rope_local_base_freq and
+    sliding_window_pattern instead of rope_parameters and layer_types."""
+    params = c.pop("rope_parameters")
+    c["rope_theta"] = params["full_attention"]["rope_theta"]
+    c["rope_local_base_freq"] = params["sliding_attention"]["rope_theta"]
+    c.pop("layer_types")
+
+
+@pytest.mark.parametrize("case", ["tied-gqa-softcap", "untied-mqa-v4", "wide-heads"])
+def test_gemma3(tmp_path, case):
+    """GeGLU, q/k norms, 4 norms per layer with Gemma's +1, sqrt(n_embd) embedding scale, local
+    and global layers (window 4-5 < the 16-token prompt) with their own RoPE bases,
+    query_pre_attn_scalar != head_dim, final logit softcapping; the transformers-4 config form."""
+    kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+              rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                               "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    edit = None
+    if case == "tied-gqa-softcap":
+        kw.update(num_key_value_heads=2, head_dim=16, sliding_window=5, sliding_window_pattern=2,
+                  tie_word_embeddings=True, final_logit_softcapping=3.0, query_pre_attn_scalar=16)
+    elif case == "untied-mqa-v4":
+        kw.update(num_key_value_heads=1, head_dim=16, sliding_window=4, sliding_window_pattern=3,
+                  tie_word_embeddings=False, query_pre_attn_scalar=24,
+                  attn_logit_softcapping=1.0)  # not applied by transformers' Gemma3Attention
+        edit = _gemma3_v4
+    else:  # n_head * head_dim (128) != n_embd (64), as in Gemma-3-270M (1024 vs 640)
+        kw.update(num_key_value_heads=2, head_dim=32, sliding_window=6,
+                  layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+                  tie_word_embeddings=True, query_pre_attn_scalar=32)
+    d, ref = build(tmp_path, f"gemma3-{case}", transformers.Gemma3ForCausalLM,
+                   transformers.Gemma3TextConfig, config_edit=edit, **kw)
+    eng = check(tmp_path, d, ref)
+    cfg = eng.cfg
+    assert cfg.family == "gemma3" and cfg.hidden_act == "gelu_tanh" and not eng.model.llama_plain
+    assert cfg.embd_scale == pytest.approx(8.0) and eng.weights.layers[0].attn_q_norm is not None
+    windows = [cfg.window(i) for i in range(cfg.n_layer)]
+    assert windows == {"tied-gqa-softcap": [5, 0, 5], "untied-mqa-v4": [4, 4, 0],
+                       "wide-heads": [0, 6, 6]}[case]
+    assert [cfg.rope_base(i) for i in range(3)] == [1e4 if w else 1e6 for w in windows]
+    if case == "tied-gqa-softcap":
+        assert cfg.final_softcap == 3.0 and np.abs(ref).max() < 3.0
+
+
+@pytest.mark.parametrize("edit", ["no-window", "one-rope-base", "no-plus-one"])
+def test_gemma3_details_change_the_output(tmp_path, edit):
+    """The Gemma 3 test above can fail: dropping the window, the local RoPE base, or Gemma's +1
+    on the norm weights gives logits that miss transformers' by far more than the tolerance."""
+    d, ref = build(tmp_path, f"gemma3-ctl-{edit}", transformers.Gemma3ForCausalLM,
+                   transformers.Gemma3TextConfig, hidden_size=64, intermediate_size=128,
+                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                   sliding_window=4, sliding_window_pattern=2, query_pre_attn_scalar=16)
+    path = convert(d, tmp_path)
+    from pyinfer.config import ModelConfig
+    from pyinfer.model import Model
+    from pyinfer.weights import ModelWeights
+    import dataclasses
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    cfg = ModelConfig.from_gguf(reader)
+    w = ModelWeights.from_gguf(reader, cfg)
+    if edit == "no-window":
+        cfg = dataclasses.replace(cfg, sliding_window=0, swa_layers=())
+    elif edit == "one-rope-base":
+        cfg = dataclasses.replace(cfg, rope_freq_base_swa=0.0)
+    else:
+        for lw in w.layers:
+            lw.attn_norm = lw.attn_norm - 1.0
+    model = Model(cfg, w, n_ctx=32, n_threads=1)
+    assert rel_err(model.forward(PROMPT, 0, all_logits=True), ref) > 1e-2
