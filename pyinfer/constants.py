@@ -72,6 +72,7 @@ K_EMBD_SCALE = "pyinfer.embedding_scale"  # f32: token embeddings times this (Ge
 K_ATTN_SCALE = gguf.Keys.Attention.SCALE.format(arch=ARCH)  # f32 score scale (absent: head_dim^-0.5)
 K_FINAL_SOFTCAP = gguf.Keys.LLM.FINAL_LOGIT_SOFTCAPPING.format(arch=ARCH)  # cap * tanh(logit / cap)
 K_ROPE_FREQ_BASE_SWA = gguf.Keys.Rope.FREQ_BASE_SWA.format(arch=ARCH)  # RoPE base of sliding layers
+K_SWA_PATTERN_SRC = gguf.Keys.Attention.SLIDING_WINDOW_PATTERN.format(arch=ARCH)  # read, not written
 K_SOURCE = "pyinfer.source"  # where the weights came from (HF dir name or GGUF file name)
 K_HF_TOKENIZER_JSON = "pyinfer.tokenizer.huggingface_json"  # verbatim tokenizer.json, if any
 
