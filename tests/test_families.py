@@ -364,3 +364,57 @@ def test_gemma3_details_change_the_output(tmp_path, edit):
             lw.attn_norm = lw.attn_norm - 1.0
     model = Model(cfg, w, n_ctx=32, n_threads=1)
     assert rel_err(model.forward(PROMPT, 0, all_logits=True), ref) > 1e-2
+
+
+def test_gemma3_from_llama_cpp_gguf(tmp_path):
+    """A gemma3 GGUF laid out as llama.cpp's converter writes it (gguf-py's own HF -> GGUF tensor
+    name map, norm weights + 1, Q/K unpermuted, arch-prefixed keys, no SWA pattern or local
+    RoPE base stored) converts to transformers' logits: llama.cpp's defaults fill the gaps."""
+    import gguf
+    from pyinfer.config import ModelConfig
+    from pyinfer.model import Model
+    from pyinfer.weights import ModelWeights
+
+    hd = 16
+    d, ref = build(tmp_path, "gemma3-src", transformers.Gemma3ForCausalLM,
+                   transformers.Gemma3TextConfig, hidden_size=64, intermediate_size=128,
+                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=hd,
+                   sliding_window=5, query_pre_attn_scalar=hd, tie_word_embeddings=True)
+    model = transformers.Gemma3ForCausalLM.from_pretrained(d, dtype=torch.float32)
+    c = model.config
+    src = str(tmp_path / "gemma3-llamacpp.gguf")
+    w = gguf.GGUFWriter(src, "gemma3")
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
+    w.add_sliding_window(c.sliding_window)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, c.num_hidden_layers)
+    for name, p in model.state_dict().items():
+        if name == "lm_head.weight":
+            continue
+        out = names.get_name(name, try_suffixes=(".weight",))
+        assert out is not None, name
+        a = p.numpy().astype(np.float32)
+        w.add_tensor(out, a + 1.0 if name.endswith("norm.weight") else a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    out = str(tmp_path / "gemma3-pyinfer.gguf")
+    assert convert_main([src, out, "--outtype", "f32", "--dense"]) == 0
+    reader = gguf.GGUFReader(out)
+    cfg = ModelConfig.from_gguf(reader)
+    assert cfg.family == "gemma3" and [cfg.window(i) for i in range(2)] == [5, 5]
+    m = Model(cfg, ModelWeights.from_gguf(reader, cfg), n_ctx=32, n_threads=1)
+    ours = m.forward(PROMPT, 0, all_logits=True)
+    assert rel_err(ours, ref) < TOL
+    m.forward(PROMPT[:3], 0)
+    for i in range(3, len(PROMPT)):
+        assert rel_err(m.forward([PROMPT[i]], i), ref[i]) < TOL
