@@ -14,6 +14,12 @@ Two layout changes (design.md):
 
 The tokenizer (``tokenizer.*`` keys, chat templates) is copied with its value types. A file that
 pyinfer itself wrote (``pyinfer.rope_layout`` present) is re-encoded without either change.
+
+Architecture ``gemma3`` (llama.cpp's Gemma 3) keeps Q/K as stored: llama.cpp's Gemma3Model does
+not permute them (its RoPE is NeoX-style), and its norm weights already hold Gemma's +1. What the
+file does not store comes from llama.cpp's loader (``llama-model.cpp``, ``LLM_ARCH_GEMMA3``):
+every 6th layer global, the others sliding with RoPE base 1e4, scores scaled by head_dim^-0.5
+(n_embd/n_head for the 62-layer 27B), embeddings times sqrt(n_embd); keys present in the file win.
 """
 from __future__ import annotations
 
@@ -37,6 +43,47 @@ GGUF_MAGIC = b"GGUF"
 #: general.* keys worth carrying over (descriptive only)
 _GENERAL_COPY = ("general.name", "general.organization", "general.basename", "general.finetune",
                  "general.size_label", "general.license", "general.type")
+
+
+#: llama.cpp architectures pyinfer-convert reads
+_GGUF_ARCHS = (C.ARCH, "gemma3")
+
+
+class _ArchKeys:
+    """A GGUFReader whose ``fields`` answer pyinfer's ``llama.*`` key names with the source
+    architecture's (``gemma3.context_length`` for ``llama.context_length``)."""
+
+    def __init__(self, reader: gguf.GGUFReader, arch: str):
+        self.tensors = reader.tensors
+        prefix = arch + "."
+        self.fields = {(C.ARCH + "." + k[len(prefix):] if k.startswith(prefix) else k): f
+                       for k, f in reader.fields.items()}
+
+
+def _gemma3_meta(reader, meta: Metadata, n_embd: int, n_head: int, n_layer: int,
+                 head_dim: int) -> None:
+    """Gemma 3's keys (see the module docstring for the defaults, llama.cpp's)."""
+    meta.string(C.K_FAMILY, "gemma3")
+    meta.f32(C.K_EMBD_SCALE, float(np.sqrt(np.float32(n_embd))))
+    scale = _scalar(reader, C.K_ATTN_SCALE)
+    if scale is None:
+        scale = 1.0 / np.sqrt(n_embd / n_head if n_layer == 62 else head_dim)
+    meta.f32(C.K_ATTN_SCALE, float(scale))
+    meta.f32(C.K_ROPE_FREQ_BASE_SWA, float(_scalar(reader, C.K_ROPE_FREQ_BASE_SWA, 10000.0)))
+    cap = _scalar(reader, C.K_FINAL_SOFTCAP)
+    if cap:
+        meta.f32(C.K_FINAL_SOFTCAP, float(cap))
+    window = int(_scalar(reader, C.K_SLIDING_WINDOW, 0) or 0)
+    pattern = _scalar(reader, C.K_SWA_PATTERN_SRC, 6)
+    if isinstance(pattern, list):  # newer llama.cpp files: one bool per layer
+        flags = [bool(v) for v in pattern]
+        if len(flags) != n_layer:
+            raise PyinferError(f"{C.K_SWA_PATTERN_SRC} has {len(flags)} entries for {n_layer} layers")
+    else:  # llama.cpp's set_swa_pattern(n): layer il slides where il % n < n - 1
+        flags = [int(pattern) == 0 or i % int(pattern) < int(pattern) - 1 for i in range(n_layer)]
+    if window and any(flags):
+        meta.u32(C.K_SLIDING_WINDOW, window)
+        meta.array(C.K_SWA_LAYERS, [int(f) for f in flags], VT.INT32)
 
 
 def is_gguf(path: str) -> bool:
@@ -105,15 +152,18 @@ def _copy_field(meta: Metadata, field: Any) -> None:
 
 
 def plan_gguf(path: str, outtype: str, allow_unused: bool = False) -> tuple[Metadata, list[TensorJob]]:
-    """Metadata and tensor jobs for a llama.cpp (or pyinfer) GGUF file of architecture llama.
+    """Metadata and tensor jobs for a llama.cpp (or pyinfer) GGUF file of architecture llama or gemma3.
 
     Raises PyinferError for a damaged file, another architecture, rope scaling, missing tensors,
     or (unless ``allow_unused``) tensors of layers beyond ``block_count`` (a truncated model).
     """
     reader = open_gguf(path)
     arch = _scalar(reader, C.K_ARCH, "(none)")
-    if arch != C.ARCH:
-        raise PyinferError(f"unsupported architecture {arch}")
+    if arch not in _GGUF_ARCHS:
+        raise PyinferError(f"unsupported architecture {arch} (supported: {', '.join(_GGUF_ARCHS)})")
+    gemma3 = arch == "gemma3"
+    if gemma3:  # the source's keys carry its architecture's prefix: read them as gemma3.*
+        reader = _ArchKeys(reader, arch)
     scaling = _scalar(reader, C.K_ROPE_SCALING_TYPE, "none")
     if scaling not in ("none", "", None):
         raise PyinferError(f"unsupported rope scaling {scaling!r}")
@@ -127,7 +177,7 @@ def plan_gguf(path: str, outtype: str, allow_unused: bool = False) -> tuple[Meta
             C.K_ACT_SHIFT, C.K_SLIDING_WINDOW)) or any(".bias" in n for n in tensors)):
         raise PyinferError(f"re-converting a pyinfer {family} file is not supported (only Llama "
                            "files); convert from the Hugging Face directory instead")
-    act = _scalar(reader, C.K_HIDDEN_ACT, "silu")  # llama.cpp's llama architecture is SwiGLU
+    act = _scalar(reader, C.K_HIDDEN_ACT, "gelu_tanh" if gemma3 else "silu")  # llama: SwiGLU
     if act not in C.HIDDEN_ACTS:
         raise PyinferError(f"unsupported hidden_act {act!r}")
 
@@ -177,6 +227,8 @@ def plan_gguf(path: str, outtype: str, allow_unused: bool = False) -> tuple[Meta
     meta.string(C.K_FFN_LAYOUT, C.FFN_LAYOUT_NEURON_MAJOR)
     meta.string(C.K_ROPE_LAYOUT, C.ROPE_LAYOUT_NEOX)
     meta.string(C.K_SOURCE, _scalar(reader, C.K_SOURCE) if ours else os.path.basename(path))
+    if gemma3:
+        _gemma3_meta(reader, meta, n_embd, n_head, n_layer, head_dim)
     for name, field in reader.fields.items():
         if name.startswith(C.K_TOK_PREFIX) or name.startswith(C.K_CHAT_TEMPLATE_PREFIX) \
                 or name == C.K_HF_TOKENIZER_JSON:
@@ -218,7 +270,7 @@ def plan_gguf(path: str, outtype: str, allow_unused: bool = False) -> tuple[Meta
         return TensorJob(name, shape, qtype, lambda: load(t))
 
     def qk(name: str, shape: tuple[int, int], n: int) -> TensorJob:
-        if ours:
+        if ours or gemma3:  # gemma3: llama.cpp stores Q/K unpermuted
             return mat(name, shape)
         t = src(name, shape)
         qtype = target(t, shape[1])
@@ -235,9 +287,9 @@ def plan_gguf(path: str, outtype: str, allow_unused: bool = False) -> tuple[Meta
         return TensorJob(name, (n_ff, n_embd), target(t, n_embd),
                          lambda: np.ascontiguousarray(load(t).T))
 
-    def norm(name: str) -> TensorJob:
-        t = src(name, (n_embd,))
-        return TensorJob(name, (n_embd,), C.QT.F32, lambda: load(t))
+    def norm(name: str, n: int = n_embd) -> TensorJob:
+        t = src(name, (n,))
+        return TensorJob(name, (n,), C.QT.F32, lambda: load(t))
 
     q_dim, kv_dim = n_head * head_dim, n_head_kv * head_dim
     jobs = [mat(C.TOKEN_EMBD, (n_vocab, n_embd))]
@@ -253,6 +305,10 @@ def plan_gguf(path: str, outtype: str, allow_unused: bool = False) -> tuple[Meta
             mat(C.FFN_UP.format(bid=i), (n_ff, n_embd)),
             down_t(i),
         ]
+        if gemma3:
+            jobs += [norm(C.ATTN_Q_NORM.format(bid=i), head_dim),
+                     norm(C.ATTN_K_NORM.format(bid=i), head_dim),
+                     norm(C.ATTN_POST_NORM.format(bid=i)), norm(C.FFN_POST_NORM.format(bid=i))]
     jobs.append(norm(C.OUTPUT_NORM))
     if C.OUTPUT in tensors:
         jobs.append(mat(C.OUTPUT, (n_vocab, n_embd)))
@@ -264,6 +320,6 @@ def plan_gguf(path: str, outtype: str, allow_unused: bool = False) -> tuple[Meta
                            f"({', '.join(beyond[:3])}{' ...' if len(beyond) > 3 else ''}): the model would be "
                            "truncated; pass --allow-unused-tensors to convert anyway")
     if ignored:
-        warn(f"ignoring {len(ignored)} tensor(s) the llama architecture does not use: {', '.join(ignored[:4])}"
+        warn(f"ignoring {len(ignored)} tensor(s) the {arch} architecture does not use: {', '.join(ignored[:4])}"
              + (" ..." if len(ignored) > 4 else ""))
     return meta, jobs

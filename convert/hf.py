@@ -221,6 +221,31 @@ def _layer_windows(cfg: dict[str, Any], family: str, n_layer: int) -> tuple[int,
     return (window, flags) if any(flags) else (0, ())
 
 
+def _gemma3_rope(cfg: dict[str, Any]) -> tuple[float, float]:
+    """(global, local) RoPE bases of a Gemma 3 config: transformers 5's ``rope_parameters``
+    {"full_attention": {...}, "sliding_attention": {...}}, or transformers 4's ``rope_theta`` and
+    ``rope_local_base_freq``; defaults 1e6 and 1e4 (Gemma3TextConfig.default_theta). Only the
+    default rope type: PyinferError for scaling (the 4B+ models scale their global layers only)."""
+    params = cfg.get("rope_parameters")
+    scaling = cfg.get("rope_scaling")
+    if scaling is not None:
+        raise PyinferError(f"unsupported: Gemma 3 rope_scaling {scaling!r}")
+    if params is None:
+        return (_cfg_float(cfg, "rope_theta", cfg.get("rope_theta"), 1e6),
+                _cfg_float(cfg, "rope_local_base_freq", cfg.get("rope_local_base_freq"), 1e4))
+    if not isinstance(params, dict):
+        raise PyinferError(f"config.json: rope_parameters must be an object, got {params!r}")
+    bases = []
+    for kind, default in (("full_attention", 1e6), ("sliding_attention", 1e4)):
+        p = params.get(kind, {})
+        if not isinstance(p, dict):
+            raise PyinferError(f"config.json: rope_parameters.{kind} must be an object")
+        if p.get("rope_type", "default") not in ("default", None):
+            raise PyinferError(f"unsupported: Gemma 3 rope_type {p.get('rope_type')!r} for {kind}")
+        bases.append(_cfg_float(p, "rope_theta", p.get("rope_theta"), default))
+    return bases[0], bases[1]
+
+
 def _family(cfg: Any) -> str:
     """The pyinfer family of a parsed config.json, or PyinferError naming what is supported."""
     if not isinstance(cfg, dict):
@@ -277,6 +302,10 @@ class LlamaHParams:
     rope_freqs: Any = None  # (head_dim/2,) f32 or None
     falcon_qkv: str = ""  # Falcon's fused QKV layout: "grouped" (new arch), "mqa", "interleaved"
     falcon_norms: int = 0  # Falcon: 2 = ln_attn + ln_mlp, 1 = input_layernorm shared by both
+    embd_scale: float = 1.0  # Gemma 3: sqrt(n_embd)
+    attn_scale: float = 0.0  # Gemma 3: query_pre_attn_scalar^-0.5 (0: head_dim^-0.5)
+    final_softcap: float = 0.0  # Gemma 3: final_logit_softcapping (0: none)
+    rope_theta_swa: float = 0.0  # Gemma 3: RoPE base of the sliding-window layers
 
     @classmethod
     def from_config(cls, cfg: Any) -> "LlamaHParams":
@@ -288,6 +317,8 @@ class LlamaHParams:
             return cls._opt(cfg)
         if family == "falcon":
             return cls._falcon(cfg)
+        if family == "gemma3":
+            return cls._gemma3(cfg)
         act = cfg.get("hidden_act", "silu")
         up_act, shift = "", 0.0
         if act == "drelu":  # dReLU (TurboSparse, Bamboo): relu on gate and on up
@@ -340,6 +371,59 @@ class LlamaHParams:
             attn_out_bias=attn_bias,
             rope_freqs=freqs,
         )
+
+    @classmethod
+    def _gemma3(cls, cfg: dict[str, Any]) -> "LlamaHParams":
+        """Gemma3ForCausalLM (transformers' modeling_gemma3.py): GeGLU (gelu_pytorch_tanh),
+        embeddings times sqrt(hidden_size), q/k RMSNorms, norms after each sublayer too, scores
+        scaled by query_pre_attn_scalar^-0.5, sliding-window layers by ``layer_types`` (else
+        every ``sliding_window_pattern``-th layer is global) with their own RoPE base, optional
+        final logit softcapping. transformers' Gemma3Attention does not apply
+        ``attn_logit_softcapping`` (nor does llama.cpp's gemma3): it is ignored here too."""
+        if _cfg_bool(cfg, "use_bidirectional_attention", False):
+            raise PyinferError("unsupported: Gemma 3 with use_bidirectional_attention (an encoder)")
+        if _cfg_bool(cfg, "attention_bias", False):
+            raise PyinferError("unsupported: Gemma 3 with attention_bias")
+        act = cfg.get("hidden_activation", cfg.get("hidden_act", "gelu_pytorch_tanh"))
+        acts = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu",
+                "relu": "relu", "silu": "silu"}
+        if act not in acts:
+            raise PyinferError(f"unsupported Gemma 3 hidden_activation {act!r} ({', '.join(acts)})")
+        n_embd = _cfg_int(cfg, "hidden_size")
+        n_head = _cfg_int(cfg, "num_attention_heads", 8)
+        n_head_kv = _cfg_int(cfg, "num_key_value_heads", n_head)
+        if n_head % n_head_kv:
+            raise PyinferError(f"config.json: num_attention_heads {n_head} is not a multiple of "
+                               f"num_key_value_heads {n_head_kv}")
+        head_dim = _cfg_int(cfg, "head_dim", 256)
+        n_layer = _cfg_int(cfg, "num_hidden_layers")
+        theta, theta_swa = _gemma3_rope(cfg)
+        window = _cfg_int(cfg, "sliding_window", 0, lo=0)
+        types = cfg.get("layer_types")
+        if types is not None:
+            if not (isinstance(types, list) and len(types) == n_layer and all(
+                    t in ("sliding_attention", "full_attention") for t in types)):
+                raise PyinferError(f"config.json: layer_types must list {n_layer} of "
+                                   "sliding_attention / full_attention")
+            flags = tuple(t == "sliding_attention" for t in types)
+        else:  # transformers' Gemma3TextConfig: every pattern-th layer is global
+            pattern = _cfg_int(cfg, "sliding_window_pattern", 6)
+            flags = tuple(bool((i + 1) % pattern) for i in range(n_layer))
+        if not window or not any(flags):
+            window, flags = 0, ()
+        scalar = _cfg_float(cfg, "query_pre_attn_scalar", cfg.get("query_pre_attn_scalar"), 256.0)
+        cap = cfg.get("final_logit_softcapping")
+        cap = 0.0 if cap is None else _cfg_float(cfg, "final_logit_softcapping", cap, 0.0)
+        return cls(n_embd=n_embd, n_ff=_cfg_int(cfg, "intermediate_size"), n_layer=n_layer,
+                   n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim,
+                   n_vocab=_cfg_int(cfg, "vocab_size"),
+                   n_ctx=_cfg_int(cfg, "max_position_embeddings", 131072),
+                   rms_eps=_cfg_float(cfg, "rms_norm_eps", cfg.get("rms_norm_eps"), 1e-6),
+                   rope_theta=theta, hidden_act=acts[act],
+                   tied=_cfg_bool(cfg, "tie_word_embeddings", True), family="gemma3",
+                   sliding_window=window, swa_layers=flags,
+                   embd_scale=float(np.float32(n_embd ** 0.5)), attn_scale=scalar ** -0.5,
+                   final_softcap=cap, rope_theta_swa=theta_swa)
 
     @classmethod
     def _opt(cls, cfg: dict[str, Any]) -> "LlamaHParams":
@@ -458,7 +542,7 @@ _NAMES = {
 
 def plan_hf(model_dir: str, outtype: str, allow_unused: bool = False) -> tuple[Metadata, list[TensorJob]]:
     """Metadata and tensor jobs for a Hugging Face directory of a supported architecture
-    (``C.HF_ARCHITECTURES``: Llama, Mistral, Qwen2, OPT, Falcon).
+    (``C.HF_ARCHITECTURES``: Llama, Mistral, Qwen2, OPT, Falcon, Gemma 3).
 
     Raises PyinferError for a directory without config.json or weights, another architecture,
     an unsupported activation or rope scaling, tensors whose shapes disagree with config.json,
@@ -518,6 +602,12 @@ def plan_hf(model_dir: str, outtype: str, allow_unused: bool = False) -> tuple[M
         meta.string(C.K_FFN_UP_ACT, hp.ffn_up_act)
     if hp.hidden_act == "fatrelu":
         meta.f32(C.K_ACT_SHIFT, hp.act_shift)
+    if hp.family == "gemma3":
+        meta.f32(C.K_EMBD_SCALE, hp.embd_scale)
+        meta.f32(C.K_ATTN_SCALE, hp.attn_scale)
+        meta.f32(C.K_ROPE_FREQ_BASE_SWA, hp.rope_theta_swa)
+        if hp.final_softcap:
+            meta.f32(C.K_FINAL_SOFTCAP, hp.final_softcap)
     if hp.sliding_window:
         meta.u32(C.K_SLIDING_WINDOW, hp.sliding_window)
         meta.array(C.K_SWA_LAYERS, [int(f) for f in hp.swa_layers], gguf.GGUFValueType.INT32)
@@ -538,13 +628,17 @@ def plan_hf(model_dir: str, outtype: str, allow_unused: bool = False) -> tuple[M
                 return st.load(src)
         return TensorJob(out_name, shape, matrix_qtype(shape[1], outtype), load)
 
-    def vec(out_name: str, src: str, n: int) -> TensorJob:
+    def vec(out_name: str, src: str, n: int, shift: float = 0.0) -> TensorJob:
         _check_shape(st, src, (n,), model_dir)
-        return TensorJob(out_name, (n,), C.QT.F32, lambda: st.load(src))
+        return TensorJob(out_name, (n,), C.QT.F32, lambda: st.load(src) + np.float32(shift))
 
-    def norm(out_name: str, src: str) -> list[TensorJob]:
+    #: Gemma's RMSNorm computes x * (1 + w): the +1 goes into the stored weight (llama.cpp's
+    #: convert_hf_to_gguf.py does the same), so the runtime's RMSNorm is the Llama one
+    norm_shift = 1.0 if hp.family == "gemma3" else 0.0
+
+    def norm(out_name: str, src: str, n: int = hp.n_embd) -> list[TensorJob]:
         """A norm's weight, and its bias for LayerNorm (src without .weight/.bias)."""
-        jobs = [vec(out_name, src + ".weight", hp.n_embd)]
+        jobs = [vec(out_name, src + ".weight", n, norm_shift)]
         if hp.norm == "layer":
             jobs.append(vec(out_name.replace(".weight", ".bias"), src + ".bias", hp.n_embd))
         return jobs
@@ -576,7 +670,14 @@ def plan_hf(model_dir: str, outtype: str, allow_unused: bool = False) -> tuple[M
             jobs.append(mat(C.ATTN_OUT.format(bid=i), p + "self_attn.o_proj.weight", (hp.n_embd, q_dim)))
             if hp.attn_out_bias:
                 jobs.append(vec(C.ATTN_OUT_B.format(bid=i), p + "self_attn.o_proj.bias", hp.n_embd))
-            jobs += norm(C.FFN_NORM.format(bid=i), p + "post_attention_layernorm")
+            if hp.family == "gemma3":
+                jobs += norm(C.ATTN_Q_NORM.format(bid=i), p + "self_attn.q_norm", hp.head_dim)
+                jobs += norm(C.ATTN_K_NORM.format(bid=i), p + "self_attn.k_norm", hp.head_dim)
+                jobs += norm(C.ATTN_POST_NORM.format(bid=i), p + "post_attention_layernorm")
+                jobs += norm(C.FFN_NORM.format(bid=i), p + "pre_feedforward_layernorm")
+                jobs += norm(C.FFN_POST_NORM.format(bid=i), p + "post_feedforward_layernorm")
+            else:
+                jobs += norm(C.FFN_NORM.format(bid=i), p + "post_attention_layernorm")
             jobs += [
                 mat(C.FFN_GATE.format(bid=i), p + "mlp.gate_proj.weight", (hp.n_ff, hp.n_embd)),
                 mat(C.FFN_UP.format(bid=i), p + "mlp.up_proj.weight", (hp.n_ff, hp.n_embd)),

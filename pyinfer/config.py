@@ -74,6 +74,10 @@ class ModelConfig:
     x + attn(norm(x)) + ffn(norm2(x)) (Falcon). ``ffn_gated`` False: down(act(up h + b)) + b
     (OPT, Falcon). ``sliding_window`` W > 0: a query at position p sees keys at p-W+1..p in the
     layers where ``swa_layers`` is set (transformers' ``kv_idx > q_idx - sliding_window``).
+    Gemma 3: ``embd_scale`` multiplies the token embeddings (sqrt(n_embd)); ``attn_scale`` is the
+    attention score scale (0: head_dim^-0.5; Gemma: query_pre_attn_scalar^-0.5); ``final_softcap``
+    c > 0 gives logits c * tanh(logits / c); ``rope_freq_base_swa`` (0: rope_freq_base) is the RoPE
+    base of the sliding-window layers. Its q/k and post-sublayer norms live in the weights.
     """
 
     n_vocab: int
@@ -98,6 +102,10 @@ class ModelConfig:
     act_shift: float = 0.0
     sliding_window: int = 0
     swa_layers: tuple = ()  # (n_layer,) bools; () = every layer when sliding_window > 0
+    embd_scale: float = 1.0
+    attn_scale: float = 0.0
+    final_softcap: float = 0.0
+    rope_freq_base_swa: float = 0.0
     n_gqa: int = field(init=False)  # query heads per KV head
     n_embd_q: int = field(init=False)  # n_head * head_dim
     n_embd_kv: int = field(init=False)  # n_head_kv * head_dim
@@ -129,6 +137,10 @@ class ModelConfig:
             raise PyinferError(f"sliding_window {self.sliding_window} is negative")
         if self.swa_layers and len(self.swa_layers) != self.n_layer:
             raise PyinferError(f"{len(self.swa_layers)} sliding-window flags for {self.n_layer} layers")
+        for name in ("embd_scale", "attn_scale", "final_softcap", "rope_freq_base_swa"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise PyinferError(f"{name} {v} is not a non-negative number")
         object.__setattr__(self, "n_gqa", self.n_head // self.n_head_kv)
         object.__setattr__(self, "n_embd_q", self.n_head * self.head_dim)
         object.__setattr__(self, "n_embd_kv", self.n_head_kv * self.head_dim)
@@ -140,13 +152,20 @@ class ModelConfig:
         (biases and RoPE frequency factors live in the weights: see ModelWeights.llama_plain)."""
         return (self.norm == "rms" and self.positions == "rope" and not self.parallel_block
                 and self.ffn_gated and not self.ffn_up_act and self.hidden_act in ("silu", "relu")
-                and not any(self.window(i) for i in range(self.n_layer)))
+                and not any(self.window(i) for i in range(self.n_layer))
+                and self.embd_scale == 1.0 and not self.attn_scale and not self.final_softcap)
 
     def window(self, layer: int) -> int:
         """Sliding window of ``layer`` in tokens, 0 for full causal attention."""
         if not self.sliding_window or (self.swa_layers and not self.swa_layers[layer]):
             return 0
         return self.sliding_window
+
+    def rope_base(self, layer: int) -> float:
+        """RoPE frequency base of ``layer`` (Gemma 3's sliding layers have their own)."""
+        if self.rope_freq_base_swa and self.window(layer):
+            return self.rope_freq_base_swa
+        return self.rope_freq_base
 
     @classmethod
     def from_gguf(cls, reader: gguf.GGUFReader) -> "ModelConfig":
@@ -208,4 +227,8 @@ class ModelConfig:
             act_shift=get(C.K_ACT_SHIFT, 0.0, float),
             sliding_window=get(C.K_SLIDING_WINDOW, 0),
             swa_layers=tuple(bool(v) for v in swa) if swa is not None else (),
+            embd_scale=get(C.K_EMBD_SCALE, 1.0, float),
+            attn_scale=get(C.K_ATTN_SCALE, 0.0, float),
+            final_softcap=get(C.K_FINAL_SOFTCAP, 0.0, float),
+            rope_freq_base_swa=get(C.K_ROPE_FREQ_BASE_SWA, 0.0, float),
         )

@@ -15,10 +15,11 @@ ARCH = "llama"  # the only GGUF architecture pyinfer writes and reads
 #: the keys and tensors below describing where it departs from Llama.
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                     "Qwen2ForCausalLM": "qwen2", "OPTForCausalLM": "opt",
-                    "FalconForCausalLM": "falcon"}
+                    "FalconForCausalLM": "falcon", "Gemma3ForCausalLM": "gemma3"}
 #: FFN activations: silu (SwiGLU), relu (ReGLU; also dReLU with K_FFN_UP_ACT), gelu (exact, erf),
-#: fatrelu (ProSparse's shifted ReLU: g if g > K_ACT_SHIFT else 0).
-HIDDEN_ACTS = ("silu", "relu", "gelu", "fatrelu")
+#: fatrelu (ProSparse's shifted ReLU: g if g > K_ACT_SHIFT else 0), gelu_tanh (GeGLU with the
+#: tanh approximation, Gemma's gelu_pytorch_tanh).
+HIDDEN_ACTS = ("silu", "relu", "gelu", "fatrelu", "gelu_tanh")
 
 # ---- weight types -------------------------------------------------------------------------
 QT = gguf.GGMLQuantizationType
@@ -66,6 +67,12 @@ K_FFN_UP_ACT = "pyinfer.ffn_up_act"  # "relu": dReLU, relu(gate h) * relu(up h) 
 K_ACT_SHIFT = "pyinfer.act_shift"  # f32 threshold of hidden_act "fatrelu" (ProSparse), >= 0
 K_SLIDING_WINDOW = gguf.Keys.Attention.SLIDING_WINDOW.format(arch=ARCH)  # keys kept: pos-i < W
 K_SWA_LAYERS = "pyinfer.attention.swa_layers"  # i32[n_layer] 1 = sliding window (absent: all)
+# Gemma 3 (llama.cpp's key names where llama.cpp has one)
+K_EMBD_SCALE = "pyinfer.embedding_scale"  # f32: token embeddings times this (Gemma: sqrt(n_embd))
+K_ATTN_SCALE = gguf.Keys.Attention.SCALE.format(arch=ARCH)  # f32 score scale (absent: head_dim^-0.5)
+K_FINAL_SOFTCAP = gguf.Keys.LLM.FINAL_LOGIT_SOFTCAPPING.format(arch=ARCH)  # cap * tanh(logit / cap)
+K_ROPE_FREQ_BASE_SWA = gguf.Keys.Rope.FREQ_BASE_SWA.format(arch=ARCH)  # RoPE base of sliding layers
+K_SWA_PATTERN_SRC = gguf.Keys.Attention.SLIDING_WINDOW_PATTERN.format(arch=ARCH)  # read, not written
 K_SOURCE = "pyinfer.source"  # where the weights came from (HF dir name or GGUF file name)
 K_HF_TOKENIZER_JSON = "pyinfer.tokenizer.huggingface_json"  # verbatim tokenizer.json, if any
 
@@ -111,6 +118,11 @@ ATTN_V_B = "blk.{bid}.attn_v.bias"  # (n_head_kv * head_dim,)
 ATTN_OUT_B = "blk.{bid}.attn_output.bias"  # (n_embd,)
 FFN_UP_B = "blk.{bid}.ffn_up.bias"  # (n_ff,): one per neuron
 FFN_DOWN_B = "blk.{bid}.ffn_down.bias"  # (n_embd,)
+# Gemma 3: RMSNorm weights stored with Gemma's +1 already added (as llama.cpp stores them)
+ATTN_Q_NORM = "blk.{bid}.attn_q_norm.weight"  # (head_dim,) per-head RMSNorm of Q, before RoPE
+ATTN_K_NORM = "blk.{bid}.attn_k_norm.weight"  # (head_dim,)
+ATTN_POST_NORM = "blk.{bid}.post_attention_norm.weight"  # (n_embd,) on the attention output
+FFN_POST_NORM = "blk.{bid}.post_ffw_norm.weight"  # (n_embd,) on the FFN output
 FC1 = "blk.{bid}.fc1.weight"  # (rank, n_embd) predictor
 FC2 = "blk.{bid}.fc2.weight"  # (n_ff, rank) predictor
 GPU_IDX = "blk.{bid}.gpu_idx"  # (n_ff,) I32 0/1 mask

@@ -22,7 +22,8 @@ class Model:
 
     Llama files run the compiled Llama kernels (fused per half-layer when decoding); the other
     families (``ModelConfig`` fields after ``name``: LayerNorm, biases, learned positions, scaled
-    RoPE, sliding windows, parallel blocks) run the kernel-by-kernel loop of ``run_layers``."""
+    RoPE, sliding windows, parallel blocks, Gemma 3's extra norms and scales) run the kernel-by-kernel
+    loop of ``run_layers``."""
 
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, n_ctx: int, n_threads: int = 1,
                  ffn=None, fused: bool = True):
@@ -51,6 +52,8 @@ class Model:
             pos = np.empty_like(x)
             cpu.get_rows(self.w.pos_embd, np.arange(n_past, n_past + T, dtype=np.int32), pos)
             x += pos
+        if self.cfg.embd_scale != 1.0:  # Gemma: embeddings times sqrt(n_embd), in f32 as HF does
+            x *= np.float32(self.cfg.embd_scale)
         return x
 
     def forward(self, tokens, n_past: int, all_logits: bool = False) -> np.ndarray:
@@ -88,9 +91,14 @@ class Model:
             _linear_b(lw.wv, lw.bv, h, v, nt)
             q3 = q.reshape(T, cfg.n_head, cfg.head_dim)
             k3 = k.reshape(T, cfg.n_head_kv, cfg.head_dim)
+            if lw.attn_q_norm is not None:  # Gemma 3: per-head RMSNorm of Q and K before RoPE
+                fam.head_rmsnorm(q3, lw.attn_q_norm, cfg.rms_eps)
+                fam.head_rmsnorm(k3, lw.attn_k_norm, cfg.rms_eps)
             if cfg.positions == "rope":
-                self._rope(q3, positions)
-                self._rope(k3, positions)
+                self._rope(q3, positions, cfg.rope_base(i))
+                self._rope(k3, positions, cfg.rope_base(i))
+            if cfg.attn_scale:  # the kernels scale scores by head_dim^-0.5: fold the rest into Q
+                q3 *= np.float32(cfg.attn_scale * np.sqrt(cfg.head_dim))
             self.cache.k[i, n_past:n_past + T] = k3
             self.cache.v[i, n_past:n_past + T] = v.reshape(T, cfg.n_head_kv, cfg.head_dim)
             window = cfg.window(i)
@@ -99,6 +107,8 @@ class Model:
             else:
                 cpu.attention(q3, self.cache.k[i], self.cache.v[i], n_past, attn, nt)
             _linear_b(lw.wo, lw.bo, attn.reshape(T, cfg.n_embd_q), y, nt)
+            if lw.attn_post_norm is not None:  # Gemma 3: the sublayer's output is normed too
+                _rmsnorm_inplace(y, lw.attn_post_norm, cfg.rms_eps)
             if cfg.parallel_block:  # Falcon: the FFN reads the layer's input too
                 fam.norm(cfg, x, lw.ffn_norm, lw.ffn_norm_b, h)
                 self.ffn(lw, i, x, h, y2, nt)
@@ -109,15 +119,18 @@ class Model:
             # feed-forward
             fam.norm(cfg, x, lw.ffn_norm, lw.ffn_norm_b, h)
             self.ffn(lw, i, x, h, y, nt)
+            if lw.ffn_post_norm is not None:
+                _rmsnorm_inplace(y, lw.ffn_post_norm, cfg.rms_eps)
             x += y
         return x
 
-    def _rope(self, x: np.ndarray, positions: np.ndarray) -> None:
-        """RoPE in place on x (n_tok, n_heads, head_dim), with the file's frequency divisors."""
+    def _rope(self, x: np.ndarray, positions: np.ndarray, base: float) -> None:
+        """RoPE in place on x (n_tok, n_heads, head_dim) with frequency base ``base`` and the
+        file's frequency divisors."""
         if self.w.rope_freqs is None:
-            cpu.rope_neox(x, positions, self.cfg.rope_freq_base, self.cfg.head_dim)
+            cpu.rope_neox(x, positions, base, self.cfg.head_dim)
         else:
-            fam.rope_scaled(x, positions, self.cfg.rope_freq_base, self.w.rope_freqs)
+            fam.rope_scaled(x, positions, base, self.w.rope_freqs)
 
     def _decode_fused(self, x: np.ndarray, n_past: int, first: int = 0) -> np.ndarray:
         """One token: per layer, the attention half in one kernel call (``cpu.decode_attn``) and
@@ -149,7 +162,17 @@ class Model:
         fam.norm(cfg, x, w.output_norm, w.output_norm_b, h)
         logits = np.empty((h.shape[0], cfg.n_vocab), np.float32)  # (n_tok, n_vocab)
         linear(w.output, h, logits, nt)
+        if cfg.final_softcap:  # Gemma: cap * tanh(logits / cap)
+            fam.softcap(logits, cfg.final_softcap)
         return logits if all_logits else logits[0]
+
+
+def _rmsnorm_inplace(y: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """y (n_tok, n) f32 replaced by its RMSNorm with ``weight`` (n,)."""
+    out = np.empty_like(y)
+    cpu.rmsnorm(y, weight, eps, out)
+    y[...] = out
+    return y
 
 
 def _linear_b(w: cpu.QTensor, b: np.ndarray | None, x: np.ndarray, out: np.ndarray,

@@ -40,6 +40,16 @@ class LayerWeights:
     bo: np.ndarray | None = None  # (n_embd,)
     ffn_up_b: np.ndarray | None = None  # (n_ff,) one per neuron, added before the activation
     ffn_down_b: np.ndarray | None = None  # (n_embd,)
+    # optional extra RMSNorms (Gemma 3), f32 weights with Gemma's +1 included
+    attn_q_norm: np.ndarray | None = None  # (head_dim,) per head of Q, before RoPE
+    attn_k_norm: np.ndarray | None = None  # (head_dim,) per head of K, before RoPE
+    attn_post_norm: np.ndarray | None = None  # (n_embd,) on the attention output
+    ffn_post_norm: np.ndarray | None = None  # (n_embd,) on the FFN output
+
+    @property
+    def has_extra_norms(self) -> bool:
+        return any(n is not None for n in (self.attn_q_norm, self.attn_k_norm,
+                                           self.attn_post_norm, self.ffn_post_norm))
 
     @property
     def has_bias(self) -> bool:
@@ -61,7 +71,8 @@ class ModelWeights:
     def llama_plain(self) -> bool:
         """True where nothing in the weights needs more than the fused Llama kernels."""
         return (self.rope_freqs is None and self.pos_embd is None and self.output_norm_b is None
-                and not any(lw.has_bias or lw.ffn_gate is None for lw in self.layers))
+                and not any(lw.has_bias or lw.has_extra_norms or lw.ffn_gate is None
+                            for lw in self.layers))
 
     @classmethod
     def from_gguf(cls, reader: gguf.GGUFReader, cfg: ModelConfig) -> "ModelWeights":
@@ -151,6 +162,10 @@ class ModelWeights:
                 bo=bias(C.ATTN_OUT_B.format(bid=i), E),
                 ffn_up_b=bias(C.FFN_UP_B.format(bid=i), F),
                 ffn_down_b=bias(C.FFN_DOWN_B.format(bid=i), E),
+                attn_q_norm=bias(C.ATTN_Q_NORM.format(bid=i), cfg.head_dim),
+                attn_k_norm=bias(C.ATTN_K_NORM.format(bid=i), cfg.head_dim),
+                attn_post_norm=bias(C.ATTN_POST_NORM.format(bid=i), E),
+                ffn_post_norm=bias(C.FFN_POST_NORM.format(bid=i), E),
             ))
         token_embd = tensor(C.TOKEN_EMBD, cfg.n_vocab, E)
         output = token_embd if cfg.tied_embeddings else tensor(C.OUTPUT, cfg.n_vocab, E)

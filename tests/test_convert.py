@@ -399,14 +399,14 @@ def test_error_not_gguf(tmp_path):
 
 
 def test_error_gguf_architecture(tmp_path):
-    f = str(tmp_path / "gemma.gguf")
-    w = gguf.GGUFWriter(f, "gemma3")
+    f = str(tmp_path / "phi3.gguf")
+    w = gguf.GGUFWriter(f, "phi3")
     w.add_tensor(C.TOKEN_EMBD, np.zeros((8, 32), np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    _expect_error(tmp_path, f, contains="unsupported architecture gemma3")
+    _expect_error(tmp_path, f, contains="unsupported architecture phi3 (supported: llama, gemma3)")
 
 
 @pytest.mark.parametrize("frac", [0.001, 0.5, 0.999])

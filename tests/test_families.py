@@ -289,3 +289,132 @@ def test_opt_context_past_learned_positions(tmp_path):
     path = convert(d, tmp_path)
     with pytest.raises(PyinferError, match="exceeds the 32 learned positions"):
         Engine(path, n_ctx=33, n_threads=1)
+
+
+# ---- Gemma 3 ------------------------------------------------------------------------------
+
+def _gemma3_v4(c):
+    """transformers 4's spelling of the same config: rope_theta / rope_local_base_freq and
+    sliding_window_pattern instead of rope_parameters and layer_types."""
+    params = c.pop("rope_parameters")
+    c["rope_theta"] = params["full_attention"]["rope_theta"]
+    c["rope_local_base_freq"] = params["sliding_attention"]["rope_theta"]
+    c.pop("layer_types")
+
+
+@pytest.mark.parametrize("case", ["tied-gqa-softcap", "untied-mqa-v4", "wide-heads"])
+def test_gemma3(tmp_path, case):
+    """GeGLU, q/k norms, 4 norms per layer with Gemma's +1, sqrt(n_embd) embedding scale, local
+    and global layers (window 4-5 < the 16-token prompt) with their own RoPE bases,
+    query_pre_attn_scalar != head_dim, final logit softcapping; the transformers-4 config form."""
+    kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+              rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                               "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    edit = None
+    if case == "tied-gqa-softcap":
+        kw.update(num_key_value_heads=2, head_dim=16, sliding_window=5, sliding_window_pattern=2,
+                  tie_word_embeddings=True, final_logit_softcapping=3.0, query_pre_attn_scalar=16)
+    elif case == "untied-mqa-v4":
+        kw.update(num_key_value_heads=1, head_dim=16, sliding_window=4, sliding_window_pattern=3,
+                  tie_word_embeddings=False, query_pre_attn_scalar=24,
+                  attn_logit_softcapping=1.0)  # not applied by transformers' Gemma3Attention
+        edit = _gemma3_v4
+    else:  # n_head * head_dim (128) != n_embd (64), as in Gemma-3-270M (1024 vs 640)
+        kw.update(num_key_value_heads=2, head_dim=32, sliding_window=6,
+                  layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+                  tie_word_embeddings=True, query_pre_attn_scalar=32)
+    d, ref = build(tmp_path, f"gemma3-{case}", transformers.Gemma3ForCausalLM,
+                   transformers.Gemma3TextConfig, config_edit=edit, **kw)
+    eng = check(tmp_path, d, ref)
+    cfg = eng.cfg
+    assert cfg.family == "gemma3" and cfg.hidden_act == "gelu_tanh" and not eng.model.llama_plain
+    assert cfg.embd_scale == pytest.approx(8.0) and eng.weights.layers[0].attn_q_norm is not None
+    windows = [cfg.window(i) for i in range(cfg.n_layer)]
+    assert windows == {"tied-gqa-softcap": [5, 0, 5], "untied-mqa-v4": [4, 4, 0],
+                       "wide-heads": [0, 6, 6]}[case]
+    assert [cfg.rope_base(i) for i in range(3)] == [1e4 if w else 1e6 for w in windows]
+    if case == "tied-gqa-softcap":
+        assert cfg.final_softcap == 3.0 and np.abs(ref).max() < 3.0
+
+
+@pytest.mark.parametrize("edit", ["no-window", "one-rope-base", "no-plus-one"])
+def test_gemma3_details_change_the_output(tmp_path, edit):
+    """The Gemma 3 test above can fail: dropping the window, the local RoPE base, or Gemma's +1
+    on the norm weights gives logits that miss transformers' by far more than the tolerance."""
+    d, ref = build(tmp_path, f"gemma3-ctl-{edit}", transformers.Gemma3ForCausalLM,
+                   transformers.Gemma3TextConfig, hidden_size=64, intermediate_size=128,
+                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                   sliding_window=4, sliding_window_pattern=2, query_pre_attn_scalar=16)
+    path = convert(d, tmp_path)
+    from pyinfer.config import ModelConfig
+    from pyinfer.model import Model
+    from pyinfer.weights import ModelWeights
+    import dataclasses
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    cfg = ModelConfig.from_gguf(reader)
+    w = ModelWeights.from_gguf(reader, cfg)
+    if edit == "no-window":
+        cfg = dataclasses.replace(cfg, sliding_window=0, swa_layers=())
+    elif edit == "one-rope-base":
+        cfg = dataclasses.replace(cfg, rope_freq_base_swa=0.0)
+    else:
+        for lw in w.layers:
+            lw.attn_norm = lw.attn_norm - 1.0
+    model = Model(cfg, w, n_ctx=32, n_threads=1)
+    assert rel_err(model.forward(PROMPT, 0, all_logits=True), ref) > 1e-2
+
+
+def test_gemma3_from_llama_cpp_gguf(tmp_path):
+    """A gemma3 GGUF laid out as llama.cpp's converter writes it (gguf-py's own HF -> GGUF tensor
+    name map, norm weights + 1, Q/K unpermuted, arch-prefixed keys, no SWA pattern or local
+    RoPE base stored) converts to transformers' logits: llama.cpp's defaults fill the gaps."""
+    import gguf
+    from pyinfer.config import ModelConfig
+    from pyinfer.model import Model
+    from pyinfer.weights import ModelWeights
+
+    hd = 16
+    d, ref = build(tmp_path, "gemma3-src", transformers.Gemma3ForCausalLM,
+                   transformers.Gemma3TextConfig, hidden_size=64, intermediate_size=128,
+                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=hd,
+                   sliding_window=5, query_pre_attn_scalar=hd, tie_word_embeddings=True)
+    model = transformers.Gemma3ForCausalLM.from_pretrained(d, dtype=torch.float32)
+    c = model.config
+    src = str(tmp_path / "gemma3-llamacpp.gguf")
+    w = gguf.GGUFWriter(src, "gemma3")
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
+    w.add_sliding_window(c.sliding_window)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, c.num_hidden_layers)
+    for name, p in model.state_dict().items():
+        if name == "lm_head.weight":
+            continue
+        out = names.get_name(name, try_suffixes=(".weight",))
+        assert out is not None, name
+        a = p.numpy().astype(np.float32)
+        w.add_tensor(out, a + 1.0 if name.endswith("norm.weight") else a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    out = str(tmp_path / "gemma3-pyinfer.gguf")
+    assert convert_main([src, out, "--outtype", "f32", "--dense"]) == 0
+    reader = gguf.GGUFReader(out)
+    cfg = ModelConfig.from_gguf(reader)
+    assert cfg.family == "gemma3" and [cfg.window(i) for i in range(2)] == [5, 5]
+    m = Model(cfg, ModelWeights.from_gguf(reader, cfg), n_ctx=32, n_threads=1)
+    ours = m.forward(PROMPT, 0, all_logits=True)
+    assert rel_err(ours, ref) < TOL
+    m.forward(PROMPT[:3], 0)
+    for i in range(3, len(PROMPT)):
+        assert rel_err(m.forward([PROMPT[i]], i), ref[i]) < TOL

@@ -52,7 +52,8 @@ def erf(x: np.ndarray) -> np.ndarray:
 def act(name: str, g: np.ndarray, shift: float = 0.0) -> np.ndarray:
     """The FFN activation by its config name, as f32: silu, relu, gelu (exact: 0.5 g (1 +
     erf(g / sqrt 2)), torch.nn.GELU()) or fatrelu (g where g > shift, else 0; ProSparse, as vLLM's
-    FatreluAndMul uses torch's F.threshold)."""
+    FatreluAndMul uses torch's F.threshold) or gelu_tanh (0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715
+    g^3))), torch.nn.GELU(approximate="tanh"))."""
     g = np.asarray(g, np.float32)
     if name == "silu":
         return g / (np.float32(1.0) + np.exp(-g))
@@ -62,7 +63,28 @@ def act(name: str, g: np.ndarray, shift: float = 0.0) -> np.ndarray:
         return (0.5 * g * (1.0 + erf(g / np.sqrt(2.0)))).astype(np.float32)
     if name == "fatrelu":
         return np.where(g > shift, g, np.float32(0.0)).astype(np.float32)
+    if name == "gelu_tanh":  # torch's gelu(approximate="tanh"), Gemma's gelu_pytorch_tanh
+        g64 = g.astype(np.float64)
+        inner = np.sqrt(2.0 / np.pi) * (g64 + 0.044715 * g64 ** 3)
+        return (0.5 * g64 * (1.0 + np.tanh(inner))).astype(np.float32)
     raise ValueError(f"unknown activation {name!r}")
+
+
+def head_rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm of every head in place: x (n_tok, n_heads, head_dim) f32, weight (head_dim,) f32
+    (Gemma 3's q_norm / k_norm, with its +1 in the weight)."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = np.empty_like(flat)
+    cpu.rmsnorm(flat, weight, eps, out)
+    flat[...] = out
+    return x
+
+
+def softcap(x: np.ndarray, cap: float) -> np.ndarray:
+    """cap * tanh(x / cap) in place on f32 x (Gemma's final_logit_softcapping)."""
+    np.tanh(x / np.float32(cap), out=x)
+    x *= np.float32(cap)
+    return x
 
 
 def rope_scaled(x: np.ndarray, positions: np.ndarray, freq_base: float,
