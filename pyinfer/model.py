@@ -27,6 +27,8 @@ class Model:
         self.n_threads = n_threads
         self.cache = KVCache(cfg, n_ctx)
         self.ffn = ffn if ffn is not None else DenseFFN(cfg)
+        # sparse mode "input" (pyinfer.input_sparse): the FFN object also runs q/k/v/o
+        self.input_sparse = self.ffn if getattr(self.ffn, "is_input_sparse", False) else None
 
     def embed(self, tokens, n_past: int) -> np.ndarray:
         """(n_tok, n_embd) f32 embeddings of ``tokens``; ValueError when they do not fit after
@@ -64,13 +66,17 @@ class Model:
         v = np.empty((T, cfg.n_embd_kv), np.float32)
         attn = np.empty((T, cfg.n_head, cfg.head_dim), np.float32)
         y = np.empty_like(x)  # (n_tok, n_embd) sublayer output
+        isp = self.input_sparse
         for i in range(first, cfg.n_layer):
             lw = w.layers[i]
             # attention
             cpu.rmsnorm(x, lw.attn_norm, cfg.rms_eps, h)
-            linear(lw.wq, h, q, nt)
-            linear(lw.wk, h, k, nt)
-            linear(lw.wv, h, v, nt)
+            if isp is None:
+                linear(lw.wq, h, q, nt)
+                linear(lw.wk, h, k, nt)
+                linear(lw.wv, h, v, nt)
+            else:  # input sparsity: q, k, v from the transposed [wq; wk; wv]
+                isp.qkv(lw, i, h, q, k, v, nt)
             q3 = q.reshape(T, cfg.n_head, cfg.head_dim)
             k3 = k.reshape(T, cfg.n_head_kv, cfg.head_dim)
             cpu.rope_neox(q3, positions, cfg.rope_freq_base, cfg.head_dim)
@@ -78,7 +84,10 @@ class Model:
             self.cache.k[i, n_past:n_past + T] = k3
             self.cache.v[i, n_past:n_past + T] = v.reshape(T, cfg.n_head_kv, cfg.head_dim)
             cpu.attention(q3, self.cache.k[i], self.cache.v[i], n_past, attn, nt)
-            linear(lw.wo, attn.reshape(T, cfg.n_embd_q), y, nt)
+            if isp is None:
+                linear(lw.wo, attn.reshape(T, cfg.n_embd_q), y, nt)
+            else:
+                isp.attn_out(lw, i, attn.reshape(T, cfg.n_embd_q), y, nt)
             x += y
             # feed-forward
             cpu.rmsnorm(x, lw.ffn_norm, cfg.rms_eps, h)
@@ -96,9 +105,13 @@ class Model:
         h = y = None
         for i in range(first, cfg.n_layer):
             lw = w.layers[i]
-            cpu.decode_attn(xv, lw.attn_norm, cfg.rms_eps, lw.wq, lw.wk, lw.wv, lw.wo,
-                            self.cache.k[i], self.cache.v[i], n_past, cfg.n_head,
-                            cfg.rope_freq_base, nt)
+            if self.input_sparse is None:
+                cpu.decode_attn(xv, lw.attn_norm, cfg.rms_eps, lw.wq, lw.wk, lw.wv, lw.wo,
+                                self.cache.k[i], self.cache.v[i], n_past, cfg.n_head,
+                                cfg.rope_freq_base, nt)
+            else:
+                self.input_sparse.decode_attn(lw, i, xv, self.cache.k[i], self.cache.v[i],
+                                              n_past, nt)
             if ffn_decode is None or not ffn_decode(lw, i, xv, cfg.rms_eps, nt):
                 if h is None:
                     h, y = np.empty_like(x), np.empty_like(x)

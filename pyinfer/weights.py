@@ -20,17 +20,25 @@ QT = gguf.GGMLQuantizationType
 
 @dataclass
 class LayerWeights:
+    """One layer's views. A file of sparse mode "input" stores the projections transposed (one row
+    per input channel: ``attn_qkv_t``, ``attn_output_t``, ``ffn_gate_up_t``) instead of wq, wk,
+    wv, wo, ffn_gate and ffn_up, which are then None."""
+
     attn_norm: np.ndarray  # (n_embd,) f32
-    wq: QTensor  # (n_head * head_dim, n_embd)
-    wk: QTensor  # (n_head_kv * head_dim, n_embd)
-    wv: QTensor  # (n_head_kv * head_dim, n_embd)
-    wo: QTensor  # (n_embd, n_head * head_dim)
+    wq: QTensor | None  # (n_head * head_dim, n_embd)
+    wk: QTensor | None  # (n_head_kv * head_dim, n_embd)
+    wv: QTensor | None  # (n_head_kv * head_dim, n_embd)
+    wo: QTensor | None  # (n_embd, n_head * head_dim)
     ffn_norm: np.ndarray  # (n_embd,) f32
-    ffn_gate: QTensor  # (n_ff, n_embd) one row per neuron
-    ffn_up: QTensor  # (n_ff, n_embd) one row per neuron
+    ffn_gate: QTensor | None  # (n_ff, n_embd) one row per neuron
+    ffn_up: QTensor | None  # (n_ff, n_embd) one row per neuron
     ffn_down_t: QTensor  # (n_ff, n_embd) ffn_down transposed: one row per neuron
     fc1: np.ndarray | None = None  # (rank, n_embd) f32 or f16 predictor, when the file has one
     fc2: np.ndarray | None = None  # (n_ff, rank) f32 or f16
+    attn_qkv_t: QTensor | None = None  # (n_embd, n_embd_q + 2 n_embd_kv) = [wq; wk; wv]^T
+    attn_output_t: QTensor | None = None  # (n_embd_q, n_embd) = wo^T
+    ffn_gate_up_t: QTensor | None = None  # (n_embd, 2 n_ff) = [ffn_gate; ffn_up]^T
+    in_scale: dict | None = None  # group -> (n_in,) f32 column norms (WINA files)
 
 
 @dataclass
@@ -101,9 +109,25 @@ class ModelWeights:
             return a
 
         E, F = cfg.n_embd, cfg.n_ff
+        n_in = {"attn_qkv": E, "attn_output": cfg.n_embd_q, "ffn_gate_up": E, "ffn_down": F}
         layers = []
         for i in range(cfg.n_layer):
             fc1, fc2 = predictor(i)
+            if C.ATTN_QKV_T.format(bid=i) in by_name:  # sparse mode "input": transposed layout
+                scales = {g: vector(C.IN_SCALE[g].format(bid=i), n_in[g]) for g in C.IN_GROUPS
+                          if C.IN_SCALE[g].format(bid=i) in by_name}
+                layers.append(LayerWeights(
+                    attn_norm=vector(C.ATTN_NORM.format(bid=i), E),
+                    wq=None, wk=None, wv=None, wo=None,
+                    ffn_norm=vector(C.FFN_NORM.format(bid=i), E),
+                    ffn_gate=None, ffn_up=None,
+                    ffn_down_t=tensor(C.FFN_DOWN_T.format(bid=i), F, E),
+                    attn_qkv_t=tensor(C.ATTN_QKV_T.format(bid=i), E, cfg.n_embd_q + 2 * cfg.n_embd_kv),
+                    attn_output_t=tensor(C.ATTN_OUT_T.format(bid=i), cfg.n_embd_q, E),
+                    ffn_gate_up_t=tensor(C.FFN_GATE_UP_T.format(bid=i), E, 2 * F),
+                    in_scale=scales or None,
+                ))
+                continue
             layers.append(LayerWeights(
                 attn_norm=vector(C.ATTN_NORM.format(bid=i), E),
                 wq=tensor(C.ATTN_Q.format(bid=i), cfg.n_embd_q, E),
