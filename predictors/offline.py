@@ -15,6 +15,11 @@ Flow (one function, :func:`convert_sparse`):
 5. the final file: the converter's metadata and tensor jobs (re-planned from the source) plus
    the new keys and tensors, through ``convert.writer.write_gguf`` (a unique temporary file, then rename).
 
+SwiGLU models default to sparse mode "input" instead (``--sparse-mode input``; TEAL/WINA input
+sparsity of every projection, predictors/input_sparse.py): after step 2's calibration text it
+calibrates thresholds and writes the transposed layout, with no predictors, counts or split.
+``--sparse-mode glu`` keeps the predictor path (the GPU engine needs it).
+
 The staging file is removed in a ``finally``; ``write_gguf`` removes its temporary file on any
 exception, so an interrupted or failed conversion leaves no partial file. Layers are always
 paired by number.
