@@ -128,9 +128,13 @@ def unit_curve(x: np.ndarray, cnorm: np.ndarray, wina: bool,
     c = cnorm[cols]
     mag = np.abs(flat)
     score = mag * c if wina else mag  # f32, as the kernels compute it
-    err = (mag.astype(np.float64) * c) ** 2
-    order = np.argsort(score, kind="stable")
-    s_sorted, cum = score[order], np.cumsum(err[order])
+    if wina:  # the loss of a pair is its score squared: a plain sort will do
+        s_sorted = np.sort(score)
+        cum = np.cumsum(s_sorted.astype(np.float64) ** 2)
+    else:
+        order = np.argsort(score, kind="stable")
+        s_sorted = score[order]
+        cum = np.cumsum(((mag.astype(np.float64) * c) ** 2)[order])
     total = max(cum[-1], 1e-30)
     thr = np.empty(N_LEVELS, np.float32)
     loss = np.zeros(N_LEVELS)
