@@ -64,6 +64,7 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--n-gen", type=int, default=64)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--no-perplexity", action="store_true", help="decode speed only")
     args = ap.parse_args()
 
     dense = Engine(args.dense, n_ctx=args.ctx, n_threads=args.threads, dense=True)
@@ -74,7 +75,8 @@ def main():
     print(f"calibration: {sum(map(len, seqs))} tokens ({source}) in {time.perf_counter() - t0:.1f} s")
     text = open(args.heldout, encoding="utf-8").read()
     tokens = dense.tokenizer.encode(text, add_bos=False)
-    ppl_dense, n_scored, _ = perplexity(dense, tokens, args.ctx, args.chunks, progress=False)
+    ppl_dense, n_scored, _ = ((1.0, 0, 0) if args.no_perplexity else
+                              perplexity(dense, tokens, args.ctx, args.chunks, progress=False))
     print(f"dense ({os.path.basename(args.dense)}): perplexity {ppl_dense:.4f} over {n_scored} tokens")
 
     configs = [("dense file", dense, "dense")]
@@ -86,14 +88,20 @@ def main():
         curves, _ = calibrate(cal, seqs, score == "wina", args.seed, args.threads)
         print(f"{score}: calibration curves in {time.perf_counter() - t0:.1f} s")
         set_thresholds(eng, None)
-        ppl0, _, _ = perplexity(eng, tokens, args.ctx, args.chunks, progress=False)
+        ppl0 = 1.0 if args.no_perplexity else perplexity(eng, tokens, args.ctx, args.chunks,
+                                                         progress=False)[0]
         rows.append((score, 0.0, ppl0, 0.0))
         configs.append((f"{score} same file dense", eng, None))
         for tgt in args.targets:
             thr, _, _ = thresholds_for(curves, eng.cfg, tgt)
             set_thresholds(eng, thr)
             eng.reset_stats()
-            ppl, _, _ = perplexity(eng, tokens, args.ctx, args.chunks, progress=False)
+            if args.no_perplexity:  # measured sparsity from a short prefill instead
+                ppl = 1.0
+                eng.reset()
+                eng.model.forward(tokens[:256], 0)
+            else:
+                ppl = perplexity(eng, tokens, args.ctx, args.chunks, progress=False)[0]
             rows.append((score, tgt, ppl, eng.ffn_sparsity()))
             configs.append((f"{score} {tgt:.0%}", eng, thr))
             print(f"{score} target {tgt:.0%}: perplexity {ppl:.4f} ({ppl / ppl_dense - 1:+.2%}), "
@@ -103,7 +111,7 @@ def main():
     tps = {name: [] for name, _, _ in configs}
     for _ in range(args.reps):
         for name, eng, thr in configs:
-            if thr != "dense":
+            if not isinstance(thr, str):
                 set_thresholds(eng, thr)
             tps[name].append(decode_tps(eng, ids, args.n_gen))
     base = statistics.median(tps["dense file"])
