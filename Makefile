@@ -15,15 +15,18 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
+# editable_mode=compat: the install is a path in a .pth file, so a folder named `pyinfer` beside a
+# user's script (a clone, say) cannot shadow the package as an empty namespace package, which it
+# does with setuptools' default finder-based editable install ("cannot import name 'LLM'").
 # torch==2.13.0 first: that exact version is the CPU wheel (a bare `torch` pulls a CUDA build).
 # The offline stage of pyinfer-convert trains predictors with PyTorch (the `train` extra).
 install: $(BIN)/python
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e ".[train]"
+	$(BIN)/pip install --quiet -e ".[train]" --config-settings editable_mode=compat
 
 install-test: $(BIN)/python
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e ".[test,train]"
+	$(BIN)/pip install --quiet -e ".[test,train]" --config-settings editable_mode=compat
 
 $(SRC_GGUF):
 	PATH=$(BIN):$$PATH tools/fetch_smollm2.sh $(MODELS)

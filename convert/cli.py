@@ -1,4 +1,5 @@
-"""``pyinfer-convert SRC OUT [--outtype f16|f32|q8_0|q4_0] [offline-stage flags] [--dense]``.
+"""``pyinfer-convert SRC OUT [--outtype auto|f32|f16|bf16|q8_0|q4_0|q4_1|q5_0|q5_1|q4_k|q5_k|q6_k]
+[offline-stage flags] [--dense]``.
 
 By default the offline stage (calibration, profiling, predictors, placement: predictors/offline.py)
 runs after the conversion and its results go into the same file; ``--dense`` skips it.
@@ -16,11 +17,11 @@ import signal
 import sys
 import time
 
-from pyinfer.constants import OUTTYPES
+from pyinfer.constants import OUTTYPE_AUTO, OUTTYPES
 from pyinfer.errors import PyinferError, exit_code_of
 
 
-def convert(src: str, out: str, outtype: str = "f16", progress: bool | None = None,
+def convert(src: str, out: str, outtype: str = OUTTYPE_AUTO, progress: bool | None = None,
             allow_unused: bool = False) -> None:
     """Convert ``src`` (HF directory or GGUF file) to the pyinfer GGUF ``out``.
 
@@ -32,8 +33,9 @@ def convert(src: str, out: str, outtype: str = "f16", progress: bool | None = No
     from .hf import plan_hf
     from .writer import write_gguf
 
-    if outtype not in OUTTYPES:
-        raise PyinferError(f"unknown outtype {outtype!r} (choose from {', '.join(OUTTYPES)})")
+    if outtype != OUTTYPE_AUTO and outtype not in OUTTYPES:
+        raise PyinferError(f"unknown outtype {outtype!r} (choose from {OUTTYPE_AUTO}, "
+                           f"{', '.join(OUTTYPES)})")
     if not os.path.exists(src):
         raise PyinferError(f"{src} does not exist")
     out_dir = os.path.dirname(os.path.abspath(out))
@@ -63,10 +65,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="pyinfer-convert",
         description="Convert a Hugging Face Llama directory or a llama.cpp GGUF to a pyinfer GGUF.")
-    parser.add_argument("src", help="Hugging Face model directory or llama.cpp .gguf file")
-    parser.add_argument("out", help="output .gguf path (written to a temporary file beside it, then renamed)")
-    parser.add_argument("--outtype", choices=list(OUTTYPES), default="f16",
-                        help="type of the 2-D weights (norms stay f32); default f16")
+    from pyinfer.options import add_version
+
+    add_version(parser)
+    parser.add_argument("src", nargs="?", help="Hugging Face model directory or llama.cpp .gguf file")
+    parser.add_argument("out", nargs="?",
+                        help="output .gguf path (written to a temporary file beside it, then renamed)")
+    parser.add_argument("-m", "--model", dest="model_opt", metavar="SRC",
+                        help="the source, as llama.cpp's tools spell it: pyinfer-convert -m SRC OUT")
+    parser.add_argument("--outtype", choices=[OUTTYPE_AUTO, *OUTTYPES], default=OUTTYPE_AUTO,
+                        metavar="TYPE",
+                        help="type of the 2-D weights (norms stay f32): auto (default: a quantized "
+                             "GGUF keeps each tensor's type, copied as stored; f32/bf16/f16 "
+                             "sources become f16), " + ", ".join(OUTTYPES) + ". K-quant rows "
+                             "not a multiple of 256 fall back as llama.cpp's do (q4_k->q5_0, "
+                             "q5_k->q5_1, q6_k->q8_0)")
     parser.add_argument("--allow-unused-tensors", action="store_true",
                         help="convert even when the source has tensors the model leaves out "
                              "(e.g. more layers than config.json's num_hidden_layers)")
@@ -74,6 +87,12 @@ def main(argv: list[str] | None = None) -> int:
 
     add_arguments(parser)  # the offline stage's flags (--dense skips it)
     args = parser.parse_args(argv)
+    if args.model_opt is not None:  # -m SRC OUT: the one positional given is OUT
+        if args.out is not None:
+            parser.error("give the source once: pyinfer-convert -m SRC OUT or pyinfer-convert SRC OUT")
+        args.src, args.out = args.model_opt, args.src
+    if args.src is None or args.out is None:
+        parser.error("the source and the output are required: pyinfer-convert SRC OUT")
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` cleans up the temporary file like Ctrl-C
     return exit_code_of(_run, args)
 

@@ -1,7 +1,11 @@
 """llama.cpp GGUF (architecture ``llama``) -> pyinfer tensors and metadata.
 
-Every tensor is dequantized with ``gguf.quants.dequantize`` (Q4_1, Q8_0, K-quants, ...) and
-re-encoded in the chosen outtype. Two layout changes (design.md):
+A tensor whose output type is its source type (``--outtype auto``, the default, keeps every
+tensor of a quantized file at its type) is copied as stored, row by row: no requantization. The
+others are dequantized with ``gguf.quants.dequantize`` (Q4_1, Q8_0, K-quants, ...) and re-encoded
+in the output type; ``ffn_down_t``, a new layout, is always re-encoded (at the source's type
+under ``auto``, with llama.cpp's fallback when n_embd is not a multiple of 256 for a K-quant).
+Two layout changes (design.md):
 
 - llama.cpp's ``convert_hf_to_gguf.py`` permutes the rows of Q and K for its interleaved RoPE:
   ``w.reshape(n, 2, rows/n/2, cols).swapaxes(1, 2)``; `unpermute_qk` inverts it, giving back the
@@ -23,6 +27,7 @@ from pyinfer import __version__
 from pyinfer import constants as C
 from pyinfer.errors import PyinferError
 from pyinfer.gguf_check import check_gguf
+from pyinfer.ops.cpu import SUPPORTED
 
 from . import warn
 from .tokenizer import add_eot_id
@@ -53,6 +58,19 @@ def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """Hugging Face Q/K row order -> llama.cpp's (its ``LlamaModel.permute``); for tests."""
     rows, cols = w.shape
     return w.reshape(n_head, 2, rows // n_head // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+_FLOATS = (C.QT.F32, C.QT.F16, C.QT.BF16)
+
+
+def auto_qtype(src_type) -> C.QT:
+    """``--outtype auto`` for one source matrix: a float (f32, f16, bf16) becomes f16, as
+    llama.cpp's converter writes; a quantized type the kernels run stays; any other (Q2_K, Q3_K,
+    IQ types) becomes Q4_K, the nearest type pyinfer runs."""
+    src_type = C.QT(src_type)
+    if src_type in _FLOATS:
+        return C.QT.F16
+    return src_type if src_type in SUPPORTED else C.QT.Q4_K
 
 
 def open_gguf(path: str) -> gguf.GGUFReader:
@@ -103,6 +121,12 @@ def plan_gguf(path: str, outtype: str, allow_unused: bool = False) -> tuple[Meta
     if "rope_freqs.weight" in tensors:
         raise PyinferError("unsupported rope scaling (rope_freqs.weight)")
     ours = C.K_ROPE_LAYOUT in reader.fields  # written by pyinfer: already neox / neuron-major
+    family = _scalar(reader, C.K_FAMILY, "llama")
+    if ours and (family != "llama" or any(k in reader.fields for k in (
+            C.K_NORM, C.K_POSITIONS, C.K_PARALLEL_BLOCK, C.K_FFN_GATED, C.K_FFN_UP_ACT,
+            C.K_ACT_SHIFT, C.K_SLIDING_WINDOW)) or any(".bias" in n for n in tensors)):
+        raise PyinferError(f"re-converting a pyinfer {family} file is not supported (only Llama "
+                           "files); convert from the Hugging Face directory instead")
     act = _scalar(reader, C.K_HIDDEN_ACT, "silu")  # llama.cpp's llama architecture is SwiGLU
     if act not in C.HIDDEN_ACTS:
         raise PyinferError(f"unsupported hidden_act {act!r}")
@@ -126,8 +150,15 @@ def plan_gguf(path: str, outtype: str, allow_unused: bool = False) -> tuple[Meta
     for key in _GENERAL_COPY:
         if key in reader.fields:
             _copy_field(meta, reader.fields[key])
-    meta.u32(C.K_FILE_TYPE, FILE_TYPES[outtype])
-    if outtype not in ("f32", "f16"):
+    auto = outtype == C.OUTTYPE_AUTO
+    if auto:
+        # a quantized source keeps its file type; a float one becomes f16
+        src_ft = _scalar(reader, C.K_FILE_TYPE)
+        float_src = all(C.QT(t.tensor_type) in _FLOATS for t in reader.tensors)
+        meta.u32(C.K_FILE_TYPE, FILE_TYPES["f16"] if float_src or src_ft is None else src_ft)
+    else:
+        meta.u32(C.K_FILE_TYPE, FILE_TYPES[outtype])
+    if outtype not in ("f32", "f16", "bf16"):
         meta.u32("general.quantization_version", 2)
     meta.u32(C.K_CONTEXT_LENGTH, _scalar(reader, C.K_CONTEXT_LENGTH, 2048))
     meta.u32(C.K_EMBEDDING_LENGTH, n_embd)
@@ -172,23 +203,36 @@ def plan_gguf(path: str, outtype: str, allow_unused: bool = False) -> tuple[Meta
         return gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(
             tuple(int(d) for d in t.shape[::-1]))
 
+    def target(t: Any, cols: int) -> C.QT:
+        return matrix_qtype(cols, auto_qtype(t.tensor_type) if auto else outtype)
+
+    def stored(t: Any, rows: int) -> np.ndarray:
+        """The tensor's rows as stored (uint8 blocks, or f32/f16 values), a memmap view."""
+        return np.asarray(t.data).reshape(rows, -1)
+
     def mat(name: str, shape: tuple[int, int]) -> TensorJob:
         t = src(name, shape)
-        return TensorJob(name, shape, matrix_qtype(shape[1], outtype), lambda: load(t))
+        qtype = target(t, shape[1])
+        if qtype == t.tensor_type:  # copied as stored
+            return TensorJob(name, shape, qtype, lambda: stored(t, shape[0]), raw=True)
+        return TensorJob(name, shape, qtype, lambda: load(t))
 
     def qk(name: str, shape: tuple[int, int], n: int) -> TensorJob:
         if ours:
             return mat(name, shape)
         t = src(name, shape)
-        return TensorJob(name, shape, matrix_qtype(shape[1], outtype),
-                         lambda: np.ascontiguousarray(unpermute_qk(load(t), n)))
+        qtype = target(t, shape[1])
+        if qtype == t.tensor_type:  # un-permuting moves whole rows: the stored bytes move as they are
+            return TensorJob(name, shape, qtype, raw=True,
+                             load=lambda: np.ascontiguousarray(unpermute_qk(stored(t, shape[0]), n)))
+        return TensorJob(name, shape, qtype, lambda: np.ascontiguousarray(unpermute_qk(load(t), n)))
 
     def down_t(i: int) -> TensorJob:
         name = C.FFN_DOWN_T.format(bid=i)
         if ours:
             return mat(name, (n_ff, n_embd))
         t = src(C.SRC_FFN_DOWN.format(bid=i), (n_embd, n_ff))
-        return TensorJob(name, (n_ff, n_embd), matrix_qtype(n_embd, outtype),
+        return TensorJob(name, (n_ff, n_embd), target(t, n_embd),
                          lambda: np.ascontiguousarray(load(t).T))
 
     def norm(name: str) -> TensorJob:

@@ -14,6 +14,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+import gguf
 import numpy as np
 
 from pyinfer import __version__
@@ -154,25 +155,101 @@ def _cfg_float(cfg: dict[str, Any], key: str, value: Any, default: float) -> flo
     return float(value)
 
 
-def _rope_theta(cfg: dict[str, Any]) -> float:
-    """rope_theta from a transformers 4 (``rope_theta``/``rope_scaling``) or 5 (``rope_parameters``) config."""
+def _rope_theta(cfg: dict[str, Any], head_dim: int) -> tuple[float, np.ndarray | None]:
+    """(rope_theta, rope_freqs) from a transformers 4 (``rope_theta``/``rope_scaling``) or 5
+    (``rope_parameters``) config. rope_freqs: None, or (head_dim/2,) f32 divisors of the default
+    inverse frequencies for rope_type "linear" (all = factor) and "llama3" (transformers'
+    ``_compute_llama3_parameters``, after Meta's Llama 3.1 reference code); llama.cpp stores
+    Llama 3's the same way (``rope_freqs.weight``). Other rope types: PyinferError."""
     params = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or {}
+    chosen = None
     for key, p in (("rope_parameters", params), ("rope_scaling", scaling)):
         if not isinstance(p, dict):
             raise PyinferError(f"config.json: {key} must be an object, got {p!r}")
         kind = p.get("rope_type", p.get("type", "default"))
-        if kind not in (None, "default"):
-            raise PyinferError(f"unsupported rope scaling {kind!r}")
+        if kind not in (None, "default", "linear", "llama3"):
+            raise PyinferError(f"unsupported rope scaling {kind!r} (supported: default, linear, llama3)")
+        if kind in ("linear", "llama3") and chosen is None:
+            chosen = (kind, p)
     # every rope_theta given (either form) must be a number; transformers 5's wins
     top = _cfg_float(cfg, "rope_theta", cfg.get("rope_theta"), 10000.0)
+    theta = top
     if "rope_theta" in params:
-        return _cfg_float(params, "rope_theta", params["rope_theta"], 10000.0)
-    return top
+        theta = _cfg_float(params, "rope_theta", params["rope_theta"], 10000.0)
+    if chosen is None:
+        return theta, None
+    kind, p = chosen
+    factor = _cfg_float(p, "factor", p.get("factor"), 1.0)
+    half = head_dim // 2
+    if kind == "linear":
+        return theta, np.full(half, factor, np.float32)
+    low = _cfg_float(p, "low_freq_factor", p.get("low_freq_factor"), 1.0)
+    high = _cfg_float(p, "high_freq_factor", p.get("high_freq_factor"), 4.0)
+    if high <= low:
+        raise PyinferError(f"config.json: llama3 rope high_freq_factor {high} must exceed low_freq_factor {low}")
+    old_ctx = _cfg_int(p, "original_max_position_embeddings", _cfg_int(cfg, "max_position_embeddings", 8192))
+    inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * np.pi / inv_freq
+    scaled = np.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    medium = ~(wavelen < old_ctx / high) & ~(wavelen > old_ctx / low)
+    scaled = np.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+    return theta, (inv_freq / scaled).astype(np.float32)
+
+
+def _layer_windows(cfg: dict[str, Any], family: str, n_layer: int) -> tuple[int, tuple[bool, ...]]:
+    """(sliding_window, per-layer flags): Mistral slides every layer when ``sliding_window`` is
+    set; Qwen2 where ``use_sliding_window`` and the layer index >= ``max_window_layers``; a
+    ``layer_types`` list (transformers 5) wins. (0, ()) for full attention everywhere."""
+    if family not in ("mistral", "qwen2"):
+        return 0, ()
+    window = cfg.get("sliding_window")
+    if family == "qwen2" and not cfg.get("use_sliding_window", False):
+        window = None
+    if window is None:
+        return 0, ()
+    window = _cfg_int(cfg, "sliding_window")
+    types = cfg.get("layer_types")
+    if isinstance(types, list) and len(types) == n_layer:
+        flags = tuple(t == "sliding_attention" for t in types)
+    elif family == "qwen2":
+        first = _cfg_int(cfg, "max_window_layers", 28, lo=0)
+        flags = tuple(i >= first for i in range(n_layer))
+    else:
+        flags = (True,) * n_layer
+    return (window, flags) if any(flags) else (0, ())
+
+
+def _family(cfg: Any) -> str:
+    """The pyinfer family of a parsed config.json, or PyinferError naming what is supported."""
+    if not isinstance(cfg, dict):
+        raise PyinferError(f"config.json must be a JSON object, not a {type(cfg).__name__}")
+    archs = cfg.get("architectures") or ["(none)"]
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise PyinferError(f"config.json: architectures must be a list of names, got {archs!r}")
+    if archs[0] not in C.HF_ARCHITECTURES:
+        raise PyinferError(f"unsupported architecture {archs[0]} "
+                           f"(supported: {', '.join(C.HF_ARCHITECTURES)})")
+    return C.HF_ARCHITECTURES[archs[0]]
+
+
+def _cfg_bool(cfg: dict[str, Any], key: str, default: bool) -> bool:
+    v = cfg.get(key, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise PyinferError(f"config.json: {key} must be true or false, got {v!r}")
+    return v
 
 
 @dataclass(frozen=True)
 class LlamaHParams:
+    """Hyper-parameters of every family pyinfer converts (named after the one it started with).
+
+    The fields after ``tied`` say where a family departs from Llama (see ``ModelConfig``);
+    ``attn_bias`` / ``attn_out_bias`` / ``ffn_bias``: which linear layers carry biases."""
+
     n_embd: int
     n_ff: int
     n_layer: int
@@ -185,23 +262,46 @@ class LlamaHParams:
     rope_theta: float
     hidden_act: str
     tied: bool
+    family: str = "llama"
+    norm: str = "rms"
+    positions: str = "rope"
+    parallel_block: bool = False
+    ffn_gated: bool = True
+    ffn_up_act: str = ""
+    act_shift: float = 0.0
+    sliding_window: int = 0
+    swa_layers: tuple = ()
+    attn_bias: bool = False
+    attn_out_bias: bool = False
+    ffn_bias: bool = False
+    rope_freqs: Any = None  # (head_dim/2,) f32 or None
+    falcon_qkv: str = ""  # Falcon's fused QKV layout: "grouped" (new arch), "mqa", "interleaved"
+    falcon_norms: int = 0  # Falcon: 2 = ln_attn + ln_mlp, 1 = input_layernorm shared by both
 
     @classmethod
     def from_config(cls, cfg: Any) -> "LlamaHParams":
-        """Hyperparameters from a parsed config.json. Raises PyinferError for another
-        architecture, a missing key, or a value of the wrong type or range."""
-        if not isinstance(cfg, dict):
-            raise PyinferError(f"config.json must be a JSON object, not a {type(cfg).__name__}")
-        archs = cfg.get("architectures") or ["(none)"]
-        if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
-            raise PyinferError(f"config.json: architectures must be a list of names, got {archs!r}")
-        if archs[0] not in C.HF_ARCHITECTURES:
-            raise PyinferError(f"unsupported architecture {archs[0]}")
+        """Hyperparameters from a parsed config.json. Raises PyinferError for an unsupported
+        architecture, activation, rope scaling or option, a missing key, or a value of the wrong
+        type or range."""
+        family = _family(cfg)
+        if family == "opt":
+            return cls._opt(cfg)
+        if family == "falcon":
+            return cls._falcon(cfg)
         act = cfg.get("hidden_act", "silu")
-        if not isinstance(act, str) or act not in C.HIDDEN_ACTS:
-            raise PyinferError(f"unsupported hidden_act {act!r} (pyinfer supports {', '.join(C.HIDDEN_ACTS)})")
-        if cfg.get("attention_bias") or cfg.get("mlp_bias"):
-            raise PyinferError("unsupported: attention or MLP biases")
+        up_act, shift = "", 0.0
+        if act == "drelu":  # dReLU (TurboSparse, Bamboo): relu on gate and on up
+            act, up_act = "relu", "relu"
+        if not isinstance(act, str) or act not in ("silu", "relu", "fatrelu"):
+            raise PyinferError(f"unsupported hidden_act {act!r} (pyinfer supports silu, relu, "
+                               "drelu, fatrelu for this family)")
+        if act == "fatrelu":  # ProSparse / MiniCPM spell the threshold hidden_act_param
+            shift = cfg.get("hidden_act_param", 0.0)
+            if not isinstance(shift, (int, float)) or isinstance(shift, bool) or not 0 <= shift < 1e30:
+                raise PyinferError(f"config.json: hidden_act_param must be a number >= 0, got {shift!r}")
+        if cfg.get("mlp_bias"):
+            raise PyinferError("unsupported: MLP biases in a gated FFN (mlp_bias)")
+        attn_bias = _cfg_bool(cfg, "attention_bias", False) if family == "llama" else False
         n_embd = _cfg_int(cfg, "hidden_size")
         n_head = _cfg_int(cfg, "num_attention_heads")
         head_dim = _cfg_int(cfg, "head_dim", None)
@@ -214,23 +314,109 @@ class LlamaHParams:
         if n_head % n_head_kv:
             raise PyinferError(f"config.json: num_attention_heads {n_head} is not a multiple of "
                                f"num_key_value_heads {n_head_kv}")
-        tied = cfg.get("tie_word_embeddings", False)
-        if not isinstance(tied, bool):
-            raise PyinferError(f"config.json: tie_word_embeddings must be true or false, got {tied!r}")
+        tied = _cfg_bool(cfg, "tie_word_embeddings", False)
+        n_layer = _cfg_int(cfg, "num_hidden_layers")
+        theta, freqs = _rope_theta(cfg, head_dim)
+        window, flags = _layer_windows(cfg, family, n_layer)
         return cls(
             n_embd=n_embd,
             n_ff=_cfg_int(cfg, "intermediate_size"),
-            n_layer=_cfg_int(cfg, "num_hidden_layers"),
+            n_layer=n_layer,
             n_head=n_head,
             n_head_kv=n_head_kv,
             head_dim=head_dim,
             n_vocab=_cfg_int(cfg, "vocab_size"),
             n_ctx=_cfg_int(cfg, "max_position_embeddings", 2048),
             rms_eps=_cfg_float(cfg, "rms_norm_eps", cfg.get("rms_norm_eps"), 1e-6),
-            rope_theta=_rope_theta(cfg),
+            rope_theta=theta,
             hidden_act=act,
             tied=tied,
+            family=family,
+            ffn_up_act=up_act,
+            act_shift=float(shift),
+            sliding_window=window,
+            swa_layers=flags,
+            attn_bias=attn_bias or family == "qwen2",  # Qwen2: q/k/v biases, none on o_proj
+            attn_out_bias=attn_bias,
+            rope_freqs=freqs,
         )
+
+    @classmethod
+    def _opt(cls, cfg: dict[str, Any]) -> "LlamaHParams":
+        """OPTForCausalLM: LayerNorm (eps 1e-5, torch's default), learned positions, a
+        non-gated ReLU FFN (fc1, fc2), biases everywhere unless enable_bias is false."""
+        if not _cfg_bool(cfg, "do_layer_norm_before", True):
+            raise PyinferError("unsupported: OPT with do_layer_norm_before false (opt-350m)")
+        n_embd = _cfg_int(cfg, "hidden_size")
+        if _cfg_int(cfg, "word_embed_proj_dim", n_embd) != n_embd:
+            raise PyinferError("unsupported: OPT with word_embed_proj_dim != hidden_size (opt-350m)")
+        if not _cfg_bool(cfg, "layer_norm_elementwise_affine", True):
+            raise PyinferError("unsupported: OPT without LayerNorm weights")
+        act = cfg.get("activation_function", "relu")
+        if act not in ("relu", "gelu"):
+            raise PyinferError(f"unsupported OPT activation_function {act!r} (relu, gelu)")
+        n_head = _cfg_int(cfg, "num_attention_heads")
+        if n_embd % n_head:
+            raise PyinferError(f"config.json: hidden_size {n_embd} is not a multiple of "
+                               f"num_attention_heads {n_head}")
+        bias = _cfg_bool(cfg, "enable_bias", True)
+        return cls(n_embd=n_embd, n_ff=_cfg_int(cfg, "ffn_dim"),
+                   n_layer=_cfg_int(cfg, "num_hidden_layers"), n_head=n_head, n_head_kv=n_head,
+                   head_dim=n_embd // n_head, n_vocab=_cfg_int(cfg, "vocab_size"),
+                   n_ctx=_cfg_int(cfg, "max_position_embeddings", 2048), rms_eps=1e-5,
+                   rope_theta=10000.0, hidden_act=act,
+                   tied=_cfg_bool(cfg, "tie_word_embeddings", True), family="opt", norm="layer",
+                   positions="learned", ffn_gated=False, attn_bias=bias, attn_out_bias=bias,
+                   ffn_bias=bias)
+
+    @classmethod
+    def _falcon(cls, cfg: dict[str, Any]) -> "LlamaHParams":
+        """FalconForCausalLM, 7B layout (multi-query, one LayerNorm for a parallel block) and
+        40B "new decoder architecture" (grouped KV, ln_attn + ln_mlp): LayerNorm, RoPE, fused QKV
+        split at conversion, non-gated GELU/ReLU FFN, biases where ``bias`` is true."""
+        if cfg.get("alibi"):
+            raise PyinferError("unsupported: Falcon with ALiBi positions (alibi true)")
+        n_embd = _cfg_int(cfg, "hidden_size")
+        n_head = _cfg_int(cfg, "num_attention_heads")
+        if n_embd % n_head:
+            raise PyinferError(f"config.json: hidden_size {n_embd} is not a multiple of "
+                               f"num_attention_heads {n_head}")
+        new_arch = _cfg_bool(cfg, "new_decoder_architecture", False)
+        parallel = _cfg_bool(cfg, "parallel_attn", True)
+        if new_arch:
+            n_head_kv = _cfg_int(cfg, "num_kv_heads", n_head)
+            layout = "grouped"
+            n_ln = _cfg_int(cfg, "num_ln_in_parallel_attn", 2)
+            if n_ln not in (1, 2):
+                raise PyinferError(f"config.json: num_ln_in_parallel_attn must be 1 or 2, got {n_ln}")
+            if n_ln == 1 and not parallel:
+                raise PyinferError("unsupported: Falcon with one LayerNorm and parallel_attn false")
+            parallel = True
+        elif _cfg_bool(cfg, "multi_query", True):
+            n_head_kv, layout, n_ln = 1, "mqa", 1
+        else:
+            n_head_kv, layout, n_ln = n_head, "interleaved", 1
+        if n_head % n_head_kv:
+            raise PyinferError(f"config.json: num_attention_heads {n_head} is not a multiple of "
+                               f"num_kv_heads {n_head_kv}")
+        act = cfg.get("activation", "gelu")
+        if act not in ("gelu", "relu"):
+            raise PyinferError(f"unsupported Falcon activation {act!r} (gelu, relu)")
+        bias = _cfg_bool(cfg, "bias", False)
+        theta, freqs = _rope_theta(cfg, n_embd // n_head)
+        if freqs is not None:
+            raise PyinferError("unsupported: rope scaling in a Falcon model")
+        return cls(n_embd=n_embd, n_ff=_cfg_int(cfg, "ffn_hidden_size", 4 * n_embd),
+                   n_layer=_cfg_int(cfg, "num_hidden_layers"), n_head=n_head,
+                   n_head_kv=n_head_kv, head_dim=n_embd // n_head,
+                   n_vocab=_cfg_int(cfg, "vocab_size"),
+                   n_ctx=_cfg_int(cfg, "max_position_embeddings", 2048),
+                   rms_eps=_cfg_float(cfg, "layer_norm_epsilon", cfg.get("layer_norm_epsilon"), 1e-5),
+                   rope_theta=theta, hidden_act=act,
+                   tied=_cfg_bool(cfg, "tie_word_embeddings", True), family="falcon",
+                   norm="layer", parallel_block=parallel, ffn_gated=False, attn_bias=bias,
+                   attn_out_bias=bias, ffn_bias=bias, falcon_qkv=layout,
+                   falcon_norms=2 if new_arch and n_ln == 2 else 1)
 
 
 def _check_shape(st: SafetensorsDir, name: str, shape: tuple[int, ...], model_dir: str) -> None:
@@ -261,8 +447,18 @@ def _check_all_used(st: SafetensorsDir, used: set[str], hp: LlamaHParams, allow_
     warn(msg + ": converting anyway (--allow-unused-tensors)")
 
 
+#: Checkpoint tensor names per family: embeddings, layer prefix, final norm.
+_NAMES = {
+    "llama": ("model.embed_tokens.weight", "model.layers.{i}.", "model.norm"),
+    "opt": ("model.decoder.embed_tokens.weight", "model.decoder.layers.{i}.",
+            "model.decoder.final_layer_norm"),
+    "falcon": ("transformer.word_embeddings.weight", "transformer.h.{i}.", "transformer.ln_f"),
+}
+
+
 def plan_hf(model_dir: str, outtype: str, allow_unused: bool = False) -> tuple[Metadata, list[TensorJob]]:
-    """Metadata and tensor jobs for a Hugging Face ``LlamaForCausalLM`` directory.
+    """Metadata and tensor jobs for a Hugging Face directory of a supported architecture
+    (``C.HF_ARCHITECTURES``: Llama, Mistral, Qwen2, OPT, Falcon).
 
     Raises PyinferError for a directory without config.json or weights, another architecture,
     an unsupported activation or rope scaling, tensors whose shapes disagree with config.json,
@@ -274,7 +470,7 @@ def plan_hf(model_dir: str, outtype: str, allow_unused: bool = False) -> tuple[M
     hp = LlamaHParams.from_config(_read_json(cfg_path))
     st = SafetensorsDir(model_dir)
 
-    embd = "model.embed_tokens.weight"
+    embd, prefix, final_norm = _NAMES.get(hp.family, _NAMES["llama"])
     _check_shape(st, embd, (hp.n_vocab, hp.n_embd), model_dir)
     tied = hp.tied
     if not tied and "lm_head.weight" not in st:
@@ -284,8 +480,10 @@ def plan_hf(model_dir: str, outtype: str, allow_unused: bool = False) -> tuple[M
     meta = Metadata()
     meta.string(C.K_ARCH, C.ARCH)
     meta.string(C.K_NAME, os.path.basename(os.path.abspath(model_dir)))
+    if outtype == C.OUTTYPE_AUTO:  # the checkpoint holds f32/bf16/f16: f16, as llama.cpp's converter
+        outtype = "f16"
     meta.u32(C.K_FILE_TYPE, FILE_TYPES[outtype])
-    if outtype not in ("f32", "f16"):
+    if outtype not in ("f32", "f16", "bf16"):
         meta.u32("general.quantization_version", 2)  # gguf.GGML_QUANT_VERSION
     meta.u32(C.K_CONTEXT_LENGTH, hp.n_ctx)
     meta.u32(C.K_EMBEDDING_LENGTH, hp.n_embd)
@@ -293,7 +491,11 @@ def plan_hf(model_dir: str, outtype: str, allow_unused: bool = False) -> tuple[M
     meta.u32(C.K_FEED_FORWARD_LENGTH, hp.n_ff)
     meta.u32(C.K_HEAD_COUNT, hp.n_head)
     meta.u32(C.K_HEAD_COUNT_KV, hp.n_head_kv)
-    meta.f32(C.K_RMS_EPS, hp.rms_eps)
+    if hp.norm == "layer":
+        meta.f32(C.K_LN_EPS, hp.rms_eps)
+        meta.string(C.K_NORM, "layer")
+    else:
+        meta.f32(C.K_RMS_EPS, hp.rms_eps)
     meta.f32(C.K_ROPE_FREQ_BASE, hp.rope_theta)
     meta.u32(C.K_ROPE_DIM, hp.head_dim)
     meta.u32(C.K_KEY_LENGTH, hp.head_dim)
@@ -304,6 +506,21 @@ def plan_hf(model_dir: str, outtype: str, allow_unused: bool = False) -> tuple[M
     meta.string(C.K_FFN_LAYOUT, C.FFN_LAYOUT_NEURON_MAJOR)
     meta.string(C.K_ROPE_LAYOUT, C.ROPE_LAYOUT_NEOX)
     meta.string(C.K_SOURCE, os.path.basename(os.path.abspath(model_dir)))
+    if hp.family != "llama":
+        meta.string(C.K_FAMILY, hp.family)
+    if hp.positions != "rope":
+        meta.string(C.K_POSITIONS, hp.positions)
+    if hp.parallel_block:
+        meta.boolean(C.K_PARALLEL_BLOCK, True)
+    if not hp.ffn_gated:
+        meta.boolean(C.K_FFN_GATED, False)
+    if hp.ffn_up_act:
+        meta.string(C.K_FFN_UP_ACT, hp.ffn_up_act)
+    if hp.hidden_act == "fatrelu":
+        meta.f32(C.K_ACT_SHIFT, hp.act_shift)
+    if hp.sliding_window:
+        meta.u32(C.K_SLIDING_WINDOW, hp.sliding_window)
+        meta.array(C.K_SWA_LAYERS, [int(f) for f in hp.swa_layers], gguf.GGUFValueType.INT32)
 
     tok = hf_tokenizer_metadata(model_dir, hp.n_vocab)
     if tok is None:
@@ -321,27 +538,127 @@ def plan_hf(model_dir: str, outtype: str, allow_unused: bool = False) -> tuple[M
                 return st.load(src)
         return TensorJob(out_name, shape, matrix_qtype(shape[1], outtype), load)
 
-    def norm(out_name: str, src: str) -> TensorJob:
-        _check_shape(st, src, (hp.n_embd,), model_dir)
-        return TensorJob(out_name, (hp.n_embd,), C.QT.F32, lambda: st.load(src))
+    def vec(out_name: str, src: str, n: int) -> TensorJob:
+        _check_shape(st, src, (n,), model_dir)
+        return TensorJob(out_name, (n,), C.QT.F32, lambda: st.load(src))
+
+    def norm(out_name: str, src: str) -> list[TensorJob]:
+        """A norm's weight, and its bias for LayerNorm (src without .weight/.bias)."""
+        jobs = [vec(out_name, src + ".weight", hp.n_embd)]
+        if hp.norm == "layer":
+            jobs.append(vec(out_name.replace(".weight", ".bias"), src + ".bias", hp.n_embd))
+        return jobs
 
     q_dim, kv_dim = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
     jobs = [mat(C.TOKEN_EMBD, embd, (hp.n_vocab, hp.n_embd))]
+    if hp.family == "opt":  # OPT's learned positions start at row 2 (OPTLearnedPositionalEmbedding)
+        src = "model.decoder.embed_positions.weight"
+        _check_shape(st, src, (hp.n_ctx + 2, hp.n_embd), model_dir)
+        jobs.append(TensorJob(C.POS_EMBD, (hp.n_ctx, hp.n_embd),
+                              matrix_qtype(hp.n_embd, outtype), lambda: st.load(src)[2:]))
+    if hp.rope_freqs is not None:
+        freqs = hp.rope_freqs
+        jobs.append(TensorJob(C.ROPE_FREQS, (hp.head_dim // 2,), C.QT.F32, lambda: freqs))
     for i in range(hp.n_layer):
-        p = f"model.layers.{i}."
-        jobs += [
-            norm(C.ATTN_NORM.format(bid=i), p + "input_layernorm.weight"),
-            mat(C.ATTN_Q.format(bid=i), p + "self_attn.q_proj.weight", (q_dim, hp.n_embd)),
-            mat(C.ATTN_K.format(bid=i), p + "self_attn.k_proj.weight", (kv_dim, hp.n_embd)),
-            mat(C.ATTN_V.format(bid=i), p + "self_attn.v_proj.weight", (kv_dim, hp.n_embd)),
-            mat(C.ATTN_OUT.format(bid=i), p + "self_attn.o_proj.weight", (hp.n_embd, q_dim)),
-            norm(C.FFN_NORM.format(bid=i), p + "post_attention_layernorm.weight"),
-            mat(C.FFN_GATE.format(bid=i), p + "mlp.gate_proj.weight", (hp.n_ff, hp.n_embd)),
-            mat(C.FFN_UP.format(bid=i), p + "mlp.up_proj.weight", (hp.n_ff, hp.n_embd)),
-            mat(C.FFN_DOWN_T.format(bid=i), p + "mlp.down_proj.weight", (hp.n_ff, hp.n_embd), transpose=True),
-        ]
-    jobs.append(norm(C.OUTPUT_NORM, "model.norm.weight"))
+        p = prefix.format(i=i)
+        if hp.family == "opt":
+            jobs += _opt_layer(i, p, hp, mat, vec, norm)
+        elif hp.family == "falcon":
+            jobs += _falcon_layer(i, p, hp, st, model_dir, mat, vec, norm, outtype)
+        else:
+            jobs += norm(C.ATTN_NORM.format(bid=i), p + "input_layernorm")
+            for name, proj, rows in ((C.ATTN_Q, "q_proj", q_dim), (C.ATTN_K, "k_proj", kv_dim),
+                                     (C.ATTN_V, "v_proj", kv_dim)):
+                jobs.append(mat(name.format(bid=i), p + f"self_attn.{proj}.weight", (rows, hp.n_embd)))
+                if hp.attn_bias:
+                    jobs.append(vec(name.format(bid=i).replace(".weight", ".bias"),
+                                    p + f"self_attn.{proj}.bias", rows))
+            jobs.append(mat(C.ATTN_OUT.format(bid=i), p + "self_attn.o_proj.weight", (hp.n_embd, q_dim)))
+            if hp.attn_out_bias:
+                jobs.append(vec(C.ATTN_OUT_B.format(bid=i), p + "self_attn.o_proj.bias", hp.n_embd))
+            jobs += norm(C.FFN_NORM.format(bid=i), p + "post_attention_layernorm")
+            jobs += [
+                mat(C.FFN_GATE.format(bid=i), p + "mlp.gate_proj.weight", (hp.n_ff, hp.n_embd)),
+                mat(C.FFN_UP.format(bid=i), p + "mlp.up_proj.weight", (hp.n_ff, hp.n_embd)),
+                mat(C.FFN_DOWN_T.format(bid=i), p + "mlp.down_proj.weight", (hp.n_ff, hp.n_embd),
+                    transpose=True),
+            ]
+    jobs += norm(C.OUTPUT_NORM, final_norm)
     if not tied:
         jobs.append(mat(C.OUTPUT, "lm_head.weight", (hp.n_vocab, hp.n_embd)))
     _check_all_used(st, st.used, hp, allow_unused)
     return meta, jobs
+
+
+def _opt_layer(i, p, hp, mat, vec, norm) -> list[TensorJob]:
+    """One OPT decoder layer: attention with biases, fc1 (up) / fc2 (down, stored transposed)."""
+    E, F = hp.n_embd, hp.n_ff
+    jobs = norm(C.ATTN_NORM.format(bid=i), p + "self_attn_layer_norm")
+    for name, bname, proj in ((C.ATTN_Q, C.ATTN_Q_B, "q_proj"), (C.ATTN_K, C.ATTN_K_B, "k_proj"),
+                              (C.ATTN_V, C.ATTN_V_B, "v_proj"), (C.ATTN_OUT, C.ATTN_OUT_B, "out_proj")):
+        jobs.append(mat(name.format(bid=i), p + f"self_attn.{proj}.weight", (E, E)))
+        if hp.attn_bias:
+            jobs.append(vec(bname.format(bid=i), p + f"self_attn.{proj}.bias", E))
+    jobs += norm(C.FFN_NORM.format(bid=i), p + "final_layer_norm")
+    jobs.append(mat(C.FFN_UP.format(bid=i), p + "fc1.weight", (F, E)))
+    jobs.append(mat(C.FFN_DOWN_T.format(bid=i), p + "fc2.weight", (F, E), transpose=True))
+    if hp.ffn_bias:
+        jobs.append(vec(C.FFN_UP_B.format(bid=i), p + "fc1.bias", F))
+        jobs.append(vec(C.FFN_DOWN_B.format(bid=i), p + "fc2.bias", E))
+    return jobs
+
+
+def _falcon_qkv_rows(hp) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Row indices of Q, K and V inside Falcon's fused query_key_value weight (FalconAttention.
+    _split_heads): "grouped" (new decoder architecture): per KV group, its query heads then one
+    K and one V head; "mqa": all query heads, then K, then V; "interleaved": per head q, k, v."""
+    hd, nh, nkv = hp.head_dim, hp.n_head, hp.n_head_kv
+    heads = np.arange(hd)
+    if hp.falcon_qkv == "grouped":
+        per = nh // nkv + 2
+        q = [(g * per + j) * hd + heads for g in range(nkv) for j in range(per - 2)]
+        k = [(g * per + per - 2) * hd + heads for g in range(nkv)]
+        v = [(g * per + per - 1) * hd + heads for g in range(nkv)]
+    elif hp.falcon_qkv == "mqa":
+        q = [j * hd + heads for j in range(nh)]
+        k, v = [nh * hd + heads], [(nh + 1) * hd + heads]
+    else:
+        q = [(3 * j) * hd + heads for j in range(nh)]
+        k = [(3 * j + 1) * hd + heads for j in range(nh)]
+        v = [(3 * j + 2) * hd + heads for j in range(nh)]
+    return np.concatenate(q), np.concatenate(k), np.concatenate(v)
+
+
+def _falcon_layer(i, p, hp, st, model_dir, mat, vec, norm, outtype) -> list[TensorJob]:
+    """One Falcon layer: the fused QKV split into attn_q/k/v rows, dense (attn_output),
+    dense_h_to_4h (up) / dense_4h_to_h (down, transposed), its LayerNorm(s)."""
+    E, F = hp.n_embd, hp.n_ff
+    q_dim, kv_dim = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
+    if hp.falcon_norms == 2:
+        jobs = norm(C.ATTN_NORM.format(bid=i), p + "ln_attn")
+        jobs += norm(C.FFN_NORM.format(bid=i), p + "ln_mlp")
+    elif hp.parallel_block:  # one LayerNorm feeds both halves: written as both norms
+        jobs = norm(C.ATTN_NORM.format(bid=i), p + "input_layernorm")
+        jobs += norm(C.FFN_NORM.format(bid=i), p + "input_layernorm")
+    else:
+        jobs = norm(C.ATTN_NORM.format(bid=i), p + "input_layernorm")
+        jobs += norm(C.FFN_NORM.format(bid=i), p + "post_attention_layernorm")
+    fused = p + "self_attention.query_key_value."
+    _check_shape(st, fused + "weight", (q_dim + 2 * kv_dim, E), model_dir)
+    rows = _falcon_qkv_rows(hp)
+    for name, bname, r in zip((C.ATTN_Q, C.ATTN_K, C.ATTN_V), (C.ATTN_Q_B, C.ATTN_K_B, C.ATTN_V_B),
+                              rows):
+        jobs.append(TensorJob(name.format(bid=i), (len(r), E), matrix_qtype(E, outtype),
+                              lambda r=r: st.load(fused + "weight")[r]))
+        if hp.attn_bias:
+            _check_shape(st, fused + "bias", (q_dim + 2 * kv_dim,), model_dir)
+            jobs.append(TensorJob(bname.format(bid=i), (len(r),), C.QT.F32,
+                                  lambda r=r: st.load(fused + "bias")[r]))
+    jobs.append(mat(C.ATTN_OUT.format(bid=i), p + "self_attention.dense.weight", (E, q_dim)))
+    jobs.append(mat(C.FFN_UP.format(bid=i), p + "mlp.dense_h_to_4h.weight", (F, E)))
+    jobs.append(mat(C.FFN_DOWN_T.format(bid=i), p + "mlp.dense_4h_to_h.weight", (F, E), transpose=True))
+    if hp.attn_bias:
+        jobs.append(vec(C.ATTN_OUT_B.format(bid=i), p + "self_attention.dense.bias", E))
+        jobs.append(vec(C.FFN_UP_B.format(bid=i), p + "mlp.dense_h_to_4h.bias", F))
+        jobs.append(vec(C.FFN_DOWN_B.format(bid=i), p + "mlp.dense_4h_to_h.bias", E))
+    return jobs

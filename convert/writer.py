@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 import gguf
 import numpy as np
 
-from pyinfer.constants import ARCH, K_ARCH, OUTTYPES, QK_BLOCK, QT
+from pyinfer.constants import ARCH, K_ARCH, K_QUANT_FALLBACK, OUTTYPES, QK_BLOCK, QT
 from pyinfer.errors import PyinferError
 
 VT = gguf.GGUFValueType
@@ -32,6 +32,13 @@ FILE_TYPES = {
     "f16": gguf.LlamaFileType.MOSTLY_F16,
     "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
     "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+    "bf16": gguf.LlamaFileType.MOSTLY_BF16,
+    "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
+    "q5_0": gguf.LlamaFileType.MOSTLY_Q5_0,
+    "q5_1": gguf.LlamaFileType.MOSTLY_Q5_1,
+    "q4_k": gguf.LlamaFileType.MOSTLY_Q4_K_S,  # every matrix Q4_K, as llama.cpp's Q4_K_S nearly is
+    "q5_k": gguf.LlamaFileType.MOSTLY_Q5_K_S,
+    "q6_k": gguf.LlamaFileType.MOSTLY_Q6_K,
 }
 
 
@@ -74,23 +81,29 @@ class Metadata:
 
 @dataclass
 class TensorJob:
-    """One output tensor: ``load()`` returns a float32 array of ``shape`` (numpy order, rows first)."""
+    """One output tensor: ``load()`` returns a float32 array of ``shape`` (numpy order, rows first),
+    or, when ``raw``, the tensor's bytes already encoded as ``qtype`` (copied as stored: a
+    quantized source tensor kept at its type is never requantized)."""
 
     name: str
     shape: tuple[int, ...]
     qtype: gguf.GGMLQuantizationType
     load: Callable[[], np.ndarray]
+    raw: bool = False
 
 
-def matrix_qtype(cols: int, outtype: str) -> gguf.GGMLQuantizationType:
-    """The type a 2-D weight with rows of ``cols`` elements gets for ``outtype``.
+def matrix_qtype(cols: int, outtype) -> gguf.GGMLQuantizationType:
+    """The type a 2-D weight with rows of ``cols`` elements gets for ``outtype`` (a name of
+    OUTTYPES or a type).
 
-    Block types (q8_0, q4_0) need rows that are a whole number of 32-element blocks; other rows
-    fall back to f16 (design.md, "Weight types").
+    Block types need rows that are a whole number of blocks: a K-quant falls back as llama.cpp
+    does (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0), and a row that still does not fit becomes
+    f16 (design.md, "Weight types").
     """
-    qtype = OUTTYPES[outtype]
-    block = QK_BLOCK[qtype][0]
-    if cols % block != 0:
+    qtype = OUTTYPES[outtype] if isinstance(outtype, str) else QT(outtype)
+    if cols % QK_BLOCK[qtype][0] != 0 and qtype in K_QUANT_FALLBACK:
+        qtype = K_QUANT_FALLBACK[qtype]
+    if cols % QK_BLOCK[qtype][0] != 0:
         return QT.F16
     return qtype
 
@@ -99,7 +112,7 @@ def tensor_nbytes(shape: Sequence[int], qtype: gguf.GGMLQuantizationType) -> int
     """Bytes a tensor of ``shape`` (numpy order) takes when stored as ``qtype``."""
     if qtype == QT.I32:  # offline-stage index/count tensors (gpu_idx, gpu_bucket, act_count)
         return int(np.prod(shape, dtype=np.int64)) * 4
-    block, block_bytes = QK_BLOCK[qtype]
+    block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     n = int(np.prod(shape, dtype=np.int64))
     assert shape[-1] % block == 0, (shape, qtype)
     return n // block * block_bytes
@@ -117,7 +130,9 @@ def encode(arr: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
         return arr
     if qtype == QT.F16:
         return arr.astype(np.float16)
-    return np.ascontiguousarray(gguf.quants.quantize(arr, qtype))
+    from pyinfer.quants import quantize  # gguf's quantizers plus ggml's reference K-quants
+
+    return np.ascontiguousarray(quantize(arr, qtype))
 
 
 def temp_path_beside(path: str, suffix: str = ".tmp") -> str:
@@ -169,6 +184,13 @@ def write_gguf(out_path: str, meta: Metadata, jobs: Sequence[TensorJob], progres
                    disable=(None if progress is None else not progress), leave=False)
         for job in bar:
             arr = job.load()
+            if job.raw:
+                data = np.ascontiguousarray(arr)
+                if data.nbytes != tensor_nbytes(job.shape, job.qtype):
+                    raise AssertionError(f"{job.name}: {data.nbytes} bytes, declared "
+                                         f"{tensor_nbytes(job.shape, job.qtype)}")
+                writer.write_tensor_data(data)
+                continue
             if tuple(arr.shape) != tuple(job.shape):
                 raise AssertionError(f"{job.name}: produced shape {arr.shape}, declared {job.shape}")
             data = encode(arr, job.qtype)

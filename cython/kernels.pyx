@@ -5,7 +5,7 @@ Layout follows scikit-learn's Cython kernels: each ``def`` checks shapes and rai
 then runs a loop without the GIL under ``prange(..., schedule='static', num_threads=n_threads)``.
 Weights arrive as raw row bytes: ``w`` is a C-contiguous uint8 (rows, bytes_per_row) view (a
 read-only memmap is fine: every weight memoryview is ``const``), ``qtype`` is the ggml type id
-(0 f32, 1 f16, 2 q4_0, 8 q8_0) and ``cols`` the logical row length. The row loops are in simd.h.
+(0 f32, 1 f16, 2 q4_0, 3 q4_1, 6 q5_0, 7 q5_1, 8 q8_0, 12 q4_k, 13 q5_k, 14 q6_k, 30 bf16) and ``cols`` the logical row length. The row loops are in simd.h and qtypes.h.
 
 Quantized (q4_0 / q8_0) dot products quantize the activation to 8 bits per 32-block first, as
 llama.cpp's ggml_vec_dot_q4_0_q8_0 does: relative error about 1e-3 against an f32 dot.
@@ -21,6 +21,9 @@ cdef extern from "simd.h" nogil:
     int pi_simd_enabled()
     int pi_is_quant(int qtype)
     size_t pi_col_offset(int qtype, int col)
+    int pi_block_elems(int qtype)
+    int pi_block_bytes(int qtype)
+    void pi_dequant_cols(int qtype, const uint8_t *row, int c0, float *out, int n)
     float pi_dot_f32(const float *a, const float *b, int n)
     float pi_dot_row(int qtype, const uint8_t *row, const float *x, const float *xd,
                      const int8_t *xq, int n)
@@ -69,15 +72,12 @@ def simd_enabled():
 
 
 cdef inline int _bytes_per_row(int qtype, int cols) except -1:
-    if qtype == 0:
-        return cols * 4
-    if qtype == 1:
-        return cols * 2
-    if qtype == 2 or qtype == 8:
-        if cols % 32:
-            raise ValueError(f"quantized row length {cols} is not a multiple of 32")
-        return (cols // 32) * (18 if qtype == 2 else 34)
-    raise ValueError(f"unsupported weight type {qtype}")
+    cdef int nbytes = pi_block_bytes(qtype), block = pi_block_elems(qtype)
+    if nbytes == 0:
+        raise ValueError(f"unsupported weight type {qtype}")
+    if cols % block:
+        raise ValueError(f"row length {cols} is not a multiple of {block} (type {qtype})")
+    return (cols // block) * nbytes
 
 
 cdef inline int _check_w(const uint8_t[:, ::1] w, int qtype, int cols) except -1:
@@ -300,8 +300,7 @@ def matmul_t(const uint8_t[:, ::1] w, int qtype, int cols, const float[:, ::1] a
                 memset(&out[t, c0], 0, cn * sizeof(float))
             for r in range(0, r4, 4):
                 for j in range(4):
-                    pi_dequant_row(qtype, &w[0, 0] + (r + j) * stride + pi_col_offset(qtype, c0),
-                                   buf + j * COL_TILE, cn)
+                    pi_dequant_cols(qtype, &w[0, 0] + (r + j) * stride, c0, buf + j * COL_TILE, cn)
                 for t in range(n_tok):
                     for j in range(4):
                         av[4 * t + j] = a[t, r + j]
@@ -313,7 +312,7 @@ def matmul_t(const uint8_t[:, ::1] w, int qtype, int cols, const float[:, ::1] a
                                      <uint8_t *> (buf + 2 * COL_TILE),
                                      <uint8_t *> (buf + 3 * COL_TILE), &out[t, c0], cn)
             for r in range(r4, rows):
-                pi_dequant_row(qtype, &w[0, 0] + r * stride + pi_col_offset(qtype, c0), buf, cn)
+                pi_dequant_cols(qtype, &w[0, 0] + r * stride, c0, buf, cn)
                 for t in range(n_tok):
                     pi_axpy_f32(a[t, r], buf, &out[t, c0], cn)
         free(buf)
@@ -875,3 +874,85 @@ def decode_attn_in(float[::1] x, const float[::1] attn_norm, float eps,
         free(buf)
         free(idx)
     return n_in, n_mid
+
+
+# ---------------------------------------------------------------- the CPU's part of a split layer
+
+def cold_ffn(const uint8_t[:, ::1] wg, int tg, const uint8_t[:, ::1] wu, int tu,
+             const uint8_t[:, ::1] wd, int td, const float[::1] h, const int32_t[::1] ids,
+             const uint8_t[::1] mask, int silu, int glu, float thr, float[::1] out,
+             int n_threads):
+    """One token's FFN over the neurons ``ids`` (sorted int32, e.g. a hybrid layer's cold
+    neurons) that ``mask`` ((n_ff,) uint8, or None: all) marks as candidates, under SparseFFN's
+    rule: "glu" keeps |act(gate h) * up h| > thr, otherwise |act(gate h)| > thr (up rows read
+    only for those kept). out (n_embd,) f32 = their down projection over ffn_down_t rows.
+    Returns (n_candidates, n_kept). Same dots, selection and row-ordered AXPY as
+    ``pyinfer.ffn.sparse_step`` on ids[mask[ids] != 0] (equal results), in two parallel regions
+    instead of three plus NumPy temporaries, the up rows prefetched with the gate rows: the hybrid GPU engine calls this once per layer and
+    token while the GPU works on the hot neurons, so fixed costs per call matter (issue 10)."""
+    cdef int cols = h.shape[0]
+    _check_w(wg, tg, cols)
+    _check_w(wu, tu, cols)
+    _check_w(wd, td, cols)
+    _check_len(out.shape[0], cols, "cold_ffn out")
+    _check_len(wu.shape[0], wg.shape[0], "cold_ffn up rows")
+    _check_len(wd.shape[0], wg.shape[0], "cold_ffn down rows")
+    _check_idx(ids, wg.shape[0])
+    cdef int has_mask = mask is not None
+    if has_mask:
+        _check_len(mask.shape[0], wg.shape[0], "cold_ffn mask")
+    cdef Py_ssize_t n = ids.shape[0], j, k = 0, n_cand = 0, sg = wg.shape[1], su = wu.shape[1]
+    cdef Py_ssize_t pd = pi_prefetch_dist(sg)
+    cdef float *coef
+    cdef int32_t *idx
+    cdef int32_t *cand
+    cdef uint8_t *kept
+    cdef float *xd = NULL
+    cdef int8_t *xq = NULL
+    cdef float g, a
+    cdef int32_t r
+    with nogil:
+        coef = <float *> malloc((n + 1) * sizeof(float))
+        idx = <int32_t *> malloc((n + 1) * sizeof(int32_t))
+        cand = <int32_t *> malloc((n + 1) * sizeof(int32_t))
+        kept = <uint8_t *> malloc(n + 1)
+        for j in range(n):  # the candidates, in neuron order
+            cand[n_cand] = ids[j]
+            n_cand += (not has_mask) or mask[ids[j]] != 0
+        if pi_is_quant(tg) or pi_is_quant(tu):  # h quantized once, as gather_matvec does
+            xd = <float *> malloc((2 * (cols // 32) + 1) * sizeof(float))
+            xq = <int8_t *> malloc(cols + 32)
+            pi_quantize_q8(&h[0], cols, xd, xq)
+        # rows come from memory, not cache (the cold rows of 32 layers outgrow L3): prefetch
+        # the gate and up rows pd candidates ahead, as gather_matvec does. Every neuron's result
+        # depends on nothing else, so the thread count cannot change it.
+        for j in prange(n_cand, schedule='static', num_threads=n_threads):
+            if j + pd < n_cand:
+                pi_prefetch_l2(&wg[0, 0] + cand[j + pd] * sg, sg)
+                pi_prefetch_l2(&wu[0, 0] + cand[j + pd] * su, su)
+            r = cand[j]
+            g = pi_dot_row(tg, &wg[0, 0] + r * sg, &h[0], xd, xq, cols)
+            a = _act1(g, silu)
+            kept[j] = 0
+            if glu:
+                a = a * pi_dot_row(tu, &wu[0, 0] + r * su, &h[0], xd, xq, cols)
+                if a > thr or a < -thr:
+                    kept[j] = 1
+            elif a > thr or a < -thr:
+                kept[j] = 1
+                a = a * pi_dot_row(tu, &wu[0, 0] + r * su, &h[0], xd, xq, cols)
+            coef[j] = a
+        for j in range(n_cand):  # compaction in neuron order: the AXPY's row order
+            if kept[j]:
+                coef[k] = coef[j]
+                idx[k] = cand[j]
+                k += 1
+        _axpy_rows(&wd[0, 0] if wd.shape[0] > 0 else NULL, wd.shape[1], td, cols, coef, idx, k,
+                   &out[0], n_threads)
+        free(coef)
+        free(idx)
+        free(cand)
+        free(kept)
+        free(xd)
+        free(xq)
+    return n_cand, k

@@ -31,7 +31,15 @@
 #define PI_F16 1
 #define PI_Q4_0 2
 #define PI_Q8_0 8
+#define PI_Q4_1 3
+#define PI_Q5_0 6
+#define PI_Q5_1 7
+#define PI_Q4_K 12
+#define PI_Q5_K 13
+#define PI_Q6_K 14
+#define PI_BF16 30
 #define PI_QK 32
+#define PI_QK_K 256
 
 static inline int pi_simd_enabled(void) { return PI_SIMD; }
 
@@ -43,16 +51,45 @@ static inline int pi_openmp_enabled(void) {
 #endif
 }
 
-static inline int pi_is_quant(int qtype) { return qtype == PI_Q4_0 || qtype == PI_Q8_0; }
+/* The types of qtypes.h read in 32-value groups (Q4_1, Q5_0, Q5_1 and the K-quants). */
+static inline int pi_is_xquant(int qtype) {
+    return qtype == PI_Q4_1 || qtype == PI_Q5_0 || qtype == PI_Q5_1 || qtype == PI_Q4_K ||
+           qtype == PI_Q5_K || qtype == PI_Q6_K;
+}
 
-/* Bytes from the start of a row to column col (col a multiple of 32 for quantized types). */
-static inline size_t pi_col_offset(int qtype, int col) {
+/* Types whose rows are dotted against the q8-quantized activation. */
+static inline int pi_is_quant(int qtype) {
+    return qtype == PI_Q4_0 || qtype == PI_Q8_0 || pi_is_xquant(qtype);
+}
+
+/* Values per block and bytes per block of a type (ggml-common.h); 0 bytes: not supported. */
+static inline int pi_block_elems(int qtype) {
     switch (qtype) {
-    case PI_F32: return (size_t)col * 4;
-    case PI_F16: return (size_t)col * 2;
-    case PI_Q4_0: return (size_t)(col / PI_QK) * 18;
-    default: return (size_t)(col / PI_QK) * 34;
+    case PI_F32: case PI_F16: case PI_BF16: return 1;
+    case PI_Q4_K: case PI_Q5_K: case PI_Q6_K: return PI_QK_K;
+    default: return PI_QK;
     }
+}
+
+static inline int pi_block_bytes(int qtype) {
+    switch (qtype) {
+    case PI_F32: return 4;
+    case PI_F16: case PI_BF16: return 2;
+    case PI_Q4_0: return 18;
+    case PI_Q4_1: return 20;
+    case PI_Q5_0: return 22;
+    case PI_Q5_1: return 24;
+    case PI_Q8_0: return 34;
+    case PI_Q4_K: return 144;
+    case PI_Q5_K: return 176;
+    case PI_Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+/* Bytes from the start of a row to column col (col a multiple of the type's block size). */
+static inline size_t pi_col_offset(int qtype, int col) {
+    return (size_t)(col / pi_block_elems(qtype)) * (size_t)pi_block_bytes(qtype);
 }
 
 static inline float pi_f16_to_f32(uint16_t h) {
@@ -374,14 +411,23 @@ static inline void pi_dot4_q4_0(const uint8_t *row, const float *xd, long xd_str
 #undef PI_DOTU
 #endif
 
-/* Row . activation for any type: x is used for f32/f16, (xd, xq) from pi_quantize_q8 for
+#include "qtypes.h"
+
+/* Row . activation for any type: x is used for f32/f16/bf16, (xd, xq) from pi_quantize_q8 for
  * quantized rows. */
 static inline float pi_dot_row(int qtype, const uint8_t *row, const float *x, const float *xd,
                                const int8_t *xq, int n) {
     switch (qtype) {
     case PI_F32: return pi_dot_f32((const float *)row, x, n);
     case PI_F16: return pi_dot_f16((const uint16_t *)row, x, n);
+    case PI_BF16: return pi_dot_bf16((const uint16_t *)row, x, n);
     case PI_Q4_0: return pi_dot_q4_0(row, xd, xq, n / PI_QK);
+    case PI_Q4_1: return pi_dot_x(PI_Q4_1, row, xd, xq, n / PI_QK);
+    case PI_Q5_0: return pi_dot_x(PI_Q5_0, row, xd, xq, n / PI_QK);
+    case PI_Q5_1: return pi_dot_x(PI_Q5_1, row, xd, xq, n / PI_QK);
+    case PI_Q4_K: return pi_dot_x(PI_Q4_K, row, xd, xq, n / PI_QK);
+    case PI_Q5_K: return pi_dot_x(PI_Q5_K, row, xd, xq, n / PI_QK);
+    case PI_Q6_K: return pi_dot_x(PI_Q6_K, row, xd, xq, n / PI_QK);
     default: return pi_dot_q8_0(row, xd, xq, n / PI_QK);
     }
 }
@@ -468,13 +514,26 @@ static inline void pi_axpy_q4_0(float a, const uint8_t *row, float *out, int nb)
     }
 }
 
-static inline void pi_axpy_row(int qtype, float a, const uint8_t *row, float *out, int n) {
+/* out[0:n] += a * (columns c0 .. c0+n-1 of row); c0 and n multiples of 32 for quantized types */
+static inline void pi_axpy_cols(int qtype, float a, const uint8_t *row, int c0, float *out, int n) {
+    const int g0 = c0 / PI_QK, ng = n / PI_QK;
     switch (qtype) {
-    case PI_F32: pi_axpy_f32(a, (const float *)row, out, n); break;
-    case PI_F16: pi_axpy_f16(a, (const uint16_t *)row, out, n); break;
-    case PI_Q4_0: pi_axpy_q4_0(a, row, out, n / PI_QK); break;
-    default: pi_axpy_q8_0(a, row, out, n / PI_QK); break;
+    case PI_F32: pi_axpy_f32(a, (const float *)row + c0, out, n); break;
+    case PI_F16: pi_axpy_f16(a, (const uint16_t *)row + c0, out, n); break;
+    case PI_BF16: pi_axpy_bf16(a, (const uint16_t *)row + c0, out, n); break;
+    case PI_Q4_0: pi_axpy_q4_0(a, row + 18 * (size_t)g0, out, ng); break;
+    case PI_Q4_1: pi_axpy_x(PI_Q4_1, a, row, out, g0, ng); break;
+    case PI_Q5_0: pi_axpy_x(PI_Q5_0, a, row, out, g0, ng); break;
+    case PI_Q5_1: pi_axpy_x(PI_Q5_1, a, row, out, g0, ng); break;
+    case PI_Q4_K: pi_axpy_x(PI_Q4_K, a, row, out, g0, ng); break;
+    case PI_Q5_K: pi_axpy_x(PI_Q5_K, a, row, out, g0, ng); break;
+    case PI_Q6_K: pi_axpy_x(PI_Q6_K, a, row, out, g0, ng); break;
+    default: pi_axpy_q8_0(a, row + 34 * (size_t)g0, out, ng); break;
     }
+}
+
+static inline void pi_axpy_row(int qtype, float a, const uint8_t *row, float *out, int n) {
+    pi_axpy_cols(qtype, a, row, 0, out, n);
 }
 
 /* Software prefetch of every cache line of [p, p + nbytes), p not necessarily line-aligned.
@@ -586,6 +645,13 @@ static inline int pi_axpy4_row_512(int qtype, const float *a, const uint8_t *con
 
 static inline void pi_axpy4_row(int qtype, const float *a, const uint8_t *r0, const uint8_t *r1,
                                 const uint8_t *r2, const uint8_t *r3, float *out, int n) {
+    if (pi_is_xquant(qtype) || qtype == PI_BF16) {  /* one row at a time (qtypes.h) */
+        pi_axpy_row(qtype, a[0], r0, out, n);
+        pi_axpy_row(qtype, a[1], r1, out, n);
+        pi_axpy_row(qtype, a[2], r2, out, n);
+        pi_axpy_row(qtype, a[3], r3, out, n);
+        return;
+    }
 #if PI_SIMD
     const uint8_t *rw[4] = {r0, r1, r2, r3};
 #if PI_AVX512
@@ -760,14 +826,19 @@ static inline void pi_axpy_rows_range(int qtype, const uint8_t *w, size_t stride
         pi_axpy_row(qtype, coef[k], w + (idx ? (size_t)idx[k] : (size_t)k) * stride, out, cols);
 }
 
-/* out[0:n] = row dequantized (exactly d*q in f32, as gguf.quants.dequantize gives it). */
-static inline void pi_dequant_row(int qtype, const uint8_t *row, float *out, int n) {
+/* out[0:n] = columns c0 .. c0+n-1 of row dequantized (q4_0/q8_0: exactly d*q in f32, as
+ * gguf.quants.dequantize gives it; the types of qtypes.h within an f32 rounding of it). */
+static inline void pi_dequant_cols(int qtype, const uint8_t *row, int c0, float *out, int n) {
     if (qtype == PI_F32) {
-        memcpy(out, row, (size_t)n * 4);
+        memcpy(out, (const float *)row + c0, (size_t)n * 4);
         return;
     }
     memset(out, 0, (size_t)n * 4);
-    pi_axpy_row(qtype, 1.0f, row, out, n);
+    pi_axpy_cols(qtype, 1.0f, row, c0, out, n);
+}
+
+static inline void pi_dequant_row(int qtype, const uint8_t *row, float *out, int n) {
+    pi_dequant_cols(qtype, row, 0, out, n);
 }
 
 static inline void pi_add_f32(float *out, const float *a, int n) {

@@ -15,10 +15,11 @@ Flow (one function, :func:`convert_sparse`):
 5. the final file: the converter's metadata and tensor jobs (re-planned from the source) plus
    the new keys and tensors, through ``convert.writer.write_gguf`` (a unique temporary file, then rename).
 
-SwiGLU models default to sparse mode "input" instead (``--sparse-mode input``; TEAL/WINA input
-sparsity of every projection, predictors/input_sparse.py): after step 2's calibration text it
+``--sparse-mode input`` (opt-in, Llama-shaped SwiGLU files; TEAL/WINA input sparsity of every
+projection, predictors/input_sparse.py) replaces steps 2-4: after step 2's calibration text it
 calibrates thresholds and writes the transposed layout, with no predictors, counts or split.
-``--sparse-mode glu`` keeps the predictor path (the GPU engine needs it).
+SwiGLU models default to ``glu`` (the predictor path above, which the GPU engine needs) until
+input mode meets its quality target.
 
 The staging file is removed in a ``finally``; ``write_gguf`` removes its temporary file on any
 exception, so an interrupted or failed conversion leaves no partial file. Layers are always
@@ -80,7 +81,7 @@ class OfflineOptions:
     max_epochs: int = DEFAULT_MAX_EPOCHS
     patience: int = DEFAULT_PATIENCE
     progress: bool | None = None
-    sparse_mode: str | None = None  # SwiGLU models: "input" (default) or "glu" (predictors)
+    sparse_mode: str | None = None  # SwiGLU models: "glu" (None: predictors, the default) or "input"
     input_score: str = DEFAULT_INPUT_SCORE  # mode "input": "wina" or "magnitude" (TEAL)
 
     def check(self) -> None:
@@ -124,7 +125,7 @@ def _log(msg: str, progress) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
-def convert_sparse(src: str, out: str, outtype: str = "f16", opts: OfflineOptions | None = None,
+def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: OfflineOptions | None = None,
                    allow_unused: bool = False) -> dict:
     """Convert ``src`` to ``out`` with the offline stage (module docstring).
 
@@ -137,7 +138,7 @@ def convert_sparse(src: str, out: str, outtype: str = "f16", opts: OfflineOption
     from pyinfer.engine import Engine
     from pyinfer.placement import model_gpu_bytes, solve, tensor_sizes
     from predictors.calibrate import calibration_tokens, read_calib_files
-    from predictors.profile import profile
+    from predictors.profile import profile, sparse_mode
     from predictors.report import format_table
     from predictors.solver import DEFAULT_GROUP_SIZE
 
@@ -157,10 +158,13 @@ def convert_sparse(src: str, out: str, outtype: str = "f16", opts: OfflineOption
         eng = Engine(staging, n_ctx=None, n_threads=n_threads, dense=True)
         cfg = eng.cfg
         chunk_len = min(CHUNK_LEN, eng.n_ctx)
-        mode = C.SPARSE_MODE_RELU if cfg.hidden_act == "relu" else C.SPARSE_MODE_GLU
-        if opts.sparse_mode == C.SPARSE_MODE_INPUT or (
-                mode == C.SPARSE_MODE_GLU and opts.sparse_mode is None):
-            mode = C.SPARSE_MODE_INPUT  # SwiGLU default: input sparsity, no predictors
+        mode = sparse_mode(cfg)
+        if opts.sparse_mode == C.SPARSE_MODE_INPUT:
+            if mode != C.SPARSE_MODE_GLU or not (cfg.llama_plain and eng.weights.llama_plain):
+                raise PyinferError("--sparse-mode input needs a Llama-shaped SwiGLU model "
+                                   "without biases (this file runs sparse mode "
+                                   f"{mode}{'' if cfg.llama_plain else ' with its own family layers'})")
+            mode = C.SPARSE_MODE_INPUT  # opt-in: input sparsity (TEAL/WINA), no predictors
         if opts.calib_tokens is None:
             opts = dataclasses.replace(opts, calib_tokens=DEFAULT_INPUT_CALIB_TOKENS
                                        if mode == C.SPARSE_MODE_INPUT else DEFAULT_CALIB_TOKENS)
@@ -206,8 +210,7 @@ def convert_sparse(src: str, out: str, outtype: str = "f16", opts: OfflineOption
         rows, preds, counts, act_thr = _train_layers(prof, cfg, mode, opts, n_threads)
         pred_qtype = C.QT.F32 if outtype == "f32" else C.QT.F16
         pred_elt = C.QK_BLOCK[pred_qtype][1]  # bytes per predictor weight: 4 or 2
-        block, block_bytes = C.QK_BLOCK[C.OUTTYPES[outtype]]
-        row_bytes = cfg.n_embd // block * block_bytes
+        row_bytes = sizes[C.FFN_UP.format(bid=0)] // cfg.n_ff  # bytes of one neuron's up row
         for r, (fc1, fc2, _) in zip(rows, preds):
             pred_bytes = (fc1.size + fc2.size) * pred_elt
             r.cpu_predictor = predictor_pays(mode, r.predicted_sparsity, pred_bytes, row_bytes, cfg.n_ff)
@@ -343,8 +346,9 @@ def add_arguments(parser) -> None:
                         "(sparse mode input; in mode glu the fraction of FFN neurons below the "
                         f"activation threshold); default {DEFAULT_TARGET_SPARSITY}. ReLU models use their exact zeros")
     g.add_argument("--sparse-mode", choices=[C.SPARSE_MODE_INPUT, C.SPARSE_MODE_GLU], default=None,
-                   help="SwiGLU models: input (default: skip small input channels of every "
-                        "projection, TEAL/WINA; CPU only) or glu (predictors and a GPU split)")
+                   help="SwiGLU models: glu (default: predictors and a GPU split) or input "
+                        "(skip small input channels of every projection, TEAL/WINA; CPU only; "
+                        "experimental: more perplexity lost than glu, see docs/benchmarks.md)")
     g.add_argument("--sparsity-score", choices=list(C.IN_SCORES), default=DEFAULT_INPUT_SCORE,
                    help="sparse mode input: rank input channels by |x| * column norm (wina, "
                         f"default {DEFAULT_INPUT_SCORE}) or by |x| (magnitude, TEAL)")

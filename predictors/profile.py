@@ -23,7 +23,7 @@ import numpy as np
 
 from pyinfer import constants as C
 from pyinfer.errors import PyinferError
-from pyinfer.ffn import DenseFFN, linear, linear_t
+from pyinfer.ffn import DenseFFN, _llama_ffn, down_b, ffn_coef, linear, linear_t
 
 
 class RecordingFFN(DenseFFN):
@@ -41,6 +41,8 @@ class RecordingFFN(DenseFFN):
 
     def __call__(self, lw, layer, x, h, out, n_threads):
         n_tok, n_ff = h.shape[0], self.cfg.n_ff
+        if not _llama_ffn(self.cfg, lw):
+            return self._other_family(lw, layer, x, h, out, n_threads)
         gate = np.empty((n_tok, n_ff), np.float32)  # (n_tok, n_ff)
         up = np.empty((n_tok, n_ff), np.float32)  # (n_tok, n_ff)
         linear(lw.ffn_gate, h, gate, n_threads)
@@ -59,6 +61,30 @@ class RecordingFFN(DenseFFN):
         self.stats.active += n_tok * n_ff
         self.stats.candidates += n_tok * n_ff
         return out
+
+    def _other_family(self, lw, layer, x, h, out, n_threads):
+        """Non-gated FFNs (the up projection + bias selects), dReLU, fatrelu, GELU: records |a|
+        (exact zeros of relu/fatrelu; the "relu" sparse mode) or |coef| (GELU: the "glu" mode)."""
+        n_tok, n_ff = h.shape[0], self.cfg.n_ff
+        a, coef = ffn_coef(self.cfg, lw, h, n_threads)
+        s = int(self.cursor[layer])
+        if s + n_tok > self.x_rec.shape[1]:
+            raise AssertionError("RecordingFFN: more tokens than allocated")
+        self.x_rec[layer, s:s + n_tok] = x
+        self.act_rec[layer, s:s + n_tok] = np.abs(a if sparse_mode(self.cfg) == C.SPARSE_MODE_RELU
+                                                  else coef)
+        self.cursor[layer] = s + n_tok
+        down_b(lw, coef, out, n_threads)
+        self.stats.total += n_tok * n_ff
+        self.stats.active += n_tok * n_ff
+        self.stats.candidates += n_tok * n_ff
+        return out
+
+
+def sparse_mode(cfg) -> str:
+    """The sparse mode the offline stage calibrates: "relu" for activations with exact zeros
+    (relu, dReLU, fatrelu; the neuron is active where its activation is non-zero), "glu" else."""
+    return C.SPARSE_MODE_RELU if cfg.hidden_act in ("relu", "fatrelu") else C.SPARSE_MODE_GLU
 
 
 @dataclass

@@ -11,7 +11,16 @@ for _var in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 # kept ~50 (docs/benchmarks.md, "A busy machine"); shorter spins (1,000 to 30,000) were worse than
 # either. libgomp reads this once, when it loads with pyinfer.ops._kernels, hence here, before
 # any kernel import; a user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
-if "OMP_WAIT_POLICY" not in _os.environ and "GOMP_SPINCOUNT" not in _os.environ:
+#
+# Not on a machine with an NVIDIA GPU: there the hybrid engine's CPU threads compute the cold
+# neurons of every layer while the GPU runs the layer's hot ones, so they are woken up once or
+# twice per layer, every 50-200 us; sleeping threads cost a futex wake-up each time. On an H100
+# host (16 cores) passive waiting doubled the cold neurons' time per layer (665 vs 311 us,
+# 7B-shaped f16, docs/benchmarks.md "GPU (issue 10)"). There libgomp keeps its default: spin a
+# while (GOMP_SPINCOUNT), then sleep, so an idle REPL or server does not burn the cores.
+_GPU_HOST = _os.path.exists("/dev/nvidiactl") or _os.path.exists("/proc/driver/nvidia/version")
+if ("OMP_WAIT_POLICY" not in _os.environ and "GOMP_SPINCOUNT" not in _os.environ
+        and not _GPU_HOST):
     _os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 __version__ = "0.1.0"

@@ -24,6 +24,7 @@ import numpy as np
 
 from pyinfer import options
 from pyinfer.errors import PyinferError
+from pyinfer.logprobs import LogprobRecorder
 from pyinfer.sampler import SamplingParams
 
 _CPU_DEVICES = (None, "auto", "cpu")
@@ -183,12 +184,14 @@ class LLM:
     def generate(self, tokens: list[int], *, max_tokens: int | None = None, temperature: float = 0.8,
                  top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
                  repeat_last_n: int = 64, seed: int | None = None,
-                 stop_ids: Iterable[int] | None = None, ignore_eos: bool = False) -> Iterator[int]:
+                 stop_ids: Iterable[int] | None = None, ignore_eos: bool = False,
+                 constraint=None, on_token=None) -> Iterator[int]:
         """Yield token ids that follow ``tokens`` until an end-of-text/turn id (not yielded),
         ``max_tokens`` (None or <= 0: until the context is full) or a full context.
 
         The KV cache keeps the longest common prefix with the previous call, so a prompt that
         extends the last one (a chat's next turn) evaluates only its new tokens.
+        ``constraint`` and ``on_token``: see ``pyinfer.engine.Engine.generate``.
         Raises PyinferError when ``tokens`` is empty or does not leave room for one token.
         """
         tokens = list(tokens)
@@ -196,8 +199,9 @@ class LLM:
         self._check_request(max_tokens, None, seed)
         params = self._params(temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n)
         limit = -1 if max_tokens is None or max_tokens <= 0 else int(max_tokens)
+        hooks = {k: v for k, v in (("constraint", constraint), ("on_token", on_token)) if v is not None}
         yield from self.engine.generate(tokens, params, max_tokens=limit, seed=self._seed(seed),
-                                        ignore_eos=ignore_eos, stop_ids=stop_ids)
+                                        ignore_eos=ignore_eos, stop_ids=stop_ids, **hooks)
 
     def check_fits(self, tokens: list[int]) -> None:
         """Raise PyinferError unless ``tokens`` is non-empty and leaves room for one more token."""
@@ -223,7 +227,8 @@ class LLM:
                     stop: str | list[str] | None = None, temperature: float = 0.8, top_k: int = 40,
                     top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
                     repeat_last_n: int = 64, seed: int | None = None, ignore_eos: bool = False,
-                    should_stop=None) -> Iterator[str]:
+                    should_stop=None, grammar=None, logprobs: "LogprobRecorder | None" = None
+                    ) -> Iterator[str]:
         """Yield the text that follows ``prompt_tokens``, piece by piece, as it is generated.
 
         Honours ``stop`` strings: the text ends just before the first one, and no part of a stop
@@ -231,20 +236,28 @@ class LLM:
         ``should_stop``: a callable checked after every token; when it returns True generation ends
         (finish_reason "stop", ``interrupted`` set). On return, ``self.last_stats`` holds the counts
         and ``finish_reason`` ("stop" or "length").
+        ``grammar``: a ``pyinfer.grammar.Grammar`` the text must follow (generation ends when it is
+        complete). ``logprobs``: a ``LogprobRecorder`` that collects each generated token's
+        log-probability. Raises PyinferError for a grammar that does not compile.
         """
         stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
         stats = self.last_stats = GenerationStats(prompt_tokens=len(prompt_tokens))
         before = self._snapshot()
         dec = self.tokenizer.stream_decoder(skip_special=True)
         limit = None if max_tokens is None or max_tokens <= 0 else int(max_tokens)
+        constraint = None if grammar is None else grammar.matcher(self.tokenizer)
         gen = self.generate(prompt_tokens, max_tokens=limit, temperature=temperature, top_k=top_k,
                             top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
-                            repeat_last_n=repeat_last_n, seed=seed, ignore_eos=ignore_eos)
+                            repeat_last_n=repeat_last_n, seed=seed, ignore_eos=ignore_eos,
+                            constraint=constraint,
+                            on_token=None if logprobs is None else logprobs.on_token)
         pending = ""  # decoded text not yet yielded (could be the start of a stop string)
         finish = None
         try:
             for tok in gen:
                 stats.completion_tokens += 1
+                if logprobs is not None:
+                    logprobs.commit()
                 pending += dec.feed(tok)
                 if stops:
                     cut = min((i for i in (pending.find(s) for s in stops) if i >= 0), default=-1)
@@ -273,6 +286,8 @@ class LLM:
                 yield pending
         finally:
             gen.close()
+            if finish is None and constraint is not None and constraint.done:
+                finish = "stop"  # the grammar is complete: the natural end of this answer
             if finish is None:
                 hit_limit = limit is not None and stats.completion_tokens >= limit
                 full = len(self.engine.tokens) >= self.n_ctx
@@ -290,32 +305,52 @@ class LLM:
                           temperature: float = 0.8, top_p: float = 0.95, top_k: int = 40,
                           min_p: float = 0.05, repeat_penalty: float = 1.0,
                           stop: str | list[str] | None = None, seed: int | None = None,
-                          stream: bool = False, ignore_eos: bool = False, should_stop=None):
+                          stream: bool = False, ignore_eos: bool = False, should_stop=None,
+                          logprobs: int | None = None, response_format: dict | None = None,
+                          grammar: str | None = None, json_schema=None):
         """Complete ``prompt`` (text, or token ids). Returns an OpenAI ``text_completion`` dict::
 
             {"id", "object": "text_completion", "created", "model",
-             "choices": [{"text", "index": 0, "logprobs": None, "finish_reason": "stop"|"length"}],
+             "choices": [{"text", "index": 0, "logprobs": None | {...}, "finish_reason": "stop"|"length"}],
              "usage": {"prompt_tokens", "completion_tokens", "total_tokens"}}
 
         or, with ``stream=True``, an iterator of chunks of the same shape whose ``text`` pieces add
         up to the full text (the last chunk carries the finish_reason and empty text).
         max_tokens None, 0 or -1: until end of text or a full context. seed None or -1: random.
         ``should_stop``: a callable checked after every token (see ``stream_text``); the server
-        passes "the client has gone". Raises PyinferError for a prompt that does not fit or bad
-        sampling parameters (before any chunk is produced).
+        passes "the client has gone".
+        ``logprobs`` N (0..20): each token's log-probability and its N most likely alternatives, in
+        OpenAI's ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}``.
+        ``response_format`` (``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema":
+        {"schema": ...}}``), ``grammar`` (GBNF or Lark text) or ``json_schema`` (a dict): constrain
+        the text (pyinfer/grammar.py; at most one of them).
+        Raises PyinferError for a prompt that does not fit, bad sampling parameters or a bad
+        grammar (before any chunk is produced).
         """
         ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self.check_fits(ids)
         self._params(temperature, top_k, top_p, min_p, repeat_penalty)
         self._check_request(max_tokens, stop, seed)
+        gram = grammar_of(response_format, grammar, json_schema)
+        if gram is not None:
+            gram.llguidance_grammar()  # a bad grammar fails here, before a stream starts
+        rec = None
+        if logprobs is not None:
+            options.check("top_logprobs", logprobs, "logprobs")
+            rec = LogprobRecorder(self.tokenizer, logprobs)
         kw = dict(max_tokens=max_tokens, stop=stop, temperature=temperature, top_k=top_k, top_p=top_p,
                   min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, ignore_eos=ignore_eos,
-                  should_stop=should_stop)
+                  should_stop=should_stop, grammar=gram, logprobs=rec)
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        offset = [0]
 
         def chunk(text, finish):
+            lp = None
+            if rec is not None:
+                lp = rec.completion(rec.take(), offset[0])
+                offset[0] += sum(len(t) for t in lp["tokens"])
             return {"id": cid, "object": "text_completion", "created": created, "model": self.model_name,
-                    "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}]}
+                    "choices": [{"text": text, "index": 0, "logprobs": lp, "finish_reason": finish}]}
 
         if stream:
             def chunks():
@@ -357,32 +392,51 @@ class LLM:
                                temperature: float = 0.8, top_p: float = 0.95, top_k: int = 40,
                                min_p: float = 0.05, repeat_penalty: float = 1.0,
                                stop: str | list[str] | None = None, seed: int | None = None,
-                               stream: bool = False, should_stop=None):
+                               stream: bool = False, should_stop=None, logprobs: bool = False,
+                               top_logprobs: int | None = None, response_format: dict | None = None,
+                               grammar: str | None = None, json_schema=None):
         """Answer a conversation. ``messages``: ``[{"role": "system"|"user"|"assistant",
         "content": str}, ...]``. Returns an OpenAI ``chat.completion`` dict::
 
             {"id", "object": "chat.completion", "created", "model",
              "choices": [{"index": 0, "message": {"role": "assistant", "content"},
-                          "finish_reason": "stop"|"length"}],
+                          "logprobs": None | {"content": [...]}, "finish_reason": "stop"|"length"}],
              "usage": {"prompt_tokens", "completion_tokens", "total_tokens"}}
 
         or, with ``stream=True``, an iterator of ``chat.completion.chunk`` dicts: the first delta
         carries the role, the next ones ``content`` pieces, the last one the finish_reason.
         Generation ends at the model's end-of-turn token. max_tokens None: until the context is full.
-        ``seed`` and ``should_stop`` as in ``create_completion``.
+        ``seed`` and ``should_stop`` as in ``create_completion``. ``logprobs`` True: each token's
+        log-probability in OpenAI's ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}``
+        with ``top_logprobs`` (0..20) alternatives. ``response_format``, ``grammar``,
+        ``json_schema``: constrain the answer as in ``create_completion``.
         """
         self._params(temperature, top_k, top_p, min_p, repeat_penalty)
         self._check_request(max_tokens, stop, seed)
+        if not isinstance(logprobs, bool):
+            raise PyinferError("logprobs must be true or false")
+        if top_logprobs is not None:
+            options.check("top_logprobs", top_logprobs, "top_logprobs")
+            if not logprobs:
+                raise PyinferError("top_logprobs needs logprobs set to true")
+        gram = grammar_of(response_format, grammar, json_schema)
+        if gram is not None:
+            gram.llguidance_grammar()
+        rec = LogprobRecorder(self.tokenizer, top_logprobs or 0) if logprobs else None
         ids = self.chat_tokens(messages)
         self.check_fits(ids)
         kw = dict(max_tokens=max_tokens, stop=stop, temperature=temperature, top_k=top_k, top_p=top_p,
-                  min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, should_stop=should_stop)
+                  min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, should_stop=should_stop,
+                  grammar=gram, logprobs=rec)
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def lp():
+            return None if rec is None else {"content": rec.chat_content(rec.take()), "refusal": None}
 
         def chunk(delta, finish):
             return {"id": cid, "object": "chat.completion.chunk", "created": created,
                     "model": self.model_name,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+                    "choices": [{"index": 0, "delta": delta, "logprobs": lp(), "finish_reason": finish}]}
 
         if stream:
             def chunks():
@@ -394,5 +448,64 @@ class LLM:
         text = "".join(self.stream_text(ids, **kw))
         return {"id": cid, "object": "chat.completion", "created": created, "model": self.model_name,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "logprobs": None, "finish_reason": self.last_stats.finish_reason}],
+                             "logprobs": lp(), "finish_reason": self.last_stats.finish_reason}],
                 "usage": self.usage()}
+
+    def create_embedding(self, input: str | list, model: str | None = None) -> dict:  # noqa: A002
+        """OpenAI ``/v1/embeddings``: for each input (a string, a list of strings, or token ids),
+        the mean over its tokens of the final hidden states after the output norm, scaled to unit
+        L2 norm (llama.cpp's server: mean pooling, ``embd_normalize`` 2). Returns
+        ``{"object": "list", "data": [{"object": "embedding", "index", "embedding": [n_embd floats]}],
+        "model", "usage": {"prompt_tokens", "total_tokens"}}``. Raises PyinferError for an empty
+        input or one longer than the context. ``model`` is accepted and ignored (one model)."""
+        if isinstance(input, str) or (isinstance(input, list) and input and isinstance(input[0], int)):
+            input = [input]
+        if not isinstance(input, list) or not input:
+            raise PyinferError("input must be a string, a list of strings or a list of token ids")
+        data, n_tokens = [], 0
+        for i, item in enumerate(input):
+            ids = self.tokenize(item) if isinstance(item, str) else [int(t) for t in item]
+            if not ids:
+                raise PyinferError(f"input[{i}] is empty")
+            h = self.engine.embeddings(ids).astype(np.float64).mean(axis=0)  # (n_embd,)
+            norm = float(np.linalg.norm(h))
+            data.append({"object": "embedding", "index": i,
+                         "embedding": (h / norm if norm > 0 else h).tolist()})
+            n_tokens += len(ids)
+        return {"object": "list", "data": data, "model": self.model_name,
+                "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}
+
+
+def grammar_of(response_format: dict | None, grammar: str | None, json_schema=None):
+    """The ``pyinfer.grammar.Grammar`` a request asks for, or None.
+
+    ``response_format``: OpenAI's ``{"type": "text"}``, ``{"type": "json_object"}`` or
+    ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``; ``grammar``: GBNF or
+    Lark text (llama.cpp's ``grammar``); ``json_schema``: a schema dict (llama.cpp's
+    ``json_schema``). Raises PyinferError for a malformed value or more than one of them.
+    """
+    from pyinfer.grammar import Grammar
+
+    given = []
+    if response_format is not None:
+        if not isinstance(response_format, dict) or response_format.get("type") not in (
+                "text", "json_object", "json_schema"):
+            raise PyinferError("response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} "
+                               "or {\"type\": \"json_schema\", \"json_schema\": {\"schema\": ...}}")
+        kind = response_format["type"]
+        if kind == "json_object":
+            given.append(Grammar("json_object"))
+        elif kind == "json_schema":
+            spec = response_format.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise PyinferError("response_format.json_schema must be an object with a 'schema' object")
+            given.append(Grammar.json_schema(spec.get("schema", {})))
+    if grammar is not None:
+        if not isinstance(grammar, str) or not grammar.strip():
+            raise PyinferError("grammar must be a non-empty string (GBNF or Lark)")
+        given.append(Grammar("gbnf", grammar))
+    if json_schema is not None:
+        given.append(Grammar.json_schema(json_schema))
+    if len(given) > 1:
+        raise PyinferError("give at most one of response_format, grammar and json_schema")
+    return given[0] if given else None

@@ -11,21 +11,43 @@ import sys
 
 from pyinfer.errors import PyinferError, exit_code_of
 from pyinfer.options import Parser as _Parser
-from pyinfer.options import arg_type, prompt_file_limit, read_text_file
+from pyinfer.options import add_model, add_version, arg_type, prompt_file_limit, read_text_file
+from pyinfer.options import model_path as _model_path
 
 
-def build_parser(prog: str = "pyinfer-run") -> argparse.ArgumentParser:
-    p = _Parser(prog=prog, description=__doc__.splitlines()[0])
-    p.add_argument("model", nargs="?", help="GGUF written by pyinfer-convert")
-    p.add_argument("-m", "--model", dest="model_opt", help="same as the positional MODEL")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("-p", "--prompt", help="raw completion prompt (as llama.cpp's -p)")
-    src.add_argument("-f", "--file", help="read the prompt from this file")
-    p.add_argument("-i", "--interactive", action="store_true",
-                   help="chat in a read-eval-print loop (same as pyinfer-chat)")
-    p.add_argument("-n", "--n-predict", type=arg_type("n_predict"), default=None,
-                   help="tokens to generate (-1: until end of text or a full context; "
-                        "default 256, in a chat -1)")
+#: Longest answer of the interactive chat unless -n says otherwise (llama.cpp's n_predict is -1,
+#: but an unbounded answer of a small model can loop for thousands of tokens: issue 13).
+CHAT_N_PREDICT = 512
+#: Tokens pyinfer-run generates without -n.
+RUN_N_PREDICT = 256
+CHAT_DESCRIPTION = """pyinfer-chat: chat with a model in the terminal (same as pyinfer-run -i).
+
+Each message you type is sent with the conversation so far, rendered with the model's chat
+template; the answer streams back. /help lists the commands, Ctrl-C stops an answer, Ctrl-D or
+/exit leaves. Sampling follows llama.cpp's defaults (top-k 40, top-p 0.95, min-p 0.05,
+temperature 0.8); an answer stops at %d tokens unless -n says otherwise.""" % CHAT_N_PREDICT
+
+
+def build_parser(prog: str = "pyinfer-run", chat: bool = False) -> argparse.ArgumentParser:
+    """The flags of pyinfer-run, or with ``chat`` those of pyinfer-chat (no -p/-f/--chat: the
+    prompt comes from the terminal)."""
+    p = _Parser(prog=prog, description=CHAT_DESCRIPTION if chat else __doc__.splitlines()[0],
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_version(p)
+    add_model(p)
+    if not chat:
+        src = p.add_mutually_exclusive_group()
+        src.add_argument("-p", "--prompt", help="raw completion prompt (as llama.cpp's -p)")
+        src.add_argument("-f", "--file", help="read the prompt from this file")
+        p.add_argument("-i", "--interactive", action="store_true",
+                       help="chat in a read-eval-print loop (same as pyinfer-chat)")
+        p.add_argument("-n", "--n-predict", type=arg_type("n_predict"), default=None,
+                       help=f"tokens to generate (-1: until end of text or a full context; "
+                            f"default {RUN_N_PREDICT}, with -i {CHAT_N_PREDICT} per answer)")
+    else:
+        p.add_argument("-n", "--n-predict", type=arg_type("n_predict"), default=None,
+                       help=f"longest answer in tokens (default {CHAT_N_PREDICT}; -1: until the "
+                            "end of the turn or a full context)")
     p.add_argument("-t", "--threads", type=arg_type("threads"), default=None, help="kernel threads (default: the physical cores this process may use)")
     p.add_argument("-c", "--ctx-size", type=arg_type("ctx_size"), default=0,
                    help="context size in tokens (0: min(4096, the model's))")
@@ -36,11 +58,19 @@ def build_parser(prog: str = "pyinfer-run") -> argparse.ArgumentParser:
     p.add_argument("--repeat-penalty", type=arg_type("repeat_penalty"), default=1.0)
     p.add_argument("--repeat-last-n", type=arg_type("repeat_last_n"), default=64)
     p.add_argument("-s", "--seed", type=arg_type("seed"), default=-1, help="RNG seed (-1: random)")
-    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end of text")
-    p.add_argument("--chat", action="store_true",
-                   help="render the prompt as one user turn with the GGUF's chat template")
-    p.add_argument("--system", default=None, help="system message for --chat and -i")
-    p.add_argument("--no-display-prompt", action="store_true", help="do not echo the prompt")
+    g = p.add_mutually_exclusive_group()  # llama.cpp's spelling of the four
+    g.add_argument("--grammar", default=None, help="constrain the output with a GBNF (or Lark) grammar")
+    g.add_argument("--grammar-file", default=None, help="read the grammar from this file")
+    g.add_argument("-j", "--json-schema", default=None,
+                   help="constrain the output to JSON valid under this schema, e.g. '{\"type\": \"object\"}'")
+    g.add_argument("-jf", "--json-schema-file", default=None, help="read the JSON schema from this file")
+    if not chat:
+        p.add_argument("--ignore-eos", action="store_true", help="keep generating past end of text")
+        p.add_argument("--chat", action="store_true",
+                       help="render the prompt as one user turn with the GGUF's chat template")
+        p.add_argument("--no-display-prompt", action="store_true", help="do not echo the prompt")
+    p.add_argument("--system", default=None,
+                   help="system message of the conversation" if chat else "system message for --chat and -i")
     p.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"],
                    help="auto: the GPU when CuPy sees one (default, silent), cpu, or cuda")
     p.add_argument("--vram-budget", type=arg_type("vram_budget"), default=None, help="GiB of GPU memory for hot neurons")
@@ -53,7 +83,8 @@ def build_parser(prog: str = "pyinfer-run") -> argparse.ArgumentParser:
     p.add_argument("--dense", action="store_true",
                    help="compute every FFN neuron (ignore the file's predictors)")
     p.add_argument("--verbose", action="store_true",
-                   help="in a chat, print speed and FFN sparsity after every answer")
+                   help="print speed and FFN sparsity after every answer" if chat else
+                   "in a chat, print speed and FFN sparsity after every answer")
     return p
 
 
@@ -77,21 +108,71 @@ def print_timings(t, file=None):
 def check_args(args) -> str:
     """Validate what argparse cannot (each numeric flag's range is checked by its ``type``,
     pyinfer/options.py); return the model path. Raises PyinferError."""
-    model_path = args.model_opt or args.model
-    if not model_path:
-        raise PyinferError("no model given: pyinfer-run MODEL.gguf -p PROMPT")
-    return model_path
+    return _model_path(args, "pyinfer-run MODEL.gguf -p PROMPT (or -m MODEL.gguf)")
 
 
 def sampling_kwargs(args) -> dict:
-    """Keyword arguments of ``LLM.stream_text`` for the sampling flags."""
-    return dict(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n)
+    """Keyword arguments of ``LLM.stream_text`` for the sampling and grammar flags. Raises
+    PyinferError for a grammar or schema file that cannot be read or does not parse."""
+    kw = dict(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+              repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n)
+    grammar = grammar_of_args(args)
+    if grammar is not None:
+        kw["grammar"] = grammar
+    return kw
+
+
+#: Largest grammar or schema file read (llama.cpp's grammars are a few KiB).
+MAX_GRAMMAR_BYTES = 1 << 20
+
+
+def grammar_of_args(args):
+    """The ``pyinfer.grammar.Grammar`` of --grammar/--grammar-file/-j/-jf, or None; compiled once
+    here so a bad one is an error before the model loads."""
+    from pyinfer.grammar import Grammar
+
+    if getattr(args, "grammar_file", None):
+        args.grammar = read_text_file(args.grammar_file, MAX_GRAMMAR_BYTES, "grammar file", hint="is it the right file?")
+    if getattr(args, "json_schema_file", None):
+        args.json_schema = read_text_file(args.json_schema_file, MAX_GRAMMAR_BYTES, "JSON schema file",
+                                          hint="is it the right file?")
+    if getattr(args, "grammar", None) is not None:
+        g = Grammar("gbnf", args.grammar)
+    elif getattr(args, "json_schema", None) is not None:
+        g = Grammar.json_schema(args.json_schema)
+    else:
+        return None
+    g.llguidance_grammar()
+    return g
+
+
+def gpu_flags(args) -> list[str]:
+    """The GPU placement flags given in ``args`` (as a user spells them)."""
+    given = [("--vram-budget", getattr(args, "vram_budget", None) is not None),
+             ("-ngl", bool(getattr(args, "n_gpu_layers", None))),
+             ("--reset-gpu-index", getattr(args, "reset_gpu_index", False)),
+             ("--disable-gpu-index", getattr(args, "disable_gpu_index", False))]
+    return [name for name, on in given if on]
+
+
+def warn_ignored_gpu_flags(args) -> None:
+    """Say on stderr, once, that GPU flags are ignored when the run falls back to the CPU (device
+    auto without a GPU); ``--device cpu`` with them stays an error (pyinfer/hybrid.py)."""
+    flags = gpu_flags(args)
+    if not flags or getattr(args, "device", None) not in (None, "auto"):
+        return
+    from pyinfer.ops import cuda
+
+    if not cuda.available():
+        print(f"pyinfer: no GPU ({cuda.unavailable_reason()}): {', '.join(flags)} ignored; "
+              "running on the CPU", file=sys.stderr)
 
 
 def load(args, model_path: str):
+    """``LLM`` for the parsed run/chat/serve flags (a notice first when GPU flags are ignored)."""
     from pyinfer.api import LLM
 
+    warn_ignored_gpu_flags(args)
     llm = LLM(model_path, n_ctx=args.ctx_size or None, n_threads=args.threads, device=args.device,
               vram_budget=args.vram_budget, seed=None if args.seed == -1 else args.seed,
               dense=args.dense, reset_gpu_index=args.reset_gpu_index,
@@ -111,7 +192,8 @@ def run(args) -> int:
         prompt = args.prompt
     if prompt is None:
         raise PyinferError("no prompt given: use -p PROMPT, -f FILE or -i")
-    n_predict = 256 if args.n_predict is None else args.n_predict
+    n_predict = RUN_N_PREDICT if args.n_predict is None else args.n_predict
+    sampling = sampling_kwargs(args)  # a bad grammar is reported before the model loads
 
     llm = load(args, model_path)
     if args.chat:
@@ -127,7 +209,7 @@ def run(args) -> int:
     if n_predict != 0:
         try:
             for piece in llm.stream_text(ids, max_tokens=None if n_predict < 0 else n_predict,
-                                         ignore_eos=args.ignore_eos, **sampling_kwargs(args)):
+                                         ignore_eos=args.ignore_eos, **sampling):
                 sys.stdout.write(piece)
                 sys.stdout.flush()
         except KeyboardInterrupt:

@@ -64,9 +64,16 @@ def _check_kind(f, key: str, kind: type, item: type | None):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Hyper-parameters of a Llama-family model as pyinfer runs it.
+    """Hyper-parameters of a decoder-only model as pyinfer runs it (Llama and the families that
+    depart from it in the fields after ``name``).
 
-    Sizes are counts (not bytes). ``hidden_act`` is "silu" (SwiGLU FFN) or "relu" (ReLU-gated FFN).
+    Sizes are counts (not bytes). ``hidden_act``: "silu" (SwiGLU), "relu" (ReGLU, or dReLU when
+    ``ffn_up_act`` is "relu"), "gelu" (exact, erf) or "fatrelu" (g if g > act_shift else 0,
+    ProSparse). ``rms_eps`` is the epsilon of the model's norm, RMSNorm or (``norm`` "layer")
+    LayerNorm. ``positions``: "rope" or "learned" (position_embd rows, OPT). ``parallel_block``:
+    x + attn(norm(x)) + ffn(norm2(x)) (Falcon). ``ffn_gated`` False: down(act(up h + b)) + b
+    (OPT, Falcon). ``sliding_window`` W > 0: a query at position p sees keys at p-W+1..p in the
+    layers where ``swa_layers`` is set (transformers' ``kv_idx > q_idx - sliding_window``).
     """
 
     n_vocab: int
@@ -82,6 +89,15 @@ class ModelConfig:
     hidden_act: str
     tied_embeddings: bool
     name: str = ""
+    family: str = "llama"
+    norm: str = "rms"
+    positions: str = "rope"
+    parallel_block: bool = False
+    ffn_gated: bool = True
+    ffn_up_act: str = ""
+    act_shift: float = 0.0
+    sliding_window: int = 0
+    swa_layers: tuple = ()  # (n_layer,) bools; () = every layer when sliding_window > 0
     n_gqa: int = field(init=False)  # query heads per KV head
     n_embd_q: int = field(init=False)  # n_head * head_dim
     n_embd_kv: int = field(init=False)  # n_head_kv * head_dim
@@ -99,9 +115,38 @@ class ModelConfig:
             raise PyinferError(f"rms_eps {self.rms_eps} is not a non-negative number")
         if self.n_head % self.n_head_kv:
             raise PyinferError(f"n_head {self.n_head} is not a multiple of n_head_kv {self.n_head_kv}")
+        if self.norm not in ("rms", "layer"):
+            raise PyinferError(f"unsupported norm {self.norm!r} (rms or layer)")
+        if self.positions not in ("rope", "learned"):
+            raise PyinferError(f"unsupported positions {self.positions!r} (rope or learned)")
+        if self.ffn_up_act not in ("", "relu"):
+            raise PyinferError(f"unsupported ffn_up_act {self.ffn_up_act!r}")
+        if self.ffn_up_act and not self.ffn_gated:
+            raise PyinferError("ffn_up_act needs a gated FFN")
+        if not (math.isfinite(self.act_shift) and self.act_shift >= 0):
+            raise PyinferError(f"act_shift {self.act_shift} is not a non-negative number")
+        if self.sliding_window < 0:
+            raise PyinferError(f"sliding_window {self.sliding_window} is negative")
+        if self.swa_layers and len(self.swa_layers) != self.n_layer:
+            raise PyinferError(f"{len(self.swa_layers)} sliding-window flags for {self.n_layer} layers")
         object.__setattr__(self, "n_gqa", self.n_head // self.n_head_kv)
         object.__setattr__(self, "n_embd_q", self.n_head * self.head_dim)
         object.__setattr__(self, "n_embd_kv", self.n_head_kv * self.head_dim)
+
+    @property
+    def llama_plain(self) -> bool:
+        """True where the fused Llama kernels (cpu.decode_attn / decode_ffn) and the GPU engine
+        compute this model: RMSNorm, RoPE, sequential block, gated silu/relu FFN, full attention
+        (biases and RoPE frequency factors live in the weights: see ModelWeights.llama_plain)."""
+        return (self.norm == "rms" and self.positions == "rope" and not self.parallel_block
+                and self.ffn_gated and not self.ffn_up_act and self.hidden_act in ("silu", "relu")
+                and not any(self.window(i) for i in range(self.n_layer)))
+
+    def window(self, layer: int) -> int:
+        """Sliding window of ``layer`` in tokens, 0 for full causal attention."""
+        if not self.sliding_window or (self.swa_layers and not self.swa_layers[layer]):
+            return 0
+        return self.sliding_window
 
     @classmethod
     def from_gguf(cls, reader: gguf.GGUFReader) -> "ModelConfig":
@@ -137,6 +182,8 @@ class ModelConfig:
         hidden_act = get(C.K_HIDDEN_ACT, "silu", str)
         if hidden_act not in C.HIDDEN_ACTS:
             raise PyinferError(f"unsupported hidden_act {hidden_act!r}")
+        norm = get(C.K_NORM, "rms", str)
+        swa = read_field(reader, C.K_SWA_LAYERS, None, kind=list, item=int)
         return cls(
             n_vocab=get(C.K_VOCAB_SIZE, int(embd.shape[-1])),
             n_embd=n_embd,
@@ -147,8 +194,18 @@ class ModelConfig:
             head_dim=get(C.K_ROPE_DIM, n_embd // n_head),
             n_ctx_train=get(C.K_CONTEXT_LENGTH, 2048),
             rope_freq_base=get(C.K_ROPE_FREQ_BASE, 10000.0, float),
-            rms_eps=get(C.K_RMS_EPS, 1e-5, float),
+            rms_eps=(get(C.K_LN_EPS, 1e-5, float) if norm == "layer"
+                     else get(C.K_RMS_EPS, 1e-5, float)),
             hidden_act=hidden_act,
             tied_embeddings=C.OUTPUT not in names,
             name=get(C.K_NAME, "", str),
+            family=get(C.K_FAMILY, "llama", str),
+            norm=norm,
+            positions=get(C.K_POSITIONS, "rope", str),
+            parallel_block=get(C.K_PARALLEL_BLOCK, False, bool),
+            ffn_gated=get(C.K_FFN_GATED, True, bool),
+            ffn_up_act=get(C.K_FFN_UP_ACT, "", str),
+            act_shift=get(C.K_ACT_SHIFT, 0.0, float),
+            sliding_window=get(C.K_SLIDING_WINDOW, 0),
+            swa_layers=tuple(bool(v) for v in swa) if swa is not None else (),
         )

@@ -10,14 +10,29 @@ import gguf
 
 GGUF_VERSION = 3
 ARCH = "llama"  # the only GGUF architecture pyinfer writes and reads
-HF_ARCHITECTURES = ("LlamaForCausalLM",)
-HIDDEN_ACTS = ("silu", "relu")
+#: Hugging Face architectures pyinfer-convert takes -> the family name stored in K_FAMILY.
+#: Every family is written as GGUF architecture ``llama`` (pyinfer's own neuron-major layout) with
+#: the keys and tensors below describing where it departs from Llama.
+HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                    "Qwen2ForCausalLM": "qwen2", "OPTForCausalLM": "opt",
+                    "FalconForCausalLM": "falcon"}
+#: FFN activations: silu (SwiGLU), relu (ReGLU; also dReLU with K_FFN_UP_ACT), gelu (exact, erf),
+#: fatrelu (ProSparse's shifted ReLU: g if g > K_ACT_SHIFT else 0).
+HIDDEN_ACTS = ("silu", "relu", "gelu", "fatrelu")
 
 # ---- weight types -------------------------------------------------------------------------
 QT = gguf.GGMLQuantizationType
-OUTTYPES = {"f32": QT.F32, "f16": QT.F16, "q8_0": QT.Q8_0, "q4_0": QT.Q4_0}
+#: pyinfer-convert --outtype names -> the type of the 2-D weights (all run natively by the kernels)
+OUTTYPES = {"f32": QT.F32, "f16": QT.F16, "bf16": QT.BF16, "q8_0": QT.Q8_0, "q4_0": QT.Q4_0,
+            "q4_1": QT.Q4_1, "q5_0": QT.Q5_0, "q5_1": QT.Q5_1, "q4_k": QT.Q4_K, "q5_k": QT.Q5_K,
+            "q6_k": QT.Q6_K}
+#: --outtype auto: a quantized GGUF source keeps each tensor's type, float sources become f16
+OUTTYPE_AUTO = "auto"
 #: (elements per block, bytes per block), as ggml defines them (ggml-common.h).
-QK_BLOCK = {QT.F32: (1, 4), QT.F16: (1, 2), QT.Q8_0: (32, 34), QT.Q4_0: (32, 18)}
+QK_BLOCK = {t: gguf.GGML_QUANT_SIZES[t] for t in OUTTYPES.values()}
+#: a K-quant row whose length is not a multiple of 256 gets the type llama.cpp falls back to
+#: (llama-quant.cpp, "using fallback quantization"); f16 when that does not fit either
+K_QUANT_FALLBACK = {QT.Q4_K: QT.Q5_0, QT.Q5_K: QT.Q5_1, QT.Q6_K: QT.Q8_0}
 
 # ---- metadata keys --------------------------------------------------------------------------
 K_ARCH = gguf.Keys.General.ARCHITECTURE
@@ -41,6 +56,16 @@ K_FFN_LAYOUT = "pyinfer.ffn_layout"  # "neuron_major": ffn_down stored as ffn_do
 FFN_LAYOUT_NEURON_MAJOR = "neuron_major"
 K_ROPE_LAYOUT = "pyinfer.rope_layout"  # "neox": Q/K rows in Hugging Face order (rotate_half)
 ROPE_LAYOUT_NEOX = "neox"
+K_FAMILY = "pyinfer.family"  # HF family the file came from (a value of HF_ARCHITECTURES)
+K_NORM = "pyinfer.norm"  # "rms" (default) | "layer" (LayerNorm with bias, eps in K_LN_EPS)
+K_LN_EPS = gguf.Keys.Attention.LAYERNORM_EPS.format(arch=ARCH)
+K_POSITIONS = "pyinfer.positions"  # "rope" (default) | "learned" (position_embd.weight)
+K_PARALLEL_BLOCK = "pyinfer.parallel_block"  # bool: x + attn(norm(x)) + ffn(norm2(x)) (Falcon)
+K_FFN_GATED = "pyinfer.ffn_gated"  # bool, default true; false: act(up h + b) down (OPT, Falcon)
+K_FFN_UP_ACT = "pyinfer.ffn_up_act"  # "relu": dReLU, relu(gate h) * relu(up h) (TurboSparse)
+K_ACT_SHIFT = "pyinfer.act_shift"  # f32 threshold of hidden_act "fatrelu" (ProSparse), >= 0
+K_SLIDING_WINDOW = gguf.Keys.Attention.SLIDING_WINDOW.format(arch=ARCH)  # keys kept: pos-i < W
+K_SWA_LAYERS = "pyinfer.attention.swa_layers"  # i32[n_layer] 1 = sliding window (absent: all)
 K_SOURCE = "pyinfer.source"  # where the weights came from (HF dir name or GGUF file name)
 K_HF_TOKENIZER_JSON = "pyinfer.tokenizer.huggingface_json"  # verbatim tokenizer.json, if any
 
@@ -81,6 +106,18 @@ FFN_GATE_UP_T = "blk.{bid}.ffn_gate_up_t.weight"  # (n_embd, 2 n_ff): [ffn_gate;
 #: per input channel column norms of each group's matrix (WINA's score |x_j| * ||W[:, j]||), f32
 IN_SCALE = {"attn_qkv": "blk.{bid}.attn_qkv_t.in_scale", "attn_output": "blk.{bid}.attn_output_t.in_scale",
             "ffn_gate_up": "blk.{bid}.ffn_gate_up_t.in_scale", "ffn_down": "blk.{bid}.ffn_down_t.in_scale"}
+# optional tensors of the non-Llama families (llama.cpp spelling)
+POS_EMBD = "position_embd.weight"  # (n_ctx_train, n_embd): learned positions (OPT, offset removed)
+ROPE_FREQS = "rope_freqs.weight"  # (head_dim/2,) f32: divisors of RoPE's frequencies (llama3, linear)
+OUTPUT_NORM_B = "output_norm.bias"  # (n_embd,)
+ATTN_NORM_B = "blk.{bid}.attn_norm.bias"  # (n_embd,)
+FFN_NORM_B = "blk.{bid}.ffn_norm.bias"  # (n_embd,)
+ATTN_Q_B = "blk.{bid}.attn_q.bias"  # (n_head * head_dim,)
+ATTN_K_B = "blk.{bid}.attn_k.bias"  # (n_head_kv * head_dim,)
+ATTN_V_B = "blk.{bid}.attn_v.bias"  # (n_head_kv * head_dim,)
+ATTN_OUT_B = "blk.{bid}.attn_output.bias"  # (n_embd,)
+FFN_UP_B = "blk.{bid}.ffn_up.bias"  # (n_ff,): one per neuron
+FFN_DOWN_B = "blk.{bid}.ffn_down.bias"  # (n_embd,)
 FC1 = "blk.{bid}.fc1.weight"  # (rank, n_embd) predictor
 FC2 = "blk.{bid}.fc2.weight"  # (n_ff, rank) predictor
 GPU_IDX = "blk.{bid}.gpu_idx"  # (n_ff,) I32 0/1 mask

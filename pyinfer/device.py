@@ -124,9 +124,17 @@ class NumpyDevice:
 
     # -- kernels' twins ----------------------------------------------------------------------
     def predict(self, fc1: DeviceRows, fc2: DeviceRows, threshold: float, x, hid, mask) -> None:
-        h = np.maximum(fc1.f32 @ x, 0.0)
-        hid[:h.size] = h
-        mask[...] = (fc2.f32 @ h >= threshold).astype(np.uint8)
+        self.norm_fc1(fc1, x, hid)
+        self.predict_fc2(fc2, hid, threshold, mask)
+
+    def norm_fc1(self, fc1: DeviceRows, x, hid, norm_w=None, eps: float = 0.0, h=None) -> None:
+        """hid[:rank] = relu(fc1 @ x); with norm_w also h = rmsnorm(x) * norm_w."""
+        hid[:fc1.rows] = np.maximum(fc1.f32 @ x.reshape(-1), 0.0)
+        if norm_w is not None:
+            X.rmsnorm(x.reshape(1, -1), norm_w, eps, h.reshape(1, -1))
+
+    def predict_fc2(self, fc2: DeviceRows, hid, threshold: float, mask) -> None:
+        mask[...] = (fc2.f32 @ hid[:fc2.cols] >= threshold).astype(np.uint8)
 
     def gemv(self, w: DeviceRows, x, out, ids=None, mask=None, accumulate: bool = False) -> None:
         y = (w.f32 @ x).astype(np.float32)
@@ -138,8 +146,12 @@ class NumpyDevice:
             out[...] = y
 
     def ffn_gate_up(self, gate: DeviceRows, up: DeviceRows, x, coef, counts, act: str,
-                    act_thr: float, ids=None, mask=None, glu: bool = False) -> None:
-        cand = np.ones(gate.rows, bool) if mask is None else mask[ids] != 0
+                    act_thr: float, ids=None, mask=None, glu: bool = False, pred=None) -> None:
+        if pred is not None:  # the predictor inline: fc2 rows of the neurons ids
+            fc2, hid, thr = pred
+            cand = fc2.f32[ids] @ hid[:fc2.cols] >= thr
+        else:
+            cand = np.ones(gate.rows, bool) if mask is None else mask[ids] != 0
         a = X.act(gate.f32[cand] @ x, act == "silu")
         if glu:
             c = a * (up.f32[cand] @ x)
@@ -289,12 +301,18 @@ class CupyDevice:
     def predict(self, fc1, fc2, threshold: float, x, hid, mask) -> None:
         cuda.predictor_mask(fc1, fc2, x, hid, mask, threshold)
 
+    def norm_fc1(self, fc1, x, hid, norm_w=None, eps: float = 0.0, h=None) -> None:
+        cuda.norm_fc1(fc1, x, hid, norm_w, eps, h)
+
+    def predict_fc2(self, fc2, hid, threshold: float, mask) -> None:
+        cuda.predictor_fc2(fc2, hid, mask, threshold)
+
     def gemv(self, w, x, out, ids=None, mask=None, accumulate: bool = False) -> None:
         cuda.gather_gemv(w, x, out, ids, mask, accumulate)
 
     def ffn_gate_up(self, gate, up, x, coef, counts, act, act_thr, ids=None, mask=None,
-                    glu: bool = False) -> None:
-        cuda.ffn_gate_up(gate, up, x, coef, counts, act, act_thr, ids, mask, glu)
+                    glu: bool = False, pred=None) -> None:
+        cuda.ffn_gate_up(gate, up, x, coef, counts, act, act_thr, ids, mask, glu, pred)
 
     def axpy_rows(self, w, coef, out, skip_zero: bool = True, accumulate: bool = False,
                   scratch=None) -> None:

@@ -212,10 +212,16 @@ class Engine:
 
     def generate(self, prompt_tokens: list[int], params: SamplingParams = SamplingParams(), *,
                  max_tokens: int = -1, seed: int | None = None, ignore_eos: bool = False,
-                 stop_ids: Iterable[int] | None = None) -> Iterator[int]:
+                 stop_ids: Iterable[int] | None = None, constraint=None,
+                 on_token=None) -> Iterator[int]:
         """Yield sampled token ids after ``prompt_tokens`` until a stop id, ``max_tokens``
         (-1: until the context is full) or the end of the context. The stop token is not yielded.
-        Deterministic for a given ``seed`` (None: fresh entropy)."""
+        Deterministic for a given ``seed`` (None: fresh entropy).
+
+        ``constraint``: a ``pyinfer.grammar.Constraint``; only tokens it allows are drawn, and
+        generation ends when its grammar is complete. ``on_token(logits, token)``: called with the
+        (n_vocab,) logits each token was drawn from (for log-probabilities), stop token included.
+        """
         stops = set(self.tokenizer.stop_ids if stop_ids is None else stop_ids)
         rng = np.random.default_rng(seed)
         logits = self.eval_prompt(list(prompt_tokens))
@@ -223,12 +229,37 @@ class Engine:
         while max_tokens < 0 or n < max_tokens:
             t0 = time.perf_counter()
             recent = self.tokens[-params.repeat_last_n:] if params.repeat_last_n > 0 else ()
-            tok = sample(logits, params, rng, recent)
+            allowed = None if constraint is None else constraint.allowed()
+            tok = sample(logits, params, rng, recent, allowed)
             self.timings.sample_ms += (time.perf_counter() - t0) * 1e3
+            if on_token is not None:
+                on_token(logits, tok)
             if tok in stops and not ignore_eos:
                 return
+            if constraint is not None:
+                constraint.advance(tok)
             yield tok
             n += 1
             if len(self.tokens) >= self.n_ctx or (max_tokens >= 0 and n >= max_tokens):
                 return
+            if constraint is not None and constraint.done:
+                return
             logits = self.eval_token(tok)
+
+    def embeddings(self, tokens: list[int]) -> np.ndarray:
+        """Final hidden states after the output norm for ``tokens`` evaluated from position 0:
+        (n_tok, n_embd) float32 (what llama.cpp's server pools for a generative model's
+        embeddings). The KV cache is reused for this and forgotten afterwards. Raises PyinferError
+        when the tokens do not fit, or for a model (GPU-resident) that does not expose its layers."""
+        model = self.model
+        if not all(hasattr(model, a) for a in ("embed", "run_layers", "w")):
+            raise PyinferError("embeddings are computed on the CPU model only (run with --device cpu)")
+        if not tokens or len(tokens) > self.n_ctx:
+            raise PyinferError(f"the input is {len(tokens)} tokens; it must be 1..{self.n_ctx}")
+        self._check_ids(tokens)
+        self.tokens = []
+        x = model.embed(tokens, 0)
+        model.run_layers(x, 0, 0)
+        h = np.empty_like(x)  # (n_tok, n_embd)
+        cpu.rmsnorm(x, model.w.output_norm, self.cfg.rms_eps, h)
+        return h

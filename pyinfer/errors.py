@@ -8,6 +8,11 @@ class PyinferError(Exception):
     """A user-facing error with a one-line message."""
 
 
+class KernelsMissing(PyinferError, ImportError):
+    """The compiled kernels are not built (or do not load); the message says how to build them.
+    An ImportError too, so code that guards an optional import still catches it."""
+
+
 def exit_code_of(fn, *args) -> int:
     """Run a CLI body ``fn(*args)``; turn a PyinferError, Ctrl-C or MemoryError into
     ``error: ...`` on stderr and exit status 1 (never a traceback for a user mistake). Returns

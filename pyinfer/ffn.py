@@ -13,6 +13,12 @@ per neuron in ffn_gate, ffn_up and ffn_down_t). They differ only in which neuron
   down rows only for active ones). On SmolLM2 at 40% sparsity "glu" costs 1% perplexity where
   "cats" costs 13% (docs/benchmarks.md).
 
+The other families (``ModelConfig.llama_plain`` false) go through ``ffn_coef`` and
+``sparse_step_general``: non-gated FFNs (OPT, Falcon: ``down_t^T act(up h + b) + b``, the up
+projection selecting neurons and each neuron's bias applied with its row), dReLU
+(``relu(gate h) * relu(up h)``, TurboSparse), ProSparse's fatrelu and GELU. An inactive neuron's
+bias is skipped with its row: its activation is exactly 0 after the bias (relu/fatrelu).
+
 Both count neurons so the engine can report the measured activation sparsity.
 """
 from __future__ import annotations
@@ -21,6 +27,7 @@ import numpy as np
 
 from pyinfer.config import ModelConfig
 from pyinfer.ops import cpu
+from pyinfer.ops import families as fam
 from pyinfer.weights import LayerWeights
 
 
@@ -30,12 +37,6 @@ from pyinfer.weights import LayerWeights
 # faster than the gather (the micro-benchmark's break-even, 65%, does not hold once the rows come
 # from memory between other layers' weights); well below it (ReLU models, 10%) gathers win.
 DENSE_DOWN_ABOVE = 0.4
-
-
-def _act(name: str):
-    if name == "silu":
-        return lambda g: g / (1.0 + np.exp(-g))
-    return lambda g: np.maximum(g, 0.0)
 
 
 def linear(w: cpu.QTensor, x: np.ndarray, out: np.ndarray, n_threads: int) -> np.ndarray:
@@ -54,6 +55,76 @@ def linear_t(w: cpu.QTensor, a: np.ndarray, out: np.ndarray, n_threads: int) -> 
     else:
         cpu.matmul_t(w, a, out, n_threads)
     return out
+
+
+def ffn_coef(cfg: ModelConfig, lw: LayerWeights, h: np.ndarray,
+             n_threads: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every neuron's activation and down-projection coefficient for h (n_tok, n_embd) f32.
+
+    Returns (a, coef), both (n_tok, n_ff) f32: gated FFNs a = act(gate h), coef = a * up h
+    (up h through relu first for dReLU); non-gated a = coef = act(up h + b). The FFN output is
+    ``coef @ down`` (+ the down bias)."""
+    n_tok, n_ff = h.shape[0], cfg.n_ff
+    up = np.empty((n_tok, n_ff), np.float32)  # (n_tok, n_ff)
+    linear(lw.ffn_up, h, up, n_threads)
+    if lw.ffn_up_b is not None:
+        up += lw.ffn_up_b
+    if lw.ffn_gate is None:
+        a = fam.act(cfg.hidden_act, up, cfg.act_shift)
+        return a, a
+    gate = np.empty((n_tok, n_ff), np.float32)  # (n_tok, n_ff)
+    linear(lw.ffn_gate, h, gate, n_threads)
+    a = fam.act(cfg.hidden_act, gate, cfg.act_shift)
+    if cfg.ffn_up_act == "relu":
+        np.maximum(up, 0.0, out=up)
+    return a, a * up
+
+
+def down_b(lw: LayerWeights, coef: np.ndarray, out: np.ndarray, n_threads: int) -> np.ndarray:
+    """out = coef @ down (+ the down bias): coef (n_tok, n_ff), out (n_tok, n_embd) f32."""
+    linear_t(lw.ffn_down_t, coef, out, n_threads)
+    if lw.ffn_down_b is not None:
+        out += lw.ffn_down_b
+    return out
+
+
+def sparse_step_general(cfg: ModelConfig, lw: LayerWeights, h: np.ndarray, ids: np.ndarray | None,
+                        glu: bool, threshold: float, out: np.ndarray, n_threads: int) -> int:
+    """``sparse_step`` for the families ``cpu.select_active`` does not cover (see the module
+    docstring): the selecting rows (gate, or up + its bias for a non-gated FFN) of the candidates
+    ``ids`` (sorted int32, None for all) are read; a neuron is kept where |a| > threshold
+    (|coef| with ``glu``), then only kept neurons' up rows (gated) and down rows are read.
+    h (n_embd,) f32; writes (n_embd,) f32 into out; returns the number kept."""
+    gated = lw.ffn_gate is not None
+    n_cand = cfg.n_ff if ids is None else ids.shape[0]
+    g = np.empty(n_cand, np.float32)  # (n_candidates,) selecting pre-activation
+    _dot_rows(lw.ffn_gate if gated else lw.ffn_up, h, ids, g, n_threads)
+    if not gated and lw.ffn_up_b is not None:
+        g += lw.ffn_up_b if ids is None else lw.ffn_up_b[ids]
+    a = fam.act(cfg.hidden_act, g, cfg.act_shift)
+    cand = np.arange(n_cand, dtype=np.int32) if ids is None else ids
+    if gated and glu:
+        u = np.empty(n_cand, np.float32)
+        _dot_rows(lw.ffn_up, h, ids, u, n_threads)
+        if cfg.ffn_up_act == "relu":
+            np.maximum(u, 0.0, out=u)
+        val = a * u
+        keep = np.abs(val) > threshold
+        coef, idx = val[keep], cand[keep]
+    else:
+        keep = np.abs(a) > threshold
+        coef, idx = a[keep], np.ascontiguousarray(cand[keep])
+        if gated:
+            u = np.empty(idx.shape[0], np.float32)
+            cpu.gather_matvec(lw.ffn_up, h, idx, u, n_threads)
+            if cfg.ffn_up_act == "relu":
+                np.maximum(u, 0.0, out=u)
+            coef = coef * u
+    coef = np.ascontiguousarray(coef, np.float32)
+    cpu.axpy_rows(lw.ffn_down_t, coef, np.ascontiguousarray(idx, np.int32), out, n_threads)
+    if lw.ffn_down_b is not None:
+        out += lw.ffn_down_b
+    return int(idx.shape[0])
 
 
 class FFNStats:
@@ -85,6 +156,12 @@ class DenseFFN:
         """x: (n_tok, n_embd) residual before the FFN norm; h: normed x. Writes (n_tok, n_embd)
         FFN output into ``out`` and returns it."""
         n_tok, n_ff = h.shape[0], self.cfg.n_ff
+        if not _llama_ffn(self.cfg, lw):
+            down_b(lw, ffn_coef(self.cfg, lw, h, n_threads)[1], out, n_threads)
+            self.stats.total += n_tok * n_ff
+            self.stats.active += n_tok * n_ff
+            self.stats.candidates += n_tok * n_ff
+            return out
         gate = np.empty((n_tok, n_ff), np.float32)  # (n_tok, n_ff)
         up = np.empty((n_tok, n_ff), np.float32)  # (n_tok, n_ff)
         linear(lw.ffn_gate, h, gate, n_threads)
@@ -99,7 +176,9 @@ class DenseFFN:
     def decode(self, lw: LayerWeights, layer: int, x: np.ndarray, eps: float,
                n_threads: int) -> bool:
         """One token's whole FFN half-layer in one fused call, in place on the residual x
-        (n_embd,) (``cpu.decode_ffn``). Returns False where this FFN cannot (never, here)."""
+        (n_embd,) (``cpu.decode_ffn``). Returns False where this FFN cannot (the other families)."""
+        if not _llama_ffn(self.cfg, lw) or self.cfg.norm != "rms":
+            return False
         n_ff = self.cfg.n_ff
         cpu.decode_ffn(x, lw.ffn_norm, eps, lw.ffn_gate, lw.ffn_up, lw.ffn_down_t, cpu.FFN_DENSE,
                        self.cfg.hidden_act == "silu", 0.0, n_threads)
@@ -141,6 +220,12 @@ class Predictor:
         np.maximum(hid, 0.0, out=hid)
         linear(self.fc2, hid, logits, n_threads)
         return logits >= self.threshold
+
+
+def _llama_ffn(cfg: ModelConfig, lw: LayerWeights) -> bool:
+    """True where the compiled GLU kernels compute this layer's FFN (gated silu/relu, no bias)."""
+    return (lw.ffn_gate is not None and cfg.hidden_act in ("silu", "relu") and not cfg.ffn_up_act
+            and lw.ffn_up_b is None and lw.ffn_down_b is None)
 
 
 def _pred_tensor(a: np.ndarray) -> cpu.QTensor:
@@ -204,7 +289,7 @@ class SparseFFN:
                  act_threshold: np.ndarray, mode: str | None = None,
                  use_predictor=None):
         self.cfg = cfg
-        self.mode = mode or ("relu" if cfg.hidden_act == "relu" else "cats")
+        self.mode = mode or ("relu" if cfg.hidden_act in ("relu", "fatrelu") else "cats")
         self.glu = self.mode == "glu"
         self.predictors = predictors
         n_layer = len(act_threshold)
@@ -214,7 +299,6 @@ class SparseFFN:
             use_predictor = [True] * n_layer
         self.use_predictor = np.asarray(use_predictor, bool)  # (n_layer,)
         self.act_threshold = np.asarray(act_threshold, np.float32)
-        self.act = _act(cfg.hidden_act)
         self.silu = cfg.hidden_act == "silu"
         self.dense_down_above = DENSE_DOWN_ABOVE
         self.stats = FFNStats()
@@ -226,8 +310,12 @@ class SparseFFN:
         n_ff = self.cfg.n_ff
         # every neuron is a candidate without the predictor: the dense GEMV streams faster
         ids = self.predictors[layer].active(x[0], n_threads) if self.use_predictor[layer] else None
-        n = sparse_step(lw, h[0], ids, self.silu, self.glu, float(self.act_threshold[layer]),
-                        out[0], n_threads)
+        if _llama_ffn(self.cfg, lw):
+            n = sparse_step(lw, h[0], ids, self.silu, self.glu, float(self.act_threshold[layer]),
+                            out[0], n_threads)
+        else:
+            n = sparse_step_general(self.cfg, lw, h[0], ids, self.glu,
+                                    float(self.act_threshold[layer]), out[0], n_threads)
         self.stats.total += n_ff
         self.stats.candidates += n_ff if ids is None else ids.shape[0]
         self.stats.active += n
@@ -236,8 +324,9 @@ class SparseFFN:
     def decode(self, lw: LayerWeights, layer: int, x: np.ndarray, eps: float,
                n_threads: int) -> bool:
         """One token's FFN half-layer fused into one call (``cpu.decode_ffn``) where the layer
-        runs no predictor; returns False (nothing done) where it does."""
-        if self.use_predictor[layer]:
+        runs no predictor; returns False (nothing done) where it does or where the fused kernel
+        does not compute this family's FFN."""
+        if self.use_predictor[layer] or not _llama_ffn(self.cfg, lw) or self.cfg.norm != "rms":
             return False
         n_ff = self.cfg.n_ff
         mode = cpu.FFN_GLU if self.glu else cpu.FFN_ACT
@@ -252,13 +341,9 @@ class SparseFFN:
         """Prefill: dense GEMMs (the union of active neurons over a batch is most of the layer),
         masked to exactly the neurons the token-at-a-time path would compute."""
         n_tok, n_ff = h.shape[0], self.cfg.n_ff
-        gate = np.empty((n_tok, n_ff), np.float32)
-        up = np.empty((n_tok, n_ff), np.float32)
-        linear(lw.ffn_gate, h, gate, n_threads)
-        linear(lw.ffn_up, h, up, n_threads)
-        a = self.act(gate)
+        a, coef = ffn_coef(self.cfg, lw, h, n_threads)
         if self.glu:
-            a *= up
+            a = coef
         mask = np.abs(a) > self.act_threshold[layer]
         if self.use_predictor[layer]:
             cand = self.predictors[layer].mask(x, n_threads)
@@ -266,8 +351,8 @@ class SparseFFN:
             self.stats.candidates += int(cand.sum())
         else:
             self.stats.candidates += n_tok * n_ff
-        a = np.where(mask, a if self.glu else a * up, 0.0).astype(np.float32)
-        linear_t(lw.ffn_down_t, a, out, n_threads)
+        a = np.where(mask, coef, 0.0).astype(np.float32)
+        down_b(lw, a, out, n_threads)
         self.stats.total += n_tok * n_ff
         self.stats.active += int(mask.sum())
         return out

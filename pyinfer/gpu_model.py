@@ -45,9 +45,9 @@ import numpy as np
 
 from pyinfer.config import ModelConfig
 from pyinfer.device import as_qtensor
-from pyinfer.ffn import FFNStats, SparseFFN, sparse_step
+from pyinfer.ffn import FFNStats, SparseFFN
 from pyinfer.model import Model
-from pyinfer.ops import cuda
+from pyinfer.ops import cpu, cuda
 from pyinfer.ops import xp as X
 from pyinfer.weights import ModelWeights
 
@@ -307,15 +307,18 @@ class GpuModel:
             dev.attn_decode(q, ly.k, ly.v, self._pos, self._attn.reshape(cfg.n_head, hd), max_att)
             dev.gemv(ly.wo, self._attn, x[0], accumulate=True)
             # feed-forward: hot neurons here, cold ones on the CPU meanwhile
-            dev.rmsnorm(x, ly.ffn_norm, cfg.rms_eps, h)
             self._ffn_decode(i, ly, x, h)
 
     def _ffn_decode(self, i: int, ly: _ResidentLayer, x, h) -> None:
-        dev, F = self.dev, self.cfg.n_ff
+        dev, F, eps = self.dev, self.cfg.n_ff, self.cfg.rms_eps
         use_pred = self.use_pred[i]
-        if use_pred:
-            dev.predict(ly.fc1, ly.fc2, ly.pred_thr, x[0], self._hid, self._mask)
         split = ly.n_hot < F
+        if use_pred:  # the predictor's hidden layer and the FFN norm in one launch
+            dev.norm_fc1(ly.fc1, x[0], self._hid, ly.ffn_norm, eps, h[0])
+            if split:  # the CPU's candidates; the hot rows evaluate fc2 inline
+                dev.predict_fc2(ly.fc2, self._hid, ly.pred_thr, self._mask)
+        else:
+            dev.rmsnorm(x, ly.ffn_norm, eps, h)
         if split:  # the CPU's input goes down first, so it works while the GPU does the hot rows
             dev.download(h, self._h_pin[:1])
             if use_pred:
@@ -324,7 +327,8 @@ class GpuModel:
         if ly.n_hot:
             dev.ffn_gate_up(ly.gate, ly.up, h[0], self._coef[:ly.n_hot], self._counts,
                             self.cfg.hidden_act, float(self.act_thr[i]), ids=ly.ids,
-                            mask=self._mask if use_pred else None, glu=self.glu)
+                            glu=self.glu,
+                            pred=(ly.fc2, self._hid, ly.pred_thr) if use_pred else None)
             dev.axpy_rows(ly.down, self._coef[:ly.n_hot], x[0], skip_zero=self.sparse,
                           accumulate=True, scratch=self._axpy)
         if self._capturing:
@@ -410,13 +414,14 @@ class GpuModel:
         return self._logits_pin.copy()
 
     def _cold(self, i: int, ly: _ResidentLayer, h: np.ndarray, mask, out: np.ndarray) -> None:
-        """The cold neurons of layer i for one token, with the CPU kernels and SparseFFN's rule:
-        out (n_embd,) f32 = their down projection."""
-        ids = ly.cold_ids if mask is None else ly.cold_ids[mask[ly.cold_ids] != 0]
+        """The cold neurons of layer i for one token, with SparseFFN's rule (``cpu.cold_ffn``,
+        equal to ``pyinfer.ffn.sparse_step`` on the candidates): out (n_embd,) f32 = their down
+        projection."""
+        lw = self.w.layers[i]
         # dense: the GLU rule with a negative threshold keeps every candidate
-        n = sparse_step(self.w.layers[i], h, ids, self.silu, self.glu or not self.sparse,
-                        float(self.act_thr[i]), out, self.n_threads)
-        n_cand = ids.shape[0]
+        n_cand, n = cpu.cold_ffn(lw.ffn_gate, lw.ffn_up, lw.ffn_down_t, h, ly.cold_ids, mask,
+                                 self.silu, self.glu or not self.sparse, float(self.act_thr[i]),
+                                 out, self.n_threads)
         self._host_stats.candidates += n_cand
         self._host_stats.active += n
 

@@ -143,6 +143,21 @@ def _stored_split(reader, cfg: ModelConfig, budget: int, vram_budget):
     return stored.gpu_bucket
 
 
+def _types_off_gpu(weights: ModelWeights) -> list[str]:
+    """Names of the layer weight types the GPU kernels cannot read (e.g. the K-quants that
+    ``pyinfer-convert --outtype auto`` keeps), sorted; [] when every type is readable."""
+    odd = set()
+    for lw in weights.layers:
+        for name in ("wq", "wk", "wv", "wo", "ffn_gate", "ffn_up", "ffn_down_t"):
+            t = getattr(lw, name, None)
+            if t is not None and t.qtype.name.lower() not in cuda.GPU_TYPES:
+                odd.add(t.qtype.name.lower())
+    out = getattr(weights, "output", None)
+    if out is not None and out.qtype.name.lower() not in cuda.GPU_TYPES:
+        odd.add(out.qtype.name.lower())
+    return sorted(odd)
+
+
 def place_model(reader, cfg: ModelConfig, weights: ModelWeights, cpu_ffn, n_ctx: int,
                 n_threads: int, *, device: str | None = "cpu", vram_budget: float | None = None,
                 reset_gpu_index: bool = False, disable_gpu_index: bool = False,
@@ -164,6 +179,23 @@ def place_model(reader, cfg: ModelConfig, weights: ModelWeights, cpu_ffn, n_ctx:
         raise PyinferError(f"unknown device {device!r} (auto, cpu or cuda)")
     if n_gpu_layers is not None and n_gpu_layers < 0:
         raise PyinferError(f"-ngl must be >= 0, got {n_gpu_layers}")
+    if device != "cpu" and not (cfg.llama_plain and weights.llama_plain):
+        if device == "auto" and backend is None:  # the CPU runs every family
+            if not quiet:
+                _notice(f"the GPU engine runs Llama files only, not {cfg.family} with its "
+                        "extensions; running on the CPU")
+            return Model(cfg, weights, n_ctx, n_threads, ffn=cpu_ffn)
+        raise PyinferError(f"the GPU engine runs Llama files only; this {cfg.family} file needs "
+                           "--device cpu")
+    odd = _types_off_gpu(weights)
+    if device != "cpu" and odd:
+        msg = (f"the GPU kernels read {', '.join(cuda.GPU_TYPES)} weights, not {', '.join(odd)} "
+               "(convert with --outtype f16, q8_0 or q4_0)")
+        if device == "auto" and backend is None:
+            if not quiet:
+                _notice(msg + "; running on the CPU")
+            return Model(cfg, weights, n_ctx, n_threads, ffn=cpu_ffn)
+        raise PyinferError(msg)
     if device == "cpu" and backend is None:
         if vram_budget is not None or n_gpu_layers:
             raise PyinferError("--vram-budget and -ngl need a GPU device (--device cuda or auto)")

@@ -9,14 +9,20 @@ from __future__ import annotations
 import numpy as np
 
 from pyinfer.config import ModelConfig
+from pyinfer.errors import PyinferError
 from pyinfer.ffn import DenseFFN, linear
 from pyinfer.kv_cache import KVCache
 from pyinfer.ops import cpu
+from pyinfer.ops import families as fam
 from pyinfer.weights import ModelWeights
 
 
 class Model:
-    """A Llama-family transformer over memory-mapped weights with a preallocated KV cache."""
+    """A decoder-only transformer over memory-mapped weights with a preallocated KV cache.
+
+    Llama files run the compiled Llama kernels (fused per half-layer when decoding); the other
+    families (``ModelConfig`` fields after ``name``: LayerNorm, biases, learned positions, scaled
+    RoPE, sliding windows, parallel blocks) run the kernel-by-kernel loop of ``run_layers``."""
 
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, n_ctx: int, n_threads: int = 1,
                  ffn=None, fused: bool = True):
@@ -29,6 +35,10 @@ class Model:
         self.ffn = ffn if ffn is not None else DenseFFN(cfg)
         # sparse mode "input" (pyinfer.input_sparse): the FFN object also runs q/k/v/o
         self.input_sparse = self.ffn if getattr(self.ffn, "is_input_sparse", False) else None
+        self.llama_plain = cfg.llama_plain and weights.llama_plain  # the fused kernels fit
+        if cfg.positions == "learned" and n_ctx > weights.pos_embd.rows:
+            raise PyinferError(f"a context of {n_ctx} exceeds the {weights.pos_embd.rows} learned "
+                               "positions of this model (-c/--ctx-size)")
 
     def embed(self, tokens, n_past: int) -> np.ndarray:
         """(n_tok, n_embd) f32 embeddings of ``tokens``; ValueError when they do not fit after
@@ -39,6 +49,10 @@ class Model:
             raise ValueError(f"{n_past} + {T} tokens do not fit in a context of {self.n_ctx}")
         x = np.empty((T, self.cfg.n_embd), np.float32)  # (n_tok, n_embd) residual stream
         cpu.get_rows(self.w.token_embd, ids, x)
+        if self.w.pos_embd is not None:  # learned positions (OPT; the converter removed its offset)
+            pos = np.empty_like(x)
+            cpu.get_rows(self.w.pos_embd, np.arange(n_past, n_past + T, dtype=np.int32), pos)
+            x += pos
         return x
 
     def forward(self, tokens, n_past: int, all_logits: bool = False) -> np.ndarray:
@@ -57,7 +71,7 @@ class Model:
         (A GPU model runs its leading layers on the device and hands the rest to this.)"""
         cfg, w, nt = self.cfg, self.w, self.n_threads
         T = x.shape[0]
-        if T == 1 and self.fused:
+        if T == 1 and self.fused and self.llama_plain:
             return self._decode_fused(x, n_past, first)
         positions = np.arange(n_past, n_past + T, dtype=np.int32)
         h = np.empty_like(x)  # (n_tok, n_embd) normed input of a sublayer
@@ -66,34 +80,53 @@ class Model:
         v = np.empty((T, cfg.n_embd_kv), np.float32)
         attn = np.empty((T, cfg.n_head, cfg.head_dim), np.float32)
         y = np.empty_like(x)  # (n_tok, n_embd) sublayer output
+        y2 = np.empty_like(x) if cfg.parallel_block else None  # (n_tok, n_embd) parallel FFN
         isp = self.input_sparse
         for i in range(first, cfg.n_layer):
             lw = w.layers[i]
             # attention
-            cpu.rmsnorm(x, lw.attn_norm, cfg.rms_eps, h)
+            fam.norm(cfg, x, lw.attn_norm, lw.attn_norm_b, h)
             if isp is None:
-                linear(lw.wq, h, q, nt)
-                linear(lw.wk, h, k, nt)
-                linear(lw.wv, h, v, nt)
-            else:  # input sparsity: q, k, v from the transposed [wq; wk; wv]
+                _linear_b(lw.wq, lw.bq, h, q, nt)
+                _linear_b(lw.wk, lw.bk, h, k, nt)
+                _linear_b(lw.wv, lw.bv, h, v, nt)
+            else:  # input sparsity (Llama-shaped files only): q, k, v from the transposed [wq; wk; wv]
                 isp.qkv(lw, i, h, q, k, v, nt)
             q3 = q.reshape(T, cfg.n_head, cfg.head_dim)
             k3 = k.reshape(T, cfg.n_head_kv, cfg.head_dim)
-            cpu.rope_neox(q3, positions, cfg.rope_freq_base, cfg.head_dim)
-            cpu.rope_neox(k3, positions, cfg.rope_freq_base, cfg.head_dim)
+            if cfg.positions == "rope":
+                self._rope(q3, positions)
+                self._rope(k3, positions)
             self.cache.k[i, n_past:n_past + T] = k3
             self.cache.v[i, n_past:n_past + T] = v.reshape(T, cfg.n_head_kv, cfg.head_dim)
-            cpu.attention(q3, self.cache.k[i], self.cache.v[i], n_past, attn, nt)
+            window = cfg.window(i)
+            if window and n_past + T > window:
+                fam.attention_window(q3, self.cache.k[i], self.cache.v[i], n_past, window, attn, nt)
+            else:
+                cpu.attention(q3, self.cache.k[i], self.cache.v[i], n_past, attn, nt)
             if isp is None:
-                linear(lw.wo, attn.reshape(T, cfg.n_embd_q), y, nt)
+                _linear_b(lw.wo, lw.bo, attn.reshape(T, cfg.n_embd_q), y, nt)
             else:
                 isp.attn_out(lw, i, attn.reshape(T, cfg.n_embd_q), y, nt)
+            if cfg.parallel_block:  # Falcon: the FFN reads the layer's input too
+                fam.norm(cfg, x, lw.ffn_norm, lw.ffn_norm_b, h)
+                self.ffn(lw, i, x, h, y2, nt)
+                x += y
+                x += y2
+                continue
             x += y
             # feed-forward
-            cpu.rmsnorm(x, lw.ffn_norm, cfg.rms_eps, h)
+            fam.norm(cfg, x, lw.ffn_norm, lw.ffn_norm_b, h)
             self.ffn(lw, i, x, h, y, nt)
             x += y
         return x
+
+    def _rope(self, x: np.ndarray, positions: np.ndarray) -> None:
+        """RoPE in place on x (n_tok, n_heads, head_dim), with the file's frequency divisors."""
+        if self.w.rope_freqs is None:
+            cpu.rope_neox(x, positions, self.cfg.rope_freq_base, self.cfg.head_dim)
+        else:
+            fam.rope_scaled(x, positions, self.cfg.rope_freq_base, self.w.rope_freqs)
 
     def _decode_fused(self, x: np.ndarray, n_past: int, first: int = 0) -> np.ndarray:
         """One token: per layer, the attention half in one kernel call (``cpu.decode_attn``) and
@@ -126,7 +159,16 @@ class Model:
         if not all_logits:
             x = x[-1:]
         h = np.empty_like(x)
-        cpu.rmsnorm(x, w.output_norm, cfg.rms_eps, h)
+        fam.norm(cfg, x, w.output_norm, w.output_norm_b, h)
         logits = np.empty((h.shape[0], cfg.n_vocab), np.float32)  # (n_tok, n_vocab)
         linear(w.output, h, logits, nt)
         return logits if all_logits else logits[0]
+
+
+def _linear_b(w: cpu.QTensor, b: np.ndarray | None, x: np.ndarray, out: np.ndarray,
+              n_threads: int) -> np.ndarray:
+    """out = x @ w.T (+ b): ``linear`` with an optional (rows,) f32 bias."""
+    linear(w, x, out, n_threads)
+    if b is not None:
+        out += b
+    return out

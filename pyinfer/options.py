@@ -84,6 +84,7 @@ OPTIONS: dict[str, Range] = {
     "vram_budget": Range(integer=False, lo=0.0, lo_open=True, hi=1 << 20),  # GiB
     "n_gpu_layers": Range(integer=True, lo=0, hi=1 << 20),
     "chunks": Range(integer=True, lo=0, hi=1 << 31),
+    "top_logprobs": Range(integer=True, lo=0, hi=20),  # OpenAI's bound
 }
 
 
@@ -163,3 +164,28 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(1, f"error: {message} (see {self.prog} --help)\n")
+
+
+def add_version(p: argparse.ArgumentParser) -> None:
+    """``--version``: print ``<prog> <pyinfer version>`` and exit 0 (as llama.cpp's tools do)."""
+    from pyinfer import __version__
+
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__} (pyinfer)")
+
+
+def add_model(p: argparse.ArgumentParser, what: str = "GGUF written by pyinfer-convert") -> None:
+    """The model as a positional argument or ``-m/--model`` (llama.cpp spells it -m); read it
+    back with ``model_path(args)``."""
+    p.add_argument("model", nargs="?", help=what)
+    p.add_argument("-m", "--model", dest="model_opt", metavar="MODEL", help="same as the positional MODEL")
+
+
+def model_path(args, usage: str) -> str:
+    """The model path given as ``-m`` or positionally. Raises PyinferError when both name
+    different files or neither is given (``usage`` is shown as the fix)."""
+    pos, opt = getattr(args, "model", None), getattr(args, "model_opt", None)
+    if pos and opt and pos != opt:
+        raise PyinferError(f"two models given ({opt} with -m and {pos}); give one")
+    if not (pos or opt):
+        raise PyinferError(f"no model given: {usage}")
+    return opt or pos

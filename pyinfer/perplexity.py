@@ -15,7 +15,8 @@ import time
 import numpy as np
 
 from pyinfer.errors import PyinferError
-from pyinfer.options import MAX_TEXT_FILE_BYTES, Parser, arg_type, read_text_file
+from pyinfer.options import (MAX_TEXT_FILE_BYTES, Parser, add_model, add_version, arg_type, model_path,
+                             read_text_file)
 
 
 def log_softmax_at(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
@@ -59,7 +60,8 @@ def perplexity(engine, tokens: list[int], n_ctx: int, max_chunks: int = 0, progr
 
 def main(argv=None) -> int:
     ap = Parser(prog="pyinfer-perplexity", description=__doc__.splitlines()[0])
-    ap.add_argument("model", help="GGUF written by pyinfer-convert")
+    add_version(ap)
+    add_model(ap)
     ap.add_argument("-f", "--file", required=True, help="text file to score")
     ap.add_argument("-c", "--ctx-size", type=arg_type("ctx_size"), default=512, help="chunk size in tokens")
     ap.add_argument("-t", "--threads", type=arg_type("threads"), default=None)
@@ -69,10 +71,11 @@ def main(argv=None) -> int:
     try:
         from pyinfer.engine import Engine
 
+        path = model_path(args, "pyinfer-perplexity MODEL.gguf -f TEXT (or -m MODEL.gguf)")
         text = read_text_file(args.file, MAX_TEXT_FILE_BYTES, "text file", hint="score a part of it")
         if args.ctx_size < 8:
             raise PyinferError("-c/--ctx-size must be at least 8")
-        eng = Engine(args.model, n_ctx=args.ctx_size, n_threads=args.threads, dense=args.dense)
+        eng = Engine(path, n_ctx=args.ctx_size, n_threads=args.threads, dense=args.dense)
         tokens = eng.tokenizer.encode(text, add_bos=False)
         t0 = time.perf_counter()
         ppl, n, frac = perplexity(eng, tokens, args.ctx_size, args.chunks)

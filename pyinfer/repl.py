@@ -104,6 +104,14 @@ class ChatSession:
         return self.llm.last_stats
 
 
+def cut_notice(session: ChatSession, s: GenerationStats) -> str:
+    """Why an answer ended before its end-of-turn token: the -n cap or a full context."""
+    if session.max_tokens and s.completion_tokens >= session.max_tokens:
+        return (f"[answer cut at {s.completion_tokens} tokens (-n {session.max_tokens}); "
+                "say 'go on' to continue, or raise -n]")
+    return f"[answer cut: the context ({session.llm.n_ctx} tokens) is full; /reset or raise -c]"
+
+
 def format_stats(s: GenerationStats) -> str:
     reused = s.prompt_tokens - s.prompt_evaluated
     return (f"[prompt: {s.prompt_evaluated} tokens evaluated, {reused} reused from the cache; "
@@ -202,33 +210,51 @@ def repl(session: ChatSession, verbose: bool = False, out=sys.stdout, err=sys.st
         if last.interrupted:
             print("[interrupted]", file=err)
         elif last.finish_reason == "length":
-            print("[answer cut: token limit reached]", file=err)
+            print(cut_notice(session, last), file=err)
         if verbose:
             print(format_stats(last), file=err)
 
 
+def describe_settings(session: ChatSession) -> str:
+    """One line with the sampling chain's settings and the answer cap, as llama.cpp prints its
+    sampler parameters at start-up."""
+    sp = session.sampling
+    if sp.get("temperature", 0.8) <= 0:
+        chain = "greedy (temp 0)"
+    else:
+        chain = (f"temp {sp.get('temperature', 0.8):.2f}, top-k {sp.get('top_k', 40)}, "
+                 f"top-p {sp.get('top_p', 0.95):.2f}, min-p {sp.get('min_p', 0.05):.2f}")
+    rp = sp.get("repeat_penalty", 1.0)
+    penalty = (f"repeat-penalty {rp:.2f} over the last {sp.get('repeat_last_n', 64)} tokens"
+               if rp != 1.0 else "no repeat penalty")
+    cap = f"answers capped at {session.max_tokens} tokens (-n)" if session.max_tokens else \
+        "answers not capped (-n -1)"
+    return f"sampling: {chain}, {penalty}; {cap}"
+
+
 def run_repl(args) -> int:
     """Start the chat for parsed pyinfer-run/pyinfer-chat flags (model path already checked)."""
-    from pyinfer.cli import check_args, load, sampling_kwargs
+    from pyinfer.cli import CHAT_N_PREDICT, check_args, load, sampling_kwargs
 
     model_path = check_args(args)
-    if args.prompt is not None or args.file:
+    if getattr(args, "prompt", None) is not None or getattr(args, "file", None):
         raise PyinferError("-p/-f cannot be used with the interactive chat")
-    n = args.n_predict
+    n = CHAT_N_PREDICT if args.n_predict is None else args.n_predict
     if n == 0:
         raise PyinferError("-n 0 leaves no room for an answer")
     llm = load(args, model_path)
-    session = ChatSession(llm, system=args.system, max_tokens=None if n is None or n < 0 else n,
+    session = ChatSession(llm, system=args.system, max_tokens=None if n < 0 else n,
                           **sampling_kwargs(args))
     print(f"pyinfer chat: {llm.model_name}, context {llm.n_ctx} tokens. "
           "/help for commands, Ctrl-C stops an answer, Ctrl-D exits.", file=sys.stderr)
+    print(describe_settings(session), file=sys.stderr)
     return repl(session, verbose=args.verbose)
 
 
 def main(argv=None) -> int:
     from pyinfer.cli import build_parser
 
-    args = build_parser("pyinfer-chat").parse_args(argv)
+    args = build_parser("pyinfer-chat", chat=True).parse_args(argv)
     args.interactive = True
     return exit_code_of(run_repl, args)
 

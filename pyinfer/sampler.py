@@ -40,20 +40,31 @@ def apply_repeat_penalty(logits: np.ndarray, recent, penalty: float) -> np.ndarr
     return out
 
 
-def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
-           recent=()) -> int:
-    """Pick the next token id from ``logits`` (n_vocab,) float32.
+def distribution(logits: np.ndarray, params: SamplingParams, recent=(),
+                 allowed: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The distribution the sampler draws from: (token ids (k,) int64 best first, probabilities
+    (k,) float64 summing to 1). Greedy (temperature <= 0) gives the one best token.
 
-    ``recent`` holds the ids the repetition penalty applies to (the caller passes the last
-    ``params.repeat_last_n`` tokens). Deterministic for a seeded ``rng``.
+    The chain is llama.cpp's (``common/sampling.cpp``, ``src/llama-sampling.cpp``): the repetition
+    penalty on ``recent``; top-k; softmax; top-p keeps the smallest prefix whose mass reaches
+    top_p; min-p keeps tokens with p >= min_p * p_max; then softmax of logit / temperature over
+    what is left. ``allowed`` (n_vocab,) bool: a grammar's mask, applied first (tokens outside it
+    are never drawn). Raises ValueError for a mask that allows no token.
     """
     z = apply_repeat_penalty(logits, recent, params.repeat_penalty)
+    if allowed is not None:
+        if not allowed.any():
+            raise ValueError("the grammar allows no token")
+        z[~allowed] = -np.inf
     if params.temperature <= 0:
-        return int(np.argmax(z))
+        return np.array([int(np.argmax(z))]), np.ones(1)
 
     # Candidates sorted by logit, best first; the filters only ever cut the tail.
-    if 0 < params.top_k < z.shape[0]:
+    n_ok = z.shape[0] if allowed is None else int(np.count_nonzero(allowed))
+    if 0 < params.top_k < n_ok:
         cand = np.argpartition(-z, params.top_k - 1)[:params.top_k]
+    elif allowed is not None:
+        cand = np.flatnonzero(allowed)
     else:
         cand = np.arange(z.shape[0])
     cand = cand[np.argsort(-z[cand], kind="stable")]
@@ -68,5 +79,26 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
         keep = min(keep, max(1, int(np.count_nonzero(p[:keep] >= params.min_p * p[0]))))
     cz = cz[:keep] / params.temperature
     p = np.exp(cz - cz[0])
-    p /= p.sum()
-    return int(cand[rng.choice(keep, p=p)])
+    return cand[:keep].astype(np.int64), p / p.sum()
+
+
+def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
+           recent=(), allowed: np.ndarray | None = None) -> int:
+    """Pick the next token id from ``logits`` (n_vocab,) float32: a draw from ``distribution``.
+
+    ``recent`` holds the ids the repetition penalty applies to (the caller passes the last
+    ``params.repeat_last_n`` tokens); ``allowed``: a grammar's mask (see ``distribution``).
+    Deterministic for a seeded ``rng``.
+    """
+    ids, p = distribution(logits, params, recent, allowed)
+    if params.temperature <= 0:
+        return int(ids[0])
+    return int(ids[rng.choice(ids.shape[0], p=p)])
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """log p of every token under the model, before any sampling filter: (n_vocab,) float64.
+    What OpenAI's ``logprobs`` report."""
+    z = np.asarray(logits, dtype=np.float64)
+    m = z.max()
+    return z - (m + np.log(np.exp(z - m).sum()))

@@ -1,7 +1,14 @@
 """pyinfer-serve: an OpenAI-compatible HTTP server over one model (Starlette + uvicorn).
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``"stream": true`` answers with
-server-sent events, ending with ``data: [DONE]``), ``GET /v1/models``, ``GET /health``.
+server-sent events, ending with ``data: [DONE]``), ``POST /v1/embeddings`` (mean-pooled final hidden
+states, unit length), ``GET /v1/models``, ``GET /health``.
+Requests take OpenAI's fields plus llama.cpp's ``top_k``, ``min_p``, ``repeat_penalty``, ``grammar``
+and ``json_schema``; ``response_format`` (json_object, json_schema) and ``grammar`` constrain the
+output (pyinfer/grammar.py), ``logprobs``/``top_logprobs`` return log-probabilities in OpenAI's
+shapes. A field the server does not implement is refused with 400 naming it (``FIELDS``), and so is
+a value it cannot honour (``presence_penalty`` other than 0, ``tools``, ``echo``, ``n`` > 1 ...);
+``model``, ``user``, ``metadata``, ``store`` and ``service_tier`` are accepted and have no effect.
 One engine serves one request at a time: requests wait in a bounded queue, and a request that finds
 it full gets 503. A malformed request gets a 4xx with an OpenAI-style error body; nothing a client
 sends stops the server: bodies are bounded before they are read, chat templates render in a worker
@@ -46,6 +53,36 @@ def error_body(message: str, param: str | None = None, kind: str = "invalid_requ
 
 
 # ---- request validation ------------------------------------------------------------------------
+_COMMON = {"model", "user", "metadata", "store", "service_tier",  # informational: no effect
+           "max_tokens", "temperature", "top_p", "top_k", "min_p", "repeat_penalty", "seed", "stop",
+           "stream", "stream_options", "n", "logprobs", "response_format", "grammar", "json_schema",
+           "presence_penalty", "frequency_penalty", "logit_bias"}
+#: The request fields each endpoint reads; any other field is refused with 400.
+FIELDS = {
+    "/v1/completions": _COMMON | {"prompt", "echo", "best_of", "suffix"},
+    "/v1/chat/completions": _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools",
+                                       "tool_choice", "parallel_tool_calls"},
+    "/v1/embeddings": {"model", "user", "input", "encoding_format", "dimensions"},
+}
+#: Fields accepted only at the value that asks for nothing (OpenAI's defaults).
+_NEUTRAL = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},),
+            "echo": (False,), "best_of": (1,), "suffix": ("",), "tools": ([],), "tool_choice": ("none",),
+            "parallel_tool_calls": (True, False)}
+
+
+def check_fields(body: dict, endpoint: str) -> None:
+    """BadRequest for a field ``endpoint`` does not implement, or one given a value it cannot
+    honour (``_NEUTRAL``); null counts as absent."""
+    unknown = sorted(k for k in body if k not in FIELDS[endpoint])
+    if unknown:
+        raise BadRequest(f"unsupported field{'s' if len(unknown) > 1 else ''} "
+                         f"{', '.join(repr(k) for k in unknown)} (pyinfer-serve implements "
+                         f"{', '.join(sorted(FIELDS[endpoint]))})", unknown[0])
+    for k, ok in _NEUTRAL.items():
+        v = body.get(k)
+        if v is not None and not any(v == o and type(v) is type(o) for o in ok):
+            raise BadRequest(f"'{k}' is not supported (only {' or '.join(json.dumps(o) for o in ok)})", k)
+
 def _number(body: dict, name: str, default, option: str):
     """``body[name]`` checked against ``option``'s range (pyinfer/options.py, shared with the CLI
     and the API); ``default`` when absent or null. NaN and infinities are refused."""
@@ -61,8 +98,8 @@ def _number(body: dict, name: str, default, option: str):
 def sampling_options(body: dict, max_tokens_default: int | None) -> dict:
     """Keyword arguments for ``LLM.create_*completion`` from an OpenAI request body.
 
-    Raises BadRequest for a wrong type or range. Unknown fields are ignored, as OpenAI-compatible
-    servers do (clients send ``model``, ``user`` ...); ``n`` must be 1.
+    Raises BadRequest for a wrong type or range (unknown fields are refused before, by
+    ``check_fields``); ``n`` must be 1.
     """
     if body.get("n", 1) not in (1, None) or isinstance(body.get("n"), (bool, float)):
         raise BadRequest("only n=1 is supported", "n")
@@ -75,6 +112,17 @@ def sampling_options(body: dict, max_tokens_default: int | None) -> dict:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be a boolean", "stream")
+    grammar_fields = dict(response_format=body.get("response_format"), grammar=body.get("grammar"),
+                          json_schema=body.get("json_schema"))
+    try:
+        from pyinfer.api import grammar_of
+
+        g = grammar_of(**grammar_fields)
+        if g is not None:
+            g.llguidance_grammar()  # a grammar that does not parse is the request's fault: 400
+    except PyinferError as e:
+        given = [k for k, v in grammar_fields.items() if v is not None]
+        raise BadRequest(str(e), given[0] if given else None) from None
     opts = dict(
         max_tokens=_number(body, "max_tokens", max_tokens_default, "max_tokens"),
         # llama.cpp server's defaults, not OpenAI's (temperature 1, no filters): kinder to small models
@@ -86,8 +134,39 @@ def sampling_options(body: dict, max_tokens_default: int | None) -> dict:
         seed=_number(body, "seed", None, "seed"),  # -1: random, as llama.cpp's server
         stop=stop,
         stream=stream,
+        **{k: v for k, v in grammar_fields.items() if v is not None},
     )
     return opts
+
+
+def encode_embeddings(result: dict, fmt: str) -> dict:
+    """``result`` of ``LLM.create_embedding`` with each vector as OpenAI's ``encoding_format`` asks:
+    "float" (a list) or "base64" (little-endian float32 bytes, base64; what the openai client
+    requests by default)."""
+    if fmt == "base64":
+        import base64
+
+        import numpy as np
+
+        for d in result["data"]:
+            d["embedding"] = base64.b64encode(np.asarray(d["embedding"], "<f4").tobytes()).decode("ascii")
+    return result
+
+
+def logprob_options(body: dict, chat: bool) -> dict:
+    """``logprobs`` (completions: an integer 0..20 of alternatives; chat: a boolean, with
+    ``top_logprobs`` 0..20) as keyword arguments of ``LLM.create_*completion``."""
+    lp = body.get("logprobs")
+    if not chat:
+        if lp is None:
+            return {}
+        return {"logprobs": _number(body, "logprobs", None, "top_logprobs")}
+    if lp is not None and not isinstance(lp, bool):
+        raise BadRequest("'logprobs' must be a boolean", "logprobs")
+    top = _number(body, "top_logprobs", None, "top_logprobs")
+    if top is not None and not lp:
+        raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return {"logprobs": bool(lp), "top_logprobs": top} if lp else {}
 
 
 def include_usage(body: dict) -> bool:
@@ -372,8 +451,10 @@ def create_app(llm, max_queue: int = 4, api_key: str | None = None):
     async def completions(request: Request):
         try:
             body = await read_json(request)
+            check_fields(body, "/v1/completions")
             prompt = completion_prompt(body)
             opts = sampling_options(body, max_tokens_default=16)
+            opts.update(logprob_options(body, chat=False))
             usage = include_usage(body)
             # tokenizing up to 1 MiB takes a while: off the event loop, which keeps serving
             ids = await run_in_threadpool(llm.tokenize, prompt) if isinstance(prompt, str) else prompt
@@ -388,8 +469,10 @@ def create_app(llm, max_queue: int = 4, api_key: str | None = None):
     async def chat_completions(request: Request):
         try:
             body = await read_json(request)
+            check_fields(body, "/v1/chat/completions")
             messages = chat_messages(body)
             opts = sampling_options(body, max_tokens_default=None)
+            opts.update(logprob_options(body, chat=True))
             usage = include_usage(body)
             if body.get("max_completion_tokens") is not None and body.get("max_tokens") is None:
                 opts["max_tokens"] = _number(body, "max_completion_tokens", None, "max_tokens")
@@ -405,6 +488,33 @@ def create_app(llm, max_queue: int = 4, api_key: str | None = None):
         return await run_job(request, lambda stop: llm.create_chat_completion(messages, should_stop=stop,
                                                                               **opts),
                              opts["stream"], usage)
+
+    async def embeddings(request: Request):
+        try:
+            body = await read_json(request)
+            check_fields(body, "/v1/embeddings")
+            inp = body.get("input")
+            ok = isinstance(inp, str) or (isinstance(inp, list) and inp and (
+                all(isinstance(x, str) for x in inp) or all(isinstance(x, int) and not isinstance(x, bool)
+                                                            for x in inp)
+                or all(isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+                       for x in inp)))
+            if not ok:
+                raise BadRequest("'input' must be a string, a list of strings or token ids", "input")
+            if not hasattr(llm.engine.model, "run_layers"):
+                return error(501, "embeddings are computed by the CPU model only: start pyinfer-serve "
+                             "with --device cpu", kind="not_implemented")
+            fmt = body.get("encoding_format") or "float"
+            if fmt not in ("float", "base64"):
+                raise BadRequest("'encoding_format' must be \"float\" or \"base64\"", "encoding_format")
+            dims = body.get("dimensions")
+            if dims is not None and dims != llm.engine.cfg.n_embd:
+                raise BadRequest(f"'dimensions' must be {llm.engine.cfg.n_embd} (the model's n_embd)",
+                                 "dimensions")
+        except BadRequest as e:
+            return error(e.status, str(e), e.param)
+        return await run_job(request, lambda stop: encode_embeddings(llm.create_embedding(inp), fmt),
+                             stream=False)
 
     async def models(request: Request):
         return JSONResponse({"object": "list", "data": [
@@ -422,6 +532,7 @@ def create_app(llm, max_queue: int = 4, api_key: str | None = None):
     routes = [
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
     ]
@@ -433,10 +544,11 @@ def create_app(llm, max_queue: int = 4, api_key: str | None = None):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pyinfer.options import Parser, arg_type
+    from pyinfer.options import Parser, add_model, add_version, arg_type
 
     p = Parser(prog="pyinfer-serve", description=__doc__.splitlines()[0])
-    p.add_argument("model", help="GGUF written by pyinfer-convert")
+    add_version(p)
+    add_model(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1; any other needs --api-key or --no-api-key)")
     p.add_argument("--api-key", default=os.environ.get("PYINFER_API_KEY") or None, metavar="KEY",
@@ -483,7 +595,7 @@ def main(argv=None) -> int:
             raise PyinferError("--queue-size must be >= 0")
         from pyinfer.cli import load
 
-        llm = load(args, args.model)
+        llm = load(args, options.model_path(args, "pyinfer-serve MODEL.gguf (or -m MODEL.gguf)"))
         app = create_app(llm, max_queue=args.queue_size, api_key=args.api_key)
     except PyinferError as e:
         print(f"error: {e}", file=sys.stderr)

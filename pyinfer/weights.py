@@ -30,15 +30,30 @@ class LayerWeights:
     wv: QTensor | None  # (n_head_kv * head_dim, n_embd)
     wo: QTensor | None  # (n_embd, n_head * head_dim)
     ffn_norm: np.ndarray  # (n_embd,) f32
-    ffn_gate: QTensor | None  # (n_ff, n_embd) one row per neuron
-    ffn_up: QTensor | None  # (n_ff, n_embd) one row per neuron
+    ffn_gate: QTensor | None  # (n_ff, n_embd) one row per neuron; None for a non-gated FFN or input mode
+    ffn_up: QTensor | None  # (n_ff, n_embd) one row per neuron; None in input mode
     ffn_down_t: QTensor  # (n_ff, n_embd) ffn_down transposed: one row per neuron
     fc1: np.ndarray | None = None  # (rank, n_embd) f32 or f16 predictor, when the file has one
     fc2: np.ndarray | None = None  # (n_ff, rank) f32 or f16
+    # optional biases (None when the file has none), f32
+    attn_norm_b: np.ndarray | None = None  # (n_embd,) LayerNorm bias
+    ffn_norm_b: np.ndarray | None = None  # (n_embd,)
+    bq: np.ndarray | None = None  # (n_head * head_dim,)
+    bk: np.ndarray | None = None  # (n_head_kv * head_dim,)
+    bv: np.ndarray | None = None  # (n_head_kv * head_dim,)
+    bo: np.ndarray | None = None  # (n_embd,)
+    ffn_up_b: np.ndarray | None = None  # (n_ff,) one per neuron, added before the activation
+    ffn_down_b: np.ndarray | None = None  # (n_embd,)
+    # sparse mode "input" (TEAL/WINA): transposed storage, one row per input channel
     attn_qkv_t: QTensor | None = None  # (n_embd, n_embd_q + 2 n_embd_kv) = [wq; wk; wv]^T
     attn_output_t: QTensor | None = None  # (n_embd_q, n_embd) = wo^T
     ffn_gate_up_t: QTensor | None = None  # (n_embd, 2 n_ff) = [ffn_gate; ffn_up]^T
     in_scale: dict | None = None  # group -> (n_in,) f32 column norms (WINA files)
+
+    @property
+    def has_bias(self) -> bool:
+        return any(b is not None for b in (self.attn_norm_b, self.ffn_norm_b, self.bq, self.bk,
+                                           self.bv, self.bo, self.ffn_up_b, self.ffn_down_b))
 
 
 @dataclass
@@ -47,6 +62,16 @@ class ModelWeights:
     output_norm: np.ndarray  # (n_embd,) f32
     output: QTensor  # (n_vocab, n_embd); token_embd itself when tied
     layers: list[LayerWeights]
+    output_norm_b: np.ndarray | None = None  # (n_embd,) LayerNorm bias
+    pos_embd: QTensor | None = None  # (n_ctx_train, n_embd) learned positions
+    rope_freqs: np.ndarray | None = None  # (head_dim/2,) f32 divisors of RoPE's frequencies
+
+    @property
+    def llama_plain(self) -> bool:
+        """True where nothing in the weights needs more than the fused Llama kernels."""
+        return (self.rope_freqs is None and self.pos_embd is None and self.output_norm_b is None
+                and not any(lw.has_bias or (lw.ffn_gate is None and lw.ffn_gate_up_t is None)
+                            for lw in self.layers))
 
     @classmethod
     def from_gguf(cls, reader: gguf.GGUFReader, cfg: ModelConfig) -> "ModelWeights":
@@ -82,6 +107,10 @@ class ModelWeights:
             if a.dtype != np.float32 or a.size != n:
                 raise PyinferError(f"tensor {name} must be f32 with {n} elements")
             return a.reshape(n)
+
+        def bias(name, n):
+            """An optional f32 vector: None when the file lacks it."""
+            return vector(name, n) if name in by_name else None
 
         def predictor(i):
             """(fc1, fc2) of layer i, or (None, None) when the layer has no predictor."""
@@ -135,13 +164,31 @@ class ModelWeights:
                 wv=tensor(C.ATTN_V.format(bid=i), cfg.n_embd_kv, E),
                 wo=tensor(C.ATTN_OUT.format(bid=i), E, cfg.n_embd_q),
                 ffn_norm=vector(C.FFN_NORM.format(bid=i), E),
-                ffn_gate=tensor(C.FFN_GATE.format(bid=i), F, E),
+                ffn_gate=tensor(C.FFN_GATE.format(bid=i), F, E) if cfg.ffn_gated else None,
                 ffn_up=tensor(C.FFN_UP.format(bid=i), F, E),
                 ffn_down_t=tensor(C.FFN_DOWN_T.format(bid=i), F, E),
                 fc1=fc1,
                 fc2=fc2,
+                attn_norm_b=bias(C.ATTN_NORM_B.format(bid=i), E),
+                ffn_norm_b=bias(C.FFN_NORM_B.format(bid=i), E),
+                bq=bias(C.ATTN_Q_B.format(bid=i), cfg.n_embd_q),
+                bk=bias(C.ATTN_K_B.format(bid=i), cfg.n_embd_kv),
+                bv=bias(C.ATTN_V_B.format(bid=i), cfg.n_embd_kv),
+                bo=bias(C.ATTN_OUT_B.format(bid=i), E),
+                ffn_up_b=bias(C.FFN_UP_B.format(bid=i), F),
+                ffn_down_b=bias(C.FFN_DOWN_B.format(bid=i), E),
             ))
         token_embd = tensor(C.TOKEN_EMBD, cfg.n_vocab, E)
         output = token_embd if cfg.tied_embeddings else tensor(C.OUTPUT, cfg.n_vocab, E)
+        pos_embd = None
+        if cfg.positions == "learned":
+            t = by_name.get(C.POS_EMBD)
+            if t is None:
+                raise PyinferError(f"tensor {C.POS_EMBD} is missing from the GGUF")
+            pos_embd = tensor(C.POS_EMBD, int(t.shape[-1]), E)
+        rope_freqs = bias(C.ROPE_FREQS, cfg.head_dim // 2)
+        if rope_freqs is not None and not (np.all(np.isfinite(rope_freqs)) and np.all(rope_freqs > 0)):
+            raise PyinferError(f"tensor {C.ROPE_FREQS} must hold positive numbers")
         return cls(token_embd=token_embd, output_norm=vector(C.OUTPUT_NORM, E),
-                   output=output, layers=layers)
+                   output=output, layers=layers, output_norm_b=bias(C.OUTPUT_NORM_B, E),
+                   pos_embd=pos_embd, rope_freqs=rope_freqs)

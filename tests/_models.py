@@ -183,7 +183,7 @@ def write_llamacpp_gguf(model_dir: str, out_path: str, qtype: str = "f32") -> No
     """Write ``model_dir`` (from `make_random_llama`) as llama.cpp's convert_hf_to_gguf.py would.
 
     Q/K rows permuted for llama.cpp's RoPE (its ``LlamaModel.permute``), ``ffn_down`` untransposed,
-    no pyinfer keys; 2-D weights in ``qtype`` ("f32", "f16", "q8_0", "q4_1"), norms f32. The
+    no pyinfer keys; 2-D weights in ``qtype`` (a name of pyinfer.constants.OUTTYPES), norms f32. The
     tokenizer keys are copied from a pyinfer conversion of the same directory, so this needs the
     converter (it is a fixture for testing the converter's GGUF path without llama.cpp).
     """
@@ -216,9 +216,12 @@ def write_llamacpp_gguf(model_dir: str, out_path: str, qtype: str = "f32") -> No
                 else:
                     w.add_key_value(name, v, field.types[0])
         del reader
-    w.add_file_type(0)
-    qt = {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
-          "q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_1": gguf.GGMLQuantizationType.Q4_1}[qtype]
+    from convert.writer import FILE_TYPES
+
+    w.add_file_type(int(FILE_TYPES[qtype]))
+    from pyinfer.quants import quantize
+
+    qt = C.OUTTYPES[qtype]
 
     def add(name: str, arr: "np.ndarray") -> None:
         arr = np.ascontiguousarray(arr, dtype=np.float32)
@@ -227,7 +230,7 @@ def write_llamacpp_gguf(model_dir: str, out_path: str, qtype: str = "f32") -> No
         elif qt == gguf.GGMLQuantizationType.F16:
             w.add_tensor(name, arr.astype(np.float16))
         else:
-            w.add_tensor(name, gguf.quants.quantize(arr, qt), raw_dtype=qt)
+            w.add_tensor(name, quantize(arr, qt), raw_dtype=qt)
 
     add(C.TOKEN_EMBD, sd["model.embed_tokens.weight"])
     for i in range(cfg["num_hidden_layers"]):

@@ -105,6 +105,8 @@ def tiny_tensors(seed: int = 0) -> dict[str, tuple[np.ndarray, QT]]:
 
 
 def _encode(a: np.ndarray, qtype: QT) -> np.ndarray:
+    if qtype in (QT.I32, QT.I16, QT.I8):  # integer tensors (act_count, gpu_idx) go in as they are
+        return a
     if qtype == QT.F32:
         return a
     if qtype == QT.F16:

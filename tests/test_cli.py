@@ -141,3 +141,96 @@ def test_greedy_chat_answers_berlin(smollm2_q8):
     assert "Berlin" in r.stdout
     assert "What is the capital" not in r.stdout  # --chat does not echo the prompt
     assert "pyinfer_perf:        eval time" in r.stderr  # llama.cpp-style timing summary
+
+
+# ---- --version and -m/--model on every command (issue 13) --------------------------------------
+COMMANDS = {"pyinfer-run": "pyinfer.cli", "pyinfer-chat": "pyinfer.repl", "pyinfer-serve": "pyinfer.server",
+            "pyinfer-perplexity": "pyinfer.perplexity", "pyinfer-convert": "convert.cli",
+            "pyinfer-inspect": "pyinfer.info"}
+
+
+def run_module(module, *args, timeout=120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env=env)
+
+
+@pytest.mark.parametrize("prog", sorted(COMMANDS))
+def test_version_on_every_command(prog):
+    import tomllib
+
+    from pyinfer import __version__
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    assert project["version"] == __version__
+    assert prog in project["scripts"]  # installed as a console script
+    r = run_module(COMMANDS[prog], "--version")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == f"{prog} {__version__} (pyinfer)"
+
+
+@pytest.fixture(scope="module")
+def runnable_gguf(tmp_path_factory) -> str:
+    from tests._tiny_gguf import write_tiny_gguf
+
+    return write_tiny_gguf(str(tmp_path_factory.mktemp("tiny") / "tiny.gguf"))
+
+
+def test_dash_m_is_the_model(runnable_gguf, tmp_path):
+    a = pyinfer_run("-m", runnable_gguf, "-p", "the", "-n", "4", "--temp", "0", "-t", "1")
+    b = pyinfer_run(runnable_gguf, "-p", "the", "-n", "4", "--temp", "0", "-t", "1")
+    assert a.returncode == 0 and a.stdout == b.stdout and a.stdout.startswith("the")
+    assert_user_error(pyinfer_run("-m", runnable_gguf, str(tmp_path / "other.gguf"), "-p", "x"),
+                      "two models given")
+    text = tmp_path / "t.txt"
+    text.write_text("the then than in an " * 20)
+    r = run_module("pyinfer.perplexity", "-m", runnable_gguf, "-f", str(text), "-c", "16", "-t", "1")
+    assert r.returncode == 0 and r.stdout.startswith("perplexity: "), r.stderr
+    assert_user_error(run_module("pyinfer.perplexity", "-f", str(text)), "no model given")
+    assert_user_error(run_module("pyinfer.server", "--port", "1"), "no model given")
+
+
+def test_gpu_flags_without_a_gpu_say_they_are_ignored(runnable_gguf):
+    env = dict(os.environ, PYTHONPATH=ROOT, PYINFER_DEVICE="cpu")  # as on a machine without a GPU
+    r = subprocess.run([sys.executable, "-m", "pyinfer.cli", runnable_gguf, "-p", "the", "-n", "2",
+                        "--vram-budget", "4", "-ngl", "2", "-t", "1"], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT, env=env)
+    assert r.returncode == 0, r.stderr
+    notices = [ln for ln in r.stderr.splitlines() if "ignored" in ln]
+    assert len(notices) == 1 and "--vram-budget, -ngl ignored" in notices[0], r.stderr
+
+
+def test_convert_takes_the_source_as_dash_m(tmp_path):
+    r = run_module("convert.cli", "-m", str(tmp_path / "nope"), str(tmp_path / "out.gguf"))
+    assert_user_error(r, "nope does not exist")
+
+
+def test_missing_kernels_say_how_to_build_them(runnable_gguf):
+    code = ("import sys; sys.modules['pyinfer.ops._kernels'] = None  # as after `make clean`\n"
+            "from pyinfer.cli import main; sys.exit(main([sys.argv[1], '-p', 'the', '-n', '1']))")
+    r = subprocess.run([sys.executable, "-c", code, runnable_gguf], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert_user_error(r, "compiled kernels", "make install")
+    r = subprocess.run([sys.executable, "-c", "import sys; sys.modules['pyinfer.ops._kernels'] = None\n"
+                        "try:\n import pyinfer.ops.cpu\nexcept ImportError as e: print('ImportError')"],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert r.stdout.strip() == "ImportError"  # still an ImportError for code that guards the import
+
+
+def test_package_imports_beside_a_folder_named_pyinfer(tmp_path):
+    """The README's example in a script next to a clone named `pyinfer` (no PYTHONPATH): the installed
+    package wins over the folder (Makefile: editable_mode=compat)."""
+    import importlib.metadata
+
+    try:
+        importlib.metadata.distribution("pyinfer")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("pyinfer is not installed in this environment (make install-test installs it)")
+    (tmp_path / "pyinfer").mkdir()
+    (tmp_path / "pyinfer" / "README.md").write_text("a clone\n")
+    (tmp_path / "example.py").write_text("import pyinfer\nfrom pyinfer import LLM\nprint(LLM.__name__)\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([sys.executable, "example.py"], capture_output=True, text=True, timeout=120,
+                       cwd=tmp_path, env=env)
+    assert r.returncode == 0 and r.stdout.strip() == "LLM", r.stderr

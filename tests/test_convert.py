@@ -268,6 +268,55 @@ def test_llamacpp_gguf_source(models, tmp_path, key, src_type):
     assert field(r, C.K_HIDDEN_ACT) == "silu"  # llama.cpp's llama architecture is SwiGLU
 
 
+@pytest.mark.parametrize("src_type,dims", [("q4_1", {}), ("q6_k", dict(hidden_size=256, intermediate_size=512,
+                                                                        head_dim=64))])
+def test_llamacpp_gguf_auto_keeps_types(tmp_path, src_type, dims):
+    """--outtype auto (the default): every matrix keeps the source's type; those whose layout does
+    not change are copied byte for byte (Q/K rows moved whole), ffn_down_t is quantized again at
+    the source type, within that type's rounding of the source's values."""
+    model_dir = make_random_llama(tmp_path / "hf", "silu", False, 2, "bpe", **dims)
+    src = str(tmp_path / "llamacpp.gguf")
+    write_llamacpp_gguf(model_dir, src, src_type)
+    out = str(tmp_path / "out.gguf")
+    r = convert(src, out, "auto")
+    qt = C.OUTTYPES[src_type]
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    src_t, got = tensors(gguf.GGUFReader(src)), tensors(r)
+    assert field(r, C.K_FILE_TYPE) == field(gguf.GGUFReader(src), C.K_FILE_TYPE)
+    assert abs(os.path.getsize(out) / os.path.getsize(src) - 1) < 0.05
+    for name, t in got.items():
+        if t.data.ndim == 1 or t.tensor_type == QT.F32:
+            continue
+        assert t.tensor_type == qt, name
+        if "ffn_down_t" in name:
+            base = deq(src_t[name.replace("ffn_down_t", "ffn_down")]).T
+            err = np.sqrt(np.mean((deq(t) - base) ** 2) / np.mean(base ** 2))
+            assert err < {"q4_1": 0.12, "q6_k": 0.03}[src_type], (name, err)
+            continue
+        want = np.asarray(src_t[name].data)
+        if "attn_q" in name or "attn_k" in name:
+            from convert.from_gguf import unpermute_qk
+            n = cfg["num_attention_heads" if "attn_q" in name else "num_key_value_heads"]
+            want = unpermute_qk(want.reshape(t.data.shape[0], -1), n)
+        np.testing.assert_array_equal(np.asarray(t.data).reshape(want.shape), want, err_msg=name)
+
+
+def test_auto_outtype_of_hf_source_is_f16(models, tmp_path):
+    r = convert(models["bf16"], str(tmp_path / "out.gguf"), "auto")
+    assert field(r, C.K_FILE_TYPE) == 1  # MOSTLY_F16, as llama.cpp's converter writes
+    assert {t.tensor_type for t in r.tensors if len(t.shape) == 2} == {QT.F16}
+
+
+def test_k_quant_fallback_types():
+    """llama.cpp's fallback (llama-quant.cpp) for K-quant rows not a multiple of 256."""
+    from convert.writer import matrix_qtype
+
+    assert matrix_qtype(512, "q4_k") == QT.Q4_K
+    assert [matrix_qtype(576, t) for t in ("q4_k", "q5_k", "q6_k")] == [QT.Q5_0, QT.Q5_1, QT.Q8_0]
+    assert matrix_qtype(48, "q4_k") == QT.F16 and matrix_qtype(48, "bf16") == QT.BF16
+
+
 def test_unpermute_inverts_permute():
     from convert.from_gguf import permute_qk, unpermute_qk
 
@@ -328,8 +377,9 @@ def test_error_no_weights(models, tmp_path):
 
 
 def test_error_architecture(models, tmp_path):
-    d = _copy_with_config(models, tmp_path, architectures=["MistralForCausalLM"])
-    _expect_error(tmp_path, d, contains="unsupported architecture MistralForCausalLM")
+    d = _copy_with_config(models, tmp_path, architectures=["GPT2LMHeadModel"])
+    _expect_error(tmp_path, d, contains="unsupported architecture GPT2LMHeadModel (supported: "
+                                        "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM")
 
 
 def test_error_hidden_act(models, tmp_path):

@@ -211,9 +211,10 @@ def test_negative_head_count_kv(tmp_path):
 
 def test_unsupported_tensor_type(tmp_path):
     emb = tiny_tensors()[C.TOKEN_EMBD][0]
-    bad = write_tiny_gguf(str(tmp_path / "q41.gguf"), tensors={
-        C.TOKEN_EMBD: (gguf.quants.quantize(emb, QT.Q4_1), QT.Q4_1)})
-    engine_error(bad, C.TOKEN_EMBD, "unsupported weight type Q4_1", "Q8_0")
+    # IQ4_NL has q4_0's block size and bytes (18 per 32 values) and no pyinfer kernel
+    bad = write_tiny_gguf(str(tmp_path / "iq4nl.gguf"), tensors={
+        C.TOKEN_EMBD: (gguf.quants.quantize(emb, QT.Q4_0), QT.IQ4_NL)})
+    engine_error(bad, C.TOKEN_EMBD, "unsupported weight type IQ4_NL", "Q8_0")
 
 
 def test_predictor_fc1_without_fc2(tmp_path):

@@ -422,3 +422,17 @@ def test_gpu_engine_auto_device(tmp_path):
     lo = Engine(eng.path, n_ctx=64, n_threads=2, dense=True, device="cuda", n_gpu_layers=2)
     assert lo.model.plan.n_resident == 2
     assert rel_err(decode_all(lo.model, PROMPT), decode_all(eng.model, PROMPT)) < 1e-4
+
+
+def test_types_the_gpu_cannot_read(tmp_path, capsys):
+    """A file at a type without GPU kernels (q4_1: what --outtype auto keeps for SmolLM2) runs on
+    the CPU with a notice under --device auto and is a clear error under --device cuda."""
+    eng = engine_for(tmp_path, "relu", "q4_1", n_layers=2)
+    cfg, w = eng.cfg, eng.weights
+    with pytest.raises(PyinferError, match="not q4_1"):
+        place_model(None, cfg, w, sparse_ffn(cfg, "relu"), 64, 2, device="cuda",
+                    backend=NumpyDevice())
+    m = place_model(None, cfg, w, sparse_ffn(cfg, "relu"), 64, 2, device="auto")
+    assert not isinstance(m, GpuModel)
+    if cuda.available():
+        assert "not q4_1" in capsys.readouterr().err

@@ -27,7 +27,7 @@ def silu_dir(tmp_path_factory):
 def input_file(request, silu_dir, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("in") / f"{request.param}.gguf")
     assert convert_main([silu_dir, out, "--outtype", "f32", "--target-sparsity", "0.5",
-                         "--sparsity-score", request.param, *CALIB]) == 0
+                         "--sparse-mode", "input", "--sparsity-score", request.param, *CALIB]) == 0
     return out, request.param
 
 

@@ -17,7 +17,12 @@ PROMPT = [1, 17, 42, 7, 99, 3, 64, 5, 120, 33, 8, 250]
 
 # (outtype, max relative error of logits). f32 is the brief's 1e-3; the quantized bounds are what
 # weight rounding alone costs on these random models (measured, with margin), not kernel error.
-TOLERANCES = {"f32": 1e-3, "f16": 5e-3, "q8_0": 3e-2, "q4_0": 0.2}
+TOLERANCES = {"f32": 1e-3, "f16": 5e-3, "q8_0": 3e-2, "q4_0": 0.2,
+              # measured 2026-11-23 (issue 11): bf16 0.0030, q4_1 0.200, q5_0 0.084, q5_1 0.070,
+              # q4_k 0.184, q5_k 0.093, q6_k 0.044 (K-quants on the 256-wide model below)
+              "bf16": 1e-2, "q4_1": 0.3, "q5_0": 0.15, "q5_1": 0.12, "q4_k": 0.3, "q5_k": 0.15,
+              "q6_k": 0.08}
+K_OUTTYPES = ("q4_k", "q5_k", "q6_k")
 
 
 def hf_logits(model_dir, tokens):
@@ -51,10 +56,12 @@ def test_logits_match_transformers_f32(tmp_path, hidden_act, tied, n_kv_heads):
     assert rel_err(ours, ref) < TOLERANCES["f32"]
 
 
-@pytest.mark.parametrize("outtype", ["f16", "q8_0", "q4_0"])
+@pytest.mark.parametrize("outtype", ["f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", *K_OUTTYPES])
 def test_logits_match_transformers_quantized(tmp_path, outtype):
+    # K-quants need rows of 256 values (narrower rows would take llama.cpp's fallback types)
+    dims = dict(hidden_size=256, intermediate_size=512, head_dim=64) if outtype in K_OUTTYPES else {}
     model_dir = make_random_llama(tmp_path / "hf", hidden_act="silu", tied=False, n_kv_heads=2,
-                                  tokenizer="bpe")
+                                  tokenizer="bpe", **dims)
     ref = hf_logits(model_dir, PROMPT)
     eng = Engine(str(convert(model_dir, tmp_path, outtype)), n_ctx=64, n_threads=2)
     ours = eng.model.forward(PROMPT, 0, all_logits=True)

@@ -191,8 +191,8 @@ def test_bad_inputs(relu_dir, silu_dir, tmp_path, capsys):
         ([relu_dir, "--target-recall", "1.5"], "--target-recall"),
         ([relu_dir, "--target-recall", "0"], "--target-recall"),
         ([relu_dir, "--target-sparsity", "1"], "--target-sparsity"),
-        ([silu_dir, "--target-sparsity", "0.999", "--sparse-mode", "glu", *FAST], "too small"),
-        ([silu_dir, "--vram-budget", "1", *FAST], "CPU only"),
+        ([silu_dir, "--target-sparsity", "0.999", *FAST], "too small"),
+        ([silu_dir, "--vram-budget", "1", "--sparse-mode", "input", *FAST], "CPU only"),
         ([relu_dir, "--predictor-rank", "zero"], "--predictor-rank"),
     ]
     for i, (args, contains) in enumerate(cases):
@@ -238,7 +238,7 @@ def test_calib_file_and_fixed_rank(silu_dir, tmp_path):
     text.write_text(" ".join(f"The quick brown fox {i} jumps over the lazy dog." for i in range(200)))
     out = str(tmp_path / "m.gguf")
     assert convert_main([silu_dir, out, "--calib", str(text), "--predictor-rank", "16",
-                         "--target-sparsity", "0.5", "--sparse-mode", "glu", *FAST]) == 0
+                         "--target-sparsity", "0.5", *FAST]) == 0
     r = gguf.GGUFReader(out)
     assert read_field(r, C.K_SPARSE_MODE) == C.SPARSE_MODE_GLU
     assert read_field(r, C.K_CALIB_SOURCE) == "files:calib.txt"
@@ -309,7 +309,7 @@ def test_smollm2_default_offline_stage(tmp_path, capsys):
     if src is None:
         pytest.skip("SmolLM2 GGUF not found: run tools/fetch_smollm2.sh (see tests/_paths.py)")
     out = str(tmp_path / "smollm2.sparse.q8_0.gguf")
-    assert convert_main([src, out, "--outtype", "q8_0", "-t", "2", "--sparse-mode", "glu"]) == 0
+    assert convert_main([src, out, "--outtype", "q8_0", "-t", "2"]) == 0
     r = gguf.GGUFReader(out)
     assert read_field(r, C.K_SPARSE_MODE) == C.SPARSE_MODE_GLU
     assert abs(read_field(r, C.K_TARGET_RECALL) - 0.99) < 1e-6

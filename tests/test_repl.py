@@ -224,3 +224,61 @@ def test_ctrl_c_stops_the_answer_and_returns_to_the_prompt(smollm2_q8):
     finally:
         child.close(force=True)
     assert child.exitstatus == 0
+
+
+# ---- defaults, through a pseudo-terminal on the tiny model (fast) --------------------------------
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    from tests._tiny_gguf import write_tiny_gguf
+
+    return write_tiny_gguf(str(tmp_path_factory.mktemp("tiny") / "tiny.gguf"))
+
+
+def test_chat_parser_defaults_are_llama_cpp_s_and_cap_answers():
+    from pyinfer.cli import CHAT_N_PREDICT, build_parser, sampling_kwargs
+    from pyinfer.sampler import SamplingParams
+
+    args = build_parser("pyinfer-chat", chat=True).parse_args(["m.gguf"])
+    assert SamplingParams(**sampling_kwargs(args)) == SamplingParams()  # llama.cpp's (test_sampler)
+    assert args.n_predict is None and 0 < CHAT_N_PREDICT <= 2048
+
+
+def test_chat_help_describes_the_chat(capsys):
+    from pyinfer.repl import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith("usage: pyinfer-chat") and "chat with a model" in text
+    for flag in ("--prompt", "--file", "--chat", "--ignore-eos"):  # they make no sense in a chat
+        assert flag not in text
+
+
+def test_chat_shows_its_defaults_and_says_when_an_answer_is_cut(tiny_model):
+    pexpect = pytest.importorskip("pexpect")
+    child = _spawn(tiny_model, "-t", "1")  # all defaults
+    try:
+        child.expect("Ctrl-D exits", timeout=60)
+        child.expect(r"sampling: temp 0\.80, top-k 40, top-p 0\.95, min-p 0\.05, no repeat penalty; "
+                     r"answers capped at 512 tokens \(-n\)")
+        child.expect("> ")
+        child.sendeof()
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0
+
+    child = _spawn(tiny_model, "-t", "1", "-n", "3", "-s", "1", "--repeat-penalty", "1.1")
+    try:
+        child.expect("Ctrl-D exits", timeout=60)
+        child.expect(r"repeat-penalty 1\.10 over the last 64 tokens; answers capped at 3 tokens")
+        child.expect("> ")
+        child.sendline("the")
+        child.expect(r"\[answer cut at 3 tokens \(-n 3\)")
+        child.expect(PROMPT)
+        child.sendline("/exit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0

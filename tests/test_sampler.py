@@ -67,3 +67,78 @@ def test_repeat_penalty_is_ctrl_rule():
 def test_bad_params_rejected(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
+
+
+# ---- the whole default chain against llama.cpp's definition, written out independently ---------
+def reference_chain(z, temp, top_k, top_p, min_p):
+    """llama.cpp's default chain over a full vocabulary, one filter at a time on plain Python
+    lists (src/llama-sampling.cpp: top_k, then top_p and min_p on the softmax of the unscaled
+    logits, then temperature and the final softmax). Returns {token id: probability}."""
+    order = sorted(range(len(z)), key=lambda i: -float(z[i]))
+    if top_k > 0:
+        order = order[:top_k]
+    ex = [np.exp(float(z[i]) - float(z[order[0]])) for i in order]
+    probs = [e / sum(ex) for e in ex]
+    cum, kept = 0.0, []
+    for i, pr in zip(order, probs):  # top-p: stop once the mass reaches top_p
+        kept.append((i, pr))
+        cum += pr
+        if cum >= top_p:
+            break
+    kept = [(i, pr) for i, pr in kept if pr >= min_p * kept[0][1]] or kept[:1]
+    w = {i: np.exp((float(z[i]) - float(z[kept[0][0]])) / temp) for i, _ in kept}
+    total = sum(w.values())
+    return {i: v / total for i, v in w.items()}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_default_chain_matches_the_reference(seed):
+    from pyinfer.sampler import distribution
+
+    rng = np.random.default_rng(seed)
+    z = (rng.standard_normal(300) * rng.uniform(0.5, 4)).astype(np.float32)
+    for params in (SamplingParams(), SamplingParams(temperature=1.3, top_k=5, top_p=0.8, min_p=0.1),
+                   SamplingParams(temperature=0.5, top_k=0, top_p=0.9, min_p=0.0)):
+        ids, p = distribution(z, params)
+        ref = reference_chain(z, params.temperature, params.top_k, params.top_p, params.min_p)
+        assert sorted(ids.tolist()) == sorted(ref)
+        assert np.allclose(p, [ref[i] for i in ids.tolist()], rtol=1e-9, atol=1e-12)
+
+
+def test_draws_follow_the_default_chain():
+    from pyinfer.sampler import distribution
+
+    z = np.log(np.array([0.3, 0.25, 0.2, 0.1, 0.08, 0.04, 0.02, 0.01]))
+    z = np.concatenate([z, np.full(60, np.log(0.0001))]).astype(np.float32)
+    ids, p = distribution(z, SamplingParams())
+    counts = draws(z, SamplingParams(), n=20000)
+    assert counts.sum() == counts[ids].sum()  # nothing outside the chain's cut is ever drawn
+    assert np.allclose(counts[ids] / 20000, p, atol=0.015)
+
+
+def test_defaults_are_llama_cpp_s():
+    # llama.cpp common/common.h common_params_sampling: top_k 40, top_p 0.95, min_p 0.05, temp 0.80,
+    # penalty_last_n 64, penalty_repeat 1.00 (off)
+    assert SamplingParams() == SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05,
+                                              repeat_penalty=1.0, repeat_last_n=64)
+
+
+def test_grammar_mask_is_applied_before_the_chain():
+    from pyinfer.sampler import distribution
+
+    z = np.array([5.0, 4.0, 1.0, 0.5, 0.0], np.float32)
+    allowed = np.array([False, False, True, True, True])
+    ids, p = distribution(z, SamplingParams(top_k=2), allowed=allowed)
+    assert ids.tolist() == [2, 3]  # top-k counts only allowed tokens
+    assert sample(z, SamplingParams(temperature=0), None, allowed=allowed) == 2
+    with pytest.raises(ValueError):
+        distribution(z, SamplingParams(), allowed=np.zeros(5, bool))
+
+
+def test_repeat_penalty_window_is_the_last_n_tokens():
+    # llama.cpp penalizes the last penalty_last_n tokens; the engine passes self.tokens[-n:]
+    z = np.array([1.1, 1.0], np.float32)
+    params = SamplingParams(temperature=0, repeat_penalty=1.2, repeat_last_n=2)
+    history = [1, 0, 0]  # token 1 fell out of a 2-token window: only token 0 is penalized
+    assert sample(z, params, None, recent=history[-params.repeat_last_n:]) == 1  # 1.1/1.2 < 1.0
+    assert sample(z, params, None, recent=history) == 0  # both penalized: 1.1/1.2 > 1.0/1.2

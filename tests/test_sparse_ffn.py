@@ -14,6 +14,8 @@ transformers = pytest.importorskip("transformers")
 from convert.cli import main as convert_main  # noqa: E402
 from pyinfer.engine import Engine  # noqa: E402
 from pyinfer.ffn import Predictor, SparseFFN  # noqa: E402
+from pyinfer.ops import cpu  # noqa: E402
+from pyinfer.ops.cpu import QT, QTensor  # noqa: E402
 from tests._models import make_random_llama  # noqa: E402
 
 PROMPT = [1, 17, 42, 7, 99, 3, 64, 5, 120, 33, 8, 250, 11, 12]
@@ -74,3 +76,31 @@ def test_decode_path_equals_batched_masked_path(tmp_path, hidden_act, outtype, m
     assert np.max(np.abs(stepped - batched)) / np.max(np.abs(batched)) < 1e-4
     assert eng.model.ffn.stats.sparsity == pytest.approx(batched_sparsity, abs=1e-9)
     assert eng.model.ffn.stats.sparsity > 0.3
+
+
+@pytest.mark.parametrize("qt", [QT.F32, QT.F16, QT.Q8_0, QT.Q4_0])
+@pytest.mark.parametrize("silu,glu,thr", [(False, False, 0.0), (True, False, 0.05),
+                                          (True, True, 0.02), (True, True, -1.0)])
+def test_cold_ffn_equals_sparse_step(qt, silu, glu, thr):
+    """The hybrid engine's one-call cold path computes sparse_step's function bit for bit
+    (same dots, selection and AXPY order) on the masked candidates, at 1 and 2 threads."""
+    from pyinfer.ffn import sparse_step
+    from pyinfer.weights import LayerWeights
+
+    rng = np.random.default_rng(int(qt) * 7 + int(glu))
+    n_ff, n_embd = 300, 96
+    W = [QTensor.from_array(rng.normal(size=(n_ff, n_embd)).astype(np.float32), qt) for _ in range(3)]
+    lw = LayerWeights(attn_norm=None, wq=None, wk=None, wv=None, wo=None, ffn_norm=None,
+                      ffn_gate=W[0], ffn_up=W[1], ffn_down_t=W[2])
+    h = rng.normal(size=n_embd).astype(np.float32)
+    ids = np.sort(rng.choice(n_ff, 170, replace=False)).astype(np.int32)
+    for mask in (None, (rng.random(n_ff) < 0.4).astype(np.uint8)):
+        cand = ids if mask is None else ids[mask[ids] != 0]
+        want = np.full(n_embd, np.nan, np.float32)
+        n_want = sparse_step(lw, h, cand, silu, glu, thr, want, 1)
+        for n_threads in (1, 2):
+            got = np.full(n_embd, np.nan, np.float32)
+            n_cand, n = cpu.cold_ffn(W[0], W[1], W[2], h, ids, mask, silu, glu, thr, got, n_threads)
+            assert (n_cand, n) == (cand.size, n_want)
+            np.testing.assert_array_equal(got, want)
+    assert 0 < n_want < cand.size or thr < 0

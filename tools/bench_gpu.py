@@ -147,6 +147,20 @@ def build_model(shape: str, qtype: QT, n_layers: int, density: float, alpha: flo
     return cfg, weights, preds, counts
 
 
+_cold_fused = GpuModel._cold
+
+
+def _cold_steps(self, i, ly, h, mask, out):
+    """GpuModel._cold through ffn.sparse_step (the path before cpu.cold_ffn), for --cold-ab."""
+    from pyinfer.ffn import sparse_step
+
+    ids = ly.cold_ids if mask is None else ly.cold_ids[mask[ly.cold_ids] != 0]
+    n = sparse_step(self.w.layers[i], h, ids, self.silu, self.glu or not self.sparse,
+                    float(self.act_thr[i]), out, self.n_threads)
+    self._host_stats.candidates += ids.shape[0]
+    self._host_stats.active += n
+
+
 def decode_run(model, prompt, n_tokens, warmup):
     """Prefill ``prompt`` then decode; returns per-token wall seconds of the timed tokens."""
     model.forward(prompt, 0)
@@ -182,6 +196,10 @@ def main(argv=None) -> int:
     ap.add_argument("--n-embd", type=int, default=None)
     ap.add_argument("--n-ff", type=int, default=None)
     ap.add_argument("--cpu-baseline", action="store_true", help="also time the CPU-only model")
+    ap.add_argument("--cold-ab", action="store_true",
+                    help="A/B of the host's cold path: each hybrid budget also runs with the "
+                         "cold neurons through ffn.sparse_step (three kernel calls) instead of "
+                         "cpu.cold_ffn (one)")
     ap.add_argument("--numpy", action="store_true",
                     help="smoke-test without a GPU: NumpyDevice stands in (timings mean nothing)")
     args = ap.parse_args(argv)
@@ -276,6 +294,11 @@ def main(argv=None) -> int:
         budget = int(sizes_s.fixed() + frac * ffn_bytes) + 4 * F * L
         run("hybrid (hot neurons on GPU)", label, make_sparse(),
             plan_hybrid(cfg, sizes_s, budget, counts))
+        if args.cold_ab:
+            GpuModel._cold = _cold_steps
+            run("hybrid, cold via sparse_step", label, make_sparse(),
+                plan_hybrid(cfg, sizes_s, budget, counts))
+            GpuModel._cold = _cold_fused
         plan = plan_layers(cfg, sizes_d, budget, None, dense=True)
         run(f"offload -ngl {plan.n_resident} (dense)", label, DenseFFN(cfg), plan)
 

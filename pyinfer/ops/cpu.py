@@ -5,9 +5,10 @@ Every kernel takes float32 C-contiguous activations, accumulates in f32, writes 
 every call (no global thread setting). Weights are ``QTensor`` views of the GGUF memmap, never copies.
 Each kernel has a NumPy twin of the same name and signature in ``pyinfer/ops/reference.py``.
 
-Numerics: f32 and f16 weights are dotted in f32. q4_0/q8_0 weights are dotted against the activation
-quantized to 8 bits per 32-block (llama.cpp's ggml_vec_dot_q4_0_q8_0 scheme; ``matvec``, ``matmul``,
-``gather_matvec``): relative error of the output vector about 1e-3, tested at 1e-2.
+Numerics: f32, f16 and bf16 weights are dotted in f32. Block-quantized weights (q4_0, q4_1, q5_0,
+q5_1, q8_0, q4_k, q5_k, q6_k) are dotted against the activation quantized to 8 bits per 32-block
+(llama.cpp's ggml_vec_dot_q4_0_q8_0 scheme; ``matvec``, ``matmul``, ``gather_matvec``): relative
+error of the output vector about 1e-3, tested at 1e-2.
 ``matvec_t``, ``matmul_t``, ``axpy_rows`` and ``get_rows`` dequantize weights exactly to f32.
 """
 from __future__ import annotations
@@ -18,11 +19,21 @@ from dataclasses import dataclass, field
 import gguf
 import numpy as np
 
-from pyinfer.ops import _kernels as _k
+from pyinfer.errors import KernelsMissing
+
+try:
+    from pyinfer.ops import _kernels as _k
+except ImportError as _e:  # `make clean` removes the build; a fresh clone has none yet
+    raise KernelsMissing(f"pyinfer's compiled kernels (pyinfer.ops._kernels) do not load: {_e}. Build "
+                         "them: `make install` (or `pip install -e .`, or `python setup.py build_ext "
+                         "--inplace` in the source tree)") from None
 
 QT = gguf.GGMLQuantizationType
-SUPPORTED = (QT.F32, QT.F16, QT.Q8_0, QT.Q4_0)
-_STORAGE_DTYPE = {QT.F32: np.float32, QT.F16: np.float16, QT.Q8_0: np.uint8, QT.Q4_0: np.uint8}
+#: the weight types the kernels run (ggml block layouts: cython/simd.h, cython/qtypes.h)
+SUPPORTED = (QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K,
+             QT.Q6_K)
+#: numpy dtype GGUFReader gives each type's data (block types and BF16: raw bytes)
+_STORAGE_DTYPE = {t: np.uint8 for t in SUPPORTED} | {QT.F32: np.float32, QT.F16: np.float16}
 
 
 def openmp_enabled() -> bool:
@@ -63,8 +74,8 @@ def default_n_threads() -> int:
 class QTensor:
     """A 2-D weight as GGUFReader stores it.
 
-    data: F32 -> float32 (rows, cols); F16 -> float16 (rows, cols); Q8_0/Q4_0 -> uint8
-    (rows, bytes_per_row) with ggml's 32-element blocks. May be a read-only memmap; it is never
+    data: F32 -> float32 (rows, cols); F16 -> float16 (rows, cols); BF16 and the block types
+    (Q4_0 ... Q6_K) -> uint8 (rows, bytes_per_row) with ggml's blocks (32 values; 256 for K-quants). May be a read-only memmap; it is never
     copied unless it is not C-contiguous. ``raw`` is the same memory as uint8 (rows, bytes_per_row).
     """
 
@@ -111,7 +122,10 @@ class QTensor:
 
     @classmethod
     def from_array(cls, a: np.ndarray, qtype) -> "QTensor":
-        """Quantize a float32 (rows, cols) array with gguf.quants.quantize (for tests and tools)."""
+        """Quantize a float32 (rows, cols) array with ``pyinfer.quants.quantize`` (gguf's quantizers
+        plus ggml's reference K-quant quantizers; for tests, tools and the converter)."""
+        from pyinfer.quants import quantize
+
         qtype = QT(qtype)
         a = np.ascontiguousarray(a, dtype=np.float32)
         if qtype == QT.F32:
@@ -119,7 +133,7 @@ class QTensor:
         elif qtype == QT.F16:
             data = a.astype(np.float16)
         else:
-            data = gguf.quants.quantize(a, qtype)
+            data = quantize(a, qtype).view(np.uint8).reshape(a.shape[0], -1)
         return cls(data, qtype, a.shape[0], a.shape[1])
 
 
@@ -297,3 +311,13 @@ def decode_attn_in(x: np.ndarray, attn_norm: np.ndarray, eps: float, qkv_t: QTen
                              int(o_t.qtype), k_cache, v_cache, int(n_past), int(n_head),
                              float(freq_base), scale_qkv, float(thr_qkv), scale_o, float(thr_o),
                              n_threads)
+
+
+def cold_ffn(gate: QTensor, up: QTensor, down_t: QTensor, h: np.ndarray, ids: np.ndarray,
+             mask: np.ndarray | None, silu: bool, glu: bool, threshold: float, out: np.ndarray,
+             n_threads: int = 1) -> tuple[int, int]:
+    """The FFN of one token over the candidates among ``ids`` (sorted int32; candidates where
+    ``mask`` (n_ff,) uint8 is set, or all), SparseFFN's rule, into out (n_embd,) f32; returns
+    (n_candidates, n_kept). Equal to ``pyinfer.ffn.sparse_step`` on ids[mask[ids] != 0]."""
+    return _k.cold_ffn(*_wargs(gate)[:2], *_wargs(up)[:2], *_wargs(down_t)[:2], h, ids, mask,
+                       int(silu), int(glu), threshold, out, n_threads)

@@ -90,19 +90,28 @@ __device__ __forceinline__ float dot_f32(const u8* row, int cols, const float* x
     for (int i = lane; i < cols; i += 32) s += r[i] * x[i];
     return s;
 }
+__device__ __forceinline__ float dot8_f16(uint4 v, float4 a, float4 b) {
+    return h2f(v.x & 0xffff) * a.x + h2f(v.x >> 16) * a.y + h2f(v.y & 0xffff) * a.z
+         + h2f(v.y >> 16) * a.w + h2f(v.z & 0xffff) * b.x + h2f(v.z >> 16) * b.y
+         + h2f(v.w & 0xffff) * b.z + h2f(v.w >> 16) * b.w;
+}
 __device__ __forceinline__ float dot_f16(const u8* row, int cols, const float* x, int lane) {
     float s = 0.f;
     if ((cols & 7) == 0) {  // rows are 16-byte multiples: 8 halves per 128-bit load
         const uint4* r = (const uint4*)row;
         const float4* x4 = (const float4*)x;
-        for (int i = lane; i < cols / 8; i += 32) {
-            uint4 v = r[i];
-            float4 a = x4[2 * i], b = x4[2 * i + 1];
-            s += h2f(v.x & 0xffff) * a.x + h2f(v.x >> 16) * a.y
-               + h2f(v.y & 0xffff) * a.z + h2f(v.y >> 16) * a.w
-               + h2f(v.z & 0xffff) * b.x + h2f(v.z >> 16) * b.y
-               + h2f(v.w & 0xffff) * b.z + h2f(v.w >> 16) * b.w;
+        const int n8 = cols >> 3;
+        int i = lane;
+        // four loads in flight per lane before any arithmetic: a warp-per-row GEMV is
+        // latency-bound when only a few rows are active (sparse rows, small grids)
+        for (; i + 96 < n8; i += 128) {
+            const uint4 v0 = r[i], v1 = r[i + 32], v2 = r[i + 64], v3 = r[i + 96];
+            s += dot8_f16(v0, x4[2 * i], x4[2 * i + 1]);
+            s += dot8_f16(v1, x4[2 * i + 64], x4[2 * i + 65]);
+            s += dot8_f16(v2, x4[2 * i + 128], x4[2 * i + 129]);
+            s += dot8_f16(v3, x4[2 * i + 192], x4[2 * i + 193]);
         }
+        for (; i < n8; i += 32) s += dot8_f16(r[i], x4[2 * i], x4[2 * i + 1]);
     } else {
         const u16* r = (const u16*)row;
         for (int i = lane; i < cols; i += 32) s += h2f(r[i]) * x[i];
@@ -135,6 +144,24 @@ __device__ __forceinline__ float dot_q4_0(const u8* row, int cols, const float* 
     return s;
 }
 
+__device__ __forceinline__ float block_sum(float v, float* red) {  // blockDim multiple of 32
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float s = 0.f;
+    for (int i = 0; i < nw; ++i) s += red[i];
+    return s;
+}
+// out[i] = x[i] * rsqrt(mean(x^2) + eps) * w[i] for one row of n, by the whole block.
+__device__ __forceinline__ void block_rmsnorm(const float* x, const float* w, int n, float eps,
+                                              float* out, float* red) {
+    float s = 0.f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) s += x[i] * x[i];
+    const float scale = rsqrtf(block_sum(s, red) / n + eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = x[i] * scale * w[i];
+}
 // Element c of one stored row, dequantized.
 __device__ __forceinline__ float el_f32(const u8* row, int c) { return ((const float*)row)[c]; }
 __device__ __forceinline__ float el_f16(const u8* row, int c) { return h2f(((const u16*)row)[c]); }
@@ -150,9 +177,17 @@ __device__ __forceinline__ float el_q4_0(const u8* row, int c) {
 """
 
 _PREDICTOR_TEMPLATE = r"""
-// hid[r] = relu(fc1[r] . x), warp per row. fc1 (rank, n_embd) @T@ rows of row_bytes bytes.
-extern "C" __global__ void predictor_fc1_@T@(const u8* fc1, long long row_bytes, int rank,
-                                             int n_embd, const float* x, float* hid) {
+// hid[r] = relu(fc1[r] . x), warp per row; fc1 (rank, n_embd) @T@, rows of row_bytes bytes.
+// Fused with the FFN's RMSNorm, which reads the same x: with do_norm, the last block (beyond
+// the fc1 rows) writes h = rmsnorm(x) * norm_w. One launch instead of two per layer.
+extern "C" __global__ void norm_fc1_@T@(const u8* fc1, long long row_bytes, int rank,
+        int n_embd, const float* x, float* hid, int do_norm, const float* norm_w, float eps,
+        float* h) {
+    __shared__ float red[32];
+    if (do_norm && blockIdx.x == gridDim.x - 1) {
+        block_rmsnorm(x, norm_w, n_embd, eps, h, red);
+        return;
+    }
     const int r = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
     if (r >= rank) return;
     const float s = warp_sum(dot_@T@(fc1 + r * row_bytes, n_embd, x, lane));
@@ -180,22 +215,34 @@ extern "C" __global__ void gather_gemv_@T@(const u8* w, long long row_bytes, int
     if (!use_mask || mask[ids[k]]) s = warp_sum(dot_@T@(w + k * row_bytes, cols, x, lane));
     if (lane == 0) out[k] = accumulate ? out[k] + s : s;
 }
-// The hot neurons of one layer, fused: for row k (neuron ids[k]) predicted active (or every row
-// when !use_mask), a = act(gate[k] . x) (act 0: relu, 1: silu), u = up[k] . x and
+// The hot neurons of one layer, fused: for row k (neuron ids[k]) that is a candidate, a =
+// act(gate[k] . x) (act 0: relu, 1: silu), u = up[k] . x and
 //   glu 0: kept where |a| > act_thr (up read only then), coef[k] = a * u
 //   glu 1: kept where |a * u| > act_thr, coef[k] = a * u
 // else coef[k] = 0: pyinfer.ffn.SparseFFN's rules ("relu"/"cats" and "glu"); act_thr < 0 keeps
-// every row (dense). counts[0] += candidates, counts[1] += kept.
+// every row (dense). Candidates: cand 0 every row; 1 where mask[ids[k]]; 2 where the predictor
+// says so, computed here from neuron ids[k]'s fc2 row (fc2 (n_ff, rank), f16 when fc2_half else
+// f32) and the hidden layer hid: fc2[ids[k]] . hid >= pred_thr (PowerInfer's predictor, as
+// predictor_fc2 computes it, without a mask round trip). counts[0] += candidates, [1] += kept.
 extern "C" __global__ void ffn_gate_up_@T@(const u8* gate, const u8* up, long long row_bytes,
-        int n_rows, int cols, const float* x, const int* ids, const u8* mask, int use_mask,
-        int act, int glu, float act_thr, float* coef, u64* counts) {
+        int n_rows, int cols, const float* x, const int* ids, const u8* mask, int cand,
+        const u8* fc2, long long fc2_row_bytes, int rank, int fc2_half, const float* hid,
+        float pred_thr, int act, int glu, float act_thr, float* coef, u64* counts) {
     __shared__ unsigned int n_cand, n_act;
     if (threadIdx.x == 0) { n_cand = 0; n_act = 0; }
     __syncthreads();
     const int k = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
     if (k < n_rows) {  // no early return: the block meets at __syncthreads below
         float c = 0.f;
-        if (!use_mask || mask[ids[k]]) {
+        bool is_cand = true;
+        if (cand == 1) {
+            is_cand = mask[ids[k]] != 0;
+        } else if (cand == 2) {
+            const u8* f = fc2 + (long long)ids[k] * fc2_row_bytes;
+            const float p = warp_sum(fc2_half ? dot_f16(f, rank, hid, lane) : dot_f32(f, rank, hid, lane));
+            is_cand = p >= pred_thr;
+        }
+        if (is_cand) {
             const float g = warp_sum(dot_@T@(gate + k * row_bytes, cols, x, lane));
             const float a = act ? g / (1.f + expf(-g)) : fmaxf(g, 0.f);
             bool keep;
@@ -219,26 +266,134 @@ extern "C" __global__ void ffn_gate_up_@T@(const u8* gate, const u8* up, long lo
 }
 """
 
+_AXPY_UNITS = r"""
+// AXPY units: a thread owns V consecutive columns of every row (f32 4 = one float4, f16 8 = one
+// 128-bit load, q8_0 and q4_0 one 32-column block) and accumulates coef * row into V registers.
+// load() fetches a unit (16-byte loads where rows are 16-byte multiples; the 34- and 18-byte
+// quant blocks are only 2-byte aligned, hence 16-bit loads), fma() adds a * unit into acc.
+struct UnitF32 {
+    enum { V = 4 };
+    typedef float4 Raw;
+    __device__ static Raw load(const u8* row, int u) { return ((const float4*)row)[u]; }
+    __device__ static void fma(float* acc, float a, const Raw& r) {
+        acc[0] += a * r.x; acc[1] += a * r.y; acc[2] += a * r.z; acc[3] += a * r.w;
+    }
+};
+struct UnitF16 {
+    enum { V = 8 };
+    typedef uint4 Raw;
+    __device__ static Raw load(const u8* row, int u) { return ((const uint4*)row)[u]; }
+    __device__ static void fma(float* acc, float a, const Raw& r) {
+        const unsigned int w[4] = {r.x, r.y, r.z, r.w};
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            acc[2 * i] += a * h2f(w[i] & 0xffff);
+            acc[2 * i + 1] += a * h2f(w[i] >> 16);
+        }
+    }
+};
+struct UnitQ8_0 {  // f16 d, int8 q[32]: 17 halfwords, q[2j] low and q[2j+1] high byte of word 1+j
+    enum { V = 32 };
+    struct Raw { u16 h[17]; };
+    __device__ static Raw load(const u8* row, int u) {
+        const u16* p = (const u16*)(row + 34 * u);
+        Raw r;
+        #pragma unroll
+        for (int i = 0; i < 17; ++i) r.h[i] = p[i];
+        return r;
+    }
+    __device__ static void fma(float* acc, float a, const Raw& r) {
+        const float s = a * h2f(r.h[0]);
+        #pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            acc[2 * j] += s * (float)(signed char)(r.h[1 + j] & 0xff);
+            acc[2 * j + 1] += s * (float)(signed char)(r.h[1 + j] >> 8);
+        }
+    }
+};
+struct UnitQ4_0 {  // f16 d, u8 qs[16]: x[i] = d*((qs[i] & 15) - 8), x[i+16] = d*((qs[i] >> 4) - 8)
+    enum { V = 32 };
+    struct Raw { u16 h[9]; };
+    __device__ static Raw load(const u8* row, int u) {
+        const u16* p = (const u16*)(row + 18 * u);
+        Raw r;
+        #pragma unroll
+        for (int i = 0; i < 9; ++i) r.h[i] = p[i];
+        return r;
+    }
+    __device__ static void fma(float* acc, float a, const Raw& r) {
+        const float s = a * h2f(r.h[0]);
+        #pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const int b0 = r.h[1 + j] & 0xff, b1 = r.h[1 + j] >> 8;
+            acc[2 * j] += s * (float)((b0 & 15) - 8);
+            acc[2 * j + 16] += s * (float)((b0 >> 4) - 8);
+            acc[2 * j + 1] += s * (float)((b1 & 15) - 8);
+            acc[2 * j + 17] += s * (float)((b1 >> 4) - 8);
+        }
+    }
+};
+
+// Stage 1 of out = sum_k coef[k] * w[k] (the down projection over ffn_down_t rows):
+// partial[chunk][c] = sum over the chunk's rows k (rows_per_chunk <= blockDim.x rows, in row
+// order) of coef[k] * w[k][c]. grid (column tiles of blockDim.x units, chunks). The block first
+// lists its chunk's nonzero coefficients in row order (warp ballots: no atomics), so a sparse
+// chunk reads only its active rows, UNROLL rows' loads in flight per thread, each row's unit a
+// 16-byte load for f32/f16 (the old thread-per-column kernel issued 2-byte loads and tested every
+// coefficient). skip_zero 0 keeps every row (dense). Fixed order: reproducible sums.
+template <class U, int UNROLL>
+__device__ __forceinline__ void axpy_part(const u8* w, long long row_bytes, int n_rows, int cols,
+        const float* coef, int rows_per_chunk, int skip_zero, float* partial) {
+    __shared__ int s_idx[256];
+    __shared__ float s_coef[256];
+    __shared__ int s_count[8];
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5, nw = blockDim.x >> 5;
+    const int k0 = blockIdx.y * rows_per_chunk, n = min(n_rows - k0, rows_per_chunk);
+    float a = 0.f;
+    bool keep = false;
+    if (t < n) {
+        a = coef[k0 + t];
+        keep = !skip_zero || a != 0.f;
+    }
+    const unsigned int m = __ballot_sync(0xffffffffu, keep);
+    if (lane == 0) s_count[warp] = __popc(m);
+    __syncthreads();
+    int off = 0, total = 0;
+    for (int i = 0; i < nw; ++i) {
+        off += i < warp ? s_count[i] : 0;
+        total += s_count[i];
+    }
+    if (keep) {
+        const int p = off + __popc(m & ((1u << lane) - 1u));
+        s_idx[p] = k0 + t;
+        s_coef[p] = a;
+    }
+    __syncthreads();
+    const int u = blockIdx.x * blockDim.x + t;
+    if (u * U::V >= cols) return;
+    float acc[U::V];
+    #pragma unroll
+    for (int i = 0; i < U::V; ++i) acc[i] = 0.f;
+    int j = 0;
+    for (; j + UNROLL <= total; j += UNROLL) {
+        typename U::Raw r[UNROLL];
+        #pragma unroll
+        for (int q = 0; q < UNROLL; ++q) r[q] = U::load(w + (long long)s_idx[j + q] * row_bytes, u);
+        #pragma unroll
+        for (int q = 0; q < UNROLL; ++q) U::fma(acc, s_coef[j + q], r[q]);
+    }
+    for (; j < total; ++j) U::fma(acc, s_coef[j], U::load(w + (long long)s_idx[j] * row_bytes, u));
+    float4* o = (float4*)(partial + (long long)blockIdx.y * cols + u * U::V);
+    #pragma unroll
+    for (int i = 0; i < U::V / 4; ++i)
+        o[i] = make_float4(acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]);
+}
+"""
+
 _AXPY_TEMPLATE = r"""
-// Stage 1 of out = sum_k coef[k] * w[k]: partial[chunk][c] = sum over the chunk's rows_per_chunk
-// rows k of coef[k] * w[k][c]; thread per column c, grid.y over chunks (so a 4096-wide row set
-// still fills the GPU); zero coefs are skipped when skip_zero (uniform across the block: no
-// divergence). No atomics: axpy_sum adds the chunks in a fixed order, so results are
-// reproducible and no address is contended (per-column atomics from 172 chunks cost more than
-// the sparse rows themselves on a 7B layer).
 extern "C" __global__ void axpy_part_@T@(const u8* w, long long row_bytes, int n_rows, int cols,
         const float* coef, int rows_per_chunk, int skip_zero, float* partial) {
-    const int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= cols) return;
-    const int k0 = blockIdx.y * rows_per_chunk;
-    const int k1 = min(n_rows, k0 + rows_per_chunk);
-    float s = 0.f;
-    for (int k = k0; k < k1; ++k) {
-        const float a = coef[k];
-        if (skip_zero && a == 0.f) continue;
-        s += a * el_@T@(w + k * row_bytes, c);
-    }
-    partial[(long long)blockIdx.y * cols + c] = s;
+    axpy_part<@U@, @UNROLL@>(w, row_bytes, n_rows, cols, coef, rows_per_chunk, skip_zero, partial);
 }
 // out[(r - r0) * cols + c] = w[r][c] for rows r0 <= r < r0 + n_rows: dequantize to f32 (prefill
 // runs its GEMMs through cuBLAS on these).
@@ -252,16 +407,6 @@ extern "C" __global__ void dequant_@T@(const u8* w, long long row_bytes, int r0,
 """
 
 ATTN_SRC = COMMON_SRC + r"""
-__device__ __forceinline__ float block_sum(float v, float* red) {  // blockDim multiple of 32
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    v = warp_sum(v);
-    __syncthreads();
-    if (lane == 0) red[warp] = v;
-    __syncthreads();
-    float s = 0.f;
-    for (int i = 0; i < nw; ++i) s += red[i];
-    return s;
-}
 __device__ __forceinline__ float block_max(float v, float* red) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
@@ -275,12 +420,7 @@ __device__ __forceinline__ float block_max(float v, float* red) {
 // out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w, block per row t.
 extern "C" __global__ void rmsnorm_f32(const float* x, const float* w, int n, float eps, float* out) {
     __shared__ float red[32];
-    const float* xr = x + (long long)blockIdx.x * n;
-    float* o = out + (long long)blockIdx.x * n;
-    float s = 0.f;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) s += xr[i] * xr[i];
-    const float scale = rsqrtf(block_sum(s, red) / n + eps);
-    for (int i = threadIdx.x; i < n; i += blockDim.x) o[i] = xr[i] * scale * w[i];
+    block_rmsnorm(x + (long long)blockIdx.x * n, w, n, eps, out + (long long)blockIdx.x * n, red);
 }
 // One token at position pos = *pos_p: NeoX rotary embedding (rotate_half) of q (n_head, hd) in
 // place and of k (n_kv, hd) into cache_k[pos]; v copied to cache_v[pos]. Caches (n_ctx, n_kv, hd)
@@ -352,15 +492,29 @@ extern "C" __global__ void add_f32(float* out, const float* a, int n) {
 _TYPES = ("f32", "f16", "q8_0", "q4_0")
 PREDICTOR_SRC = COMMON_SRC + "".join(_PREDICTOR_TEMPLATE.replace("@T@", t) for t in ("f32", "f16"))
 GATHER_SRC = COMMON_SRC + "".join(_GATHER_TEMPLATE.replace("@T@", t) for t in _TYPES)
-AXPY_SRC = COMMON_SRC + "".join(_AXPY_TEMPLATE.replace("@T@", t) for t in _TYPES) + r"""
-// Stage 2: out[c] (+)= sum_j partial[j][c], chunks in order.
+_AXPY_TYPES = {"f32": ("UnitF32", 4), "f16": ("UnitF16", 4), "q8_0": ("UnitQ8_0", 2),
+               "q4_0": ("UnitQ4_0", 4)}  # unit, rows in flight per thread
+AXPY_SRC = COMMON_SRC + _AXPY_UNITS + "".join(
+    _AXPY_TEMPLATE.replace("@T@", t).replace("@U@", u).replace("@UNROLL@", str(n))
+    for t, (u, n) in _AXPY_TYPES.items()) + r"""
+// Stage 2: out[c] (+)= sum_j partial[j][c]. Block (32 columns, 8 rows of threads): thread row y
+// sums the chunks j = y, y + 8, ... in order, then the 8 sums are added in order through shared
+// memory: a fixed order (reproducible) with 8 loads in flight per column instead of one.
 extern "C" __global__ void axpy_sum(const float* partial, int n_chunks, int cols, int accumulate,
                                     float* out) {
-    const int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= cols) return;
-    float s = 0.f;
-    for (int j = 0; j < n_chunks; ++j) s += partial[(long long)j * cols + c];
-    out[c] = accumulate ? out[c] + s : s;
+    __shared__ float s[8][33];
+    const int c = blockIdx.x * 32 + threadIdx.x, y = threadIdx.y;
+    float v = 0.f;
+    if (c < cols)
+        for (int j = y; j < n_chunks; j += 8) v += partial[(long long)j * cols + c];
+    s[y][threadIdx.x] = v;
+    __syncthreads();
+    if (y == 0 && c < cols) {
+        float t = 0.f;
+        #pragma unroll
+        for (int i = 0; i < 8; ++i) t += s[i][threadIdx.x];
+        out[c] = accumulate ? out[c] + t : t;
+    }
 }
 """
 
@@ -369,6 +523,8 @@ SOURCES = {"predictor": PREDICTOR_SRC, "gather": GATHER_SRC, "axpy": AXPY_SRC, "
 #: kernels each source must define (the nvcc test counts them)
 N_KERNELS = {"predictor": 4, "gather": 8, "axpy": 9, "attn": 4}
 _TYPE_NAME = {QT.F32: "f32", QT.F16: "f16", QT.Q8_0: "q8_0", QT.Q4_0: "q4_0"}
+#: weight types the kernels read (the QT names, lower case)
+GPU_TYPES = tuple(t.name.lower() for t in _TYPE_NAME)
 
 _BLOCK = 256  # threads per block: 8 warps (8 rows) for the warp-per-row kernels
 _ROWS_PER_CHUNK = 64  # AXPY rows per grid.y chunk
@@ -426,18 +582,34 @@ def _grid(n: int, block: int = _BLOCK) -> tuple[int]:
 
 
 # ---- wrappers (cupy arrays in, cupy arrays out; all asynchronous on the current stream) ----------
-def predictor_mask(fc1: DeviceRows, fc2: DeviceRows, x, hid, mask, threshold: float) -> None:
-    """mask[n] = (fc2 @ relu(fc1 @ x))[n] >= threshold. fc1 (rank, n_embd), fc2 (n_ff, rank),
-    f32 or f16 as the file stores them; x (n_embd,) f32, hid (>= rank,) f32 scratch, mask (n_ff,)
-    uint8 out."""
+def norm_fc1(fc1: DeviceRows, x, hid, norm_w=None, eps: float = 0.0, h=None) -> None:
+    """hid[:rank] = relu(fc1 @ x), and with ``norm_w`` also h = rmsnorm(x) * norm_w in the same
+    launch (one extra block). fc1 (rank, n_embd) f32 or f16; x, h, norm_w (n_embd,) f32."""
     t = _TYPE_NAME[fc1.qtype]
-    _kernel("predictor", f"predictor_fc1_{t}")(
-        _grid_rows(fc1.rows), (_BLOCK,),
-        (fc1.data, np.int64(fc1.row_bytes), np.int32(fc1.rows), np.int32(fc1.cols), x, hid))
+    do_norm = norm_w is not None
+    grid = _grid_rows(fc1.rows)[0] + do_norm
+    f32 = _dummy()["f32"]
+    _kernel("predictor", f"norm_fc1_{t}")(
+        (grid,), (_BLOCK,),
+        (fc1.data, np.int64(fc1.row_bytes), np.int32(fc1.rows), np.int32(fc1.cols), x, hid,
+         np.int32(do_norm), norm_w if do_norm else f32, np.float32(eps), h if do_norm else f32))
+
+
+def predictor_fc2(fc2: DeviceRows, hid, mask, threshold: float) -> None:
+    """mask[n] = (fc2 @ hid)[n] >= threshold: fc2 (n_ff, rank) f32 or f16, hid (rank,) f32,
+    mask (n_ff,) uint8 out."""
     _kernel("predictor", f"predictor_fc2_{_TYPE_NAME[fc2.qtype]}")(
         _grid_rows(fc2.rows), (_BLOCK,),
         (fc2.data, np.int64(fc2.row_bytes), np.int32(fc2.rows), np.int32(fc2.cols), hid,
          np.float32(threshold), mask))
+
+
+def predictor_mask(fc1: DeviceRows, fc2: DeviceRows, x, hid, mask, threshold: float) -> None:
+    """mask[n] = (fc2 @ relu(fc1 @ x))[n] >= threshold. fc1 (rank, n_embd), fc2 (n_ff, rank),
+    f32 or f16 as the file stores them; x (n_embd,) f32, hid (>= rank,) f32 scratch, mask (n_ff,)
+    uint8 out."""
+    norm_fc1(fc1, x, hid)
+    predictor_fc2(fc2, hid, mask, threshold)
 
 
 def _mask_args(ids, mask):
@@ -449,7 +621,8 @@ def _mask_args(ids, mask):
 
 @functools.lru_cache(maxsize=None)
 def _dummy_for(device_id: int):
-    return {"i32": cupy.zeros(1, cupy.int32), "u8": cupy.zeros(1, cupy.uint8)}
+    return {"i32": cupy.zeros(1, cupy.int32), "u8": cupy.zeros(1, cupy.uint8),
+            "f32": cupy.zeros(1, cupy.float32)}
 
 
 def _dummy():
@@ -469,19 +642,31 @@ def gather_gemv(w: DeviceRows, x, out, ids=None, mask=None, accumulate: bool = F
 
 
 def ffn_gate_up(gate: DeviceRows, up: DeviceRows, x, coef, counts, act: str, act_thr: float,
-                ids=None, mask=None, glu: bool = False) -> None:
-    """coef[k] = act(gate[k].x) * (up[k].x) where predicted (mask[ids[k]]) and the magnitude
-    passes (|act| > act_thr, or |act * up| with ``glu``), else 0. x (cols,) f32, coef (n_rows,)
-    f32, counts (2,) uint64 accumulates [candidates, kept]. act "relu" | "silu"; act_thr < 0
-    computes every row (dense)."""
+                ids=None, mask=None, glu: bool = False, pred=None) -> None:
+    """coef[k] = act(gate[k].x) * (up[k].x) where neuron ids[k] is a candidate and the magnitude
+    passes (|act| > act_thr, or |act * up| with ``glu``), else 0. Candidates: every row; or
+    where ``mask`` (n_ff,) uint8 is set at ids[k]; or, with ``pred`` = (fc2 DeviceRows (n_ff,
+    rank), hid (rank,) f32, threshold), where fc2[ids[k]] . hid >= threshold (the predictor
+    computed inline). x (cols,) f32, ids (n_rows,) int32, coef (n_rows,) f32, counts (2,) uint64
+    accumulates [candidates, kept]. act "relu" | "silu"; act_thr < 0 computes every row (dense)."""
     if gate.rows == 0:
         return
-    ids, mask, use = _mask_args(ids, mask)
+    dummy = _dummy()
+    fc2, hid, pred_thr, rank, half, fc2_rb = dummy["u8"], dummy["f32"], 0.0, 0, 0, 0
+    if pred is not None:
+        f2, hid, pred_thr = pred
+        fc2, rank, half, fc2_rb = f2.data, f2.cols, int(f2.qtype == QT.F16), f2.row_bytes
+        cand, mask = 2, dummy["u8"]
+    elif mask is not None:
+        cand = 1
+    else:
+        cand, ids, mask = 0, dummy["i32"], dummy["u8"]
     _kernel("gather", f"ffn_gate_up_{_TYPE_NAME[gate.qtype]}")(
         _grid_rows(gate.rows), (_BLOCK,),
         (gate.data, up.data, np.int64(gate.row_bytes), np.int32(gate.rows), np.int32(gate.cols),
-         x, ids, mask, use, np.int32(act == "silu"), np.int32(bool(glu)), np.float32(act_thr),
-         coef, counts))
+         x, ids, mask, np.int32(cand), fc2, np.int64(fc2_rb), np.int32(rank), np.int32(half),
+         hid, np.float32(pred_thr), np.int32(act == "silu"), np.int32(bool(glu)),
+         np.float32(act_thr), coef, counts))
 
 
 def axpy_chunks(n_rows: int) -> int:
@@ -490,25 +675,35 @@ def axpy_chunks(n_rows: int) -> int:
     return (n_rows + _ROWS_PER_CHUNK - 1) // _ROWS_PER_CHUNK
 
 
+#: columns per AXPY thread (one unit: ``_AXPY_UNITS`` in the source) and threads per block
+_AXPY_UNIT_COLS = {QT.F32: 4, QT.F16: 8, QT.Q8_0: 32, QT.Q4_0: 32}
+_AXPY_BLOCK = 64  # >= _ROWS_PER_CHUNK: one thread lists each row of the chunk
+
+
 def axpy_rows(w: DeviceRows, coef, out, skip_zero: bool = True, accumulate: bool = False,
               scratch=None) -> None:
     """out (+)= sum_k coef[k] * w[k]: out (cols,) f32 is overwritten unless ``accumulate``.
     coef (n_rows,) f32. scratch: f32 device buffer of >= axpy_chunks(n_rows) * cols (allocated
-    here when None)."""
+    here when None). Raises ValueError when cols is not a multiple of the type's unit (4 f32,
+    8 f16, 32 quantized columns)."""
     cols = w.cols
     if w.rows == 0:
         if not accumulate:
             out.fill(0)
         return
+    v = _AXPY_UNIT_COLS[w.qtype]
+    if cols % v:
+        raise ValueError(f"AXPY over {w.qtype.name} rows needs a multiple of {v} columns, got {cols}")
     n_chunks = axpy_chunks(w.rows)
     if scratch is None:
         scratch = cupy.empty(n_chunks * cols, cupy.float32)
-    grid = ((cols + _BLOCK - 1) // _BLOCK, n_chunks)
+    tile = _AXPY_BLOCK * v
+    grid = ((cols + tile - 1) // tile, n_chunks)
     _kernel("axpy", f"axpy_part_{_TYPE_NAME[w.qtype]}")(
-        grid, (_BLOCK,),
+        grid, (_AXPY_BLOCK,),
         (w.data, np.int64(w.row_bytes), np.int32(w.rows), np.int32(cols), coef,
          np.int32(_ROWS_PER_CHUNK), np.int32(bool(skip_zero)), scratch))
-    _kernel("axpy", "axpy_sum")(_grid(cols), (_BLOCK,),
+    _kernel("axpy", "axpy_sum")(((cols + 31) // 32,), (32, 8),
                                 (scratch, np.int32(n_chunks), np.int32(cols),
                                  np.int32(bool(accumulate)), out))
 

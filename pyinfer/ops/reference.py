@@ -10,6 +10,8 @@ import gguf
 import numpy as np
 
 QT = gguf.GGMLQuantizationType
+#: types whose dot products see the activation quantized to 8 bits per 32-block
+QUANT = (QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K)
 
 
 def dequantize(w) -> np.ndarray:
@@ -21,6 +23,9 @@ def dequantize(w) -> np.ndarray:
         return np.asarray(w.data, dtype=np.float32)
     if w.qtype == QT.F16:
         return np.asarray(w.data).astype(np.float32)
+    if w.qtype not in (QT.Q8_0, QT.Q4_0):  # the other types: gguf's own decoder is the twin
+        return gguf.quants.dequantize(np.asarray(w.raw), w.qtype).astype(np.float32).reshape(
+            w.rows, w.cols)
     nbytes = 34 if w.qtype == QT.Q8_0 else 18
     blocks = np.asarray(w.data).reshape(w.rows, w.cols // 32, nbytes)
     d = blocks[..., :2].copy().view(np.float16).astype(np.float32)  # (rows, nb, 1)
@@ -142,7 +147,7 @@ def select_active(g, up, ids, silu, threshold, coef, idx):
 
 def _dot_input(w, x):
     """The activation a dot-product kernel sees: quantized to 8-bit blocks for q4_0/q8_0 rows."""
-    return quantize_act_q8(x) if w.qtype in (QT.Q8_0, QT.Q4_0) else np.asarray(x, np.float32)
+    return quantize_act_q8(x) if w.qtype in QUANT else np.asarray(x, np.float32)
 
 
 def decode_attn(x, attn_norm, eps, wq, wk, wv, wo, k_cache, v_cache, n_past, n_head, freq_base,

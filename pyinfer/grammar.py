@@ -1,0 +1,162 @@
+"""Constrained sampling: JSON schemas, GBNF/Lark grammars and regular expressions through llguidance.
+
+llguidance (the library llama.cpp itself links for ``--json-schema`` and ``--grammar`` with
+``LLAMA_LLGUIDANCE``) compiles a grammar against the model's vocabulary and, before every token,
+gives the set of tokens that keep the output inside the grammar. The sampler draws only from that
+set (``pyinfer.sampler.distribution``'s ``allowed`` mask); once the grammar is complete, only the
+end-of-text token is allowed, so generation stops there.
+
+``Grammar`` is what a request asks for (a kind and its text); ``Grammar.matcher(tokenizer)`` makes
+a fresh ``Constraint`` for one generation. The per-tokenizer ``LLTokenizer`` is built once and
+cached (building it walks the whole vocabulary). Install with ``pip install pyinfer[structured]``.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from pyinfer.errors import PyinferError
+
+KINDS = ("json_schema", "json_object", "gbnf", "lark", "regex")
+#: The grammar of ``response_format: {"type": "json_object"}``: any JSON object (OpenAI's meaning).
+ANY_OBJECT_SCHEMA = {"type": "object"}
+#: llguidance's JSON layout options (its docs/json_schema.md, "Whitespace handling"): JSON on one
+#: line as Python's json.dumps writes it.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _llguidance():
+    try:
+        import llguidance
+    except ImportError:
+        raise PyinferError("structured output needs llguidance: pip install 'pyinfer[structured]'") from None
+    return llguidance
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A constraint on the generated text.
+
+    kind: "json_schema" (``text`` is the schema as JSON), "json_object" (any JSON object),
+    "gbnf" (llama.cpp's GBNF, or Lark: llguidance reads both), "lark", or "regex".
+    """
+
+    kind: str
+    text: str = ""
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise PyinferError(f"unknown grammar kind {self.kind!r} (one of {', '.join(KINDS)})")
+
+    @classmethod
+    def json_schema(cls, schema) -> "Grammar":
+        """From a schema given as a dict or as JSON text. Raises PyinferError for text that is not
+        a JSON object."""
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                raise PyinferError(f"the JSON schema is not valid JSON: {e}") from None
+        if not isinstance(schema, dict):
+            raise PyinferError("a JSON schema must be a JSON object")
+        return cls("json_schema", json.dumps(schema))
+
+    def llguidance_grammar(self) -> str:
+        """The grammar in llguidance's own format. Raises PyinferError when it does not parse."""
+        llg = _llguidance()
+        try:
+            if self.kind in ("json_object", "json_schema"):
+                schema = ANY_OBJECT_SCHEMA if self.kind == "json_object" else json.loads(self.text)
+                if "x-guidance" not in schema:  # one line, one space after ':' and ',' (a small
+                    # model given free whitespace can emit newlines until the token limit)
+                    schema = dict(schema, **{"x-guidance": JSON_LAYOUT})
+                return llg.grammar_from("json_schema", json.dumps(schema))
+            return llg.grammar_from(self.kind, self.text)
+        except (ValueError, RuntimeError, TypeError) as e:
+            raise PyinferError(f"bad {self.kind.replace('_', ' ')}: {_first_line(e)}") from None
+
+    def matcher(self, tokenizer) -> "Constraint":
+        """A fresh ``Constraint`` for one generation with ``tokenizer`` (pyinfer.tokenizer.Tokenizer).
+        Raises PyinferError when the grammar is invalid."""
+        return Constraint(lltokenizer(tokenizer), self.llguidance_grammar(), tokenizer.n_vocab)
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+class _VocabView:
+    """What llguidance's TokenizerWrapper reads from a tokenizer: the bytes of every token (control
+    tokens prefixed with 0xFF, as llguidance's own llama.cpp adapter marks them), BOS/EOS ids and a
+    tokenize function."""
+
+    def __init__(self, tok):
+        self.eos_token_id = tok.eos_id
+        self.bos_token_id = tok.bos_id
+        self.tokens = [(b"\xff" if tok.is_special(i) else b"") + tok.token_to_bytes(i)
+                       for i in range(tok.n_vocab)]
+        self.special_token_ids = [i for i in range(tok.n_vocab) if tok.is_special(i)]
+        self._tok = tok
+
+    def __call__(self, text):
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return self._tok.encode(text, add_bos=False, parse_special=False)
+
+
+def lltokenizer(tok):
+    """llguidance's LLTokenizer for ``tok``, built once per Tokenizer object (walks the vocabulary)."""
+    cached = getattr(tok, "_lltokenizer", None)
+    if cached is not None:
+        return cached
+    llg = _llguidance()
+    eos = sorted(tok.stop_ids) or None
+    llt = llg.LLTokenizer(llg.TokenizerWrapper(_VocabView(tok)), n_vocab=tok.n_vocab, eos_token=eos)
+    tok._lltokenizer = llt
+    return llt
+
+
+class Constraint:
+    """One generation's grammar state: ``allowed()`` before each token, ``advance(tok)`` after.
+
+    Args:
+        llt: llguidance.LLTokenizer of the model's vocabulary.
+        grammar: llguidance grammar text (``Grammar.llguidance_grammar``).
+        n_vocab: the model's vocabulary size (the logits' length).
+    Raises PyinferError when llguidance rejects the grammar.
+    """
+
+    def __init__(self, llt, grammar: str, n_vocab: int):
+        llg = _llguidance()
+        self._m = llg.LLMatcher(llt, grammar, log_level=0)
+        if self._m.is_error():
+            raise PyinferError(f"bad grammar: {_first_line(Exception(self._m.get_error()))}")
+        self.n_vocab = n_vocab
+        self._bits = np.zeros((n_vocab + 31) // 32, dtype=np.int32)
+
+    def allowed(self) -> np.ndarray:
+        """(n_vocab,) bool: the tokens that keep the text inside the grammar. Raises PyinferError
+        when the matcher has failed."""
+        self._m.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+        if self._m.is_error():
+            raise PyinferError(f"grammar matcher failed: {self._m.get_error()}")
+        bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little")
+        return bits[:self.n_vocab].astype(bool)
+
+    def advance(self, token: int) -> None:
+        """Feed the sampled ``token`` (one ``allowed()`` permitted). Raises PyinferError otherwise."""
+        if not self._m.consume_token(int(token)) or self._m.is_error():
+            raise PyinferError(f"grammar matcher failed: {self._m.get_error()}")
+
+    @property
+    def done(self) -> bool:
+        """True when the grammar is complete and admits nothing more than the end of text."""
+        return self._m.is_stopped()
+
+    @property
+    def accepting(self) -> bool:
+        """True when the text so far is a complete sentence of the grammar."""
+        return self._m.is_accepting()

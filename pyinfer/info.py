@@ -1,0 +1,203 @@
+"""pyinfer-inspect: what a GGUF file holds, without loading its weights.
+
+Reads the metadata and the tensor table with ``gguf``'s reader (after ``pyinfer.gguf_check``
+bounds every count): architecture and sizes, tensor types and bytes, tokenizer, whether the file
+is a pyinfer conversion or a llama.cpp file, the offline stage's sparse mode and targets, per layer
+the activation threshold, the sparsity measured on the calibration text, the predictor's rank,
+held-out recall and precision, and the hot-neuron split for the GPU when one is stored.
+``--json`` prints the same facts as one JSON object.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections import defaultdict
+
+import numpy as np
+
+from pyinfer import constants as C
+from pyinfer.config import read_field
+from pyinfer.errors import PyinferError, exit_code_of
+from pyinfer.options import Parser, add_model, add_version, model_path
+
+#: gguf-split's keys (llama.cpp examples/gguf-split): the part number and how many parts there are
+K_SPLIT_NO, K_SPLIT_COUNT = "split.no", "split.count"
+
+
+def _arch_field(reader, arch: str, name: str, kind=int):
+    return read_field(reader, f"{arch}.{name}", kind=kind)
+
+
+def describe(path: str) -> dict:
+    """The facts about the GGUF at ``path`` as a JSON-ready dict (see the module docstring).
+    Sizes in bytes; per-layer lists have one entry per layer (None where the file has no value).
+    Raises PyinferError for a missing or malformed file."""
+    from pyinfer.engine import open_gguf
+
+    reader = open_gguf(path)
+    arch = read_field(reader, C.K_ARCH, kind=str)
+    n_layer = _arch_field(reader, arch, "block_count") if arch else None
+    info: dict = {
+        "file": path, "bytes": os.path.getsize(path),
+        "gguf_version": int(reader.fields["GGUF.version"].contents()) if "GGUF.version" in reader.fields else None,
+        "architecture": arch, "name": read_field(reader, C.K_NAME, kind=str),
+        "n_layer": n_layer,
+        "n_embd": _arch_field(reader, arch, "embedding_length"),
+        "n_ff": _arch_field(reader, arch, "feed_forward_length"),
+        "n_head": _arch_field(reader, arch, "attention.head_count"),
+        "n_head_kv": _arch_field(reader, arch, "attention.head_count_kv"),
+        "n_ctx_train": _arch_field(reader, arch, "context_length"),
+        "rope_freq_base": _arch_field(reader, arch, "rope.freq_base", float),
+        "hidden_act": read_field(reader, C.K_HIDDEN_ACT, kind=str),
+    }
+    names = {t.name for t in reader.tensors}
+    converted = read_field(reader, C.K_FFN_LAYOUT, kind=str) == C.FFN_LAYOUT_NEURON_MAJOR
+    info["layout"] = "pyinfer" if converted else "llama.cpp"
+    info["pyinfer_version"] = read_field(reader, C.K_PYINFER_VERSION, kind=str)
+    info["source"] = read_field(reader, C.K_SOURCE, kind=str)
+
+    by_type: dict = defaultdict(lambda: {"tensors": 0, "bytes": 0, "parameters": 0})
+    for t in reader.tensors:
+        row = by_type[t.tensor_type.name]
+        row["tensors"] += 1
+        row["bytes"] += int(t.n_bytes)
+        row["parameters"] += int(t.n_elements)
+    info["types"] = dict(sorted(by_type.items(), key=lambda kv: -kv[1]["bytes"]))
+    info["n_tensors"] = len(reader.tensors)
+    predictor_like = ("fc1", "fc2", "gpu_idx", "gpu_bucket", "act_count")
+    info["parameters"] = int(sum(int(t.n_elements) for t in reader.tensors
+                                 if t.name.split(".")[-2 if t.name.endswith(".weight") else -1]
+                                 not in predictor_like))
+    info["tied_embeddings"] = C.OUTPUT not in names
+
+    tokens = reader.fields.get(C.K_TOK_LIST)
+    info["tokenizer"] = {
+        "model": read_field(reader, C.K_TOK_MODEL, kind=str),
+        "pre": read_field(reader, C.K_TOK_PRE, kind=str),
+        "n_tokens": len(tokens.data) if tokens is not None else None,
+        "bos_id": read_field(reader, C.K_TOK_BOS, kind=int),
+        "eos_id": read_field(reader, C.K_TOK_EOS, kind=int),
+        "chat_template": C.K_CHAT_TEMPLATE in reader.fields,
+    }
+    split_count = read_field(reader, K_SPLIT_COUNT, kind=int)
+    info["split"] = None if not split_count else {"part": read_field(reader, K_SPLIT_NO, kind=int),
+                                                  "count": split_count}
+
+    mode = read_field(reader, C.K_SPARSE_MODE, kind=str)
+    info["sparse"] = None
+    if mode is not None:
+        calib_tokens = read_field(reader, C.K_CALIB_TOKENS, kind=int)
+        info["sparse"] = {
+            "mode": mode,
+            "target_recall": read_field(reader, C.K_TARGET_RECALL, kind=float),
+            "target_sparsity": read_field(reader, C.K_TARGET_SPARSITY, kind=float),
+            "calibration": {"source": read_field(reader, C.K_CALIB_SOURCE, kind=str),
+                            "tokens": calib_tokens, "seed": read_field(reader, C.K_CALIB_SEED, kind=int)},
+            "vram_budget_bytes": read_field(reader, C.K_VRAM_BUDGET, kind=int),
+            "layers": _layers(reader, n_layer or 0, info["n_ff"], calib_tokens, names),
+        }
+    return info
+
+
+def _layers(reader, n_layer: int, n_ff: int | None, calib_tokens: int | None, names: set) -> list[dict]:
+    """Per layer: act_threshold, calibration sparsity (1 - activations / (n_ff * calibration
+    tokens), from ``blk.N.act_count``), predictor rank/threshold/recall/precision/cpu, gpu neurons."""
+    def per_layer(key, item):
+        v = read_field(reader, key, kind=list, item=item)
+        return list(v) if v is not None and len(v) == n_layer else [None] * n_layer
+
+    act_thr = per_layer(C.K_ACT_THRESHOLD, float)
+    pred_thr = per_layer(C.K_PRED_THRESHOLD, float)
+    rank = per_layer(C.K_PRED_RANK, int)
+    recall = per_layer(C.K_PRED_RECALL, float)
+    precision = per_layer(C.K_PRED_PRECISION, float)
+    cpu = per_layer(C.K_PRED_CPU, int)
+    tensors = {t.name: t for t in reader.tensors}
+    rows = []
+    for i in range(n_layer):
+        row = {"layer": i, "act_threshold": act_thr[i], "predictor_threshold": pred_thr[i],
+               "predictor_rank": rank[i], "recall": recall[i], "precision": precision[i],
+               "cpu_predictor": None if cpu[i] is None else bool(cpu[i]),
+               "calibration_sparsity": None, "gpu_neurons": None}
+        if row["predictor_rank"] is None and C.FC1.format(bid=i) in names:
+            row["predictor_rank"] = int(tensors[C.FC1.format(bid=i)].shape[-1])
+        counts = tensors.get(C.ACT_COUNT.format(bid=i))
+        if counts is not None and n_ff and calib_tokens:
+            active = float(np.asarray(counts.data, dtype=np.int64).sum())
+            row["calibration_sparsity"] = 1.0 - active / (n_ff * calib_tokens)
+        gpu = tensors.get(C.GPU_IDX.format(bid=i))
+        if gpu is not None:
+            row["gpu_neurons"] = int(np.count_nonzero(np.asarray(gpu.data)))
+        rows.append(row)
+    return rows
+
+
+def _fmt(v, spec: str = "") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def render(info: dict) -> str:
+    """``describe``'s dict as the text pyinfer-inspect prints."""
+    mib = 2 ** 20
+    out = [f"file:          {info['file']} ({info['bytes'] / mib:.1f} MiB, GGUF v{info['gguf_version']}, "
+           f"{info['n_tensors']} tensors)"]
+    out.append(f"architecture:  {info['architecture']} ({info['name'] or 'no name'}): "
+               f"{info['n_layer']} layers, n_embd {info['n_embd']}, n_ff {info['n_ff']}, "
+               f"{info['n_head']} heads, {info['n_head_kv']} KV heads, context {info['n_ctx_train']}, "
+               f"rope base {_fmt(info['rope_freq_base'], 'g')}"
+               + (f", {info['hidden_act']}" if info["hidden_act"] else ""))
+    out.append(f"parameters:    {info['parameters'] / 1e6:.1f} M"
+               + (" (tied embeddings)" if info["tied_embeddings"] else ""))
+    if info["layout"] == "pyinfer":
+        out.append(f"layout:        pyinfer conversion (version {info['pyinfer_version'] or '?'}"
+                   + (f", from {info['source']})" if info["source"] else ")"))
+    else:
+        out.append("layout:        llama.cpp file (not converted; pyinfer-convert writes the pyinfer "
+                   "layout and adds sparsity)")
+    types = ", ".join(f"{k} {v['tensors']} ({v['bytes'] / mib:.1f} MiB)" for k, v in info["types"].items())
+    out.append(f"types:         {types}")
+    tk = info["tokenizer"]
+    out.append(f"tokenizer:     {tk['model']} (pre {tk['pre']}), {tk['n_tokens']} tokens, bos {tk['bos_id']}, "
+               f"eos {tk['eos_id']}, chat template {'yes' if tk['chat_template'] else 'no'}")
+    if info["split"]:
+        out.append(f"split:         part {info['split']['part']} of {info['split']['count']} (gguf-split)")
+    sp = info["sparse"]
+    if sp is None:
+        out.append("sparse:        no (dense FFN)")
+        return "\n".join(out)
+    out.append(f"sparse:        mode {sp['mode']}, target recall {_fmt(sp['target_recall'], '.3g')}, "
+               f"target sparsity {_fmt(sp['target_sparsity'], '.3g')}")
+    cal = sp["calibration"]
+    out.append(f"calibration:   {_fmt(cal['tokens'])} tokens of {cal['source'] or '?'}, seed {_fmt(cal['seed'])}")
+    if sp["vram_budget_bytes"]:
+        out.append(f"gpu split:     solved for {sp['vram_budget_bytes'] / 2**30:.3f} GiB")
+    out.append("layer  act_thr  calib_sparsity  rank  recall  precision  cpu_pred  gpu_neurons")
+    for r in sp["layers"]:
+        out.append(f"{r['layer']:5d}  {_fmt(r['act_threshold'], '7.4f'):>7}  "
+                   f"{_fmt(r['calibration_sparsity'], '14.1%'):>14}  {_fmt(r['predictor_rank'], '4d'):>4}  "
+                   f"{_fmt(r['recall'], '6.3f'):>6}  {_fmt(r['precision'], '9.3f'):>9}  "
+                   f"{_fmt(r['cpu_predictor']):>8}  {_fmt(r['gpu_neurons']):>11}")
+    return "\n".join(out)
+
+
+def build_parser() -> Parser:
+    p = Parser(prog="pyinfer-inspect", description=__doc__.splitlines()[0])
+    add_version(p)
+    add_model(p, "GGUF file (a pyinfer conversion or a llama.cpp file)")
+    p.add_argument("--json", action="store_true", help="print the facts as one JSON object")
+    return p
+
+
+def _run(args) -> int:
+    info = describe(model_path(args, "pyinfer-inspect MODEL.gguf"))
+    print(json.dumps(info, indent=1) if args.json else render(info))
+    return 0
+
+
+def main(argv=None) -> int:
+    return exit_code_of(_run, build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

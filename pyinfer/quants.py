@@ -1,0 +1,191 @@
+"""Quantize float32 weights to ggml block types, in NumPy.
+
+``gguf.quants.quantize`` writes F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1; it has no quantizer
+for the K-quants. This module adds Q4_K, Q5_K and Q6_K, following ggml's reference quantizers
+(``ggml-quants.c``: ``quantize_row_q4_K_ref`` and ``quantize_row_q5_K_ref`` over
+``make_qkx2_quants``, ``quantize_row_q6_K_ref`` over ``make_qx_quants`` with rmse_type 1),
+vectorized over all blocks at once. The search steps and weightings are ggml's; the arithmetic is
+NumPy float32 (round half to even, as ggml's ``nearest_int``), so a block can differ from
+llama.cpp's output where two candidates tie to float rounding. The converter needs these for the
+transposed down projection (``ffn_down_t``) of a K-quant source: its rows are new rows, so they
+must be quantized again, at the source's type.
+
+Block layouts: ggml-common.h (see cython/qtypes.h for the same in C).
+"""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+
+QT = gguf.GGMLQuantizationType
+QK_K = 256
+K_QUANTS = (QT.Q4_K, QT.Q5_K, QT.Q6_K)
+
+
+def _f16(v: np.ndarray) -> np.ndarray:
+    """f32 -> (f16 bit pattern as uint16 (..., 1) uint8 pairs, the f16 value back in f32)."""
+    h = np.asarray(v, np.float32).astype(np.float16)
+    return h, h.astype(np.float32)
+
+
+def _make_qkx2(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float,
+               nstep: int) -> tuple[np.ndarray, np.ndarray]:
+    """ggml make_qkx2_quants (squared error) for every row of x (B, n): returns (scale, the_min),
+    both (B,) f32, with x ~ scale * L - the_min, L in 0..nmax."""
+    f = np.float32
+    mn = np.minimum(x.min(axis=1), f(0))
+    mx = x.max(axis=1)
+    sum_w = w.sum(axis=1, dtype=f)
+    sum_x = (w * x).sum(axis=1, dtype=f)
+    span = mx - mn
+    flat = span == 0
+    span = np.where(flat, f(1), span)
+    iscale = f(nmax) / span
+    scale = f(1) / iscale
+    xm = x - mn[:, None]
+    L = np.clip(np.rint(iscale[:, None] * xm), 0, nmax)
+    best = (w * (scale[:, None] * L + mn[:, None] - x) ** 2).sum(axis=1, dtype=f)
+    for step in range(nstep + 1):
+        isc = (f(rmin) + f(rdelta) * f(step) + f(nmax)) / span
+        la = np.clip(np.rint(isc[:, None] * xm), 0, nmax).astype(f)
+        sl = (w * la).sum(axis=1, dtype=f)
+        sl2 = (w * la * la).sum(axis=1, dtype=f)
+        sxl = (w * la * x).sum(axis=1, dtype=f)
+        D = sum_w * sl2 - sl * sl
+        ok = D > 0
+        Ds = np.where(ok, D, f(1))
+        ts = (sum_w * sxl - sum_x * sl) / Ds
+        tm = (sl2 * sum_x - sl * sxl) / Ds
+        pos = tm > 0
+        tm = np.where(pos, f(0), tm)
+        ts = np.where(pos, sxl / np.where(sl2 > 0, sl2, f(1)), ts)
+        err = (w * (ts[:, None] * la + tm[:, None] - x) ** 2).sum(axis=1, dtype=f)
+        better = ok & (err < best)
+        best = np.where(better, err, best)
+        scale = np.where(better, ts, scale)
+        mn = np.where(better, tm, mn)
+    scale = np.where(flat, f(0), scale)
+    return scale.astype(f), (-mn).astype(f)
+
+
+def _pack_k4_scales(ls: np.ndarray, lm: np.ndarray) -> np.ndarray:
+    """Eight 6-bit scales and mins per super-block (S, 8) -> ggml's 12 bytes (S, 12)."""
+    ls, lm = ls.astype(np.uint8), lm.astype(np.uint8)
+    out = np.zeros((ls.shape[0], 12), np.uint8)
+    out[:, 0:4] = ls[:, 0:4] | ((ls[:, 4:8] >> 4) << 6)
+    out[:, 4:8] = lm[:, 0:4] | ((lm[:, 4:8] >> 4) << 6)
+    out[:, 8:12] = (ls[:, 4:8] & 0xF) | ((lm[:, 4:8] & 0xF) << 4)
+    return out
+
+
+def _quantize_qk(x: np.ndarray, nmax: int) -> np.ndarray:
+    """Q4_K (nmax 15) or Q5_K (nmax 31): x (S, 256) f32 -> (S, 144 or 176) uint8."""
+    f = np.float32
+    S = x.shape[0]
+    xs = x.reshape(S * 8, 32)
+    av_x = np.sqrt((xs * xs).sum(axis=1, dtype=f) / f(32))
+    w = av_x[:, None] + np.abs(xs)
+    if nmax == 15:
+        scales, mins = _make_qkx2(xs, w, 15, -1.0, 0.1, 20)
+    else:
+        scales, mins = _make_qkx2(xs, w, 31, -0.5, 0.1, 15)
+    scales, mins = scales.reshape(S, 8), mins.reshape(S, 8)
+    max_scale, max_min = scales.max(axis=1), mins.max(axis=1)
+    inv_s = np.where(max_scale > 0, f(63) / np.where(max_scale > 0, max_scale, f(1)), f(0))
+    inv_m = np.where(max_min > 0, f(63) / np.where(max_min > 0, max_min, f(1)), f(0))
+    ls = np.minimum(63, np.rint(inv_s[:, None] * scales))
+    lm = np.minimum(63, np.rint(inv_m[:, None] * mins))
+    d16, d = _f16(max_scale / f(63))
+    m16, dmin = _f16(max_min / f(63))
+    dj = (d[:, None] * ls.astype(f)).reshape(S * 8)
+    mj = (dmin[:, None] * lm.astype(f)).reshape(S * 8)
+    safe = np.where(dj != 0, dj, f(1))
+    L = np.clip(np.rint((xs + mj[:, None]) / safe[:, None]), 0, nmax)
+    L = np.where((dj != 0)[:, None], L, 0).astype(np.uint8).reshape(S, 4, 2, 32)
+    lo, hi = L[:, :, 0, :], L[:, :, 1, :]  # sub-blocks 2j and 2j+1 of each 64-value chunk
+    qs = ((lo & 15) | ((hi & 15) << 4)).reshape(S, 128)
+    parts = [d16.view(np.uint8).reshape(S, 2), m16.view(np.uint8).reshape(S, 2),
+             _pack_k4_scales(ls, lm)]
+    if nmax == 31:
+        bit = np.arange(4, dtype=np.uint8)[None, :, None]
+        qh = (((lo >> 4) << (2 * bit)) | ((hi >> 4) << (2 * bit + 1))).sum(axis=1, dtype=np.uint8)
+        parts.append(qh)
+    parts.append(qs)
+    return np.concatenate(parts, axis=1)
+
+
+def _make_qx_rmse1(x: np.ndarray, nmax: int) -> np.ndarray:
+    """ggml make_qx_quants(n, nmax, x, L, rmse_type=1, NULL) for rows of x (B, n): the scale (B,)
+    (weights x^2, 19 candidate scales around -nmax/max)."""
+    f = np.float32
+    idx = np.argmax(np.abs(x), axis=1)
+    mx = x[np.arange(x.shape[0]), idx]
+    zero = np.abs(mx) < f(1e-15)
+    mxs = np.where(zero, f(1), mx)
+    w = x * x
+
+    def sums(iscale):
+        lv = np.clip(np.rint(iscale[:, None] * x), -nmax, nmax - 1)
+        return (w * x * lv).sum(axis=1, dtype=f), (w * lv * lv).sum(axis=1, dtype=f)
+
+    sumlx, suml2 = sums(f(-nmax) / mxs)
+    scale = np.where(suml2 != 0, sumlx / np.where(suml2 != 0, suml2, f(1)), f(0))
+    best = scale * sumlx
+    for step in range(-9, 10):
+        if step == 0:
+            continue
+        slx, sl2 = sums(-(f(nmax) + f(0.1) * f(step)) / mxs)
+        better = (sl2 > 0) & (slx * slx > best * sl2)
+        new = slx / np.where(sl2 > 0, sl2, f(1))
+        scale = np.where(better, new, scale)
+        best = np.where(better, new * slx, best)
+    return np.where(zero, f(0), scale).astype(f)
+
+
+def _quantize_q6_k(x: np.ndarray) -> np.ndarray:
+    """Q6_K: x (S, 256) f32 -> (S, 210) uint8."""
+    f = np.float32
+    S = x.shape[0]
+    xs = x.reshape(S * 16, 16)
+    scales = _make_qx_rmse1(xs, 32).reshape(S, 16)
+    pick = np.argmax(np.abs(scales), axis=1)
+    max_scale = scales[np.arange(S), pick]
+    empty = np.abs(max_scale) < f(1e-15)
+    iscale = f(-128) / np.where(empty, f(1), max_scale)
+    d16, d = _f16(np.where(empty, f(0), f(1) / iscale))
+    sc = np.minimum(127, np.rint(iscale[:, None] * scales)).astype(np.int8)
+    sc[empty] = 0
+    dj = (d[:, None] * sc.astype(f)).reshape(S * 16)
+    safe = np.where(dj != 0, dj, f(1))
+    L = np.clip(np.rint(xs / safe[:, None]), -32, 31) + 32
+    L = np.where((dj != 0)[:, None], L, 32).astype(np.uint8).reshape(S, 2, 4, 32)
+    ql = np.concatenate([(L[:, :, 0] & 15) | ((L[:, :, 2] & 15) << 4),
+                         (L[:, :, 1] & 15) | ((L[:, :, 3] & 15) << 4)], axis=2).reshape(S, 128)
+    qh = ((L[:, :, 0] >> 4) | ((L[:, :, 1] >> 4) << 2) | ((L[:, :, 2] >> 4) << 4)
+          | ((L[:, :, 3] >> 4) << 6)).reshape(S, 64)
+    out = np.concatenate([ql, qh, sc.view(np.uint8), d16.view(np.uint8).reshape(S, 2)], axis=1)
+    out[empty] = 0
+    return out
+
+
+def quantize(a: np.ndarray, qtype) -> np.ndarray:
+    """float32 (rows, cols) -> ggml blocks of ``qtype``, as uint8 (rows, bytes_per_row) (F16: float16
+    (rows, cols)). K-quants need cols % 256 == 0; other types go to ``gguf.quants.quantize``.
+
+    Raises ValueError for a row length the type's blocks do not divide, NotImplementedError for a
+    type neither this module nor gguf quantizes."""
+    qtype = QT(qtype)
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    if qtype not in K_QUANTS:
+        return gguf.quants.quantize(a, qtype)
+    rows, cols = a.shape
+    if cols % QK_K:
+        raise ValueError(f"{qtype.name} row length {cols} is not a multiple of {QK_K}")
+    x = a.reshape(-1, QK_K)
+    if qtype == QT.Q4_K:
+        blocks = _quantize_qk(x, 15)
+    elif qtype == QT.Q5_K:
+        blocks = _quantize_qk(x, 31)
+    else:
+        blocks = _quantize_q6_k(x)
+    return np.ascontiguousarray(blocks.reshape(rows, -1))

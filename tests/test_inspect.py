@@ -1,0 +1,110 @@
+"""pyinfer-inspect on files whose contents the test wrote itself (tests/_tiny_gguf.py): every fact
+it prints comes back equal to what went into the file."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+
+from pyinfer import constants as C
+from tests import _tiny_gguf as T
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VT = gguf.GGUFValueType
+CALIB_TOKENS = 200
+
+
+def inspect(*args) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, "-m", "pyinfer.info", *args], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT, env=env)
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    """The tiny model with the offline stage's metadata, activation counts and a GPU split."""
+    rng = np.random.default_rng(3)
+    counts = [rng.integers(0, CALIB_TOKENS, T.N_FF).astype(np.int32) for _ in range(T.N_LAYER)]
+    masks = [(rng.random(T.N_FF) < 0.25).astype(np.int32) for _ in range(T.N_LAYER)]
+    recall, precision = [0.991, 0.985], [0.5, 0.625]
+    overrides = {
+        C.K_SPARSE_MODE: (C.SPARSE_MODE_GLU, VT.STRING, None),
+        C.K_PRED_RECALL: (recall, VT.ARRAY, VT.FLOAT32),
+        C.K_PRED_PRECISION: (precision, VT.ARRAY, VT.FLOAT32),
+        C.K_PRED_RANK: ([T.RANK] * T.N_LAYER, VT.ARRAY, VT.INT32),
+        C.K_PRED_CPU: ([1, 0], VT.ARRAY, VT.INT32),
+        C.K_TARGET_RECALL: (0.99, VT.FLOAT32, None),
+        C.K_TARGET_SPARSITY: (0.5, VT.FLOAT32, None),
+        C.K_CALIB_SOURCE: ("self-generated", VT.STRING, None),
+        C.K_CALIB_TOKENS: (CALIB_TOKENS, VT.UINT32, None),
+        C.K_CALIB_SEED: (7, VT.UINT32, None),
+        C.K_VRAM_BUDGET: (3 << 20, VT.UINT64, None),
+    }
+    tensors = {}
+    for i in range(T.N_LAYER):
+        tensors[C.ACT_COUNT.format(bid=i)] = (counts[i], C.QT.I32)
+        tensors[C.GPU_IDX.format(bid=i)] = (masks[i], C.QT.I32)
+    path = str(tmp_path_factory.mktemp("inspect") / "calibrated.gguf")
+    T.write_tiny_gguf(path, overrides=overrides, tensors=tensors)
+    return path, counts, masks, recall, precision
+
+
+def test_json_facts_equal_what_was_written(calibrated):
+    path, counts, masks, recall, precision = calibrated
+    r = inspect(path, "--json")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert (info["architecture"], info["n_layer"], info["n_embd"], info["n_ff"], info["n_head"],
+            info["n_head_kv"], info["n_ctx_train"]) == ("llama", T.N_LAYER, T.N_EMBD, T.N_FF, T.N_HEAD,
+                                                        T.N_HEAD_KV, 64)
+    assert info["layout"] == "pyinfer" and info["split"] is None
+    written = T.tiny_tensors()
+    n_params = sum(a.size for name, (a, _) in written.items() if ".fc" not in name)
+    assert info["parameters"] == n_params
+    for qt in (C.QT.F16, C.QT.Q8_0, C.QT.Q4_0):
+        assert info["types"][qt.name]["tensors"] == sum(1 for a, t in written.values() if t == qt)
+    assert info["tokenizer"]["n_tokens"] == len(T.tiny_vocab()[0]) and info["tokenizer"]["chat_template"]
+    sp = info["sparse"]
+    assert sp["mode"] == "glu" and sp["calibration"] == {"source": "self-generated", "tokens": CALIB_TOKENS,
+                                                        "seed": 7}
+    assert sp["target_recall"] == pytest.approx(0.99) and sp["vram_budget_bytes"] == 3 << 20
+    for i, row in enumerate(sp["layers"]):
+        assert row["calibration_sparsity"] == pytest.approx(1 - counts[i].sum() / (T.N_FF * CALIB_TOKENS))
+        assert row["gpu_neurons"] == int(masks[i].sum())
+        assert row["recall"] == pytest.approx(recall[i]) and row["precision"] == pytest.approx(precision[i])
+        assert row["predictor_rank"] == T.RANK and row["act_threshold"] == pytest.approx(0.01)
+    assert [row["cpu_predictor"] for row in sp["layers"]] == [True, False]
+
+
+def test_text_output(calibrated):
+    path, counts, *_ = calibrated
+    r = inspect("-m", path)
+    assert r.returncode == 0, r.stderr
+    assert "sparse:        mode glu, target recall 0.99, target sparsity 0.5" in r.stdout
+    assert f"calibration:   {CALIB_TOKENS} tokens of self-generated, seed 7" in r.stdout
+    first = f"{1 - counts[0].sum() / (T.N_FF * CALIB_TOKENS):.1%}"
+    assert any(ln.split()[:1] == ["0"] and first in ln for ln in r.stdout.splitlines()), r.stdout
+
+
+def test_a_llama_cpp_file_and_a_dense_one(tmp_path):
+    path = str(tmp_path / "dense.gguf")
+    T.write_tiny_gguf(path, overrides={C.K_SPARSE_MODE: None, C.K_FFN_LAYOUT: None,
+                                       "split.no": (0, VT.UINT16, None), "split.count": (3, VT.UINT16, None)})
+    r = inspect(path)
+    assert r.returncode == 0, r.stderr
+    assert "llama.cpp file (not converted" in r.stdout and "sparse:        no (dense FFN)" in r.stdout
+    assert "split:         part 0 of 3" in r.stdout
+
+
+def test_bad_input_is_one_line(tmp_path):
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"GGUF" + b"\xff" * 20)
+    for args in ([str(tmp_path / "missing.gguf")], [str(bad)], []):
+        r = inspect(*args)
+        assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert r.stderr.startswith("error: ") and "Traceback" not in r.stderr

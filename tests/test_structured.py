@@ -1,0 +1,246 @@
+"""Structured output, log-probabilities, embeddings and request-field checks (issue 13).
+
+References nobody here wrote: ``jsonschema`` validates constrained output, llguidance decides what
+a grammar allows, transformers' LlamaModel gives the hidden states embeddings pool, the ``openai``
+client parses the server's answers. Fast tests run on the tiny model (tests/_tiny_gguf.py) and a
+small random Llama; the SmolLM2 ones are marked slow.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import re
+
+import numpy as np
+import pytest
+
+pytest.importorskip("llguidance")
+jsonschema = pytest.importorskip("jsonschema")
+
+from pyinfer.errors import PyinferError  # noqa: E402
+
+SCHEMA = {"type": "object",
+          "properties": {"city": {"type": "string", "maxLength": 20}, "country": {"type": "string", "maxLength": 20},
+                         "population": {"type": "integer", "minimum": 0}},
+          "required": ["city", "country", "population"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tmp_path_factory):
+    from pyinfer import LLM
+    from tests._tiny_gguf import write_tiny_gguf
+
+    path = write_tiny_gguf(str(tmp_path_factory.mktemp("tiny") / "tiny.gguf"))
+    return LLM(path, n_threads=1, seed=0, device="cpu")
+
+
+# ---- grammars on the tiny model: random weights, so only the grammar makes the output valid -------
+@pytest.mark.parametrize("seed", range(4))
+def test_random_model_follows_a_regex_grammar(tiny_llm, seed):
+    out = tiny_llm.create_completion("the", max_tokens=20, temperature=1.0, seed=seed,
+                                     grammar='root ::= [a-c]{2,4} "!"')
+    text = out["choices"][0]["text"]
+    assert re.fullmatch(r"[a-c]{2,4}!", text), text
+    assert out["choices"][0]["finish_reason"] == "stop"
+
+
+def test_random_model_writes_json_of_a_schema(tiny_llm):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    for seed in range(3):
+        out = tiny_llm.create_completion("the", max_tokens=40, temperature=0.7, seed=seed,
+                                         response_format={"type": "json_schema",
+                                                          "json_schema": {"name": "x", "schema": schema}})
+        text = out["choices"][0]["text"]
+        if out["choices"][0]["finish_reason"] == "stop":
+            jsonschema.validate(json.loads(text), schema)
+        else:  # cut by max_tokens: still a prefix the grammar allows
+            assert text.startswith('{"ok": ')
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(grammar="root ::= ("), "bad gbnf"),
+    (dict(response_format={"type": "yaml"}), "response_format must be"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"schema": 3}}), "'schema' object"),
+    (dict(grammar='root ::= "a"', response_format={"type": "json_object"}), "at most one"),
+    (dict(json_schema="{not json"), "not valid JSON"),
+    (dict(logprobs=21), "logprobs must be an integer in 0..20"),
+])
+def test_bad_constraints_are_one_line_errors(tiny_llm, kw, message):
+    with pytest.raises(PyinferError, match=re.escape(message)):
+        tiny_llm.create_completion("the", max_tokens=4, **kw)
+
+
+# ---- log-probabilities against log-softmax of the engine's own logits ----------------------------
+def test_logprobs_are_the_models_log_softmax(tiny_llm):
+    tiny_llm.reset()
+    out = tiny_llm.create_completion("the", max_tokens=5, temperature=0, logprobs=3, ignore_eos=True)
+    lp = out["choices"][0]["logprobs"]
+    text = out["choices"][0]["text"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == 5 == out["usage"]["completion_tokens"]
+    assert "".join(lp["tokens"]) == text and lp["text_offset"][0] == 0
+    # the same greedy run again, keeping each step's logits; torch's log_softmax is the reference
+    torch = pytest.importorskip("torch")
+    steps = []
+    tiny_llm.reset()
+    gen = list(tiny_llm.generate(tiny_llm.tokenize("the"), max_tokens=5, temperature=0, ignore_eos=True,
+                                 on_token=lambda logits, tok: steps.append(np.array(logits))))
+    ref = torch.log_softmax(torch.tensor(np.array(steps), dtype=torch.float64), dim=-1).numpy()
+    assert [tiny_llm.tokenizer.token_to_piece(t) for t in gen] == lp["tokens"]
+    assert np.allclose(lp["token_logprobs"], ref[np.arange(5), gen], atol=1e-9)
+    for row, alts in zip(ref, lp["top_logprobs"]):
+        # OpenAI's legacy shape maps text -> logprob: byte tokens that print alike ("\ufffd") share a key
+        top3 = np.sort(row)[::-1][:3]
+        assert 1 <= len(alts) <= 3 and all(np.isclose(v, top3, atol=1e-9).any() for v in alts.values())
+        assert np.isclose(max(alts.values()), top3[0])
+    # greedy: the chosen token is the most likely one
+    assert all(np.isclose(lp["token_logprobs"][i], max(lp["top_logprobs"][i].values())) for i in range(5))
+
+
+def test_chat_logprobs_shape_and_streaming(tiny_llm):
+    msgs = [{"role": "user", "content": "the"}]
+    full = tiny_llm.create_chat_completion(msgs, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+    content = full["choices"][0]["logprobs"]["content"]
+    assert len(content) == full["usage"]["completion_tokens"]
+    for e in content:
+        assert set(e) == {"token", "logprob", "bytes", "top_logprobs"} and len(e["top_logprobs"]) == 2
+        assert e["logprob"] <= 0 and e["top_logprobs"][0]["logprob"] >= e["top_logprobs"][1]["logprob"]
+    chunks = list(tiny_llm.create_chat_completion(msgs, max_tokens=4, temperature=0, logprobs=True,
+                                                  top_logprobs=2, stream=True))
+    streamed = [e for c in chunks for e in (c["choices"][0]["logprobs"] or {}).get("content", [])]
+    assert [e["token"] for e in streamed] == [e["token"] for e in content]
+    with pytest.raises(PyinferError, match="top_logprobs needs logprobs"):
+        tiny_llm.create_chat_completion(msgs, max_tokens=2, top_logprobs=2)
+
+
+# ---- embeddings against transformers ---------------------------------------------------------------
+def test_embeddings_are_mean_pooled_normed_hidden_states(tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from convert.cli import main as convert_main
+    from pyinfer import LLM
+    from tests._models import make_random_llama
+
+    model_dir = make_random_llama(tmp_path / "hf", tokenizer="bpe")
+    out = tmp_path / "m.gguf"
+    assert convert_main([str(model_dir), str(out), "--outtype", "f32", "--dense"]) == 0
+    llm = LLM(str(out), n_ctx=64, n_threads=1, device="cpu")
+    ids = [[1, 17, 42, 7, 99], [5, 120, 33]]
+    got = llm.create_embedding(ids)
+    hf = transformers.LlamaModel.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for i, seq in enumerate(ids):
+        with torch.no_grad():
+            h = hf(torch.tensor([seq])).last_hidden_state[0].numpy()  # after the final norm
+        ref = h.mean(axis=0)
+        ref /= np.linalg.norm(ref)
+        assert np.allclose(got["data"][i]["embedding"], ref, atol=2e-4)
+    assert got["usage"]["prompt_tokens"] == 8
+    # the KV cache was reused for the embeddings: generation afterwards starts afresh and works
+    assert llm.create_completion([1, 17], max_tokens=2, temperature=0)["usage"]["completion_tokens"] >= 1
+
+
+# ---- the server: fields, shapes, through Starlette's test client over the tiny model ---------------
+@pytest.fixture(scope="module")
+def app_client(tiny_llm):
+    pytest.importorskip("starlette")
+    from starlette.testclient import TestClient
+
+    from pyinfer.server import create_app
+
+    return TestClient(create_app(tiny_llm), raise_server_exceptions=False)
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": "the", "frobnicate": 1}, "frobnicate"),
+    ("/v1/completions", {"prompt": "the", "presence_penalty": 0.5}, "presence_penalty"),
+    ("/v1/completions", {"prompt": "the", "echo": True}, "echo"),
+    ("/v1/completions", {"prompt": "the", "logprobs": 50}, "logprobs"),
+    ("/v1/completions", {"prompt": "the", "grammar": "root ::= ("}, "grammar"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+     "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 10}},
+     "logit_bias"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "xml"}}, "response_format"),
+    ("/v1/embeddings", {"input": "the", "encoding_format": "hex"}, "encoding_format"),
+    ("/v1/embeddings", {"input": 5}, "input"),
+    ("/v1/embeddings", {"input": "the", "dimensions": 7}, "dimensions"),
+])
+def test_unsupported_fields_and_values_are_refused(app_client, path, body, param):
+    r = app_client.post(path, json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_server_embeddings_and_neutral_fields(app_client, tiny_llm):
+    r = app_client.post("/v1/embeddings", json={"input": ["the", "then"], "model": "x", "encoding_format": "float"})
+    assert r.status_code == 200, r.text
+    data = r.json()["data"]
+    assert len(data) == 2 and len(data[0]["embedding"]) == tiny_llm.engine.cfg.n_embd
+    assert np.isclose(np.linalg.norm(data[0]["embedding"]), 1.0)
+    r = app_client.post("/v1/embeddings", json={"input": ["the", "then"], "encoding_format": "base64"})
+    b64 = [np.frombuffer(base64.b64decode(d["embedding"]), "<f4") for d in r.json()["data"]]
+    assert np.allclose(b64[1], data[1]["embedding"], atol=1e-7)
+    r = app_client.post("/v1/completions", json={"prompt": "the", "max_tokens": 3, "presence_penalty": 0,
+                                                 "user": "me", "logprobs": 1, "grammar": 'root ::= "ab"'})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["text"] == "ab" and len(choice["logprobs"]["tokens"]) >= 1
+
+
+# ---- the CLI: --grammar-file, -j ---------------------------------------------------------------------
+def _run(*args):
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([sys.executable, "-m", "pyinfer.cli", *args], capture_output=True, text=True,
+                          timeout=300, cwd=root, env=dict(os.environ, PYTHONPATH=root))
+
+
+def test_cli_grammar_file_and_errors(tiny_llm, tmp_path):
+    g = tmp_path / "g.gbnf"
+    g.write_text('root ::= "x" [0-9]{3} ";"\n')
+    r = _run(tiny_llm.model_path, "-p", "the", "--no-display-prompt", "--grammar-file", str(g), "-s", "3", "-t", "1")
+    assert r.returncode == 0, r.stderr
+    assert re.fullmatch(r"x[0-9]{3};", r.stdout.strip()), r.stdout
+    for args, msg in ((["--grammar", "root ::= ("], "bad gbnf"), (["-j", "[1, 2]"], "JSON schema must be"),
+                      (["--grammar-file", str(tmp_path / "none")], "cannot read grammar file")):
+        r = _run(tiny_llm.model_path, "-p", "the", *args)
+        assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert r.stderr.startswith("error: ") and msg in r.stderr, r.stderr
+
+
+@pytest.mark.slow
+def test_cli_json_schema_greedy_smollm2(smollm2_q8):
+    r = _run(smollm2_q8, "--chat", "-p", "Give the capital of Germany as JSON with its country and population.",
+             "--temp", "0", "-n", "64", "-j", json.dumps(SCHEMA))
+    assert r.returncode == 0, r.stderr
+    value = json.loads(r.stdout)
+    jsonschema.validate(value, SCHEMA)
+    assert value["city"] == "Berlin"
+
+
+# ---- SmolLM2 through the openai client (slow) ------------------------------------------------------
+from tests.test_server import client, server  # noqa: E402,F401 - the server fixtures
+@pytest.mark.slow
+def test_openai_client_response_format_json_schema(client):
+    msgs = [{"role": "user", "content": "Give the capital of Germany as JSON with its country and population."}]
+    out = client.chat.completions.create(
+        model="smollm2", messages=msgs, temperature=0, max_tokens=64,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}})
+    text = out.choices[0].message.content
+    jsonschema.validate(json.loads(text), SCHEMA)
+    assert out.choices[0].finish_reason == "stop"
+    out = client.chat.completions.create(model="smollm2", messages=msgs, temperature=0, max_tokens=200,
+                                         response_format={"type": "json_object"})
+    if out.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(out.choices[0].message.content), dict)
+    out = client.chat.completions.create(model="smollm2", messages=msgs, temperature=0, max_tokens=4,
+                                         logprobs=True, top_logprobs=3)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens and len(content[0].top_logprobs) == 3
+    emb = client.embeddings.create(model="smollm2", input=["Berlin", "Paris"])
+    assert len(emb.data) == 2 and len(emb.data[0].embedding) == 576
