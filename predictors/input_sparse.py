@@ -22,7 +22,6 @@ write the file with those matrices stored transposed.
 """
 from __future__ import annotations
 
-import heapq
 import time
 from dataclasses import dataclass
 
@@ -62,9 +61,10 @@ def column_norms(lw) -> dict[str, np.ndarray]:
 
 def record_inputs(eng, pieces: list[list[int]], n_threads: int, on_layer) -> None:
     """Run ``pieces`` (token lists, each from position 0) through the dense row-layout model of
-    ``eng`` layer by layer; after each layer call ``on_layer(i, inputs, energy)`` with inputs
-    {group: (n_tok, n_in) f32} over all pieces and energy {"resid_attn", "attn", "resid_ffn",
-    "ffn": mean squared norm per token} (residual before each block, block output)."""
+    ``eng`` layer by layer; after each layer call ``on_layer(i, inputs, energy, xs)`` with inputs
+    {group: (n_tok, n_in) f32} over all pieces, energy {"resid_attn", "attn", "resid_ffn",
+    "ffn": mean squared norm per token} (residual before each block, block output) and xs the
+    layer's input, one (len(piece), n_embd) f32 array per piece."""
     cfg, w = eng.cfg, eng.weights
     E, hd = cfg.n_embd, cfg.head_dim
     xs = []
@@ -78,6 +78,7 @@ def record_inputs(eng, pieces: list[list[int]], n_threads: int, on_layer) -> Non
         rec = {g: np.empty((n_tok, in_sizes(cfg)[g][0]), np.float32) for g in C.IN_GROUPS}
         en = dict.fromkeys(("resid_attn", "attn", "resid_ffn", "ffn"), 0.0)
         s = 0
+        x_in = [x.copy() for x in xs]
         for x in xs:
             T = x.shape[0]
             pos = np.arange(T, dtype=np.int32)
@@ -110,7 +111,7 @@ def record_inputs(eng, pieces: list[list[int]], n_threads: int, on_layer) -> Non
             en["ffn"] += float((f.astype(np.float64) ** 2).sum())
             x += f
             s += T
-        on_layer(i, rec, {k: v / n_tok for k, v in en.items()})
+        on_layer(i, rec, {k: v / n_tok for k, v in en.items()}, x_in)
 
 
 def unit_curve(x: np.ndarray, cnorm: np.ndarray, wina: bool,
@@ -146,34 +147,142 @@ def unit_curve(x: np.ndarray, cnorm: np.ndarray, wina: bool,
     return UnitCurve(thr, np.maximum.accumulate(loss))
 
 
-def allocate(curves: list[list[UnitCurve]], unit_bytes: dict[str, int],
-             target: float) -> np.ndarray:
-    """Levels (n_layer, 4) int: greedy (module docstring, step 3) until the skipped bytes reach
-    ``target`` of the total. Ties go to the lower (layer, group) index: deterministic."""
-    n_layer = len(curves)
-    groups = C.IN_GROUPS
-    level = np.zeros((n_layer, len(groups)), np.int64)
-    total = n_layer * sum(unit_bytes.values())
-    need = target * total
-    heap = []
+STEP = 5  # the block greedy raises a group's sparsity by STEP / N_LEVELS per step (TEAL: 5%)
+MAX_LEVEL = 95  # no group skips more than this many levels (95% of its pairs)
+EVAL_TOKENS = 512  # calibration tokens (a prefix of each piece) the block greedy evaluates on
 
-    def push(i, gi):
-        k = level[i, gi]
-        if k + 1 < N_LEVELS:
-            c = curves[i][gi]
-            cost = (c.loss[k + 1] - c.loss[k]) / (unit_bytes[groups[gi]] / N_LEVELS)
-            heapq.heappush(heap, (cost, i, gi))
 
-    for i in range(n_layer):
-        for gi in range(len(groups)):
-            push(i, gi)
-    skipped = 0.0
-    while skipped < need and heap:
-        _, i, gi = heapq.heappop(heap)
-        level[i, gi] += 1
-        skipped += unit_bytes[groups[gi]] / N_LEVELS
-        push(i, gi)
-    return level
+@dataclass
+class BlockPath:
+    """One layer's greedy path (TEAL §4.2): ``levels[p]`` (4,) int the sparsity levels of the
+    groups after p steps, ``sparsity[p]`` the block sparsity (fraction of the layer's projection
+    bytes skipped on the calibration pairs), ``error[p]`` the block output error relative to the
+    block's output energy, ||y_p - y||^2 / ||y - x||^2 over the evaluated tokens."""
+
+    levels: np.ndarray  # (n_steps + 1, 4) int64, levels[0] = 0
+    sparsity: np.ndarray  # (n_steps + 1,) f64, non-decreasing
+    error: np.ndarray  # (n_steps + 1,) f64
+
+
+class _Block:
+    """One layer as f32 NumPy over its dequantized row-layout weights, for the block greedy: the
+    output of the layer on given inputs with each group's input channels masked at a level.
+    Stage s of the cached state depends only on the levels of groups 0..s, so raising group g
+    recomputes stages g.. only (q/k/v: everything; down: one product)."""
+
+    def __init__(self, lw, cfg, xs: list[np.ndarray], curves: list[UnitCurve],
+                 norms: dict[str, np.ndarray], wina: bool, n_threads: int):
+        self.cfg, self.lw, self.xs, self.nt = cfg, lw, xs, n_threads
+        self.wqkv = np.concatenate([dequantize(lw.wq), dequantize(lw.wk), dequantize(lw.wv)]).T
+        self.wo = np.ascontiguousarray(dequantize(lw.wo).T)  # (n_embd_q, n_embd)
+        self.wgu = np.concatenate([dequantize(lw.ffn_gate), dequantize(lw.ffn_up)]).T
+        self.wd = dequantize(lw.ffn_down_t)  # (n_ff, n_embd)
+        self.curves = curves
+        self.scale = [norms[g] if wina else None for g in C.IN_GROUPS]
+        self.x = np.concatenate(xs)
+        self.h = np.empty_like(self.x)
+        cpu.rmsnorm(self.x, lw.attn_norm, cfg.rms_eps, self.h)
+        self.state = [None] * 4  # per stage: its output for the current levels
+        self.levels = np.zeros(4, np.int64)
+        self.y = self.run(self.levels, 0)  # dense block output (n_tok, n_embd)
+        self.state = list(self._last)
+        self.out_energy = max(float(((self.y - self.x).astype(np.float64) ** 2).sum()), 1e-30)
+
+    def _mask(self, gi: int, level: int, v: np.ndarray) -> np.ndarray:
+        if level == 0:
+            return v
+        s = np.abs(v)
+        if self.scale[gi] is not None:
+            s *= self.scale[gi]
+        return np.where(s > self.curves[gi].thr[level], v, np.float32(0.0))
+
+    def run(self, levels, first: int) -> np.ndarray:
+        """The block output (n_tok, n_embd) f32 for ``levels``, from stage ``first`` on (the
+        stages before it taken from ``self.state``); the stages' outputs are left in _last."""
+        cfg, hd = self.cfg, self.cfg.head_dim
+        st = list(self.state)
+        if first <= 0:  # q/k/v from the masked normed input, then attention per piece
+            qkv = self._mask(0, levels[0], self.h) @ self.wqkv
+            att = np.empty((qkv.shape[0], cfg.n_embd_q), np.float32)
+            s = 0
+            for x in self.xs:
+                T = x.shape[0]
+                pos = np.arange(T, dtype=np.int32)
+                q3 = np.ascontiguousarray(qkv[s:s + T, :cfg.n_embd_q]).reshape(T, cfg.n_head, hd)
+                k3 = np.ascontiguousarray(qkv[s:s + T, cfg.n_embd_q:cfg.n_embd_q + cfg.n_embd_kv]
+                                          ).reshape(T, cfg.n_head_kv, hd)
+                v3 = np.ascontiguousarray(qkv[s:s + T, cfg.n_embd_q + cfg.n_embd_kv:]
+                                          ).reshape(T, cfg.n_head_kv, hd)
+                cpu.rope_neox(q3, pos, cfg.rope_freq_base, hd)
+                cpu.rope_neox(k3, pos, cfg.rope_freq_base, hd)
+                a = np.empty((T, cfg.n_head, hd), np.float32)
+                cpu.attention(q3, k3, v3, 0, a, self.nt)
+                att[s:s + T] = a.reshape(T, cfg.n_embd_q)
+                s += T
+            st[0] = att
+        if first <= 1:  # output projection, residual, FFN norm
+            x1 = self.x + self._mask(1, levels[1], st[0]) @ self.wo
+            h2 = np.empty_like(x1)
+            cpu.rmsnorm(x1, self.lw.ffn_norm, cfg.rms_eps, h2)
+            st[1] = (x1, h2)
+        if first <= 2:  # gate/up and the GLU product
+            gu = self._mask(2, levels[2], st[1][1]) @ self.wgu
+            act = np.ascontiguousarray(gu[:, :cfg.n_ff])
+            (cpu.silu_mul if cfg.hidden_act == "silu" else cpu.relu_mul)(
+                act, np.ascontiguousarray(gu[:, cfg.n_ff:]), act)
+            st[2] = act
+        st[3] = st[1][0] + self._mask(3, levels[3], st[2]) @ self.wd
+        self._last = st
+        return st[3]
+
+    def error(self, y: np.ndarray) -> float:
+        return float(((y - self.y).astype(np.float64) ** 2).sum()) / self.out_energy
+
+
+def block_path(blk: _Block, unit_bytes: np.ndarray, max_sparsity: float) -> BlockPath:
+    """TEAL's block-wise greedy (Liu et al. 2024, §4.2): from all groups dense, repeatedly raise
+    by STEP levels the group whose step increases the block output error least per byte skipped
+    (errors measured on the calibration inputs of ``blk``), until the block sparsity reaches
+    ``max_sparsity`` or every group is at MAX_LEVEL. unit_bytes (4,) the bytes of each group's
+    matrix. Ties go to the lower group index: deterministic."""
+    total = float(unit_bytes.sum())
+    levels = np.zeros(4, np.int64)
+    err = 0.0
+    path_l, path_s, path_e = [levels.copy()], [0.0], [0.0]
+    while path_s[-1] < max_sparsity:
+        best = None
+        for gi in range(4):
+            if levels[gi] >= MAX_LEVEL:
+                continue
+            cand = levels.copy()
+            cand[gi] = min(levels[gi] + STEP, MAX_LEVEL)
+            e = blk.error(blk.run(cand, gi))
+            cost = (e - err) / ((cand[gi] - levels[gi]) * unit_bytes[gi])
+            if best is None or cost < best[0]:
+                best = (cost, gi, cand, e, blk._last)
+        if best is None:
+            break
+        _, gi, levels, err, blk.state = best
+        path_l.append(levels.copy())
+        path_s.append(float((levels * unit_bytes).sum()) / (N_LEVELS * total))
+        path_e.append(err)
+    return BlockPath(np.array(path_l), np.array(path_s), np.array(path_e))
+
+
+def levels_for(path: BlockPath, unit_bytes: np.ndarray, target: float) -> np.ndarray:
+    """(4,) levels of one layer at block sparsity ``target``: the path's first step at or past
+    the target, its last group raised only as far as the target needs (whole levels)."""
+    p = int(np.searchsorted(path.sparsity, target - 1e-12))
+    if p == 0:
+        return path.levels[0].copy()
+    if p >= len(path.sparsity):
+        return path.levels[-1].copy()
+    lv = path.levels[p - 1].copy()
+    gi = int(np.flatnonzero(path.levels[p] != lv)[0])
+    total = float(unit_bytes.sum())
+    need = target * N_LEVELS * total - float((lv * unit_bytes).sum())
+    lv[gi] += min(int(np.ceil(need / unit_bytes[gi] - 1e-9)), int(path.levels[p][gi] - lv[gi]))
+    return lv
 
 
 def transposed_jobs(jobs, cfg, outtype: str, scales: list[dict] | None):
@@ -238,34 +347,60 @@ def format_table(sparsity: np.ndarray, loss: np.ndarray, score: str, target: flo
     return "\n".join(lines)
 
 
-def calibrate(eng, seqs: list[list[int]], wina: bool, seed: int, n_threads: int):
-    """(curves [n_layer][4] UnitCurve, column norms [n_layer] {group: (n_in,) f32}) from the
-    dense row-layout engine ``eng`` over the calibration sequences (steps 1-2). Deterministic for
-    a seed, whatever ``n_threads``."""
+@dataclass
+class Calibration:
+    """What ``calibrate`` measured: per layer the four groups' unit curves (thresholds per level)
+    and the block greedy's path."""
+
+    curves: list[list[UnitCurve]]
+    paths: list[BlockPath]
+
+
+def calibrate(eng, seqs: list[list[int]], wina: bool, seed: int, n_threads: int,
+              max_sparsity: float = 0.9) -> tuple[Calibration, list[dict]]:
+    """(Calibration, column norms [n_layer] {group: (n_in,) f32}) from the dense row-layout
+    engine ``eng`` over the calibration sequences (steps 1-3: thresholds from every calibration
+    token, the block greedy on the first EVAL_TOKENS of them). Deterministic for a seed."""
     from predictors.profile import chunks
 
+    cfg = eng.cfg
     norms = [column_norms(lw) for lw in eng.weights.layers]
-    curves: list[list[UnitCurve]] = []
-    rng = np.random.default_rng(seed)
-
-    def on_layer(i, rec, en):
-        curves.append([unit_curve(rec[g], norms[i][g], wina, rng) for g in C.IN_GROUPS])
-
-    record_inputs(eng, chunks(seqs, min(512, eng.n_ctx)), n_threads, on_layer)
-    return curves, norms
-
-
-def thresholds_for(curves, cfg, target: float):
-    """(thresholds (n_layer, 4) f32, calibrated sparsity (n_layer, 4), loss (n_layer,)) of the
-    greedy allocation for ``target`` (step 3); columns in ``constants.IN_GROUPS`` order."""
     sizes = in_sizes(cfg)
-    unit_bytes = {g: sizes[g][0] * sizes[g][1] for g in C.IN_GROUPS}
-    level = allocate(curves, unit_bytes, target)
-    thr = np.array([[curves[i][gi].thr[level[i, gi]] for gi in range(4)]
+    unit_bytes = np.array([sizes[g][0] * sizes[g][1] for g in C.IN_GROUPS], np.float64)
+    curves: list[list[UnitCurve]] = []
+    paths: list[BlockPath] = []
+    rng = np.random.default_rng(seed)
+    pieces = chunks(seqs, min(512, eng.n_ctx))
+    n_eval = [0] * len(pieces)  # a prefix of each piece (attention needs the tokens before)
+    left = EVAL_TOKENS
+    for j, p in enumerate(pieces):
+        n_eval[j] = min(len(p), left)
+        left -= n_eval[j]
+
+    def on_layer(i, rec, en, xs):
+        c = [unit_curve(rec[g], norms[i][g], wina, rng) for g in C.IN_GROUPS]
+        curves.append(c)
+        blk = _Block(eng.weights.layers[i], cfg, [x[:n] for x, n in zip(xs, n_eval) if n],
+                     c, norms[i], wina, n_threads)
+        paths.append(block_path(blk, unit_bytes, max_sparsity))
+
+    record_inputs(eng, pieces, n_threads, on_layer)
+    return Calibration(curves, paths), norms
+
+
+def thresholds_for(cal: Calibration, cfg, target: float):
+    """(thresholds (n_layer, 4) f32, calibrated sparsity (n_layer, 4), block output error
+    (n_layer,)) at block sparsity ``target`` in every layer (TEAL: uniform across blocks, the
+    greedy's split inside each); columns in ``constants.IN_GROUPS`` order. The error is the
+    path's at the step reached (an upper bound for the fractional last step)."""
+    sizes = in_sizes(cfg)
+    unit_bytes = np.array([sizes[g][0] * sizes[g][1] for g in C.IN_GROUPS], np.float64)
+    level = np.array([levels_for(p, unit_bytes, target) for p in cal.paths])
+    thr = np.array([[cal.curves[i][gi].thr[level[i, gi]] for gi in range(4)]
                     for i in range(cfg.n_layer)], np.float32)
-    loss = np.array([sum(curves[i][gi].loss[level[i, gi]] for gi in range(4))
-                     for i in range(cfg.n_layer)])
-    return thr, level / N_LEVELS, loss
+    err = np.array([p.error[min(int(np.searchsorted(p.sparsity, target - 1e-12)), len(p.error) - 1)]
+                    for p in cal.paths])
+    return thr, level / N_LEVELS, err
 
 
 def input_stage(src: str, out: str, outtype: str, opts, eng, seqs, source: str, secs: dict,
@@ -278,10 +413,11 @@ def input_stage(src: str, out: str, outtype: str, opts, eng, seqs, source: str, 
     cfg = eng.cfg
     wina = opts.input_score == "wina"
     t0 = time.perf_counter()
-    curves, norms = calibrate(eng, seqs, wina, opts.seed, n_threads)
+    cal, norms = calibrate(eng, seqs, wina, opts.seed, n_threads,
+                           max_sparsity=min(0.95, opts.target_sparsity + 0.05))
     secs["calibration"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    thr, sparsity, loss = thresholds_for(curves, cfg, opts.target_sparsity)
+    thr, sparsity, loss = thresholds_for(cal, cfg, opts.target_sparsity)
     secs["allocation"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
