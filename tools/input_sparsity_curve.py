@@ -9,8 +9,8 @@ DENSE.gguf is the same model converted with ``--dense`` (row layout): it is the 
 engine, exactly as in ``pyinfer-convert`` (the same self-generated calibration tokens for the same
 seed and count), and the dense baseline. Each IN_*.gguf was converted in sparse mode input with
 that score (at any target: the weights and column norms do not depend on it); for each target the
-thresholds come from the same greedy allocation the converter runs (``thresholds_for``) and are
-set on the loaded engine. "same file dense" runs the input file with every channel kept.
+thresholds come from the same block-wise greedy the converter runs (``thresholds_for``: every
+layer at the target) and are set on the loaded engine. "same file dense" runs the input file with every channel kept.
 Decode: --n-gen greedy tokens after an 8-token prompt, every configuration once per round,
 --reps rounds, medians.
 """
@@ -85,7 +85,8 @@ def main():
         score, path = spec.split("=", 1)
         eng = Engine(path, n_ctx=args.ctx, n_threads=args.threads)
         t0 = time.perf_counter()
-        curves, _ = calibrate(cal, seqs, score == "wina", args.seed, args.threads)
+        curves, _ = calibrate(cal, seqs, score == "wina", args.seed, args.threads,
+                              max_sparsity=min(0.95, max(args.targets) + 0.05))
         print(f"{score}: calibration curves in {time.perf_counter() - t0:.1f} s")
         set_thresholds(eng, None)
         ppl0 = 1.0 if args.no_perplexity else perplexity(eng, tokens, args.ctx, args.chunks,
