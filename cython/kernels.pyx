@@ -14,7 +14,7 @@ from cython.parallel cimport prange, parallel
 from libc.stdint cimport uint8_t, int8_t, int32_t
 from libc.stdlib cimport malloc, free, calloc
 from libc.string cimport memset
-from libc.math cimport expf, sqrtf, cos, sin, pow
+from libc.math cimport expf, sqrtf, fabsf, cos, sin, pow
 
 cdef extern from "simd.h" nogil:
     int pi_openmp_enabled()
@@ -714,6 +714,166 @@ def decode_ffn(float[::1] x, const float[::1] ffn_norm, float eps,
         free(buf)
         free(idx)
     return n
+
+
+# ---------------------------------------------------------------- input sparsity (TEAL / WINA)
+# A projection y = W x whose input channel j is dropped never reads column j of W. The file stores
+# such matrices transposed (one row per input channel: attn_qkv_t, attn_output_t, ffn_gate_up_t,
+# and ffn_down_t as before), so y is an AXPY over the rows of the kept channels (_axpy_rows: the
+# row sum is cut into chunks by the number of kept rows alone, never by the thread count).
+
+cdef Py_ssize_t _select_inputs(const float *x, const float *scale, float thr, Py_ssize_t n,
+                               float *coef, int32_t *idx) noexcept nogil:
+    """Keep channel j where |x[j]| * scale[j] > thr (scale NULL: 1): writes x[j] into coef[:k]
+    and j into idx[:k], returns k. thr < 0 keeps every channel. Branch-free compaction."""
+    cdef Py_ssize_t j, k = 0
+    cdef float s
+    for j in range(n):
+        s = fabsf(x[j])
+        if scale != NULL:
+            s = s * scale[j]
+        coef[k] = x[j]
+        idx[k] = <int32_t> j
+        k += <int> (s > thr)
+    return k
+
+
+cdef inline const float *_opt_ptr(const float[::1] a, Py_ssize_t n, str what) except? NULL:
+    if a is None:
+        return NULL
+    _check_len(a.shape[0], n, what)
+    return &a[0]
+
+
+def select_inputs(const float[::1] x, const float[::1] scale, float thr, float[::1] coef,
+                  int32_t[::1] idx):
+    """Input channels kept: |x[j]| * scale[j] > thr (scale None: 1). Writes x[j] of the kept
+    channels into coef[:k] and j into idx[:k] (both (n,)); returns k."""
+    cdef Py_ssize_t n = x.shape[0], k
+    cdef const float *sp = _opt_ptr(scale, n, "select_inputs scale")
+    _check_len(coef.shape[0], n, "select_inputs coef")
+    _check_len(idx.shape[0], n, "select_inputs idx")
+    if n == 0:
+        return 0
+    with nogil:
+        k = _select_inputs(&x[0], sp, thr, n, &coef[0], &idx[0])
+    return k
+
+
+def decode_ffn_in(float[::1] x, const float[::1] ffn_norm, float eps,
+                  const uint8_t[:, ::1] wgu, int tgu, const uint8_t[:, ::1] wd, int td,
+                  const float[::1] scale_gu, float thr_gu, const float[::1] scale_d, float thr_d,
+                  int silu, int n_threads):
+    """The FFN half of one layer for one token with input sparsity, in place on the residual x
+    (n_embd,) f32: h = rmsnorm(x); [g, u] = sum over kept j (|h_j| scale_gu_j > thr_gu) of
+    h_j * wgu[j], wgu = ffn_gate_up_t (n_embd, 2 n_ff); a = act(g) * u; x += sum over kept i
+    (|a_i| scale_d_i > thr_d) of a_i * wd[i], wd = ffn_down_t (n_ff, n_embd). Weights are
+    dequantized exactly (no activation quantization). Returns (gate/up rows read, down rows read)."""
+    cdef int n_embd = x.shape[0]
+    _check_len(ffn_norm.shape[0], n_embd, "decode_ffn_in ffn_norm")
+    _check_len(wgu.shape[0], n_embd, "decode_ffn_in gate_up rows")
+    cdef Py_ssize_t n_ff = wd.shape[0]
+    _check_w(wgu, tgu, 2 * n_ff)
+    _check_w(wd, td, n_embd)
+    cdef const float *sgu = _opt_ptr(scale_gu, n_embd, "decode_ffn_in scale_gu")
+    cdef const float *sd = _opt_ptr(scale_d, n_ff, "decode_ffn_in scale_d")
+    cdef float *buf
+    cdef float *h
+    cdef float *y
+    cdef float *gu
+    cdef float *coef
+    cdef int32_t *idx
+    cdef Py_ssize_t j, n_in, n_mid
+    with nogil:
+        buf = <float *> malloc((3 * n_embd + 3 * n_ff + n_ff) * sizeof(float))
+        idx = <int32_t *> malloc((n_ff + n_embd + 1) * sizeof(int32_t))
+        h = buf
+        y = h + n_embd
+        coef = y + n_embd  # n_embd, then reused for n_ff (room for max(n_embd, n_ff))
+        gu = coef + n_embd + n_ff
+        _rmsnorm1(&x[0], &ffn_norm[0], eps, h, n_embd)
+        n_in = _select_inputs(h, sgu, thr_gu, n_embd, coef, idx)
+        _axpy_rows(&wgu[0, 0], wgu.shape[1], tgu, <int> (2 * n_ff), coef, idx, n_in, gu,
+                   n_threads)
+        for j in range(n_ff):
+            gu[j] = _act1(gu[j], silu) * gu[n_ff + j]
+        n_mid = _select_inputs(gu, sd, thr_d, n_ff, coef, idx)
+        _axpy_rows(&wd[0, 0], wd.shape[1], td, n_embd, coef, idx, n_mid, y, n_threads)
+        for j in range(n_embd):
+            x[j] += y[j]
+        free(buf)
+        free(idx)
+    return n_in, n_mid
+
+
+def decode_attn_in(float[::1] x, const float[::1] attn_norm, float eps,
+                   const uint8_t[:, ::1] wqkv, int tqkv, const uint8_t[:, ::1] wo, int to,
+                   float[:, :, ::1] k_cache, float[:, :, ::1] v_cache, int n_past, int n_head,
+                   double freq_base, const float[::1] scale_qkv, float thr_qkv,
+                   const float[::1] scale_o, float thr_o, int n_threads):
+    """The attention half of one layer for one token with input sparsity, in place on x (n_embd,):
+    h = rmsnorm(x); [q, k, v] = sum over kept j (|h_j| scale_qkv_j > thr_qkv) of h_j * wqkv[j],
+    wqkv = attn_qkv_t (n_embd, n_head*hd + 2 n_head_kv*hd); rope on q and k, K and V to cache row
+    n_past; att = attention; x += sum over kept i (|att_i| scale_o_i > thr_o) of att_i * wo[i],
+    wo = attn_output_t (n_head*hd, n_embd). Returns (qkv rows read, output rows read)."""
+    cdef int n_embd = x.shape[0]
+    cdef Py_ssize_t n_ctx = k_cache.shape[0], n_kv = k_cache.shape[1], hd = k_cache.shape[2]
+    cdef Py_ssize_t nq = n_head * hd, nkv = n_kv * hd
+    _check_w(wqkv, tqkv, <int> (nq + 2 * nkv))
+    _check_w(wo, to, n_embd)
+    _check_len(attn_norm.shape[0], n_embd, "decode_attn_in attn_norm")
+    _check_len(wqkv.shape[0], n_embd, "decode_attn_in qkv rows")
+    _check_len(wo.shape[0], nq, "decode_attn_in output rows")
+    if (v_cache.shape[0] != n_ctx or v_cache.shape[1] != n_kv or v_cache.shape[2] != hd
+            or n_kv == 0 or n_head % n_kv or hd % 2):
+        raise ValueError("decode_attn_in: cache shapes do not match the heads")
+    if n_past < 0 or n_past >= n_ctx:
+        raise ValueError(f"decode_attn_in: position {n_past} outside the cache ({n_ctx})")
+    cdef const float *sq = _opt_ptr(scale_qkv, n_embd, "decode_attn_in scale_qkv")
+    cdef const float *so = _opt_ptr(scale_o, nq, "decode_attn_in scale_o")
+    cdef float *buf
+    cdef float *h
+    cdef float *qkv
+    cdef float *att
+    cdef float *y
+    cdef float *coef
+    cdef float *sc
+    cdef int32_t *idx
+    cdef Py_ssize_t group = n_head // n_kv, hh, kvh, i, n_att = n_past + 1, n_in, n_mid
+    cdef Py_ssize_t m = max(<Py_ssize_t> n_embd, nq)
+    cdef float scale = 1.0 / sqrtf(<float> hd)
+    with nogil:
+        buf = <float *> malloc((2 * n_embd + nq + 2 * nkv + nq + hd + m) * sizeof(float))
+        idx = <int32_t *> malloc((m + 1) * sizeof(int32_t))
+        h = buf
+        y = h + n_embd
+        qkv = y + n_embd
+        att = qkv + nq + 2 * nkv
+        coef = att + nq + hd
+        _rmsnorm1(&x[0], &attn_norm[0], eps, h, n_embd)
+        n_in = _select_inputs(h, sq, thr_qkv, n_embd, coef, idx)
+        _axpy_rows(&wqkv[0, 0], wqkv.shape[1], tqkv, <int> (nq + 2 * nkv), coef, idx, n_in, qkv,
+                   n_threads)
+        _rope1(qkv, n_head, hd, n_past, freq_base, hd, att, att + hd // 2)
+        _rope1(qkv + nq, n_kv, hd, n_past, freq_base, hd, att, att + hd // 2)
+        for i in range(nkv):
+            (&k_cache[n_past, 0, 0])[i] = qkv[nq + i]
+            (&v_cache[n_past, 0, 0])[i] = qkv[nq + nkv + i]
+    with nogil, parallel(num_threads=n_threads):
+        sc = <float *> malloc(n_att * sizeof(float))
+        for hh in prange(n_head, schedule='static'):
+            kvh = hh // group
+            _attend_head(qkv + hh * hd, &k_cache[0, kvh, 0], &v_cache[0, kvh, 0], n_kv * hd,
+                         n_att, hd, scale, sc, att + hh * hd)
+        free(sc)
+    with nogil:
+        n_mid = _select_inputs(att, so, thr_o, nq, coef, idx)
+        _axpy_rows(&wo[0, 0], wo.shape[1], to, n_embd, coef, idx, n_mid, y, n_threads)
+        for i in range(n_embd):
+            x[i] += y[i]
+        free(buf)
+        free(idx)
+    return n_in, n_mid
 
 
 # ---------------------------------------------------------------- the CPU's part of a split layer

@@ -15,6 +15,12 @@ Flow (one function, :func:`convert_sparse`):
 5. the final file: the converter's metadata and tensor jobs (re-planned from the source) plus
    the new keys and tensors, through ``convert.writer.write_gguf`` (a unique temporary file, then rename).
 
+``--sparse-mode input`` (opt-in, Llama-shaped SwiGLU files; TEAL/WINA input sparsity of every
+projection, predictors/input_sparse.py) replaces steps 2-4: after step 2's calibration text it
+calibrates thresholds and writes the transposed layout, with no predictors, counts or split.
+SwiGLU models default to ``glu`` (the predictor path above, which the GPU engine needs) until
+input mode meets its quality target.
+
 The staging file is removed in a ``finally``; ``write_gguf`` removes its temporary file on any
 exception, so an interrupted or failed conversion leaves no partial file. Layers are always
 paired by number.
@@ -39,7 +45,11 @@ DEFAULT_CALIB_TOKENS = 4096  # SmolLM2-135M: about 2 min of generation + 1 min p
 # at 87% sparsity). SwiGLU ("glu"): every missed neuron carries a non-zero output, and on SmolLM2
 # 0.95 cost 22% perplexity where 0.99 cost 4.7% at 44% sparsity (docs/benchmarks.md).
 DEFAULT_TARGET_RECALL = {C.SPARSE_MODE_RELU: 0.95, C.SPARSE_MODE_GLU: 0.99}
-DEFAULT_TARGET_SPARSITY = 0.40  # SwiGLU ("glu" mode) only; see docs/benchmarks.md "Offline stage (issue 3)"
+DEFAULT_TARGET_SPARSITY = 0.40  # SwiGLU only; see docs/benchmarks.md "Offline stage (issue 3)", "Input sparsity (issue 12)"
+# Sparse mode "input" (predictors/input_sparse.py) needs only activation quantiles: fewer tokens
+# (the self-generated text is most of the stage's time) set its thresholds as well.
+DEFAULT_INPUT_CALIB_TOKENS = 1024
+DEFAULT_INPUT_SCORE = "wina"
 DEFAULT_SEED = 0
 DEFAULT_MAX_EPOCHS = 12  # SmolLM2: ~6 s of one core per layer; most layers stop by patience
 DEFAULT_PATIENCE = 3
@@ -61,7 +71,7 @@ class OfflineOptions:
     use, ``pyinfer.ops.cpu.default_n_threads``)."""
 
     calib_files: list[str] = field(default_factory=list)
-    calib_tokens: int = DEFAULT_CALIB_TOKENS
+    calib_tokens: int | None = None  # None: DEFAULT_CALIB_TOKENS, or DEFAULT_INPUT_CALIB_TOKENS in mode "input"
     seed: int = DEFAULT_SEED
     target_recall: float | None = None  # None: DEFAULT_TARGET_RECALL of the model's sparse mode
     target_sparsity: float = DEFAULT_TARGET_SPARSITY
@@ -71,6 +81,8 @@ class OfflineOptions:
     max_epochs: int = DEFAULT_MAX_EPOCHS
     patience: int = DEFAULT_PATIENCE
     progress: bool | None = None
+    sparse_mode: str | None = None  # SwiGLU models: "glu" (None: predictors, the default) or "input"
+    input_score: str = DEFAULT_INPUT_SCORE  # mode "input": "wina" or "magnitude" (TEAL)
 
     def check(self) -> None:
         """Raise PyinferError for a setting outside its range (before any work is done)."""
@@ -82,7 +94,12 @@ class OfflineOptions:
             raise PyinferError(f"--vram-budget must be > 0 GiB, got {self.vram_budget_gib}")
         if self.max_epochs < 1:
             raise PyinferError(f"--epochs must be >= 1, got {self.max_epochs}")
-        if self.calib_tokens < MIN_CALIB_TOKENS:
+        if self.sparse_mode not in (None, C.SPARSE_MODE_INPUT, C.SPARSE_MODE_GLU):
+            raise PyinferError(f"--sparse-mode must be input or glu, got {self.sparse_mode!r}")
+        if self.input_score not in C.IN_SCORES:
+            raise PyinferError(f"--sparsity-score must be one of {', '.join(C.IN_SCORES)}, "
+                               f"got {self.input_score!r}")
+        if self.calib_tokens is not None and self.calib_tokens < MIN_CALIB_TOKENS:
             raise PyinferError(f"--calib-tokens must be at least {MIN_CALIB_TOKENS}, got {self.calib_tokens}")
         if self.predictor_rank != "auto":
             try:
@@ -142,9 +159,21 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
         cfg = eng.cfg
         chunk_len = min(CHUNK_LEN, eng.n_ctx)
         mode = sparse_mode(cfg)
-        if opts.target_recall is None:
+        if opts.sparse_mode == C.SPARSE_MODE_INPUT:
+            if mode != C.SPARSE_MODE_GLU or not (cfg.llama_plain and eng.weights.llama_plain):
+                raise PyinferError("--sparse-mode input needs a Llama-shaped SwiGLU model "
+                                   "without biases (this file runs sparse mode "
+                                   f"{mode}{'' if cfg.llama_plain else ' with its own family layers'})")
+            mode = C.SPARSE_MODE_INPUT  # opt-in: input sparsity (TEAL/WINA), no predictors
+        if opts.calib_tokens is None:
+            opts = dataclasses.replace(opts, calib_tokens=DEFAULT_INPUT_CALIB_TOKENS
+                                       if mode == C.SPARSE_MODE_INPUT else DEFAULT_CALIB_TOKENS)
+        if opts.target_recall is None and mode != C.SPARSE_MODE_INPUT:
             opts = dataclasses.replace(opts, target_recall=DEFAULT_TARGET_RECALL[mode])
-        if mode != C.SPARSE_MODE_RELU and round(cfg.n_ff * (1 - opts.target_sparsity)) < 1:
+        if mode == C.SPARSE_MODE_INPUT and opts.vram_budget_gib is not None:
+            raise PyinferError("--vram-budget needs the predictors of --sparse-mode glu: sparse mode "
+                               "input runs on the CPU only")
+        if mode == C.SPARSE_MODE_GLU and round(cfg.n_ff * (1 - opts.target_sparsity)) < 1:
             raise PyinferError(f"the model is too small for --target-sparsity {opts.target_sparsity}: "
                                f"its {cfg.n_ff} FFN neurons per layer would leave none active")
         sizes = tensor_sizes(eng.reader)
@@ -161,6 +190,15 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
         seqs, source = calibration_tokens(eng, opts.calib_files, opts.calib_tokens, opts.seed,
                                           chunk_len, opts.progress, text=calib_text)
         secs["calibration text"] = time.perf_counter() - t0
+        if mode == C.SPARSE_MODE_INPUT:
+            from predictors.input_sparse import input_stage
+
+            summary = input_stage(src, out, outtype, opts, eng, seqs, source, secs, allow_unused,
+                                  _plan, n_threads)
+            _log(summary["table"], opts.progress)
+            _log("offline stage: " + ", ".join(f"{k} {v:.1f} s" for k, v in secs.items())
+                 + f"; calibration {sum(len(s) for s in seqs)} tokens ({source})", opts.progress)
+            return summary
         t0 = time.perf_counter()
         prof = profile(eng, seqs, chunk_len, opts.progress)
         secs["profiling"] = time.perf_counter() - t0
@@ -295,16 +333,25 @@ def add_arguments(parser) -> None:
     g.add_argument("--calib", action="append", default=[], metavar="FILE",
                    help="plain-text calibration file (repeatable); default: text the model generates "
                         "itself from fixed seed prompts. Never pass held-out evaluation text")
-    g.add_argument("--calib-tokens", type=int, default=DEFAULT_CALIB_TOKENS, metavar="N",
-                   help=f"calibration tokens to profile (default {DEFAULT_CALIB_TOKENS})")
+    g.add_argument("--calib-tokens", type=int, default=None, metavar="N",
+                   help=f"calibration tokens to profile (default {DEFAULT_CALIB_TOKENS}; "
+                        f"{DEFAULT_INPUT_CALIB_TOKENS} in sparse mode input)")
     g.add_argument("--calib-seed", type=int, default=DEFAULT_SEED, metavar="SEED",
                    help="seed of the self-generated calibration text and of training (default 0)")
     g.add_argument("--target-recall", type=float, default=None, metavar="R",
                    help="held-out recall each layer's predictor threshold is tuned to "
                         "(default 0.95 for ReLU models, 0.99 for SwiGLU models)")
     g.add_argument("--target-sparsity", type=float, default=DEFAULT_TARGET_SPARSITY, metavar="S",
-                   help="SwiGLU models: fraction of neurons below the activation threshold "
-                        f"(of |silu(gate)*up|; default {DEFAULT_TARGET_SPARSITY}); ReLU models use their exact zeros")
+                   help="SwiGLU models: model-wide fraction of projection weight reads skipped "
+                        "(sparse mode input; in mode glu the fraction of FFN neurons below the "
+                        f"activation threshold); default {DEFAULT_TARGET_SPARSITY}. ReLU models use their exact zeros")
+    g.add_argument("--sparse-mode", choices=[C.SPARSE_MODE_INPUT, C.SPARSE_MODE_GLU], default=None,
+                   help="SwiGLU models: glu (default: predictors and a GPU split) or input "
+                        "(skip small input channels of every projection, TEAL/WINA; CPU only; "
+                        "experimental: more perplexity lost than glu, see docs/benchmarks.md)")
+    g.add_argument("--sparsity-score", choices=list(C.IN_SCORES), default=DEFAULT_INPUT_SCORE,
+                   help="sparse mode input: rank input channels by |x| * column norm (wina, "
+                        f"default {DEFAULT_INPUT_SCORE}) or by |x| (magnitude, TEAL)")
     g.add_argument("--vram-budget", type=float, default=None, metavar="GiB",
                    help="GiB of GPU memory to store a hot/cold neuron split for (default: no split "
                         "stored; activation counts are always stored so the GPU engine can solve at load)")
@@ -320,4 +367,5 @@ def options_from_args(args) -> OfflineOptions:
     return OfflineOptions(calib_files=list(args.calib), calib_tokens=args.calib_tokens, seed=args.calib_seed,
                           target_recall=args.target_recall, target_sparsity=args.target_sparsity,
                           vram_budget_gib=args.vram_budget, predictor_rank=args.predictor_rank,
-                          n_threads=args.threads, max_epochs=args.epochs)
+                          n_threads=args.threads, max_epochs=args.epochs,
+                          sparse_mode=args.sparse_mode, input_score=args.sparsity_score)

@@ -106,6 +106,13 @@ FFN_NORM = "blk.{bid}.ffn_norm.weight"  # (n_embd,)
 FFN_GATE = "blk.{bid}.ffn_gate.weight"  # (n_ff, n_embd): one row per neuron
 FFN_UP = "blk.{bid}.ffn_up.weight"  # (n_ff, n_embd): one row per neuron
 FFN_DOWN_T = "blk.{bid}.ffn_down_t.weight"  # (n_ff, n_embd): ffn_down transposed
+# input sparsity (sparse mode "input"): matrices stored transposed, one row per input channel
+ATTN_QKV_T = "blk.{bid}.attn_qkv_t.weight"  # (n_embd, n_embd_q + 2 n_embd_kv): [wq; wk; wv]^T
+ATTN_OUT_T = "blk.{bid}.attn_output_t.weight"  # (n_embd_q, n_embd): attn_output transposed
+FFN_GATE_UP_T = "blk.{bid}.ffn_gate_up_t.weight"  # (n_embd, 2 n_ff): [ffn_gate; ffn_up]^T
+#: per input channel column norms of each group's matrix (WINA's score |x_j| * ||W[:, j]||), f32
+IN_SCALE = {"attn_qkv": "blk.{bid}.attn_qkv_t.in_scale", "attn_output": "blk.{bid}.attn_output_t.in_scale",
+            "ffn_gate_up": "blk.{bid}.ffn_gate_up_t.in_scale", "ffn_down": "blk.{bid}.ffn_down_t.in_scale"}
 # optional tensors of the non-Llama families (llama.cpp spelling)
 POS_EMBD = "position_embd.weight"  # (n_ctx_train, n_embd): learned positions (OPT, offset removed)
 ROPE_FREQS = "rope_freqs.weight"  # (head_dim/2,) f32: divisors of RoPE's frequencies (llama3, linear)
@@ -148,7 +155,7 @@ TOKEN_TYPE_UNUSED = int(gguf.TokenType.UNUSED)  # 5
 TOKEN_TYPE_BYTE = int(gguf.TokenType.BYTE)  # 6
 
 # ---- the offline stage's metadata (pyinfer's own keys) -----------------------------------
-K_SPARSE_MODE = "pyinfer.sparse.mode"  # "relu" | "cats" (|act(gate)|) | "glu" (|act(gate)*up|)
+K_SPARSE_MODE = "pyinfer.sparse.mode"  # "relu" | "cats" (|act(gate)|) | "glu" (|act(gate)*up|) | "input"
 K_ACT_THRESHOLD = "pyinfer.sparse.act_threshold"  # f32[n_layer]: CATS threshold on |act(gate)|
 K_PRED_THRESHOLD = "pyinfer.predictor.threshold"  # f32[n_layer]: neuron runs where logit >= this
 K_PRED_RANK = "pyinfer.predictor.rank"  # i32[n_layer]
@@ -165,4 +172,11 @@ K_GROUP_SIZE = "pyinfer.placement.group_size"
 SPARSE_MODE_RELU = "relu"
 SPARSE_MODE_CATS = "cats"
 SPARSE_MODE_GLU = "glu"
-SPARSE_MODES = (SPARSE_MODE_RELU, SPARSE_MODE_CATS, SPARSE_MODE_GLU)
+SPARSE_MODE_INPUT = "input"  # TEAL/WINA input sparsity of every projection (SwiGLU models)
+SPARSE_MODES = (SPARSE_MODE_RELU, SPARSE_MODE_CATS, SPARSE_MODE_GLU, SPARSE_MODE_INPUT)
+#: the projection groups of input sparsity: each shares one input and one threshold per layer
+IN_GROUPS = ("attn_qkv", "attn_output", "ffn_gate_up", "ffn_down")
+K_IN_SCORE = "pyinfer.sparse.input_score"  # "magnitude" (TEAL) | "wina" (|x_j| * column norm)
+IN_SCORES = ("magnitude", "wina")
+K_IN_THRESHOLD = "pyinfer.sparse.input_threshold.{group}"  # f32[n_layer]; < 0 keeps every input
+K_IN_SPARSITY = "pyinfer.sparse.input_sparsity.{group}"  # f32[n_layer], calibrated fraction skipped

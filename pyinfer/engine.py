@@ -20,6 +20,7 @@ from pyinfer.errors import PyinferError
 from pyinfer.ffn import DenseFFN, Predictor, SparseFFN
 from pyinfer.gguf_check import check_gguf
 from pyinfer.hybrid import place_model
+from pyinfer.input_sparse import InputSparseFFN, thresholds_from_reader
 from pyinfer.ops import cpu
 from pyinfer.sampler import SamplingParams, sample
 from pyinfer.tokenizer import Tokenizer
@@ -100,7 +101,11 @@ class Engine:
             n_threads = cpu.default_n_threads()
         self.n_ctx = n_ctx
         self.n_threads = n_threads
-        ffn = (None if dense else self._sparse_ffn()) or DenseFFN(self.cfg)
+        if read_field(self.reader, C.K_SPARSE_MODE) == C.SPARSE_MODE_INPUT:
+            # the file holds only the transposed layout: --dense runs it with every input kept
+            ffn = InputSparseFFN(self.cfg, thresholds_from_reader(self.reader, self.cfg), dense)
+        else:
+            ffn = (None if dense else self._sparse_ffn()) or DenseFFN(self.cfg)
         # a CPU Model, or the GPU-resident GpuModel (pyinfer.gpu_model) with its placement
         self.model = place_model(self.reader, self.cfg, self.weights, ffn, n_ctx, n_threads,
                                  device=device, vram_budget=vram_budget,

@@ -34,6 +34,8 @@ class Model:
         self.n_threads = n_threads
         self.cache = KVCache(cfg, n_ctx)
         self.ffn = ffn if ffn is not None else DenseFFN(cfg)
+        # sparse mode "input" (pyinfer.input_sparse): the FFN object also runs q/k/v/o
+        self.input_sparse = self.ffn if getattr(self.ffn, "is_input_sparse", False) else None
         self.llama_plain = cfg.llama_plain and weights.llama_plain  # the fused kernels fit
         if cfg.positions == "learned" and n_ctx > weights.pos_embd.rows:
             raise PyinferError(f"a context of {n_ctx} exceeds the {weights.pos_embd.rows} learned "
@@ -82,13 +84,17 @@ class Model:
         attn = np.empty((T, cfg.n_head, cfg.head_dim), np.float32)
         y = np.empty_like(x)  # (n_tok, n_embd) sublayer output
         y2 = np.empty_like(x) if cfg.parallel_block else None  # (n_tok, n_embd) parallel FFN
+        isp = self.input_sparse
         for i in range(first, cfg.n_layer):
             lw = w.layers[i]
             # attention
             fam.norm(cfg, x, lw.attn_norm, lw.attn_norm_b, h)
-            _linear_b(lw.wq, lw.bq, h, q, nt)
-            _linear_b(lw.wk, lw.bk, h, k, nt)
-            _linear_b(lw.wv, lw.bv, h, v, nt)
+            if isp is None:
+                _linear_b(lw.wq, lw.bq, h, q, nt)
+                _linear_b(lw.wk, lw.bk, h, k, nt)
+                _linear_b(lw.wv, lw.bv, h, v, nt)
+            else:  # input sparsity (Llama-shaped files only): q, k, v from the transposed [wq; wk; wv]
+                isp.qkv(lw, i, h, q, k, v, nt)
             q3 = q.reshape(T, cfg.n_head, cfg.head_dim)
             k3 = k.reshape(T, cfg.n_head_kv, cfg.head_dim)
             if lw.attn_q_norm is not None:  # Gemma 3: per-head RMSNorm of Q and K before RoPE
@@ -106,7 +112,10 @@ class Model:
                 fam.attention_window(q3, self.cache.k[i], self.cache.v[i], n_past, window, attn, nt)
             else:
                 cpu.attention(q3, self.cache.k[i], self.cache.v[i], n_past, attn, nt)
-            _linear_b(lw.wo, lw.bo, attn.reshape(T, cfg.n_embd_q), y, nt)
+            if isp is None:
+                _linear_b(lw.wo, lw.bo, attn.reshape(T, cfg.n_embd_q), y, nt)
+            else:
+                isp.attn_out(lw, i, attn.reshape(T, cfg.n_embd_q), y, nt)
             if lw.attn_post_norm is not None:  # Gemma 3: the sublayer's output is normed too
                 _rmsnorm_inplace(y, lw.attn_post_norm, cfg.rms_eps)
             if cfg.parallel_block:  # Falcon: the FFN reads the layer's input too
@@ -142,9 +151,13 @@ class Model:
         h = y = None
         for i in range(first, cfg.n_layer):
             lw = w.layers[i]
-            cpu.decode_attn(xv, lw.attn_norm, cfg.rms_eps, lw.wq, lw.wk, lw.wv, lw.wo,
-                            self.cache.k[i], self.cache.v[i], n_past, cfg.n_head,
-                            cfg.rope_freq_base, nt)
+            if self.input_sparse is None:
+                cpu.decode_attn(xv, lw.attn_norm, cfg.rms_eps, lw.wq, lw.wk, lw.wv, lw.wo,
+                                self.cache.k[i], self.cache.v[i], n_past, cfg.n_head,
+                                cfg.rope_freq_base, nt)
+            else:
+                self.input_sparse.decode_attn(lw, i, xv, self.cache.k[i], self.cache.v[i],
+                                              n_past, nt)
             if ffn_decode is None or not ffn_decode(lw, i, xv, cfg.rms_eps, nt):
                 if h is None:
                     h, y = np.empty_like(x), np.empty_like(x)

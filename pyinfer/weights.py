@@ -20,14 +20,18 @@ QT = gguf.GGMLQuantizationType
 
 @dataclass
 class LayerWeights:
+    """One layer's views. A file of sparse mode "input" stores the projections transposed (one row
+    per input channel: ``attn_qkv_t``, ``attn_output_t``, ``ffn_gate_up_t``) instead of wq, wk,
+    wv, wo, ffn_gate and ffn_up, which are then None."""
+
     attn_norm: np.ndarray  # (n_embd,) f32
-    wq: QTensor  # (n_head * head_dim, n_embd)
-    wk: QTensor  # (n_head_kv * head_dim, n_embd)
-    wv: QTensor  # (n_head_kv * head_dim, n_embd)
-    wo: QTensor  # (n_embd, n_head * head_dim)
+    wq: QTensor | None  # (n_head * head_dim, n_embd)
+    wk: QTensor | None  # (n_head_kv * head_dim, n_embd)
+    wv: QTensor | None  # (n_head_kv * head_dim, n_embd)
+    wo: QTensor | None  # (n_embd, n_head * head_dim)
     ffn_norm: np.ndarray  # (n_embd,) f32
-    ffn_gate: QTensor | None  # (n_ff, n_embd) one row per neuron; None for a non-gated FFN
-    ffn_up: QTensor  # (n_ff, n_embd) one row per neuron
+    ffn_gate: QTensor | None  # (n_ff, n_embd) one row per neuron; None for a non-gated FFN or input mode
+    ffn_up: QTensor | None  # (n_ff, n_embd) one row per neuron; None in input mode
     ffn_down_t: QTensor  # (n_ff, n_embd) ffn_down transposed: one row per neuron
     fc1: np.ndarray | None = None  # (rank, n_embd) f32 or f16 predictor, when the file has one
     fc2: np.ndarray | None = None  # (n_ff, rank) f32 or f16
@@ -45,6 +49,12 @@ class LayerWeights:
     attn_k_norm: np.ndarray | None = None  # (head_dim,) per head of K, before RoPE
     attn_post_norm: np.ndarray | None = None  # (n_embd,) on the attention output
     ffn_post_norm: np.ndarray | None = None  # (n_embd,) on the FFN output
+
+    # sparse mode "input" (TEAL/WINA): transposed storage, one row per input channel
+    attn_qkv_t: QTensor | None = None  # (n_embd, n_embd_q + 2 n_embd_kv) = [wq; wk; wv]^T
+    attn_output_t: QTensor | None = None  # (n_embd_q, n_embd) = wo^T
+    ffn_gate_up_t: QTensor | None = None  # (n_embd, 2 n_ff) = [ffn_gate; ffn_up]^T
+    in_scale: dict | None = None  # group -> (n_in,) f32 column norms (WINA files)
 
     @property
     def has_extra_norms(self) -> bool:
@@ -71,7 +81,8 @@ class ModelWeights:
     def llama_plain(self) -> bool:
         """True where nothing in the weights needs more than the fused Llama kernels."""
         return (self.rope_freqs is None and self.pos_embd is None and self.output_norm_b is None
-                and not any(lw.has_bias or lw.has_extra_norms or lw.ffn_gate is None
+                and not any(lw.has_bias or lw.has_extra_norms
+                            or (lw.ffn_gate is None and lw.ffn_gate_up_t is None)
                             for lw in self.layers))
 
     @classmethod
@@ -139,9 +150,25 @@ class ModelWeights:
             return a
 
         E, F = cfg.n_embd, cfg.n_ff
+        n_in = {"attn_qkv": E, "attn_output": cfg.n_embd_q, "ffn_gate_up": E, "ffn_down": F}
         layers = []
         for i in range(cfg.n_layer):
             fc1, fc2 = predictor(i)
+            if C.ATTN_QKV_T.format(bid=i) in by_name:  # sparse mode "input": transposed layout
+                scales = {g: vector(C.IN_SCALE[g].format(bid=i), n_in[g]) for g in C.IN_GROUPS
+                          if C.IN_SCALE[g].format(bid=i) in by_name}
+                layers.append(LayerWeights(
+                    attn_norm=vector(C.ATTN_NORM.format(bid=i), E),
+                    wq=None, wk=None, wv=None, wo=None,
+                    ffn_norm=vector(C.FFN_NORM.format(bid=i), E),
+                    ffn_gate=None, ffn_up=None,
+                    ffn_down_t=tensor(C.FFN_DOWN_T.format(bid=i), F, E),
+                    attn_qkv_t=tensor(C.ATTN_QKV_T.format(bid=i), E, cfg.n_embd_q + 2 * cfg.n_embd_kv),
+                    attn_output_t=tensor(C.ATTN_OUT_T.format(bid=i), cfg.n_embd_q, E),
+                    ffn_gate_up_t=tensor(C.FFN_GATE_UP_T.format(bid=i), E, 2 * F),
+                    in_scale=scales or None,
+                ))
+                continue
             layers.append(LayerWeights(
                 attn_norm=vector(C.ATTN_NORM.format(bid=i), E),
                 wq=tensor(C.ATTN_Q.format(bid=i), cfg.n_embd_q, E),

@@ -467,3 +467,107 @@ def test_decode_ffn(qtype, n_threads, mode, silu):
     if mode != cpu.FFN_DENSE:
         assert [ref.decode_ffn(x0.copy(), norm, 1e-5, gate, up, down, mode, silu, t)
                 for t in thresholds[:2]] == [0, 1]
+
+
+# ------------------------------------------------------------------ input sparsity (TEAL / WINA)
+
+@pytest.mark.parametrize("with_scale", [False, True])
+def test_select_inputs(with_scale):
+    rng = np.random.default_rng(5 + with_scale)
+    x = _rand(rng, 300)
+    scale = _ro(rng.uniform(0.1, 3.0, 300).astype(np.float32)) if with_scale else None
+    for thr in (-1.0, 0.0, _gap_threshold(np.abs(x) * (1 if scale is None else scale)), 1e30):
+        got_c, got_i = _nan(300), np.full(300, -7, np.int32)
+        want_c, want_i = np.zeros(300, np.float32), np.zeros(300, np.int32)
+        n = cpu.select_inputs(x, scale, thr, got_c, got_i)
+        assert n == ref.select_inputs(x, scale, thr, want_c, want_i)
+        np.testing.assert_array_equal(got_i[:n], want_i[:n])
+        np.testing.assert_array_equal(got_c[:n], want_c[:n])
+    assert cpu.select_inputs(x, scale, -1.0, got_c, got_i) == 300
+    assert cpu.select_inputs(x, scale, 1e30, got_c, got_i) == 0
+
+
+def _in_thresholds(v, scale):
+    """Thresholds for a selection on |v| * scale: none kept, one, about half (at a gap), all."""
+    s = np.unique(np.abs(v) * (1 if scale is None else scale))  # sorted, ties merged
+    return [1e30, float((s[-1] + s[-2]) / 2), _gap_threshold(s), -1.0]
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("with_scale", [False, True])
+def test_decode_ffn_in(qtype, with_scale):
+    """Against the twin at four thresholds per selection; the same bits at 1 and 2 threads."""
+    rng = np.random.default_rng(int(qtype) + 3 * with_scale)
+    n_embd, n_ff = (256, 128) if qtype in K_QUANTS else (64, 96)  # rows of whole blocks
+    gate_up = _weight(rng, qtype, n_embd, 2 * n_ff)
+    down = _weight(rng, qtype, n_ff, n_embd)
+    norm = _ro(rng.uniform(0.5, 1.5, n_embd).astype(np.float32))
+    s_gu = _ro(rng.uniform(0.2, 2.0, n_embd).astype(np.float32)) if with_scale else None
+    s_d = _ro(rng.uniform(0.2, 2.0, n_ff).astype(np.float32)) if with_scale else None
+    x0 = rng.standard_normal(n_embd).astype(np.float32)
+    h = ref.rmsnorm(x0[None], norm, 1e-5, np.empty((1, n_embd), np.float32))[0]
+    for t_gu in _in_thresholds(h, s_gu):
+        k = np.abs(h) * (1 if s_gu is None else s_gu) > t_gu
+        gu = h[k] @ ref.dequantize(gate_up)[k]
+        a = ref._act(gu[:n_ff], True) * gu[n_ff:]
+        for t_d in _in_thresholds(a, s_d) if k.any() else [-1.0]:
+            want_x = x0.copy()
+            want_n = ref.decode_ffn_in(want_x, norm, 1e-5, gate_up, down, s_gu, t_gu, s_d, t_d, True)
+            outs = []
+            for n_threads in THREADS:
+                got_x = x0.copy()
+                assert cpu.decode_ffn_in(got_x, norm, 1e-5, gate_up, down, s_gu, t_gu, s_d, t_d,
+                                         True, n_threads) == want_n
+                _close(got_x, want_x, qtype)
+                outs.append(got_x)
+            np.testing.assert_array_equal(outs[0], outs[1])
+    with pytest.raises(ValueError):
+        cpu.decode_ffn_in(x0.copy(), norm, 1e-5, down, down, None, 0.0, None, 0.0, True)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("with_scale", [False, True])
+def test_decode_attn_in(qtype, with_scale):
+    rng = np.random.default_rng(40 + int(qtype) + 3 * with_scale)
+    n_embd, n_head, n_kv, hd, n_ctx, n_past = 64, 4, 2, 16, 12, 7
+    if qtype in K_QUANTS:
+        n_embd, hd = 256, 64
+    nq, nkv = n_head * hd, n_kv * hd
+    # small q/k weights: scores of order 1, so no softmax saturates onto one cached row
+    qkv = cpu.QTensor.from_array(0.1 * rng.standard_normal((n_embd, nq + 2 * nkv)), qtype)
+    wo = _weight(rng, qtype, nq, n_embd)
+    norm = _ro(rng.uniform(0.5, 1.5, n_embd).astype(np.float32))
+    s_q = _ro(rng.uniform(0.2, 2.0, n_embd).astype(np.float32)) if with_scale else None
+    s_o = _ro(rng.uniform(0.2, 2.0, nq).astype(np.float32)) if with_scale else None
+    x0 = rng.standard_normal(n_embd).astype(np.float32)
+    k0 = rng.standard_normal((n_ctx, n_kv, hd)).astype(np.float32)
+    v0 = rng.standard_normal((n_ctx, n_kv, hd)).astype(np.float32)
+    h = ref.rmsnorm(x0[None], norm, 1e-5, np.empty((1, n_embd), np.float32))[0]
+    for t_q in _in_thresholds(h, s_q)[1:]:
+        # the attention output of the reference decides the o thresholds
+        kc, vc = k0.copy(), v0.copy()
+        ref.decode_attn_in(x0.copy(), norm, 1e-5, qkv, wo, kc, vc, n_past, n_head, 1e4, s_q, t_q,
+                           None, 1e30)
+        q = np.zeros((1, n_head, hd), np.float32)
+        kk = np.abs(h) * (1 if s_q is None else s_q) > t_q
+        q[0] = (h[kk] @ ref.dequantize(qkv)[kk])[:nq].reshape(n_head, hd)
+        ref.rope_neox(q, [n_past], 1e4, hd)
+        att = ref.attention(q, kc, vc, n_past, np.empty_like(q)).reshape(-1)
+        for t_o in _in_thresholds(att, s_o):
+            kw, vw = k0.copy(), v0.copy()
+            want_x = x0.copy()
+            want_n = ref.decode_attn_in(want_x, norm, 1e-5, qkv, wo, kw, vw, n_past, n_head, 1e4,
+                                        s_q, t_q, s_o, t_o)
+            outs = []
+            for n_threads in THREADS:
+                kg, vg = k0.copy(), v0.copy()
+                kg[n_past:] = vg[n_past:] = np.nan
+                got_x = x0.copy()
+                assert cpu.decode_attn_in(got_x, norm, 1e-5, qkv, wo, kg, vg, n_past, n_head, 1e4,
+                                          s_q, t_q, s_o, t_o, n_threads) == want_n
+                _close(got_x, want_x, qtype)
+                _close(kg[n_past], kw[n_past], qtype)
+                _close(vg[n_past], vw[n_past], qtype)
+                assert np.isnan(kg[n_past + 1:]).all()
+                outs.append(got_x)
+            np.testing.assert_array_equal(outs[0], outs[1])

@@ -192,6 +192,7 @@ def test_bad_inputs(relu_dir, silu_dir, tmp_path, capsys):
         ([relu_dir, "--target-recall", "0"], "--target-recall"),
         ([relu_dir, "--target-sparsity", "1"], "--target-sparsity"),
         ([silu_dir, "--target-sparsity", "0.999", *FAST], "too small"),
+        ([silu_dir, "--vram-budget", "1", "--sparse-mode", "input", *FAST], "CPU only"),
         ([relu_dir, "--predictor-rank", "zero"], "--predictor-rank"),
     ]
     for i, (args, contains) in enumerate(cases):

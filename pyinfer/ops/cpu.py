@@ -275,6 +275,44 @@ def relu_mul(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> np.ndarray:
     return out
 
 
+def select_inputs(x: np.ndarray, scale: np.ndarray | None, threshold: float, coef: np.ndarray,
+                  idx: np.ndarray) -> int:
+    """Input sparsity's selection (TEAL, Liu et al. 2024; WINA 2025 with ``scale``): channel j is
+    kept where |x[j]| * scale[j] > threshold (scale None: 1; threshold < 0 keeps all). x (n,) f32;
+    writes the kept x[j] into coef[:k] (f32) and j into idx[:k] (int32), both (n,); returns k."""
+    return _k.select_inputs(x, scale, float(threshold), coef, idx)
+
+
+def decode_ffn_in(x: np.ndarray, ffn_norm: np.ndarray, eps: float, gate_up_t: QTensor,
+                  down_t: QTensor, scale_gu: np.ndarray | None, thr_gu: float,
+                  scale_d: np.ndarray | None, thr_d: float, silu: bool,
+                  n_threads: int = 1) -> tuple[int, int]:
+    """One token's FFN half-layer with input sparsity, in place: x += down over the kept channels
+    of a = act(g) * u, [g, u] = gate_up_t^T over the kept channels of h = rmsnorm(x).
+
+    x (n_embd,) f32; gate_up_t (n_embd, 2 n_ff) = [ffn_gate; ffn_up] transposed; down_t
+    (n_ff, n_embd); scales (n_embd,) / (n_ff,) f32 or None (see ``select_inputs``). Weights are
+    dequantized exactly to f32. Returns (gate/up rows read, down rows read). ValueError on shapes."""
+    return _k.decode_ffn_in(x, ffn_norm, float(eps), gate_up_t.raw, int(gate_up_t.qtype),
+                            down_t.raw, int(down_t.qtype), scale_gu, float(thr_gu), scale_d,
+                            float(thr_d), int(silu), n_threads)
+
+
+def decode_attn_in(x: np.ndarray, attn_norm: np.ndarray, eps: float, qkv_t: QTensor, o_t: QTensor,
+                   k_cache: np.ndarray, v_cache: np.ndarray, n_past: int, n_head: int,
+                   freq_base: float, scale_qkv: np.ndarray | None, thr_qkv: float,
+                   scale_o: np.ndarray | None, thr_o: float, n_threads: int = 1) -> tuple[int, int]:
+    """One token's attention half-layer with input sparsity, in place on x (n_embd,) f32, as
+    ``decode_attn`` but [q, k, v] = qkv_t^T over the kept channels of h = rmsnorm(x) and the output
+    projection over the kept channels of the attention output. qkv_t (n_embd, n_embd_q + 2
+    n_embd_kv) = [wq; wk; wv] transposed; o_t (n_embd_q, n_embd) = wo transposed. Returns (qkv rows
+    read, output rows read). ValueError on shapes that do not fit."""
+    return _k.decode_attn_in(x, attn_norm, float(eps), qkv_t.raw, int(qkv_t.qtype), o_t.raw,
+                             int(o_t.qtype), k_cache, v_cache, int(n_past), int(n_head),
+                             float(freq_base), scale_qkv, float(thr_qkv), scale_o, float(thr_o),
+                             n_threads)
+
+
 def cold_ffn(gate: QTensor, up: QTensor, down_t: QTensor, h: np.ndarray, ids: np.ndarray,
              mask: np.ndarray | None, silu: bool, glu: bool, threshold: float, out: np.ndarray,
              n_threads: int = 1) -> tuple[int, int]:

@@ -178,3 +178,49 @@ def decode_ffn(x, ffn_norm, eps, gate, up, down_t, mode, silu, threshold, n_thre
         a[keep] *= dequantize(up)[keep] @ _dot_input(up, h)
     x += (a[keep] @ dequantize(down_t)[keep]).astype(np.float32)
     return int(keep.sum())
+
+
+def select_inputs(x, scale, threshold, coef, idx):
+    s = np.abs(np.asarray(x, np.float32))
+    if scale is not None:
+        s = s * np.asarray(scale, np.float32)
+    keep = np.flatnonzero(s > np.float32(threshold))
+    coef[:keep.size] = np.asarray(x, np.float32)[keep]
+    idx[:keep.size] = keep
+    return keep.size
+
+
+def _keep(x, scale, thr):
+    s = np.abs(x) if scale is None else np.abs(x) * np.asarray(scale, np.float32)
+    return s > np.float32(thr)
+
+
+def decode_ffn_in(x, ffn_norm, eps, gate_up_t, down_t, scale_gu, thr_gu, scale_d, thr_d, silu,
+                  n_threads=1):
+    n_ff = down_t.rows
+    h = rmsnorm(x[None], ffn_norm, eps, np.empty((1, x.size), np.float32))[0]
+    k1 = _keep(h, scale_gu, thr_gu)
+    gu = h[k1] @ dequantize(gate_up_t)[k1]
+    a = (_act(gu[:n_ff], silu) * gu[n_ff:]).astype(np.float32)
+    k2 = _keep(a, scale_d, thr_d)
+    x += (a[k2] @ dequantize(down_t)[k2]).astype(np.float32)
+    return int(k1.sum()), int(k2.sum())
+
+
+def decode_attn_in(x, attn_norm, eps, qkv_t, o_t, k_cache, v_cache, n_past, n_head, freq_base,
+                   scale_qkv, thr_qkv, scale_o, thr_o, n_threads=1):
+    n_kv, hd = k_cache.shape[1], k_cache.shape[2]
+    nq, nkv = n_head * hd, n_kv * hd
+    h = rmsnorm(x[None], attn_norm, eps, np.empty((1, x.size), np.float32))[0]
+    k1 = _keep(h, scale_qkv, thr_qkv)
+    qkv = (h[k1] @ dequantize(qkv_t)[k1]).astype(np.float32)
+    q = qkv[:nq].reshape(1, n_head, hd).copy()
+    k = qkv[nq:nq + nkv].reshape(1, n_kv, hd).copy()
+    rope_neox(q, [n_past], freq_base, hd)
+    rope_neox(k, [n_past], freq_base, hd)
+    k_cache[n_past] = k[0]
+    v_cache[n_past] = qkv[nq + nkv:].reshape(n_kv, hd)
+    att = attention(q, k_cache, v_cache, n_past, np.empty((1, n_head, hd), np.float32)).reshape(-1)
+    k2 = _keep(att, scale_o, thr_o)
+    x += (att[k2] @ dequantize(o_t)[k2]).astype(np.float32)
+    return int(k1.sum()), int(k2.sum())

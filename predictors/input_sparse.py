@@ -1,0 +1,445 @@
+"""The offline stage of sparse mode "input" (SwiGLU models; runtime in pyinfer/input_sparse.py):
+calibrate one input threshold per layer and projection group, split each layer's sparsity among
+its projections greedily (TEAL's block-wise greedy), and
+write the file with those matrices stored transposed.
+
+1. ``record_inputs``: the dense model (the staging file's row layout, pyinfer's own kernels) runs
+   the calibration chunks layer by layer and hands each layer's four group inputs (attention-normed
+   x, attention output, FFN-normed x, GLU output act(gate) * up) and the energies of the residual
+   stream and of each block's output to a callback; nothing larger than one layer is kept.
+2. ``unit_curve``: per layer and group, for sparsity levels 0, 1/100, ..., 99/100 of the
+   (token, channel) pairs: the threshold on the score (|x_j|, TEAL; |x_j| * ||W[:, j]||, WINA).
+   (Its ``loss``, the dropped channels' share of the projection's output energy, is no longer
+   used to allocate: a model-wide greedy on it sent SmolLM2's layer 11 down projection to 99%
+   sparsity, where one massive channel carries nearly all the energy, and cost +17% perplexity at
+   25% against +1.6% for a uniform 25% in every group.)
+3. ``block_path``: TEAL's block-wise greedy (Liu et al. 2024, §4.2). Per layer, from all groups
+   dense, repeatedly raise by 5% the sparsity of the group whose step increases the layer's output
+   error (||y_sparse - y||^2 on the first EVAL_TOKENS calibration tokens, the layer's input taken
+   from the dense model) least per weight byte skipped. ``thresholds_for`` then gives every layer
+   the same block sparsity, the target (uniform across blocks, as TEAL does), split among the
+   groups as the path says.
+4. The final file: the converter's jobs with q/k/v, attn_output, gate and up replaced by their
+   transposed forms (``transposed_jobs``), the thresholds, and for WINA the column norms.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from pyinfer import constants as C
+from pyinfer.ffn import linear, linear_t
+from pyinfer.input_sparse import in_sizes
+from pyinfer.ops import cpu
+from pyinfer.ops.reference import dequantize
+
+N_LEVELS = 100  # sparsity levels per unit: k / N_LEVELS, k = 0 .. N_LEVELS - 1
+MAX_SAMPLES = 1 << 19  # (token, channel) pairs per unit whose scores set the quantiles
+
+
+@dataclass
+class UnitCurve:
+    """One (layer, group): ``thr[k]`` keeps channels with score > thr[k] (thr[0] = -1: all) and
+    skips about k / N_LEVELS of the pairs; ``loss[k]`` its calibration loss (module docstring)."""
+
+    thr: np.ndarray  # (N_LEVELS,) f32
+    loss: np.ndarray  # (N_LEVELS,) f64, non-decreasing, loss[0] = 0
+
+
+def column_norms(lw) -> dict[str, np.ndarray]:
+    """Per input channel, the 2-norm of the column it multiplies in each group's matrix (qkv and
+    gate/up: the matrices that share the input stacked). From a row-layout layer's weights."""
+    def sq(w):
+        return (dequantize(w).astype(np.float64) ** 2).sum(0)  # (n_in,)
+
+    return {"attn_qkv": np.sqrt(sq(lw.wq) + sq(lw.wk) + sq(lw.wv)).astype(np.float32),
+            "attn_output": np.sqrt(sq(lw.wo)).astype(np.float32),
+            "ffn_gate_up": np.sqrt(sq(lw.ffn_gate) + sq(lw.ffn_up)).astype(np.float32),
+            "ffn_down": np.sqrt((dequantize(lw.ffn_down_t).astype(np.float64) ** 2).sum(1)
+                                ).astype(np.float32)}
+
+
+def record_inputs(eng, pieces: list[list[int]], n_threads: int, on_layer) -> None:
+    """Run ``pieces`` (token lists, each from position 0) through the dense row-layout model of
+    ``eng`` layer by layer; after each layer call ``on_layer(i, inputs, energy, xs)`` with inputs
+    {group: (n_tok, n_in) f32} over all pieces, energy {"resid_attn", "attn", "resid_ffn",
+    "ffn": mean squared norm per token} (residual before each block, block output) and xs the
+    layer's input, one (len(piece), n_embd) f32 array per piece."""
+    cfg, w = eng.cfg, eng.weights
+    E, hd = cfg.n_embd, cfg.head_dim
+    xs = []
+    for p in pieces:
+        x = np.empty((len(p), E), np.float32)
+        cpu.get_rows(w.token_embd, np.asarray(p, np.int32), x)
+        xs.append(x)
+    n_tok = sum(len(p) for p in pieces)
+    for i in range(cfg.n_layer):
+        lw = w.layers[i]
+        rec = {g: np.empty((n_tok, in_sizes(cfg)[g][0]), np.float32) for g in C.IN_GROUPS}
+        en = dict.fromkeys(("resid_attn", "attn", "resid_ffn", "ffn"), 0.0)
+        s = 0
+        x_in = [x.copy() for x in xs]
+        for x in xs:
+            T = x.shape[0]
+            pos = np.arange(T, dtype=np.int32)
+            h = np.empty_like(x)
+            cpu.rmsnorm(x, lw.attn_norm, cfg.rms_eps, h)
+            q = linear(lw.wq, h, np.empty((T, cfg.n_embd_q), np.float32), n_threads)
+            k = linear(lw.wk, h, np.empty((T, cfg.n_embd_kv), np.float32), n_threads)
+            v = linear(lw.wv, h, np.empty((T, cfg.n_embd_kv), np.float32), n_threads)
+            q3, k3 = q.reshape(T, cfg.n_head, hd), k.reshape(T, cfg.n_head_kv, hd)
+            cpu.rope_neox(q3, pos, cfg.rope_freq_base, hd)
+            cpu.rope_neox(k3, pos, cfg.rope_freq_base, hd)
+            att = np.empty((T, cfg.n_head, hd), np.float32)
+            cpu.attention(q3, np.ascontiguousarray(k3), v.reshape(T, cfg.n_head_kv, hd), 0, att,
+                          n_threads)
+            att = att.reshape(T, cfg.n_embd_q)
+            o = linear(lw.wo, att, np.empty((T, E), np.float32), n_threads)
+            rec["attn_qkv"][s:s + T] = h
+            rec["attn_output"][s:s + T] = att
+            en["resid_attn"] += float((x.astype(np.float64) ** 2).sum())
+            en["attn"] += float((o.astype(np.float64) ** 2).sum())
+            x += o
+            cpu.rmsnorm(x, lw.ffn_norm, cfg.rms_eps, h)
+            g = linear(lw.ffn_gate, h, np.empty((T, cfg.n_ff), np.float32), n_threads)
+            u = linear(lw.ffn_up, h, np.empty((T, cfg.n_ff), np.float32), n_threads)
+            cpu.silu_mul(g, u, g)
+            f = linear_t(lw.ffn_down_t, g, np.empty((T, E), np.float32), n_threads)
+            rec["ffn_gate_up"][s:s + T] = h
+            rec["ffn_down"][s:s + T] = g
+            en["resid_ffn"] += float((x.astype(np.float64) ** 2).sum())
+            en["ffn"] += float((f.astype(np.float64) ** 2).sum())
+            x += f
+            s += T
+        on_layer(i, rec, {k: v / n_tok for k, v in en.items()}, x_in)
+
+
+def unit_curve(x: np.ndarray, cnorm: np.ndarray, wina: bool,
+               rng: np.random.Generator) -> UnitCurve:
+    """The threshold and loss of each sparsity level for one unit (module docstring, step 2).
+
+    x (n_tok, n_in) f32 the unit's calibration inputs; cnorm (n_in,) its column norms. At most
+    MAX_SAMPLES pairs (drawn by ``rng``)."""
+    n = x.size
+    flat = x.reshape(-1)
+    cols = np.tile(np.arange(x.shape[1]), x.shape[0]) if n <= MAX_SAMPLES else None
+    if n > MAX_SAMPLES:
+        pick = np.sort(rng.choice(n, MAX_SAMPLES, replace=False))
+        flat, cols = flat[pick], pick % x.shape[1]
+    c = cnorm[cols]
+    mag = np.abs(flat)
+    score = mag * c if wina else mag  # f32, as the kernels compute it
+    if wina:  # the loss of a pair is its score squared: a plain sort will do
+        s_sorted = np.sort(score)
+        cum = np.cumsum(s_sorted.astype(np.float64) ** 2)
+    else:
+        order = np.argsort(score, kind="stable")
+        s_sorted = score[order]
+        cum = np.cumsum(((mag.astype(np.float64) * c) ** 2)[order])
+    total = max(cum[-1], 1e-30)
+    thr = np.empty(N_LEVELS, np.float32)
+    loss = np.zeros(N_LEVELS)
+    thr[0] = -1.0
+    for k in range(1, N_LEVELS):
+        j = int(round(k / N_LEVELS * s_sorted.size))
+        thr[k] = s_sorted[j - 1]  # drops the j smallest (ties go with them)
+        loss[k] = cum[j - 1] / total
+    return UnitCurve(thr, np.maximum.accumulate(loss))
+
+
+STEP = 5  # the block greedy raises a group's sparsity by STEP / N_LEVELS per step (TEAL: 5%)
+MAX_LEVEL = 95  # no group skips more than this many levels (95% of its pairs)
+EVAL_TOKENS = 128  # calibration tokens (a prefix of each piece) the block greedy evaluates on (SmolLM2, 30 layers: ~9 min on a loaded 2-core box)
+
+
+@dataclass
+class BlockPath:
+    """One layer's greedy path (TEAL §4.2): ``levels[p]`` (4,) int the sparsity levels of the
+    groups after p steps, ``sparsity[p]`` the block sparsity (fraction of the layer's projection
+    bytes skipped on the calibration pairs), ``error[p]`` the block output error relative to the
+    block's output energy, ||y_p - y||^2 / ||y - x||^2 over the evaluated tokens."""
+
+    levels: np.ndarray  # (n_steps + 1, 4) int64, levels[0] = 0
+    sparsity: np.ndarray  # (n_steps + 1,) f64, non-decreasing
+    error: np.ndarray  # (n_steps + 1,) f64
+
+
+class _Block:
+    """One layer as f32 NumPy over its dequantized row-layout weights, for the block greedy: the
+    output of the layer on given inputs with each group's input channels masked at a level.
+    Stage s of the cached state depends only on the levels of groups 0..s, so raising group g
+    recomputes stages g.. only (q/k/v: everything; down: one product)."""
+
+    def __init__(self, lw, cfg, xs: list[np.ndarray], curves: list[UnitCurve],
+                 norms: dict[str, np.ndarray], wina: bool, n_threads: int):
+        self.cfg, self.lw, self.xs, self.nt = cfg, lw, xs, n_threads
+        self.wqkv = np.concatenate([dequantize(lw.wq), dequantize(lw.wk), dequantize(lw.wv)]).T
+        self.wo = np.ascontiguousarray(dequantize(lw.wo).T)  # (n_embd_q, n_embd)
+        self.wgu = np.concatenate([dequantize(lw.ffn_gate), dequantize(lw.ffn_up)]).T
+        self.wd = dequantize(lw.ffn_down_t)  # (n_ff, n_embd)
+        self.curves = curves
+        self.scale = [norms[g] if wina else None for g in C.IN_GROUPS]
+        self.x = np.concatenate(xs)
+        self.h = np.empty_like(self.x)
+        cpu.rmsnorm(self.x, lw.attn_norm, cfg.rms_eps, self.h)
+        self.state = [None] * 4  # per stage: its output for the current levels
+        self.levels = np.zeros(4, np.int64)
+        self.y = self.run(self.levels, 0)  # dense block output (n_tok, n_embd)
+        self.state = list(self._last)
+        self.out_energy = max(float(((self.y - self.x).astype(np.float64) ** 2).sum()), 1e-30)
+
+    def _mask(self, gi: int, level: int, v: np.ndarray) -> np.ndarray:
+        if level == 0:
+            return v
+        s = np.abs(v)
+        if self.scale[gi] is not None:
+            s *= self.scale[gi]
+        return np.where(s > self.curves[gi].thr[level], v, np.float32(0.0))
+
+    def run(self, levels, first: int) -> np.ndarray:
+        """The block output (n_tok, n_embd) f32 for ``levels``, from stage ``first`` on (the
+        stages before it taken from ``self.state``); the stages' outputs are left in _last."""
+        cfg, hd = self.cfg, self.cfg.head_dim
+        st = list(self.state)
+        if first <= 0:  # q/k/v from the masked normed input, then attention per piece
+            qkv = self._mask(0, levels[0], self.h) @ self.wqkv
+            att = np.empty((qkv.shape[0], cfg.n_embd_q), np.float32)
+            s = 0
+            for x in self.xs:
+                T = x.shape[0]
+                pos = np.arange(T, dtype=np.int32)
+                q3 = np.ascontiguousarray(qkv[s:s + T, :cfg.n_embd_q]).reshape(T, cfg.n_head, hd)
+                k3 = np.ascontiguousarray(qkv[s:s + T, cfg.n_embd_q:cfg.n_embd_q + cfg.n_embd_kv]
+                                          ).reshape(T, cfg.n_head_kv, hd)
+                v3 = np.ascontiguousarray(qkv[s:s + T, cfg.n_embd_q + cfg.n_embd_kv:]
+                                          ).reshape(T, cfg.n_head_kv, hd)
+                cpu.rope_neox(q3, pos, cfg.rope_freq_base, hd)
+                cpu.rope_neox(k3, pos, cfg.rope_freq_base, hd)
+                a = np.empty((T, cfg.n_head, hd), np.float32)
+                cpu.attention(q3, k3, v3, 0, a, self.nt)
+                att[s:s + T] = a.reshape(T, cfg.n_embd_q)
+                s += T
+            st[0] = att
+        if first <= 1:  # output projection, residual, FFN norm
+            x1 = self.x + self._mask(1, levels[1], st[0]) @ self.wo
+            h2 = np.empty_like(x1)
+            cpu.rmsnorm(x1, self.lw.ffn_norm, cfg.rms_eps, h2)
+            st[1] = (x1, h2)
+        if first <= 2:  # gate/up and the GLU product
+            gu = self._mask(2, levels[2], st[1][1]) @ self.wgu
+            act = np.ascontiguousarray(gu[:, :cfg.n_ff])
+            (cpu.silu_mul if cfg.hidden_act == "silu" else cpu.relu_mul)(
+                act, np.ascontiguousarray(gu[:, cfg.n_ff:]), act)
+            st[2] = act
+        st[3] = st[1][0] + self._mask(3, levels[3], st[2]) @ self.wd
+        self._last = st
+        return st[3]
+
+    def error(self, y: np.ndarray) -> float:
+        return float(((y - self.y).astype(np.float64) ** 2).sum()) / self.out_energy
+
+
+def block_path(blk: _Block, unit_bytes: np.ndarray, max_sparsity: float) -> BlockPath:
+    """TEAL's block-wise greedy (Liu et al. 2024, §4.2): from all groups dense, repeatedly raise
+    by STEP levels the group whose step increases the block output error least per byte skipped
+    (errors measured on the calibration inputs of ``blk``), until the block sparsity reaches
+    ``max_sparsity`` or every group is at MAX_LEVEL. unit_bytes (4,) the bytes of each group's
+    matrix. Ties go to the lower group index: deterministic."""
+    total = float(unit_bytes.sum())
+    levels = np.zeros(4, np.int64)
+    err = 0.0
+    path_l, path_s, path_e = [levels.copy()], [0.0], [0.0]
+    while path_s[-1] < max_sparsity:
+        best = None
+        for gi in range(4):
+            if levels[gi] >= MAX_LEVEL:
+                continue
+            cand = levels.copy()
+            cand[gi] = min(levels[gi] + STEP, MAX_LEVEL)
+            e = blk.error(blk.run(cand, gi))
+            cost = (e - err) / ((cand[gi] - levels[gi]) * unit_bytes[gi])
+            if best is None or cost < best[0]:
+                best = (cost, gi, cand, e, blk._last)
+        if best is None:
+            break
+        _, gi, levels, err, blk.state = best
+        path_l.append(levels.copy())
+        path_s.append(float((levels * unit_bytes).sum()) / (N_LEVELS * total))
+        path_e.append(err)
+    return BlockPath(np.array(path_l), np.array(path_s), np.array(path_e))
+
+
+def levels_for(path: BlockPath, unit_bytes: np.ndarray, target: float) -> np.ndarray:
+    """(4,) levels of one layer at block sparsity ``target``: the path's first step at or past
+    the target, its last group raised only as far as the target needs (whole levels)."""
+    p = int(np.searchsorted(path.sparsity, target - 1e-12))
+    if p == 0:
+        return path.levels[0].copy()
+    if p >= len(path.sparsity):
+        return path.levels[-1].copy()
+    lv = path.levels[p - 1].copy()
+    gi = int(np.flatnonzero(path.levels[p] != lv)[0])
+    total = float(unit_bytes.sum())
+    need = target * N_LEVELS * total - float((lv * unit_bytes).sum())
+    lv[gi] += min(int(np.ceil(need / unit_bytes[gi] - 1e-9)), int(path.levels[p][gi] - lv[gi]))
+    return lv
+
+
+def transposed_jobs(jobs, cfg, outtype: str, scales: list[dict] | None):
+    """The converter's jobs with each layer's wq/wk/wv, attn_output, ffn_gate and ffn_up replaced by
+    attn_qkv_t, attn_output_t and ffn_gate_up_t (same place in the file), plus the WINA column
+    norms ``scales`` (per layer {group: (n_in,) f32}) when given."""
+    from convert.writer import TensorJob, matrix_qtype
+
+    by_name = {j.name: j for j in jobs}
+    drop = set()
+    out = []
+    for j in jobs:
+        if j.name in drop:
+            continue
+        if not j.name.startswith("blk.") or not j.name.endswith(".attn_q.weight"):
+            out.append(j)
+            continue
+        i = int(j.name.split(".")[1])
+        name = {key: tmpl.format(bid=i) for key, tmpl in (
+            ("q", C.ATTN_Q), ("k", C.ATTN_K), ("v", C.ATTN_V), ("o", C.ATTN_OUT),
+            ("g", C.FFN_GATE), ("u", C.FFN_UP))}
+        src = {key: by_name[n] for key, n in name.items()}
+        drop.update(name.values())
+        n_qkv = cfg.n_embd_q + 2 * cfg.n_embd_kv
+
+        def qkv(s=src):
+            return np.ascontiguousarray(np.concatenate([s["q"].load(), s["k"].load(),
+                                                        s["v"].load()]).T)
+
+        def o_t(s=src):
+            return np.ascontiguousarray(s["o"].load().T)
+
+        def gu(s=src):
+            return np.ascontiguousarray(np.concatenate([s["g"].load(), s["u"].load()]).T)
+
+        out.append(TensorJob(C.ATTN_QKV_T.format(bid=i), (cfg.n_embd, n_qkv),
+                             matrix_qtype(n_qkv, outtype), qkv))
+        out.append(TensorJob(C.ATTN_OUT_T.format(bid=i), (cfg.n_embd_q, cfg.n_embd),
+                             matrix_qtype(cfg.n_embd, outtype), o_t))
+        out.append(TensorJob(C.FFN_GATE_UP_T.format(bid=i), (cfg.n_embd, 2 * cfg.n_ff),
+                             matrix_qtype(2 * cfg.n_ff, outtype), gu))
+        if scales is not None:
+            for g in C.IN_GROUPS:
+                a = scales[i][g]
+                out.append(TensorJob(C.IN_SCALE[g].format(bid=i), a.shape, C.QT.F32,
+                                     lambda a=a: a))
+    return out
+
+
+def format_table(sparsity: np.ndarray, loss: np.ndarray, score: str, target: float) -> str:
+    """The summary: per layer the calibrated sparsity of each group and the block output error
+    (relative to the block output's energy) on the calibration tokens."""
+    head = f"{'layer':>5} " + " ".join(f"{g:>12}" for g in C.IN_GROUPS) + f" {'block_err':>11}"
+    lines = [f"offline stage summary (sparse mode input, score {score}, target {target:.0%} of "
+             "projection weight bytes; columns: fraction of input channels skipped on the "
+             "calibration tokens)", head, "-" * len(head)]
+    for i in range(sparsity.shape[0]):
+        lines.append(f"{i:>5} " + " ".join(f"{s:>12.1%}" for s in sparsity[i])
+                     + f" {loss[i]:>11.2e}")
+    lines.append("-" * len(head))
+    lines.append(f"{'mean':>5} " + " ".join(f"{s:>12.1%}" for s in sparsity.mean(0))
+                 + f" {loss.mean():>11.2e}")
+    return "\n".join(lines)
+
+
+@dataclass
+class Calibration:
+    """What ``calibrate`` measured: per layer the four groups' unit curves (thresholds per level)
+    and the block greedy's path."""
+
+    curves: list[list[UnitCurve]]
+    paths: list[BlockPath]
+
+
+def calibrate(eng, seqs: list[list[int]], wina: bool, seed: int, n_threads: int,
+              max_sparsity: float = 0.9) -> tuple[Calibration, list[dict]]:
+    """(Calibration, column norms [n_layer] {group: (n_in,) f32}) from the dense row-layout
+    engine ``eng`` over the calibration sequences (steps 1-3: thresholds from every calibration
+    token, the block greedy on the first EVAL_TOKENS of them). Deterministic for a seed."""
+    from predictors.profile import chunks
+
+    cfg = eng.cfg
+    norms = [column_norms(lw) for lw in eng.weights.layers]
+    sizes = in_sizes(cfg)
+    unit_bytes = np.array([sizes[g][0] * sizes[g][1] for g in C.IN_GROUPS], np.float64)
+    curves: list[list[UnitCurve]] = []
+    paths: list[BlockPath] = []
+    rng = np.random.default_rng(seed)
+    pieces = chunks(seqs, min(512, eng.n_ctx))
+    n_eval = [0] * len(pieces)  # a prefix of each piece (attention needs the tokens before)
+    left = EVAL_TOKENS
+    for j, p in enumerate(pieces):
+        n_eval[j] = min(len(p), left)
+        left -= n_eval[j]
+
+    def on_layer(i, rec, en, xs):
+        c = [unit_curve(rec[g], norms[i][g], wina, rng) for g in C.IN_GROUPS]
+        curves.append(c)
+        blk = _Block(eng.weights.layers[i], cfg, [x[:n] for x, n in zip(xs, n_eval) if n],
+                     c, norms[i], wina, n_threads)
+        paths.append(block_path(blk, unit_bytes, max_sparsity))
+
+    record_inputs(eng, pieces, n_threads, on_layer)
+    return Calibration(curves, paths), norms
+
+
+def thresholds_for(cal: Calibration, cfg, target: float):
+    """(thresholds (n_layer, 4) f32, calibrated sparsity (n_layer, 4), block output error
+    (n_layer,)) at block sparsity ``target`` in every layer (TEAL: uniform across blocks, the
+    greedy's split inside each); columns in ``constants.IN_GROUPS`` order. The error is the
+    path's at the step reached (an upper bound for the fractional last step)."""
+    sizes = in_sizes(cfg)
+    unit_bytes = np.array([sizes[g][0] * sizes[g][1] for g in C.IN_GROUPS], np.float64)
+    level = np.array([levels_for(p, unit_bytes, target) for p in cal.paths])
+    thr = np.array([[cal.curves[i][gi].thr[level[i, gi]] for gi in range(4)]
+                    for i in range(cfg.n_layer)], np.float32)
+    err = np.array([p.error[min(int(np.searchsorted(p.sparsity, target - 1e-12)), len(p.error) - 1)]
+                    for p in cal.paths])
+    return thr, level / N_LEVELS, err
+
+
+def input_stage(src: str, out: str, outtype: str, opts, eng, seqs, source: str, secs: dict,
+                allow_unused: bool, plan, n_threads: int) -> dict:
+    """Steps 1-4 of the module docstring over the dense staging engine ``eng`` and calibration
+    sequences ``seqs``; writes ``out``. Returns the summary dict of ``convert_sparse``."""
+    from convert.writer import VT, write_gguf
+    from pyinfer.errors import PyinferError
+
+    cfg = eng.cfg
+    wina = opts.input_score == "wina"
+    t0 = time.perf_counter()
+    cal, norms = calibrate(eng, seqs, wina, opts.seed, n_threads,
+                           max_sparsity=min(0.95, opts.target_sparsity + 0.05))
+    secs["calibration"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    thr, sparsity, loss = thresholds_for(cal, cfg, opts.target_sparsity)
+    secs["allocation"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    meta, jobs = plan(src, outtype, allow_unused)
+    meta.string(C.K_SPARSE_MODE, C.SPARSE_MODE_INPUT)
+    meta.string(C.K_IN_SCORE, opts.input_score)
+    for gi, g in enumerate(C.IN_GROUPS):
+        meta.array(C.K_IN_THRESHOLD.format(group=g), [float(t) for t in thr[:, gi]], VT.FLOAT32)
+        meta.array(C.K_IN_SPARSITY.format(group=g), [float(s) for s in sparsity[:, gi]], VT.FLOAT32)
+    meta.f32(C.K_TARGET_SPARSITY, opts.target_sparsity)
+    meta.string(C.K_CALIB_SOURCE, source)
+    meta.u32(C.K_CALIB_TOKENS, sum(len(s) for s in seqs))
+    meta.u32(C.K_CALIB_SEED, opts.seed)
+    jobs = transposed_jobs(jobs, cfg, outtype, norms if wina else None)
+    try:
+        write_gguf(out, meta, jobs, progress=opts.progress)
+    except OSError as e:
+        raise PyinferError(f"cannot write {out}: {e.strerror or e}") from None
+    secs["final write"] = time.perf_counter() - t0
+    return {"mode": C.SPARSE_MODE_INPUT, "calib_source": source, "seconds": secs,
+            "sparsity": sparsity, "loss": loss, "thresholds": thr, "placement": None, "rows": [],
+            "table": format_table(sparsity, loss, opts.input_score, opts.target_sparsity)}

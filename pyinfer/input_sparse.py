@@ -1,0 +1,141 @@
+"""Input sparsity for SwiGLU models (sparse mode "input"): skip the small input channels of every
+projection, so the weight columns they multiply are never read.
+
+TEAL (Liu et al. 2024, "Training-Free Activation Sparsity in Large Language Models", §3-4) drops
+input channel j of a projection y = W x where |x_j| is below a per-layer, per-projection threshold
+calibrated offline; WINA (2025, "Weight Informed Neuron Activation") ranks channels by
+|x_j| * ||W[:, j]||_2 instead. Four groups per layer share one input and one threshold each
+(``constants.IN_GROUPS``): q/k/v (input: the attention-normed x), the attention output projection
+(input: the attention output), gate/up (input: the FFN-normed x) and down (input: the GLU output
+act(gate) * up). A file of this mode stores those matrices transposed, one row per input channel
+(``attn_qkv_t``, ``attn_output_t``, ``ffn_gate_up_t``, ``ffn_down_t``), and decode sums the rows of
+the kept channels (``cpu.decode_attn_in`` / ``cpu.decode_ffn_in``), so the bytes read shrink with
+the sparsity. The selection depends only on the activations and the thresholds, never on the
+thread count, and the row sums are cut into chunks by the number of kept rows alone.
+
+Prefill runs dense transposed products (``cpu.matmul_t``) on inputs whose dropped channels are
+set to zero: the same channels the token-at-a-time path skips, so both compute one function.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from pyinfer import constants as C
+from pyinfer.config import ModelConfig
+from pyinfer.ffn import FFNStats
+from pyinfer.ops import cpu
+
+
+def in_sizes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(input channels, outputs per channel) of each group's transposed matrix."""
+    return {"attn_qkv": (cfg.n_embd, cfg.n_embd_q + 2 * cfg.n_embd_kv),
+            "attn_output": (cfg.n_embd_q, cfg.n_embd),
+            "ffn_gate_up": (cfg.n_embd, 2 * cfg.n_ff),
+            "ffn_down": (cfg.n_ff, cfg.n_embd)}
+
+
+class InputSparseFFN:
+    """The model's FFN (and, through ``Model``, its attention projections) under input sparsity.
+
+    thresholds: {group: (n_layer,) f32}, a channel is kept where its score exceeds the threshold
+    (< 0: every channel; ``dense=True`` sets all to -1, the same kernels computing every
+    product). Scores are |x_j|, times the file's per-channel ``in_scale`` (column norms) for WINA
+    files. ``stats`` counts weight rows: ``total`` = rows a dense pass would read, weighted by
+    row length (elements), ``active`` = those read, so ``stats.sparsity`` is the fraction of
+    projection weight bytes skipped (the lm head and embeddings are not counted).
+    """
+
+    is_input_sparse = True
+
+    def __init__(self, cfg: ModelConfig, thresholds: dict[str, np.ndarray], dense: bool = False):
+        self.cfg = cfg
+        n = cfg.n_layer
+        self.thr = {g: (np.full(n, -1.0, np.float32) if dense
+                        else np.asarray(thresholds[g], np.float32).reshape(n)) for g in C.IN_GROUPS}
+        self.silu = cfg.hidden_act == "silu"
+        self.is_sparse = not dense
+        self.sizes = in_sizes(cfg)
+        self.stats = FFNStats()
+
+    def _count(self, group: str, kept: int, n_tok: int = 1) -> None:
+        n_in, n_out = self.sizes[group]
+        self.stats.total += n_tok * n_in * n_out
+        self.stats.active += kept * n_out
+
+    def _mask(self, lw, layer: int, group: str, x: np.ndarray) -> np.ndarray:
+        """x (n_tok, n_in) with the dropped channels set to 0 (a copy), counted in stats."""
+        s = np.abs(x)
+        if lw.in_scale is not None and group in lw.in_scale:
+            s *= lw.in_scale[group]
+        keep = s > self.thr[group][layer]
+        self._count(group, int(keep.sum()), x.shape[0])
+        return np.where(keep, x, np.float32(0.0)).astype(np.float32)
+
+    @staticmethod
+    def _scale(lw, group):
+        return None if lw.in_scale is None else lw.in_scale.get(group)
+
+    # ---- one token: fused half-layers ----------------------------------------------------------
+    def decode_attn(self, lw, layer: int, x: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+                    n_past: int, n_threads: int) -> None:
+        """The attention half-layer of one token in place on x (n_embd,) (``cpu.decode_attn_in``)."""
+        cfg = self.cfg
+        n_in, n_mid = cpu.decode_attn_in(
+            x, lw.attn_norm, cfg.rms_eps, lw.attn_qkv_t, lw.attn_output_t, k_cache, v_cache,
+            n_past, cfg.n_head, cfg.rope_freq_base, self._scale(lw, "attn_qkv"),
+            self.thr["attn_qkv"][layer], self._scale(lw, "attn_output"),
+            self.thr["attn_output"][layer], n_threads)
+        self._count("attn_qkv", n_in)
+        self._count("attn_output", n_mid)
+
+    def decode(self, lw, layer: int, x: np.ndarray, eps: float, n_threads: int) -> bool:
+        """The FFN half-layer of one token in place on x (n_embd,) (``cpu.decode_ffn_in``)."""
+        n_in, n_mid = cpu.decode_ffn_in(
+            x, lw.ffn_norm, eps, lw.ffn_gate_up_t, lw.ffn_down_t, self._scale(lw, "ffn_gate_up"),
+            self.thr["ffn_gate_up"][layer], self._scale(lw, "ffn_down"),
+            self.thr["ffn_down"][layer], self.silu, n_threads)
+        self._count("ffn_gate_up", n_in)
+        self._count("ffn_down", n_mid)
+        return True
+
+    # ---- a batch (prefill): dense products over masked inputs ---------------------------------
+    def qkv(self, lw, layer: int, h: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+            n_threads: int) -> None:
+        """q, k, v (n_tok, n_embd_q / n_embd_kv) from the attention-normed h (n_tok, n_embd)."""
+        cfg = self.cfg
+        out = np.empty((h.shape[0], cfg.n_embd_q + 2 * cfg.n_embd_kv), np.float32)
+        cpu.matmul_t(lw.attn_qkv_t, self._mask(lw, layer, "attn_qkv", h), out, n_threads)
+        q[...] = out[:, :cfg.n_embd_q]
+        k[...] = out[:, cfg.n_embd_q:cfg.n_embd_q + cfg.n_embd_kv]
+        v[...] = out[:, cfg.n_embd_q + cfg.n_embd_kv:]
+
+    def attn_out(self, lw, layer: int, att: np.ndarray, out: np.ndarray, n_threads: int) -> None:
+        """out (n_tok, n_embd) = the output projection of att (n_tok, n_embd_q)."""
+        cpu.matmul_t(lw.attn_output_t, self._mask(lw, layer, "attn_output", att), out, n_threads)
+
+    def __call__(self, lw, layer: int, x: np.ndarray, h: np.ndarray, out: np.ndarray,
+                 n_threads: int) -> np.ndarray:
+        """FFN of n_tok tokens: h (n_tok, n_embd) FFN-normed; writes (n_tok, n_embd) into out."""
+        n_tok, n_ff = h.shape[0], self.cfg.n_ff
+        gu = np.empty((n_tok, 2 * n_ff), np.float32)  # (n_tok, 2 n_ff): gate | up
+        cpu.matmul_t(lw.ffn_gate_up_t, self._mask(lw, layer, "ffn_gate_up", h), gu, n_threads)
+        a = np.ascontiguousarray(gu[:, :n_ff])
+        (cpu.silu_mul if self.silu else cpu.relu_mul)(a, np.ascontiguousarray(gu[:, n_ff:]), a)
+        cpu.matmul_t(lw.ffn_down_t, self._mask(lw, layer, "ffn_down", a), out, n_threads)
+        return out
+
+
+def thresholds_from_reader(reader, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """{group: (n_layer,) f32} from the file's ``pyinfer.sparse.input_threshold.*`` arrays.
+    Raises PyinferError when one is missing or has the wrong length."""
+    from pyinfer.config import read_field
+    from pyinfer.errors import PyinferError
+
+    out = {}
+    for g in C.IN_GROUPS:
+        key = C.K_IN_THRESHOLD.format(group=g)
+        v = read_field(reader, key, kind=list, item=float)
+        if v is None or len(v) != cfg.n_layer:
+            raise PyinferError(f"sparse mode input needs {key} with {cfg.n_layer} entries")
+        out[g] = np.asarray(v, np.float32)
+    return out

@@ -1,0 +1,260 @@
+"""Sparse mode "input" (TEAL / WINA input sparsity, issue 12): the converted file, its logits
+against a NumPy forward over the transformers weights with the same masks, 0% against dense, and
+calibration that does not depend on the thread count."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+
+from convert.cli import main as convert_main
+from pyinfer import constants as C
+from pyinfer.config import read_field
+from pyinfer.engine import Engine
+from pyinfer.errors import PyinferError
+from tests._models import load_hf_state_dict, make_random_llama
+
+CALIB = ["--calib-tokens", "128", "-t", "1"]
+
+
+@pytest.fixture(scope="module")
+def silu_dir(tmp_path_factory):
+    return make_random_llama(tmp_path_factory.mktemp("silu_in"), hidden_act="silu", tokenizer="bpe",
+                             intermediate_size=128, n_layers=2, name="silu")
+
+
+@pytest.fixture(scope="module", params=["wina", "magnitude"])
+def input_file(request, silu_dir, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("in") / f"{request.param}.gguf")
+    assert convert_main([silu_dir, out, "--outtype", "f32", "--target-sparsity", "0.5",
+                         "--sparse-mode", "input", "--sparsity-score", request.param, *CALIB]) == 0
+    return out, request.param
+
+
+def test_file_stores_only_what_the_run_uses(input_file):
+    path, score = input_file
+    r = gguf.GGUFReader(path)
+    names = {t.name for t in r.tensors}
+    assert read_field(r, C.K_SPARSE_MODE) == C.SPARSE_MODE_INPUT
+    assert read_field(r, C.K_IN_SCORE) == score
+    for i in range(2):
+        assert {C.ATTN_QKV_T.format(bid=i), C.ATTN_OUT_T.format(bid=i),
+                C.FFN_GATE_UP_T.format(bid=i), C.FFN_DOWN_T.format(bid=i)} <= names
+        for gone in (C.ATTN_Q, C.ATTN_K, C.ATTN_V, C.ATTN_OUT, C.FFN_GATE, C.FFN_UP, C.FC1, C.FC2,
+                     C.ACT_COUNT):
+            assert gone.format(bid=i) not in names
+        assert (C.IN_SCALE["ffn_down"].format(bid=i) in names) == (score == "wina")
+    sp = np.array([read_field(r, C.K_IN_SPARSITY.format(group=g)) for g in C.IN_GROUPS])  # (4, L)
+    per_channel = {"attn_qkv": 64 * 128, "attn_output": 64 * 64, "ffn_gate_up": 64 * 256,
+                   "ffn_down": 128 * 64}
+    w = np.array([per_channel[g] for g in C.IN_GROUPS], float)[:, None]
+    block = (sp * w).sum(0) / w.sum()  # (L,) every block at the target (TEAL: uniform)
+    assert np.all(block >= 0.5 - 1e-6) and np.all(block < 0.5 + 0.01), block
+
+
+def _rmsnorm(x, w, eps):
+    return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * w
+
+
+def _rope(x, pos, base):  # transformers' rotate_half layout; x (T, n_head, hd)
+    hd = x.shape[-1]
+    inv = 1.0 / base ** (np.arange(0, hd, 2) / hd)
+    ang = np.concatenate([np.outer(pos, inv)] * 2, -1)[:, None, :]
+    rot = np.concatenate([-x[..., hd // 2:], x[..., :hd // 2]], -1)
+    return x * np.cos(ang) + rot * np.sin(ang)
+
+
+def reference_logits(sd, cfg, tokens, thr, scales):
+    """Llama forward as transformers computes it (float64), each projection's input with the
+    channels whose |x_j| (* scale_j) <= threshold set to 0. thr {group: (n_layer,)}."""
+    def keep(x, i, g):
+        s = np.abs(x) * (scales[i][g] if scales else 1.0)
+        return np.where(s > thr[g][i], x, 0.0)
+
+    W = {k: v.astype(np.float64) for k, v in sd.items()}
+    T, hd = len(tokens), cfg.head_dim
+    x = W["model.embed_tokens.weight"][tokens]
+    pos = np.arange(T)
+    for i in range(cfg.n_layer):
+        p = f"model.layers.{i}."
+        h = keep(_rmsnorm(x, W[p + "input_layernorm.weight"], cfg.rms_eps), i, "attn_qkv")
+        q = _rope((h @ W[p + "self_attn.q_proj.weight"].T).reshape(T, cfg.n_head, hd), pos,
+                  cfg.rope_freq_base)
+        k = _rope((h @ W[p + "self_attn.k_proj.weight"].T).reshape(T, cfg.n_head_kv, hd), pos,
+                  cfg.rope_freq_base)
+        v = (h @ W[p + "self_attn.v_proj.weight"].T).reshape(T, cfg.n_head_kv, hd)
+        k, v = np.repeat(k, cfg.n_gqa, 1), np.repeat(v, cfg.n_gqa, 1)
+        s = np.einsum("thd,jhd->htj", q, k) / np.sqrt(hd)
+        s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
+        s = np.exp(s - s.max(-1, keepdims=True))
+        s /= s.sum(-1, keepdims=True)
+        att = np.einsum("htj,jhd->thd", s, v).reshape(T, -1)
+        x = x + keep(att, i, "attn_output") @ W[p + "self_attn.o_proj.weight"].T
+        h = keep(_rmsnorm(x, W[p + "post_attention_layernorm.weight"], cfg.rms_eps), i, "ffn_gate_up")
+        g = h @ W[p + "mlp.gate_proj.weight"].T
+        a = g / (1 + np.exp(-g)) * (h @ W[p + "mlp.up_proj.weight"].T)
+        x = x + keep(a, i, "ffn_down") @ W[p + "mlp.down_proj.weight"].T
+    x = _rmsnorm(x, W["model.norm.weight"], cfg.rms_eps)
+    return x @ W["lm_head.weight"].T
+
+
+def test_logits_match_masked_reference(input_file, silu_dir):
+    """Prefill (masked dense) and token-by-token decode (row sums over kept channels) both equal
+    the reference with the file's thresholds, and some channels were really skipped."""
+    path, score = input_file
+    eng = Engine(path, n_ctx=64, n_threads=2)
+    cfg = eng.cfg
+    thr = eng.model.ffn.thr
+    scales = [lw.in_scale for lw in eng.weights.layers] if score == "wina" else None
+    tokens = np.random.default_rng(1).integers(3, cfg.n_vocab, 24).tolist()
+    want = reference_logits(load_hf_state_dict(silu_dir), cfg, tokens, thr, scales)
+    eng.reset_stats()
+    got = eng.model.forward(tokens, 0, all_logits=True)
+    assert 0.3 < eng.ffn_sparsity() < 0.7
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3 * np.abs(want).max())
+    eng.reset()
+    steps = np.stack([eng.eval_token(t) for t in tokens])
+    np.testing.assert_allclose(steps, want, rtol=1e-3, atol=1e-3 * np.abs(want).max())
+    # the masks matter: without them the reference is far from what the file computes
+    dense_ref = reference_logits(load_hf_state_dict(silu_dir), cfg, tokens,
+                                 {g: np.full(2, -1.0) for g in C.IN_GROUPS}, None)
+    assert np.abs(dense_ref - want).max() > 30 * np.abs(got - want).max()
+
+
+def test_zero_target_equals_dense(input_file, silu_dir, tmp_path):
+    """At a 0% target every channel is kept: the transposed file's logits equal the dense
+    row-layout file's, prefill and decode."""
+    from predictors.input_sparse import calibrate, thresholds_for
+    from tests.test_input_sparse import _set
+
+    path, score = input_file
+    dense_path = str(tmp_path / "dense.gguf")
+    assert convert_main([silu_dir, dense_path, "--outtype", "f32", "--dense"]) == 0
+    dense = Engine(dense_path, n_ctx=64, n_threads=1, dense=True)
+    rng = np.random.default_rng(2)
+    curves, _ = calibrate(dense, [rng.integers(3, 200, 40).tolist()], score == "wina", 0, 1)
+    thr, sparsity, _ = thresholds_for(curves, dense.cfg, 0.0)
+    assert (thr == -1).all() and (sparsity == 0).all()
+    eng = Engine(path, n_ctx=64, n_threads=1)
+    _set(eng, thr)
+    tokens = rng.integers(3, dense.cfg.n_vocab, 16).tolist()
+    want = dense.model.forward(tokens, 0, all_logits=True)
+    np.testing.assert_allclose(eng.model.forward(tokens, 0, all_logits=True), want, rtol=1e-4,
+                               atol=1e-4 * np.abs(want).max())
+    eng.reset_stats()
+    eng.reset()
+    got = np.stack([eng.eval_token(t) for t in tokens])
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    assert eng.ffn_sparsity() == 0.0
+
+
+def _set(eng, thr):
+    for gi, g in enumerate(C.IN_GROUPS):
+        eng.model.ffn.thr[g] = np.ascontiguousarray(thr[:, gi])
+
+
+def test_calibration_independent_of_threads(silu_dir, tmp_path):
+    from predictors.input_sparse import calibrate, thresholds_for
+
+    dense_path = str(tmp_path / "dense.gguf")
+    assert convert_main([silu_dir, dense_path, "--outtype", "q8_0", "--dense"]) == 0
+    seqs = [np.random.default_rng(3).integers(3, 200, 100).tolist()]
+    got = []
+    for nt in (1, 2):
+        eng = Engine(dense_path, n_ctx=64, n_threads=nt, dense=True)
+        curves, _ = calibrate(eng, seqs, True, 0, nt)
+        got.append(thresholds_for(curves, eng.cfg, 0.4)[0])
+    np.testing.assert_array_equal(got[0], got[1])
+    assert (got[0] > 0).any()
+
+
+def test_gpu_device_refused_cpu_fallback(input_file, capsys):
+    path, _ = input_file
+    with pytest.raises(PyinferError, match="CPU only"):
+        Engine(path, n_ctx=32, device="cuda")
+    eng = Engine(path, n_ctx=32, device="auto")
+    assert type(eng.model).__name__ == "Model"
+
+
+def _layer_inputs(eng, seqs):
+    """{layer: (recorded group inputs, layer input pieces)} of the dense row-layout engine."""
+    from predictors.input_sparse import record_inputs
+
+    out = {}
+    record_inputs(eng, seqs, 1, lambda i, rec, en, xs: out.__setitem__(i, (rec, xs)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def dense_f32(silu_dir, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("dense") / "dense.gguf")
+    assert convert_main([silu_dir, path, "--outtype", "f32", "--dense"]) == 0
+    return path
+
+
+def test_block_greedy_evaluates_what_the_run_computes(dense_f32, input_file):
+    """The greedy's block output (calibration: f32 NumPy over the row-layout weights, masks at
+    the unit curves' thresholds) equals the runtime's layer output (transposed file, prefill)
+    with those thresholds, on the last layer (its input recorded from the dense model)."""
+    from predictors.input_sparse import _Block, column_norms, unit_curve
+
+    path, score = input_file
+    dense = Engine(dense_f32, n_ctx=64, n_threads=1, dense=True)
+    cfg = dense.cfg
+    seq = np.random.default_rng(7).integers(3, 200, 48).tolist()
+    rec, xs = _layer_inputs(dense, [seq])[cfg.n_layer - 1]
+    lw = dense.weights.layers[cfg.n_layer - 1]
+    norms = column_norms(lw)
+    rng = np.random.default_rng(0)
+    curves = [unit_curve(rec[g], norms[g], score == "wina", rng) for g in C.IN_GROUPS]
+    blk = _Block(lw, cfg, xs, curves, norms, score == "wina", 1)
+    levels = np.array([30, 45, 20, 60])
+    got = blk.run(levels, 0)
+
+    eng = Engine(path, n_ctx=64, n_threads=1)
+    thr = np.full((cfg.n_layer, 4), -1.0, np.float32)
+    thr[-1] = [curves[gi].thr[levels[gi]] for gi in range(4)]
+    _set(eng, thr)
+    x = xs[0].copy()
+    eng.model.run_layers(x, 0, cfg.n_layer - 1)
+    np.testing.assert_allclose(x, got, rtol=1e-4, atol=1e-4 * np.abs(got).max())
+    assert np.abs(got - blk.y).max() > 100 * np.abs(x - got).max()  # the masks changed it
+
+
+def test_block_path_steps_are_greedy(dense_f32):
+    """Each step of the path raises the group whose step costs the least block output error
+    per byte, every candidate recomputed from scratch (no cached stages); the path's errors and
+    sparsities are those of its levels; ``thresholds_for`` puts every block at the target."""
+    from predictors.input_sparse import (N_LEVELS, STEP, _Block, block_path, calibrate,
+                                         column_norms, thresholds_for, unit_curve)
+    from pyinfer.input_sparse import in_sizes
+
+    dense = Engine(dense_f32, n_ctx=64, n_threads=1, dense=True)
+    cfg = dense.cfg
+    seq = np.random.default_rng(8).integers(3, 200, 40).tolist()
+    rec, xs = _layer_inputs(dense, [seq])[0]
+    lw = dense.weights.layers[0]
+    norms = column_norms(lw)
+    curves = [unit_curve(rec[g], norms[g], True, np.random.default_rng(0)) for g in C.IN_GROUPS]
+    sizes = in_sizes(cfg)
+    ub = np.array([sizes[g][0] * sizes[g][1] for g in C.IN_GROUPS], float)
+    path = block_path(_Block(lw, cfg, xs, curves, norms, True, 1), ub, 0.6)
+    fresh = _Block(lw, cfg, xs, curves, norms, True, 1)
+    assert path.sparsity[-1] >= 0.6 and np.all(np.diff(path.sparsity) > 0)
+    for p in range(1, len(path.levels)):
+        prev, err_prev = path.levels[p - 1], path.error[p - 1]
+        costs = []
+        for gi in range(4):
+            cand = prev.copy()
+            cand[gi] += STEP
+            costs.append((fresh.error(fresh.run(cand, 0)) - err_prev) / (STEP * ub[gi]))
+        chosen = int(np.flatnonzero(path.levels[p] != prev)[0])
+        assert costs[chosen] <= min(costs) + 1e-9 * max(1.0, abs(min(costs)))
+        np.testing.assert_allclose(path.error[p], fresh.error(fresh.run(path.levels[p], 0)),
+                                   rtol=1e-6)
+        assert path.sparsity[p] == pytest.approx((path.levels[p] * ub).sum() / (N_LEVELS * ub.sum()))
+    cal, _ = calibrate(dense, [seq], True, 0, 1, max_sparsity=0.6)
+    for target in (0.25, 0.4):
+        _, sp, _ = thresholds_for(cal, cfg, target)
+        block = (sp * ub).sum(1) / ub.sum()
+        assert np.all(block >= target - 1e-9) and np.all(block < target + 1.0 / N_LEVELS + 1e-9)
