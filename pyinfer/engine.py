@@ -15,6 +15,7 @@ import gguf
 import numpy as np
 
 from pyinfer import constants as C
+from pyinfer import llamacpp
 from pyinfer.config import ModelConfig, read_field
 from pyinfer.errors import PyinferError
 from pyinfer.ffn import DenseFFN, Predictor, SparseFFN
@@ -69,7 +70,8 @@ class Engine:
     """A loaded model ready to generate.
 
     Args:
-        model_path: a GGUF written by ``pyinfer-convert``.
+        model_path: a GGUF written by ``pyinfer-convert``, or a llama.cpp GGUF of architecture
+            llama, run dense on the CPU (``pyinfer.llamacpp``).
         n_ctx: context size in tokens (default min(4096, the model's training context)).
         n_threads: kernel threads (default: the physical cores, ``cpu.default_n_threads``).
         dense: compute every FFN neuron even when the file has predictors (for comparison).
@@ -91,8 +93,12 @@ class Engine:
         t0 = time.perf_counter()
         self.path = model_path
         self.reader = open_gguf(model_path)
-        self.cfg = ModelConfig.from_gguf(self.reader)
-        self.weights = ModelWeights.from_gguf(self.reader, self.cfg)
+        self.llamacpp = llamacpp.is_llamacpp(self.reader)  # run as it is: dense, on the CPU
+        if self.llamacpp:
+            self.cfg, self.weights = llamacpp.load(self.reader, model_path)
+        else:
+            self.cfg = ModelConfig.from_gguf(self.reader)
+            self.weights = ModelWeights.from_gguf(self.reader, self.cfg)
         self.tokenizer = Tokenizer.from_gguf(self.reader)
         if n_ctx is None or n_ctx <= 0:
             n_ctx = min(DEFAULT_N_CTX, self.cfg.n_ctx_train)
