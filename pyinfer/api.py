@@ -303,7 +303,9 @@ class LLM:
                           stop: str | list[str] | None = None, seed: int | None = None,
                           stream: bool = False, ignore_eos: bool = False, should_stop=None,
                           logprobs: int | None = None, response_format: dict | None = None,
-                          grammar: str | None = None, json_schema=None):
+                          grammar: str | None = None, json_schema=None, dry_multiplier: float = 0.0,
+                          dry_base: float = 1.75, dry_allowed_length: int = 2,
+                          dry_penalty_last_n: int = -1):
         """Complete ``prompt`` (text, or token ids). Returns an OpenAI ``text_completion`` dict::
 
             {"id", "object": "text_completion", "created", "model",
@@ -321,11 +323,14 @@ class LLM:
         {"schema": ...}}``), ``grammar`` (GBNF or Lark text) or ``json_schema`` (a dict): constrain
         the text (pyinfer/grammar.py; at most one of them).
         Raises PyinferError for a prompt that does not fit, bad sampling parameters or a bad
-        grammar (before any chunk is produced).
+        grammar (before any chunk is produced). ``dry_*``: the DRY repetition penalty, as in
+        ``generate`` (off by default, as llama.cpp's server).
         """
         ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self.check_fits(ids)
-        self._params(temperature, top_k, top_p, min_p, repeat_penalty)
+        dry = dict(dry_multiplier=dry_multiplier, dry_base=dry_base,
+                   dry_allowed_length=dry_allowed_length, dry_penalty_last_n=dry_penalty_last_n)
+        self._params(temperature, top_k, top_p, min_p, repeat_penalty, **dry)
         self._check_request(max_tokens, stop, seed)
         gram = grammar_of(response_format, grammar, json_schema)
         if gram is not None:
@@ -336,7 +341,7 @@ class LLM:
             rec = LogprobRecorder(self.tokenizer, logprobs)
         kw = dict(max_tokens=max_tokens, stop=stop, temperature=temperature, top_k=top_k, top_p=top_p,
                   min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, ignore_eos=ignore_eos,
-                  should_stop=should_stop, grammar=gram, logprobs=rec)
+                  should_stop=should_stop, grammar=gram, logprobs=rec, **dry)
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         offset = [0]
 
@@ -390,7 +395,9 @@ class LLM:
                                stop: str | list[str] | None = None, seed: int | None = None,
                                stream: bool = False, should_stop=None, logprobs: bool = False,
                                top_logprobs: int | None = None, response_format: dict | None = None,
-                               grammar: str | None = None, json_schema=None):
+                               grammar: str | None = None, json_schema=None,
+                               dry_multiplier: float = 0.0, dry_base: float = 1.75,
+                               dry_allowed_length: int = 2, dry_penalty_last_n: int = -1):
         """Answer a conversation. ``messages``: ``[{"role": "system"|"user"|"assistant",
         "content": str}, ...]``. Returns an OpenAI ``chat.completion`` dict::
 
@@ -405,9 +412,11 @@ class LLM:
         ``seed`` and ``should_stop`` as in ``create_completion``. ``logprobs`` True: each token's
         log-probability in OpenAI's ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}``
         with ``top_logprobs`` (0..20) alternatives. ``response_format``, ``grammar``,
-        ``json_schema``: constrain the answer as in ``create_completion``.
+        ``json_schema``: constrain the answer as in ``create_completion``; ``dry_*`` as there.
         """
-        self._params(temperature, top_k, top_p, min_p, repeat_penalty)
+        dry = dict(dry_multiplier=dry_multiplier, dry_base=dry_base,
+                   dry_allowed_length=dry_allowed_length, dry_penalty_last_n=dry_penalty_last_n)
+        self._params(temperature, top_k, top_p, min_p, repeat_penalty, **dry)
         self._check_request(max_tokens, stop, seed)
         if not isinstance(logprobs, bool):
             raise PyinferError("logprobs must be true or false")
@@ -423,7 +432,7 @@ class LLM:
         self.check_fits(ids)
         kw = dict(max_tokens=max_tokens, stop=stop, temperature=temperature, top_k=top_k, top_p=top_p,
                   min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, should_stop=should_stop,
-                  grammar=gram, logprobs=rec)
+                  grammar=gram, logprobs=rec, **dry)
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         def lp():

@@ -139,3 +139,46 @@ def test_chat_default_breaks_a_smollm2_loop():
     dry = list(llm.generate(ids, max_tokens=200, temperature=0, dry_multiplier=CHAT_DRY_MULTIPLIER))
     assert _repeated_ngrams(plain) > 0.6
     assert _repeated_ngrams(dry) < 0.45
+
+
+# ---------------------------------------------------------------- through the engine and server
+def _repeated_pairs(ids, breakers, start=0):
+    """Adjacent pairs (a, b) of ``ids`` that end at index >= ``start`` + 1 and occurred earlier,
+    with neither a nor b a breaker."""
+    out = []
+    for j in range(max(start, 1), len(ids)):
+        a, b = ids[j - 1], ids[j]
+        if a in breakers or b in breakers:
+            continue
+        if any(ids[i - 1] == a and ids[i] == b for i in range(1, j)):
+            out.append((a, b))
+    return out
+
+
+def test_engine_passes_the_history_and_breakers(tmp_path):
+    """With allowed length 1 and a huge multiplier, greedy decoding never makes a pair of tokens
+    that occurred before (prompt included) unless a breaker stands in it; without DRY the tiny
+    model does."""
+    from pyinfer import LLM
+    from tests._tiny_gguf import write_tiny_gguf
+
+    llm = LLM(write_tiny_gguf(str(tmp_path / "tiny.gguf")), n_ctx=64, n_threads=1)
+    prompt = llm.tokenize("the cat and the dog and the")
+    breakers = llm.engine.dry_breakers()
+    assert llm.tokenize("\n")[-1] in breakers and llm.tokenize("a")[-1] not in breakers
+    plain = list(llm.generate(prompt, max_tokens=40, temperature=0, ignore_eos=True))
+    dry = list(llm.generate(prompt, max_tokens=40, temperature=0, ignore_eos=True,
+                            dry_multiplier=1e4, dry_allowed_length=1))
+    assert _repeated_pairs(prompt + plain, breakers, len(prompt))  # the test can fail
+    assert _repeated_pairs(prompt + dry, breakers, len(prompt)) == []
+
+
+def test_server_fields():
+    from pyinfer.server import BadRequest, sampling_options
+
+    opts = sampling_options({"dry_multiplier": 0.8, "dry_penalty_last_n": 64}, 16)
+    assert (opts["dry_multiplier"], opts["dry_base"], opts["dry_allowed_length"],
+            opts["dry_penalty_last_n"]) == (0.8, 1.75, 2, 64)
+    assert sampling_options({}, 16)["dry_multiplier"] == 0.0  # llama.cpp's server: off
+    with pytest.raises(BadRequest, match="dry_base"):
+        sampling_options({"dry_base": 0.5}, 16)
