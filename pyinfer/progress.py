@@ -63,5 +63,5 @@ def progress_bar(iterable=None, *, total: int | None = None, desc: str = "", uni
                     dynamic_ncols=True)
     interval = _interval()
     return tqdm(iterable, total=total, desc=desc, unit=unit, file=_Lines(f), leave=True,
-                disable=False, ascii=True, ncols=80, mininterval=interval,
+                disable=False, ascii=True, ncols=80, mininterval=interval, miniters=1,
                 maxinterval=max(interval, 1.0))
