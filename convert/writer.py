@@ -13,7 +13,6 @@ file is removed.
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -156,11 +155,11 @@ def write_gguf(out_path: str, meta: Metadata, jobs: Sequence[TensorJob], progres
     """Write ``meta`` and the tensors of ``jobs`` to ``out_path`` via a unique temporary file in
     the same directory (``temp_path_beside``), renamed over ``out_path`` when complete.
 
-    ``progress``: a tqdm bar over tensors on stderr (None: only when stderr is a terminal).
+    ``progress``: progress over tensors on stderr (``pyinfer.progress``; False: none).
     Raises whatever a job's ``load`` raises; the temporary file is removed and ``out_path`` is
     left untouched in that case.
     """
-    from tqdm import tqdm
+    from pyinfer.progress import progress_bar
 
     tmp_path = temp_path_beside(out_path)
     try:
@@ -180,8 +179,7 @@ def write_gguf(out_path: str, meta: Metadata, jobs: Sequence[TensorJob], progres
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        bar = tqdm(jobs, desc="converting", unit="tensor", file=sys.stderr,
-                   disable=(None if progress is None else not progress), leave=False)
+        bar = progress_bar(jobs, desc="converting", unit="tensor", enabled=progress)
         for job in bar:
             arr = job.load()
             if job.raw:

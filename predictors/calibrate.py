@@ -98,16 +98,14 @@ def generate_tokens(engine, n_tokens: int, seed: int, max_len: int, progress: bo
     Each sample draws from ``np.random.default_rng([seed, i])`` through the engine's sampler
     (temperature ``temperature``, llama.cpp's other defaults), so runs are reproducible.
     """
-    from tqdm import tqdm
-
+    from pyinfer.progress import progress_bar
     from pyinfer.sampler import SamplingParams
 
     params = SamplingParams(temperature=temperature)
     order = np.random.default_rng(seed).permutation(len(SEED_PROMPTS))
     seqs: list[list[int]] = []
     total = 0
-    bar = tqdm(total=n_tokens, desc="calibration text", unit="tok", disable=None if progress is None
-               else not progress, leave=False)
+    bar = progress_bar(total=n_tokens, desc="calibration text", unit="tok", enabled=progress)
     i = 0
     while total < n_tokens:
         prompt = _prompt_tokens(engine, SEED_PROMPTS[order[i % len(order)]])[: max_len - 1]

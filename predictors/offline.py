@@ -294,15 +294,13 @@ def predictor_pays(mode: str, skipped: float, predictor_bytes: int, row_bytes: i
 
 def _train_layers(prof, cfg, mode: str, opts: OfflineOptions, n_threads: int):
     """Per layer: (report rows, [(fc1, fc2, threshold)], counts int32 (n_ff,), act thresholds)."""
-    from tqdm import tqdm
-
     from predictors.profile import activity
+    from pyinfer.progress import progress_bar
     from predictors.report import LayerReport
     from predictors.train import MIN_RANK, choose_rank, train_predictor
 
     rows, preds, counts, thrs = [], [], [], []
-    for i in tqdm(range(cfg.n_layer), desc="predictors", unit="layer", leave=False,
-                  disable=None if opts.progress is None else not opts.progress):
+    for i in progress_bar(range(cfg.n_layer), desc="predictors", unit="layer", enabled=opts.progress):
         active, thr = activity(prof.act[i], mode, opts.target_sparsity)
         x = prof.x[i]
         counts.append(active.sum(0).astype(np.int32))

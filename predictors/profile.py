@@ -115,7 +115,7 @@ def profile(engine, sequences: list[list[int]], chunk_len: int = 512,
     """Evaluate ``sequences`` (token ids) with ``engine`` and record every layer's FFN input and
     activations (see the module docstring). chunk_len <= engine.n_ctx. The engine's FFN is
     restored afterwards."""
-    from tqdm import tqdm
+    from pyinfer.progress import progress_bar
 
     if chunk_len > engine.n_ctx:
         raise ValueError(f"chunk_len {chunk_len} > engine context {engine.n_ctx}")
@@ -128,8 +128,7 @@ def profile(engine, sequences: list[list[int]], chunk_len: int = 512,
     engine.model.ffn = rec
     tokens: list[int] = []
     try:
-        for piece in tqdm(pieces, desc="profiling", unit="chunk", leave=False,
-                          disable=None if progress is None else not progress):
+        for piece in progress_bar(pieces, desc="profiling", unit="chunk", enabled=progress):
             engine.reset()
             engine.model.forward(piece, 0, all_logits=False)
             tokens += piece

@@ -83,7 +83,8 @@ class LLM:
     """A model loaded for generation.
 
     Args:
-        model_path: a GGUF written by ``pyinfer-convert``.
+        model_path: a GGUF written by ``pyinfer-convert``, or a llama.cpp GGUF (architecture
+            llama) run dense on the CPU (``pyinfer.llamacpp``).
         n_ctx: context size in tokens (None or 0: min(4096, the model's training context)).
         n_threads: kernel threads (None: the physical cores this process may run on, as llama.cpp picks them).
         device: "cpu", "cuda", "auto" or None (None and "auto": the GPU when CuPy sees one, else
@@ -149,10 +150,11 @@ class LLM:
 
     # ---- token generation ----------------------------------------------------------------------
     def _params(self, temperature, top_k, top_p, min_p, repeat_penalty,
-                repeat_last_n=64) -> SamplingParams:
-        """Checked SamplingParams (pyinfer/options.py ranges); PyinferError for a bad value."""
+                repeat_last_n=64, **dry) -> SamplingParams:
+        """Checked SamplingParams (pyinfer/options.py ranges); PyinferError for a bad value.
+        ``dry``: dry_multiplier, dry_base, dry_allowed_length, dry_penalty_last_n."""
         return SamplingParams(**options.sampling(temperature, top_k, top_p, min_p, repeat_penalty,
-                                                 repeat_last_n))
+                                                 repeat_last_n, **dry))
 
     def _seed(self, seed: int | None) -> int:
         seed = options.seed_or_none(seed)  # -1: random, as llama.cpp
@@ -172,19 +174,25 @@ class LLM:
                  top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
                  repeat_last_n: int = 64, seed: int | None = None,
                  stop_ids: Iterable[int] | None = None, ignore_eos: bool = False,
-                 constraint=None, on_token=None) -> Iterator[int]:
+                 constraint=None, on_token=None, dry_multiplier: float = 0.0,
+                 dry_base: float = 1.75, dry_allowed_length: int = 2,
+                 dry_penalty_last_n: int = -1) -> Iterator[int]:
         """Yield token ids that follow ``tokens`` until an end-of-text/turn id (not yielded),
         ``max_tokens`` (None or <= 0: until the context is full) or a full context.
 
         The KV cache keeps the longest common prefix with the previous call, so a prompt that
         extends the last one (a chat's next turn) evaluates only its new tokens.
-        ``constraint`` and ``on_token``: see ``pyinfer.engine.Engine.generate``.
+        ``constraint`` and ``on_token``: see ``pyinfer.engine.Engine.generate``. ``dry_*``: the
+        DRY repetition penalty (``pyinfer.sampler.apply_dry``; multiplier 0, the default, is off).
         Raises PyinferError when ``tokens`` is empty or does not leave room for one token.
         """
         tokens = list(tokens)
         self.check_fits(tokens)
         self._check_request(max_tokens, None, seed)
-        params = self._params(temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n)
+        params = self._params(temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
+                              dry_multiplier=dry_multiplier, dry_base=dry_base,
+                              dry_allowed_length=dry_allowed_length,
+                              dry_penalty_last_n=dry_penalty_last_n)
         limit = -1 if max_tokens is None or max_tokens <= 0 else int(max_tokens)
         hooks = {k: v for k, v in (("constraint", constraint), ("on_token", on_token)) if v is not None}
         yield from self.engine.generate(tokens, params, max_tokens=limit, seed=self._seed(seed),
@@ -214,8 +222,8 @@ class LLM:
                     stop: str | list[str] | None = None, temperature: float = 0.8, top_k: int = 40,
                     top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
                     repeat_last_n: int = 64, seed: int | None = None, ignore_eos: bool = False,
-                    should_stop=None, grammar=None, logprobs: "LogprobRecorder | None" = None
-                    ) -> Iterator[str]:
+                    should_stop=None, grammar=None, logprobs: "LogprobRecorder | None" = None,
+                    **dry) -> Iterator[str]:
         """Yield the text that follows ``prompt_tokens``, piece by piece, as it is generated.
 
         Honours ``stop`` strings: the text ends just before the first one, and no part of a stop
@@ -225,7 +233,8 @@ class LLM:
         and ``finish_reason`` ("stop" or "length").
         ``grammar``: a ``pyinfer.grammar.Grammar`` the text must follow (generation ends when it is
         complete). ``logprobs``: a ``LogprobRecorder`` that collects each generated token's
-        log-probability. Raises PyinferError for a grammar that does not compile.
+        log-probability. ``dry``: the ``dry_*`` options of ``generate``. Raises PyinferError for
+        a grammar that does not compile.
         """
         stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
         stats = self.last_stats = GenerationStats(prompt_tokens=len(prompt_tokens))
@@ -237,7 +246,7 @@ class LLM:
                             top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
                             repeat_last_n=repeat_last_n, seed=seed, ignore_eos=ignore_eos,
                             constraint=constraint,
-                            on_token=None if logprobs is None else logprobs.on_token)
+                            on_token=None if logprobs is None else logprobs.on_token, **dry)
         pending = ""  # decoded text not yet yielded (could be the start of a stop string)
         finish = None
         try:
@@ -294,7 +303,9 @@ class LLM:
                           stop: str | list[str] | None = None, seed: int | None = None,
                           stream: bool = False, ignore_eos: bool = False, should_stop=None,
                           logprobs: int | None = None, response_format: dict | None = None,
-                          grammar: str | None = None, json_schema=None):
+                          grammar: str | None = None, json_schema=None, dry_multiplier: float = 0.0,
+                          dry_base: float = 1.75, dry_allowed_length: int = 2,
+                          dry_penalty_last_n: int = -1):
         """Complete ``prompt`` (text, or token ids). Returns an OpenAI ``text_completion`` dict::
 
             {"id", "object": "text_completion", "created", "model",
@@ -312,11 +323,14 @@ class LLM:
         {"schema": ...}}``), ``grammar`` (GBNF or Lark text) or ``json_schema`` (a dict): constrain
         the text (pyinfer/grammar.py; at most one of them).
         Raises PyinferError for a prompt that does not fit, bad sampling parameters or a bad
-        grammar (before any chunk is produced).
+        grammar (before any chunk is produced). ``dry_*``: the DRY repetition penalty, as in
+        ``generate`` (off by default, as llama.cpp's server).
         """
         ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self.check_fits(ids)
-        self._params(temperature, top_k, top_p, min_p, repeat_penalty)
+        dry = dict(dry_multiplier=dry_multiplier, dry_base=dry_base,
+                   dry_allowed_length=dry_allowed_length, dry_penalty_last_n=dry_penalty_last_n)
+        self._params(temperature, top_k, top_p, min_p, repeat_penalty, **dry)
         self._check_request(max_tokens, stop, seed)
         gram = grammar_of(response_format, grammar, json_schema)
         if gram is not None:
@@ -327,7 +341,7 @@ class LLM:
             rec = LogprobRecorder(self.tokenizer, logprobs)
         kw = dict(max_tokens=max_tokens, stop=stop, temperature=temperature, top_k=top_k, top_p=top_p,
                   min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, ignore_eos=ignore_eos,
-                  should_stop=should_stop, grammar=gram, logprobs=rec)
+                  should_stop=should_stop, grammar=gram, logprobs=rec, **dry)
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         offset = [0]
 
@@ -381,7 +395,9 @@ class LLM:
                                stop: str | list[str] | None = None, seed: int | None = None,
                                stream: bool = False, should_stop=None, logprobs: bool = False,
                                top_logprobs: int | None = None, response_format: dict | None = None,
-                               grammar: str | None = None, json_schema=None):
+                               grammar: str | None = None, json_schema=None,
+                               dry_multiplier: float = 0.0, dry_base: float = 1.75,
+                               dry_allowed_length: int = 2, dry_penalty_last_n: int = -1):
         """Answer a conversation. ``messages``: ``[{"role": "system"|"user"|"assistant",
         "content": str}, ...]``. Returns an OpenAI ``chat.completion`` dict::
 
@@ -396,9 +412,11 @@ class LLM:
         ``seed`` and ``should_stop`` as in ``create_completion``. ``logprobs`` True: each token's
         log-probability in OpenAI's ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}``
         with ``top_logprobs`` (0..20) alternatives. ``response_format``, ``grammar``,
-        ``json_schema``: constrain the answer as in ``create_completion``.
+        ``json_schema``: constrain the answer as in ``create_completion``; ``dry_*`` as there.
         """
-        self._params(temperature, top_k, top_p, min_p, repeat_penalty)
+        dry = dict(dry_multiplier=dry_multiplier, dry_base=dry_base,
+                   dry_allowed_length=dry_allowed_length, dry_penalty_last_n=dry_penalty_last_n)
+        self._params(temperature, top_k, top_p, min_p, repeat_penalty, **dry)
         self._check_request(max_tokens, stop, seed)
         if not isinstance(logprobs, bool):
             raise PyinferError("logprobs must be true or false")
@@ -414,7 +432,7 @@ class LLM:
         self.check_fits(ids)
         kw = dict(max_tokens=max_tokens, stop=stop, temperature=temperature, top_k=top_k, top_p=top_p,
                   min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, should_stop=should_stop,
-                  grammar=gram, logprobs=rec)
+                  grammar=gram, logprobs=rec, **dry)
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         def lp():

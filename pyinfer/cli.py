@@ -18,6 +18,9 @@ from pyinfer.options import model_path as _model_path
 #: Longest answer of the interactive chat unless -n says otherwise (llama.cpp's n_predict is -1,
 #: but an unbounded answer of a small model can loop for thousands of tokens: issue 13).
 CHAT_N_PREDICT = 512
+#: the chat's DRY strength (llama.cpp's is 0, off): 0.8, DRY's recommended value, ends the
+#: loops SmolLM2-135M falls into at temperature 0.8 (tests/test_sampler.py)
+CHAT_DRY_MULTIPLIER = 0.8
 #: Tokens pyinfer-run generates without -n.
 RUN_N_PREDICT = 256
 CHAT_DESCRIPTION = """pyinfer-chat: chat with a model in the terminal (same as pyinfer-run -i).
@@ -57,6 +60,15 @@ def build_parser(prog: str = "pyinfer-run", chat: bool = False) -> argparse.Argu
     p.add_argument("--min-p", type=arg_type("min_p"), default=0.05)
     p.add_argument("--repeat-penalty", type=arg_type("repeat_penalty"), default=1.0)
     p.add_argument("--repeat-last-n", type=arg_type("repeat_last_n"), default=64)
+    p.add_argument("--dry-multiplier", type=arg_type("dry_multiplier"), default=None,
+                   help=f"DRY repetition penalty strength (0: off; default {CHAT_DRY_MULTIPLIER} "
+                        "in the chat, 0 otherwise)")
+    p.add_argument("--dry-base", type=arg_type("dry_base"), default=1.75,
+                   help="DRY: the penalty grows by this factor per repeated token (default 1.75)")
+    p.add_argument("--dry-allowed-length", type=arg_type("dry_allowed_length"), default=2,
+                   help="DRY: repeats this long go unpenalised (default 2)")
+    p.add_argument("--dry-penalty-last-n", type=arg_type("dry_penalty_last_n"), default=-1,
+                   help="DRY: tokens of history scanned (-1: the whole context, 0: off)")
     p.add_argument("-s", "--seed", type=arg_type("seed"), default=-1, help="RNG seed (-1: random)")
     g = p.add_mutually_exclusive_group()  # llama.cpp's spelling of the four
     g.add_argument("--grammar", default=None, help="constrain the output with a GBNF (or Lark) grammar")
@@ -111,11 +123,17 @@ def check_args(args) -> str:
     return _model_path(args, "pyinfer-run MODEL.gguf -p PROMPT (or -m MODEL.gguf)")
 
 
-def sampling_kwargs(args) -> dict:
-    """Keyword arguments of ``LLM.stream_text`` for the sampling and grammar flags. Raises
-    PyinferError for a grammar or schema file that cannot be read or does not parse."""
+def sampling_kwargs(args, chat: bool = False) -> dict:
+    """Keyword arguments of ``LLM.stream_text`` for the sampling and grammar flags (``chat``: for
+    the interactive chat, whose DRY default is CHAT_DRY_MULTIPLIER). Raises PyinferError for a
+    grammar or schema file that cannot be read or does not parse."""
+    dry = args.dry_multiplier
+    if dry is None:
+        dry = CHAT_DRY_MULTIPLIER if chat else 0.0
     kw = dict(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-              repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n)
+              repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
+              dry_multiplier=dry, dry_base=args.dry_base,
+              dry_allowed_length=args.dry_allowed_length, dry_penalty_last_n=args.dry_penalty_last_n)
     grammar = grammar_of_args(args)
     if grammar is not None:
         kw["grammar"] = grammar

@@ -168,16 +168,17 @@ class ModelConfig:
         return self.rope_freq_base
 
     @classmethod
-    def from_gguf(cls, reader: gguf.GGUFReader) -> "ModelConfig":
-        """Build the config from a pyinfer GGUF's metadata.
+    def from_gguf(cls, reader: gguf.GGUFReader, llamacpp: bool = False) -> "ModelConfig":
+        """Build the config from a pyinfer GGUF's metadata (``llamacpp``: from a llama.cpp file
+        run as it is, see ``pyinfer.llamacpp``; pyinfer's own keys then take their defaults).
 
         Raises PyinferError when the file is not a pyinfer Llama file (wrong architecture, missing
-        key, or a llama.cpp file that still needs ``pyinfer-convert``).
+        key, or, without ``llamacpp``, a llama.cpp file).
         """
         arch = read_field(reader, C.K_ARCH)
         if arch != C.ARCH:
             raise PyinferError(f"unsupported architecture {arch!r} (pyinfer runs '{C.ARCH}')")
-        if read_field(reader, C.K_FFN_LAYOUT) != C.FFN_LAYOUT_NEURON_MAJOR:
+        if not llamacpp and read_field(reader, C.K_FFN_LAYOUT) != C.FFN_LAYOUT_NEURON_MAJOR:
             raise PyinferError("this GGUF was not written by pyinfer-convert "
                                "(no neuron-major FFN); convert it first: pyinfer-convert SRC out.gguf")
 

@@ -15,6 +15,7 @@ import gguf
 import numpy as np
 
 from pyinfer import constants as C
+from pyinfer import llamacpp
 from pyinfer.config import ModelConfig, read_field
 from pyinfer.errors import PyinferError
 from pyinfer.ffn import DenseFFN, Predictor, SparseFFN
@@ -27,6 +28,8 @@ from pyinfer.tokenizer import Tokenizer
 from pyinfer.weights import ModelWeights
 
 DEFAULT_N_CTX = 4096
+#: llama.cpp's default DRY sequence breakers (common/common.h dry_sequence_breakers), as bytes
+DRY_BREAKERS = (b"\n", b":", b'"', b"*")
 
 
 def open_gguf(path: str) -> gguf.GGUFReader:
@@ -70,7 +73,8 @@ class Engine:
     """A loaded model ready to generate.
 
     Args:
-        model_path: a GGUF written by ``pyinfer-convert``.
+        model_path: a GGUF written by ``pyinfer-convert``, or a llama.cpp GGUF of architecture
+            llama, run dense on the CPU (``pyinfer.llamacpp``).
         n_ctx: context size in tokens (default min(4096, the model's training context)).
         n_threads: kernel threads (default: the physical cores, ``cpu.default_n_threads``).
         dense: compute every FFN neuron even when the file has predictors (for comparison).
@@ -92,8 +96,12 @@ class Engine:
         t0 = time.perf_counter()
         self.path = model_path
         self.reader = open_gguf(model_path)
-        self.cfg = ModelConfig.from_gguf(self.reader)
-        self.weights = ModelWeights.from_gguf(self.reader, self.cfg)
+        self.llamacpp = llamacpp.is_llamacpp(self.reader)  # run as it is: dense, on the CPU
+        if self.llamacpp:
+            self.cfg, self.weights = llamacpp.load(self.reader, model_path)
+        else:
+            self.cfg = ModelConfig.from_gguf(self.reader)
+            self.weights = ModelWeights.from_gguf(self.reader, self.cfg)
         self.tokenizer = Tokenizer.from_gguf(self.reader)
         if n_ctx is None or n_ctx <= 0:
             n_ctx = min(DEFAULT_N_CTX, self.cfg.n_ctx_train)
@@ -113,6 +121,7 @@ class Engine:
                                  disable_gpu_index=disable_gpu_index, n_gpu_layers=n_gpu_layers,
                                  verbose=verbose)
         self.tokens: list[int] = []  # tokens whose keys/values are in the cache, in order
+        self._dry_breakers: frozenset[int] | None = None  # see dry_breakers
         self.timings = Timings(load_ms=(time.perf_counter() - t0) * 1e3)
         self.verbose = verbose
 
@@ -230,7 +239,9 @@ class Engine:
             t0 = time.perf_counter()
             recent = self.tokens[-params.repeat_last_n:] if params.repeat_last_n > 0 else ()
             allowed = None if constraint is None else constraint.allowed()
-            tok = sample(logits, params, rng, recent, allowed)
+            dry = params.dry_multiplier > 0
+            tok = sample(logits, params, rng, recent, allowed, self.tokens if dry else (),
+                         self.dry_breakers() if dry else frozenset())
             self.timings.sample_ms += (time.perf_counter() - t0) * 1e3
             if on_token is not None:
                 on_token(logits, tok)
@@ -245,6 +256,19 @@ class Engine:
             if constraint is not None and constraint.done:
                 return
             logits = self.eval_token(tok)
+
+    def dry_breakers(self) -> frozenset[int]:
+        """DRY's sequence breakers as token ids: every token whose text holds one of llama.cpp's
+        default breaker strings (newline, ':', '"', '*'), and the special tokens (a chat turn
+        boundary ends a repetition too). Computed once (one pass over the vocabulary)."""
+        if self._dry_breakers is None:
+            tk = self.tokenizer
+            ids = set()
+            for i in range(tk.n_vocab):
+                if tk.is_special(i) or any(b in tk.token_to_bytes(i) for b in DRY_BREAKERS):
+                    ids.add(i)
+            self._dry_breakers = frozenset(ids)
+        return self._dry_breakers
 
     def embeddings(self, tokens: list[int]) -> np.ndarray:
         """Final hidden states after the output norm for ``tokens`` evaluated from position 0:

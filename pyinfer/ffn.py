@@ -80,9 +80,18 @@ def ffn_coef(cfg: ModelConfig, lw: LayerWeights, h: np.ndarray,
     return a, a * up
 
 
+def down_proj(lw: LayerWeights, coef: np.ndarray, out: np.ndarray, n_threads: int) -> np.ndarray:
+    """out = coef @ down: coef (n_tok, n_ff), out (n_tok, n_embd) f32. Over ``ffn_down_t``
+    (neuron-major) or, for a llama.cpp file run as it is, a GEMV over the rows of its ``ffn_down``
+    (n_embd, n_ff) as stored (no copy of the memory map)."""
+    if lw.ffn_down_t is None:
+        return linear(lw.ffn_down, coef, out, n_threads)
+    return linear_t(lw.ffn_down_t, coef, out, n_threads)
+
+
 def down_b(lw: LayerWeights, coef: np.ndarray, out: np.ndarray, n_threads: int) -> np.ndarray:
     """out = coef @ down (+ the down bias): coef (n_tok, n_ff), out (n_tok, n_embd) f32."""
-    linear_t(lw.ffn_down_t, coef, out, n_threads)
+    down_proj(lw, coef, out, n_threads)
     if lw.ffn_down_b is not None:
         out += lw.ffn_down_b
     return out
@@ -167,7 +176,7 @@ class DenseFFN:
         linear(lw.ffn_gate, h, gate, n_threads)
         linear(lw.ffn_up, h, up, n_threads)
         self.mul(gate, up, gate)
-        linear_t(lw.ffn_down_t, gate, out, n_threads)
+        down_proj(lw, gate, out, n_threads)
         self.stats.total += n_tok * n_ff
         self.stats.active += n_tok * n_ff
         self.stats.candidates += n_tok * n_ff
@@ -177,8 +186,8 @@ class DenseFFN:
                n_threads: int) -> bool:
         """One token's whole FFN half-layer in one fused call, in place on the residual x
         (n_embd,) (``cpu.decode_ffn``). Returns False where this FFN cannot (the other families)."""
-        if not _llama_ffn(self.cfg, lw) or self.cfg.norm != "rms":
-            return False
+        if not _llama_ffn(self.cfg, lw) or self.cfg.norm != "rms" or lw.ffn_down_t is None:
+            return False  # (the fused kernel reads the neuron-major ffn_down_t)
         n_ff = self.cfg.n_ff
         cpu.decode_ffn(x, lw.ffn_norm, eps, lw.ffn_gate, lw.ffn_up, lw.ffn_down_t, cpu.FFN_DENSE,
                        self.cfg.hidden_act == "silu", 0.0, n_threads)

@@ -187,6 +187,13 @@ def place_model(reader, cfg: ModelConfig, weights: ModelWeights, cpu_ffn, n_ctx:
             return Model(cfg, weights, n_ctx, n_threads, ffn=cpu_ffn)
         raise PyinferError(f"the GPU engine runs Llama files only; this {cfg.family} file needs "
                            "--device cpu")
+    if device != "cpu" and any(lw.ffn_down_t is None for lw in weights.layers):
+        msg = "a llama.cpp GGUF runs on the CPU; pyinfer-convert it for the GPU engine"
+        if device == "auto" and backend is None:
+            if not quiet:
+                _notice(msg)
+            return Model(cfg, weights, n_ctx, n_threads, ffn=cpu_ffn)
+        raise PyinferError(msg)
     odd = _types_off_gpu(weights)
     if device != "cpu" and odd:
         msg = (f"the GPU kernels read {', '.join(cuda.GPU_TYPES)} weights, not {', '.join(odd)} "

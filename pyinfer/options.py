@@ -80,6 +80,10 @@ OPTIONS: dict[str, Range] = {
     "min_p": Range(integer=False, lo=0.0, hi=1.0),
     "repeat_penalty": Range(integer=False, lo=0.0, lo_open=True),
     "repeat_last_n": Range(integer=True, lo=0, hi=MAX_CTX),
+    "dry_multiplier": Range(integer=False, lo=0.0, hi=1e6),  # 0: off
+    "dry_base": Range(integer=False, lo=1.0, hi=1e6),
+    "dry_allowed_length": Range(integer=True, lo=1, hi=MAX_CTX),
+    "dry_penalty_last_n": Range(integer=True, lo=-1, hi=MAX_CTX),  # -1: the whole context
     "seed": Range(integer=True, lo=0, hi=MAX_SEED, extra=(-1,)),  # -1: random, as llama.cpp
     "vram_budget": Range(integer=False, lo=0.0, lo_open=True, hi=1 << 20),  # GiB
     "n_gpu_layers": Range(integer=True, lo=0, hi=1 << 20),
@@ -108,13 +112,18 @@ def seed_or_none(seed):
     return None if seed == -1 else seed
 
 
-def sampling(temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n=64) -> dict:
+def sampling(temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n=64,
+             dry_multiplier=0.0, dry_base=1.75, dry_allowed_length=2, dry_penalty_last_n=-1) -> dict:
     """Checked sampling parameters as ``SamplingParams`` keyword arguments. top_p 0 is accepted
     (OpenAI's spelling of "only the most likely token") and becomes greedy decoding."""
     out = dict(temperature=float(check("temperature", temperature)), top_k=int(check("top_k", top_k)),
                top_p=float(check("top_p", top_p)), min_p=float(check("min_p", min_p)),
                repeat_penalty=float(check("repeat_penalty", repeat_penalty)),
-               repeat_last_n=int(check("repeat_last_n", repeat_last_n)))
+               repeat_last_n=int(check("repeat_last_n", repeat_last_n)),
+               dry_multiplier=float(check("dry_multiplier", dry_multiplier)),
+               dry_base=float(check("dry_base", dry_base)),
+               dry_allowed_length=int(check("dry_allowed_length", dry_allowed_length)),
+               dry_penalty_last_n=int(check("dry_penalty_last_n", dry_penalty_last_n)))
     if out["top_p"] == 0.0:
         out["top_p"], out["temperature"] = 1.0, 0.0
     return out

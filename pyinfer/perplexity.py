@@ -38,13 +38,13 @@ def perplexity(engine, tokens: list[int], n_ctx: int, max_chunks: int = 0, progr
     if n_chunks == 0:
         raise PyinferError(f"the text has {len(tokens)} tokens, fewer than one chunk of {n_ctx}; "
                            "use a longer text or a smaller -c")
-    from tqdm import tqdm
+    from pyinfer.progress import progress_bar
 
     engine.reset_stats()
     bos = engine.tokenizer.bos_id if engine.tokenizer.add_bos else None
     first = n_ctx // 2
     nll, count = 0.0, 0
-    bar = tqdm(range(n_chunks), desc="perplexity", unit="chunk", disable=not progress)
+    bar = progress_bar(range(n_chunks), desc="perplexity", unit="chunk", enabled=progress)
     for c in bar:
         chunk = list(tokens[c * n_ctx:(c + 1) * n_ctx])
         if bos is not None:

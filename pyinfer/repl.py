@@ -4,10 +4,13 @@ Each turn renders the whole conversation with the GGUF's chat template; the engi
 previous turns in its KV cache and evaluates only the new tokens. Answers stream as they are
 generated and end at the model's end-of-turn token. Ctrl-C stops an answer (and clears a half-typed
 line), Ctrl-D or /exit leaves; readline gives line editing and history. When the conversation
-outgrows the context the oldest turns are dropped (the system message stays).
+outgrows the context the oldest turns are dropped (the system message stays). Text typed while
+an answer streams is kept (neither echoed into the answer nor dropped by Ctrl-C) and starts the
+next message.
 """
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from contextlib import contextmanager
@@ -140,6 +143,34 @@ def _sigint_sets_flag(flag: list, generating: list | None = None):
         signal.signal(signal.SIGINT, old)
 
 
+@contextmanager
+def _keep_typeahead(stream=None):
+    """While an answer streams, text the user types is kept for the next message: the terminal
+    stops echoing it into the answer (``ECHO`` off) and Ctrl-C no longer discards it (``NOFLSH``:
+    without it the terminal flushes pending input on SIGINT, POSIX termios). It waits in the
+    terminal's queue, and readline reads it as the start of the next message. The settings are
+    restored with ``TCSADRAIN``, which keeps pending input (``TCSAFLUSH`` would drop it). Does
+    nothing when ``stream`` (default stdin) is not a terminal or termios is missing (Windows)."""
+    stream = sys.stdin if stream is None else stream
+    try:
+        import termios
+
+        fd = stream.fileno()
+        if not os.isatty(fd):
+            raise OSError
+        old = termios.tcgetattr(fd)
+    except (ImportError, OSError, ValueError, AttributeError):  # io.UnsupportedOperation too
+        yield
+        return
+    new = list(old)
+    new[3] = (new[3] & ~termios.ECHO) | termios.NOFLSH  # lflag
+    termios.tcsetattr(fd, termios.TCSADRAIN, new)
+    try:
+        yield
+    finally:
+        termios.tcsetattr(fd, termios.TCSADRAIN, old)
+
+
 def _read_message(prompt: str) -> str:
     """One message from the terminal; a line ending with a backslash continues on the next."""
     lines = []
@@ -194,7 +225,7 @@ def repl(session: ChatSession, verbose: bool = False, out=sys.stdout, err=sys.st
             generating[0] = True
             return stop[0]
         try:
-            with _sigint_sets_flag(stop, generating):
+            with _sigint_sets_flag(stop, generating), _keep_typeahead():
                 last = session.ask(text, show, should_stop=should_stop)
         except PyinferError as e:
             print(f"error: {e}", file=err)
@@ -227,6 +258,14 @@ def describe_settings(session: ChatSession) -> str:
     rp = sp.get("repeat_penalty", 1.0)
     penalty = (f"repeat-penalty {rp:.2f} over the last {sp.get('repeat_last_n', 64)} tokens"
                if rp != 1.0 else "no repeat penalty")
+    dm = sp.get("dry_multiplier", 0.0)
+    if dm > 0:
+        last_n = sp.get("dry_penalty_last_n", -1)
+        penalty += (f", DRY {dm:g} (base {sp.get('dry_base', 1.75):g}, allowed length "
+                    f"{sp.get('dry_allowed_length', 2)}, "
+                    f"{'whole context' if last_n < 0 else f'last {last_n} tokens'})")
+    else:
+        penalty += ", no DRY"
     cap = f"answers capped at {session.max_tokens} tokens (-n)" if session.max_tokens else \
         "answers not capped (-n -1)"
     return f"sampling: {chain}, {penalty}; {cap}"
@@ -244,7 +283,7 @@ def run_repl(args) -> int:
         raise PyinferError("-n 0 leaves no room for an answer")
     llm = load(args, model_path)
     session = ChatSession(llm, system=args.system, max_tokens=None if n < 0 else n,
-                          **sampling_kwargs(args))
+                          **sampling_kwargs(args, chat=True))
     print(f"pyinfer chat: {llm.model_name}, context {llm.n_ctx} tokens. "
           "/help for commands, Ctrl-C stops an answer, Ctrl-D exits.", file=sys.stderr)
     print(describe_settings(session), file=sys.stderr)

@@ -1,7 +1,7 @@
 """Token sampling: a pure function of (logits, params, rng, recent tokens).
 
-Order as llama.cpp's default chain (common/sampling.cpp): repetition penalty -> top-k -> top-p ->
-min-p -> temperature -> draw. Temperature <= 0 is greedy (argmax after the penalty).
+Order as llama.cpp's default chain (common/sampling.cpp): repetition penalty -> DRY -> top-k ->
+top-p -> min-p -> temperature -> draw. Temperature <= 0 is greedy (argmax after the penalties).
 """
 from __future__ import annotations
 
@@ -20,10 +20,19 @@ class SamplingParams:
     min_p: float = 0.05
     repeat_penalty: float = 1.0  # 1.0 is off
     repeat_last_n: int = 64  # how many recent tokens the penalty looks at
+    # DRY ("don't repeat yourself", see dry_penalty); llama.cpp's defaults, multiplier 0 is off
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1  # tokens of history DRY scans; -1: the whole context
 
     def __post_init__(self):
         if self.repeat_penalty <= 0:
             raise ValueError("repeat_penalty must be > 0")
+        if self.dry_multiplier < 0 or self.dry_base < 1 or self.dry_allowed_length < 1 \
+                or self.dry_penalty_last_n < -1:
+            raise ValueError("DRY needs multiplier >= 0, base >= 1, allowed_length >= 1 and "
+                             "penalty_last_n >= -1")
         if not 0.0 <= self.min_p <= 1.0 or not 0.0 < self.top_p <= 1.0:
             raise ValueError("top_p must be in (0, 1] and min_p in [0, 1]")
 
@@ -40,8 +49,66 @@ def apply_repeat_penalty(logits: np.ndarray, recent, penalty: float) -> np.ndarr
     return out
 
 
+def dry_match_lengths(history, breakers=frozenset()) -> dict[int, int]:
+    """For each token t that would continue a repetition, the length n of the longest run of
+    tokens at the end of ``history`` that occurred earlier followed by t; n counts the repeated
+    tokens before t, not t itself.
+
+    That is DRY's match length (p-e-w, text-generation-webui PR #5677; llama.cpp
+    ``llama_sampler_dry``): for an earlier position i with history[i-k] == history[-1-k] for
+    k = 0..n-1, the token after it, t = history[i+1], gets n. Matching never crosses a sequence
+    breaker (a token in ``breakers``), and a breaker is never penalised. Computed in O(len) with
+    the Z-function of the reversed history: z[j] is how far the history read backwards from its
+    end and from position len-1-j agree.
+    """
+    h = [int(t) for t in history]
+    L = len(h)
+    if L < 2 or h[-1] in breakers:
+        return {}
+    tail = 0  # tokens at the end before the last breaker: a match is at most this long
+    while tail < L and h[L - 1 - tail] not in breakers:
+        tail += 1
+    r = h[::-1]
+    z = [0] * L  # Z-function of r (Gusfield): z[j] = longest common prefix of r and r[j:]
+    left = right = 0
+    for j in range(1, L):
+        if j < right:
+            z[j] = min(right - j, z[j - left])
+        while j + z[j] < L and r[z[j]] == r[j + z[j]]:
+            z[j] += 1
+        if j + z[j] > right:
+            left, right = j, j + z[j]
+    out: dict[int, int] = {}
+    for j in range(1, L):  # position i = L-1-j; the token after it is h[i+1] = r[j-1]
+        n = min(z[j], tail)
+        t = r[j - 1]
+        if n > 0 and t not in breakers and n > out.get(t, 0):
+            out[t] = n
+    return out
+
+
+def apply_dry(logits: np.ndarray, history, params: SamplingParams,
+              breakers=frozenset()) -> np.ndarray:
+    """DRY in place on ``logits`` (n_vocab,) float32: each token whose match length n
+    (``dry_match_lengths`` over the last ``dry_penalty_last_n`` tokens of ``history``, all with
+    -1) is at least ``dry_allowed_length`` loses ``dry_multiplier * dry_base ** (n -
+    dry_allowed_length)`` (the formula of p-e-w's DRY, as llama.cpp applies it). A multiplier of
+    0 or a window of 0 does nothing. The exponent is capped so the penalty stays finite in f32."""
+    if params.dry_multiplier <= 0 or params.dry_penalty_last_n == 0 or len(history) < 2:
+        return logits
+    if params.dry_penalty_last_n > 0:
+        history = history[-params.dry_penalty_last_n:]
+    cap = 80 if params.dry_base <= 1 else int(np.log(3e38 / params.dry_multiplier) / np.log(params.dry_base))
+    for t, n in dry_match_lengths(history, breakers).items():
+        if n >= params.dry_allowed_length and t < logits.shape[0]:
+            e = min(n - params.dry_allowed_length, cap)
+            logits[t] -= np.float32(params.dry_multiplier * params.dry_base ** e)
+    return logits
+
+
 def distribution(logits: np.ndarray, params: SamplingParams, recent=(),
-                 allowed: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                 allowed: np.ndarray | None = None, history=(),
+                 breakers=frozenset()) -> tuple[np.ndarray, np.ndarray]:
     """The distribution the sampler draws from: (token ids (k,) int64 best first, probabilities
     (k,) float64 summing to 1). Greedy (temperature <= 0) gives the one best token.
 
@@ -49,9 +116,12 @@ def distribution(logits: np.ndarray, params: SamplingParams, recent=(),
     penalty on ``recent``; top-k; softmax; top-p keeps the smallest prefix whose mass reaches
     top_p; min-p keeps tokens with p >= min_p * p_max; then softmax of logit / temperature over
     what is left. ``allowed`` (n_vocab,) bool: a grammar's mask, applied first (tokens outside it
-    are never drawn). Raises ValueError for a mask that allows no token.
+    are never drawn). ``history``: the tokens DRY scans (``apply_dry``; the whole context so
+    far), ``breakers``: DRY's sequence-breaker ids. Raises ValueError for a mask that allows no
+    token.
     """
     z = apply_repeat_penalty(logits, recent, params.repeat_penalty)
+    apply_dry(z, history, params, breakers)
     if allowed is not None:
         if not allowed.any():
             raise ValueError("the grammar allows no token")
@@ -83,14 +153,15 @@ def distribution(logits: np.ndarray, params: SamplingParams, recent=(),
 
 
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
-           recent=(), allowed: np.ndarray | None = None) -> int:
+           recent=(), allowed: np.ndarray | None = None, history=(),
+           breakers=frozenset()) -> int:
     """Pick the next token id from ``logits`` (n_vocab,) float32: a draw from ``distribution``.
 
     ``recent`` holds the ids the repetition penalty applies to (the caller passes the last
-    ``params.repeat_last_n`` tokens); ``allowed``: a grammar's mask (see ``distribution``).
-    Deterministic for a seeded ``rng``.
+    ``params.repeat_last_n`` tokens); ``allowed``: a grammar's mask; ``history``, ``breakers``:
+    DRY's (see ``distribution``). Deterministic for a seeded ``rng``.
     """
-    ids, p = distribution(logits, params, recent, allowed)
+    ids, p = distribution(logits, params, recent, allowed, history, breakers)
     if params.temperature <= 0:
         return int(ids[0])
     return int(ids[rng.choice(ids.shape[0], p=p)])

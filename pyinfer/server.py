@@ -3,7 +3,7 @@
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``"stream": true`` answers with
 server-sent events, ending with ``data: [DONE]``), ``POST /v1/embeddings`` (mean-pooled final hidden
 states, unit length), ``GET /v1/models``, ``GET /health``.
-Requests take OpenAI's fields plus llama.cpp's ``top_k``, ``min_p``, ``repeat_penalty``, ``grammar``
+Requests take OpenAI's fields plus llama.cpp's ``top_k``, ``min_p``, ``repeat_penalty``, ``dry_*``, ``grammar``
 and ``json_schema``; ``response_format`` (json_object, json_schema) and ``grammar`` constrain the
 output (pyinfer/grammar.py), ``logprobs``/``top_logprobs`` return log-probabilities in OpenAI's
 shapes. A field the server does not implement is refused with 400 naming it (``FIELDS``), and so is
@@ -56,7 +56,8 @@ def error_body(message: str, param: str | None = None, kind: str = "invalid_requ
 _COMMON = {"model", "user", "metadata", "store", "service_tier",  # informational: no effect
            "max_tokens", "temperature", "top_p", "top_k", "min_p", "repeat_penalty", "seed", "stop",
            "stream", "stream_options", "n", "logprobs", "response_format", "grammar", "json_schema",
-           "presence_penalty", "frequency_penalty", "logit_bias"}
+           "presence_penalty", "frequency_penalty", "logit_bias",
+           "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n"}
 #: The request fields each endpoint reads; any other field is refused with 400.
 FIELDS = {
     "/v1/completions": _COMMON | {"prompt", "echo", "best_of", "suffix"},
@@ -131,6 +132,11 @@ def sampling_options(body: dict, max_tokens_default: int | None) -> dict:
         top_k=_number(body, "top_k", 40, "top_k"),
         min_p=_number(body, "min_p", 0.05, "min_p"),
         repeat_penalty=_number(body, "repeat_penalty", 1.0, "repeat_penalty"),
+        # llama.cpp server's DRY fields and defaults (multiplier 0: off)
+        dry_multiplier=_number(body, "dry_multiplier", 0.0, "dry_multiplier"),
+        dry_base=_number(body, "dry_base", 1.75, "dry_base"),
+        dry_allowed_length=_number(body, "dry_allowed_length", 2, "dry_allowed_length"),
+        dry_penalty_last_n=_number(body, "dry_penalty_last_n", -1, "dry_penalty_last_n"),
         seed=_number(body, "seed", None, "seed"),  # -1: random, as llama.cpp's server
         stop=stop,
         stream=stream,

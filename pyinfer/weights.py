@@ -32,7 +32,7 @@ class LayerWeights:
     ffn_norm: np.ndarray  # (n_embd,) f32
     ffn_gate: QTensor | None  # (n_ff, n_embd) one row per neuron; None for a non-gated FFN or input mode
     ffn_up: QTensor | None  # (n_ff, n_embd) one row per neuron; None in input mode
-    ffn_down_t: QTensor  # (n_ff, n_embd) ffn_down transposed: one row per neuron
+    ffn_down_t: QTensor | None  # (n_ff, n_embd) ffn_down transposed: one row per neuron (None: see ffn_down)
     fc1: np.ndarray | None = None  # (rank, n_embd) f32 or f16 predictor, when the file has one
     fc2: np.ndarray | None = None  # (n_ff, rank) f32 or f16
     # optional biases (None when the file has none), f32
@@ -49,6 +49,8 @@ class LayerWeights:
     attn_k_norm: np.ndarray | None = None  # (head_dim,) per head of K, before RoPE
     attn_post_norm: np.ndarray | None = None  # (n_embd,) on the attention output
     ffn_post_norm: np.ndarray | None = None  # (n_embd,) on the FFN output
+    # a llama.cpp file run as it is (pyinfer.llamacpp): ffn_down as stored, ffn_down_t None
+    ffn_down: QTensor | None = None  # (n_embd, n_ff)
 
     # sparse mode "input" (TEAL/WINA): transposed storage, one row per input channel
     attn_qkv_t: QTensor | None = None  # (n_embd, n_embd_q + 2 n_embd_kv) = [wq; wk; wv]^T
@@ -86,8 +88,13 @@ class ModelWeights:
                             for lw in self.layers))
 
     @classmethod
-    def from_gguf(cls, reader: gguf.GGUFReader, cfg: ModelConfig) -> "ModelWeights":
+    def from_gguf(cls, reader: gguf.GGUFReader, cfg: ModelConfig,
+                  llamacpp: bool = False) -> "ModelWeights":
         """Map every tensor of ``reader`` by name (layers by number, never by sorted name).
+
+        ``llamacpp``: a llama.cpp file (``pyinfer.llamacpp``): its permuted Q/K rows are gathered
+        back into Hugging Face order (a copy of those two matrices only) and ``ffn_down``
+        (n_embd, n_ff) is mapped as stored in ``LayerWeights.ffn_down`` (``ffn_down_t`` None).
 
         Raises PyinferError for a missing tensor, a type pyinfer does not run, a shape that
         disagrees with ``cfg``, or a predictor (fc1 (rank, n_embd), fc2 (n_ff, rank), F32 or F16)
@@ -149,6 +156,13 @@ class ModelWeights:
                 raise PyinferError(f"predictor tensor {name} has {a.ndim} dimensions, expected 2")
             return a
 
+        def qk(w, n_head):
+            if not llamacpp:
+                return w
+            from pyinfer.llamacpp import unpermute_qk_rows
+
+            return unpermute_qk_rows(w, n_head)
+
         E, F = cfg.n_embd, cfg.n_ff
         n_in = {"attn_qkv": E, "attn_output": cfg.n_embd_q, "ffn_gate_up": E, "ffn_down": F}
         layers = []
@@ -171,14 +185,15 @@ class ModelWeights:
                 continue
             layers.append(LayerWeights(
                 attn_norm=vector(C.ATTN_NORM.format(bid=i), E),
-                wq=tensor(C.ATTN_Q.format(bid=i), cfg.n_embd_q, E),
-                wk=tensor(C.ATTN_K.format(bid=i), cfg.n_embd_kv, E),
+                wq=qk(tensor(C.ATTN_Q.format(bid=i), cfg.n_embd_q, E), cfg.n_head),
+                wk=qk(tensor(C.ATTN_K.format(bid=i), cfg.n_embd_kv, E), cfg.n_head_kv),
                 wv=tensor(C.ATTN_V.format(bid=i), cfg.n_embd_kv, E),
                 wo=tensor(C.ATTN_OUT.format(bid=i), E, cfg.n_embd_q),
                 ffn_norm=vector(C.FFN_NORM.format(bid=i), E),
                 ffn_gate=tensor(C.FFN_GATE.format(bid=i), F, E) if cfg.ffn_gated else None,
                 ffn_up=tensor(C.FFN_UP.format(bid=i), F, E),
-                ffn_down_t=tensor(C.FFN_DOWN_T.format(bid=i), F, E),
+                ffn_down_t=None if llamacpp else tensor(C.FFN_DOWN_T.format(bid=i), F, E),
+                ffn_down=tensor(C.SRC_FFN_DOWN.format(bid=i), E, F) if llamacpp else None,
                 fc1=fc1,
                 fc2=fc2,
                 attn_norm_b=bias(C.ATTN_NORM_B.format(bid=i), E),

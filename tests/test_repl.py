@@ -240,6 +240,8 @@ def test_chat_parser_defaults_are_llama_cpp_s_and_cap_answers():
 
     args = build_parser("pyinfer-chat", chat=True).parse_args(["m.gguf"])
     assert SamplingParams(**sampling_kwargs(args)) == SamplingParams()  # llama.cpp's (test_sampler)
+    # ... but for DRY, which llama.cpp leaves off: the chat turns it on (tests/test_dry.py)
+    assert SamplingParams(**sampling_kwargs(args, chat=True)) == SamplingParams(dry_multiplier=0.8)
     assert args.n_predict is None and 0 < CHAT_N_PREDICT <= 2048
 
 
@@ -260,7 +262,8 @@ def test_chat_shows_its_defaults_and_says_when_an_answer_is_cut(tiny_model):
     child = _spawn(tiny_model, "-t", "1")  # all defaults
     try:
         child.expect("Ctrl-D exits", timeout=60)
-        child.expect(r"sampling: temp 0\.80, top-k 40, top-p 0\.95, min-p 0\.05, no repeat penalty; "
+        child.expect(r"sampling: temp 0\.80, top-k 40, top-p 0\.95, min-p 0\.05, no repeat penalty, "
+                     r"DRY 0\.8 \(base 1\.75, allowed length 2, whole context\); "
                      r"answers capped at 512 tokens \(-n\)")
         child.expect("> ")
         child.sendeof()
@@ -272,12 +275,74 @@ def test_chat_shows_its_defaults_and_says_when_an_answer_is_cut(tiny_model):
     child = _spawn(tiny_model, "-t", "1", "-n", "3", "-s", "1", "--repeat-penalty", "1.1")
     try:
         child.expect("Ctrl-D exits", timeout=60)
-        child.expect(r"repeat-penalty 1\.10 over the last 64 tokens; answers capped at 3 tokens")
+        child.expect(r"repeat-penalty 1\.10 over the last 64 tokens, DRY 0\.8 \(base 1\.75, allowed "
+                     r"length 2, whole context\); answers capped at 3 tokens")
         child.expect("> ")
         child.sendline("the")
         child.expect(r"\[answer cut at 3 tokens \(-n 3\)")
         child.expect(PROMPT)
         child.sendline("/exit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0
+
+
+# ---- text typed while an answer streams (a scripted slow model, tests/_slow_chat.py) ------------
+def _spawn_slow():
+    pexpect = pytest.importorskip("pexpect")
+    env = dict(os.environ, PYTHONPATH=ROOT, TERM="dumb", PYTHONUNBUFFERED="1")
+    return pexpect.spawn(sys.executable, ["-m", "tests._slow_chat"], cwd=ROOT, env=env,
+                         encoding="utf-8", timeout=30, dimensions=(40, 200))
+
+
+@pytest.mark.parametrize("ctrl_c", [False, True])
+def test_text_typed_while_an_answer_streams_starts_the_next_message(ctrl_c):
+    """Typed during an answer: not echoed into it, not dropped by Ctrl-C (the terminal flushes
+    its input on SIGINT unless NOFLSH is set), and read as the start of the next message."""
+    pexpect = pytest.importorskip("pexpect")
+    child = _spawn_slow()
+    try:
+        child.expect("> ")
+        child.sendline("first")
+        child.expect(r"<<GOT:'first'>>")
+        child.expect("w3 ")
+        child.send("typed ahead")
+        child.expect("w5 ")
+        if ctrl_c:
+            child.sendintr()
+            child.expect(r"\[interrupted\]")
+        else:
+            child.expect("w19 ")
+        assert "typed ahead" not in child.before  # not echoed into the answer
+        child.expect(PROMPT)
+        child.send(" and more\r")
+        child.expect(r"<<GOT:'(.*?)'>>")
+        assert child.match.group(1) == "typed ahead and more"
+        child.expect(PROMPT)
+        child.sendeof()
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0
+
+
+def test_a_whole_line_typed_ahead_is_the_next_message():
+    pexpect = pytest.importorskip("pexpect")
+    child = _spawn_slow()
+    try:
+        child.expect("> ")
+        child.sendline("first")
+        child.expect("w3 ")
+        child.send("second\r")
+        child.send("third")
+        child.expect(r"<<GOT:'second'>>")  # sent when the first answer ended
+        child.expect("w19 ")
+        child.expect(PROMPT)
+        child.send("\r")
+        child.expect(r"<<GOT:'third'>>")
+        child.expect(PROMPT)
+        child.sendeof()
         child.expect(pexpect.EOF)
     finally:
         child.close(force=True)

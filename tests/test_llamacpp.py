@@ -1,0 +1,207 @@
+"""llama.cpp GGUFs run as they are (pyinfer.llamacpp): dense, on the CPU, no conversion.
+
+References: transformers' LlamaForCausalLM on a tiny random model written in llama.cpp's layout
+(Q/K rows permuted as llama.cpp's convert_hf_to_gguf.py does, ffn_down untransposed:
+tests._models.write_llamacpp_gguf), and the same file converted by pyinfer-convert (whose GGUF
+import is itself checked against transformers' GGUF loader in test_convert.py).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+
+from pyinfer import constants as C
+from pyinfer.errors import PyinferError
+from pyinfer.ops.cpu import QTensor
+from tests._paths import smollm2_gguf_path
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from convert.cli import convert  # noqa: E402
+from pyinfer import llamacpp  # noqa: E402
+from pyinfer.engine import Engine  # noqa: E402
+from tests._models import make_random_llama, write_llamacpp_gguf  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPT = [1, 17, 42, 7, 99, 3, 64, 5, 120, 33, 8, 250]
+
+
+def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf.py ``LlamaModel.permute`` (its published formula)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def hf_logits(model_dir, tokens):
+    model = transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].numpy()
+
+
+def rel_err(a, b):
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def cli(module, *args):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(HF dir, llama.cpp-layout f32 GGUF, the same converted by pyinfer-convert --dense f32)."""
+    tmp = tmp_path_factory.mktemp("llamacpp")
+    model_dir = make_random_llama(tmp / "hf", "silu", tied=False, n_kv_heads=2, tokenizer="bpe")
+    src = str(tmp / "llamacpp-f32.gguf")
+    write_llamacpp_gguf(model_dir, src, "f32")
+    conv = str(tmp / "converted-f32.gguf")
+    convert(src, conv, "f32", progress=False)
+    return model_dir, src, conv
+
+
+@pytest.mark.parametrize("qtype", ["f32", "q8_0", "q4_1"])
+@pytest.mark.parametrize("n_head", [1, 4])
+def test_row_gather_inverts_llamacpp_permute(qtype, n_head):
+    rng = np.random.default_rng(n_head)
+    hf = rng.standard_normal((n_head * 16, 64)).astype(np.float32)
+    ours = QTensor.from_array(hf, C.OUTTYPES[qtype])
+    permuted = QTensor.from_array(llamacpp_permute(hf, n_head), C.OUTTYPES[qtype])
+    back = llamacpp.unpermute_qk_rows(permuted, n_head)
+    np.testing.assert_array_equal(back.raw, ours.raw)  # the stored rows, moved whole
+    assert back.data.base is None or not np.shares_memory(back.data, permuted.data)
+
+
+def test_bad_head_count_is_an_error():
+    with pytest.raises(PyinferError, match="heads"):
+        llamacpp.qk_row_order(24, 5)
+
+
+def test_tiny_llamacpp_file_matches_transformers(tiny, capfd):
+    model_dir, src, _ = tiny
+    eng = Engine(src, n_ctx=64, n_threads=2)
+    assert eng.llamacpp and all(lw.ffn_down_t is None for lw in eng.weights.layers)
+    ours = eng.model.forward(PROMPT, 0, all_logits=True)
+    assert rel_err(ours, hf_logits(model_dir, PROMPT)) < 2e-5  # measured 5e-7
+    # decode (the fused attention kernel + the GEMV over ffn_down's rows) continues the prefill
+    eng.reset()
+    eng.model.forward(PROMPT[:-1], 0)
+    last = eng.model.forward(PROMPT[-1:], len(PROMPT) - 1)
+    np.testing.assert_allclose(last, ours[-1], rtol=0, atol=1e-4 * np.abs(ours).max())
+    err = capfd.readouterr().err
+    assert "llama.cpp GGUF" in err and "pyinfer-convert" in err
+
+
+def test_llamacpp_file_equals_its_dense_conversion(tiny):
+    """f32 weights on both sides: the same function, up to float summation order."""
+    _, src, conv = tiny
+    a = Engine(src, n_ctx=64, n_threads=2)
+    b = Engine(conv, n_ctx=64, n_threads=2)
+    assert not b.llamacpp
+    la, lb = (e.model.forward(PROMPT, 0, all_logits=True) for e in (a, b))
+    assert rel_err(la, lb) < 1e-5  # measured 2e-7
+    for e in (a, b):
+        e.reset()
+    from pyinfer.sampler import SamplingParams
+
+    ga, gb = (list(e.generate(PROMPT, SamplingParams(temperature=0), max_tokens=20, ignore_eos=True))
+              for e in (a, b))
+    assert ga == gb and len(ga) == 20
+
+
+@pytest.mark.parametrize("src_type", ["q8_0", "q4_1"])
+def test_quantized_llamacpp_file_reads_the_stored_blocks(tmp_path, src_type):
+    """A quantized llama.cpp file against its f32 conversion (the file's exact values, laid out
+    by the converter): what differs is the kernels' q8 rounding of the activations only."""
+    model_dir = make_random_llama(tmp_path / "hf", "silu", tied=True, n_kv_heads=2, tokenizer="bpe")
+    src = str(tmp_path / "src.gguf")
+    write_llamacpp_gguf(model_dir, src, src_type)
+    conv = str(tmp_path / "f32.gguf")
+    convert(src, conv, "f32", progress=False)
+    la = Engine(src, n_ctx=64, n_threads=2).model.forward(PROMPT, 0, all_logits=True)
+    lb = Engine(conv, n_ctx=64, n_threads=2).model.forward(PROMPT, 0, all_logits=True)
+    assert rel_err(la, lb) < 0.02  # measured q8_0 0.0044, q4_1 0.0039
+    assert rel_err(la, hf_logits(model_dir, PROMPT)) < 0.3  # the file's rounding (test_model_vs_hf)
+
+
+def test_gpu_device_refused_auto_runs_on_cpu(tiny, capfd):
+    _, src, _ = tiny
+    with pytest.raises(PyinferError, match="llama.cpp GGUF runs on the CPU"):
+        Engine(src, n_ctx=32, device="cuda")
+    eng = Engine(src, n_ctx=32, device="auto")
+    assert type(eng.model).__name__ == "Model"
+
+
+def test_clis_run_a_llamacpp_file(tiny, tmp_path):
+    """pyinfer-run and pyinfer-perplexity take the llama.cpp file and give what its conversion
+    gives; the notice is on stderr, once."""
+    _, src, conv = tiny
+    args = ["-p", "The quick brown fox", "-n", "12", "--temp", "0", "--ignore-eos", "-t", "1"]
+    r1, r2 = cli("pyinfer.cli", "-m", src, *args), cli("pyinfer.cli", "-m", conv, *args)
+    assert r1.returncode == 0 and r2.returncode == 0, r1.stderr + r2.stderr
+    assert r1.stdout == r2.stdout and len(r1.stdout) > len("The quick brown fox")
+    assert r1.stderr.count("is a llama.cpp GGUF") == 1 and "llama.cpp GGUF" not in r2.stderr
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    p1, p2 = (cli("pyinfer.perplexity", m, "-f", str(text), "-c", "64", "--chunks", "2")
+              for m in (src, conv))
+    assert p1.returncode == 0 and p2.returncode == 0, p1.stderr + p2.stderr
+    ppl1, ppl2 = (float(p.stdout.split()[1]) for p in (p1, p2))
+    assert abs(ppl1 / ppl2 - 1) < 1e-4, (p1.stdout, p2.stdout)
+
+
+def test_api_chat_on_a_llamacpp_file(tiny):
+    from pyinfer import LLM
+
+    _, src, conv = tiny
+    msgs = [{"role": "user", "content": "Hello there"}]
+    outs = [LLM(m, n_ctx=128, seed=0).create_chat_completion(msgs, max_tokens=8, temperature=0)
+            for m in (src, conv)]
+    assert outs[0]["choices"][0]["message"] == outs[1]["choices"][0]["message"]
+
+
+def test_pyinfer_file_is_not_llamacpp(tiny):
+    _, src, conv = tiny
+    assert llamacpp.is_llamacpp(gguf.GGUFReader(src))
+    assert not llamacpp.is_llamacpp(gguf.GGUFReader(conv))
+
+
+# ---------------------------------------------------------------- the real model
+SMOL = smollm2_gguf_path()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(SMOL is None, reason="SmolLM2 GGUF not found (see tests/_paths.py)")
+def test_smollm2_llamacpp_file_runs_directly(tmp_path):
+    """SmolLM2's llama.cpp file (Q4_1) run as it is, against pyinfer-convert's dense files.
+
+    Against ``--outtype f32`` (the file's values exactly, the converter's layout): every prompt
+    position's argmax equal, logits within 2.0 (measured max 1.25 over 20 positions; the kernels
+    round activations to q8 for Q4_1 rows, f32 rows are dotted in f32). Against ``--outtype auto``
+    (ffn_down_t quantized again to Q4_1 along the other axis: measured max 11.9 from the f32
+    logits, where the direct run stays at 1.25): the same greedy chat answer.
+    """
+    from pyinfer import LLM
+
+    f32 = str(tmp_path / "smol-f32.gguf")
+    convert(SMOL, f32, "f32", progress=False)
+    direct = LLM(SMOL, n_ctx=256, n_threads=2)
+    assert direct.engine.llamacpp
+    ref = LLM(f32, n_ctx=256, n_threads=2)
+    ids = direct.tokenize("The quick brown fox jumps over the lazy dog. In 1905, Albert Einstein published")
+    la = direct.engine.model.forward(ids, 0, all_logits=True)
+    lb = ref.engine.model.forward(ids, 0, all_logits=True)
+    assert (la.argmax(1) == lb.argmax(1)).all()
+    assert np.abs(la - lb).max() < 2.0
+    del ref
+    auto = str(tmp_path / "smol-auto.gguf")
+    assert cli("convert.cli", SMOL, auto, "--dense", "--outtype", "auto").returncode == 0
+    args = ["--chat", "-p", "What is the capital of Germany?", "--temp", "0", "-n", "24"]
+    r1, r2 = cli("pyinfer.cli", "-m", SMOL, *args), cli("pyinfer.cli", "-m", auto, *args)
+    assert r1.returncode == 0 and r2.returncode == 0, r1.stderr + r2.stderr
+    assert r1.stdout == r2.stdout and "Berlin" in r1.stdout
