@@ -56,7 +56,8 @@ class _Scanner:
         self.n_values = 0
 
     def fail(self, problem: str):
-        raise PyinferError(f"{self.path} is not a valid GGUF file: {problem}")
+        kind = "GGUF" if self.magic == b"GGUF" else f"{self.magic.decode()} (GGUF)"
+        raise PyinferError(f"{self.path} is not a valid {kind} file: {problem}")
 
     def left(self) -> int:
         return self.size - self.pos
