@@ -5,7 +5,9 @@ By default the offline stage (calibration, profiling, predictors, placement: pre
 runs after the conversion and its results go into the same file; ``--dense`` skips it.
 
 SRC is a Hugging Face ``LlamaForCausalLM`` directory (config.json + *.safetensors + tokenizer files)
-or a llama.cpp GGUF file of architecture ``llama``. OUT is written atomically (a uniquely named
+or a llama.cpp GGUF file of architecture ``llama``, or an upstream PowerInfer file (``PWRI`` magic:
+its predictors, threshold and ``--gpuidx`` / ``SRC.generated.gpuidx`` split are kept, and the offline
+stage is skipped; convert/powerinfer.py). OUT is written atomically (a uniquely named
 temporary file beside it, then a rename); on failure nothing is left behind and no other file is
 touched. User errors print ``error: <message>`` and exit 1.
 """

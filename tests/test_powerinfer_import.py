@@ -269,3 +269,14 @@ def test_damaged_files_give_one_line_error(relu_llama, tmp_path, damage):
     line = _one_line_error(run_cli(bad, out, *gpuidx))
     assert ("gpu_bucket" in line) if damage == "split" else ("bad.gguf" in line)
     assert not os.path.exists(out)
+
+
+def test_offline_stage_refuses_a_powerinfer_source(relu_llama, tmp_path):
+    """The offline stage would train predictors over upstream's: it refuses, saying why."""
+    from predictors.offline import convert_sparse
+    from pyinfer.errors import PyinferError
+
+    _, _, src, _, _ = relu_llama
+    with pytest.raises(PyinferError, match="brings its own predictors"):
+        convert_sparse(src, str(tmp_path / "out.gguf"))
+    assert not os.listdir(tmp_path)
