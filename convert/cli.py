@@ -5,7 +5,9 @@ By default the offline stage (calibration, profiling, predictors, placement: pre
 runs after the conversion and its results go into the same file; ``--dense`` skips it.
 
 SRC is a Hugging Face ``LlamaForCausalLM`` directory (config.json + *.safetensors + tokenizer files)
-or a llama.cpp GGUF file of architecture ``llama``. OUT is written atomically (a uniquely named
+or a llama.cpp GGUF file of architecture ``llama``, or an upstream PowerInfer file (``PWRI`` magic:
+its predictors, threshold and ``--gpuidx`` / ``SRC.generated.gpuidx`` split are kept, and the offline
+stage is skipped; convert/powerinfer.py). OUT is written atomically (a uniquely named
 temporary file beside it, then a rename); on failure nothing is left behind and no other file is
 touched. User errors print ``error: <message>`` and exit 1.
 """
@@ -22,14 +24,16 @@ from pyinfer.errors import PyinferError, exit_code_of
 
 
 def convert(src: str, out: str, outtype: str = OUTTYPE_AUTO, progress: bool | None = None,
-            allow_unused: bool = False) -> None:
-    """Convert ``src`` (HF directory or GGUF file) to the pyinfer GGUF ``out``.
+            allow_unused: bool = False, gpuidx: str | None = None) -> None:
+    """Convert ``src`` (HF directory, GGUF file, or upstream PowerInfer file) to the pyinfer GGUF ``out``.
 
+    ``gpuidx``: an upstream PowerInfer GPU split file for a PowerInfer ``src`` (default: the
+    ``<src>.generated.gpuidx`` beside it, if any; convert/powerinfer.py).
     ``allow_unused``: convert even when the source has tensors the conversion leaves out (by
     default that is an error: a config whose layer count is too small truncates the model).
     Raises PyinferError for anything the user can fix (missing or unsupported input, bad path).
     """
-    from .from_gguf import is_gguf, plan_gguf
+    from .from_gguf import is_gguf_or_powerinfer, plan_gguf
     from .hf import plan_hf
     from .writer import write_gguf
 
@@ -43,12 +47,16 @@ def convert(src: str, out: str, outtype: str = OUTTYPE_AUTO, progress: bool | No
         raise PyinferError(f"output directory {out_dir} does not exist")
     if os.path.isdir(out):
         raise PyinferError(f"{out} is a directory")
+    if gpuidx is not None and not os.path.isfile(gpuidx):
+        raise PyinferError(f"{gpuidx} does not exist")
     if os.path.isdir(src):
+        if gpuidx is not None:
+            raise PyinferError("--gpuidx goes only with an upstream PowerInfer model file")
         meta, jobs = plan_hf(src, outtype, allow_unused)
-    elif is_gguf(src):
+    elif is_gguf_or_powerinfer(src):
         if os.path.abspath(src) == os.path.abspath(out):
             raise PyinferError("the output would overwrite the source file")
-        meta, jobs = plan_gguf(src, outtype, allow_unused)
+        meta, jobs = plan_gguf(src, outtype, allow_unused, gpuidx=gpuidx)
     else:
         raise PyinferError(f"{src} is neither a model directory nor a GGUF file")
     try:
@@ -83,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--allow-unused-tensors", action="store_true",
                         help="convert even when the source has tensors the model leaves out "
                              "(e.g. more layers than config.json's num_hidden_layers)")
+    parser.add_argument("--gpuidx", metavar="FILE", default=None,
+                        help="upstream PowerInfer's GPU split file for a PowerInfer (PWRI) SRC "
+                             "(default: SRC.generated.gpuidx when it exists)")
     from predictors.offline import add_arguments
 
     add_arguments(parser)  # the offline stage's flags (--dense skips it)
@@ -100,12 +111,17 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args) -> int:
     from predictors.offline import options_from_args
 
+    from .powerinfer import is_powerinfer
+
     t0 = time.perf_counter()
-    if args.dense:
-        convert(args.src, args.out, args.outtype, allow_unused=args.allow_unused_tensors)
+    if args.dense or is_powerinfer(args.src):  # a PowerInfer file brings its own predictors and split
+        convert(args.src, args.out, args.outtype, allow_unused=args.allow_unused_tensors,
+                gpuidx=args.gpuidx)
     else:
         from predictors.offline import convert_sparse
 
+        if args.gpuidx is not None:
+            raise PyinferError("--gpuidx goes only with an upstream PowerInfer model file")
         convert_sparse(args.src, args.out, args.outtype, options_from_args(args),
                        allow_unused=args.allow_unused_tensors)
     size = os.path.getsize(args.out) / 2**20

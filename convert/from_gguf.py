@@ -36,6 +36,7 @@ from pyinfer.gguf_check import check_gguf
 from pyinfer.ops.cpu import SUPPORTED
 
 from . import warn
+from .powerinfer import GPUIDX_SUFFIX, is_powerinfer, open_powerinfer, read_gpuidx, sparse_threshold
 from .tokenizer import add_eot_id
 from .writer import FILE_TYPES, VT, Metadata, TensorJob, matrix_qtype
 
@@ -95,6 +96,11 @@ def is_gguf(path: str) -> bool:
         return False
 
 
+def is_gguf_or_powerinfer(path: str) -> bool:
+    """True for a GGUF file or an upstream PowerInfer one (``PWRI`` magic, convert/powerinfer.py)."""
+    return is_gguf(path) or is_powerinfer(path)
+
+
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp Q/K row order -> Hugging Face order. ``w`` (n_head * head_dim, cols)."""
     rows, cols = w.shape
@@ -151,14 +157,27 @@ def _copy_field(meta: Metadata, field: Any) -> None:
         meta.set(field.name, field.contents(), vtype)
 
 
-def plan_gguf(path: str, outtype: str, allow_unused: bool = False) -> tuple[Metadata, list[TensorJob]]:
-    """Metadata and tensor jobs for a llama.cpp (or pyinfer) GGUF file of architecture llama or gemma3.
+def plan_gguf(path: str, outtype: str, allow_unused: bool = False,
+              gpuidx: str | None = None) -> tuple[Metadata, list[TensorJob]]:
+    """Metadata and tensor jobs for a llama.cpp (or pyinfer) GGUF file of architecture llama or
+    gemma3, or an upstream PowerInfer file (``PWRI`` magic, architecture llama).
 
+    A PowerInfer file keeps its predictors (``fc1``/``fc2``, F32/F16 as stored; other types become
+    F16, or F32 under outtype f32) and its threshold, as pyinfer's sparse keys (mode relu), and
+    its ReLU FFN. ``gpuidx``: its GPU split file (default: ``<path>.generated.gpuidx`` when that
+    exists, as upstream's loader looks for it); the split is stored as pyinfer's.
     Raises PyinferError for a damaged file, another architecture, rope scaling, missing tensors,
     or (unless ``allow_unused``) tensors of layers beyond ``block_count`` (a truncated model).
     """
-    reader = open_gguf(path)
+    pwri = is_powerinfer(path)
+    if gpuidx is not None and not pwri:
+        raise PyinferError("a GPU split file (--gpuidx) goes only with an upstream PowerInfer model file")
+    if pwri and gpuidx is None and os.path.isfile(path + GPUIDX_SUFFIX):
+        gpuidx = path + GPUIDX_SUFFIX
+    reader = open_powerinfer(path) if pwri else open_gguf(path)
     arch = _scalar(reader, C.K_ARCH, "(none)")
+    if pwri and arch != C.ARCH:
+        raise PyinferError(f"unsupported PowerInfer architecture {arch} (supported: {C.ARCH})")
     if arch not in _GGUF_ARCHS:
         raise PyinferError(f"unsupported architecture {arch} (supported: {', '.join(_GGUF_ARCHS)})")
     gemma3 = arch == "gemma3"
@@ -177,7 +196,8 @@ def plan_gguf(path: str, outtype: str, allow_unused: bool = False) -> tuple[Meta
             C.K_ACT_SHIFT, C.K_SLIDING_WINDOW)) or any(".bias" in n for n in tensors)):
         raise PyinferError(f"re-converting a pyinfer {family} file is not supported (only Llama "
                            "files); convert from the Hugging Face directory instead")
-    act = _scalar(reader, C.K_HIDDEN_ACT, "gelu_tanh" if gemma3 else "silu")  # llama: SwiGLU
+    # llama: SwiGLU; PowerInfer's sparse llama: ReLU (its llama.cpp, build_llama -> LLM_FFN_RELU)
+    act = _scalar(reader, C.K_HIDDEN_ACT, "gelu_tanh" if gemma3 else "relu" if pwri else "silu")
     if act not in C.HIDDEN_ACTS:
         raise PyinferError(f"unsupported hidden_act {act!r}")
 
@@ -281,7 +301,7 @@ def plan_gguf(path: str, outtype: str, allow_unused: bool = False) -> tuple[Meta
 
     def down_t(i: int) -> TensorJob:
         name = C.FFN_DOWN_T.format(bid=i)
-        if ours:
+        if ours or (pwri and name in tensors):  # PowerInfer stores it transposed already
             return mat(name, (n_ff, n_embd))
         t = src(C.SRC_FFN_DOWN.format(bid=i), (n_embd, n_ff))
         return TensorJob(name, (n_ff, n_embd), target(t, n_embd),
@@ -312,6 +332,8 @@ def plan_gguf(path: str, outtype: str, allow_unused: bool = False) -> tuple[Meta
     jobs.append(norm(C.OUTPUT_NORM))
     if C.OUTPUT in tensors:
         jobs.append(mat(C.OUTPUT, (n_vocab, n_embd)))
+    if pwri:
+        jobs += _powerinfer_sparse(reader, meta, tensors, src, n_layer, n_embd, n_ff, outtype, gpuidx)
     ignored = sorted(set(tensors) - used)
     beyond = [n for n in ignored if n.startswith("blk.") and n.split(".")[1].isdigit()
               and int(n.split(".")[1]) >= n_layer]
@@ -323,3 +345,44 @@ def plan_gguf(path: str, outtype: str, allow_unused: bool = False) -> tuple[Meta
         warn(f"ignoring {len(ignored)} tensor(s) the {arch} architecture does not use: {', '.join(ignored[:4])}"
              + (" ..." if len(ignored) > 4 else ""))
     return meta, jobs
+
+
+def _powerinfer_sparse(reader, meta: Metadata, tensors: dict, src, n_layer: int, n_embd: int,
+                       n_ff: int, outtype: str, gpuidx: str | None) -> list[TensorJob]:
+    """A PowerInfer file's predictors, threshold and (from ``gpuidx``) GPU split, as pyinfer keys
+    and tensor jobs (convert/powerinfer.py has the mapping and its sources)."""
+    jobs, ranks = [], []
+
+    def predictor(name: str, shape: tuple[int, int]) -> TensorJob:
+        t = src(name, shape)
+        if outtype == "f32":
+            qtype = C.QT.F32
+        elif outtype == C.OUTTYPE_AUTO and C.QT(t.tensor_type) in (C.QT.F32, C.QT.F16):
+            qtype = C.QT(t.tensor_type)
+        else:
+            qtype = C.QT.F16
+        if qtype == t.tensor_type:
+            return TensorJob(name, shape, qtype, lambda: np.asarray(t.data).reshape(shape), raw=True)
+        return TensorJob(name, shape, qtype, lambda: gguf.quants.dequantize(t.data, t.tensor_type)
+                         .astype(np.float32, copy=False).reshape(shape))
+
+    for i in range(n_layer):
+        n1 = C.FC1.format(bid=i)
+        t1 = tensors.get(n1)
+        if t1 is None or len(t1.shape) != 2:
+            raise PyinferError(f"PowerInfer file has no 2-D predictor {n1}")
+        rank = int(t1.shape[1])  # GGUF shapes are (cols, rows): (n_embd, rank)
+        jobs += [predictor(n1, (rank, n_embd)), predictor(C.FC2.format(bid=i), (n_ff, rank))]
+        ranks.append(rank)
+    meta.string(C.K_SPARSE_MODE, C.SPARSE_MODE_RELU)
+    meta.array(C.K_PRED_THRESHOLD, [sparse_threshold(reader)] * n_layer, VT.FLOAT32)
+    meta.array(C.K_PRED_RANK, ranks, VT.INT32)
+    if gpuidx is not None:
+        cap, masks, buckets = read_gpuidx(gpuidx, n_layer, n_ff)
+        meta.set(C.K_VRAM_BUDGET, cap, VT.UINT64)
+        for i, (mask, bucket) in enumerate(zip(masks, buckets)):
+            jobs.append(TensorJob(C.GPU_IDX.format(bid=i), mask.shape, C.QT.I32, lambda a=mask: a))
+            if bucket.size:  # GGUF holds no empty tensor: absence means "no GPU neurons"
+                jobs.append(TensorJob(C.GPU_BUCKET.format(bid=i), bucket.shape, C.QT.I32,
+                                      lambda a=bucket: a))
+    return jobs

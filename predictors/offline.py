@@ -142,6 +142,11 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
     from predictors.report import format_table
     from predictors.solver import DEFAULT_GROUP_SIZE
 
+    from convert.powerinfer import is_powerinfer
+
+    if is_powerinfer(src):
+        raise PyinferError(f"{src} is an upstream PowerInfer file: it brings its own predictors, "
+                           "convert it without the offline stage (convert.cli.convert)")
     opts = opts or OfflineOptions()
     opts.check()
     calib_text = read_calib_files(opts.calib_files) if opts.calib_files else None

@@ -49,14 +49,15 @@ _MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8  # empty name, n_dims, one dim, type,
 class _Scanner:
     """A cursor over the file's bytes; every read checks that the bytes are there."""
 
-    def __init__(self, buf, size: int, path: str):
-        self.buf, self.size, self.path = buf, size, path
+    def __init__(self, buf, size: int, path: str, magic: bytes = b"GGUF"):
+        self.buf, self.size, self.path, self.magic = buf, size, path, magic
         self.pos = 0
         self.order = "<"
         self.n_values = 0
 
     def fail(self, problem: str):
-        raise PyinferError(f"{self.path} is not a valid GGUF file: {problem}")
+        kind = "GGUF" if self.magic == b"GGUF" else f"{self.magic.decode()} (GGUF)"
+        raise PyinferError(f"{self.path} is not a valid {kind} file: {problem}")
 
     def left(self) -> int:
         return self.size - self.pos
@@ -139,7 +140,7 @@ class _Scanner:
     # ---- the whole file --------------------------------------------------------------------
     def run(self):
         self.need(24, "the header (magic, version, tensor and key/value counts)")
-        if bytes(self.buf[:4]) != b"GGUF":
+        if bytes(self.buf[:4]) != self.magic:
             self.fail(f"bad magic {bytes(self.buf[:4])!r}")
         self.pos = 4
         if struct.unpack_from("<I", self.buf, 4)[0] & 0xFFFF == 0:
@@ -222,8 +223,11 @@ class _Scanner:
         return offset, n_elements // block * type_bytes
 
 
-def check_gguf(path: str) -> None:
+def check_gguf(path: str, magic: bytes = b"GGUF") -> None:
     """Raise PyinferError unless ``path`` is a structurally sound GGUF file.
+
+    ``magic``: the 4 bytes the file must start with (upstream PowerInfer's files carry ``PWRI``
+    in place of ``GGUF`` and are GGUF in every other byte: convert/powerinfer.py).
 
     Checks, each against the bytes the file really has: magic and version; key/value and tensor
     counts; every key (UTF-8, unique), value type (known, no nested arrays), string length and
@@ -239,4 +243,4 @@ def check_gguf(path: str) -> None:
         if size == 0:
             raise PyinferError(f"{path} is not a valid GGUF file: the file is empty")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            _Scanner(buf, size, path).run()
+            _Scanner(buf, size, path, magic).run()

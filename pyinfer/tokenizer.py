@@ -45,6 +45,36 @@ _QWEN2_RE = (
     r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+_PUNCT_RE = r"[\p{P}\$\+<=>\^~\|`]+"
+_NAIVE_WORD_RE = r" ?[^(\s|.,!?…。，、।۔،)]+"  # bloom / poro / gpt3-finnish / viking
+_DEEPSEEK_LETTERS_RE = '\\s?[A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚḀ-ἕἘ-Ἕἠ-ὅὈ-Ὅὐ-ὗὙὛὝὟ-ώᾀ-ᾴᾶ-ᾼιῂ-ῄῆ-ῌῐ-ΐῖ-Ίῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤΩℨK-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ𐐀-𐑏𐒰-𐓓𐓘-𐓻𐲀-𐲲𐳀-𐳲𑢠-𑣟𞤀-𞥃]+'
+_DEEPSEEK_PUNCT_RE = '\\s?[!-/:-~！-／：-～‘-‟\u3000-。]+'
+_DEEPSEEK_CJK_RE = '[一-龥ࠀ-一가-\ud7ff]+'
+_DEEPSEEK3_RE = (
+    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# For these four, llama.cpp rewrites the source's tokenizer.json regex for its own regex engine (no
+# \p{Lu}, (?i:), possessive quantifiers: its comments quote the originals). `tokenizers` runs the
+# originals, which is what the source model does, so they are used as the source wrote them.
+_TEKKEN_RE = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O_RE = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_BAILINGMOE_RE = (
+    r"'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]"
+    r"|\s+(?!\S)|\s+"
+)
+_SEED_CODER_RE = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
 _DEFAULT_RES = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_RE, r"\p{N}+", r"[0-9][0-9][0-9]")
 
 #: tokenizer.ggml.pre -> (regexes in order, ignore_merges). llama.cpp's names (llama-vocab.cpp load()).
@@ -68,6 +98,28 @@ BPE_PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...], bool]] = {
     "smaug-bpe": ((_LLAMA3_RE,), False),
     "qwen2": ((_QWEN2_RE,), False),
     "stablelm2": ((_QWEN2_RE,), False),
+    # llama.cpp's aliases of the entries above
+    **{n: ((_GPT2_RE,), False) for n in ("phi-2", "jina-es", "jina-de", "gigachat", "jina-v1-en",
+                                         "jina-v2-es", "jina-v2-de", "jina-v2-code", "roberta-bpe",
+                                         "trillion")},
+    **{n: ((_LLAMA3_RE,), True) for n in ("llama-v3", "falcon3", "pixtral")},
+    **{n: ((_QWEN2_RE,), False) for n in ("deepseek-r1-qwen", "megrez")},
+    **{n: ((_LLAMA3_RE,), False) for n in ("glm4", "chatglm-bpe")},  # llama3's regex, merges kept
+    "falcon": ((_PUNCT_RE, _GPT2_RE, r"[0-9][0-9][0-9]"), False),
+    "deepseek-llm": ((r"[\r\n]", _DEEPSEEK_LETTERS_RE, _DEEPSEEK_PUNCT_RE, r"\s+$", _DEEPSEEK_CJK_RE,
+                      r"\p{N}+"), False),
+    "deepseek-coder": ((r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _DEEPSEEK_CJK_RE, r"\p{N}"), False),
+    "deepseek-v3": ((r"\p{N}{1,3}", "[一-龥\u3040-ゟ゠-ヿ]+", _DEEPSEEK3_RE), False),
+    **{n: ((_NAIVE_WORD_RE,), False) for n in ("bloom", "poro-chat", "gpt3-finnish")},
+    "viking": ((_NAIVE_WORD_RE, r"\p{N}"), False),
+    "chameleon": ((r"<sentinel:[0-9]+>", r"(IMGIMG)((A|B|C|D|E|F|G|H|I){1,4})Z", r"([\t\n]|    |  )",
+                   r"\p{N}", r"[\p{P}!-/:-@\[-`{-~]", _GPT2_RE), False),
+    "tekken": ((_TEKKEN_RE,), True),
+    **{n: ((_GPT4O_RE,), False) for n in ("gpt-4o", "llama4")},
+    "bailingmoe": ((_BAILINGMOE_RE,), False),
+    "seed-coder": ((_SEED_CODER_RE,), False),
+    # not here: "superbpe" (a zero-width lookahead split, "(?=(\d{3})+(?!\d))", whose pieces llama.cpp's
+    # splitter and `tokenizers` cut differently: unverified)
 }
 
 

@@ -183,6 +183,125 @@ def test_bpe_matches_source_pre_tokenizer(tmp_path, bpe_source, pre):
     assert bpe_source.token_to_id("<|im_start|>") not in tok.encode(SPECIAL_TEXT, parse_special=False)
 
 
+# llama.cpp's other byte-level pre-tokenizers (issue 14). Each reference is built in `tokenizers`
+# from its own parts where one exists (ByteLevel's GPT-2 regex, Punctuation, Digits) and otherwise
+# from the regex as the source's tokenizer.json or llama.cpp's llama-vocab.cpp writes it; for
+# tekken, gpt-4o, bailingmoe and seed-coder (pyinfer runs the tokenizer.json originals) the
+# reference is llama.cpp's rewrite of them, typed here.
+_LC_CASE = "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+_LC_UPPER, _LC_LOWER = r"((?=[\p{L}])([^a-z]))", r"((?=[\p{L}])([^A-Z]))"
+_CJK = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"  # 一-龥, ࠀ-一, 가-퟿ as llama.cpp spells them
+
+
+def _more_pre_tokenizer(pre: str):
+    from tokenizers import Regex, pre_tokenizers as pt
+
+    from pyinfer import tokenizer as T
+
+    def split(*regexes):
+        return [pt.Split(Regex(r), behavior="isolated") for r in regexes]
+
+    bl, gpt2 = pt.ByteLevel(add_prefix_space=False, use_regex=False), pt.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in ("phi-2", "roberta-bpe", "jina-v2-code", "trillion", "gigachat"):
+        return pt.Sequence([gpt2]), False
+    if pre in ("llama-v3", "falcon3", "pixtral", "glm4"):
+        return pt.Sequence(split(_HF_LLAMA3) + [bl]), pre != "glm4"
+    if pre in ("deepseek-r1-qwen", "megrez"):
+        return pt.Sequence(split(_HF_QWEN2) + [bl]), False
+    if pre == "falcon":
+        return pt.Sequence([pt.Punctuation("contiguous"), gpt2] + split("[0-9]{3}")), False
+    if pre == "deepseek-llm":
+        return pt.Sequence(split("[\r\n]", T._DEEPSEEK_LETTERS_RE, T._DEEPSEEK_PUNCT_RE, r"\s+$", _CJK)
+                           + [pt.Digits(individual_digits=False), bl]), False
+    if pre == "deepseek-coder":
+        return pt.Sequence(split("[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK) + [pt.Digits(individual_digits=True), bl]), False
+    if pre == "deepseek-v3":
+        return pt.Sequence(split(r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+", T._DEEPSEEK3_RE) + [bl]), False
+    if pre in ("bloom", "poro-chat", "gpt3-finnish", "viking"):
+        digits = [pt.Digits(individual_digits=True)] if pre == "viking" else []
+        return pt.Sequence(split(r" ?[^(\s|.,!?…。，、।۔،)]+") + digits + [bl]), False
+    if pre == "chameleon":
+        return pt.Sequence(split(r"<sentinel:[0-9]+>", r"(IMGIMG)((A|B|C|D|E|F|G|H|I){1,4})Z", r"([\t\n]|    |  )")
+                           + [pt.Digits(individual_digits=True), pt.Punctuation("isolated"), gpt2]), False
+    if pre in ("tekken", "gpt-4o", "llama4"):  # the tokenizer.json originals (see _llamacpp_case_regex)
+        up, low = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+        case, num = ("", r"\p{N}") if pre == "tekken" else ("(?i:'s|'t|'re|'ve|'m|'ll|'d)?", r"\p{N}{1,3}")
+        r = (rf"[^\r\n\p{{L}}\p{{N}}]?{up}*{low}+{case}|[^\r\n\p{{L}}\p{{N}}]?{up}+{low}*{case}"
+             rf"|{num}| ?[^\s\p{{L}}\p{{N}}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+        return pt.Sequence(split(r) + [bl]), pre == "tekken"
+    if pre == "bailingmoe":
+        r = (r"'(?:[sSdDmMtT]|[lL][lL]|[vV][eE]|[rR][eE])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+             r"|\s*[\r\n]|\s+(?!\S)|\s+")
+        return pt.Sequence(split(r) + [bl]), False
+    if pre == "seed-coder":
+        r = _LC_CASE + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+|\s+(?!\S)|\s+"
+        return pt.Sequence(split(r) + [bl]), False
+    raise KeyError(pre)
+
+
+_MORE_PRE = ["phi-2", "roberta-bpe", "jina-v2-code", "trillion", "gigachat", "llama-v3", "falcon3", "pixtral",
+             "glm4", "deepseek-r1-qwen", "megrez", "falcon", "deepseek-llm", "deepseek-coder", "deepseek-v3",
+             "bloom", "poro-chat", "gpt3-finnish", "viking", "chameleon", "tekken", "gpt-4o", "llama4",
+             "bailingmoe", "seed-coder"]
+_MORE_TEXTS = ["Ünïcödé ÉCOLE straße ΑΘΗΝΑ Москва 😀 x=1+2; y<=3 && z|w ^ ~q `cmd`",
+               "price: $1,234.56 (approx.) -- 100% sure!?  ...  \t\ttabs\n\n\n\nend",
+               "中文，标点。日本語のテキスト、カタカナ 한국어 텍스트 ٣٤٥ ١٢",
+               "for (int i = 0; i < 10; ++i) { printf(\"%d\\n\", i); }  // comment\r\n",
+               "I'm HE'S we'd They'LL you've ǅemal 12 123 1234 12345 ½ ²³"]
+
+
+@pytest.mark.parametrize("pre", _MORE_PRE)
+def test_bpe_more_pre_tokenizers_match_source(tmp_path, bpe_source, pre):
+    from tokenizers import Tokenizer as HFTokenizer
+
+    pre_tok, ignore_merges = _more_pre_tokenizer(pre)
+    j = json.loads(bpe_source.to_str())
+    j["model"]["ignore_merges"] = ignore_merges
+    ref = HFTokenizer.from_str(json.dumps(j))
+    ref.pre_tokenizer = pre_tok
+    tok = _load(_bpe_gguf(tmp_path, bpe_source, pre))
+    for text in TEXTS + _MORE_TEXTS + [SPECIAL_TEXT] + _corpus()[:300:5]:
+        assert tok.encode(text) == ref.encode(text, add_special_tokens=False).ids, (pre, text)
+        assert tok.decode(tok.encode(text)) == text
+    for text in TEXTS + _MORE_TEXTS:  # the pieces too: ids alone hide splits no merge would cross
+        assert tok._hf.pre_tokenizer.pre_tokenize_str(text) == pre_tok.pre_tokenize_str(text), (pre, text)
+    ids = tok.encode(SPECIAL_TEXT)
+    assert ids[0] == bpe_source.token_to_id("<|im_start|>") and ids[-1] == bpe_source.token_to_id("<|im_end|>")
+
+
+def _llamacpp_case_regex(pre: str) -> str:
+    """llama.cpp's rewrite of the tekken / gpt-4o regex (its regex engine lacks \\p{Lu})."""
+    case, num = ("", r"\p{N}") if pre == "tekken" else (_LC_CASE + "?", r"\p{N}{1,3}")
+    return (rf"[^\r\n\p{{L}}\p{{N}}]?{_LC_UPPER}*{_LC_LOWER}+{case}|[^\r\n\p{{L}}\p{{N}}]?{_LC_UPPER}+{_LC_LOWER}*{case}"
+            rf"|{num}| ?[^\s\p{{L}}\p{{N}}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+@pytest.mark.parametrize("pre", ["tekken", "gpt-4o"])
+def test_case_regex_follows_the_source_not_llamacpp_rewrite(tmp_path, bpe_source, pre):
+    """Where llama.cpp's rewrite departs from the source's regex (a word of non-ASCII capitals:
+    [^a-z] takes "É" as upper and [^A-Z] as lower), pyinfer splits as the source does."""
+    from tokenizers import Regex, pre_tokenizers as pt
+
+    text = "ÉCOLE Ünïcödé"
+    ours = [p for p, _ in _load(_bpe_gguf(tmp_path, bpe_source, pre))._hf.pre_tokenizer.pre_tokenize_str(text)]
+    lc = [p for p, _ in pt.Sequence([pt.Split(Regex(_llamacpp_case_regex(pre)), behavior="isolated"),
+                                     pt.ByteLevel(add_prefix_space=False, use_regex=False)]).pre_tokenize_str(text)]
+    src = [p for p, _ in _more_pre_tokenizer(pre)[0].pre_tokenize_str(text)]
+    assert ours == src and ours != lc
+    assert ours[0] == "ÃīCOLE" and lc[:2] == ["Ãī", "COLE"]  # "É" is bytes C3 89 -> "Ãī"
+
+
+def test_more_pre_tokenizers_split_differently(tmp_path, bpe_source):
+    """The pre-tokenizers above are not all one: on a mixed text they give several different id lists."""
+    text = _MORE_TEXTS[0] + _MORE_TEXTS[1] + _MORE_TEXTS[4]
+    seen = {}
+    for p in ("phi-2", "llama-v3", "deepseek-r1-qwen", "falcon", "deepseek-llm", "deepseek-coder", "deepseek-v3",
+              "bloom", "viking", "chameleon", "tekken", "gpt-4o", "bailingmoe", "seed-coder"):
+        pieces = tuple(_load(_bpe_gguf(tmp_path, bpe_source, p))._hf.pre_tokenizer.pre_tokenize_str(text))
+        seen.setdefault(pieces, []).append(p)
+    assert len(seen) >= 10, list(seen.values())
+
+
 def test_bpe_digits_split_one_by_one_for_smollm(tmp_path, bpe_source):
     tok = _load(_bpe_gguf(tmp_path, bpe_source, "smollm"))
     pieces = tok._hf.pre_tokenizer.pre_tokenize_str(" 2024 abc")
