@@ -44,10 +44,8 @@ def with_down_type(jobs: list, down_type: str) -> list:
         if pat.match(j.name):
             qtype = matrix_qtype(j.shape[1], down_type)
             if qtype != j.qtype:
-                load = j.load
-                if j.raw:
-                    def load(j=j):
-                        return gguf.quants.dequantize(j.load(), j.qtype).reshape(j.shape)
+                load = ((lambda j=j: gguf.quants.dequantize(j.load(), j.qtype).reshape(j.shape))
+                        if j.raw else j.load)
                 j = dataclasses.replace(j, qtype=qtype, load=load, raw=False)
         out.append(j)
     return out
