@@ -52,11 +52,12 @@ if os.environ.get("PYINFER_NO_SIMD") != "1" and {"avx2", "fma", "f16c"} <= _cpu_
     if _compiler_accepts(["-mavx2", "-mfma", "-mf16c"]):
         compile_args += ["-mavx2", "-mfma", "-mf16c"]
         # 512-bit AXPY (simd.h pi_axpy4_row_512) where the CPU has AVX-512 F and BW
-        if ({"avx512f", "avx512bw"} <= _cpu_flags()
+        # (PYINFER_NO_AVX512=1 leaves them out: the tests build the 256-bit paths that way)
+        if (os.environ.get("PYINFER_NO_AVX512") != "1" and {"avx512f", "avx512bw"} <= _cpu_flags()
                 and _compiler_accepts(["-mavx512f", "-mavx512bw"])):
             compile_args += ["-mavx512f", "-mavx512bw"]
         # 256-bit VNNI (u8 x s8 dot products into s32) for the quantized dots, where present
-        if ({"avx512_vnni", "avx512vl"} <= _cpu_flags()
+        if (os.environ.get("PYINFER_NO_AVX512") != "1" and {"avx512_vnni", "avx512vl"} <= _cpu_flags()
                 and _compiler_accepts(["-mavx512vnni", "-mavx512vl"])):
             compile_args += ["-mavx512vnni", "-mavx512vl"]
 

@@ -1,5 +1,5 @@
 """``pyinfer-convert SRC OUT [--outtype auto|f32|f16|bf16|q8_0|q4_0|q4_1|q5_0|q5_1|q4_k|q5_k|q6_k]
-[offline-stage flags] [--dense]``.
+[--down-type TYPE] [offline-stage flags] [--dense]``.
 
 By default the offline stage (calibration, profiling, predictors, placement: predictors/offline.py)
 runs after the conversion and its results go into the same file; ``--dense`` skips it.
@@ -19,18 +19,51 @@ import signal
 import sys
 import time
 
+from pyinfer import constants as C
 from pyinfer.constants import OUTTYPE_AUTO, OUTTYPES
 from pyinfer.errors import PyinferError, exit_code_of
 
 
+def with_down_type(jobs: list, down_type: str) -> list:
+    """``jobs`` with every ``ffn_down_t`` written as ``down_type`` (a name of OUTTYPES; K-quant
+    rows that are not whole super-blocks fall back as ``matrix_qtype`` says). ffn_down_t is a new
+    layout, re-encoded from floats whatever its type, so this costs no extra requantization;
+    a job that copies stored blocks (a pyinfer file re-converted) is dequantized first.
+
+    Why: llama.cpp's Q4_K_M and Q5_K_M keep ffn_down at a wider type than the rest, because the
+    down projection's errors reach the residual stream directly; ``--down-type q8_0`` does the
+    same for a source held at one 4-bit type (docs/benchmarks.md, issue 11 session 5)."""
+    import dataclasses
+    import re
+
+    import gguf
+
+    from .writer import matrix_qtype
+
+    pat = re.compile(re.escape(C.FFN_DOWN_T).replace(r"\{bid\}", r"\d+") + "$")
+    out = []
+    for j in jobs:
+        if pat.match(j.name):
+            qtype = matrix_qtype(j.shape[1], down_type)
+            if qtype != j.qtype:
+                load = ((lambda j=j: gguf.quants.dequantize(j.load(), j.qtype).reshape(j.shape))
+                        if j.raw else j.load)
+                j = dataclasses.replace(j, qtype=qtype, load=load, raw=False)
+        out.append(j)
+    return out
+
+
 def convert(src: str, out: str, outtype: str = OUTTYPE_AUTO, progress: bool | None = None,
-            allow_unused: bool = False, gpuidx: str | None = None) -> None:
+            allow_unused: bool = False, gpuidx: str | None = None,
+            down_type: str | None = None) -> None:
     """Convert ``src`` (HF directory, GGUF file, or upstream PowerInfer file) to the pyinfer GGUF ``out``.
 
     ``gpuidx``: an upstream PowerInfer GPU split file for a PowerInfer ``src`` (default: the
     ``<src>.generated.gpuidx`` beside it, if any; convert/powerinfer.py).
     ``allow_unused``: convert even when the source has tensors the conversion leaves out (by
     default that is an error: a config whose layer count is too small truncates the model).
+    ``down_type``: a name of OUTTYPES for every ``ffn_down_t`` (None: as ``outtype``, which under
+    ``auto`` is the source's own ffn_down type, as llama.cpp's mixes choose it).
     Raises PyinferError for anything the user can fix (missing or unsupported input, bad path).
     """
     from .from_gguf import is_gguf_or_powerinfer, plan_gguf
@@ -40,6 +73,8 @@ def convert(src: str, out: str, outtype: str = OUTTYPE_AUTO, progress: bool | No
     if outtype != OUTTYPE_AUTO and outtype not in OUTTYPES:
         raise PyinferError(f"unknown outtype {outtype!r} (choose from {OUTTYPE_AUTO}, "
                            f"{', '.join(OUTTYPES)})")
+    if down_type is not None and down_type not in OUTTYPES:
+        raise PyinferError(f"unknown down type {down_type!r} (choose from {', '.join(OUTTYPES)})")
     if not os.path.exists(src):
         raise PyinferError(f"{src} does not exist")
     out_dir = os.path.dirname(os.path.abspath(out))
@@ -59,6 +94,8 @@ def convert(src: str, out: str, outtype: str = OUTTYPE_AUTO, progress: bool | No
         meta, jobs = plan_gguf(src, outtype, allow_unused, gpuidx=gpuidx)
     else:
         raise PyinferError(f"{src} is neither a model directory nor a GGUF file")
+    if down_type is not None:
+        jobs = with_down_type(jobs, down_type)
     try:
         write_gguf(out, meta, jobs, progress=progress)
     except OSError as e:
@@ -88,6 +125,13 @@ def main(argv: list[str] | None = None) -> int:
                              "sources become f16), " + ", ".join(OUTTYPES) + ". K-quant rows "
                              "not a multiple of 256 fall back as llama.cpp's do (q4_k->q5_0, "
                              "q5_k->q5_1, q6_k->q8_0)")
+    parser.add_argument("--down-type", choices=list(OUTTYPES), default=None, metavar="TYPE",
+                        help="type of ffn_down_t, the transposed down projection (re-encoded "
+                             "whatever its type): " + ", ".join(OUTTYPES) + ". Default: as "
+                             "--outtype (auto: the source's own ffn_down type, so a Q4_K_M "
+                             "file keeps its Q6_K). q8_0 is more accurate for a source held at "
+                             "one 4-bit type, at about +12%% file size on SmolLM2 "
+                             "(docs/benchmarks.md)")
     parser.add_argument("--allow-unused-tensors", action="store_true",
                         help="convert even when the source has tensors the model leaves out "
                              "(e.g. more layers than config.json's num_hidden_layers)")
@@ -116,17 +160,18 @@ def _run(args) -> int:
     t0 = time.perf_counter()
     if args.dense or is_powerinfer(args.src):  # a PowerInfer file brings its own predictors and split
         convert(args.src, args.out, args.outtype, allow_unused=args.allow_unused_tensors,
-                gpuidx=args.gpuidx)
+                gpuidx=args.gpuidx, down_type=args.down_type)
     else:
         from predictors.offline import convert_sparse
 
         if args.gpuidx is not None:
             raise PyinferError("--gpuidx goes only with an upstream PowerInfer model file")
         convert_sparse(args.src, args.out, args.outtype, options_from_args(args),
-                       allow_unused=args.allow_unused_tensors)
+                       allow_unused=args.allow_unused_tensors, down_type=args.down_type)
     size = os.path.getsize(args.out) / 2**20
     print(f"wrote {args.out} ({args.outtype}, {size:.1f} MiB) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -34,6 +34,9 @@ cdef extern from "simd.h" nogil:
                       long xq_stride, int nb, float *out, long out_stride)
     int PI_Q8_0_ID "PI_Q8_0"
     int PI_Q4_0_ID "PI_Q4_0"
+    int pi_is_xquant(int qtype)
+    void pi_dot4_xrow(int qtype, const uint8_t *row, const float *xd, long xd_stride,
+                      const int8_t *xq, long xq_stride, int nb, float *out, long out_stride)
     void pi_axpy_f32(float a, const float *w, float *out, int n)
     void pi_axpy_row(int qtype, float a, const uint8_t *row, float *out, int n)
     void pi_dequant_row(int qtype, const uint8_t *row, float *out, int n)
@@ -188,10 +191,13 @@ def matmul(const uint8_t[:, ::1] w, int qtype, int cols, const float[:, ::1] x,
         for tile in prange(n_tiles, schedule='static', num_threads=n_threads):
             r1 = min(rows, (tile + 1) * ROW_TILE)
             t = 0
-            if qtype == PI_Q8_0_ID or qtype == PI_Q4_0_ID:  # four tokens per pass over a row
-                while t + 4 <= n_tok:
+            if qtype == PI_Q8_0_ID or qtype == PI_Q4_0_ID or pi_is_xquant(qtype):
+                while t + 4 <= n_tok:  # four tokens per pass over a row
                     for r in range(tile * ROW_TILE, r1):
-                        if qtype == PI_Q8_0_ID:
+                        if pi_is_xquant(qtype):
+                            pi_dot4_xrow(qtype, &w[0, 0] + r * stride, xd + 2 * t * nb, 2 * nb,
+                                         xq + t * cols, cols, nb, &out[t, r], out.shape[1])
+                        elif qtype == PI_Q8_0_ID:
                             pi_dot4_q8_0(&w[0, 0] + r * stride, xd + 2 * t * nb, 2 * nb,
                                          xq + t * cols, cols, nb, &out[t, r], out.shape[1])
                         else:

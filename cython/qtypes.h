@@ -192,34 +192,182 @@ static inline __m256 pi_mul_sum_u8(__m256i u, __m256i y) {
 
 static inline int pi_signed_values(int t) { return t == PI_Q5_0 || t == PI_Q6_K; }
 
+#if PI_SIMD
+/* Q4_1 / Q5_0 / Q5_1 row . activation of nt (1 or 4) tokens, two 32-value blocks per pass (each
+ * with its own accumulator, as pi_dot_q4_0): the two blocks' loads, unpacking and integer dots
+ * are independent, so they overlap instead of waiting on one FMA chain. With nt = 4 (prefill)
+ * each block is unpacked once for four tokens; every token's sums are fed in the same order as
+ * with nt = 1, so prefill and decode give the same bits. Token i's activation is
+ * (xd + i * xd_stride, xq + i * xq_stride), its result out[i * out_stride]. */
+static inline __attribute__((always_inline)) void
+pi_dot_xn_legacy(const int t, const int nt, const uint8_t *row, const float *xd, long xd_stride,
+                 const int8_t *xq, long xq_stride, int nb, float *out, long out_stride) {
+    const int bs = t == PI_Q4_1 ? 20 : (t == PI_Q5_0 ? 22 : 24);
+    const int sgn = pi_signed_values(t);
+    __m256 acc0[4], acc1[4];
+    float c0[4], c1[4];
+    for (int i = 0; i < nt; i++) {
+        acc0[i] = acc1[i] = _mm256_setzero_ps();
+        c0[i] = c1[i] = 0.0f;
+    }
+    int g = 0;
+    for (; g + 2 <= nb; g += 2) {
+        const uint8_t *k0 = row + bs * (size_t)g, *k1 = k0 + bs;
+        const __m256i v0 = pi_group_values(t, k0, g), v1 = pi_group_values(t, k1, g + 1);
+        const float d0 = pi_load_d(k0), d1 = pi_load_d(k1);
+        const float m0 = sgn ? 0.0f : pi_load_d(k0 + 2), m1 = sgn ? 0.0f : pi_load_d(k1 + 2);
+        for (int i = 0; i < nt; i++) {
+            const int8_t *y = xq + i * xq_stride + 32 * g;
+            const float *dx = xd + i * xd_stride, *xs = dx + nb;
+            const __m256i y0 = _mm256_loadu_si256((const __m256i *)y);
+            const __m256i y1 = _mm256_loadu_si256((const __m256i *)(y + 32));
+            const __m256 p0 = sgn ? pi_mul_sum_i8(v0, y0) : pi_mul_sum_u8(v0, y0);
+            const __m256 p1 = sgn ? pi_mul_sum_i8(v1, y1) : pi_mul_sum_u8(v1, y1);
+            acc0[i] = _mm256_fmadd_ps(_mm256_set1_ps(d0 * dx[g]), p0, acc0[i]);
+            acc1[i] = _mm256_fmadd_ps(_mm256_set1_ps(d1 * dx[g + 1]), p1, acc1[i]);
+            if (!sgn) {
+                c0[i] += m0 * xs[g];
+                c1[i] += m1 * xs[g + 1];
+            }
+        }
+    }
+    for (; g < nb; g++) {
+        const uint8_t *k0 = row + bs * (size_t)g;
+        const __m256i v0 = pi_group_values(t, k0, g);
+        const float d0 = pi_load_d(k0), m0 = sgn ? 0.0f : pi_load_d(k0 + 2);
+        for (int i = 0; i < nt; i++) {
+            const float *dx = xd + i * xd_stride, *xs = dx + nb;
+            const __m256i y0 = _mm256_loadu_si256((const __m256i *)(xq + i * xq_stride + 32 * g));
+            const __m256 p0 = sgn ? pi_mul_sum_i8(v0, y0) : pi_mul_sum_u8(v0, y0);
+            acc0[i] = _mm256_fmadd_ps(_mm256_set1_ps(d0 * dx[g]), p0, acc0[i]);
+            if (!sgn) c0[i] += m0 * xs[g];
+        }
+    }
+    for (int i = 0; i < nt; i++)
+        out[i * out_stride] = pi_hsum(_mm256_add_ps(acc0[i], acc1[i])) + 0.125f * (c0[i] + c1[i]);
+}
+
+/* Q4_K / Q5_K / Q6_K row . activation of nt (1 or 4) tokens, one 256-value super-block per
+ * pass: its f16 scales and six-bit sub-block scales are decoded once, each 32-byte load of
+ * quants serves two groups (low and high nibbles), and Q5_K's fifth bits come from one 32-byte
+ * load shifted two bits per pair of groups. Even groups feed acc0 and odd ones acc1; tokens as
+ * in pi_dot_xn_legacy. */
+static inline __attribute__((always_inline)) void
+pi_dot_xn_k(const int t, const int nt, const uint8_t *row, const float *xd, long xd_stride,
+            const int8_t *xq, long xq_stride, int nb, float *out, long out_stride) {
+    const __m256i m4 = _mm256_set1_epi8(15);
+    const int bs = t == PI_Q4_K ? 144 : (t == PI_Q5_K ? 176 : 210);
+    __m256 acc0[4], acc1[4];
+    float corr[4];
+    for (int i = 0; i < nt; i++) {
+        acc0[i] = acc1[i] = _mm256_setzero_ps();
+        corr[i] = 0.0f;
+    }
+    for (int sb = 0; sb < nb / 8; sb++) {
+        const uint8_t *blk = row + bs * (size_t)sb;
+        if (t == PI_Q6_K) {
+            const float d = pi_load_d(blk + 208);
+            const int8_t *sc = (const int8_t *)(blk + 192);
+            for (int n = 0; n < 2; n++) {
+                const __m256i h = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * n));
+                const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * n));
+                const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * n + 32));
+                for (int r = 0; r < 4; r++) {
+                    const int g = 4 * n + r;
+                    const __m256i l = (r & 1) ? l1 : l0;
+                    const __m256i lo = _mm256_and_si256(r >= 2 ? _mm256_srli_epi16(l, 4) : l, m4);
+                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(h, 2 * r),
+                                                        _mm256_set1_epi8(3));
+                    const __m256i v = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)),
+                                                      _mm256_set1_epi8(32));
+                    const float s0 = (float)sc[2 * g], s1 = (float)sc[2 * g + 1];
+                    for (int i = 0; i < nt; i++) {
+                        const float dd = d * xd[i * xd_stride + 8 * sb + g];
+                        const __m256 p = pi_mul_sum_i8(v, _mm256_loadu_si256(
+                            (const __m256i *)(xq + i * xq_stride + 256 * sb + 32 * g)));
+                        const __m256 s = _mm256_set_m128(_mm_set1_ps(dd * s1), _mm_set1_ps(dd * s0));
+                        if (r & 1)
+                            acc1[i] = _mm256_fmadd_ps(s, p, acc1[i]);
+                        else
+                            acc0[i] = _mm256_fmadd_ps(s, p, acc0[i]);
+                    }
+                }
+            }
+        } else {
+            const float d = pi_load_d(blk), dmin = pi_load_d(blk + 2);
+            const uint8_t *qs = blk + (t == PI_Q4_K ? 16 : 48);
+            __m256i qh = _mm256_setzero_si256();
+            if (t == PI_Q5_K) qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
+            const __m256i b4 = _mm256_set1_epi8(0x10);
+            float cm[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            for (int k = 0; k < 4; k++) {
+                int sc0, m0, sc1, m1;
+                pi_k4_scale_min(2 * k, blk + 4, &sc0, &m0);
+                pi_k4_scale_min(2 * k + 1, blk + 4, &sc1, &m1);
+                const __m256i b = _mm256_loadu_si256((const __m256i *)(qs + 32 * k));
+                __m256i v0 = _mm256_and_si256(b, m4);
+                __m256i v1 = _mm256_and_si256(_mm256_srli_epi16(b, 4), m4);
+                if (t == PI_Q5_K) {
+                    /* bit 2k (then 2k+1) of each byte of qh moved to bit 4; the 16-bit shifts
+                     * carry bits across bytes only into positions the mask drops */
+                    v0 = _mm256_or_si256(v0, _mm256_and_si256(_mm256_slli_epi16(qh, 4), b4));
+                    v1 = _mm256_or_si256(v1, _mm256_and_si256(_mm256_slli_epi16(qh, 3), b4));
+                    qh = _mm256_srli_epi16(qh, 2);
+                }
+                const float e0 = d * (float)sc0, e1 = d * (float)sc1;
+                for (int i = 0; i < nt; i++) {
+                    const float *dx = xd + i * xd_stride + 8 * sb, *sx = xd + i * xd_stride + nb + 8 * sb;
+                    const int8_t *y = xq + i * xq_stride + 256 * sb + 64 * k;
+                    const __m256 p0 = pi_mul_sum_u8(v0, _mm256_loadu_si256((const __m256i *)y));
+                    const __m256 p1 = pi_mul_sum_u8(v1, _mm256_loadu_si256((const __m256i *)(y + 32)));
+                    acc0[i] = _mm256_fmadd_ps(_mm256_set1_ps(e0 * dx[2 * k]), p0, acc0[i]);
+                    acc1[i] = _mm256_fmadd_ps(_mm256_set1_ps(e1 * dx[2 * k + 1]), p1, acc1[i]);
+                    cm[i] += (float)m0 * sx[2 * k] + (float)m1 * sx[2 * k + 1];
+                }
+            }
+            for (int i = 0; i < nt; i++) corr[i] -= dmin * cm[i];
+        }
+    }
+    for (int i = 0; i < nt; i++)
+        out[i * out_stride] = pi_hsum(_mm256_add_ps(acc0[i], acc1[i])) + 0.125f * corr[i];
+}
+#endif
+
+/* row . four tokens' activations (prefill), bit-identical to four pi_dot_x calls. */
+static inline __attribute__((always_inline)) float pi_dot_x(const int t, const uint8_t *row,
+                                                            const float *xd, const int8_t *xq,
+                                                            int nb);
+static inline __attribute__((always_inline)) void
+pi_dot4_x(const int t, const uint8_t *row, const float *xd, long xd_stride, const int8_t *xq,
+          long xq_stride, int nb, float *out, long out_stride) {
+#if PI_SIMD
+    if (t == PI_Q4_K || t == PI_Q5_K || t == PI_Q6_K)
+        pi_dot_xn_k(t, 4, row, xd, xd_stride, xq, xq_stride, nb, out, out_stride);
+    else
+        pi_dot_xn_legacy(t, 4, row, xd, xd_stride, xq, xq_stride, nb, out, out_stride);
+#else
+    for (int i = 0; i < 4; i++)
+        out[i * out_stride] = pi_dot_x(t, row, xd + i * xd_stride, xq + i * xq_stride, nb);
+#endif
+}
+
 /* row . activation for the types above: nb groups of 32, (xd, xq) from pi_quantize_q8. */
 static inline __attribute__((always_inline)) float pi_dot_x(const int t, const uint8_t *row,
                                                             const float *xd, const int8_t *xq,
                                                             int nb) {
+#if PI_SIMD
+    float r;
+    if (t == PI_Q4_K || t == PI_Q5_K || t == PI_Q6_K)
+        pi_dot_xn_k(t, 1, row, xd, 0, xq, 0, nb, &r, 0);
+    else
+        pi_dot_xn_legacy(t, 1, row, xd, 0, xq, 0, nb, &r, 0);
+    return r;
+#else
     const float *xs = xd + nb;
     float corr = 0.0f, a0, a1, off;
-    int g = 0;
-#if PI_SIMD
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    for (; g < nb; g++) {
-        const uint8_t *blk = pi_group_scales(t, row, g, &a0, &a1, &off);
-        const __m256i v = pi_group_values(t, blk, g);
-        const __m256i y = _mm256_loadu_si256((const __m256i *)(xq + 32 * g));
-        const __m256 p = pi_signed_values(t) ? pi_mul_sum_i8(v, y) : pi_mul_sum_u8(v, y);
-        const __m256 s = t == PI_Q6_K
-            ? _mm256_set_m128(_mm_set1_ps(a1 * xd[g]), _mm_set1_ps(a0 * xd[g]))
-            : _mm256_set1_ps(a0 * xd[g]);
-        if (g & 1)
-            acc1 = _mm256_fmadd_ps(s, p, acc1);
-        else
-            acc0 = _mm256_fmadd_ps(s, p, acc0);
-        if (!pi_signed_values(t)) corr += off * xs[g];
-    }
-    return pi_hsum(_mm256_add_ps(acc0, acc1)) + 0.125f * corr;
-#else
     float s = 0.0f;
     int v[32];
-    for (; g < nb; g++) {
+    for (int g = 0; g < nb; g++) {
         const uint8_t *blk = pi_group_scales(t, row, g, &a0, &a1, &off);
         pi_group_values_ref(t, blk, g, v);
         const int8_t *y = xq + 32 * g;
@@ -270,6 +418,89 @@ static inline __attribute__((always_inline)) void pi_axpy_x(const int t, float a
         pi_group_values_ref(t, blk, g, v);
         for (int j = 0; j < 32; j++) o[j] += a * ((j < 16 ? a0 : a1) * (float)v[j] + off);
 #endif
+    }
+}
+
+/* out[0 : 32*nb] += sum_{r<4} a[r] * rw[r] (whole rows, dequantized): four rows per pass over
+ * each group, so the 32 outputs are loaded and stored once per four rows (as pi_axpy4_row does
+ * for q8_0/q4_0) and the offsets of the four rows (Q4_1/Q5_1 m, K-quant mins) are added as one
+ * scalar per group. With AVX-512 one 512-bit convert takes a half group, which is also where
+ * Q6_K's two sub-block scales change. */
+static inline __attribute__((always_inline)) void pi_axpy4_x(const int t, const float *a,
+                                                             const uint8_t *const *rw, float *out,
+                                                             int nb) {
+#if PI_SIMD
+    const int sgn = pi_signed_values(t);
+    for (int g = 0; g < nb; g++) {
+        float *o = out + 32 * g;
+        float a0, a1, off, c = 0.0f;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        __m512 acc0 = _mm512_loadu_ps(o), acc1 = _mm512_loadu_ps(o + 16);
+        for (int r = 0; r < 4; r++) {
+            const uint8_t *blk = pi_group_scales(t, rw[r], g, &a0, &a1, &off);
+            const __m256i v = pi_group_values(t, blk, g);
+            const __m128i vl = _mm256_castsi256_si128(v), vh = _mm256_extracti128_si256(v, 1);
+            const __m512 f0 = _mm512_cvtepi32_ps(sgn ? _mm512_cvtepi8_epi32(vl) : _mm512_cvtepu8_epi32(vl));
+            const __m512 f1 = _mm512_cvtepi32_ps(sgn ? _mm512_cvtepi8_epi32(vh) : _mm512_cvtepu8_epi32(vh));
+            acc0 = _mm512_fmadd_ps(_mm512_set1_ps(a[r] * a0), f0, acc0);
+            acc1 = _mm512_fmadd_ps(_mm512_set1_ps(a[r] * a1), f1, acc1);
+            c += a[r] * off;
+        }
+        if (!sgn) {
+            acc0 = _mm512_add_ps(acc0, _mm512_set1_ps(c));
+            acc1 = _mm512_add_ps(acc1, _mm512_set1_ps(c));
+        }
+        _mm512_storeu_ps(o, acc0);
+        _mm512_storeu_ps(o + 16, acc1);
+#else
+        __m256 acc[4];
+        for (int k = 0; k < 4; k++) acc[k] = _mm256_loadu_ps(o + 8 * k);
+        for (int r = 0; r < 4; r++) {
+            const uint8_t *blk = pi_group_scales(t, rw[r], g, &a0, &a1, &off);
+            const __m256i v = pi_group_values(t, blk, g);
+            const __m128i vl = _mm256_castsi256_si128(v), vh = _mm256_extracti128_si256(v, 1);
+            const __m128i part[4] = {vl, _mm_srli_si128(vl, 8), vh, _mm_srli_si128(vh, 8)};
+            const __m256 s0 = _mm256_set1_ps(a[r] * a0), s1 = _mm256_set1_ps(a[r] * a1);
+            for (int k = 0; k < 4; k++) {
+                const __m256 f = _mm256_cvtepi32_ps(sgn ? _mm256_cvtepi8_epi32(part[k])
+                                                        : _mm256_cvtepu8_epi32(part[k]));
+                acc[k] = _mm256_fmadd_ps(k < 2 ? s0 : s1, f, acc[k]);
+            }
+            c += a[r] * off;
+        }
+        for (int k = 0; k < 4; k++)
+            _mm256_storeu_ps(o + 8 * k, sgn ? acc[k] : _mm256_add_ps(acc[k], _mm256_set1_ps(c)));
+#endif
+    }
+#else
+    for (int r = 0; r < 4; r++) pi_axpy_x(t, a[r], rw[r], out, 0, nb);
+#endif
+}
+
+/* pi_dot4_x for a run-time type id (one copy per type) */
+static inline void pi_dot4_xrow(int qtype, const uint8_t *row, const float *xd, long xd_stride,
+                                const int8_t *xq, long xq_stride, int nb, float *out,
+                                long out_stride) {
+    switch (qtype) {
+    case PI_Q4_1: pi_dot4_x(PI_Q4_1, row, xd, xd_stride, xq, xq_stride, nb, out, out_stride); break;
+    case PI_Q5_0: pi_dot4_x(PI_Q5_0, row, xd, xd_stride, xq, xq_stride, nb, out, out_stride); break;
+    case PI_Q5_1: pi_dot4_x(PI_Q5_1, row, xd, xd_stride, xq, xq_stride, nb, out, out_stride); break;
+    case PI_Q4_K: pi_dot4_x(PI_Q4_K, row, xd, xd_stride, xq, xq_stride, nb, out, out_stride); break;
+    case PI_Q5_K: pi_dot4_x(PI_Q5_K, row, xd, xd_stride, xq, xq_stride, nb, out, out_stride); break;
+    default: pi_dot4_x(PI_Q6_K, row, xd, xd_stride, xq, xq_stride, nb, out, out_stride); break;
+    }
+}
+
+/* pi_axpy4_x for a run-time type id (one copy per type, the type a constant in each) */
+static inline void pi_axpy4_xrow(int qtype, const float *a, const uint8_t *const *rw, float *out,
+                                 int n) {
+    switch (qtype) {
+    case PI_Q4_1: pi_axpy4_x(PI_Q4_1, a, rw, out, n / PI_QK); break;
+    case PI_Q5_0: pi_axpy4_x(PI_Q5_0, a, rw, out, n / PI_QK); break;
+    case PI_Q5_1: pi_axpy4_x(PI_Q5_1, a, rw, out, n / PI_QK); break;
+    case PI_Q4_K: pi_axpy4_x(PI_Q4_K, a, rw, out, n / PI_QK); break;
+    case PI_Q5_K: pi_axpy4_x(PI_Q5_K, a, rw, out, n / PI_QK); break;
+    default: pi_axpy4_x(PI_Q6_K, a, rw, out, n / PI_QK); break;
     }
 }
 

@@ -645,7 +645,12 @@ static inline int pi_axpy4_row_512(int qtype, const float *a, const uint8_t *con
 
 static inline void pi_axpy4_row(int qtype, const float *a, const uint8_t *r0, const uint8_t *r1,
                                 const uint8_t *r2, const uint8_t *r3, float *out, int n) {
-    if (pi_is_xquant(qtype) || qtype == PI_BF16) {  /* one row at a time (qtypes.h) */
+    if (pi_is_xquant(qtype)) {  /* qtypes.h */
+        const uint8_t *rx[4] = {r0, r1, r2, r3};
+        pi_axpy4_xrow(qtype, a, rx, out, n);
+        return;
+    }
+    if (qtype == PI_BF16) {  /* one row at a time (qtypes.h) */
         pi_axpy_row(qtype, a[0], r0, out, n);
         pi_axpy_row(qtype, a[1], r1, out, n);
         pi_axpy_row(qtype, a[2], r2, out, n);

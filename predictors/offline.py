@@ -126,7 +126,7 @@ def _log(msg: str, progress) -> None:
 
 
 def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: OfflineOptions | None = None,
-                   allow_unused: bool = False) -> dict:
+                   allow_unused: bool = False, down_type: str | None = None) -> dict:
     """Convert ``src`` to ``out`` with the offline stage (module docstring).
 
     Returns a summary dict: ``rows`` (list of report.LayerReport), ``mode``, ``calib_source``,
@@ -157,7 +157,8 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
     eng = None
     try:
         t0 = time.perf_counter()
-        convert(src, staging, outtype, progress=opts.progress, allow_unused=allow_unused)
+        convert(src, staging, outtype, progress=opts.progress, allow_unused=allow_unused,
+                down_type=down_type)
         secs["dense conversion"] = time.perf_counter() - t0
         n_threads = opts.n_threads or default_n_threads()
         eng = Engine(staging, n_ctx=None, n_threads=n_threads, dense=True)

@@ -179,11 +179,13 @@ def load_hf_state_dict(model_dir: str) -> dict:
     return {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
 
 
-def write_llamacpp_gguf(model_dir: str, out_path: str, qtype: str = "f32") -> None:
+def write_llamacpp_gguf(model_dir: str, out_path: str, qtype: str = "f32",
+                        down_qtype: str | None = None) -> None:
     """Write ``model_dir`` (from `make_random_llama`) as llama.cpp's convert_hf_to_gguf.py would.
 
     Q/K rows permuted for llama.cpp's RoPE (its ``LlamaModel.permute``), ``ffn_down`` untransposed,
-    no pyinfer keys; 2-D weights in ``qtype`` (a name of pyinfer.constants.OUTTYPES), norms f32. The
+    no pyinfer keys; 2-D weights in ``qtype`` (a name of pyinfer.constants.OUTTYPES), ffn_down in
+    ``down_qtype`` when given (a mix like llama.cpp's Q4_K_M, whose ffn_down is Q6_K), norms f32. The
     tokenizer keys are copied from a pyinfer conversion of the same directory, so this needs the
     converter (it is a fixture for testing the converter's GGUF path without llama.cpp).
     """
@@ -223,7 +225,7 @@ def write_llamacpp_gguf(model_dir: str, out_path: str, qtype: str = "f32") -> No
 
     qt = C.OUTTYPES[qtype]
 
-    def add(name: str, arr: "np.ndarray") -> None:
+    def add(name: str, arr: "np.ndarray", qt=qt) -> None:
         arr = np.ascontiguousarray(arr, dtype=np.float32)
         if arr.ndim == 1 or qt == gguf.GGMLQuantizationType.F32:
             w.add_tensor(name, arr)
@@ -243,7 +245,8 @@ def write_llamacpp_gguf(model_dir: str, out_path: str, qtype: str = "f32") -> No
         add(C.FFN_NORM.format(bid=i), sd[p + "post_attention_layernorm.weight"])
         add(C.FFN_GATE.format(bid=i), sd[p + "mlp.gate_proj.weight"])
         add(C.FFN_UP.format(bid=i), sd[p + "mlp.up_proj.weight"])
-        add(C.SRC_FFN_DOWN.format(bid=i), sd[p + "mlp.down_proj.weight"])
+        add(C.SRC_FFN_DOWN.format(bid=i), sd[p + "mlp.down_proj.weight"],
+            C.OUTTYPES[down_qtype or qtype])
     add(C.OUTPUT_NORM, sd["model.norm.weight"])
     if not cfg.get("tie_word_embeddings", False):
         add(C.OUTPUT, sd["lm_head.weight"])

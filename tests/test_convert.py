@@ -302,6 +302,53 @@ def test_llamacpp_gguf_auto_keeps_types(tmp_path, src_type, dims):
         np.testing.assert_array_equal(np.asarray(t.data).reshape(want.shape), want, err_msg=name)
 
 
+def test_down_type(tmp_path):
+    """A Q4_K_M-like mix (ffn_down Q6_K, the rest Q4_K): auto keeps each tensor's own type, so
+    ffn_down_t stays Q6_K; --down-type q8_0 changes ffn_down_t alone (the other tensors are the
+    same bytes); on a pyinfer file whose ffn_down_t is stored blocks, the blocks are dequantized
+    and re-encoded. Values checked against gguf's dequantization of the source."""
+    from convert.cli import convert as _convert
+
+    dims = dict(hidden_size=256, intermediate_size=512, head_dim=64)
+    model_dir = make_random_llama(tmp_path / "hf", "silu", False, 2, "bpe", **dims)
+    src = str(tmp_path / "q4_k_m.gguf")
+    write_llamacpp_gguf(model_dir, src, "q4_k", down_qtype="q6_k")
+    src_t = tensors(gguf.GGUFReader(src))
+    auto = tensors(convert(src, str(tmp_path / "auto.gguf"), "auto"))
+    q8 = str(tmp_path / "down_q8.gguf")
+    _convert(src, q8, "auto", progress=False, down_type="q8_0")
+    q8_t = tensors(gguf.GGUFReader(q8))
+    assert auto.keys() == q8_t.keys()
+    for name, t in auto.items():
+        if "ffn_down_t" in name:
+            assert t.tensor_type == QT.Q6_K and q8_t[name].tensor_type == QT.Q8_0, name
+            base = deq(src_t[name.replace("ffn_down_t", "ffn_down")]).T
+            for got, bound in ((t, 0.03), (q8_t[name], 0.01)):
+                err = np.sqrt(np.mean((deq(got) - base) ** 2) / np.mean(base ** 2))
+                assert err < bound, (name, got.tensor_type, err)
+        else:
+            assert t.tensor_type == q8_t[name].tensor_type
+            assert t.tensor_type in (QT.F32, QT.Q4_K), name
+            np.testing.assert_array_equal(np.asarray(t.data), np.asarray(q8_t[name].data), name)
+    # a pyinfer file in, its stored Q6_K ffn_down_t blocks out at q8_0
+    again = str(tmp_path / "again.gguf")
+    _convert(str(tmp_path / "auto.gguf"), again, "auto", progress=False, down_type="q8_0")
+    for name, t in tensors(gguf.GGUFReader(again)).items():
+        if "ffn_down_t" in name:
+            assert t.tensor_type == QT.Q8_0
+            base = deq(auto[name])
+            assert np.sqrt(np.mean((deq(t) - base) ** 2) / np.mean(base ** 2)) < 0.01
+    # the command line: listed in --help, a type it does not know is a usage error (exit 2)
+    assert "--down-type" in run_cli("--help").stdout
+    p = run_cli(src, str(tmp_path / "bad.gguf"), "--dense", "--down-type", "q3_k")
+    assert p.returncode == 2 and "--down-type" in p.stderr
+    assert not os.path.exists(tmp_path / "bad.gguf")
+    p = run_cli(src, str(tmp_path / "cli.gguf"), "--dense", "--down-type", "q8_0")
+    assert p.returncode == 0, p.stderr
+    got = tensors(gguf.GGUFReader(str(tmp_path / "cli.gguf")))
+    assert {got[n].tensor_type for n in got if "ffn_down_t" in n} == {QT.Q8_0}
+
+
 def test_auto_outtype_of_hf_source_is_f16(models, tmp_path):
     r = convert(models["bf16"], str(tmp_path / "out.gguf"), "auto")
     assert field(r, C.K_FILE_TYPE) == 1  # MOSTLY_F16, as llama.cpp's converter writes

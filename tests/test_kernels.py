@@ -366,9 +366,11 @@ def test_info():
 # ------------------------------------------------------------------ optional builds
 
 @pytest.mark.slow
-@pytest.mark.parametrize("env", ["PYINFER_NO_OPENMP", "PYINFER_NO_SIMD"])
+@pytest.mark.parametrize("env", ["PYINFER_NO_OPENMP", "PYINFER_NO_SIMD", "PYINFER_NO_AVX512"])
 def test_build_variants(tmp_path, env):
-    """The package builds and computes right without OpenMP and without SIMD (about 40 s each)."""
+    """The package builds and computes right without OpenMP, without SIMD, and with AVX2 alone
+    (the 256-bit AXPY and dot paths, which a CPU with AVX-512 otherwise never runs; about 40 s
+    each)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for item in ("setup.py", "pyproject.toml", "cython", "pyinfer"):
         src = os.path.join(root, item)
@@ -388,11 +390,18 @@ def test_build_variants(tmp_path, env):
             "    assert np.allclose(o,r,rtol=1e-4,atol=1e-3), qt\n"
             "    a=rng.standard_normal(50).astype(np.float32); o=np.empty(512,np.float32)\n"
             "    assert np.allclose(cpu.matvec_t(w,a,o,2), ref.matvec_t(w,a,o*0), atol=1e-3)\n"
+            "    X=rng.standard_normal((9,512)).astype(np.float32); M=np.empty((9,50),np.float32)\n"
+            "    cpu.matmul(w,X,M,2)  # prefill's four-token passes equal decode's dots bit for bit\n"
+            "    assert all(np.array_equal(M[t], cpu.matvec(w,X[t],np.empty(50,np.float32),2))\n"
+            "               for t in range(9)), qt\n"
             f"print(cpu.openmp_enabled(), cpu.simd_enabled())\n")
     res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=envv, check=True,
                          capture_output=True, text=True)
     omp, simd = res.stdout.split()
-    assert (omp if env == "PYINFER_NO_OPENMP" else simd) == "False"
+    if env == "PYINFER_NO_AVX512":
+        assert simd == "True"
+    else:
+        assert (omp if env == "PYINFER_NO_OPENMP" else simd) == "False"
 
 
 # ------------------------------------------------------------------ fused one-token decode

@@ -1,0 +1,48 @@
+"""tools/make_7b.py on small dimensions: its llama.cpp-style file is read by gguf, converted by
+pyinfer-convert and run by the engine; ``--direct`` gives the same tensors as the converter except
+ffn_down_t, which keeps the type; the weights have the scale asked for (gguf's dequantizer)."""
+import os
+import sys
+
+import gguf
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import make_7b  # noqa: E402
+
+from pyinfer import constants as C  # noqa: E402
+
+QT = gguf.GGMLQuantizationType
+SMALL = dict(n_embd=256, n_ff=512, n_head=4, n_vocab=300, n_ctx=64, rope_base=10000.0)
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_K])
+def test_make_convert_run(tmp_path, qtype):
+    from convert.cli import convert
+    from pyinfer.engine import Engine
+
+    src, conv, direct = (str(tmp_path / n) for n in ("src.gguf", "conv.gguf", "direct.gguf"))
+    pool = make_7b.RowPool(qtype, 16, 0.02, 0)
+    make_7b.make(src, qtype, 2, pool, SMALL)
+    r = gguf.GGUFReader(src)
+    mats = {t.name: t for t in r.tensors if len(t.shape) == 2}
+    assert len(mats) == 2 + 2 * 7 and {t.tensor_type for t in mats.values()} == {qtype}
+    down = mats[C.SRC_FFN_DOWN.format(bid=1)]
+    assert tuple(int(d) for d in down.shape[::-1]) == (256, 512)  # llama.cpp's (n_embd, n_ff)
+    w = gguf.quants.dequantize(down.data, qtype)
+    assert 0.015 < w.std() < 0.025 and abs(w.mean()) < 0.002
+    assert len(r.fields[C.K_TOK_LIST].data) == 300
+    convert(src, conv, "auto", progress=False)
+    make_7b.make_direct(src, direct, pool)
+    a, b = ({t.name: t for t in gguf.GGUFReader(p).tensors} for p in (conv, direct))
+    assert a.keys() == b.keys()
+    for name, t in a.items():
+        assert b[name].tensor_type == t.tensor_type, name
+        if "ffn_down_t" not in name:
+            np.testing.assert_array_equal(np.asarray(b[name].data), np.asarray(t.data), name)
+    for path in (conv, direct):
+        eng = Engine(path, n_ctx=32, n_threads=1, dense=True)
+        logits = eng.model.forward([1, 5, 300 - 1, 7], 0)
+        assert logits.shape == (300,) and np.all(np.isfinite(logits))
