@@ -173,9 +173,12 @@ def test_matmul(qtype, n_threads):
         out = _nan((n_tok, w.rows))
         cpu.matmul(w, x, out, n_threads)
         _check_dot(out, w, x, lambda w_, x_: ref.matmul(w_, x_, _nan((n_tok, w.rows))))
-        # prefill and decode agree token by token: bit for bit (same per-block order)
-        for t in range(n_tok):
-            np.testing.assert_array_equal(out[t], cpu.matvec(w, x[t], _nan(w.rows), n_threads))
+        # prefill and decode agree token by token: bit for bit (same per-block order), except
+        # the q8_0/q4_0 prefill GEMM, which sums the same exact block products in another f32
+        # order (tests/test_prefill_gemm.py states and checks its bound)
+        if not cpu.prefill_gemm(qtype):
+            for t in range(n_tok):
+                np.testing.assert_array_equal(out[t], cpu.matvec(w, x[t], _nan(w.rows), n_threads))
 
 
 def _active_sets(rng, rows):
