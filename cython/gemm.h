@@ -1,26 +1,26 @@
 /* Prefill kernels of pyinfer: a register-tiled GEMM for q8_0 / q4_0 weights and a batched causal
  * attention. Included by kernels.pyx after simd.h (it uses simd.h's helpers).
  *
- * GEMM (issue 11): out[t][r] = row_r . x_t for a tile of PI_GEMM_RM weight rows x PI_GEMM_RN tokens,
- * with the activations quantized to 8 bits per 32-block (pi_quantize_q8, as llama.cpp quantizes
- * them to q8_0 for its ggml_vec_dot_q8_0_q8_0 and llamafile's tinyBLAS_Q0_AVX GEMM). One weight
- * block is loaded and made absolute (q8_0) or unpacked (q4_0) once per tile row and dotted with
- * every token of the tile; one activation block is loaded from L1 per pair. One f32 accumulator
- * per (row, token) pair keeps the 4 x 3 tile in the 16 AVX2 registers.
- *
- * Same bits as decode. The single-token dots (pi_dot_q8_0 / pi_dot_q4_0 in simd.h) feed even
- * blocks into one accumulator and odd blocks into another and return hsum(even + odd). The tile
- * does the same in two passes over the K dimension: even blocks, then odd blocks, each into one
- * accumulator per pair, the even sums parked on the stack in between. The integer block sums are
- * exact whichever instructions make them, the scale products and FMAs are the same operations in
- * the same order, so matmul equals matvec token by token, bit for bit (tests/test_kernels.py).
+ * GEMM (issue 11): out[t][r] = row_r . x_t, the activations quantized to 8 bits per 32-block
+ * (pi_quantize_q8, as llama.cpp quantizes them to q8_0). Groups of 8 weight rows are repacked per
+ * call into a small per-thread buffer with the rows interleaved 4 bytes at a time (the idea of
+ * llama.cpp's repacked q4_0 8x8 layout, ggml-cpu/repack.cpp, done at run time so the file keeps
+ * ggml's layout): one 32-byte load then holds 4 values of each of the 8 rows, a broadcast 4 bytes
+ * of the token meet them in one maddubs, and each lane of the integer sum belongs to one row, so
+ * no horizontal sums are needed and the block scales of 8 rows are applied in one FMA. A register
+ * tile is 8 rows x 4 tokens (PI_GEMM_RM x PI_GEMM_RN); the repack costs 1/n_tok of the work.
  *
  * Attention: causal grouped-query attention for a block of queries that share one KV head (the
  * group's query heads x a few consecutive tokens). Each K and V row is read from L2 once per block
- * instead of once per query, and each query's output stays in registers across the keys instead
- * of being loaded and stored for every key. Per query the arithmetic is _attend_head's (kernels.pyx,
- * used by decode): the same pi_dot_f32 scores, two-pass softmax, and out = fma(p_j, v_j, out) over
- * keys in order, so prefill and decode attention agree bit for bit too.
+ * instead of once per query; scores come 8 keys to a vector (keys transposed once per block), the
+ * softmax uses an 8-lane exp, and each query's output stays in registers across the keys. Decode
+ * (_attend_head in kernels.pyx) sums the scores and the softmax in another f32 order and with
+ * libm's expf: the two agree within 1e-5 (tests/test_prefill_gemm.py).
+ *
+ * The GEMM's numerics: per (row, token), s = sum over blocks in order of
+ * fma(d_w * d_x, isum_b, s) with isum_b the exact integer dot of the block; decode's
+ * pi_dot_q8_0/pi_dot_q4_0 add the same exact block products in another f32 order (8 lanes, even
+ * and odd blocks). Both are within (nb + 4) 2^-23 sum|w x| of the exact sum (the test's bound).
  */
 #ifndef PYINFER_GEMM_H
 #define PYINFER_GEMM_H
@@ -264,6 +264,117 @@ static inline void pi_gemm_t_strip(int qtype, const uint8_t *w, size_t ws, long 
 #endif
 }
 
+#define PI_ATT_MAX_HD 256
+
+#if PI_SIMD
+/* Scores of up to 4 queries against 8 keys held transposed (kt: hd rows of 8 floats, lane =
+ * key): one vector of 8 scores per query, two partial sums (even / odd dims) per query so that
+ * 8 FMA chains are in flight. */
+static inline __attribute__((always_inline)) void pi_scores_q(
+    const float *const *q, const float *kt, int hd, float scale, float *sc, long sc_stride,
+    int jn, const int QN) {
+    __m256 s0[4], s1[4];
+    for (int i = 0; i < QN; i++) s0[i] = s1[i] = _mm256_setzero_ps();
+    for (int d = 0; d < hd; d += 2) {
+        const __m256 k0 = _mm256_loadu_ps(kt + 8 * d), k1 = _mm256_loadu_ps(kt + 8 * d + 8);
+        for (int i = 0; i < QN; i++) {
+            s0[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(q[i] + d), k0, s0[i]);
+            s1[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(q[i] + d + 1), k1, s1[i]);
+        }
+    }
+    for (int i = 0; i < QN; i++) {
+        const __m256 r = _mm256_mul_ps(_mm256_add_ps(s0[i], s1[i]), _mm256_set1_ps(scale));
+        if (jn == 8) {
+            _mm256_storeu_ps(sc + i * sc_stride, r);
+        } else {
+            float tmp[8];
+            _mm256_storeu_ps(tmp, r);
+            for (int j = 0; j < jn; j++) sc[i * sc_stride + j] = tmp[j];
+        }
+    }
+}
+
+/* sc[i][j] = (q_i . k_j) * scale for every query i < nq and key j < n_max: keys 8 at a time,
+ * transposed once per block of keys and shared by every query (the causal mask is applied by
+ * the caller reading only j < n_att[i]). */
+static inline void pi_scores_keys8(const float *const *q, int nq, const float *k, long rs, int hd,
+                                   float scale, long n_max, float *sc, long sc_stride) {
+    float kt[8 * PI_ATT_MAX_HD];
+    for (long j0 = 0; j0 < n_max; j0 += 8) {
+        const int jn = (int)(n_max - j0 < 8 ? n_max - j0 : 8);
+        for (int d = 0; d < hd; d += 8) {
+            __m256i r[8], c[8];
+            for (int i = 0; i < 8; i++)
+                r[i] = i < jn ? _mm256_castps_si256(_mm256_loadu_ps(k + (j0 + i) * rs + d))
+                              : _mm256_setzero_si256();
+            pi_transpose8x8_epi32(r, c);
+            for (int i = 0; i < 8; i++) _mm256_storeu_si256((__m256i *)(kt + 8 * (d + i)), c[i]);
+        }
+        int i = 0;
+        for (; i + 4 <= nq; i += 4) pi_scores_q(q + i, kt, hd, scale, sc + i * sc_stride + j0, sc_stride, jn, 4);
+        switch (nq - i) {
+        case 3: pi_scores_q(q + i, kt, hd, scale, sc + i * sc_stride + j0, sc_stride, jn, 3); break;
+        case 2: pi_scores_q(q + i, kt, hd, scale, sc + i * sc_stride + j0, sc_stride, jn, 2); break;
+        case 1: pi_scores_q(q + i, kt, hd, scale, sc + i * sc_stride + j0, sc_stride, jn, 1); break;
+        default: break;
+        }
+    }
+}
+#endif
+
+#if PI_SIMD
+/* exp of 8 floats: x = n ln2 + r, |r| <= ln2/2, exp(r) by Cephes expf's degree-6 polynomial
+ * (cephes/single/expf.c; about 1 ulp), times 2^n built in the exponent field. Inputs are clamped
+ * to [-87.3, 88.7] (softmax feeds it s - max <= 0: below the clamp the terms are < 1e-37 of the
+ * largest one, which is 1). */
+static inline __m256 pi_exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(88.72283f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500E-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* s[0:n] = softmax(s[0:n]) in place (max subtracted), 8 lanes at a time. */
+static inline void pi_softmax8(float *s, long n) {
+    __m256 vmx = _mm256_set1_ps(-3.4e38f);
+    long j = 0;
+    for (; j + 8 <= n; j += 8) vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(s + j));
+    float tmp[8], mx;
+    _mm256_storeu_ps(tmp, vmx);
+    mx = tmp[0];
+    for (int l = 1; l < 8; l++) mx = tmp[l] > mx ? tmp[l] : mx;
+    for (; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+    const __m256 m = _mm256_set1_ps(mx);
+    __m256 vs = _mm256_setzero_ps();
+    for (j = 0; j + 8 <= n; j += 8) {
+        const __m256 e = pi_exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), m));
+        _mm256_storeu_ps(s + j, e);
+        vs = _mm256_add_ps(vs, e);
+    }
+    if (j < n) { /* the tail through the same exp, padded with -inf -> 0 */
+        for (int l = 0; l < 8; l++) tmp[l] = j + l < n ? s[j + l] - mx : -1e30f;
+        __m256 e = pi_exp8(_mm256_loadu_ps(tmp));
+        e = _mm256_and_ps(e, _mm256_cmp_ps(_mm256_loadu_ps(tmp), _mm256_set1_ps(-1e29f), _CMP_GT_OQ));
+        _mm256_storeu_ps(tmp, e);
+        for (int l = 0; j + l < n; l++) s[j + l] = tmp[l];
+        vs = _mm256_add_ps(vs, e);
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / pi_hsum(vs));
+    for (j = 0; j + 8 <= n; j += 8) _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_loadu_ps(s + j), inv));
+    for (; j < n; j++) s[j] *= _mm256_cvtss_f32(inv);
+}
+#endif
+
 /* ---- attention for a block of queries sharing one KV head ----
  * nq queries q[i] (hd floats), query i attends to keys 0 .. n_att[i]-1 (rows k + j * rs, likewise
  * v), n_att non-decreasing in i is NOT required. sc: scratch of nq * sc_stride floats (sc_stride
@@ -277,12 +388,24 @@ static inline void pi_attend_block(const float *const *q, int nq, const long *n_
         n_max = n_att[i] > n_max ? n_att[i] : n_max;
         n_min = n_att[i] < n_min ? n_att[i] : n_min;
     }
-    /* scores, key-major so each K row is fetched once for the block */
-    for (long j = 0; j < n_max; j++) {
-        const float *kj = k + j * rs;
-        for (int i = 0; i < nq; i++)
-            if (j < n_att[i]) sc[i * sc_stride + j] = pi_dot_f32(q[i], kj, hd) * scale;
+    /* scores */
+#if PI_SIMD
+    if (hd % 8 == 0 && hd <= PI_ATT_MAX_HD) {
+        pi_scores_keys8(q, nq, k, rs, hd, scale, n_max, sc, sc_stride);
+    } else
+#endif
+    {
+        for (long j = 0; j < n_max; j++) { /* key-major: each K row fetched once for the block */
+            const float *kj = k + j * rs;
+            for (int i = 0; i < nq; i++)
+                if (j < n_att[i]) sc[i * sc_stride + j] = pi_dot_f32(q[i], kj, hd) * scale;
+        }
     }
+#if PI_SIMD
+    if (hd % 8 == 0 && hd <= PI_ATT_MAX_HD) {
+        for (int i = 0; i < nq; i++) pi_softmax8(sc + i * sc_stride, n_att[i]);
+    } else
+#endif
     for (int i = 0; i < nq; i++) {
         float *s = sc + i * sc_stride;
         float mx = -3.4e38f, ssum = 0.0f, inv;
