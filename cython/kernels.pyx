@@ -52,6 +52,18 @@ cdef extern from "simd.h" nogil:
     void pi_axpy_rows_range(int qtype, const uint8_t *w, size_t stride, const float *coef,
                             const int32_t *idx, long k0, long k1, long kp, float *out, int cols)
 
+cdef extern from "gemm.h" nogil:
+    int pi_gemm_supported(int qtype)
+    void pi_gemm_rows(int qtype, const uint8_t *w, size_t ws, long r0, long r1, const float *xd,
+                      const int8_t *xq, long xqs, int nb, long n_tok, float *out, long ldo,
+                      uint8_t *buf)
+    int PI_GEMM_BUF_PER_BLOCK
+    void pi_gemm_t_strip(int qtype, const uint8_t *w, size_t ws, long rows, int c0, int cn,
+                         const float *a, long lda, long n_tok, float *out, long ldo, float *panel)
+    void pi_attend_block(const float *const *q, int nq, const long *n_att, const float *k,
+                         const float *v, long rs, int hd, float scale, float *sc, long sc_stride,
+                         float *const *out)
+
 # rows per parallel work item in matmul (prefill): a tile of weight rows stays in L1 while every
 # token is dotted with it, and each output row gets a contiguous run of writes.
 DEF ROW_TILE = 16
@@ -62,6 +74,29 @@ DEF COL_TILE = 64
 # threads, and adding 23 partial sums of n_embd floats costs well under 1% of reading the rows.
 DEF AXPY_CHUNKS = 24
 DEF AXPY_MIN_ROWS = 16
+# tokens per work item of the batched attention: with the group's query heads, the queries that
+# share each K/V row read from L2 (SmolLM2: 3 heads x 4 tokens)
+DEF ATT_TOKENS = 4
+
+# 1: prefill runs the kernels from before issue 11's GEMM (per-row four-token dots, 64-column AXPY
+# strips, attention one query at a time). Only for benchmarking the change (tools/bench.py
+# --old-prefill).
+cdef int _old_prefill = 0
+
+
+def prefill_gemm_supported(int qtype):
+    """True when matmul runs gemm.h's tiled int8 GEMM for this ggml type id."""
+    return bool(pi_gemm_supported(qtype))
+
+
+def set_old_prefill(int on):
+    """Select the pre-GEMM prefill kernels (on=1) or the tiled ones (0, the default) of matmul,
+    matmul_t and attention; returns the previous setting. For A/B benchmarks only: the results
+    agree within f32 summation order (tests/test_prefill_gemm.py)."""
+    global _old_prefill
+    cdef int prev = _old_prefill
+    _old_prefill = 1 if on else 0
+    return prev
 
 
 def openmp_enabled():
@@ -182,33 +217,44 @@ def matmul(const uint8_t[:, ::1] w, int qtype, int cols, const float[:, ::1] x,
     cdef int8_t *xq = NULL
     if rows == 0 or n_tok == 0:
         return
+    cdef int gemm = pi_gemm_supported(qtype) and not _old_prefill
+    cdef uint8_t *pack
     with nogil:
         if quant:
             xd = <float *> malloc((2 * n_tok * nb + 1) * sizeof(float))
             xq = <int8_t *> malloc(n_tok * cols + 32)
             for tq in prange(n_tok, schedule='static', num_threads=n_threads):
                 pi_quantize_q8(&x[tq, 0], cols, xd + 2 * tq * nb, xq + tq * cols)
-        for tile in prange(n_tiles, schedule='static', num_threads=n_threads):
-            r1 = min(rows, (tile + 1) * ROW_TILE)
-            t = 0
-            if qtype == PI_Q8_0_ID or qtype == PI_Q4_0_ID or pi_is_xquant(qtype):
-                while t + 4 <= n_tok:  # four tokens per pass over a row
+        if gemm:  # 8 rows x 4 tokens per register tile over repacked rows (gemm.h)
+            with parallel(num_threads=n_threads):
+                pack = <uint8_t *> malloc(nb * PI_GEMM_BUF_PER_BLOCK + 64)
+                for tile in prange(n_tiles, schedule='static'):
+                    pi_gemm_rows(qtype, &w[0, 0], stride, tile * ROW_TILE,
+                                 min(rows, (tile + 1) * ROW_TILE), xd, xq, cols, nb, n_tok,
+                                 &out[0, 0], out.shape[1], pack)
+                free(pack)
+        else:
+            for tile in prange(n_tiles, schedule='static', num_threads=n_threads):
+                r1 = min(rows, (tile + 1) * ROW_TILE)
+                t = 0
+                if qtype == PI_Q8_0_ID or qtype == PI_Q4_0_ID or pi_is_xquant(qtype):
+                    while t + 4 <= n_tok:  # four tokens per pass over a row
+                        for r in range(tile * ROW_TILE, r1):
+                            if pi_is_xquant(qtype):
+                                pi_dot4_xrow(qtype, &w[0, 0] + r * stride, xd + 2 * t * nb, 2 * nb,
+                                             xq + t * cols, cols, nb, &out[t, r], out.shape[1])
+                            elif qtype == PI_Q8_0_ID:
+                                pi_dot4_q8_0(&w[0, 0] + r * stride, xd + 2 * t * nb, 2 * nb,
+                                             xq + t * cols, cols, nb, &out[t, r], out.shape[1])
+                            else:
+                                pi_dot4_q4_0(&w[0, 0] + r * stride, xd + 2 * t * nb, 2 * nb,
+                                             xq + t * cols, cols, nb, &out[t, r], out.shape[1])
+                        t = t + 4
+                while t < n_tok:
                     for r in range(tile * ROW_TILE, r1):
-                        if pi_is_xquant(qtype):
-                            pi_dot4_xrow(qtype, &w[0, 0] + r * stride, xd + 2 * t * nb, 2 * nb,
-                                         xq + t * cols, cols, nb, &out[t, r], out.shape[1])
-                        elif qtype == PI_Q8_0_ID:
-                            pi_dot4_q8_0(&w[0, 0] + r * stride, xd + 2 * t * nb, 2 * nb,
-                                         xq + t * cols, cols, nb, &out[t, r], out.shape[1])
-                        else:
-                            pi_dot4_q4_0(&w[0, 0] + r * stride, xd + 2 * t * nb, 2 * nb,
-                                         xq + t * cols, cols, nb, &out[t, r], out.shape[1])
-                    t = t + 4
-            while t < n_tok:
-                for r in range(tile * ROW_TILE, r1):
-                    out[t, r] = pi_dot_row(qtype, &w[0, 0] + r * stride, &x[t, 0],
-                                           xd + 2 * t * nb, xq + t * cols, cols)
-                t = t + 1
+                        out[t, r] = pi_dot_row(qtype, &w[0, 0] + r * stride, &x[t, 0],
+                                               xd + 2 * t * nb, xq + t * cols, cols)
+                    t = t + 1
         free(xd)
         free(xq)
 
@@ -294,6 +340,15 @@ def matmul_t(const uint8_t[:, ::1] w, int qtype, int cols, const float[:, ::1] a
     cdef float *buf
     cdef float *av
     if n_tok == 0 or cols == 0:
+        return
+    cdef float *panel
+    if not _old_prefill and rows > 0:  # 32-column strips, 4 tokens x 16 columns per tile (gemm.h)
+        with nogil, parallel(num_threads=n_threads):
+            panel = <float *> malloc((32 * rows + 8) * sizeof(float))
+            for s in prange((cols + 31) // 32, schedule='static'):
+                pi_gemm_t_strip(qtype, &w[0, 0], stride, rows, s * 32, min(32, cols - s * 32),
+                                &a[0, 0], a.shape[1], n_tok, &out[0, 0], out.shape[1], panel)
+            free(panel)
         return
     with nogil, parallel(num_threads=n_threads):
         # 4 dequantized row strips, then 4 coefficients per token: out loaded/stored once per 4 rows
@@ -447,6 +502,9 @@ def attention(const float[:, :, ::1] q, const float[:, :, ::1] k_cache,
     cdef float *sc
     if n_tok == 0 or hd == 0:
         return
+    if not _old_prefill:
+        _attention_blocks(q, k_cache, v_cache, n_past, out, scale, n_threads)
+        return
     with nogil, parallel(num_threads=n_threads):
         sc = <float *> malloc((n_past + n_tok) * sizeof(float))
         for item in prange(n_tok * n_head, schedule='static'):
@@ -456,6 +514,46 @@ def attention(const float[:, :, ::1] q, const float[:, :, ::1] k_cache,
             _attend_head(&q[t, h, 0], &k_cache[0, kvh, 0], &v_cache[0, kvh, 0], n_kv * hd,
                          n_past + t + 1, hd, scale, sc, &out[t, h, 0])
         free(sc)
+
+
+cdef void _attention_blocks(const float[:, :, ::1] q, const float[:, :, ::1] k_cache,
+                            const float[:, :, ::1] v_cache, int n_past, float[:, :, ::1] out,
+                            float scale, int n_threads) noexcept nogil:
+    """``attention`` over work items of (KV head, ATT_TOKENS consecutive tokens): the group's
+    query heads of those tokens share every K/V row read (gemm.h pi_attend_block, same bits as
+    _attend_head). Items are dealt round-robin (chunksize 1) since later tokens attend to more
+    keys."""
+    cdef Py_ssize_t n_tok = q.shape[0], n_head = q.shape[1], hd = q.shape[2]
+    cdef Py_ssize_t n_kv = k_cache.shape[1], group = n_head // n_kv
+    cdef Py_ssize_t n_blk = (n_tok + ATT_TOKENS - 1) // ATT_TOKENS, item, blk, kvh, t, t1, g
+    cdef Py_ssize_t nq_max = group * ATT_TOKENS, sc_stride = n_past + n_tok
+    cdef int nq
+    cdef float *sc
+    cdef const float **qp
+    cdef float **op
+    cdef long *n_att
+    with parallel(num_threads=n_threads):
+        sc = <float *> malloc((nq_max * sc_stride + 1) * sizeof(float))
+        qp = <const float **> malloc(nq_max * sizeof(float *))
+        op = <float **> malloc(nq_max * sizeof(float *))
+        n_att = <long *> malloc(nq_max * sizeof(long))
+        for item in prange(n_kv * n_blk, schedule='static', chunksize=1):
+            kvh = item % n_kv
+            blk = item // n_kv
+            t1 = min(n_tok, (blk + 1) * ATT_TOKENS)
+            nq = 0
+            for t in range(blk * ATT_TOKENS, t1):
+                for g in range(group):
+                    qp[nq] = &q[t, kvh * group + g, 0]
+                    op[nq] = &out[t, kvh * group + g, 0]
+                    n_att[nq] = n_past + t + 1
+                    nq = nq + 1
+            pi_attend_block(qp, nq, n_att, &k_cache[0, kvh, 0], &v_cache[0, kvh, 0], n_kv * hd,
+                            <int> hd, scale, sc, sc_stride, op)
+        free(sc)
+        free(qp)
+        free(op)
+        free(n_att)
 
 
 def silu_mul(const float[::1] gate, const float[::1] up, float[::1] out):

@@ -173,9 +173,12 @@ def test_matmul(qtype, n_threads):
         out = _nan((n_tok, w.rows))
         cpu.matmul(w, x, out, n_threads)
         _check_dot(out, w, x, lambda w_, x_: ref.matmul(w_, x_, _nan((n_tok, w.rows))))
-        # prefill and decode agree token by token: bit for bit (same per-block order)
-        for t in range(n_tok):
-            np.testing.assert_array_equal(out[t], cpu.matvec(w, x[t], _nan(w.rows), n_threads))
+        # prefill and decode agree token by token: bit for bit (same per-block order), except
+        # the q8_0/q4_0 prefill GEMM, which sums the same exact block products in another f32
+        # order (tests/test_prefill_gemm.py states and checks its bound)
+        if not cpu.prefill_gemm(qtype):
+            for t in range(n_tok):
+                np.testing.assert_array_equal(out[t], cpu.matvec(w, x[t], _nan(w.rows), n_threads))
 
 
 def _active_sets(rng, rows):
@@ -391,9 +394,11 @@ def test_build_variants(tmp_path, env):
             "    a=rng.standard_normal(50).astype(np.float32); o=np.empty(512,np.float32)\n"
             "    assert np.allclose(cpu.matvec_t(w,a,o,2), ref.matvec_t(w,a,o*0), atol=1e-3)\n"
             "    X=rng.standard_normal((9,512)).astype(np.float32); M=np.empty((9,50),np.float32)\n"
-            "    cpu.matmul(w,X,M,2)  # prefill's four-token passes equal decode's dots bit for bit\n"
-            "    assert all(np.array_equal(M[t], cpu.matvec(w,X[t],np.empty(50,np.float32),2))\n"
-            "               for t in range(9)), qt\n"
+            "    cpu.matmul(w,X,M,2)  # four-token passes equal decode's dots bit for bit; the\n"
+            "    D=np.stack([cpu.matvec(w,X[t],np.empty(50,np.float32),2) for t in range(9)])\n"
+            "    # q8_0/q4_0 GEMM sums the same block products in another order (test_prefill_gemm)\n"
+            "    assert (np.allclose(M,D,rtol=1e-5,atol=1e-4) if cpu.prefill_gemm(qt)\n"
+            "            else np.array_equal(M,D)), qt\n"
             f"print(cpu.openmp_enabled(), cpu.simd_enabled())\n")
     res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=envv, check=True,
                          capture_output=True, text=True)

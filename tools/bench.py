@@ -4,18 +4,27 @@ is installed), at each thread count asked for.
 
     python tools/bench.py models/smollm2-135m-instruct.q8_0.gguf [more.gguf ...] --threads 1 2 \
         [--llama-cpp models/llamacpp-smollm2.q8_0.gguf] [--reps 7]
+    python tools/bench.py pyinfer.q8_0.gguf --llama-bench /path/to/llama-bench \
+        --llama-bench-model llamacpp.q8_0.gguf --n-prompt 128 512 --no-decode --old-prefill
 
 Every engine is loaded once per thread count and the runs are interleaved round by round (engine
 A, B, llama.cpp, A, B, llama.cpp, ...), so a slow spell of a shared machine hits all of them alike;
 each figure is the median over --reps rounds. Prefill: one batched pass over a fixed prompt of
---n-prompt tokens from an empty cache. Decode: --n-gen greedy tokens one at a time after an
-8-token prompt.
+--n-prompt tokens from an empty cache (several sizes may be given). Decode: --n-gen greedy tokens
+one at a time after an 8-token prompt (--no-decode skips it).
+
+--old-prefill adds, for each pyinfer file, a runner on the same engine with the prefill kernels from
+before issue 11's GEMM (pyinfer.ops._kernels.set_old_prefill; benchmarking only). --llama-bench runs
+llama.cpp's own llama-bench binary (built from source, not installed by the project) once per round
+as a subprocess (`-p N -n 0 -r 1 -o json`, its own warm-up run included, load time not counted).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import json
 import statistics
+import subprocess
 import sys
 import time
 
@@ -51,6 +60,43 @@ class PyinferRunner:
         return n_gen / (time.perf_counter() - t0)
 
 
+class OldPrefillRunner:
+    """The same engine, prefill through the pre-GEMM kernels (A/B of issue 11's change)."""
+
+    def __init__(self, base):
+        from pyinfer.ops import _kernels
+
+        self.base, self._k = base, _kernels
+        self.name = base.name + " (old prefill)"
+
+    def prefill(self, n_prompt):
+        prev = self._k.set_old_prefill(1)
+        try:
+            return self.base.prefill(n_prompt)
+        finally:
+            self._k.set_old_prefill(prev)
+
+    def decode(self, n_gen):
+        return self.base.decode(n_gen)
+
+
+class LlamaBenchRunner:
+    """llama.cpp's llama-bench binary, one repetition per call (prefill only)."""
+
+    def __init__(self, binary, path, threads, extra=()):
+        self.binary, self.path, self.threads, self.extra = binary, path, threads, list(extra)
+        self.name = "llama-bench " + os.path.basename(path)
+
+    def prefill(self, n_prompt):
+        cmd = [self.binary, "-m", self.path, "-p", str(n_prompt), "-n", "0", "-t",
+               str(self.threads), "-r", "1", "-o", "json"] + self.extra
+        res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        return float(json.loads(res.stdout)[0]["avg_ts"])
+
+    def decode(self, n_gen):
+        return float("nan")
+
+
 class LlamaCppRunner:
     def __init__(self, path, threads, n_ctx):
         from llama_cpp import Llama
@@ -77,43 +123,61 @@ class LlamaCppRunner:
         return n_gen / (time.perf_counter() - t0)
 
 
-def run(runners, n_prompt, n_gen, reps):
-    """{runner: (median prefill tok/s, median decode tok/s)} over interleaved rounds (one warm-up)."""
-    res = {r: ([], []) for r in runners}
+def run(runners, n_prompts, n_gen, reps):
+    """{runner: ([median prefill tok/s per n_prompt], median decode tok/s)} over interleaved
+    rounds (one warm-up round); n_gen 0 skips decode."""
+    res = {r: ([[] for _ in n_prompts], []) for r in runners}
     for rnd in range(reps + 1):
         for r in runners:
-            pp, tg = r.prefill(n_prompt), r.decode(n_gen)
+            pps = [r.prefill(n) for n in n_prompts]
+            tg = r.decode(n_gen) if n_gen else float("nan")
             if rnd:
-                res[r][0].append(pp)
+                for i, pp in enumerate(pps):
+                    res[r][0][i].append(pp)
                 res[r][1].append(tg)
-    return {r: (statistics.median(p), statistics.median(d)) for r, (p, d) in res.items()}
+    return {r: ([statistics.median(p) for p in ps], statistics.median(d))
+            for r, (ps, d) in res.items()}
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("models", nargs="+", help="pyinfer GGUF files")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--n-prompt", type=int, default=128)
+    ap.add_argument("--n-prompt", type=int, nargs="+", default=[128])
     ap.add_argument("--n-gen", type=int, default=64)
+    ap.add_argument("--no-decode", action="store_true", help="prefill only")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--old-prefill", action="store_true",
+                    help="also time each pyinfer file with the pre-GEMM prefill kernels")
     ap.add_argument("--llama-cpp", help="llama.cpp GGUF of the same model, for llama-cpp-python")
+    ap.add_argument("--llama-bench", help="path of a llama-bench binary (llama.cpp)")
+    ap.add_argument("--llama-bench-model", nargs="+", default=[],
+                    help="llama.cpp GGUF files for --llama-bench")
     args = ap.parse_args(argv)
-    n_ctx = max(512, args.n_prompt + args.n_gen + 8)
-    print(f"| engine | threads | prefill tokens/s ({args.n_prompt} tokens) | decode tokens/s "
-          f"| decode vs first |")
-    print("|---|---|---|---|---|")
+    n_gen = 0 if args.no_decode else args.n_gen
+    n_ctx = max(512, max(args.n_prompt) + n_gen + 8)
+    pp_cols = " | ".join(f"prefill tokens/s ({n} tokens)" for n in args.n_prompt)
+    print(f"| engine | threads | {pp_cols} | decode tokens/s | decode vs first |")
+    print("|---|---|" + "---|" * len(args.n_prompt) + "---|---|")
     for t in args.threads:
-        runners = [PyinferRunner(m, t, n_ctx) for m in args.models]
+        runners = []
+        for m in args.models:
+            runners.append(PyinferRunner(m, t, n_ctx))
+            if args.old_prefill:
+                runners.append(OldPrefillRunner(runners[-1]))
         if args.llama_cpp:
             try:
                 runners.append(LlamaCppRunner(args.llama_cpp, t, n_ctx))
             except ImportError:
                 print(f"| llama.cpp | {t} | not installed | | |")
-        res = run(runners, args.n_prompt, args.n_gen, args.reps)
+        if args.llama_bench:
+            runners += [LlamaBenchRunner(args.llama_bench, m, t) for m in args.llama_bench_model]
+        res = run(runners, args.n_prompt, n_gen, args.reps)
         base = res[runners[0]][1]
         for r in runners:
-            pp, tg = res[r]
-            print(f"| {r.name} | {t} | {pp:.1f} | {tg:.1f} | {tg / base:.2f}x |", flush=True)
+            pps, tg = res[r]
+            pp = " | ".join(f"{v:.1f}" for v in pps)
+            print(f"| {r.name} | {t} | {pp} | {tg:.1f} | {tg / base:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

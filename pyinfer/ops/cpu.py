@@ -148,9 +148,20 @@ def matvec(w: QTensor, x: np.ndarray, out: np.ndarray, n_threads: int = 1) -> np
 
 
 def matmul(w: QTensor, x: np.ndarray, out: np.ndarray, n_threads: int = 1) -> np.ndarray:
-    """out = x @ w.T (prefill). x (n_tok, cols) f32, out (n_tok, rows) f32. Returns out."""
+    """out = x @ w.T (prefill). x (n_tok, cols) f32, out (n_tok, rows) f32. Returns out.
+
+    q8_0/q4_0 (``prefill_gemm``): tiles of 8 rows x 4 tokens over the activation quantized per
+    32-block as ``matvec`` quantizes it (llama.cpp's q8_0 activations, llamafile tinyBLAS-style
+    tiling); other types: the single-token dots, four tokens per pass."""
     _k.matmul(*_wargs(w), x, out, n_threads)
     return out
+
+
+def prefill_gemm(qtype) -> bool:
+    """True when ``matmul`` runs the register-tiled int8 GEMM for this weight type (cython/gemm.h:
+    q8_0 and q4_0 with the SIMD build). Its outputs equal ``matvec``'s token by token up to the
+    order of the f32 sum over blocks (each block's product is exact in both)."""
+    return bool(_k.prefill_gemm_supported(int(QT(qtype))))
 
 
 def matvec_t(w: QTensor, a: np.ndarray, out: np.ndarray, n_threads: int = 1) -> np.ndarray:

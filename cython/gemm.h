@@ -1,0 +1,483 @@
+/* Prefill kernels of pyinfer: a register-tiled GEMM for q8_0 / q4_0 weights and a batched causal
+ * attention. Included by kernels.pyx after simd.h (it uses simd.h's helpers).
+ *
+ * GEMM (issue 11): out[t][r] = row_r . x_t, the activations quantized to 8 bits per 32-block
+ * (pi_quantize_q8, as llama.cpp quantizes them to q8_0). Groups of 8 weight rows are repacked per
+ * call into a small per-thread buffer with the rows interleaved 4 bytes at a time (the idea of
+ * llama.cpp's repacked q4_0 8x8 layout, ggml-cpu/repack.cpp, done at run time so the file keeps
+ * ggml's layout): one 32-byte load then holds 4 values of each of the 8 rows, a broadcast 4 bytes
+ * of the token meet them in one maddubs, and each lane of the integer sum belongs to one row, so
+ * no horizontal sums are needed and the block scales of 8 rows are applied in one FMA. A register
+ * tile is 8 rows x 4 tokens (PI_GEMM_RM x PI_GEMM_RN); the repack costs 1/n_tok of the work.
+ *
+ * Attention: causal grouped-query attention for a block of queries that share one KV head (the
+ * group's query heads x a few consecutive tokens). Each K and V row is read from L2 once per block
+ * instead of once per query; scores come 8 keys to a vector (keys transposed once per block), the
+ * softmax uses an 8-lane exp, and each query's output stays in registers across the keys. Decode
+ * (_attend_head in kernels.pyx) sums the scores and the softmax in another f32 order and with
+ * libm's expf: the two agree within 1e-5 (tests/test_prefill_gemm.py).
+ *
+ * The GEMM's numerics: per (row, token), s = sum over blocks in order of
+ * fma(d_w * d_x, isum_b, s) with isum_b the exact integer dot of the block; decode's
+ * pi_dot_q8_0/pi_dot_q4_0 add the same exact block products in another f32 order (8 lanes, even
+ * and odd blocks). Both are within (nb + 4) 2^-23 sum|w x| of the exact sum (the test's bound).
+ */
+#ifndef PYINFER_GEMM_H
+#define PYINFER_GEMM_H
+
+#include "simd.h"
+
+#define PI_GEMM_RM 8 /* weight rows per register tile: one f32 lane each */
+#define PI_GEMM_RN 4 /* tokens per register tile */
+/* bytes of the per-thread repack buffer per 32-block of a row group: 8 row scales (f32), then
+ * 8 chunks x 32 bytes (q4_0: unsigned nibbles; q8_0: |w|, then 8 x 32 bytes of w itself) */
+#define PI_GEMM_BUF_PER_BLOCK (32 + 2 * 256)
+
+#if PI_SIMD
+
+/* Transpose 8 rows of 8 dwords: c[k] lane i = dword k of r[i]. */
+static inline void pi_transpose8x8_epi32(const __m256i r[8], __m256i c[8]) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int h = 0; h < 8; h += 4) {
+        u[h] = _mm256_unpacklo_epi64(t[h], t[h + 2]);     /* dword 0 / 4 of rows h..h+3 */
+        u[h + 1] = _mm256_unpackhi_epi64(t[h], t[h + 2]); /* dword 1 / 5 */
+        u[h + 2] = _mm256_unpacklo_epi64(t[h + 1], t[h + 3]); /* dword 2 / 6 */
+        u[h + 3] = _mm256_unpackhi_epi64(t[h + 1], t[h + 3]); /* dword 3 / 7 */
+    }
+    for (int k = 0; k < 4; k++) {
+        c[k] = _mm256_permute2x128_si256(u[k], u[k + 4], 0x20);
+        c[k + 4] = _mm256_permute2x128_si256(u[k], u[k + 4], 0x31);
+    }
+}
+
+/* Repack rows r0 .. r0+rm-1 (rm <= 8; missing rows are zero) into buf, block by block: the 8 row
+ * scales, then chunk k = elements 4k..4k+3 of every row (lane = row). */
+static inline void pi_gemm_pack(int qtype, const uint8_t *w, size_t ws, int rm, int nb,
+                                uint8_t *buf) {
+    const int bb = qtype == PI_Q8_0 ? 34 : 18;
+    const __m256i m4 = _mm256_set1_epi8(15);
+    for (int b = 0; b < nb; b++) {
+        uint8_t *o = buf + (size_t)b * PI_GEMM_BUF_PER_BLOCK;
+        float *d = (float *)o;
+        __m256i r[8], c[8];
+        for (int i = 0; i < 8; i++) {
+            if (i >= rm) {
+                d[i] = 0.0f;
+                r[i] = _mm256_setzero_si256();
+                continue;
+            }
+            const uint8_t *blk = w + i * ws + (size_t)bb * b;
+            d[i] = pi_load_d(blk);
+            if (qtype == PI_Q8_0) {
+                r[i] = _mm256_loadu_si256((const __m256i *)(blk + 2));
+            } else {
+                const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 2));
+                r[i] = _mm256_and_si256(
+                    _mm256_inserti128_si256(_mm256_castsi128_si256(qs), _mm_srli_epi16(qs, 4), 1), m4);
+            }
+        }
+        pi_transpose8x8_epi32(r, c);
+        for (int k = 0; k < 8; k++) {
+            if (qtype == PI_Q8_0) {
+                _mm256_storeu_si256((__m256i *)(o + 32 + 32 * k), _mm256_sign_epi8(c[k], c[k]));
+                _mm256_storeu_si256((__m256i *)(o + 32 + 256 + 32 * k), c[k]);
+            } else {
+                _mm256_storeu_si256((__m256i *)(o + 32 + 32 * k), c[k]);
+            }
+        }
+    }
+}
+
+/* One packed row group x RN tokens: acc[j] lane i = row i . token j. Per block and token the
+ * integer dot of every row is exact (u8 x s8 pairs by maddubs; q4_0's sums of up to 16 products
+ * of a nibble and |q| <= 127 stay under 2^15, so they are added in 16 bits and widened once per
+ * block), then s = fma(d_w * d_x, isum, s) in block order, as pi_gemm_ref_dot writes it. */
+static inline __attribute__((always_inline)) void pi_tile8(
+    int qtype, const uint8_t *buf, const float *xd, long xds, const int8_t *xq, long xqs, int nb,
+    float *out, long ldo, int rm, const int RN) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[PI_GEMM_RN], corr[PI_GEMM_RN];
+    for (int j = 0; j < RN; j++) acc[j] = corr[j] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *o = buf + (size_t)b * PI_GEMM_BUF_PER_BLOCK;
+        const __m256 dw = _mm256_loadu_ps((const float *)o);
+        __m256i is[PI_GEMM_RN];
+        for (int j = 0; j < RN; j++) is[j] = _mm256_setzero_si256();
+        if (qtype == PI_Q8_0) {
+            for (int k = 0; k < 8; k++) {
+                const __m256i aw = _mm256_loadu_si256((const __m256i *)(o + 32 + 32 * k));
+                const __m256i sw = _mm256_loadu_si256((const __m256i *)(o + 32 + 256 + 32 * k));
+                for (int j = 0; j < RN; j++) {
+                    int32_t y4;
+                    memcpy(&y4, xq + j * xqs + 32 * b + 4 * k, 4);
+                    const __m256i sy = _mm256_sign_epi8(_mm256_set1_epi32(y4), sw);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+                    is[j] = _mm256_dpbusd_epi32(is[j], aw, sy);
+#else
+                    is[j] = _mm256_add_epi32(is[j], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sy), ones));
+#endif
+                }
+            }
+        } else {
+            for (int k = 0; k < 8; k++) {
+                const __m256i u = _mm256_loadu_si256((const __m256i *)(o + 32 + 32 * k));
+                for (int j = 0; j < RN; j++) {
+                    int32_t y4;
+                    memcpy(&y4, xq + j * xqs + 32 * b + 4 * k, 4);
+                    is[j] = _mm256_add_epi16(is[j], _mm256_maddubs_epi16(u, _mm256_set1_epi32(y4)));
+                }
+            }
+            for (int j = 0; j < RN; j++) is[j] = _mm256_madd_epi16(is[j], ones);
+        }
+        for (int j = 0; j < RN; j++) {
+            const float *dx = xd + j * xds;
+            acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(dx[b])),
+                                     _mm256_cvtepi32_ps(is[j]), acc[j]);
+            if (qtype != PI_Q8_0) corr[j] = _mm256_fmadd_ps(dw, _mm256_set1_ps(dx[nb + b]), corr[j]);
+        }
+    }
+    for (int j = 0; j < RN; j++) {
+        const __m256 r = qtype == PI_Q8_0 ? acc[j] : _mm256_sub_ps(acc[j], corr[j]);
+        if (rm == 8) {
+            _mm256_storeu_ps(out + j * ldo, r);
+        } else {
+            float tmp[8];
+            _mm256_storeu_ps(tmp, r);
+            for (int i = 0; i < rm; i++) out[j * ldo + i] = tmp[i];
+        }
+    }
+}
+#endif /* PI_SIMD */
+
+/* 1 for the types pi_gemm_rows handles (q8_0 and q4_0 with the SIMD build); the others go
+ * through the per-token loop of kernels.pyx matmul. */
+static inline int pi_gemm_supported(int qtype) {
+    return PI_SIMD && (qtype == PI_Q8_0 || qtype == PI_Q4_0);
+}
+
+/* out[t * ldo + r] = row_r . x_t for rows r0 <= r < r1 of w (stride ws bytes) and all n_tok
+ * tokens, token t quantized at (xd + t * 2nb, xq + t * xqs) by pi_quantize_q8. Rows go in groups
+ * of 8, each repacked into buf (nb * PI_GEMM_BUF_PER_BLOCK bytes, stays in L1) and then dotted
+ * with every token, PI_GEMM_RN tokens at a time. */
+static inline void pi_gemm_rows(int qtype, const uint8_t *w, size_t ws, long r0, long r1,
+                                const float *xd, const int8_t *xq, long xqs, int nb, long n_tok,
+                                float *out, long ldo, uint8_t *buf) {
+#if PI_SIMD
+    const long xds = 2L * nb;
+    for (long r = r0; r < r1; r += PI_GEMM_RM) {
+        const int rm = (int)(r1 - r < PI_GEMM_RM ? r1 - r : PI_GEMM_RM);
+        pi_gemm_pack(qtype, w + r * ws, ws, rm, nb, buf);
+        long t = 0;
+        for (; t + PI_GEMM_RN <= n_tok; t += PI_GEMM_RN)
+            pi_tile8(qtype, buf, xd + t * xds, xds, xq + t * xqs, xqs, nb, out + t * ldo + r, ldo,
+                     rm, PI_GEMM_RN);
+        for (; t < n_tok; t++)
+            pi_tile8(qtype, buf, xd + t * xds, xds, xq + t * xqs, xqs, nb, out + t * ldo + r, ldo,
+                     rm, 1);
+    }
+#else
+    (void)qtype; (void)w; (void)ws; (void)r0; (void)r1; (void)xd; (void)xq; (void)xqs; (void)nb;
+    (void)n_tok; (void)out; (void)ldo; (void)buf;
+#endif
+}
+
+/* ---- down projection over the neuron-major ffn_down_t: out = a @ W ----
+ * W (rows = n_ff neurons, cols = n_embd) is quantized along cols, the sum runs over rows, so the
+ * int8 dot above does not apply (each row has its own block scale). A strip of 32 columns of every
+ * row is dequantized once into an f32 panel (rows x 32, per thread), then a register tile of 4
+ * tokens x 16 columns (8 accumulators) runs down the rows in blocks of PI_GEMM_T_KC, the a values
+ * broadcast from the token rows. Each output is one FMA chain over the rows in order (as the
+ * four-row AXPY of simd.h sums them), whatever the thread count. */
+#define PI_GEMM_T_KC 256
+
+#if PI_SIMD
+static inline __attribute__((always_inline)) void pi_tile_t(
+    const float *panel, long k0, long k1, const float *a, long lda, float *out, long ldo,
+    int first, const int TN) {
+    __m256 acc[4][2];
+    for (int t = 0; t < TN; t++) {
+        acc[t][0] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + t * ldo);
+        acc[t][1] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + t * ldo + 8);
+    }
+    for (long k = k0; k < k1; k++) {
+        const __m256 w0 = _mm256_loadu_ps(panel + 32 * k), w1 = _mm256_loadu_ps(panel + 32 * k + 8);
+        for (int t = 0; t < TN; t++) {
+            const __m256 av = _mm256_broadcast_ss(a + t * lda + k);
+            acc[t][0] = _mm256_fmadd_ps(av, w0, acc[t][0]);
+            acc[t][1] = _mm256_fmadd_ps(av, w1, acc[t][1]);
+        }
+    }
+    for (int t = 0; t < TN; t++) {
+        _mm256_storeu_ps(out + t * ldo, acc[t][0]);
+        _mm256_storeu_ps(out + t * ldo + 8, acc[t][1]);
+    }
+}
+#endif
+
+/* Columns c0 .. c0+cn-1 (cn <= 32; c0 a multiple of 32) of out (n_tok, ldo) = a (n_tok, lda) @ W,
+ * W's rows w + r * ws (rows of them). panel: rows * 32 floats of scratch. */
+static inline void pi_gemm_t_strip(int qtype, const uint8_t *w, size_t ws, long rows, int c0,
+                                   int cn, const float *a, long lda, long n_tok, float *out,
+                                   long ldo, float *panel) {
+    for (long r = 0; r < rows; r++) {
+        pi_dequant_cols(qtype, w + r * ws, c0, panel + 32 * r, cn);
+        for (int c = cn; c < 32; c++) panel[32 * r + c] = 0.0f;
+    }
+#if PI_SIMD
+    float tmp[4 * 32];
+    for (long k0 = 0; k0 < rows; k0 += PI_GEMM_T_KC) {
+        const long k1 = rows - k0 < PI_GEMM_T_KC ? rows : k0 + PI_GEMM_T_KC;
+        for (long t = 0; t < n_tok; t += 4) {
+            const int tn = (int)(n_tok - t < 4 ? n_tok - t : 4);
+            if (tn == 4 && cn == 32) {
+                for (int h = 0; h < 32; h += 16)
+                    pi_tile_t(panel + h, k0, k1, a + t * lda, lda, out + t * ldo + c0 + h, ldo,
+                              k0 == 0, 4);
+                continue;
+            }
+            /* an edge tile: through a 4 x 32 copy of its outputs */
+            for (int i = 0; i < tn; i++)
+                for (int c = 0; c < 32; c++)
+                    tmp[32 * i + c] = (k0 == 0 || c >= cn) ? 0.0f : out[(t + i) * ldo + c0 + c];
+            for (int h = 0; h < 32; h += 16)
+                switch (tn) {
+                case 1: pi_tile_t(panel + h, k0, k1, a + t * lda, lda, tmp + h, 32, 0, 1); break;
+                case 2: pi_tile_t(panel + h, k0, k1, a + t * lda, lda, tmp + h, 32, 0, 2); break;
+                case 3: pi_tile_t(panel + h, k0, k1, a + t * lda, lda, tmp + h, 32, 0, 3); break;
+                default: pi_tile_t(panel + h, k0, k1, a + t * lda, lda, tmp + h, 32, 0, 4); break;
+                }
+            for (int i = 0; i < tn; i++)
+                for (int c = 0; c < cn; c++) out[(t + i) * ldo + c0 + c] = tmp[32 * i + c];
+        }
+    }
+#else
+    for (long t = 0; t < n_tok; t++)
+        for (int c = 0; c < cn; c++) {
+            float s = 0.0f;
+            for (long r = 0; r < rows; r++) s += a[t * lda + r] * panel[32 * r + c];
+            out[t * ldo + c0 + c] = s;
+        }
+#endif
+}
+
+#define PI_ATT_MAX_HD 256
+
+#if PI_SIMD
+/* Scores of up to 4 queries against 8 keys held transposed (kt: hd rows of 8 floats, lane =
+ * key): one vector of 8 scores per query, two partial sums (even / odd dims) per query so that
+ * 8 FMA chains are in flight. */
+static inline __attribute__((always_inline)) void pi_scores_q(
+    const float *const *q, const float *kt, int hd, float scale, float *sc, long sc_stride,
+    int jn, const int QN) {
+    __m256 s0[4], s1[4];
+    for (int i = 0; i < QN; i++) s0[i] = s1[i] = _mm256_setzero_ps();
+    for (int d = 0; d < hd; d += 2) {
+        const __m256 k0 = _mm256_loadu_ps(kt + 8 * d), k1 = _mm256_loadu_ps(kt + 8 * d + 8);
+        for (int i = 0; i < QN; i++) {
+            s0[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(q[i] + d), k0, s0[i]);
+            s1[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(q[i] + d + 1), k1, s1[i]);
+        }
+    }
+    for (int i = 0; i < QN; i++) {
+        const __m256 r = _mm256_mul_ps(_mm256_add_ps(s0[i], s1[i]), _mm256_set1_ps(scale));
+        if (jn == 8) {
+            _mm256_storeu_ps(sc + i * sc_stride, r);
+        } else {
+            float tmp[8];
+            _mm256_storeu_ps(tmp, r);
+            for (int j = 0; j < jn; j++) sc[i * sc_stride + j] = tmp[j];
+        }
+    }
+}
+
+/* sc[i][j] = (q_i . k_j) * scale for every query i < nq and key j < n_max: keys 8 at a time,
+ * transposed once per block of keys and shared by every query (the causal mask is applied by
+ * the caller reading only j < n_att[i]). */
+static inline void pi_scores_keys8(const float *const *q, int nq, const float *k, long rs, int hd,
+                                   float scale, long n_max, float *sc, long sc_stride) {
+    float kt[8 * PI_ATT_MAX_HD];
+    for (long j0 = 0; j0 < n_max; j0 += 8) {
+        const int jn = (int)(n_max - j0 < 8 ? n_max - j0 : 8);
+        for (int d = 0; d < hd; d += 8) {
+            __m256i r[8], c[8];
+            for (int i = 0; i < 8; i++)
+                r[i] = i < jn ? _mm256_castps_si256(_mm256_loadu_ps(k + (j0 + i) * rs + d))
+                              : _mm256_setzero_si256();
+            pi_transpose8x8_epi32(r, c);
+            for (int i = 0; i < 8; i++) _mm256_storeu_si256((__m256i *)(kt + 8 * (d + i)), c[i]);
+        }
+        int i = 0;
+        for (; i + 4 <= nq; i += 4) pi_scores_q(q + i, kt, hd, scale, sc + i * sc_stride + j0, sc_stride, jn, 4);
+        switch (nq - i) {
+        case 3: pi_scores_q(q + i, kt, hd, scale, sc + i * sc_stride + j0, sc_stride, jn, 3); break;
+        case 2: pi_scores_q(q + i, kt, hd, scale, sc + i * sc_stride + j0, sc_stride, jn, 2); break;
+        case 1: pi_scores_q(q + i, kt, hd, scale, sc + i * sc_stride + j0, sc_stride, jn, 1); break;
+        default: break;
+        }
+    }
+}
+#endif
+
+#if PI_SIMD
+/* exp of 8 floats: x = n ln2 + r, |r| <= ln2/2, exp(r) by Cephes expf's degree-6 polynomial
+ * (cephes/single/expf.c; about 1 ulp), times 2^n built in the exponent field. Inputs are clamped
+ * to [-87.3, 88.7] (softmax feeds it s - max <= 0: below the clamp the terms are < 1e-37 of the
+ * largest one, which is 1). */
+static inline __m256 pi_exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(88.72283f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500E-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* s[0:n] = softmax(s[0:n]) in place (max subtracted), 8 lanes at a time. */
+static inline void pi_softmax8(float *s, long n) {
+    __m256 vmx = _mm256_set1_ps(-3.4e38f);
+    long j = 0;
+    for (; j + 8 <= n; j += 8) vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(s + j));
+    float tmp[8], mx;
+    _mm256_storeu_ps(tmp, vmx);
+    mx = tmp[0];
+    for (int l = 1; l < 8; l++) mx = tmp[l] > mx ? tmp[l] : mx;
+    for (; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+    const __m256 m = _mm256_set1_ps(mx);
+    __m256 vs = _mm256_setzero_ps();
+    for (j = 0; j + 8 <= n; j += 8) {
+        const __m256 e = pi_exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), m));
+        _mm256_storeu_ps(s + j, e);
+        vs = _mm256_add_ps(vs, e);
+    }
+    if (j < n) { /* the tail through the same exp, padded with -inf -> 0 */
+        for (int l = 0; l < 8; l++) tmp[l] = j + l < n ? s[j + l] - mx : -1e30f;
+        __m256 e = pi_exp8(_mm256_loadu_ps(tmp));
+        e = _mm256_and_ps(e, _mm256_cmp_ps(_mm256_loadu_ps(tmp), _mm256_set1_ps(-1e29f), _CMP_GT_OQ));
+        _mm256_storeu_ps(tmp, e);
+        for (int l = 0; j + l < n; l++) s[j + l] = tmp[l];
+        vs = _mm256_add_ps(vs, e);
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / pi_hsum(vs));
+    for (j = 0; j + 8 <= n; j += 8) _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_loadu_ps(s + j), inv));
+    for (; j < n; j++) s[j] *= _mm256_cvtss_f32(inv);
+}
+#endif
+
+/* ---- attention for a block of queries sharing one KV head ----
+ * nq queries q[i] (hd floats), query i attends to keys 0 .. n_att[i]-1 (rows k + j * rs, likewise
+ * v), n_att non-decreasing in i is NOT required. sc: scratch of nq * sc_stride floats (sc_stride
+ * >= max n_att). out[i] (hd floats) = softmax(q_i . k_j * scale) @ v_j, computed as _attend_head
+ * computes it (see the top of this file). */
+static inline void pi_attend_block(const float *const *q, int nq, const long *n_att,
+                                   const float *k, const float *v, long rs, int hd, float scale,
+                                   float *sc, long sc_stride, float *const *out) {
+    long n_max = 0, n_min = n_att[0];
+    for (int i = 0; i < nq; i++) {
+        n_max = n_att[i] > n_max ? n_att[i] : n_max;
+        n_min = n_att[i] < n_min ? n_att[i] : n_min;
+    }
+    /* scores */
+#if PI_SIMD
+    if (hd % 8 == 0 && hd <= PI_ATT_MAX_HD) {
+        pi_scores_keys8(q, nq, k, rs, hd, scale, n_max, sc, sc_stride);
+    } else
+#endif
+    {
+        for (long j = 0; j < n_max; j++) { /* key-major: each K row fetched once for the block */
+            const float *kj = k + j * rs;
+            for (int i = 0; i < nq; i++)
+                if (j < n_att[i]) sc[i * sc_stride + j] = pi_dot_f32(q[i], kj, hd) * scale;
+        }
+    }
+#if PI_SIMD
+    if (hd % 8 == 0 && hd <= PI_ATT_MAX_HD) {
+        for (int i = 0; i < nq; i++) pi_softmax8(sc + i * sc_stride, n_att[i]);
+    } else
+#endif
+    for (int i = 0; i < nq; i++) {
+        float *s = sc + i * sc_stride;
+        float mx = -3.4e38f, ssum = 0.0f, inv;
+        for (long j = 0; j < n_att[i]; j++)
+            if (s[j] > mx) mx = s[j];
+        for (long j = 0; j < n_att[i]; j++) {
+            s[j] = expf(s[j] - mx);
+            ssum = ssum + s[j];
+        }
+        inv = (float)(1.0 / (double)ssum); /* as Cython compiles _attend_head's 1.0 / ssum */
+        for (long j = 0; j < n_att[i]; j++) s[j] = s[j] * inv;
+    }
+    /* out_i = sum_j p_ij v_j, keys in order for every query (decode's order) */
+#if PI_SIMD
+    if (hd % 32 == 0) {
+        int i = 0;
+        for (; i + 3 <= nq; i += 3) { /* three queries x 32 columns: 12 accumulators */
+            const float *s0 = sc + i * sc_stride, *s1 = s0 + sc_stride, *s2 = s1 + sc_stride;
+            const long m = n_att[i] < n_att[i + 1] ? (n_att[i] < n_att[i + 2] ? n_att[i] : n_att[i + 2])
+                                                   : (n_att[i + 1] < n_att[i + 2] ? n_att[i + 1] : n_att[i + 2]);
+            for (int c = 0; c < hd; c += 32) {
+                __m256 a[3][4];
+                for (int u = 0; u < 3; u++)
+                    for (int h = 0; h < 4; h++) a[u][h] = _mm256_setzero_ps();
+                for (long j = 0; j < m; j++) {
+                    const float *vj = v + j * rs + c;
+                    const __m256 p0 = _mm256_set1_ps(s0[j]), p1 = _mm256_set1_ps(s1[j]);
+                    const __m256 p2 = _mm256_set1_ps(s2[j]);
+                    for (int h = 0; h < 4; h++) {
+                        const __m256 vv = _mm256_loadu_ps(vj + 8 * h);
+                        a[0][h] = _mm256_fmadd_ps(p0, vv, a[0][h]);
+                        a[1][h] = _mm256_fmadd_ps(p1, vv, a[1][h]);
+                        a[2][h] = _mm256_fmadd_ps(p2, vv, a[2][h]);
+                    }
+                }
+                for (int u = 0; u < 3; u++) { /* each query's remaining keys */
+                    const float *s = sc + (i + u) * sc_stride;
+                    for (long j = m; j < n_att[i + u]; j++) {
+                        const __m256 p = _mm256_set1_ps(s[j]);
+                        for (int h = 0; h < 4; h++)
+                            a[u][h] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + j * rs + c + 8 * h), a[u][h]);
+                    }
+                    for (int h = 0; h < 4; h++) _mm256_storeu_ps(out[i + u] + c + 8 * h, a[u][h]);
+                }
+            }
+        }
+        for (; i < nq; i++) {
+            const float *s = sc + i * sc_stride;
+            for (int c = 0; c < hd; c += 32) {
+                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                for (long j = 0; j < n_att[i]; j++) {
+                    const float *vj = v + j * rs + c;
+                    const __m256 p = _mm256_set1_ps(s[j]);
+                    a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj), a0);
+                    a1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8), a1);
+                    a2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 16), a2);
+                    a3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 24), a3);
+                }
+                _mm256_storeu_ps(out[i] + c, a0);
+                _mm256_storeu_ps(out[i] + c + 8, a1);
+                _mm256_storeu_ps(out[i] + c + 16, a2);
+                _mm256_storeu_ps(out[i] + c + 24, a3);
+            }
+        }
+        return;
+    }
+#endif
+    for (int i = 0; i < nq; i++) {
+        const float *s = sc + i * sc_stride;
+        memset(out[i], 0, (size_t)hd * sizeof(float));
+        for (long j = 0; j < n_att[i]; j++) pi_axpy_f32(s[j], v + j * rs, out[i], hd);
+    }
+}
+
+#endif /* PYINFER_GEMM_H */

@@ -1,0 +1,165 @@
+"""The prefill kernels of issue 11 (cython/gemm.h): the tiled int8 GEMM behind ``cpu.matmul`` for
+q8_0/q4_0, the down-projection GEMM behind ``cpu.matmul_t`` and the batched causal attention.
+
+References nobody here wrote: ``gguf.quants.dequantize`` for the weights, float64 NumPy for the
+sums. Stated tolerance of the GEMM: the block products d_w * d_x * sum(q_w q_x) are the same in
+prefill and decode, only the f32 order of their sum differs, so both lie within
+(nb + 4) * 2^-23 * sum_k |w_k x_k| of the float64 sum (nb = 32-blocks per row; the usual bound
+on a recursive f32 sum of nb terms with a few roundings per term, Higham, Accuracy and Stability
+of Numerical Algorithms, 2nd ed., section 4.2). Shapes cover token counts that are not
+multiples of the 4-token tile and row counts that are not multiples of the 8-row tile.
+"""
+import gguf
+import numpy as np
+import pytest
+
+from pyinfer.ops import _kernels as K
+from pyinfer.ops import cpu
+from pyinfer.ops import reference as ref
+
+QT = gguf.GGMLQuantizationType
+GEMM_TYPES = (QT.Q8_0, QT.Q4_0)
+
+
+def _nan(shape):
+    return np.full(shape, np.nan, np.float32)
+
+
+def _ro(a):
+    a = np.ascontiguousarray(a)
+    a.setflags(write=False)
+    return a
+
+
+def _weight(rng, qtype, rows, cols):
+    a = rng.standard_normal((rows, cols)).astype(np.float32) * rng.uniform(0.1, 10, (rows, 1))
+    data = gguf.quants.quantize(a, qtype).view(np.uint8).reshape(rows, -1)
+    return cpu.QTensor(_ro(data), qtype, rows, cols)
+
+
+def _deq(w):
+    return gguf.quants.dequantize(w.raw, w.qtype).reshape(w.rows, w.cols).astype(np.float64)
+
+
+def _bound_check(got, wd, xq, nb):
+    """|got - exact| <= (nb + 4) 2^-23 sum |w x| elementwise; exact in float64."""
+    exact = xq.astype(np.float64) @ wd.T
+    scale = np.abs(xq.astype(np.float64)) @ np.abs(wd).T
+    assert np.all(np.isfinite(got)), "kernel left NaN in its output"
+    err = np.abs(got.astype(np.float64) - exact)
+    assert np.all(err <= (nb + 4) * 2.0 ** -23 * scale + 1e-30), float((err / scale).max())
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+@pytest.mark.parametrize("qtype", GEMM_TYPES)
+def test_gemm_against_gguf_and_decode(qtype, n_threads):
+    rng = np.random.default_rng(int(qtype) + 10 * n_threads)
+    for rows, cols, n_tok in [(13, 96, 1), (8, 32, 3), (203, 576, 7), (37, 160, 130),
+                              (1, 64, 5), (64, 1536, 4)]:
+        w = _weight(rng, qtype, rows, cols)
+        x = _ro(rng.standard_normal((n_tok, cols)).astype(np.float32))
+        out = _nan((n_tok, rows))
+        cpu.matmul(w, x, out, n_threads)
+        xq = ref.quantize_act_q8(x)
+        _bound_check(out, _deq(w), xq, cols // 32)
+        dec = np.stack([cpu.matvec(w, x[t], _nan(rows), n_threads) for t in range(n_tok)])
+        _bound_check(dec, _deq(w), xq, cols // 32)
+        if cpu.prefill_gemm(qtype):  # the other f32 order: close, and usually not bit-equal
+            np.testing.assert_allclose(out, dec, rtol=1e-5, atol=1e-5 * np.abs(dec).max())
+        # the same bits at every thread count
+        np.testing.assert_array_equal(out, cpu.matmul(w, x, _nan((n_tok, rows)), 3 - n_threads))
+
+
+def test_gemm_q8_0_extreme_codes():
+    """q8_0 codes -128 and 127 (a hostile or foreign file) and activations at +-127 after
+    quantization: the u8 x s8 pair sums must not saturate."""
+    rng = np.random.default_rng(5)
+    rows, cols, n_tok = 11, 128, 6
+    blocks = np.zeros((rows, cols // 32), dtype=[("d", "<f2"), ("qs", "i1", 32)])
+    blocks["d"] = rng.uniform(0.5, 2, blocks.shape)
+    blocks["qs"] = rng.choice(np.array([-128, 127, -127, 1], np.int8), (rows, cols // 32, 32))
+    w = cpu.QTensor(_ro(blocks.view(np.uint8).reshape(rows, -1)), QT.Q8_0, rows, cols)
+    x = _ro(np.where(rng.random((n_tok, cols)) < 0.5, -1.0, 1.0).astype(np.float32))
+    out = cpu.matmul(w, x, _nan((n_tok, rows)), 1)
+    _bound_check(out, _deq(w), ref.quantize_act_q8(x), cols // 32)
+
+
+@pytest.mark.parametrize("qtype", GEMM_TYPES)
+def test_old_prefill_switch(qtype):
+    """The benchmarking switch selects the pre-GEMM kernels, which stay bit-equal to decode."""
+    rng = np.random.default_rng(7)
+    w = _weight(rng, qtype, 45, 192)
+    x = _ro(rng.standard_normal((9, 192)).astype(np.float32))
+    new = cpu.matmul(w, x, _nan((9, 45)), 2)
+    prev = K.set_old_prefill(1)
+    try:
+        old = cpu.matmul(w, x, _nan((9, 45)), 2)
+    finally:
+        K.set_old_prefill(prev)
+    dec = np.stack([cpu.matvec(w, x[t], _nan(45), 1) for t in range(9)])
+    np.testing.assert_array_equal(old, dec)
+    np.testing.assert_allclose(new, dec, rtol=1e-5, atol=1e-5 * np.abs(dec).max())
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_0, QT.F16, QT.F32, QT.Q4_K, QT.Q6_K, QT.BF16])
+def test_down_gemm(qtype, n_threads):
+    """matmul_t (a @ ffn_down_t) against float64 over gguf's dequantization: row counts and
+    column counts off the 32-column strip and 4-token tile, both kernel generations."""
+    rng = np.random.default_rng(int(qtype) + 100)
+    col_choices = [256, 512] if qtype in (QT.Q4_K, QT.Q6_K) else [32, 96, 576]
+    if qtype in (QT.F16, QT.F32, QT.BF16):
+        col_choices = [7, 33, 100]
+    for rows, n_tok in [(5, 1), (203, 3), (130, 7), (600, 130)]:
+        cols = int(rng.choice(col_choices))
+        w = cpu.QTensor.from_array(rng.standard_normal((rows, cols)).astype(np.float32), qtype)
+        a = _ro(rng.standard_normal((n_tok, rows)).astype(np.float32))
+        wd = ref.dequantize(w).astype(np.float64)
+        exact = a.astype(np.float64) @ wd
+        scale = np.abs(a.astype(np.float64)) @ np.abs(wd)
+        got = {}
+        for old in (1, 0):
+            prev = K.set_old_prefill(old)
+            try:
+                got[old] = cpu.matmul_t(w, a, _nan((n_tok, cols)), n_threads)
+            finally:
+                K.set_old_prefill(prev)
+            assert np.all(np.isfinite(got[old]))
+            assert np.all(np.abs(got[old] - exact) <= (rows + 4) * 2.0 ** -23 * scale + 1e-30)
+        np.testing.assert_array_equal(
+            got[0], cpu.matmul_t(w, a, _nan((n_tok, cols)), 3 - n_threads))
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_batched_attention(n_threads):
+    """The batched attention (keys 8 to a vector, vectorized exp) against float64 softmax
+    attention and the one-query-at-a-time loop that decode uses (kernels.pyx _attend_head):
+    within 1e-5, the same bits at 1 and 2 threads, rows past the new tokens never read."""
+    rng = np.random.default_rng(200 + n_threads)
+    for n_head, n_kv, hd, n_past, n_tok in [(9, 3, 64, 0, 130), (9, 3, 64, 17, 7), (4, 4, 16, 3, 5),
+                                            (8, 2, 32, 0, 1), (6, 1, 96, 2, 3), (2, 1, 8, 0, 9)]:
+        n_ctx = n_past + n_tok + 2
+        q = _ro(rng.standard_normal((n_tok, n_head, hd)).astype(np.float32))
+        k = rng.standard_normal((n_ctx, n_kv, hd)).astype(np.float32)
+        v = rng.standard_normal((n_ctx, n_kv, hd)).astype(np.float32)
+        k[n_past + n_tok:] = np.nan  # never read
+        v[n_past + n_tok:] = np.nan
+        k, v = _ro(k), _ro(v)
+        new = cpu.attention(q, k, v, n_past, _nan(q.shape), n_threads)
+        prev = K.set_old_prefill(1)
+        try:
+            old = cpu.attention(q, k, v, n_past, _nan(q.shape), n_threads)
+        finally:
+            K.set_old_prefill(prev)
+        np.testing.assert_allclose(new, old, rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(new, cpu.attention(q, k, v, n_past, _nan(q.shape),
+                                                         3 - n_threads))
+        g = n_head // n_kv
+        want = np.empty(q.shape)
+        for t in range(n_tok):
+            n = n_past + t + 1
+            for h in range(n_head):
+                s = k[:n, h // g].astype(np.float64) @ q[t, h] / np.sqrt(hd)
+                p = np.exp(s - s.max())
+                want[t, h] = (p / p.sum()) @ v[:n, h // g]
+        np.testing.assert_allclose(new, want, rtol=1e-5, atol=1e-5)
