@@ -177,7 +177,9 @@ class ModelConfig:
         """
         arch = read_field(reader, C.K_ARCH)
         if arch != C.ARCH:
-            raise PyinferError(f"unsupported architecture {arch!r} (pyinfer runs '{C.ARCH}')")
+            hint = ("; pyinfer-convert SRC out.gguf converts it" if arch == "gemma3" else "")
+            raise PyinferError(f"unsupported architecture {arch!r} (pyinfer runs '{C.ARCH}' files, "
+                               f"llama.cpp's as they are{hint})")
         if not llamacpp and read_field(reader, C.K_FFN_LAYOUT) != C.FFN_LAYOUT_NEURON_MAJOR:
             raise PyinferError("this GGUF was not written by pyinfer-convert "
                                "(no neuron-major FFN); convert it first: pyinfer-convert SRC out.gguf")
