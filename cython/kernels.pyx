@@ -125,6 +125,14 @@ cdef inline int _check_w(const uint8_t[:, ::1] w, int qtype, int cols) except -1
     return 0
 
 
+cdef inline void _quantize_x(const float *x, int cols, float **xd, int8_t **xq) noexcept nogil:
+    """x (cols,) -> malloc'd q8 blocks of 32 (scales/sums xd, codes xq) for pi_dot_row's int8
+    dots on quantized rows; the caller frees both."""
+    xd[0] = <float *> malloc((2 * (cols // 32) + 1) * sizeof(float))
+    xq[0] = <int8_t *> malloc(cols + 32)
+    pi_quantize_q8(x, cols, xd[0], xq[0])
+
+
 cdef inline int _check_len(Py_ssize_t got, Py_ssize_t want, str what) except -1:
     if got != want:
         raise ValueError(f"{what}: got length {got}, expected {want}")
@@ -160,9 +168,7 @@ def matvec(const uint8_t[:, ::1] w, int qtype, int cols, const float[::1] x, flo
         return
     with nogil:
         if quant:
-            xd = <float *> malloc((2 * (cols // 32) + 1) * sizeof(float))
-            xq = <int8_t *> malloc(cols + 32)
-            pi_quantize_q8(&x[0], cols, xd, xq)
+            _quantize_x(&x[0], cols, &xd, &xq)
         for r in prange(rows, schedule='static', num_threads=n_threads):
             out[r] = pi_dot_row(qtype, &w[0, 0] + r * stride, &x[0], xd, xq, cols)
         free(xd)
@@ -186,9 +192,7 @@ def gather_matvec(const uint8_t[:, ::1] w, int qtype, int cols, const float[::1]
         return
     with nogil:
         if quant:
-            xd = <float *> malloc((2 * (cols // 32) + 1) * sizeof(float))
-            xq = <int8_t *> malloc(cols + 32)
-            pi_quantize_q8(&x[0], cols, xd, xq)
+            _quantize_x(&x[0], cols, &xd, &xq)
         for k in prange(n, schedule='static', num_threads=n_threads):
             if k + pd < n:
                 pi_prefetch_l2(&w[0, 0] + idx[k + pd] * stride, stride)
@@ -629,9 +633,7 @@ cdef void _multi_matvec(int n_mat, const uint8_t **w, const int *qt, const Py_ss
         any_quant = any_quant | pi_is_quant(qt[m])
     total = off[n_mat]
     if any_quant:
-        xd = <float *> malloc((2 * (cols // 32) + 1) * sizeof(float))
-        xq = <int8_t *> malloc(cols + 32)
-        pi_quantize_q8(x, cols, xd, xq)
+        _quantize_x(x, cols, &xd, &xq)
     for r in prange(total, schedule='static', num_threads=n_threads):
         m = 0 if r < off[1] else (1 if r < off[2] else 2)
         out[m][r - off[m]] = pi_dot_row(qt[m], w[m] + (r - off[m]) * stride[m], x, xd, xq, cols)
@@ -799,9 +801,7 @@ def decode_ffn(float[::1] x, const float[::1] ffn_norm, float eps,
         else:
             if mode == 2 and n > 0:
                 if pi_is_quant(tu):
-                    xd = <float *> malloc((2 * (n_embd // 32) + 1) * sizeof(float))
-                    xq = <int8_t *> malloc(n_embd + 32)
-                    pi_quantize_q8(h, n_embd, xd, xq)
+                    _quantize_x(h, n_embd, &xd, &xq)
                 for k in prange(n, schedule='static', num_threads=n_threads):
                     coef[k] = coef[k] * pi_dot_row(tu, &wu[0, 0] + idx[k] * su, h, xd, xq, n_embd)
                 free(xd)
@@ -1024,9 +1024,7 @@ def cold_ffn(const uint8_t[:, ::1] wg, int tg, const uint8_t[:, ::1] wu, int tu,
             cand[n_cand] = ids[j]
             n_cand += (not has_mask) or mask[ids[j]] != 0
         if pi_is_quant(tg) or pi_is_quant(tu):  # h quantized once, as gather_matvec does
-            xd = <float *> malloc((2 * (cols // 32) + 1) * sizeof(float))
-            xq = <int8_t *> malloc(cols + 32)
-            pi_quantize_q8(&h[0], cols, xd, xq)
+            _quantize_x(&h[0], cols, &xd, &xq)
         # rows come from memory, not cache (the cold rows of 32 layers outgrow L3): prefetch
         # the gate and up rows pd candidates ahead, as gather_matvec does. Every neuron's result
         # depends on nothing else, so the thread count cannot change it.
