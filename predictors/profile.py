@@ -3,7 +3,7 @@ the FFN input and every neuron's activation magnitude.
 
 A ``RecordingFFN`` (a ``DenseFFN`` that also writes what it sees) is installed as the model's FFN;
 calibration sequences are evaluated as batched prefill chunks, each from an empty cache
-(``engine.model.forward(chunk, 0)``). Recorded per layer l and token t:
+(``engine.forward(chunk, 0)``). Recorded per layer l and token t:
 
 - ``x[l, t]``: the residual stream *before* the FFN norm, the predictor's input (f32, n_embd);
 - ``act[l, t]``: every neuron's activation magnitude (f16 to halve memory, n_ff): ``relu(gate)``
@@ -130,7 +130,7 @@ def profile(engine, sequences: list[list[int]], chunk_len: int = 512,
     try:
         for piece in progress_bar(pieces, desc="profiling", unit="chunk", enabled=progress):
             engine.reset()
-            engine.model.forward(piece, 0, all_logits=False)
+            engine.forward(piece, 0, all_logits=False)
             tokens += piece
     finally:
         engine.model.ffn = saved

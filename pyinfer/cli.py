@@ -112,6 +112,9 @@ def print_timings(t, file=None):
     print(f"pyinfer_perf: {'load time':>16} = {t.load_ms:10.2f} ms", file=file)
     line("prompt eval time", t.prompt_ms, t.prompt_n, "tokens")
     line("eval time", t.eval_ms, t.eval_n, "runs")
+    if getattr(t, "passes_reduced", 0):  # the thread governor (pyinfer.threads) stepped in
+        print(f"pyinfer_perf: {'threads':>16} = {t.n_threads} asked; {t.passes_reduced} of "
+              f"{t.passes} passes ran on fewer while other processes were runnable", file=file)
     total = t.load_ms + t.prompt_ms + t.eval_ms + t.sample_ms
     print(f"pyinfer_perf: {'total time':>16} = {total:10.2f} ms / {t.prompt_n + t.eval_n:5d} tokens",
           file=file)

@@ -24,6 +24,7 @@ from pyinfer.hybrid import place_model
 from pyinfer.input_sparse import InputSparseFFN, thresholds_from_reader
 from pyinfer.ops import cpu
 from pyinfer.sampler import SamplingParams, sample
+from pyinfer.threads import ThreadGovernor
 from pyinfer.tokenizer import Tokenizer
 from pyinfer.weights import ModelWeights
 
@@ -63,10 +64,14 @@ class Timings:
     eval_n: int = 0
     eval_ms: float = 0.0
     sample_ms: float = 0.0
+    n_threads: int = 1  # -t: the most threads a forward pass may use
+    passes: int = 0  # forward passes (a prompt, or one token)
+    passes_reduced: int = 0  # of them, run on fewer threads: other processes held CPUs
 
     def reset(self):
         self.prompt_n = self.eval_n = 0
         self.prompt_ms = self.eval_ms = self.sample_ms = 0.0
+        self.passes = self.passes_reduced = 0
 
 
 class Engine:
@@ -122,7 +127,9 @@ class Engine:
                                  verbose=verbose)
         self.tokens: list[int] = []  # tokens whose keys/values are in the cache, in order
         self._dry_breakers: frozenset[int] | None = None  # see dry_breakers
-        self.timings = Timings(load_ms=(time.perf_counter() - t0) * 1e3)
+        # fewer threads while other processes hold CPUs (spinning OpenMP waits: pyinfer.threads)
+        self.governor = ThreadGovernor(n_threads)
+        self.timings = Timings(load_ms=(time.perf_counter() - t0) * 1e3, n_threads=n_threads)
         self.verbose = verbose
 
     def _sparse_ffn(self):
@@ -186,7 +193,7 @@ class Engine:
         new = tokens[n_keep:]
         t0 = time.perf_counter()
         self.tokens = list(tokens[:n_keep])  # what the cache holds if the forward fails
-        logits = self.model.forward(new, n_keep)
+        logits = self.forward(new, n_keep)
         self.timings.prompt_ms += (time.perf_counter() - t0) * 1e3
         self.timings.prompt_n += len(new)
         self._check_finite(logits, len(tokens) - 1)
@@ -198,12 +205,24 @@ class Engine:
         for an id outside the vocabulary or NaN/Inf logits (the token is then not appended)."""
         self._check_ids([token])
         t0 = time.perf_counter()
-        logits = self.model.forward([token], len(self.tokens))
+        logits = self.forward([token], len(self.tokens))
         self.timings.eval_ms += (time.perf_counter() - t0) * 1e3
         self.timings.eval_n += 1
         self._check_finite(logits, len(self.tokens))
         self.tokens.append(token)
         return logits
+
+    def forward(self, tokens: list[int], n_past: int, all_logits: bool = False) -> np.ndarray:
+        """``model.forward`` (see ``pyinfer.model.Model.forward``) on the thread count the
+        governor gives this pass (``pyinfer.threads``); the cache bookkeeping of ``tokens`` is
+        the caller's."""
+        n = self.governor.begin()
+        self.timings.passes += 1
+        self.timings.passes_reduced += n < self.n_threads
+        self.model.n_threads = n
+        if getattr(self.model, "cpu", None) is not None:  # GpuModel: its CPU half
+            self.model.cpu.n_threads = n
+        return self.model.forward(tokens, n_past, all_logits)
 
     def _check_ids(self, tokens):
         n_vocab = self.cfg.n_vocab

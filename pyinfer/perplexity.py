@@ -50,7 +50,7 @@ def perplexity(engine, tokens: list[int], n_ctx: int, max_chunks: int = 0, progr
         if bos is not None:
             chunk[0] = bos
         engine.reset()
-        logits = engine.model.forward(chunk, 0, all_logits=True)  # (n_ctx, n_vocab)
+        logits = engine.forward(chunk, 0, all_logits=True)  # (n_ctx, n_vocab)
         lp = log_softmax_at(logits[first:n_ctx - 1], np.asarray(chunk[first + 1:n_ctx]))
         nll -= lp.sum()
         count += lp.shape[0]

@@ -47,7 +47,7 @@ class PyinferRunner:
         self.eng.reset()
         ids = self.ids[:n_prompt]
         t0 = time.perf_counter()
-        self.eng.model.forward(ids, 0)
+        self.eng.forward(ids, 0)
         return len(ids) / (time.perf_counter() - t0)
 
     def decode(self, n_gen):

@@ -1,22 +1,23 @@
 #!/usr/bin/env python3
-"""Decode tokens/s on an idle machine and beside a CPU hog, for several threading setups (issue 9).
+"""Decode tokens/s on an idle machine and beside CPU hogs, for several threading setups (issue 9).
 
-    python tools/bench_busy.py MODEL.gguf [--n-gen 64] [--rounds 3] [--hogs 1] [--explore]
+    python tools/bench_busy.py MODEL.gguf [--n-gen 64] [--rounds 3] [--hogs 1 2] [--explore]
 
 OpenMP reads its wait policy once, when the kernels' runtime (libgomp) loads, so every setup runs in
 a fresh child process with its own environment. Setups, interleaved round by round within each
-condition (idle, then with ``--hogs`` processes running ``while True: pass``):
+condition (idle, then with each ``--hogs`` count of processes running ``while True: pass``):
 
-- ``before``: what pyinfer did until issue 9: every logical CPU as threads (``os.cpu_count()``)
-  and libgomp's default wait (spin 300,000 times before sleeping; set explicitly as
-  GOMP_SPINCOUNT=300000, which pyinfer then leaves alone), and the same with ``-t 1``.
-- ``after``: pyinfer's defaults now (no thread count, no OpenMP variables: pyinfer picks both),
-  and the same with ``-t 1``.
-- ``--explore`` adds other spin counts at the default thread count.
+- ``passive``: pyinfer's default from issue 9 to session 5 (OMP_WAIT_POLICY=PASSIVE: a waiting
+  thread sleeps at once), default thread count.
+- ``spin, no governor``: libgomp's default wait (spin about 300,000 times, then sleep) with every
+  pass on the default thread count (PYINFER_ADAPTIVE_THREADS=0): what pyinfer did before issue 9.
+- ``defaults``: pyinfer's defaults now (spin, and the thread governor of ``pyinfer.threads``).
+- ``-t 1``: defaults with one thread.
+- ``--explore`` adds passive waiting at -t 1 and other spin counts without the governor.
 
 Each child loads the model once, decodes one warm-up run and then ``--reps`` runs of ``--n-gen``
-greedy tokens after an 8-token prompt, and reports the median; the table gives the median over
-rounds, and the range.
+greedy tokens after an 8-token prompt, and reports the median and the share of passes the governor
+ran on fewer threads; the table gives the median over rounds, and the range.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ import sys
 import time
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-OMP_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")
+OMP_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS", "PYINFER_ADAPTIVE_THREADS")
 
 
 def child(model: str, threads: int | None, n_gen: int, reps: int) -> None:
@@ -42,6 +43,8 @@ def child(model: str, threads: int | None, n_gen: int, reps: int) -> None:
     ids = eng.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4)[:8]
     rates = []
     for i in range(reps + 1):
+        if i == 1:
+            eng.reset_stats()
         eng.reset()
         logits = eng.eval_prompt(ids)
         t0 = time.perf_counter()
@@ -49,19 +52,22 @@ def child(model: str, threads: int | None, n_gen: int, reps: int) -> None:
             logits = eng.eval_token(int(np.argmax(logits)))
         if i:
             rates.append(n_gen / (time.perf_counter() - t0))
-    print(json.dumps({"tok_s": statistics.median(rates), "threads": eng.n_threads}))
+    t = eng.timings
+    print(json.dumps({"tok_s": statistics.median(rates), "threads": eng.n_threads,
+                      "reduced": t.passes_reduced / max(1, t.passes)}))
 
 
 def setups(explore: bool) -> list[tuple[str, dict, int | None]]:
     """(label, OpenMP variables, -t or None for pyinfer's default)."""
-    spin = {"GOMP_SPINCOUNT": "300000"}
-    out = [("before: spin, -t = all CPUs", spin, os.cpu_count()),
-           ("before: spin, -t 1", spin, 1),
-           ("after: defaults", {}, None),
-           ("after: -t 1", {}, 1)]
+    out = [("passive", {"OMP_WAIT_POLICY": "PASSIVE"}, None),
+           ("spin, no governor", {"PYINFER_ADAPTIVE_THREADS": "0"}, None),
+           ("defaults", {}, None),
+           ("-t 1", {}, 1)]
     if explore:
-        out += [(f"GOMP_SPINCOUNT={n}, default -t", {"GOMP_SPINCOUNT": n}, None)
-                for n in ("0", "1000", "10000", "30000")]
+        out += [("passive, -t 1", {"OMP_WAIT_POLICY": "PASSIVE"}, 1)]
+        out += [(f"GOMP_SPINCOUNT={n}, no governor",
+                 {"GOMP_SPINCOUNT": n, "PYINFER_ADAPTIVE_THREADS": "0"}, None)
+                for n in ("1000", "10000", "30000")]
     return out
 
 
@@ -82,26 +88,27 @@ def main(argv=None):
     ap.add_argument("--n-gen", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--hogs", type=int, default=1)
+    ap.add_argument("--hogs", type=int, nargs="+", default=[1])
     ap.add_argument("--explore", action="store_true")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         return child(args.model, args.threads, args.n_gen, args.reps)
-    print("| condition | setup | threads | decode tokens/s (median) | range |")
-    print("|---|---|---|---|---|")
-    for hogs in (0, args.hogs):
+    print("| condition | setup | -t | decode tokens/s (median) | range | passes on fewer threads |")
+    print("|---|---|---|---|---|---|")
+    for hogs in (0, *args.hogs):
         procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
                  for _ in range(hogs)]
         try:
             res = {s[0]: [] for s in setups(args.explore)}
-            used = {}
+            used, reduced = {}, {}
             for _ in range(args.rounds):
                 for label, env_vars, threads in setups(args.explore):
                     r = run_child(args.model, env_vars, threads, args.n_gen, args.reps)
                     res[label].append(r["tok_s"])
                     used[label] = r["threads"]
+                    reduced.setdefault(label, []).append(r["reduced"])
         finally:
             for p in procs:
                 p.kill()
@@ -109,7 +116,8 @@ def main(argv=None):
         cond = "idle" if hogs == 0 else f"{hogs} CPU hog" + ("s" if hogs > 1 else "")
         for label, rates in res.items():
             print(f"| {cond} | {label} | {used[label]} | {statistics.median(rates):.1f} | "
-                  f"{min(rates):.1f}-{max(rates):.1f} |", flush=True)
+                  f"{min(rates):.1f}-{max(rates):.1f} | "
+                  f"{100 * statistics.median(reduced[label]):.0f}% |", flush=True)
 
 
 if __name__ == "__main__":
