@@ -19,6 +19,7 @@ import numpy as np
 
 from pyinfer import __version__
 from pyinfer import constants as C
+from pyinfer.config import FamilyTraits
 from pyinfer.errors import PyinferError
 
 from . import warn
@@ -269,11 +270,11 @@ def _cfg_bool(cfg: dict[str, Any], key: str, default: bool) -> bool:
 
 
 @dataclass(frozen=True)
-class LlamaHParams:
+class LlamaHParams(FamilyTraits):
     """Hyper-parameters of every family pyinfer converts (named after the one it started with).
 
-    The fields after ``tied`` say where a family departs from Llama (see ``ModelConfig``);
-    ``attn_bias`` / ``attn_out_bias`` / ``ffn_bias``: which linear layers carry biases."""
+    ``FamilyTraits`` (shared with the runtime's ``ModelConfig``) say where a family departs from
+    Llama; ``attn_bias`` / ``attn_out_bias`` / ``ffn_bias``: which linear layers carry biases."""
 
     n_embd: int
     n_ff: int
@@ -287,25 +288,12 @@ class LlamaHParams:
     rope_theta: float
     hidden_act: str
     tied: bool
-    family: str = "llama"
-    norm: str = "rms"
-    positions: str = "rope"
-    parallel_block: bool = False
-    ffn_gated: bool = True
-    ffn_up_act: str = ""
-    act_shift: float = 0.0
-    sliding_window: int = 0
-    swa_layers: tuple = ()
     attn_bias: bool = False
     attn_out_bias: bool = False
     ffn_bias: bool = False
     rope_freqs: Any = None  # (head_dim/2,) f32 or None
     falcon_qkv: str = ""  # Falcon's fused QKV layout: "grouped" (new arch), "mqa", "interleaved"
     falcon_norms: int = 0  # Falcon: 2 = ln_attn + ln_mlp, 1 = input_layernorm shared by both
-    embd_scale: float = 1.0  # Gemma 3: sqrt(n_embd)
-    attn_scale: float = 0.0  # Gemma 3: query_pre_attn_scalar^-0.5 (0: head_dim^-0.5)
-    final_softcap: float = 0.0  # Gemma 3: final_logit_softcapping (0: none)
-    rope_theta_swa: float = 0.0  # Gemma 3: RoPE base of the sliding-window layers
 
     @classmethod
     def from_config(cls, cfg: Any) -> "LlamaHParams":
@@ -423,7 +411,7 @@ class LlamaHParams:
                    tied=_cfg_bool(cfg, "tie_word_embeddings", True), family="gemma3",
                    sliding_window=window, swa_layers=flags,
                    embd_scale=float(np.float32(n_embd ** 0.5)), attn_scale=scalar ** -0.5,
-                   final_softcap=cap, rope_theta_swa=theta_swa)
+                   final_softcap=cap, rope_freq_base_swa=theta_swa)
 
     @classmethod
     def _opt(cls, cfg: dict[str, Any]) -> "LlamaHParams":
@@ -605,7 +593,7 @@ def plan_hf(model_dir: str, outtype: str, allow_unused: bool = False) -> tuple[M
     if hp.family == "gemma3":
         meta.f32(C.K_EMBD_SCALE, hp.embd_scale)
         meta.f32(C.K_ATTN_SCALE, hp.attn_scale)
-        meta.f32(C.K_ROPE_FREQ_BASE_SWA, hp.rope_theta_swa)
+        meta.f32(C.K_ROPE_FREQ_BASE_SWA, hp.rope_freq_base_swa)
         if hp.final_softcap:
             meta.f32(C.K_FINAL_SOFTCAP, hp.final_softcap)
     if hp.sliding_window:

@@ -62,22 +62,46 @@ def _check_kind(f, key: str, kind: type, item: type | None):
         raise PyinferError(f"GGUF metadata {key!r} is stored as {stored}, expected {want}")
 
 
+@dataclass(frozen=True, kw_only=True)
+class FamilyTraits:
+    """Where a model family departs from Llama: the fields pyinfer's converter (``convert.hf``'s
+    ``LlamaHParams``) and runtime (``ModelConfig``) share, with Llama's values as defaults.
+
+    ``norm``: "rms" or "layer" (LayerNorm). ``positions``: "rope" or "learned" (position_embd
+    rows, OPT). ``parallel_block``: x + attn(norm(x)) + ffn(norm2(x)) (Falcon). ``ffn_gated``
+    False: down(act(up h + b)) + b (OPT, Falcon). ``ffn_up_act`` "relu": relu on up too (dReLU).
+    ``act_shift``: fatrelu's threshold (ProSparse). ``sliding_window`` W > 0: a query at position p
+    sees keys at p-W+1..p in the layers where ``swa_layers`` is set (transformers' ``kv_idx >
+    q_idx - sliding_window``). Gemma 3: ``embd_scale`` multiplies the token embeddings
+    (sqrt(n_embd)); ``attn_scale`` is the attention score scale (0: head_dim^-0.5; Gemma:
+    query_pre_attn_scalar^-0.5); ``final_softcap`` c > 0 gives logits c * tanh(logits / c);
+    ``rope_freq_base_swa`` (0: rope_freq_base) is the RoPE base of the sliding-window layers.
+    """
+
+    family: str = "llama"
+    norm: str = "rms"
+    positions: str = "rope"
+    parallel_block: bool = False
+    ffn_gated: bool = True
+    ffn_up_act: str = ""
+    act_shift: float = 0.0
+    sliding_window: int = 0
+    swa_layers: tuple = ()  # (n_layer,) bools; () = every layer when sliding_window > 0
+    embd_scale: float = 1.0
+    attn_scale: float = 0.0
+    final_softcap: float = 0.0
+    rope_freq_base_swa: float = 0.0
+
+
 @dataclass(frozen=True)
-class ModelConfig:
-    """Hyper-parameters of a decoder-only model as pyinfer runs it (Llama and the families that
-    depart from it in the fields after ``name``).
+class ModelConfig(FamilyTraits):
+    """Hyper-parameters of a decoder-only model as pyinfer runs it: Llama's, and the
+    ``FamilyTraits`` of the families that depart from it.
 
     Sizes are counts (not bytes). ``hidden_act``: "silu" (SwiGLU), "relu" (ReGLU, or dReLU when
     ``ffn_up_act`` is "relu"), "gelu" (exact, erf) or "fatrelu" (g if g > act_shift else 0,
     ProSparse). ``rms_eps`` is the epsilon of the model's norm, RMSNorm or (``norm`` "layer")
-    LayerNorm. ``positions``: "rope" or "learned" (position_embd rows, OPT). ``parallel_block``:
-    x + attn(norm(x)) + ffn(norm2(x)) (Falcon). ``ffn_gated`` False: down(act(up h + b)) + b
-    (OPT, Falcon). ``sliding_window`` W > 0: a query at position p sees keys at p-W+1..p in the
-    layers where ``swa_layers`` is set (transformers' ``kv_idx > q_idx - sliding_window``).
-    Gemma 3: ``embd_scale`` multiplies the token embeddings (sqrt(n_embd)); ``attn_scale`` is the
-    attention score scale (0: head_dim^-0.5; Gemma: query_pre_attn_scalar^-0.5); ``final_softcap``
-    c > 0 gives logits c * tanh(logits / c); ``rope_freq_base_swa`` (0: rope_freq_base) is the RoPE
-    base of the sliding-window layers. Its q/k and post-sublayer norms live in the weights.
+    LayerNorm. Gemma 3's q/k and post-sublayer norms live in the weights.
     """
 
     n_vocab: int
@@ -93,19 +117,6 @@ class ModelConfig:
     hidden_act: str
     tied_embeddings: bool
     name: str = ""
-    family: str = "llama"
-    norm: str = "rms"
-    positions: str = "rope"
-    parallel_block: bool = False
-    ffn_gated: bool = True
-    ffn_up_act: str = ""
-    act_shift: float = 0.0
-    sliding_window: int = 0
-    swa_layers: tuple = ()  # (n_layer,) bools; () = every layer when sliding_window > 0
-    embd_scale: float = 1.0
-    attn_scale: float = 0.0
-    final_softcap: float = 0.0
-    rope_freq_base_swa: float = 0.0
     n_gqa: int = field(init=False)  # query heads per KV head
     n_embd_q: int = field(init=False)  # n_head * head_dim
     n_embd_kv: int = field(init=False)  # n_head_kv * head_dim
