@@ -13,7 +13,7 @@ So pyinfer keeps libgomp's spinning default (``pyinfer/__init__.py``) and this g
 the team no larger than the CPUs that are free: before a pass, at most every ``SAMPLE_S``
 seconds, it counts the runnable threads of the whole machine (``/proc/loadavg``, 4th field,
 the kernel's nr_running) minus this process's own runnable threads (state R in
-``/proc/self/task/*/stat``), and runs ``clamp(cpus - others, 1, n_threads)`` threads, where
+``/proc/self/task/*/stat``, at most as many as the team), and runs ``clamp(cpus - others, 1, n_threads)`` threads, where
 cpus is the size of the affinity mask. It lowers the count at once and raises it only after
 the room has lasted ``HOLD_S`` (doubled, up to ``HOLD_MAX_S``, each time a raise is undone
 within ``FLAP_S``), so a machine whose load comes and goes does not flap. Kernel results do
@@ -40,9 +40,12 @@ HOLD_MAX_S = 5.0
 FLAP_S = 1.0
 
 
-def runnable_others() -> int | None:
-    """Runnable threads of other processes on this machine now (the kernel's nr_running from
-    /proc/loadavg minus this process's threads in state R), or None where /proc cannot say."""
+def runnable_others(team: int = 1) -> int | None:
+    """Runnable threads on this machine now that are not this process's kernel team: the
+    kernel's nr_running (/proc/loadavg) minus this process's threads in state R, of which at
+    most ``team`` (the calling thread and its spinning OpenMP workers) are the team; any more (a
+    server's event loop, say) compete for the CPUs like another process's. None where /proc
+    cannot say."""
     try:
         with open("/proc/loadavg") as f:
             running = int(f.read().split()[3].split("/")[0])
@@ -56,7 +59,7 @@ def runnable_others() -> int | None:
             ours += stat[stat.rindex(")") + 2] == "R"
     except (OSError, ValueError, IndexError):
         return None
-    return max(0, running - ours)
+    return max(0, running - min(ours, team))
 
 
 def spinning_waits(environ=os.environ) -> bool:
@@ -74,8 +77,8 @@ class ThreadGovernor:
 
     n_threads: the most threads a pass may use (``-t``). cpus: CPUs this process may run on
     (default: the affinity mask). enabled: None decides as the module docstring says. clock and
-    sample are injectable for tests: clock() -> seconds, sample() -> runnable threads of other
-    processes (or None: unknown, no change).
+    sample are injectable for tests: clock() -> seconds, sample(team) -> runnable threads
+    outside the current team of ``team`` threads (``runnable_others``; None: unknown).
     """
 
     def __init__(self, n_threads: int, *, cpus: int | None = None, enabled: bool | None = None,
@@ -90,7 +93,7 @@ class ThreadGovernor:
         if enabled is None:
             enabled = (n_threads > 1 and spinning_waits()
                        and os.environ.get("PYINFER_ADAPTIVE_THREADS", "1") != "0"
-                       and sample() is not None)
+                       and sample(1) is not None)
         self.enabled = enabled
         self.clock, self.sample = clock, sample
         self.n = n_threads  # threads of the next pass
@@ -105,7 +108,7 @@ class ThreadGovernor:
             now = self.clock()
             if now - self._last_look >= SAMPLE_S:
                 self._last_look = now
-                others = self.sample()
+                others = self.sample(self.n)
                 if others is not None:
                     self._decide(max(1, min(self.n_max, self.cpus - others)), now)
         return self.n

@@ -236,7 +236,7 @@ def _governor(n_threads, cpus, load):
 
     clock = _Clock()
     return ThreadGovernor(n_threads, cpus=cpus, enabled=True, clock=clock,
-                          sample=lambda: load[0]), clock
+                          sample=lambda team: load[0]), clock
 
 
 def _run(gov, clock, seconds, step=0.011):
@@ -289,14 +289,14 @@ def test_governor_off_where_nothing_spins(monkeypatch):
     from pyinfer.threads import ThreadGovernor
 
     monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
-    assert not ThreadGovernor(2, sample=lambda: 5).enabled
+    assert not ThreadGovernor(2, sample=lambda team: 5).enabled
     monkeypatch.delenv("OMP_WAIT_POLICY")
     monkeypatch.setenv("PYINFER_ADAPTIVE_THREADS", "0")
-    assert not ThreadGovernor(2, sample=lambda: 5).enabled
+    assert not ThreadGovernor(2, sample=lambda team: 5).enabled
     monkeypatch.delenv("PYINFER_ADAPTIVE_THREADS")
-    assert not ThreadGovernor(1, sample=lambda: 5).enabled
-    assert not ThreadGovernor(2, sample=lambda: None).enabled  # no /proc/loadavg
-    gov = ThreadGovernor(2, sample=lambda: 5)
+    assert not ThreadGovernor(1, sample=lambda team: 5).enabled
+    assert not ThreadGovernor(2, sample=lambda team: None).enabled  # no /proc/loadavg
+    gov = ThreadGovernor(2, sample=lambda team: 5)
     assert gov.enabled and gov.begin() == 1
 
 
