@@ -70,6 +70,13 @@ extensions = [
         extra_link_args=link_args,
         define_macros=macros,
     ),
+    Extension(  # the K-quant quantizers of the converter (pyinfer/quants.py)
+        "pyinfer.ops._quantize",
+        ["cython/quantize.pyx"],
+        include_dirs=["cython"],
+        extra_compile_args=compile_args,
+        extra_link_args=link_args,
+    ),
 ]
 
 setup(
