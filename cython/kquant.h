@@ -20,15 +20,13 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__F16C__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
+#include "simd.h" /* pi_f16_to_f32, pi_hsum, PI_SIMD (AVX2 + FMA + F16C) */
 
 #define KQ_QK 256
 
 /* f32 -> f16 bits, round to nearest even (as NumPy's astype(float16) and ggml's FP32_TO_FP16) */
 static inline uint16_t kq_f32_to_f16(float f) {
-#if defined(__F16C__)
+#if PI_SIMD
     return (uint16_t)_cvtss_sh(f, 0);
 #else
     uint32_t x, sign, ax, h, rest;
@@ -49,27 +47,23 @@ static inline uint16_t kq_f32_to_f16(float f) {
 #endif
 }
 
-static inline float kq_f16_to_f32(uint16_t h) {
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 31u, m = h & 0x3ffu, x;
-    float f;
-    if (e == 0) { /* zero or subnormal: m * 2^-24 */
-        f = (float)m * (1.0f / 16777216.0f);
-        memcpy(&x, &f, 4);
-        x |= sign;
-    } else if (e == 31) {
-        x = sign | 0x7f800000u | (m << 13);
-    } else {
-        x = sign | ((e + 112u) << 23) | (m << 13);
-    }
-    memcpy(&f, &x, 4);
-    return f;
-#endif
-}
-
 static inline int kq_clamp(int v, int lo, int hi) { return v < lo ? lo : (v > hi ? hi : v); }
+
+/* The least-squares scale and offset of x ~ ts * l + tm from the weighted sums (sum_w, sum_x,
+ * sl = sum w l, sl2 = sum w l^2, sxl = sum w l x), the offset kept <= 0 (refit without it when it
+ * comes out positive). Returns 0 when the system is singular (D <= 0). */
+static inline int kq_fit(float sum_w, float sum_x, float sl, float sl2, float sxl, float *ts,
+                         float *tm) {
+    float D = sum_w * sl2 - sl * sl;
+    if (!(D > 0)) return 0;
+    *ts = (sum_w * sxl - sum_x * sl) / D;
+    *tm = (sl2 * sum_x - sl * sxl) / D;
+    if (*tm > 0) {
+        *tm = 0;
+        *ts = sxl / sl2;
+    }
+    return 1;
+}
 
 /* make_qkx2 (squared error): x ~ scale * L - the_min with L in 0..nmax over n values weighted
  * by w; returns scale, writes the_min. The offset found best so far is the one the next
@@ -105,14 +99,8 @@ static inline float kq_qkx2(const float *x, const float *w, int n, int nmax, flo
             sl2 += w[i] * l * l;
             sxl += w[i] * l * x[i];
         }
-        float D = sum_w * sl2 - sl * sl;
-        if (D > 0) {
-            float ts = (sum_w * sxl - sum_x * sl) / D;
-            float tm = (sl2 * sum_x - sl * sxl) / D;
-            if (tm > 0) {
-                tm = 0;
-                ts = sxl / sl2;
-            }
+        float ts, tm;
+        if (kq_fit(sum_w, sum_x, sl, sl2, sxl, &ts, &tm)) {
             float err = 0;
             for (int i = 0; i < n; i++) {
                 float diff = ts * la[i] + tm - x[i];
@@ -130,15 +118,7 @@ static inline float kq_qkx2(const float *x, const float *w, int n, int nmax, flo
 }
 
 
-#if defined(__AVX2__) && defined(__FMA__)
-/* Horizontal sum of 8 lanes: (l0+l4, l1+l5, ...) then pairs, then the last two. */
-static inline float kq_hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
+#if PI_SIMD
 /* kq_qkx2 for n = 32 in AVX2: the same search; sums run per lane (i mod 8) over the four
  * vectors, then across lanes, so a block can differ from the scalar order where candidates tie. */
 static float kq_qkx2_32(const float *x, const float *w, int nmax, float rmin, float rdelta,
@@ -163,7 +143,7 @@ static float kq_qkx2_32(const float *x, const float *w, int nmax, float rmin, fl
             if (u[i] > hi) hi = u[i];
         }
     }
-    float sum_w = kq_hsum(vsw), sum_x = kq_hsum(vsx);
+    float sum_w = pi_hsum(vsw), sum_x = pi_hsum(vsx);
     if (lo > 0) lo = 0;
     if (hi == lo) {
         *the_min = -lo;
@@ -180,7 +160,7 @@ static float kq_qkx2_32(const float *x, const float *w, int nmax, float rmin, fl
         __m256 d = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(vsc, l), vlo1), X[k]);
         verr = _mm256_add_ps(verr, _mm256_mul_ps(W[k], _mm256_mul_ps(d, d)));
     }
-    float best = kq_hsum(verr);
+    float best = pi_hsum(verr);
     for (int is = 0; is <= nstep; is++) {
         iscale = (rmin + rdelta * is + nmax) / (hi - lo);
         vis = _mm256_set1_ps(iscale);
@@ -196,21 +176,14 @@ static float kq_qkx2_32(const float *x, const float *w, int nmax, float rmin, fl
             sl2 = _mm256_add_ps(sl2, _mm256_mul_ps(wl, l));
             sxl = _mm256_add_ps(sxl, _mm256_mul_ps(wl, X[k]));
         }
-        float fsl = kq_hsum(sl), fsl2 = kq_hsum(sl2), fsxl = kq_hsum(sxl);
-        float D = sum_w * fsl2 - fsl * fsl;
-        if (D > 0) {
-            float ts = (sum_w * fsxl - sum_x * fsl) / D;
-            float tm = (fsl2 * sum_x - fsl * fsxl) / D;
-            if (tm > 0) {
-                tm = 0;
-                ts = fsxl / fsl2;
-            }
+        float ts, tm;
+        if (kq_fit(sum_w, sum_x, pi_hsum(sl), pi_hsum(sl2), pi_hsum(sxl), &ts, &tm)) {
             __m256 vts = _mm256_set1_ps(ts), vtm = _mm256_set1_ps(tm), ve = zero;
             for (int k = 0; k < 4; k++) {
                 __m256 d = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(vts, La[k]), vtm), X[k]);
                 ve = _mm256_add_ps(ve, _mm256_mul_ps(W[k], _mm256_mul_ps(d, d)));
             }
-            float err = kq_hsum(ve);
+            float err = pi_hsum(ve);
             if (err < best) {
                 best = err;
                 scale = ts;
@@ -247,8 +220,8 @@ static float kq_qx_rmse1_16(const float *x) {
         __m256 l1 = _mm256_round_ps(_mm256_mul_ps(vis, X1), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         l0 = _mm256_min_ps(_mm256_max_ps(l0, lo), hi);
         l1 = _mm256_min_ps(_mm256_max_ps(l1, lo), hi);
-        float sumlx = kq_hsum(_mm256_add_ps(_mm256_mul_ps(WX0, l0), _mm256_mul_ps(WX1, l1)));
-        float suml2 = kq_hsum(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(W0, l0), l0),
+        float sumlx = pi_hsum(_mm256_add_ps(_mm256_mul_ps(WX0, l0), _mm256_mul_ps(WX1, l1)));
+        float suml2 = pi_hsum(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(W0, l0), l0),
                                             _mm256_mul_ps(_mm256_mul_ps(W1, l1), l1)));
         if (step == 0) {
             scale = suml2 != 0 ? sumlx / suml2 : 0.0f;
@@ -291,7 +264,7 @@ static void kq_quantize_q45_k(const float *x, uint8_t *out, int nmax) {
         lm[j] = (uint8_t)(b < 63 ? b : 63);
     }
     uint16_t d16 = kq_f32_to_f16(max_scale / 63), m16 = kq_f32_to_f16(max_min / 63);
-    float d = kq_f16_to_f32(d16), dmin = kq_f16_to_f32(m16);
+    float d = pi_f16_to_f32(d16), dmin = pi_f16_to_f32(m16);
     for (int j = 0; j < 8; j++) {
         float dj = d * ls[j], mj = dmin * lm[j];
         for (int l = 0; l < 32; l++)
@@ -375,7 +348,7 @@ static void kq_quantize_q6_k(const float *x, uint8_t *out) {
     }
     float iscale = -128.0f / max_scale;
     uint16_t d16 = kq_f32_to_f16(1 / iscale);
-    float d = kq_f16_to_f32(d16);
+    float d = pi_f16_to_f32(d16);
     int8_t *sc = (int8_t *)(out + 192);
     for (int ib = 0; ib < 16; ib++) {
         int s = (int)lrintf(iscale * scales[ib]);
