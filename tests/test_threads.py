@@ -230,13 +230,28 @@ class _Clock:
         return self.t
 
 
-def _governor(n_threads, cpus, load):
-    """A governor on a fake clock whose machine has ``load[0]`` runnable other threads."""
+class _Machine:
+    """A fake machine: ``others`` runnable threads of other processes, and this process's
+    run-queue delay growing at ``wait`` CPUs' worth (None: no schedstat)."""
+
+    def __init__(self, clock, others=0, wait=0.0):
+        self.clock, self.others, self.wait = clock, others, wait
+        self.delay_ns, self._t = 0, 0.0
+
+    def __call__(self, team):
+        if self.wait is None:
+            return self.others, None
+        self.delay_ns += int((self.clock.t - self._t) * self.wait * 1e9)
+        self._t = self.clock.t
+        return self.others, self.delay_ns
+
+
+def _governor(n_threads, cpus, **machine):
     from pyinfer.threads import ThreadGovernor
 
     clock = _Clock()
-    return ThreadGovernor(n_threads, cpus=cpus, enabled=True, clock=clock,
-                          sample=lambda team: load[0]), clock
+    m = _Machine(clock, **machine)
+    return ThreadGovernor(n_threads, cpus=cpus, enabled=True, clock=clock, sample=m), clock, m
 
 
 def _run(gov, clock, seconds, step=0.011):
@@ -249,36 +264,69 @@ def _run(gov, clock, seconds, step=0.011):
     return counts
 
 
-def test_governor_keeps_team_within_free_cpus():
+def test_governor_counts_the_run_queue_without_schedstat():
     from pyinfer.threads import HOLD_S
 
-    load = [0]
-    gov, clock = _governor(4, 8, load)
+    gov, clock, m = _governor(4, 8, wait=None)
     assert set(_run(gov, clock, 1.0)) == {4}  # idle: all asked
-    load[0] = 6  # six other runnable threads on 8 CPUs: two fit, at once
+    m.others = 6  # six other runnable threads on 8 CPUs: two fit, at once
     assert _run(gov, clock, 0.06)[-1] == 2
-    load[0] = 8
+    m.others = 8
     assert _run(gov, clock, 0.06)[-1] == 1  # never below one
-    load[0] = 0  # room again: the team grows only after the room lasted HOLD_S
+    m.others = 0  # room again: the team grows only after the room lasted HOLD_S
     counts = _run(gov, clock, HOLD_S + 0.2)
     assert counts[0] == 1 and counts[-1] == 4
     assert sum(c == 1 for c in counts) * 0.011 >= HOLD_S - 0.06
 
 
+def test_governor_shrinks_when_preempted_not_when_merely_crowded():
+    """With schedstat, runnable work that does not delay the team (niced jobs) leaves it whole;
+    a team that waits for CPUs shrinks, even where the run queue shows nobody else."""
+    from pyinfer.threads import PROBE_S
+
+    gov, clock, m = _governor(2, 2, others=2, wait=0.06)  # two niced jobs: 3% of 2 threads
+    counts = _run(gov, clock, PROBE_S + 3.0)
+    assert counts[0] == 1  # the first look has no delay window: the count decides
+    assert set(counts[int((PROBE_S + 0.2) / 0.011):]) == {2}  # a probe finds the team unharmed
+    m.others, m.wait = 0, 0.7  # preempted (another VM, say), the run queue looks empty
+    assert _run(gov, clock, 0.2)[-1] == 1
+
+
+def test_governor_probes_back_and_backs_off():
+    from pyinfer.threads import PROBE_S
+
+    gov, clock, m = _governor(2, 2, others=1, wait=0.67)  # a normal busy loop
+    assert _run(gov, clock, 0.2)[-1] == 1
+    m.wait = 0.0  # alone on its CPU now, the count still shows the busy loop
+    probes = []
+    for _ in range(4):
+        counts = _run(gov, clock, 0.0)
+        while gov.begin() == 1:
+            clock.t += 0.011
+        probes.append(clock.t)
+        m.wait = 0.67 * 2  # the probe is harmed: back to one thread, and a longer wait
+        _run(gov, clock, 0.12)
+        assert gov.n == 1
+        m.wait = 0.0
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps[0] >= PROBE_S and all(b > 1.5 * a for a, b in zip(gaps, gaps[1:])), gaps
+    m.others = 0  # the busy loop ends: room by the count, the team grows after the hold
+    assert _run(gov, clock, 6.0)[-1] == 2
+
+
 def test_governor_hold_doubles_when_it_flaps():
     from pyinfer.threads import HOLD_MAX_S, HOLD_S
 
-    load = [1]
-    gov, clock = _governor(2, 2, load)
+    gov, clock, m = _governor(2, 2, others=1, wait=None)
     holds = []
     for _ in range(8):  # the other process comes back each time the team grows
-        load[0] = 0
+        m.others = 0
         for _ in range(1000):
             if gov.begin() == 2:
                 break
             clock.t += 0.011
         holds.append(gov.hold)
-        load[0] = 1
+        m.others = 1
         _run(gov, clock, 0.1)
         assert gov.n == 1
     assert gov.hold == HOLD_MAX_S and holds[0] == HOLD_S
@@ -288,21 +336,23 @@ def test_governor_hold_doubles_when_it_flaps():
 def test_governor_off_where_nothing_spins(monkeypatch):
     from pyinfer.threads import ThreadGovernor
 
+    busy = lambda team: (5, None)  # noqa: E731
     monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
-    assert not ThreadGovernor(2, sample=lambda team: 5).enabled
+    assert not ThreadGovernor(2, sample=busy).enabled
     monkeypatch.delenv("OMP_WAIT_POLICY")
     monkeypatch.setenv("PYINFER_ADAPTIVE_THREADS", "0")
-    assert not ThreadGovernor(2, sample=lambda team: 5).enabled
+    assert not ThreadGovernor(2, sample=busy).enabled
     monkeypatch.delenv("PYINFER_ADAPTIVE_THREADS")
-    assert not ThreadGovernor(1, sample=lambda team: 5).enabled
+    assert not ThreadGovernor(1, sample=busy).enabled
     assert not ThreadGovernor(2, sample=lambda team: None).enabled  # no /proc/loadavg
-    gov = ThreadGovernor(2, sample=lambda team: 5)
+    gov = ThreadGovernor(2, sample=busy)
     assert gov.enabled and gov.begin() == 1
 
 
 def test_governor_sees_cpu_hogs(sparse_gguf):
     """With as many busy processes as CPUs, the kernel's run queue (/proc/loadavg) shows them,
-    and an engine asked for 2 threads decodes on 1; the same greedy tokens as without them."""
+    the team waits for CPUs (schedstat), and an engine asked for 2 threads decodes on 1; the
+    same greedy tokens as without them."""
     import os
     import subprocess
     import sys
@@ -329,7 +379,7 @@ def test_governor_sees_cpu_hogs(sparse_gguf):
         eng.reset_stats()
         got = list(eng.generate(prompt, greedy, max_tokens=24, seed=0, ignore_eos=True))
         t = eng.timings
-        assert t.passes == 24 and t.passes_reduced >= 23 and eng.model.n_threads == 1
+        assert t.passes == 24 and t.passes_reduced >= 20 and eng.model.n_threads == 1
     finally:
         for h in hogs:
             h.kill()

@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """Decode tokens/s on an idle machine and beside CPU hogs, for several threading setups (issue 9).
 
-    python tools/bench_busy.py MODEL.gguf [--n-gen 64] [--rounds 3] [--hogs 1 2] [--explore]
+    python tools/bench_busy.py MODEL.gguf [--n-gen 64] [--rounds 3] [--hogs 1 2] [--nice-hogs 2]
+        [--explore]
 
 OpenMP reads its wait policy once, when the kernels' runtime (libgomp) loads, so every setup runs in
 a fresh child process with its own environment. Setups, interleaved round by round within each
-condition (idle, then with each ``--hogs`` count of processes running ``while True: pass``):
+condition (idle, then with each ``--hogs`` count of processes running ``while True: pass``,
+then with ``--nice-hogs`` such processes under ``nice -n 19``):
 
 - ``passive``: pyinfer's default from issue 9 to session 5 (OMP_WAIT_POLICY=PASSIVE: a waiting
   thread sleeps at once), default thread count.
@@ -89,6 +91,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--hogs", type=int, nargs="+", default=[1])
+    ap.add_argument("--nice-hogs", type=int, default=0)
     ap.add_argument("--explore", action="store_true")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -97,8 +100,10 @@ def main(argv=None):
         return child(args.model, args.threads, args.n_gen, args.reps)
     print("| condition | setup | -t | decode tokens/s (median) | range | passes on fewer threads |")
     print("|---|---|---|---|---|---|")
-    for hogs in (0, *args.hogs):
-        procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    conditions = [(0, 0)] + [(h, 0) for h in args.hogs] + ([(args.nice_hogs, 19)]
+                                                          if args.nice_hogs else [])
+    for hogs, nice in conditions:
+        procs = [subprocess.Popen(["nice", "-n", str(nice), sys.executable, "-c", "while True: pass"])
                  for _ in range(hogs)]
         try:
             res = {s[0]: [] for s in setups(args.explore)}
@@ -114,6 +119,8 @@ def main(argv=None):
                 p.kill()
                 p.wait()
         cond = "idle" if hogs == 0 else f"{hogs} CPU hog" + ("s" if hogs > 1 else "")
+        if nice:
+            cond += f" at nice {nice}"
         for label, rates in res.items():
             print(f"| {cond} | {label} | {used[label]} | {statistics.median(rates):.1f} | "
                   f"{min(rates):.1f}-{max(rates):.1f} | "
