@@ -180,7 +180,7 @@ def load_hf_state_dict(model_dir: str) -> dict:
 
 
 def write_llamacpp_gguf(model_dir: str, out_path: str, qtype: str = "f32",
-                        down_qtype: str | None = None) -> None:
+                        down_qtype: str | None = None, qtype_of=None) -> None:
     """Write ``model_dir`` (from `make_random_llama`) as llama.cpp's convert_hf_to_gguf.py would.
 
     Q/K rows permuted for llama.cpp's RoPE (its ``LlamaModel.permute``), ``ffn_down`` untransposed,
@@ -188,6 +188,8 @@ def write_llamacpp_gguf(model_dir: str, out_path: str, qtype: str = "f32",
     ``down_qtype`` when given (a mix like llama.cpp's Q4_K_M, whose ffn_down is Q6_K), norms f32. The
     tokenizer keys are copied from a pyinfer conversion of the same directory, so this needs the
     converter (it is a fixture for testing the converter's GGUF path without llama.cpp).
+    ``qtype_of(name, (rows, cols))``, when given, picks the type name of each 2-D tensor (None:
+    the default above), for a per-tensor mix such as the one llama-quantize writes.
     """
     import tempfile
 
@@ -227,6 +229,8 @@ def write_llamacpp_gguf(model_dir: str, out_path: str, qtype: str = "f32",
 
     def add(name: str, arr: "np.ndarray", qt=qt) -> None:
         arr = np.ascontiguousarray(arr, dtype=np.float32)
+        if qtype_of is not None and arr.ndim == 2 and qtype_of(name, arr.shape) is not None:
+            qt = C.OUTTYPES[qtype_of(name, arr.shape)]
         if arr.ndim == 1 or qt == gguf.GGMLQuantizationType.F32:
             w.add_tensor(name, arr)
         elif qt == gguf.GGMLQuantizationType.F16:

@@ -46,3 +46,30 @@ def test_make_convert_run(tmp_path, qtype):
         eng = Engine(path, n_ctx=32, n_threads=1, dense=True)
         logits = eng.model.forward([1, 5, 300 - 1, 7], 0)
         assert logits.shape == (300,) and np.all(np.isfinite(logits))
+
+
+def test_compare_and_llamacpp(tmp_path, capsys):
+    """``compare`` runs pyinfer's own file (dense and sparse) and the llama.cpp file as it is,
+    interleaved; ``llamacpp`` reads llama-bench's JSON (a stand-in script that prints what
+    llama-bench -o json prints: one object per test with n_prompt, n_gen and avg_ts)."""
+    from convert.cli import convert
+
+    src, conv = str(tmp_path / "src.gguf"), str(tmp_path / "conv.gguf")
+    make_7b.make(src, QT.Q4_0, 1, make_7b.RowPool(QT.Q4_0, 16, 0.02, 0), SMALL)
+    convert(src, conv, "auto", progress=False)
+    make_7b.compare(conv, src, None, 1, 8, 2, 0.5, 1)
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| pyinfer")]
+    assert len(rows) == 3 and "as it is" in rows[2] and "50% sparse" in rows[1]
+    for line in rows:
+        decode = float(line.split("|")[4])
+        assert np.isfinite(decode) and decode > 0, line
+    fake = tmp_path / "llama-bench"
+    fake.write_text("#!/bin/sh\n"
+                    "echo '[{\"n_prompt\": 32, \"n_gen\": 0, \"avg_ts\": 12.5},"
+                    " {\"n_prompt\": 0, \"n_gen\": 8, \"avg_ts\": 3.25}]'\n")
+    fake.chmod(0o755)
+    r = make_7b.llamacpp_bench(str(fake), src, 2, 32, 8, 1)
+    assert (r["pp"], r["tg"]) == (12.5, 3.25) and r["wall_s"] > 0 and r["peak_rss_mib"] > 0
+    fake.write_text("#!/bin/sh\necho 'error: failed to load model' >&2\nexit 1\n")
+    with pytest.raises(RuntimeError, match="failed to load model"):
+        make_7b.llamacpp_bench(str(fake), src, 2, 32, 8, 1)

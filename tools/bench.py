@@ -16,7 +16,8 @@ one at a time after an 8-token prompt (--no-decode skips it).
 --old-prefill adds, for each pyinfer file, a runner on the same engine with the prefill kernels from
 before issue 11's GEMM (pyinfer.ops._kernels.set_old_prefill; benchmarking only). --llama-bench runs
 llama.cpp's own llama-bench binary (built from source, not installed by the project) once per round
-as a subprocess (`-p N -n 0 -r 1 -o json`, its own warm-up run included, load time not counted).
+and test as a subprocess (`-p N -n 0` for prefill, `-p 0 -n N` for decode, `-r 1 -o json`, its own
+warm-up run included, load time not counted).
 """
 from __future__ import annotations
 
@@ -81,20 +82,28 @@ class OldPrefillRunner:
 
 
 class LlamaBenchRunner:
-    """llama.cpp's llama-bench binary, one repetition per call (prefill only)."""
+    """llama.cpp's llama-bench binary, one repetition per call: prefill is ``-p N -n 0``, decode
+    ``-p 0 -n N`` (llama-bench's "tg" test: N tokens one at a time from an empty cache, after its
+    own warm-up run). Load time is not counted."""
 
     def __init__(self, binary, path, threads, extra=()):
         self.binary, self.path, self.threads, self.extra = binary, path, threads, list(extra)
         self.name = "llama-bench " + os.path.basename(path)
 
-    def prefill(self, n_prompt):
-        cmd = [self.binary, "-m", self.path, "-p", str(n_prompt), "-n", "0", "-t",
+    def _run(self, n_prompt, n_gen):
+        cmd = [self.binary, "-m", self.path, "-p", str(n_prompt), "-n", str(n_gen), "-t",
                str(self.threads), "-r", "1", "-o", "json"] + self.extra
-        res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        env = dict(os.environ)  # its shared libraries sit beside it in a llama.cpp build
+        lib = os.path.dirname(os.path.abspath(self.binary))
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [lib, env.get("LD_LIBRARY_PATH")]))
+        res = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
         return float(json.loads(res.stdout)[0]["avg_ts"])
 
+    def prefill(self, n_prompt):
+        return self._run(n_prompt, 0)
+
     def decode(self, n_gen):
-        return float("nan")
+        return self._run(0, n_gen)
 
 
 class LlamaCppRunner:

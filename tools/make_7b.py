@@ -3,6 +3,8 @@
 
     python tools/make_7b.py make OUT.gguf --type q4_0|q4_k [--n-layer 32] [--direct PYINFER.gguf]
     python tools/make_7b.py bench PYINFER.gguf [--threads 2] [--n-gen 8] [--n-prompt 32]
+    python tools/make_7b.py llamacpp OUT.gguf --llama-bench BUILD/bin/llama-bench [--threads 2]
+    python tools/make_7b.py compare PYINFER.gguf OUT.gguf [--llama-bench BIN] [--threads 2]
 
 ``make`` writes a llama.cpp-style GGUF (architecture ``llama``, ``ffn_down`` as (n_embd, n_ff),
 Q/K rows in llama.cpp's order, a 32,000-token SentencePiece-style vocabulary) with Llama-2-7B's
@@ -26,7 +28,21 @@ and anonymous, from /proc/self/status) after loading and while decoding, prefill
 ``--n-prompt`` batch, and decode tokens/s of ``--n-gen`` tokens, dense and with a synthetic
 predictor that keeps 1 - ``--sparsity`` of the FFN neurons per token (tools/bench_sparse_cpu.py's
 power law), the two interleaved over ``--reps`` rounds (medians). Weights are memory-mapped: the
-anonymous RSS must stay near the KV cache and buffers, far below the file size.
+anonymous RSS must stay near the KV cache and buffers, far below the file size. Given the
+llama.cpp file itself (``make``'s output; pyinfer runs it as it is, ``pyinfer/llamacpp.py``),
+``bench`` measures it dense only (such a file has no ``ffn_down_t`` for the sparse FFN).
+
+``llamacpp`` runs llama.cpp's ``llama-bench`` on the same llama.cpp file (``-p N -n M -r R``, one
+process; llama-bench adds its own warm-up run of each test) and reports its prefill and decode
+tokens/s, the process's wall time (load, warm-ups and tests) and its peak RSS (ru_maxrss of
+this process's children: llama.cpp's default repacks q4_0/Q4_K weights into a copy at load, so its RSS is
+expected near the file size in anonymous memory).
+
+``compare`` interleaves, round by round (tools/bench.py's ``run``: one warm-up round, medians of
+``--reps``), pyinfer's own file dense and at ``--sparsity``, pyinfer on the llama.cpp file as it
+is, and ``llama-bench`` on that llama.cpp file (one repetition per call, so each call also loads
+the model), for prefill of ``--n-prompt`` tokens and decode of ``--n-gen`` tokens. On a shared
+machine this is the comparison to trust; ``bench`` and ``llamacpp`` add load time and memory.
 """
 from __future__ import annotations
 
@@ -37,6 +53,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 
 import gguf  # noqa: E402
 import numpy as np  # noqa: E402
@@ -181,6 +198,7 @@ def rss() -> dict:
 
 
 def bench(path: str, n_threads: int, n_prompt: int, n_gen: int, sparsity: float, reps: int):
+    """Print one Markdown table row for ``path`` (module docstring, ``bench``)."""
     from pyinfer.engine import Engine
     from pyinfer.ffn import SparseFFN
     from pyinfer.model import Model
@@ -192,10 +210,12 @@ def bench(path: str, n_threads: int, n_prompt: int, n_gen: int, sparsity: float,
     load_s = time.perf_counter() - t0
     rss_load = rss()
     cfg = eng.cfg
-    pred = SyntheticPredictor(np.random.default_rng(1), cfg.n_ff, 1 - sparsity)
-    # threshold -1: every predicted neuron is computed (the predictor alone sets the sparsity)
-    ffn = SparseFFN(cfg, [pred] * cfg.n_layer, np.full(cfg.n_layer, -1.0, np.float32))
-    sparse = Model(cfg, eng.weights, n_ctx=n_ctx, n_threads=n_threads, ffn=ffn)
+    sparse = ffn = None
+    if not eng.llamacpp:  # a llama.cpp file has no ffn_down_t: dense only
+        pred = SyntheticPredictor(np.random.default_rng(1), cfg.n_ff, 1 - sparsity)
+        # threshold -1: every predicted neuron is computed (the predictor alone sets the sparsity)
+        ffn = SparseFFN(cfg, [pred] * cfg.n_layer, np.full(cfg.n_layer, -1.0, np.float32))
+        sparse = Model(cfg, eng.weights, n_ctx=n_ctx, n_threads=n_threads, ffn=ffn)
     dense = eng.model
     ids = [int(i) for i in np.random.default_rng(0).integers(259, cfg.n_vocab, n_prompt + n_gen)]
 
@@ -213,7 +233,7 @@ def bench(path: str, n_threads: int, n_prompt: int, n_gen: int, sparsity: float,
         pp.append(n_prompt / (time.perf_counter() - t))
         dd.append(decode(dense))
         rss_dec = rss()
-        ss.append(decode(sparse))
+        ss.append(decode(sparse) if sparse is not None else float("nan"))
     size = os.path.getsize(path) / 2**20
     print("| file | MiB | load s | RSS after load (file / anon) MiB | RSS decoding (file / anon) "
           f"MiB | peak RSS MiB | prefill {n_prompt} tok/s | decode dense tok/s | decode "
@@ -222,7 +242,89 @@ def bench(path: str, n_threads: int, n_prompt: int, n_gen: int, sparsity: float,
     print(f"| {os.path.basename(path)} | {size:.0f} | {load_s:.1f} | {rss_load['RssFile']:.0f} / "
           f"{rss_load['RssAnon']:.0f} | {rss_dec['RssFile']:.0f} / {rss_dec['RssAnon']:.0f} | "
           f"{rss()['VmHWM']:.0f} | {statistics.median(pp):.2f} | {statistics.median(dd):.2f} | "
-          f"{statistics.median(ss):.2f} | {ffn.stats.sparsity:.1%} |", flush=True)
+          f"{statistics.median(ss):.2f} | {f'{ffn.stats.sparsity:.1%}' if ffn else '-'} |",
+          flush=True)
+
+
+class SparseRunner:
+    """tools/bench.py's runner interface over a pyinfer file with the synthetic predictor."""
+
+    def __init__(self, base, sparsity: float):
+        from pyinfer.ffn import SparseFFN
+        from pyinfer.model import Model
+        from tools.bench_sparse_cpu import SyntheticPredictor
+
+        cfg, eng = base.eng.cfg, base.eng
+        pred = SyntheticPredictor(np.random.default_rng(1), cfg.n_ff, 1 - sparsity)
+        self.ffn = SparseFFN(cfg, [pred] * cfg.n_layer, np.full(cfg.n_layer, -1.0, np.float32))
+        self.model = Model(cfg, eng.weights, n_ctx=eng.model.n_ctx, n_threads=eng.model.n_threads,
+                           ffn=self.ffn)
+        self.ids = base.ids
+        self.name = f"{base.name} ({sparsity:.0%} sparse)"
+
+    def prefill(self, n_prompt):
+        return float("nan")
+
+    def decode(self, n_gen):
+        self.model.forward(self.ids[:8], 0)
+        t0 = time.perf_counter()
+        for i in range(n_gen):
+            self.model.forward([self.ids[8 + i]], 8 + i)
+        return n_gen / (time.perf_counter() - t0)
+
+
+def compare(pyinfer_file: str, llamacpp_file: str, llama_bench: str | None, n_threads: int,
+            n_prompt: int, n_gen: int, sparsity: float, reps: int) -> None:
+    """Print a Markdown table: prefill and decode tokens/s of each engine (``compare`` above)."""
+    import bench as B
+
+    n_ctx = max(n_prompt, 8 + n_gen) + 8
+    own = B.PyinferRunner(pyinfer_file, n_threads, n_ctx)
+    own.name = f"pyinfer, {os.path.basename(pyinfer_file)}"
+    runners = [own, SparseRunner(own, sparsity), B.PyinferRunner(llamacpp_file, n_threads, n_ctx)]
+    runners[-1].name = f"pyinfer, {os.path.basename(llamacpp_file)} as it is"
+    if llama_bench:
+        runners.append(B.LlamaBenchRunner(llama_bench, llamacpp_file, n_threads))
+        runners[-1].name = f"llama.cpp, {os.path.basename(llamacpp_file)}"
+    res = B.run(runners, [n_prompt] if n_prompt else [], n_gen, reps)  # 0: skip that test
+    ref = res[runners[-1]] if llama_bench else None
+    print(f"| engine | threads | prefill {n_prompt} tok/s | decode tok/s | prefill / llama.cpp | "
+          "decode / llama.cpp |")
+    print("|---|---|---|---|---|---|")
+    for r in runners:
+        pps, tg = res[r]
+        pp = pps[0] if pps else float("nan")
+        rel = (f"{pp / (ref[0] or [np.nan])[0]:.2f}x | {tg / ref[1]:.2f}x" if ref else "- | -")
+        line = f"| {r.name} | {n_threads} | {pp:.2f} | {tg:.2f} | {rel} |"
+        print(line.replace("nanx", "-").replace("nan", "-"), flush=True)
+
+
+def llamacpp_bench(binary: str, path: str, n_threads: int, n_prompt: int, n_gen: int,
+                   reps: int) -> dict:
+    """llama-bench on ``path`` (module docstring, ``llamacpp``): {"pp": tok/s, "tg": tok/s,
+    "wall_s": s, "peak_rss_mib": MiB}. Raises RuntimeError with llama-bench's last line if it
+    fails."""
+    import json
+    import resource
+    import subprocess
+
+    env = dict(os.environ)
+    lib = os.path.dirname(os.path.abspath(binary))
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [lib, env.get("LD_LIBRARY_PATH")]))
+    cmd = [binary, "-m", path, "-p", str(n_prompt), "-n", str(n_gen), "-t", str(n_threads),
+           "-r", str(reps), "-o", "json"]
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, env=env)
+    wall = time.perf_counter() - t0
+    if p.returncode:
+        last = p.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
+        raise RuntimeError(f"llama-bench failed (exit {p.returncode}): {last[0]}")
+    # the largest peak among this process's reaped children: llama-bench, its only big one
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    res = {"wall_s": wall, "peak_rss_mib": peak, "pp": float("nan"), "tg": float("nan")}
+    for test in json.loads(p.stdout):
+        res["pp" if test["n_gen"] == 0 else "tg"] = float(test["avg_ts"])
+    return res
 
 
 def main(argv=None) -> int:
@@ -243,7 +345,35 @@ def main(argv=None) -> int:
     b.add_argument("--n-gen", type=int, default=8)
     b.add_argument("--sparsity", type=float, default=0.9)
     b.add_argument("--reps", type=int, default=2)
+    lb = sub.add_parser("llamacpp", help="llama.cpp's llama-bench on the llama.cpp file")
+    lb.add_argument("model")
+    lb.add_argument("--llama-bench", required=True, help="path of the llama-bench binary")
+    lb.add_argument("--threads", type=int, default=2)
+    lb.add_argument("--n-prompt", type=int, default=32)
+    lb.add_argument("--n-gen", type=int, default=8)
+    lb.add_argument("--reps", type=int, default=2)
+    c = sub.add_parser("compare", help="pyinfer and llama-bench interleaved")
+    c.add_argument("model", help="pyinfer file")
+    c.add_argument("llamacpp_model", help="the llama.cpp file it was converted from")
+    c.add_argument("--llama-bench", help="path of the llama-bench binary")
+    c.add_argument("--threads", type=int, default=2)
+    c.add_argument("--n-prompt", type=int, default=32)
+    c.add_argument("--n-gen", type=int, default=8)
+    c.add_argument("--sparsity", type=float, default=0.9)
+    c.add_argument("--reps", type=int, default=2)
     args = ap.parse_args(argv)
+    if args.cmd == "compare":
+        compare(args.model, args.llamacpp_model, args.llama_bench, args.threads, args.n_prompt,
+                args.n_gen, args.sparsity, args.reps)
+        return 0
+    if args.cmd == "llamacpp":
+        r = llamacpp_bench(args.llama_bench, args.model, args.threads, args.n_prompt, args.n_gen,
+                           args.reps)
+        print(f"| {os.path.basename(args.model)} (llama-bench) | "
+              f"{os.path.getsize(args.model) / 2**20:.0f} | wall {r['wall_s']:.1f} s | "
+              f"peak RSS {r['peak_rss_mib']:.0f} MiB | prefill {args.n_prompt} {r['pp']:.2f} "
+              f"tok/s | decode {r['tg']:.2f} tok/s |", flush=True)
+        return 0
     if args.cmd == "make":
         if args.type == "q4_k" and DIMS["n_embd"] % 256:
             ap.error("q4_k needs n_embd a multiple of 256")
