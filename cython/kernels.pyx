@@ -13,7 +13,7 @@ llama.cpp's ggml_vec_dot_q4_0_q8_0 does: relative error about 1e-3 against an f3
 from cython.parallel cimport prange, parallel
 from libc.stdint cimport uint8_t, int8_t, int32_t
 from libc.stdlib cimport malloc, free, calloc
-from libc.string cimport memset, memcpy
+from libc.string cimport memset
 from libc.math cimport expf, sqrtf, fabsf, cos, sin, pow
 
 cdef extern from "simd.h" nogil:
@@ -51,9 +51,6 @@ cdef extern from "simd.h" nogil:
                       const uint8_t *r2, const uint8_t *r3, float *out, int n)
     void pi_axpy_rows_range(int qtype, const uint8_t *w, size_t stride, const float *coef,
                             const int32_t *idx, long k0, long k1, long kp, float *out, int cols)
-
-cdef extern from "<stdlib.h>" nogil:
-    void *aligned_alloc(size_t alignment, size_t size)
 
 cdef extern from "gemm.h" nogil:
     int pi_gemm_supported(int qtype)
@@ -845,59 +842,6 @@ cdef Py_ssize_t _select_inputs(const float *x, const float *scale, float thr, Py
     return k
 
 
-cdef void _axpy_cols(const uint8_t *w, Py_ssize_t stride, int qtype, int cols, const float *coef,
-                     const int32_t *idx, Py_ssize_t n, float *out, int n_threads) noexcept nogil:
-    """out = sum_k coef[k] * w[idx[k]] (cols outputs), the outputs split among the threads in
-    runs of whole blocks: each thread sums every kept row's segment of its columns, in row order,
-    into its part of out (in L1). Every output is one sum over the rows in the same order at any
-    thread count (deterministic, issue 9), with no partial sums to add afterwards. Parts start
-    on multiples of 32 columns (whole blocks), so only the last part has a tail the SIMD loops
-    finish in scalar code, at the same columns whatever the split."""
-    cdef int be = max(pi_block_elems(qtype), 32)
-    cdef int nb = (cols + be - 1) // be
-    cdef int nt = max(1, min(n_threads, nb))
-    cdef int t, c0, c1
-    cdef float *acc
-    if n == 0:
-        memset(out, 0, cols * sizeof(float))
-        return
-    for t in prange(nt, schedule='static', num_threads=nt):
-        c0 = (t * nb // nt) * be
-        c1 = min(((t + 1) * nb // nt) * be, cols)
-        # a private, line-aligned accumulator: the threads' parts of out may share a cache line,
-        # which every 4-row pass would otherwise bounce between the cores
-        acc = <float *> aligned_alloc(64, ((c1 - c0) * sizeof(float) + 63) & ~(<size_t> 63))
-        memset(acc, 0, (c1 - c0) * sizeof(float))
-        pi_axpy_rows_range(qtype, w + pi_col_offset(qtype, c0), stride, coef, idx, 0, n, n,
-                           acc, c1 - c0)
-        memcpy(out + c0, acc, (c1 - c0) * sizeof(float))
-        free(acc)
-
-
-# 1: the input-sparse decode kernels sum rows as before issue 12's session 6 (_axpy_rows: row
-# chunks, then their partial sums added on one thread); only for benchmarking (set_old_in_axpy).
-cdef int _old_in_axpy = 0
-
-
-def set_old_in_axpy(int on):
-    """Select the row-chunked AXPY (on=1) or the column-split one (0, the default) in
-    decode_ffn_in / decode_attn_in; returns the previous setting. For A/B benchmarks only: the
-    results agree within f32 summation order."""
-    global _old_in_axpy
-    cdef int prev = _old_in_axpy
-    _old_in_axpy = 1 if on else 0
-    return prev
-
-
-cdef inline void _in_axpy(const uint8_t *w, Py_ssize_t stride, int qtype, int cols,
-                          const float *coef, const int32_t *idx, Py_ssize_t n, float *out,
-                          int n_threads) noexcept nogil:
-    if _old_in_axpy:
-        _axpy_rows(w, stride, qtype, cols, coef, idx, n, out, n_threads)
-    else:
-        _axpy_cols(w, stride, qtype, cols, coef, idx, n, out, n_threads)
-
-
 cdef inline const float *_opt_ptr(const float[::1] a, Py_ssize_t n, str what) except? NULL:
     if a is None:
         return NULL
@@ -953,12 +897,12 @@ def decode_ffn_in(float[::1] x, const float[::1] ffn_norm, float eps,
         gu = coef + n_embd + n_ff
         _rmsnorm1(&x[0], &ffn_norm[0], eps, h, n_embd)
         n_in = _select_inputs(h, sgu, thr_gu, n_embd, coef, idx)
-        _in_axpy(&wgu[0, 0], wgu.shape[1], tgu, <int> (2 * n_ff), coef, idx, n_in, gu,
+        _axpy_rows(&wgu[0, 0], wgu.shape[1], tgu, <int> (2 * n_ff), coef, idx, n_in, gu,
                    n_threads)
         for j in range(n_ff):
             gu[j] = _act1(gu[j], silu) * gu[n_ff + j]
         n_mid = _select_inputs(gu, sd, thr_d, n_ff, coef, idx)
-        _in_axpy(&wd[0, 0], wd.shape[1], td, n_embd, coef, idx, n_mid, y, n_threads)
+        _axpy_rows(&wd[0, 0], wd.shape[1], td, n_embd, coef, idx, n_mid, y, n_threads)
         for j in range(n_embd):
             x[j] += y[j]
         free(buf)
@@ -1012,7 +956,7 @@ def decode_attn_in(float[::1] x, const float[::1] attn_norm, float eps,
         coef = att + nq + hd
         _rmsnorm1(&x[0], &attn_norm[0], eps, h, n_embd)
         n_in = _select_inputs(h, sq, thr_qkv, n_embd, coef, idx)
-        _in_axpy(&wqkv[0, 0], wqkv.shape[1], tqkv, <int> (nq + 2 * nkv), coef, idx, n_in, qkv,
+        _axpy_rows(&wqkv[0, 0], wqkv.shape[1], tqkv, <int> (nq + 2 * nkv), coef, idx, n_in, qkv,
                    n_threads)
         _rope1(qkv, n_head, hd, n_past, freq_base, hd, att, att + hd // 2)
         _rope1(qkv + nq, n_kv, hd, n_past, freq_base, hd, att, att + hd // 2)
@@ -1028,7 +972,7 @@ def decode_attn_in(float[::1] x, const float[::1] attn_norm, float eps,
         free(sc)
     with nogil:
         n_mid = _select_inputs(att, so, thr_o, nq, coef, idx)
-        _in_axpy(&wo[0, 0], wo.shape[1], to, n_embd, coef, idx, n_mid, y, n_threads)
+        _axpy_rows(&wo[0, 0], wo.shape[1], to, n_embd, coef, idx, n_mid, y, n_threads)
         for i in range(n_embd):
             x[i] += y[i]
         free(buf)
