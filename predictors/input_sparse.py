@@ -1,7 +1,7 @@
 """The offline stage of sparse mode "input" (SwiGLU models; runtime in pyinfer/input_sparse.py):
 calibrate one input threshold per layer and projection group, split each layer's sparsity among
-its projections greedily (TEAL's block-wise greedy), and
-write the file with those matrices stored transposed.
+its projections (uniformly, the default, or by TEAL's block-wise greedy), and write the file with
+those matrices stored transposed.
 
 1. ``record_inputs``: the dense model (the staging file's row layout, pyinfer's own kernels) runs
    the calibration chunks layer by layer and hands each layer's four group inputs (attention-normed
@@ -12,8 +12,11 @@ write the file with those matrices stored transposed.
    (Its ``loss``, the dropped channels' share of the projection's output energy, is no longer
    used to allocate: a model-wide greedy on it sent SmolLM2's layer 11 down projection to 99%
    sparsity, where one massive channel carries nearly all the energy, and cost +17% perplexity at
-   25% against +1.6% for a uniform 25% in every group.)
-3. ``block_path``: TEAL's block-wise greedy (Liu et al. 2024, §4.2). Per layer, from all groups
+   25% against +1.6% for a uniform 25% in every group; the summary table of a uniform file
+   shows it.)
+3. The allocation (``pyinfer-convert --sparse-alloc``). "uniform" (the default): every group of
+   every layer at the target level of its own curve, so each skips the target fraction of its
+   calibration pairs; nothing more to compute. "greedy", ``block_path``: TEAL's block-wise greedy (Liu et al. 2024, §4.2). Per layer, from all groups
    dense, repeatedly raise by 5% the sparsity of the group whose step increases the layer's output
    error (||y_sparse - y||^2 on the first EVAL_TOKENS calibration tokens, the layer's input taken
    from the dense model) least per weight byte skipped. ``thresholds_for`` then gives every layer
@@ -36,7 +39,10 @@ from pyinfer.ops import cpu
 from pyinfer.ops.reference import dequantize
 
 N_LEVELS = 100  # sparsity levels per unit: k / N_LEVELS, k = 0 .. N_LEVELS - 1
-MAX_SAMPLES = 1 << 19  # (token, channel) pairs per unit whose scores set the quantiles
+# (token, channel) pairs per unit whose scores set the quantiles: the 1% levels' quantiles from
+# 262,144 pairs have a standard error under 0.1% of the pairs
+MAX_SAMPLES = 1 << 18
+LOSS_SAMPLES = 1 << 16  # of those, the pairs the loss (a summary figure, no allocation uses it) is summed over
 
 
 @dataclass
@@ -131,21 +137,20 @@ def unit_curve(x: np.ndarray, cnorm: np.ndarray, wina: bool,
     c = cnorm[cols]
     mag = np.abs(flat)
     score = mag * c if wina else mag  # f32, as the kernels compute it
-    if wina:  # the loss of a pair is its score squared: a plain sort will do
-        s_sorted = np.sort(score)
-        cum = np.cumsum(s_sorted.astype(np.float64) ** 2)
-    else:
-        order = np.argsort(score, kind="stable")
-        s_sorted = score[order]
-        cum = np.cumsum(((mag.astype(np.float64) * c) ** 2)[order])
-    total = max(cum[-1], 1e-30)
+    s_sorted = np.sort(score)
     thr = np.empty(N_LEVELS, np.float32)
-    loss = np.zeros(N_LEVELS)
     thr[0] = -1.0
-    for k in range(1, N_LEVELS):
-        j = int(round(k / N_LEVELS * s_sorted.size))
-        thr[k] = s_sorted[j - 1]  # drops the j smallest (ties go with them)
-        loss[k] = cum[j - 1] / total
+    j = np.maximum(np.rint(np.arange(1, N_LEVELS) / N_LEVELS * s_sorted.size).astype(np.int64), 1)
+    thr[1:] = s_sorted[j - 1]  # level k drops the j smallest (ties go with them)
+    # loss[k]: output energy (|x_j| ||W[:, j]||)^2 of the pairs level k drops (score <= thr[k]),
+    # by bucket: a pair's bucket is the number of thresholds below its score (one pass, no argsort)
+    sub = (slice(None) if score.size <= LOSS_SAMPLES else  # own generator: thresholds unchanged
+           np.random.default_rng(0).choice(score.size, LOSS_SAMPLES, replace=False))
+    energy = (mag[sub].astype(np.float64) * c[sub]) ** 2
+    bucket = np.searchsorted(thr[1:], score[sub], side="left")
+    cum = np.cumsum(np.bincount(bucket, weights=energy, minlength=N_LEVELS))
+    loss = np.zeros(N_LEVELS)
+    loss[1:] = cum[:N_LEVELS - 1] / max(cum[-1], 1e-30)
     return UnitCurve(thr, np.maximum.accumulate(loss))
 
 
@@ -334,13 +339,16 @@ def transposed_jobs(jobs, cfg, outtype: str, scales: list[dict] | None):
     return out
 
 
-def format_table(sparsity: np.ndarray, loss: np.ndarray, score: str, target: float) -> str:
-    """The summary: per layer the calibrated sparsity of each group and the block output error
-    (relative to the block output's energy) on the calibration tokens."""
-    head = f"{'layer':>5} " + " ".join(f"{g:>12}" for g in C.IN_GROUPS) + f" {'block_err':>11}"
-    lines = [f"offline stage summary (sparse mode input, score {score}, target {target:.0%} of "
-             "projection weight bytes; columns: fraction of input channels skipped on the "
-             "calibration tokens)", head, "-" * len(head)]
+def format_table(sparsity: np.ndarray, loss: np.ndarray, score: str, target: float,
+                 alloc: str = "greedy") -> str:
+    """The summary: per layer the calibrated sparsity of each group and the calibration loss
+    (``thresholds_for``: "greedy" the block output error relative to the block output's energy,
+    "uniform" the share of the projections' output energy dropped) on the calibration tokens."""
+    loss_name = "block_err" if alloc == "greedy" else "energy_lost"
+    head = f"{'layer':>5} " + " ".join(f"{g:>12}" for g in C.IN_GROUPS) + f" {loss_name:>11}"
+    lines = [f"offline stage summary (sparse mode input, score {score}, allocation {alloc}, "
+             f"target {target:.0%} of projection weight bytes; columns: fraction of input channels "
+             "skipped on the calibration tokens)", head, "-" * len(head)]
     for i in range(sparsity.shape[0]):
         lines.append(f"{i:>5} " + " ".join(f"{s:>12.1%}" for s in sparsity[i])
                      + f" {loss[i]:>11.2e}")
@@ -353,17 +361,21 @@ def format_table(sparsity: np.ndarray, loss: np.ndarray, score: str, target: flo
 @dataclass
 class Calibration:
     """What ``calibrate`` measured: per layer the four groups' unit curves (thresholds per level)
-    and the block greedy's path."""
+    and, for ``alloc`` "greedy", the block greedy's path (None for "uniform")."""
 
     curves: list[list[UnitCurve]]
-    paths: list[BlockPath]
+    paths: list[BlockPath] | None
+    alloc: str = "greedy"
 
 
 def calibrate(eng, seqs: list[list[int]], wina: bool, seed: int, n_threads: int,
-              max_sparsity: float = 0.9) -> tuple[Calibration, list[dict]]:
+              max_sparsity: float = 0.9, alloc: str = "uniform") -> tuple[Calibration, list[dict]]:
     """(Calibration, column norms [n_layer] {group: (n_in,) f32}) from the dense row-layout
     engine ``eng`` over the calibration sequences (steps 1-3: thresholds from every calibration
-    token, the block greedy on the first EVAL_TOKENS of them). Deterministic for a seed."""
+    token; for ``alloc`` "greedy" the block greedy on the first EVAL_TOKENS of them, up to block
+    sparsity ``max_sparsity``). Deterministic for a seed. Raises ValueError for an unknown alloc."""
+    if alloc not in C.IN_ALLOCS:
+        raise ValueError(f"unknown allocation {alloc!r} (one of {', '.join(C.IN_ALLOCS)})")
     from predictors.profile import chunks
 
     cfg = eng.cfg
@@ -383,26 +395,36 @@ def calibrate(eng, seqs: list[list[int]], wina: bool, seed: int, n_threads: int,
     def on_layer(i, rec, en, xs):
         c = [unit_curve(rec[g], norms[i][g], wina, rng) for g in C.IN_GROUPS]
         curves.append(c)
+        if alloc != "greedy":
+            return
         blk = _Block(eng.weights.layers[i], cfg, [x[:n] for x, n in zip(xs, n_eval) if n],
                      c, norms[i], wina, n_threads)
         paths.append(block_path(blk, unit_bytes, max_sparsity))
 
     record_inputs(eng, pieces, n_threads, on_layer)
-    return Calibration(curves, paths), norms
+    return Calibration(curves, paths if alloc == "greedy" else None, alloc), norms
 
 
 def thresholds_for(cal: Calibration, cfg, target: float):
-    """(thresholds (n_layer, 4) f32, calibrated sparsity (n_layer, 4), block output error
-    (n_layer,)) at block sparsity ``target`` in every layer (TEAL: uniform across blocks, the
-    greedy's split inside each); columns in ``constants.IN_GROUPS`` order. The error is the
-    path's at the step reached (an upper bound for the fractional last step)."""
+    """(thresholds (n_layer, 4) f32, calibrated sparsity (n_layer, 4), loss (n_layer,)) at block
+    sparsity ``target`` in every layer (TEAL: uniform across blocks); columns in
+    ``constants.IN_GROUPS`` order. "uniform": every group at level round(target * N_LEVELS) (at
+    most N_LEVELS - 1), the loss the groups' dropped share of output energy (``UnitCurve.loss``)
+    averaged by weight bytes. "greedy": the path's split inside each block, the loss the block
+    output error at the step reached (an upper bound for the fractional last step)."""
     sizes = in_sizes(cfg)
     unit_bytes = np.array([sizes[g][0] * sizes[g][1] for g in C.IN_GROUPS], np.float64)
-    level = np.array([levels_for(p, unit_bytes, target) for p in cal.paths])
+    if cal.alloc == "uniform":
+        lv = min(int(round(target * N_LEVELS)), N_LEVELS - 1)
+        level = np.full((cfg.n_layer, 4), lv, np.int64)
+        err = np.array([(np.array([c.loss[lv] for c in cs]) * unit_bytes).sum() / unit_bytes.sum()
+                        for cs in cal.curves])
+    else:
+        level = np.array([levels_for(p, unit_bytes, target) for p in cal.paths])
+        err = np.array([p.error[min(int(np.searchsorted(p.sparsity, target - 1e-12)),
+                                    len(p.error) - 1)] for p in cal.paths])
     thr = np.array([[cal.curves[i][gi].thr[level[i, gi]] for gi in range(4)]
                     for i in range(cfg.n_layer)], np.float32)
-    err = np.array([p.error[min(int(np.searchsorted(p.sparsity, target - 1e-12)), len(p.error) - 1)]
-                    for p in cal.paths])
     return thr, level / N_LEVELS, err
 
 
@@ -417,7 +439,8 @@ def input_stage(src: str, out: str, outtype: str, opts, eng, seqs, source: str, 
     wina = opts.input_score == "wina"
     t0 = time.perf_counter()
     cal, norms = calibrate(eng, seqs, wina, opts.seed, n_threads,
-                           max_sparsity=min(0.95, opts.target_sparsity + 0.05))
+                           max_sparsity=min(0.95, opts.target_sparsity + 0.05),
+                           alloc=opts.input_alloc)
     secs["calibration"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     thr, sparsity, loss = thresholds_for(cal, cfg, opts.target_sparsity)
@@ -427,6 +450,7 @@ def input_stage(src: str, out: str, outtype: str, opts, eng, seqs, source: str, 
     meta, jobs = plan(src, outtype, allow_unused)
     meta.string(C.K_SPARSE_MODE, C.SPARSE_MODE_INPUT)
     meta.string(C.K_IN_SCORE, opts.input_score)
+    meta.string(C.K_IN_ALLOC, opts.input_alloc)
     for gi, g in enumerate(C.IN_GROUPS):
         meta.array(C.K_IN_THRESHOLD.format(group=g), [float(t) for t in thr[:, gi]], VT.FLOAT32)
         meta.array(C.K_IN_SPARSITY.format(group=g), [float(s) for s in sparsity[:, gi]], VT.FLOAT32)
@@ -442,4 +466,5 @@ def input_stage(src: str, out: str, outtype: str, opts, eng, seqs, source: str, 
     secs["final write"] = time.perf_counter() - t0
     return {"mode": C.SPARSE_MODE_INPUT, "calib_source": source, "seconds": secs,
             "sparsity": sparsity, "loss": loss, "thresholds": thr, "placement": None, "rows": [],
-            "table": format_table(sparsity, loss, opts.input_score, opts.target_sparsity)}
+            "table": format_table(sparsity, loss, opts.input_score, opts.target_sparsity,
+                                  opts.input_alloc)}

@@ -49,7 +49,13 @@ DEFAULT_TARGET_SPARSITY = 0.40  # SwiGLU only; see docs/benchmarks.md "Offline s
 # Sparse mode "input" (predictors/input_sparse.py) needs only activation quantiles: fewer tokens
 # (the self-generated text is most of the stage's time) set its thresholds as well.
 DEFAULT_INPUT_CALIB_TOKENS = 1024
-DEFAULT_INPUT_SCORE = "wina"
+# Magnitude (TEAL) beat WINA at every target with the uniform allocation on SmolLM2 q8_0 held-out
+# perplexity (+1.4% against +2.3% at 25%, +17% against +27% at 40%; docs/benchmarks.md, session 6)
+# and stores no column norms.
+DEFAULT_INPUT_SCORE = "magnitude"
+# Uniform beat TEAL's block-wise greedy at every target on SmolLM2 q8_0 held-out perplexity (+1.6%
+# against +3.2-4.0% at 25%) and needs no block evaluation (docs/benchmarks.md, "Input sparsity").
+DEFAULT_INPUT_ALLOC = "uniform"
 DEFAULT_SEED = 0
 DEFAULT_MAX_EPOCHS = 12  # SmolLM2: ~6 s of one core per layer; most layers stop by patience
 DEFAULT_PATIENCE = 3
@@ -83,6 +89,7 @@ class OfflineOptions:
     progress: bool | None = None
     sparse_mode: str | None = None  # SwiGLU models: "glu" (None: predictors, the default) or "input"
     input_score: str = DEFAULT_INPUT_SCORE  # mode "input": "wina" or "magnitude" (TEAL)
+    input_alloc: str = DEFAULT_INPUT_ALLOC  # mode "input": "uniform" or "greedy" (TEAL block-wise)
 
     def check(self) -> None:
         """Raise PyinferError for a setting outside its range (before any work is done)."""
@@ -99,6 +106,9 @@ class OfflineOptions:
         if self.input_score not in C.IN_SCORES:
             raise PyinferError(f"--sparsity-score must be one of {', '.join(C.IN_SCORES)}, "
                                f"got {self.input_score!r}")
+        if self.input_alloc not in C.IN_ALLOCS:
+            raise PyinferError(f"--sparse-alloc must be one of {', '.join(C.IN_ALLOCS)}, "
+                               f"got {self.input_alloc!r}")
         if self.calib_tokens is not None and self.calib_tokens < MIN_CALIB_TOKENS:
             raise PyinferError(f"--calib-tokens must be at least {MIN_CALIB_TOKENS}, got {self.calib_tokens}")
         if self.predictor_rank != "auto":
@@ -356,6 +366,11 @@ def add_arguments(parser) -> None:
     g.add_argument("--sparsity-score", choices=list(C.IN_SCORES), default=DEFAULT_INPUT_SCORE,
                    help="sparse mode input: rank input channels by |x| * column norm (wina, "
                         f"default {DEFAULT_INPUT_SCORE}) or by |x| (magnitude, TEAL)")
+    g.add_argument("--sparse-alloc", choices=list(C.IN_ALLOCS), default=DEFAULT_INPUT_ALLOC,
+                   help="sparse mode input: split the target among each layer's projections "
+                        f"uniformly (default {DEFAULT_INPUT_ALLOC}: every projection skips the target "
+                        "fraction of its inputs) or by TEAL's block-wise greedy (greedy; slower, "
+                        "and more perplexity lost on SmolLM2)")
     g.add_argument("--vram-budget", type=float, default=None, metavar="GiB",
                    help="GiB of GPU memory to store a hot/cold neuron split for (default: no split "
                         "stored; activation counts are always stored so the GPU engine can solve at load)")
@@ -372,4 +387,5 @@ def options_from_args(args) -> OfflineOptions:
                           target_recall=args.target_recall, target_sparsity=args.target_sparsity,
                           vram_budget_gib=args.vram_budget, predictor_rank=args.predictor_rank,
                           n_threads=args.threads, max_epochs=args.epochs,
-                          sparse_mode=args.sparse_mode, input_score=args.sparsity_score)
+                          sparse_mode=args.sparse_mode, input_score=args.sparsity_score,
+                          input_alloc=args.sparse_alloc)
