@@ -188,17 +188,20 @@ static inline void pi_gemm_rows(int qtype, const uint8_t *w, size_t ws, long r0,
 /* ---- down projection over the neuron-major ffn_down_t: out = a @ W ----
  * W (rows = n_ff neurons, cols = n_embd) is quantized along cols, the sum runs over rows, so the
  * int8 dot above does not apply (each row has its own block scale). A strip of 32 columns of every
- * row is dequantized once into an f32 panel (rows x 32, per thread), then a register tile of 4
- * tokens x 16 columns (8 accumulators) runs down the rows in blocks of PI_GEMM_T_KC, the a values
+ * row is dequantized once into an f32 panel (rows x 32, per thread), then a register tile of 6
+ * tokens x 16 columns (12 accumulators) runs down the rows in blocks of PI_GEMM_T_KC, the a values
  * broadcast from the token rows. Each output is one FMA chain over the rows in order (as the
  * four-row AXPY of simd.h sums them), whatever the thread count. */
 #define PI_GEMM_T_KC 256
+
+#define PI_GEMM_T_TN 6 /* tokens per register tile: 6 x 16 columns = 12 accumulators, enough
+                             * independent FMA chains to cover the FMA latency (5 cycles x 2 ports) */
 
 #if PI_SIMD
 static inline __attribute__((always_inline)) void pi_tile_t(
     const float *panel, long k0, long k1, const float *a, long lda, float *out, long ldo,
     int first, const int TN) {
-    __m256 acc[4][2];
+    __m256 acc[PI_GEMM_T_TN][2];
     for (int t = 0; t < TN; t++) {
         acc[t][0] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + t * ldo);
         acc[t][1] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + t * ldo + 8);
@@ -228,18 +231,18 @@ static inline void pi_gemm_t_strip(int qtype, const uint8_t *w, size_t ws, long 
         for (int c = cn; c < 32; c++) panel[32 * r + c] = 0.0f;
     }
 #if PI_SIMD
-    float tmp[4 * 32];
+    float tmp[PI_GEMM_T_TN * 32];
     for (long k0 = 0; k0 < rows; k0 += PI_GEMM_T_KC) {
         const long k1 = rows - k0 < PI_GEMM_T_KC ? rows : k0 + PI_GEMM_T_KC;
-        for (long t = 0; t < n_tok; t += 4) {
-            const int tn = (int)(n_tok - t < 4 ? n_tok - t : 4);
-            if (tn == 4 && cn == 32) {
+        for (long t = 0; t < n_tok; t += PI_GEMM_T_TN) {
+            const int tn = (int)(n_tok - t < PI_GEMM_T_TN ? n_tok - t : PI_GEMM_T_TN);
+            if (tn == PI_GEMM_T_TN && cn == 32) {
                 for (int h = 0; h < 32; h += 16)
                     pi_tile_t(panel + h, k0, k1, a + t * lda, lda, out + t * ldo + c0 + h, ldo,
-                              k0 == 0, 4);
+                              k0 == 0, PI_GEMM_T_TN);
                 continue;
             }
-            /* an edge tile: through a 4 x 32 copy of its outputs */
+            /* an edge tile: through a TN x 32 copy of its outputs */
             for (int i = 0; i < tn; i++)
                 for (int c = 0; c < 32; c++)
                     tmp[32 * i + c] = (k0 == 0 || c >= cn) ? 0.0f : out[(t + i) * ldo + c0 + c];
@@ -248,7 +251,9 @@ static inline void pi_gemm_t_strip(int qtype, const uint8_t *w, size_t ws, long 
                 case 1: pi_tile_t(panel + h, k0, k1, a + t * lda, lda, tmp + h, 32, 0, 1); break;
                 case 2: pi_tile_t(panel + h, k0, k1, a + t * lda, lda, tmp + h, 32, 0, 2); break;
                 case 3: pi_tile_t(panel + h, k0, k1, a + t * lda, lda, tmp + h, 32, 0, 3); break;
-                default: pi_tile_t(panel + h, k0, k1, a + t * lda, lda, tmp + h, 32, 0, 4); break;
+                case 4: pi_tile_t(panel + h, k0, k1, a + t * lda, lda, tmp + h, 32, 0, 4); break;
+                case 5: pi_tile_t(panel + h, k0, k1, a + t * lda, lda, tmp + h, 32, 0, 5); break;
+                default: pi_tile_t(panel + h, k0, k1, a + t * lda, lda, tmp + h, 32, 0, 6); break;
                 }
             for (int i = 0; i < tn; i++)
                 for (int c = 0; c < cn; c++) out[(t + i) * ldo + c0 + c] = tmp[32 * i + c];
@@ -264,58 +269,71 @@ static inline void pi_gemm_t_strip(int qtype, const uint8_t *w, size_t ws, long 
 #endif
 }
 
+/* Keys 0 .. n-1 (rows k + j * rs, hd floats) into kt as blocks of 8 keys transposed: block jb
+ * holds hd rows of 8 floats (lane = key 8 jb + lane; missing keys zero). Plain C: it runs once
+ * per key and call, not once per block of queries. */
+static inline void pi_transpose_keys(const float *k, long rs, int hd, long n, float *kt) {
+    for (long j0 = 0; j0 < n; j0 += 8) {
+        const int jn = (int)(n - j0 < 8 ? n - j0 : 8);
+        float *o = kt + (j0 / 8) * 8 * (long)hd;
+        for (int d = 0; d < hd; d++)
+            for (int l = 0; l < 8; l++) o[8 * d + l] = l < jn ? k[(j0 + l) * rs + d] : 0.0f;
+    }
+}
+
 #define PI_ATT_MAX_HD 256
 
 #if PI_SIMD
-/* Scores of up to 4 queries against 8 keys held transposed (kt: hd rows of 8 floats, lane =
- * key): one vector of 8 scores per query, two partial sums (even / odd dims) per query so that
- * 8 FMA chains are in flight. */
+/* Scores of up to 6 queries against 16 keys held transposed in two blocks (kb0, kb1: hd rows of
+ * 8 floats, lane = key): two vectors of 8 scores per query, 12 accumulators (enough independent
+ * FMA chains for the FMA latency) and 2 key loads + QN broadcasts per 2 QN FMAs. jn (1 .. 16)
+ * scores are stored per query; with jn <= 8 kb1 may repeat kb0 (its lanes are not stored). */
 static inline __attribute__((always_inline)) void pi_scores_q(
-    const float *const *q, const float *kt, int hd, float scale, float *sc, long sc_stride,
-    int jn, const int QN) {
-    __m256 s0[4], s1[4];
+    const float *const *q, const float *kb0, const float *kb1, int hd, float scale, float *sc,
+    long sc_stride, int jn, const int QN) {
+    __m256 s0[6], s1[6];
     for (int i = 0; i < QN; i++) s0[i] = s1[i] = _mm256_setzero_ps();
-    for (int d = 0; d < hd; d += 2) {
-        const __m256 k0 = _mm256_loadu_ps(kt + 8 * d), k1 = _mm256_loadu_ps(kt + 8 * d + 8);
+    for (int d = 0; d < hd; d++) {
+        const __m256 k0 = _mm256_loadu_ps(kb0 + 8 * d), k1 = _mm256_loadu_ps(kb1 + 8 * d);
         for (int i = 0; i < QN; i++) {
-            s0[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(q[i] + d), k0, s0[i]);
-            s1[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(q[i] + d + 1), k1, s1[i]);
+            const __m256 qd = _mm256_broadcast_ss(q[i] + d);
+            s0[i] = _mm256_fmadd_ps(qd, k0, s0[i]);
+            s1[i] = _mm256_fmadd_ps(qd, k1, s1[i]);
         }
     }
+    const __m256 vs = _mm256_set1_ps(scale);
     for (int i = 0; i < QN; i++) {
-        const __m256 r = _mm256_mul_ps(_mm256_add_ps(s0[i], s1[i]), _mm256_set1_ps(scale));
-        if (jn == 8) {
-            _mm256_storeu_ps(sc + i * sc_stride, r);
+        const __m256 r0 = _mm256_mul_ps(s0[i], vs), r1 = _mm256_mul_ps(s1[i], vs);
+        if (jn == 16) {
+            _mm256_storeu_ps(sc + i * sc_stride, r0);
+            _mm256_storeu_ps(sc + i * sc_stride + 8, r1);
         } else {
-            float tmp[8];
-            _mm256_storeu_ps(tmp, r);
+            float tmp[16];
+            _mm256_storeu_ps(tmp, r0);
+            _mm256_storeu_ps(tmp + 8, r1);
             for (int j = 0; j < jn; j++) sc[i * sc_stride + j] = tmp[j];
         }
     }
 }
 
-/* sc[i][j] = (q_i . k_j) * scale for every query i < nq and key j < n_max: keys 8 at a time,
- * transposed once per block of keys and shared by every query (the causal mask is applied by
- * the caller reading only j < n_att[i]). */
-static inline void pi_scores_keys8(const float *const *q, int nq, const float *k, long rs, int hd,
+/* sc[i][j] = (q_i . k_j) * scale for every query i < nq and key j < n_max: keys 16 at a time from
+ * kt (pi_transpose_keys of the head's keys, done once per call and shared by every block of
+ * queries), each pair of key blocks used by every query (the causal mask is applied by the
+ * caller reading only j < n_att[i]). */
+static inline void pi_scores_keys8(const float *const *q, int nq, const float *kt, int hd,
                                    float scale, long n_max, float *sc, long sc_stride) {
-    float kt[8 * PI_ATT_MAX_HD];
-    for (long j0 = 0; j0 < n_max; j0 += 8) {
-        const int jn = (int)(n_max - j0 < 8 ? n_max - j0 : 8);
-        for (int d = 0; d < hd; d += 8) {
-            __m256i r[8], c[8];
-            for (int i = 0; i < 8; i++)
-                r[i] = i < jn ? _mm256_castps_si256(_mm256_loadu_ps(k + (j0 + i) * rs + d))
-                              : _mm256_setzero_si256();
-            pi_transpose8x8_epi32(r, c);
-            for (int i = 0; i < 8; i++) _mm256_storeu_si256((__m256i *)(kt + 8 * (d + i)), c[i]);
-        }
+    for (long j0 = 0; j0 < n_max; j0 += 16) {
+        const int jn = (int)(n_max - j0 < 16 ? n_max - j0 : 16);
+        const float *kb0 = kt + (j0 / 8) * 8 * (long)hd, *kb1 = jn > 8 ? kb0 + 8 * hd : kb0;
+        float *o = sc + j0;
         int i = 0;
-        for (; i + 4 <= nq; i += 4) pi_scores_q(q + i, kt, hd, scale, sc + i * sc_stride + j0, sc_stride, jn, 4);
+        for (; i + 6 <= nq; i += 6) pi_scores_q(q + i, kb0, kb1, hd, scale, o + i * sc_stride, sc_stride, jn, 6);
         switch (nq - i) {
-        case 3: pi_scores_q(q + i, kt, hd, scale, sc + i * sc_stride + j0, sc_stride, jn, 3); break;
-        case 2: pi_scores_q(q + i, kt, hd, scale, sc + i * sc_stride + j0, sc_stride, jn, 2); break;
-        case 1: pi_scores_q(q + i, kt, hd, scale, sc + i * sc_stride + j0, sc_stride, jn, 1); break;
+        case 5: pi_scores_q(q + i, kb0, kb1, hd, scale, o + i * sc_stride, sc_stride, jn, 5); break;
+        case 4: pi_scores_q(q + i, kb0, kb1, hd, scale, o + i * sc_stride, sc_stride, jn, 4); break;
+        case 3: pi_scores_q(q + i, kb0, kb1, hd, scale, o + i * sc_stride, sc_stride, jn, 3); break;
+        case 2: pi_scores_q(q + i, kb0, kb1, hd, scale, o + i * sc_stride, sc_stride, jn, 2); break;
+        case 1: pi_scores_q(q + i, kb0, kb1, hd, scale, o + i * sc_stride, sc_stride, jn, 1); break;
         default: break;
         }
     }
@@ -377,12 +395,15 @@ static inline void pi_softmax8(float *s, long n) {
 
 /* ---- attention for a block of queries sharing one KV head ----
  * nq queries q[i] (hd floats), query i attends to keys 0 .. n_att[i]-1 (rows k + j * rs, likewise
- * v), n_att non-decreasing in i is NOT required. sc: scratch of nq * sc_stride floats (sc_stride
+ * v), n_att non-decreasing in i is NOT required. kt: the keys through pi_transpose_keys (SIMD
+ * build, hd a multiple of 8 and at most PI_ATT_MAX_HD), or NULL for the scalar loop. sc: scratch
+ * of nq * sc_stride floats (sc_stride
  * >= max n_att). out[i] (hd floats) = softmax(q_i . k_j * scale) @ v_j, computed as _attend_head
  * computes it (see the top of this file). */
 static inline void pi_attend_block(const float *const *q, int nq, const long *n_att,
-                                   const float *k, const float *v, long rs, int hd, float scale,
-                                   float *sc, long sc_stride, float *const *out) {
+                                   const float *k, const float *kt, const float *v, long rs,
+                                   int hd, float scale, float *sc, long sc_stride,
+                                   float *const *out) {
     long n_max = 0, n_min = n_att[0];
     for (int i = 0; i < nq; i++) {
         n_max = n_att[i] > n_max ? n_att[i] : n_max;
@@ -390,8 +411,8 @@ static inline void pi_attend_block(const float *const *q, int nq, const long *n_
     }
     /* scores */
 #if PI_SIMD
-    if (hd % 8 == 0 && hd <= PI_ATT_MAX_HD) {
-        pi_scores_keys8(q, nq, k, rs, hd, scale, n_max, sc, sc_stride);
+    if (kt != NULL) {
+        pi_scores_keys8(q, nq, kt, hd, scale, n_max, sc, sc_stride);
     } else
 #endif
     {
@@ -478,6 +499,44 @@ static inline void pi_attend_block(const float *const *q, int nq, const long *n_
         memset(out[i], 0, (size_t)hd * sizeof(float));
         for (long j = 0; j < n_att[i]; j++) pi_axpy_f32(s[j], v + j * rs, out[i], hd);
     }
+}
+
+/* ---- the gated FFN's two GEMMs with the activation applied on the way out ----
+ * out[t][r] = act(gate_r . x_t) * (up_r . x_t) for rows r0 <= r < r1 (r1 - r0 <= PI_GLU_RM) of
+ * gate and up: both through pi_gemm_rows into a scratch of 2 * n_tok * PI_GLU_RM floats (stays in
+ * L2), then act(g) * u 8 lanes at a time. act is SiLU g / (1 + exp(-g)) with pi_exp8 in f32
+ * (decode's _act1 takes libm's expf and divides in double: the two differ by a few ulp of the
+ * activation, tests/test_prefill_gemm.py) or ReLU max(g, 0) (exact). Saves the separate
+ * silu_mul pass over 2 n_tok n_ff floats, and quantizes x once for both matrices. */
+#define PI_GLU_RM 16
+
+static inline void pi_glu_rows(int qtype_g, const uint8_t *wg, size_t wgs, int qtype_u,
+                               const uint8_t *wu, size_t wus, long r0, long r1, const float *xd,
+                               const int8_t *xq, long xqs, int nb, long n_tok, float *out,
+                               long ldo, int silu, uint8_t *buf, float *scratch) {
+#if PI_SIMD
+    float *g = scratch, *u = scratch + n_tok * PI_GLU_RM;
+    const int rm = (int)(r1 - r0);
+    pi_gemm_rows(qtype_g, wg + r0 * wgs, wgs, 0, rm, xd, xq, xqs, nb, n_tok, g, PI_GLU_RM, buf);
+    pi_gemm_rows(qtype_u, wu + r0 * wus, wus, 0, rm, xd, xq, xqs, nb, n_tok, u, PI_GLU_RM, buf);
+    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (long t = 0; t < n_tok; t++) {
+        float a[PI_GLU_RM];
+        for (int h = 0; h < PI_GLU_RM; h += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + t * PI_GLU_RM + h);
+            const __m256 uv = _mm256_loadu_ps(u + t * PI_GLU_RM + h);
+            const __m256 av = silu ? _mm256_div_ps(gv, _mm256_add_ps(one, pi_exp8(_mm256_xor_ps(gv, sign))))
+                                   : _mm256_max_ps(gv, zero);
+            _mm256_storeu_ps(a + h, _mm256_mul_ps(av, uv));
+        }
+        for (int i = 0; i < rm; i++) out[t * ldo + r0 + i] = a[i];
+    }
+#else
+    (void)qtype_g; (void)wg; (void)wgs; (void)qtype_u; (void)wu; (void)wus; (void)r0; (void)r1;
+    (void)xd; (void)xq; (void)xqs; (void)nb; (void)n_tok; (void)out; (void)ldo; (void)silu;
+    (void)buf; (void)scratch;
+#endif
 }
 
 #endif /* PYINFER_GEMM_H */

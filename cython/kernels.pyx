@@ -60,9 +60,16 @@ cdef extern from "gemm.h" nogil:
     int PI_GEMM_BUF_PER_BLOCK
     void pi_gemm_t_strip(int qtype, const uint8_t *w, size_t ws, long rows, int c0, int cn,
                          const float *a, long lda, long n_tok, float *out, long ldo, float *panel)
+    void pi_glu_rows(int qtype_g, const uint8_t *wg, size_t wgs, int qtype_u, const uint8_t *wu,
+                     size_t wus, long r0, long r1, const float *xd, const int8_t *xq, long xqs,
+                     int nb, long n_tok, float *out, long ldo, int silu, uint8_t *buf,
+                     float *scratch)
+    int PI_GLU_RM
     void pi_attend_block(const float *const *q, int nq, const long *n_att, const float *k,
-                         const float *v, long rs, int hd, float scale, float *sc, long sc_stride,
-                         float *const *out)
+                         const float *kt, const float *v, long rs, int hd, float scale, float *sc,
+                         long sc_stride, float *const *out)
+    void pi_transpose_keys(const float *k, long rs, int hd, long n, float *kt)
+    int PI_ATT_MAX_HD
 
 # rows per parallel work item in matmul (prefill): a tile of weight rows stays in L1 while every
 # token is dotted with it, and each output row gets a contiguous run of writes.
@@ -222,43 +229,147 @@ def matmul(const uint8_t[:, ::1] w, int qtype, int cols, const float[:, ::1] x,
     if rows == 0 or n_tok == 0:
         return
     cdef int gemm = pi_gemm_supported(qtype) and not _old_prefill
-    cdef uint8_t *pack
+    cdef const uint8_t *wp = &w[0, 0]
+    cdef float *op = &out[0, 0]
+    if gemm:  # 8 rows x 4 tokens per register tile over repacked rows (gemm.h)
+        with nogil:
+            _gemm_multi(1, &wp, &qtype, &stride, &rows, cols, &x[0, 0], n_tok, &op, n_threads)
+        return
     with nogil:
         if quant:
             xd = <float *> malloc((2 * n_tok * nb + 1) * sizeof(float))
             xq = <int8_t *> malloc(n_tok * cols + 32)
             for tq in prange(n_tok, schedule='static', num_threads=n_threads):
                 pi_quantize_q8(&x[tq, 0], cols, xd + 2 * tq * nb, xq + tq * cols)
-        if gemm:  # 8 rows x 4 tokens per register tile over repacked rows (gemm.h)
-            with parallel(num_threads=n_threads):
-                pack = <uint8_t *> malloc(nb * PI_GEMM_BUF_PER_BLOCK + 64)
-                for tile in prange(n_tiles, schedule='static'):
-                    pi_gemm_rows(qtype, &w[0, 0], stride, tile * ROW_TILE,
-                                 min(rows, (tile + 1) * ROW_TILE), xd, xq, cols, nb, n_tok,
-                                 &out[0, 0], out.shape[1], pack)
-                free(pack)
-        else:
-            for tile in prange(n_tiles, schedule='static', num_threads=n_threads):
-                r1 = min(rows, (tile + 1) * ROW_TILE)
-                t = 0
-                if qtype == PI_Q8_0_ID or qtype == PI_Q4_0_ID or pi_is_xquant(qtype):
-                    while t + 4 <= n_tok:  # four tokens per pass over a row
-                        for r in range(tile * ROW_TILE, r1):
-                            if pi_is_xquant(qtype):
-                                pi_dot4_xrow(qtype, &w[0, 0] + r * stride, xd + 2 * t * nb, 2 * nb,
-                                             xq + t * cols, cols, nb, &out[t, r], out.shape[1])
-                            elif qtype == PI_Q8_0_ID:
-                                pi_dot4_q8_0(&w[0, 0] + r * stride, xd + 2 * t * nb, 2 * nb,
-                                             xq + t * cols, cols, nb, &out[t, r], out.shape[1])
-                            else:
-                                pi_dot4_q4_0(&w[0, 0] + r * stride, xd + 2 * t * nb, 2 * nb,
-                                             xq + t * cols, cols, nb, &out[t, r], out.shape[1])
-                        t = t + 4
-                while t < n_tok:
+        for tile in prange(n_tiles, schedule='static', num_threads=n_threads):
+            r1 = min(rows, (tile + 1) * ROW_TILE)
+            t = 0
+            if qtype == PI_Q8_0_ID or qtype == PI_Q4_0_ID or pi_is_xquant(qtype):
+                while t + 4 <= n_tok:  # four tokens per pass over a row
                     for r in range(tile * ROW_TILE, r1):
-                        out[t, r] = pi_dot_row(qtype, &w[0, 0] + r * stride, &x[t, 0],
-                                               xd + 2 * t * nb, xq + t * cols, cols)
-                    t = t + 1
+                        if pi_is_xquant(qtype):
+                            pi_dot4_xrow(qtype, &w[0, 0] + r * stride, xd + 2 * t * nb, 2 * nb,
+                                         xq + t * cols, cols, nb, &out[t, r], out.shape[1])
+                        elif qtype == PI_Q8_0_ID:
+                            pi_dot4_q8_0(&w[0, 0] + r * stride, xd + 2 * t * nb, 2 * nb,
+                                         xq + t * cols, cols, nb, &out[t, r], out.shape[1])
+                        else:
+                            pi_dot4_q4_0(&w[0, 0] + r * stride, xd + 2 * t * nb, 2 * nb,
+                                         xq + t * cols, cols, nb, &out[t, r], out.shape[1])
+                    t = t + 4
+            while t < n_tok:
+                for r in range(tile * ROW_TILE, r1):
+                    out[t, r] = pi_dot_row(qtype, &w[0, 0] + r * stride, &x[t, 0],
+                                           xd + 2 * t * nb, xq + t * cols, cols)
+                t = t + 1
+        free(xd)
+        free(xq)
+
+
+cdef void _gemm_multi(int n_mat, const uint8_t **w, const int *qt, const Py_ssize_t *stride,
+                      const Py_ssize_t *rows, int cols, const float *x, Py_ssize_t n_tok,
+                      float **out, int n_threads) noexcept nogil:
+    """out[m] (n_tok, rows[m]) = x (n_tok, cols) @ w[m].T for up to 3 q8_0/q4_0 matrices sharing
+    x (gemm.h pi_gemm_rows): x is quantized once for all of them, and the quantization and every
+    matrix's row tiles run in one parallel region (one fork, two barriers)."""
+    cdef int nb = cols // 32, m
+    cdef Py_ssize_t off[4]
+    cdef Py_ssize_t tq, tile, r0
+    cdef float *xd = <float *> malloc((2 * n_tok * nb + 1) * sizeof(float))
+    cdef int8_t *xq = <int8_t *> malloc(n_tok * cols + 32)
+    cdef uint8_t *pack
+    off[0] = 0
+    for m in range(n_mat):
+        off[m + 1] = off[m] + (rows[m] + ROW_TILE - 1) // ROW_TILE
+    with parallel(num_threads=n_threads):
+        pack = <uint8_t *> malloc(nb * PI_GEMM_BUF_PER_BLOCK + 64)
+        for tq in prange(n_tok, schedule='static'):
+            pi_quantize_q8(x + tq * cols, cols, xd + 2 * tq * nb, xq + tq * cols)
+        for tile in prange(off[n_mat], schedule='static'):
+            m = 0 if tile < off[1] else (1 if tile < off[2] else 2)
+            r0 = (tile - off[m]) * ROW_TILE
+            pi_gemm_rows(qt[m], w[m], stride[m], r0, min(rows[m], r0 + ROW_TILE), xd, xq, cols,
+                         nb, n_tok, out[m], rows[m], pack)
+        free(pack)
+    free(xd)
+    free(xq)
+
+
+def matmul_multi(tuple ws, tuple qtypes, int cols, const float[:, ::1] x, tuple outs,
+                 int n_threads):
+    """outs[m] = x @ ws[m].T for 1 to 3 q8_0/q4_0 matrices that read the same x (prefill of q, k
+    and v): ws[m] uint8 (rows_m, bytes_per_row), outs[m] f32 (n_tok, rows_m), x f32 (n_tok, cols).
+    The same numbers as ``matmul`` on each matrix, with x quantized once and one parallel region.
+    ValueError for another type (``prefill_gemm_supported``) or shapes that do not fit."""
+    cdef int n_mat = len(ws), m
+    if n_mat < 1 or n_mat > 3 or len(qtypes) != n_mat or len(outs) != n_mat:
+        raise ValueError("matmul_multi takes 1 to 3 matrices, one type and one output each")
+    cdef const uint8_t *wp[3]
+    cdef int qt[3]
+    cdef Py_ssize_t strides[3]
+    cdef Py_ssize_t rows[3]
+    cdef float *op[3]
+    cdef const uint8_t[:, ::1] wv
+    cdef float[:, ::1] ov
+    cdef Py_ssize_t n_tok = x.shape[0]
+    _check_len(x.shape[1], cols, "matmul_multi x columns")
+    for m in range(n_mat):
+        wv = ws[m]
+        ov = outs[m]
+        qt[m] = qtypes[m]
+        if not pi_gemm_supported(qt[m]):
+            raise ValueError(f"matmul_multi: weight type {qt[m]} has no prefill GEMM")
+        _check_w(wv, qt[m], cols)
+        _check_len(ov.shape[0], n_tok, "matmul_multi out rows")
+        _check_len(ov.shape[1], wv.shape[0], "matmul_multi out columns")
+        if wv.shape[0] == 0 or n_tok == 0:
+            raise ValueError("matmul_multi: empty weight or input")
+        wp[m] = &wv[0, 0]
+        strides[m] = wv.shape[1]
+        rows[m] = wv.shape[0]
+        op[m] = &ov[0, 0]
+    with nogil:
+        _gemm_multi(n_mat, wp, qt, strides, rows, cols, &x[0, 0], n_tok, op, n_threads)
+
+
+def matmul_glu(const uint8_t[:, ::1] gate, int qtype_g, const uint8_t[:, ::1] up, int qtype_u,
+               int cols, const float[:, ::1] x, float[:, ::1] out, int silu, int n_threads):
+    """out = act(x @ gate.T) * (x @ up.T) (the gated FFN's prefill up to the down projection):
+    gate, up q8_0/q4_0 uint8 (n_ff, bytes_per_row); x f32 (n_tok, cols); out f32 (n_tok, n_ff);
+    act SiLU (silu=1) or ReLU. x is quantized once; tiles of PI_GLU_RM rows of both matrices
+    run in one parallel region and the activation is applied on the way out (gemm.h
+    pi_glu_rows). ValueError for another type or shapes that do not fit."""
+    if not pi_gemm_supported(qtype_g) or not pi_gemm_supported(qtype_u):
+        raise ValueError(f"matmul_glu: weight types {qtype_g}/{qtype_u} have no prefill GEMM")
+    _check_w(gate, qtype_g, cols)
+    _check_w(up, qtype_u, cols)
+    _check_len(up.shape[0], gate.shape[0], "matmul_glu up rows")
+    _check_len(x.shape[1], cols, "matmul_glu x columns")
+    _check_len(out.shape[0], x.shape[0], "matmul_glu out rows")
+    _check_len(out.shape[1], gate.shape[0], "matmul_glu out columns")
+    cdef Py_ssize_t rows = gate.shape[0], n_tok = x.shape[0], tq, tile
+    cdef Py_ssize_t n_tiles = (rows + PI_GLU_RM - 1) // PI_GLU_RM
+    cdef int nb = cols // 32
+    cdef float *xd
+    cdef int8_t *xq
+    cdef uint8_t *pack
+    cdef float *scratch
+    if rows == 0 or n_tok == 0:
+        return
+    with nogil:
+        xd = <float *> malloc((2 * n_tok * nb + 1) * sizeof(float))
+        xq = <int8_t *> malloc(n_tok * cols + 32)
+        with parallel(num_threads=n_threads):
+            pack = <uint8_t *> malloc(nb * PI_GEMM_BUF_PER_BLOCK + 64)
+            scratch = <float *> malloc((2 * n_tok * PI_GLU_RM + 8) * sizeof(float))
+            for tq in prange(n_tok, schedule='static'):
+                pi_quantize_q8(&x[tq, 0], cols, xd + 2 * tq * nb, xq + tq * cols)
+            for tile in prange(n_tiles, schedule='static'):
+                pi_glu_rows(qtype_g, &gate[0, 0], gate.shape[1], qtype_u, &up[0, 0], up.shape[1],
+                            tile * PI_GLU_RM, min(rows, (tile + 1) * PI_GLU_RM), xd, xq, cols, nb,
+                            n_tok, &out[0, 0], rows, silu, pack, scratch)
+            free(pack)
+            free(scratch)
         free(xd)
         free(xq)
 
@@ -346,7 +457,7 @@ def matmul_t(const uint8_t[:, ::1] w, int qtype, int cols, const float[:, ::1] a
     if n_tok == 0 or cols == 0:
         return
     cdef float *panel
-    if not _old_prefill and rows > 0:  # 32-column strips, 4 tokens x 16 columns per tile (gemm.h)
+    if not _old_prefill and rows > 0:  # 32-column strips, 6 tokens x 16 columns per tile (gemm.h)
         with nogil, parallel(num_threads=n_threads):
             panel = <float *> malloc((32 * rows + 8) * sizeof(float))
             for s in prange((cols + 31) // 32, schedule='static'):
@@ -431,6 +542,25 @@ cdef void _rope1(float *x, int n_heads, int head_dim, int pos, double freq_base,
             x[h * head_dim + i + half] = x1 * cs[i] + x0 * sn[i]
 
 
+cdef void _rope1_tab(float *x, int n_heads, int head_dim, int pos, const double *inv_freq,
+                     int n_rot, float *cs, float *sn) noexcept nogil:
+    """_rope1 with the frequencies freq_base^(-2i/n_rot) computed once per call (inv_freq,
+    n_rot/2 doubles): the same theta = pos * inv_freq[i] in double, so the same bits."""
+    cdef int h, i, half = n_rot // 2
+    cdef double theta
+    cdef float x0, x1
+    for i in range(half):
+        theta = pos * inv_freq[i]
+        cs[i] = <float> cos(theta)
+        sn[i] = <float> sin(theta)
+    for h in range(n_heads):
+        for i in range(half):
+            x0 = x[h * head_dim + i]
+            x1 = x[h * head_dim + i + half]
+            x[h * head_dim + i] = x0 * cs[i] - x1 * sn[i]
+            x[h * head_dim + i + half] = x1 * cs[i] + x0 * sn[i]
+
+
 cdef void _attend_head(const float *q, const float *k, const float *v, Py_ssize_t row_stride,
                        Py_ssize_t n_att, Py_ssize_t hd, float scale, float *sc,
                        float *out) noexcept nogil:
@@ -464,7 +594,8 @@ def rmsnorm(const float[:, ::1] x, const float[::1] weight, float eps, float[:, 
             _rmsnorm1(&x[t, 0], &weight[0], eps, &out[t, 0], n)
 
 
-def rope_neox(float[:, :, ::1] x, const int32_t[::1] positions, double freq_base, int n_rot):
+def rope_neox(float[:, :, ::1] x, const int32_t[::1] positions, double freq_base, int n_rot,
+              int n_threads=1):
     """Rotate the first n_rot dims of each head in place, Hugging Face rotate_half (NeoX) style:
     theta_i = pos * freq_base^(-2i/n_rot), (x[i], x[i+n_rot/2]) -> (x[i]cos - x[i+h]sin,
     x[i+h]cos + x[i]sin). x (n_tok, n_heads, head_dim), positions (n_tok,) int32."""
@@ -476,11 +607,19 @@ def rope_neox(float[:, :, ::1] x, const int32_t[::1] positions, double freq_base
     cdef float *cs
     if half == 0 or n_tok == 0:
         return
+    cdef double *inv_freq
+    cdef Py_ssize_t i
     with nogil:
-        cs = <float *> malloc(2 * half * sizeof(float))
-        for t in range(n_tok):
-            _rope1(&x[t, 0, 0], n_heads, head_dim, positions[t], freq_base, n_rot, cs, cs + half)
-        free(cs)
+        inv_freq = <double *> malloc(half * sizeof(double))
+        for i in range(half):
+            inv_freq[i] = pow(freq_base, -2.0 * i / n_rot)  # as _rope1 computes it
+        with parallel(num_threads=n_threads if n_tok >= 8 else 1):
+            cs = <float *> malloc(2 * half * sizeof(float))
+            for t in prange(n_tok, schedule='static'):
+                _rope1_tab(&x[t, 0, 0], n_heads, head_dim, positions[t], inv_freq, n_rot, cs,
+                           cs + half)
+            free(cs)
+        free(inv_freq)
 
 
 def attention(const float[:, :, ::1] q, const float[:, :, ::1] k_cache,
@@ -536,8 +675,20 @@ cdef void _attention_blocks(const float[:, :, ::1] q, const float[:, :, ::1] k_c
     cdef const float **qp
     cdef float **op
     cdef long *n_att
+    # every KV head's keys transposed 8 at a time once per call, shared by all blocks of queries
+    # (as many floats as the keys read: n_kv * n_keys * hd)
+    cdef Py_ssize_t n_keys = n_past + n_tok, nkb = (n_keys + 7) // 8, jb
+    cdef int simd = pi_simd_enabled() and hd % 8 == 0 and hd <= PI_ATT_MAX_HD
+    cdef float *kt = <float *> malloc((n_kv * nkb * 8 * hd + 1) * sizeof(float)) if simd else NULL
+    cdef float *ktp
     with parallel(num_threads=n_threads):
         sc = <float *> malloc((nq_max * sc_stride + 1) * sizeof(float))
+        if simd:
+            for item in prange(n_kv * nkb, schedule='static'):
+                kvh = item // nkb
+                jb = item % nkb
+                pi_transpose_keys(&k_cache[jb * 8, kvh, 0], n_kv * hd, <int> hd,
+                                  min(8, n_keys - jb * 8), kt + (kvh * nkb + jb) * 8 * hd)
         qp = <const float **> malloc(nq_max * sizeof(float *))
         op = <float **> malloc(nq_max * sizeof(float *))
         n_att = <long *> malloc(nq_max * sizeof(long))
@@ -552,12 +703,14 @@ cdef void _attention_blocks(const float[:, :, ::1] q, const float[:, :, ::1] k_c
                     op[nq] = &out[t, kvh * group + g, 0]
                     n_att[nq] = n_past + t + 1
                     nq = nq + 1
-            pi_attend_block(qp, nq, n_att, &k_cache[0, kvh, 0], &v_cache[0, kvh, 0], n_kv * hd,
-                            <int> hd, scale, sc, sc_stride, op)
+            ktp = kt + kvh * nkb * 8 * hd if simd else NULL
+            pi_attend_block(qp, nq, n_att, &k_cache[0, kvh, 0], ktp, &v_cache[0, kvh, 0],
+                            n_kv * hd, <int> hd, scale, sc, sc_stride, op)
         free(sc)
         free(qp)
         free(op)
         free(n_att)
+    free(kt)
 
 
 def silu_mul(const float[::1] gate, const float[::1] up, float[::1] out):

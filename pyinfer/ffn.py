@@ -48,6 +48,17 @@ def linear(w: cpu.QTensor, x: np.ndarray, out: np.ndarray, n_threads: int) -> np
     return out
 
 
+def linear_many(ws, x: np.ndarray, outs, n_threads: int):
+    """outs[m] = x @ ws[m].T for weights that read the same x (n_tok, cols): one call with x
+    quantized once (``cpu.matmul_multi``) when every weight has the prefill GEMM and n_tok > 1,
+    else ``linear`` on each (a single token keeps decode's GEMV)."""
+    if x.shape[0] > 1 and all(cpu.prefill_gemm(w.qtype) for w in ws):
+        return cpu.matmul_multi(ws, x, outs, n_threads)
+    for w, out in zip(ws, outs):
+        linear(w, x, out, n_threads)
+    return outs
+
+
 def linear_t(w: cpu.QTensor, a: np.ndarray, out: np.ndarray, n_threads: int) -> np.ndarray:
     """out = a @ w for a (n_tok, rows) -> out (n_tok, cols): the neuron-major down projection."""
     if a.shape[0] == 1:
@@ -172,10 +183,14 @@ class DenseFFN:
             self.stats.candidates += n_tok * n_ff
             return out
         gate = np.empty((n_tok, n_ff), np.float32)  # (n_tok, n_ff)
-        up = np.empty((n_tok, n_ff), np.float32)  # (n_tok, n_ff)
-        linear(lw.ffn_gate, h, gate, n_threads)
-        linear(lw.ffn_up, h, up, n_threads)
-        self.mul(gate, up, gate)
+        if n_tok > 1 and cpu.prefill_gemm(lw.ffn_gate.qtype) and cpu.prefill_gemm(lw.ffn_up.qtype):
+            # both GEMMs and the activation in one call (x quantized once, no silu_mul pass)
+            cpu.matmul_glu(lw.ffn_gate, lw.ffn_up, h, gate, self.cfg.hidden_act == "silu", n_threads)
+        else:
+            up = np.empty((n_tok, n_ff), np.float32)  # (n_tok, n_ff)
+            linear(lw.ffn_gate, h, gate, n_threads)
+            linear(lw.ffn_up, h, up, n_threads)
+            self.mul(gate, up, gate)
         down_proj(lw, gate, out, n_threads)
         self.stats.total += n_tok * n_ff
         self.stats.active += n_tok * n_ff

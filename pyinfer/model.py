@@ -10,7 +10,7 @@ import numpy as np
 
 from pyinfer.config import ModelConfig
 from pyinfer.errors import PyinferError
-from pyinfer.ffn import DenseFFN, linear
+from pyinfer.ffn import DenseFFN, linear, linear_many
 from pyinfer.kv_cache import KVCache
 from pyinfer.ops import cpu
 from pyinfer.ops import families as fam
@@ -89,7 +89,9 @@ class Model:
             lw = w.layers[i]
             # attention
             fam.norm(cfg, x, lw.attn_norm, lw.attn_norm_b, h)
-            if isp is None:
+            if isp is None and lw.bq is None and lw.bk is None and lw.bv is None:
+                linear_many((lw.wq, lw.wk, lw.wv), h, (q, k, v), nt)  # h quantized once
+            elif isp is None:
                 _linear_b(lw.wq, lw.bq, h, q, nt)
                 _linear_b(lw.wk, lw.bk, h, k, nt)
                 _linear_b(lw.wv, lw.bv, h, v, nt)
@@ -137,7 +139,7 @@ class Model:
         """RoPE in place on x (n_tok, n_heads, head_dim) with frequency base ``base`` and the
         file's frequency divisors."""
         if self.w.rope_freqs is None:
-            cpu.rope_neox(x, positions, base, self.cfg.head_dim)
+            cpu.rope_neox(x, positions, base, self.cfg.head_dim, self.n_threads)
         else:
             fam.rope_scaled(x, positions, base, self.w.rope_freqs)
 

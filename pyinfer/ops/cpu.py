@@ -157,6 +157,28 @@ def matmul(w: QTensor, x: np.ndarray, out: np.ndarray, n_threads: int = 1) -> np
     return out
 
 
+def matmul_multi(ws, x: np.ndarray, outs, n_threads: int = 1):
+    """outs[m] = x @ ws[m].T for 1 to 3 q8_0/q4_0 weights that read the same x (q, k and v of a
+    prefill): x (n_tok, cols) f32, outs[m] (n_tok, rows_m) f32. The same numbers as ``matmul`` on
+    each, with x quantized once and one parallel region. ValueError unless every weight has
+    ``prefill_gemm``. Returns outs."""
+    _k.matmul_multi(tuple(w.raw for w in ws), tuple(int(w.qtype) for w in ws), ws[0].cols, x,
+                    tuple(outs), n_threads)
+    return outs
+
+
+def matmul_glu(gate: QTensor, up: QTensor, x: np.ndarray, out: np.ndarray, silu: bool = True,
+               n_threads: int = 1) -> np.ndarray:
+    """out = act(x @ gate.T) * (x @ up.T), act SiLU (g / (1 + exp(-g))) or ReLU: the gated FFN's
+    prefill up to the down projection in one call (x quantized once, the activation applied as
+    the tiles are written). gate, up q8_0/q4_0 (n_ff, cols); x (n_tok, cols) f32; out (n_tok,
+    n_ff) f32. The GEMMs are ``matmul``'s; SiLU's exp is an 8-lane polynomial in f32 (a few ulp
+    from ``silu_mul``). ValueError unless both weights have ``prefill_gemm``. Returns out."""
+    _k.matmul_glu(gate.raw, int(gate.qtype), up.raw, int(up.qtype), gate.cols, x, out, int(silu),
+                  n_threads)
+    return out
+
+
 def prefill_gemm(qtype) -> bool:
     """True when ``matmul`` runs the register-tiled int8 GEMM for this weight type (cython/gemm.h:
     q8_0 and q4_0 with the SIMD build). Its outputs equal ``matvec``'s token by token up to the
@@ -209,12 +231,14 @@ def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray) -> n
     return out
 
 
-def rope_neox(x: np.ndarray, positions, freq_base: float, n_rot: int) -> np.ndarray:
+def rope_neox(x: np.ndarray, positions, freq_base: float, n_rot: int,
+              n_threads: int = 1) -> np.ndarray:
     """Rotary embedding in place, Hugging Face rotate_half (NeoX) layout, on the first n_rot dims.
 
-    x (n_tok, n_heads, head_dim) f32; positions (n_tok,) ints. theta_i = pos * base^(-2i/n_rot)."""
+    x (n_tok, n_heads, head_dim) f32; positions (n_tok,) ints. theta_i = pos * base^(-2i/n_rot).
+    Tokens are split over n_threads (the same bits at any count)."""
     pos = np.ascontiguousarray(positions, dtype=np.int32)
-    _k.rope_neox(x, pos, float(freq_base), int(n_rot))
+    _k.rope_neox(x, pos, float(freq_base), int(n_rot), n_threads)
     return x
 
 

@@ -48,6 +48,20 @@ def quantize_act_q8(x: np.ndarray) -> np.ndarray:
     return (q * d).reshape(x.shape).astype(np.float32)
 
 
+def matmul_multi(ws, x, outs, n_threads=1):
+    for w, out in zip(ws, outs):
+        matmul(w, x, out)
+    return outs
+
+
+def matmul_glu(gate, up, x, out, silu=True, n_threads=1):
+    g = x @ dequantize(gate).T
+    with np.errstate(over="ignore"):  # exp(-g) = inf for g << 0: silu -> -0, as it should
+        a = g / (1.0 + np.exp(-g)) if silu else np.maximum(g, 0.0)
+    out[...] = a * (x @ dequantize(up).T)
+    return out
+
+
 def matvec(w, x, out, n_threads=1):
     out[...] = dequantize(w) @ x
     return out
@@ -90,7 +104,7 @@ def rmsnorm(x, weight, eps, out):
     return out
 
 
-def rope_neox(x, positions, freq_base, n_rot):
+def rope_neox(x, positions, freq_base, n_rot, n_threads=1):
     half = n_rot // 2
     inv_freq = float(freq_base) ** (-2.0 * np.arange(half) / n_rot)  # (half,) f64
     theta = np.asarray(positions, dtype=np.float64)[:, None] * inv_freq  # (n_tok, half)
