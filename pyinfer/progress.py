@@ -8,6 +8,7 @@ carriage-return redraws that a log shows as one endless line. Both come from tqd
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 #: seconds between two lines when stderr is not a terminal (env PYINFER_PROGRESS_INTERVAL)
@@ -24,7 +25,9 @@ class _Lines:
 
     def write(self, s: str) -> None:
         s = s.replace("\r", "").strip()
-        key = s.split(" [", 1)[0]
+        # the count without the bar, whose width follows the rate text's length (a redraw by
+        # tqdm's monitor thread at the same count can draw it one character narrower)
+        key = re.sub(r"\|[^|]*\|", "|", s.split(" [", 1)[0])
         if s and key != self.last:
             self.last = key
             self.f.write(s + "\n")

@@ -66,3 +66,16 @@ def test_conversion_with_stderr_piped_shows_progress_lines(tmp_path):
     total = int(matches[-1].group("total"))
     assert n == list(range(total + 1)) and total > 10  # a line per tensor, then 100%
     assert "\r" not in r.stderr
+
+
+def test_one_line_per_count_whatever_the_bar_width():
+    """tqdm redraws a count from its monitor thread; with a longer rate text the bar is drawn
+    narrower, and that redraw must not become a second line for the same count."""
+    from pyinfer.progress import _Lines
+
+    f = io.StringIO()
+    lines = _Lines(f)
+    lines.write("converting:  45%|####      | 9/20 [00:01<00:02, 4.5it/s]")
+    lines.write("\rconverting:  45%|####     | 9/20 [00:01<00:02, 14.52it/s]")
+    lines.write("converting:  50%|#####    | 10/20 [00:01<00:02, 14.52it/s]")
+    assert [LINE.match(ln).group("n") for ln in f.getvalue().splitlines()] == ["9", "10"]
