@@ -3,6 +3,7 @@
 OpenMP and the x86 SIMD flags are optional: each is probed with the compiler first, and the
 build goes on without it (with a warning), as scikit-learn's build treats OpenMP.
 """
+import glob
 import os
 import subprocess
 import sys
@@ -66,6 +67,8 @@ extensions = [
         "pyinfer.ops._kernels",
         ["cython/kernels.pyx"],
         include_dirs=[np.get_include(), "cython"],
+        # the SIMD headers: build_ext recompiles when one is newer than the built module
+        depends=sorted(glob.glob(os.path.join("cython", "*.h"))),
         extra_compile_args=compile_args,
         extra_link_args=link_args,
         define_macros=macros,

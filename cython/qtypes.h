@@ -18,8 +18,8 @@
  *
  * Every quantized type is read in groups of 32 values ("group" g = values 32g..32g+31 of the
  * row, whatever the block size): value j = a_h * v_j + off with h = j / 16 (the two halves of a
- * Q6_K group have their own scales; other types have a_0 = a_1). v_j is a signed byte for Q5_0 and
- * Q6_K (offset folded in) and an unsigned one otherwise. A group of the row dotted with the
+ * Q6_K group have their own scales; other types have a_0 = a_1). v_j is a signed byte for Q6_K
+ * (offset folded in) and an unsigned one otherwise (Q5_0: q with off = -16 d). A group of the row dotted with the
  * activation's q8 block g (scale dx, int8 y, s = 8 dx sum y from pi_quantize_q8) is then
  * dx * (a_0 sum_{j<16} v_j y_j + a_1 sum_{j>=16} v_j y_j) + off * s / 8, all integer inside the
  * sums, as llama.cpp's ggml_vec_dot_q4_1_q8_1 uses the block sum of y for the min term.
@@ -49,10 +49,10 @@ pi_group_scales(const int t, const uint8_t *row, int g, float *a0, float *a1, fl
         *a0 = *a1 = pi_load_d(blk);
         *off = pi_load_d(blk + 2);
         return blk;
-    case PI_Q5_0:
+    case PI_Q5_0: /* unsigned v = q (0..31) and the -16 as an offset, as Q4_1's min */
         blk = row + 22 * (size_t)g;
         *a0 = *a1 = pi_load_d(blk);
-        *off = 0.0f;
+        *off = -16.0f * *a0;
         return blk;
     case PI_Q5_1:
         blk = row + 24 * (size_t)g;
@@ -93,10 +93,9 @@ static inline void pi_group_values_ref(const int t, const uint8_t *blk, int g, i
     case PI_Q5_1: {
         const uint8_t *qs = blk + (t == PI_Q5_0 ? 6 : 8);
         memcpy(&qh, blk + (t == PI_Q5_0 ? 2 : 4), 4);
-        const int z = t == PI_Q5_0 ? 16 : 0;
         for (j = 0; j < 16; j++) {
-            v[j] = ((qs[j] & 15) | (((qh >> j) & 1) << 4)) - z;
-            v[j + 16] = ((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - z;
+            v[j] = (qs[j] & 15) | (((qh >> j) & 1) << 4);
+            v[j + 16] = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
         }
         return;
     }
@@ -140,7 +139,7 @@ static inline __m256i pi_bit4_32(uint32_t bits) {
     return _mm256_and_si256(_mm256_cmpeq_epi8(b, bit), _mm256_set1_epi8(0x10));
 }
 
-/* The 32 values v_j of group g as bytes (signed for Q5_0 and Q6_K, unsigned otherwise). */
+/* The 32 values v_j of group g as bytes (signed for Q6_K, unsigned otherwise). */
 static inline __attribute__((always_inline)) __m256i pi_group_values(const int t,
                                                                       const uint8_t *blk, int g) {
     const __m256i m4 = _mm256_set1_epi8(15);
@@ -150,8 +149,7 @@ static inline __attribute__((always_inline)) __m256i pi_group_values(const int t
         return pi_nib16(blk + 4);
     case PI_Q5_0:
         memcpy(&qh, blk + 2, 4);
-        return _mm256_sub_epi8(_mm256_or_si256(pi_nib16(blk + 6), pi_bit4_32(qh)),
-                               _mm256_set1_epi8(16));
+        return _mm256_or_si256(pi_nib16(blk + 6), pi_bit4_32(qh));
     case PI_Q5_1:
         memcpy(&qh, blk + 4, 4);
         return _mm256_or_si256(pi_nib16(blk + 8), pi_bit4_32(qh));
@@ -190,7 +188,10 @@ static inline __m256 pi_mul_sum_u8(__m256i u, __m256i y) {
 }
 #endif
 
-static inline int pi_signed_values(int t) { return t == PI_Q5_0 || t == PI_Q6_K; }
+/* Q5_0 reads as unsigned values with an offset of -16 d (pi_group_scales): the dot then takes
+ * maddubs straight on the values (no sign trick) and the offset from the activation's block sum,
+ * as q4_0's dot does; only Q6_K (two scales per group) keeps signed values. */
+static inline int pi_signed_values(int t) { return t == PI_Q6_K; }
 
 #if PI_SIMD
 /* Q4_1 / Q5_0 / Q5_1 row . activation of nt (1 or 4) tokens, two 32-value blocks per pass (each
@@ -203,7 +204,6 @@ static inline __attribute__((always_inline)) void
 pi_dot_xn_legacy(const int t, const int nt, const uint8_t *row, const float *xd, long xd_stride,
                  const int8_t *xq, long xq_stride, int nb, float *out, long out_stride) {
     const int bs = t == PI_Q4_1 ? 20 : (t == PI_Q5_0 ? 22 : 24);
-    const int sgn = pi_signed_values(t);
     __m256 acc0[4], acc1[4];
     float c0[4], c1[4];
     for (int i = 0; i < nt; i++) {
@@ -215,32 +215,29 @@ pi_dot_xn_legacy(const int t, const int nt, const uint8_t *row, const float *xd,
         const uint8_t *k0 = row + bs * (size_t)g, *k1 = k0 + bs;
         const __m256i v0 = pi_group_values(t, k0, g), v1 = pi_group_values(t, k1, g + 1);
         const float d0 = pi_load_d(k0), d1 = pi_load_d(k1);
-        const float m0 = sgn ? 0.0f : pi_load_d(k0 + 2), m1 = sgn ? 0.0f : pi_load_d(k1 + 2);
+        const float m0 = t == PI_Q5_0 ? -16.0f * d0 : pi_load_d(k0 + 2);
+        const float m1 = t == PI_Q5_0 ? -16.0f * d1 : pi_load_d(k1 + 2);
         for (int i = 0; i < nt; i++) {
             const int8_t *y = xq + i * xq_stride + 32 * g;
             const float *dx = xd + i * xd_stride, *xs = dx + nb;
             const __m256i y0 = _mm256_loadu_si256((const __m256i *)y);
             const __m256i y1 = _mm256_loadu_si256((const __m256i *)(y + 32));
-            const __m256 p0 = sgn ? pi_mul_sum_i8(v0, y0) : pi_mul_sum_u8(v0, y0);
-            const __m256 p1 = sgn ? pi_mul_sum_i8(v1, y1) : pi_mul_sum_u8(v1, y1);
+            const __m256 p0 = pi_mul_sum_u8(v0, y0), p1 = pi_mul_sum_u8(v1, y1);
             acc0[i] = _mm256_fmadd_ps(_mm256_set1_ps(d0 * dx[g]), p0, acc0[i]);
             acc1[i] = _mm256_fmadd_ps(_mm256_set1_ps(d1 * dx[g + 1]), p1, acc1[i]);
-            if (!sgn) {
-                c0[i] += m0 * xs[g];
-                c1[i] += m1 * xs[g + 1];
-            }
+            c0[i] += m0 * xs[g];
+            c1[i] += m1 * xs[g + 1];
         }
     }
     for (; g < nb; g++) {
         const uint8_t *k0 = row + bs * (size_t)g;
         const __m256i v0 = pi_group_values(t, k0, g);
-        const float d0 = pi_load_d(k0), m0 = sgn ? 0.0f : pi_load_d(k0 + 2);
+        const float d0 = pi_load_d(k0), m0 = t == PI_Q5_0 ? -16.0f * d0 : pi_load_d(k0 + 2);
         for (int i = 0; i < nt; i++) {
             const float *dx = xd + i * xd_stride, *xs = dx + nb;
             const __m256i y0 = _mm256_loadu_si256((const __m256i *)(xq + i * xq_stride + 32 * g));
-            const __m256 p0 = sgn ? pi_mul_sum_i8(v0, y0) : pi_mul_sum_u8(v0, y0);
-            acc0[i] = _mm256_fmadd_ps(_mm256_set1_ps(d0 * dx[g]), p0, acc0[i]);
-            if (!sgn) c0[i] += m0 * xs[g];
+            acc0[i] = _mm256_fmadd_ps(_mm256_set1_ps(d0 * dx[g]), pi_mul_sum_u8(v0, y0), acc0[i]);
+            c0[i] += m0 * xs[g];
         }
     }
     for (int i = 0; i < nt; i++)
