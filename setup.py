@@ -77,6 +77,7 @@ extensions = [
         "pyinfer.ops._quantize",
         ["cython/quantize.pyx"],
         include_dirs=["cython"],
+        depends=["cython/kquant.h", "cython/simd.h"],
         extra_compile_args=compile_args,
         extra_link_args=link_args,
     ),
