@@ -26,7 +26,9 @@ it reads two things (``sample_machine``):
 It grows back when the room has lasted ``HOLD_S`` (doubled, up to ``HOLD_MAX_S``, each time a
 raise is undone within ``FLAP_S``), or, where only lower-priority work fills the run queue, by
 a one-thread probe every ``PROBE_S`` (doubled up to ``PROBE_MAX_S`` each time the probe is
-harmed). Where schedstat is missing the run queue count decides alone. Kernel results do not
+harmed). A look with no window to judge (the first pass, or the first after ``IDLE_S`` idle
+seconds) keeps the count that held before. Where schedstat is missing the run queue count
+decides alone. Kernel results do not
 depend on the thread count (issue 9, tests/test_threads.py), so the tokens are the same.
 
 Limits: processes outside this kernel's view (other VMs on the host) are not seen. The
@@ -151,6 +153,10 @@ class ThreadGovernor:
                 and now - self._last_look < IDLE_S):
             harmed = (delay - self._last_delay) / 1e9 > DELAY_MAX * self.n * (now - self._last_look)
         self._last_look, self._last_delay = now, delay
+        if harmed is None and delay is not None:
+            # schedstat works but there is no window yet (first pass, or after idle): keep the
+            # count that held before (the run queue alone cannot tell niced work from harm)
+            return self.n
         self._decide(max(1, min(self.n_max, self.cpus - others)), harmed, now)
         return self.n
 

@@ -285,8 +285,13 @@ def test_governor_shrinks_when_preempted_not_when_merely_crowded():
     from pyinfer.threads import PROBE_S
 
     gov, clock, m = _governor(2, 2, others=2, wait=0.06)  # two niced jobs: 3% of 2 threads
+    assert set(_run(gov, clock, PROBE_S + 3.0)) == {2}
+    m.wait = 0.7
+    assert _run(gov, clock, 0.2)[-1] == 1
+    clock.t += 30  # idle (a chat waiting for its user); the niced jobs only, now
+    m.wait = 0.06
     counts = _run(gov, clock, PROBE_S + 3.0)
-    assert counts[0] == 1  # the first look has no delay window: the count decides
+    assert counts[0] == 1  # no window after idle: the count that held before
     assert set(counts[int((PROBE_S + 0.2) / 0.011):]) == {2}  # a probe finds the team unharmed
     m.others, m.wait = 0, 0.7  # preempted (another VM, say), the run queue looks empty
     assert _run(gov, clock, 0.2)[-1] == 1
@@ -377,9 +382,13 @@ def test_governor_sees_cpu_hogs(sparse_gguf):
         time.sleep(0.3)
         assert runnable_others() >= cpus
         eng.reset_stats()
-        got = list(eng.generate(prompt, greedy, max_tokens=24, seed=0, ignore_eos=True))
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 1.5:  # the governor looks every 50 ms: many windows
+            eng.reset()
+            got = list(eng.generate(prompt, greedy, max_tokens=24, seed=0, ignore_eos=True))
+            assert got == want
         t = eng.timings
-        assert t.passes == 24 and t.passes_reduced >= 20 and eng.model.n_threads == 1
+        assert eng.model.n_threads == 1 and t.passes_reduced >= 0.5 * t.passes, t
     finally:
         for h in hogs:
             h.kill()
