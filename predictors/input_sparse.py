@@ -39,7 +39,10 @@ from pyinfer.ops import cpu
 from pyinfer.ops.reference import dequantize
 
 N_LEVELS = 100  # sparsity levels per unit: k / N_LEVELS, k = 0 .. N_LEVELS - 1
-MAX_SAMPLES = 1 << 19  # (token, channel) pairs per unit whose scores set the quantiles
+# (token, channel) pairs per unit whose scores set the quantiles: the 1% levels' quantiles from
+# 262,144 pairs have a standard error under 0.1% of the pairs
+MAX_SAMPLES = 1 << 18
+LOSS_SAMPLES = 1 << 16  # of those, the pairs the loss (a summary figure, no allocation uses it) is summed over
 
 
 @dataclass
@@ -134,21 +137,20 @@ def unit_curve(x: np.ndarray, cnorm: np.ndarray, wina: bool,
     c = cnorm[cols]
     mag = np.abs(flat)
     score = mag * c if wina else mag  # f32, as the kernels compute it
-    if wina:  # the loss of a pair is its score squared: a plain sort will do
-        s_sorted = np.sort(score)
-        cum = np.cumsum(s_sorted.astype(np.float64) ** 2)
-    else:
-        order = np.argsort(score, kind="stable")
-        s_sorted = score[order]
-        cum = np.cumsum(((mag.astype(np.float64) * c) ** 2)[order])
-    total = max(cum[-1], 1e-30)
+    s_sorted = np.sort(score)
     thr = np.empty(N_LEVELS, np.float32)
-    loss = np.zeros(N_LEVELS)
     thr[0] = -1.0
-    for k in range(1, N_LEVELS):
-        j = int(round(k / N_LEVELS * s_sorted.size))
-        thr[k] = s_sorted[j - 1]  # drops the j smallest (ties go with them)
-        loss[k] = cum[j - 1] / total
+    j = np.maximum(np.rint(np.arange(1, N_LEVELS) / N_LEVELS * s_sorted.size).astype(np.int64), 1)
+    thr[1:] = s_sorted[j - 1]  # level k drops the j smallest (ties go with them)
+    # loss[k]: output energy (|x_j| ||W[:, j]||)^2 of the pairs level k drops (score <= thr[k]),
+    # by bucket: a pair's bucket is the number of thresholds below its score (one pass, no argsort)
+    sub = (slice(None) if score.size <= LOSS_SAMPLES else  # own generator: thresholds unchanged
+           np.random.default_rng(0).choice(score.size, LOSS_SAMPLES, replace=False))
+    energy = (mag[sub].astype(np.float64) * c[sub]) ** 2
+    bucket = np.searchsorted(thr[1:], score[sub], side="left")
+    cum = np.cumsum(np.bincount(bucket, weights=energy, minlength=N_LEVELS))
+    loss = np.zeros(N_LEVELS)
+    loss[1:] = cum[:N_LEVELS - 1] / max(cum[-1], 1e-30)
     return UnitCurve(thr, np.maximum.accumulate(loss))
 
 

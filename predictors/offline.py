@@ -49,7 +49,10 @@ DEFAULT_TARGET_SPARSITY = 0.40  # SwiGLU only; see docs/benchmarks.md "Offline s
 # Sparse mode "input" (predictors/input_sparse.py) needs only activation quantiles: fewer tokens
 # (the self-generated text is most of the stage's time) set its thresholds as well.
 DEFAULT_INPUT_CALIB_TOKENS = 1024
-DEFAULT_INPUT_SCORE = "wina"
+# Magnitude (TEAL) beat WINA at every target with the uniform allocation on SmolLM2 q8_0 held-out
+# perplexity (+1.4% against +2.3% at 25%, +17% against +27% at 40%; docs/benchmarks.md, session 6)
+# and stores no column norms.
+DEFAULT_INPUT_SCORE = "magnitude"
 # Uniform beat TEAL's block-wise greedy at every target on SmolLM2 q8_0 held-out perplexity (+1.6%
 # against +3.2-4.0% at 25%) and needs no block evaluation (docs/benchmarks.md, "Input sparsity").
 DEFAULT_INPUT_ALLOC = "uniform"
