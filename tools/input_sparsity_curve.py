@@ -9,8 +9,9 @@ DENSE.gguf is the same model converted with ``--dense`` (row layout): it is the 
 engine, exactly as in ``pyinfer-convert`` (the same self-generated calibration tokens for the same
 seed and count), and the dense baseline. Each IN_*.gguf was converted in sparse mode input with
 that score (at any target: the weights and column norms do not depend on it); for each target the
-thresholds come from the same block-wise greedy the converter runs (``thresholds_for``: every
-layer at the target) and are set on the loaded engine. "same file dense" runs the input file with every channel kept.
+thresholds come from the same allocation the converter runs (``--alloc``: uniform, the
+converter's default, or TEAL's block-wise greedy; ``thresholds_for``: every layer at the target)
+and are set on the loaded engine. "same file dense" runs the input file with every channel kept.
 Decode: --n-gen greedy tokens after an 8-token prompt, every configuration once per round,
 --reps rounds, medians.
 """
@@ -64,7 +65,9 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--n-gen", type=int, default=64)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--alloc", choices=list(C.IN_ALLOCS), default="uniform")
     ap.add_argument("--no-perplexity", action="store_true", help="decode speed only")
+    ap.add_argument("--no-decode", action="store_true", help="perplexity and sparsity only")
     args = ap.parse_args()
 
     dense = Engine(args.dense, n_ctx=args.ctx, n_threads=args.threads, dense=True)
@@ -86,7 +89,7 @@ def main():
         eng = Engine(path, n_ctx=args.ctx, n_threads=args.threads)
         t0 = time.perf_counter()
         curves, _ = calibrate(cal, seqs, score == "wina", args.seed, args.threads,
-                              max_sparsity=min(0.95, max(args.targets) + 0.05))
+                              max_sparsity=min(0.95, max(args.targets) + 0.05), alloc=args.alloc)
         print(f"{score}: calibration curves in {time.perf_counter() - t0:.1f} s")
         set_thresholds(eng, None)
         ppl0 = 1.0 if args.no_perplexity else perplexity(eng, tokens, args.ctx, args.chunks,
@@ -108,6 +111,13 @@ def main():
             print(f"{score} target {tgt:.0%}: perplexity {ppl:.4f} ({ppl / ppl_dense - 1:+.2%}), "
                   f"measured sparsity {eng.ffn_sparsity():.1%}", flush=True)
 
+    if args.no_decode:
+        print(f"\n| score | allocation | target | measured sparsity | perplexity | vs dense |")
+        print("|---|---|---|---|---|---|")
+        for score, tgt, ppl, sp in rows:
+            print(f"| {score} | {args.alloc} | {'same file, all kept' if tgt == 0 else f'{tgt:.0%}'} | "
+                  f"{sp:.1%} | {ppl:.3f} | {ppl / ppl_dense - 1:+.1%} |")
+        return
     ids = dense.tokenizer.encode(PROMPT)[:8]
     tps = {name: [] for name, _, _ in configs}
     for _ in range(args.reps):
