@@ -321,8 +321,8 @@ def test_block_path_steps_are_greedy(dense_f32):
 
 def test_decode_same_bits_at_any_thread_count(input_file):
     """The kept channels and every sum's order depend on the activations alone: decode gives the
-    same logits, bit for bit, at 1, 2 and 3 threads (the column split of the row sums changes
-    with the thread count, the order of each output's sum does not)."""
+    same logits, bit for bit, at 1, 2 and 3 threads (the row sums are cut into chunks by the
+    number of kept rows alone)."""
     path, _ = input_file
     tokens = np.random.default_rng(11).integers(3, 200, 10).tolist()
     got = []
