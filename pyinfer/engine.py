@@ -222,7 +222,10 @@ class Engine:
         self.model.n_threads = n
         if getattr(self.model, "cpu", None) is not None:  # GpuModel: its CPU half
             self.model.cpu.n_threads = n
-        return self.model.forward(tokens, n_past, all_logits)
+        try:
+            return self.model.forward(tokens, n_past, all_logits)
+        finally:
+            self.governor.end()
 
     def _check_ids(self, tokens):
         n_vocab = self.cfg.n_vocab

@@ -26,8 +26,10 @@ it reads two things (``sample_machine``):
 It grows back when the room has lasted ``HOLD_S`` (doubled, up to ``HOLD_MAX_S``, each time a
 raise is undone within ``FLAP_S``), or, where only lower-priority work fills the run queue, by
 a one-thread probe every ``PROBE_S`` (doubled up to ``PROBE_MAX_S`` each time the probe is
-harmed). A look with no window to judge (the first pass, or the first after ``IDLE_S`` idle
-seconds) keeps the count that held before. Where schedstat is missing the run queue count
+harmed), made only where the processes at normal priority (``foreground_others``, a scan of
+/proc) leave a CPU free: a spinning team beside busy loops can take seconds for one pass. A
+look with no window to judge (the first pass, or the first after ``IDLE_S`` idle seconds
+between passes) goes by that scan too. Where schedstat is missing the run queue count
 decides alone. Kernel results do not
 depend on the thread count (issue 9, tests/test_threads.py), so the tokens are the same.
 
@@ -90,6 +92,28 @@ def sample_machine(team: int = 1) -> tuple[int, int | None] | None:
     return max(0, running - min(ours, team)), delay
 
 
+def foreground_others() -> int | None:
+    """Processes other than this one that are running or runnable now at normal priority (nice
+    below 10; their main thread's state in /proc/[pid]/stat), or None where /proc cannot say.
+    A scan of every process (a few ms on a desktop): for the rare looks that have no run-queue
+    delay to go by."""
+    me, n = os.getpid(), 0
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return None
+    for pid in pids:
+        if int(pid) == me:
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                rest = f.read().rsplit(")", 1)[1].split()
+            n += rest[0] == "R" and int(rest[16]) < 10
+        except (OSError, ValueError, IndexError):  # ended while we looked, or unreadable
+            continue
+    return n
+
+
 def runnable_others(team: int = 1) -> int | None:
     """The first item of ``sample_machine`` (None where /proc cannot say)."""
     s = sample_machine(team)
@@ -115,7 +139,7 @@ class ThreadGovernor:
     """
 
     def __init__(self, n_threads: int, *, cpus: int | None = None, enabled: bool | None = None,
-                 clock=time.monotonic, sample=sample_machine):
+                 clock=time.monotonic, sample=sample_machine, foreground=foreground_others):
         self.n_max = n_threads
         if cpus is None:
             try:
@@ -128,7 +152,7 @@ class ThreadGovernor:
                        and os.environ.get("PYINFER_ADAPTIVE_THREADS", "1") != "0"
                        and sample(1) is not None)
         self.enabled = enabled
-        self.clock, self.sample = clock, sample
+        self.clock, self.sample, self.foreground = clock, sample, foreground
         self.n = n_threads  # threads of the next pass
         self.hold, self.probe_every = HOLD_S, PROBE_S
         self._last_look = -1e18
@@ -136,6 +160,12 @@ class ThreadGovernor:
         self._room_since = None  # when more threads first fitted, while they keep fitting
         self._raised_at = -1e18
         self._next_probe = None
+        self._last_end = None  # when the last pass ended (``end``)
+
+    def end(self) -> None:
+        """Call when the pass ends: the time until the next ``begin`` is idle, not the pass's
+        (a pass slowed by preemption must still be judged, however long it took)."""
+        self._last_end = self.clock()
 
     def begin(self) -> int:
         """The thread count for the pass about to run (1..n_threads)."""
@@ -149,13 +179,16 @@ class ThreadGovernor:
             return self.n
         others, delay = got
         harmed = None  # unknown: no schedstat, or no window to judge
-        if (delay is not None and self._last_delay is not None
-                and now - self._last_look < IDLE_S):
+        idle = self._last_end is not None and now - self._last_end > IDLE_S
+        if delay is not None and self._last_delay is not None and not idle:
             harmed = (delay - self._last_delay) / 1e9 > DELAY_MAX * self.n * (now - self._last_look)
         self._last_look, self._last_delay = now, delay
         if harmed is None and delay is not None:
-            # schedstat works but there is no window yet (first pass, or after idle): keep the
-            # count that held before (the run queue alone cannot tell niced work from harm)
+            # schedstat works but there is no window yet (first pass, or after idle): the run
+            # queue alone cannot tell niced work from harm, so count normal-priority processes
+            fg = self.foreground()
+            if fg is not None:
+                self.n = min(self.n, max(1, self.cpus - fg))
             return self.n
         self._decide(max(1, min(self.n_max, self.cpus - others)), harmed, now)
         return self.n
@@ -180,7 +213,11 @@ class ThreadGovernor:
                 if self._next_probe is None:
                     self._next_probe = now + self.probe_every
                 elif now >= self._next_probe:
-                    self._raise(self.n + 1, now)
+                    fg = self.foreground()  # probe only where normal-priority work leaves room
+                    if fg is None or self.cpus - fg > self.n:
+                        self._raise(self.n + 1, now)
+                    else:
+                        self._next_probe = now + self.probe_every
 
     def _lower(self, n: int, now: float) -> None:
         if now - self._raised_at < FLAP_S:

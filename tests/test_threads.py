@@ -234,9 +234,13 @@ class _Machine:
     """A fake machine: ``others`` runnable threads of other processes, and this process's
     run-queue delay growing at ``wait`` CPUs' worth (None: no schedstat)."""
 
-    def __init__(self, clock, others=0, wait=0.0):
-        self.clock, self.others, self.wait = clock, others, wait
+    def __init__(self, clock, others=0, wait=0.0, fg=None):
+        self.clock, self.others, self.wait, self.fg = clock, others, wait, fg
         self.delay_ns, self._t = 0, 0.0
+
+    def foreground(self):
+        """Normal-priority runnable processes (default: every other runnable thread)."""
+        return self.others if self.fg is None else self.fg
 
     def __call__(self, team):
         if self.wait is None:
@@ -251,17 +255,35 @@ def _governor(n_threads, cpus, **machine):
 
     clock = _Clock()
     m = _Machine(clock, **machine)
-    return ThreadGovernor(n_threads, cpus=cpus, enabled=True, clock=clock, sample=m), clock, m
+    return ThreadGovernor(n_threads, cpus=cpus, enabled=True, clock=clock, sample=m,
+                          foreground=m.foreground), clock, m
 
 
 def _run(gov, clock, seconds, step=0.011):
-    """Passes every ``step`` seconds for ``seconds``; returns their thread counts."""
+    """Passes of ``step`` seconds each, back to back, for ``seconds``; returns their thread
+    counts."""
     counts = []
     end = clock.t + seconds
     while clock.t < end:
         counts.append(gov.begin())
         clock.t += step
+        gov.end()
     return counts
+
+
+def test_governor_judges_a_slow_pass_not_an_idle_gap():
+    """Beside busy loops a spinning team can take seconds per pass (issue 9): that time is
+    the pass's own and is judged; seconds between passes are idle and are not."""
+    gov, clock, m = _governor(2, 2, others=2, wait=0.9, fg=0)
+    assert _run(gov, clock, 6.0, step=2.0)[-1] == 1  # 2-second passes, preempted: shrink
+    gov2, clock2, m2 = _governor(2, 2, others=2, wait=0.06, fg=0)
+    for _ in range(5):  # short passes 3 s apart (a chat): each look starts a new window
+        gov2.begin()
+        clock2.t += 0.01
+        m2.wait = 0.06
+        gov2.end()
+        clock2.t += 3.0
+    assert gov2.n == 2
 
 
 def test_governor_counts_the_run_queue_without_schedstat():
@@ -284,30 +306,40 @@ def test_governor_shrinks_when_preempted_not_when_merely_crowded():
     a team that waits for CPUs shrinks, even where the run queue shows nobody else."""
     from pyinfer.threads import PROBE_S
 
-    gov, clock, m = _governor(2, 2, others=2, wait=0.06)  # two niced jobs: 3% of 2 threads
+    gov, clock, m = _governor(2, 2, others=2, wait=0.06, fg=0)  # two niced jobs: 3% of 2 threads
     assert set(_run(gov, clock, PROBE_S + 3.0)) == {2}
     m.wait = 0.7
     assert _run(gov, clock, 0.2)[-1] == 1
     clock.t += 30  # idle (a chat waiting for its user); the niced jobs only, now
     m.wait = 0.06
     counts = _run(gov, clock, PROBE_S + 3.0)
-    assert counts[0] == 1  # no window after idle: the count that held before
+    assert counts[0] == 1  # no window after idle: the team that held before, the scan allowing
     assert set(counts[int((PROBE_S + 0.2) / 0.011):]) == {2}  # a probe finds the team unharmed
     m.others, m.wait = 0, 0.7  # preempted (another VM, say), the run queue looks empty
     assert _run(gov, clock, 0.2)[-1] == 1
 
 
+def test_governor_first_look_and_probes_go_by_normal_priority_work():
+    """Without a window (a new process, or after idle) and before a probe the governor counts
+    the normal-priority processes: beside two busy loops it starts on one thread and never
+    probes two (one such pass can take seconds); beside niced ones it starts on two."""
+    gov, clock, m = _governor(2, 2, others=2, wait=0.4, fg=2)
+    assert set(_run(gov, clock, 30.0)) == {1}
+    gov, clock, m = _governor(2, 2, others=2, wait=0.06, fg=0)
+    assert _run(gov, clock, 0.011)[0] == 2
+
+
 def test_governor_probes_back_and_backs_off():
     from pyinfer.threads import PROBE_S
 
-    gov, clock, m = _governor(2, 2, others=1, wait=0.67)  # a normal busy loop
+    gov, clock, m = _governor(2, 2, others=1, wait=0.67, fg=0)  # a busy loop the scan misses
     assert _run(gov, clock, 0.2)[-1] == 1
     m.wait = 0.0  # alone on its CPU now, the count still shows the busy loop
     probes = []
     for _ in range(4):
-        counts = _run(gov, clock, 0.0)
         while gov.begin() == 1:
             clock.t += 0.011
+            gov.end()
         probes.append(clock.t)
         m.wait = 0.67 * 2  # the probe is harmed: back to one thread, and a longer wait
         _run(gov, clock, 0.12)
@@ -330,6 +362,7 @@ def test_governor_hold_doubles_when_it_flaps():
             if gov.begin() == 2:
                 break
             clock.t += 0.011
+            gov.end()
         holds.append(gov.hold)
         m.others = 1
         _run(gov, clock, 0.1)
