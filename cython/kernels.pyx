@@ -525,40 +525,41 @@ cdef void _rmsnorm1(const float *x, const float *weight, float eps, float *out, 
         out[i] = x[i] * scale * weight[i]
 
 
-cdef void _rope1(float *x, int n_heads, int head_dim, int pos, double freq_base, int n_rot,
-                 float *cs, float *sn) noexcept nogil:
-    cdef int h, i, half = n_rot // 2
-    cdef double theta
+cdef void _rope_rotate(float *x, int n_heads, int head_dim, int half, const float *cs,
+                       const float *sn) noexcept nogil:
+    """Rotate dims (i, i + half) of every head by the angle whose cos/sin are cs[i], sn[i]."""
+    cdef int h, i
     cdef float x0, x1
-    for i in range(half):
-        theta = pos * pow(freq_base, -2.0 * i / n_rot)
-        cs[i] = <float> cos(theta)
-        sn[i] = <float> sin(theta)
     for h in range(n_heads):
         for i in range(half):
             x0 = x[h * head_dim + i]
             x1 = x[h * head_dim + i + half]
             x[h * head_dim + i] = x0 * cs[i] - x1 * sn[i]
             x[h * head_dim + i + half] = x1 * cs[i] + x0 * sn[i]
+
+
+cdef void _rope1(float *x, int n_heads, int head_dim, int pos, double freq_base, int n_rot,
+                 float *cs, float *sn) noexcept nogil:
+    cdef int i, half = n_rot // 2
+    cdef double theta
+    for i in range(half):
+        theta = pos * pow(freq_base, -2.0 * i / n_rot)
+        cs[i] = <float> cos(theta)
+        sn[i] = <float> sin(theta)
+    _rope_rotate(x, n_heads, head_dim, half, cs, sn)
 
 
 cdef void _rope1_tab(float *x, int n_heads, int head_dim, int pos, const double *inv_freq,
                      int n_rot, float *cs, float *sn) noexcept nogil:
     """_rope1 with the frequencies freq_base^(-2i/n_rot) computed once per call (inv_freq,
     n_rot/2 doubles): the same theta = pos * inv_freq[i] in double, so the same bits."""
-    cdef int h, i, half = n_rot // 2
+    cdef int i, half = n_rot // 2
     cdef double theta
-    cdef float x0, x1
     for i in range(half):
         theta = pos * inv_freq[i]
         cs[i] = <float> cos(theta)
         sn[i] = <float> sin(theta)
-    for h in range(n_heads):
-        for i in range(half):
-            x0 = x[h * head_dim + i]
-            x1 = x[h * head_dim + i + half]
-            x[h * head_dim + i] = x0 * cs[i] - x1 * sn[i]
-            x[h * head_dim + i + half] = x1 * cs[i] + x0 * sn[i]
+    _rope_rotate(x, n_heads, head_dim, half, cs, sn)
 
 
 cdef void _attend_head(const float *q, const float *k, const float *v, Py_ssize_t row_stride,

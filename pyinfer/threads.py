@@ -114,12 +114,6 @@ def foreground_others() -> int | None:
     return n
 
 
-def runnable_others(team: int = 1) -> int | None:
-    """The first item of ``sample_machine`` (None where /proc cannot say)."""
-    s = sample_machine(team)
-    return None if s is None else s[0]
-
-
 def spinning_waits(environ=os.environ) -> bool:
     """True when libgomp's waiting threads spin before they sleep (its default, or the user's
     OMP_WAIT_POLICY=active / GOMP_SPINCOUNT > 0): the case the governor guards."""
