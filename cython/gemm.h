@@ -1,5 +1,6 @@
-/* Prefill kernels of pyinfer: a register-tiled GEMM for q8_0 / q4_0 weights and a batched causal
- * attention. Included by kernels.pyx after simd.h (it uses simd.h's helpers).
+/* Prefill kernels of pyinfer: a register-tiled GEMM for quantized weights (q8_0, q4_0, Q4_1,
+ * Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) and a batched causal attention. Included by kernels.pyx after
+ * simd.h (it uses simd.h's and qtypes.h's helpers).
  *
  * GEMM (issue 11): out[t][r] = row_r . x_t, the activations quantized to 8 bits per 32-block
  * (pi_quantize_q8, as llama.cpp quantizes them to q8_0). Groups of 8 weight rows are repacked per
@@ -9,6 +10,11 @@
  * of the token meet them in one maddubs, and each lane of the integer sum belongs to one row, so
  * no horizontal sums are needed and the block scales of 8 rows are applied in one FMA. A register
  * tile is 8 rows x 4 tokens (PI_GEMM_RM x PI_GEMM_RN); the repack costs 1/n_tok of the work.
+ * Every type is unpacked at repack time to one byte per value in 32-value groups with an f32
+ * scale (and offset) per row and group, so one tile serves them all: K-quant super-blocks leave
+ * as 8 groups with their six-bit sub-block scales decoded, Q5 high bits are merged in, and the
+ * offsets (q4_0's -8 d, Q5_0's -16 d, Q4_1/Q5_1's m, the K-quants' -dmin m) come from the
+ * activation's block sums, as the decode dots of simd.h/qtypes.h take them.
  *
  * Attention: causal grouped-query attention for a block of queries that share one KV head (the
  * group's query heads x a few consecutive tokens). Each K and V row is read from L2 once per block
@@ -18,9 +24,12 @@
  * libm's expf: the two agree within 1e-5 (tests/test_prefill_gemm.py).
  *
  * The GEMM's numerics: per (row, token), s = sum over blocks in order of
- * fma(d_w * d_x, isum_b, s) with isum_b the exact integer dot of the block; decode's
- * pi_dot_q8_0/pi_dot_q4_0 add the same exact block products in another f32 order (8 lanes, even
- * and odd blocks). Both are within (nb + 4) 2^-23 sum|w x| of the exact sum (the test's bound).
+ * fma(a_w * d_x, isum_b, s) (then fma(off_w / 8, s_x, s) for types with an offset) with isum_b
+ * the exact integer dot of the block. For q8_0, q4_0, Q4_1, Q5_0 and Q5_1 that is the order of the
+ * decode GEMV (gemv.h), so decode and prefill give the same bits; the K-quant decode dots
+ * (qtypes.h) add the same exact block products in another f32 order. All are within
+ * (nb + 4) 2^-23 sum|w x| of the exact sum, (2 nb + 8) 2^-23 sum (|a v| + |off|)|x| with
+ * offsets (tests/test_prefill_gemm.py).
  */
 #ifndef PYINFER_GEMM_H
 #define PYINFER_GEMM_H
@@ -29,9 +38,22 @@
 
 #define PI_GEMM_RM 8 /* weight rows per register tile: one f32 lane each */
 #define PI_GEMM_RN 4 /* tokens per register tile */
-/* bytes of the per-thread repack buffer per 32-block of a row group: 8 row scales (f32), then
- * 8 chunks x 32 bytes (q4_0: unsigned nibbles; q8_0: |w|, then 8 x 32 bytes of w itself) */
-#define PI_GEMM_BUF_PER_BLOCK (32 + 2 * 256)
+/* Most bytes of the per-thread repack buffer per 32-block of a row group (pi_gemm_block_bytes
+ * gives each type's own stride): 8 row scales (f32), then 8 chunks x 32 bytes of values
+ * (q4_0: unsigned nibbles; q8_0 and Q6_K: |w|, then 8 x 32 bytes of w itself; Q4_1, Q5_0, Q5_1,
+ * Q4_K, Q5_K: unsigned values, then 8 row offsets), Q6_K then 8 scales of the block's second
+ * half. */
+#define PI_GEMM_BUF_PER_BLOCK (32 + 2 * 256 + 32)
+
+/* Bytes per 32-block of a packed row group, by type (see PI_GEMM_BUF_PER_BLOCK): the packed
+ * group stays small so it stays in L1 while every token passes over it. */
+static inline int pi_gemm_block_bytes(int qtype) {
+    switch (qtype) {
+    case PI_Q8_0: return 32 + 2 * 256;
+    case PI_Q6_K: return 32 + 2 * 256 + 32;
+    default: return 32 + 256 + 32;
+    }
+}
 
 #if PI_SIMD
 
@@ -54,14 +76,13 @@ static inline void pi_transpose8x8_epi32(const __m256i r[8], __m256i c[8]) {
     }
 }
 
-/* Repack rows r0 .. r0+rm-1 (rm <= 8; missing rows are zero) into buf, block by block: the 8 row
- * scales, then chunk k = elements 4k..4k+3 of every row (lane = row). */
-static inline void pi_gemm_pack(int qtype, const uint8_t *w, size_t ws, int rm, int nb,
-                                uint8_t *buf) {
-    const int bb = qtype == PI_Q8_0 ? 34 : 18;
-    const __m256i m4 = _mm256_set1_epi8(15);
+/* q8_0: repack rows r0 .. r0+rm-1 (rm <= 8; missing rows are zero) into buf, block by block:
+ * the 8 row scales, then chunk k = elements 4k..4k+3 of every row (lane = row) as |w|, then the
+ * same chunks as w (for the sign of the activation's bytes). */
+static inline void pi_gemm_pack_q8_0(const uint8_t *w, size_t ws, int rm, int nb, uint8_t *buf) {
+    const size_t bstride = (size_t)pi_gemm_block_bytes(PI_Q8_0);
     for (int b = 0; b < nb; b++) {
-        uint8_t *o = buf + (size_t)b * PI_GEMM_BUF_PER_BLOCK;
+        uint8_t *o = buf + (size_t)b * bstride;
         float *d = (float *)o;
         __m256i r[8], c[8];
         for (int i = 0; i < 8; i++) {
@@ -70,21 +91,105 @@ static inline void pi_gemm_pack(int qtype, const uint8_t *w, size_t ws, int rm, 
                 r[i] = _mm256_setzero_si256();
                 continue;
             }
-            const uint8_t *blk = w + i * ws + (size_t)bb * b;
+            const uint8_t *blk = w + i * ws + (size_t)34 * b;
             d[i] = pi_load_d(blk);
-            if (qtype == PI_Q8_0) {
-                r[i] = _mm256_loadu_si256((const __m256i *)(blk + 2));
-            } else {
-                const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 2));
-                r[i] = _mm256_and_si256(
-                    _mm256_inserti128_si256(_mm256_castsi128_si256(qs), _mm_srli_epi16(qs, 4), 1), m4);
-            }
+            r[i] = _mm256_loadu_si256((const __m256i *)(blk + 2));
         }
         pi_transpose8x8_epi32(r, c);
         for (int k = 0; k < 8; k++) {
-            if (qtype == PI_Q8_0) {
+            _mm256_storeu_si256((__m256i *)(o + 32 + 32 * k), _mm256_sign_epi8(c[k], c[k]));
+            _mm256_storeu_si256((__m256i *)(o + 32 + 256 + 32 * k), c[k]);
+        }
+    }
+}
+
+/* One packed q8_0 row group x RN tokens: acc[j] lane i = row i . token j. Per block and token
+ * the integer dot of every row is exact (|w| x sign(y, w) pairs by maddubs, widened per chunk:
+ * one pair sum reaches 2 * 128 * 127), then s = fma(d_w * d_x, isum, s) in block order. */
+static inline __attribute__((always_inline)) void pi_tile8_q8_0(
+    const uint8_t *buf, const float *xd, long xds, const int8_t *xq, long xqs, int nb,
+    float *out, long ldo, int rm, const int RN) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const size_t bstride = (size_t)pi_gemm_block_bytes(PI_Q8_0);
+    __m256 acc[PI_GEMM_RN];
+    for (int j = 0; j < RN; j++) acc[j] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *o = buf + (size_t)b * bstride;
+        const __m256 dw = _mm256_loadu_ps((const float *)o);
+        __m256i is[PI_GEMM_RN];
+        for (int j = 0; j < RN; j++) is[j] = _mm256_setzero_si256();
+        for (int k = 0; k < 8; k++) {
+            const __m256i aw = _mm256_loadu_si256((const __m256i *)(o + 32 + 32 * k));
+            const __m256i sw = _mm256_loadu_si256((const __m256i *)(o + 32 + 256 + 32 * k));
+            for (int j = 0; j < RN; j++) {
+                int32_t y4;
+                memcpy(&y4, xq + j * xqs + 32 * b + 4 * k, 4);
+                const __m256i sy = _mm256_sign_epi8(_mm256_set1_epi32(y4), sw);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+                is[j] = _mm256_dpbusd_epi32(is[j], aw, sy);
+#else
+                is[j] = _mm256_add_epi32(is[j], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sy), ones));
+#endif
+            }
+        }
+        for (int j = 0; j < RN; j++)
+            acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(xd[j * xds + b])),
+                                     _mm256_cvtepi32_ps(is[j]), acc[j]);
+    }
+    for (int j = 0; j < RN; j++) {
+        if (rm == 8) {
+            _mm256_storeu_ps(out + j * ldo, acc[j]);
+        } else {
+            float tmp[8];
+            _mm256_storeu_ps(tmp, acc[j]);
+            for (int i = 0; i < rm; i++) out[j * ldo + i] = tmp[i];
+        }
+    }
+}
+
+/* ---- the other types users hold: Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K ----
+ * Each 32-value group of a row is value_j = a_h v_j + off (qtypes.h: h the half of the group,
+ * a_0 = a_1 except for Q6_K), v_j unpacked to one byte at pack time, so the tile runs the same
+ * int8 dot as q4_0 whatever the bit width or block size: Q4_1/Q4_K nibbles and Q5_0/Q5_1/Q5_K
+ * five-bit values unsigned (the offset, Q5_0's -16 d, Q4_1's m, the K-quant -dmin m, comes from
+ * the activation's block sum s = 8 dx sum y as the decode dots take it), Q6_K's signed
+ * v = q - 32 with q8_0's sign trick and the two half scales. Super-blocks are repacked into
+ * 32-value groups with their decoded six-bit sub-block scales, so the tile never sees them.
+ * Packed block: [0, 32) a (Q6_K: a_0) of the 8 rows, [32, 288) the values as 8 chunks of 4 per
+ * row, then [288, 320) off / 8 of the 8 rows, or for Q6_K [288, 544) the signed values and
+ * [544, 576) a_1. */
+static inline __attribute__((always_inline)) void pi_gemm_pack_x(const int t, const uint8_t *w,
+                                                                 size_t ws, int rm, int nb,
+                                                                 uint8_t *buf) {
+    const size_t bstride = (size_t)pi_gemm_block_bytes(t);
+    for (int g = 0; g < nb; g++) {
+        uint8_t *o = buf + (size_t)g * bstride;
+        float *a0v = (float *)o, *a1v = (float *)(o + (t == PI_Q6_K ? 544 : 288));
+        __m256i r[8], c[8];
+        for (int i = 0; i < 8; i++) {
+            float a0, a1, off;
+            if (i >= rm) {
+                a0v[i] = a1v[i] = 0.0f;
+                r[i] = _mm256_setzero_si256();
+                continue;
+            }
+            if (t == PI_Q4_0) { /* d (q - 8): unsigned nibbles and an offset of -8 d */
+                const uint8_t *blk = w + i * ws + 18 * (size_t)g;
+                a0 = a1 = pi_load_d(blk);
+                off = -8.0f * a0;
+                r[i] = pi_nib16(blk + 2);
+            } else {
+                const uint8_t *blk = pi_group_scales(t, w + i * ws, g, &a0, &a1, &off);
+                r[i] = pi_group_values(t, blk, g);
+            }
+            a0v[i] = a0;
+            a1v[i] = t == PI_Q6_K ? a1 : 0.125f * off;
+        }
+        pi_transpose8x8_epi32(r, c);
+        for (int k = 0; k < 8; k++) {
+            if (t == PI_Q6_K) {
                 _mm256_storeu_si256((__m256i *)(o + 32 + 32 * k), _mm256_sign_epi8(c[k], c[k]));
-                _mm256_storeu_si256((__m256i *)(o + 32 + 256 + 32 * k), c[k]);
+                _mm256_storeu_si256((__m256i *)(o + 288 + 32 * k), c[k]);
             } else {
                 _mm256_storeu_si256((__m256i *)(o + 32 + 32 * k), c[k]);
             }
@@ -92,71 +197,101 @@ static inline void pi_gemm_pack(int qtype, const uint8_t *w, size_t ws, int rm, 
     }
 }
 
-/* One packed row group x RN tokens: acc[j] lane i = row i . token j. Per block and token the
- * integer dot of every row is exact (u8 x s8 pairs by maddubs; q4_0's sums of up to 16 products
- * of a nibble and |q| <= 127 stay under 2^15, so they are added in 16 bits and widened once per
- * block), then s = fma(d_w * d_x, isum, s) in block order, as pi_gemm_ref_dot writes it. */
-static inline __attribute__((always_inline)) void pi_tile8(
-    int qtype, const uint8_t *buf, const float *xd, long xds, const int8_t *xq, long xqs, int nb,
-    float *out, long ldo, int rm, const int RN) {
+/* One packed row group of pi_gemm_pack_x x RN tokens: acc[j] lane i = row i . token j. Per
+ * block the integer dots are exact: unsigned values by maddubs into 16 bits (nibbles: a pair
+ * sum is at most 2 * 15 * 127, 8 chunks stay under 2^15; five-bit values: 4 chunks, then widened;
+ * Q6_K |v| <= 32 against sign(y, v): 4 chunks per half). Then, in block order,
+ * s = fma(a dx, isum, s) and s = fma(off / 8, s_x, s) (Q6_K: s = fma(a_0 dx, isum_0, s),
+ * s = fma(a_1 dx, isum_1, s)), one f32 accumulator per (row, token). */
+static inline __attribute__((always_inline)) void pi_tile8_x(
+    const int t, const uint8_t *buf, const float *xd, long xds, const int8_t *xq, long xqs,
+    int nb, float *out, long ldo, int rm, const int RN) {
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[PI_GEMM_RN], corr[PI_GEMM_RN];
-    for (int j = 0; j < RN; j++) acc[j] = corr[j] = _mm256_setzero_ps();
+    const size_t bstride = (size_t)pi_gemm_block_bytes(t);
+    const int five = t == PI_Q5_0 || t == PI_Q5_1 || t == PI_Q5_K;
+    __m256 acc[PI_GEMM_RN];
+    for (int j = 0; j < RN; j++) acc[j] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
-        const uint8_t *o = buf + (size_t)b * PI_GEMM_BUF_PER_BLOCK;
+        const uint8_t *o = buf + (size_t)b * bstride;
         const __m256 dw = _mm256_loadu_ps((const float *)o);
-        __m256i is[PI_GEMM_RN];
+        __m256i is[PI_GEMM_RN], is16[PI_GEMM_RN];
         for (int j = 0; j < RN; j++) is[j] = _mm256_setzero_si256();
-        if (qtype == PI_Q8_0) {
-            for (int k = 0; k < 8; k++) {
-                const __m256i aw = _mm256_loadu_si256((const __m256i *)(o + 32 + 32 * k));
-                const __m256i sw = _mm256_loadu_si256((const __m256i *)(o + 32 + 256 + 32 * k));
-                for (int j = 0; j < RN; j++) {
-                    int32_t y4;
-                    memcpy(&y4, xq + j * xqs + 32 * b + 4 * k, 4);
-                    const __m256i sy = _mm256_sign_epi8(_mm256_set1_epi32(y4), sw);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-                    is[j] = _mm256_dpbusd_epi32(is[j], aw, sy);
-#else
-                    is[j] = _mm256_add_epi32(is[j], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sy), ones));
-#endif
+        if (t == PI_Q6_K) {
+            for (int h = 0; h < 2; h++) {
+                for (int j = 0; j < RN; j++) is16[j] = _mm256_setzero_si256();
+                for (int k = 4 * h; k < 4 * h + 4; k++) {
+                    const __m256i aw = _mm256_loadu_si256((const __m256i *)(o + 32 + 32 * k));
+                    const __m256i sw = _mm256_loadu_si256((const __m256i *)(o + 288 + 32 * k));
+                    for (int j = 0; j < RN; j++) {
+                        int32_t y4;
+                        memcpy(&y4, xq + j * xqs + 32 * b + 4 * k, 4);
+                        is16[j] = _mm256_add_epi16(
+                            is16[j], _mm256_maddubs_epi16(aw, _mm256_sign_epi8(_mm256_set1_epi32(y4), sw)));
+                    }
                 }
+                const __m256 dh = h ? _mm256_loadu_ps((const float *)(o + 544)) : dw;
+                for (int j = 0; j < RN; j++)
+                    acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dh, _mm256_set1_ps(xd[j * xds + b])),
+                                             _mm256_cvtepi32_ps(_mm256_madd_epi16(is16[j], ones)),
+                                             acc[j]);
             }
-        } else {
-            for (int k = 0; k < 8; k++) {
+            continue;
+        }
+        for (int h = 0; h < (five ? 2 : 1); h++) {
+            for (int j = 0; j < RN; j++) is16[j] = _mm256_setzero_si256();
+            for (int k = (five ? 4 * h : 0); k < (five ? 4 * h + 4 : 8); k++) {
                 const __m256i u = _mm256_loadu_si256((const __m256i *)(o + 32 + 32 * k));
                 for (int j = 0; j < RN; j++) {
                     int32_t y4;
                     memcpy(&y4, xq + j * xqs + 32 * b + 4 * k, 4);
-                    is[j] = _mm256_add_epi16(is[j], _mm256_maddubs_epi16(u, _mm256_set1_epi32(y4)));
+                    is16[j] = _mm256_add_epi16(is16[j], _mm256_maddubs_epi16(u, _mm256_set1_epi32(y4)));
                 }
             }
-            for (int j = 0; j < RN; j++) is[j] = _mm256_madd_epi16(is[j], ones);
+            for (int j = 0; j < RN; j++) is[j] = _mm256_add_epi32(is[j], _mm256_madd_epi16(is16[j], ones));
         }
+        const __m256 offv = _mm256_loadu_ps((const float *)(o + 288));
         for (int j = 0; j < RN; j++) {
             const float *dx = xd + j * xds;
             acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(dx[b])),
                                      _mm256_cvtepi32_ps(is[j]), acc[j]);
-            if (qtype != PI_Q8_0) corr[j] = _mm256_fmadd_ps(dw, _mm256_set1_ps(dx[nb + b]), corr[j]);
+            acc[j] = _mm256_fmadd_ps(offv, _mm256_set1_ps(dx[nb + b]), acc[j]);
         }
     }
     for (int j = 0; j < RN; j++) {
-        const __m256 r = qtype == PI_Q8_0 ? acc[j] : _mm256_sub_ps(acc[j], corr[j]);
         if (rm == 8) {
-            _mm256_storeu_ps(out + j * ldo, r);
+            _mm256_storeu_ps(out + j * ldo, acc[j]);
         } else {
             float tmp[8];
-            _mm256_storeu_ps(tmp, r);
+            _mm256_storeu_ps(tmp, acc[j]);
             for (int i = 0; i < rm; i++) out[j * ldo + i] = tmp[i];
         }
     }
 }
+
+/* pi_gemm_rows for the types of pi_gemm_pack_x (t a constant in each copy) */
+static inline __attribute__((always_inline)) void pi_gemm_rows_x(
+    const int t, const uint8_t *w, size_t ws, long r0, long r1, const float *xd,
+    const int8_t *xq, long xqs, int nb, long n_tok, float *out, long ldo, uint8_t *buf) {
+    const long xds = 2L * nb;
+    for (long r = r0; r < r1; r += PI_GEMM_RM) {
+        const int rm = (int)(r1 - r < PI_GEMM_RM ? r1 - r : PI_GEMM_RM);
+        pi_gemm_pack_x(t, w + r * ws, ws, rm, nb, buf);
+        long tk = 0;
+        for (; tk + PI_GEMM_RN <= n_tok; tk += PI_GEMM_RN)
+            pi_tile8_x(t, buf, xd + tk * xds, xds, xq + tk * xqs, xqs, nb, out + tk * ldo + r,
+                       ldo, rm, PI_GEMM_RN);
+        for (; tk < n_tok; tk++)
+            pi_tile8_x(t, buf, xd + tk * xds, xds, xq + tk * xqs, xqs, nb, out + tk * ldo + r,
+                       ldo, rm, 1);
+    }
+}
 #endif /* PI_SIMD */
 
-/* 1 for the types pi_gemm_rows handles (q8_0 and q4_0 with the SIMD build); the others go
- * through the per-token loop of kernels.pyx matmul. */
+/* 1 for the types pi_gemm_rows handles (every quantized type: q8_0, q4_0, Q4_1, Q5_0, Q5_1,
+ * Q4_K, Q5_K, Q6_K, with the SIMD build); the others go through the per-token loop of
+ * kernels.pyx matmul. */
 static inline int pi_gemm_supported(int qtype) {
-    return PI_SIMD && (qtype == PI_Q8_0 || qtype == PI_Q4_0);
+    return PI_SIMD && pi_is_quant(qtype);
 }
 
 /* out[t * ldo + r] = row_r . x_t for rows r0 <= r < r1 of w (stride ws bytes) and all n_tok
@@ -167,17 +302,27 @@ static inline void pi_gemm_rows(int qtype, const uint8_t *w, size_t ws, long r0,
                                 const float *xd, const int8_t *xq, long xqs, int nb, long n_tok,
                                 float *out, long ldo, uint8_t *buf) {
 #if PI_SIMD
+    switch (qtype) {
+    case PI_Q4_0: pi_gemm_rows_x(PI_Q4_0, w, ws, r0, r1, xd, xq, xqs, nb, n_tok, out, ldo, buf); return;
+    case PI_Q4_1: pi_gemm_rows_x(PI_Q4_1, w, ws, r0, r1, xd, xq, xqs, nb, n_tok, out, ldo, buf); return;
+    case PI_Q5_0: pi_gemm_rows_x(PI_Q5_0, w, ws, r0, r1, xd, xq, xqs, nb, n_tok, out, ldo, buf); return;
+    case PI_Q5_1: pi_gemm_rows_x(PI_Q5_1, w, ws, r0, r1, xd, xq, xqs, nb, n_tok, out, ldo, buf); return;
+    case PI_Q4_K: pi_gemm_rows_x(PI_Q4_K, w, ws, r0, r1, xd, xq, xqs, nb, n_tok, out, ldo, buf); return;
+    case PI_Q5_K: pi_gemm_rows_x(PI_Q5_K, w, ws, r0, r1, xd, xq, xqs, nb, n_tok, out, ldo, buf); return;
+    case PI_Q6_K: pi_gemm_rows_x(PI_Q6_K, w, ws, r0, r1, xd, xq, xqs, nb, n_tok, out, ldo, buf); return;
+    default: break;
+    }
     const long xds = 2L * nb;
-    for (long r = r0; r < r1; r += PI_GEMM_RM) {
+    for (long r = r0; r < r1; r += PI_GEMM_RM) { /* q8_0 */
         const int rm = (int)(r1 - r < PI_GEMM_RM ? r1 - r : PI_GEMM_RM);
-        pi_gemm_pack(qtype, w + r * ws, ws, rm, nb, buf);
+        pi_gemm_pack_q8_0(w + r * ws, ws, rm, nb, buf);
         long t = 0;
         for (; t + PI_GEMM_RN <= n_tok; t += PI_GEMM_RN)
-            pi_tile8(qtype, buf, xd + t * xds, xds, xq + t * xqs, xqs, nb, out + t * ldo + r, ldo,
-                     rm, PI_GEMM_RN);
+            pi_tile8_q8_0(buf, xd + t * xds, xds, xq + t * xqs, xqs, nb, out + t * ldo + r, ldo,
+                          rm, PI_GEMM_RN);
         for (; t < n_tok; t++)
-            pi_tile8(qtype, buf, xd + t * xds, xds, xq + t * xqs, xqs, nb, out + t * ldo + r, ldo,
-                     rm, 1);
+            pi_tile8_q8_0(buf, xd + t * xds, xds, xq + t * xqs, xqs, nb, out + t * ldo + r, ldo,
+                          rm, 1);
     }
 #else
     (void)qtype; (void)w; (void)ws; (void)r0; (void)r1; (void)xd; (void)xq; (void)xqs; (void)nb;

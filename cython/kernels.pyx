@@ -28,6 +28,9 @@ cdef extern from "simd.h" nogil:
     float pi_dot_row(int qtype, const uint8_t *row, const float *x, const float *xd,
                      const int8_t *xq, int n)
     void pi_quantize_q8(const float *x, int n, float *d, int8_t *q)
+    int pi_gemv8_supported(int qtype)
+    void pi_gemv8(int qtype, const uint8_t *w, size_t stride, const int32_t *idx, long g, long n,
+                  const float *xd, const int8_t *xq, int nb, float *out, long pd)
     void pi_dot4_q8_0(const uint8_t *row, const float *xd, long xd_stride, const int8_t *xq,
                       long xq_stride, int nb, float *out, long out_stride)
     void pi_dot4_q4_0(const uint8_t *row, const float *xd, long xd_stride, const int8_t *xq,
@@ -78,9 +81,14 @@ DEF ROW_TILE = 16
 DEF COL_TILE = 64
 # the down projection's row sum (_axpy_rows) is cut into at most AXPY_CHUNKS chunks of at least
 # AXPY_MIN_ROWS rows, whatever the thread count: 24 splits evenly over 1, 2, 3, 4, 6, 8 and 12
-# threads, and adding 23 partial sums of n_embd floats costs well under 1% of reading the rows.
+# threads. Chunk boundaries fall on multiples of AXPY_ALIGN rows: the integer kernel (axpyq.h)
+# sums rows in groups of 16, and a chunk of 24 rows (gate/up of SmolLM2) cost a second, half-empty
+# group. The chunks' partial sums are added by column slices in parallel (AXPY_RED_COLS floats).
 DEF AXPY_CHUNKS = 24
-DEF AXPY_MIN_ROWS = 16
+DEF AXPY_MIN_ROWS = 32
+DEF AXPY_ALIGN = 16
+DEF AXPY_RED_COLS = 512
+DEF AXPY_RED_PAR = 32768
 # tokens per work item of the batched attention: with the group's query heads, the queries that
 # share each K/V row read from L2 (SmolLM2: 3 heads x 4 tokens)
 DEF ATT_TOKENS = 4
@@ -167,7 +175,7 @@ def matvec(const uint8_t[:, ::1] w, int qtype, int cols, const float[::1] x, flo
     _check_w(w, qtype, cols)
     _check_len(x.shape[0], cols, "matvec x")
     _check_len(out.shape[0], w.shape[0], "matvec out")
-    cdef Py_ssize_t rows = w.shape[0], r, stride = w.shape[1]
+    cdef Py_ssize_t rows = w.shape[0], r, stride = w.shape[1], g
     cdef int quant = pi_is_quant(qtype)
     cdef float *xd = NULL
     cdef int8_t *xq = NULL
@@ -176,8 +184,12 @@ def matvec(const uint8_t[:, ::1] w, int qtype, int cols, const float[::1] x, flo
     with nogil:
         if quant:
             _quantize_x(&x[0], cols, &xd, &xq)
-        for r in prange(rows, schedule='static', num_threads=n_threads):
-            out[r] = pi_dot_row(qtype, &w[0, 0] + r * stride, &x[0], xd, xq, cols)
+        if pi_gemv8_supported(qtype):  # eight rows per pass (gemv.h), the same bits per row
+            for g in prange((rows + 7) // 8, schedule='static', num_threads=n_threads):
+                pi_gemv8(qtype, &w[0, 0], stride, NULL, g, rows, xd, xq, cols // 32, &out[0], 0)
+        else:
+            for r in prange(rows, schedule='static', num_threads=n_threads):
+                out[r] = pi_dot_row(qtype, &w[0, 0] + r * stride, &x[0], xd, xq, cols)
         free(xd)
         free(xq)
 
@@ -189,7 +201,7 @@ def gather_matvec(const uint8_t[:, ::1] w, int qtype, int cols, const float[::1]
     _check_len(x.shape[0], cols, "gather_matvec x")
     _check_len(out.shape[0], idx.shape[0], "gather_matvec out")
     _check_idx(idx, w.shape[0])
-    cdef Py_ssize_t n = idx.shape[0], k, stride = w.shape[1]
+    cdef Py_ssize_t n = idx.shape[0], k, stride = w.shape[1], g
     cdef Py_ssize_t pd = pi_prefetch_dist(stride)
     cdef int near = stride <= PI_L1_PREFETCH_MAX_ROW
     cdef int quant = pi_is_quant(qtype)
@@ -200,12 +212,16 @@ def gather_matvec(const uint8_t[:, ::1] w, int qtype, int cols, const float[::1]
     with nogil:
         if quant:
             _quantize_x(&x[0], cols, &xd, &xq)
-        for k in prange(n, schedule='static', num_threads=n_threads):
-            if k + pd < n:
-                pi_prefetch_l2(&w[0, 0] + idx[k + pd] * stride, stride)
-            if near and k + 2 < n:
-                pi_prefetch_l1(&w[0, 0] + idx[k + 2] * stride, stride)
-            out[k] = pi_dot_row(qtype, &w[0, 0] + idx[k] * stride, &x[0], xd, xq, cols)
+        if pi_gemv8_supported(qtype):  # eight rows per pass, rows pd ahead prefetched to L2
+            for g in prange((n + 7) // 8, schedule='static', num_threads=n_threads):
+                pi_gemv8(qtype, &w[0, 0], stride, &idx[0], g, n, xd, xq, cols // 32, &out[0], pd)
+        else:
+            for k in prange(n, schedule='static', num_threads=n_threads):
+                if k + pd < n:
+                    pi_prefetch_l2(&w[0, 0] + idx[k + pd] * stride, stride)
+                if near and k + 2 < n:
+                    pi_prefetch_l1(&w[0, 0] + idx[k + 2] * stride, stride)
+                out[k] = pi_dot_row(qtype, &w[0, 0] + idx[k] * stride, &x[0], xd, xq, cols)
         free(xd)
         free(xq)
 
@@ -269,7 +285,7 @@ def matmul(const uint8_t[:, ::1] w, int qtype, int cols, const float[:, ::1] x,
 cdef void _gemm_multi(int n_mat, const uint8_t **w, const int *qt, const Py_ssize_t *stride,
                       const Py_ssize_t *rows, int cols, const float *x, Py_ssize_t n_tok,
                       float **out, int n_threads) noexcept nogil:
-    """out[m] (n_tok, rows[m]) = x (n_tok, cols) @ w[m].T for up to 3 q8_0/q4_0 matrices sharing
+    """out[m] (n_tok, rows[m]) = x (n_tok, cols) @ w[m].T for up to 3 quantized matrices sharing
     x (gemm.h pi_gemm_rows): x is quantized once for all of them, and the quantization and every
     matrix's row tiles run in one parallel region (one fork, two barriers)."""
     cdef int nb = cols // 32, m
@@ -297,7 +313,7 @@ cdef void _gemm_multi(int n_mat, const uint8_t **w, const int *qt, const Py_ssiz
 
 def matmul_multi(tuple ws, tuple qtypes, int cols, const float[:, ::1] x, tuple outs,
                  int n_threads):
-    """outs[m] = x @ ws[m].T for 1 to 3 q8_0/q4_0 matrices that read the same x (prefill of q, k
+    """outs[m] = x @ ws[m].T for 1 to 3 quantized matrices that read the same x (prefill of q, k
     and v): ws[m] uint8 (rows_m, bytes_per_row), outs[m] f32 (n_tok, rows_m), x f32 (n_tok, cols).
     The same numbers as ``matmul`` on each matrix, with x quantized once and one parallel region.
     ValueError for another type (``prefill_gemm_supported``) or shapes that do not fit."""
@@ -335,7 +351,7 @@ def matmul_multi(tuple ws, tuple qtypes, int cols, const float[:, ::1] x, tuple 
 def matmul_glu(const uint8_t[:, ::1] gate, int qtype_g, const uint8_t[:, ::1] up, int qtype_u,
                int cols, const float[:, ::1] x, float[:, ::1] out, int silu, int n_threads):
     """out = act(x @ gate.T) * (x @ up.T) (the gated FFN's prefill up to the down projection):
-    gate, up q8_0/q4_0 uint8 (n_ff, bytes_per_row); x f32 (n_tok, cols); out f32 (n_tok, n_ff);
+    gate, up quantized uint8 (n_ff, bytes_per_row); x f32 (n_tok, cols); out f32 (n_tok, n_ff);
     act SiLU (silu=1) or ReLU. x is quantized once; tiles of PI_GLU_RM rows of both matrices
     run in one parallel region and the activation is applied on the way out (gemm.h
     pi_glu_rows). ValueError for another type or shapes that do not fit."""
@@ -385,7 +401,8 @@ cdef void _axpy_rows(const uint8_t *w, Py_ssize_t stride, int qtype, int cols, c
     Threads take contiguous runs of chunks, so the weights still stream in row order."""
     cdef Py_ssize_t k0, k1
     cdef Py_ssize_t n_chunks = min(AXPY_CHUNKS, max(1, n // AXPY_MIN_ROWS))
-    cdef Py_ssize_t c
+    cdef Py_ssize_t c, cc, cb, c0, cn
+    cdef Py_ssize_t n_red = (cols + AXPY_RED_COLS - 1) // AXPY_RED_COLS
     cdef int nt = <int> min(<Py_ssize_t> n_threads, n_chunks)
     cdef float *acc
     cdef float *tmp
@@ -398,12 +415,21 @@ cdef void _axpy_rows(const uint8_t *w, Py_ssize_t stride, int qtype, int cols, c
         acc = out if c == 0 else tmp + (c - 1) * cols
         if c > 0:
             memset(acc, 0, cols * sizeof(float))
-        # boundaries on multiples of 4 keep the 4-row passes of pi_axpy_rows_range whole
-        k0 = (c * n // n_chunks) & ~3
-        k1 = n if c == n_chunks - 1 else ((c + 1) * n // n_chunks) & ~3
+        # boundaries on multiples of 16 keep the groups of axpyq.h (and the 4-row passes of the
+        # f32 path) whole
+        k0 = (c * n // n_chunks) & ~(AXPY_ALIGN - 1)
+        k1 = n if c == n_chunks - 1 else ((c + 1) * n // n_chunks) & ~(AXPY_ALIGN - 1)
         pi_axpy_rows_range(qtype, w, stride, coef, idx, k0, k1, n, acc, cols)
-    for c in range(1, n_chunks):
-        pi_add_f32(out, tmp + (c - 1) * cols, cols)
+    # the partial sums in chunk order for every column (same bits at any thread count), column
+    # slices in parallel where there are many (gate/up of SmolLM2: 17 partial sums of 3072
+    # floats; the down projection's 23 of 576 are not worth a parallel region)
+    if (n_chunks - 1) * cols < AXPY_RED_PAR:
+        n_red = 1
+    for cb in prange(n_red, schedule='static', num_threads=<int> min(<Py_ssize_t> nt, n_red)):
+        c0 = cb * AXPY_RED_COLS if n_red > 1 else 0
+        cn = min(<Py_ssize_t> AXPY_RED_COLS, cols - c0) if n_red > 1 else cols
+        for cc in range(1, n_chunks):
+            pi_add_f32(out + c0, tmp + (cc - 1) * cols + c0, <int> cn)
     free(tmp)
 
 
@@ -779,18 +805,25 @@ cdef void _multi_matvec(int n_mat, const uint8_t **w, const int *qt, const Py_ss
     cdef float *xd = NULL
     cdef int8_t *xq = NULL
     cdef Py_ssize_t off[4]
-    cdef Py_ssize_t r, total
+    cdef int g8[3]
+    cdef Py_ssize_t u, total
     cdef int m, any_quant = 0
     off[0] = 0
-    for m in range(n_mat):
-        off[m + 1] = off[m] + rows[m]
+    for m in range(n_mat):  # work units: groups of 8 rows (gemv.h types) or single rows
+        g8[m] = pi_gemv8_supported(qt[m])
+        off[m + 1] = off[m] + ((rows[m] + 7) // 8 if g8[m] else rows[m])
         any_quant = any_quant | pi_is_quant(qt[m])
     total = off[n_mat]
     if any_quant:
         _quantize_x(x, cols, &xd, &xq)
-    for r in prange(total, schedule='static', num_threads=n_threads):
-        m = 0 if r < off[1] else (1 if r < off[2] else 2)
-        out[m][r - off[m]] = pi_dot_row(qt[m], w[m] + (r - off[m]) * stride[m], x, xd, xq, cols)
+    for u in prange(total, schedule='static', num_threads=n_threads):
+        m = 0 if u < off[1] else (1 if u < off[2] else 2)
+        if g8[m]:
+            pi_gemv8(qt[m], w[m], stride[m], NULL, u - off[m], rows[m], xd, xq, cols // 32,
+                     out[m], 0)
+        else:
+            out[m][u - off[m]] = pi_dot_row(qt[m], w[m] + (u - off[m]) * stride[m], x, xd, xq,
+                                            cols)
     free(xd)
     free(xq)
 
@@ -859,7 +892,9 @@ def decode_attn(float[::1] x, const float[::1] attn_norm, float eps,
         outs[2] = &v_cache[n_past, 0, 0]
         _multi_matvec(3, ws, qts, strides, rows, n_embd, h, outs, n_threads)
         _rope1(q, n_head, hd, n_past, freq_base, hd, att, att + hd // 2)
-        _rope1(&k_cache[n_past, 0, 0], n_kv, hd, n_past, freq_base, hd, att, att + hd // 2)
+        # K turns by the same angles: reuse the cos/sin _rope1 left in att (same bits, half the
+        # libm calls)
+        _rope_rotate(&k_cache[n_past, 0, 0], n_kv, hd, hd // 2, att, att + hd // 2)
     with nogil, parallel(num_threads=n_threads):
         sc = <float *> malloc(n_att * sizeof(float))
         for hh in prange(n_head, schedule='static'):

@@ -193,62 +193,24 @@ static inline __m256 pi_mul_sum_u8(__m256i u, __m256i y) {
  * as q4_0's dot does; only Q6_K (two scales per group) keeps signed values. */
 static inline int pi_signed_values(int t) { return t == PI_Q6_K; }
 
+/* The 32-block types (Q4_1, Q5_0, Q5_1 with q8_0 and q4_0) are dotted by gemv.h, included
+ * after this file; pi_dot_x / pi_dot4_x forward to it. */
+static inline __attribute__((always_inline)) void pi_dot4t_leg(const int t, const uint8_t *row,
+                                                               const float *xd, long xd_stride,
+                                                               const int8_t *xq, long xq_stride,
+                                                               int nb, float *out,
+                                                               long out_stride);
 #if PI_SIMD
-/* Q4_1 / Q5_0 / Q5_1 row . activation of nt (1 or 4) tokens, two 32-value blocks per pass (each
- * with its own accumulator, as pi_dot_q4_0): the two blocks' loads, unpacking and integer dots
- * are independent, so they overlap instead of waiting on one FMA chain. With nt = 4 (prefill)
- * each block is unpacked once for four tokens; every token's sums are fed in the same order as
- * with nt = 1, so prefill and decode give the same bits. Token i's activation is
- * (xd + i * xd_stride, xq + i * xq_stride), its result out[i * out_stride]. */
-static inline __attribute__((always_inline)) void
-pi_dot_xn_legacy(const int t, const int nt, const uint8_t *row, const float *xd, long xd_stride,
-                 const int8_t *xq, long xq_stride, int nb, float *out, long out_stride) {
-    const int bs = t == PI_Q4_1 ? 20 : (t == PI_Q5_0 ? 22 : 24);
-    __m256 acc0[4], acc1[4];
-    float c0[4], c1[4];
-    for (int i = 0; i < nt; i++) {
-        acc0[i] = acc1[i] = _mm256_setzero_ps();
-        c0[i] = c1[i] = 0.0f;
-    }
-    int g = 0;
-    for (; g + 2 <= nb; g += 2) {
-        const uint8_t *k0 = row + bs * (size_t)g, *k1 = k0 + bs;
-        const __m256i v0 = pi_group_values(t, k0, g), v1 = pi_group_values(t, k1, g + 1);
-        const float d0 = pi_load_d(k0), d1 = pi_load_d(k1);
-        const float m0 = t == PI_Q5_0 ? -16.0f * d0 : pi_load_d(k0 + 2);
-        const float m1 = t == PI_Q5_0 ? -16.0f * d1 : pi_load_d(k1 + 2);
-        for (int i = 0; i < nt; i++) {
-            const int8_t *y = xq + i * xq_stride + 32 * g;
-            const float *dx = xd + i * xd_stride, *xs = dx + nb;
-            const __m256i y0 = _mm256_loadu_si256((const __m256i *)y);
-            const __m256i y1 = _mm256_loadu_si256((const __m256i *)(y + 32));
-            const __m256 p0 = pi_mul_sum_u8(v0, y0), p1 = pi_mul_sum_u8(v1, y1);
-            acc0[i] = _mm256_fmadd_ps(_mm256_set1_ps(d0 * dx[g]), p0, acc0[i]);
-            acc1[i] = _mm256_fmadd_ps(_mm256_set1_ps(d1 * dx[g + 1]), p1, acc1[i]);
-            c0[i] += m0 * xs[g];
-            c1[i] += m1 * xs[g + 1];
-        }
-    }
-    for (; g < nb; g++) {
-        const uint8_t *k0 = row + bs * (size_t)g;
-        const __m256i v0 = pi_group_values(t, k0, g);
-        const float d0 = pi_load_d(k0), m0 = t == PI_Q5_0 ? -16.0f * d0 : pi_load_d(k0 + 2);
-        for (int i = 0; i < nt; i++) {
-            const float *dx = xd + i * xd_stride, *xs = dx + nb;
-            const __m256i y0 = _mm256_loadu_si256((const __m256i *)(xq + i * xq_stride + 32 * g));
-            acc0[i] = _mm256_fmadd_ps(_mm256_set1_ps(d0 * dx[g]), pi_mul_sum_u8(v0, y0), acc0[i]);
-            c0[i] += m0 * xs[g];
-        }
-    }
-    for (int i = 0; i < nt; i++)
-        out[i * out_stride] = pi_hsum(_mm256_add_ps(acc0[i], acc1[i])) + 0.125f * (c0[i] + c1[i]);
-}
+static inline __attribute__((always_inline)) float pi_dot1_leg(const int t, const uint8_t *row,
+                                                               const float *xd, const int8_t *xq,
+                                                               int nb);
 
 /* Q4_K / Q5_K / Q6_K row . activation of nt (1 or 4) tokens, one 256-value super-block per
  * pass: its f16 scales and six-bit sub-block scales are decoded once, each 32-byte load of
  * quants serves two groups (low and high nibbles), and Q5_K's fifth bits come from one 32-byte
- * load shifted two bits per pair of groups. Even groups feed acc0 and odd ones acc1; tokens as
- * in pi_dot_xn_legacy. */
+ * load shifted two bits per pair of groups. Even groups feed acc0 and odd ones acc1. With
+ * nt = 4 (prefill) token i's activation is (xd + i * xd_stride, xq + i * xq_stride), its result
+ * out[i * out_stride], each token's sums fed in the same order as with nt = 1 (same bits). */
 static inline __attribute__((always_inline)) void
 pi_dot_xn_k(const int t, const int nt, const uint8_t *row, const float *xd, long xd_stride,
             const int8_t *xq, long xq_stride, int nb, float *out, long out_stride) {
@@ -341,10 +303,13 @@ pi_dot4_x(const int t, const uint8_t *row, const float *xd, long xd_stride, cons
     if (t == PI_Q4_K || t == PI_Q5_K || t == PI_Q6_K)
         pi_dot_xn_k(t, 4, row, xd, xd_stride, xq, xq_stride, nb, out, out_stride);
     else
-        pi_dot_xn_legacy(t, 4, row, xd, xd_stride, xq, xq_stride, nb, out, out_stride);
+        pi_dot4t_leg(t, row, xd, xd_stride, xq, xq_stride, nb, out, out_stride);
 #else
-    for (int i = 0; i < 4; i++)
-        out[i * out_stride] = pi_dot_x(t, row, xd + i * xd_stride, xq + i * xq_stride, nb);
+    if (t == PI_Q4_K || t == PI_Q5_K || t == PI_Q6_K)
+        for (int i = 0; i < 4; i++)
+            out[i * out_stride] = pi_dot_x(t, row, xd + i * xd_stride, xq + i * xq_stride, nb);
+    else
+        pi_dot4t_leg(t, row, xd, xd_stride, xq, xq_stride, nb, out, out_stride);
 #endif
 }
 
@@ -357,7 +322,7 @@ static inline __attribute__((always_inline)) float pi_dot_x(const int t, const u
     if (t == PI_Q4_K || t == PI_Q5_K || t == PI_Q6_K)
         pi_dot_xn_k(t, 1, row, xd, 0, xq, 0, nb, &r, 0);
     else
-        pi_dot_xn_legacy(t, 1, row, xd, 0, xq, 0, nb, &r, 0);
+        r = pi_dot1_leg(t, row, xd, xq, nb);
     return r;
 #else
     const float *xs = xd + nb;

@@ -11,7 +11,8 @@
  *                x[j+16] = d*((qs[j]>>4)-8);
  *   PI_Q8_0 (8): blocks of 34 bytes = f16 d + int8 qs[32], x[j] = d*qs[j]   (ggml-common.h).
  * Quantized rows are dotted against the activation quantized to 8 bits per 32-block with an f32
- * scale (as llama.cpp's ggml_vec_dot_q4_0_q8_0 / q8_0_q8_0 do), so the inner loop is integer.
+ * scale (as llama.cpp's ggml_vec_dot_q4_0_q8_0 / q8_0_q8_0 do), so the inner loop is integer;
+ * the dots of the 32-block types (q8_0, q4_0, Q4_1, Q5_0, Q5_1) are in gemv.h.
  */
 #ifndef PYINFER_SIMD_H
 #define PYINFER_SIMD_H
@@ -249,221 +250,25 @@ static inline void pi_quantize_q8(const float *x, int n, float *d, int8_t *q) {
     }
 }
 
-/* ---- quantized row . quantized activation ---- */
-
-static inline float pi_dot_q8_0(const uint8_t *row, const float *xd, const int8_t *xq, int nb) {
-    int b = 0;
-    float s = 0.0f;
-#if PI_SIMD
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    for (; b + 2 <= nb; b += 2) {
-        const uint8_t *k0 = row + 34 * b, *k1 = k0 + 34;
-        __m256 p0 = pi_mul_sum_i8(_mm256_loadu_si256((const __m256i *)(k0 + 2)),
-                                  _mm256_loadu_si256((const __m256i *)(xq + 32 * b)));
-        __m256 p1 = pi_mul_sum_i8(_mm256_loadu_si256((const __m256i *)(k1 + 2)),
-                                  _mm256_loadu_si256((const __m256i *)(xq + 32 * b + 32)));
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(pi_load_d(k0) * xd[b]), p0, acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(pi_load_d(k1) * xd[b + 1]), p1, acc1);
-    }
-    for (; b < nb; b++) {
-        const uint8_t *k0 = row + 34 * b;
-        __m256 p0 = pi_mul_sum_i8(_mm256_loadu_si256((const __m256i *)(k0 + 2)),
-                                  _mm256_loadu_si256((const __m256i *)(xq + 32 * b)));
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(pi_load_d(k0) * xd[b]), p0, acc0);
-    }
-    s = pi_hsum(_mm256_add_ps(acc0, acc1));
-#else
-    for (; b < nb; b++) {
-        const uint8_t *blk = row + 34 * b;
-        const int8_t *qw = (const int8_t *)(blk + 2);
-        const int8_t *qx = xq + 32 * b;
-        int isum = 0;
-        for (int j = 0; j < PI_QK; j++) isum += (int)qw[j] * (int)qx[j];
-        s += (pi_load_d(blk) * xd[b]) * (float)isum;
-    }
-#endif
-    return s;
-}
-
-#if PI_SIMD
-/* q4_0 helpers for pi_dot_q4_0 and pi_dot4_q4_0 (both declare m4 = 15s and, without VNNI, ones):
- * PI_Q4U unpacks a block's 16 bytes into its 32 unsigned nibbles (low halves first, as ggml
- * orders them); PI_DOTU sums u8 x s8 products by fours into 8 f32 lanes. */
-#define PI_Q4U(qs) _mm256_and_si256(_mm256_inserti128_si256(                                \
-        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(qs))),                      \
-        _mm_srli_epi16(_mm_loadu_si128((const __m128i *)(qs)), 4), 1), m4)
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define PI_DOTU(u, y) _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), (u), (y)))
-#else
-#define PI_DOTU(u, y) _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16((u), (y)), ones))
-#endif
-#endif
-
-static inline float pi_dot_q4_0(const uint8_t *row, const float *xd, const int8_t *xq, int nb) {
-    /* sum_b dw_b * dx_b * sum_j (u_j - 8) y_j = sum_b dw_b * (dx_b * sum_j u_j y_j - s_b) */
-    const float *xs = xd + nb;
-    int b = 0;
-    float s = 0.0f, corr = 0.0f;
-#if PI_SIMD
-    const __m256i m4 = _mm256_set1_epi8(15);
-#if !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
-    const __m256i ones = _mm256_set1_epi16(1);
-#endif
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    float corr1 = 0.0f;
-    for (; b + 2 <= nb; b += 2) {
-        const uint8_t *k0 = row + 18 * b, *k1 = k0 + 18;
-        const float d0 = pi_load_d(k0), d1 = pi_load_d(k1);
-        __m256 p0 = PI_DOTU(PI_Q4U(k0 + 2), _mm256_loadu_si256((const __m256i *)(xq + 32 * b)));
-        __m256 p1 = PI_DOTU(PI_Q4U(k1 + 2), _mm256_loadu_si256((const __m256i *)(xq + 32 * b + 32)));
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d0 * xd[b]), p0, acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d1 * xd[b + 1]), p1, acc1);
-        corr += d0 * xs[b];
-        corr1 += d1 * xs[b + 1];
-    }
-    for (; b < nb; b++) {
-        const uint8_t *k0 = row + 18 * b;
-        const float d0 = pi_load_d(k0);
-        __m256 p0 = PI_DOTU(PI_Q4U(k0 + 2), _mm256_loadu_si256((const __m256i *)(xq + 32 * b)));
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d0 * xd[b]), p0, acc0);
-        corr += d0 * xs[b];
-    }
-    s = pi_hsum(_mm256_add_ps(acc0, acc1));
-    corr += corr1;
-#else
-    for (; b < nb; b++) {
-        const uint8_t *blk = row + 18 * b;
-        const uint8_t *qs = blk + 2;
-        const int8_t *qx = xq + 32 * b;
-        const float dw = pi_load_d(blk);
-        int isum = 0;
-        for (int j = 0; j < 16; j++) {
-            isum += (int)(qs[j] & 15) * (int)qx[j];
-            isum += (int)(qs[j] >> 4) * (int)qx[j + 16];
-        }
-        s += (dw * xd[b]) * (float)isum;
-        corr += dw * xs[b];
-    }
-#endif
-    return s - corr;
-}
-
-/* ---- one row . four tokens (prefill): the weight block is loaded, made absolute (q8_0) or
- * unpacked (q4_0) and its scale converted once for four tokens. Each token keeps the single-token
- * dot's two accumulators, fed in the same order, so every result is bit-identical to
- * pi_dot_q8_0 / pi_dot_q4_0 (prefill and decode agree exactly). Token t's activation is
- * (xd + t * xd_stride, xq + t * xq_stride); out[t * out_stride]. ---- */
-
-static inline void pi_dot4_q8_0(const uint8_t *row, const float *xd, long xd_stride,
-                                const int8_t *xq, long xq_stride, int nb, float *out,
-                                long out_stride) {
-#if PI_SIMD
-    __m256 a0[4], a1[4];
-    for (int t = 0; t < 4; t++) a0[t] = a1[t] = _mm256_setzero_ps();
-    int b = 0;
-    for (; b + 2 <= nb; b += 2) {
-        const uint8_t *k0 = row + 34 * b, *k1 = k0 + 34;
-        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(k0 + 2));
-        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(k1 + 2));
-        const float d0 = pi_load_d(k0), d1 = pi_load_d(k1);
-        for (int t = 0; t < 4; t++) {
-            const int8_t *y = xq + t * xq_stride + 32 * b;
-            const float *dx = xd + t * xd_stride;
-            __m256 p0 = pi_mul_sum_i8(w0, _mm256_loadu_si256((const __m256i *)y));
-            __m256 p1 = pi_mul_sum_i8(w1, _mm256_loadu_si256((const __m256i *)(y + 32)));
-            a0[t] = _mm256_fmadd_ps(_mm256_set1_ps(d0 * dx[b]), p0, a0[t]);
-            a1[t] = _mm256_fmadd_ps(_mm256_set1_ps(d1 * dx[b + 1]), p1, a1[t]);
-        }
-    }
-    for (; b < nb; b++) {
-        const uint8_t *k0 = row + 34 * b;
-        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(k0 + 2));
-        const float d0 = pi_load_d(k0);
-        for (int t = 0; t < 4; t++) {
-            __m256 p0 = pi_mul_sum_i8(
-                w0, _mm256_loadu_si256((const __m256i *)(xq + t * xq_stride + 32 * b)));
-            a0[t] = _mm256_fmadd_ps(_mm256_set1_ps(d0 * xd[t * xd_stride + b]), p0, a0[t]);
-        }
-    }
-    for (int t = 0; t < 4; t++) out[t * out_stride] = pi_hsum(_mm256_add_ps(a0[t], a1[t]));
-#else
-    for (int t = 0; t < 4; t++)
-        out[t * out_stride] = pi_dot_q8_0(row, xd + t * xd_stride, xq + t * xq_stride, nb);
-#endif
-}
-
-static inline void pi_dot4_q4_0(const uint8_t *row, const float *xd, long xd_stride,
-                                const int8_t *xq, long xq_stride, int nb, float *out,
-                                long out_stride) {
-#if PI_SIMD
-    const __m256i m4 = _mm256_set1_epi8(15);
-#if !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
-    const __m256i ones = _mm256_set1_epi16(1);
-#endif
-    __m256 a0[4], a1[4];
-    float c0[4], c1[4];
-    for (int t = 0; t < 4; t++) {
-        a0[t] = a1[t] = _mm256_setzero_ps();
-        c0[t] = c1[t] = 0.0f;
-    }
-    int b = 0;
-    for (; b + 2 <= nb; b += 2) {
-        const uint8_t *k0 = row + 18 * b, *k1 = k0 + 18;
-        const float d0 = pi_load_d(k0), d1 = pi_load_d(k1);
-        const __m256i u0 = PI_Q4U(k0 + 2), u1 = PI_Q4U(k1 + 2);
-        for (int t = 0; t < 4; t++) {
-            const int8_t *y = xq + t * xq_stride + 32 * b;
-            const float *dx = xd + t * xd_stride, *xs = dx + nb;
-            __m256 p0 = PI_DOTU(u0, _mm256_loadu_si256((const __m256i *)y));
-            __m256 p1 = PI_DOTU(u1, _mm256_loadu_si256((const __m256i *)(y + 32)));
-            a0[t] = _mm256_fmadd_ps(_mm256_set1_ps(d0 * dx[b]), p0, a0[t]);
-            a1[t] = _mm256_fmadd_ps(_mm256_set1_ps(d1 * dx[b + 1]), p1, a1[t]);
-            c0[t] += d0 * xs[b];
-            c1[t] += d1 * xs[b + 1];
-        }
-    }
-    for (; b < nb; b++) {
-        const uint8_t *k0 = row + 18 * b;
-        const float d0 = pi_load_d(k0);
-        const __m256i u0 = PI_Q4U(k0 + 2);
-        for (int t = 0; t < 4; t++) {
-            const float *dx = xd + t * xd_stride, *xs = dx + nb;
-            __m256 p0 = PI_DOTU(u0, _mm256_loadu_si256((const __m256i *)(xq + t * xq_stride + 32 * b)));
-            a0[t] = _mm256_fmadd_ps(_mm256_set1_ps(d0 * dx[b]), p0, a0[t]);
-            c0[t] += d0 * xs[b];
-        }
-    }
-    for (int t = 0; t < 4; t++)
-        out[t * out_stride] = pi_hsum(_mm256_add_ps(a0[t], a1[t])) - (c0[t] + c1[t]);
-#else
-    for (int t = 0; t < 4; t++)
-        out[t * out_stride] = pi_dot_q4_0(row, xd + t * xd_stride, xq + t * xq_stride, nb);
-#endif
-}
-
-#if PI_SIMD
-#undef PI_Q4U
-#undef PI_DOTU
-#endif
-
 #include "qtypes.h"
+#include "gemv.h"
 
 /* Row . activation for any type: x is used for f32/f16/bf16, (xd, xq) from pi_quantize_q8 for
- * quantized rows. */
+ * quantized rows (the 32-block types with gemv.h's numerics, the same bits as its 8-row GEMV). */
 static inline float pi_dot_row(int qtype, const uint8_t *row, const float *x, const float *xd,
                                const int8_t *xq, int n) {
     switch (qtype) {
     case PI_F32: return pi_dot_f32((const float *)row, x, n);
     case PI_F16: return pi_dot_f16((const uint16_t *)row, x, n);
     case PI_BF16: return pi_dot_bf16((const uint16_t *)row, x, n);
-    case PI_Q4_0: return pi_dot_q4_0(row, xd, xq, n / PI_QK);
-    case PI_Q4_1: return pi_dot_x(PI_Q4_1, row, xd, xq, n / PI_QK);
-    case PI_Q5_0: return pi_dot_x(PI_Q5_0, row, xd, xq, n / PI_QK);
-    case PI_Q5_1: return pi_dot_x(PI_Q5_1, row, xd, xq, n / PI_QK);
+    case PI_Q4_0: return pi_dot1_leg(PI_Q4_0, row, xd, xq, n / PI_QK);
+    case PI_Q4_1: return pi_dot1_leg(PI_Q4_1, row, xd, xq, n / PI_QK);
+    case PI_Q5_0: return pi_dot1_leg(PI_Q5_0, row, xd, xq, n / PI_QK);
+    case PI_Q5_1: return pi_dot1_leg(PI_Q5_1, row, xd, xq, n / PI_QK);
     case PI_Q4_K: return pi_dot_x(PI_Q4_K, row, xd, xq, n / PI_QK);
     case PI_Q5_K: return pi_dot_x(PI_Q5_K, row, xd, xq, n / PI_QK);
     case PI_Q6_K: return pi_dot_x(PI_Q6_K, row, xd, xq, n / PI_QK);
-    default: return pi_dot_q8_0(row, xd, xq, n / PI_QK);
+    default: return pi_dot1_leg(PI_Q8_0, row, xd, xq, n / PI_QK);
     }
 }
 
@@ -843,12 +648,21 @@ static inline void pi_axpy4_strip64(const float *a, long a_stride, const float *
 #endif
 }
 
+#include "axpyq.h" /* integer row sums for the quantized types (issues 11/12) */
+
 /* out[0:cols] += sum_{k0 <= k < k1} coef[k] * w[idx ? idx[k] : k] (rows stride bytes apart).
  * Prefetches run ahead up to row kp (>= k1): a caller that sums consecutive ranges (the chunks of
  * _axpy_rows) passes the end of all of them, so each range starts with its rows already coming. */
 static inline void pi_axpy_rows_range(int qtype, const uint8_t *w, size_t stride, const float *coef,
                                       const int32_t *idx, long k0, long k1, long kp, float *out,
                                       int cols) {
+    /* the integer sums (axpyq.h), except for the dense q8_0/q4_0 sum over every row (idx NULL:
+     * the down projection of a dense decode), where the f32 path streamed SmolLM2's 612-byte
+     * rows from memory faster (docs/benchmarks.md, "Integer AXPY kernels", session 7) */
+    if (pi_axpyq_supported(qtype) && (idx || (qtype != PI_Q8_0 && qtype != PI_Q4_0))) {
+        pi_axpyq_rows_range(qtype, w, stride, coef, idx, k0, k1, kp, out, cols);
+        return;
+    }
     long k = k0;
     const size_t nbytes = pi_col_offset(qtype, cols);
     const long pd = 4 * ((pi_prefetch_dist(nbytes) + 3) / 4);

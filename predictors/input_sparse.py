@@ -1,6 +1,7 @@
 """The offline stage of sparse mode "input" (SwiGLU models; runtime in pyinfer/input_sparse.py):
 calibrate one input threshold per layer and projection group, split each layer's sparsity among
-its projections (uniformly, the default, or by TEAL's block-wise greedy), and write the file with
+its projections (uniformly, the default, by TEAL's block-wise greedy, or model-wide by an
+end-of-model Fisher estimate), and write the file with
 those matrices stored transposed.
 
 1. ``record_inputs``: the dense model (the staging file's row layout, pyinfer's own kernels) runs
@@ -22,6 +23,10 @@ those matrices stored transposed.
    from the dense model) least per weight byte skipped. ``thresholds_for`` then gives every layer
    the same block sparsity, the target (uniform across blocks, as TEAL does), split among the
    groups as the path says.
+   "fisher" (``allocate_levels`` over predictors/input_fisher.py's costs): an end-of-model
+   estimate of each unit's cost at each level, then the model-wide greedy of equal marginal cost
+   per byte; layers differ, the model as a whole meets the target (SmolLM2: a third less KL
+   from dense than uniform, perplexity mixed; slower offline: opt-in).
 4. The final file: the converter's jobs with q/k/v, attn_output, gate and up replaced by their
    transposed forms (``transposed_jobs``), the thresholds, and for WINA the column norms.
 """
@@ -292,6 +297,48 @@ def levels_for(path: BlockPath, unit_bytes: np.ndarray, target: float) -> np.nda
     return lv
 
 
+def allocate_levels(cost: np.ndarray, unit_bytes: np.ndarray, target: float,
+                    max_level: int = MAX_LEVEL) -> np.ndarray:
+    """Levels (n_layer, n_groups) int64 that skip at least ``target`` of all units' weight bytes
+    (sum of level / N_LEVELS * unit_bytes over units >= target * n_layer * sum(unit_bytes)) at
+    the least total cost, assuming the units' costs add up: the model-wide marginal-cost greedy
+    (equal cost per byte skipped at the margin, a Lagrangian relaxation of the knapsack).
+
+    cost (n_layer, n_groups, N_LEVELS) f64 the estimated loss of each unit at each level
+    (cost[..., 0] = 0); unit_bytes (n_groups,) the bytes of each group's matrix. Each unit's curve is made
+    non-decreasing and replaced by its lower convex hull over levels 0..max_level; the hull's
+    segments are taken in order of cost per byte (ties: lower unit index, then lower level) until
+    the target is met, the last one only as far as the target needs (whole levels). Every level
+    stays in [0, max_level]; a target above max_level / N_LEVELS gives every unit max_level.
+    Deterministic. Raises ValueError for a target outside [0, 1] or mismatched shapes."""
+    L, n_g, N = cost.shape
+    if not 0.0 <= target <= 1.0:
+        raise ValueError(f"target sparsity must be in [0, 1], got {target}")
+    if unit_bytes.shape != (n_g,) or not 0 < max_level < N:
+        raise ValueError("cost (n_layer, n_groups, n_levels) and unit_bytes (n_groups,) disagree")
+    segs = []  # (cost per byte, unit, from level, to level)
+    for u, c in enumerate(np.maximum.accumulate(cost.reshape(L * n_g, N)[:, :max_level + 1], 1)):
+        hull = [0]
+        for lv in range(1, max_level + 1):
+            while len(hull) >= 2 and ((c[hull[-1]] - c[hull[-2]]) * (lv - hull[-2])
+                                      >= (c[lv] - c[hull[-2]]) * (hull[-1] - hull[-2])):
+                hull.pop()
+            hull.append(lv)
+        by = float(unit_bytes[u % n_g])
+        segs += [((c[b] - c[a]) / ((b - a) * by), u, a, b) for a, b in zip(hull[:-1], hull[1:])]
+    segs.sort()
+    level = np.zeros(L * n_g, np.int64)
+    need, got = target * N_LEVELS * L * float(unit_bytes.sum()), 0.0
+    for _, u, a, b in segs:  # a unit's segments come in level order (convex: rising slopes)
+        if got >= need - 1e-9:
+            break
+        by = float(unit_bytes[u % n_g])
+        step = min(b - a, int(np.ceil((need - got) / by - 1e-9)))
+        level[u] = a + step
+        got += step * by
+    return level.reshape(L, n_g)
+
+
 def transposed_jobs(jobs, cfg, outtype: str, scales: list[dict] | None):
     """The converter's jobs with each layer's wq/wk/wv, attn_output, ffn_gate and ffn_up replaced by
     attn_qkv_t, attn_output_t and ffn_gate_up_t (same place in the file), plus the WINA column
@@ -344,7 +391,7 @@ def format_table(sparsity: np.ndarray, loss: np.ndarray, score: str, target: flo
     """The summary: per layer the calibrated sparsity of each group and the calibration loss
     (``thresholds_for``: "greedy" the block output error relative to the block output's energy,
     "uniform" the share of the projections' output energy dropped) on the calibration tokens."""
-    loss_name = "block_err" if alloc == "greedy" else "energy_lost"
+    loss_name = {"greedy": "block_err", "fisher": "fisher_kl"}.get(alloc, "energy_lost")
     head = f"{'layer':>5} " + " ".join(f"{g:>12}" for g in C.IN_GROUPS) + f" {loss_name:>11}"
     lines = [f"offline stage summary (sparse mode input, score {score}, allocation {alloc}, "
              f"target {target:.0%} of projection weight bytes; columns: fraction of input channels "
@@ -360,12 +407,13 @@ def format_table(sparsity: np.ndarray, loss: np.ndarray, score: str, target: flo
 
 @dataclass
 class Calibration:
-    """What ``calibrate`` measured: per layer the four groups' unit curves (thresholds per level)
-    and, for ``alloc`` "greedy", the block greedy's path (None for "uniform")."""
+    """What ``calibrate`` measured: per layer the four groups' unit curves (thresholds per level),
+    for ``alloc`` "greedy" the block greedy's path (None otherwise), for "fisher" the costs."""
 
     curves: list[list[UnitCurve]]
     paths: list[BlockPath] | None
     alloc: str = "greedy"
+    cost: np.ndarray | None = None  # "fisher": (n_layer, 4, N_LEVELS) input_fisher.fisher_costs
 
 
 def calibrate(eng, seqs: list[list[int]], wina: bool, seed: int, n_threads: int,
@@ -373,7 +421,9 @@ def calibrate(eng, seqs: list[list[int]], wina: bool, seed: int, n_threads: int,
     """(Calibration, column norms [n_layer] {group: (n_in,) f32}) from the dense row-layout
     engine ``eng`` over the calibration sequences (steps 1-3: thresholds from every calibration
     token; for ``alloc`` "greedy" the block greedy on the first EVAL_TOKENS of them, up to block
-    sparsity ``max_sparsity``). Deterministic for a seed. Raises ValueError for an unknown alloc."""
+    sparsity ``max_sparsity``; for "fisher" the end-of-model costs over every calibration piece,
+    which needs PyTorch). Deterministic for a seed. Raises ValueError for an unknown alloc,
+    PyinferError for "fisher" without PyTorch."""
     if alloc not in C.IN_ALLOCS:
         raise ValueError(f"unknown allocation {alloc!r} (one of {', '.join(C.IN_ALLOCS)})")
     from predictors.profile import chunks
@@ -402,7 +452,13 @@ def calibrate(eng, seqs: list[list[int]], wina: bool, seed: int, n_threads: int,
         paths.append(block_path(blk, unit_bytes, max_sparsity))
 
     record_inputs(eng, pieces, n_threads, on_layer)
-    return Calibration(curves, paths if alloc == "greedy" else None, alloc), norms
+    cost = None
+    if alloc == "fisher":
+        from predictors.input_fisher import fisher_costs
+
+        thr = np.array([[c.thr for c in cs] for cs in curves])  # (n_layer, 4, N_LEVELS)
+        cost = fisher_costs(eng, pieces, thr, seed, n_threads, norms if wina else None)
+    return Calibration(curves, paths if alloc == "greedy" else None, alloc, cost), norms
 
 
 def thresholds_for(cal: Calibration, cfg, target: float):
@@ -411,7 +467,9 @@ def thresholds_for(cal: Calibration, cfg, target: float):
     ``constants.IN_GROUPS`` order. "uniform": every group at level round(target * N_LEVELS) (at
     most N_LEVELS - 1), the loss the groups' dropped share of output energy (``UnitCurve.loss``)
     averaged by weight bytes. "greedy": the path's split inside each block, the loss the block
-    output error at the step reached (an upper bound for the fractional last step)."""
+    output error at the step reached (an upper bound for the fractional last step). "fisher": the
+    model-wide ``allocate_levels`` over the estimated end-of-model costs (layers then differ: the
+    target holds for the model, not for each block), the loss each layer's summed cost."""
     sizes = in_sizes(cfg)
     unit_bytes = np.array([sizes[g][0] * sizes[g][1] for g in C.IN_GROUPS], np.float64)
     if cal.alloc == "uniform":
@@ -419,6 +477,10 @@ def thresholds_for(cal: Calibration, cfg, target: float):
         level = np.full((cfg.n_layer, 4), lv, np.int64)
         err = np.array([(np.array([c.loss[lv] for c in cs]) * unit_bytes).sum() / unit_bytes.sum()
                         for cs in cal.curves])
+    elif cal.alloc == "fisher":
+        level = allocate_levels(cal.cost, unit_bytes, target)
+        err = np.array([[cal.cost[i, gi, level[i, gi]] for gi in range(4)]
+                        for i in range(cfg.n_layer)]).sum(1)
     else:
         level = np.array([levels_for(p, unit_bytes, target) for p in cal.paths])
         err = np.array([p.error[min(int(np.searchsorted(p.sparsity, target - 1e-12)),

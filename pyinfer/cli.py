@@ -11,7 +11,8 @@ import sys
 
 from pyinfer.errors import PyinferError, exit_code_of
 from pyinfer.options import Parser as _Parser
-from pyinfer.options import add_model, add_version, arg_type, prompt_file_limit, read_text_file
+from pyinfer.options import (add_engine_flags, add_model, add_version, arg_type, prompt_file_limit,
+                             read_text_file)
 from pyinfer.options import model_path as _model_path
 
 
@@ -83,17 +84,7 @@ def build_parser(prog: str = "pyinfer-run", chat: bool = False) -> argparse.Argu
         p.add_argument("--no-display-prompt", action="store_true", help="do not echo the prompt")
     p.add_argument("--system", default=None,
                    help="system message of the conversation" if chat else "system message for --chat and -i")
-    p.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"],
-                   help="auto: the GPU when CuPy sees one (default, silent), cpu, or cuda")
-    p.add_argument("--vram-budget", type=arg_type("vram_budget"), default=None, help="GiB of GPU memory for hot neurons")
-    p.add_argument("--reset-gpu-index", action="store_true",
-                   help="re-solve the hot-neuron split from the file's activation counts")
-    p.add_argument("--disable-gpu-index", action="store_true",
-                   help="ignore the stored hot-neuron split; offload whole layers instead")
-    p.add_argument("-ngl", "--n-gpu-layers", type=arg_type("n_gpu_layers"), default=None,
-                   help="llama.cpp-style baseline: the first N layers' FFNs dense on the GPU")
-    p.add_argument("--dense", action="store_true",
-                   help="compute every FFN neuron (ignore the file's predictors)")
+    add_engine_flags(p)
     p.add_argument("--verbose", action="store_true",
                    help="print speed and FFN sparsity after every answer" if chat else
                    "in a chat, print speed and FFN sparsity after every answer")
@@ -201,12 +192,29 @@ def load(args, model_path: str):
     return llm
 
 
+def run_chat(args) -> int:
+    """Start the chat REPL for parsed pyinfer-run -i / pyinfer-chat flags."""
+    from pyinfer.repl import ChatSession, describe_settings, repl
+
+    model_path = check_args(args)
+    if getattr(args, "prompt", None) is not None or getattr(args, "file", None):
+        raise PyinferError("-p/-f cannot be used with the interactive chat")
+    n = CHAT_N_PREDICT if args.n_predict is None else args.n_predict
+    if n == 0:
+        raise PyinferError("-n 0 leaves no room for an answer")
+    llm = load(args, model_path)
+    session = ChatSession(llm, system=args.system, max_tokens=None if n < 0 else n,
+                          **sampling_kwargs(args, chat=True))
+    print(f"pyinfer chat: {llm.model_name}, context {llm.n_ctx} tokens. "
+          "/help for commands, Ctrl-C stops an answer, Ctrl-D exits.", file=sys.stderr)
+    print(describe_settings(session), file=sys.stderr)
+    return repl(session, verbose=args.verbose)
+
+
 def run(args) -> int:
     model_path = check_args(args)
     if args.interactive:
-        from pyinfer.repl import run_repl
-
-        return run_repl(args)
+        return run_chat(args)
     if args.file:
         prompt = read_text_file(args.file, prompt_file_limit(args.ctx_size), "prompt file")
     else:
@@ -245,6 +253,13 @@ def run(args) -> int:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     return exit_code_of(run, args)
+
+
+def chat_main(argv=None) -> int:
+    """Entry point of pyinfer-chat: pyinfer-run -i with the chat's own --help."""
+    args = build_parser("pyinfer-chat", chat=True).parse_args(argv)
+    args.interactive = True
+    return exit_code_of(run_chat, args)
 
 
 if __name__ == "__main__":

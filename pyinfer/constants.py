@@ -179,8 +179,9 @@ IN_GROUPS = ("attn_qkv", "attn_output", "ffn_gate_up", "ffn_down")
 K_IN_SCORE = "pyinfer.sparse.input_score"  # "magnitude" (TEAL) | "wina" (|x_j| * column norm)
 IN_SCORES = ("magnitude", "wina")
 #: how a layer's target sparsity is split among its groups: "uniform" (every group of every layer
-#: skips the target fraction of its calibration pairs) or "greedy" (TEAL's block-wise greedy)
+#: skips the target fraction of its calibration pairs), "greedy" (TEAL's block-wise greedy) or
+#: "fisher" (model-wide, by an end-of-model Fisher estimate: predictors/input_fisher.py)
 K_IN_ALLOC = "pyinfer.sparse.input_alloc"
-IN_ALLOCS = ("uniform", "greedy")
+IN_ALLOCS = ("uniform", "greedy", "fisher")
 K_IN_THRESHOLD = "pyinfer.sparse.input_threshold.{group}"  # f32[n_layer]; < 0 keeps every input
 K_IN_SPARSITY = "pyinfer.sparse.input_sparsity.{group}"  # f32[n_layer], calibrated fraction skipped

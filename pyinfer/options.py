@@ -189,6 +189,23 @@ def add_model(p: argparse.ArgumentParser, what: str = "GGUF written by pyinfer-c
     p.add_argument("-m", "--model", dest="model_opt", metavar="MODEL", help="same as the positional MODEL")
 
 
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """The device and FFN flags shared by pyinfer-run/-chat and pyinfer-serve (llama.cpp's names
+    where llama.cpp has the flag: -ngl)."""
+    p.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"],
+                   help="auto: the GPU when CuPy sees one (default), cpu, or cuda")
+    p.add_argument("--vram-budget", type=arg_type("vram_budget"), default=None,
+                   help="GiB of GPU memory for hot neurons")
+    p.add_argument("--reset-gpu-index", action="store_true",
+                   help="re-solve the hot-neuron split from the file's activation counts")
+    p.add_argument("--disable-gpu-index", action="store_true",
+                   help="ignore the stored hot-neuron split; offload whole layers instead")
+    p.add_argument("-ngl", "--n-gpu-layers", type=arg_type("n_gpu_layers"), default=None,
+                   help="llama.cpp-style baseline: the first N layers' FFNs dense on the GPU")
+    p.add_argument("--dense", action="store_true",
+                   help="compute every FFN neuron (ignore the file's predictors)")
+
+
 def model_path(args, usage: str) -> str:
     """The model path given as ``-m`` or positionally. Raises PyinferError when both name
     different files or neither is given (``usage`` is shown as the fix)."""

@@ -16,7 +16,7 @@ import sys
 from contextlib import contextmanager
 
 from pyinfer.api import LLM, GenerationStats
-from pyinfer.errors import PyinferError, exit_code_of
+from pyinfer.errors import PyinferError
 
 HELP = """commands:
   /help    this text
@@ -271,32 +271,7 @@ def describe_settings(session: ChatSession) -> str:
     return f"sampling: {chain}, {penalty}; {cap}"
 
 
-def run_repl(args) -> int:
-    """Start the chat for parsed pyinfer-run/pyinfer-chat flags (model path already checked)."""
-    from pyinfer.cli import CHAT_N_PREDICT, check_args, load, sampling_kwargs
+if __name__ == "__main__":  # python -m pyinfer.repl is pyinfer-chat (its flags live in cli.py)
+    from pyinfer.cli import chat_main
 
-    model_path = check_args(args)
-    if getattr(args, "prompt", None) is not None or getattr(args, "file", None):
-        raise PyinferError("-p/-f cannot be used with the interactive chat")
-    n = CHAT_N_PREDICT if args.n_predict is None else args.n_predict
-    if n == 0:
-        raise PyinferError("-n 0 leaves no room for an answer")
-    llm = load(args, model_path)
-    session = ChatSession(llm, system=args.system, max_tokens=None if n < 0 else n,
-                          **sampling_kwargs(args, chat=True))
-    print(f"pyinfer chat: {llm.model_name}, context {llm.n_ctx} tokens. "
-          "/help for commands, Ctrl-C stops an answer, Ctrl-D exits.", file=sys.stderr)
-    print(describe_settings(session), file=sys.stderr)
-    return repl(session, verbose=args.verbose)
-
-
-def main(argv=None) -> int:
-    from pyinfer.cli import build_parser
-
-    args = build_parser("pyinfer-chat", chat=True).parse_args(argv)
-    args.interactive = True
-    return exit_code_of(run_repl, args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(chat_main())

@@ -550,7 +550,7 @@ def create_app(llm, max_queue: int = 4, api_key: str | None = None):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pyinfer.options import Parser, add_model, add_version, arg_type
+    from pyinfer.options import Parser, add_engine_flags, add_model, add_version, arg_type
 
     p = Parser(prog="pyinfer-serve", description=__doc__.splitlines()[0])
     add_version(p)
@@ -568,16 +568,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-t", "--threads", type=arg_type("threads"), default=None, help="kernel threads (default: the physical cores this process may use)")
     p.add_argument("--queue-size", type=int, default=4,
                    help="requests that may wait behind the running one before 503 (default 4)")
-    p.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"],
-                   help="auto: the GPU when CuPy sees one (default), cpu, or cuda")
-    p.add_argument("--vram-budget", type=arg_type("vram_budget"), default=None, help="GiB of GPU memory for hot neurons")
-    p.add_argument("--reset-gpu-index", action="store_true",
-                   help="re-solve the hot-neuron split from the file's activation counts")
-    p.add_argument("--disable-gpu-index", action="store_true",
-                   help="ignore the stored hot-neuron split; offload whole layers instead")
-    p.add_argument("-ngl", "--n-gpu-layers", type=arg_type("n_gpu_layers"), default=None,
-                   help="llama.cpp-style baseline: the first N layers' FFNs dense on the GPU")
-    p.add_argument("--dense", action="store_true", help="compute every FFN neuron (ignore predictors)")
+    add_engine_flags(p)
     p.add_argument("-s", "--seed", type=arg_type("seed"), default=-1, help="RNG seed (-1: random)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p

@@ -174,7 +174,7 @@ def test_matmul(qtype, n_threads):
         cpu.matmul(w, x, out, n_threads)
         _check_dot(out, w, x, lambda w_, x_: ref.matmul(w_, x_, _nan((n_tok, w.rows))))
         # prefill and decode agree token by token: bit for bit (same per-block order), except
-        # the q8_0/q4_0 prefill GEMM, which sums the same exact block products in another f32
+        # the quantized types' prefill GEMM, which sums the same exact block products in another f32
         # order (tests/test_prefill_gemm.py states and checks its bound)
         if not cpu.prefill_gemm(qtype):
             for t in range(n_tok):
@@ -231,6 +231,54 @@ def test_matvec_t(qtype, n_threads):
         out = _nan(w.cols)
         cpu.matvec_t(w, a, out, n_threads)
         _close(out, ref.matvec_t(w, a, _nan(w.cols)), qtype)
+
+
+INT_AXPY = {QT.Q8_0: (34, 0, 0), QT.Q4_0: (18, 8, 0), QT.Q5_0: (22, 16, 0),  # block bytes,
+             QT.Q4_1: (20, 0, 1), QT.Q5_1: (24, 0, 1)}  # value offset k (x = d (v - k)), min at 2
+
+
+@pytest.mark.parametrize("n_threads", THREADS)
+@pytest.mark.parametrize("qtype", list(INT_AXPY))
+def test_axpy_rows_int16_bound(qtype, n_threads):
+    """axpy_rows / matvec_t quantize each group's coefficients coef[j] * d[j, b] to int16 per
+    32-column block b (cython/axpyq.h). Stated bound, per column i of block b, against the exact
+    sum: max_j |coef[j] d[j,b]| / 65534 * sum_j |v[j,i]| (v the value d multiplies, from the raw
+    blocks) plus f32 rounding. Rows scaled over three decades and coefficients over six, so one
+    row dominates a group's scale; the error must also stay above nothing a float path would
+    miss: it is checked against float64, not the f32 twin."""
+    rng = np.random.default_rng(90 + int(qtype))
+    nbytes, k_off, has_min = INT_AXPY[qtype]
+    rows, cols = 150, 96
+    a = rng.standard_normal((rows, cols)) * 10.0 ** rng.uniform(-2, 1, (rows, 1))
+    w = cpu.QTensor.from_array(a.astype(np.float32), qtype)
+    w.data.setflags(write=False)
+    blocks = np.asarray(w.data).reshape(rows, cols // 32, nbytes)
+    d = blocks[:, :, 0:2].copy().view(np.float16)[:, :, 0].astype(np.float64)  # (rows, nb)
+    wd = ref.dequantize(w).astype(np.float64)  # (rows, cols), gguf's decoding (the twin's)
+    m = blocks[:, :, 2:4].copy().view(np.float16)[:, :, 0].astype(np.float64) if has_min else 0 * d
+    # the integer value v each weight is d * v (+ min) of: q8_0 q, q4_0 q - 8, Q4_1 q ...
+    dd = np.repeat(d, 32, axis=1)
+    v = (wd - np.repeat(m, 32, axis=1)) / np.where(dd == 0, 1, dd)
+    assert np.allclose(v, np.round(v), atol=1e-3) and np.abs(v).max() <= 128
+    for name, idx in _active_sets(rng, rows).items():
+        if idx.size == 0:
+            continue
+        coef = rng.standard_normal(idx.size) * 10.0 ** rng.uniform(-3, 3, idx.size)
+        coef = _ro(coef.astype(np.float32))
+        c64 = coef.astype(np.float64)
+        out = _nan(cols)
+        if name == "all":
+            cpu.matvec_t(w, coef, out, n_threads)
+        else:
+            cpu.axpy_rows(w, coef, _ro(idx), out, n_threads)
+        exact = c64 @ wd[idx]
+        mag = np.abs(c64) @ np.abs(wd[idx])
+        mx = np.repeat(np.max(np.abs(c64[:, None] * d[idx]), axis=0), 32)  # per block, all rows
+        bound = mx / 65534 * (np.abs(v[idx]).sum(axis=0)) + (idx.size / 16 + 4) * 2.0 ** -23 * mag
+        assert np.all(np.isfinite(out))
+        assert np.all(np.abs(out - exact) <= bound), (name, np.max(np.abs(out - exact) / bound))
+        # and far inside what 8-bit coefficients (the GEMV's activation precision) would give
+        assert np.max(np.abs(out - exact)) <= mx.max() / 254 * np.abs(v[idx]).sum(axis=0).max()
 
 
 @pytest.mark.parametrize("n_threads", THREADS)
@@ -396,7 +444,7 @@ def test_build_variants(tmp_path, env):
             "    X=rng.standard_normal((9,512)).astype(np.float32); M=np.empty((9,50),np.float32)\n"
             "    cpu.matmul(w,X,M,2)  # four-token passes equal decode's dots bit for bit; the\n"
             "    D=np.stack([cpu.matvec(w,X[t],np.empty(50,np.float32),2) for t in range(9)])\n"
-            "    # q8_0/q4_0 GEMM sums the same block products in another order (test_prefill_gemm)\n"
+            "    # the GEMM sums the same block products in another order (test_prefill_gemm)\n"
             "    assert (np.allclose(M,D,rtol=1e-5,atol=1e-4) if cpu.prefill_gemm(qt)\n"
             "            else np.array_equal(M,D)), qt\n"
             f"print(cpu.openmp_enabled(), cpu.simd_enabled())\n")

@@ -1,13 +1,18 @@
 """The prefill kernels of issue 11 (cython/gemm.h): the tiled int8 GEMM behind ``cpu.matmul`` for
-q8_0/q4_0, the down-projection GEMM behind ``cpu.matmul_t`` and the batched causal attention.
+every quantized type (q8_0, q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), the down-projection GEMM
+behind ``cpu.matmul_t`` and the batched causal attention.
 
 References nobody here wrote: ``gguf.quants.dequantize`` for the weights, float64 NumPy for the
 sums. Stated tolerance of the GEMM: the block products d_w * d_x * sum(q_w q_x) are the same in
 prefill and decode, only the f32 order of their sum differs, so both lie within
 (nb + 4) * 2^-23 * sum_k |w_k x_k| of the float64 sum (nb = 32-blocks per row; the usual bound
 on a recursive f32 sum of nb terms with a few roundings per term, Higham, Accuracy and Stability
-of Numerical Algorithms, 2nd ed., section 4.2). Shapes cover token counts that are not
-multiples of the 4-token tile and row counts that are not multiples of the 8-row tile.
+of Numerical Algorithms, 2nd ed., section 4.2). Types with an offset per block (value = a v + off:
+q4_0's -8 d, Q5_0's -16 d, Q4_1/Q5_1's m, the K-quants' -dmin m) add 2 nb terms, a v x and off x
+(the offset through the activation's block sum, as the decode dots and llama.cpp take it), so
+their bound is (2 nb + 8) * 2^-23 * sum_k (|a v_k| + |off_k|) |x_k|, off read by dequantizing the
+blocks with their quants zeroed. Shapes cover token counts that are not multiples of the 4-token
+tile and row counts that are not multiples of the 8-row tile.
 """
 import gguf
 import numpy as np
@@ -18,7 +23,12 @@ from pyinfer.ops import cpu
 from pyinfer.ops import reference as ref
 
 QT = gguf.GGMLQuantizationType
-GEMM_TYPES = (QT.Q8_0, QT.Q4_0)
+GEMM_TYPES = (QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K)
+K_QUANTS = (QT.Q4_K, QT.Q5_K, QT.Q6_K)
+# per type: (block bytes, byte range of the quants within a block) for the offset of each block;
+# q8_0 and Q6_K (signed values) have none
+OFFSET_QUANTS = {QT.Q4_0: (18, 2, 18), QT.Q4_1: (20, 4, 20), QT.Q5_0: (22, 2, 22),
+                 QT.Q5_1: (24, 4, 24), QT.Q4_K: (144, 16, 144), QT.Q5_K: (176, 16, 176)}
 
 
 def _nan(shape):
@@ -33,6 +43,8 @@ def _ro(a):
 
 def _weight(rng, qtype, rows, cols):
     a = rng.standard_normal((rows, cols)).astype(np.float32) * rng.uniform(0.1, 10, (rows, 1))
+    if qtype in K_QUANTS:  # gguf quantizes no K-quant: the project's ggml-reference quantizer
+        return cpu.QTensor.from_array(a, qtype)
     data = gguf.quants.quantize(a, qtype).view(np.uint8).reshape(rows, -1)
     return cpu.QTensor(_ro(data), qtype, rows, cols)
 
@@ -41,29 +53,49 @@ def _deq(w):
     return gguf.quants.dequantize(w.raw, w.qtype).reshape(w.rows, w.cols).astype(np.float64)
 
 
-def _bound_check(got, wd, xq, nb):
-    """|got - exact| <= (nb + 4) 2^-23 sum |w x| elementwise; exact in float64."""
+def _offsets(w):
+    """(rows, cols) float64: each value's block offset off (value = a v + off), from gguf's
+    dequantization of the blocks with their quant bytes zeroed (v = 0); zeros for q8_0/Q6_K."""
+    if w.qtype not in OFFSET_QUANTS:
+        return np.zeros((w.rows, w.cols))
+    bb, q0, q1 = OFFSET_QUANTS[w.qtype]
+    blocks = np.array(w.raw).reshape(w.rows, -1, bb)
+    blocks[:, :, q0:q1] = 0
+    return gguf.quants.dequantize(blocks.reshape(w.rows, -1), w.qtype).reshape(
+        w.rows, w.cols).astype(np.float64)
+
+
+def _bound_check(got, wd, xq, nb, off=None):
+    """|got - exact| <= (nb + 4) 2^-23 sum |w x| elementwise (exact in float64); with block
+    offsets off: (2 nb + 8) 2^-23 sum (|w - off| + |off|) |x| (module docstring)."""
     exact = xq.astype(np.float64) @ wd.T
-    scale = np.abs(xq.astype(np.float64)) @ np.abs(wd).T
+    if off is None or not off.any():
+        scale, k = np.abs(xq.astype(np.float64)) @ np.abs(wd).T, nb + 4
+    else:
+        scale, k = np.abs(xq.astype(np.float64)) @ (np.abs(wd - off) + np.abs(off)).T, 2 * nb + 8
     assert np.all(np.isfinite(got)), "kernel left NaN in its output"
     err = np.abs(got.astype(np.float64) - exact)
-    assert np.all(err <= (nb + 4) * 2.0 ** -23 * scale + 1e-30), float((err / scale).max())
+    assert np.all(err <= k * 2.0 ** -23 * scale + 1e-30), float((err / scale).max())
 
 
 @pytest.mark.parametrize("n_threads", [1, 2])
 @pytest.mark.parametrize("qtype", GEMM_TYPES)
 def test_gemm_against_gguf_and_decode(qtype, n_threads):
     rng = np.random.default_rng(int(qtype) + 10 * n_threads)
-    for rows, cols, n_tok in [(13, 96, 1), (8, 32, 3), (203, 576, 7), (37, 160, 130),
-                              (1, 64, 5), (64, 1536, 4)]:
+    shapes = [(13, 96, 1), (8, 32, 3), (203, 576, 7), (37, 160, 130), (1, 64, 5), (64, 1536, 4)]
+    if qtype in K_QUANTS:  # whole 256-value super-blocks
+        shapes = [(13, 256, 1), (8, 256, 3), (203, 512, 7), (37, 256, 130), (1, 768, 5),
+                  (64, 1536, 4)]
+    for rows, cols, n_tok in shapes:
         w = _weight(rng, qtype, rows, cols)
         x = _ro(rng.standard_normal((n_tok, cols)).astype(np.float32))
         out = _nan((n_tok, rows))
         cpu.matmul(w, x, out, n_threads)
         xq = ref.quantize_act_q8(x)
-        _bound_check(out, _deq(w), xq, cols // 32)
+        off = _offsets(w)
+        _bound_check(out, _deq(w), xq, cols // 32, off)
         dec = np.stack([cpu.matvec(w, x[t], _nan(rows), n_threads) for t in range(n_tok)])
-        _bound_check(dec, _deq(w), xq, cols // 32)
+        _bound_check(dec, _deq(w), xq, cols // 32, off)
         if cpu.prefill_gemm(qtype):  # the other f32 order: close, and usually not bit-equal
             np.testing.assert_allclose(out, dec, rtol=1e-5, atol=1e-5 * np.abs(dec).max())
         # the same bits at every thread count
@@ -84,12 +116,40 @@ def test_gemm_q8_0_extreme_codes():
     _bound_check(out, _deq(w), ref.quantize_act_q8(x), cols // 32)
 
 
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K,
+                                   QT.Q6_K])
+def test_gemm_extreme_codes(qtype):
+    """Largest codes (nibbles 15, five-bit 31, Q6_K q = 0, i.e. v = -32) against activations at
+    +-127 after quantization, all of one sign in some tokens: the 16-bit partial sums of the
+    tile (8 chunks of nibbles, 4 of five-bit values or of |v| <= 32) must not saturate."""
+    rng = np.random.default_rng(6)
+    rows, n_tok = 11, 6
+    cols = 512 if qtype in K_QUANTS else 128
+    w = _weight(rng, qtype, rows, cols)
+    bb = gguf.constants.GGML_QUANT_SIZES[qtype][1]
+    blocks = np.array(w.raw).reshape(rows, -1, bb)
+    if qtype == QT.Q6_K:
+        blocks[:, :, :192] = 0  # ql, qh: q = 0, v = -32; the scales stay
+    else:
+        _, q0, q1 = OFFSET_QUANTS[qtype]
+        blocks[:, :, q0:q1] = 0xFF  # every quant bit set (qh too for the five-bit types)
+    w = cpu.QTensor(_ro(blocks.reshape(rows, -1)), qtype, rows, cols)
+    x = np.where(rng.random((n_tok, cols)) < 0.5, -1.0, 1.0).astype(np.float32)
+    x[:2] = 1.0
+    x[2] = -1.0
+    x = _ro(x)
+    xq = ref.quantize_act_q8(x)
+    for n_threads in (1, 2):
+        out = cpu.matmul(w, x, _nan((n_tok, rows)), n_threads)
+        _bound_check(out, _deq(w), xq, cols // 32, _offsets(w))
+
+
 @pytest.mark.parametrize("qtype", GEMM_TYPES)
 def test_old_prefill_switch(qtype):
     """The benchmarking switch selects the pre-GEMM kernels, which stay bit-equal to decode."""
     rng = np.random.default_rng(7)
-    w = _weight(rng, qtype, 45, 192)
-    x = _ro(rng.standard_normal((9, 192)).astype(np.float32))
+    w = _weight(rng, qtype, 45, 256 if qtype in K_QUANTS else 192)
+    x = _ro(rng.standard_normal((9, w.cols)).astype(np.float32))
     new = cpu.matmul(w, x, _nan((9, 45)), 2)
     prev = K.set_old_prefill(1)
     try:
@@ -168,11 +228,12 @@ def test_batched_attention(n_threads):
 @pytest.mark.parametrize("n_threads", [1, 2])
 def test_matmul_multi_equals_matmul(n_threads):
     """q, k and v from one call (x quantized once, one parallel region): the same bits as three
-    ``matmul`` calls, for mixed q8_0/q4_0 and row counts off the tiles; other types refused."""
+    ``matmul`` calls, for mixed q8_0/q4_0/Q5_0 (llama.cpp's Q4_K_M mixes Q5_0 and Q8_0 in attn_v)
+    and row counts off the tiles; unquantized types refused."""
     rng = np.random.default_rng(300 + n_threads)
     cols, n_tok = 192, 11
     ws = [_weight(rng, QT.Q8_0, 45, cols), _weight(rng, QT.Q4_0, 16, cols),
-          _weight(rng, QT.Q8_0, 7, cols)]
+          _weight(rng, QT.Q5_0, 7, cols)]
     x = _ro(rng.standard_normal((n_tok, cols)).astype(np.float32))
     for k in (1, 2, 3):
         outs = [_nan((n_tok, w.rows)) for w in ws[:k]]
@@ -194,8 +255,10 @@ def test_matmul_glu(silu, n_threads):
     of float64 too), against gguf's dequantization within the activation quantization's error
     (ref.matmul_glu), and the same bits at 1 and 2 threads."""
     rng = np.random.default_rng(400 + n_threads + 10 * silu)
-    for qg, qu, rows, cols, n_tok in [(QT.Q8_0, QT.Q4_0, 37, 96, 5), (QT.Q4_0, QT.Q4_0, 200, 576, 33),
-                                      (QT.Q8_0, QT.Q8_0, 16, 32, 2)]:
+    for qg, qu, rows, cols, n_tok in [(QT.Q8_0, QT.Q4_0, 37, 96, 5), (QT.Q4_0, QT.Q4_0, 200, 576, 133),
+                                      (QT.Q8_0, QT.Q8_0, 16, 32, 2), (QT.Q5_0, QT.Q5_0, 45, 576, 9),
+                                      (QT.Q4_1, QT.Q5_1, 17, 64, 4), (QT.Q4_K, QT.Q6_K, 24, 256, 6),
+                                      (QT.Q5_K, QT.Q5_0, 9, 256, 3)]:
         gate, up = _weight(rng, qg, rows, cols), _weight(rng, qu, rows, cols)
         x = _ro(rng.standard_normal((n_tok, cols)).astype(np.float32))
         out = cpu.matmul_glu(gate, up, x, _nan((n_tok, rows)), silu, n_threads)

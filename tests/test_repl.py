@@ -246,7 +246,7 @@ def test_chat_parser_defaults_are_llama_cpp_s_and_cap_answers():
 
 
 def test_chat_help_describes_the_chat(capsys):
-    from pyinfer.repl import main
+    from pyinfer.cli import chat_main as main
 
     with pytest.raises(SystemExit) as e:
         main(["--help"])

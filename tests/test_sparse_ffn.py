@@ -73,7 +73,12 @@ def test_decode_path_equals_batched_masked_path(tmp_path, hidden_act, outtype, m
     batched_sparsity = eng.model.ffn.stats.sparsity
     eng.model.ffn.stats.reset()
     stepped = decode_all(eng, PROMPT)
-    assert np.max(np.abs(stepped - batched)) / np.max(np.abs(batched)) < 1e-4
+    # decode's gathered down projection over quantized ffn_down_t rows sums int16-quantized
+    # coefficients (cython/axpyq.h, error within max|c d| / 65534 per term, tested in
+    # test_kernels); prefill's matmul_t sums them in f32: measured up to 2.3e-3 of the largest
+    # logit after the layers amplify it (0 with the f32 path). The neurons kept stay the same.
+    tol = 1e-4 if outtype in ("f32", "f16") else 5e-3
+    assert np.max(np.abs(stepped - batched)) / np.max(np.abs(batched)) < tol
     assert eng.model.ffn.stats.sparsity == pytest.approx(batched_sparsity, abs=1e-9)
     assert eng.model.ffn.stats.sparsity > 0.3
 

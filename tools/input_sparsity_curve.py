@@ -9,8 +9,9 @@ DENSE.gguf is the same model converted with ``--dense`` (row layout): it is the 
 engine, exactly as in ``pyinfer-convert`` (the same self-generated calibration tokens for the same
 seed and count), and the dense baseline. Each IN_*.gguf was converted in sparse mode input with
 that score (at any target: the weights and column norms do not depend on it); for each target the
-thresholds come from the same allocation the converter runs (``--alloc``: uniform, the
-converter's default, or TEAL's block-wise greedy; ``thresholds_for``: every layer at the target)
+thresholds come from the same allocation the converter runs (``--alloc``, one or more: uniform,
+the converter's default, TEAL's block-wise greedy, or the model-wide Fisher allocation;
+``thresholds_for``)
 and are set on the loaded engine. "same file dense" runs the input file with every channel kept.
 Decode: --n-gen greedy tokens after an 8-token prompt, every configuration once per round,
 --reps rounds, medians.
@@ -65,7 +66,8 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--n-gen", type=int, default=64)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--alloc", choices=list(C.IN_ALLOCS), default="uniform")
+    ap.add_argument("--alloc", choices=list(C.IN_ALLOCS), nargs="+", default=["uniform"],
+                    help="allocations to compare (each calibrated once per file)")
     ap.add_argument("--no-perplexity", action="store_true", help="decode speed only")
     ap.add_argument("--no-decode", action="store_true", help="perplexity and sparsity only")
     args = ap.parse_args()
@@ -87,35 +89,37 @@ def main():
     for spec in args.file:
         score, path = spec.split("=", 1)
         eng = Engine(path, n_ctx=args.ctx, n_threads=args.threads)
-        t0 = time.perf_counter()
-        curves, _ = calibrate(cal, seqs, score == "wina", args.seed, args.threads,
-                              max_sparsity=min(0.95, max(args.targets) + 0.05), alloc=args.alloc)
-        print(f"{score}: calibration curves in {time.perf_counter() - t0:.1f} s")
         set_thresholds(eng, None)
         ppl0 = 1.0 if args.no_perplexity else perplexity(eng, tokens, args.ctx, args.chunks,
                                                          progress=False)[0]
-        rows.append((score, 0.0, ppl0, 0.0))
+        rows.append((score, "-", 0.0, ppl0, 0.0))
         configs.append((f"{score} same file dense", eng, None))
-        for tgt in args.targets:
-            thr, _, _ = thresholds_for(curves, eng.cfg, tgt)
-            set_thresholds(eng, thr)
-            eng.reset_stats()
-            if args.no_perplexity:  # measured sparsity from a short prefill instead
-                ppl = 1.0
-                eng.reset()
-                eng.model.forward(tokens[:256], 0)
-            else:
-                ppl = perplexity(eng, tokens, args.ctx, args.chunks, progress=False)[0]
-            rows.append((score, tgt, ppl, eng.ffn_sparsity()))
-            configs.append((f"{score} {tgt:.0%}", eng, thr))
-            print(f"{score} target {tgt:.0%}: perplexity {ppl:.4f} ({ppl / ppl_dense - 1:+.2%}), "
-                  f"measured sparsity {eng.ffn_sparsity():.1%}", flush=True)
+        for alloc in args.alloc:
+            t0 = time.perf_counter()
+            curves, _ = calibrate(cal, seqs, score == "wina", args.seed, args.threads,
+                                  max_sparsity=min(0.95, max(args.targets) + 0.05), alloc=alloc)
+            print(f"{score} {alloc}: calibration in {time.perf_counter() - t0:.1f} s", flush=True)
+            for tgt in args.targets:
+                thr, _, _ = thresholds_for(curves, eng.cfg, tgt)
+                set_thresholds(eng, thr)
+                eng.reset_stats()
+                if args.no_perplexity:  # measured sparsity from a short prefill instead
+                    ppl = 1.0
+                    eng.reset()
+                    eng.model.forward(tokens[:256], 0)
+                else:
+                    ppl = perplexity(eng, tokens, args.ctx, args.chunks, progress=False)[0]
+                rows.append((score, alloc, tgt, ppl, eng.ffn_sparsity()))
+                configs.append((f"{score} {alloc} {tgt:.0%}", eng, thr))
+                print(f"{score} {alloc} target {tgt:.0%}: perplexity {ppl:.4f} "
+                      f"({ppl / ppl_dense - 1:+.2%}), measured sparsity {eng.ffn_sparsity():.1%}",
+                      flush=True)
 
     if args.no_decode:
-        print(f"\n| score | allocation | target | measured sparsity | perplexity | vs dense |")
+        print("\n| score | allocation | target | measured sparsity | perplexity | vs dense |")
         print("|---|---|---|---|---|---|")
-        for score, tgt, ppl, sp in rows:
-            print(f"| {score} | {args.alloc} | {'same file, all kept' if tgt == 0 else f'{tgt:.0%}'} | "
+        for score, alloc, tgt, ppl, sp in rows:
+            print(f"| {score} | {alloc} | {'same file, all kept' if tgt == 0 else f'{tgt:.0%}'} | "
                   f"{sp:.1%} | {ppl:.3f} | {ppl / ppl_dense - 1:+.1%} |")
         return
     ids = dense.tokenizer.encode(PROMPT)[:8]
@@ -130,11 +134,11 @@ def main():
     for name, _, _ in configs:
         m = statistics.median(tps[name])
         print(f"{name:>28}: {m:7.1f}  ({m / base:.2f}x dense file)")
-    print("\n| score | target | measured sparsity | perplexity | vs dense | decode tok/s | vs dense file |")
-    print("|---|---|---|---|---|---|---|")
-    for (score, tgt, ppl, sp), (name, _, _) in zip(rows, [c for c in configs if c[0] != "dense file"]):
+    print("\n| score | allocation | target | measured sparsity | perplexity | vs dense | decode tok/s | vs dense file |")
+    print("|---|---|---|---|---|---|---|---|")
+    for (score, alloc, tgt, ppl, sp), (name, _, _) in zip(rows, [c for c in configs if c[0] != "dense file"]):
         m = statistics.median(tps[name])
-        print(f"| {score} | {'same file, all kept' if tgt == 0 else f'{tgt:.0%}'} | {sp:.1%} | "
+        print(f"| {score} | {alloc} | {'same file, all kept' if tgt == 0 else f'{tgt:.0%}'} | {sp:.1%} | "
               f"{ppl:.3f} | {ppl / ppl_dense - 1:+.1%} | {m:.1f} | {m / base:.2f}x |")
 
 

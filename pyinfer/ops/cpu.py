@@ -150,15 +150,16 @@ def matvec(w: QTensor, x: np.ndarray, out: np.ndarray, n_threads: int = 1) -> np
 def matmul(w: QTensor, x: np.ndarray, out: np.ndarray, n_threads: int = 1) -> np.ndarray:
     """out = x @ w.T (prefill). x (n_tok, cols) f32, out (n_tok, rows) f32. Returns out.
 
-    q8_0/q4_0 (``prefill_gemm``): tiles of 8 rows x 4 tokens over the activation quantized per
-    32-block as ``matvec`` quantizes it (llama.cpp's q8_0 activations, llamafile tinyBLAS-style
-    tiling); other types: the single-token dots, four tokens per pass."""
+    Quantized types (``prefill_gemm``: q8_0, q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K): tiles
+    of 8 rows x 4 tokens over rows repacked to one byte per value and the activation quantized
+    per 32-block as ``matvec`` quantizes it (llama.cpp's q8_0 activations, llamafile
+    tinyBLAS-style tiling); other types: the single-token dots, four tokens per pass."""
     _k.matmul(*_wargs(w), x, out, n_threads)
     return out
 
 
 def matmul_multi(ws, x: np.ndarray, outs, n_threads: int = 1):
-    """outs[m] = x @ ws[m].T for 1 to 3 q8_0/q4_0 weights that read the same x (q, k and v of a
+    """outs[m] = x @ ws[m].T for 1 to 3 quantized weights that read the same x (q, k and v of a
     prefill): x (n_tok, cols) f32, outs[m] (n_tok, rows_m) f32. The same numbers as ``matmul`` on
     each, with x quantized once and one parallel region. ValueError unless every weight has
     ``prefill_gemm``. Returns outs."""
@@ -171,7 +172,7 @@ def matmul_glu(gate: QTensor, up: QTensor, x: np.ndarray, out: np.ndarray, silu:
                n_threads: int = 1) -> np.ndarray:
     """out = act(x @ gate.T) * (x @ up.T), act SiLU (g / (1 + exp(-g))) or ReLU: the gated FFN's
     prefill up to the down projection in one call (x quantized once, the activation applied as
-    the tiles are written). gate, up q8_0/q4_0 (n_ff, cols); x (n_tok, cols) f32; out (n_tok,
+    the tiles are written). gate, up quantized (n_ff, cols); x (n_tok, cols) f32; out (n_tok,
     n_ff) f32. The GEMMs are ``matmul``'s; SiLU's exp is an 8-lane polynomial in f32 (a few ulp
     from ``silu_mul``). ValueError unless both weights have ``prefill_gemm``. Returns out."""
     _k.matmul_glu(gate.raw, int(gate.qtype), up.raw, int(up.qtype), gate.cols, x, out, int(silu),
@@ -181,8 +182,9 @@ def matmul_glu(gate: QTensor, up: QTensor, x: np.ndarray, out: np.ndarray, silu:
 
 def prefill_gemm(qtype) -> bool:
     """True when ``matmul`` runs the register-tiled int8 GEMM for this weight type (cython/gemm.h:
-    q8_0 and q4_0 with the SIMD build). Its outputs equal ``matvec``'s token by token up to the
-    order of the f32 sum over blocks (each block's product is exact in both)."""
+    every quantized type with the SIMD build). Its outputs equal ``matvec``'s token by token up
+    to the order of the f32 sum over blocks and block offsets (each block's integer product is
+    exact in both; tests/test_prefill_gemm.py states the bound)."""
     return bool(_k.prefill_gemm_supported(int(QT(qtype))))
 
 
