@@ -156,14 +156,18 @@ def test_smollm2_embedded_template(hf_tokenizer):
      "a value of more than"),
     ("{% set big %}{% for i in range(10000) %}{% for j in range(10000) %}x{% endfor %}{% endfor %}"
      "{% endset %}{{ big|length }}", "too many steps"),
-    ("{% macro f(n) %}{{ f(n - 1) ~ f(n - 1) if n else 'x' }}{% endmacro %}{{ f(60) }}", "more than 2 s"),
+    # 2^60 calls of a few lines each: the clock or the step budget ends it, whichever comes first
+    # (on a fast core the 1,000,000 steps run out before 2 s: seen on an AVX-512 EPYC box)
+    ("{% macro f(n) %}{{ f(n - 1) ~ f(n - 1) if n else 'x' }}{% endmacro %}{{ f(60) }}",
+     ("more than 2 s", "too many steps")),
     ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "recurses too deeply"),
 ])
 def test_costly_template_fails_fast(template, message):
     t0 = time.monotonic()
     with pytest.raises(PyinferError) as e:
         render_chat(template, CHATS[0])
-    assert message in str(e.value), str(e.value)
+    messages = message if isinstance(message, tuple) else (message,)
+    assert any(m in str(e.value) for m in messages), str(e.value)
     assert "\n" not in str(e.value)
     assert time.monotonic() - t0 < 4.0  # the 2 s clock, with room for a busy machine
 
