@@ -48,6 +48,7 @@ cdef extern from "simd.h" nogil:
     void pi_prefetch_l2(const uint8_t *p, size_t nbytes)
     int pi_prefetch_dist(size_t row_bytes)
     int PI_L1_PREFETCH_MAX_ROW
+    int pi_gather_pf_mode
     void pi_axpy4_strip64(const float *a, long a_stride, const float *buf, float *out,
                           long out_stride, long n_tok)
     void pi_axpy4_row(int qtype, const float *a, const uint8_t *r0, const uint8_t *r1,
@@ -102,6 +103,18 @@ cdef int _old_prefill = 0
 def prefill_gemm_supported(int qtype):
     """True when matmul runs gemm.h's tiled int8 GEMM for this ggml type id."""
     return bool(pi_gemm_supported(qtype))
+
+
+def set_gather_mode(int mode):
+    """How gather_matvec reads scattered rows of the 8-row types (benchmarks only; every mode
+    gives the same bits): 1 (default) eight rows per pass, the rows of a group ahead prefetched
+    line by line across the blocks; 0 the same with session 7's burst prefetch (pd rows ahead to
+    L2, the next group to L1); 2 one row per pass with the one-row loop's prefetch. Returns the
+    previous mode."""
+    global pi_gather_pf_mode
+    cdef int prev = pi_gather_pf_mode
+    pi_gather_pf_mode = mode
+    return prev
 
 
 def set_old_prefill(int on):
@@ -212,7 +225,7 @@ def gather_matvec(const uint8_t[:, ::1] w, int qtype, int cols, const float[::1]
     with nogil:
         if quant:
             _quantize_x(&x[0], cols, &xd, &xq)
-        if pi_gemv8_supported(qtype):  # eight rows per pass, rows pd ahead prefetched to L2
+        if pi_gemv8_supported(qtype) and pi_gather_pf_mode != 2:  # eight rows per pass
             for g in prange((n + 7) // 8, schedule='static', num_threads=n_threads):
                 pi_gemv8(qtype, &w[0, 0], stride, &idx[0], g, n, xd, xq, cols // 32, &out[0], pd)
         else:
