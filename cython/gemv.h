@@ -193,9 +193,9 @@ static inline __attribute__((always_inline)) __m256 pi_f16x8(const uint8_t *cons
  * group's blocks instead of queueing behind each other at its start (a burst of 50-100 line
  * prefetches stalls the loads that follow it: docs/benchmarks.md, session 8). */
 typedef struct {
-    const uint8_t *p[8];
+    const uint8_t *p[16];
     size_t len;
-    int n, r, step, l2; /* l2: hint T1 (to L2) instead of PI_GEMV_HINT */
+    int n, r, step, l2; /* bit i of l2: range i with hint T1 (to L2) instead of PI_GEMV_HINT */
     uintptr_t a, end;
 } pi_pf_t;
 
@@ -221,7 +221,7 @@ static inline __attribute__((always_inline)) void pi_pf_next(pi_pf_t *pf) {
             pf->a = (uintptr_t)pf->p[pf->r] & ~(uintptr_t)63;
             pf->end = (uintptr_t)pf->p[pf->r] + pf->len;
         }
-        if (pf->l2)
+        if ((pf->l2 >> pf->r) & 1)
             _mm_prefetch((const char *)pf->a, _MM_HINT_T1);
         else
             _mm_prefetch((const char *)pf->a, PI_GEMV_HINT);
@@ -600,8 +600,9 @@ static inline __attribute__((always_inline)) float pi_dot1_k(const int t, const 
 static inline void pi_prefetch_l2(const uint8_t *p, size_t nbytes); /* simd.h, below */
 static inline void pi_prefetch_l1(const uint8_t *p, size_t nbytes);
 
-/* gather_matvec's prefetch of scattered rows (pi_gemv8 with idx), chosen at run time for the
- * A/B of docs/benchmarks.md session 8: 0 the session-7 bursts, 1 spread over the blocks. */
+/* gather_matvec's reading of scattered rows, chosen at run time for A/B runs (kernels.pyx
+ * set_gather_mode; the same bits in every mode): 1 (default) eight rows per pass, the rows ahead
+ * spread over the blocks; 0 the session-7 bursts; 2 one row per pass (kernels.pyx). */
 static int pi_gather_pf_mode = 1;
 
 /* rows 8g .. min(8g + 8, n) - 1 of a GEMV (row k = w + (idx ? idx[k] : k) * stride):
@@ -639,19 +640,22 @@ static inline __attribute__((always_inline)) void pi_gemv8_t(const int t, const 
             /* K-quant rows of 2048+ values make 13-18 KiB groups: the group being read and the
              * range ahead then overflow a 32 KiB L1 and evict each other, so fetch to L2
              * (measured 1.1-1.5x on Q6_K 640x2048 and Q4_K 4096x4096; session 8) */
-            pf.l2 = (size_t)(ahead + 1) * gb > PI_GEMV_L1_BUDGET;
+            pf.l2 = (size_t)(ahead + 1) * gb > PI_GEMV_L1_BUDGET ? 1 : 0;
         }
-    } else if (pd > 0 && (pi_gather_pf_mode == 1 || pi_gather_pf_mode == 3)) {
+    } else if (pd > 0 && pi_gather_pf_mode != 0) {
         /* gathered rows come in no order the hardware can guess: the rows of the group about
-         * pd rows ahead, their lines spread over this group's blocks */
+         * pd rows ahead to L2, their lines spread over this group's blocks. Session 7 fetched
+         * them in two bursts at the group start (below: the rows pd ahead to L2, the next
+         * group's to L1), 160 prefetches for q8_0 rows, most of them to lines already on their
+         * way when half the rows are read, and the loads behind them waited: at 56% of the rows
+         * the spread read 1.0-1.3x the bursts (docs/benchmarks.md, session 8) */
         const long k1 = k0 + 8 * ((pd + 7) / 8);
         for (long k = k1; k < k1 + 8 && k < n; k++) pf.p[pf.n++] = w + (size_t)idx[k] * stride;
-        pf.l2 = pi_gather_pf_mode == 3;
+        pf.l2 = 0xffff;
     } else if (pd > 0) {
-        /* session 7: the rows pd ahead to L2 and the next group's rows to L1, in two bursts */
         for (long k = k0 + pd; k < k0 + 8 + pd && k < n; k++)
             pi_prefetch_l2(w + (size_t)idx[k] * stride, stride);
-        if (stride <= 2048 && pi_gather_pf_mode != 4)
+        if (stride <= 2048)
             for (long k = k0 + 8; k < k0 + 16 && k < n; k++)
                 pi_prefetch_l1(w + (size_t)idx[k] * stride, stride);
     }

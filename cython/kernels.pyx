@@ -108,7 +108,7 @@ def prefill_gemm_supported(int qtype):
 def set_gather_mode(int mode):
     """How gather_matvec reads scattered rows of the 8-row types (benchmarks only; every mode
     gives the same bits): 1 (default) eight rows per pass, the rows of a group ahead prefetched
-    line by line across the blocks; 0 the same with session 7's burst prefetch (pd rows ahead to
+    to L2 line by line across the blocks; 0 the same with session 7's burst prefetch (pd rows ahead to
     L2, the next group to L1); 2 one row per pass with the one-row loop's prefetch. Returns the
     previous mode."""
     global pi_gather_pf_mode
@@ -1004,8 +1004,16 @@ def decode_ffn(float[::1] x, const float[::1] ffn_norm, float eps,
             if mode == 2 and n > 0:
                 if pi_is_quant(tu):
                     _quantize_x(h, n_embd, &xd, &xq)
-                for k in prange(n, schedule='static', num_threads=n_threads):
-                    coef[k] = coef[k] * pi_dot_row(tu, &wu[0, 0] + idx[k] * su, h, xd, xq, n_embd)
+                if pi_gemv8_supported(tu):  # the kept up rows eight per pass, as gather_matvec
+                    for k in prange((n + 7) // 8, schedule='static', num_threads=n_threads):
+                        pi_gemv8(tu, &wu[0, 0], su, idx, k, n, xd, xq, n_embd // 32, u,
+                                 pi_prefetch_dist(su))
+                    for k in range(n):  # u is free in mode 2 (only the gate was dotted)
+                        coef[k] = coef[k] * u[k]
+                else:
+                    for k in prange(n, schedule='static', num_threads=n_threads):
+                        coef[k] = coef[k] * pi_dot_row(tu, &wu[0, 0] + idx[k] * su, h, xd, xq,
+                                                       n_embd)
                 free(xd)
                 free(xq)
             if n > dense_above * n_ff:
