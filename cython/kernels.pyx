@@ -1225,11 +1225,16 @@ def cold_ffn(const uint8_t[:, ::1] wg, int tg, const uint8_t[:, ::1] wu, int tu,
     cdef int8_t *xq = NULL
     cdef float g, a
     cdef int32_t r
+    cdef float *gv
+    cdef float *uv
+    cdef int g8 = pi_gemv8_supported(tg) and pi_gemv8_supported(tu)
     with nogil:
         coef = <float *> malloc((n + 1) * sizeof(float))
         idx = <int32_t *> malloc((n + 1) * sizeof(int32_t))
         cand = <int32_t *> malloc((n + 1) * sizeof(int32_t))
         kept = <uint8_t *> malloc(n + 1)
+        gv = <float *> malloc((n + 1) * sizeof(float))
+        uv = <float *> malloc((n + 1) * sizeof(float))
         for j in range(n):  # the candidates, in neuron order
             cand[n_cand] = ids[j]
             n_cand += (not has_mask) or mask[ids[j]] != 0
@@ -1238,33 +1243,52 @@ def cold_ffn(const uint8_t[:, ::1] wg, int tg, const uint8_t[:, ::1] wu, int tu,
         # rows come from memory, not cache (the cold rows of 32 layers outgrow L3): prefetch
         # the gate and up rows pd candidates ahead, as gather_matvec does. Every neuron's result
         # depends on nothing else, so the thread count cannot change it.
-        for j in prange(n_cand, schedule='static', num_threads=n_threads):
-            if j + pd < n_cand:
-                pi_prefetch_l2(&wg[0, 0] + cand[j + pd] * sg, sg)
-                pi_prefetch_l2(&wu[0, 0] + cand[j + pd] * su, su)
-            r = cand[j]
-            g = pi_dot_row(tg, &wg[0, 0] + r * sg, &h[0], xd, xq, cols)
-            a = _act1(g, silu)
-            kept[j] = 0
-            if glu:
-                a = a * pi_dot_row(tu, &wu[0, 0] + r * su, &h[0], xd, xq, cols)
-                if a > thr or a < -thr:
+        if g8:  # eight rows per pass (gemv.h; the same bits as pi_dot_row): gate (and up)
+            for j in prange((n_cand + 7) // 8, schedule='static', num_threads=n_threads):
+                pi_gemv8(tg, &wg[0, 0], sg, cand, j, n_cand, xd, xq, cols // 32, gv, pd)
+                if glu:
+                    pi_gemv8(tu, &wu[0, 0], su, cand, j, n_cand, xd, xq, cols // 32, uv, pd)
+            for j in range(n_cand):
+                a = _act1(gv[j], silu)
+                if glu:
+                    a = a * uv[j]
+                kept[j] = a > thr or a < -thr
+                coef[j] = a
+        else:
+            for j in prange(n_cand, schedule='static', num_threads=n_threads):
+                if j + pd < n_cand:
+                    pi_prefetch_l2(&wg[0, 0] + cand[j + pd] * sg, sg)
+                    pi_prefetch_l2(&wu[0, 0] + cand[j + pd] * su, su)
+                r = cand[j]
+                g = pi_dot_row(tg, &wg[0, 0] + r * sg, &h[0], xd, xq, cols)
+                a = _act1(g, silu)
+                kept[j] = 0
+                if glu:
+                    a = a * pi_dot_row(tu, &wu[0, 0] + r * su, &h[0], xd, xq, cols)
+                    if a > thr or a < -thr:
+                        kept[j] = 1
+                elif a > thr or a < -thr:
                     kept[j] = 1
-            elif a > thr or a < -thr:
-                kept[j] = 1
-                a = a * pi_dot_row(tu, &wu[0, 0] + r * su, &h[0], xd, xq, cols)
-            coef[j] = a
+                    a = a * pi_dot_row(tu, &wu[0, 0] + r * su, &h[0], xd, xq, cols)
+                coef[j] = a
         for j in range(n_cand):  # compaction in neuron order: the AXPY's row order
             if kept[j]:
                 coef[k] = coef[j]
                 idx[k] = cand[j]
                 k += 1
+        if g8 and not glu and k > 0:  # the kept neurons' up rows, eight per pass
+            for j in prange((k + 7) // 8, schedule='static', num_threads=n_threads):
+                pi_gemv8(tu, &wu[0, 0], su, idx, j, k, xd, xq, cols // 32, uv, pd)
+            for j in range(k):
+                coef[j] = coef[j] * uv[j]
         _axpy_rows(&wd[0, 0] if wd.shape[0] > 0 else NULL, wd.shape[1], td, cols, coef, idx, k,
                    &out[0], n_threads)
         free(coef)
         free(idx)
         free(cand)
         free(kept)
+        free(gv)
+        free(uv)
         free(xd)
         free(xq)
     return n_cand, k
