@@ -177,15 +177,6 @@ static inline __attribute__((always_inline)) __m256i pi_group_values(const int t
     }
     }
 }
-
-/* 8 f32 sums of 4 products each, unsigned weight bytes u (<= 63) times signed y */
-static inline __m256 pi_mul_sum_u8(__m256i u, __m256i y) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, y));
-#else
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, y), _mm256_set1_epi16(1)));
-#endif
-}
 #endif
 
 /* Q5_0 reads as unsigned values with an offset of -16 d (pi_group_scales): the dot then takes
