@@ -25,9 +25,9 @@
  *
  * The GEMM's numerics: per (row, token), s = sum over blocks in order of
  * fma(a_w * d_x, isum_b, s) (then fma(off_w / 8, s_x, s) for types with an offset) with isum_b
- * the exact integer dot of the block. For q8_0, q4_0, Q4_1, Q5_0 and Q5_1 that is the order of the
- * decode GEMV (gemv.h), so decode and prefill give the same bits; the K-quant decode dots
- * (qtypes.h) add the same exact block products in another f32 order. All are within
+ * the exact integer dot of the block. That is the order of the decode GEMV and one-row dots of
+ * gemv.h for every quantized type (the K-quants since session 8), so decode and prefill give the
+ * same bits. All are within
  * (nb + 4) 2^-23 sum|w x| of the exact sum, (2 nb + 8) 2^-23 sum (|a v| + |off|)|x| with
  * offsets (tests/test_prefill_gemm.py).
  */

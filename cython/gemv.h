@@ -1,5 +1,6 @@
-/* Decode GEMV for the 32-block weight types (q8_0, q4_0, Q4_1, Q5_0, Q5_1): eight weight rows
- * against one activation per pass. Included by simd.h after qtypes.h.
+/* Decode GEMV for the quantized weight types: the 32-block ones (q8_0, q4_0, Q4_1, Q5_0, Q5_1)
+ * and the K-quants (Q4_K, Q5_K, Q6_K; section at the end), eight weight rows against one
+ * activation per pass. Included by simd.h after qtypes.h.
  *
  * Why eight rows: a one-row dot pays, per 32-value block, a scale conversion, a broadcast and an
  * int->float conversion, and per row a horizontal sum; on an AVX2 core without VNNI those cost
@@ -23,7 +24,7 @@
  *
  * Integer ranges: maddubs pairs of a 5-bit value and |y| <= 127 stay under 2^13, so sums of up
  * to 8 products are added in 16 bits (4-bit values: 16 products) before widening; q8_0's pairs
- * (|w| <= 128) are widened at once.
+ * (|w| <= 128) are widened at once; K-quant values (<= 63) are widened at once (VNNI: dpbusd).
  */
 #ifndef PYINFER_GEMV_H
 #define PYINFER_GEMV_H
@@ -34,11 +35,20 @@
 #ifndef PI_GEMV_HINT
 #define PI_GEMV_HINT _MM_HINT_T0
 #endif
+/* bytes of L1 the group being read plus the range prefetched ahead may take (of 32 KiB) */
+#ifndef PI_GEMV_L1_BUDGET
+#define PI_GEMV_L1_BUDGET 24576
+#endif
 
-/* 1 for the types pi_gemv8 / pi_dot1_leg handle */
+/* 1 for the types pi_gemv8 handles: the 32-block types (pi_dot8_leg) and the K-quants
+ * (pi_dot8_k, below) */
 static inline int pi_gemv8_supported(int qtype) {
     return qtype == PI_Q8_0 || qtype == PI_Q4_0 || qtype == PI_Q4_1 || qtype == PI_Q5_0 ||
-           qtype == PI_Q5_1;
+           qtype == PI_Q5_1 || qtype == PI_Q4_K || qtype == PI_Q5_K || qtype == PI_Q6_K;
+}
+
+static inline __attribute__((always_inline)) int pi_is_k(const int t) {
+    return t == PI_Q4_K || t == PI_Q5_K || t == PI_Q6_K;
 }
 
 static inline __attribute__((always_inline)) int pi_leg_bytes(const int t) {
@@ -177,22 +187,58 @@ static inline __attribute__((always_inline)) __m256 pi_f16x8(const uint8_t *cons
         (short)pi_ld16(rw[6] + off), (short)pi_ld16(rw[7] + off)));
 }
 
+/* The rows a later group will read, prefetched while this group is dotted: n byte ranges
+ * [p[i], p[i] + len) (one contiguous range for matvec's group ahead, up to eight scattered rows
+ * for a gather), their cache lines issued `step` per block so the prefetches spread over the
+ * group's blocks instead of queueing behind each other at its start (a burst of 50-100 line
+ * prefetches stalls the loads that follow it: docs/benchmarks.md, session 8). */
+typedef struct {
+    const uint8_t *p[16];
+    size_t len;
+    int n, r, step, l2; /* bit i of l2: range i with hint T1 (to L2) instead of PI_GEMV_HINT */
+    uintptr_t a, end;
+} pi_pf_t;
+
+/* set up pf over its n ranges for nb blocks (n = 0: nothing to fetch) */
+static inline void pi_pf_init(pi_pf_t *pf, int nb) {
+    size_t lines = 0;
+    for (int i = 0; i < pf->n; i++)
+        lines += (((uintptr_t)pf->p[i] + pf->len + 63) >> 6) - ((uintptr_t)pf->p[i] >> 6);
+    pf->step = (int)((lines + (size_t)nb - 1) / (size_t)nb);
+    pf->r = 0;
+    pf->a = pf->n ? (uintptr_t)pf->p[0] & ~(uintptr_t)63 : 0;
+    pf->end = pf->n ? (uintptr_t)pf->p[0] + pf->len : 0;
+}
+
+/* the next step lines of pf */
+static inline __attribute__((always_inline)) void pi_pf_next(pi_pf_t *pf) {
+    for (int k = 0; k < pf->step; k++) {
+        if (pf->a >= pf->end) {
+            if (++pf->r >= pf->n) {
+                pf->step = 0;
+                return;
+            }
+            pf->a = (uintptr_t)pf->p[pf->r] & ~(uintptr_t)63;
+            pf->end = (uintptr_t)pf->p[pf->r] + pf->len;
+        }
+        if ((pf->l2 >> pf->r) & 1)
+            _mm_prefetch((const char *)pf->a, _MM_HINT_T1);
+        else
+            _mm_prefetch((const char *)pf->a, PI_GEMV_HINT);
+        pf->a += 64;
+    }
+}
+
 /* lane i = row rw[i] . activation (xd, xq), nb blocks */
 static inline __attribute__((always_inline)) __m256 pi_dot8_leg(const int t,
                                                                 const uint8_t *const *rw,
                                                                 const float *xd, const int8_t *xq,
-                                                                int nb, const uint8_t *pf,
-                                                                size_t pf_len) {
+                                                                int nb, pi_pf_t *pf) {
     const int bs = pi_leg_bytes(t);
     __m256 s = _mm256_setzero_ps();
-    /* prefetch [pf, pf + pf_len) spread over the blocks, a few lines per block */
-    const uintptr_t pf0 = (uintptr_t)pf & ~(uintptr_t)63, pf1 = (uintptr_t)pf + pf_len;
-    const size_t pf_step = pf ? ((pf1 - pf0) / (size_t)nb + 63) & ~(size_t)63 : 0;
     for (int b = 0; b < nb; b++) {
         const size_t off = (size_t)bs * b;
-        if (pf)
-            for (uintptr_t a = pf0 + pf_step * b; a < pf0 + pf_step * (b + 1) && a < pf1; a += 64)
-                _mm_prefetch((const char *)a, PI_GEMV_HINT);
+        pi_pf_next(pf);
         const __m256i is = pi_isum8_leg(t, rw, off, xq + 32 * b);
         const __m256 dw = pi_f16x8(rw, off);
         s = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(xd[b])), _mm256_cvtepi32_ps(is), s);
@@ -311,14 +357,263 @@ static inline __attribute__((always_inline)) void pi_dot4t_leg(const int t, cons
 }
 #endif /* PI_SIMD */
 
+/* ---- K-quants (Q4_K, Q5_K, Q6_K): 256-value super-blocks of eight 32-value groups ----
+ *
+ * The prefill GEMM's numerics (gemm.h pi_tile8_x), so decode and prefill give the same bits for
+ * these types too: with a_g the group's f32 scale (Q4_K/Q5_K: d * sc_g; Q6_K: d * sc per 16-value
+ * half), I_g the exact integer dot of its values with the activation's q8 block g (scale dx_g,
+ * xs_g = 8 dx_g sum y), one accumulator in group order:
+ *     Q4_K, Q5_K: s = fma(a_g dx_g, I_g, s);  s = fma(off_g / 8, xs_g, s),  off_g = -(dmin * m_g)
+ *     Q6_K:       s = fma(a_g0 dx_g, I_g0, s); s = fma(a_g1 dx_g, I_g1, s)  (halves of group g)
+ * The eight-row kernel keeps one lane per row; the one-row dot reduces the eight groups of a
+ * super-block into one vector (lane = group) and then runs the same chain in scalar order. */
+
+/* bytes per super-block, and where a Q4_K/Q5_K super-block's quants start */
+static inline __attribute__((always_inline)) int pi_k_bytes(const int t) {
+    return t == PI_Q4_K ? 144 : t == PI_Q5_K ? 176 : 210;
+}
+
+/* One row, plain C (the no-SIMD build and the reference of the SIMD paths). */
+static inline __attribute__((always_inline)) float pi_dot1_k_ref(const int t, const uint8_t *row,
+                                                                 const float *xd,
+                                                                 const int8_t *xq, int nb) {
+    float s = 0.0f, a0, a1, off;
+    int v[32];
+    for (int g = 0; g < nb; g++) {
+        const uint8_t *blk = pi_group_scales(t, row, g, &a0, &a1, &off);
+        pi_group_values_ref(t, blk, g, v);
+        const int8_t *y = xq + 32 * g;
+        int i0 = 0, i1 = 0;
+        for (int j = 0; j < 16; j++) {
+            i0 += v[j] * y[j];
+            i1 += v[j + 16] * y[j + 16];
+        }
+        if (t == PI_Q6_K) {
+            s = fmaf(a0 * xd[g], (float)i0, s);
+            s = fmaf(a1 * xd[g], (float)i1, s);
+        } else {
+            s = fmaf(a0 * xd[g], (float)(i0 + i1), s);
+            s = fmaf(0.125f * off, xd[nb + g], s);
+        }
+    }
+    return s;
+}
+
+#if PI_SIMD
+/* 8 int32: sums of 4 products of unsigned bytes u (<= 63) and signed y (|y| <= 127) */
+static inline __attribute__((always_inline)) __m256i pi_dot_u8(__m256i u, __m256i y) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, y);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, y), _mm256_set1_epi16(1));
+#endif
+}
+
+/* Eight vectors of 8 int32 -> (lo, hi): lane i of lo = sum of the four low-128 lanes of p[i],
+ * lane i of hi = sum of its four high-128 lanes (the two 16-value halves of a group). */
+static inline __attribute__((always_inline)) void pi_reduce8_halves(const __m256i *p, __m256i *lo,
+                                                                    __m256i *hi) {
+    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]),
+                                        _mm256_hadd_epi32(p[2], p[3]));
+    const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]),
+                                        _mm256_hadd_epi32(p[6], p[7]));
+    *lo = _mm256_permute2x128_si256(a, b, 0x20);
+    *hi = _mm256_permute2x128_si256(a, b, 0x31);
+}
+
+/* The unsigned values of group g (0..7) of a super-block at blk: Q4_K/Q5_K v (0..31), Q6_K
+ * q = v + 32 (0..63); layouts in qtypes.h */
+static inline __attribute__((always_inline)) __m256i pi_k_values(const int t, const uint8_t *blk,
+                                                                 const int g) {
+    const __m256i m4 = _mm256_set1_epi8(15);
+    if (t == PI_Q6_K) {
+        const int n = g / 4, r = g % 4;
+        const __m256i l = _mm256_loadu_si256((const __m256i *)(blk + 64 * n + 32 * (r & 1)));
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * n));
+        /* bits 2r, 2r+1 of each qh byte to bits 4, 5 (the 16-bit shifts move bits across bytes
+         * only into positions the mask drops) */
+        const __m256i hi = _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(h, 2 * r), 4),
+                                            _mm256_set1_epi8(0x30));
+        return _mm256_or_si256(_mm256_and_si256(r >= 2 ? _mm256_srli_epi16(l, 4) : l, m4), hi);
+    }
+    const __m256i b = _mm256_loadu_si256(
+        (const __m256i *)(blk + (t == PI_Q4_K ? 16 : 48) + 32 * (g / 2)));
+    __m256i v = _mm256_and_si256((g & 1) ? _mm256_srli_epi16(b, 4) : b, m4);
+    if (t == PI_Q5_K) { /* bit g of qh[j] is value j's fifth bit: move it to bit 4 */
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
+        const __m256i h = g <= 4 ? _mm256_slli_epi16(qh, 4 - g) : _mm256_srli_epi16(qh, g - 4);
+        v = _mm256_or_si256(v, _mm256_and_si256(h, _mm256_set1_epi8(0x10)));
+    }
+    return v;
+}
+
+/* 8 unaligned 32-bit words at rw[i] + off -> int32 lanes */
+static inline __attribute__((always_inline)) __m256i pi_ld32x8(const uint8_t *const *rw,
+                                                               size_t off) {
+    uint32_t u[8];
+    for (int i = 0; i < 8; i++) memcpy(&u[i], rw[i] + off, 4);
+    return _mm256_loadu_si256((const __m256i *)u);
+}
+
+/* byte k (0..3) of each int32 lane, unsigned / signed, as f32 */
+static inline __attribute__((always_inline)) __m256 pi_byte_u(__m256i v, const int k) {
+    return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 8 * k), _mm256_set1_epi32(255)));
+}
+static inline __attribute__((always_inline)) __m256 pi_byte_s(__m256i v, const int k) {
+    return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24 - 8 * k), 24));
+}
+
+/* Six-bit scales (*scl: groups 0-3, *sch: 4-7, byte g % 4 of each lane) and mins (*mnl, *mnh)
+ * of eight Q4_K/Q5_K super-blocks from their 12 scale bytes as three words per lane u0, u1, u2
+ * (ggml's get_scale_min_k4, qtypes.h pi_k4_scale_min, for four groups at once). */
+static inline __attribute__((always_inline)) void pi_k4_scales8(__m256i u0, __m256i u1, __m256i u2,
+                                                                __m256i *scl, __m256i *sch,
+                                                                __m256i *mnl, __m256i *mnh) {
+    const __m256i m6 = _mm256_set1_epi8(63), m4 = _mm256_set1_epi8(15), t2 = _mm256_set1_epi8(0x30);
+    *scl = _mm256_and_si256(u0, m6);
+    *mnl = _mm256_and_si256(u1, m6);
+    /* the top two bits of bytes 0-3 (4-7) are bits 4, 5 of the high scales (mins) */
+    *sch = _mm256_or_si256(_mm256_and_si256(u2, m4), _mm256_and_si256(_mm256_srli_epi32(u0, 2), t2));
+    *mnh = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), m4),
+                           _mm256_and_si256(_mm256_srli_epi32(u1, 2), t2));
+}
+
+/* lane i = row rw[i] . activation (xd, xq), nb groups of 32 (nb / 8 super-blocks) */
+static inline __attribute__((always_inline)) __m256 pi_dot8_k(const int t,
+                                                              const uint8_t *const *rw,
+                                                              const float *xd, const int8_t *xq,
+                                                              int nb, pi_pf_t *pf) {
+    const int bs = pi_k_bytes(t);
+    __m256 s = _mm256_setzero_ps();
+    for (int sb = 0; sb < nb / 8; sb++) {
+        const size_t off = (size_t)bs * sb;
+        const uint8_t *blk[8];
+        for (int i = 0; i < 8; i++) blk[i] = rw[i] + off;
+        if (t == PI_Q6_K) {
+            const __m256 d = pi_f16x8(rw, off + 208);
+            __m256i sc[4]; /* scale bytes 4k..4k+3 of the eight rows */
+            for (int k = 0; k < 4; k++) sc[k] = pi_ld32x8(rw, off + 192 + 4 * k);
+            for (int g = 0; g < 8; g++) {
+                pi_pf_next(pf);
+                const __m256i y = _mm256_loadu_si256((const __m256i *)(xq + 256 * sb + 32 * g));
+                __m256i p[8], lo, hi;
+                for (int i = 0; i < 8; i++) p[i] = pi_dot_u8(pi_k_values(t, blk[i], g), y);
+                pi_reduce8_halves(p, &lo, &hi);
+                /* v = q - 32: subtract 32 sum y of each half (the same for all rows) */
+                const __m256i ys = pi_dot_u8(_mm256_set1_epi8(1), y);
+                const __m256i y2 = _mm256_hadd_epi32(ys, ys), y4 = _mm256_hadd_epi32(y2, y2);
+                const __m256i y0 = _mm256_slli_epi32(_mm256_permute2x128_si256(y4, y4, 0x00), 5);
+                const __m256i y1 = _mm256_slli_epi32(_mm256_permute2x128_si256(y4, y4, 0x11), 5);
+                const __m256 dx = _mm256_set1_ps(xd[8 * sb + g]);
+                const __m256 a0 = _mm256_mul_ps(d, pi_byte_s(sc[g / 2], (2 * g) % 4));
+                const __m256 a1 = _mm256_mul_ps(d, pi_byte_s(sc[g / 2], (2 * g + 1) % 4));
+                s = _mm256_fmadd_ps(_mm256_mul_ps(a0, dx), _mm256_cvtepi32_ps(_mm256_sub_epi32(lo, y0)), s);
+                s = _mm256_fmadd_ps(_mm256_mul_ps(a1, dx), _mm256_cvtepi32_ps(_mm256_sub_epi32(hi, y1)), s);
+            }
+        } else {
+            const __m256 d = pi_f16x8(rw, off), dmin = pi_f16x8(rw, off + 2);
+            __m256i scl, sch, mnl, mnh;
+            pi_k4_scales8(pi_ld32x8(rw, off + 4), pi_ld32x8(rw, off + 8), pi_ld32x8(rw, off + 12),
+                          &scl, &sch, &mnl, &mnh);
+            for (int g = 0; g < 8; g++) {
+                pi_pf_next(pf);
+                const __m256i y = _mm256_loadu_si256((const __m256i *)(xq + 256 * sb + 32 * g));
+                __m256i p[8], lo, hi;
+                for (int i = 0; i < 8; i++) p[i] = pi_dot_u8(pi_k_values(t, blk[i], g), y);
+                pi_reduce8_halves(p, &lo, &hi);
+                const __m256 a = _mm256_mul_ps(d, pi_byte_u(g < 4 ? scl : sch, g % 4));
+                /* off / 8 = -(dmin m) / 8, exact as 0.125 * off */
+                const __m256 o8 = _mm256_mul_ps(_mm256_mul_ps(dmin, pi_byte_u(g < 4 ? mnl : mnh, g % 4)),
+                                                _mm256_set1_ps(-0.125f));
+                s = _mm256_fmadd_ps(_mm256_mul_ps(a, _mm256_set1_ps(xd[8 * sb + g])),
+                                    _mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi)), s);
+                s = _mm256_fmadd_ps(o8, _mm256_set1_ps(xd[nb + 8 * sb + g]), s);
+            }
+        }
+    }
+    return s;
+}
+
+/* One row, SIMD: the eight groups of a super-block as the eight lanes (their integer sums and
+ * scales computed side by side), then pi_dot8_k's chain lane by lane in group order. Q6_K's
+ * signed values use the sign trick (|v| against sign(y, v)), which gives the same exact sums. */
+static inline __attribute__((always_inline)) float pi_dot1_k(const int t, const uint8_t *row,
+                                                             const float *xd, const int8_t *xq,
+                                                             int nb) {
+    const int bs = pi_k_bytes(t);
+    float s = 0.0f;
+    for (int sb = 0; sb < nb / 8; sb++) {
+        const uint8_t *blk = row + (size_t)bs * sb;
+        const int8_t *y = xq + 256 * sb;
+        __m256i p[8], lo, hi;
+        float ad0[8], ad1[8], i0[8], i1[8], o8[8];
+        const __m256 dx = _mm256_loadu_ps(xd + 8 * sb);
+        if (t == PI_Q6_K) {
+            const __m256i m32 = _mm256_set1_epi8(32);
+            for (int g = 0; g < 8; g++) {
+                const __m256i v = _mm256_sub_epi8(pi_k_values(t, blk, g), m32);
+                const __m256i yg = _mm256_loadu_si256((const __m256i *)(y + 32 * g));
+                p[g] = pi_dot_u8(_mm256_sign_epi8(v, v), _mm256_sign_epi8(yg, v));
+            }
+            pi_reduce8_halves(p, &lo, &hi);
+            /* scale 2g of lane g: the 16 signed bytes split into even and odd ones */
+            const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+            const __m256 d = _mm256_set1_ps(pi_load_d(blk + 208));
+            const __m256i ev = _mm256_srai_epi32(_mm256_slli_epi32(sc, 16), 16);
+            const __m256i od = _mm256_srai_epi32(sc, 16);
+            _mm256_storeu_ps(ad0, _mm256_mul_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(ev)), dx));
+            _mm256_storeu_ps(ad1, _mm256_mul_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(od)), dx));
+            _mm256_storeu_ps(i0, _mm256_cvtepi32_ps(lo));
+            _mm256_storeu_ps(i1, _mm256_cvtepi32_ps(hi));
+            for (int g = 0; g < 8; g++) {
+                s = fmaf(ad0[g], i0[g], s);
+                s = fmaf(ad1[g], i1[g], s);
+            }
+        } else {
+            for (int g = 0; g < 8; g++)
+                p[g] = pi_dot_u8(pi_k_values(t, blk, g),
+                                 _mm256_loadu_si256((const __m256i *)(y + 32 * g)));
+            pi_reduce8_halves(p, &lo, &hi);
+            int sc[8], m[8];
+            for (int g = 0; g < 8; g++) pi_k4_scale_min(g, blk + 4, &sc[g], &m[g]);
+            const __m256 a = _mm256_mul_ps(_mm256_set1_ps(pi_load_d(blk)),
+                                           _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)sc)));
+            _mm256_storeu_ps(ad0, _mm256_mul_ps(a, dx));
+            _mm256_storeu_ps(i0, _mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi)));
+            _mm256_storeu_ps(o8, _mm256_mul_ps(
+                _mm256_mul_ps(_mm256_set1_ps(pi_load_d(blk + 2)),
+                              _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)m))),
+                _mm256_set1_ps(-0.125f)));
+            const float *xs = xd + nb + 8 * sb;
+            for (int g = 0; g < 8; g++) {
+                s = fmaf(ad0[g], i0[g], s);
+                s = fmaf(o8[g], xs[g], s);
+            }
+        }
+    }
+    return s;
+}
+#else
+#define pi_dot1_k pi_dot1_k_ref
+#endif /* PI_SIMD */
+
+static inline void pi_prefetch_l2(const uint8_t *p, size_t nbytes); /* simd.h, below */
+static inline void pi_prefetch_l1(const uint8_t *p, size_t nbytes);
+
+/* gather_matvec's reading of scattered rows, chosen at run time for A/B runs (kernels.pyx
+ * set_gather_mode; the same bits in every mode): 1 (default) eight rows per pass, the rows ahead
+ * spread over the blocks; 0 the session-7 bursts; 2 one row per pass (kernels.pyx). */
+static int pi_gather_pf_mode = 1;
+
 /* rows 8g .. min(8g + 8, n) - 1 of a GEMV (row k = w + (idx ? idx[k] : k) * stride):
  * out[k] = row . activation. Missing rows of the last group repeat its last row (results
- * dropped), which cannot change the others' lanes. */
+ * dropped), which cannot change the others' lanes. pd: for a gather, how many rows ahead its
+ * rows are prefetched (0: none). */
 static inline __attribute__((always_inline)) void pi_gemv8_t(const int t, const uint8_t *w,
                                                              size_t stride, const int32_t *idx,
                                                              long g, long n, const float *xd,
                                                              const int8_t *xq, int nb,
-                                                             float *out) {
+                                                             float *out, long pd) {
     const long k0 = 8 * g, m = n - k0 < 8 ? n - k0 : 8;
 #if PI_SIMD
     const uint8_t *rw[8];
@@ -326,8 +621,10 @@ static inline __attribute__((always_inline)) void pi_gemv8_t(const int t, const 
         const long k = k0 + (i < m ? i : m - 1);
         rw[i] = w + (size_t)(idx ? idx[k] : k) * stride;
     }
-    const uint8_t *pf = NULL;
-    size_t pf_len = 0;
+    pi_pf_t pf;
+    pf.n = 0;
+    pf.l2 = 0;
+    pf.len = stride;
     if (!idx) {
         /* eight rows read side by side are eight streams that the hardware prefetcher follows
          * badly (measured: 0.6-0.9x the one-row loop from DRAM without this); the group's rows
@@ -337,11 +634,34 @@ static inline __attribute__((always_inline)) void pi_gemv8_t(const int t, const 
         const long ahead = gb >= PI_GEMV_AHEAD ? 1 : (long)(PI_GEMV_AHEAD / gb);
         const long k1 = 8 * (g + ahead);
         if (k1 < n) {
-            pf = w + (size_t)k1 * stride;
-            pf_len = (size_t)(n - k1 < 8 ? n - k1 : 8) * stride;
+            pf.n = 1;
+            pf.p[0] = w + (size_t)k1 * stride;
+            pf.len = (size_t)(n - k1 < 8 ? n - k1 : 8) * stride;
+            /* K-quant rows of 2048+ values make 13-18 KiB groups: the group being read and the
+             * range ahead then overflow a 32 KiB L1 and evict each other, so fetch to L2
+             * (measured 1.1-1.5x on Q6_K 640x2048 and Q4_K 4096x4096; session 8) */
+            pf.l2 = (size_t)(ahead + 1) * gb > PI_GEMV_L1_BUDGET ? 1 : 0;
         }
+    } else if (pd > 0 && pi_gather_pf_mode != 0) {
+        /* gathered rows come in no order the hardware can guess: the rows of the group about
+         * pd rows ahead to L2, their lines spread over this group's blocks. Session 7 fetched
+         * them in two bursts at the group start (below: the rows pd ahead to L2, the next
+         * group's to L1), 160 prefetches for q8_0 rows, most of them to lines already on their
+         * way when half the rows are read, and the loads behind them waited: at 56% of the rows
+         * the spread read 1.0-1.3x the bursts (docs/benchmarks.md, session 8) */
+        const long k1 = k0 + 8 * ((pd + 7) / 8);
+        for (long k = k1; k < k1 + 8 && k < n; k++) pf.p[pf.n++] = w + (size_t)idx[k] * stride;
+        pf.l2 = 0xffff;
+    } else if (pd > 0) {
+        for (long k = k0 + pd; k < k0 + 8 + pd && k < n; k++)
+            pi_prefetch_l2(w + (size_t)idx[k] * stride, stride);
+        if (stride <= 2048)
+            for (long k = k0 + 8; k < k0 + 16 && k < n; k++)
+                pi_prefetch_l1(w + (size_t)idx[k] * stride, stride);
     }
-    const __m256 r = pi_dot8_leg(t, rw, xd, xq, nb, pf, pf_len);
+    pi_pf_init(&pf, nb);
+    const __m256 r = pi_is_k(t) ? pi_dot8_k(t, rw, xd, xq, nb, &pf)
+                                : pi_dot8_leg(t, rw, xd, xq, nb, &pf);
     if (m == 8) {
         _mm256_storeu_ps(out + k0, r);
     } else {
@@ -350,36 +670,28 @@ static inline __attribute__((always_inline)) void pi_gemv8_t(const int t, const 
         for (long i = 0; i < m; i++) out[k0 + i] = tmp[i];
     }
 #else
+    (void)pd;
     for (long i = 0; i < m; i++) {
         const long k = k0 + i;
-        out[k] = pi_dot1_leg_ref(t, w + (size_t)(idx ? idx[k] : k) * stride, xd, xq, nb);
+        const uint8_t *row = w + (size_t)(idx ? idx[k] : k) * stride;
+        out[k] = pi_is_k(t) ? pi_dot1_k_ref(t, row, xd, xq, nb) : pi_dot1_leg_ref(t, row, xd, xq, nb);
     }
 #endif
 }
-
-static inline void pi_prefetch_l2(const uint8_t *p, size_t nbytes); /* simd.h, below */
-static inline void pi_prefetch_l1(const uint8_t *p, size_t nbytes);
 
 /* pi_gemv8_t for a run-time type id (one copy per type) */
 static inline void pi_gemv8(int qtype, const uint8_t *w, size_t stride, const int32_t *idx,
                             long g, long n, const float *xd, const int8_t *xq, int nb,
                             float *out, long pd) {
-    /* gathered rows come from memory in no order the hardware can guess: fetch the rows pd
-     * entries ahead into L2 (as gather_matvec's one-row loop did) */
-    if (idx && pd > 0) {
-        for (long k = 8 * g + pd; k < 8 * g + 8 + pd && k < n; k++)
-            pi_prefetch_l2(w + (size_t)idx[k] * stride, stride);
-        /* and the next group's rows to L1, as the one-row loop fetched the row two ahead */
-        if (stride <= 2048)
-            for (long k = 8 * g + 8; k < 8 * g + 16 && k < n; k++)
-                pi_prefetch_l1(w + (size_t)idx[k] * stride, stride);
-    }
     switch (qtype) {
-    case PI_Q4_0: pi_gemv8_t(PI_Q4_0, w, stride, idx, g, n, xd, xq, nb, out); break;
-    case PI_Q4_1: pi_gemv8_t(PI_Q4_1, w, stride, idx, g, n, xd, xq, nb, out); break;
-    case PI_Q5_0: pi_gemv8_t(PI_Q5_0, w, stride, idx, g, n, xd, xq, nb, out); break;
-    case PI_Q5_1: pi_gemv8_t(PI_Q5_1, w, stride, idx, g, n, xd, xq, nb, out); break;
-    default: pi_gemv8_t(PI_Q8_0, w, stride, idx, g, n, xd, xq, nb, out); break;
+    case PI_Q4_0: pi_gemv8_t(PI_Q4_0, w, stride, idx, g, n, xd, xq, nb, out, pd); break;
+    case PI_Q4_1: pi_gemv8_t(PI_Q4_1, w, stride, idx, g, n, xd, xq, nb, out, pd); break;
+    case PI_Q5_0: pi_gemv8_t(PI_Q5_0, w, stride, idx, g, n, xd, xq, nb, out, pd); break;
+    case PI_Q5_1: pi_gemv8_t(PI_Q5_1, w, stride, idx, g, n, xd, xq, nb, out, pd); break;
+    case PI_Q4_K: pi_gemv8_t(PI_Q4_K, w, stride, idx, g, n, xd, xq, nb, out, pd); break;
+    case PI_Q5_K: pi_gemv8_t(PI_Q5_K, w, stride, idx, g, n, xd, xq, nb, out, pd); break;
+    case PI_Q6_K: pi_gemv8_t(PI_Q6_K, w, stride, idx, g, n, xd, xq, nb, out, pd); break;
+    default: pi_gemv8_t(PI_Q8_0, w, stride, idx, g, n, xd, xq, nb, out, pd); break;
     }
 }
 

@@ -48,6 +48,7 @@ cdef extern from "simd.h" nogil:
     void pi_prefetch_l2(const uint8_t *p, size_t nbytes)
     int pi_prefetch_dist(size_t row_bytes)
     int PI_L1_PREFETCH_MAX_ROW
+    int pi_gather_pf_mode
     void pi_axpy4_strip64(const float *a, long a_stride, const float *buf, float *out,
                           long out_stride, long n_tok)
     void pi_axpy4_row(int qtype, const float *a, const uint8_t *r0, const uint8_t *r1,
@@ -102,6 +103,18 @@ cdef int _old_prefill = 0
 def prefill_gemm_supported(int qtype):
     """True when matmul runs gemm.h's tiled int8 GEMM for this ggml type id."""
     return bool(pi_gemm_supported(qtype))
+
+
+def set_gather_mode(int mode):
+    """How gather_matvec reads scattered rows of the 8-row types (benchmarks only; every mode
+    gives the same bits): 1 (default) eight rows per pass, the rows of a group ahead prefetched
+    to L2 line by line across the blocks; 0 the same with session 7's burst prefetch (pd rows ahead to
+    L2, the next group to L1); 2 one row per pass with the one-row loop's prefetch. Returns the
+    previous mode."""
+    global pi_gather_pf_mode
+    cdef int prev = pi_gather_pf_mode
+    pi_gather_pf_mode = mode
+    return prev
 
 
 def set_old_prefill(int on):
@@ -212,7 +225,7 @@ def gather_matvec(const uint8_t[:, ::1] w, int qtype, int cols, const float[::1]
     with nogil:
         if quant:
             _quantize_x(&x[0], cols, &xd, &xq)
-        if pi_gemv8_supported(qtype):  # eight rows per pass, rows pd ahead prefetched to L2
+        if pi_gemv8_supported(qtype) and pi_gather_pf_mode != 2:  # eight rows per pass
             for g in prange((n + 7) // 8, schedule='static', num_threads=n_threads):
                 pi_gemv8(qtype, &w[0, 0], stride, &idx[0], g, n, xd, xq, cols // 32, &out[0], pd)
         else:
@@ -991,8 +1004,16 @@ def decode_ffn(float[::1] x, const float[::1] ffn_norm, float eps,
             if mode == 2 and n > 0:
                 if pi_is_quant(tu):
                     _quantize_x(h, n_embd, &xd, &xq)
-                for k in prange(n, schedule='static', num_threads=n_threads):
-                    coef[k] = coef[k] * pi_dot_row(tu, &wu[0, 0] + idx[k] * su, h, xd, xq, n_embd)
+                if pi_gemv8_supported(tu):  # the kept up rows eight per pass, as gather_matvec
+                    for k in prange((n + 7) // 8, schedule='static', num_threads=n_threads):
+                        pi_gemv8(tu, &wu[0, 0], su, idx, k, n, xd, xq, n_embd // 32, u,
+                                 pi_prefetch_dist(su))
+                    for k in range(n):  # u is free in mode 2 (only the gate was dotted)
+                        coef[k] = coef[k] * u[k]
+                else:
+                    for k in prange(n, schedule='static', num_threads=n_threads):
+                        coef[k] = coef[k] * pi_dot_row(tu, &wu[0, 0] + idx[k] * su, h, xd, xq,
+                                                       n_embd)
                 free(xd)
                 free(xq)
             if n > dense_above * n_ff:
@@ -1204,11 +1225,16 @@ def cold_ffn(const uint8_t[:, ::1] wg, int tg, const uint8_t[:, ::1] wu, int tu,
     cdef int8_t *xq = NULL
     cdef float g, a
     cdef int32_t r
+    cdef float *gv
+    cdef float *uv
+    cdef int g8 = pi_gemv8_supported(tg) and pi_gemv8_supported(tu)
     with nogil:
         coef = <float *> malloc((n + 1) * sizeof(float))
         idx = <int32_t *> malloc((n + 1) * sizeof(int32_t))
         cand = <int32_t *> malloc((n + 1) * sizeof(int32_t))
         kept = <uint8_t *> malloc(n + 1)
+        gv = <float *> malloc((n + 1) * sizeof(float))
+        uv = <float *> malloc((n + 1) * sizeof(float))
         for j in range(n):  # the candidates, in neuron order
             cand[n_cand] = ids[j]
             n_cand += (not has_mask) or mask[ids[j]] != 0
@@ -1217,33 +1243,52 @@ def cold_ffn(const uint8_t[:, ::1] wg, int tg, const uint8_t[:, ::1] wu, int tu,
         # rows come from memory, not cache (the cold rows of 32 layers outgrow L3): prefetch
         # the gate and up rows pd candidates ahead, as gather_matvec does. Every neuron's result
         # depends on nothing else, so the thread count cannot change it.
-        for j in prange(n_cand, schedule='static', num_threads=n_threads):
-            if j + pd < n_cand:
-                pi_prefetch_l2(&wg[0, 0] + cand[j + pd] * sg, sg)
-                pi_prefetch_l2(&wu[0, 0] + cand[j + pd] * su, su)
-            r = cand[j]
-            g = pi_dot_row(tg, &wg[0, 0] + r * sg, &h[0], xd, xq, cols)
-            a = _act1(g, silu)
-            kept[j] = 0
-            if glu:
-                a = a * pi_dot_row(tu, &wu[0, 0] + r * su, &h[0], xd, xq, cols)
-                if a > thr or a < -thr:
+        if g8:  # eight rows per pass (gemv.h; the same bits as pi_dot_row): gate (and up)
+            for j in prange((n_cand + 7) // 8, schedule='static', num_threads=n_threads):
+                pi_gemv8(tg, &wg[0, 0], sg, cand, j, n_cand, xd, xq, cols // 32, gv, pd)
+                if glu:
+                    pi_gemv8(tu, &wu[0, 0], su, cand, j, n_cand, xd, xq, cols // 32, uv, pd)
+            for j in range(n_cand):
+                a = _act1(gv[j], silu)
+                if glu:
+                    a = a * uv[j]
+                kept[j] = a > thr or a < -thr
+                coef[j] = a
+        else:
+            for j in prange(n_cand, schedule='static', num_threads=n_threads):
+                if j + pd < n_cand:
+                    pi_prefetch_l2(&wg[0, 0] + cand[j + pd] * sg, sg)
+                    pi_prefetch_l2(&wu[0, 0] + cand[j + pd] * su, su)
+                r = cand[j]
+                g = pi_dot_row(tg, &wg[0, 0] + r * sg, &h[0], xd, xq, cols)
+                a = _act1(g, silu)
+                kept[j] = 0
+                if glu:
+                    a = a * pi_dot_row(tu, &wu[0, 0] + r * su, &h[0], xd, xq, cols)
+                    if a > thr or a < -thr:
+                        kept[j] = 1
+                elif a > thr or a < -thr:
                     kept[j] = 1
-            elif a > thr or a < -thr:
-                kept[j] = 1
-                a = a * pi_dot_row(tu, &wu[0, 0] + r * su, &h[0], xd, xq, cols)
-            coef[j] = a
+                    a = a * pi_dot_row(tu, &wu[0, 0] + r * su, &h[0], xd, xq, cols)
+                coef[j] = a
         for j in range(n_cand):  # compaction in neuron order: the AXPY's row order
             if kept[j]:
                 coef[k] = coef[j]
                 idx[k] = cand[j]
                 k += 1
+        if g8 and not glu and k > 0:  # the kept neurons' up rows, eight per pass
+            for j in prange((k + 7) // 8, schedule='static', num_threads=n_threads):
+                pi_gemv8(tu, &wu[0, 0], su, idx, j, k, xd, xq, cols // 32, uv, pd)
+            for j in range(k):
+                coef[j] = coef[j] * uv[j]
         _axpy_rows(&wd[0, 0] if wd.shape[0] > 0 else NULL, wd.shape[1], td, cols, coef, idx, k,
                    &out[0], n_threads)
         free(coef)
         free(idx)
         free(cand)
         free(kept)
+        free(gv)
+        free(uv)
         free(xd)
         free(xq)
     return n_cand, k

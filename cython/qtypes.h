@@ -177,15 +177,6 @@ static inline __attribute__((always_inline)) __m256i pi_group_values(const int t
     }
     }
 }
-
-/* 8 f32 sums of 4 products each, unsigned weight bytes u (<= 63) times signed y */
-static inline __m256 pi_mul_sum_u8(__m256i u, __m256i y) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, y));
-#else
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, y), _mm256_set1_epi16(1)));
-#endif
-}
 #endif
 
 /* Q5_0 reads as unsigned values with an offset of -16 d (pi_group_scales): the dot then takes
@@ -200,149 +191,48 @@ static inline __attribute__((always_inline)) void pi_dot4t_leg(const int t, cons
                                                                const int8_t *xq, long xq_stride,
                                                                int nb, float *out,
                                                                long out_stride);
+static inline __attribute__((always_inline)) float pi_dot1_leg_ref(const int t, const uint8_t *row,
+                                                                   const float *xd,
+                                                                   const int8_t *xq, int nb);
+/* The K-quants' one-row dot (gemv.h, the numerics of its 8-row GEMV and of the prefill GEMM) */
+static inline __attribute__((always_inline)) float pi_dot1_k_ref(const int t, const uint8_t *row,
+                                                                 const float *xd,
+                                                                 const int8_t *xq, int nb);
 #if PI_SIMD
 static inline __attribute__((always_inline)) float pi_dot1_leg(const int t, const uint8_t *row,
                                                                const float *xd, const int8_t *xq,
                                                                int nb);
+static inline __attribute__((always_inline)) float pi_dot1_k(const int t, const uint8_t *row,
+                                                             const float *xd, const int8_t *xq,
+                                                             int nb);
 
-/* Q4_K / Q5_K / Q6_K row . activation of nt (1 or 4) tokens, one 256-value super-block per
- * pass: its f16 scales and six-bit sub-block scales are decoded once, each 32-byte load of
- * quants serves two groups (low and high nibbles), and Q5_K's fifth bits come from one 32-byte
- * load shifted two bits per pair of groups. Even groups feed acc0 and odd ones acc1. With
- * nt = 4 (prefill) token i's activation is (xd + i * xd_stride, xq + i * xq_stride), its result
- * out[i * out_stride], each token's sums fed in the same order as with nt = 1 (same bits). */
-static inline __attribute__((always_inline)) void
-pi_dot_xn_k(const int t, const int nt, const uint8_t *row, const float *xd, long xd_stride,
-            const int8_t *xq, long xq_stride, int nb, float *out, long out_stride) {
-    const __m256i m4 = _mm256_set1_epi8(15);
-    const int bs = t == PI_Q4_K ? 144 : (t == PI_Q5_K ? 176 : 210);
-    __m256 acc0[4], acc1[4];
-    float corr[4];
-    for (int i = 0; i < nt; i++) {
-        acc0[i] = acc1[i] = _mm256_setzero_ps();
-        corr[i] = 0.0f;
-    }
-    for (int sb = 0; sb < nb / 8; sb++) {
-        const uint8_t *blk = row + bs * (size_t)sb;
-        if (t == PI_Q6_K) {
-            const float d = pi_load_d(blk + 208);
-            const int8_t *sc = (const int8_t *)(blk + 192);
-            for (int n = 0; n < 2; n++) {
-                const __m256i h = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * n));
-                const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * n));
-                const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * n + 32));
-                for (int r = 0; r < 4; r++) {
-                    const int g = 4 * n + r;
-                    const __m256i l = (r & 1) ? l1 : l0;
-                    const __m256i lo = _mm256_and_si256(r >= 2 ? _mm256_srli_epi16(l, 4) : l, m4);
-                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(h, 2 * r),
-                                                        _mm256_set1_epi8(3));
-                    const __m256i v = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)),
-                                                      _mm256_set1_epi8(32));
-                    const float s0 = (float)sc[2 * g], s1 = (float)sc[2 * g + 1];
-                    for (int i = 0; i < nt; i++) {
-                        const float dd = d * xd[i * xd_stride + 8 * sb + g];
-                        const __m256 p = pi_mul_sum_i8(v, _mm256_loadu_si256(
-                            (const __m256i *)(xq + i * xq_stride + 256 * sb + 32 * g)));
-                        const __m256 s = _mm256_set_m128(_mm_set1_ps(dd * s1), _mm_set1_ps(dd * s0));
-                        if (r & 1)
-                            acc1[i] = _mm256_fmadd_ps(s, p, acc1[i]);
-                        else
-                            acc0[i] = _mm256_fmadd_ps(s, p, acc0[i]);
-                    }
-                }
-            }
-        } else {
-            const float d = pi_load_d(blk), dmin = pi_load_d(blk + 2);
-            const uint8_t *qs = blk + (t == PI_Q4_K ? 16 : 48);
-            __m256i qh = _mm256_setzero_si256();
-            if (t == PI_Q5_K) qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
-            const __m256i b4 = _mm256_set1_epi8(0x10);
-            float cm[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            for (int k = 0; k < 4; k++) {
-                int sc0, m0, sc1, m1;
-                pi_k4_scale_min(2 * k, blk + 4, &sc0, &m0);
-                pi_k4_scale_min(2 * k + 1, blk + 4, &sc1, &m1);
-                const __m256i b = _mm256_loadu_si256((const __m256i *)(qs + 32 * k));
-                __m256i v0 = _mm256_and_si256(b, m4);
-                __m256i v1 = _mm256_and_si256(_mm256_srli_epi16(b, 4), m4);
-                if (t == PI_Q5_K) {
-                    /* bit 2k (then 2k+1) of each byte of qh moved to bit 4; the 16-bit shifts
-                     * carry bits across bytes only into positions the mask drops */
-                    v0 = _mm256_or_si256(v0, _mm256_and_si256(_mm256_slli_epi16(qh, 4), b4));
-                    v1 = _mm256_or_si256(v1, _mm256_and_si256(_mm256_slli_epi16(qh, 3), b4));
-                    qh = _mm256_srli_epi16(qh, 2);
-                }
-                const float e0 = d * (float)sc0, e1 = d * (float)sc1;
-                for (int i = 0; i < nt; i++) {
-                    const float *dx = xd + i * xd_stride + 8 * sb, *sx = xd + i * xd_stride + nb + 8 * sb;
-                    const int8_t *y = xq + i * xq_stride + 256 * sb + 64 * k;
-                    const __m256 p0 = pi_mul_sum_u8(v0, _mm256_loadu_si256((const __m256i *)y));
-                    const __m256 p1 = pi_mul_sum_u8(v1, _mm256_loadu_si256((const __m256i *)(y + 32)));
-                    acc0[i] = _mm256_fmadd_ps(_mm256_set1_ps(e0 * dx[2 * k]), p0, acc0[i]);
-                    acc1[i] = _mm256_fmadd_ps(_mm256_set1_ps(e1 * dx[2 * k + 1]), p1, acc1[i]);
-                    cm[i] += (float)m0 * sx[2 * k] + (float)m1 * sx[2 * k + 1];
-                }
-            }
-            for (int i = 0; i < nt; i++) corr[i] -= dmin * cm[i];
-        }
-    }
-    for (int i = 0; i < nt; i++)
-        out[i * out_stride] = pi_hsum(_mm256_add_ps(acc0[i], acc1[i])) + 0.125f * corr[i];
-}
 #endif
 
-/* row . four tokens' activations (prefill), bit-identical to four pi_dot_x calls. */
+/* row . activation for the types above: nb groups of 32, (xd, xq) from pi_quantize_q8;
+ * the K-quants by gemv.h's pi_dot1_k, the 32-block types by its pi_dot1_leg. */
 static inline __attribute__((always_inline)) float pi_dot_x(const int t, const uint8_t *row,
                                                             const float *xd, const int8_t *xq,
-                                                            int nb);
+                                                            int nb) {
+    if (t == PI_Q4_K || t == PI_Q5_K || t == PI_Q6_K)
+#if PI_SIMD
+        return pi_dot1_k(t, row, xd, xq, nb);
+    return pi_dot1_leg(t, row, xd, xq, nb);
+#else
+        return pi_dot1_k_ref(t, row, xd, xq, nb);
+    return pi_dot1_leg_ref(t, row, xd, xq, nb);
+#endif
+}
+
+/* row . four tokens' activations (prefill's per-token path), bit-identical to four pi_dot_x
+ * calls (the K-quants: four one-row dots). */
 static inline __attribute__((always_inline)) void
 pi_dot4_x(const int t, const uint8_t *row, const float *xd, long xd_stride, const int8_t *xq,
           long xq_stride, int nb, float *out, long out_stride) {
-#if PI_SIMD
-    if (t == PI_Q4_K || t == PI_Q5_K || t == PI_Q6_K)
-        pi_dot_xn_k(t, 4, row, xd, xd_stride, xq, xq_stride, nb, out, out_stride);
-    else
-        pi_dot4t_leg(t, row, xd, xd_stride, xq, xq_stride, nb, out, out_stride);
-#else
     if (t == PI_Q4_K || t == PI_Q5_K || t == PI_Q6_K)
         for (int i = 0; i < 4; i++)
             out[i * out_stride] = pi_dot_x(t, row, xd + i * xd_stride, xq + i * xq_stride, nb);
     else
         pi_dot4t_leg(t, row, xd, xd_stride, xq, xq_stride, nb, out, out_stride);
-#endif
-}
-
-/* row . activation for the types above: nb groups of 32, (xd, xq) from pi_quantize_q8. */
-static inline __attribute__((always_inline)) float pi_dot_x(const int t, const uint8_t *row,
-                                                            const float *xd, const int8_t *xq,
-                                                            int nb) {
-#if PI_SIMD
-    float r;
-    if (t == PI_Q4_K || t == PI_Q5_K || t == PI_Q6_K)
-        pi_dot_xn_k(t, 1, row, xd, 0, xq, 0, nb, &r, 0);
-    else
-        r = pi_dot1_leg(t, row, xd, xq, nb);
-    return r;
-#else
-    const float *xs = xd + nb;
-    float corr = 0.0f, a0, a1, off;
-    float s = 0.0f;
-    int v[32];
-    for (int g = 0; g < nb; g++) {
-        const uint8_t *blk = pi_group_scales(t, row, g, &a0, &a1, &off);
-        pi_group_values_ref(t, blk, g, v);
-        const int8_t *y = xq + 32 * g;
-        int s0 = 0, s1 = 0;
-        for (int j = 0; j < 16; j++) {
-            s0 += v[j] * y[j];
-            s1 += v[j + 16] * y[j + 16];
-        }
-        s += xd[g] * (a0 * (float)s0 + a1 * (float)s1);
-        corr += off * xs[g];
-    }
-    return s + 0.125f * corr;
-#endif
 }
 
 /* out[0 : 32*ng] += a * (groups g0 .. g0+ng-1 of row, dequantized) */

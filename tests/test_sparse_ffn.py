@@ -83,7 +83,7 @@ def test_decode_path_equals_batched_masked_path(tmp_path, hidden_act, outtype, m
     assert eng.model.ffn.stats.sparsity > 0.3
 
 
-@pytest.mark.parametrize("qt", [QT.F32, QT.F16, QT.Q8_0, QT.Q4_0])
+@pytest.mark.parametrize("qt", [QT.F32, QT.F16, QT.Q8_0, QT.Q4_0, QT.Q5_0, QT.Q4_K, QT.Q6_K])
 @pytest.mark.parametrize("silu,glu,thr", [(False, False, 0.0), (True, False, 0.05),
                                           (True, True, 0.02), (True, True, -1.0)])
 def test_cold_ffn_equals_sparse_step(qt, silu, glu, thr):
@@ -93,7 +93,7 @@ def test_cold_ffn_equals_sparse_step(qt, silu, glu, thr):
     from pyinfer.weights import LayerWeights
 
     rng = np.random.default_rng(int(qt) * 7 + int(glu))
-    n_ff, n_embd = 300, 96
+    n_ff, n_embd = 300, (256 if qt in (QT.Q4_K, QT.Q6_K) else 96)  # K-quants: whole super-blocks
     W = [QTensor.from_array(rng.normal(size=(n_ff, n_embd)).astype(np.float32), qt) for _ in range(3)]
     lw = LayerWeights(attn_norm=None, wq=None, wk=None, wv=None, wo=None, ffn_norm=None,
                       ffn_gate=W[0], ffn_up=W[1], ffn_down_t=W[2])

@@ -2,7 +2,7 @@
 """A/B two builds of pyinfer's kernel extension on whole-model decode, interleaved in one process.
 
     python tools/ab_decode.py OLD_kernels.so NEW_kernels.so a.gguf[,b.gguf] [--threads 2]
-        [--reps 9] [--n-gen 32]
+        [--reps 9] [--n-gen 32] [--sparse]
 
 Each model is loaded once; every round decodes --n-gen greedy tokens after an 8-token prompt with
 the old build swapped into ``pyinfer.ops.cpu`` and then with the new one, so a slow spell of a
@@ -56,10 +56,12 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--n-gen", type=int, default=32)
+    ap.add_argument("--sparse", action="store_true",
+                    help="run the files' predictors (sparse decode) instead of dense=True")
     args = ap.parse_args(argv)
     builds = {"old": load(args.old), "new": load(args.new)}
     models = args.models.split(",")
-    engs = {m: Engine(m, n_ctx=256, n_threads=args.threads, dense=True) for m in models}
+    engs = {m: Engine(m, n_ctx=256, n_threads=args.threads, dense=not args.sparse) for m in models}
     ids = {m: e.tokenizer.encode(TEXT) for m, e in engs.items()}
     rates, toks = {}, {}
     for rnd in range(args.reps + 1):  # round 0 warms up
