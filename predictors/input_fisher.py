@@ -94,6 +94,20 @@ class TorchLlama:
         return self._rms(x, self.out_norm) @ self.head.T
 
 
+def fisher_pieces(pieces: list[list[int]], n_tokens: int | None) -> list[list[int]]:
+    """The first ``n_tokens`` tokens of the calibration ``pieces`` (None: all), as pieces: whole
+    pieces in order, the last one cut (each piece still starts at position 0)."""
+    if n_tokens is None:
+        return list(pieces)
+    out, left = [], n_tokens
+    for p in pieces:
+        if left <= 0:
+            break
+        out.append(list(p[:left]))
+        left -= len(out[-1])
+    return out
+
+
 def fisher_costs(eng, pieces: list[list[int]], thr: np.ndarray, seed: int,
                  n_threads: int | None = None, scales: list[dict] | None = None) -> np.ndarray:
     """cost (n_layer, 4, n_levels) f64 (module docstring) over the calibration ``pieces`` (token
@@ -101,7 +115,10 @@ def fisher_costs(eng, pieces: list[list[int]], thr: np.ndarray, seed: int,
     n_levels) f32 the units' thresholds per level (``UnitCurve.thr``; level 0 keeps all, so
     cost[..., 0] = 0) on the score |x_j|, times ``scales[i][group]`` (n_in,) when given (WINA).
     Non-decreasing in the level only up to the estimate's noise. Deterministic for a seed and
-    thread count. Raises PyinferError without PyTorch."""
+    thread count. Raises PyinferError without PyTorch.
+
+    Cost: one float32 forward and backward per piece plus a bucketing pass over every unit's
+    inputs; linear in the tokens (``fisher_pieces`` picks fewer: ``input_sparse.FISHER_TOKENS``)."""
     from predictors.train import _import_torch
 
     torch = _import_torch()
@@ -117,19 +134,23 @@ def fisher_costs(eng, pieces: list[list[int]], thr: np.ndarray, seed: int,
             store = {}
 
             def hook(i, gi, x):
-                z = torch.zeros_like(x, requires_grad=True)  # d loss / d z = d loss / d x
-                store[(i, gi)] = (z, x.detach())
-                return x + z
+                if x.requires_grad:  # inside the graph: keep its gradient (no copy, no add)
+                    x.retain_grad()
+                else:  # layer 0's input (the embedding rows need no gradient): a leaf
+                    x = x.detach().requires_grad_(True)
+                store[(i, gi)] = x
+                return x
 
             with torch.enable_grad():
                 logits = model.forward(piece, hook)
                 with torch.no_grad():
                     y = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)[:, 0]
                 torch.nn.functional.cross_entropy(logits, y, reduction="sum").backward()
-            for (i, gi), (z, x) in store.items():
-                gx = (z.grad * x).double().numpy()  # (T, n_in)
+            for (i, gi), xt in store.items():
+                x = xt.detach().numpy()  # (T, n_in) f32
+                gx = xt.grad.numpy() * x  # (T, n_in) f32; bincount sums it in f64
                 # level k drops the pairs with |x| <= thr[k]: bucket < k (as unit_curve counts)
-                score = np.abs(x.numpy())
+                score = np.abs(x)
                 if scales is not None:
                     score *= scales[i][C.IN_GROUPS[gi]]
                 bucket = np.searchsorted(thr[i, gi, 1:], score, side="left")  # (T, n_in) in [0, N)

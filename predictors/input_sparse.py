@@ -161,6 +161,11 @@ def unit_curve(x: np.ndarray, cnorm: np.ndarray, wina: bool,
 
 STEP = 5  # the block greedy raises a group's sparsity by STEP / N_LEVELS per step (TEAL: 5%)
 MAX_LEVEL = 95  # no group skips more than this many levels (95% of its pairs)
+#: calibration tokens (a prefix of the pieces) the Fisher pass runs over: its time is linear in
+#: them; on SmolLM2 an allocation from 256 tokens costs as little, under an independent
+#: 1,024-token estimate, as one from 1,024 (docs/benchmarks.md, "Input sparsity quality (issue
+#: 12), session 8")
+FISHER_TOKENS = 256
 EVAL_TOKENS = 128  # calibration tokens (a prefix of each piece) the block greedy evaluates on (SmolLM2, 30 layers: ~9 min on a loaded 2-core box)
 
 
@@ -457,12 +462,14 @@ class Calibration:
 
 
 def calibrate(eng, seqs: list[list[int]], wina: bool, seed: int, n_threads: int,
-              max_sparsity: float = 0.9, alloc: str = "uniform") -> tuple[Calibration, list[dict]]:
+              max_sparsity: float = 0.9, alloc: str = "uniform",
+              fisher_tokens: int | None = FISHER_TOKENS) -> tuple[Calibration, list[dict]]:
     """(Calibration, column norms [n_layer] {group: (n_in,) f32}) from the dense row-layout
     engine ``eng`` over the calibration sequences (steps 1-3: thresholds from every calibration
     token; for ``alloc`` "greedy" the block greedy on the first EVAL_TOKENS of them, up to block
-    sparsity ``max_sparsity``; for "fisher" the end-of-model costs over every calibration piece,
-    which needs PyTorch). Deterministic for a seed. Raises ValueError for an unknown alloc,
+    sparsity ``max_sparsity``; for "fisher" the end-of-model costs over the first
+    ``fisher_tokens`` calibration tokens (None: all), which needs PyTorch). Deterministic for a
+    seed. Raises ValueError for an unknown alloc,
     PyinferError for "fisher" without PyTorch."""
     if alloc not in C.IN_ALLOCS:
         raise ValueError(f"unknown allocation {alloc!r} (one of {', '.join(C.IN_ALLOCS)})")
@@ -494,10 +501,11 @@ def calibrate(eng, seqs: list[list[int]], wina: bool, seed: int, n_threads: int,
     record_inputs(eng, pieces, n_threads, on_layer)
     cost = None
     if alloc == "fisher":
-        from predictors.input_fisher import fisher_costs
+        from predictors.input_fisher import fisher_costs, fisher_pieces
 
         thr = np.array([[c.thr for c in cs] for cs in curves])  # (n_layer, 4, N_LEVELS)
-        cost = fisher_costs(eng, pieces, thr, seed, n_threads, norms if wina else None)
+        cost = fisher_costs(eng, fisher_pieces(pieces, fisher_tokens), thr, seed, n_threads,
+                            norms if wina else None)
     return Calibration(curves, paths if alloc == "greedy" else None, alloc, cost), norms
 
 

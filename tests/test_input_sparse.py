@@ -535,3 +535,16 @@ def test_fisher_weight_option(silu_dir, tmp_path):
     opts = OfflineOptions(sparse_mode="input", input_alloc="fisher")
     opts.check()
     assert opts.fisher_weight is not None and 0.0 <= opts.fisher_weight <= 1.0
+
+
+def test_fisher_pieces_take_a_prefix_of_the_tokens():
+    """The Fisher pass's tokens (fisher_pieces) are the first n calibration tokens, in whole
+    pieces but the last, each piece still starting at its own position 0."""
+    from predictors.input_fisher import fisher_pieces
+
+    pieces = [[1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12]]
+    assert fisher_pieces(pieces, None) == pieces
+    assert fisher_pieces(pieces, 100) == pieces
+    assert fisher_pieces(pieces, 5) == [[1, 2, 3, 4, 5]]
+    assert fisher_pieces(pieces, 7) == [[1, 2, 3, 4, 5], [6, 7]]
+    assert sum(map(len, fisher_pieces(pieces, 10))) == 10
