@@ -16,7 +16,7 @@ and are set on the loaded engine. "same file dense" runs the input file with eve
 ``--fisher-weight W ...`` evaluates the Fisher allocation shrunk towards uniform by each weight
 (``--sparse-alloc fisher --fisher-weight W``); uniform and every weight then share one
 calibration (the Fisher pass gives the uniform curves too). With several ``--heldout`` texts,
-perplexity only: each text's table gives the perplexity of each quarter of its chunks, and
+perplexity only, no "same file dense" run: each text's table gives the perplexity of each quarter of its chunks, and
 ``--json`` keeps every chunk's negative log-likelihood for paired comparisons.
 Decode: --n-gen greedy tokens after an 8-token prompt, every configuration once per round,
 --reps rounds, medians.
@@ -41,7 +41,7 @@ from pyinfer.engine import Engine  # noqa: E402
 from pyinfer.perplexity import log_softmax_at, perplexity  # noqa: E402
 from predictors.calibrate import calibration_tokens  # noqa: E402
 from predictors.input_sparse import calibrate, thresholds_for  # noqa: E402
-from predictors.offline import DEFAULT_INPUT_CALIB_TOKENS  # noqa: E402
+from predictors.offline import DEFAULT_FISHER_WEIGHT, DEFAULT_INPUT_CALIB_TOKENS  # noqa: E402
 
 PROMPT = "The history of the printing press begins"
 
@@ -103,8 +103,6 @@ def main_texts(args):
     run("dense file", None, dense)
     score, path = args.file[0].split("=", 1)
     eng = Engine(path, n_ctx=args.ctx, n_threads=args.threads)
-    set_thresholds(eng, None)
-    run("same file, all kept", None, eng)
     cals = {}
     first = "fisher" if "fisher" in args.alloc else args.alloc[0]
     t0 = time.perf_counter()
@@ -165,8 +163,9 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--alloc", choices=list(C.IN_ALLOCS), nargs="+", default=["uniform"],
                     help="allocations to compare (each calibrated once per file)")
-    ap.add_argument("--fisher-weight", type=float, nargs="+", default=[1.0],
-                    help="fisher: the weights to shrink it towards uniform by (blend_levels)")
+    ap.add_argument("--fisher-weight", type=float, nargs="+", default=[DEFAULT_FISHER_WEIGHT],
+                    help="fisher: the weights to shrink it towards uniform by (blend_levels; "
+                         f"default {DEFAULT_FISHER_WEIGHT:g}, the converter's)")
     ap.add_argument("--json", help="several texts: write every chunk's nll here")
     ap.add_argument("--no-perplexity", action="store_true", help="decode speed only")
     ap.add_argument("--no-decode", action="store_true", help="perplexity and sparsity only")
