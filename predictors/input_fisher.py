@@ -15,11 +15,14 @@ sampled gradients is an unbiased estimate of F (Fisher-information pruning, LeCu
 the terms across tokens and units dropped). The allocation (``input_sparse.allocate_levels``) then
 assumes the units' costs add up.
 
-Measured on SmolLM2-135M q8_0 (docs/benchmarks.md, "Input sparsity quality (issue 12), session 7"):
-against the uniform allocation the KL divergence from the dense model is 35-40% lower at 30-35%
-sparsity; perplexity is mixed (held-out, 2,040 tokens: +3.2% at 31.2% against +2.8% at 31.6%,
-+7.6% at 36.3% against +8.4% at 37.0%; 8,160 other tokens: +6.3% against +4.5% at 31%), and the
-backward pass makes the offline stage slower than the issue's 60 s, so it is opt-in.
+Measured on SmolLM2-135M q8_0 (docs/benchmarks.md, "Input sparsity quality (issue 12)", sessions
+7 and 8): against the uniform allocation the KL divergence from the dense model is 35-40% lower at
+30-35% sparsity, but perplexity follows only once the allocation is shrunk half-way back to
+uniform (``input_sparse.blend_levels``, ``--fisher-weight 0.5``, the default): on two held-out
+texts (4,080 scored tokens each) -5.1% perplexity against uniform at a 40% target, -1.5% at 35%,
+a tie at 30%; the unshrunk levels tie with uniform or lose. The pass runs over the first 256
+calibration tokens (``input_sparse.FISHER_TOKENS``): 3.6 s, the offline stage 35-39 s against
+24-30 s uniform (2 threads, nice 0). It needs PyTorch, so it stays opt-in.
 
 The forward is the Llama forward of ``pyinfer.model`` (RMSNorm, NeoX RoPE, grouped-query causal
 attention, SiLU/ReLU GLU, tied or separate head) in float32 over the dense engine's dequantized
@@ -94,6 +97,20 @@ class TorchLlama:
         return self._rms(x, self.out_norm) @ self.head.T
 
 
+def fisher_pieces(pieces: list[list[int]], n_tokens: int | None) -> list[list[int]]:
+    """The first ``n_tokens`` tokens of the calibration ``pieces`` (None: all), as pieces: whole
+    pieces in order, the last one cut (each piece still starts at position 0)."""
+    if n_tokens is None:
+        return list(pieces)
+    out, left = [], n_tokens
+    for p in pieces:
+        if left <= 0:
+            break
+        out.append(list(p[:left]))
+        left -= len(out[-1])
+    return out
+
+
 def fisher_costs(eng, pieces: list[list[int]], thr: np.ndarray, seed: int,
                  n_threads: int | None = None, scales: list[dict] | None = None) -> np.ndarray:
     """cost (n_layer, 4, n_levels) f64 (module docstring) over the calibration ``pieces`` (token
@@ -101,7 +118,10 @@ def fisher_costs(eng, pieces: list[list[int]], thr: np.ndarray, seed: int,
     n_levels) f32 the units' thresholds per level (``UnitCurve.thr``; level 0 keeps all, so
     cost[..., 0] = 0) on the score |x_j|, times ``scales[i][group]`` (n_in,) when given (WINA).
     Non-decreasing in the level only up to the estimate's noise. Deterministic for a seed and
-    thread count. Raises PyinferError without PyTorch."""
+    thread count. Raises PyinferError without PyTorch.
+
+    Cost: one float32 forward and backward per piece plus a bucketing pass over every unit's
+    inputs; linear in the tokens (``fisher_pieces`` picks fewer: ``input_sparse.FISHER_TOKENS``)."""
     from predictors.train import _import_torch
 
     torch = _import_torch()
@@ -117,19 +137,23 @@ def fisher_costs(eng, pieces: list[list[int]], thr: np.ndarray, seed: int,
             store = {}
 
             def hook(i, gi, x):
-                z = torch.zeros_like(x, requires_grad=True)  # d loss / d z = d loss / d x
-                store[(i, gi)] = (z, x.detach())
-                return x + z
+                if x.requires_grad:  # inside the graph: keep its gradient (no copy, no add)
+                    x.retain_grad()
+                else:  # layer 0's input (the embedding rows need no gradient): a leaf
+                    x = x.detach().requires_grad_(True)
+                store[(i, gi)] = x
+                return x
 
             with torch.enable_grad():
                 logits = model.forward(piece, hook)
                 with torch.no_grad():
                     y = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)[:, 0]
                 torch.nn.functional.cross_entropy(logits, y, reduction="sum").backward()
-            for (i, gi), (z, x) in store.items():
-                gx = (z.grad * x).double().numpy()  # (T, n_in)
+            for (i, gi), xt in store.items():
+                x = xt.detach().numpy()  # (T, n_in) f32
+                gx = xt.grad.numpy() * x  # (T, n_in) f32; bincount sums it in f64
                 # level k drops the pairs with |x| <= thr[k]: bucket < k (as unit_curve counts)
-                score = np.abs(x.numpy())
+                score = np.abs(x)
                 if scales is not None:
                     score *= scales[i][C.IN_GROUPS[gi]]
                 bucket = np.searchsorted(thr[i, gi, 1:], score, side="left")  # (T, n_in) in [0, N)

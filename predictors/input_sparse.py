@@ -26,7 +26,9 @@ those matrices stored transposed.
    "fisher" (``allocate_levels`` over predictors/input_fisher.py's costs): an end-of-model
    estimate of each unit's cost at each level, then the model-wide greedy of equal marginal cost
    per byte; layers differ, the model as a whole meets the target (SmolLM2: a third less KL
-   from dense than uniform, perplexity mixed; slower offline: opt-in).
+   from dense than uniform), then each unit moved back towards the uniform level
+   (``blend_levels``, ``--fisher-weight``; half-way by default: 5% lower perplexity than
+   uniform at 40% on held-out text; needs PyTorch: opt-in).
 4. The final file: the converter's jobs with q/k/v, attn_output, gate and up replaced by their
    transposed forms (``transposed_jobs``), the thresholds, and for WINA the column norms.
 """
@@ -161,6 +163,11 @@ def unit_curve(x: np.ndarray, cnorm: np.ndarray, wina: bool,
 
 STEP = 5  # the block greedy raises a group's sparsity by STEP / N_LEVELS per step (TEAL: 5%)
 MAX_LEVEL = 95  # no group skips more than this many levels (95% of its pairs)
+#: calibration tokens (a prefix of the pieces) the Fisher pass runs over: its time is linear in
+#: them; on SmolLM2 an allocation from 256 tokens costs as little, under an independent
+#: 1,024-token estimate, as one from 1,024 (docs/benchmarks.md, "Input sparsity quality (issue
+#: 12), session 8")
+FISHER_TOKENS = 256
 EVAL_TOKENS = 128  # calibration tokens (a prefix of each piece) the block greedy evaluates on (SmolLM2, 30 layers: ~9 min on a loaded 2-core box)
 
 
@@ -339,6 +346,46 @@ def allocate_levels(cost: np.ndarray, unit_bytes: np.ndarray, target: float,
     return level.reshape(L, n_g)
 
 
+def blend_levels(fisher: np.ndarray, unit_bytes: np.ndarray, target: float,
+                 weight: float) -> np.ndarray:
+    """The shrunken Fisher allocation: each unit's level moved from the uniform level
+    u = target * N_LEVELS towards its Fisher level f (``allocate_levels``) by ``weight``,
+    u + weight * (f - u), rounded to whole levels so that the model still skips at least
+    ``target`` of all units' weight bytes. weight 1 gives ``fisher`` back, 0 the uniform
+    allocation (every unit at u when u is a whole level), 0.5 the half-way allocation of docs/benchmarks.md ("Input sparsity quality
+    (issue 12), session 7", a shrinkage estimator: the Fisher estimate's noise pulled towards the
+    uniform prior).
+
+    fisher (n_layer, n_groups) int the Fisher levels, skipping at least ``target`` of the bytes;
+    unit_bytes (n_groups,) the bytes of each group's matrix. Returns (n_layer, n_groups) int64,
+    each level between floor(min(u, f)) and ceil(max(u, f)). Rounding: every unit starts at the
+    floor of its blended level, then units are raised to the ceiling in order of their fractional
+    part (largest first; ties the lower unit index) until the byte total reaches the target.
+    Since the blend of two allocations that meet the target meets it, the ceilings do.
+    Deterministic. Raises ValueError for a weight or target outside [0, 1] or mismatched shapes.
+    """
+    if not 0.0 <= weight <= 1.0:
+        raise ValueError(f"Fisher weight must be in [0, 1], got {weight}")
+    if not 0.0 <= target <= 1.0:
+        raise ValueError(f"target sparsity must be in [0, 1], got {target}")
+    L, n_g = fisher.shape
+    if unit_bytes.shape != (n_g,):
+        raise ValueError("fisher (n_layer, n_groups) and unit_bytes (n_groups,) disagree")
+    u = target * N_LEVELS
+    exact = (u + weight * (fisher.astype(np.float64) - u)).ravel()  # (L * n_g,)
+    level = np.floor(exact + 1e-9).astype(np.int64)
+    frac = np.where(exact - level > 1e-9, exact - level, 0.0)
+    by = np.tile(unit_bytes.astype(np.float64), L)
+    need = target * N_LEVELS * L * float(unit_bytes.sum())
+    got = float((level * by).sum())
+    for j in np.argsort(-frac, kind="stable"):
+        if got >= need - 1e-6 or frac[j] == 0.0:
+            break
+        level[j] += 1
+        got += by[j]
+    return level.reshape(L, n_g)
+
+
 def transposed_jobs(jobs, cfg, outtype: str, scales: list[dict] | None):
     """The converter's jobs with each layer's wq/wk/wv, attn_output, ffn_gate and ffn_up replaced by
     attn_qkv_t, attn_output_t and ffn_gate_up_t (same place in the file), plus the WINA column
@@ -391,7 +438,7 @@ def format_table(sparsity: np.ndarray, loss: np.ndarray, score: str, target: flo
     """The summary: per layer the calibrated sparsity of each group and the calibration loss
     (``thresholds_for``: "greedy" the block output error relative to the block output's energy,
     "uniform" the share of the projections' output energy dropped) on the calibration tokens."""
-    loss_name = {"greedy": "block_err", "fisher": "fisher_kl"}.get(alloc, "energy_lost")
+    loss_name = {"greedy": "block_err", "fisher": "fisher_kl"}.get(alloc.split()[0], "energy_lost")
     head = f"{'layer':>5} " + " ".join(f"{g:>12}" for g in C.IN_GROUPS) + f" {loss_name:>11}"
     lines = [f"offline stage summary (sparse mode input, score {score}, allocation {alloc}, "
              f"target {target:.0%} of projection weight bytes; columns: fraction of input channels "
@@ -417,12 +464,14 @@ class Calibration:
 
 
 def calibrate(eng, seqs: list[list[int]], wina: bool, seed: int, n_threads: int,
-              max_sparsity: float = 0.9, alloc: str = "uniform") -> tuple[Calibration, list[dict]]:
+              max_sparsity: float = 0.9, alloc: str = "uniform",
+              fisher_tokens: int | None = FISHER_TOKENS) -> tuple[Calibration, list[dict]]:
     """(Calibration, column norms [n_layer] {group: (n_in,) f32}) from the dense row-layout
     engine ``eng`` over the calibration sequences (steps 1-3: thresholds from every calibration
     token; for ``alloc`` "greedy" the block greedy on the first EVAL_TOKENS of them, up to block
-    sparsity ``max_sparsity``; for "fisher" the end-of-model costs over every calibration piece,
-    which needs PyTorch). Deterministic for a seed. Raises ValueError for an unknown alloc,
+    sparsity ``max_sparsity``; for "fisher" the end-of-model costs over the first
+    ``fisher_tokens`` calibration tokens (None: all), which needs PyTorch). Deterministic for a
+    seed. Raises ValueError for an unknown alloc,
     PyinferError for "fisher" without PyTorch."""
     if alloc not in C.IN_ALLOCS:
         raise ValueError(f"unknown allocation {alloc!r} (one of {', '.join(C.IN_ALLOCS)})")
@@ -454,14 +503,15 @@ def calibrate(eng, seqs: list[list[int]], wina: bool, seed: int, n_threads: int,
     record_inputs(eng, pieces, n_threads, on_layer)
     cost = None
     if alloc == "fisher":
-        from predictors.input_fisher import fisher_costs
+        from predictors.input_fisher import fisher_costs, fisher_pieces
 
         thr = np.array([[c.thr for c in cs] for cs in curves])  # (n_layer, 4, N_LEVELS)
-        cost = fisher_costs(eng, pieces, thr, seed, n_threads, norms if wina else None)
+        cost = fisher_costs(eng, fisher_pieces(pieces, fisher_tokens), thr, seed, n_threads,
+                            norms if wina else None)
     return Calibration(curves, paths if alloc == "greedy" else None, alloc, cost), norms
 
 
-def thresholds_for(cal: Calibration, cfg, target: float):
+def thresholds_for(cal: Calibration, cfg, target: float, fisher_weight: float = 1.0):
     """(thresholds (n_layer, 4) f32, calibrated sparsity (n_layer, 4), loss (n_layer,)) at block
     sparsity ``target`` in every layer (TEAL: uniform across blocks); columns in
     ``constants.IN_GROUPS`` order. "uniform": every group at level round(target * N_LEVELS) (at
@@ -469,7 +519,9 @@ def thresholds_for(cal: Calibration, cfg, target: float):
     averaged by weight bytes. "greedy": the path's split inside each block, the loss the block
     output error at the step reached (an upper bound for the fractional last step). "fisher": the
     model-wide ``allocate_levels`` over the estimated end-of-model costs (layers then differ: the
-    target holds for the model, not for each block), the loss each layer's summed cost."""
+    target holds for the model, not for each block), moved towards the uniform level by
+    ``blend_levels`` when ``fisher_weight`` < 1 (ignored by the other allocations), the loss each
+    layer's summed cost."""
     sizes = in_sizes(cfg)
     unit_bytes = np.array([sizes[g][0] * sizes[g][1] for g in C.IN_GROUPS], np.float64)
     if cal.alloc == "uniform":
@@ -479,6 +531,8 @@ def thresholds_for(cal: Calibration, cfg, target: float):
                         for cs in cal.curves])
     elif cal.alloc == "fisher":
         level = allocate_levels(cal.cost, unit_bytes, target)
+        if fisher_weight < 1.0:
+            level = blend_levels(level, unit_bytes, target, fisher_weight)
         err = np.array([[cal.cost[i, gi, level[i, gi]] for gi in range(4)]
                         for i in range(cfg.n_layer)]).sum(1)
     else:
@@ -505,7 +559,8 @@ def input_stage(src: str, out: str, outtype: str, opts, eng, seqs, source: str, 
                            alloc=opts.input_alloc)
     secs["calibration"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    thr, sparsity, loss = thresholds_for(cal, cfg, opts.target_sparsity)
+    weight = opts.fisher_weight if opts.input_alloc == "fisher" else 1.0
+    thr, sparsity, loss = thresholds_for(cal, cfg, opts.target_sparsity, weight)
     secs["allocation"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -513,6 +568,8 @@ def input_stage(src: str, out: str, outtype: str, opts, eng, seqs, source: str, 
     meta.string(C.K_SPARSE_MODE, C.SPARSE_MODE_INPUT)
     meta.string(C.K_IN_SCORE, opts.input_score)
     meta.string(C.K_IN_ALLOC, opts.input_alloc)
+    if opts.input_alloc == "fisher":
+        meta.f32(C.K_IN_FISHER_WEIGHT, weight)
     for gi, g in enumerate(C.IN_GROUPS):
         meta.array(C.K_IN_THRESHOLD.format(group=g), [float(t) for t in thr[:, gi]], VT.FLOAT32)
         meta.array(C.K_IN_SPARSITY.format(group=g), [float(s) for s in sparsity[:, gi]], VT.FLOAT32)
@@ -529,4 +586,5 @@ def input_stage(src: str, out: str, outtype: str, opts, eng, seqs, source: str, 
     return {"mode": C.SPARSE_MODE_INPUT, "calib_source": source, "seconds": secs,
             "sparsity": sparsity, "loss": loss, "thresholds": thr, "placement": None, "rows": [],
             "table": format_table(sparsity, loss, opts.input_score, opts.target_sparsity,
-                                  opts.input_alloc)}
+                                  opts.input_alloc if opts.input_alloc != "fisher" else
+                                  f"fisher (weight {weight:g})")}

@@ -56,6 +56,9 @@ DEFAULT_INPUT_SCORE = "magnitude"
 # Uniform beat TEAL's block-wise greedy at every target on SmolLM2 q8_0 held-out perplexity (+1.6%
 # against +3.2-4.0% at 25%) and needs no block evaluation (docs/benchmarks.md, "Input sparsity").
 DEFAULT_INPUT_ALLOC = "uniform"
+#: --sparse-alloc fisher: each unit half-way from uniform to its Fisher level (SmolLM2: better than
+#: the unshrunk Fisher levels at 30/35/40% on two held-out texts; docs/benchmarks.md, session 8)
+DEFAULT_FISHER_WEIGHT = 0.5
 DEFAULT_SEED = 0
 DEFAULT_MAX_EPOCHS = 12  # SmolLM2: ~6 s of one core per layer; most layers stop by patience
 DEFAULT_PATIENCE = 3
@@ -90,6 +93,7 @@ class OfflineOptions:
     sparse_mode: str | None = None  # SwiGLU models: "glu" (None: predictors, the default) or "input"
     input_score: str = DEFAULT_INPUT_SCORE  # mode "input": "wina" or "magnitude" (TEAL)
     input_alloc: str = DEFAULT_INPUT_ALLOC  # mode "input": "uniform", "greedy" (TEAL block-wise) or "fisher"
+    fisher_weight: float | None = None  # "fisher" (check() sets None to DEFAULT_FISHER_WEIGHT); 0.5: half-way to uniform
 
     def check(self) -> None:
         """Raise PyinferError for a setting outside its range (before any work is done)."""
@@ -109,6 +113,13 @@ class OfflineOptions:
         if self.input_alloc not in C.IN_ALLOCS:
             raise PyinferError(f"--sparse-alloc must be one of {', '.join(C.IN_ALLOCS)}, "
                                f"got {self.input_alloc!r}")
+        if self.fisher_weight is not None:
+            if self.input_alloc != "fisher":
+                raise PyinferError("--fisher-weight needs --sparse-alloc fisher")
+            if not 0.0 <= self.fisher_weight <= 1.0:
+                raise PyinferError(f"--fisher-weight must be in [0, 1], got {self.fisher_weight}")
+        elif self.input_alloc == "fisher":
+            self.fisher_weight = DEFAULT_FISHER_WEIGHT
         if self.calib_tokens is not None and self.calib_tokens < MIN_CALIB_TOKENS:
             raise PyinferError(f"--calib-tokens must be at least {MIN_CALIB_TOKENS}, got {self.calib_tokens}")
         if self.predictor_rank != "auto":
@@ -371,8 +382,13 @@ def add_arguments(parser) -> None:
                         f"uniformly (default {DEFAULT_INPUT_ALLOC}: every projection skips the target "
                         "fraction of its inputs), by TEAL's block-wise greedy (greedy; slower, "
                         "and more perplexity lost on SmolLM2) or model-wide by an end-of-model "
-                        "Fisher estimate (fisher; needs PyTorch, one backward pass per calibration "
-                        "piece: slower; on SmolLM2 a third less KL from dense, perplexity mixed)")
+                        "Fisher estimate (fisher; needs PyTorch, one backward pass over 256 "
+                        "calibration tokens; on SmolLM2 with --fisher-weight 0.5, 5%% lower "
+                        "perplexity than uniform at 40%%, 1.5%% at 35%%, a tie at 30%%)")
+    g.add_argument("--fisher-weight", type=float, default=None, metavar="W",
+                   help="with --sparse-alloc fisher: move each projection's sparsity from the "
+                        "uniform level towards its Fisher level by W in [0, 1] (default "
+                        f"{DEFAULT_FISHER_WEIGHT:g}: half-way; 1: the Fisher levels), same model-wide target")
     g.add_argument("--vram-budget", type=float, default=None, metavar="GiB",
                    help="GiB of GPU memory to store a hot/cold neuron split for (default: no split "
                         "stored; activation counts are always stored so the GPU engine can solve at load)")
@@ -390,4 +406,4 @@ def options_from_args(args) -> OfflineOptions:
                           vram_budget_gib=args.vram_budget, predictor_rank=args.predictor_rank,
                           n_threads=args.threads, max_epochs=args.epochs,
                           sparse_mode=args.sparse_mode, input_score=args.sparsity_score,
-                          input_alloc=args.sparse_alloc)
+                          input_alloc=args.sparse_alloc, fisher_weight=args.fisher_weight)

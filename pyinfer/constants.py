@@ -183,5 +183,8 @@ IN_SCORES = ("magnitude", "wina")
 #: "fisher" (model-wide, by an end-of-model Fisher estimate: predictors/input_fisher.py)
 K_IN_ALLOC = "pyinfer.sparse.input_alloc"
 IN_ALLOCS = ("uniform", "greedy", "fisher")
+#: "fisher" only: how far each unit's level moves from the uniform level towards its Fisher level
+#: (1: the Fisher allocation, 0.5: half-way; predictors/input_sparse.py ``blend_levels``)
+K_IN_FISHER_WEIGHT = "pyinfer.sparse.input_fisher_weight"
 K_IN_THRESHOLD = "pyinfer.sparse.input_threshold.{group}"  # f32[n_layer]; < 0 keeps every input
 K_IN_SPARSITY = "pyinfer.sparse.input_sparsity.{group}"  # f32[n_layer], calibrated fraction skipped

@@ -463,3 +463,88 @@ def test_fisher_costs_are_the_sampled_fisher_estimate(silu_dir, tmp_path):
         got = (sp * ub).sum() / (eng.cfg.n_layer * ub.sum())
         assert target - 1e-9 <= got < target + ub.max() / (N_LEVELS * eng.cfg.n_layer * ub.sum()) + 1e-9
         assert loss.shape == (eng.cfg.n_layer,) and (loss >= 0).all()
+
+
+def test_blend_levels_between_uniform_and_fisher():
+    """The shrunken Fisher allocation (blend_levels) still skips at least the target share of
+    all weight bytes, by less than one level of the largest group more than needed; each level
+    lies between the uniform level and the unit's Fisher level (rounded outward) and within one
+    level of u + w (f - u); weight 1 is the Fisher allocation, weight 0 the uniform one; it is
+    deterministic and refuses a weight outside [0, 1]."""
+    from predictors.input_sparse import N_LEVELS, allocate_levels, blend_levels
+
+    rng = np.random.default_rng(1)
+    L = 7
+    ub = np.array([960 * 576, 576 * 576, 576 * 3072, 1536 * 576], float)
+    k = np.arange(N_LEVELS) / N_LEVELS
+    cost = rng.lognormal(0, 1.5, (L, 4, 1)) * k ** rng.uniform(1.2, 4, (L, 4, 1))
+    total = N_LEVELS * L * ub.sum()
+    for target in (0.1, 0.3, 0.333, 0.35, 0.4, 0.5):
+        f = allocate_levels(cost, ub, target)
+        u = target * N_LEVELS
+        assert np.abs(f - u).max() > 10  # a Fisher allocation far from uniform to shrink
+        for w in (0.0, 0.25, 0.5, 0.75, 1.0):
+            lv = blend_levels(f, ub, target, w)
+            assert lv.dtype == np.int64 and lv.shape == (L, 4)
+            got = (lv * ub).sum() / total
+            assert target - 1e-12 <= got < target + ub.max() / total + 1e-12, (target, w)
+            assert (lv >= np.floor(np.minimum(u, f) + 1e-9)).all()
+            assert (lv <= np.ceil(np.maximum(u, f) - 1e-9)).all()
+            assert np.abs(lv - (u + w * (f - u))).max() < 1.0
+            np.testing.assert_array_equal(lv, blend_levels(f.copy(), ub.copy(), target, w))
+        np.testing.assert_array_equal(blend_levels(f, ub, target, 1.0), f)
+        if float(u).is_integer():
+            assert (blend_levels(f, ub, target, 0.0) == int(u)).all()
+        half = blend_levels(f, ub, target, 0.5)
+        assert ((half - u) * (f - u) >= 0).all()  # on the Fisher side of uniform, never past it
+        assert (np.abs(half - u) <= np.abs(f - u)).all()
+    with pytest.raises(ValueError, match="weight"):
+        blend_levels(f, ub, 0.3, 1.5)
+    with pytest.raises(ValueError, match="weight"):
+        blend_levels(f, ub, 0.3, -0.1)
+
+
+def test_fisher_weight_option(silu_dir, tmp_path):
+    """``--sparse-alloc fisher --fisher-weight 0.5`` writes the weight into the file and puts
+    every unit half-way between the uniform level and the unit's level in the unshrunk Fisher
+    file from the same calibration, the model at the target; the flag is refused without
+    ``--sparse-alloc fisher`` and outside [0, 1]."""
+    pytest.importorskip("torch")
+    from predictors.offline import OfflineOptions
+
+    sp = {}
+    for w in ("1", "0.5"):
+        out = str(tmp_path / f"w{w}.gguf")
+        assert convert_main([silu_dir, out, "--outtype", "f32", "--target-sparsity", "0.4",
+                             "--sparse-mode", "input", "--sparsity-score", "magnitude",
+                             "--sparse-alloc", "fisher", "--fisher-weight", w, *CALIB]) == 0
+        r = gguf.GGUFReader(out)
+        assert read_field(r, C.K_IN_ALLOC) == "fisher"
+        assert read_field(r, C.K_IN_FISHER_WEIGHT) == pytest.approx(float(w))
+        sp[w] = np.array([read_field(r, C.K_IN_SPARSITY.format(group=g)) for g in C.IN_GROUPS])
+    per_channel = np.array([64 * 128, 64 * 64, 64 * 256, 128 * 64], float)[:, None]  # (4, 1)
+    for s in sp.values():  # (4, L): the model as a whole skips the target share of the bytes
+        assert 0.4 - 1e-6 <= (s * per_channel).sum() / (per_channel.sum() * s.shape[1]) < 0.41
+    f, h = sp["1"], sp["0.5"]
+    assert np.abs(f - 0.4).max() >= 0.05  # the Fisher levels moved away from uniform
+    assert np.abs(h - (0.4 + f) / 2).max() <= 0.01 + 1e-6  # half-way, to the level
+    with pytest.raises(PyinferError, match="--fisher-weight needs --sparse-alloc fisher"):
+        OfflineOptions(sparse_mode="input", fisher_weight=0.5).check()
+    with pytest.raises(PyinferError, match=r"--fisher-weight must be in \[0, 1\]"):
+        OfflineOptions(sparse_mode="input", input_alloc="fisher", fisher_weight=2.0).check()
+    opts = OfflineOptions(sparse_mode="input", input_alloc="fisher")
+    opts.check()
+    assert opts.fisher_weight is not None and 0.0 <= opts.fisher_weight <= 1.0
+
+
+def test_fisher_pieces_take_a_prefix_of_the_tokens():
+    """The Fisher pass's tokens (fisher_pieces) are the first n calibration tokens, in whole
+    pieces but the last, each piece still starting at its own position 0."""
+    from predictors.input_fisher import fisher_pieces
+
+    pieces = [[1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12]]
+    assert fisher_pieces(pieces, None) == pieces
+    assert fisher_pieces(pieces, 100) == pieces
+    assert fisher_pieces(pieces, 5) == [[1, 2, 3, 4, 5]]
+    assert fisher_pieces(pieces, 7) == [[1, 2, 3, 4, 5], [6, 7]]
+    assert sum(map(len, fisher_pieces(pieces, 10))) == 10
