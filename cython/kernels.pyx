@@ -86,12 +86,13 @@ DEF COL_TILE = 64
 # the row sums over transposed matrices (_axpy_rows) are cut into 24, 12, 6, 4, 2 or 1 chunks of
 # at least AXPY_MIN_ROWS rows, by the number of rows alone (never the thread count): 24 splits
 # evenly over 1, 2, 3, 4, 6, 8 and 12 threads, and fewer chunks on fewer rows save adding their
-# partial sums (32-row chunks cost SmolLM2's 576 x 960 q/k/v sum 17 partial sums; session 8).
+# partial sums (with 32-row chunks SmolLM2's 576-row q/k/v sum added 17 of them, its 1536-row
+# down projection 23: on two threads 128-row chunks took 20-40% off those sums; session 8).
 # Chunk boundaries fall on multiples of AXPY_ALIGN rows: the integer kernel (axpyq.h)
 # sums rows in groups of 16, and a chunk of 24 rows (gate/up of SmolLM2) cost a second, half-empty
 # group. The chunks' partial sums are added by column slices in parallel (AXPY_RED_COLS floats).
 DEF AXPY_CHUNKS = 24
-DEF AXPY_MIN_ROWS = 64
+DEF AXPY_MIN_ROWS = 128
 DEF AXPY_ALIGN = 16
 DEF AXPY_RED_COLS = 512
 DEF AXPY_RED_PAR = 32768
