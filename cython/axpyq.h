@@ -24,6 +24,12 @@
  * (q4_0: -8 a, Q5_0: -16 a) are subtracted as integers from the same quantized coefficients;
  * the others (the mins of Q4_1, Q5_1, Q4_K, Q5_K) are summed in f32 from the exact coefficients.
  * About 8 integer operations per 32 weights plus the per-block scale (as the int8 GEMV dots).
+ * With AVX512-VNNI (PI_AXQ_VNNI) four rows' bytes are transposed into each int32 lane instead
+ * and each c16 is split into its bytes, c16 = 256 hi + lo (hi = c16 >> 8 signed, lo = c16 & 255
+ * unsigned): one _mm256_dpbusd_epi32 sums lo times four rows' values, another the values times
+ * hi (q8_0's signed values enter that one as v + 128, and 128 * sum(hi) is taken off), and the
+ * two int32 sums combine as (hi sum << 8) + lo sum: the same integers, so the same bits, as the
+ * madd path (|hi sum| <= 16 * 128 * 255, shifted < 2^28).
  *
  * Error bound against the exact f32 sum, for column i of block b:
  *
@@ -39,6 +45,15 @@
 #define PYINFER_AXPYQ_H
 
 #define PI_AXQ_G 16 /* rows per group (two 8-float coefficient vectors) */
+
+/* AVX512-VNNI (with VL, on 256-bit vectors): four rows per instruction with _mm256_dpbusd_epi32
+ * on each int16 coefficient split into its bytes (see pi_axq_group); the same integer sums, so
+ * the same bits, as the madd path of an AVX2 build. */
+#if PI_SIMD && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define PI_AXQ_VNNI 1
+#else
+#define PI_AXQ_VNNI 0
+#endif
 
 /* 1 where pi_axpyq_rows_range handles qtype (integer sums); 0: the f32 path */
 static inline int pi_axpyq_supported(int qtype) {
@@ -126,7 +141,15 @@ pi_axq_group(const int t, const uint8_t *const *rows, const float *coef, int ng,
     const __m256i zero = _mm256_setzero_si256();
     const int np = (ng + 1) / 2;
     float cf[PI_AXQ_G][PI_AXQ_NB] __attribute__((aligned(32)));  /* coef[j] * a[j, b] */
+#if PI_AXQ_VNNI
+    /* bytes of c16[4p..4p+3]: low bytes (unsigned) and high bytes (signed, c16 >> 8) */
+    int32_t qlo[PI_AXQ_G / 4][PI_AXQ_NB] __attribute__((aligned(32)));
+    int32_t qhi[PI_AXQ_G / 4][PI_AXQ_NB] __attribute__((aligned(32)));
+    const int nq = (ng + 3) / 4;
+    (void)np;
+#else
     int32_t pair[PI_AXQ_G / 2][PI_AXQ_NB] __attribute__((aligned(32)));  /* (c16[2p], c16[2p+1]) */
+#endif
     float sc[PI_AXQ_NB] __attribute__((aligned(32)));    /* s of each block */
     float offs[PI_AXQ_NB] __attribute__((aligned(32)));  /* f32 offset sum of each block */
     int32_t corr[PI_AXQ_NB] __attribute__((aligned(32)));  /* ioff * sum_j c16[j] */
@@ -183,6 +206,33 @@ pi_axq_group(const int t, const uint8_t *const *rows, const float *coef, int ng,
             const __m256 inv = _mm256_and_ps(pos, _mm256_div_ps(_mm256_set1_ps(32767.0f), mx));
             _mm256_store_ps(sc + b, _mm256_mul_ps(mx, _mm256_set1_ps(1.0f / 32767.0f)));
             __m256i isum = zero;
+#if PI_AXQ_VNNI
+            /* c16 = 256 hi + lo with hi = c16 >> 8 (signed byte) and lo = c16 & 255 (unsigned
+             * byte), four rows' bytes per int32 (row 4p + r in byte r) */
+            const __m256i m8 = _mm256_set1_epi32(0xff);
+            for (int p = 0; p < nq; p++) {
+                __m256i c[4];
+                for (int r = 0; r < 4; r++)
+                    c[r] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_load_ps(&cf[4 * p + r][b]), inv));
+                for (int r = 0; r < 4; r++)  /* q8_0: sum of the high bytes (see step 3) */
+                    isum = _mm256_add_epi32(isum, t == PI_Q8_0 ? _mm256_srai_epi32(c[r], 8) : c[r]);
+                const __m256i lo = _mm256_or_si256(
+                    _mm256_or_si256(_mm256_and_si256(c[0], m8),
+                                    _mm256_slli_epi32(_mm256_and_si256(c[1], m8), 8)),
+                    _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(c[2], m8), 16),
+                                    _mm256_slli_epi32(c[3], 24)));
+                const __m256i hi = _mm256_or_si256(
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(c[0], 8), m8),
+                                    _mm256_and_si256(c[1], _mm256_set1_epi32(0xff00))),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi32(c[2], 8), _mm256_set1_epi32(0xff0000)),
+                                    _mm256_and_si256(_mm256_slli_epi32(c[3], 16),
+                                                     _mm256_set1_epi32((int)0xff000000u))));
+                _mm256_store_si256((__m256i *)&qlo[p][b], lo);
+                _mm256_store_si256((__m256i *)&qhi[p][b], hi);
+            }
+            _mm256_store_si256((__m256i *)(corr + b),
+                               _mm256_mullo_epi32(isum, _mm256_set1_epi32(t == PI_Q8_0 ? 32768 : ioff)));
+#else
             for (int p = 0; p < np; p++) {
                 const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_load_ps(&cf[2 * p][b]), inv));
                 const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_load_ps(&cf[2 * p + 1][b]), inv));
@@ -191,6 +241,7 @@ pi_axq_group(const int t, const uint8_t *const *rows, const float *coef, int ng,
                                    _mm256_blend_epi16(lo, _mm256_slli_epi32(hi, 16), 0xAA));
             }
             _mm256_store_si256((__m256i *)(corr + b), _mm256_mullo_epi32(isum, _mm256_set1_epi32(ioff)));
+#endif
         }
         /* 3. integer sums, two rows per madd, and the f32 flush of each block */
         for (int b = 0; b < nbc; b++) {
@@ -201,6 +252,47 @@ pi_axq_group(const int t, const uint8_t *const *rows, const float *coef, int ng,
              * left the miss buffers idle during the sums: 12 against 16.4 GB/s from DRAM) */
             for (int j = 0; j < PI_AXQ_G; j++)
                 if (pf[j]) _mm_prefetch((const char *)(pf[j] + b32 * g), _MM_HINT_T1);
+#if PI_AXQ_VNNI
+            /* four rows per dpbusd (u8 x s8, sums of four products into int32): the rows' bytes
+             * transposed so that each int32 holds one column of rows 4p..4p+3; the low
+             * coefficient bytes (u8) times the values (s8), the values (u8) times the high
+             * bytes (s8). q8_0's signed values enter the second as v + 128 (v ^ 0x80), whose
+             * extra 128 * sum(hi) corr takes off; the other types' values are 0..31. */
+            __m256i hac0 = zero, hac1 = zero, hac2 = zero, hac3 = zero;
+            const __m256i flip = _mm256_set1_epi8((char)0x80);
+            for (int p = 0; p < nq; p++) {
+                const __m256i v0 = pi_axq_values(t, pi_axq_block(t, rw[4 * p], g), g);
+                const __m256i v1 = pi_axq_values(t, pi_axq_block(t, rw[4 * p + 1], g), g);
+                const __m256i v2 = pi_axq_values(t, pi_axq_block(t, rw[4 * p + 2], g), g);
+                const __m256i v3 = pi_axq_values(t, pi_axq_block(t, rw[4 * p + 3], g), g);
+                const __m256i a01l = _mm256_unpacklo_epi8(v0, v1), a01h = _mm256_unpackhi_epi8(v0, v1);
+                const __m256i a23l = _mm256_unpacklo_epi8(v2, v3), a23h = _mm256_unpackhi_epi8(v2, v3);
+                /* columns 0-3|16-19, 4-7|20-23, 8-11|24-27, 12-15|28-31 (the layout below) */
+                const __m256i t0 = _mm256_unpacklo_epi16(a01l, a23l), t1 = _mm256_unpackhi_epi16(a01l, a23l);
+                const __m256i t2 = _mm256_unpacklo_epi16(a01h, a23h), t3 = _mm256_unpackhi_epi16(a01h, a23h);
+                const __m256i cl = _mm256_set1_epi32(qlo[p][b]), ch = _mm256_set1_epi32(qhi[p][b]);
+                acc0 = _mm256_dpbusd_epi32(acc0, cl, t0);
+                acc1 = _mm256_dpbusd_epi32(acc1, cl, t1);
+                acc2 = _mm256_dpbusd_epi32(acc2, cl, t2);
+                acc3 = _mm256_dpbusd_epi32(acc3, cl, t3);
+                if (t == PI_Q8_0) {
+                    hac0 = _mm256_dpbusd_epi32(hac0, _mm256_xor_si256(t0, flip), ch);
+                    hac1 = _mm256_dpbusd_epi32(hac1, _mm256_xor_si256(t1, flip), ch);
+                    hac2 = _mm256_dpbusd_epi32(hac2, _mm256_xor_si256(t2, flip), ch);
+                    hac3 = _mm256_dpbusd_epi32(hac3, _mm256_xor_si256(t3, flip), ch);
+                } else {
+                    hac0 = _mm256_dpbusd_epi32(hac0, t0, ch);
+                    hac1 = _mm256_dpbusd_epi32(hac1, t1, ch);
+                    hac2 = _mm256_dpbusd_epi32(hac2, t2, ch);
+                    hac3 = _mm256_dpbusd_epi32(hac3, t3, ch);
+                }
+            }
+            acc0 = _mm256_add_epi32(acc0, _mm256_slli_epi32(hac0, 8));
+            acc1 = _mm256_add_epi32(acc1, _mm256_slli_epi32(hac1, 8));
+            acc2 = _mm256_add_epi32(acc2, _mm256_slli_epi32(hac2, 8));
+            acc3 = _mm256_add_epi32(acc3, _mm256_slli_epi32(hac3, 8));
+            if (ioff || t == PI_Q8_0) {
+#else
             for (int p = 0; p < np; p++) {
                 const uint8_t *blk0 = pi_axq_block(t, rw[2 * p], g);
                 const uint8_t *blk1 = pi_axq_block(t, rw[2 * p + 1], g);
@@ -218,6 +310,7 @@ pi_axq_group(const int t, const uint8_t *const *rows, const float *coef, int ng,
                 acc3 = _mm256_add_epi32(acc3, _mm256_madd_epi16(_mm256_unpackhi_epi8(hi, shi), cp));
             }
             if (ioff) {
+#endif
                 const __m256i c = _mm256_set1_epi32(corr[b]);
                 acc0 = _mm256_sub_epi32(acc0, c);
                 acc1 = _mm256_sub_epi32(acc1, c);
@@ -282,6 +375,21 @@ static inline void pi_axpyq_rows_range(int qtype, const uint8_t *w, size_t strid
     (void)qtype; (void)w; (void)stride; (void)coef; (void)idx; (void)k0; (void)k1; (void)kp;
     (void)out; (void)cols;
 #endif
+}
+
+/* Columns per unit of a column split of pi_axpyq_rows_range (one block; a K-quant super-block):
+ * every column's sum is the same whatever the split (the groups run over rows only). */
+static inline int pi_axpyq_unit_cols(int qtype) {
+    return qtype == PI_Q4_K || qtype == PI_Q5_K ? 256 : 32;
+}
+
+/* out[c0:c1] += sum_{k < n} coef[k] * w[idx ? idx[k] : k][c0:c1], c0 and c1 multiples of
+ * pi_axpyq_unit_cols: one thread's share of a row sum split by columns. */
+static inline void pi_axpyq_rows_cols(int qtype, const uint8_t *w, size_t stride,
+                                      const float *coef, const int32_t *idx, long n, float *out,
+                                      int c0, int c1) {
+    pi_axpyq_rows_range(qtype, w + pi_col_offset(qtype, c0), stride, coef, idx, 0, n, n, out + c0,
+                        c1 - c0);
 }
 
 #endif /* PYINFER_AXPYQ_H */

@@ -55,6 +55,10 @@ cdef extern from "simd.h" nogil:
                       const uint8_t *r2, const uint8_t *r3, float *out, int n)
     void pi_axpy_rows_range(int qtype, const uint8_t *w, size_t stride, const float *coef,
                             const int32_t *idx, long k0, long k1, long kp, float *out, int cols)
+    int pi_axpy_rows_int(int qtype, const int32_t *idx)
+    int pi_axpyq_unit_cols(int qtype)
+    void pi_axpyq_rows_cols(int qtype, const uint8_t *w, size_t stride, const float *coef,
+                            const int32_t *idx, long n, float *out, int c0, int c1)
 
 cdef extern from "gemm.h" nogil:
     int pi_gemm_supported(int qtype)
@@ -80,16 +84,23 @@ cdef extern from "gemm.h" nogil:
 DEF ROW_TILE = 16
 # columns per work item in matmul_t (a multiple of 32 so quantized blocks are never split)
 DEF COL_TILE = 64
-# the down projection's row sum (_axpy_rows) is cut into at most AXPY_CHUNKS chunks of at least
-# AXPY_MIN_ROWS rows, whatever the thread count: 24 splits evenly over 1, 2, 3, 4, 6, 8 and 12
-# threads. Chunk boundaries fall on multiples of AXPY_ALIGN rows: the integer kernel (axpyq.h)
+# the row sums over transposed matrices (_axpy_rows) are cut into 24, 12, 6, 4, 2 or 1 chunks of
+# at least AXPY_MIN_ROWS rows, by the number of rows alone (never the thread count): 24 splits
+# evenly over 1, 2, 3, 4, 6, 8 and 12 threads, and fewer chunks on fewer rows save adding their
+# partial sums (with 32-row chunks SmolLM2's 576-row q/k/v sum added 17 of them, its 1536-row
+# down projection 23: on two threads 128-row chunks took 20-40% off those sums; session 8).
+# Chunk boundaries fall on multiples of AXPY_ALIGN rows: the integer kernel (axpyq.h)
 # sums rows in groups of 16, and a chunk of 24 rows (gate/up of SmolLM2) cost a second, half-empty
 # group. The chunks' partial sums are added by column slices in parallel (AXPY_RED_COLS floats).
 DEF AXPY_CHUNKS = 24
-DEF AXPY_MIN_ROWS = 32
+DEF AXPY_MIN_ROWS = 128
 DEF AXPY_ALIGN = 16
 DEF AXPY_RED_COLS = 512
 DEF AXPY_RED_PAR = 32768
+# rows of at least this many bytes take the column split of the integer sums (no partial sums);
+# shorter rows (SmolLM2's 612-byte ffn_down_t rows) streamed from memory up to 1.7x slower on two
+# threads when each thread read half of every row (docs/benchmarks.md, session 8)
+DEF AXPY_SPLIT_COLS_BYTES = 2048
 # tokens per work item of the batched attention: with the group's query heads, the queries that
 # share each K/V row read from L2 (SmolLM2: 3 heads x 4 tokens)
 DEF ATT_TOKENS = 4
@@ -405,20 +416,58 @@ def matmul_glu(const uint8_t[:, ::1] gate, int qtype_g, const uint8_t[:, ::1] up
 
 # ---------------------------------------------------------------- transposed (down) products
 
+cdef inline Py_ssize_t _axpy_chunks(Py_ssize_t n) noexcept nogil:
+    """Chunks of an n-row sum: the largest of 24, 12, 6, 4, 2, 1 with at least AXPY_MIN_ROWS
+    rows each (each chunk's partial sum costs a pass over the columns to add; a count that
+    divides evenly among 2, 3 (6) or 4 threads keeps them balanced)."""
+    cdef Py_ssize_t m = n // AXPY_MIN_ROWS
+    if m >= AXPY_CHUNKS:
+        return AXPY_CHUNKS
+    if m >= 12:
+        return 12
+    if m >= 6:
+        return 6
+    if m >= 4:
+        return 4
+    if m >= 2:
+        return 2
+    return 1
+
+
 cdef void _axpy_rows(const uint8_t *w, Py_ssize_t stride, int qtype, int cols, const float *coef,
                      const int32_t *idx, Py_ssize_t n, float *out, int n_threads) noexcept nogil:
-    """out = sum_k coef[k] * w[idx[k] or k]. The rows are cut into chunks by n alone (never by
-    the thread count), each chunk is summed in row order into its own accumulator (cols floats,
-    in L1) and the chunks are added in chunk order, so the result has the same bits at any
-    n_threads (issue 9: a thread-count split once changed greedy tokens on the sparse path).
-    Threads take contiguous runs of chunks, so the weights still stream in row order."""
+    """out = sum_k coef[k] * w[idx[k] or k]. The integer sums of axpyq.h split the columns among
+    the threads (each column summed over every row in the same order, whatever the split). The
+    f32 path cuts the rows into chunks by n alone (never by the thread count), each chunk is
+    summed in row order into its own accumulator (cols floats, in L1) and the chunks are added
+    in chunk order; threads take contiguous runs of chunks, so the weights still stream in row
+    order. Either way the result has the same bits at any n_threads (issue 9: a thread-count
+    split once changed greedy tokens on the sparse path)."""
     cdef Py_ssize_t k0, k1
-    cdef Py_ssize_t n_chunks = min(AXPY_CHUNKS, max(1, n // AXPY_MIN_ROWS))
+    cdef Py_ssize_t n_chunks = _axpy_chunks(n)
     cdef Py_ssize_t c, cc, cb, c0, cn
     cdef Py_ssize_t n_red = (cols + AXPY_RED_COLS - 1) // AXPY_RED_COLS
     cdef int nt = <int> min(<Py_ssize_t> n_threads, n_chunks)
     cdef float *acc
     cdef float *tmp
+    cdef Py_ssize_t p, n_units, n_parts, unit
+    if pi_axpy_rows_int(qtype, idx) and (stride >= AXPY_SPLIT_COLS_BYTES or n_chunks == 1):
+        # the integer sums (axpyq.h) over long rows split by columns: each thread sums every row
+        # over its own columns, so there are no partial sums to add, and a column's sum (groups
+        # of 16 rows in row order) is the same for any split: same bits at any n_threads
+        unit = pi_axpyq_unit_cols(qtype)
+        n_units = cols // unit
+        n_parts = max(1, min(<Py_ssize_t> n_threads, n_units))
+        if n_parts == 1 or n < 2 * AXPY_ALIGN:
+            memset(out, 0, cols * sizeof(float))
+            pi_axpyq_rows_cols(qtype, w, stride, coef, idx, n, out, 0, cols)
+            return
+        for p in prange(n_parts, schedule='static', num_threads=<int> n_parts):
+            c0 = (p * n_units // n_parts) * unit
+            cn = ((p + 1) * n_units // n_parts) * unit
+            memset(out + c0, 0, (cn - c0) * sizeof(float))
+            pi_axpyq_rows_cols(qtype, w, stride, coef, idx, n, out, <int> c0, <int> cn)
+        return
     memset(out, 0, cols * sizeof(float))
     if n_chunks == 1:
         pi_axpy_rows_range(qtype, w, stride, coef, idx, 0, n, n, out, cols)

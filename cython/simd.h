@@ -653,13 +653,18 @@ static inline void pi_axpy4_strip64(const float *a, long a_stride, const float *
 /* out[0:cols] += sum_{k0 <= k < k1} coef[k] * w[idx ? idx[k] : k] (rows stride bytes apart).
  * Prefetches run ahead up to row kp (>= k1): a caller that sums consecutive ranges (the chunks of
  * _axpy_rows) passes the end of all of them, so each range starts with its rows already coming. */
+/* 1 where pi_axpy_rows_range takes the integer sums (axpyq.h): every type of
+ * pi_axpyq_supported, except for the dense q8_0/q4_0 sum over every row (idx NULL: the down
+ * projection of a dense decode), where the f32 path streamed SmolLM2's 612-byte rows from memory
+ * faster (docs/benchmarks.md, "Integer AXPY kernels", session 7) */
+static inline int pi_axpy_rows_int(int qtype, const int32_t *idx) {
+    return pi_axpyq_supported(qtype) && (idx || (qtype != PI_Q8_0 && qtype != PI_Q4_0));
+}
+
 static inline void pi_axpy_rows_range(int qtype, const uint8_t *w, size_t stride, const float *coef,
                                       const int32_t *idx, long k0, long k1, long kp, float *out,
                                       int cols) {
-    /* the integer sums (axpyq.h), except for the dense q8_0/q4_0 sum over every row (idx NULL:
-     * the down projection of a dense decode), where the f32 path streamed SmolLM2's 612-byte
-     * rows from memory faster (docs/benchmarks.md, "Integer AXPY kernels", session 7) */
-    if (pi_axpyq_supported(qtype) && (idx || (qtype != PI_Q8_0 && qtype != PI_Q4_0))) {
+    if (pi_axpy_rows_int(qtype, idx)) {
         pi_axpyq_rows_range(qtype, w, stride, coef, idx, k0, k1, kp, out, cols);
         return;
     }

@@ -281,6 +281,28 @@ def test_axpy_rows_int16_bound(qtype, n_threads):
         assert np.max(np.abs(out - exact)) <= mx.max() / 254 * np.abs(v[idx]).sum(axis=0).max()
 
 
+@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_0, QT.Q5_0, QT.Q4_1, QT.Q4_K])
+def test_axpy_rows_long_rows_any_threads(qtype):
+    """Rows of 2 KiB and more (kernels.pyx AXPY_SPLIT_COLS_BYTES) take the integer sums split
+    among the threads by columns, shorter ones the row chunks: both must give the same bits at
+    every thread count (issue 9), and agree with the NumPy twin as test_axpy_rows asks."""
+    rng = np.random.default_rng(97 + int(qtype))
+    for cols in (4096, 512):  # 2304-4352 bytes per row (column split), then 288-544 (row chunks)
+        w = _weight(rng, qtype, rows=300, cols=cols)
+        assert (w.raw.shape[1] >= 2048) == (cols == 4096)
+        for name, idx in _active_sets(rng, w.rows).items():
+            idx = _ro(idx)
+            coef = _rand(rng, idx.size)
+            outs = []
+            for nt in (1, 2, 3, 5):
+                out = _nan(w.cols)
+                cpu.axpy_rows(w, coef, idx, out, nt)
+                outs.append(out)
+            for out in outs[1:]:
+                np.testing.assert_array_equal(out, outs[0], err_msg=name)
+            _close(outs[0], ref.axpy_rows(w, coef, idx, _nan(w.cols)), qtype)
+
+
 @pytest.mark.parametrize("n_threads", THREADS)
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_matmul_t(qtype, n_threads):

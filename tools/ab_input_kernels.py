@@ -1,0 +1,82 @@
+#!/usr/bin/env python3
+"""A/B builds of the kernel extension on the row sums of an input-sparse file, per projection.
+
+    python tools/ab_input_kernels.py INPUT.gguf OLD_kernels.so NEW_kernels.so [...]
+        [--threads 1 2] [--fracs 1.0 0.7] [--rounds 8] [--names attn_qkv_t ffn_down_t]
+
+For each transposed matrix of the file (``attn_qkv_t``, ``attn_output_t``, ``ffn_gate_up_t``,
+``ffn_down_t``) and each fraction of its rows (a sorted random subset, the same for every build),
+times ``axpy_rows`` over the 30 layers' matrices in turn ("stream": the weights come from memory,
+as in a decode) and over layer 0's matrix 30 times ("cache": from L2/L3), every build in turn
+within each round. Prints the median microseconds per 30 calls for each build (build 0 first).
+Make the .so files as tools/ab_kernels.py says.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import numpy as np  # noqa: E402
+
+from pyinfer.engine import Engine  # noqa: E402
+
+NAMES = ["attn_qkv_t", "attn_output_t", "ffn_gate_up_t", "ffn_down_t"]
+
+
+def load(path):
+    spec = importlib.util.spec_from_file_location("pyinfer.ops._kernels", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("input")
+    ap.add_argument("builds", nargs="+")
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--fracs", type=float, nargs="+", default=[1.0, 0.7])
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--names", nargs="+", default=NAMES)
+    args = ap.parse_args(argv)
+    builds = [load(p) for p in args.builds]
+    layers = Engine(args.input, n_ctx=64, n_threads=1).model.w.layers
+    rng = np.random.default_rng(0)
+    sets = {}
+    for nm in args.names:
+        rows = getattr(layers[0], nm).raw.shape[0]
+        for frac in args.fracs:
+            n = int(rows * frac)
+            sets[nm, frac] = (np.sort(rng.choice(rows, n, replace=False)).astype(np.int32),
+                              rng.standard_normal(n).astype(np.float32))
+    res = {}
+    for rnd in range(args.rounds + 1):  # round 0 warms up
+        for nt in args.threads:
+            for (nm, frac), (idx, coef) in sets.items():
+                out = np.empty(getattr(layers[0], nm).cols, np.float32)
+                for mode in ("stream", "cache"):
+                    row = []
+                    for k in builds:
+                        t0 = time.perf_counter()
+                        for i in range(len(layers)):
+                            w = getattr(layers[i if mode == "stream" else 0], nm)
+                            k.axpy_rows(w.raw, int(w.qtype), w.cols, coef, idx, out, nt)
+                        row.append((time.perf_counter() - t0) * 1e6)
+                    if rnd:
+                        res.setdefault((nt, nm, frac, mode), []).append(row)
+    print("| threads | matrix | rows | weights from | " + " | ".join(
+        f"build {i} (us / {len(layers)} calls)" for i in range(len(builds))) + " |")
+    print("|---" * (4 + len(builds)) + "|")
+    for (nt, nm, frac, mode), v in res.items():
+        med = [statistics.median(r[i] for r in v) for i in range(len(builds))]
+        print(f"| {nt} | {nm} | {frac:.0%} | {mode} | " + " | ".join(f"{m:.0f}" for m in med) + " |")
+
+
+if __name__ == "__main__":
+    main()
