@@ -22,7 +22,8 @@ uniform (``input_sparse.blend_levels``, ``--fisher-weight 0.5``, the default): o
 texts (4,080 scored tokens each) -5.1% perplexity against uniform at a 40% target, -1.5% at 35%,
 a tie at 30%; the unshrunk levels tie with uniform or lose. The pass runs over the first 256
 calibration tokens (``input_sparse.FISHER_TOKENS``): 3.6 s, the offline stage 35-39 s against
-24-30 s uniform (2 threads, nice 0). It needs PyTorch, so it stays opt-in.
+24-30 s uniform (2 threads, nice 0). It needs PyTorch: the default allocation where PyTorch is
+installed, uniform otherwise (predictors/offline.py).
 
 The forward is the Llama forward of ``pyinfer.model`` (RMSNorm, NeoX RoPE, grouped-query causal
 attention, SiLU/ReLU GLU, tied or separate head) in float32 over the dense engine's dequantized

@@ -28,7 +28,7 @@ those matrices stored transposed.
    per byte; layers differ, the model as a whole meets the target (SmolLM2: a third less KL
    from dense than uniform), then each unit moved back towards the uniform level
    (``blend_levels``, ``--fisher-weight``; half-way by default: 5% lower perplexity than
-   uniform at 40% on held-out text; needs PyTorch: opt-in).
+   uniform at 40% on held-out text; needs PyTorch; the default allocation where it is installed).
 4. The final file: the converter's jobs with q/k/v, attn_output, gate and up replaced by their
    transposed forms (``transposed_jobs``), the thresholds, and for WINA the column norms.
 """

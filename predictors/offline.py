@@ -55,7 +55,12 @@ DEFAULT_INPUT_CALIB_TOKENS = 1024
 DEFAULT_INPUT_SCORE = "magnitude"
 # Uniform beat TEAL's block-wise greedy at every target on SmolLM2 q8_0 held-out perplexity (+1.6%
 # against +3.2-4.0% at 25%) and needs no block evaluation (docs/benchmarks.md, "Input sparsity").
-DEFAULT_INPUT_ALLOC = "uniform"
+# The shrunken Fisher allocation (below) beat uniform on three held-out texts of 4,080 tokens each:
+# -4.2 to -5.1% perplexity at 40% (the default target), -1.4 to -1.6% at 35%, a tie at 30%
+# (docs/benchmarks.md, "Input sparsity quality (issue 12), session 8"); it needs PyTorch, so
+# without it the stage falls back to uniform and says so.
+DEFAULT_INPUT_ALLOC = "fisher"
+FALLBACK_INPUT_ALLOC = "uniform"
 #: --sparse-alloc fisher: each unit half-way from uniform to its Fisher level (SmolLM2: better than
 #: the unshrunk Fisher levels at 30/35/40% on two held-out texts; docs/benchmarks.md, session 8)
 DEFAULT_FISHER_WEIGHT = 0.5
@@ -92,7 +97,9 @@ class OfflineOptions:
     progress: bool | None = None
     sparse_mode: str | None = None  # SwiGLU models: "glu" (None: predictors, the default) or "input"
     input_score: str = DEFAULT_INPUT_SCORE  # mode "input": "wina" or "magnitude" (TEAL)
-    input_alloc: str = DEFAULT_INPUT_ALLOC  # mode "input": "uniform", "greedy" (TEAL block-wise) or "fisher"
+    # mode "input": "uniform", "greedy" (TEAL block-wise) or "fisher"; None: DEFAULT_INPUT_ALLOC
+    # where PyTorch is installed, else FALLBACK_INPUT_ALLOC (check() resolves it and says so)
+    input_alloc: str | None = None
     fisher_weight: float | None = None  # "fisher" (check() sets None to DEFAULT_FISHER_WEIGHT); 0.5: half-way to uniform
 
     def check(self) -> None:
@@ -110,6 +117,12 @@ class OfflineOptions:
         if self.input_score not in C.IN_SCORES:
             raise PyinferError(f"--sparsity-score must be one of {', '.join(C.IN_SCORES)}, "
                                f"got {self.input_score!r}")
+        if self.input_alloc is None:
+            self.input_alloc = DEFAULT_INPUT_ALLOC if _have_torch() else FALLBACK_INPUT_ALLOC
+            if self.input_alloc != DEFAULT_INPUT_ALLOC and self.sparse_mode == C.SPARSE_MODE_INPUT:
+                print(f"pyinfer-convert: PyTorch is not installed: --sparse-alloc "
+                      f"{self.input_alloc} (the default, {DEFAULT_INPUT_ALLOC}, needs PyTorch: "
+                      "pip install torch)", file=sys.stderr, flush=True)
         if self.input_alloc not in C.IN_ALLOCS:
             raise PyinferError(f"--sparse-alloc must be one of {', '.join(C.IN_ALLOCS)}, "
                                f"got {self.input_alloc!r}")
@@ -139,6 +152,13 @@ def _plan(src: str, outtype: str, allow_unused: bool = False):
     from convert.hf import plan_hf
 
     return plan_hf(src, outtype, allow_unused) if os.path.isdir(src) else plan_gguf(src, outtype, allow_unused)
+
+
+def _have_torch() -> bool:
+    """True when PyTorch can be imported (found without importing it: it takes seconds)."""
+    import importlib.util
+
+    return importlib.util.find_spec("torch") is not None
 
 
 def _log(msg: str, progress) -> None:
@@ -377,14 +397,14 @@ def add_arguments(parser) -> None:
     g.add_argument("--sparsity-score", choices=list(C.IN_SCORES), default=DEFAULT_INPUT_SCORE,
                    help="sparse mode input: rank input channels by |x| * column norm (wina, "
                         f"default {DEFAULT_INPUT_SCORE}) or by |x| (magnitude, TEAL)")
-    g.add_argument("--sparse-alloc", choices=list(C.IN_ALLOCS), default=DEFAULT_INPUT_ALLOC,
-                   help="sparse mode input: split the target among each layer's projections "
-                        f"uniformly (default {DEFAULT_INPUT_ALLOC}: every projection skips the target "
-                        "fraction of its inputs), by TEAL's block-wise greedy (greedy; slower, "
-                        "and more perplexity lost on SmolLM2) or model-wide by an end-of-model "
-                        "Fisher estimate (fisher; needs PyTorch, one backward pass over 256 "
-                        "calibration tokens; on SmolLM2 with --fisher-weight 0.5, 5%% lower "
-                        "perplexity than uniform at 40%%, 1.5%% at 35%%, a tie at 30%%)")
+    g.add_argument("--sparse-alloc", choices=list(C.IN_ALLOCS), default=None,
+                   help="sparse mode input: split the target model-wide by an end-of-model "
+                        f"Fisher estimate (fisher, the default; needs PyTorch, one backward pass "
+                        "over 256 calibration tokens; on SmolLM2 with --fisher-weight 0.5, 4-5%% "
+                        "lower perplexity than uniform at 40%%, 1.5%% at 35%%, a tie at 30%%), "
+                        "uniformly (uniform, the default without PyTorch: every projection skips "
+                        "the target fraction of its inputs) or by TEAL's block-wise greedy "
+                        "(greedy; slower, and more perplexity lost on SmolLM2)")
     g.add_argument("--fisher-weight", type=float, default=None, metavar="W",
                    help="with --sparse-alloc fisher: move each projection's sparsity from the "
                         "uniform level towards its Fisher level by W in [0, 1] (default "

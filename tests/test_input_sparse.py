@@ -24,13 +24,14 @@ def silu_dir(tmp_path_factory):
 
 
 # (score, allocation): both scores and both allocations, each allocation with one score
-@pytest.fixture(scope="module", params=[("wina", None), ("magnitude", "greedy"),
-                                        ("magnitude", "fisher")],
-                ids=["wina-uniform", "magnitude-greedy", "magnitude-fisher"])
+@pytest.fixture(scope="module", params=[("wina", "uniform"), ("magnitude", "greedy"),
+                                        ("magnitude", None)],
+                ids=["wina-uniform", "magnitude-greedy", "magnitude-default"])
 def input_file(request, silu_dir, tmp_path_factory):
     score, alloc = request.param
     out = str(tmp_path_factory.mktemp("in") / f"{score}.gguf")
-    extra = [] if alloc is None else ["--sparse-alloc", alloc]  # None: the default, uniform
+    # None: the default, fisher where PyTorch is installed (the test extra installs it)
+    extra = [] if alloc is None else ["--sparse-alloc", alloc]
     assert convert_main([silu_dir, out, "--outtype", "f32", "--target-sparsity", "0.5",
                          "--sparse-mode", "input", "--sparsity-score", score, *extra, *CALIB]) == 0
     return out, score
@@ -529,7 +530,7 @@ def test_fisher_weight_option(silu_dir, tmp_path):
     assert np.abs(f - 0.4).max() >= 0.05  # the Fisher levels moved away from uniform
     assert np.abs(h - (0.4 + f) / 2).max() <= 0.01 + 1e-6  # half-way, to the level
     with pytest.raises(PyinferError, match="--fisher-weight needs --sparse-alloc fisher"):
-        OfflineOptions(sparse_mode="input", fisher_weight=0.5).check()
+        OfflineOptions(sparse_mode="input", input_alloc="uniform", fisher_weight=0.5).check()
     with pytest.raises(PyinferError, match=r"--fisher-weight must be in \[0, 1\]"):
         OfflineOptions(sparse_mode="input", input_alloc="fisher", fisher_weight=2.0).check()
     opts = OfflineOptions(sparse_mode="input", input_alloc="fisher")
@@ -548,3 +549,35 @@ def test_fisher_pieces_take_a_prefix_of_the_tokens():
     assert fisher_pieces(pieces, 5) == [[1, 2, 3, 4, 5]]
     assert fisher_pieces(pieces, 7) == [[1, 2, 3, 4, 5], [6, 7]]
     assert sum(map(len, fisher_pieces(pieces, 10))) == 10
+
+
+def test_default_allocation_is_fisher_with_torch_and_uniform_without(monkeypatch, capsys):
+    """Unset, the allocation is "fisher" at weight DEFAULT_FISHER_WEIGHT where PyTorch can be
+    imported; without PyTorch the stage falls back to "uniform" and says so on stderr (one line),
+    and an explicit allocation is kept either way."""
+    import importlib.util
+
+    from predictors import offline
+
+    real_find_spec = importlib.util.find_spec
+    opts = offline.OfflineOptions(sparse_mode="input")
+    opts.check()
+    want = "fisher" if real_find_spec("torch") is not None else "uniform"
+    assert opts.input_alloc == want
+    if want == "fisher":
+        assert opts.fisher_weight == offline.DEFAULT_FISHER_WEIGHT
+    capsys.readouterr()
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torch" else real_find_spec(name, *a))
+    opts = offline.OfflineOptions(sparse_mode="input")
+    opts.check()
+    assert opts.input_alloc == "uniform" and opts.fisher_weight is None
+    err = capsys.readouterr().err
+    assert "PyTorch is not installed" in err and "--sparse-alloc uniform" in err
+    assert err.count("\n") == 1
+    opts = offline.OfflineOptions(sparse_mode="input", input_alloc="greedy")
+    opts.check()
+    assert opts.input_alloc == "greedy" and capsys.readouterr().err == ""
+    opts = offline.OfflineOptions()  # mode glu: the allocation is unused, nothing said
+    opts.check()
+    assert capsys.readouterr().err == ""
