@@ -13,27 +13,22 @@ the .so files as tools/ab_kernels.py says.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 
 import numpy as np  # noqa: E402
 
+from kernel_builds import load_kernels  # noqa: E402
 from pyinfer.engine import Engine  # noqa: E402
 from pyinfer.ops import cpu  # noqa: E402
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 8
 
-
-def load(path):
-    spec = importlib.util.spec_from_file_location("pyinfer.ops._kernels", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def decode(eng, ids, n_gen):
@@ -59,7 +54,7 @@ def main(argv=None):
     ap.add_argument("--sparse", action="store_true",
                     help="run the files' predictors (sparse decode) instead of dense=True")
     args = ap.parse_args(argv)
-    builds = {"old": load(args.old), "new": load(args.new)}
+    builds = {"old": load_kernels(args.old), "new": load_kernels(args.new)}
     models = args.models.split(",")
     engs = {m: Engine(m, n_ctx=256, n_threads=args.threads, dense=not args.sparse) for m in models}
     ids = {m: e.tokenizer.encode(TEXT) for m, e in engs.items()}

@@ -14,25 +14,20 @@ memory as in decode. Prints GB/s of the rows read and each column's speed over t
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 
 import numpy as np  # noqa: E402
 
+from kernel_builds import load_kernels  # noqa: E402
 from pyinfer.ops import cpu  # noqa: E402
 
 QT = cpu.QT
 
-
-def load(path, name):
-    spec = importlib.util.spec_from_file_location("pyinfer.ops._kernels", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def main(argv=None):
@@ -49,7 +44,7 @@ def main(argv=None):
         name, _, rest = spec.partition("=")
         path, _, mode = rest.partition(":")
         if path not in mods:
-            mods[path] = load(path, name)
+            mods[path] = load_kernels(path)
         builds.append((name, mods[path], int(mode) if mode else None))
     rng = np.random.default_rng(0)
     names = [b[0] for b in builds]

@@ -14,27 +14,22 @@ and new/old speed. Make the .so files as tools/ab_kernels.py says.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 
 import numpy as np  # noqa: E402
 
+from kernel_builds import load_kernels  # noqa: E402
 from pyinfer.ops import cpu  # noqa: E402
 
 QT = cpu.QT
 DEFAULT = ["1536x576:Q8_0", "1536x576:Q4_0", "1536x576:Q5_0", "1536x576:Q4_1", "1536x576:Q5_1",
            "576x576:Q5_0", "49152x576:Q8_0"]
 
-
-def load(path):
-    spec = importlib.util.spec_from_file_location("pyinfer.ops._kernels", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def main(argv=None):
@@ -46,7 +41,7 @@ def main(argv=None):
     ap.add_argument("--cache", action="store_true", help="one weight copy (cache-resident)")
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args(argv)
-    mods = {"old": load(args.old), "new": load(args.new)}
+    mods = {"old": load_kernels(args.old), "new": load_kernels(args.new)}
     rng = np.random.default_rng(0)
     print("| matrix | threads | old us | new us | old GB/s | new GB/s | new/old speed |")
     print("|---|---|---|---|---|---|---|")

@@ -16,28 +16,23 @@ dense file under the same build. Make the .so files as tools/ab_kernels.py says.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 
 import numpy as np  # noqa: E402
 
+from kernel_builds import load_kernels  # noqa: E402
 from pyinfer import constants as C  # noqa: E402
 from pyinfer.engine import Engine  # noqa: E402
 from pyinfer.ops import cpu  # noqa: E402
 
 PROMPT = "The history of the printing press begins"
 
-
-def load(path):
-    spec = importlib.util.spec_from_file_location("pyinfer.ops._kernels", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def make_thresholds(dense, inp, targets, path, n_threads):
@@ -86,7 +81,7 @@ def main(argv=None):
     if not os.path.exists(args.thresholds):
         make_thresholds(args.dense, args.input, args.targets, args.thresholds, args.threads)
     thr = np.load(args.thresholds)
-    builds = {"old": load(args.old), "new": load(args.new)}
+    builds = {"old": load_kernels(args.old), "new": load_kernels(args.new)}
     dense = Engine(args.dense, n_ctx=256, n_threads=args.threads, dense=True)
     inp = Engine(args.input, n_ctx=256, n_threads=args.threads)
     ids = dense.tokenizer.encode(PROMPT)[:8]

@@ -14,26 +14,21 @@ Make the .so files as tools/ab_kernels.py says.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 
 import numpy as np  # noqa: E402
 
+from kernel_builds import load_kernels  # noqa: E402
 from pyinfer.engine import Engine  # noqa: E402
 
 NAMES = ["attn_qkv_t", "attn_output_t", "ffn_gate_up_t", "ffn_down_t"]
 
-
-def load(path):
-    spec = importlib.util.spec_from_file_location("pyinfer.ops._kernels", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def main(argv=None):
@@ -45,7 +40,7 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--names", nargs="+", default=NAMES)
     args = ap.parse_args(argv)
-    builds = [load(p) for p in args.builds]
+    builds = [load_kernels(p) for p in args.builds]
     layers = Engine(args.input, n_ctx=64, n_threads=1).model.w.layers
     rng = np.random.default_rng(0)
     sets = {}

@@ -15,27 +15,22 @@ Make OLD.so with ``git stash; python setup.py build_ext --inplace; cp pyinfer/op
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 
 import gguf  # noqa: E402
 import numpy as np  # noqa: E402
 
+from kernel_builds import load_kernels  # noqa: E402
 from pyinfer.ops import cpu  # noqa: E402
 
 QT = cpu.QT
 SHAPES = [(1536, 576, QT.Q8_0, 150), (11008, 4096, QT.F16, 4), (11008, 4096, QT.Q4_0, 10)]
 
-
-def load(path):
-    spec = importlib.util.spec_from_file_location("pyinfer.ops._kernels", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def main(argv=None):
@@ -56,7 +51,7 @@ def main(argv=None):
             w_bytes = rows * cols // gguf.GGML_QUANT_SIZES[QT[name]][0] * \
                 gguf.GGML_QUANT_SIZES[QT[name]][1]
             shapes.append((rows, cols, QT[name], max(2, int(64e6 // w_bytes))))
-    mods = {"old": load(args.old), "new": load(args.new)}
+    mods = {"old": load_kernels(args.old), "new": load_kernels(args.new)}
     rng = np.random.default_rng(0)
     print("| matrix | rows read | threads | gather old -> new GB/s | AXPY old -> new GB/s |")
     print("|---|---|---|---|---|")

@@ -22,16 +22,17 @@ microseconds per token (30 layers summed). --so swaps another build of the kerne
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 
 import numpy as np  # noqa: E402
 
+from kernel_builds import load_kernels  # noqa: E402
 from pyinfer import constants as C  # noqa: E402
 from pyinfer.engine import Engine  # noqa: E402
 from pyinfer.ops import cpu  # noqa: E402
@@ -81,10 +82,7 @@ def main(argv=None):
     ap.add_argument("--so", help="another build of pyinfer.ops._kernels to time")
     args = ap.parse_args(argv)
     if args.so:
-        spec = importlib.util.spec_from_file_location("pyinfer.ops._kernels", args.so)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        cpu._k = mod
+        cpu._k = load_kernels(args.so)
     nt = args.threads
     dense = Engine(args.dense, n_ctx=256, n_threads=nt, dense=True)
     inp = Engine(args.input, n_ctx=256, n_threads=nt)
