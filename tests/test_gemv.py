@@ -15,25 +15,10 @@ import pytest
 from pyinfer.ops import _kernels as K
 from pyinfer.ops import cpu
 from pyinfer.ops import reference as ref
+from tests._kernel_arrays import nan as _nan, quantized_weight as _weight, readonly as _ro
 
 QT = gguf.GGMLQuantizationType
 TYPES = (QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1)
-
-
-def _nan(shape):
-    return np.full(shape, np.nan, np.float32)
-
-
-def _ro(a):
-    a = np.ascontiguousarray(a)
-    a.setflags(write=False)
-    return a
-
-
-def _weight(rng, qtype, rows, cols):
-    a = rng.standard_normal((rows, cols)).astype(np.float32) * rng.uniform(0.1, 10, (rows, 1))
-    data = gguf.quants.quantize(a, qtype).view(np.uint8).reshape(rows, -1)
-    return cpu.QTensor(_ro(data), qtype, rows, cols)
 
 
 def _offsets(w):

@@ -17,6 +17,7 @@ import pytest
 
 from pyinfer.ops import cpu
 from pyinfer.ops import reference as ref
+from tests._kernel_arrays import nan as _nan, readonly as _ro
 
 QT = gguf.GGMLQuantizationType
 QTYPES = list(cpu.SUPPORTED)
@@ -27,16 +28,6 @@ THREADS = [1, 2]
 
 def _block(qtype):
     return 256 if qtype in K_QUANTS else 32
-
-
-def _ro(a):
-    a = np.ascontiguousarray(a)
-    a.setflags(write=False)
-    return a
-
-
-def _nan(shape):
-    return np.full(shape, np.nan, dtype=np.float32)
 
 
 def _rand(rng, *shape):

@@ -21,6 +21,7 @@ import pytest
 from pyinfer.ops import _kernels as K
 from pyinfer.ops import cpu
 from pyinfer.ops import reference as ref
+from tests._kernel_arrays import nan as _nan, quantized_weight as _weight, readonly as _ro
 
 QT = gguf.GGMLQuantizationType
 GEMM_TYPES = (QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K)
@@ -29,24 +30,6 @@ K_QUANTS = (QT.Q4_K, QT.Q5_K, QT.Q6_K)
 # q8_0 and Q6_K (signed values) have none
 OFFSET_QUANTS = {QT.Q4_0: (18, 2, 18), QT.Q4_1: (20, 4, 20), QT.Q5_0: (22, 2, 22),
                  QT.Q5_1: (24, 4, 24), QT.Q4_K: (144, 16, 144), QT.Q5_K: (176, 16, 176)}
-
-
-def _nan(shape):
-    return np.full(shape, np.nan, np.float32)
-
-
-def _ro(a):
-    a = np.ascontiguousarray(a)
-    a.setflags(write=False)
-    return a
-
-
-def _weight(rng, qtype, rows, cols):
-    a = rng.standard_normal((rows, cols)).astype(np.float32) * rng.uniform(0.1, 10, (rows, 1))
-    if qtype in K_QUANTS:  # gguf quantizes no K-quant: the project's ggml-reference quantizer
-        return cpu.QTensor.from_array(a, qtype)
-    data = gguf.quants.quantize(a, qtype).view(np.uint8).reshape(rows, -1)
-    return cpu.QTensor(_ro(data), qtype, rows, cols)
 
 
 def _deq(w):
