@@ -16,31 +16,16 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-import numpy as np  # noqa: E402
-
-from kernel_builds import load_kernels  # noqa: E402
+from ab_common import greedy_decode, load_kernels  # noqa: E402
 from pyinfer.engine import Engine  # noqa: E402
 from pyinfer.ops import cpu  # noqa: E402
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 8
 
-
-
-def decode(eng, ids, n_gen):
-    """(tokens/s, greedy tokens) of n_gen steps after an 8-token prompt."""
-    eng.reset()
-    logits = eng.eval_prompt(ids[:8])
-    toks = []
-    t0 = time.perf_counter()
-    for _ in range(n_gen):
-        toks.append(int(np.argmax(logits)))
-        logits = eng.eval_token(toks[-1])
-    return n_gen / (time.perf_counter() - t0), toks
 
 
 def main(argv=None):
@@ -63,7 +48,7 @@ def main(argv=None):
         for m, eng in engs.items():
             for name, mod in builds.items():
                 cpu._k = mod
-                r, t = decode(eng, ids[m], args.n_gen)
+                r, t = greedy_decode(eng, ids[m][:8], args.n_gen)  # an 8-token prompt
                 toks.setdefault((m, name), t)
                 if rnd:
                     rates.setdefault((m, name), []).append(r)

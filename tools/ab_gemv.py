@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import numpy as np  # noqa: E402
 
-from kernel_builds import load_kernels  # noqa: E402
+from ab_common import load_kernels  # noqa: E402
 from pyinfer.ops import cpu  # noqa: E402
 
 QT = cpu.QT

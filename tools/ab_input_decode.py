@@ -19,14 +19,13 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 import numpy as np  # noqa: E402
 
-from kernel_builds import load_kernels  # noqa: E402
+from ab_common import greedy_decode, load_kernels  # noqa: E402
 from pyinfer import constants as C  # noqa: E402
 from pyinfer.engine import Engine  # noqa: E402
 from pyinfer.ops import cpu  # noqa: E402
@@ -57,15 +56,6 @@ def set_thresholds(eng, thr):
                                 else np.ascontiguousarray(thr[:, gi]))
 
 
-def decode_tps(eng, ids, n_gen):
-    eng.reset()
-    logits = eng.eval_prompt(ids)
-    t0 = time.perf_counter()
-    for _ in range(n_gen):
-        logits = eng.eval_token(int(np.argmax(logits)))
-    return n_gen / (time.perf_counter() - t0)
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("old")
@@ -94,7 +84,7 @@ def main(argv=None):
                 set_thresholds(eng, th)
             for b, mod in builds.items():
                 cpu._k = mod
-                r = decode_tps(eng, ids, args.n_gen)
+                r = greedy_decode(eng, ids, args.n_gen)[0]
                 if rnd:
                     rates.setdefault((name, b), []).append(r)
     med = {k: statistics.median(v) for k, v in rates.items()}

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import numpy as np  # noqa: E402
 
-from kernel_builds import load_kernels  # noqa: E402
+from ab_common import load_kernels  # noqa: E402
 from pyinfer.engine import Engine  # noqa: E402
 
 NAMES = ["attn_qkv_t", "attn_output_t", "ffn_gate_up_t", "ffn_down_t"]

@@ -33,12 +33,14 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 
 import numpy as np  # noqa: E402
 
 from pyinfer import constants as C  # noqa: E402
 from pyinfer.engine import Engine  # noqa: E402
 from pyinfer.perplexity import log_softmax_at, perplexity  # noqa: E402
+from ab_common import greedy_decode  # noqa: E402
 from predictors.calibrate import calibration_tokens  # noqa: E402
 from predictors.input_sparse import calibrate, thresholds_for  # noqa: E402
 from predictors.offline import DEFAULT_FISHER_WEIGHT, DEFAULT_INPUT_CALIB_TOKENS  # noqa: E402
@@ -138,15 +140,6 @@ def main_texts(args):
                   f"{ppl / pd - 1:+.1%} | {' / '.join(f'{q:.2f}' for q in quarters(nll))} |")
 
 
-def decode_tps(eng, ids, n_gen):
-    eng.reset()
-    logits = eng.eval_prompt(ids)
-    t0 = time.perf_counter()
-    for _ in range(n_gen):
-        logits = eng.eval_token(int(np.argmax(logits)))
-    return n_gen / (time.perf_counter() - t0)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("dense")
@@ -232,7 +225,7 @@ def main():
         for name, eng, thr in configs:
             if not isinstance(thr, str):
                 set_thresholds(eng, thr)
-            tps[name].append(decode_tps(eng, ids, args.n_gen))
+            tps[name].append(greedy_decode(eng, ids, args.n_gen)[0])
     base = statistics.median(tps["dense file"])
     print(f"\ndecode tokens/s, {args.threads} threads, medians of {args.reps} interleaved rounds")
     for name, _, _ in configs:

@@ -1,8 +1,11 @@
-"""Load another build of pyinfer's kernel extension beside the installed one (the A/B tools)."""
+"""Shared by the A/B and profile tools: load another kernel build, time a greedy decode."""
 from __future__ import annotations
 
 import importlib.util
+import time
 from types import ModuleType
+
+import numpy as np
 
 
 def load_kernels(path: str) -> ModuleType:
@@ -15,3 +18,16 @@ def load_kernels(path: str) -> ModuleType:
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def greedy_decode(eng, ids, n_gen: int) -> tuple[float, list[int]]:
+    """Reset ``eng`` (a pyinfer Engine), evaluate the prompt ``ids``, then take n_gen greedy
+    steps; returns (decode tokens/s over those steps, wall clock; the greedy token ids)."""
+    eng.reset()
+    logits = eng.eval_prompt(ids)
+    toks = []
+    t0 = time.perf_counter()
+    for _ in range(n_gen):
+        toks.append(int(np.argmax(logits)))
+        logits = eng.eval_token(toks[-1])
+    return n_gen / (time.perf_counter() - t0), toks
