@@ -103,6 +103,20 @@ static inline void pi_gemm_pack_q8_0(const uint8_t *w, size_t ws, int rm, int nb
     }
 }
 
+/* Write a tile's RN accumulators: token j's rm (<= 8) row results to out[j * ldo + 0:rm]. */
+static inline __attribute__((always_inline)) void pi_tile8_store(const __m256 *acc, int RN,
+                                                                 float *out, long ldo, int rm) {
+    for (int j = 0; j < RN; j++) {
+        if (rm == 8) {
+            _mm256_storeu_ps(out + j * ldo, acc[j]);
+        } else {
+            float tmp[8];
+            _mm256_storeu_ps(tmp, acc[j]);
+            for (int i = 0; i < rm; i++) out[j * ldo + i] = tmp[i];
+        }
+    }
+}
+
 /* One packed q8_0 row group x RN tokens: acc[j] lane i = row i . token j. Per block and token
  * the integer dot of every row is exact (|w| x sign(y, w) pairs by maddubs, widened per chunk:
  * one pair sum reaches 2 * 128 * 127), then s = fma(d_w * d_x, isum, s) in block order. */
@@ -136,15 +150,7 @@ static inline __attribute__((always_inline)) void pi_tile8_q8_0(
             acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(xd[j * xds + b])),
                                      _mm256_cvtepi32_ps(is[j]), acc[j]);
     }
-    for (int j = 0; j < RN; j++) {
-        if (rm == 8) {
-            _mm256_storeu_ps(out + j * ldo, acc[j]);
-        } else {
-            float tmp[8];
-            _mm256_storeu_ps(tmp, acc[j]);
-            for (int i = 0; i < rm; i++) out[j * ldo + i] = tmp[i];
-        }
-    }
+    pi_tile8_store(acc, RN, out, ldo, rm);
 }
 
 /* ---- the other types users hold: Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K ----
@@ -257,15 +263,7 @@ static inline __attribute__((always_inline)) void pi_tile8_x(
             acc[j] = _mm256_fmadd_ps(offv, _mm256_set1_ps(dx[nb + b]), acc[j]);
         }
     }
-    for (int j = 0; j < RN; j++) {
-        if (rm == 8) {
-            _mm256_storeu_ps(out + j * ldo, acc[j]);
-        } else {
-            float tmp[8];
-            _mm256_storeu_ps(tmp, acc[j]);
-            for (int i = 0; i < rm; i++) out[j * ldo + i] = tmp[i];
-        }
-    }
+    pi_tile8_store(acc, RN, out, ldo, rm);
 }
 
 /* pi_gemm_rows for the types of pi_gemm_pack_x (t a constant in each copy) */
