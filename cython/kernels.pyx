@@ -13,7 +13,7 @@ llama.cpp's ggml_vec_dot_q4_0_q8_0 does: relative error about 1e-3 against an f3
 from cython.parallel cimport prange, parallel
 from libc.stdint cimport uint8_t, int8_t, int32_t
 from libc.stdlib cimport malloc, free, calloc
-from libc.string cimport memset
+from libc.string cimport memset, memcpy
 from libc.math cimport expf, sqrtf, fabsf, cos, sin, pow
 
 cdef extern from "simd.h" nogil:
@@ -91,12 +91,15 @@ DEF COL_TILE = 64
 # down projection 23: on two threads 128-row chunks took 20-40% off those sums; session 8).
 # Chunk boundaries fall on multiples of AXPY_ALIGN rows: the integer kernel (axpyq.h)
 # sums rows in groups of 16, and a chunk of 24 rows (gate/up of SmolLM2) cost a second, half-empty
-# group. The chunks' partial sums are added by column slices in parallel (AXPY_RED_COLS floats).
+# group. The chunks' partial sums are added by column slices in parallel, one slice per thread.
 DEF AXPY_CHUNKS = 24
 DEF AXPY_MIN_ROWS = 128
 DEF AXPY_ALIGN = 16
-DEF AXPY_RED_COLS = 512
-DEF AXPY_RED_PAR = 32768
+# the partial sums are added by slices of a multiple of AXPY_RED_ALIGN columns (a cache line)
+DEF AXPY_RED_ALIGN = 16
+# parts of the activation and down-selection loop of decode_ffn_in (a fixed number: the compacted
+# list of kept neurons is the same for any split, the parts just spread the expf calls)
+DEF ACT_PARTS = 8
 # rows of at least this many bytes take the column split of the integer sums (no partial sums);
 # shorter rows (SmolLM2's 612-byte ffn_down_t rows) streamed from memory up to 1.7x slower on two
 # threads when each thread read half of every row (docs/benchmarks.md, session 8)
@@ -434,6 +437,16 @@ cdef inline Py_ssize_t _axpy_chunks(Py_ssize_t n) noexcept nogil:
     return 1
 
 
+cdef inline Py_ssize_t _axpy_bound(Py_ssize_t c, Py_ssize_t n, Py_ssize_t n_chunks) noexcept nogil:
+    """First row of chunk c of an n-row sum in n_chunks chunks (n for c == n_chunks): c n /
+    n_chunks rounded to the nearest multiple of AXPY_ALIGN, so the integer kernel's groups of 16
+    (and the f32 path's 4-row passes) stay whole and the chunks within 8 rows of equal (rounding
+    down gave the last of two chunks up to 15 rows more: 7% longer on two threads)."""
+    if c >= n_chunks:
+        return n
+    return min(n, (c * n // n_chunks + AXPY_ALIGN // 2) & ~(<Py_ssize_t> AXPY_ALIGN - 1))
+
+
 cdef void _axpy_rows(const uint8_t *w, Py_ssize_t stride, int qtype, int cols, const float *coef,
                      const int32_t *idx, Py_ssize_t n, float *out, int n_threads) noexcept nogil:
     """out = sum_k coef[k] * w[idx[k] or k]. The integer sums of axpyq.h split the columns among
@@ -445,8 +458,7 @@ cdef void _axpy_rows(const uint8_t *w, Py_ssize_t stride, int qtype, int cols, c
     split once changed greedy tokens on the sparse path)."""
     cdef Py_ssize_t k0, k1
     cdef Py_ssize_t n_chunks = _axpy_chunks(n)
-    cdef Py_ssize_t c, cc, cb, c0, cn
-    cdef Py_ssize_t n_red = (cols + AXPY_RED_COLS - 1) // AXPY_RED_COLS
+    cdef Py_ssize_t c, cc, c0, cn, n_red
     cdef int nt = <int> min(<Py_ssize_t> n_threads, n_chunks)
     cdef float *acc
     cdef float *tmp
@@ -473,25 +485,25 @@ cdef void _axpy_rows(const uint8_t *w, Py_ssize_t stride, int qtype, int cols, c
         pi_axpy_rows_range(qtype, w, stride, coef, idx, 0, n, n, out, cols)
         return
     tmp = <float *> malloc(((n_chunks - 1) * cols + 1) * sizeof(float))
-    for c in prange(n_chunks, schedule='static', num_threads=nt):
-        acc = out if c == 0 else tmp + (c - 1) * cols
-        if c > 0:
-            memset(acc, 0, cols * sizeof(float))
-        # boundaries on multiples of 16 keep the groups of axpyq.h (and the 4-row passes of the
-        # f32 path) whole
-        k0 = (c * n // n_chunks) & ~(AXPY_ALIGN - 1)
-        k1 = n if c == n_chunks - 1 else ((c + 1) * n // n_chunks) & ~(AXPY_ALIGN - 1)
-        pi_axpy_rows_range(qtype, w, stride, coef, idx, k0, k1, n, acc, cols)
-    # the partial sums in chunk order for every column (same bits at any thread count), column
-    # slices in parallel where there are many (gate/up of SmolLM2: 17 partial sums of 3072
-    # floats; the down projection's 23 of 576 are not worth a parallel region)
-    if (n_chunks - 1) * cols < AXPY_RED_PAR:
-        n_red = 1
-    for cb in prange(n_red, schedule='static', num_threads=<int> min(<Py_ssize_t> nt, n_red)):
-        c0 = cb * AXPY_RED_COLS if n_red > 1 else 0
-        cn = min(<Py_ssize_t> AXPY_RED_COLS, cols - c0) if n_red > 1 else cols
-        for cc in range(1, n_chunks):
-            pi_add_f32(out + c0, tmp + (cc - 1) * cols + c0, <int> cn)
+    # one parallel region: the chunk sums, then (after the loop's barrier) the partial sums added
+    # by column slices, one contiguous slice per thread (a serial reduction, reading the other
+    # cores' partial sums, took 3-10 us per call on two threads: session 9)
+    n_red = (cols + AXPY_RED_ALIGN - 1) // AXPY_RED_ALIGN
+    with parallel(num_threads=nt):
+        for c in prange(n_chunks, schedule='static'):
+            acc = out if c == 0 else tmp + (c - 1) * cols
+            if c > 0:
+                memset(acc, 0, cols * sizeof(float))
+            k0 = _axpy_bound(c, n, n_chunks)
+            k1 = _axpy_bound(c + 1, n, n_chunks)
+            pi_axpy_rows_range(qtype, w, stride, coef, idx, k0, k1, n, acc, cols)
+        # each column's partial sums in chunk order, whatever the slice: same bits at any
+        # thread count
+        for p in prange(nt, schedule='static'):
+            c0 = min(p * n_red // nt * AXPY_RED_ALIGN, <Py_ssize_t> cols)
+            cn = min((p + 1) * n_red // nt * AXPY_RED_ALIGN, <Py_ssize_t> cols) - c0
+            for cc in range(1, n_chunks):
+                pi_add_f32(out + c0, tmp + (cc - 1) * cols + c0, <int> cn)
     free(tmp)
 
 
@@ -1123,6 +1135,89 @@ def select_inputs(const float[::1] x, const float[::1] scale, float thr, float[:
     return k
 
 
+cdef Py_ssize_t _act_select_down(float *gu, Py_ssize_t n_ff, int silu, const float *sd,
+                                 float thr_d, const uint8_t *wd, Py_ssize_t stride, int td,
+                                 int n_embd, float *coef, int32_t *idx, float *ctmp,
+                                 int32_t *itmp, float *tmp, float *y, float *x,
+                                 int n_threads) noexcept nogil:
+    """The second half of decode_ffn_in in one parallel region: a_j = act(g_j) u_j (gu = [g, u],
+    (2 n_ff,)), the kept a_j (|a_j| sd_j > thr_d) compacted in order into coef/idx, y = sum of
+    a_j wd[j] over them (as _axpy_rows: the column split of the integer sums for long rows,
+    else chunks by the kept count and their partial sums added in chunk order), then x += y.
+    tmp: room for (AXPY_CHUNKS - 1) n_embd floats; ctmp/itmp: n_ff each. Returns the kept
+    count. Same numbers as the serial loop, _select_inputs and _axpy_rows at any n_threads; on
+    two threads the serial activation loop (1536 expf, 7 us) and the serial reduction cost
+    10-12 us per SmolLM2 layer (session 9)."""
+    cdef Py_ssize_t cnt[ACT_PARTS]
+    cdef Py_ssize_t p, q, qq, r, j, j0, j1, k, off, n = 0, n_kept, n_chunks, c, cc, k0, k1, c0, cn
+    cdef Py_ssize_t unit, n_units, n_parts = 1, n_red = (n_embd + AXPY_RED_ALIGN - 1) // AXPY_RED_ALIGN
+    cdef int split = 0, nt = n_threads
+    cdef float a, sc
+    cdef float *acc
+    with parallel(num_threads=nt):
+        for p in prange(ACT_PARTS, schedule='static'):
+            j0 = p * n_ff // ACT_PARTS
+            j1 = (p + 1) * n_ff // ACT_PARTS
+            k = j0
+            for j in range(j0, j1):  # branch-free compaction into this part's own stretch
+                a = _act1(gu[j], silu) * gu[n_ff + j]
+                sc = fabsf(a)
+                if sd != NULL:
+                    sc = sc * sd[j]
+                ctmp[k] = a
+                itmp[k] = <int32_t> j
+                k = k + <int> (sc > thr_d)
+            cnt[p] = k - j0
+        for p in prange(ACT_PARTS, schedule='static'):
+            off = 0
+            for q in range(p):
+                off = off + cnt[q]
+            j0 = p * n_ff // ACT_PARTS
+            memcpy(coef + off, ctmp + j0, cnt[p] * sizeof(float))
+            memcpy(idx + off, itmp + j0, cnt[p] * sizeof(int32_t))
+        # every thread works out the same n and the same plan for the down sums
+        n = 0
+        for qq in range(ACT_PARTS):
+            n = n + cnt[qq]
+        n_chunks = _axpy_chunks(n)
+        split = pi_axpy_rows_int(td, idx) and (stride >= AXPY_SPLIT_COLS_BYTES or n_chunks == 1)
+        if split:
+            unit = pi_axpyq_unit_cols(td)
+            n_units = n_embd // unit
+            n_parts = max(1, min(<Py_ssize_t> nt, n_units))
+        elif n_chunks == 1:
+            n_parts = 1
+        else:
+            n_parts = n_chunks
+        for c in prange(n_parts, schedule='static'):
+            if split:
+                c0 = (c * n_units // n_parts) * unit
+                cn = ((c + 1) * n_units // n_parts) * unit
+                memset(y + c0, 0, (cn - c0) * sizeof(float))
+                if n > 0:
+                    pi_axpyq_rows_cols(td, wd, stride, coef, idx, n, y, <int> c0, <int> cn)
+            else:
+                acc = y if c == 0 else tmp + (c - 1) * n_embd
+                memset(acc, 0, n_embd * sizeof(float))
+                k0 = _axpy_bound(c, n, n_parts)
+                k1 = _axpy_bound(c + 1, n, n_parts)
+                if k1 > k0:
+                    pi_axpy_rows_range(td, wd, stride, coef, idx, k0, k1, n, acc, n_embd)
+        # the chunks' partial sums in chunk order (same bits at any thread count), then the
+        # residual, by column slices
+        for p in prange(nt, schedule='static'):
+            c0 = min(p * n_red // nt * AXPY_RED_ALIGN, <Py_ssize_t> n_embd)
+            cn = min((p + 1) * n_red // nt * AXPY_RED_ALIGN, <Py_ssize_t> n_embd) - c0
+            if not split:
+                for cc in range(1, n_parts):
+                    pi_add_f32(y + c0, tmp + (cc - 1) * n_embd + c0, <int> cn)
+            pi_add_f32(x + c0, y + c0, <int> cn)
+    n_kept = 0
+    for r in range(ACT_PARTS):
+        n_kept = n_kept + cnt[r]
+    return n_kept
+
+
 def decode_ffn_in(float[::1] x, const float[::1] ffn_norm, float eps,
                   const uint8_t[:, ::1] wgu, int tgu, const uint8_t[:, ::1] wd, int td,
                   const float[::1] scale_gu, float thr_gu, const float[::1] scale_d, float thr_d,
@@ -1140,30 +1235,32 @@ def decode_ffn_in(float[::1] x, const float[::1] ffn_norm, float eps,
     _check_w(wd, td, n_embd)
     cdef const float *sgu = _opt_ptr(scale_gu, n_embd, "decode_ffn_in scale_gu")
     cdef const float *sd = _opt_ptr(scale_d, n_ff, "decode_ffn_in scale_d")
+    cdef Py_ssize_t m = max(<Py_ssize_t> n_embd, n_ff)
     cdef float *buf
     cdef float *h
     cdef float *y
     cdef float *gu
     cdef float *coef
+    cdef float *ctmp
+    cdef float *tmp
     cdef int32_t *idx
-    cdef Py_ssize_t j, n_in, n_mid
+    cdef Py_ssize_t n_in, n_mid
     with nogil:
-        buf = <float *> malloc((3 * n_embd + 3 * n_ff + n_ff) * sizeof(float))
-        idx = <int32_t *> malloc((n_ff + n_embd + 1) * sizeof(int32_t))
+        buf = <float *> malloc((2 * n_embd + m + 3 * n_ff + (AXPY_CHUNKS - 1) * n_embd + 1)
+                               * sizeof(float))
+        idx = <int32_t *> malloc((m + n_ff + 1) * sizeof(int32_t))
         h = buf
         y = h + n_embd
-        coef = y + n_embd  # n_embd, then reused for n_ff (room for max(n_embd, n_ff))
-        gu = coef + n_embd + n_ff
+        coef = y + n_embd
+        gu = coef + m
+        ctmp = gu + 2 * n_ff
+        tmp = ctmp + n_ff
         _rmsnorm1(&x[0], &ffn_norm[0], eps, h, n_embd)
         n_in = _select_inputs(h, sgu, thr_gu, n_embd, coef, idx)
         _axpy_rows(&wgu[0, 0], wgu.shape[1], tgu, <int> (2 * n_ff), coef, idx, n_in, gu,
                    n_threads)
-        for j in range(n_ff):
-            gu[j] = _act1(gu[j], silu) * gu[n_ff + j]
-        n_mid = _select_inputs(gu, sd, thr_d, n_ff, coef, idx)
-        _axpy_rows(&wd[0, 0], wd.shape[1], td, n_embd, coef, idx, n_mid, y, n_threads)
-        for j in range(n_embd):
-            x[j] += y[j]
+        n_mid = _act_select_down(gu, n_ff, silu, sd, thr_d, &wd[0, 0], wd.shape[1], td, n_embd,
+                                 coef, idx, ctmp, idx + m, tmp, y, &x[0], n_threads)
         free(buf)
         free(idx)
     return n_in, n_mid
