@@ -13,7 +13,7 @@ llama.cpp's ggml_vec_dot_q4_0_q8_0 does: relative error about 1e-3 against an f3
 from cython.parallel cimport prange, parallel
 from libc.stdint cimport uint8_t, int8_t, int32_t
 from libc.stdlib cimport malloc, free, calloc
-from libc.string cimport memset, memcpy
+from libc.string cimport memset
 from libc.math cimport expf, sqrtf, fabsf, cos, sin, pow
 
 cdef extern from "simd.h" nogil:
@@ -60,6 +60,17 @@ cdef extern from "simd.h" nogil:
     void pi_axpyq_rows_cols(int qtype, const uint8_t *w, size_t stride, const float *coef,
                             const int32_t *idx, long n, float *out, int c0, int c1)
 
+cdef extern from "rowsum_team.h" nogil:
+    long pi_axpy_nchunks(long n)
+    size_t pi_axpy_tmp_floats(long n, int cols)
+    void pi_axpy_rows_par(int qtype, const uint8_t *w, size_t stride, const float *coef,
+                          const int32_t *idx, long n, float *out, int cols, float *tmp,
+                          int n_threads)
+    long pi_act_select_down(const float *gu, long n_ff, int silu, const float *sd, float thr,
+                            const uint8_t *wd, size_t stride, int td, int n_embd, float *coef,
+                            int32_t *idx, float *ctmp, int32_t *itmp, float *tmp, float *y,
+                            float *x, int n_threads)
+
 cdef extern from "gemm.h" nogil:
     int pi_gemm_supported(int qtype)
     void pi_gemm_rows(int qtype, const uint8_t *w, size_t ws, long r0, long r1, const float *xd,
@@ -84,26 +95,8 @@ cdef extern from "gemm.h" nogil:
 DEF ROW_TILE = 16
 # columns per work item in matmul_t (a multiple of 32 so quantized blocks are never split)
 DEF COL_TILE = 64
-# the row sums over transposed matrices (_axpy_rows) are cut into 24, 12, 6, 4, 2 or 1 chunks of
-# at least AXPY_MIN_ROWS rows, by the number of rows alone (never the thread count): 24 splits
-# evenly over 1, 2, 3, 4, 6, 8 and 12 threads, and fewer chunks on fewer rows save adding their
-# partial sums (with 32-row chunks SmolLM2's 576-row q/k/v sum added 17 of them, its 1536-row
-# down projection 23: on two threads 128-row chunks took 20-40% off those sums; session 8).
-# Chunk boundaries fall on multiples of AXPY_ALIGN rows: the integer kernel (axpyq.h)
-# sums rows in groups of 16, and a chunk of 24 rows (gate/up of SmolLM2) cost a second, half-empty
-# group. The chunks' partial sums are added by column slices in parallel, one slice per thread.
-DEF AXPY_CHUNKS = 24
-DEF AXPY_MIN_ROWS = 128
-DEF AXPY_ALIGN = 16
-# the partial sums are added by slices of a multiple of AXPY_RED_ALIGN columns (a cache line)
-DEF AXPY_RED_ALIGN = 16
-# parts of the activation and down-selection loop of decode_ffn_in (a fixed number: the compacted
-# list of kept neurons is the same for any split, the parts just spread the expf calls)
-DEF ACT_PARTS = 8
-# rows of at least this many bytes take the column split of the integer sums (no partial sums);
-# shorter rows (SmolLM2's 612-byte ffn_down_t rows) streamed from memory up to 1.7x slower on two
-# threads when each thread read half of every row (docs/benchmarks.md, session 8)
-DEF AXPY_SPLIT_COLS_BYTES = 2048
+# the row sums over transposed matrices (_axpy_rows, the FFN tail of decode_ffn_in): chunking,
+# column split and the one parallel region of each are in rowsum_team.h
 # tokens per work item of the batched attention: with the group's query heads, the queries that
 # share each K/V row read from L2 (SmolLM2: 3 heads x 4 tokens)
 DEF ATT_TOKENS = 4
@@ -419,91 +412,17 @@ def matmul_glu(const uint8_t[:, ::1] gate, int qtype_g, const uint8_t[:, ::1] up
 
 # ---------------------------------------------------------------- transposed (down) products
 
-cdef inline Py_ssize_t _axpy_chunks(Py_ssize_t n) noexcept nogil:
-    """Chunks of an n-row sum: the largest of 24, 12, 6, 4, 2, 1 with at least AXPY_MIN_ROWS
-    rows each (each chunk's partial sum costs a pass over the columns to add; a count that
-    divides evenly among 2, 3 (6) or 4 threads keeps them balanced)."""
-    cdef Py_ssize_t m = n // AXPY_MIN_ROWS
-    if m >= AXPY_CHUNKS:
-        return AXPY_CHUNKS
-    if m >= 12:
-        return 12
-    if m >= 6:
-        return 6
-    if m >= 4:
-        return 4
-    if m >= 2:
-        return 2
-    return 1
-
-
-cdef inline Py_ssize_t _axpy_bound(Py_ssize_t c, Py_ssize_t n, Py_ssize_t n_chunks) noexcept nogil:
-    """First row of chunk c of an n-row sum in n_chunks chunks (n for c == n_chunks): c n /
-    n_chunks rounded to the nearest multiple of AXPY_ALIGN, so the integer kernel's groups of 16
-    (and the f32 path's 4-row passes) stay whole and the chunks within 8 rows of equal (rounding
-    down gave the last of two chunks up to 15 rows more: 7% longer on two threads)."""
-    if c >= n_chunks:
-        return n
-    return min(n, (c * n // n_chunks + AXPY_ALIGN // 2) & ~(<Py_ssize_t> AXPY_ALIGN - 1))
-
-
 cdef void _axpy_rows(const uint8_t *w, Py_ssize_t stride, int qtype, int cols, const float *coef,
                      const int32_t *idx, Py_ssize_t n, float *out, int n_threads) noexcept nogil:
-    """out = sum_k coef[k] * w[idx[k] or k]. The integer sums of axpyq.h split the columns among
-    the threads (each column summed over every row in the same order, whatever the split). The
-    f32 path cuts the rows into chunks by n alone (never by the thread count), each chunk is
-    summed in row order into its own accumulator (cols floats, in L1) and the chunks are added
-    in chunk order; threads take contiguous runs of chunks, so the weights still stream in row
-    order. Either way the result has the same bits at any n_threads (issue 9: a thread-count
-    split once changed greedy tokens on the sparse path)."""
-    cdef Py_ssize_t k0, k1
-    cdef Py_ssize_t n_chunks = _axpy_chunks(n)
-    cdef Py_ssize_t c, cc, c0, cn, n_red
-    cdef int nt = <int> min(<Py_ssize_t> n_threads, n_chunks)
-    cdef float *acc
-    cdef float *tmp
-    cdef Py_ssize_t p, n_units, n_parts, unit
-    if pi_axpy_rows_int(qtype, idx) and (stride >= AXPY_SPLIT_COLS_BYTES or n_chunks == 1):
-        # the integer sums (axpyq.h) over long rows split by columns: each thread sums every row
-        # over its own columns, so there are no partial sums to add, and a column's sum (groups
-        # of 16 rows in row order) is the same for any split: same bits at any n_threads
-        unit = pi_axpyq_unit_cols(qtype)
-        n_units = cols // unit
-        n_parts = max(1, min(<Py_ssize_t> n_threads, n_units))
-        if n_parts == 1 or n < 2 * AXPY_ALIGN:
-            memset(out, 0, cols * sizeof(float))
-            pi_axpyq_rows_cols(qtype, w, stride, coef, idx, n, out, 0, cols)
-            return
-        for p in prange(n_parts, schedule='static', num_threads=<int> n_parts):
-            c0 = (p * n_units // n_parts) * unit
-            cn = ((p + 1) * n_units // n_parts) * unit
-            memset(out + c0, 0, (cn - c0) * sizeof(float))
-            pi_axpyq_rows_cols(qtype, w, stride, coef, idx, n, out, <int> c0, <int> cn)
-        return
-    memset(out, 0, cols * sizeof(float))
-    if n_chunks == 1:
-        pi_axpy_rows_range(qtype, w, stride, coef, idx, 0, n, n, out, cols)
-        return
-    tmp = <float *> malloc(((n_chunks - 1) * cols + 1) * sizeof(float))
-    # one parallel region: the chunk sums, then (after the loop's barrier) the partial sums added
-    # by column slices, one contiguous slice per thread (a serial reduction, reading the other
-    # cores' partial sums, took 3-10 us per call on two threads: session 9)
-    n_red = (cols + AXPY_RED_ALIGN - 1) // AXPY_RED_ALIGN
-    with parallel(num_threads=nt):
-        for c in prange(n_chunks, schedule='static'):
-            acc = out if c == 0 else tmp + (c - 1) * cols
-            if c > 0:
-                memset(acc, 0, cols * sizeof(float))
-            k0 = _axpy_bound(c, n, n_chunks)
-            k1 = _axpy_bound(c + 1, n, n_chunks)
-            pi_axpy_rows_range(qtype, w, stride, coef, idx, k0, k1, n, acc, cols)
-        # each column's partial sums in chunk order, whatever the slice: same bits at any
-        # thread count
-        for p in prange(nt, schedule='static'):
-            c0 = min(p * n_red // nt * AXPY_RED_ALIGN, <Py_ssize_t> cols)
-            cn = min((p + 1) * n_red // nt * AXPY_RED_ALIGN, <Py_ssize_t> cols) - c0
-            for cc in range(1, n_chunks):
-                pi_add_f32(out + c0, tmp + (cc - 1) * cols + c0, <int> cn)
+    """out = sum_k coef[k] * w[idx[k] or k] (rowsum_team.h: the integer sums of long rows split by
+    columns; otherwise chunks cut by n alone, each summed in row order, and their partial sums
+    added in chunk order, all in one parallel region). The result has the same bits at any
+    n_threads (issue 9: a thread-count split once changed greedy tokens on the sparse path)."""
+    cdef float *tmp = NULL
+    cdef size_t nt = pi_axpy_tmp_floats(n, cols)
+    if nt:
+        tmp = <float *> malloc(nt * sizeof(float))
+    pi_axpy_rows_par(qtype, w, stride, coef, idx, n, out, cols, tmp, n_threads)
     free(tmp)
 
 
@@ -1135,89 +1054,6 @@ def select_inputs(const float[::1] x, const float[::1] scale, float thr, float[:
     return k
 
 
-cdef Py_ssize_t _act_select_down(float *gu, Py_ssize_t n_ff, int silu, const float *sd,
-                                 float thr_d, const uint8_t *wd, Py_ssize_t stride, int td,
-                                 int n_embd, float *coef, int32_t *idx, float *ctmp,
-                                 int32_t *itmp, float *tmp, float *y, float *x,
-                                 int n_threads) noexcept nogil:
-    """The second half of decode_ffn_in in one parallel region: a_j = act(g_j) u_j (gu = [g, u],
-    (2 n_ff,)), the kept a_j (|a_j| sd_j > thr_d) compacted in order into coef/idx, y = sum of
-    a_j wd[j] over them (as _axpy_rows: the column split of the integer sums for long rows,
-    else chunks by the kept count and their partial sums added in chunk order), then x += y.
-    tmp: room for (AXPY_CHUNKS - 1) n_embd floats; ctmp/itmp: n_ff each. Returns the kept
-    count. Same numbers as the serial loop, _select_inputs and _axpy_rows at any n_threads; on
-    two threads the serial activation loop (1536 expf, 7 us) and the serial reduction cost
-    10-12 us per SmolLM2 layer (session 9)."""
-    cdef Py_ssize_t cnt[ACT_PARTS]
-    cdef Py_ssize_t p, q, qq, r, j, j0, j1, k, off, n = 0, n_kept, n_chunks, c, cc, k0, k1, c0, cn
-    cdef Py_ssize_t unit, n_units, n_parts = 1, n_red = (n_embd + AXPY_RED_ALIGN - 1) // AXPY_RED_ALIGN
-    cdef int split = 0, nt = n_threads
-    cdef float a, sc
-    cdef float *acc
-    with parallel(num_threads=nt):
-        for p in prange(ACT_PARTS, schedule='static'):
-            j0 = p * n_ff // ACT_PARTS
-            j1 = (p + 1) * n_ff // ACT_PARTS
-            k = j0
-            for j in range(j0, j1):  # branch-free compaction into this part's own stretch
-                a = _act1(gu[j], silu) * gu[n_ff + j]
-                sc = fabsf(a)
-                if sd != NULL:
-                    sc = sc * sd[j]
-                ctmp[k] = a
-                itmp[k] = <int32_t> j
-                k = k + <int> (sc > thr_d)
-            cnt[p] = k - j0
-        for p in prange(ACT_PARTS, schedule='static'):
-            off = 0
-            for q in range(p):
-                off = off + cnt[q]
-            j0 = p * n_ff // ACT_PARTS
-            memcpy(coef + off, ctmp + j0, cnt[p] * sizeof(float))
-            memcpy(idx + off, itmp + j0, cnt[p] * sizeof(int32_t))
-        # every thread works out the same n and the same plan for the down sums
-        n = 0
-        for qq in range(ACT_PARTS):
-            n = n + cnt[qq]
-        n_chunks = _axpy_chunks(n)
-        split = pi_axpy_rows_int(td, idx) and (stride >= AXPY_SPLIT_COLS_BYTES or n_chunks == 1)
-        if split:
-            unit = pi_axpyq_unit_cols(td)
-            n_units = n_embd // unit
-            n_parts = max(1, min(<Py_ssize_t> nt, n_units))
-        elif n_chunks == 1:
-            n_parts = 1
-        else:
-            n_parts = n_chunks
-        for c in prange(n_parts, schedule='static'):
-            if split:
-                c0 = (c * n_units // n_parts) * unit
-                cn = ((c + 1) * n_units // n_parts) * unit
-                memset(y + c0, 0, (cn - c0) * sizeof(float))
-                if n > 0:
-                    pi_axpyq_rows_cols(td, wd, stride, coef, idx, n, y, <int> c0, <int> cn)
-            else:
-                acc = y if c == 0 else tmp + (c - 1) * n_embd
-                memset(acc, 0, n_embd * sizeof(float))
-                k0 = _axpy_bound(c, n, n_parts)
-                k1 = _axpy_bound(c + 1, n, n_parts)
-                if k1 > k0:
-                    pi_axpy_rows_range(td, wd, stride, coef, idx, k0, k1, n, acc, n_embd)
-        # the chunks' partial sums in chunk order (same bits at any thread count), then the
-        # residual, by column slices
-        for p in prange(nt, schedule='static'):
-            c0 = min(p * n_red // nt * AXPY_RED_ALIGN, <Py_ssize_t> n_embd)
-            cn = min((p + 1) * n_red // nt * AXPY_RED_ALIGN, <Py_ssize_t> n_embd) - c0
-            if not split:
-                for cc in range(1, n_parts):
-                    pi_add_f32(y + c0, tmp + (cc - 1) * n_embd + c0, <int> cn)
-            pi_add_f32(x + c0, y + c0, <int> cn)
-    n_kept = 0
-    for r in range(ACT_PARTS):
-        n_kept = n_kept + cnt[r]
-    return n_kept
-
-
 def decode_ffn_in(float[::1] x, const float[::1] ffn_norm, float eps,
                   const uint8_t[:, ::1] wgu, int tgu, const uint8_t[:, ::1] wd, int td,
                   const float[::1] scale_gu, float thr_gu, const float[::1] scale_d, float thr_d,
@@ -1246,7 +1082,8 @@ def decode_ffn_in(float[::1] x, const float[::1] ffn_norm, float eps,
     cdef int32_t *idx
     cdef Py_ssize_t n_in, n_mid
     with nogil:
-        buf = <float *> malloc((2 * n_embd + m + 3 * n_ff + (AXPY_CHUNKS - 1) * n_embd + 1)
+        # (the down sums take at most pi_axpy_nchunks(n_ff) chunks)
+        buf = <float *> malloc((2 * n_embd + m + 3 * n_ff + pi_axpy_tmp_floats(n_ff, n_embd) + 1)
                                * sizeof(float))
         idx = <int32_t *> malloc((m + n_ff + 1) * sizeof(int32_t))
         h = buf
@@ -1259,8 +1096,9 @@ def decode_ffn_in(float[::1] x, const float[::1] ffn_norm, float eps,
         n_in = _select_inputs(h, sgu, thr_gu, n_embd, coef, idx)
         _axpy_rows(&wgu[0, 0], wgu.shape[1], tgu, <int> (2 * n_ff), coef, idx, n_in, gu,
                    n_threads)
-        n_mid = _act_select_down(gu, n_ff, silu, sd, thr_d, &wd[0, 0], wd.shape[1], td, n_embd,
-                                 coef, idx, ctmp, idx + m, tmp, y, &x[0], n_threads)
+        # act, the down selection and sums and the residual in one parallel region
+        n_mid = pi_act_select_down(gu, n_ff, silu, sd, thr_d, &wd[0, 0], wd.shape[1], td, n_embd,
+                                   coef, idx, ctmp, idx + m, tmp, y, &x[0], n_threads)
         free(buf)
         free(idx)
     return n_in, n_mid
