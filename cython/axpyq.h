@@ -342,6 +342,10 @@ pi_axq_range(const int t, const uint8_t *w, size_t stride, const float *coef, co
     const long pd = PI_AXQ_G * ((pi_prefetch_dist(pi_col_offset(t, cols)) + PI_AXQ_G - 1) / PI_AXQ_G);
     const uint8_t *rows[PI_AXQ_G], *pf[PI_AXQ_G];
 #define PI_AXQ_ROW(j) (w + (idx ? (size_t)idx[j] : (size_t)(j)) * stride)
+    /* nothing ran ahead of the range's first pd rows (a thread's first chunk, or its columns of
+     * a column split): ask for them all now rather than at the pace of the first groups */
+    for (long j = k0; j < k0 + pd && j < kp; j++)
+        pi_prefetch_l2(PI_AXQ_ROW(j), pi_col_offset(t, cols));
     for (long k = k0; k < k1; k += PI_AXQ_G) {
         const int ng = (int)(k1 - k < PI_AXQ_G ? k1 - k : PI_AXQ_G);
         for (int j = 0; j < PI_AXQ_G; j++) {

@@ -60,6 +60,17 @@ cdef extern from "simd.h" nogil:
     void pi_axpyq_rows_cols(int qtype, const uint8_t *w, size_t stride, const float *coef,
                             const int32_t *idx, long n, float *out, int c0, int c1)
 
+cdef extern from "rowsum_team.h" nogil:
+    long pi_axpy_nchunks(long n)
+    size_t pi_axpy_tmp_floats(long n, int cols)
+    void pi_axpy_rows_par(int qtype, const uint8_t *w, size_t stride, const float *coef,
+                          const int32_t *idx, long n, float *out, int cols, float *tmp,
+                          int n_threads)
+    long pi_act_select_down(const float *gu, long n_ff, int silu, const float *sd, float thr,
+                            const uint8_t *wd, size_t stride, int td, int n_embd, float *coef,
+                            int32_t *idx, float *ctmp, int32_t *itmp, float *tmp, float *y,
+                            float *x, int n_threads)
+
 cdef extern from "gemm.h" nogil:
     int pi_gemm_supported(int qtype)
     void pi_gemm_rows(int qtype, const uint8_t *w, size_t ws, long r0, long r1, const float *xd,
@@ -84,23 +95,8 @@ cdef extern from "gemm.h" nogil:
 DEF ROW_TILE = 16
 # columns per work item in matmul_t (a multiple of 32 so quantized blocks are never split)
 DEF COL_TILE = 64
-# the row sums over transposed matrices (_axpy_rows) are cut into 24, 12, 6, 4, 2 or 1 chunks of
-# at least AXPY_MIN_ROWS rows, by the number of rows alone (never the thread count): 24 splits
-# evenly over 1, 2, 3, 4, 6, 8 and 12 threads, and fewer chunks on fewer rows save adding their
-# partial sums (with 32-row chunks SmolLM2's 576-row q/k/v sum added 17 of them, its 1536-row
-# down projection 23: on two threads 128-row chunks took 20-40% off those sums; session 8).
-# Chunk boundaries fall on multiples of AXPY_ALIGN rows: the integer kernel (axpyq.h)
-# sums rows in groups of 16, and a chunk of 24 rows (gate/up of SmolLM2) cost a second, half-empty
-# group. The chunks' partial sums are added by column slices in parallel (AXPY_RED_COLS floats).
-DEF AXPY_CHUNKS = 24
-DEF AXPY_MIN_ROWS = 128
-DEF AXPY_ALIGN = 16
-DEF AXPY_RED_COLS = 512
-DEF AXPY_RED_PAR = 32768
-# rows of at least this many bytes take the column split of the integer sums (no partial sums);
-# shorter rows (SmolLM2's 612-byte ffn_down_t rows) streamed from memory up to 1.7x slower on two
-# threads when each thread read half of every row (docs/benchmarks.md, session 8)
-DEF AXPY_SPLIT_COLS_BYTES = 2048
+# the row sums over transposed matrices (_axpy_rows, the FFN tail of decode_ffn_in): chunking,
+# column split and the one parallel region of each are in rowsum_team.h
 # tokens per work item of the batched attention: with the group's query heads, the queries that
 # share each K/V row read from L2 (SmolLM2: 3 heads x 4 tokens)
 DEF ATT_TOKENS = 4
@@ -416,82 +412,17 @@ def matmul_glu(const uint8_t[:, ::1] gate, int qtype_g, const uint8_t[:, ::1] up
 
 # ---------------------------------------------------------------- transposed (down) products
 
-cdef inline Py_ssize_t _axpy_chunks(Py_ssize_t n) noexcept nogil:
-    """Chunks of an n-row sum: the largest of 24, 12, 6, 4, 2, 1 with at least AXPY_MIN_ROWS
-    rows each (each chunk's partial sum costs a pass over the columns to add; a count that
-    divides evenly among 2, 3 (6) or 4 threads keeps them balanced)."""
-    cdef Py_ssize_t m = n // AXPY_MIN_ROWS
-    if m >= AXPY_CHUNKS:
-        return AXPY_CHUNKS
-    if m >= 12:
-        return 12
-    if m >= 6:
-        return 6
-    if m >= 4:
-        return 4
-    if m >= 2:
-        return 2
-    return 1
-
-
 cdef void _axpy_rows(const uint8_t *w, Py_ssize_t stride, int qtype, int cols, const float *coef,
                      const int32_t *idx, Py_ssize_t n, float *out, int n_threads) noexcept nogil:
-    """out = sum_k coef[k] * w[idx[k] or k]. The integer sums of axpyq.h split the columns among
-    the threads (each column summed over every row in the same order, whatever the split). The
-    f32 path cuts the rows into chunks by n alone (never by the thread count), each chunk is
-    summed in row order into its own accumulator (cols floats, in L1) and the chunks are added
-    in chunk order; threads take contiguous runs of chunks, so the weights still stream in row
-    order. Either way the result has the same bits at any n_threads (issue 9: a thread-count
-    split once changed greedy tokens on the sparse path)."""
-    cdef Py_ssize_t k0, k1
-    cdef Py_ssize_t n_chunks = _axpy_chunks(n)
-    cdef Py_ssize_t c, cc, cb, c0, cn
-    cdef Py_ssize_t n_red = (cols + AXPY_RED_COLS - 1) // AXPY_RED_COLS
-    cdef int nt = <int> min(<Py_ssize_t> n_threads, n_chunks)
-    cdef float *acc
-    cdef float *tmp
-    cdef Py_ssize_t p, n_units, n_parts, unit
-    if pi_axpy_rows_int(qtype, idx) and (stride >= AXPY_SPLIT_COLS_BYTES or n_chunks == 1):
-        # the integer sums (axpyq.h) over long rows split by columns: each thread sums every row
-        # over its own columns, so there are no partial sums to add, and a column's sum (groups
-        # of 16 rows in row order) is the same for any split: same bits at any n_threads
-        unit = pi_axpyq_unit_cols(qtype)
-        n_units = cols // unit
-        n_parts = max(1, min(<Py_ssize_t> n_threads, n_units))
-        if n_parts == 1 or n < 2 * AXPY_ALIGN:
-            memset(out, 0, cols * sizeof(float))
-            pi_axpyq_rows_cols(qtype, w, stride, coef, idx, n, out, 0, cols)
-            return
-        for p in prange(n_parts, schedule='static', num_threads=<int> n_parts):
-            c0 = (p * n_units // n_parts) * unit
-            cn = ((p + 1) * n_units // n_parts) * unit
-            memset(out + c0, 0, (cn - c0) * sizeof(float))
-            pi_axpyq_rows_cols(qtype, w, stride, coef, idx, n, out, <int> c0, <int> cn)
-        return
-    memset(out, 0, cols * sizeof(float))
-    if n_chunks == 1:
-        pi_axpy_rows_range(qtype, w, stride, coef, idx, 0, n, n, out, cols)
-        return
-    tmp = <float *> malloc(((n_chunks - 1) * cols + 1) * sizeof(float))
-    for c in prange(n_chunks, schedule='static', num_threads=nt):
-        acc = out if c == 0 else tmp + (c - 1) * cols
-        if c > 0:
-            memset(acc, 0, cols * sizeof(float))
-        # boundaries on multiples of 16 keep the groups of axpyq.h (and the 4-row passes of the
-        # f32 path) whole
-        k0 = (c * n // n_chunks) & ~(AXPY_ALIGN - 1)
-        k1 = n if c == n_chunks - 1 else ((c + 1) * n // n_chunks) & ~(AXPY_ALIGN - 1)
-        pi_axpy_rows_range(qtype, w, stride, coef, idx, k0, k1, n, acc, cols)
-    # the partial sums in chunk order for every column (same bits at any thread count), column
-    # slices in parallel where there are many (gate/up of SmolLM2: 17 partial sums of 3072
-    # floats; the down projection's 23 of 576 are not worth a parallel region)
-    if (n_chunks - 1) * cols < AXPY_RED_PAR:
-        n_red = 1
-    for cb in prange(n_red, schedule='static', num_threads=<int> min(<Py_ssize_t> nt, n_red)):
-        c0 = cb * AXPY_RED_COLS if n_red > 1 else 0
-        cn = min(<Py_ssize_t> AXPY_RED_COLS, cols - c0) if n_red > 1 else cols
-        for cc in range(1, n_chunks):
-            pi_add_f32(out + c0, tmp + (cc - 1) * cols + c0, <int> cn)
+    """out = sum_k coef[k] * w[idx[k] or k] (rowsum_team.h: the integer sums of long rows split by
+    columns; otherwise chunks cut by n alone, each summed in row order, and their partial sums
+    added in chunk order, all in one parallel region). The result has the same bits at any
+    n_threads (issue 9: a thread-count split once changed greedy tokens on the sparse path)."""
+    cdef float *tmp = NULL
+    cdef size_t nt = pi_axpy_tmp_floats(n, cols)
+    if nt:
+        tmp = <float *> malloc(nt * sizeof(float))
+    pi_axpy_rows_par(qtype, w, stride, coef, idx, n, out, cols, tmp, n_threads)
     free(tmp)
 
 
@@ -1140,30 +1071,34 @@ def decode_ffn_in(float[::1] x, const float[::1] ffn_norm, float eps,
     _check_w(wd, td, n_embd)
     cdef const float *sgu = _opt_ptr(scale_gu, n_embd, "decode_ffn_in scale_gu")
     cdef const float *sd = _opt_ptr(scale_d, n_ff, "decode_ffn_in scale_d")
+    cdef Py_ssize_t m = max(<Py_ssize_t> n_embd, n_ff)
     cdef float *buf
     cdef float *h
     cdef float *y
     cdef float *gu
     cdef float *coef
+    cdef float *ctmp
+    cdef float *tmp
     cdef int32_t *idx
-    cdef Py_ssize_t j, n_in, n_mid
+    cdef Py_ssize_t n_in, n_mid
     with nogil:
-        buf = <float *> malloc((3 * n_embd + 3 * n_ff + n_ff) * sizeof(float))
-        idx = <int32_t *> malloc((n_ff + n_embd + 1) * sizeof(int32_t))
+        # (the down sums take at most pi_axpy_nchunks(n_ff) chunks)
+        buf = <float *> malloc((2 * n_embd + m + 3 * n_ff + pi_axpy_tmp_floats(n_ff, n_embd) + 1)
+                               * sizeof(float))
+        idx = <int32_t *> malloc((m + n_ff + 1) * sizeof(int32_t))
         h = buf
         y = h + n_embd
-        coef = y + n_embd  # n_embd, then reused for n_ff (room for max(n_embd, n_ff))
-        gu = coef + n_embd + n_ff
+        coef = y + n_embd
+        gu = coef + m
+        ctmp = gu + 2 * n_ff
+        tmp = ctmp + n_ff
         _rmsnorm1(&x[0], &ffn_norm[0], eps, h, n_embd)
         n_in = _select_inputs(h, sgu, thr_gu, n_embd, coef, idx)
         _axpy_rows(&wgu[0, 0], wgu.shape[1], tgu, <int> (2 * n_ff), coef, idx, n_in, gu,
                    n_threads)
-        for j in range(n_ff):
-            gu[j] = _act1(gu[j], silu) * gu[n_ff + j]
-        n_mid = _select_inputs(gu, sd, thr_d, n_ff, coef, idx)
-        _axpy_rows(&wd[0, 0], wd.shape[1], td, n_embd, coef, idx, n_mid, y, n_threads)
-        for j in range(n_embd):
-            x[j] += y[j]
+        # act, the down selection and sums and the residual in one parallel region
+        n_mid = pi_act_select_down(gu, n_ff, silu, sd, thr_d, &wd[0, 0], wd.shape[1], td, n_embd,
+                                   coef, idx, ctmp, idx + m, tmp, y, &x[0], n_threads)
         free(buf)
         free(idx)
     return n_in, n_mid

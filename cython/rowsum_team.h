@@ -1,0 +1,239 @@
+/* Row sums over transposed matrices with the parallel region written out (issue 12, session 9):
+ *
+ *     out[0:cols] = sum_k coef[k] * W[idx ? idx[k] : k, 0:cols]
+ *
+ * the work of kernels.pyx's _axpy_rows and of the second half of decode_ffn_in (activation,
+ * down selection, down sums, residual), each in ONE parallel region with only the barriers the
+ * data needs. Cython emits a prange inside a parallel block as "omp for nowait" whose loop index
+ * is firstprivate and lastprivate, and GCC puts a barrier before each such loop: on the 2-core
+ * box a barrier costs about 1 us, and a region of four pranges plus the barriers the data needs
+ * had about seven per call, more than the work they split on SmolLM2's short sums.
+ *
+ * Determinism (issue 9): the sum is cut into chunks by n alone (pi_axpy_nchunks, pi_axpy_bound),
+ * each chunk summed in row order into its own accumulator, and every column adds the chunks'
+ * partial sums in chunk order, so the result has the same bits at any thread count; which thread
+ * sums which chunk, or adds which columns, does not matter. Long rows of the integer sums
+ * (axpyq.h) are split by columns instead (each column's sum runs over every row in the same
+ * groups, whatever the split). The activation's kept list is compacted in index order whatever
+ * the split of its parts.
+ *
+ * Included by kernels.pyx after simd.h. Every function named *_team must be called by every
+ * thread of the team with the same arguments (it contains barriers); with t = 0, T = 1 it runs
+ * serially outside any region.
+ */
+#ifndef PYINFER_ROWSUM_TEAM_H
+#define PYINFER_ROWSUM_TEAM_H
+
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#include "simd.h"
+#ifdef _OPENMP
+#include <omp.h>
+#define PI_BARRIER() _Pragma("omp barrier")
+#else
+#define PI_BARRIER() ((void)0)
+#endif
+
+/* the row sums are cut into 24, 12, 6, 4, 2 or 1 chunks of at least PI_AXPY_MIN_ROWS rows, by the
+ * number of rows alone: 24 splits evenly over 1, 2, 3, 4, 6, 8 and 12 threads, and fewer chunks
+ * on fewer rows save adding their partial sums (session 8: 128-row chunks took 20-40% off
+ * SmolLM2's q/k/v and down sums on two threads against 32-row ones). */
+#define PI_AXPY_CHUNKS 24
+#define PI_AXPY_MIN_ROWS 128
+/* chunk boundaries fall on multiples of 16 rows: the integer kernel (axpyq.h) sums rows in groups
+ * of 16 and a chunk of 24 rows cost a second, half-empty group */
+#define PI_AXPY_ALIGN 16
+/* columns are handed out for the reductions in slices of multiples of 16 floats (a cache line) */
+#define PI_AXPY_RED_ALIGN 16
+/* rows of at least this many bytes take the column split of the integer sums (no partial sums);
+ * shorter rows (SmolLM2's 612-byte ffn_down_t rows) streamed from memory up to 1.7x slower on two
+ * threads when each thread read half of every row (docs/benchmarks.md, session 8) */
+#define PI_AXPY_SPLIT_COLS_BYTES 2048
+/* parts of the activation loop of pi_act_select_down (fixed: the compacted list is the same for
+ * any split; the parts spread the 1536 expf calls of a SmolLM2 layer, 7 us on one core) */
+#define PI_ACT_PARTS 8
+
+/* Chunks of an n-row sum: the largest of 24, 12, 6, 4, 2, 1 with at least PI_AXPY_MIN_ROWS rows
+ * each. */
+static inline long pi_axpy_nchunks(long n) {
+    const long m = n / PI_AXPY_MIN_ROWS;
+    if (m >= PI_AXPY_CHUNKS) return PI_AXPY_CHUNKS;
+    if (m >= 12) return 12;
+    if (m >= 6) return 6;
+    if (m >= 4) return 4;
+    if (m >= 2) return 2;
+    return 1;
+}
+
+/* First row of chunk c of an n-row sum in nc chunks (n for c == nc): c n / nc rounded to the
+ * nearest multiple of 16 (rounding down gave the last of two chunks up to 15 rows more: 7% longer
+ * on two threads). */
+static inline long pi_axpy_bound(long c, long n, long nc) {
+    if (c >= nc) return n;
+    const long b = (c * n / nc + PI_AXPY_ALIGN / 2) & ~(long)(PI_AXPY_ALIGN - 1);
+    return b < n ? b : n;
+}
+
+/* 1 where the sum of n rows of `stride` bytes is split by columns (the integer sums of long rows,
+ * or a sum too short to cut into chunks) */
+static inline int pi_axpy_col_split(int qtype, const int32_t *idx, size_t stride, long n) {
+    return pi_axpy_rows_int(qtype, idx) &&
+           (stride >= PI_AXPY_SPLIT_COLS_BYTES || pi_axpy_nchunks(n) == 1);
+}
+
+/* Floats of scratch the sum of n rows needs (the partial sums of chunks 1..nc-1). */
+static inline size_t pi_axpy_tmp_floats(long n, int cols) {
+    return (size_t)(pi_axpy_nchunks(n) - 1) * (size_t)cols;
+}
+
+/* Thread t of T: columns [*c0, *c1) of a slice of cols split in T parts of whole lines. */
+static inline void pi_team_cols(int t, int T, int cols, int *c0, int *c1) {
+    const long nr = (cols + PI_AXPY_RED_ALIGN - 1) / PI_AXPY_RED_ALIGN;
+    long a = (long)t * nr / T * PI_AXPY_RED_ALIGN, b = (long)(t + 1) * nr / T * PI_AXPY_RED_ALIGN;
+    *c0 = (int)(a < cols ? a : cols);
+    *c1 = (int)(b < cols ? b : cols);
+}
+
+/* Thread t of T's share of out = sum_k coef[k] w[idx ? idx[k] : k] (overwrites out), then, if
+ * add is not NULL, add[0:cols] += out. tmp: pi_axpy_tmp_floats(n, cols) floats. A barrier
+ * separates the sums from the reduction (and from the add); the caller's region ends with the
+ * last one. */
+static void pi_axpy_rows_team(int t, int T, int qtype, const uint8_t *w, size_t stride,
+                              const float *coef, const int32_t *idx, long n, float *out, int cols,
+                              float *tmp, float *add) {
+    if (pi_axpy_col_split(qtype, idx, stride, n)) {
+        const int unit = pi_axpyq_unit_cols(qtype);
+        const long nu = cols / unit, np = T < nu ? T : (nu > 0 ? nu : 1);
+        if (t < np) {
+            const int c0 = (int)(t * nu / np * unit), c1 = (int)((t + 1) * nu / np * unit);
+            memset(out + c0, 0, (size_t)(c1 - c0) * sizeof(float));
+            if (n > 0) pi_axpyq_rows_cols(qtype, w, stride, coef, idx, n, out, c0, c1);
+        }
+        if (add) {
+            int c0, c1;
+            PI_BARRIER();
+            pi_team_cols(t, T, cols, &c0, &c1);
+            pi_add_f32(add + c0, out + c0, c1 - c0);
+        }
+        return;
+    }
+    const long nc = pi_axpy_nchunks(n);
+    for (long c = (long)t * nc / T; c < (long)(t + 1) * nc / T; c++) {
+        float *acc = c == 0 ? out : tmp + (size_t)(c - 1) * cols;
+        memset(acc, 0, (size_t)cols * sizeof(float));
+        const long k0 = pi_axpy_bound(c, n, nc), k1 = pi_axpy_bound(c + 1, n, nc);
+        if (k1 > k0) pi_axpy_rows_range(qtype, w, stride, coef, idx, k0, k1, n, acc, cols);
+    }
+    if (nc == 1 && !add) return;
+    PI_BARRIER();
+    int c0, c1;
+    pi_team_cols(t, T, cols, &c0, &c1);
+    for (long cc = 1; cc < nc; cc++) pi_add_f32(out + c0, tmp + (size_t)(cc - 1) * cols + c0, c1 - c0);
+    if (add) pi_add_f32(add + c0, out + c0, c1 - c0);
+}
+
+/* out = sum_k coef[k] w[idx ? idx[k] : k] (overwrites out) on up to n_threads threads; tmp as
+ * pi_axpy_rows_team. Same bits at any n_threads. */
+static void pi_axpy_rows_par(int qtype, const uint8_t *w, size_t stride, const float *coef,
+                             const int32_t *idx, long n, float *out, int cols, float *tmp,
+                             int n_threads) {
+    long most = pi_axpy_col_split(qtype, idx, stride, n) ? cols / pi_axpyq_unit_cols(qtype)
+                                                          : pi_axpy_nchunks(n);
+    if (pi_axpy_col_split(qtype, idx, stride, n) && n < 2 * PI_AXPY_ALIGN) most = 1;
+    const int nt = (int)(n_threads < most ? n_threads : (most > 0 ? most : 1));
+    if (nt <= 1) {
+        pi_axpy_rows_team(0, 1, qtype, w, stride, coef, idx, n, out, cols, tmp, NULL);
+        return;
+    }
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nt)
+    pi_axpy_rows_team(omp_get_thread_num(), omp_get_num_threads(), qtype, w, stride, coef, idx, n,
+                      out, cols, tmp, NULL);
+#else
+    pi_axpy_rows_team(0, 1, qtype, w, stride, coef, idx, n, out, cols, tmp, NULL);
+#endif
+}
+
+/* act(g) = silu(g) = g / (1 + exp(-g)) or relu(g), in the arithmetic of kernels.pyx's _act1 (the
+ * division in double), so the sums match the serial path and silu_mul bit for bit. */
+static inline float pi_act1(float g, int silu) {
+    if (silu) return (float)(g / (1.0 + expf(-g)));
+    return g > 0.0f ? g : 0.0f;
+}
+
+/* a_j = act(g_j) u_j for j0 <= j < j1 (gu = [g, u], (2 n_ff,)); the kept ones (|a_j| sd_j > thr,
+ * sd NULL: 1) written in order to coef/idx (room for j1 - j0 each; branch-free compaction: kept
+ * or dropped mispredicts half the time); returns their count. Two loops: the activations first
+ * (independent iterations, so the divisions overlap; inside the compaction loop they waited on
+ * its store chain, 2 us more per 1536), then the compaction in place. */
+static inline long pi_act_select(const float *gu, long n_ff, long j0, long j1, int silu,
+                                 const float *sd, float thr, float *coef, int32_t *idx) {
+    long k = 0;
+    for (long j = j0; j < j1; j++) coef[j - j0] = pi_act1(gu[j], silu) * gu[n_ff + j];
+    for (long j = j0; j < j1; j++) {
+        const float a = coef[j - j0];
+        float s = fabsf(a);
+        if (sd) s *= sd[j];
+        coef[k] = a;
+        idx[k] = (int32_t)j;
+        k += s > thr;
+    }
+    return k;
+}
+
+/* Thread t of T's share of the FFN tail of one token: a = act(g) u, the kept a_j (|a_j| sd_j >
+ * thr) compacted in index order into coef/idx, y = sum of a_j wd[j] over them (pi_axpy_rows_team),
+ * x += y. ctmp/itmp: n_ff each; tmp: pi_axpy_tmp_floats(n_ff, n_embd); cnt: PI_ACT_PARTS longs.
+ * Returns the kept count. */
+static long pi_act_select_down_team(int t, int T, const float *gu, long n_ff, int silu,
+                                    const float *sd, float thr, const uint8_t *wd, size_t stride,
+                                    int td, int n_embd, float *coef, int32_t *idx, float *ctmp,
+                                    int32_t *itmp, float *tmp, float *y, float *x, long *cnt) {
+    const int p0 = t * PI_ACT_PARTS / T, p1 = (t + 1) * PI_ACT_PARTS / T;
+    for (int p = p0; p < p1; p++) {
+        const long j0 = p * n_ff / PI_ACT_PARTS, j1 = (p + 1) * n_ff / PI_ACT_PARTS;
+        cnt[p] = pi_act_select(gu, n_ff, j0, j1, silu, sd, thr, ctmp + j0, itmp + j0);
+    }
+    PI_BARRIER();
+    long n = 0, off = 0;
+    for (int q = 0; q < PI_ACT_PARTS; q++) {
+        off += q < p0 ? cnt[q] : 0;
+        n += cnt[q];
+    }
+    for (int p = p0; p < p1; p++) {
+        const long j0 = p * n_ff / PI_ACT_PARTS;
+        memcpy(coef + off, ctmp + j0, (size_t)cnt[p] * sizeof(float));
+        memcpy(idx + off, itmp + j0, (size_t)cnt[p] * sizeof(int32_t));
+        off += cnt[p];
+    }
+    PI_BARRIER();
+    pi_axpy_rows_team(t, T, td, wd, stride, coef, idx, n, y, n_embd, tmp, x);
+    return n;
+}
+
+/* The FFN tail above on up to n_threads threads in one region; returns the kept count. */
+static long pi_act_select_down(const float *gu, long n_ff, int silu, const float *sd, float thr,
+                               const uint8_t *wd, size_t stride, int td, int n_embd, float *coef,
+                               int32_t *idx, float *ctmp, int32_t *itmp, float *tmp, float *y,
+                               float *x, int n_threads) {
+    long cnt[PI_ACT_PARTS], n = 0;
+    if (n_threads <= 1)
+        return pi_act_select_down_team(0, 1, gu, n_ff, silu, sd, thr, wd, stride, td, n_embd,
+                                       coef, idx, ctmp, itmp, tmp, y, x, cnt);
+#ifdef _OPENMP
+#pragma omp parallel num_threads(n_threads)
+    {
+        const long k = pi_act_select_down_team(omp_get_thread_num(), omp_get_num_threads(), gu,
+                                               n_ff, silu, sd, thr, wd, stride, td, n_embd, coef,
+                                               idx, ctmp, itmp, tmp, y, x, cnt);
+        if (omp_get_thread_num() == 0) n = k;
+    }
+#else
+    n = pi_act_select_down_team(0, 1, gu, n_ff, silu, sd, thr, wd, stride, td, n_embd, coef, idx,
+                                ctmp, itmp, tmp, y, x, cnt);
+#endif
+    return n;
+}
+
+#endif /* PYINFER_ROWSUM_TEAM_H */
