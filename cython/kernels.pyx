@@ -61,6 +61,7 @@ cdef extern from "simd.h" nogil:
                             const int32_t *idx, long n, float *out, int c0, int c1)
 
 cdef extern from "rowsum_team.h" nogil:
+    void pi_team_barrier()
     long pi_axpy_nchunks(long n)
     size_t pi_axpy_tmp_floats(long n, int cols)
     void pi_axpy_rows_par(int qtype, const uint8_t *w, size_t stride, const float *coef,
@@ -321,6 +322,7 @@ cdef void _gemm_multi(int n_mat, const uint8_t **w, const int *qt, const Py_ssiz
         pack = <uint8_t *> malloc(nb * PI_GEMM_BUF_PER_BLOCK + 64)
         for tq in prange(n_tok, schedule='static'):
             pi_quantize_q8(x + tq * cols, cols, xd + 2 * tq * nb, xq + tq * cols)
+        pi_team_barrier()  # every token quantized before any tile reads it
         for tile in prange(off[n_mat], schedule='static'):
             m = 0 if tile < off[1] else (1 if tile < off[2] else 2)
             r0 = (tile - off[m]) * ROW_TILE
@@ -400,6 +402,7 @@ def matmul_glu(const uint8_t[:, ::1] gate, int qtype_g, const uint8_t[:, ::1] up
             scratch = <float *> malloc((2 * n_tok * PI_GLU_RM + 8) * sizeof(float))
             for tq in prange(n_tok, schedule='static'):
                 pi_quantize_q8(&x[tq, 0], cols, xd + 2 * tq * nb, xq + tq * cols)
+            pi_team_barrier()  # every token quantized before any tile reads it
             for tile in prange(n_tiles, schedule='static'):
                 pi_glu_rows(qtype_g, &gate[0, 0], gate.shape[1], qtype_u, &up[0, 0], up.shape[1],
                             tile * PI_GLU_RM, min(rows, (tile + 1) * PI_GLU_RM), xd, xq, cols, nb,
@@ -712,6 +715,7 @@ cdef void _attention_blocks(const float[:, :, ::1] q, const float[:, :, ::1] k_c
         qp = <const float **> malloc(nq_max * sizeof(float *))
         op = <float **> malloc(nq_max * sizeof(float *))
         n_att = <long *> malloc(nq_max * sizeof(long))
+        pi_team_barrier()  # every key block transposed before any query block reads kt
         for item in prange(n_kv * n_blk, schedule='static', chunksize=1):
             kvh = item % n_kv
             blk = item // n_kv

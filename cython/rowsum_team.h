@@ -54,6 +54,13 @@
  * any split; the parts spread the 1536 expf calls of a SmolLM2 layer, 7 us on one core) */
 #define PI_ACT_PARTS 8
 
+/* An explicit team barrier for Cython's parallel blocks: Cython compiles each prange inside a
+ * `with parallel()` block as `omp for nowait`, so the OpenMP standard puts no barrier between two
+ * such loops (GCC happens to add one before a loop whose index is first- and lastprivate). Call
+ * it between two loops where the second reads what the first wrote. An orphaned barrier binds to
+ * the innermost enclosing parallel region; outside any region it does nothing. */
+static inline void pi_team_barrier(void) { PI_BARRIER(); }
+
 /* Chunks of an n-row sum: the largest of 24, 12, 6, 4, 2, 1 with at least PI_AXPY_MIN_ROWS rows
  * each. */
 static inline long pi_axpy_nchunks(long n) {
