@@ -230,7 +230,7 @@ static inline __attribute__((always_inline)) void pi_pf_next(pi_pf_t *pf) {
 }
 
 /* lane i = row rw[i] . activation (xd, xq), nb blocks */
-static inline __attribute__((always_inline)) __m256 pi_dot8_leg(const int t,
+static inline __attribute__((always_inline)) __m256 pi_dot8_leg256(const int t,
                                                                 const uint8_t *const *rw,
                                                                 const float *xd, const int8_t *xq,
                                                                 int nb, pi_pf_t *pf) {
@@ -251,6 +251,171 @@ static inline __attribute__((always_inline)) __m256 pi_dot8_leg(const int t,
     }
     return s;
 }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__)
+#define PI_GEMV512 1
+#ifndef PI_GEMV512_MASK
+#define PI_GEMV512_MASK ((1 << PI_Q8_0) | (1 << PI_Q5_0))
+#endif
+/* The 512-bit eight-row kernel (AVX-512 F/BW/VL/VNNI builds): two blocks per pass, each zmm
+ * holding one row's blocks b (low 256 bits) and b + 1 (high), so the activation's two int8
+ * blocks are one 64-byte load and one _mm512_dpbusd_epi32 does a row's 64 products; the eight
+ * rows' lane sums are reduced by one unpack/add tree for both blocks (the 256-bit path pays
+ * maddubs + madd per block and hadd trees of 3 uops each on Zen 4). The per-lane float chain is
+ * pi_dot8_leg256's, block by block, so the bits are the same (the odd last block goes through
+ * pi_isum8_leg). q8_0 is signed and AVX-512 has no vpsignb: dpbusd of (w xor 0x80) = w + 128
+ * against y, started from -128 sum y (exact in int32). Nibbles: each 16-byte run of packed
+ * values is broadcast to two 128-bit lanes and the second shifted right by 4, so the lanes are
+ * [lo b, hi b, lo b+1, hi b+1], the order of the activation's 64 bytes; Q5's fifth bits are
+ * one 64-bit mask (block b's qh word low, b + 1's high) that sets 0x10.
+ * On Zen 4 (512-bit ops split in two 256-bit halves) this measured, cache-resident, 1536 x 576:
+ * q8_0 1.21x, Q5_0 1.09x, Q5_1 0.98-1.0x, q4_0 0.90x, Q4_1 0.88x the 256-bit kernel (whose
+ * 16-bit sums of two rows per register are cheaper than a 32-bit reduction), so by default only
+ * q8_0 and Q5_0 take it (PI_GEMV512_MASK); docs/benchmarks.md, session 9. */
+
+/* 8 zmm of 16 int32 (row i: lanes 0-7 block b, 8-15 block b + 1) -> lanes 0-7 = rows 0-7 of
+ * block b, lanes 8-15 = rows 0-7 of block b + 1 (each the sum of its row's eight lanes) */
+static inline __attribute__((always_inline)) __m512i pi_reduce8x2(const __m512i *p) {
+    __m512i t[4];
+    for (int k = 0; k < 4; k++) /* per 128-bit lane: [r0 (a0+a2), r1 (..), r0 (a1+a3), r1 (..)] */
+        t[k] = _mm512_add_epi32(_mm512_unpacklo_epi32(p[2 * k], p[2 * k + 1]),
+                                _mm512_unpackhi_epi32(p[2 * k], p[2 * k + 1]));
+    /* per 128-bit lane j: [r0 r1 r2 r3] (u) and [r4 r5 r6 r7] (v), each the sum of lane j */
+    const __m512i u = _mm512_add_epi32(_mm512_unpacklo_epi64(t[0], t[1]),
+                                       _mm512_unpackhi_epi64(t[0], t[1]));
+    const __m512i v = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2], t[3]),
+                                       _mm512_unpackhi_epi64(t[2], t[3]));
+    /* lanes 0, 1 of a row are block b, 2, 3 block b + 1: [u0+u1, u2+u3, v0+v1, v2+v3] */
+    const __m512i z = _mm512_add_epi32(_mm512_shuffle_i32x4(u, v, _MM_SHUFFLE(2, 0, 2, 0)),
+                                       _mm512_shuffle_i32x4(u, v, _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_shuffle_i32x4(z, z, _MM_SHUFFLE(3, 1, 2, 0));
+}
+
+/* the 32 unsigned values of blocks b and b + 1 (packed nibbles at q0 and q1; Q5: fifth bits
+ * h0, h1) in the activation's byte order */
+static inline __attribute__((always_inline)) __m512i pi_nib2x(const int t, const uint8_t *q0,
+                                                              const uint8_t *q1, const uint8_t *h0,
+                                                              const uint8_t *h1) {
+    __m512i z = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)q0));
+    z = _mm512_mask_broadcast_i32x4(z, 0xff00, _mm_loadu_si128((const __m128i *)q1));
+    /* 32-bit lanes 4-7 and 12-15: the high nibbles */
+    z = _mm512_and_si512(_mm512_mask_srli_epi32(z, 0xf0f0, z, 4), _mm512_set1_epi8(15));
+    if (t == PI_Q5_0 || t == PI_Q5_1) {
+        uint32_t a, b;
+        memcpy(&a, h0, 4);
+        memcpy(&b, h1, 4);
+        const uint64_t k = (uint64_t)a | ((uint64_t)b << 32);
+        z = _mm512_mask_blend_epi8(_cvtu64_mask64(k), z,
+                                   _mm512_or_si512(z, _mm512_set1_epi8(0x10)));
+    }
+    return z;
+}
+
+/* the f16 at rw[i] + off (lanes 0-7) and rw[i] + off + bs (lanes 8-15) as f32: packed four
+ * to a 64-bit word in general registers (the scalar pipes are idle here), so the vector side
+ * takes 2 moves, 2 inserts and one conversion instead of 14 word inserts */
+static inline __attribute__((always_inline)) __m512 pi_f16x16(const uint8_t *const *rw, size_t off,
+                                                              size_t bs) {
+    uint64_t q[4];
+    for (int h = 0; h < 2; h++)
+        for (int k = 0; k < 2; k++) {
+            const size_t o = off + bs * h;
+            q[2 * h + k] = (uint64_t)pi_ld16(rw[4 * k] + o) |
+                           ((uint64_t)pi_ld16(rw[4 * k + 1] + o) << 16) |
+                           ((uint64_t)pi_ld16(rw[4 * k + 2] + o) << 32) |
+                           ((uint64_t)pi_ld16(rw[4 * k + 3] + o) << 48);
+        }
+    return _mm512_cvtph_ps(_mm256_setr_epi64x((long long)q[0], (long long)q[1], (long long)q[2],
+                                              (long long)q[3]));
+}
+
+static inline __attribute__((always_inline)) __m256 pi_dot8_leg512(const int t,
+                                                                   const uint8_t *const *rw,
+                                                                   const float *xd,
+                                                                   const int8_t *xq, int nb,
+                                                                   pi_pf_t *pf) {
+    const int bs = pi_leg_bytes(t);
+    __m256 s = _mm256_setzero_ps();
+    int b = 0;
+    for (; b + 1 < nb; b += 2) {
+        const size_t off = (size_t)bs * b;
+        pi_pf_next(pf);
+        pi_pf_next(pf);
+        const __m512i y = _mm512_loadu_si512((const void *)(xq + 32 * b));
+        __m512i p[8];
+        if (t == PI_Q8_0) {
+            /* (w + 128) . y - 128 sum y: the correction rides in as the accumulator's start
+             * (lane sums of a block's eight lanes = -128 sum y of the block) */
+            const __m512i c = _mm512_sub_epi32(
+                _mm512_setzero_si512(),
+                _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(),
+                                                      _mm512_set1_epi8(1), y), 7));
+            const __m512i sg = _mm512_set1_epi8((char)0x80);
+            for (int i = 0; i < 8; i++) {
+                const __m512i w = _mm512_inserti64x4(
+                    _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(rw[i] + off + 2))),
+                    _mm256_loadu_si256((const __m256i *)(rw[i] + off + bs + 2)), 1);
+                p[i] = _mm512_dpbusd_epi32(c, _mm512_xor_si512(w, sg), y);
+            }
+        } else {
+            const int qs = pi_leg_qs(t), qh = pi_leg_qh(t);
+            for (int i = 0; i < 8; i++)
+                p[i] = _mm512_dpbusd_epi32(
+                    _mm512_setzero_si512(),
+                    pi_nib2x(t, rw[i] + off + qs, rw[i] + off + bs + qs, rw[i] + off + qh,
+                             rw[i] + off + bs + qh),
+                    y);
+        }
+        const __m512 f = _mm512_cvtepi32_ps(pi_reduce8x2(p));
+        const __m512 d16 = pi_f16x16(rw, off, bs);
+        const __m512 m16 = t == PI_Q4_1 || t == PI_Q5_1 ? pi_f16x16(rw, off + 2, bs)
+                                                        : _mm512_setzero_ps();
+        for (int h = 0; h < 2; h++) {
+            const __m256 dw = h ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(d16), 1))
+                                : _mm512_castps512_ps256(d16);
+            const __m256 is = h ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(f), 1))
+                                : _mm512_castps512_ps256(f);
+            s = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(xd[b + h])), is, s);
+            if (t == PI_Q4_1 || t == PI_Q5_1) {
+                const __m256 m = h ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(m16), 1))
+                                   : _mm512_castps512_ps256(m16);
+                s = _mm256_fmadd_ps(_mm256_mul_ps(m, _mm256_set1_ps(0.125f)),
+                                    _mm256_set1_ps(xd[nb + b + h]), s);
+            } else if (t != PI_Q8_0)
+                s = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(0.125f * pi_leg_offk(t))),
+                                    _mm256_set1_ps(xd[nb + b + h]), s);
+        }
+    }
+    if (b < nb) { /* the last block of an odd count, as pi_dot8_leg256 */
+        const size_t off = (size_t)bs * b;
+        pi_pf_next(pf);
+        const __m256i is = pi_isum8_leg(t, rw, off, xq + 32 * b);
+        const __m256 dw = pi_f16x8(rw, off);
+        s = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(xd[b])), _mm256_cvtepi32_ps(is), s);
+        if (t == PI_Q4_1 || t == PI_Q5_1)
+            s = _mm256_fmadd_ps(_mm256_mul_ps(pi_f16x8(rw, off + 2), _mm256_set1_ps(0.125f)),
+                                _mm256_set1_ps(xd[nb + b]), s);
+        else if (t != PI_Q8_0)
+            s = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(0.125f * pi_leg_offk(t))),
+                                _mm256_set1_ps(xd[nb + b]), s);
+    }
+    return s;
+}
+
+/* lane i = row rw[i] . activation: the 512-bit kernel for the types of PI_GEMV512_MASK (bit t
+ * for type id t) */
+static inline __attribute__((always_inline)) __m256 pi_dot8_leg(const int t,
+                                                                const uint8_t *const *rw,
+                                                                const float *xd, const int8_t *xq,
+                                                                int nb, pi_pf_t *pf) {
+    if ((PI_GEMV512_MASK >> t) & 1) return pi_dot8_leg512(t, rw, xd, xq, nb, pf);
+    return pi_dot8_leg256(t, rw, xd, xq, nb, pf);
+}
+#else
+#define PI_GEMV512 0
+#define pi_dot8_leg pi_dot8_leg256
+#endif
 
 /* One row, SIMD: the same per-block numbers as pi_dot8_leg's lanes */
 static inline __attribute__((always_inline)) float pi_dot1_leg(const int t, const uint8_t *row,
