@@ -256,7 +256,7 @@ static inline __attribute__((always_inline)) __m256 pi_dot8_leg256(const int t,
     defined(__AVX512VNNI__)
 #define PI_GEMV512 1
 #ifndef PI_GEMV512_MASK
-#define PI_GEMV512_MASK ((1 << PI_Q8_0) | (1 << PI_Q5_0))
+#define PI_GEMV512_MASK ((1 << PI_Q8_0) | (1 << PI_Q5_0) | (1 << PI_Q4_K) | (1 << PI_Q5_K))
 #endif
 /* The 512-bit eight-row kernel (AVX-512 F/BW/VL/VNNI builds): two blocks per pass, each zmm
  * holding one row's blocks b (low 256 bits) and b + 1 (high), so the activation's two int8
@@ -271,8 +271,10 @@ static inline __attribute__((always_inline)) __m256 pi_dot8_leg256(const int t,
  * one 64-bit mask (block b's qh word low, b + 1's high) that sets 0x10.
  * On Zen 4 (512-bit ops split in two 256-bit halves) this measured, cache-resident, 1536 x 576:
  * q8_0 1.21x, Q5_0 1.09x, Q5_1 0.98-1.0x, q4_0 0.90x, Q4_1 0.88x the 256-bit kernel (whose
- * 16-bit sums of two rows per register are cheaper than a 32-bit reduction), so by default only
- * q8_0 and Q5_0 take it (PI_GEMV512_MASK); docs/benchmarks.md, session 9. */
+ * 16-bit sums of two rows per register are cheaper than a 32-bit reduction); Q4_K 1.13x and
+ * Q5_K 1.06x (1024 x 2048, pi_dot8_k512 below; Q6_K, whose 16-value halves have their own
+ * scales, keeps the 256-bit kernel). So by default q8_0, Q5_0, Q4_K and Q5_K take the 512-bit
+ * kernels (PI_GEMV512_MASK, bit t for type id t); docs/benchmarks.md, session 9. */
 
 /* 8 zmm of 16 int32 (row i: lanes 0-7 block b, 8-15 block b + 1) -> lanes 0-7 = rows 0-7 of
  * block b, lanes 8-15 = rows 0-7 of block b + 1 (each the sum of its row's eight lanes) */
@@ -699,6 +701,64 @@ static inline __attribute__((always_inline)) __m256 pi_dot8_k(const int t,
     return s;
 }
 
+#if PI_GEMV512
+/* Q4_K / Q5_K, 512-bit (see pi_dot8_leg512): groups 2k and 2k + 1 of a super-block are the low
+ * and high nibbles of the same 32 bytes, so one broadcast 32-byte load gives a row's zmm of
+ * both groups ([v of 2k | v of 2k + 1], the activation's 64 bytes in order) and one dpbusd their
+ * products; Q5_K's fifth bits (bit g of qh[j]) are rotated to bit 4 in each 32-bit lane by
+ * 4 - g. The per-lane chain is pi_dot8_k's, group by group (the same bits). */
+static inline __attribute__((always_inline)) __m512i pi_k_values2(const int t, const uint8_t *blk,
+                                                                  const int k) {
+    const __m512i b = _mm512_broadcast_i64x4(
+        _mm256_loadu_si256((const __m256i *)(blk + (t == PI_Q4_K ? 16 : 48) + 32 * k)));
+    __m512i v = _mm512_and_si512(_mm512_mask_srli_epi32(b, 0xff00, b, 4), _mm512_set1_epi8(15));
+    if (t == PI_Q5_K) {
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16)));
+        const __m512i r = _mm512_mask_blend_epi32(0xff00, _mm512_set1_epi32((4 - 2 * k) & 31),
+                                                  _mm512_set1_epi32((3 - 2 * k) & 31));
+        v = _mm512_or_si512(v, _mm512_and_si512(_mm512_rolv_epi32(qh, r), _mm512_set1_epi8(0x10)));
+    }
+    return v;
+}
+
+static inline __attribute__((always_inline)) __m256 pi_dot8_k512(const int t,
+                                                                 const uint8_t *const *rw,
+                                                                 const float *xd, const int8_t *xq,
+                                                                 int nb, pi_pf_t *pf) {
+    const int bs = pi_k_bytes(t);
+    __m256 s = _mm256_setzero_ps();
+    for (int sb = 0; sb < nb / 8; sb++) {
+        const size_t off = (size_t)bs * sb;
+        const uint8_t *blk[8];
+        for (int i = 0; i < 8; i++) blk[i] = rw[i] + off;
+        const __m256 d = pi_f16x8(rw, off), dmin = pi_f16x8(rw, off + 2);
+        __m256i scl, sch, mnl, mnh;
+        pi_k4_scales8(pi_ld32x8(rw, off + 4), pi_ld32x8(rw, off + 8), pi_ld32x8(rw, off + 12),
+                      &scl, &sch, &mnl, &mnh);
+        for (int k = 0; k < 4; k++) {
+            pi_pf_next(pf);
+            pi_pf_next(pf);
+            const __m512i y = _mm512_loadu_si512((const void *)(xq + 256 * sb + 64 * k));
+            __m512i p[8];
+            for (int i = 0; i < 8; i++)
+                p[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), pi_k_values2(t, blk[i], k), y);
+            const __m512 f = _mm512_cvtepi32_ps(pi_reduce8x2(p));
+            for (int h = 0; h < 2; h++) {
+                const int g = 2 * k + h;
+                const __m256 is = h ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(f), 1))
+                                    : _mm512_castps512_ps256(f);
+                const __m256 a = _mm256_mul_ps(d, pi_byte_u(g < 4 ? scl : sch, g % 4));
+                const __m256 o8 = _mm256_mul_ps(_mm256_mul_ps(dmin, pi_byte_u(g < 4 ? mnl : mnh, g % 4)),
+                                                _mm256_set1_ps(-0.125f));
+                s = _mm256_fmadd_ps(_mm256_mul_ps(a, _mm256_set1_ps(xd[8 * sb + g])), is, s);
+                s = _mm256_fmadd_ps(o8, _mm256_set1_ps(xd[nb + 8 * sb + g]), s);
+            }
+        }
+    }
+    return s;
+}
+#endif
+
 /* One row, SIMD: the eight groups of a super-block as the eight lanes (their integer sums and
  * scales computed side by side), then pi_dot8_k's chain lane by lane in group order. Q6_K's
  * signed values use the sign trick (|v| against sign(y, v)), which gives the same exact sums. */
@@ -825,6 +885,19 @@ static inline __attribute__((always_inline)) void pi_gemv8_t(const int t, const 
                 pi_prefetch_l1(w + (size_t)idx[k] * stride, stride);
     }
     pi_pf_init(&pf, nb);
+#if PI_GEMV512
+    if ((t == PI_Q4_K || t == PI_Q5_K) && ((PI_GEMV512_MASK >> t) & 1)) {
+        const __m256 r5 = pi_dot8_k512(t, rw, xd, xq, nb, &pf);
+        if (m == 8) {
+            _mm256_storeu_ps(out + k0, r5);
+        } else {
+            float tmp[8];
+            _mm256_storeu_ps(tmp, r5);
+            for (long i = 0; i < m; i++) out[k0 + i] = tmp[i];
+        }
+        return;
+    }
+#endif
     const __m256 r = pi_is_k(t) ? pi_dot8_k(t, rw, xd, xq, nb, &pf)
                                 : pi_dot8_leg(t, rw, xd, xq, nb, &pf);
     if (m == 8) {
