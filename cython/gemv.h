@@ -29,8 +29,13 @@
 #ifndef PYINFER_GEMV_H
 #define PYINFER_GEMV_H
 
+/* how far ahead matvec prefetches its groups, in bytes (rounded down to whole groups, at least
+ * one). 8 KiB: on the Zen 4 box of session 9, SmolLM2 q4_0 decode 1.05-1.09x and q8_0 0.98-1.04x
+ * at one thread against 16 KiB (ab_decode, three runs); only groups under 8 KiB (rows under
+ * 1 KiB: 576- and 640-wide models) see a difference. Session 7's AVX2 box measured 8, 16 and
+ * 32 KiB alike. */
 #ifndef PI_GEMV_AHEAD
-#define PI_GEMV_AHEAD 16384
+#define PI_GEMV_AHEAD 8192
 #endif
 #ifndef PI_GEMV_HINT
 #define PI_GEMV_HINT _MM_HINT_T0
