@@ -22,6 +22,10 @@
  * Each row's result depends only on its own blocks, never on the rows it shares a pass with, the
  * thread count or the row order (matvec, gather_matvec and the one-row dot agree bit for bit).
  *
+ * AVX-512 VNNI builds run q8_0, Q5_0, Q4_K and Q5_K through 512-bit versions of the eight-row
+ * kernel (pi_dot8_leg512, pi_dot8_k512: two blocks or groups per register) with the same
+ * per-lane numbers.
+ *
  * Integer ranges: maddubs pairs of a 5-bit value and |y| <= 127 stay under 2^13, so sums of up
  * to 8 products are added in 16 bits (4-bit values: 16 products) before widening; q8_0's pairs
  * (|w| <= 128) are widened at once; K-quant values (<= 63) are widened at once (VNNI: dpbusd).
