@@ -22,9 +22,9 @@
  * Each row's result depends only on its own blocks, never on the rows it shares a pass with, the
  * thread count or the row order (matvec, gather_matvec and the one-row dot agree bit for bit).
  *
- * AVX-512 VNNI builds run q8_0, Q5_0, Q4_K and Q5_K through 512-bit versions of the eight-row
- * kernel (pi_dot8_leg512, pi_dot8_k512: two blocks or groups per register) with the same
- * per-lane numbers.
+ * AVX-512 VNNI builds run q8_0, Q5_0 and the K-quants through 512-bit versions of the eight-row
+ * kernel (pi_dot8_leg512, pi_dot8_k512, pi_dot8_q6k512: two blocks or groups per register) with
+ * the same per-lane numbers.
  *
  * Integer ranges: maddubs pairs of a 5-bit value and |y| <= 127 stay under 2^13, so sums of up
  * to 8 products are added in 16 bits (4-bit values: 16 products) before widening; q8_0's pairs
@@ -265,7 +265,8 @@ static inline __attribute__((always_inline)) __m256 pi_dot8_leg256(const int t,
     defined(__AVX512VNNI__)
 #define PI_GEMV512 1
 #ifndef PI_GEMV512_MASK
-#define PI_GEMV512_MASK ((1 << PI_Q8_0) | (1 << PI_Q5_0) | (1 << PI_Q4_K) | (1 << PI_Q5_K))
+#define PI_GEMV512_MASK \
+    ((1 << PI_Q8_0) | (1 << PI_Q5_0) | (1 << PI_Q4_K) | (1 << PI_Q5_K) | (1 << PI_Q6_K))
 #endif
 /* The 512-bit eight-row kernel (AVX-512 F/BW/VL/VNNI builds): two blocks per pass, each zmm
  * holding one row's blocks b (low 256 bits) and b + 1 (high), so the activation's two int8
@@ -281,9 +282,9 @@ static inline __attribute__((always_inline)) __m256 pi_dot8_leg256(const int t,
  * On Zen 4 (512-bit ops split in two 256-bit halves) this measured, cache-resident, 1536 x 576:
  * q8_0 1.21x, Q5_0 1.09x, Q5_1 0.98-1.0x, q4_0 0.90x, Q4_1 0.88x the 256-bit kernel (whose
  * 16-bit sums of two rows per register are cheaper than a 32-bit reduction); Q4_K 1.13x and
- * Q5_K 1.06x (1024 x 2048, pi_dot8_k512 below; Q6_K, whose 16-value halves have their own
- * scales, keeps the 256-bit kernel). So by default q8_0, Q5_0, Q4_K and Q5_K take the 512-bit
- * kernels (PI_GEMV512_MASK, bit t for type id t); docs/benchmarks.md, session 9. */
+ * Q5_K 1.06x, Q6_K 1.05x (1024 x 2048, pi_dot8_k512 and pi_dot8_q6k512 below). So by default
+ * q8_0, Q5_0 and the K-quants take the 512-bit kernels (PI_GEMV512_MASK, bit t for type id t);
+ * docs/benchmarks.md, session 9. */
 
 /* 8 zmm of 16 int32 (row i: lanes 0-7 block b, 8-15 block b + 1) -> lanes 0-7 = rows 0-7 of
  * block b, lanes 8-15 = rows 0-7 of block b + 1 (each the sum of its row's eight lanes) */
@@ -730,6 +731,77 @@ static inline __attribute__((always_inline)) __m512i pi_k_values2(const int t, c
     return v;
 }
 
+/* Q6_K, 512-bit: groups 2k and 2k + 1 take the two adjacent 32-byte runs of ql (one 64-byte
+ * load, the same nibble for both) and the same 32 bytes of qh (bits 2r, 2r + 1 of qh for group
+ * g = 2k, r = g % 4, in the low half; 2r + 2, 2r + 3 in the high half); the four 16-value half sums of each row stay apart, as
+ * pi_dot8_k's Q6_K chain needs them (same bits). */
+static inline __attribute__((always_inline)) __m256 pi_dot8_q6k512(const uint8_t *const *rw,
+                                                                   const float *xd,
+                                                                   const int8_t *xq, int nb,
+                                                                   pi_pf_t *pf) {
+    __m256 s = _mm256_setzero_ps();
+    for (int sb = 0; sb < nb / 8; sb++) {
+        const size_t off = (size_t)210 * sb;
+        const __m256 d = pi_f16x8(rw, off + 208);
+        __m256i sc[4];
+        for (int k = 0; k < 4; k++) sc[k] = pi_ld32x8(rw, off + 192 + 4 * k);
+        for (int k = 0; k < 4; k++) {
+            pi_pf_next(pf);
+            pi_pf_next(pf);
+            const int n = k / 2, r = 2 * (k % 2);
+            const __m512i y = _mm512_loadu_si512((const void *)(xq + 256 * sb + 64 * k));
+            const __m512i cnt = _mm512_mask_blend_epi32(0xff00, _mm512_set1_epi16((short)(2 * r)),
+                                                        _mm512_set1_epi16((short)(2 * r + 2)));
+            __m512i p[8];
+            for (int i = 0; i < 8; i++) {
+                const uint8_t *blk = rw[i] + off;
+                __m512i l = _mm512_loadu_si512((const void *)(blk + 64 * n));
+                if (r >= 2) l = _mm512_srli_epi16(l, 4);
+                const __m512i h = _mm512_broadcast_i64x4(
+                    _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * n)));
+                const __m512i v = _mm512_or_si512(
+                    _mm512_and_si512(l, _mm512_set1_epi8(15)),
+                    _mm512_and_si512(_mm512_slli_epi16(_mm512_srlv_epi16(h, cnt), 4),
+                                     _mm512_set1_epi8(0x30)));
+                p[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, y);
+            }
+            /* per 128-bit lane j (j = half of group: g lo, g hi, g+1 lo, g+1 hi): rows 0-3 (u),
+             * rows 4-7 (v) */
+            __m512i t4[4];
+            for (int q = 0; q < 4; q++)
+                t4[q] = _mm512_add_epi32(_mm512_unpacklo_epi32(p[2 * q], p[2 * q + 1]),
+                                         _mm512_unpackhi_epi32(p[2 * q], p[2 * q + 1]));
+            const __m512i u = _mm512_add_epi32(_mm512_unpacklo_epi64(t4[0], t4[1]),
+                                               _mm512_unpackhi_epi64(t4[0], t4[1]));
+            const __m512i w = _mm512_add_epi32(_mm512_unpacklo_epi64(t4[2], t4[3]),
+                                               _mm512_unpackhi_epi64(t4[2], t4[3]));
+            __m512i a = _mm512_shuffle_i32x4(u, w, _MM_SHUFFLE(1, 0, 1, 0));
+            __m512i b = _mm512_shuffle_i32x4(u, w, _MM_SHUFFLE(3, 2, 3, 2));
+            a = _mm512_shuffle_i32x4(a, a, _MM_SHUFFLE(3, 1, 2, 0)); /* [g lo | g hi] */
+            b = _mm512_shuffle_i32x4(b, b, _MM_SHUFFLE(3, 1, 2, 0)); /* [g+1 lo | g+1 hi] */
+            /* 32 sum y of each 16-value half (v = q - 32) */
+            const __m512i ys = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), y);
+            int32_t hs[16];
+            _mm512_storeu_si512((void *)hs, ys);
+            for (int h = 0; h < 2; h++) {
+                const int g = 2 * k + h;
+                const __m512i z = h ? b : a;
+                const __m256i lo = _mm512_castsi512_si256(z);
+                const __m256i hi = _mm512_extracti64x4_epi64(z, 1);
+                const int j0 = 8 * h, j1 = 8 * h + 4;
+                const __m256i y0 = _mm256_set1_epi32(32 * (hs[j0] + hs[j0 + 1] + hs[j0 + 2] + hs[j0 + 3]));
+                const __m256i y1 = _mm256_set1_epi32(32 * (hs[j1] + hs[j1 + 1] + hs[j1 + 2] + hs[j1 + 3]));
+                const __m256 dx = _mm256_set1_ps(xd[8 * sb + g]);
+                const __m256 a0 = _mm256_mul_ps(d, pi_byte_s(sc[g / 2], (2 * g) % 4));
+                const __m256 a1 = _mm256_mul_ps(d, pi_byte_s(sc[g / 2], (2 * g + 1) % 4));
+                s = _mm256_fmadd_ps(_mm256_mul_ps(a0, dx), _mm256_cvtepi32_ps(_mm256_sub_epi32(lo, y0)), s);
+                s = _mm256_fmadd_ps(_mm256_mul_ps(a1, dx), _mm256_cvtepi32_ps(_mm256_sub_epi32(hi, y1)), s);
+            }
+        }
+    }
+    return s;
+}
+
 static inline __attribute__((always_inline)) __m256 pi_dot8_k512(const int t,
                                                                  const uint8_t *const *rw,
                                                                  const float *xd, const int8_t *xq,
@@ -895,8 +967,9 @@ static inline __attribute__((always_inline)) void pi_gemv8_t(const int t, const 
     }
     pi_pf_init(&pf, nb);
 #if PI_GEMV512
-    if ((t == PI_Q4_K || t == PI_Q5_K) && ((PI_GEMV512_MASK >> t) & 1)) {
-        const __m256 r5 = pi_dot8_k512(t, rw, xd, xq, nb, &pf);
+    if (pi_is_k(t) && ((PI_GEMV512_MASK >> t) & 1)) {
+        const __m256 r5 = t == PI_Q6_K ? pi_dot8_q6k512(rw, xd, xq, nb, &pf)
+                                       : pi_dot8_k512(t, rw, xd, xq, nb, &pf);
         if (m == 8) {
             _mm256_storeu_ps(out + k0, r5);
         } else {
