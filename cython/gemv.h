@@ -22,6 +22,10 @@
  * Each row's result depends only on its own blocks, never on the rows it shares a pass with, the
  * thread count or the row order (matvec, gather_matvec and the one-row dot agree bit for bit).
  *
+ * AVX-512 VNNI builds run q8_0, Q5_0 and the K-quants through 512-bit versions of the eight-row
+ * kernel (pi_dot8_leg512, pi_dot8_k512, pi_dot8_q6k512: two blocks or groups per register) with
+ * the same per-lane numbers.
+ *
  * Integer ranges: maddubs pairs of a 5-bit value and |y| <= 127 stay under 2^13, so sums of up
  * to 8 products are added in 16 bits (4-bit values: 16 products) before widening; q8_0's pairs
  * (|w| <= 128) are widened at once; K-quant values (<= 63) are widened at once (VNNI: dpbusd).
@@ -29,8 +33,13 @@
 #ifndef PYINFER_GEMV_H
 #define PYINFER_GEMV_H
 
+/* how far ahead matvec prefetches its groups, in bytes (rounded down to whole groups, at least
+ * one). 8 KiB: on the Zen 4 box of session 9, SmolLM2 q4_0 decode 1.05-1.09x and q8_0 0.98-1.04x
+ * at one thread against 16 KiB (ab_decode, three runs); only groups under 8 KiB (rows under
+ * 1 KiB: 576- and 640-wide models) see a difference. Session 7's AVX2 box measured 8, 16 and
+ * 32 KiB alike. */
 #ifndef PI_GEMV_AHEAD
-#define PI_GEMV_AHEAD 16384
+#define PI_GEMV_AHEAD 8192
 #endif
 #ifndef PI_GEMV_HINT
 #define PI_GEMV_HINT _MM_HINT_T0
@@ -230,7 +239,7 @@ static inline __attribute__((always_inline)) void pi_pf_next(pi_pf_t *pf) {
 }
 
 /* lane i = row rw[i] . activation (xd, xq), nb blocks */
-static inline __attribute__((always_inline)) __m256 pi_dot8_leg(const int t,
+static inline __attribute__((always_inline)) __m256 pi_dot8_leg256(const int t,
                                                                 const uint8_t *const *rw,
                                                                 const float *xd, const int8_t *xq,
                                                                 int nb, pi_pf_t *pf) {
@@ -251,6 +260,174 @@ static inline __attribute__((always_inline)) __m256 pi_dot8_leg(const int t,
     }
     return s;
 }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__)
+#define PI_GEMV512 1
+#ifndef PI_GEMV512_MASK
+#define PI_GEMV512_MASK \
+    ((1 << PI_Q8_0) | (1 << PI_Q5_0) | (1 << PI_Q4_K) | (1 << PI_Q5_K) | (1 << PI_Q6_K))
+#endif
+/* The 512-bit eight-row kernel (AVX-512 F/BW/VL/VNNI builds): two blocks per pass, each zmm
+ * holding one row's blocks b (low 256 bits) and b + 1 (high), so the activation's two int8
+ * blocks are one 64-byte load and one _mm512_dpbusd_epi32 does a row's 64 products; the eight
+ * rows' lane sums are reduced by one unpack/add tree for both blocks (the 256-bit path pays
+ * maddubs + madd per block and hadd trees of 3 uops each on Zen 4). The per-lane float chain is
+ * pi_dot8_leg256's, block by block, so the bits are the same (the odd last block goes through
+ * pi_isum8_leg). q8_0 is signed and AVX-512 has no vpsignb: dpbusd of (w xor 0x80) = w + 128
+ * against y, started from -128 sum y (exact in int32). Nibbles: each 16-byte run of packed
+ * values is broadcast to two 128-bit lanes and the second shifted right by 4, so the lanes are
+ * [lo b, hi b, lo b+1, hi b+1], the order of the activation's 64 bytes; Q5's fifth bits are
+ * one 64-bit mask (block b's qh word low, b + 1's high) that sets 0x10.
+ * On Zen 4 (512-bit ops split in two 256-bit halves) this measured, cache-resident, 1536 x 576:
+ * q8_0 1.21x, Q5_0 1.09x, Q5_1 0.98-1.0x, q4_0 0.90x, Q4_1 0.88x the 256-bit kernel (whose
+ * 16-bit sums of two rows per register are cheaper than a 32-bit reduction); Q4_K 1.13x and
+ * Q5_K 1.06x, Q6_K 1.05x (1024 x 2048, pi_dot8_k512 and pi_dot8_q6k512 below). So by default
+ * q8_0, Q5_0 and the K-quants take the 512-bit kernels (PI_GEMV512_MASK, bit t for type id t);
+ * docs/benchmarks.md, session 9. */
+
+/* 8 zmm of 16 int32 (row i: lanes 0-7 block b, 8-15 block b + 1) -> lanes 0-7 = rows 0-7 of
+ * block b, lanes 8-15 = rows 0-7 of block b + 1 (each the sum of its row's eight lanes) */
+static inline __attribute__((always_inline)) __m512i pi_reduce8x2(const __m512i *p) {
+    __m512i t[4];
+    for (int k = 0; k < 4; k++) /* per 128-bit lane: [r0 (a0+a2), r1 (..), r0 (a1+a3), r1 (..)] */
+        t[k] = _mm512_add_epi32(_mm512_unpacklo_epi32(p[2 * k], p[2 * k + 1]),
+                                _mm512_unpackhi_epi32(p[2 * k], p[2 * k + 1]));
+    /* per 128-bit lane j: [r0 r1 r2 r3] (u) and [r4 r5 r6 r7] (v), each the sum of lane j */
+    const __m512i u = _mm512_add_epi32(_mm512_unpacklo_epi64(t[0], t[1]),
+                                       _mm512_unpackhi_epi64(t[0], t[1]));
+    const __m512i v = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2], t[3]),
+                                       _mm512_unpackhi_epi64(t[2], t[3]));
+    /* lanes 0, 1 of a row are block b, 2, 3 block b + 1: [u0+u1, u2+u3, v0+v1, v2+v3] */
+    const __m512i z = _mm512_add_epi32(_mm512_shuffle_i32x4(u, v, _MM_SHUFFLE(2, 0, 2, 0)),
+                                       _mm512_shuffle_i32x4(u, v, _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_shuffle_i32x4(z, z, _MM_SHUFFLE(3, 1, 2, 0));
+}
+
+/* the 32 unsigned values of blocks b and b + 1 (packed nibbles at q0 and q1; Q5: fifth bits
+ * h0, h1) in the activation's byte order */
+static inline __attribute__((always_inline)) __m512i pi_nib2x(const int t, const uint8_t *q0,
+                                                              const uint8_t *q1, const uint8_t *h0,
+                                                              const uint8_t *h1) {
+    __m512i z = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)q0));
+    z = _mm512_mask_broadcast_i32x4(z, 0xff00, _mm_loadu_si128((const __m128i *)q1));
+    /* 32-bit lanes 4-7 and 12-15: the high nibbles */
+    z = _mm512_and_si512(_mm512_mask_srli_epi32(z, 0xf0f0, z, 4), _mm512_set1_epi8(15));
+    if (t == PI_Q5_0 || t == PI_Q5_1) {
+        uint32_t a, b;
+        memcpy(&a, h0, 4);
+        memcpy(&b, h1, 4);
+        const uint64_t k = (uint64_t)a | ((uint64_t)b << 32);
+        z = _mm512_mask_blend_epi8(_cvtu64_mask64(k), z,
+                                   _mm512_or_si512(z, _mm512_set1_epi8(0x10)));
+    }
+    return z;
+}
+
+/* the f16 at rw[i] + off (lanes 0-7) and rw[i] + off + bs (lanes 8-15) as f32: packed four
+ * to a 64-bit word in general registers (the scalar pipes are idle here), so the vector side
+ * takes 2 moves, 2 inserts and one conversion instead of 14 word inserts */
+static inline __attribute__((always_inline)) __m512 pi_f16x16(const uint8_t *const *rw, size_t off,
+                                                              size_t bs) {
+    uint64_t q[4];
+    for (int h = 0; h < 2; h++)
+        for (int k = 0; k < 2; k++) {
+            const size_t o = off + bs * h;
+            q[2 * h + k] = (uint64_t)pi_ld16(rw[4 * k] + o) |
+                           ((uint64_t)pi_ld16(rw[4 * k + 1] + o) << 16) |
+                           ((uint64_t)pi_ld16(rw[4 * k + 2] + o) << 32) |
+                           ((uint64_t)pi_ld16(rw[4 * k + 3] + o) << 48);
+        }
+    return _mm512_cvtph_ps(_mm256_setr_epi64x((long long)q[0], (long long)q[1], (long long)q[2],
+                                              (long long)q[3]));
+}
+
+static inline __attribute__((always_inline)) __m256 pi_dot8_leg512(const int t,
+                                                                   const uint8_t *const *rw,
+                                                                   const float *xd,
+                                                                   const int8_t *xq, int nb,
+                                                                   pi_pf_t *pf) {
+    const int bs = pi_leg_bytes(t);
+    __m256 s = _mm256_setzero_ps();
+    int b = 0;
+    for (; b + 1 < nb; b += 2) {
+        const size_t off = (size_t)bs * b;
+        pi_pf_next(pf);
+        pi_pf_next(pf);
+        const __m512i y = _mm512_loadu_si512((const void *)(xq + 32 * b));
+        __m512i p[8];
+        if (t == PI_Q8_0) {
+            /* (w + 128) . y - 128 sum y: the correction rides in as the accumulator's start
+             * (lane sums of a block's eight lanes = -128 sum y of the block) */
+            const __m512i c = _mm512_sub_epi32(
+                _mm512_setzero_si512(),
+                _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(),
+                                                      _mm512_set1_epi8(1), y), 7));
+            const __m512i sg = _mm512_set1_epi8((char)0x80);
+            for (int i = 0; i < 8; i++) {
+                const __m512i w = _mm512_inserti64x4(
+                    _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(rw[i] + off + 2))),
+                    _mm256_loadu_si256((const __m256i *)(rw[i] + off + bs + 2)), 1);
+                p[i] = _mm512_dpbusd_epi32(c, _mm512_xor_si512(w, sg), y);
+            }
+        } else {
+            const int qs = pi_leg_qs(t), qh = pi_leg_qh(t);
+            for (int i = 0; i < 8; i++)
+                p[i] = _mm512_dpbusd_epi32(
+                    _mm512_setzero_si512(),
+                    pi_nib2x(t, rw[i] + off + qs, rw[i] + off + bs + qs, rw[i] + off + qh,
+                             rw[i] + off + bs + qh),
+                    y);
+        }
+        const __m512 f = _mm512_cvtepi32_ps(pi_reduce8x2(p));
+        const __m512 d16 = pi_f16x16(rw, off, bs);
+        const __m512 m16 = t == PI_Q4_1 || t == PI_Q5_1 ? pi_f16x16(rw, off + 2, bs)
+                                                        : _mm512_setzero_ps();
+        for (int h = 0; h < 2; h++) {
+            const __m256 dw = h ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(d16), 1))
+                                : _mm512_castps512_ps256(d16);
+            const __m256 is = h ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(f), 1))
+                                : _mm512_castps512_ps256(f);
+            s = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(xd[b + h])), is, s);
+            if (t == PI_Q4_1 || t == PI_Q5_1) {
+                const __m256 m = h ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(m16), 1))
+                                   : _mm512_castps512_ps256(m16);
+                s = _mm256_fmadd_ps(_mm256_mul_ps(m, _mm256_set1_ps(0.125f)),
+                                    _mm256_set1_ps(xd[nb + b + h]), s);
+            } else if (t != PI_Q8_0)
+                s = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(0.125f * pi_leg_offk(t))),
+                                    _mm256_set1_ps(xd[nb + b + h]), s);
+        }
+    }
+    if (b < nb) { /* the last block of an odd count, as pi_dot8_leg256 */
+        const size_t off = (size_t)bs * b;
+        pi_pf_next(pf);
+        const __m256i is = pi_isum8_leg(t, rw, off, xq + 32 * b);
+        const __m256 dw = pi_f16x8(rw, off);
+        s = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(xd[b])), _mm256_cvtepi32_ps(is), s);
+        if (t == PI_Q4_1 || t == PI_Q5_1)
+            s = _mm256_fmadd_ps(_mm256_mul_ps(pi_f16x8(rw, off + 2), _mm256_set1_ps(0.125f)),
+                                _mm256_set1_ps(xd[nb + b]), s);
+        else if (t != PI_Q8_0)
+            s = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(0.125f * pi_leg_offk(t))),
+                                _mm256_set1_ps(xd[nb + b]), s);
+    }
+    return s;
+}
+
+/* lane i = row rw[i] . activation: the 512-bit kernel for the types of PI_GEMV512_MASK (bit t
+ * for type id t) */
+static inline __attribute__((always_inline)) __m256 pi_dot8_leg(const int t,
+                                                                const uint8_t *const *rw,
+                                                                const float *xd, const int8_t *xq,
+                                                                int nb, pi_pf_t *pf) {
+    if ((PI_GEMV512_MASK >> t) & 1) return pi_dot8_leg512(t, rw, xd, xq, nb, pf);
+    return pi_dot8_leg256(t, rw, xd, xq, nb, pf);
+}
+#else
+#define PI_GEMV512 0
+#define pi_dot8_leg pi_dot8_leg256
+#endif
 
 /* One row, SIMD: the same per-block numbers as pi_dot8_leg's lanes */
 static inline __attribute__((always_inline)) float pi_dot1_leg(const int t, const uint8_t *row,
@@ -534,6 +711,135 @@ static inline __attribute__((always_inline)) __m256 pi_dot8_k(const int t,
     return s;
 }
 
+#if PI_GEMV512
+/* Q4_K / Q5_K, 512-bit (see pi_dot8_leg512): groups 2k and 2k + 1 of a super-block are the low
+ * and high nibbles of the same 32 bytes, so one broadcast 32-byte load gives a row's zmm of
+ * both groups ([v of 2k | v of 2k + 1], the activation's 64 bytes in order) and one dpbusd their
+ * products; Q5_K's fifth bits (bit g of qh[j]) are rotated to bit 4 in each 32-bit lane by
+ * 4 - g. The per-lane chain is pi_dot8_k's, group by group (the same bits). */
+static inline __attribute__((always_inline)) __m512i pi_k_values2(const int t, const uint8_t *blk,
+                                                                  const int k) {
+    const __m512i b = _mm512_broadcast_i64x4(
+        _mm256_loadu_si256((const __m256i *)(blk + (t == PI_Q4_K ? 16 : 48) + 32 * k)));
+    __m512i v = _mm512_and_si512(_mm512_mask_srli_epi32(b, 0xff00, b, 4), _mm512_set1_epi8(15));
+    if (t == PI_Q5_K) {
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16)));
+        const __m512i r = _mm512_mask_blend_epi32(0xff00, _mm512_set1_epi32((4 - 2 * k) & 31),
+                                                  _mm512_set1_epi32((3 - 2 * k) & 31));
+        v = _mm512_or_si512(v, _mm512_and_si512(_mm512_rolv_epi32(qh, r), _mm512_set1_epi8(0x10)));
+    }
+    return v;
+}
+
+/* Q6_K, 512-bit: groups 2k and 2k + 1 take the two adjacent 32-byte runs of ql (one 64-byte
+ * load, the same nibble for both) and the same 32 bytes of qh (bits 2r, 2r + 1 of qh for group
+ * g = 2k, r = g % 4, in the low half; 2r + 2, 2r + 3 in the high half); the four 16-value half sums of each row stay apart, as
+ * pi_dot8_k's Q6_K chain needs them (same bits). */
+static inline __attribute__((always_inline)) __m256 pi_dot8_q6k512(const uint8_t *const *rw,
+                                                                   const float *xd,
+                                                                   const int8_t *xq, int nb,
+                                                                   pi_pf_t *pf) {
+    __m256 s = _mm256_setzero_ps();
+    for (int sb = 0; sb < nb / 8; sb++) {
+        const size_t off = (size_t)210 * sb;
+        const __m256 d = pi_f16x8(rw, off + 208);
+        __m256i sc[4];
+        for (int k = 0; k < 4; k++) sc[k] = pi_ld32x8(rw, off + 192 + 4 * k);
+        for (int k = 0; k < 4; k++) {
+            pi_pf_next(pf);
+            pi_pf_next(pf);
+            const int n = k / 2, r = 2 * (k % 2);
+            const __m512i y = _mm512_loadu_si512((const void *)(xq + 256 * sb + 64 * k));
+            const __m512i cnt = _mm512_mask_blend_epi32(0xff00, _mm512_set1_epi16((short)(2 * r)),
+                                                        _mm512_set1_epi16((short)(2 * r + 2)));
+            __m512i p[8];
+            for (int i = 0; i < 8; i++) {
+                const uint8_t *blk = rw[i] + off;
+                __m512i l = _mm512_loadu_si512((const void *)(blk + 64 * n));
+                if (r >= 2) l = _mm512_srli_epi16(l, 4);
+                const __m512i h = _mm512_broadcast_i64x4(
+                    _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * n)));
+                const __m512i v = _mm512_or_si512(
+                    _mm512_and_si512(l, _mm512_set1_epi8(15)),
+                    _mm512_and_si512(_mm512_slli_epi16(_mm512_srlv_epi16(h, cnt), 4),
+                                     _mm512_set1_epi8(0x30)));
+                p[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, y);
+            }
+            /* per 128-bit lane j (j = half of group: g lo, g hi, g+1 lo, g+1 hi): rows 0-3 (u),
+             * rows 4-7 (v) */
+            __m512i t4[4];
+            for (int q = 0; q < 4; q++)
+                t4[q] = _mm512_add_epi32(_mm512_unpacklo_epi32(p[2 * q], p[2 * q + 1]),
+                                         _mm512_unpackhi_epi32(p[2 * q], p[2 * q + 1]));
+            const __m512i u = _mm512_add_epi32(_mm512_unpacklo_epi64(t4[0], t4[1]),
+                                               _mm512_unpackhi_epi64(t4[0], t4[1]));
+            const __m512i w = _mm512_add_epi32(_mm512_unpacklo_epi64(t4[2], t4[3]),
+                                               _mm512_unpackhi_epi64(t4[2], t4[3]));
+            __m512i a = _mm512_shuffle_i32x4(u, w, _MM_SHUFFLE(1, 0, 1, 0));
+            __m512i b = _mm512_shuffle_i32x4(u, w, _MM_SHUFFLE(3, 2, 3, 2));
+            a = _mm512_shuffle_i32x4(a, a, _MM_SHUFFLE(3, 1, 2, 0)); /* [g lo | g hi] */
+            b = _mm512_shuffle_i32x4(b, b, _MM_SHUFFLE(3, 1, 2, 0)); /* [g+1 lo | g+1 hi] */
+            /* 32 sum y of each 16-value half (v = q - 32) */
+            const __m512i ys = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), y);
+            int32_t hs[16];
+            _mm512_storeu_si512((void *)hs, ys);
+            for (int h = 0; h < 2; h++) {
+                const int g = 2 * k + h;
+                const __m512i z = h ? b : a;
+                const __m256i lo = _mm512_castsi512_si256(z);
+                const __m256i hi = _mm512_extracti64x4_epi64(z, 1);
+                const int j0 = 8 * h, j1 = 8 * h + 4;
+                const __m256i y0 = _mm256_set1_epi32(32 * (hs[j0] + hs[j0 + 1] + hs[j0 + 2] + hs[j0 + 3]));
+                const __m256i y1 = _mm256_set1_epi32(32 * (hs[j1] + hs[j1 + 1] + hs[j1 + 2] + hs[j1 + 3]));
+                const __m256 dx = _mm256_set1_ps(xd[8 * sb + g]);
+                const __m256 a0 = _mm256_mul_ps(d, pi_byte_s(sc[g / 2], (2 * g) % 4));
+                const __m256 a1 = _mm256_mul_ps(d, pi_byte_s(sc[g / 2], (2 * g + 1) % 4));
+                s = _mm256_fmadd_ps(_mm256_mul_ps(a0, dx), _mm256_cvtepi32_ps(_mm256_sub_epi32(lo, y0)), s);
+                s = _mm256_fmadd_ps(_mm256_mul_ps(a1, dx), _mm256_cvtepi32_ps(_mm256_sub_epi32(hi, y1)), s);
+            }
+        }
+    }
+    return s;
+}
+
+static inline __attribute__((always_inline)) __m256 pi_dot8_k512(const int t,
+                                                                 const uint8_t *const *rw,
+                                                                 const float *xd, const int8_t *xq,
+                                                                 int nb, pi_pf_t *pf) {
+    const int bs = pi_k_bytes(t);
+    __m256 s = _mm256_setzero_ps();
+    for (int sb = 0; sb < nb / 8; sb++) {
+        const size_t off = (size_t)bs * sb;
+        const uint8_t *blk[8];
+        for (int i = 0; i < 8; i++) blk[i] = rw[i] + off;
+        const __m256 d = pi_f16x8(rw, off), dmin = pi_f16x8(rw, off + 2);
+        __m256i scl, sch, mnl, mnh;
+        pi_k4_scales8(pi_ld32x8(rw, off + 4), pi_ld32x8(rw, off + 8), pi_ld32x8(rw, off + 12),
+                      &scl, &sch, &mnl, &mnh);
+        for (int k = 0; k < 4; k++) {
+            pi_pf_next(pf);
+            pi_pf_next(pf);
+            const __m512i y = _mm512_loadu_si512((const void *)(xq + 256 * sb + 64 * k));
+            __m512i p[8];
+            for (int i = 0; i < 8; i++)
+                p[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), pi_k_values2(t, blk[i], k), y);
+            const __m512 f = _mm512_cvtepi32_ps(pi_reduce8x2(p));
+            for (int h = 0; h < 2; h++) {
+                const int g = 2 * k + h;
+                const __m256 is = h ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(f), 1))
+                                    : _mm512_castps512_ps256(f);
+                const __m256 a = _mm256_mul_ps(d, pi_byte_u(g < 4 ? scl : sch, g % 4));
+                const __m256 o8 = _mm256_mul_ps(_mm256_mul_ps(dmin, pi_byte_u(g < 4 ? mnl : mnh, g % 4)),
+                                                _mm256_set1_ps(-0.125f));
+                s = _mm256_fmadd_ps(_mm256_mul_ps(a, _mm256_set1_ps(xd[8 * sb + g])), is, s);
+                s = _mm256_fmadd_ps(o8, _mm256_set1_ps(xd[nb + 8 * sb + g]), s);
+            }
+        }
+    }
+    return s;
+}
+#endif
+
 /* One row, SIMD: the eight groups of a super-block as the eight lanes (their integer sums and
  * scales computed side by side), then pi_dot8_k's chain lane by lane in group order. Q6_K's
  * signed values use the sign trick (|v| against sign(y, v)), which gives the same exact sums. */
@@ -660,6 +966,20 @@ static inline __attribute__((always_inline)) void pi_gemv8_t(const int t, const 
                 pi_prefetch_l1(w + (size_t)idx[k] * stride, stride);
     }
     pi_pf_init(&pf, nb);
+#if PI_GEMV512
+    if (pi_is_k(t) && ((PI_GEMV512_MASK >> t) & 1)) {
+        const __m256 r5 = t == PI_Q6_K ? pi_dot8_q6k512(rw, xd, xq, nb, &pf)
+                                       : pi_dot8_k512(t, rw, xd, xq, nb, &pf);
+        if (m == 8) {
+            _mm256_storeu_ps(out + k0, r5);
+        } else {
+            float tmp[8];
+            _mm256_storeu_ps(tmp, r5);
+            for (long i = 0; i < m; i++) out[k0 + i] = tmp[i];
+        }
+        return;
+    }
+#endif
     const __m256 r = pi_is_k(t) ? pi_dot8_k(t, rw, xd, xq, nb, &pf)
                                 : pi_dot8_leg(t, rw, xd, xq, nb, &pf);
     if (m == 8) {
