@@ -36,7 +36,7 @@
  * with v' = v - k (q8_0: q; q4_0: q - 8): 2^-8 of the largest term per tile, like the int8
  * activation of the GEMV dots (llama.cpp's q8 blocks), against axpyq.h's 2^-16 (decode): prefill
  * and decode of the same projection agree within this bound, not bit for bit. The f32 part adds
- * a recursive sum of one term per tile: (n_tiles + 4) 2^-23 sum_r |a d v'| covers it.
+ * a recursive sum of one term per tile: (n_tiles + 5) 2^-23 sum_r |a W| covers it.
  * tests/test_prefill_gemm.py checks the bound against float64 over gguf's dequantization.
  */
 #ifndef PYINFER_GEMMT_H
