@@ -91,6 +91,11 @@ cdef extern from "gemm.h" nogil:
     void pi_transpose_keys(const float *k, long rs, int hd, long n, float *kt)
     int PI_ATT_MAX_HD
 
+cdef extern from "gemmt.h" nogil:
+    int pi_gemmt_supported(int qtype)
+    void pi_gemmt_strip(int qtype, const uint8_t *w, size_t ws, long rows, int c0, const float *a,
+                        long lda, long n_tok, float *out, long ldo)
+
 # rows per parallel work item in matmul (prefill): a tile of weight rows stays in L1 while every
 # token is dotted with it, and each output row gets a contiguous run of writes.
 DEF ROW_TILE = 16
@@ -101,6 +106,14 @@ DEF COL_TILE = 64
 # tokens per work item of the batched attention: with the group's query heads, the queries that
 # share each K/V row read from L2 (SmolLM2: 3 heads x 4 tokens)
 DEF ATT_TOKENS = 4
+
+# tokens per pass of matmul_t's integer strips (gemmt.h): every strip reads all its tokens'
+# activations, so a pass over 128 tokens keeps them in L2/L3 for all strips (7B down projection
+# 11008 rows x 512 tokens: 22 MB of activations streamed per strip without it; 128-token passes
+# were 1.1-1.3x faster there, 1536x576 unchanged: session 9)
+DEF GEMMT_TOKENS = 128
+# 0: matmul_t runs gemm.h's f32 strips for q8_0/q4_0 too (set_int8_matmul_t)
+cdef int _int8_matmul_t = 1
 
 # 1: prefill runs the kernels from before issue 11's GEMM (per-row four-token dots, 64-column AXPY
 # strips, attention one query at a time). Only for benchmarking the change (tools/bench.py
@@ -122,6 +135,16 @@ def set_gather_mode(int mode):
     global pi_gather_pf_mode
     cdef int prev = pi_gather_pf_mode
     pi_gather_pf_mode = mode
+    return prev
+
+
+def set_int8_matmul_t(int on):
+    """matmul_t's q8_0/q4_0 path: gemmt.h's int8 sums (on=1, the default) or gemm.h's f32 strips
+    (0, exact dequantization: prefill then matches decode's axpyq.h sums within f32 order);
+    returns the previous setting. For tests and A/B benchmarks."""
+    global _int8_matmul_t
+    cdef int prev = _int8_matmul_t
+    _int8_matmul_t = 1 if on else 0
     return prev
 
 
@@ -464,9 +487,10 @@ def matmul_t(const uint8_t[:, ::1] w, int qtype, int cols, const float[:, ::1] a
              float[:, ::1] out, int n_threads):
     """out = a @ w. a (n_tok, rows) f32, out (n_tok, cols) f32.
 
-    Parallel over 64-column strips: each strip of every weight row is dequantized once into a
-    small buffer and added into every token's output strip (4 rows per pass), so no reduction
-    between threads."""
+    Parallel over 32-column strips, so no reduction between threads. q8_0 and q4_0 run gemmt.h's
+    integer sums (each row's block scale folded into the activation, quantized to int8 per
+    32 rows: within 2^-8 of the largest term per tile, see gemmt.h); the other types dequantize
+    each strip to f32 and run gemm.h's f32 tiles. set_old_prefill(1): the pre-GEMM f32 loop."""
     _check_w(w, qtype, cols)
     _check_len(a.shape[1], w.shape[0], "matmul_t a columns")
     _check_len(out.shape[0], a.shape[0], "matmul_t out rows")
@@ -479,6 +503,16 @@ def matmul_t(const uint8_t[:, ::1] w, int qtype, int cols, const float[:, ::1] a
     if n_tok == 0 or cols == 0:
         return
     cdef float *panel
+    cdef Py_ssize_t t0, tn
+    if not _old_prefill and _int8_matmul_t and rows > 0 and pi_gemmt_supported(qtype):
+        # int8 sums over 32-column strips, GEMMT_TOKENS tokens at a time (see GEMMT_TOKENS)
+        with nogil:
+            for t0 in range(0, n_tok, GEMMT_TOKENS):
+                tn = min(GEMMT_TOKENS, n_tok - t0)
+                for s in prange(cols // 32, schedule='static', num_threads=n_threads):
+                    pi_gemmt_strip(qtype, &w[0, 0], stride, rows, s * 32, &a[t0, 0], a.shape[1],
+                                   tn, &out[t0, 0], out.shape[1])
+        return
     if not _old_prefill and rows > 0:  # 32-column strips, 6 tokens x 16 columns per tile (gemm.h)
         with nogil, parallel(num_threads=n_threads):
             panel = <float *> malloc((32 * rows + 8) * sizeof(float))

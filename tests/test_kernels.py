@@ -17,6 +17,7 @@ import pytest
 
 from pyinfer.ops import cpu
 from pyinfer.ops import reference as ref
+from tests._gemmt_bound import GEMMT_TYPES, gemmt_bound
 from tests._kernel_arrays import nan as _nan, readonly as _ro
 
 QT = gguf.GGMLQuantizationType
@@ -306,6 +307,10 @@ def test_matmul_t(qtype, n_threads):
         a = _ro(a)
         out = _nan((n_tok, w.cols))
         cpu.matmul_t(w, a, out, n_threads)
+        if qtype in GEMMT_TYPES:  # int8 coefficients (cython/gemmt.h): its stated bound
+            exact, bound = gemmt_bound(w, a)
+            assert np.all(np.isfinite(out)) and np.all(np.abs(out - exact) <= bound)
+            continue
         _close(out, ref.matmul_t(w, a, _nan((n_tok, w.cols))), qtype)
 
 

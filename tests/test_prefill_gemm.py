@@ -21,6 +21,7 @@ import pytest
 from pyinfer.ops import _kernels as K
 from pyinfer.ops import cpu
 from pyinfer.ops import reference as ref
+from tests._gemmt_bound import GEMMT_TYPES, gemmt_bound
 from tests._kernel_arrays import nan as _nan, quantized_weight as _weight, readonly as _ro
 
 QT = gguf.GGMLQuantizationType
@@ -148,7 +149,8 @@ def test_old_prefill_switch(qtype):
 @pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_0, QT.F16, QT.F32, QT.Q4_K, QT.Q6_K, QT.BF16])
 def test_down_gemm(qtype, n_threads):
     """matmul_t (a @ ffn_down_t) against float64 over gguf's dequantization: row counts and
-    column counts off the 32-column strip and 4-token tile, both kernel generations."""
+    column counts off the 32-column strip and 4-token tile, both kernel generations (q8_0 and
+    q4_0's integer path within its own bound, tests/_gemmt_bound.py)."""
     rng = np.random.default_rng(int(qtype) + 100)
     col_choices = [256, 512] if qtype in (QT.Q4_K, QT.Q6_K) else [32, 96, 576]
     if qtype in (QT.F16, QT.F32, QT.BF16):
@@ -168,9 +170,39 @@ def test_down_gemm(qtype, n_threads):
             finally:
                 K.set_old_prefill(prev)
             assert np.all(np.isfinite(got[old]))
-            assert np.all(np.abs(got[old] - exact) <= (rows + 4) * 2.0 ** -23 * scale + 1e-30)
+            if old or qtype not in GEMMT_TYPES:
+                assert np.all(np.abs(got[old] - exact) <= (rows + 4) * 2.0 ** -23 * scale + 1e-30)
+            else:  # gemmt.h's int8 coefficients (test_down_gemm_int8)
+                assert np.all(np.abs(got[old] - exact) <= gemmt_bound(w, a)[1])
         np.testing.assert_array_equal(
             got[0], cpu.matmul_t(w, a, _nan((n_tok, cols)), 3 - n_threads))
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+@pytest.mark.parametrize("qtype", GEMMT_TYPES)
+def test_down_gemm_int8(qtype, n_threads):
+    """gemmt.h's integer matmul_t (q8_0, q4_0) within its stated bound of float64 over gguf's
+    dequantization (tests/_gemmt_bound.py): rows off the 32-row tile and the 256-row panel,
+    token counts off the 2-token pass, rows scaled by U(0.1, 10), activations with zero tiles,
+    NaN-poisoned outputs; the same bits at 1 and 2 threads."""
+    rng = np.random.default_rng(300 + int(qtype) + 7 * n_threads)
+    worst = 0.0
+    for rows, cols, n_tok in [(1, 32, 1), (31, 64, 2), (33, 32, 3), (257, 96, 5), (600, 576, 130),
+                              (1536, 64, 9)]:
+        w = _weight(rng, qtype, rows, cols)
+        a = (rng.standard_normal((n_tok, rows)) * rng.uniform(0.01, 100, rows)).astype(np.float32)
+        a[:, :min(rows, 32)][:, ::2] *= rng.uniform(0, 1e-3)  # small terms beside large ones
+        if rows >= 64:
+            a[0, 32:64] = 0.0  # an all-zero tile (scale 0)
+        a = _ro(a)
+        exact, bound = gemmt_bound(w, a)
+        got = cpu.matmul_t(w, a, _nan((n_tok, cols)), n_threads)
+        assert np.all(np.isfinite(got)), "kernel left NaN in its output"
+        err = np.abs(got - exact)
+        assert np.all(err <= bound), f"rows={rows}: max err/bound {np.max(err / bound):.3g}"
+        worst = max(worst, np.max(err[bound > 0] / bound[bound > 0]))
+        np.testing.assert_array_equal(got, cpu.matmul_t(w, a, _nan((n_tok, cols)), 3 - n_threads))
+    assert worst > 0.01  # the bound is not vacuous: the error reaches a sizeable part of it
 
 
 @pytest.mark.parametrize("n_threads", [1, 2])

@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 from convert.cli import main as convert_main  # noqa: E402
 from pyinfer.engine import Engine  # noqa: E402
 from pyinfer.ffn import Predictor, SparseFFN  # noqa: E402
+from pyinfer.ops import _kernels as K  # noqa: E402
 from pyinfer.ops import cpu  # noqa: E402
 from pyinfer.ops.cpu import QT, QTensor  # noqa: E402
 from tests._models import make_random_llama  # noqa: E402
@@ -69,18 +70,33 @@ def test_decode_path_equals_batched_masked_path(tmp_path, hidden_act, outtype, m
     eng.model.ffn = SparseFFN(cfg, preds, thr, mode, use_predictor=use)
     eng.model.ffn.dense_down_above = dense_above
     eng.reset()
-    batched = eng.model.forward(PROMPT, 0, all_logits=True)
+    # the paths, compared with prefill's q8_0/q4_0 down projection on its f32 strips (the int8
+    # one, gemmt.h, is checked against this after the decode)
+    prev = K.set_int8_matmul_t(0)
+    try:
+        batched = eng.model.forward(PROMPT, 0, all_logits=True)
+    finally:
+        K.set_int8_matmul_t(prev)
     batched_sparsity = eng.model.ffn.stats.sparsity
     eng.model.ffn.stats.reset()
     stepped = decode_all(eng, PROMPT)
     # decode's gathered down projection over quantized ffn_down_t rows sums int16-quantized
     # coefficients (cython/axpyq.h, error within max|c d| / 65534 per term, tested in
-    # test_kernels); prefill's matmul_t sums them in f32: measured up to 2.3e-3 of the largest
+    # test_kernels); prefill's f32 strips sum them exactly: measured up to 2.3e-3 of the largest
     # logit after the layers amplify it (0 with the f32 path). The neurons kept stay the same.
     tol = 1e-4 if outtype in ("f32", "f16") else 5e-3
     assert np.max(np.abs(stepped - batched)) / np.max(np.abs(batched)) < tol
     assert eng.model.ffn.stats.sparsity == pytest.approx(batched_sparsity, abs=1e-9)
     assert eng.model.ffn.stats.sparsity > 0.3
+    # prefill as it runs: q8_0/q4_0 down projections with int8 coefficients (2^-8 of the largest
+    # term per 32 rows, tests/test_prefill_gemm.py): this random 2-layer model amplifies that to
+    # 0.75-1.35e-2 of the largest logit (session 9) and flips a few near-threshold neurons
+    eng.reset()
+    int8 = eng.model.forward(PROMPT, 0, all_logits=True)
+    if outtype in ("f32", "f16"):
+        np.testing.assert_array_equal(int8, batched)
+    else:
+        assert np.max(np.abs(stepped - int8)) / np.max(np.abs(int8)) < 3e-2
 
 
 @pytest.mark.parametrize("qt", [QT.F32, QT.F16, QT.Q8_0, QT.Q4_0, QT.Q5_0, QT.Q4_K, QT.Q6_K])
