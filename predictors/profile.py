@@ -23,7 +23,7 @@ import numpy as np
 
 from pyinfer import constants as C
 from pyinfer.errors import PyinferError
-from pyinfer.ffn import DenseFFN, _llama_ffn, down_b, ffn_coef, linear, linear_t
+from pyinfer.ffn import DenseFFN, _llama_ffn, down_b, down_proj, ffn_coef, linear
 
 
 class RecordingFFN(DenseFFN):
@@ -56,7 +56,7 @@ class RecordingFFN(DenseFFN):
         self.act_rec[layer, s:s + n_tok] = a
         self.cursor[layer] = s + n_tok
         self.mul(gate, up, gate)  # the same kernel the dense FFN uses
-        linear_t(lw.ffn_down_t, gate, out, n_threads)
+        down_proj(lw, gate, out, n_threads)  # ffn_down_t, or ffn_down in row layout (--dense)
         self.stats.total += n_tok * n_ff
         self.stats.active += n_tok * n_ff
         self.stats.candidates += n_tok * n_ff
