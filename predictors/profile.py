@@ -39,6 +39,10 @@ class RecordingFFN(DenseFFN):
         self.cursor = np.zeros(cfg.n_layer, np.int64)
         self.silu = cfg.hidden_act == "silu"
 
+    def decode(self, lw, layer, x, eps, n_threads) -> bool:
+        """Never fused: a one-token piece must pass through ``__call__`` to be recorded."""
+        return False
+
     def __call__(self, lw, layer, x, h, out, n_threads):
         n_tok, n_ff = h.shape[0], self.cfg.n_ff
         if not _llama_ffn(self.cfg, lw):
