@@ -135,3 +135,22 @@ def test_unknown_layout_is_refused(tmp_path):
     T.write_tiny_gguf(path, overrides={C.K_FFN_LAYOUT: ("columns", VT.STRING, None)})
     with pytest.raises(PyinferError, match="'columns'"):
         Engine(path, n_ctx=32)
+
+
+@pytest.mark.parametrize("layout", ["nm", "rows"])
+def test_profiler_records_one_token_pieces(tmp_path, layout):
+    """The offline profiler over either layout: a one-token piece (a 9-token sequence cut at 8)
+    is recorded like any other, equal to profiling that token alone (it used to take the fused
+    one-token decode, which records nothing)."""
+    from predictors.profile import profile
+
+    nm, rows = write_pair(tmp_path)
+    eng = Engine(nm if layout == "nm" else rows, n_ctx=32, n_threads=1)
+    seq = [3, 5, 9, 2, 7, 30, 11, 4, 6]
+    prof = profile(eng, [seq], chunk_len=8, progress=False)
+    alone = profile(eng, [seq[8:]], chunk_len=8, progress=False)
+    assert prof.n_tokens == 9 and prof.tokens == seq
+    np.testing.assert_array_equal(prof.x[:, 8], alone.x[:, 0])
+    np.testing.assert_array_equal(prof.act[:, 8], alone.act[:, 0])
+    first = profile(eng, [seq[:8]], chunk_len=8, progress=False)
+    np.testing.assert_array_equal(prof.x[:, :8], first.x)
