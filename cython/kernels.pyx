@@ -1085,8 +1085,8 @@ def decode_ffn_rows(float[::1] x, const float[::1] ffn_norm, float eps,
     """The dense FFN half of one layer for one token over ffn_down in llama.cpp's row layout, in
     place on the residual x (n_embd,) f32: h = rmsnorm(x), a = act(gate h) * (up h) with gate,
     up (n_ff, n_embd), x += down a with wd = ffn_down (n_embd, n_ff): two parallel GEMV passes
-    (gate and up together, then down), the numbers of the unfused DenseFFN (matvec, silu_mul or
-    relu_mul, matvec). act = silu if silu else relu."""
+    (gate and up together, then down), the same bits as the unfused DenseFFN (rmsnorm, matvec,
+    silu_mul or relu_mul, matvec). act = silu if silu else relu."""
     cdef int n_embd = x.shape[0]
     _check_w(wg, tg, n_embd)
     _check_w(wu, tu, n_embd)
@@ -1105,6 +1105,7 @@ def decode_ffn_rows(float[::1] x, const float[::1] ffn_norm, float eps,
     cdef float *y
     cdef float *g
     cdef float *u
+    cdef float a
     cdef Py_ssize_t j
     with nogil:
         buf = <float *> malloc((2 * n_embd + 2 * n_ff) * sizeof(float))
@@ -1124,8 +1125,12 @@ def decode_ffn_rows(float[::1] x, const float[::1] ffn_norm, float eps,
         outs[0] = g
         outs[1] = u
         _multi_matvec(2, ws, qts, strides, rows, n_embd, h, outs, n_threads)
-        for j in range(n_ff):
-            g[j] = _act1(g[j], silu) * u[j]
+        for j in range(n_ff):  # silu_mul's / relu_mul's expressions, so the same bits
+            a = g[j]
+            if silu:
+                g[j] = a / (1.0 + expf(-a)) * u[j]
+            else:
+                g[j] = (a if a > 0.0 else 0.0) * u[j]
         ws[0] = &wd[0, 0]
         qts[0] = td
         strides[0] = wd.shape[1]

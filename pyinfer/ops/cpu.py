@@ -293,9 +293,9 @@ def decode_ffn_rows(x: np.ndarray, ffn_norm: np.ndarray, eps: float, gate: QTens
                     down: QTensor, silu: bool, n_threads: int = 1) -> None:
     """One token's dense FFN half-layer in one call, in place, over ``ffn_down`` in llama.cpp's
     row layout (a ``--dense`` file or a llama.cpp file): x += down (act(gate h) * (up h)), h =
-    rmsnorm(x). x (n_embd,) f32; gate, up (n_ff, n_embd); down (n_embd, n_ff). The numbers of
-    DenseFFN's unfused GEMVs (``matvec``, ``silu_mul``/``relu_mul``, ``matvec``); ValueError for
-    shapes that do not fit."""
+    rmsnorm(x). x (n_embd,) f32; gate, up (n_ff, n_embd); down (n_embd, n_ff). The same bits as
+    DenseFFN's unfused calls (``rmsnorm``, ``matvec``, ``silu_mul``/``relu_mul``, ``matvec``);
+    ValueError for shapes that do not fit."""
     _k.decode_ffn_rows(x, ffn_norm, float(eps), gate.raw, int(gate.qtype), up.raw,
                        int(up.qtype), down.raw, int(down.qtype), int(gate.rows), int(silu),
                        n_threads)
