@@ -2,7 +2,10 @@
 [--down-type TYPE] [offline-stage flags] [--dense]``.
 
 By default the offline stage (calibration, profiling, predictors, placement: predictors/offline.py)
-runs after the conversion and its results go into the same file; ``--dense`` skips it.
+runs after the conversion and its results go into the same file; ``--dense`` skips it and keeps
+the down projection in llama.cpp's row layout, ``ffn_down`` (n_embd, n_ff), whose dense GEMV
+streams faster than the sum of ``ffn_down_t`` rows sparse decoding needs (docs/benchmarks.md,
+issue 11 session 9). An upstream PowerInfer source keeps ``ffn_down_t`` (it brings predictors).
 
 SRC is a Hugging Face ``LlamaForCausalLM`` directory (config.json + *.safetensors + tokenizer files)
 or a llama.cpp GGUF file of architecture ``llama``, or an upstream PowerInfer file (``PWRI`` magic:
@@ -25,10 +28,11 @@ from pyinfer.errors import PyinferError, exit_code_of
 
 
 def with_down_type(jobs: list, down_type: str) -> list:
-    """``jobs`` with every ``ffn_down_t`` written as ``down_type`` (a name of OUTTYPES; K-quant
-    rows that are not whole super-blocks fall back as ``matrix_qtype`` says). ffn_down_t is a new
-    layout, re-encoded from floats whatever its type, so this costs no extra requantization;
-    a job that copies stored blocks (a pyinfer file re-converted) is dequantized first.
+    """``jobs`` with every down projection (``ffn_down_t``, or ``ffn_down`` in a dense file's row
+    layout) written as ``down_type`` (a name of OUTTYPES; K-quant rows that are not whole
+    super-blocks fall back as ``matrix_qtype`` says). ffn_down_t is a new layout, re-encoded from
+    floats whatever its type, so this costs no extra requantization; a job that copies stored
+    blocks (a quantized ffn_down, or a pyinfer file re-converted) is dequantized first.
 
     Why: llama.cpp's Q4_K_M and Q5_K_M keep ffn_down at a wider type than the rest, because the
     down projection's errors reach the residual stream directly; ``--down-type q8_0`` does the
@@ -40,7 +44,8 @@ def with_down_type(jobs: list, down_type: str) -> list:
 
     from .writer import matrix_qtype
 
-    pat = re.compile(re.escape(C.FFN_DOWN_T).replace(r"\{bid\}", r"\d+") + "$")
+    pat = re.compile("|".join(re.escape(n).replace(r"\{bid\}", r"\d+") + "$"
+                              for n in (C.FFN_DOWN_T, C.SRC_FFN_DOWN)))
     out = []
     for j in jobs:
         if pat.match(j.name):
@@ -55,7 +60,7 @@ def with_down_type(jobs: list, down_type: str) -> list:
 
 def convert(src: str, out: str, outtype: str = OUTTYPE_AUTO, progress: bool | None = None,
             allow_unused: bool = False, gpuidx: str | None = None,
-            down_type: str | None = None) -> None:
+            down_type: str | None = None, down_rows: bool = False) -> None:
     """Convert ``src`` (HF directory, GGUF file, or upstream PowerInfer file) to the pyinfer GGUF ``out``.
 
     ``gpuidx``: an upstream PowerInfer GPU split file for a PowerInfer ``src`` (default: the
@@ -64,6 +69,9 @@ def convert(src: str, out: str, outtype: str = OUTTYPE_AUTO, progress: bool | No
     default that is an error: a config whose layer count is too small truncates the model).
     ``down_type``: a name of OUTTYPES for every ``ffn_down_t`` (None: as ``outtype``, which under
     ``auto`` is the source's own ffn_down type, as llama.cpp's mixes choose it).
+    ``down_rows``: a dense file: the down projection as ``ffn_down`` (n_embd, n_ff), llama.cpp's
+    row layout (``pyinfer.ffn_layout`` "rows"); ignored for an upstream PowerInfer source, whose
+    predictors need ``ffn_down_t``.
     Raises PyinferError for anything the user can fix (missing or unsupported input, bad path).
     """
     from .from_gguf import is_gguf_or_powerinfer, plan_gguf
@@ -87,11 +95,14 @@ def convert(src: str, out: str, outtype: str = OUTTYPE_AUTO, progress: bool | No
     if os.path.isdir(src):
         if gpuidx is not None:
             raise PyinferError("--gpuidx goes only with an upstream PowerInfer model file")
-        meta, jobs = plan_hf(src, outtype, allow_unused)
+        meta, jobs = plan_hf(src, outtype, allow_unused, down_rows=down_rows)
     elif is_gguf_or_powerinfer(src):
         if os.path.abspath(src) == os.path.abspath(out):
             raise PyinferError("the output would overwrite the source file")
-        meta, jobs = plan_gguf(src, outtype, allow_unused, gpuidx=gpuidx)
+        from .powerinfer import is_powerinfer
+
+        meta, jobs = plan_gguf(src, outtype, allow_unused, gpuidx=gpuidx,
+                               down_rows=down_rows and not is_powerinfer(src))
     else:
         raise PyinferError(f"{src} is neither a model directory nor a GGUF file")
     if down_type is not None:
@@ -126,8 +137,8 @@ def main(argv: list[str] | None = None) -> int:
                              "not a multiple of 256 fall back as llama.cpp's do (q4_k->q5_0, "
                              "q5_k->q5_1, q6_k->q8_0)")
     parser.add_argument("--down-type", choices=list(OUTTYPES), default=None, metavar="TYPE",
-                        help="type of ffn_down_t, the transposed down projection (re-encoded "
-                             "whatever its type): " + ", ".join(OUTTYPES) + ". Default: as "
+                        help="type of the down projection (ffn_down_t, re-encoded whatever "
+                             "its type; with --dense ffn_down in row layout): " + ", ".join(OUTTYPES) + ". Default: as "
                              "--outtype (auto: the source's own ffn_down type, so a Q4_K_M "
                              "file keeps its Q6_K). q8_0 is more accurate for a source held at "
                              "one 4-bit type, at about +12%% file size on SmolLM2 "
@@ -158,9 +169,12 @@ def _run(args) -> int:
     from .powerinfer import is_powerinfer
 
     t0 = time.perf_counter()
+    if args.dense and args.sparse_mode is not None:
+        raise PyinferError(f"--sparse-mode {args.sparse_mode} needs the offline stage, which "
+                           "--dense skips (a dense file keeps ffn_down in row layout)")
     if args.dense or is_powerinfer(args.src):  # a PowerInfer file brings its own predictors and split
         convert(args.src, args.out, args.outtype, allow_unused=args.allow_unused_tensors,
-                gpuidx=args.gpuidx, down_type=args.down_type)
+                gpuidx=args.gpuidx, down_type=args.down_type, down_rows=args.dense)
     else:
         from predictors.offline import convert_sparse
 

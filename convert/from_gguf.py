@@ -10,7 +10,9 @@ Two layout changes (design.md):
 - llama.cpp's ``convert_hf_to_gguf.py`` permutes the rows of Q and K for its interleaved RoPE:
   ``w.reshape(n, 2, rows/n/2, cols).swapaxes(1, 2)``; `unpermute_qk` inverts it, giving back the
   Hugging Face (rotate_half / NeoX) row order.
-- ``ffn_down`` (n_embd, n_ff) becomes ``ffn_down_t`` (n_ff, n_embd).
+- ``ffn_down`` (n_embd, n_ff) becomes ``ffn_down_t`` (n_ff, n_embd), except with ``down_rows``
+  (``pyinfer-convert --dense``): ``ffn_down`` then keeps llama.cpp's layout and, at its own type,
+  its stored blocks (``pyinfer.ffn_layout`` "rows").
 
 The tokenizer (``tokenizer.*`` keys, chat templates) is copied with its value types. A file that
 pyinfer itself wrote (``pyinfer.rope_layout`` present) is re-encoded without either change.
@@ -158,7 +160,7 @@ def _copy_field(meta: Metadata, field: Any) -> None:
 
 
 def plan_gguf(path: str, outtype: str, allow_unused: bool = False,
-              gpuidx: str | None = None) -> tuple[Metadata, list[TensorJob]]:
+              gpuidx: str | None = None, down_rows: bool = False) -> tuple[Metadata, list[TensorJob]]:
     """Metadata and tensor jobs for a llama.cpp (or pyinfer) GGUF file of architecture llama or
     gemma3, or an upstream PowerInfer file (``PWRI`` magic, architecture llama).
 
@@ -166,6 +168,8 @@ def plan_gguf(path: str, outtype: str, allow_unused: bool = False,
     F16, or F32 under outtype f32) and its threshold, as pyinfer's sparse keys (mode relu), and
     its ReLU FFN. ``gpuidx``: its GPU split file (default: ``<path>.generated.gpuidx`` when that
     exists, as upstream's loader looks for it); the split is stored as pyinfer's.
+    ``down_rows``: write the down projection as ``ffn_down`` (n_embd, n_ff) for a dense file (a
+    source already in that layout at the output type is copied as stored), not ``ffn_down_t``.
     Raises PyinferError for a damaged file, another architecture, rope scaling, missing tensors,
     or (unless ``allow_unused``) tensors of layers beyond ``block_count`` (a truncated model).
     """
@@ -244,7 +248,7 @@ def plan_gguf(path: str, outtype: str, allow_unused: bool = False,
     meta.u32(C.K_VOCAB_SIZE, n_vocab)
     meta.string(C.K_PYINFER_VERSION, __version__)
     meta.string(C.K_HIDDEN_ACT, act)
-    meta.string(C.K_FFN_LAYOUT, C.FFN_LAYOUT_NEURON_MAJOR)
+    meta.string(C.K_FFN_LAYOUT, C.FFN_LAYOUT_ROWS if down_rows else C.FFN_LAYOUT_NEURON_MAJOR)
     meta.string(C.K_ROPE_LAYOUT, C.ROPE_LAYOUT_NEOX)
     meta.string(C.K_SOURCE, _scalar(reader, C.K_SOURCE) if ours else os.path.basename(path))
     if gemma3:
@@ -299,12 +303,16 @@ def plan_gguf(path: str, outtype: str, allow_unused: bool = False,
                              load=lambda: np.ascontiguousarray(unpermute_qk(stored(t, shape[0]), n)))
         return TensorJob(name, shape, qtype, lambda: np.ascontiguousarray(unpermute_qk(load(t), n)))
 
-    def down_t(i: int) -> TensorJob:
-        name = C.FFN_DOWN_T.format(bid=i)
-        if ours or (pwri and name in tensors):  # PowerInfer stores it transposed already
-            return mat(name, (n_ff, n_embd))
-        t = src(C.SRC_FFN_DOWN.format(bid=i), (n_embd, n_ff))
-        return TensorJob(name, (n_ff, n_embd), target(t, n_embd),
+    def down(i: int) -> TensorJob:
+        """Layer i's down projection in the output's layout, from whichever the source stores
+        (llama.cpp's ffn_down, or ffn_down_t in a PowerInfer or neuron-major pyinfer file)."""
+        rows, cols = C.SRC_FFN_DOWN.format(bid=i), C.FFN_DOWN_T.format(bid=i)
+        name, shape = (rows, (n_embd, n_ff)) if down_rows else (cols, (n_ff, n_embd))
+        if name in tensors:  # the source's own layout: copied as stored at its type
+            return mat(name, shape)
+        other = cols if down_rows else rows
+        t = src(other, shape[::-1])  # the other layout: a transpose, re-encoded
+        return TensorJob(name, shape, target(t, shape[1]),
                          lambda: np.ascontiguousarray(load(t).T))
 
     def norm(name: str, n: int = n_embd) -> TensorJob:
@@ -323,7 +331,7 @@ def plan_gguf(path: str, outtype: str, allow_unused: bool = False,
             norm(C.FFN_NORM.format(bid=i)),
             mat(C.FFN_GATE.format(bid=i), (n_ff, n_embd)),
             mat(C.FFN_UP.format(bid=i), (n_ff, n_embd)),
-            down_t(i),
+            down(i),
         ]
         if gemma3:
             jobs += [norm(C.ATTN_Q_NORM.format(bid=i), head_dim),

@@ -4,7 +4,8 @@ Safetensors files are parsed here directly (8-byte header length, JSON header, r
 memory-mapped, so bf16 weights need neither torch nor a copy of the whole file: each tensor is
 read and widened to float32 only when the writer asks for it.
 Names and layouts follow llama.cpp's ``convert_hf_to_gguf.py`` for ``LlamaForCausalLM``, except that
-Q/K keep their Hugging Face row order and ``down_proj`` is stored transposed (design.md).
+Q/K keep their Hugging Face row order and ``down_proj`` is stored transposed (design.md), or,
+with ``down_rows`` (``pyinfer-convert --dense``), as it is: llama.cpp's ``ffn_down`` (n_embd, n_ff).
 """
 from __future__ import annotations
 
@@ -528,9 +529,13 @@ _NAMES = {
 }
 
 
-def plan_hf(model_dir: str, outtype: str, allow_unused: bool = False) -> tuple[Metadata, list[TensorJob]]:
+def plan_hf(model_dir: str, outtype: str, allow_unused: bool = False,
+            down_rows: bool = False) -> tuple[Metadata, list[TensorJob]]:
     """Metadata and tensor jobs for a Hugging Face directory of a supported architecture
     (``C.HF_ARCHITECTURES``: Llama, Mistral, Qwen2, OPT, Falcon, Gemma 3).
+
+    ``down_rows``: write the down projection as ``ffn_down`` (n_embd, n_ff), the checkpoint's own
+    layout (``pyinfer.ffn_layout`` "rows", for a dense file), instead of ``ffn_down_t``.
 
     Raises PyinferError for a directory without config.json or weights, another architecture,
     an unsupported activation or rope scaling, tensors whose shapes disagree with config.json,
@@ -575,7 +580,7 @@ def plan_hf(model_dir: str, outtype: str, allow_unused: bool = False) -> tuple[M
     meta.u32(C.K_VOCAB_SIZE, hp.n_vocab)
     meta.string(C.K_PYINFER_VERSION, __version__)
     meta.string(C.K_HIDDEN_ACT, hp.hidden_act)
-    meta.string(C.K_FFN_LAYOUT, C.FFN_LAYOUT_NEURON_MAJOR)
+    meta.string(C.K_FFN_LAYOUT, C.FFN_LAYOUT_ROWS if down_rows else C.FFN_LAYOUT_NEURON_MAJOR)
     meta.string(C.K_ROPE_LAYOUT, C.ROPE_LAYOUT_NEOX)
     meta.string(C.K_SOURCE, os.path.basename(os.path.abspath(model_dir)))
     if hp.family != "llama":
@@ -616,6 +621,12 @@ def plan_hf(model_dir: str, outtype: str, allow_unused: bool = False) -> tuple[M
                 return st.load(src)
         return TensorJob(out_name, shape, matrix_qtype(shape[1], outtype), load)
 
+    def down(i: int, src: str) -> TensorJob:
+        """Layer i's down projection from the checkpoint's (n_embd, n_ff) ``src``."""
+        if down_rows:
+            return mat(C.SRC_FFN_DOWN.format(bid=i), src, (hp.n_embd, hp.n_ff))
+        return mat(C.FFN_DOWN_T.format(bid=i), src, (hp.n_ff, hp.n_embd), transpose=True)
+
     def vec(out_name: str, src: str, n: int, shift: float = 0.0) -> TensorJob:
         _check_shape(st, src, (n,), model_dir)
         return TensorJob(out_name, (n,), C.QT.F32, lambda: st.load(src) + np.float32(shift))
@@ -644,9 +655,9 @@ def plan_hf(model_dir: str, outtype: str, allow_unused: bool = False) -> tuple[M
     for i in range(hp.n_layer):
         p = prefix.format(i=i)
         if hp.family == "opt":
-            jobs += _opt_layer(i, p, hp, mat, vec, norm)
+            jobs += _opt_layer(i, p, hp, mat, vec, norm, down)
         elif hp.family == "falcon":
-            jobs += _falcon_layer(i, p, hp, st, model_dir, mat, vec, norm, outtype)
+            jobs += _falcon_layer(i, p, hp, st, model_dir, mat, vec, norm, outtype, down)
         else:
             jobs += norm(C.ATTN_NORM.format(bid=i), p + "input_layernorm")
             for name, proj, rows in ((C.ATTN_Q, "q_proj", q_dim), (C.ATTN_K, "k_proj", kv_dim),
@@ -669,8 +680,7 @@ def plan_hf(model_dir: str, outtype: str, allow_unused: bool = False) -> tuple[M
             jobs += [
                 mat(C.FFN_GATE.format(bid=i), p + "mlp.gate_proj.weight", (hp.n_ff, hp.n_embd)),
                 mat(C.FFN_UP.format(bid=i), p + "mlp.up_proj.weight", (hp.n_ff, hp.n_embd)),
-                mat(C.FFN_DOWN_T.format(bid=i), p + "mlp.down_proj.weight", (hp.n_ff, hp.n_embd),
-                    transpose=True),
+                down(i, p + "mlp.down_proj.weight"),
             ]
     jobs += norm(C.OUTPUT_NORM, final_norm)
     if not tied:
@@ -679,8 +689,8 @@ def plan_hf(model_dir: str, outtype: str, allow_unused: bool = False) -> tuple[M
     return meta, jobs
 
 
-def _opt_layer(i, p, hp, mat, vec, norm) -> list[TensorJob]:
-    """One OPT decoder layer: attention with biases, fc1 (up) / fc2 (down, stored transposed)."""
+def _opt_layer(i, p, hp, mat, vec, norm, down) -> list[TensorJob]:
+    """One OPT decoder layer: attention with biases, fc1 (up) / fc2 (down, ``down``'s layout)."""
     E, F = hp.n_embd, hp.n_ff
     jobs = norm(C.ATTN_NORM.format(bid=i), p + "self_attn_layer_norm")
     for name, bname, proj in ((C.ATTN_Q, C.ATTN_Q_B, "q_proj"), (C.ATTN_K, C.ATTN_K_B, "k_proj"),
@@ -690,7 +700,7 @@ def _opt_layer(i, p, hp, mat, vec, norm) -> list[TensorJob]:
             jobs.append(vec(bname.format(bid=i), p + f"self_attn.{proj}.bias", E))
     jobs += norm(C.FFN_NORM.format(bid=i), p + "final_layer_norm")
     jobs.append(mat(C.FFN_UP.format(bid=i), p + "fc1.weight", (F, E)))
-    jobs.append(mat(C.FFN_DOWN_T.format(bid=i), p + "fc2.weight", (F, E), transpose=True))
+    jobs.append(down(i, p + "fc2.weight"))
     if hp.ffn_bias:
         jobs.append(vec(C.FFN_UP_B.format(bid=i), p + "fc1.bias", F))
         jobs.append(vec(C.FFN_DOWN_B.format(bid=i), p + "fc2.bias", E))
@@ -718,9 +728,9 @@ def _falcon_qkv_rows(hp) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return np.concatenate(q), np.concatenate(k), np.concatenate(v)
 
 
-def _falcon_layer(i, p, hp, st, model_dir, mat, vec, norm, outtype) -> list[TensorJob]:
+def _falcon_layer(i, p, hp, st, model_dir, mat, vec, norm, outtype, down) -> list[TensorJob]:
     """One Falcon layer: the fused QKV split into attn_q/k/v rows, dense (attn_output),
-    dense_h_to_4h (up) / dense_4h_to_h (down, transposed), its LayerNorm(s)."""
+    dense_h_to_4h (up) / dense_4h_to_h (down, ``down``'s layout), its LayerNorm(s)."""
     E, F = hp.n_embd, hp.n_ff
     q_dim, kv_dim = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
     if hp.falcon_norms == 2:
@@ -745,7 +755,7 @@ def _falcon_layer(i, p, hp, st, model_dir, mat, vec, norm, outtype) -> list[Tens
                                   lambda r=r: st.load(fused + "bias")[r]))
     jobs.append(mat(C.ATTN_OUT.format(bid=i), p + "self_attention.dense.weight", (E, q_dim)))
     jobs.append(mat(C.FFN_UP.format(bid=i), p + "mlp.dense_h_to_4h.weight", (F, E)))
-    jobs.append(mat(C.FFN_DOWN_T.format(bid=i), p + "mlp.dense_4h_to_h.weight", (F, E), transpose=True))
+    jobs.append(down(i, p + "mlp.dense_4h_to_h.weight"))
     if hp.attn_bias:
         jobs.append(vec(C.ATTN_OUT_B.format(bid=i), p + "self_attention.dense.bias", E))
         jobs.append(vec(C.FFN_UP_B.format(bid=i), p + "mlp.dense_h_to_4h.bias", F))

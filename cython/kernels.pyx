@@ -1048,6 +1048,69 @@ def decode_ffn(float[::1] x, const float[::1] ffn_norm, float eps,
     return n
 
 
+def decode_ffn_rows(float[::1] x, const float[::1] ffn_norm, float eps,
+                    const uint8_t[:, ::1] wg, int tg, const uint8_t[:, ::1] wu, int tu,
+                    const uint8_t[:, ::1] wd, int td, int n_ff, int silu, int n_threads):
+    """The dense FFN half of one layer for one token over ffn_down in llama.cpp's row layout, in
+    place on the residual x (n_embd,) f32: h = rmsnorm(x), a = act(gate h) * (up h) with gate,
+    up (n_ff, n_embd), x += down a with wd = ffn_down (n_embd, n_ff): two parallel GEMV passes
+    (gate and up together, then down), the same bits as the unfused DenseFFN (rmsnorm, matvec,
+    silu_mul or relu_mul, matvec). act = silu if silu else relu."""
+    cdef int n_embd = x.shape[0]
+    _check_w(wg, tg, n_embd)
+    _check_w(wu, tu, n_embd)
+    _check_w(wd, td, n_ff)
+    _check_len(ffn_norm.shape[0], n_embd, "decode_ffn_rows ffn_norm")
+    _check_len(wg.shape[0], n_ff, "decode_ffn_rows gate rows")
+    _check_len(wu.shape[0], n_ff, "decode_ffn_rows up rows")
+    _check_len(wd.shape[0], n_embd, "decode_ffn_rows down rows")
+    cdef const uint8_t *ws[3]
+    cdef int qts[3]
+    cdef Py_ssize_t strides[3]
+    cdef Py_ssize_t rows[3]
+    cdef float *outs[3]
+    cdef float *buf
+    cdef float *h
+    cdef float *y
+    cdef float *g
+    cdef float *u
+    cdef float a
+    cdef Py_ssize_t j
+    with nogil:
+        buf = <float *> malloc((2 * n_embd + 2 * n_ff) * sizeof(float))
+        h = buf
+        y = h + n_embd
+        g = y + n_embd
+        u = g + n_ff
+        _rmsnorm1(&x[0], &ffn_norm[0], eps, h, n_embd)
+        ws[0] = &wg[0, 0]
+        ws[1] = &wu[0, 0]
+        qts[0] = tg
+        qts[1] = tu
+        strides[0] = wg.shape[1]
+        strides[1] = wu.shape[1]
+        rows[0] = n_ff
+        rows[1] = n_ff
+        outs[0] = g
+        outs[1] = u
+        _multi_matvec(2, ws, qts, strides, rows, n_embd, h, outs, n_threads)
+        for j in range(n_ff):  # silu_mul's / relu_mul's expressions, so the same bits
+            a = g[j]
+            if silu:
+                g[j] = a / (1.0 + expf(-a)) * u[j]
+            else:
+                g[j] = (a if a > 0.0 else 0.0) * u[j]
+        ws[0] = &wd[0, 0]
+        qts[0] = td
+        strides[0] = wd.shape[1]
+        rows[0] = n_embd
+        outs[0] = y
+        _multi_matvec(1, ws, qts, strides, rows, n_ff, g, outs, n_threads)
+        for j in range(n_embd):
+            x[j] += y[j]
+        free(buf)
+
+
 # ---------------------------------------------------------------- input sparsity (TEAL / WINA)
 # A projection y = W x whose input channel j is dropped never reads column j of W. The file stores
 # such matrices transposed (one row per input channel: attn_qkv_t, attn_output_t, ffn_gate_up_t,

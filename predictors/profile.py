@@ -23,7 +23,7 @@ import numpy as np
 
 from pyinfer import constants as C
 from pyinfer.errors import PyinferError
-from pyinfer.ffn import DenseFFN, _llama_ffn, down_b, ffn_coef, linear, linear_t
+from pyinfer.ffn import DenseFFN, _llama_ffn, down_b, down_proj, ffn_coef, linear
 
 
 class RecordingFFN(DenseFFN):
@@ -38,6 +38,10 @@ class RecordingFFN(DenseFFN):
         self.act_rec = np.empty((cfg.n_layer, n_tokens, cfg.n_ff), np.float16)
         self.cursor = np.zeros(cfg.n_layer, np.int64)
         self.silu = cfg.hidden_act == "silu"
+
+    def decode(self, lw, layer, x, eps, n_threads) -> bool:
+        """Never fused: a one-token piece must pass through ``__call__`` to be recorded."""
+        return False
 
     def __call__(self, lw, layer, x, h, out, n_threads):
         n_tok, n_ff = h.shape[0], self.cfg.n_ff
@@ -56,7 +60,7 @@ class RecordingFFN(DenseFFN):
         self.act_rec[layer, s:s + n_tok] = a
         self.cursor[layer] = s + n_tok
         self.mul(gate, up, gate)  # the same kernel the dense FFN uses
-        linear_t(lw.ffn_down_t, gate, out, n_threads)
+        down_proj(lw, gate, out, n_threads)  # ffn_down_t, or ffn_down in row layout (--dense)
         self.stats.total += n_tok * n_ff
         self.stats.active += n_tok * n_ff
         self.stats.candidates += n_tok * n_ff

@@ -191,9 +191,12 @@ class ModelConfig(FamilyTraits):
             hint = ("; pyinfer-convert SRC out.gguf converts it" if arch == "gemma3" else "")
             raise PyinferError(f"unsupported architecture {arch!r} (pyinfer runs '{C.ARCH}' files, "
                                f"llama.cpp's as they are{hint})")
-        if not llamacpp and read_field(reader, C.K_FFN_LAYOUT) != C.FFN_LAYOUT_NEURON_MAJOR:
+        layout = read_field(reader, C.K_FFN_LAYOUT)
+        if not llamacpp and layout not in C.FFN_LAYOUTS:
             raise PyinferError("this GGUF was not written by pyinfer-convert "
-                               "(no neuron-major FFN); convert it first: pyinfer-convert SRC out.gguf")
+                               f"({C.K_FFN_LAYOUT} is {layout!r}, not one of "
+                               f"{', '.join(C.FFN_LAYOUTS)}); convert it first: "
+                               "pyinfer-convert SRC out.gguf")
 
         def need(key, kind=int):
             v = read_field(reader, key, kind=kind)

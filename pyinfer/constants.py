@@ -53,8 +53,12 @@ K_ROPE_DIM = gguf.Keys.Rope.DIMENSION_COUNT.format(arch=ARCH)
 # pyinfer's own keys
 K_PYINFER_VERSION = "pyinfer.version"
 K_HIDDEN_ACT = "pyinfer.hidden_act"  # "silu" | "relu"
-K_FFN_LAYOUT = "pyinfer.ffn_layout"  # "neuron_major": ffn_down stored as ffn_down_t
-FFN_LAYOUT_NEURON_MAJOR = "neuron_major"
+K_FFN_LAYOUT = "pyinfer.ffn_layout"  # how a pyinfer file stores the down projection:
+FFN_LAYOUT_NEURON_MAJOR = "neuron_major"  # ffn_down_t (n_ff, n_embd): sparse decoding sums its rows
+# ffn_down (n_embd, n_ff) as llama.cpp stores it: `pyinfer-convert --dense` files, whose dense
+# down projection is a GEMV over these rows (faster than the AXPY over ffn_down_t, issue 11)
+FFN_LAYOUT_ROWS = "rows"
+FFN_LAYOUTS = (FFN_LAYOUT_NEURON_MAJOR, FFN_LAYOUT_ROWS)
 K_ROPE_LAYOUT = "pyinfer.rope_layout"  # "neox": Q/K rows in Hugging Face order (rotate_half)
 ROPE_LAYOUT_NEOX = "neox"
 K_FAMILY = "pyinfer.family"  # HF family the file came from (a value of HF_ARCHITECTURES)

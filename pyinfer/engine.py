@@ -139,6 +139,10 @@ class Engine:
             return None
         if mode not in C.SPARSE_MODES:
             raise PyinferError(f"unknown sparse mode {mode!r} in {C.K_SPARSE_MODE}")
+        if any(lw.ffn_down_t is None for lw in self.weights.layers):
+            raise PyinferError(f"sparse mode {mode!r} needs ffn_down_t, but this file keeps "
+                               "ffn_down in row layout (pyinfer-convert --dense): run it with "
+                               "--dense, or convert without --dense for sparse decoding")
         n_layer = self.cfg.n_layer
         act_thr = np.asarray(read_field(self.reader, C.K_ACT_THRESHOLD, [0.0] * n_layer,
                                         kind=list, item=float), np.float32)

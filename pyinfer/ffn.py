@@ -201,11 +201,15 @@ class DenseFFN:
                n_threads: int) -> bool:
         """One token's whole FFN half-layer in one fused call, in place on the residual x
         (n_embd,) (``cpu.decode_ffn``). Returns False where this FFN cannot (the other families)."""
-        if not _llama_ffn(self.cfg, lw) or self.cfg.norm != "rms" or lw.ffn_down_t is None:
-            return False  # (the fused kernel reads the neuron-major ffn_down_t)
+        if not _llama_ffn(self.cfg, lw) or self.cfg.norm != "rms":
+            return False
         n_ff = self.cfg.n_ff
-        cpu.decode_ffn(x, lw.ffn_norm, eps, lw.ffn_gate, lw.ffn_up, lw.ffn_down_t, cpu.FFN_DENSE,
-                       self.cfg.hidden_act == "silu", 0.0, n_threads)
+        if lw.ffn_down_t is None:  # ffn_down in row layout: GEMVs (a --dense or llama.cpp file)
+            cpu.decode_ffn_rows(x, lw.ffn_norm, eps, lw.ffn_gate, lw.ffn_up, lw.ffn_down,
+                                self.cfg.hidden_act == "silu", n_threads)
+        else:
+            cpu.decode_ffn(x, lw.ffn_norm, eps, lw.ffn_gate, lw.ffn_up, lw.ffn_down_t,
+                           cpu.FFN_DENSE, self.cfg.hidden_act == "silu", 0.0, n_threads)
         self.stats.total += n_ff
         self.stats.active += n_ff
         self.stats.candidates += n_ff

@@ -148,7 +148,7 @@ def _types_off_gpu(weights: ModelWeights) -> list[str]:
     ``pyinfer-convert --outtype auto`` keeps), sorted; [] when every type is readable."""
     odd = set()
     for lw in weights.layers:
-        for name in ("wq", "wk", "wv", "wo", "ffn_gate", "ffn_up", "ffn_down_t"):
+        for name in ("wq", "wk", "wv", "wo", "ffn_gate", "ffn_up", "ffn_down_t", "ffn_down"):
             t = getattr(lw, name, None)
             if t is not None and t.qtype.name.lower() not in cuda.GPU_TYPES:
                 odd.add(t.qtype.name.lower())
@@ -187,7 +187,8 @@ def place_model(reader, cfg: ModelConfig, weights: ModelWeights, cpu_ffn, n_ctx:
             return Model(cfg, weights, n_ctx, n_threads, ffn=cpu_ffn)
         raise PyinferError(f"the GPU engine runs Llama files only; this {cfg.family} file needs "
                            "--device cpu")
-    if device != "cpu" and any(lw.ffn_down_t is None for lw in weights.layers):
+    rows_file = reader is not None and read_field(reader, C.K_FFN_LAYOUT) == C.FFN_LAYOUT_ROWS
+    if device != "cpu" and not rows_file and any(lw.ffn_down_t is None for lw in weights.layers):
         msg = "a llama.cpp GGUF runs on the CPU; pyinfer-convert it for the GPU engine"
         if device == "auto" and backend is None:
             if not quiet:
@@ -222,6 +223,8 @@ def place_model(reader, cfg: ModelConfig, weights: ModelWeights, cpu_ffn, n_ctx:
                 return Model(cfg, weights, n_ctx, n_threads, ffn=cpu_ffn)
             raise PyinferError(f"--device cuda: no CUDA device ({cuda.unavailable_reason()})")
         backend = CupyDevice()
+    if any(lw.ffn_down_t is None for lw in weights.layers):  # a --dense file (rows_file)
+        weights = neuron_major_down(weights)
     budget = resolve_budget(backend, vram_budget)
     sparse = isinstance(cpu_ffn, SparseFFN)
     sizes = _Sizes(cfg, weights, cpu_ffn, n_ctx, dense=not sparse)
@@ -250,6 +253,24 @@ def place_model(reader, cfg: ModelConfig, weights: ModelWeights, cpu_ffn, n_ctx:
                 f"{'on the device' if plan.output else 'on the CPU'}; "
                 f"{model.device_bytes / GiB:.2f} of {budget / GiB:.2f} GiB")
     return model
+
+
+def neuron_major_down(weights: ModelWeights) -> ModelWeights:
+    """``weights`` with each layer's row-layout ``ffn_down`` (n_embd, n_ff) turned into the
+    ``ffn_down_t`` (n_ff, n_embd) the GPU engine reads (a ``pyinfer-convert --dense`` file on the
+    GPU; the CPU runs the row layout as it is). F32/F16 transpose exactly; a block type is
+    dequantized, transposed and quantized again at its type (``QTensor.from_array``): a second
+    rounding, as the converter's own ffn_down_t of a quantized source has. New memory of the
+    down projections' size; the memory map is not touched."""
+    import dataclasses
+
+    from pyinfer.ops.cpu import QTensor
+    from pyinfer.ops.reference import dequantize
+
+    layers = [lw if lw.ffn_down_t is not None else dataclasses.replace(
+        lw, ffn_down_t=QTensor.from_array(dequantize(lw.ffn_down).T, lw.ffn_down.qtype),
+        ffn_down=None) for lw in weights.layers]
+    return dataclasses.replace(weights, layers=layers)
 
 
 def sparse_mode(reader) -> str | None:

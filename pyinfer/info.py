@@ -52,8 +52,11 @@ def describe(path: str) -> dict:
         "hidden_act": read_field(reader, C.K_HIDDEN_ACT, kind=str),
     }
     names = {t.name for t in reader.tensors}
-    converted = read_field(reader, C.K_FFN_LAYOUT, kind=str) == C.FFN_LAYOUT_NEURON_MAJOR
+    ffn_layout = read_field(reader, C.K_FFN_LAYOUT, kind=str)
+    converted = ffn_layout in C.FFN_LAYOUTS
     info["layout"] = "pyinfer" if converted else "llama.cpp"
+    # "neuron_major" (ffn_down_t) or "rows" (ffn_down, a --dense file); None for a llama.cpp file
+    info["ffn_layout"] = ffn_layout if converted else None
     info["pyinfer_version"] = read_field(reader, C.K_PYINFER_VERSION, kind=str)
     info["source"] = read_field(reader, C.K_SOURCE, kind=str)
 
@@ -150,8 +153,10 @@ def render(info: dict) -> str:
     out.append(f"parameters:    {info['parameters'] / 1e6:.1f} M"
                + (" (tied embeddings)" if info["tied_embeddings"] else ""))
     if info["layout"] == "pyinfer":
+        down = ("ffn_down in row layout, dense only" if info["ffn_layout"] == C.FFN_LAYOUT_ROWS
+                else "ffn_down_t, neuron-major")
         out.append(f"layout:        pyinfer conversion (version {info['pyinfer_version'] or '?'}"
-                   + (f", from {info['source']})" if info["source"] else ")"))
+                   + (f", from {info['source']}" if info["source"] else "") + f"; {down})")
     else:
         out.append("layout:        llama.cpp file (not converted; pyinfer-convert writes the pyinfer "
                    "layout and adds sparsity)")

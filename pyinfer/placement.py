@@ -4,7 +4,8 @@ stored activation counts (PowerInfer arXiv 2312.12456 §5, neuron placement poli
 The budget the user gives is for the whole GPU. What the FFN neurons may use is
 
     ffn_budget = vram_budget - fixed_gpu_bytes
-    fixed_gpu_bytes = every tensor that is not an FFN matrix (ffn_gate / ffn_up / ffn_down_t),
+    fixed_gpu_bytes = every tensor that is not an FFN matrix (ffn_gate / ffn_up / ffn_down_t, or
+                      ffn_down in a dense file's row layout),
                       except token_embd when the output matrix is separate (the embedding lookup
                       stays on the CPU; with tied embeddings token_embd *is* the output matrix)
                       -> attention matrices, norms, output matrix, predictors fc1/fc2
@@ -13,7 +14,7 @@ The budget the user gives is for the whole GPU. What the FFN neurons may use is
                       (the engine's default context)
 
 and one neuron costs the bytes of its ffn_gate + ffn_up + ffn_down_t rows at the file's weight
-type. A budget below fixed_gpu_bytes leaves every neuron on the CPU.
+type (a row-layout ffn_down: its bytes / n_ff, one column's share). A budget below fixed_gpu_bytes leaves every neuron on the CPU.
 
 File form (written by ``pyinfer-convert``'s offline stage): ``blk.N.act_count`` (I32, n_ff) always;
 with a budget also ``blk.N.gpu_idx`` (I32 0/1 mask, n_ff) for every layer and ``blk.N.gpu_bucket``
@@ -38,7 +39,8 @@ def tensor_sizes(reader) -> dict[str, int]:
 
 
 def _is_ffn(name: str) -> bool:
-    return name.endswith((".ffn_gate.weight", ".ffn_up.weight", ".ffn_down_t.weight"))
+    return name.endswith((".ffn_gate.weight", ".ffn_up.weight", ".ffn_down_t.weight",
+                          ".ffn_down.weight"))
 
 
 def kv_cache_bytes(cfg: ModelConfig, n_ctx: int | None = None) -> int:
@@ -61,10 +63,13 @@ def fixed_gpu_bytes(sizes: dict[str, int], cfg: ModelConfig, n_ctx: int | None =
 
 
 def ffn_bytes_per_neuron(sizes: dict[str, int], cfg: ModelConfig) -> list[int]:
-    """Per layer, bytes of one neuron's ffn_gate + ffn_up + ffn_down_t rows (n_ff rows each)."""
+    """Per layer, bytes of one neuron's ffn_gate + ffn_up + ffn_down_t rows (n_ff rows each; a
+    file in row layout has ffn_down (n_embd, n_ff) instead, whose bytes / n_ff are one neuron's)."""
     out = []
     for i in range(cfg.n_layer):
-        b = sum(sizes[t.format(bid=i)] for t in (C.FFN_GATE, C.FFN_UP, C.FFN_DOWN_T))
+        down = C.FFN_DOWN_T.format(bid=i)
+        down = down if down in sizes else C.SRC_FFN_DOWN.format(bid=i)
+        b = sum(sizes[t.format(bid=i)] for t in (C.FFN_GATE, C.FFN_UP)) + sizes[down]
         out.append(b // cfg.n_ff)
     return out
 

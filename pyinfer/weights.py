@@ -11,7 +11,7 @@ import gguf
 import numpy as np
 
 from pyinfer import constants as C
-from pyinfer.config import ModelConfig
+from pyinfer.config import ModelConfig, read_field
 from pyinfer.errors import PyinferError
 from pyinfer.ops.cpu import SUPPORTED, QTensor
 
@@ -49,8 +49,9 @@ class LayerWeights:
     attn_k_norm: np.ndarray | None = None  # (head_dim,) per head of K, before RoPE
     attn_post_norm: np.ndarray | None = None  # (n_embd,) on the attention output
     ffn_post_norm: np.ndarray | None = None  # (n_embd,) on the FFN output
-    # a llama.cpp file run as it is (pyinfer.llamacpp): ffn_down as stored, ffn_down_t None
-    ffn_down: QTensor | None = None  # (n_embd, n_ff)
+    # ffn_down in llama.cpp's row layout, ffn_down_t then None: a llama.cpp file run as it is
+    # (pyinfer.llamacpp) or a `pyinfer-convert --dense` file (pyinfer.ffn_layout "rows")
+    ffn_down: QTensor | None = None  # (n_embd, n_ff) one row per output channel
 
     # sparse mode "input" (TEAL/WINA): transposed storage, one row per input channel
     attn_qkv_t: QTensor | None = None  # (n_embd, n_embd_q + 2 n_embd_kv) = [wq; wk; wv]^T
@@ -95,6 +96,8 @@ class ModelWeights:
         ``llamacpp``: a llama.cpp file (``pyinfer.llamacpp``): its permuted Q/K rows are gathered
         back into Hugging Face order (a copy of those two matrices only) and ``ffn_down``
         (n_embd, n_ff) is mapped as stored in ``LayerWeights.ffn_down`` (``ffn_down_t`` None).
+        A pyinfer file of ``pyinfer.ffn_layout`` "rows" (``pyinfer-convert --dense``) maps its
+        ``ffn_down`` the same way; the others map ``ffn_down_t`` (n_ff, n_embd).
 
         Raises PyinferError for a missing tensor, a type pyinfer does not run, a shape that
         disagrees with ``cfg``, or a predictor (fc1 (rank, n_embd), fc2 (n_ff, rank), F32 or F16)
@@ -163,6 +166,8 @@ class ModelWeights:
 
             return unpermute_qk_rows(w, n_head)
 
+        # the down projection in llama.cpp's row layout (n_embd rows of n_ff) instead of ffn_down_t
+        rows = llamacpp or read_field(reader, C.K_FFN_LAYOUT) == C.FFN_LAYOUT_ROWS
         E, F = cfg.n_embd, cfg.n_ff
         n_in = {"attn_qkv": E, "attn_output": cfg.n_embd_q, "ffn_gate_up": E, "ffn_down": F}
         layers = []
@@ -192,8 +197,8 @@ class ModelWeights:
                 ffn_norm=vector(C.FFN_NORM.format(bid=i), E),
                 ffn_gate=tensor(C.FFN_GATE.format(bid=i), F, E) if cfg.ffn_gated else None,
                 ffn_up=tensor(C.FFN_UP.format(bid=i), F, E),
-                ffn_down_t=None if llamacpp else tensor(C.FFN_DOWN_T.format(bid=i), F, E),
-                ffn_down=tensor(C.SRC_FFN_DOWN.format(bid=i), E, F) if llamacpp else None,
+                ffn_down_t=None if rows else tensor(C.FFN_DOWN_T.format(bid=i), F, E),
+                ffn_down=tensor(C.SRC_FFN_DOWN.format(bid=i), E, F) if rows else None,
                 fc1=fc1,
                 fc2=fc2,
                 attn_norm_b=bias(C.ATTN_NORM_B.format(bid=i), E),

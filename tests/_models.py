@@ -258,3 +258,14 @@ def write_llamacpp_gguf(model_dir: str, out_path: str, qtype: str = "f32",
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def convert_neuron_major(src: str, out: str, outtype: str = "f32") -> int:
+    """Convert ``src`` without the offline stage into the neuron-major layout (``ffn_down_t``, no
+    predictors): what ``pyinfer-convert --dense`` wrote before session 9, and the base the tests
+    give synthetic predictors or sparse FFNs (--dense now keeps ffn_down in row layout, which the
+    sparse FFN cannot read). Returns 0, as ``convert.cli.main`` does on success."""
+    from convert.cli import convert
+
+    convert(str(src), str(out), outtype, progress=False)
+    return 0

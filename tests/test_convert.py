@@ -37,10 +37,10 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
-def convert(src: str, out: str, outtype: str = "f32") -> gguf.GGUFReader:
+def convert(src: str, out: str, outtype: str = "f32", down_rows: bool = False) -> gguf.GGUFReader:
     from convert.cli import convert as _convert
 
-    _convert(src, out, outtype, progress=False)
+    _convert(src, out, outtype, progress=False, down_rows=down_rows)
     leftovers = [n for n in os.listdir(os.path.dirname(out) or ".")
                  if n.startswith("." + os.path.basename(out)) and n.endswith(".tmp")]
     assert not leftovers, leftovers
@@ -302,6 +302,68 @@ def test_llamacpp_gguf_auto_keeps_types(tmp_path, src_type, dims):
         np.testing.assert_array_equal(np.asarray(t.data).reshape(want.shape), want, err_msg=name)
 
 
+@pytest.mark.parametrize("key", ["bpe", "spm"])
+def test_hf_dense_keeps_down_rows(models, tmp_path, key):
+    """--dense (down_rows): ffn_down is transformers' down_proj as it is, (n_embd, n_ff) in numpy
+    order, no ffn_down_t, pyinfer.ffn_layout "rows"; every other tensor as the default writes it."""
+    model_dir = models[key]
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    r = convert(model_dir, str(tmp_path / "rows.gguf"), "f32", down_rows=True)
+    assert field(r, C.K_FFN_LAYOUT) == C.FFN_LAYOUT_ROWS
+    expected = hf_expected(load_hf_state_dict(model_dir), cfg["num_hidden_layers"],
+                           cfg["tie_word_embeddings"])
+    expected = {n.replace("ffn_down_t", "ffn_down"): (w.T if "ffn_down_t" in n else w)
+                for n, w in expected.items()}
+    got = tensors(r)
+    assert set(got) == set(expected)
+    for name, want in expected.items():
+        assert tuple(int(d) for d in got[name].shape[::-1]) == want.shape, name
+        np.testing.assert_array_equal(got[name].data, want, err_msg=name)
+    down = got[C.SRC_FFN_DOWN.format(bid=0)]
+    assert down.data.shape == (cfg["hidden_size"], cfg["intermediate_size"])
+
+
+@pytest.mark.parametrize("src_type", ["q4_0", "q8_0", "q4_1"])
+def test_llamacpp_gguf_dense_copies_ffn_down(tmp_path, src_type):
+    """A quantized llama.cpp file with --dense: ffn_down keeps its layout and type, so its blocks
+    are copied byte for byte (no requantization), as every other tensor whose layout does not
+    change; the file is the source's size. A re-conversion of that file to the neuron-major
+    layout transposes it back (the values of the source, within the type's rounding)."""
+    model_dir = make_random_llama(tmp_path / "hf", "silu", False, 2, "bpe")
+    src = str(tmp_path / "llamacpp.gguf")
+    write_llamacpp_gguf(model_dir, src, src_type)
+    out = str(tmp_path / "dense.gguf")
+    p = run_cli(src, out, "--dense")
+    assert p.returncode == 0, p.stderr
+    src_t, got = tensors(gguf.GGUFReader(src)), tensors(gguf.GGUFReader(out))
+    assert field(gguf.GGUFReader(out), C.K_FFN_LAYOUT) == C.FFN_LAYOUT_ROWS
+    assert not [n for n in got if "ffn_down_t" in n]
+    downs = [n for n in got if n.endswith(".ffn_down.weight")]
+    assert len(downs) == 2
+    for n in downs:
+        assert got[n].tensor_type == src_t[n].tensor_type == C.OUTTYPES[src_type]
+        assert got[n].data.shape == src_t[n].data.shape
+        np.testing.assert_array_equal(np.asarray(got[n].data), np.asarray(src_t[n].data), n)
+    assert abs(os.path.getsize(out) / os.path.getsize(src) - 1) < 0.05
+    back = tensors(convert(out, str(tmp_path / "nm.gguf"), "auto"))
+    for n in downs:
+        t = back[n.replace("ffn_down", "ffn_down_t")]
+        base = deq(src_t[n]).T
+        err = np.sqrt(np.mean((deq(t) - base) ** 2) / np.mean(base ** 2))
+        assert t.tensor_type == C.OUTTYPES[src_type] and err < 0.12, (n, err)
+
+
+def test_dense_with_sparse_mode_is_an_error(models, tmp_path):
+    """--sparse-mode needs the offline stage, which --dense skips: one line, exit 1, no file."""
+    out = str(tmp_path / "x.gguf")
+    p = run_cli(models["notok"], out, "--dense", "--sparse-mode", "glu")
+    assert p.returncode == 1
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "--dense" in lines[0], p.stderr
+    assert not os.path.exists(out)
+
+
 def test_down_type(tmp_path):
     """A Q4_K_M-like mix (ffn_down Q6_K, the rest Q4_K): auto keeps each tensor's own type, so
     ffn_down_t stays Q6_K; --down-type q8_0 changes ffn_down_t alone (the other tensors are the
@@ -343,10 +405,22 @@ def test_down_type(tmp_path):
     p = run_cli(src, str(tmp_path / "bad.gguf"), "--dense", "--down-type", "q3_k")
     assert p.returncode == 2 and "--down-type" in p.stderr
     assert not os.path.exists(tmp_path / "bad.gguf")
+    # --dense keeps ffn_down in row layout: its Q6_K blocks copied as stored, or at --down-type
     p = run_cli(src, str(tmp_path / "cli.gguf"), "--dense", "--down-type", "q8_0")
     assert p.returncode == 0, p.stderr
     got = tensors(gguf.GGUFReader(str(tmp_path / "cli.gguf")))
-    assert {got[n].tensor_type for n in got if "ffn_down_t" in n} == {QT.Q8_0}
+    downs = [n for n in got if n.endswith(".ffn_down.weight")]
+    assert len(downs) == 2 and not [n for n in got if "ffn_down_t" in n]
+    assert {got[n].tensor_type for n in downs} == {QT.Q8_0}
+    for n in downs:
+        base = deq(src_t[n])
+        assert np.sqrt(np.mean((deq(got[n]) - base) ** 2) / np.mean(base ** 2)) < 0.01
+    p = run_cli(src, str(tmp_path / "cli6.gguf"), "--dense")
+    assert p.returncode == 0, p.stderr
+    got = tensors(gguf.GGUFReader(str(tmp_path / "cli6.gguf")))
+    for n in downs:
+        assert got[n].tensor_type == QT.Q6_K
+        np.testing.assert_array_equal(np.asarray(got[n].data), np.asarray(src_t[n].data), n)
 
 
 def test_auto_outtype_of_hf_source_is_f16(models, tmp_path):
@@ -517,8 +591,11 @@ def test_smollm2_unpermute_matches_transformers(tmp_path):
             want = np.asarray(sd[f"model.layers.{i}.{theirs}.weight"], dtype=np.float32)
             np.testing.assert_array_equal(got[ours.format(bid=i)].data, want)
         want = np.asarray(sd[f"model.layers.{i}.mlp.down_proj.weight"], dtype=np.float32)
-        np.testing.assert_array_equal(got[C.FFN_DOWN_T.format(bid=i)].data, want.T)
+        # --dense: the down projection in llama.cpp's (and transformers') own row layout
+        assert C.FFN_DOWN_T.format(bid=i) not in got
+        np.testing.assert_array_equal(got[C.SRC_FFN_DOWN.format(bid=i)].data, want)
     r = gguf.GGUFReader(out)
+    assert field(r, C.K_FFN_LAYOUT) == C.FFN_LAYOUT_ROWS
     assert field(r, C.K_TOK_MODEL) == "gpt2" and len(field(r, C.K_TOK_LIST)) == 49152
     assert field(r, C.K_TOK_BOS) == 1 and field(r, C.K_TOK_EOS) == 2 and field(r, C.K_TOK_EOT) == 2
     assert field(r, C.K_CHAT_TEMPLATE).startswith("{% for message in messages %}")

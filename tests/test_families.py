@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 from convert.cli import main as convert_main  # noqa: E402
 from pyinfer.engine import Engine  # noqa: E402
 from pyinfer.ffn import SparseFFN  # noqa: E402
-from tests._models import make_bpe_tokenizer  # noqa: E402
+from tests._models import convert_neuron_major, make_bpe_tokenizer  # noqa: E402
 
 PROMPT = [1, 17, 42, 7, 99, 3, 64, 5, 120, 33, 8, 250, 11, 300, 77, 21]
 TOL = 1e-3  # f32, the brief's bound
@@ -65,23 +65,31 @@ def build(tmp_path, name, cls, cfg_cls, mlp_patch=None, config_edit=None, **cfg)
     return d, ref
 
 
-def convert(d, tmp_path):
-    out = str(tmp_path / (os.path.basename(d) + ".gguf"))
-    assert convert_main([d, out, "--outtype", "f32", "--dense"]) == 0
+def convert(d, tmp_path, rows=True):
+    """pyinfer-convert --dense (ffn_down in row layout), or without rows the neuron-major layout
+    (ffn_down_t, no predictors) the sparse FFN reads."""
+    out = str(tmp_path / (os.path.basename(d) + ("" if rows else "-nm") + ".gguf"))
+    if rows:
+        assert convert_main([d, out, "--outtype", "f32", "--dense"]) == 0
+    else:
+        assert convert_neuron_major(d, out, "f32") == 0
     return out
 
 
 def check(tmp_path, d, ref, sparse=False):
-    """Logits equal transformers', prefill equals decode, and (sparse) the sparse FFN is lossless."""
-    path = convert(d, tmp_path)
-    eng = Engine(path, n_ctx=64, n_threads=2)
-    ours = eng.model.forward(PROMPT, 0, all_logits=True)
-    assert rel_err(ours, ref) < TOL
-    eng.model.cache.k[:] = np.nan  # decode must rewrite every row it reads
-    eng.model.forward(PROMPT[:3], 0)
-    for i in range(3, len(PROMPT)):
-        assert rel_err(eng.model.forward([PROMPT[i]], i), ref[i]) < TOL
-    if sparse:
+    """Logits equal transformers' in both layouts of the down projection, prefill equals decode,
+    and (sparse) the sparse FFN is lossless."""
+    for rows in (True, False):
+        path = convert(d, tmp_path, rows)
+        eng = Engine(path, n_ctx=64, n_threads=2)
+        assert all((lw.ffn_down_t is None) == rows for lw in eng.weights.layers)
+        ours = eng.model.forward(PROMPT, 0, all_logits=True)
+        assert rel_err(ours, ref) < TOL
+        eng.model.cache.k[:] = np.nan  # decode must rewrite every row it reads
+        eng.model.forward(PROMPT[:3], 0)
+        for i in range(3, len(PROMPT)):
+            assert rel_err(eng.model.forward([PROMPT[i]], i), ref[i]) < TOL
+    if sparse:  # over the neuron-major file (path of the last round)
         cfg = eng.cfg
         ffn = SparseFFN(cfg, None, np.zeros(cfg.n_layer, np.float32), "relu")
         eng2 = Engine(path, n_ctx=64, n_threads=2)

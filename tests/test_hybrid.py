@@ -4,7 +4,9 @@
   for every plan (all neurons cold, a random split, all hot, only some layers resident, output on
   the CPU) and every sparse rule (relu, cats, glu; predictor on some layers only) the GpuModel's
   decode and prefill logits equal the CPU Model's and the same neurons are active; whole-layer
-  offload equals the dense CPU model; the budget accounting counts exactly what is allocated.
+  offload equals the dense CPU model; the budget accounting counts exactly what is allocated;
+  a ``pyinfer-convert --dense`` file (ffn_down in row layout) placed on the device equals the
+  CPU model running its rows as stored.
 - Every CUDA source compiles with nvcc (skipped without nvcc).
 - With a CUDA device (``-m gpu``; skipped without one): every RawKernel equals its NumPy twin, the
   CupyDevice GpuModel equals the CPU model, and CuPy's memory pool holds what the plan says.
@@ -36,17 +38,22 @@ NO_GPU = f"no CUDA device: {cuda.unavailable_reason()}"
 TOL = {"f32": 1e-4, "f16": 1e-4, "q8_0": 6e-2, "q4_0": 6e-2}
 
 
-def engine_for(tmp_path, hidden_act, outtype, n_layers=3):
-    """A random Llama converted to ``outtype`` (needs torch + transformers: the kernel tests
-    below do not, so a GPU image without them still runs those)."""
+def engine_for(tmp_path, hidden_act, outtype, n_layers=3, rows=False):
+    """A random Llama converted to ``outtype`` without the offline stage (needs torch +
+    transformers: the kernel tests below do not, so a GPU image without them still runs those):
+    neuron-major ffn_down_t (the tests give it sparse FFNs), or with ``rows`` what
+    ``pyinfer-convert --dense`` writes (ffn_down in row layout)."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from convert.cli import main as convert_main
+    from convert.cli import convert, main as convert_main
 
     model_dir = make_random_llama(tmp_path / "hf", hidden_act=hidden_act, tied=False, n_kv_heads=2,
                                   tokenizer="bpe", intermediate_size=256, n_layers=n_layers)
     out = tmp_path / "m.gguf"
-    assert convert_main([str(model_dir), str(out), "--outtype", outtype, "--dense"]) == 0
+    if rows:
+        assert convert_main([str(model_dir), str(out), "--outtype", outtype, "--dense"]) == 0
+    else:
+        convert(str(model_dir), str(out), outtype, progress=False)
     return Engine(str(out), n_ctx=64, n_threads=2, dense=True)
 
 
@@ -144,6 +151,36 @@ def test_dense_plans_equal_dense_cpu(tmp_path, kind):
     gm = compare(eng, lambda: DenseFFN(eng.cfg), plan_for(kind, eng.cfg, dense=True), "f16",
                  NumpyDevice(), exact_counts=True)
     assert gm.stats.sparsity == 0.0
+
+
+@pytest.mark.parametrize("outtype", ["f16", "q8_0", "q4_0"])
+def test_dense_rows_file_on_the_device(tmp_path, outtype):
+    """A --dense file keeps ffn_down in row layout; placed on a device (NumpyDevice here) its
+    down projection is transposed at load into the ffn_down_t the GPU engine reads (f16 exactly,
+    block types quantized again), and whole-layer and all-hot plans give the CPU model's logits."""
+    eng = engine_for(tmp_path, "silu", outtype, rows=True)
+    cfg, w = eng.cfg, eng.weights
+    assert all(lw.ffn_down_t is None and lw.ffn_down is not None for lw in w.layers)
+    ref = decode_all(eng.model, PROMPT)  # the CPU: GEMVs over the rows as stored
+    gm = place_model(eng.reader, cfg, w, DenseFFN(cfg), 64, 2, device="cuda",
+                     disable_gpu_index=True, backend=NumpyDevice())
+    assert isinstance(gm, GpuModel) and gm.plan.n_resident == cfg.n_layer
+    assert all(lw.ffn_down_t is None for lw in w.layers)  # the engine's weights stay as mapped
+    assert rel_err(decode_all(gm, PROMPT), ref) < TOL[outtype]
+    assert rel_err(gm.forward(PROMPT, 0, all_logits=True), ref) < TOL[outtype]
+    from pyinfer.hybrid import neuron_major_down
+    from pyinfer.ops.reference import dequantize
+
+    t = neuron_major_down(w).layers[0]
+    assert t.ffn_down is None and t.ffn_down_t.qtype == w.layers[0].ffn_down.qtype
+    want = dequantize(w.layers[0].ffn_down).T
+    err = np.abs(dequantize(t.ffn_down_t) - want).max() / np.abs(want).max()
+    assert err == 0.0 if outtype == "f16" else err < 0.2
+    # -ngl 1: layer 0 on the device, the others on the CPU in the transposed copy
+    lo = place_model(eng.reader, cfg, w, DenseFFN(cfg), 64, 2, device="cuda", n_gpu_layers=1,
+                     backend=NumpyDevice())
+    assert lo.plan.n_resident == 1
+    assert rel_err(decode_all(lo, PROMPT), ref) < TOL[outtype]
 
 
 def test_numpy_twins_match_cpu_kernels():

@@ -12,7 +12,7 @@ from pyinfer import constants as C
 from pyinfer.config import read_field
 from pyinfer.engine import Engine
 from pyinfer.errors import PyinferError
-from tests._models import load_hf_state_dict, make_random_llama
+from tests._models import convert_neuron_major, load_hf_state_dict, make_random_llama
 
 CALIB = ["--calib-tokens", "128", "-t", "1"]
 
@@ -145,7 +145,7 @@ def test_zero_target_equals_dense(input_file, silu_dir, tmp_path):
 
     path, score = input_file
     dense_path = str(tmp_path / "dense.gguf")
-    assert convert_main([silu_dir, dense_path, "--outtype", "f32", "--dense"]) == 0
+    assert convert_neuron_major(silu_dir, dense_path, "f32") == 0
     dense = Engine(dense_path, n_ctx=64, n_threads=1, dense=True)
     rng = np.random.default_rng(2)
     curves, _ = calibrate(dense, [rng.integers(3, 200, 40).tolist()], score == "wina", 0, 1,
@@ -174,7 +174,7 @@ def test_calibration_independent_of_threads(silu_dir, tmp_path):
     from predictors.input_sparse import calibrate, thresholds_for
 
     dense_path = str(tmp_path / "dense.gguf")
-    assert convert_main([silu_dir, dense_path, "--outtype", "q8_0", "--dense"]) == 0
+    assert convert_neuron_major(silu_dir, dense_path, "q8_0") == 0
     seqs = [np.random.default_rng(3).integers(3, 200, 100).tolist()]
     for alloc in C.IN_ALLOCS:
         got = []
@@ -253,7 +253,7 @@ def _layer_inputs(eng, seqs):
 @pytest.fixture(scope="module")
 def dense_f32(silu_dir, tmp_path_factory):
     path = str(tmp_path_factory.mktemp("dense") / "dense.gguf")
-    assert convert_main([silu_dir, path, "--outtype", "f32", "--dense"]) == 0
+    assert convert_neuron_major(silu_dir, path, "f32") == 0
     return path
 
 
@@ -403,7 +403,7 @@ def test_torch_forward_matches_transformers(silu_dir, tmp_path):
     from predictors.input_fisher import TorchLlama
 
     dense_path = str(tmp_path / "dense.gguf")
-    assert convert_main([silu_dir, dense_path, "--outtype", "f32", "--dense"]) == 0
+    assert convert_neuron_major(silu_dir, dense_path, "f32") == 0
     eng = Engine(dense_path, n_ctx=64, n_threads=1, dense=True)
     tokens = np.random.default_rng(4).integers(3, eng.cfg.n_vocab, 20).tolist()
     hf = transformers.AutoModelForCausalLM.from_pretrained(silu_dir, torch_dtype=torch.float32)
@@ -425,7 +425,7 @@ def test_fisher_costs_are_the_sampled_fisher_estimate(silu_dir, tmp_path):
     from pyinfer.input_sparse import in_sizes
 
     dense_path = str(tmp_path / "dense.gguf")
-    assert convert_main([silu_dir, dense_path, "--outtype", "f32", "--dense"]) == 0
+    assert convert_neuron_major(silu_dir, dense_path, "f32") == 0
     eng = Engine(dense_path, n_ctx=64, n_threads=1, dense=True)
     piece = np.random.default_rng(6).integers(3, 200, 30).tolist()
     cal, _ = calibrate(eng, [piece], False, 0, 1, alloc="fisher")

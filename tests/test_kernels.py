@@ -549,6 +549,37 @@ def test_decode_ffn(qtype, n_threads, mode, silu):
                 for t in thresholds[:2]] == [0, 1]
 
 
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("n_threads", THREADS)
+@pytest.mark.parametrize("silu", [True, False])
+def test_decode_ffn_rows(qtype, n_threads, silu):
+    """The dense FFN over ffn_down in row layout (n_embd, n_ff) against the twin, and against the
+    unfused kernels it replaces (rmsnorm, matvec, silu_mul / relu_mul, matvec): the same bits."""
+    rng = np.random.default_rng(int(qtype) + 7 * n_threads + 3 * silu)
+    n_embd, n_ff = (256, 512) if qtype in K_QUANTS else (64, 96)
+    gate, up = (_weight(rng, qtype, n_ff, n_embd) for _ in range(2))
+    down = _weight(rng, qtype, n_embd, n_ff)
+    norm = _ro(rng.uniform(0.5, 1.5, n_embd).astype(np.float32))
+    x0 = rng.standard_normal(n_embd).astype(np.float32)
+    want_x = x0.copy()
+    ref.decode_ffn_rows(want_x, norm, 1e-5, gate, up, down, silu)
+    got_x = x0.copy()
+    cpu.decode_ffn_rows(got_x, norm, 1e-5, gate, up, down, silu, n_threads)
+    tol = 1e-3 if qtype in QUANT else 1e-5
+    assert np.abs(got_x - want_x).max() <= tol * (1 + np.abs(want_x - x0).max())
+    h = np.empty((1, n_embd), np.float32)
+    cpu.rmsnorm(x0[None], norm, 1e-5, h)
+    g, u, y = np.empty(n_ff, np.float32), np.empty(n_ff, np.float32), np.empty(n_embd, np.float32)
+    cpu.matvec(gate, h[0], g, n_threads)
+    cpu.matvec(up, h[0], u, n_threads)
+    (cpu.silu_mul if silu else cpu.relu_mul)(g, u, g)
+    cpu.matvec(down, g, y, n_threads)
+    np.testing.assert_array_equal(got_x, x0 + y)
+    with pytest.raises(ValueError):  # ffn_down_t's shape (n_ff, n_embd) is not the row layout
+        cpu.decode_ffn_rows(x0.copy(), norm, 1e-5, gate, up, _weight(rng, qtype, n_ff, n_embd),
+                            silu, n_threads)
+
+
 # ------------------------------------------------------------------ input sparsity (TEAL / WINA)
 
 @pytest.mark.parametrize("with_scale", [False, True])

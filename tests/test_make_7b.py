@@ -1,6 +1,8 @@
 """tools/make_7b.py on small dimensions: its llama.cpp-style file is read by gguf, converted by
 pyinfer-convert and run by the engine; ``--direct`` gives the same tensors as the converter except
-ffn_down_t, which keeps the type; the weights have the scale asked for (gguf's dequantizer)."""
+ffn_down_t, which keeps the type; ``--dense-direct`` equals ``pyinfer-convert --dense`` byte for
+byte, ffn_down copied as llama.cpp stores it, and gives the llama.cpp file's logits; the weights
+have the scale asked for (gguf's dequantizer)."""
 import os
 import sys
 
@@ -48,6 +50,34 @@ def test_make_convert_run(tmp_path, qtype):
         assert logits.shape == (300,) and np.all(np.isfinite(logits))
 
 
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_K])
+def test_dense_direct(tmp_path, qtype):
+    """``--dense-direct``: the file pyinfer-convert --dense writes (every tensor the same bytes),
+    ffn_down in llama.cpp's row layout with the source's blocks, no ffn_down_t; the engine runs it
+    to the llama.cpp file's own logits (the same weights, the same kernels)."""
+    from convert.cli import main as convert_main
+    from pyinfer.engine import Engine
+
+    src, conv, direct = (str(tmp_path / n) for n in ("src.gguf", "conv.gguf", "direct.gguf"))
+    make_7b.make(src, qtype, 2, make_7b.RowPool(qtype, 16, 0.02, 0), SMALL)
+    assert convert_main([src, conv, "--dense"]) == 0
+    make_7b.make_direct(src, direct, None, dense=True)
+    s, a, b = ({t.name: t for t in gguf.GGUFReader(p).tensors} for p in (src, conv, direct))
+    assert a.keys() == b.keys() and not [n for n in b if "ffn_down_t" in n]
+    for name, t in b.items():
+        assert a[name].tensor_type == t.tensor_type, name
+        np.testing.assert_array_equal(np.asarray(a[name].data), np.asarray(t.data), name)
+    for i in range(2):
+        n = C.SRC_FFN_DOWN.format(bid=i)
+        np.testing.assert_array_equal(np.asarray(b[n].data), np.asarray(s[n].data), n)
+    assert gguf.GGUFReader(direct).fields[C.K_FFN_LAYOUT].contents() == C.FFN_LAYOUT_ROWS
+    ids = [1, 5, 300 - 1, 7]
+    e_lc, e_d = Engine(src, n_ctx=32, n_threads=1), Engine(direct, n_ctx=32, n_threads=1)
+    assert e_lc.llamacpp and not e_d.llamacpp
+    np.testing.assert_allclose(e_d.model.forward(ids, 0, all_logits=True),
+                               e_lc.model.forward(ids, 0, all_logits=True), rtol=1e-5, atol=1e-6)
+
+
 def test_compare_and_llamacpp(tmp_path, capsys):
     """``compare`` runs pyinfer's own file (dense and sparse) and the llama.cpp file as it is,
     interleaved; ``llamacpp`` reads llama-bench's JSON (a stand-in script that prints what
@@ -63,6 +93,12 @@ def test_compare_and_llamacpp(tmp_path, capsys):
     for line in rows:
         decode = float(line.split("|")[4])
         assert np.isfinite(decode) and decode > 0, line
+    # a dense file (ffn_down in row layout) has no sparse runner
+    dense = str(tmp_path / "dense.gguf")
+    make_7b.make_direct(src, dense, None, dense=True)
+    make_7b.compare(dense, src, None, 1, 8, 2, 0.5, 1)
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| pyinfer")]
+    assert len(rows) == 2 and "dense.gguf" in rows[0] and "as it is" in rows[1]
     fake = tmp_path / "llama-bench"
     fake.write_text("#!/bin/sh\n"
                     "echo '[{\"n_prompt\": 32, \"n_gen\": 0, \"avg_ts\": 12.5},"

@@ -1,15 +1,21 @@
 """Our logits against Hugging Face transformers (PyTorch, CPU) on small random Llama models.
 
 The reference is transformers' LlamaForCausalLM, which nobody here wrote; the model goes through
-the real path: save_pretrained -> pyinfer-convert -> GGUF -> Engine.
+the real path: save_pretrained -> pyinfer-convert -> GGUF -> Engine. Dense files are checked in
+both layouts of the down projection: ``pyinfer-convert --dense``'s ``ffn_down`` in llama.cpp's row
+layout (pyinfer.ffn_layout "rows"), and the neuron-major ``ffn_down_t`` that every file had before
+(what --dense wrote until session 9, still loaded as it is).
 """
+import gguf
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from convert.cli import convert as convert_file  # noqa: E402
 from convert.cli import main as convert_main  # noqa: E402
+from pyinfer import constants as C  # noqa: E402
 from pyinfer.engine import Engine  # noqa: E402
 from tests._models import make_random_llama  # noqa: E402
 
@@ -37,44 +43,63 @@ def rel_err(a, b):
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
-def convert(model_dir, tmp_path, outtype):
-    out = tmp_path / f"model-{outtype}.gguf"
-    assert convert_main([str(model_dir), str(out), "--outtype", outtype, "--dense"]) == 0
+LAYOUTS = (C.FFN_LAYOUT_ROWS, C.FFN_LAYOUT_NEURON_MAJOR)
+
+
+def convert(model_dir, tmp_path, outtype, layout=C.FFN_LAYOUT_ROWS):
+    """A dense file: `pyinfer-convert --dense` (row layout), or the neuron-major layout."""
+    out = tmp_path / f"model-{outtype}-{layout}.gguf"
+    if layout == C.FFN_LAYOUT_ROWS:
+        assert convert_main([str(model_dir), str(out), "--outtype", outtype, "--dense"]) == 0
+    else:
+        convert_file(str(model_dir), str(out), outtype, progress=False)
+    r = gguf.GGUFReader(str(out))
+    names = {t.name for t in r.tensors}
+    assert r.fields[C.K_FFN_LAYOUT].contents() == layout
+    assert (C.SRC_FFN_DOWN.format(bid=0) in names) == (layout == C.FFN_LAYOUT_ROWS)
+    assert (C.FFN_DOWN_T.format(bid=0) in names) == (layout != C.FFN_LAYOUT_ROWS)
     return out
 
 
 @pytest.mark.parametrize("hidden_act", ["silu", "relu"])
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("n_kv_heads", [2, 4])
-def test_logits_match_transformers_f32(tmp_path, hidden_act, tied, n_kv_heads):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_logits_match_transformers_f32(tmp_path, hidden_act, tied, n_kv_heads, layout):
     model_dir = make_random_llama(tmp_path / "hf", hidden_act=hidden_act, tied=tied,
                                   n_kv_heads=n_kv_heads, tokenizer="bpe")
     ref = hf_logits(model_dir, PROMPT)
-    eng = Engine(str(convert(model_dir, tmp_path, "f32")), n_ctx=64, n_threads=2)
+    eng = Engine(str(convert(model_dir, tmp_path, "f32", layout)), n_ctx=64, n_threads=2)
+    assert all((lw.ffn_down is not None) == (layout == C.FFN_LAYOUT_ROWS)
+               for lw in eng.weights.layers)
     ours = eng.model.forward(PROMPT, 0, all_logits=True)
     assert ours.shape == ref.shape
     assert rel_err(ours, ref) < TOLERANCES["f32"]
 
 
 @pytest.mark.parametrize("outtype", ["f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", *K_OUTTYPES])
-def test_logits_match_transformers_quantized(tmp_path, outtype):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_logits_match_transformers_quantized(tmp_path, outtype, layout):
     # K-quants need rows of 256 values (narrower rows would take llama.cpp's fallback types)
     dims = dict(hidden_size=256, intermediate_size=512, head_dim=64) if outtype in K_OUTTYPES else {}
     model_dir = make_random_llama(tmp_path / "hf", hidden_act="silu", tied=False, n_kv_heads=2,
                                   tokenizer="bpe", **dims)
     ref = hf_logits(model_dir, PROMPT)
-    eng = Engine(str(convert(model_dir, tmp_path, outtype)), n_ctx=64, n_threads=2)
-    ours = eng.model.forward(PROMPT, 0, all_logits=True)
+    eng = Engine(str(convert(model_dir, tmp_path, outtype, layout)), n_ctx=64, n_threads=2)
+    ours = eng.model.forward(PROMPT, 0, all_logits=True)  # prefill: the GEMMs
     assert rel_err(ours, ref) < TOLERANCES[outtype]
+    steps = np.stack([eng.model.forward([t], i) for i, t in enumerate(PROMPT)])  # decode: GEMVs
+    assert rel_err(steps, ref) < TOLERANCES[outtype]
 
 
 @pytest.mark.parametrize("n_threads", [1, 2])
-def test_incremental_decode_equals_batched_prefill(tmp_path, n_threads):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_incremental_decode_equals_batched_prefill(tmp_path, n_threads, layout):
     """Token-at-a-time decode through the KV cache gives the logits of one batched pass."""
     model_dir = make_random_llama(tmp_path / "hf", hidden_act="silu", tied=True, n_kv_heads=2,
                                   tokenizer="bpe")
     ref = hf_logits(model_dir, PROMPT)
-    eng = Engine(str(convert(model_dir, tmp_path, "f32")), n_ctx=64, n_threads=n_threads)
+    eng = Engine(str(convert(model_dir, tmp_path, "f32", layout)), n_ctx=64, n_threads=n_threads)
     split = 5
     eng.model.forward(PROMPT[:split], 0)
     for i in range(split, len(PROMPT)):
@@ -83,14 +108,15 @@ def test_incremental_decode_equals_batched_prefill(tmp_path, n_threads):
 
 
 @pytest.mark.parametrize("hidden_act,outtype", [("silu", "q8_0"), ("relu", "q4_0"), ("silu", "f16")])
-def test_fused_decode_equals_step_by_step(tmp_path, hidden_act, outtype):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fused_decode_equals_step_by_step(tmp_path, hidden_act, outtype, layout):
     """The fused half-layer kernels (cpu.decode_attn / decode_ffn) compute what the kernel-by-kernel
     loop computes, token by token through the cache, and both stay within the type's tolerance of
     transformers."""
     model_dir = make_random_llama(tmp_path / "hf", hidden_act=hidden_act, tied=False, n_kv_heads=2,
                                   tokenizer="bpe")
     ref = hf_logits(model_dir, PROMPT)
-    eng = Engine(str(convert(model_dir, tmp_path, outtype)), n_ctx=64, n_threads=2)
+    eng = Engine(str(convert(model_dir, tmp_path, outtype, layout)), n_ctx=64, n_threads=2)
     runs = {}
     for fused in (True, False):
         eng.model.fused = fused

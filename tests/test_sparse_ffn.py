@@ -11,13 +11,12 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from convert.cli import main as convert_main  # noqa: E402
 from pyinfer.engine import Engine  # noqa: E402
 from pyinfer.ffn import Predictor, SparseFFN  # noqa: E402
 from pyinfer.ops import _kernels as K  # noqa: E402
 from pyinfer.ops import cpu  # noqa: E402
 from pyinfer.ops.cpu import QT, QTensor  # noqa: E402
-from tests._models import make_random_llama  # noqa: E402
+from tests._models import convert_neuron_major, make_random_llama  # noqa: E402
 
 PROMPT = [1, 17, 42, 7, 99, 3, 64, 5, 120, 33, 8, 250, 11, 12]
 
@@ -26,7 +25,7 @@ def engine_for(tmp_path, hidden_act, outtype="f32"):
     model_dir = make_random_llama(tmp_path / "hf", hidden_act=hidden_act, tied=False, n_kv_heads=2,
                                   tokenizer="bpe", intermediate_size=256)
     out = tmp_path / "m.gguf"
-    assert convert_main([str(model_dir), str(out), "--outtype", outtype, "--dense"]) == 0
+    assert convert_neuron_major(model_dir, out, outtype) == 0
     return model_dir, Engine(str(out), n_ctx=64, n_threads=2, dense=True)
 
 

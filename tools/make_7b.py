@@ -2,6 +2,7 @@
 """A full-depth 7B-shaped model on disk, and what pyinfer does with it (issue 11, "Scale").
 
     python tools/make_7b.py make OUT.gguf --type q4_0|q4_k [--n-layer 32] [--direct PYINFER.gguf]
+        [--dense-direct DENSE.gguf]
     python tools/make_7b.py bench PYINFER.gguf [--threads 2] [--n-gen 8] [--n-prompt 32]
     python tools/make_7b.py llamacpp OUT.gguf --llama-bench BUILD/bin/llama-bench [--threads 2]
     python tools/make_7b.py compare PYINFER.gguf OUT.gguf [--llama-bench BIN] [--threads 2]
@@ -21,7 +22,9 @@ written tensor by tensor (memory stays near one matrix).
 (``convert.from_gguf.plan_gguf``) for every tensor, except ``ffn_down_t``, which is drawn from
 the pool in its neuron-major layout instead of being requantized. For Q4_K that requantization
 (NumPy, about 1.4 s per million values here) would take over half an hour for 1.4 billion
-values; ``pyinfer-convert`` remains the way for real models.
+values; ``pyinfer-convert`` remains the way for real models. ``--dense-direct`` writes the file
+``pyinfer-convert --dense`` writes (the same plan with ``down_rows``: ``ffn_down`` kept in llama.cpp's
+row layout, so every tensor is copied as stored and nothing is drawn or requantized).
 
 ``bench`` loads a pyinfer file and reports, as a Markdown table row: load time, RSS (file-backed
 and anonymous, from /proc/self/status) after loading and while decoding, prefill tokens/s of one
@@ -30,7 +33,8 @@ predictor that keeps 1 - ``--sparsity`` of the FFN neurons per token (tools/benc
 power law), the two interleaved over ``--reps`` rounds (medians). Weights are memory-mapped: the
 anonymous RSS must stay near the KV cache and buffers, far below the file size. Given the
 llama.cpp file itself (``make``'s output; pyinfer runs it as it is, ``pyinfer/llamacpp.py``),
-``bench`` measures it dense only (such a file has no ``ffn_down_t`` for the sparse FFN).
+``bench`` measures it dense only (such a file has no ``ffn_down_t`` for the sparse FFN), and so
+for a ``--dense-direct`` file.
 
 ``llamacpp`` runs llama.cpp's ``llama-bench`` on the same llama.cpp file (``-p N -n M -r R``, one
 process; llama-bench adds its own warm-up run of each test) and reports its prefill and decode
@@ -172,14 +176,18 @@ def make(out: str, qtype, n_layer: int, pool: RowPool, d: dict = DIMS) -> None:
             os.unlink(tmp)
 
 
-def make_direct(src: str, out: str, pool: RowPool) -> None:
-    """The pyinfer file of ``src`` (module docstring, ``--direct``)."""
+def make_direct(src: str, out: str, pool: RowPool | None, dense: bool = False) -> None:
+    """The pyinfer file of ``src`` (module docstring, ``--direct``; ``dense``: ``--dense-direct``,
+    ffn_down in row layout, every tensor copied as stored, ``pool`` unused)."""
     import dataclasses
 
     from convert.from_gguf import plan_gguf
     from convert.writer import write_gguf
 
-    meta, jobs = plan_gguf(src, C.OUTTYPE_AUTO)
+    meta, jobs = plan_gguf(src, C.OUTTYPE_AUTO, down_rows=dense)
+    if dense:
+        write_gguf(out, meta, jobs, progress=False)
+        return
     tail = C.FFN_DOWN_T.split("}")[-1]
     jobs = [dataclasses.replace(j, raw=True, load=lambda j=j: pool.rows(*j.shape))
             if j.name.endswith(tail) else j for j in jobs]
@@ -211,7 +219,7 @@ def bench(path: str, n_threads: int, n_prompt: int, n_gen: int, sparsity: float,
     rss_load = rss()
     cfg = eng.cfg
     sparse = ffn = None
-    if not eng.llamacpp:  # a llama.cpp file has no ffn_down_t: dense only
+    if all(lw.ffn_down_t is not None for lw in eng.weights.layers):  # else dense only
         pred = SyntheticPredictor(np.random.default_rng(1), cfg.n_ff, 1 - sparsity)
         # threshold -1: every predicted neuron is computed (the predictor alone sets the sparsity)
         ffn = SparseFFN(cfg, [pred] * cfg.n_layer, np.full(cfg.n_layer, -1.0, np.float32))
@@ -281,7 +289,10 @@ def compare(pyinfer_file: str, llamacpp_file: str, llama_bench: str | None, n_th
     n_ctx = max(n_prompt, 8 + n_gen) + 8
     own = B.PyinferRunner(pyinfer_file, n_threads, n_ctx)
     own.name = f"pyinfer, {os.path.basename(pyinfer_file)}"
-    runners = [own, SparseRunner(own, sparsity), B.PyinferRunner(llamacpp_file, n_threads, n_ctx)]
+    # a dense file (ffn_down in row layout) has no ffn_down_t for the sparse FFN
+    sparse = ([SparseRunner(own, sparsity)] if all(lw.ffn_down_t is not None
+                                                   for lw in own.eng.weights.layers) else [])
+    runners = [own, *sparse, B.PyinferRunner(llamacpp_file, n_threads, n_ctx)]
     runners[-1].name = f"pyinfer, {os.path.basename(llamacpp_file)} as it is"
     if llama_bench:
         runners.append(B.LlamaBenchRunner(llama_bench, llamacpp_file, n_threads))
@@ -338,6 +349,9 @@ def main(argv=None) -> int:
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--direct", metavar="PYINFER_GGUF",
                    help="also write the pyinfer file, ffn_down_t drawn from the pool")
+    m.add_argument("--dense-direct", metavar="DENSE_GGUF",
+                   help="also write the dense pyinfer file (ffn_down in row layout, copied as "
+                        "stored: what pyinfer-convert --dense writes)")
     b = sub.add_parser("bench", help="load, prefill and decode a pyinfer file")
     b.add_argument("model")
     b.add_argument("--threads", type=int, default=2)
@@ -387,6 +401,11 @@ def main(argv=None) -> int:
             make_direct(args.out, args.direct, pool)
             print(f"wrote {args.direct} ({os.path.getsize(args.direct) / 2**30:.2f} GiB) in "
                   f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        if args.dense_direct:
+            t0 = time.perf_counter()
+            make_direct(args.out, args.dense_direct, None, dense=True)
+            print(f"wrote {args.dense_direct} ({os.path.getsize(args.dense_direct) / 2**30:.2f} "
+                  f"GiB) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     else:
         bench(args.model, args.threads, args.n_prompt, args.n_gen, args.sparsity, args.reps)
     return 0

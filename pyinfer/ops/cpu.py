@@ -289,6 +289,18 @@ def decode_ffn(x: np.ndarray, ffn_norm: np.ndarray, eps: float, gate: QTensor, u
                          float(threshold), float(dense_above), n_threads)
 
 
+def decode_ffn_rows(x: np.ndarray, ffn_norm: np.ndarray, eps: float, gate: QTensor, up: QTensor,
+                    down: QTensor, silu: bool, n_threads: int = 1) -> None:
+    """One token's dense FFN half-layer in one call, in place, over ``ffn_down`` in llama.cpp's
+    row layout (a ``--dense`` file or a llama.cpp file): x += down (act(gate h) * (up h)), h =
+    rmsnorm(x). x (n_embd,) f32; gate, up (n_ff, n_embd); down (n_embd, n_ff). The same bits as
+    DenseFFN's unfused calls (``rmsnorm``, ``matvec``, ``silu_mul``/``relu_mul``, ``matvec``);
+    ValueError for shapes that do not fit."""
+    _k.decode_ffn_rows(x, ffn_norm, float(eps), gate.raw, int(gate.qtype), up.raw,
+                       int(up.qtype), down.raw, int(down.qtype), int(gate.rows), int(silu),
+                       n_threads)
+
+
 def select_active(g: np.ndarray, up: np.ndarray | None, ids: np.ndarray | None, silu: bool,
                   threshold: float, coef: np.ndarray, idx: np.ndarray) -> int:
     """One pass of the sparse FFN's selection: a = act(g) (* up), kept where |a| > threshold.

@@ -194,6 +194,13 @@ def decode_ffn(x, ffn_norm, eps, gate, up, down_t, mode, silu, threshold, n_thre
     return int(keep.sum())
 
 
+def decode_ffn_rows(x, ffn_norm, eps, gate, up, down, silu, n_threads=1):
+    h = rmsnorm(x[None], ffn_norm, eps, np.empty((1, x.size), np.float32))[0]
+    a = (_act(dequantize(gate) @ _dot_input(gate, h), silu)
+         * (dequantize(up) @ _dot_input(up, h))).astype(np.float32)
+    x += (dequantize(down) @ _dot_input(down, a)).astype(np.float32)
+
+
 def select_inputs(x, scale, threshold, coef, idx):
     s = np.abs(np.asarray(x, np.float32))
     if scale is not None:
