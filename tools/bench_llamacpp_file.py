@@ -13,9 +13,9 @@ For each llama.cpp type name (llama-quantize's spelling: Q4_K_M, Q5_K_M, Q6_K, Q
    ``llama-quantize`` binary when ``--llama-quantize`` is given, else llama-cpp-python's
    ``llama_model_quantize`` when ``llama_cpp`` imports. A file already there is reused.
 2. **convert** it with ``pyinfer-convert`` at the default ``--outtype auto`` and ``--dense`` (every
-   tensor keeps its stored type; ``ffn_down_t`` is re-encoded at ffn_down's type, falling back as
-   llama.cpp does where its rows are not whole 256-value super-blocks) and report both sizes, their
-   ratio (the issue's target: within 10%) and the tensor types each file holds.
+   tensor keeps its stored type and bytes, ``ffn_down`` included: a dense file keeps llama.cpp's
+   row layout) and report both sizes, their ratio (the issue's target: within 10%) and the tensor
+   types each file holds.
 3. **bench** decode and prefill tokens/s, interleaved round by round (tools/bench.py's runners):
    pyinfer on the converted file, pyinfer on the llama.cpp file as it is (``pyinfer/llamacpp.py``;
    ``--no-direct`` skips it) and llama.cpp on the same llama.cpp file (``llama-bench -p 0 -n N`` for
@@ -128,12 +128,16 @@ def census_text(census: dict[str, collections.Counter], skip_f32: bool = True) -
     return ", ".join(items)
 
 
-def convert(src: str, out: str) -> float:
-    """``pyinfer-convert SRC OUT --dense`` at the default --outtype auto; returns seconds."""
+def convert(src: str, out: str, rows: bool = True) -> float:
+    """``pyinfer-convert SRC OUT --dense`` at the default --outtype auto; returns seconds.
+
+    ``rows``: as ``--dense`` writes it, ffn_down in llama.cpp's row layout, copied as stored;
+    False: the neuron-major layout of a sparse conversion (ffn_down_t, re-encoded at ffn_down's
+    type with llama.cpp's fallback), without the offline stage."""
     from convert.cli import convert as _convert
 
     t0 = time.perf_counter()
-    _convert(src, out, progress=False)
+    _convert(src, out, progress=False, down_rows=rows)
     return time.perf_counter() - t0
 
 
