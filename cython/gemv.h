@@ -238,26 +238,34 @@ static inline __attribute__((always_inline)) void pi_pf_next(pi_pf_t *pf) {
     }
 }
 
+/* s + lane i = row rw[i]'s block b . activation block b (and the block's offset term): one step
+ * of pi_dot8_leg256's per-lane chain, also the odd last block of the 512-bit kernel */
+static inline __attribute__((always_inline)) __m256 pi_dot8_leg_block(const int t,
+                                                                   const uint8_t *const *rw,
+                                                                   const float *xd,
+                                                                   const int8_t *xq, int nb,
+                                                                   int b, pi_pf_t *pf, __m256 s) {
+    const size_t off = (size_t)pi_leg_bytes(t) * b;
+    pi_pf_next(pf);
+    const __m256i is = pi_isum8_leg(t, rw, off, xq + 32 * b);
+    const __m256 dw = pi_f16x8(rw, off);
+    s = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(xd[b])), _mm256_cvtepi32_ps(is), s);
+    if (t == PI_Q4_1 || t == PI_Q5_1)
+        s = _mm256_fmadd_ps(_mm256_mul_ps(pi_f16x8(rw, off + 2), _mm256_set1_ps(0.125f)),
+                            _mm256_set1_ps(xd[nb + b]), s);
+    else if (t != PI_Q8_0)
+        s = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(0.125f * pi_leg_offk(t))),
+                            _mm256_set1_ps(xd[nb + b]), s);
+    return s;
+}
+
 /* lane i = row rw[i] . activation (xd, xq), nb blocks */
 static inline __attribute__((always_inline)) __m256 pi_dot8_leg256(const int t,
                                                                 const uint8_t *const *rw,
                                                                 const float *xd, const int8_t *xq,
                                                                 int nb, pi_pf_t *pf) {
-    const int bs = pi_leg_bytes(t);
     __m256 s = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++) {
-        const size_t off = (size_t)bs * b;
-        pi_pf_next(pf);
-        const __m256i is = pi_isum8_leg(t, rw, off, xq + 32 * b);
-        const __m256 dw = pi_f16x8(rw, off);
-        s = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(xd[b])), _mm256_cvtepi32_ps(is), s);
-        if (t == PI_Q4_1 || t == PI_Q5_1)
-            s = _mm256_fmadd_ps(_mm256_mul_ps(pi_f16x8(rw, off + 2), _mm256_set1_ps(0.125f)),
-                                _mm256_set1_ps(xd[nb + b]), s);
-        else if (t != PI_Q8_0)
-            s = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(0.125f * pi_leg_offk(t))),
-                                _mm256_set1_ps(xd[nb + b]), s);
-    }
+    for (int b = 0; b < nb; b++) s = pi_dot8_leg_block(t, rw, xd, xq, nb, b, pf, s);
     return s;
 }
 
@@ -399,19 +407,8 @@ static inline __attribute__((always_inline)) __m256 pi_dot8_leg512(const int t,
                                     _mm256_set1_ps(xd[nb + b + h]), s);
         }
     }
-    if (b < nb) { /* the last block of an odd count, as pi_dot8_leg256 */
-        const size_t off = (size_t)bs * b;
-        pi_pf_next(pf);
-        const __m256i is = pi_isum8_leg(t, rw, off, xq + 32 * b);
-        const __m256 dw = pi_f16x8(rw, off);
-        s = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(xd[b])), _mm256_cvtepi32_ps(is), s);
-        if (t == PI_Q4_1 || t == PI_Q5_1)
-            s = _mm256_fmadd_ps(_mm256_mul_ps(pi_f16x8(rw, off + 2), _mm256_set1_ps(0.125f)),
-                                _mm256_set1_ps(xd[nb + b]), s);
-        else if (t != PI_Q8_0)
-            s = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(0.125f * pi_leg_offk(t))),
-                                _mm256_set1_ps(xd[nb + b]), s);
-    }
+    if (b < nb) /* the last block of an odd count */
+        s = pi_dot8_leg_block(t, rw, xd, xq, nb, b, pf, s);
     return s;
 }
 
