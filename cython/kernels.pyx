@@ -859,6 +859,34 @@ cdef void _multi_matvec(int n_mat, const uint8_t **w, const int *qt, const Py_ss
     free(xq)
 
 
+
+cdef void _matvec1(const uint8_t *w, int qt, Py_ssize_t stride, Py_ssize_t rows, int cols,
+                   const float *x, float *out, int n_threads) noexcept nogil:
+    """out[r] = w[r] . x for one matrix, through _multi_matvec (the fused calls' single GEMVs)."""
+    _multi_matvec(1, &w, &qt, &stride, &rows, cols, x, &out, n_threads)
+
+
+cdef void _gate_up_matvec(int n_mat, const uint8_t *wg, int tg, Py_ssize_t sg, const uint8_t *wu,
+                          int tu, Py_ssize_t su, Py_ssize_t n_ff, int n_embd, const float *h,
+                          float *g, float *u, int n_threads) noexcept nogil:
+    """g = gate h and (n_mat 2) u = up h, gate and up (n_ff, n_embd), in one _multi_matvec."""
+    cdef const uint8_t *ws[2]
+    cdef int qts[2]
+    cdef Py_ssize_t strides[2]
+    cdef Py_ssize_t rows[2]
+    cdef float *outs[2]
+    ws[0] = wg
+    ws[1] = wu
+    qts[0] = tg
+    qts[1] = tu
+    strides[0] = sg
+    strides[1] = su
+    rows[0] = n_ff
+    rows[1] = n_ff
+    outs[0] = g
+    outs[1] = u
+    _multi_matvec(n_mat, ws, qts, strides, rows, n_embd, h, outs, n_threads)
+
 def decode_attn(float[::1] x, const float[::1] attn_norm, float eps,
                 const uint8_t[:, ::1] wq, int tq, const uint8_t[:, ::1] wk, int tk,
                 const uint8_t[:, ::1] wv, int tv, const uint8_t[:, ::1] wo, int to,
@@ -934,12 +962,7 @@ def decode_attn(float[::1] x, const float[::1] attn_norm, float eps,
                          hd, scale, sc, att + hh * hd)
         free(sc)
     with nogil:
-        ws[0] = &wo[0, 0]
-        qts[0] = to
-        strides[0] = wo.shape[1]
-        rows[0] = n_embd
-        outs[0] = y
-        _multi_matvec(1, ws, qts, strides, rows, nq, att, outs, n_threads)
+        _matvec1(&wo[0, 0], to, wo.shape[1], n_embd, nq, att, y, n_threads)
         for i in range(n_embd):
             x[i] += y[i]
         free(buf)
@@ -968,11 +991,6 @@ def decode_ffn(float[::1] x, const float[::1] ffn_norm, float eps,
     _check_len(wd.shape[0], n_ff, "decode_ffn down rows")
     if mode < 0 or mode > 2:
         raise ValueError(f"decode_ffn: unknown mode {mode}")
-    cdef const uint8_t *ws[3]
-    cdef int qts[3]
-    cdef Py_ssize_t strides[3]
-    cdef Py_ssize_t rows[3]
-    cdef float *outs[3]
     cdef float *buf
     cdef float *h
     cdef float *y
@@ -994,17 +1012,8 @@ def decode_ffn(float[::1] x, const float[::1] ffn_norm, float eps,
         u = g + n_ff
         coef = u + n_ff
         _rmsnorm1(&x[0], &ffn_norm[0], eps, h, n_embd)
-        ws[0] = &wg[0, 0]
-        ws[1] = &wu[0, 0]
-        qts[0] = tg
-        qts[1] = tu
-        strides[0] = wg.shape[1]
-        strides[1] = su
-        rows[0] = n_ff
-        rows[1] = n_ff
-        outs[0] = g
-        outs[1] = u
-        _multi_matvec(1 if mode == 2 else 2, ws, qts, strides, rows, n_embd, h, outs, n_threads)
+        _gate_up_matvec(1 if mode == 2 else 2, &wg[0, 0], tg, wg.shape[1], &wu[0, 0], tu, su, n_ff,
+                        n_embd, h, g, u, n_threads)
         for j in range(n_ff):
             a = _act1(g[j], silu)
             if mode != 2:
@@ -1064,11 +1073,6 @@ def decode_ffn_rows(float[::1] x, const float[::1] ffn_norm, float eps,
     _check_len(wg.shape[0], n_ff, "decode_ffn_rows gate rows")
     _check_len(wu.shape[0], n_ff, "decode_ffn_rows up rows")
     _check_len(wd.shape[0], n_embd, "decode_ffn_rows down rows")
-    cdef const uint8_t *ws[3]
-    cdef int qts[3]
-    cdef Py_ssize_t strides[3]
-    cdef Py_ssize_t rows[3]
-    cdef float *outs[3]
     cdef float *buf
     cdef float *h
     cdef float *y
@@ -1083,29 +1087,15 @@ def decode_ffn_rows(float[::1] x, const float[::1] ffn_norm, float eps,
         g = y + n_embd
         u = g + n_ff
         _rmsnorm1(&x[0], &ffn_norm[0], eps, h, n_embd)
-        ws[0] = &wg[0, 0]
-        ws[1] = &wu[0, 0]
-        qts[0] = tg
-        qts[1] = tu
-        strides[0] = wg.shape[1]
-        strides[1] = wu.shape[1]
-        rows[0] = n_ff
-        rows[1] = n_ff
-        outs[0] = g
-        outs[1] = u
-        _multi_matvec(2, ws, qts, strides, rows, n_embd, h, outs, n_threads)
+        _gate_up_matvec(2, &wg[0, 0], tg, wg.shape[1], &wu[0, 0], tu, wu.shape[1], n_ff, n_embd, h,
+                        g, u, n_threads)
         for j in range(n_ff):  # silu_mul's / relu_mul's expressions, so the same bits
             a = g[j]
             if silu:
                 g[j] = a / (1.0 + expf(-a)) * u[j]
             else:
                 g[j] = (a if a > 0.0 else 0.0) * u[j]
-        ws[0] = &wd[0, 0]
-        qts[0] = td
-        strides[0] = wd.shape[1]
-        rows[0] = n_embd
-        outs[0] = y
-        _multi_matvec(1, ws, qts, strides, rows, n_ff, g, outs, n_threads)
+        _matvec1(&wd[0, 0], td, wd.shape[1], n_embd, n_ff, g, y, n_threads)
         for j in range(n_embd):
             x[j] += y[j]
         free(buf)
