@@ -62,6 +62,7 @@ cdef extern from "simd.h" nogil:
 
 cdef extern from "rowsum_team.h" nogil:
     void pi_team_barrier()
+    float pi_act1(float g, int silu)  # silu(g) = g / (1 + exp(-g)) if silu, else relu(g)
     long pi_axpy_nchunks(long n)
     size_t pi_axpy_tmp_floats(long n, int cols)
     void pi_axpy_rows_par(int qtype, const uint8_t *w, size_t stride, const float *coef,
@@ -567,13 +568,6 @@ def get_rows(const uint8_t[:, ::1] w, int qtype, int cols, const int32_t[::1] id
 
 # ---------------------------------------------------------------- norms, rope, attention, act
 
-cdef inline float _act1(float g, int silu) noexcept nogil:
-    """silu(g) = g / (1 + exp(-g)) if silu, else relu(g)."""
-    if silu:
-        return g / (1.0 + expf(-g))
-    return g if g > 0.0 else 0.0
-
-
 cdef void _rmsnorm1(const float *x, const float *weight, float eps, float *out, int n) noexcept nogil:
     cdef float scale = 1.0 / sqrtf(pi_dot_f32(x, x, n) / n + eps)
     cdef int i
@@ -813,7 +807,7 @@ def select_active(const float[::1] g, const float[::1] u, const int32_t[::1] ids
     cdef float a
     with nogil:
         for j in range(n):
-            a = _act1(g[j], silu)
+            a = pi_act1(g[j], silu)
             if has_u:
                 a = a * u[j]
             coef[k] = a  # branch-free compaction (see decode_ffn)
@@ -1015,7 +1009,7 @@ def decode_ffn(float[::1] x, const float[::1] ffn_norm, float eps,
         _gate_up_matvec(1 if mode == 2 else 2, &wg[0, 0], tg, wg.shape[1], &wu[0, 0], tu, su, n_ff,
                         n_embd, h, g, u, n_threads)
         for j in range(n_ff):
-            a = _act1(g[j], silu)
+            a = pi_act1(g[j], silu)
             if mode != 2:
                 a = a * u[j]
             if mode == 0:
@@ -1324,7 +1318,7 @@ def cold_ffn(const uint8_t[:, ::1] wg, int tg, const uint8_t[:, ::1] wu, int tu,
                 if glu:
                     pi_gemv8(tu, &wu[0, 0], su, cand, j, n_cand, xd, xq, cols // 32, uv, pd)
             for j in range(n_cand):
-                a = _act1(gv[j], silu)
+                a = pi_act1(gv[j], silu)
                 if glu:
                     a = a * uv[j]
                 kept[j] = a > thr or a < -thr
@@ -1336,7 +1330,7 @@ def cold_ffn(const uint8_t[:, ::1] wg, int tg, const uint8_t[:, ::1] wu, int tu,
                     pi_prefetch_l2(&wu[0, 0] + cand[j + pd] * su, su)
                 r = cand[j]
                 g = pi_dot_row(tg, &wg[0, 0] + r * sg, &h[0], xd, xq, cols)
-                a = _act1(g, silu)
+                a = pi_act1(g, silu)
                 kept[j] = 0
                 if glu:
                     a = a * pi_dot_row(tu, &wu[0, 0] + r * su, &h[0], xd, xq, cols)

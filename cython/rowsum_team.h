@@ -145,9 +145,8 @@ static void pi_axpy_rows_team(int t, int T, int qtype, const uint8_t *w, size_t 
 static void pi_axpy_rows_par(int qtype, const uint8_t *w, size_t stride, const float *coef,
                              const int32_t *idx, long n, float *out, int cols, float *tmp,
                              int n_threads) {
-    long most = pi_axpy_col_split(qtype, idx, stride, n) ? cols / pi_axpyq_unit_cols(qtype)
-                                                          : pi_axpy_nchunks(n);
-    if (pi_axpy_col_split(qtype, idx, stride, n) && n < 2 * PI_AXPY_ALIGN) most = 1;
+    const long most = !pi_axpy_col_split(qtype, idx, stride, n) ? pi_axpy_nchunks(n)
+                      : n < 2 * PI_AXPY_ALIGN ? 1 : cols / pi_axpyq_unit_cols(qtype);
     const int nt = (int)(n_threads < most ? n_threads : (most > 0 ? most : 1));
     if (nt <= 1) {
         pi_axpy_rows_team(0, 1, qtype, w, stride, coef, idx, n, out, cols, tmp, NULL);
@@ -162,8 +161,8 @@ static void pi_axpy_rows_par(int qtype, const uint8_t *w, size_t stride, const f
 #endif
 }
 
-/* act(g) = silu(g) = g / (1 + exp(-g)) or relu(g), in the arithmetic of kernels.pyx's _act1 (the
- * division in double), so the sums match the serial path and silu_mul bit for bit. */
+/* act(g) = silu(g) = g / (1 + exp(-g)) (the division in double) or relu(g): the activation of
+ * every fused decode and selection in kernels.pyx too, so all paths give the same bits. */
 static inline float pi_act1(float g, int silu) {
     if (silu) return (float)(g / (1.0 + expf(-g)));
     return g > 0.0f ? g : 0.0f;
