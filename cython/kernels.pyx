@@ -63,8 +63,8 @@ cdef extern from "simd.h" nogil:
 cdef extern from "rowsum_team.h" nogil:
     void pi_team_barrier()
     float pi_act1(float g, int silu)  # silu(g) = g / (1 + exp(-g)) if silu, else relu(g)
-    long pi_axpy_nchunks(long n)
-    size_t pi_axpy_tmp_floats(long n, int cols)
+    long pi_axpy_nchunks(long n, size_t stride)
+    size_t pi_axpy_tmp_floats(long n, int cols, size_t stride)
     void pi_axpy_rows_par(int qtype, const uint8_t *w, size_t stride, const float *coef,
                           const int32_t *idx, long n, float *out, int cols, float *tmp,
                           int n_threads)
@@ -446,7 +446,7 @@ cdef void _axpy_rows(const uint8_t *w, Py_ssize_t stride, int qtype, int cols, c
     added in chunk order, all in one parallel region). The result has the same bits at any
     n_threads (issue 9: a thread-count split once changed greedy tokens on the sparse path)."""
     cdef float *tmp = NULL
-    cdef size_t nt = pi_axpy_tmp_floats(n, cols)
+    cdef size_t nt = pi_axpy_tmp_floats(n, cols, stride)
     if nt:
         tmp = <float *> malloc(nt * sizeof(float))
     pi_axpy_rows_par(qtype, w, stride, coef, idx, n, out, cols, tmp, n_threads)
@@ -1167,8 +1167,9 @@ def decode_ffn_in(float[::1] x, const float[::1] ffn_norm, float eps,
     cdef int32_t *idx
     cdef Py_ssize_t n_in, n_mid
     with nogil:
-        # (the down sums take at most pi_axpy_nchunks(n_ff) chunks)
-        buf = <float *> malloc((2 * n_embd + m + 3 * n_ff + pi_axpy_tmp_floats(n_ff, n_embd) + 1)
+        # (the down sums take at most pi_axpy_nchunks(n_ff, stride) chunks)
+        buf = <float *> malloc((2 * n_embd + m + 3 * n_ff
+                                + pi_axpy_tmp_floats(n_ff, n_embd, wd.shape[1]) + 1)
                                * sizeof(float))
         idx = <int32_t *> malloc((m + n_ff + 1) * sizeof(int32_t))
         h = buf

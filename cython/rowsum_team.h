@@ -9,10 +9,10 @@
  * box a barrier costs about 1 us, and a region of four pranges plus the barriers the data needs
  * had about seven per call, more than the work they split on SmolLM2's short sums.
  *
- * Determinism (issue 9): the sum is cut into chunks by n alone (pi_axpy_nchunks, pi_axpy_bound),
- * each chunk summed in row order into its own accumulator, and every column adds the chunks'
- * partial sums in chunk order, so the result has the same bits at any thread count; which thread
- * sums which chunk, or adds which columns, does not matter. Long rows of the integer sums
+ * Determinism (issue 9): the sum is cut into chunks by n and the row length alone
+ * (pi_axpy_nchunks, pi_axpy_bound), each chunk summed in row order into its own accumulator, and
+ * every column adds the chunks' partial sums in chunk order, so the result has the same bits at
+ * any thread count; which thread sums which chunk, or adds which columns, does not matter. Long rows of the integer sums
  * (axpyq.h) are split by columns instead (each column's sum runs over every row in the same
  * groups, whatever the split). The activation's kept list is compacted in index order whatever
  * the split of its parts.
@@ -41,6 +41,13 @@
  * SmolLM2's q/k/v and down sums on two threads against 32-row ones). */
 #define PI_AXPY_CHUNKS 24
 #define PI_AXPY_MIN_ROWS 128
+/* rows of at least PI_AXPY_LONG_ROW_BYTES (a 7B model's 8 KiB f16 ffn_down_t rows; every
+ * SmolLM2 row is shorter) are cut into chunks of PI_AXPY_MIN_CHUNK_BYTES, at least PI_AXPY_ALIGN
+ * rows: with 128-row chunks the few hundred cold rows a hybrid GPU layer leaves the host were
+ * summed by two of 16 threads (issue 10, session 10: the 7B f16 cold neurons took 2.6x longer
+ * than in session 4) */
+#define PI_AXPY_LONG_ROW_BYTES 4096
+#define PI_AXPY_MIN_CHUNK_BYTES 131072
 /* chunk boundaries fall on multiples of 16 rows: the integer kernel (axpyq.h) sums rows in groups
  * of 16 and a chunk of 24 rows cost a second, half-empty group */
 #define PI_AXPY_ALIGN 16
@@ -61,10 +68,17 @@
  * the innermost enclosing parallel region; outside any region it does nothing. */
 static inline void pi_team_barrier(void) { PI_BARRIER(); }
 
-/* Chunks of an n-row sum: the largest of 24, 12, 6, 4, 2, 1 with at least PI_AXPY_MIN_ROWS rows
- * each. */
-static inline long pi_axpy_nchunks(long n) {
-    const long m = n / PI_AXPY_MIN_ROWS;
+/* Fewest rows in a chunk of a sum over rows of `stride` bytes (PI_AXPY_LONG_ROW_BYTES). */
+static inline long pi_axpy_min_rows(size_t stride) {
+    if (stride < PI_AXPY_LONG_ROW_BYTES) return PI_AXPY_MIN_ROWS;
+    const long r = (long)(PI_AXPY_MIN_CHUNK_BYTES / stride);
+    return r < PI_AXPY_ALIGN ? PI_AXPY_ALIGN : (r > PI_AXPY_MIN_ROWS ? PI_AXPY_MIN_ROWS : r);
+}
+
+/* Chunks of an n-row sum over rows of `stride` bytes: the largest of 24, 12, 6, 4, 2, 1 with at
+ * least pi_axpy_min_rows(stride) rows each (by n and stride alone: the same at any thread count). */
+static inline long pi_axpy_nchunks(long n, size_t stride) {
+    const long m = n / pi_axpy_min_rows(stride);
     if (m >= PI_AXPY_CHUNKS) return PI_AXPY_CHUNKS;
     if (m >= 12) return 12;
     if (m >= 6) return 6;
@@ -86,12 +100,13 @@ static inline long pi_axpy_bound(long c, long n, long nc) {
  * or a sum too short to cut into chunks) */
 static inline int pi_axpy_col_split(int qtype, const int32_t *idx, size_t stride, long n) {
     return pi_axpy_rows_int(qtype, idx) &&
-           (stride >= PI_AXPY_SPLIT_COLS_BYTES || pi_axpy_nchunks(n) == 1);
+           (stride >= PI_AXPY_SPLIT_COLS_BYTES || pi_axpy_nchunks(n, stride) == 1);
 }
 
-/* Floats of scratch the sum of n rows needs (the partial sums of chunks 1..nc-1). */
-static inline size_t pi_axpy_tmp_floats(long n, int cols) {
-    return (size_t)(pi_axpy_nchunks(n) - 1) * (size_t)cols;
+/* Floats of scratch the sum of n rows of `stride` bytes needs (the partial sums of chunks
+ * 1..nc-1; fewer rows never need more). */
+static inline size_t pi_axpy_tmp_floats(long n, int cols, size_t stride) {
+    return (size_t)(pi_axpy_nchunks(n, stride) - 1) * (size_t)cols;
 }
 
 /* Thread t of T: columns [*c0, *c1) of a slice of cols split in T parts of whole lines. */
@@ -103,7 +118,7 @@ static inline void pi_team_cols(int t, int T, int cols, int *c0, int *c1) {
 }
 
 /* Thread t of T's share of out = sum_k coef[k] w[idx ? idx[k] : k] (overwrites out), then, if
- * add is not NULL, add[0:cols] += out. tmp: pi_axpy_tmp_floats(n, cols) floats. A barrier
+ * add is not NULL, add[0:cols] += out. tmp: pi_axpy_tmp_floats(n, cols, stride) floats. A barrier
  * separates the sums from the reduction (and from the add); the caller's region ends with the
  * last one. */
 static void pi_axpy_rows_team(int t, int T, int qtype, const uint8_t *w, size_t stride,
@@ -125,7 +140,7 @@ static void pi_axpy_rows_team(int t, int T, int qtype, const uint8_t *w, size_t 
         }
         return;
     }
-    const long nc = pi_axpy_nchunks(n);
+    const long nc = pi_axpy_nchunks(n, stride);
     for (long c = (long)t * nc / T; c < (long)(t + 1) * nc / T; c++) {
         float *acc = c == 0 ? out : tmp + (size_t)(c - 1) * cols;
         memset(acc, 0, (size_t)cols * sizeof(float));
@@ -145,7 +160,7 @@ static void pi_axpy_rows_team(int t, int T, int qtype, const uint8_t *w, size_t 
 static void pi_axpy_rows_par(int qtype, const uint8_t *w, size_t stride, const float *coef,
                              const int32_t *idx, long n, float *out, int cols, float *tmp,
                              int n_threads) {
-    const long most = !pi_axpy_col_split(qtype, idx, stride, n) ? pi_axpy_nchunks(n)
+    const long most = !pi_axpy_col_split(qtype, idx, stride, n) ? pi_axpy_nchunks(n, stride)
                       : n < 2 * PI_AXPY_ALIGN ? 1 : cols / pi_axpyq_unit_cols(qtype);
     const int nt = (int)(n_threads < most ? n_threads : (most > 0 ? most : 1));
     if (nt <= 1) {
@@ -190,7 +205,8 @@ static inline long pi_act_select(const float *gu, long n_ff, long j0, long j1, i
 
 /* Thread t of T's share of the FFN tail of one token: a = act(g) u, the kept a_j (|a_j| sd_j >
  * thr) compacted in index order into coef/idx, y = sum of a_j wd[j] over them (pi_axpy_rows_team),
- * x += y. ctmp/itmp: n_ff each; tmp: pi_axpy_tmp_floats(n_ff, n_embd); cnt: PI_ACT_PARTS longs.
+ * x += y. ctmp/itmp: n_ff each; tmp: pi_axpy_tmp_floats(n_ff, n_embd, stride); cnt: PI_ACT_PARTS
+ * longs.
  * Returns the kept count. */
 static long pi_act_select_down_team(int t, int T, const float *gu, long n_ff, int silu,
                                     const float *sd, float thr, const uint8_t *wd, size_t stride,

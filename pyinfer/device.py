@@ -46,6 +46,37 @@ def gathered(tensors: list[QTensor], ids: np.ndarray | None = None) -> np.ndarra
     return np.ascontiguousarray(parts[0] if len(parts) == 1 else np.concatenate(parts))
 
 
+#: bytes per 32-column block of the types whose device rows are split (quants, then scales)
+_SPLIT_BLOCK = {QT.Q8_0: 34, QT.Q4_0: 18}
+
+
+def device_layout(raw: np.ndarray, qtype: QT) -> np.ndarray:
+    """(n, row_bytes) uint8 rows as GGUF stores them -> the layout the GPU kernels read
+    (``pyinfer.ops.cuda``): q8_0 and q4_0 rows of nb blocks become the nb blocks' quants (32 or
+    16 bytes each, in order) followed by the nb f16 scales, so a block's quants are aligned
+    128-bit loads on the device; same shape, same bytes per row. Other types are returned as they
+    are. Inverse: ``gguf_layout``."""
+    bs = _SPLIT_BLOCK.get(qtype)
+    if bs is None or raw.size == 0:
+        return raw
+    n, rb = raw.shape
+    b = raw.reshape(n, rb // bs, bs)
+    return np.ascontiguousarray(np.concatenate([b[:, :, 2:].reshape(n, -1),
+                                                b[:, :, :2].reshape(n, -1)], axis=1))
+
+
+def gguf_layout(dev_raw: np.ndarray, qtype: QT) -> np.ndarray:
+    """The inverse of ``device_layout``: device rows back to GGUF's interleaved blocks."""
+    bs = _SPLIT_BLOCK.get(qtype)
+    if bs is None or dev_raw.size == 0:
+        return dev_raw
+    n, rb = dev_raw.shape
+    nb = rb // bs
+    q = dev_raw[:, :nb * (bs - 2)].reshape(n, nb, bs - 2)
+    d = dev_raw[:, nb * (bs - 2):].reshape(n, nb, 2)
+    return np.ascontiguousarray(np.concatenate([d, q], axis=2).reshape(n, rb))
+
+
 def as_qtensor(a: np.ndarray) -> QTensor:
     """A predictor matrix (f32 or f16 ndarray) as a QTensor of its own type."""
     a = np.ascontiguousarray(a)
@@ -78,12 +109,13 @@ class NumpyDevice:
 
     # -- memory ------------------------------------------------------------------------------
     def rows(self, tensors: list[QTensor], ids: np.ndarray | None = None) -> DeviceRows:
-        """Rows ``ids`` of the tensors (same type and width), stacked, copied to the device as
-        stored (module ``gathered``)."""
-        data = gathered(tensors, ids)
+        """Rows ``ids`` of the tensors (same type and width), stacked (module ``gathered``),
+        copied to the device in its layout (``device_layout``); ``f32`` dequantizes them."""
+        raw = gathered(tensors, ids)
         t = tensors[0]
+        data = device_layout(raw, t.qtype)
         self.allocated_bytes += data.nbytes
-        return DeviceRows(data, t.qtype, data.shape[0], t.cols, dequantize_rows(data, t.qtype, t.cols))
+        return DeviceRows(data, t.qtype, data.shape[0], t.cols, dequantize_rows(raw, t.qtype, t.cols))
 
     def array(self, a: np.ndarray) -> np.ndarray:
         a = np.array(a, copy=True)
@@ -240,10 +272,10 @@ class CupyDevice:
             raise PyinferError(f"out of GPU memory ({e}); lower --vram-budget or -ngl") from None
 
     def rows(self, tensors: list[QTensor], ids: np.ndarray | None = None) -> DeviceRows:
-        host = gathered(tensors, ids)  # one host gather, one upload
+        t = tensors[0]
+        host = device_layout(gathered(tensors, ids), t.qtype)  # one host gather, one upload
         data = self._alloc(lambda: self.cp.asarray(host))
         self.allocated_bytes += data.nbytes
-        t = tensors[0]
         return DeviceRows(data, t.qtype, int(data.shape[0]), t.cols)
 
     def array(self, a: np.ndarray):

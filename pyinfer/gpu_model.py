@@ -152,7 +152,7 @@ class _ResidentLayer:
         self.cold_ids = np.flatnonzero(cold).astype(np.int32)  # (n_cold,) the CPU's neurons
         if self.n_hot:
             self.ids = dev.array(self.hot)  # (n_hot,) int32
-            self.gate = dev.rows([lw.ffn_gate], self.hot)  # (n_hot, row_bytes) as stored
+            self.gate = dev.rows([lw.ffn_gate], self.hot)  # (n_hot, row_bytes), device layout
             self.up = dev.rows([lw.ffn_up], self.hot)
             self.down = dev.rows([lw.ffn_down_t], self.hot)
 

@@ -153,17 +153,31 @@ def test_dense_plans_equal_dense_cpu(tmp_path, kind):
     assert gm.stats.sparsity == 0.0
 
 
+def _device(kind):
+    if kind == "numpy":
+        return NumpyDevice()
+    from pyinfer.device import CupyDevice
+
+    return CupyDevice()
+
+
+DEVICES = ["numpy", pytest.param("cupy", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not cuda.available(), reason=NO_GPU)])]
+
+
+@pytest.mark.parametrize("backend", DEVICES)
 @pytest.mark.parametrize("outtype", ["f16", "q8_0", "q4_0"])
-def test_dense_rows_file_on_the_device(tmp_path, outtype):
-    """A --dense file keeps ffn_down in row layout; placed on a device (NumpyDevice here) its
-    down projection is transposed at load into the ffn_down_t the GPU engine reads (f16 exactly,
-    block types quantized again), and whole-layer and all-hot plans give the CPU model's logits."""
+def test_dense_rows_file_on_the_device(tmp_path, outtype, backend):
+    """A --dense file keeps ffn_down in row layout; placed on a device (NumpyDevice, and CuPy
+    where there is a GPU) its down projection is transposed at load into the ffn_down_t the GPU
+    engine reads (f16 exactly, block types quantized again), and whole-layer and all-hot plans
+    give the CPU model's logits."""
     eng = engine_for(tmp_path, "silu", outtype, rows=True)
     cfg, w = eng.cfg, eng.weights
     assert all(lw.ffn_down_t is None and lw.ffn_down is not None for lw in w.layers)
     ref = decode_all(eng.model, PROMPT)  # the CPU: GEMVs over the rows as stored
     gm = place_model(eng.reader, cfg, w, DenseFFN(cfg), 64, 2, device="cuda",
-                     disable_gpu_index=True, backend=NumpyDevice())
+                     disable_gpu_index=True, backend=_device(backend))
     assert isinstance(gm, GpuModel) and gm.plan.n_resident == cfg.n_layer
     assert all(lw.ffn_down_t is None for lw in w.layers)  # the engine's weights stay as mapped
     assert rel_err(decode_all(gm, PROMPT), ref) < TOL[outtype]
@@ -178,7 +192,7 @@ def test_dense_rows_file_on_the_device(tmp_path, outtype):
     assert err == 0.0 if outtype == "f16" else err < 0.2
     # -ngl 1: layer 0 on the device, the others on the CPU in the transposed copy
     lo = place_model(eng.reader, cfg, w, DenseFFN(cfg), 64, 2, device="cuda", n_gpu_layers=1,
-                     backend=NumpyDevice())
+                     backend=_device(backend))
     assert lo.plan.n_resident == 1
     assert rel_err(decode_all(lo, PROMPT), ref) < TOL[outtype]
 

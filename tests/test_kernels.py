@@ -295,6 +295,28 @@ def test_axpy_rows_long_rows_any_threads(qtype):
             _close(outs[0], ref.axpy_rows(w, coef, idx, _nan(w.cols)), qtype)
 
 
+@pytest.mark.parametrize("qtype", [QT.F16, QT.F32])
+def test_axpy_rows_float_long_rows_any_threads(qtype):
+    """Float rows of 4 KiB and more (a 7B model's ffn_down_t in f16) are summed in chunks of at
+    least 16 rows rather than 128 (rowsum_team.h PI_AXPY_LONG_ROW_BYTES), so the few hundred cold
+    rows a hybrid GPU layer leaves the host spread over many threads: the same bits at 1, 2, 3, 5
+    and 16 threads, and the NumPy twin's sum."""
+    rng = np.random.default_rng(11 + int(qtype))
+    w = _weight(rng, qtype, rows=600, cols=2048)
+    assert w.raw.shape[1] >= 4096
+    for n in (0, 15, 40, 300, 460):
+        idx = _ro(np.sort(rng.choice(w.rows, n, replace=False)).astype(np.int32))
+        coef = _rand(rng, n)
+        outs = []
+        for nt in (1, 2, 3, 5, 16):
+            out = _nan(w.cols)
+            cpu.axpy_rows(w, coef, idx, out, nt)
+            outs.append(out)
+        for out in outs[1:]:
+            np.testing.assert_array_equal(out, outs[0], err_msg=str(n))
+        _close(outs[0], ref.axpy_rows(w, coef, idx, _nan(w.cols)), qtype)
+
+
 @pytest.mark.parametrize("n_threads", THREADS)
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_matmul_t(qtype, n_threads):

@@ -12,9 +12,10 @@ Three sources, one ``cupy.RawModule`` each, compiled once per device on first us
 - ``AXPY_SRC``: ``out = sum_k coef[k] * down_t[k]`` over the hot down rows (zero coefficients are
   skipped), and ``merge_add`` (the CPU's partial FFN output added into the GPU's).
 
-Weights are stored as in the GGUF: f32, f16, q8_0 or q4_0 rows of ``row_bytes`` bytes, dequantized
-inside the kernels; activations are f32 and every dot accumulates in f32. Sizes and strides are
-passed explicitly (RawKernel ignores strides). f16 is converted with the PTX ``cvt.f32.f16``
+Weights are f32, f16, q8_0 or q4_0 rows of ``row_bytes`` bytes, the GGUF's bytes with each
+quantized row's blocks split into quants then scales (``pyinfer.device.device_layout``: aligned
+128-bit loads), dequantized inside the kernels; activations are f32 and every dot accumulates
+in f32. Sizes and strides are passed explicitly (RawKernel ignores strides). f16 is converted with the PTX ``cvt.f32.f16``
 instruction so the sources need no header (NVRTC and nvcc both compile them as they are).
 
 Whether a GPU is there is decided once, at import (``available()``); ``PYINFER_DEVICE=cpu`` in the
@@ -118,30 +119,84 @@ __device__ __forceinline__ float dot_f16(const u8* row, int cols, const float* x
     }
     return s;
 }
-// q8_0 block: f16 d, int8 q[32]; x = d * q (34 bytes). Eight lanes share a block, 4 values each.
-__device__ __forceinline__ float dot_q8_0(const u8* row, int cols, const float* x, int lane) {
-    const int nb = cols >> 5, sub = lane & 7;
+// Quantized rows on the device are in the "split" layout (pyinfer.device.device_layout): a row
+// of nb blocks holds the nb blocks' quants first (q8_0: 32 int8 each, q4_0: 16 bytes of nibbles
+// in GGML's order), then the nb f16 scales. Same bytes per row as the GGUF, but a block's quants
+// are whole aligned words: 32-bit loads where the row starts on 4 bytes (nb even), 128-bit ones
+// (the AXPY) where it starts on 16 (nb % 8 == 0, every 256-column multiple); GGUF's 18- and
+// 34-byte blocks allow only 16-bit loads. Odd widths (small test shapes) take 16-bit loads.
+__device__ __forceinline__ unsigned int ld_w32(const u8* p, bool al4) {  // p 2-aligned
+    if (al4) return *(const unsigned int*)p;
+    const u16* h = (const u16*)p;
+    return h[0] | ((unsigned int)h[1] << 16);
+}
+__device__ __forceinline__ uint4 ld_w128(const u8* p, bool al16) {  // p 2-aligned
+    if (al16) return *(const uint4*)p;
+    const u16* h = (const u16*)p;
+    return make_uint4(h[0] | ((unsigned int)h[1] << 16), h[2] | ((unsigned int)h[3] << 16),
+                      h[4] | ((unsigned int)h[5] << 16), h[6] | ((unsigned int)h[7] << 16));
+}
+__device__ __forceinline__ float sb(unsigned int w, int k) {  // signed byte k of w
+    return (float)((int)(w << (24 - 8 * k)) >> 24);
+}
+__device__ __forceinline__ float nib(unsigned int w, int sh) { return (float)((int)((w >> sh) & 15) - 8); }
+// Word w (quant bytes 4i..4i+3) of a q4_0 block against its x (xb: the block's 32, 16-byte
+// aligned): low nibbles are x[4i..4i+3], high nibbles x[16+4i..16+4i+3].
+__device__ __forceinline__ float word_q4_0(unsigned int w, const float* xb, int i) {
+    const float4 lo = ((const float4*)xb)[i], hi = ((const float4*)xb)[4 + i];
+    return nib(w, 0) * lo.x + nib(w, 8) * lo.y + nib(w, 16) * lo.z + nib(w, 24) * lo.w
+         + nib(w, 4) * hi.x + nib(w, 12) * hi.y + nib(w, 20) * hi.z + nib(w, 28) * hi.w;
+}
+// Word w (int8 quants 4i..4i+3) of a q8_0 block against its x.
+__device__ __forceinline__ float word_q8_0(unsigned int w, const float* xb, int i) {
+    const float4 a = ((const float4*)xb)[i];
+    return sb(w, 0) * a.x + sb(w, 1) * a.y + sb(w, 2) * a.z + sb(w, 3) * a.w;
+}
+// Partial dots of one split-layout row with x, lane per 32-bit quant word, so a warp's weight
+// loads are 128 contiguous bytes and its x loads contiguous too (q4_0: 4 lanes per block, 8 blocks
+// per step; q8_0: 8 lanes, 4 blocks), four steps' loads in flight per lane. The alignment test is
+// per row (warp-uniform) and outside the loops.
+template <bool AL>
+__device__ __forceinline__ float dot_q4_0_t(const u8* row, int nb, const float* x, int lane) {
+    const u8* ds = row + 16 * nb;
+    const int i = lane & 3;
     float s = 0.f;
-    for (int b = lane >> 3; b < nb; b += 4) {
-        const u8* blk = row + 34 * b;
-        const signed char* q = (const signed char*)(blk + 2) + 4 * sub;
-        const float* xx = x + 32 * b + 4 * sub;
-        s += ld_half(blk) * (q[0] * xx[0] + q[1] * xx[1] + q[2] * xx[2] + q[3] * xx[3]);
+    int b = lane >> 2;
+    for (; b + 24 < nb; b += 32) {
+        const unsigned int w0 = ld_w32(row + 16 * b + 4 * i, AL), w1 = ld_w32(row + 16 * (b + 8) + 4 * i, AL);
+        const unsigned int w2 = ld_w32(row + 16 * (b + 16) + 4 * i, AL), w3 = ld_w32(row + 16 * (b + 24) + 4 * i, AL);
+        const float d0 = ld_half(ds + 2 * b), d1 = ld_half(ds + 2 * (b + 8));
+        const float d2 = ld_half(ds + 2 * (b + 16)), d3 = ld_half(ds + 2 * (b + 24));
+        s += d0 * word_q4_0(w0, x + 32 * b, i) + d1 * word_q4_0(w1, x + 32 * (b + 8), i)
+           + d2 * word_q4_0(w2, x + 32 * (b + 16), i) + d3 * word_q4_0(w3, x + 32 * (b + 24), i);
     }
+    for (; b < nb; b += 8) s += ld_half(ds + 2 * b) * word_q4_0(ld_w32(row + 16 * b + 4 * i, AL), x + 32 * b, i);
     return s;
 }
-// q4_0 block: f16 d, u8 qs[16]; x[j] = d*((qs[j] & 15) - 8), x[j+16] = d*((qs[j] >> 4) - 8).
-__device__ __forceinline__ float dot_q4_0(const u8* row, int cols, const float* x, int lane) {
-    const int nb = cols >> 5, sub = lane & 7;
+template <bool AL>
+__device__ __forceinline__ float dot_q8_0_t(const u8* row, int nb, const float* x, int lane) {
+    const u8* ds = row + 32 * nb;
+    const int i = lane & 7;
     float s = 0.f;
-    for (int b = lane >> 3; b < nb; b += 4) {
-        const u8* blk = row + 18 * b;
-        const int q0 = blk[2 + 2 * sub], q1 = blk[3 + 2 * sub];
-        const float* xx = x + 32 * b + 2 * sub;
-        s += ld_half(blk) * ((float)((q0 & 15) - 8) * xx[0] + (float)((q1 & 15) - 8) * xx[1]
-                           + (float)((q0 >> 4) - 8) * xx[16] + (float)((q1 >> 4) - 8) * xx[17]);
+    int b = lane >> 3;
+    for (; b + 12 < nb; b += 16) {
+        const unsigned int w0 = ld_w32(row + 32 * b + 4 * i, AL), w1 = ld_w32(row + 32 * (b + 4) + 4 * i, AL);
+        const unsigned int w2 = ld_w32(row + 32 * (b + 8) + 4 * i, AL), w3 = ld_w32(row + 32 * (b + 12) + 4 * i, AL);
+        const float d0 = ld_half(ds + 2 * b), d1 = ld_half(ds + 2 * (b + 4));
+        const float d2 = ld_half(ds + 2 * (b + 8)), d3 = ld_half(ds + 2 * (b + 12));
+        s += d0 * word_q8_0(w0, x + 32 * b, i) + d1 * word_q8_0(w1, x + 32 * (b + 4), i)
+           + d2 * word_q8_0(w2, x + 32 * (b + 8), i) + d3 * word_q8_0(w3, x + 32 * (b + 12), i);
     }
+    for (; b < nb; b += 4) s += ld_half(ds + 2 * b) * word_q8_0(ld_w32(row + 32 * b + 4 * i, AL), x + 32 * b, i);
     return s;
+}
+__device__ __forceinline__ float dot_q8_0(const u8* row, int cols, const float* x, int lane) {
+    return ((u64)row & 3) == 0 ? dot_q8_0_t<true>(row, cols >> 5, x, lane)
+                               : dot_q8_0_t<false>(row, cols >> 5, x, lane);
+}
+__device__ __forceinline__ float dot_q4_0(const u8* row, int cols, const float* x, int lane) {
+    return ((u64)row & 3) == 0 ? dot_q4_0_t<true>(row, cols >> 5, x, lane)
+                               : dot_q4_0_t<false>(row, cols >> 5, x, lane);
 }
 
 __device__ __forceinline__ float block_sum(float v, float* red) {  // blockDim multiple of 32
@@ -162,17 +217,15 @@ __device__ __forceinline__ void block_rmsnorm(const float* x, const float* w, in
     const float scale = rsqrtf(block_sum(s, red) / n + eps);
     for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = x[i] * scale * w[i];
 }
-// Element c of one stored row, dequantized.
-__device__ __forceinline__ float el_f32(const u8* row, int c) { return ((const float*)row)[c]; }
-__device__ __forceinline__ float el_f16(const u8* row, int c) { return h2f(((const u16*)row)[c]); }
-__device__ __forceinline__ float el_q8_0(const u8* row, int c) {
-    const u8* blk = row + 34 * (c >> 5);
-    return ld_half(blk) * (float)((const signed char*)blk)[2 + (c & 31)];
+// Element c of one device row of cols columns, dequantized (quantized rows: split layout).
+__device__ __forceinline__ float el_f32(const u8* row, int c, int cols) { return ((const float*)row)[c]; }
+__device__ __forceinline__ float el_f16(const u8* row, int c, int cols) { return h2f(((const u16*)row)[c]); }
+__device__ __forceinline__ float el_q8_0(const u8* row, int c, int cols) {
+    return ld_half(row + 32 * (cols >> 5) + 2 * (c >> 5)) * (float)((const signed char*)row)[c];
 }
-__device__ __forceinline__ float el_q4_0(const u8* row, int c) {
-    const u8* blk = row + 18 * (c >> 5);
-    const int j = c & 31, q = blk[2 + (j & 15)];
-    return ld_half(blk) * (float)((j < 16 ? (q & 15) : (q >> 4)) - 8);
+__device__ __forceinline__ float el_q4_0(const u8* row, int c, int cols) {
+    const int j = c & 31, q = row[16 * (c >> 5) + (j & 15)];
+    return ld_half(row + 16 * (cols >> 5) + 2 * (c >> 5)) * (float)((j < 16 ? (q & 15) : (q >> 4)) - 8);
 }
 """
 
@@ -269,12 +322,14 @@ extern "C" __global__ void ffn_gate_up_@T@(const u8* gate, const u8* up, long lo
 _AXPY_UNITS = r"""
 // AXPY units: a thread owns V consecutive columns of every row (f32 4 = one float4, f16 8 = one
 // 128-bit load, q8_0 and q4_0 one 32-column block) and accumulates coef * row into V registers.
-// load() fetches a unit (16-byte loads where rows are 16-byte multiples; the 34- and 18-byte
-// quant blocks are only 2-byte aligned, hence 16-bit loads), fma() adds a * unit into acc.
+// load() fetches unit u of a row of nb 32-column blocks (quantized rows in the split layout: the
+// block's quants are 128-bit loads where the row starts on 16 bytes, and its scale one f16),
+// fma() adds a * unit into acc.
 struct UnitF32 {
     enum { V = 4 };
     typedef float4 Raw;
-    __device__ static Raw load(const u8* row, int u) { return ((const float4*)row)[u]; }
+    template <bool AL>
+    __device__ static Raw load(const u8* row, int u, int nb) { return ((const float4*)row)[u]; }
     __device__ static void fma(float* acc, float a, const Raw& r) {
         acc[0] += a * r.x; acc[1] += a * r.y; acc[2] += a * r.z; acc[3] += a * r.w;
     }
@@ -282,7 +337,8 @@ struct UnitF32 {
 struct UnitF16 {
     enum { V = 8 };
     typedef uint4 Raw;
-    __device__ static Raw load(const u8* row, int u) { return ((const uint4*)row)[u]; }
+    template <bool AL>
+    __device__ static Raw load(const u8* row, int u, int nb) { return ((const uint4*)row)[u]; }
     __device__ static void fma(float* acc, float a, const Raw& r) {
         const unsigned int w[4] = {r.x, r.y, r.z, r.w};
         #pragma unroll
@@ -292,44 +348,47 @@ struct UnitF16 {
         }
     }
 };
-struct UnitQ8_0 {  // f16 d, int8 q[32]: 17 halfwords, q[2j] low and q[2j+1] high byte of word 1+j
+struct UnitQ8_0 {  // block u: int8 q[32] at 32u (two words of 16), f16 d at 32 nb + 2u
     enum { V = 32 };
-    struct Raw { u16 h[17]; };
-    __device__ static Raw load(const u8* row, int u) {
-        const u16* p = (const u16*)(row + 34 * u);
+    struct Raw { uint4 q0, q1; u16 d; };
+    template <bool AL>
+    __device__ static Raw load(const u8* row, int u, int nb) {
         Raw r;
-        #pragma unroll
-        for (int i = 0; i < 17; ++i) r.h[i] = p[i];
+        r.q0 = ld_w128(row + 32 * u, AL);
+        r.q1 = ld_w128(row + 32 * u + 16, AL);
+        r.d = *(const u16*)(row + 32 * nb + 2 * u);
         return r;
     }
     __device__ static void fma(float* acc, float a, const Raw& r) {
-        const float s = a * h2f(r.h[0]);
+        const float s = a * h2f(r.d);
+        const unsigned int w[8] = {r.q0.x, r.q0.y, r.q0.z, r.q0.w, r.q1.x, r.q1.y, r.q1.z, r.q1.w};
         #pragma unroll
-        for (int j = 0; j < 16; ++j) {
-            acc[2 * j] += s * (float)(signed char)(r.h[1 + j] & 0xff);
-            acc[2 * j + 1] += s * (float)(signed char)(r.h[1 + j] >> 8);
+        for (int i = 0; i < 8; ++i) {
+            #pragma unroll
+            for (int k = 0; k < 4; ++k) acc[4 * i + k] += s * sb(w[i], k);
         }
     }
 };
-struct UnitQ4_0 {  // f16 d, u8 qs[16]: x[i] = d*((qs[i] & 15) - 8), x[i+16] = d*((qs[i] >> 4) - 8)
-    enum { V = 32 };
-    struct Raw { u16 h[9]; };
-    __device__ static Raw load(const u8* row, int u) {
-        const u16* p = (const u16*)(row + 18 * u);
+struct UnitQ4_0 {  // block u: qs[16] at 16u (one word of 16), f16 d at 16 nb + 2u;
+    enum { V = 32 };  // x[j] = d*((qs[j] & 15) - 8), x[j+16] = d*((qs[j] >> 4) - 8)
+    struct Raw { uint4 q; u16 d; };
+    template <bool AL>
+    __device__ static Raw load(const u8* row, int u, int nb) {
         Raw r;
-        #pragma unroll
-        for (int i = 0; i < 9; ++i) r.h[i] = p[i];
+        r.q = ld_w128(row + 16 * u, AL);
+        r.d = *(const u16*)(row + 16 * nb + 2 * u);
         return r;
     }
     __device__ static void fma(float* acc, float a, const Raw& r) {
-        const float s = a * h2f(r.h[0]);
+        const float s = a * h2f(r.d);
+        const unsigned int w[4] = {r.q.x, r.q.y, r.q.z, r.q.w};
         #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const int b0 = r.h[1 + j] & 0xff, b1 = r.h[1 + j] >> 8;
-            acc[2 * j] += s * (float)((b0 & 15) - 8);
-            acc[2 * j + 16] += s * (float)((b0 >> 4) - 8);
-            acc[2 * j + 1] += s * (float)((b1 & 15) - 8);
-            acc[2 * j + 17] += s * (float)((b1 >> 4) - 8);
+        for (int i = 0; i < 4; ++i) {
+            #pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                acc[4 * i + k] += s * nib(w[i], 8 * k);
+                acc[16 + 4 * i + k] += s * nib(w[i], 8 * k + 4);
+            }
         }
     }
 };
@@ -341,7 +400,7 @@ struct UnitQ4_0 {  // f16 d, u8 qs[16]: x[i] = d*((qs[i] & 15) - 8), x[i+16] = d
 // chunk reads only its active rows, UNROLL rows' loads in flight per thread, each row's unit a
 // 16-byte load for f32/f16 (the old thread-per-column kernel issued 2-byte loads and tested every
 // coefficient). skip_zero 0 keeps every row (dense). Fixed order: reproducible sums.
-template <class U, int UNROLL>
+template <class U, int UNROLL, bool AL>
 __device__ __forceinline__ void axpy_part(const u8* w, long long row_bytes, int n_rows, int cols,
         const float* coef, int rows_per_chunk, int skip_zero, float* partial) {
     __shared__ int s_idx[256];
@@ -371,6 +430,7 @@ __device__ __forceinline__ void axpy_part(const u8* w, long long row_bytes, int 
     __syncthreads();
     const int u = blockIdx.x * blockDim.x + t;
     if (u * U::V >= cols) return;
+    const int nb = cols >> 5;
     float acc[U::V];
     #pragma unroll
     for (int i = 0; i < U::V; ++i) acc[i] = 0.f;
@@ -378,11 +438,11 @@ __device__ __forceinline__ void axpy_part(const u8* w, long long row_bytes, int 
     for (; j + UNROLL <= total; j += UNROLL) {
         typename U::Raw r[UNROLL];
         #pragma unroll
-        for (int q = 0; q < UNROLL; ++q) r[q] = U::load(w + (long long)s_idx[j + q] * row_bytes, u);
+        for (int q = 0; q < UNROLL; ++q) r[q] = U::template load<AL>(w + (long long)s_idx[j + q] * row_bytes, u, nb);
         #pragma unroll
         for (int q = 0; q < UNROLL; ++q) U::fma(acc, s_coef[j + q], r[q]);
     }
-    for (; j < total; ++j) U::fma(acc, s_coef[j], U::load(w + (long long)s_idx[j] * row_bytes, u));
+    for (; j < total; ++j) U::fma(acc, s_coef[j], U::template load<AL>(w + (long long)s_idx[j] * row_bytes, u, nb));
     float4* o = (float4*)(partial + (long long)blockIdx.y * cols + u * U::V);
     #pragma unroll
     for (int i = 0; i < U::V / 4; ++i)
@@ -393,7 +453,11 @@ __device__ __forceinline__ void axpy_part(const u8* w, long long row_bytes, int 
 _AXPY_TEMPLATE = r"""
 extern "C" __global__ void axpy_part_@T@(const u8* w, long long row_bytes, int n_rows, int cols,
         const float* coef, int rows_per_chunk, int skip_zero, float* partial) {
-    axpy_part<@U@, @UNROLL@>(w, row_bytes, n_rows, cols, coef, rows_per_chunk, skip_zero, partial);
+    // every row starts on 16 bytes (quantized rows: 128-bit quant loads) or none is assumed to
+    if (((u64)w & 15) == 0 && (row_bytes & 15) == 0)
+        axpy_part<@U@, @UNROLL@, true>(w, row_bytes, n_rows, cols, coef, rows_per_chunk, skip_zero, partial);
+    else
+        axpy_part<@U@, @UNROLL@, false>(w, row_bytes, n_rows, cols, coef, rows_per_chunk, skip_zero, partial);
 }
 // out[(r - r0) * cols + c] = w[r][c] for rows r0 <= r < r0 + n_rows: dequantize to f32 (prefill
 // runs its GEMMs through cuBLAS on these).
@@ -402,7 +466,7 @@ extern "C" __global__ void dequant_@T@(const u8* w, long long row_bytes, int r0,
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)n_rows * cols) return;
     const int r = (int)(i / cols), c = (int)(i % cols);
-    out[i] = el_@T@(w + (long long)(r0 + r) * row_bytes, c);
+    out[i] = el_@T@(w + (long long)(r0 + r) * row_bytes, c, cols);
 }
 """
 
@@ -554,8 +618,9 @@ def _kernel(module: str, fn: str):
 # ---- device-resident weights ---------------------------------------------------------------------
 @dataclass
 class DeviceRows:
-    """Rows of one weight copied to a device as stored: ``data`` (n_rows, row_bytes) uint8 (a
-    cupy array, or a numpy array for ``NumpyDevice``), ``qtype`` f32/f16/q8_0/q4_0, ``cols`` the
+    """Rows of one weight copied to a device: ``data`` (n_rows, row_bytes) uint8 (a cupy array,
+    or a numpy array for ``NumpyDevice``) in ``pyinfer.device.device_layout`` (f32/f16 as stored,
+    q8_0/q4_0 rows split into quants then scales), ``qtype`` f32/f16/q8_0/q4_0, ``cols`` the
     dequantized row length. ``f32`` is NumpyDevice's dequantized copy (None on a GPU)."""
 
     data: object
