@@ -250,8 +250,8 @@ pi_axq_group(const int t, const uint8_t *const *rows, const float *coef, int ng,
             /* block g of the rows about 16 KiB ahead into L2, one line per row and block, spread
              * over the integer sums (a burst of whole rows per group, as the f32 path issues,
              * left the miss buffers idle during the sums: 12 against 16.4 GB/s from DRAM) */
-            for (int j = 0; j < PI_AXQ_G; j++)
-                if (pf[j]) _mm_prefetch((const char *)(pf[j] + b32 * g), _MM_HINT_T1);
+            for (int j = 0; j < PI_AXQ_G; j++)  /* (pf[j] is never NULL: no test per line) */
+                _mm_prefetch((const char *)(pf[j] + b32 * g), _MM_HINT_T1);
 #if PI_AXQ_VNNI
             /* four rows per dpbusd (u8 x s8, sums of four products into int32): the rows' bytes
              * transposed so that each int32 holds one column of rows 4p..4p+3; the low
@@ -350,7 +350,9 @@ pi_axq_range(const int t, const uint8_t *w, size_t stride, const float *coef, co
         const int ng = (int)(k1 - k < PI_AXQ_G ? k1 - k : PI_AXQ_G);
         for (int j = 0; j < PI_AXQ_G; j++) {
             rows[j] = j < ng ? PI_AXQ_ROW(k + j) : NULL;
-            pf[j] = k + pd + j < kp ? PI_AXQ_ROW(k + pd + j) : NULL;
+            /* past the last row: the group's first row, whose lines are read now anyway (a
+             * harmless prefetch instead of a NULL test on each of 16 lines per block) */
+            pf[j] = k + pd + j < kp ? PI_AXQ_ROW(k + pd + j) : PI_AXQ_ROW(k);
         }
         pi_axq_group(t, rows, coef + k, ng, out, cols / PI_QK, pf);
     }

@@ -62,8 +62,14 @@ cdef extern from "simd.h" nogil:
 
 cdef extern from "rowsum_team.h" nogil:
     void pi_team_barrier()
+    int pi_team_thread()
+    int pi_team_size()
+    void pi_axpy_rows_team(int t, int T, int qtype, const uint8_t *w, size_t stride,
+                           const float *coef, const int32_t *idx, long n, float *out, int cols,
+                           float *tmp, float *add)
     float pi_act1(float g, int silu)  # silu(g) = g / (1 + exp(-g)) if silu, else relu(g)
     long pi_axpy_nchunks(long n, size_t stride)
+    long pi_axpy_split_cols_bytes
     size_t pi_axpy_tmp_floats(long n, int cols, size_t stride)
     void pi_axpy_rows_par(int qtype, const uint8_t *w, size_t stride, const float *coef,
                           const int32_t *idx, long n, float *out, int cols, float *tmp,
@@ -136,6 +142,15 @@ def set_gather_mode(int mode):
     global pi_gather_pf_mode
     cdef int prev = pi_gather_pf_mode
     pi_gather_pf_mode = mode
+    return prev
+
+
+def set_axpy_split_cols_bytes(long nbytes):
+    """Rows of at least nbytes take the column split of the integer row sums (rowsum_team.h);
+    returns the previous setting. For A/B benchmarks (the split changes f32 summation order)."""
+    global pi_axpy_split_cols_bytes
+    cdef long prev = pi_axpy_split_cols_bytes
+    pi_axpy_split_cols_bytes = nbytes
     return prev
 
 
@@ -1190,16 +1205,79 @@ def decode_ffn_in(float[::1] x, const float[::1] ffn_norm, float eps,
     return n_in, n_mid
 
 
+cdef void _attn_in_team(int t, int T, float *x, const float *attn_norm, float eps, int n_embd,
+                        const uint8_t *wqkv, size_t sqkv, int tqkv, const uint8_t *wo,
+                        size_t so_, int to, float *k_cache, float *v_cache, Py_ssize_t rs,
+                        int n_past, int n_head, int n_kv, int hd, double freq_base,
+                        const float *sq, float thr_qkv, const float *so, float thr_o, float *h,
+                        float *qkv, float *att, float *cs, float *coef, int32_t *idx,
+                        float *tmp_qkv, float *tmp_o, float *y, float *priv, Py_ssize_t n_priv,
+                        Py_ssize_t *counts) noexcept nogil:
+    """Thread t of T's share of decode_attn_in in one parallel region (every thread calls it with
+    the same arguments; rowsum_team.h's conventions). rs: floats per cache row (n_kv hd); k_cache,
+    v_cache: row 0 of the caches; cs: hd floats shared (the rope's cos | sin); priv: T blocks of
+    n_priv floats, one per thread (its attention scores, then its copy of the output's kept
+    list). Each step's split of the work (heads, chunks, columns) leaves every result the same
+    as one thread computes it, so the bits do not depend on T."""
+    cdef Py_ssize_t nq = n_head * hd, nkv = n_kv * hd, n_att = n_past + 1, n_mid, i
+    cdef int half = hd // 2, group = n_head // n_kv, hh, h0, h1
+    cdef double theta
+    cdef float scale = 1.0 / sqrtf(<float> hd)
+    cdef float *mine = priv + t * n_priv
+    cdef int32_t *midx = <int32_t *> (mine + n_att)
+    cdef float *mcoef = mine + n_att + nq
+    cdef float *krow = k_cache + n_past * rs
+    cdef float *vrow = v_cache + n_past * rs
+    # 1. the norm and the q/k/v inputs kept (thread 0) while the last thread makes the rope's
+    # table for this position (_rope1's expressions: the same cos/sin for q and k)
+    if t == 0:
+        _rmsnorm1(x, attn_norm, eps, h, n_embd)
+        counts[0] = _select_inputs(h, sq, thr_qkv, n_embd, coef, idx)
+    if t == T - 1:
+        for i in range(half):
+            theta = n_past * pow(freq_base, -2.0 * i / hd)
+            cs[i] = <float> cos(theta)
+            cs[half + i] = <float> sin(theta)
+    pi_team_barrier()
+    # 2. [q, k, v] = the kept rows of attn_qkv_t (chunks by count, then column slices)
+    pi_axpy_rows_team(t, T, tqkv, wqkv, sqkv, coef, idx, counts[0], qkv,
+                      <int> (nq + 2 * nkv), tmp_qkv, NULL)
+    pi_team_barrier()
+    # 3. rope on this thread's share of the q and k heads; its k heads' K and V to the cache
+    h0 = t * (n_head + n_kv) // T
+    h1 = (t + 1) * (n_head + n_kv) // T
+    for hh in range(h0, h1):
+        _rope_rotate(qkv + hh * hd, 1, hd, half, cs, cs + half)
+        if hh >= n_head:
+            for i in range(hd):
+                krow[(hh - n_head) * hd + i] = qkv[hh * hd + i]
+                vrow[(hh - n_head) * hd + i] = qkv[nq + nkv + (hh - n_head) * hd + i]
+    pi_team_barrier()
+    # 4. attention of this thread's query heads
+    for hh in range(t * n_head // T, (t + 1) * n_head // T):
+        _attend_head(qkv + hh * hd, k_cache + (hh // group) * hd, v_cache + (hh // group) * hd,
+                     rs, n_att, hd, scale, mine, att + hh * hd)
+    pi_team_barrier()
+    # 5. every thread selects the output's inputs into its own list (the same list), then
+    # x += the kept rows of attn_output_t, the residual added by column slices
+    n_mid = _select_inputs(att, so, thr_o, nq, mcoef, midx)
+    if t == 0:
+        counts[1] = n_mid
+    pi_axpy_rows_team(t, T, to, wo, so_, mcoef, midx, n_mid, y, n_embd, tmp_o, x)
+
+
 def decode_attn_in(float[::1] x, const float[::1] attn_norm, float eps,
                    const uint8_t[:, ::1] wqkv, int tqkv, const uint8_t[:, ::1] wo, int to,
                    float[:, :, ::1] k_cache, float[:, :, ::1] v_cache, int n_past, int n_head,
                    double freq_base, const float[::1] scale_qkv, float thr_qkv,
                    const float[::1] scale_o, float thr_o, int n_threads):
-    """The attention half of one layer for one token with input sparsity, in place on x (n_embd,):
+    """The attention half-layer of one token with input sparsity, in place on x (n_embd,):
     h = rmsnorm(x); [q, k, v] = sum over kept j (|h_j| scale_qkv_j > thr_qkv) of h_j * wqkv[j],
     wqkv = attn_qkv_t (n_embd, n_head*hd + 2 n_head_kv*hd); rope on q and k, K and V to cache row
     n_past; att = attention; x += sum over kept i (|att_i| scale_o_i > thr_o) of att_i * wo[i],
-    wo = attn_output_t (n_head*hd, n_embd). Returns (qkv rows read, output rows read)."""
+    wo = attn_output_t (n_head*hd, n_embd). One parallel region (_attn_in_team; was three, with
+    the selections and rope between them on one thread). Returns (qkv rows read, output rows
+    read)."""
     cdef int n_embd = x.shape[0]
     cdef Py_ssize_t n_ctx = k_cache.shape[0], n_kv = k_cache.shape[1], hd = k_cache.shape[2]
     cdef Py_ssize_t nq = n_head * hd, nkv = n_kv * hd
@@ -1215,49 +1293,54 @@ def decode_attn_in(float[::1] x, const float[::1] attn_norm, float eps,
         raise ValueError(f"decode_attn_in: position {n_past} outside the cache ({n_ctx})")
     cdef const float *sq = _opt_ptr(scale_qkv, n_embd, "decode_attn_in scale_qkv")
     cdef const float *so = _opt_ptr(scale_o, nq, "decode_attn_in scale_o")
+    cdef int T = max(n_threads, 1)
+    cdef Py_ssize_t n_att = n_past + 1
+    cdef Py_ssize_t n_priv = (n_att + 2 * nq + 15) // 16 * 16  # scores, then idx | coef
+    cdef Py_ssize_t nt_qkv = pi_axpy_tmp_floats(n_embd, <int> (nq + 2 * nkv), wqkv.shape[1])
+    cdef Py_ssize_t nt_o = pi_axpy_tmp_floats(nq, n_embd, wo.shape[1])
     cdef float *buf
+    cdef float *priv
+    cdef int32_t *idx
+    cdef Py_ssize_t counts[2]
     cdef float *h
+    cdef float *y
     cdef float *qkv
     cdef float *att
-    cdef float *y
+    cdef float *cs
     cdef float *coef
-    cdef float *sc
-    cdef int32_t *idx
-    cdef Py_ssize_t group = n_head // n_kv, hh, kvh, i, n_att = n_past + 1, n_in, n_mid
-    cdef Py_ssize_t m = max(<Py_ssize_t> n_embd, nq)
-    cdef float scale = 1.0 / sqrtf(<float> hd)
+    cdef float *tmp_qkv
+    cdef float *tmp_o
     with nogil:
-        buf = <float *> malloc((2 * n_embd + nq + 2 * nkv + nq + hd + m) * sizeof(float))
-        idx = <int32_t *> malloc((m + 1) * sizeof(int32_t))
+        # (at most n_embd qkv rows and nq output rows are kept: tmp sized for every row)
+        buf = <float *> malloc((2 * n_embd + nq + 2 * nkv + nq + hd + n_embd + nt_qkv + nt_o + 1)
+                               * sizeof(float))
+        priv = <float *> malloc(T * n_priv * sizeof(float))
+        idx = <int32_t *> malloc((n_embd + 1) * sizeof(int32_t))
         h = buf
         y = h + n_embd
         qkv = y + n_embd
         att = qkv + nq + 2 * nkv
-        coef = att + nq + hd
-        _rmsnorm1(&x[0], &attn_norm[0], eps, h, n_embd)
-        n_in = _select_inputs(h, sq, thr_qkv, n_embd, coef, idx)
-        _axpy_rows(&wqkv[0, 0], wqkv.shape[1], tqkv, <int> (nq + 2 * nkv), coef, idx, n_in, qkv,
-                   n_threads)
-        _rope1(qkv, n_head, hd, n_past, freq_base, hd, att, att + hd // 2)
-        _rope1(qkv + nq, n_kv, hd, n_past, freq_base, hd, att, att + hd // 2)
-        for i in range(nkv):
-            (&k_cache[n_past, 0, 0])[i] = qkv[nq + i]
-            (&v_cache[n_past, 0, 0])[i] = qkv[nq + nkv + i]
-    with nogil, parallel(num_threads=n_threads):
-        sc = <float *> malloc(n_att * sizeof(float))
-        for hh in prange(n_head, schedule='static'):
-            kvh = hh // group
-            _attend_head(qkv + hh * hd, &k_cache[0, kvh, 0], &v_cache[0, kvh, 0], n_kv * hd,
-                         n_att, hd, scale, sc, att + hh * hd)
-        free(sc)
-    with nogil:
-        n_mid = _select_inputs(att, so, thr_o, nq, coef, idx)
-        _axpy_rows(&wo[0, 0], wo.shape[1], to, n_embd, coef, idx, n_mid, y, n_threads)
-        for i in range(n_embd):
-            x[i] += y[i]
+        cs = att + nq
+        coef = cs + hd
+        tmp_qkv = coef + n_embd
+        tmp_o = tmp_qkv + nt_qkv
+        if T == 1:
+            _attn_in_team(0, 1, &x[0], &attn_norm[0], eps, n_embd, &wqkv[0, 0], wqkv.shape[1],
+                          tqkv, &wo[0, 0], wo.shape[1], to, &k_cache[0, 0, 0], &v_cache[0, 0, 0],
+                          nkv, n_past, n_head, <int> n_kv, <int> hd, freq_base, sq, thr_qkv, so,
+                          thr_o, h, qkv, att, cs, coef, idx, tmp_qkv, tmp_o, y, priv, n_priv,
+                          counts)
+        else:
+            with parallel(num_threads=T):
+                _attn_in_team(pi_team_thread(), pi_team_size(), &x[0], &attn_norm[0], eps,
+                              n_embd, &wqkv[0, 0], wqkv.shape[1], tqkv, &wo[0, 0], wo.shape[1],
+                              to, &k_cache[0, 0, 0], &v_cache[0, 0, 0], nkv, n_past, n_head,
+                              <int> n_kv, <int> hd, freq_base, sq, thr_qkv, so, thr_o, h, qkv,
+                              att, cs, coef, idx, tmp_qkv, tmp_o, y, priv, n_priv, counts)
         free(buf)
+        free(priv)
         free(idx)
-    return n_in, n_mid
+    return counts[0], counts[1]
 
 
 # ---------------------------------------------------------------- the CPU's part of a split layer

@@ -68,6 +68,23 @@
  * the innermost enclosing parallel region; outside any region it does nothing. */
 static inline void pi_team_barrier(void) { PI_BARRIER(); }
 
+/* This thread's number and the team's size inside a parallel region (0 and 1 outside one, or
+ * without OpenMP): for the *_team functions called from a Cython `with parallel()` block. */
+static inline int pi_team_thread(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+static inline int pi_team_size(void) {
+#ifdef _OPENMP
+    return omp_get_num_threads();
+#else
+    return 1;
+#endif
+}
+
 /* Fewest rows in a chunk of a sum over rows of `stride` bytes (PI_AXPY_LONG_ROW_BYTES). */
 static inline long pi_axpy_min_rows(size_t stride) {
     if (stride < PI_AXPY_LONG_ROW_BYTES) return PI_AXPY_MIN_ROWS;
@@ -98,9 +115,10 @@ static inline long pi_axpy_bound(long c, long n, long nc) {
 
 /* 1 where the sum of n rows of `stride` bytes is split by columns (the integer sums of long rows,
  * or a sum too short to cut into chunks) */
+static long pi_axpy_split_cols_bytes = PI_AXPY_SPLIT_COLS_BYTES;
 static inline int pi_axpy_col_split(int qtype, const int32_t *idx, size_t stride, long n) {
     return pi_axpy_rows_int(qtype, idx) &&
-           (stride >= PI_AXPY_SPLIT_COLS_BYTES || pi_axpy_nchunks(n, stride) == 1);
+           ((long)stride >= pi_axpy_split_cols_bytes || pi_axpy_nchunks(n, stride) == 1);
 }
 
 /* Floats of scratch the sum of n rows of `stride` bytes needs (the partial sums of chunks
