@@ -136,8 +136,12 @@ def main(argv=None):
             ta = pc()
             x = rec[i, "ffn"].copy()
             t1 = pc()
-            cpu.decode_ffn(x, lw.ffn_norm, cfg.rms_eps, lw.ffn_gate, lw.ffn_up, lw.ffn_down_t,
-                           cpu.FFN_DENSE, True, 0.0, nt)
+            if lw.ffn_down_t is None:  # a --dense file: ffn_down in row layout (session 9)
+                cpu.decode_ffn_rows(x, lw.ffn_norm, cfg.rms_eps, lw.ffn_gate, lw.ffn_up,
+                                    lw.ffn_down, True, nt)
+            else:
+                cpu.decode_ffn(x, lw.ffn_norm, cfg.rms_eps, lw.ffn_gate, lw.ffn_up, lw.ffn_down_t,
+                               cpu.FFN_DENSE, True, 0.0, nt)
             t2 = pc()
             add(("dense", "fused attn half"), ta - t0)
             add(("dense", "fused FFN half"), t2 - t1)
@@ -152,10 +156,15 @@ def main(argv=None):
             cpu.matvec(lw.ffn_gate, rec[i, "ffn_gate_up"], g_, nt)
             cpu.matvec(lw.ffn_up, rec[i, "ffn_gate_up"], u_, nt)
             t3 = pc()
-            cpu.matvec_t(lw.ffn_down_t, rec[i, "ffn_down"], y, nt)
+            if lw.ffn_down_t is None:
+                cpu.matvec(lw.ffn_down, rec[i, "ffn_down"], y, nt)
+                down_key = "down (GEMV, row layout)"
+            else:
+                cpu.matvec_t(lw.ffn_down_t, rec[i, "ffn_down"], y, nt)
+                down_key = "down (matvec_t, f32)"
             t4 = pc()
             for key, dt in (("q,k,v (3 GEMV)", t1 - t0), ("o (GEMV)", t2 - t1),
-                            ("gate,up (2 GEMV)", t3 - t2), ("down (matvec_t, f32)", t4 - t3)):
+                            ("gate,up (2 GEMV)", t3 - t2), (down_key, t4 - t3)):
                 add(("dense", key), dt)
         t0 = pc()
         cpu.matvec(dense.model.w.output, h, logits, nt)
