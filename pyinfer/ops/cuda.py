@@ -153,50 +153,46 @@ __device__ __forceinline__ float word_q8_0(unsigned int w, const float* xb, int 
     return sb(w, 0) * a.x + sb(w, 1) * a.y + sb(w, 2) * a.z + sb(w, 3) * a.w;
 }
 // Partial dots of one split-layout row with x, lane per 32-bit quant word, so a warp's weight
-// loads are 128 contiguous bytes and its x loads contiguous too (q4_0: 4 lanes per block, 8 blocks
-// per step; q8_0: 8 lanes, 4 blocks), four steps' loads in flight per lane. The alignment test is
-// per row (warp-uniform) and outside the loops.
-template <bool AL>
-__device__ __forceinline__ float dot_q4_0_t(const u8* row, int nb, const float* x, int lane) {
-    const u8* ds = row + 16 * nb;
-    const int i = lane & 3;
+// loads are 128 contiguous bytes and its x loads contiguous too: QB quant bytes per block (q4_0
+// 16: four lanes per block, eight blocks per step; q8_0 32: eight lanes, four blocks), four
+// steps' loads in flight per lane. The alignment test is per row (warp-uniform) and outside the
+// loops.
+template <int QB>
+__device__ __forceinline__ float word_dot(unsigned int w, const float* xb, int i) {
+    return QB == 16 ? word_q4_0(w, xb, i) : word_q8_0(w, xb, i);
+}
+template <int QB, bool AL>
+__device__ __forceinline__ float dot_split_t(const u8* row, int nb, const float* x, int lane) {
+    const int lpb = QB / 4, step = 32 / lpb;  // lanes per block, blocks per step
+    const u8* ds = row + QB * nb;
+    const int i = lane % lpb;
     float s = 0.f;
-    int b = lane >> 2;
-    for (; b + 24 < nb; b += 32) {
-        const unsigned int w0 = ld_w32(row + 16 * b + 4 * i, AL), w1 = ld_w32(row + 16 * (b + 8) + 4 * i, AL);
-        const unsigned int w2 = ld_w32(row + 16 * (b + 16) + 4 * i, AL), w3 = ld_w32(row + 16 * (b + 24) + 4 * i, AL);
-        const float d0 = ld_half(ds + 2 * b), d1 = ld_half(ds + 2 * (b + 8));
-        const float d2 = ld_half(ds + 2 * (b + 16)), d3 = ld_half(ds + 2 * (b + 24));
-        s += d0 * word_q4_0(w0, x + 32 * b, i) + d1 * word_q4_0(w1, x + 32 * (b + 8), i)
-           + d2 * word_q4_0(w2, x + 32 * (b + 16), i) + d3 * word_q4_0(w3, x + 32 * (b + 24), i);
+    int b = lane / lpb;
+    for (; b + 3 * step < nb; b += 4 * step) {
+        unsigned int w[4];
+        float d[4];
+        #pragma unroll
+        for (int u = 0; u < 4; ++u) w[u] = ld_w32(row + QB * (b + u * step) + 4 * i, AL);
+        #pragma unroll
+        for (int u = 0; u < 4; ++u) d[u] = ld_half(ds + 2 * (b + u * step));
+        float t = d[0] * word_dot<QB>(w[0], x + 32 * b, i);
+        #pragma unroll
+        for (int u = 1; u < 4; ++u) t += d[u] * word_dot<QB>(w[u], x + 32 * (b + u * step), i);
+        s += t;
     }
-    for (; b < nb; b += 8) s += ld_half(ds + 2 * b) * word_q4_0(ld_w32(row + 16 * b + 4 * i, AL), x + 32 * b, i);
+    for (; b < nb; b += step) s += ld_half(ds + 2 * b) * word_dot<QB>(ld_w32(row + QB * b + 4 * i, AL), x + 32 * b, i);
     return s;
 }
-template <bool AL>
-__device__ __forceinline__ float dot_q8_0_t(const u8* row, int nb, const float* x, int lane) {
-    const u8* ds = row + 32 * nb;
-    const int i = lane & 7;
-    float s = 0.f;
-    int b = lane >> 3;
-    for (; b + 12 < nb; b += 16) {
-        const unsigned int w0 = ld_w32(row + 32 * b + 4 * i, AL), w1 = ld_w32(row + 32 * (b + 4) + 4 * i, AL);
-        const unsigned int w2 = ld_w32(row + 32 * (b + 8) + 4 * i, AL), w3 = ld_w32(row + 32 * (b + 12) + 4 * i, AL);
-        const float d0 = ld_half(ds + 2 * b), d1 = ld_half(ds + 2 * (b + 4));
-        const float d2 = ld_half(ds + 2 * (b + 8)), d3 = ld_half(ds + 2 * (b + 12));
-        s += d0 * word_q8_0(w0, x + 32 * b, i) + d1 * word_q8_0(w1, x + 32 * (b + 4), i)
-           + d2 * word_q8_0(w2, x + 32 * (b + 8), i) + d3 * word_q8_0(w3, x + 32 * (b + 12), i);
-    }
-    for (; b < nb; b += 4) s += ld_half(ds + 2 * b) * word_q8_0(ld_w32(row + 32 * b + 4 * i, AL), x + 32 * b, i);
-    return s;
+template <int QB>
+__device__ __forceinline__ float dot_split(const u8* row, int cols, const float* x, int lane) {
+    return ((u64)row & 3) == 0 ? dot_split_t<QB, true>(row, cols >> 5, x, lane)
+                               : dot_split_t<QB, false>(row, cols >> 5, x, lane);
 }
 __device__ __forceinline__ float dot_q8_0(const u8* row, int cols, const float* x, int lane) {
-    return ((u64)row & 3) == 0 ? dot_q8_0_t<true>(row, cols >> 5, x, lane)
-                               : dot_q8_0_t<false>(row, cols >> 5, x, lane);
+    return dot_split<32>(row, cols, x, lane);
 }
 __device__ __forceinline__ float dot_q4_0(const u8* row, int cols, const float* x, int lane) {
-    return ((u64)row & 3) == 0 ? dot_q4_0_t<true>(row, cols >> 5, x, lane)
-                               : dot_q4_0_t<false>(row, cols >> 5, x, lane);
+    return dot_split<16>(row, cols, x, lane);
 }
 
 __device__ __forceinline__ float block_sum(float v, float* red) {  // blockDim multiple of 32
