@@ -652,6 +652,35 @@ static inline __attribute__((always_inline)) void pi_k4_scales8(__m256i u0, __m2
                            _mm256_and_si256(_mm256_srli_epi32(u1, 2), t2));
 }
 
+/* s + group g of a Q4_K/Q5_K super-block for eight rows (the chain of pi_dot8_k and
+ * pi_dot8_k512, one place): isum the rows' integer sums of the group, x = xd[8 sb + g] its
+ * activation scale, xm = xd[nb + 8 sb + g] its activation sum for the mins. */
+static inline __attribute__((always_inline)) __m256 pi_k4_group(__m256 s, __m256 d, __m256 dmin,
+                                                                __m256i scl, __m256i sch,
+                                                                __m256i mnl, __m256i mnh, int g,
+                                                                __m256 isum, float x, float xm) {
+    const __m256 a = _mm256_mul_ps(d, pi_byte_u(g < 4 ? scl : sch, g % 4));
+    /* off / 8 = -(dmin m) / 8, exact as 0.125 * off */
+    const __m256 o8 = _mm256_mul_ps(_mm256_mul_ps(dmin, pi_byte_u(g < 4 ? mnl : mnh, g % 4)),
+                                    _mm256_set1_ps(-0.125f));
+    s = _mm256_fmadd_ps(_mm256_mul_ps(a, _mm256_set1_ps(x)), isum, s);
+    return _mm256_fmadd_ps(o8, _mm256_set1_ps(xm), s);
+}
+
+/* s + group g of a Q6_K super-block for eight rows (pi_dot8_k and pi_dot8_q6k512): lo, hi the
+ * integer sums of its two 16-value halves, y0, y1 32 times the activation sum of each half
+ * (v = q - 32), sc the scale bytes 4k..4k+3 of the rows, x = xd[8 sb + g]. */
+static inline __attribute__((always_inline)) __m256 pi_q6k_group(__m256 s, __m256 d,
+                                                                 const __m256i *sc, int g,
+                                                                 __m256i lo, __m256i hi,
+                                                                 __m256i y0, __m256i y1, float x) {
+    const __m256 dx = _mm256_set1_ps(x);
+    const __m256 a0 = _mm256_mul_ps(d, pi_byte_s(sc[g / 2], (2 * g) % 4));
+    const __m256 a1 = _mm256_mul_ps(d, pi_byte_s(sc[g / 2], (2 * g + 1) % 4));
+    s = _mm256_fmadd_ps(_mm256_mul_ps(a0, dx), _mm256_cvtepi32_ps(_mm256_sub_epi32(lo, y0)), s);
+    return _mm256_fmadd_ps(_mm256_mul_ps(a1, dx), _mm256_cvtepi32_ps(_mm256_sub_epi32(hi, y1)), s);
+}
+
 /* lane i = row rw[i] . activation (xd, xq), nb groups of 32 (nb / 8 super-blocks) */
 static inline __attribute__((always_inline)) __m256 pi_dot8_k(const int t,
                                                               const uint8_t *const *rw,
@@ -678,11 +707,7 @@ static inline __attribute__((always_inline)) __m256 pi_dot8_k(const int t,
                 const __m256i y2 = _mm256_hadd_epi32(ys, ys), y4 = _mm256_hadd_epi32(y2, y2);
                 const __m256i y0 = _mm256_slli_epi32(_mm256_permute2x128_si256(y4, y4, 0x00), 5);
                 const __m256i y1 = _mm256_slli_epi32(_mm256_permute2x128_si256(y4, y4, 0x11), 5);
-                const __m256 dx = _mm256_set1_ps(xd[8 * sb + g]);
-                const __m256 a0 = _mm256_mul_ps(d, pi_byte_s(sc[g / 2], (2 * g) % 4));
-                const __m256 a1 = _mm256_mul_ps(d, pi_byte_s(sc[g / 2], (2 * g + 1) % 4));
-                s = _mm256_fmadd_ps(_mm256_mul_ps(a0, dx), _mm256_cvtepi32_ps(_mm256_sub_epi32(lo, y0)), s);
-                s = _mm256_fmadd_ps(_mm256_mul_ps(a1, dx), _mm256_cvtepi32_ps(_mm256_sub_epi32(hi, y1)), s);
+                s = pi_q6k_group(s, d, sc, g, lo, hi, y0, y1, xd[8 * sb + g]);
             }
         } else {
             const __m256 d = pi_f16x8(rw, off), dmin = pi_f16x8(rw, off + 2);
@@ -695,13 +720,9 @@ static inline __attribute__((always_inline)) __m256 pi_dot8_k(const int t,
                 __m256i p[8], lo, hi;
                 for (int i = 0; i < 8; i++) p[i] = pi_dot_u8(pi_k_values(t, blk[i], g), y);
                 pi_reduce8_halves(p, &lo, &hi);
-                const __m256 a = _mm256_mul_ps(d, pi_byte_u(g < 4 ? scl : sch, g % 4));
-                /* off / 8 = -(dmin m) / 8, exact as 0.125 * off */
-                const __m256 o8 = _mm256_mul_ps(_mm256_mul_ps(dmin, pi_byte_u(g < 4 ? mnl : mnh, g % 4)),
-                                                _mm256_set1_ps(-0.125f));
-                s = _mm256_fmadd_ps(_mm256_mul_ps(a, _mm256_set1_ps(xd[8 * sb + g])),
-                                    _mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi)), s);
-                s = _mm256_fmadd_ps(o8, _mm256_set1_ps(xd[nb + 8 * sb + g]), s);
+                s = pi_k4_group(s, d, dmin, scl, sch, mnl, mnh, g,
+                                _mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi)), xd[8 * sb + g],
+                                xd[nb + 8 * sb + g]);
             }
         }
     }
@@ -788,11 +809,7 @@ static inline __attribute__((always_inline)) __m256 pi_dot8_q6k512(const uint8_t
                 const int j0 = 8 * h, j1 = 8 * h + 4;
                 const __m256i y0 = _mm256_set1_epi32(32 * (hs[j0] + hs[j0 + 1] + hs[j0 + 2] + hs[j0 + 3]));
                 const __m256i y1 = _mm256_set1_epi32(32 * (hs[j1] + hs[j1 + 1] + hs[j1 + 2] + hs[j1 + 3]));
-                const __m256 dx = _mm256_set1_ps(xd[8 * sb + g]);
-                const __m256 a0 = _mm256_mul_ps(d, pi_byte_s(sc[g / 2], (2 * g) % 4));
-                const __m256 a1 = _mm256_mul_ps(d, pi_byte_s(sc[g / 2], (2 * g + 1) % 4));
-                s = _mm256_fmadd_ps(_mm256_mul_ps(a0, dx), _mm256_cvtepi32_ps(_mm256_sub_epi32(lo, y0)), s);
-                s = _mm256_fmadd_ps(_mm256_mul_ps(a1, dx), _mm256_cvtepi32_ps(_mm256_sub_epi32(hi, y1)), s);
+                s = pi_q6k_group(s, d, sc, g, lo, hi, y0, y1, xd[8 * sb + g]);
             }
         }
     }
@@ -825,11 +842,8 @@ static inline __attribute__((always_inline)) __m256 pi_dot8_k512(const int t,
                 const int g = 2 * k + h;
                 const __m256 is = h ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(f), 1))
                                     : _mm512_castps512_ps256(f);
-                const __m256 a = _mm256_mul_ps(d, pi_byte_u(g < 4 ? scl : sch, g % 4));
-                const __m256 o8 = _mm256_mul_ps(_mm256_mul_ps(dmin, pi_byte_u(g < 4 ? mnl : mnh, g % 4)),
-                                                _mm256_set1_ps(-0.125f));
-                s = _mm256_fmadd_ps(_mm256_mul_ps(a, _mm256_set1_ps(xd[8 * sb + g])), is, s);
-                s = _mm256_fmadd_ps(o8, _mm256_set1_ps(xd[nb + 8 * sb + g]), s);
+                s = pi_k4_group(s, d, dmin, scl, sch, mnl, mnh, g, is, xd[8 * sb + g],
+                                xd[nb + 8 * sb + g]);
             }
         }
     }
