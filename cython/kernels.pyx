@@ -71,6 +71,14 @@ cdef extern from "rowsum_team.h" nogil:
     long pi_axpy_nchunks(long n, size_t stride)
     long pi_axpy_split_cols_bytes
     size_t pi_axpy_tmp_floats(long n, int cols, size_t stride)
+    int pi_is_ib(int qtype)
+    size_t pi_ib_block_bytes(int qtype, long n_out)
+    size_t pi_ib_scratch_floats(long n_in)
+    void pi_ib_matmul(int qtype, const uint8_t *w, size_t stride, long n_in, const float *a,
+                      long lda, long n_tok, float *out, long ldo, int cols, int n_threads)
+    int PI_Q8_0_IB_ID "PI_Q8_0_IB"
+    int PI_Q4_0_IB_ID "PI_Q4_0_IB"
+    int PI_IB_TILE
     void pi_axpy_rows_par(int qtype, const uint8_t *w, size_t stride, const float *coef,
                           const int32_t *idx, long n, float *out, int cols, float *tmp,
                           int n_threads)
@@ -194,10 +202,25 @@ cdef inline int _bytes_per_row(int qtype, int cols) except -1:
 
 
 cdef inline int _check_w(const uint8_t[:, ::1] w, int qtype, int cols) except -1:
+    if pi_is_ib(qtype):  # input-block layout (ibsum.h): one row per 32 input channels
+        if cols % PI_IB_TILE or w.shape[1] != <Py_ssize_t> pi_ib_block_bytes(qtype, cols):
+            raise ValueError(f"input-block weight rows have {w.shape[1]} bytes for {cols} "
+                             f"outputs (type {qtype}; outputs must be a multiple of {PI_IB_TILE})")
+        return 0
     if w.shape[1] != _bytes_per_row(qtype, cols):
         raise ValueError(f"weight rows have {w.shape[1]} bytes, expected "
                          f"{_bytes_per_row(qtype, cols)} for type {qtype} and {cols} columns")
     return 0
+
+
+cdef inline Py_ssize_t _in_rows(const uint8_t[:, ::1] w, int qtype) noexcept:
+    """Input channels (rows of the transposed matrix) of w: 32 per row of an input-block tensor."""
+    return w.shape[0] * 32 if pi_is_ib(qtype) else w.shape[0]
+
+
+def ib_types():
+    """(q8_0, q4_0) type ids of the input-block layout (ibsum.h; pyinfer's own, not ggml's)."""
+    return PI_Q8_0_IB_ID, PI_Q4_0_IB_ID
 
 
 cdef inline void _quantize_x(const float *x, int cols, float **xd, int8_t **xq) noexcept nogil:
@@ -462,6 +485,8 @@ cdef void _axpy_rows(const uint8_t *w, Py_ssize_t stride, int qtype, int cols, c
     n_threads (issue 9: a thread-count split once changed greedy tokens on the sparse path)."""
     cdef float *tmp = NULL
     cdef size_t nt = pi_axpy_tmp_floats(n, cols, stride)
+    if pi_is_ib(qtype):  # scratch by the highest input block (idx ascending)
+        nt = pi_ib_scratch_floats(idx[n - 1] + 1 if n > 0 else 0)
     if nt:
         tmp = <float *> malloc(nt * sizeof(float))
     pi_axpy_rows_par(qtype, w, stride, coef, idx, n, out, cols, tmp, n_threads)
@@ -474,7 +499,12 @@ def axpy_rows(const uint8_t[:, ::1] w, int qtype, int cols, const float[::1] coe
     _check_w(w, qtype, cols)
     _check_len(coef.shape[0], idx.shape[0], "axpy_rows coef")
     _check_len(out.shape[0], cols, "axpy_rows out")
-    _check_idx(idx, w.shape[0])
+    _check_idx(idx, _in_rows(w, qtype))
+    cdef Py_ssize_t k
+    if pi_is_ib(qtype):
+        for k in range(1, idx.shape[0]):
+            if idx[k] <= idx[k - 1]:
+                raise ValueError("axpy_rows: an input-block weight needs idx strictly ascending")
     cdef Py_ssize_t n = idx.shape[0]
     cdef const float *cp = &coef[0] if n > 0 else NULL
     cdef const int32_t *ip = &idx[0] if n > 0 else NULL
@@ -489,6 +519,8 @@ def matvec_t(const uint8_t[:, ::1] w, int qtype, int cols, const float[::1] a, f
              int n_threads):
     """out = a @ w = sum_r a[r] * w[r]. a (rows,) f32, out (cols,) f32."""
     _check_w(w, qtype, cols)
+    if pi_is_ib(qtype):
+        raise ValueError("matvec_t: input-block weights take axpy_rows or matmul_t")
     _check_len(a.shape[0], w.shape[0], "matvec_t a")
     _check_len(out.shape[0], cols, "matvec_t out")
     cdef Py_ssize_t n = w.shape[0]
@@ -508,9 +540,15 @@ def matmul_t(const uint8_t[:, ::1] w, int qtype, int cols, const float[:, ::1] a
     32 rows: within 2^-8 of the largest term per tile, see gemmt.h); the other types dequantize
     each strip to f32 and run gemm.h's f32 tiles. set_old_prefill(1): the pre-GEMM f32 loop."""
     _check_w(w, qtype, cols)
-    _check_len(a.shape[1], w.shape[0], "matmul_t a columns")
+    _check_len(a.shape[1], _in_rows(w, qtype), "matmul_t a columns")
     _check_len(out.shape[0], a.shape[0], "matmul_t out rows")
     _check_len(out.shape[1], cols, "matmul_t out columns")
+    if pi_is_ib(qtype):  # the decode kernel per token over its nonzero inputs (ibsum.h)
+        if a.shape[0] > 0:
+            with nogil:
+                pi_ib_matmul(qtype, &w[0, 0], w.shape[1], a.shape[1], &a[0, 0], a.shape[1],
+                             a.shape[0], &out[0, 0], out.shape[1], cols, n_threads)
+        return
     cdef Py_ssize_t rows = w.shape[0], n_tok = a.shape[0], stride = w.shape[1]
     cdef Py_ssize_t n_strips = (cols + COL_TILE - 1) // COL_TILE, s, t, r, j, r4 = rows - rows % 4
     cdef int c0, cn
@@ -1165,8 +1203,8 @@ def decode_ffn_in(float[::1] x, const float[::1] ffn_norm, float eps,
     dequantized exactly (no activation quantization). Returns (gate/up rows read, down rows read)."""
     cdef int n_embd = x.shape[0]
     _check_len(ffn_norm.shape[0], n_embd, "decode_ffn_in ffn_norm")
-    _check_len(wgu.shape[0], n_embd, "decode_ffn_in gate_up rows")
-    cdef Py_ssize_t n_ff = wd.shape[0]
+    _check_len(_in_rows(wgu, tgu), n_embd, "decode_ffn_in gate_up rows")
+    cdef Py_ssize_t n_ff = _in_rows(wd, td)
     _check_w(wgu, tgu, 2 * n_ff)
     _check_w(wd, td, n_embd)
     cdef const float *sgu = _opt_ptr(scale_gu, n_embd, "decode_ffn_in scale_gu")
@@ -1284,8 +1322,8 @@ def decode_attn_in(float[::1] x, const float[::1] attn_norm, float eps,
     _check_w(wqkv, tqkv, <int> (nq + 2 * nkv))
     _check_w(wo, to, n_embd)
     _check_len(attn_norm.shape[0], n_embd, "decode_attn_in attn_norm")
-    _check_len(wqkv.shape[0], n_embd, "decode_attn_in qkv rows")
-    _check_len(wo.shape[0], nq, "decode_attn_in output rows")
+    _check_len(_in_rows(wqkv, tqkv), n_embd, "decode_attn_in qkv rows")
+    _check_len(_in_rows(wo, to), nq, "decode_attn_in output rows")
     if (v_cache.shape[0] != n_ctx or v_cache.shape[1] != n_kv or v_cache.shape[2] != hd
             or n_kv == 0 or n_head % n_kv or hd % 2):
         raise ValueError("decode_attn_in: cache shapes do not match the heads")

@@ -85,6 +85,8 @@ static inline int pi_team_size(void) {
 #endif
 }
 
+#include "ibsum.h"
+
 /* Fewest rows in a chunk of a sum over rows of `stride` bytes (PI_AXPY_LONG_ROW_BYTES). */
 static inline long pi_axpy_min_rows(size_t stride) {
     if (stride < PI_AXPY_LONG_ROW_BYTES) return PI_AXPY_MIN_ROWS;
@@ -124,6 +126,7 @@ static inline int pi_axpy_col_split(int qtype, const int32_t *idx, size_t stride
 /* Floats of scratch the sum of n rows of `stride` bytes needs (the partial sums of chunks
  * 1..nc-1; fewer rows never need more). */
 static inline size_t pi_axpy_tmp_floats(long n, int cols, size_t stride) {
+    if (pi_ib_stride(stride, cols)) return pi_ib_scratch_floats(n); /* n: input channels */
     return (size_t)(pi_axpy_nchunks(n, stride) - 1) * (size_t)cols;
 }
 
@@ -142,6 +145,10 @@ static inline void pi_team_cols(int t, int T, int cols, int *c0, int *c1) {
 static void pi_axpy_rows_team(int t, int T, int qtype, const uint8_t *w, size_t stride,
                               const float *coef, const int32_t *idx, long n, float *out, int cols,
                               float *tmp, float *add) {
+    if (pi_is_ib(qtype)) {  /* the input-block layout (ibsum.h) */
+        pi_ib_rows_team(t, T, qtype, w, stride, coef, idx, n, out, cols, tmp, add);
+        return;
+    }
     if (pi_axpy_col_split(qtype, idx, stride, n)) {
         const int unit = pi_axpyq_unit_cols(qtype);
         const long nu = cols / unit, np = T < nu ? T : (nu > 0 ? nu : 1);
@@ -178,7 +185,8 @@ static void pi_axpy_rows_team(int t, int T, int qtype, const uint8_t *w, size_t 
 static void pi_axpy_rows_par(int qtype, const uint8_t *w, size_t stride, const float *coef,
                              const int32_t *idx, long n, float *out, int cols, float *tmp,
                              int n_threads) {
-    const long most = !pi_axpy_col_split(qtype, idx, stride, n) ? pi_axpy_nchunks(n, stride)
+    const long most = pi_is_ib(qtype) ? cols / PI_IB_TILE
+                      : !pi_axpy_col_split(qtype, idx, stride, n) ? pi_axpy_nchunks(n, stride)
                       : n < 2 * PI_AXPY_ALIGN ? 1 : cols / pi_axpyq_unit_cols(qtype);
     const int nt = (int)(n_threads < most ? n_threads : (most > 0 ? most : 1));
     if (nt <= 1) {

@@ -137,6 +137,121 @@ class QTensor:
         return cls(data, qtype, a.shape[0], a.shape[1])
 
 
+#: pyinfer's type ids of the input-block layout (cython/ibsum.h), not ggml's
+Q8_0_IB, Q4_0_IB = _k.ib_types()
+#: outputs per tile of the input-block layout (the output count must be a multiple)
+IB_TILE = 64
+_IB_BASE = {Q8_0_IB: QT.Q8_0, Q4_0_IB: QT.Q4_0}
+
+
+def _ib_tile_perm() -> np.ndarray:
+    """src[p]: the output (0..63) a 64-output tile stores at byte position p = 16 L + 4 s + m,
+    namely 16 s + 4 L + m (cython/ibsum.h: undoes the 128-bit lanes of the kernel's unpacks)."""
+    p = np.arange(64)
+    return 16 * ((p % 16) // 4) + 4 * (p // 16) + p % 4
+
+
+def ib_supported(qtype, n_out: int, n_in: int) -> bool:
+    """True where a matrix of ``qtype`` (Q8_0 or Q4_0) and shape (n_out, n_in) can take the
+    input-block layout: outputs a multiple of 64, inputs of 32."""
+    return QT(qtype) in (QT.Q8_0, QT.Q4_0) and n_out % IB_TILE == 0 and n_in % 32 == 0 and n_out > 0
+
+
+def ib_from_rows(raw: np.ndarray, qtype, n_out: int, n_in: int) -> np.ndarray:
+    """Row-major q8_0 / q4_0 bytes of W (n_out, n_in) -> the input-block layout, uint8
+    (n_in / 32, block bytes): per block of 32 input channels the f16 scales d[:, b] (2 n_out
+    bytes), then 32 value rows of n_out bytes (q8_0: q ^ 0x80) or n_out / 2 (q4_0: nibbles u,
+    position p and 32 + p of each 64-output tile in one byte), outputs of each tile in
+    ``_ib_tile_perm`` order. The same numbers, moved (``ib_to_rows`` inverts it). ValueError
+    where ``ib_supported`` is False."""
+    qtype = QT(qtype)
+    if not ib_supported(qtype, n_out, n_in):
+        raise ValueError(f"no input-block layout for {qtype.name} ({n_out}, {n_in})")
+    nb, nt = n_in // 32, n_out // IB_TILE
+    bb = 34 if qtype == QT.Q8_0 else 18
+    blk = np.asarray(raw, np.uint8).reshape(n_out, nb, bb)
+    d = blk[:, :, :2].transpose(1, 0, 2).reshape(nb, 2 * n_out)
+    if qtype == QT.Q8_0:
+        v = blk[:, :, 2:] ^ np.uint8(0x80)  # (n_out, nb, 32)
+    else:
+        qs = blk[:, :, 2:]
+        v = np.concatenate([qs & 15, qs >> 4], axis=2)  # ggml: value c < 16 low nibble, c + 16 high
+    v = v.transpose(1, 2, 0).reshape(nb, 32, nt, IB_TILE)[..., _ib_tile_perm()]
+    if qtype == QT.Q4_0:
+        v = v[..., :32] | (v[..., 32:] << 4)
+    return np.ascontiguousarray(np.concatenate([d, v.reshape(nb, -1)], axis=1))
+
+
+def ib_to_rows(ib: np.ndarray, qtype, n_out: int, n_in: int) -> np.ndarray:
+    """The inverse of ``ib_from_rows``: ggml row-major bytes (n_out, n_in / 32 * block bytes)."""
+    qtype = QT(qtype)
+    nb, nt = n_in // 32, n_out // IB_TILE
+    ib = np.asarray(ib, np.uint8).reshape(nb, -1)
+    d = ib[:, :2 * n_out].reshape(nb, n_out, 2).transpose(1, 0, 2)
+    v = ib[:, 2 * n_out:]
+    if qtype == QT.Q4_0:
+        v = v.reshape(nb, 32, nt, 32)
+        v = np.concatenate([v & 15, v >> 4], axis=3)
+    v = v.reshape(nb, 32, nt, IB_TILE)
+    inv = np.argsort(_ib_tile_perm())
+    v = v[..., inv].reshape(nb, 32, n_out).transpose(2, 0, 1)  # (n_out, nb, 32)
+    if qtype == QT.Q8_0:
+        vals = v ^ np.uint8(0x80)
+    else:
+        vals = v[:, :, :16] | (v[:, :, 16:] << 4)
+    return np.ascontiguousarray(np.concatenate([d, vals], axis=2).reshape(n_out, -1))
+
+
+@dataclass(frozen=True)
+class IBTensor:
+    """A projection W (n_out, n_in) stored for input sparsity in the input-block layout
+    (cython/ibsum.h): the row-major q8_0 / q4_0 numbers regrouped so that input channel j is one
+    contiguous row. It stands where the transposed ``*_t`` QTensors stand (rows = n_in input
+    channels, cols = n_out), for ``decode_attn_in``, ``decode_ffn_in``, ``axpy_rows`` and
+    ``matmul_t``. raw: uint8 (n_in / 32, block bytes), e.g. a view of the GGUF memmap."""
+
+    raw: np.ndarray
+    qtype: int  # Q8_0_IB or Q4_0_IB
+    rows: int  # n_in
+    cols: int  # n_out
+
+    def __post_init__(self):
+        if self.qtype not in _IB_BASE:
+            raise ValueError(f"unknown input-block type {self.qtype}")
+        if not ib_supported(self.base_qtype, self.cols, self.rows):
+            raise ValueError(f"no input-block layout for ({self.cols}, {self.rows})")
+        bb = (34 if self.qtype == Q8_0_IB else 18) * self.cols
+        raw = np.asarray(self.raw)
+        if raw.dtype != np.uint8 or raw.ndim != 2 or raw.shape != (self.rows // 32, bb):
+            raise ValueError(f"input-block data {raw.shape} {raw.dtype} does not hold "
+                             f"({self.rows}, {self.cols}): expected uint8 ({self.rows // 32}, {bb})")
+        object.__setattr__(self, "raw", np.ascontiguousarray(raw))
+
+    @property
+    def base_qtype(self) -> gguf.GGMLQuantizationType:
+        """The ggml type whose numbers the layout holds (Q8_0 or Q4_0)."""
+        return _IB_BASE[self.qtype]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rows, self.cols)
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.nbytes
+
+    def to_rows(self) -> QTensor:
+        """W (n_out, n_in) as a row-major QTensor (a copy)."""
+        return QTensor(ib_to_rows(self.raw, self.base_qtype, self.cols, self.rows).reshape(self.cols, -1),
+                       self.base_qtype, self.cols, self.rows)
+
+    @classmethod
+    def from_rows(cls, w: QTensor) -> "IBTensor":
+        """The input-block layout of a row-major Q8_0 / Q4_0 QTensor W (n_out, n_in)."""
+        qt = Q8_0_IB if QT(w.qtype) == QT.Q8_0 else Q4_0_IB
+        return cls(ib_from_rows(w.raw, w.qtype, w.rows, w.cols), qt, w.cols, w.rows)
+
+
 def _wargs(w: QTensor):
     return w.raw, int(w.qtype), w.cols
 

@@ -1,0 +1,356 @@
+/* Input-sparse projections in the input-block layout (issue 12, session 11):
+ *
+ *     out[0:n_out] = W xm,   xm = x with the dropped input channels set to 0
+ *
+ * for a matrix W (n_out, n_in) whose q8_0 or q4_0 weights are stored per block of 32 input
+ * channels instead of per output row. The numbers are those of the row-major q8_0 / q4_0 matrix
+ * (ggml's blocks: one f16 scale d[i, b] per output i and input block b, 32 values q[i, 32b + c]),
+ * only moved: input block b of the tensor holds
+ *
+ *     d[0:n_out, b] as f16 (2 n_out bytes), then the 32 value rows of channels 32b .. 32b + 31,
+ *     each n_out bytes (q8_0: q ^ 0x80, i.e. q + 128 as an unsigned byte) or n_out / 2 bytes
+ *     (q4_0: the unsigned nibble u = q + 8, two outputs per byte).
+ *
+ * A kept channel j is one contiguous value row, so the bytes read shrink with the sparsity
+ * (plus the scale row of each block with a kept channel, 1/17 of a q8_0 block). The products
+ * are the GEMV's (gemv.h, simd.h pi_quantize_q8; llama.cpp's q8_0 x q8_0 dot): per block the
+ * kept x_j are quantized to int8 with s_b = max |x_j| / 127, the integer sums
+ *
+ *     acc[i, b] = sum_{kept j in b} xq_j q[i, j]
+ *
+ * are exact, and out_i = sum over blocks in order of (s_b d[i, b]) * acc[i, b] (one f32 FMA per
+ * block). For q8_0 that is the GEMV of the masked x bit for bit (same quantized activation,
+ * same integer sums, same f32 order: tests/test_kernels.py checks it against pi_gemv8); for
+ * q4_0 the integer offset 8 sum(xq) is taken off inside the integer sum (the GEMV subtracts it
+ * in f32), so the two differ by f32 rounding. Error against the exact product, per output i:
+ * |err_i| <= sum_b s_b / 2 * sum_{kept j in b} |d[i, b] q[i, j]| (+ f32 rounding): the int8
+ * activation of the dense GEMV.
+ *
+ * Kernel. Outputs go in tiles of 64. Four kept rows at a time: their 64 bytes of the tile are
+ * interleaved by two rounds of byte/word unpacks so that each 32-bit lane holds the four rows'
+ * bytes of one output, and one dpbusd (AVX512-VNNI; u8 values x s8 xq) adds the four products
+ * into int32 (q8_0's +128 and q4_0's +8 come off as corr = 128 or 8 times sum(xq) per block).
+ * The unpacks work inside 128-bit lanes, so the file stores each 64-byte tile permuted: byte
+ * position p = 16 L + 4 s + m holds output 16 s + 4 L + m (L, s, m in 0..3), which makes lane k
+ * of the s-th sum output 16 s + k (and for a 256-bit half h of the tile, lane k of the s-th sum
+ * output 16 s + 8 h + k). A q4_0 tile is 32 bytes: byte p's low nibble is position p, its high
+ * nibble position 32 + p. Rows of fewer than four kept channels are padded with xq = 0.
+ * Without VNNI (AVX2) the same four-row lanes go through maddubs / madd (q8_0 with the sign
+ * trick: |q| x sign(xq, q), at most 2 * 128 * 127 per pair); without SIMD a scalar loop. All
+ * three give the same integers and the same f32 operations, so the same bits.
+ *
+ * Threads split the tiles (every output's sum runs over the same blocks in the same order: the
+ * bits do not depend on the thread count); the per-block quantization is split by blocks first,
+ * then a barrier. Block-outer, tile-inner: a block's kept rows stream together, and the next
+ * block's kept rows of the same tile are prefetched into L2 (one line per row and tile).
+ *
+ * Included by rowsum_team.h (after simd.h).
+ */
+#ifndef PYINFER_IBSUM_H
+#define PYINFER_IBSUM_H
+
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+
+/* pyinfer's own type ids for the layout (not ggml's: the file stores these tensors as Q8_0 /
+ * Q4_0 rows of 32 n_out values, one row per input block, under names of their own) */
+#define PI_Q8_0_IB 1008
+#define PI_Q4_0_IB 1002
+#define PI_IB_TILE 64
+
+static inline int pi_is_ib(int t) { return t == PI_Q8_0_IB || t == PI_Q4_0_IB; }
+
+/* value bytes of one kept row (n_out outputs) */
+static inline size_t pi_ib_row_bytes(int t, long n_out) {
+    return t == PI_Q8_0_IB ? (size_t)n_out : (size_t)n_out / 2;
+}
+
+/* bytes of one input block: the f16 scale row and 32 value rows */
+static inline size_t pi_ib_block_bytes(int t, long n_out) {
+    return 2 * (size_t)n_out + 32 * pi_ib_row_bytes(t, n_out);
+}
+
+/* 1 where a stride of `stride` bytes for `cols` outputs is that of an input-block tensor (the
+ * row layouts have at most 4 bytes per value) */
+static inline int pi_ib_stride(size_t stride, long cols) {
+    return cols > 0 && (stride == 34 * (size_t)cols || stride == 18 * (size_t)cols);
+}
+
+/* Scratch (floats) of one call over n_in input channels: per block 32 row offsets, 8 packed
+ * coefficient words, the group count, s_b and corr. */
+static inline size_t pi_ib_scratch_floats(long n_in) {
+    const long nb = (n_in + 31) / 32;
+    return (size_t)(43 * nb + 16);
+}
+
+/* Quantize the kept entries k0..k1 of block b (coef[k] at channel idx[k], all in block b) as
+ * pi_quantize_q8 quantizes a block, and lay out their rows in groups of four. */
+static inline void pi_ib_prep(int t, long n_out, const float *coef, const int32_t *idx, long k0,
+                              long k1, long b, int32_t *off, int32_t *cf, int32_t *ng, float *sb,
+                              int32_t *corr) {
+    const size_t rb = pi_ib_row_bytes(t, n_out);
+    float amax = 0.0f;
+    for (long k = k0; k < k1; k++) {
+        const float a = fabsf(coef[k]);
+        amax = a > amax ? a : amax;
+    }
+    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    int8_t q[32];
+    int s = 0, n = (int)(k1 - k0);
+    int32_t *o = off + 32 * b;
+    for (int i = 0; i < n; i++) {
+        const int v = (int)lrintf(coef[k0 + i] * id);
+        q[i] = (int8_t)v;
+        s += v;
+        o[i] = (int32_t)((size_t)(idx[k0 + i] - 32 * b) * rb);
+    }
+    for (; n & 3; n++) {
+        q[n] = 0;
+        o[n] = 0;
+    }
+    for (int g = 0; g < n / 4; g++) memcpy(cf + 8 * b + g, q + 4 * g, 4);
+    ng[b] = n / 4;
+    sb[b] = d;
+    corr[b] = (t == PI_Q8_0_IB ? 128 : 8) * s;
+}
+
+/* Position in a 64-output tile of output o (0..63): see the header comment. */
+static inline int pi_ib_pos(int o) { return 16 * ((o & 15) >> 2) + 4 * (o >> 4) + (o & 3); }
+
+/* The 64 bytes of tile u of a value row, as unsigned values in permuted position order
+ * (scalar: value at position p). */
+static inline int pi_ib_val(int t, const uint8_t *row, long u, int p) {
+    if (t == PI_Q8_0_IB) return row[64 * u + p];
+    const uint8_t b = row[32 * u + (p & 31)];
+    return p < 32 ? (b & 15) : (b >> 4);
+}
+
+#if PI_SIMD
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define PI_IB_VNNI512 1
+#else
+#define PI_IB_VNNI512 0
+#endif
+
+#if PI_IB_VNNI512
+/* the 64 unsigned values of tile u of row p */
+static inline __attribute__((always_inline)) __m512i pi_ib_load512(const int t, const uint8_t *p,
+                                                                   long u) {
+    if (t == PI_Q8_0_IB) return _mm512_loadu_si512((const void *)(p + 64 * u));
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 32 * u));
+    const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1);
+    return _mm512_and_si512(w, _mm512_set1_epi8(15));
+}
+#else
+/* half h (positions 32h .. 32h + 31) of tile u of row p, unsigned */
+static inline __attribute__((always_inline)) __m256i pi_ib_load256(const int t, const uint8_t *p,
+                                                                   long u, int h) {
+    if (t == PI_Q8_0_IB) return _mm256_loadu_si256((const __m256i *)(p + 64 * u + 32 * h));
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 32 * u));
+    return _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(15));
+}
+
+/* sum of the four products of each 32-bit lane: unsigned values w (q8_0: q + 128) times the
+ * signed coefficients c, into int32, as dpbusd computes it */
+static inline __attribute__((always_inline)) __m256i pi_ib_dot4(const int t, __m256i w, __m256i c) {
+    if (t == PI_Q8_0_IB) {
+        /* q = w - 128 signed; |q| <= 128 times sign(c, q): pairs within int16 (|c| <= 127);
+         * the +128 correction is then not needed, so add it back: 128 * sum(c) per lane */
+        const __m256i q = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
+        const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(c, q));
+        return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+    }
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, c), _mm256_set1_epi16(1));
+}
+#endif
+#endif /* PI_SIMD */
+
+/* out[64u0 .. 64u1) += the products of the prepared blocks (tiles u0..u1 of every block). */
+static void pi_ib_tiles(int t, const uint8_t *w, size_t stride, long n_out, long nb,
+                        const int32_t *off, const int32_t *cf, const int32_t *ng, const float *sb,
+                        const int32_t *corr, long u0, long u1, float *out) {
+    const size_t rb = pi_ib_row_bytes(t, n_out);
+    for (long b = 0; b < nb; b++) {
+        const int G = ng[b];
+        if (!G) continue;
+        const uint8_t *blk = w + stride * (size_t)b;
+        const uint16_t *dsc = (const uint16_t *)blk;
+        const uint8_t *val = blk + 2 * (size_t)n_out;
+        const int32_t *o = off + 32 * b, *c = cf + 8 * b;
+        long bn = b + 1;
+        while (bn < nb && !ng[bn]) bn++;
+        const int Gn = bn < nb ? ng[bn] : 0;
+        const uint8_t *valn = bn < nb ? w + stride * (size_t)bn + 2 * (size_t)n_out : val;
+        const int32_t *on = off + 32 * (bn < nb ? bn : b);
+        const float s = sb[b];
+        const int32_t cr = corr[b];
+        (void)rb;
+        for (long u = u0; u < u1; u++) {
+            float *y = out + PI_IB_TILE * u;
+#if PI_SIMD && PI_IB_VNNI512
+            __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+            for (int g = 0; g < G; g++) {
+                const __m512i r0 = pi_ib_load512(t, val + o[4 * g], u);
+                const __m512i r1 = pi_ib_load512(t, val + o[4 * g + 1], u);
+                const __m512i r2 = pi_ib_load512(t, val + o[4 * g + 2], u);
+                const __m512i r3 = pi_ib_load512(t, val + o[4 * g + 3], u);
+                const __m512i l01 = _mm512_unpacklo_epi8(r0, r1), h01 = _mm512_unpackhi_epi8(r0, r1);
+                const __m512i l23 = _mm512_unpacklo_epi8(r2, r3), h23 = _mm512_unpackhi_epi8(r2, r3);
+                const __m512i cc = _mm512_set1_epi32(c[g]);
+                a0 = _mm512_dpbusd_epi32(a0, _mm512_unpacklo_epi16(l01, l23), cc);
+                a1 = _mm512_dpbusd_epi32(a1, _mm512_unpackhi_epi16(l01, l23), cc);
+                a2 = _mm512_dpbusd_epi32(a2, _mm512_unpacklo_epi16(h01, h23), cc);
+                a3 = _mm512_dpbusd_epi32(a3, _mm512_unpackhi_epi16(h01, h23), cc);
+            }
+            for (int g = 0; g < 4 * Gn; g++)
+                _mm_prefetch((const char *)(valn + on[g] + (t == PI_Q8_0_IB ? 64 : 32) * u),
+                             _MM_HINT_T1);
+            const __m512 vs = _mm512_set1_ps(s);
+            const __m512i vc = _mm512_set1_epi32(cr);
+            const __m512i acc[4] = {a0, a1, a2, a3};
+            for (int k = 0; k < 4; k++) {
+                const __m512 d = _mm512_cvtph_ps(
+                    _mm256_loadu_si256((const __m256i *)(dsc + PI_IB_TILE * u + 16 * k)));
+                const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[k], vc));
+                _mm512_storeu_ps(y + 16 * k,
+                                 _mm512_fmadd_ps(_mm512_mul_ps(vs, d), f, _mm512_loadu_ps(y + 16 * k)));
+            }
+#elif PI_SIMD
+            for (int h = 0; h < 2; h++) {
+                __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+                for (int g = 0; g < G; g++) {
+                    const __m256i r0 = pi_ib_load256(t, val + o[4 * g], u, h);
+                    const __m256i r1 = pi_ib_load256(t, val + o[4 * g + 1], u, h);
+                    const __m256i r2 = pi_ib_load256(t, val + o[4 * g + 2], u, h);
+                    const __m256i r3 = pi_ib_load256(t, val + o[4 * g + 3], u, h);
+                    const __m256i l01 = _mm256_unpacklo_epi8(r0, r1), h01 = _mm256_unpackhi_epi8(r0, r1);
+                    const __m256i l23 = _mm256_unpacklo_epi8(r2, r3), h23 = _mm256_unpackhi_epi8(r2, r3);
+                    const __m256i cc = _mm256_set1_epi32(c[g]);
+                    a0 = _mm256_add_epi32(a0, pi_ib_dot4(t, _mm256_unpacklo_epi16(l01, l23), cc));
+                    a1 = _mm256_add_epi32(a1, pi_ib_dot4(t, _mm256_unpackhi_epi16(l01, l23), cc));
+                    a2 = _mm256_add_epi32(a2, pi_ib_dot4(t, _mm256_unpacklo_epi16(h01, h23), cc));
+                    a3 = _mm256_add_epi32(a3, pi_ib_dot4(t, _mm256_unpackhi_epi16(h01, h23), cc));
+                }
+                if (h == 0)
+                    for (int g = 0; g < 4 * Gn; g++)
+                        _mm_prefetch((const char *)(valn + on[g] + (t == PI_Q8_0_IB ? 64 : 32) * u),
+                                     _MM_HINT_T1);
+                /* q8_0 through pi_ib_dot4 is already signed: no correction */
+                const __m256i vc = _mm256_set1_epi32(t == PI_Q8_0_IB ? 0 : cr);
+                const __m256 vs = _mm256_set1_ps(s);
+                const __m256i acc[4] = {a0, a1, a2, a3};
+                for (int k = 0; k < 4; k++) {
+                    float *yk = y + 16 * k + 8 * h;
+                    const __m256 d = _mm256_cvtph_ps(
+                        _mm_loadu_si128((const __m128i *)(dsc + PI_IB_TILE * u + 16 * k + 8 * h)));
+                    const __m256 f = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc[k], vc));
+                    _mm256_storeu_ps(yk, _mm256_fmadd_ps(_mm256_mul_ps(vs, d), f, _mm256_loadu_ps(yk)));
+                }
+            }
+#else
+            (void)valn;
+            (void)on;
+            (void)Gn;
+            for (int i = 0; i < PI_IB_TILE; i++) {
+                const int p = pi_ib_pos(i);
+                int32_t acc = 0;
+                for (int g = 0; g < G; g++) {
+                    int8_t q4[4];
+                    memcpy(q4, c + g, 4);
+                    for (int r = 0; r < 4; r++) acc += q4[r] * pi_ib_val(t, val + o[4 * g + r], u, p);
+                }
+                const float d = pi_f16_to_f32(dsc[PI_IB_TILE * u + i]);
+                y[i] = fmaf(s * d, (float)(acc - cr), y[i]);
+            }
+#endif
+        }
+    }
+}
+
+/* Thread t of T's share of out = W xm (overwrites out), xm holding coef[k] at channel idx[k]
+ * (idx ascending, n entries) and 0 elsewhere; then, if add is not NULL, add += out. w: the
+ * input blocks, `stride` bytes each; scratch: pi_ib_scratch_floats(idx[n-1] + 1) floats shared
+ * by the team. One barrier (after the per-block quantization); each thread then writes only its
+ * own tiles of out and add. */
+static void pi_ib_rows_team(int t, int T, int qtype, const uint8_t *w, size_t stride,
+                            const float *coef, const int32_t *idx, long n, float *out, int cols,
+                            float *scratch, float *add) {
+    const long nb = n > 0 ? idx[n - 1] / 32 + 1 : 0;
+    int32_t *off = (int32_t *)scratch, *cf = off + 32 * nb, *ng = cf + 8 * nb;
+    float *sb = (float *)(ng + nb);
+    int32_t *corr = (int32_t *)(sb + nb);
+    /* 1. the kept channels of this thread's blocks, quantized per block */
+    const long b0 = t * nb / T, b1 = (t + 1) * nb / T;
+    long lo = 0, hi = n;  /* first k with idx[k] >= 32 b0 */
+    while (lo < hi) {
+        const long mid = (lo + hi) / 2;
+        if (idx[mid] < 32 * b0) lo = mid + 1; else hi = mid;
+    }
+    for (long b = b0, k = lo; b < b1; b++) {
+        long k1 = k;
+        while (k1 < n && idx[k1] < 32 * (b + 1)) k1++;
+        pi_ib_prep(qtype, cols, coef, idx, k, k1, b, off, cf, ng, sb, corr);
+        k = k1;
+    }
+    PI_BARRIER();
+    /* 2. this thread's tiles over every block */
+    const long nu = cols / PI_IB_TILE, u0 = t * nu / T, u1 = (t + 1) * nu / T;
+    if (u1 > u0) {
+        memset(out + PI_IB_TILE * u0, 0, (size_t)(u1 - u0) * PI_IB_TILE * sizeof(float));
+        pi_ib_tiles(qtype, w, stride, cols, nb, off, cf, ng, sb, corr, u0, u1, out);
+        if (add) pi_add_f32(add + PI_IB_TILE * u0, out + PI_IB_TILE * u0, (u1 - u0) * PI_IB_TILE);
+    }
+}
+
+/* Prefill: out[k] (row k of out, ldo apart) = W a[k] for n_tok tokens, a (n_tok, lda) f32 with
+ * the dropped channels already 0 (kept: the nonzero ones, as decode's kept list gives them
+ * after its selection; a kept 0 changes neither the block scale nor the sums), on n_threads
+ * threads. Each token's result has the bits of pi_ib_rows_team on that token. */
+static void pi_ib_matmul(int qtype, const uint8_t *w, size_t stride, long n_in, const float *a,
+                         long lda, long n_tok, float *out, long ldo, int cols, int n_threads) {
+    const long nb = (n_in + 31) / 32, nu = cols / PI_IB_TILE;
+    const size_t per = pi_ib_scratch_floats(n_in);
+    float *scr = (float *)malloc(per * (size_t)n_tok * sizeof(float));
+    if (!scr) return;
+    int nt = n_threads < 1 ? 1 : n_threads;
+    if (nt > nu) nt = nu > 0 ? (int)nu : 1;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nt)
+#endif
+    {
+        const int t = pi_team_thread(), T = pi_team_size();
+        float cbuf[32];
+        int32_t ibuf[32];
+        /* 1. per token and block: the nonzero inputs, quantized (tokens split over threads) */
+        for (long k = t; k < n_tok; k += T) {
+            int32_t *off = (int32_t *)(scr + per * (size_t)k), *cf = off + 32 * nb, *ng = cf + 8 * nb;
+            float *sb = (float *)(ng + nb);
+            int32_t *corr = (int32_t *)(sb + nb);
+            const float *x = a + lda * k;
+            for (long b = 0; b < nb; b++) {
+                long m = 0;
+                for (long j = 32 * b; j < 32 * (b + 1) && j < n_in; j++) {
+                    cbuf[m] = x[j];
+                    ibuf[m] = (int32_t)j;
+                    m += x[j] != 0.0f;
+                }
+                pi_ib_prep(qtype, cols, cbuf, ibuf, 0, m, b, off, cf, ng, sb, corr);
+            }
+        }
+        PI_BARRIER();
+        /* 2. this thread's tiles, token by token */
+        const long u0 = t * nu / T, u1 = (t + 1) * nu / T;
+        for (long k = 0; k < n_tok && u1 > u0; k++) {
+            int32_t *off = (int32_t *)(scr + per * (size_t)k), *cf = off + 32 * nb, *ng = cf + 8 * nb;
+            float *sb = (float *)(ng + nb);
+            int32_t *corr = (int32_t *)(sb + nb);
+            float *y = out + ldo * k;
+            memset(y + PI_IB_TILE * u0, 0, (size_t)(u1 - u0) * PI_IB_TILE * sizeof(float));
+            pi_ib_tiles(qtype, w, stride, cols, nb, off, cf, ng, sb, corr, u0, u1, y);
+        }
+    }
+    free(scr);
+}
+
+#endif /* PYINFER_IBSUM_H */
