@@ -386,15 +386,34 @@ def blend_levels(fisher: np.ndarray, unit_bytes: np.ndarray, target: float,
     return level.reshape(L, n_g)
 
 
+def _floats(job) -> np.ndarray:
+    """A converter job's tensor as f32 (a job copied as stored holds its encoded bytes)."""
+    a = job.load()
+    if not job.raw:
+        return a
+    import gguf
+
+    return gguf.quants.dequantize(np.asarray(a), job.qtype).astype(np.float32).reshape(job.shape)
+
+
 def transposed_jobs(jobs, cfg, outtype: str, scales: list[dict] | None):
-    """The converter's jobs with each layer's wq/wk/wv, attn_output, ffn_gate and ffn_up replaced by
-    attn_qkv_t, attn_output_t and ffn_gate_up_t (same place in the file), plus the WINA column
-    norms ``scales`` (per layer {group: (n_in,) f32}) when given."""
+    """The converter's jobs with each layer's wq/wk/wv, attn_output, ffn_gate, ffn_up and
+    ffn_down replaced by the four matrices of input sparsity (same place in the file), plus the
+    WINA column norms ``scales`` (per layer {group: (n_in,) f32}) when given.
+
+    A matrix whose type (``matrix_qtype`` over its n_in inputs) is q8_0 or q4_0 and whose outputs
+    are a multiple of 64 takes the input-block layout (``C.IB``, ``cpu.IBTensor``: the row-major
+    quantization regrouped by input channel; decode reads a kept channel's row at the GEMV's
+    int8 cost per byte); the others are stored transposed (``attn_qkv_t``, ``attn_output_t``,
+    ``ffn_gate_up_t``, ``ffn_down_t``) for the f32 / int16 AXPY of rowsum_team.h."""
     from convert.writer import TensorJob, matrix_qtype
+    from pyinfer.ops import cpu
+    from pyinfer.quants import quantize
 
     by_name = {j.name: j for j in jobs}
     drop = set()
     out = []
+    n_qkv = cfg.n_embd_q + 2 * cfg.n_embd_kv
     for j in jobs:
         if j.name in drop:
             continue
@@ -404,27 +423,43 @@ def transposed_jobs(jobs, cfg, outtype: str, scales: list[dict] | None):
         i = int(j.name.split(".")[1])
         name = {key: tmpl.format(bid=i) for key, tmpl in (
             ("q", C.ATTN_Q), ("k", C.ATTN_K), ("v", C.ATTN_V), ("o", C.ATTN_OUT),
-            ("g", C.FFN_GATE), ("u", C.FFN_UP))}
+            ("g", C.FFN_GATE), ("u", C.FFN_UP), ("d", C.FFN_DOWN_T))}
         src = {key: by_name[n] for key, n in name.items()}
         drop.update(name.values())
-        n_qkv = cfg.n_embd_q + 2 * cfg.n_embd_kv
 
+        # each group's matrix W (n_out, n_in), row-major, f32
         def qkv(s=src):
-            return np.ascontiguousarray(np.concatenate([s["q"].load(), s["k"].load(),
-                                                        s["v"].load()]).T)
+            return np.concatenate([_floats(s["q"]), _floats(s["k"]), _floats(s["v"])])
 
-        def o_t(s=src):
-            return np.ascontiguousarray(s["o"].load().T)
+        def o(s=src):
+            return _floats(s["o"])
 
         def gu(s=src):
-            return np.ascontiguousarray(np.concatenate([s["g"].load(), s["u"].load()]).T)
+            return np.concatenate([_floats(s["g"]), _floats(s["u"])])
 
-        out.append(TensorJob(C.ATTN_QKV_T.format(bid=i), (cfg.n_embd, n_qkv),
-                             matrix_qtype(n_qkv, outtype), qkv))
-        out.append(TensorJob(C.ATTN_OUT_T.format(bid=i), (cfg.n_embd_q, cfg.n_embd),
-                             matrix_qtype(cfg.n_embd, outtype), o_t))
-        out.append(TensorJob(C.FFN_GATE_UP_T.format(bid=i), (cfg.n_embd, 2 * cfg.n_ff),
-                             matrix_qtype(2 * cfg.n_ff, outtype), gu))
+        def down(s=src):  # the converter's ffn_down_t job is (n_ff, n_embd)
+            return np.ascontiguousarray(_floats(s["d"]).T)
+
+        for g, load, n_out, n_in, t_name in (
+                ("attn_qkv", qkv, n_qkv, cfg.n_embd, C.ATTN_QKV_T),
+                ("attn_output", o, cfg.n_embd, cfg.n_embd_q, C.ATTN_OUT_T),
+                ("ffn_gate_up", gu, 2 * cfg.n_ff, cfg.n_embd, C.FFN_GATE_UP_T),
+                ("ffn_down", down, cfg.n_embd, cfg.n_ff, C.FFN_DOWN_T)):
+            qt = matrix_qtype(n_in, outtype)
+            if cpu.ib_supported(qt, n_out, n_in):
+                def ib(load=load, qt=qt, n_out=n_out, n_in=n_in):
+                    w = np.ascontiguousarray(load(), np.float32)
+                    return cpu.ib_from_rows(quantize(w, qt).view(np.uint8).reshape(n_out, -1),
+                                            qt, n_out, n_in)
+                out.append(TensorJob(C.IB[g].format(bid=i), (n_in // 32, 32 * n_out), qt, ib,
+                                     raw=True))
+            elif g == "ffn_down":
+                out.append(src["d"])
+            else:
+                out.append(TensorJob(t_name.format(bid=i), (n_in, n_out),
+                                     matrix_qtype(n_out, outtype),
+                                     lambda load=load: np.ascontiguousarray(load().T)))
+
         if scales is not None:
             for g in C.IN_GROUPS:
                 a = scales[i][g]

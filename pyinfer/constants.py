@@ -114,6 +114,11 @@ FFN_DOWN_T = "blk.{bid}.ffn_down_t.weight"  # (n_ff, n_embd): ffn_down transpose
 ATTN_QKV_T = "blk.{bid}.attn_qkv_t.weight"  # (n_embd, n_embd_q + 2 n_embd_kv): [wq; wk; wv]^T
 ATTN_OUT_T = "blk.{bid}.attn_output_t.weight"  # (n_embd_q, n_embd): attn_output transposed
 FFN_GATE_UP_T = "blk.{bid}.ffn_gate_up_t.weight"  # (n_embd, 2 n_ff): [ffn_gate; ffn_up]^T
+# the same four matrices in the input-block layout (cython/ibsum.h) where the type is q8_0 or q4_0:
+# stored as Q8_0 / Q4_0 of shape (n_in / 32, 32 n_out) (numpy order), one row per 32 input
+# channels holding the row-major matrix's scales and values regrouped (pyinfer.ops.cpu.IBTensor)
+IB = {"attn_qkv": "blk.{bid}.attn_qkv_ib.weight", "attn_output": "blk.{bid}.attn_output_ib.weight",
+      "ffn_gate_up": "blk.{bid}.ffn_gate_up_ib.weight", "ffn_down": "blk.{bid}.ffn_down_ib.weight"}
 #: per input channel column norms of each group's matrix (WINA's score |x_j| * ||W[:, j]||), f32
 IN_SCALE = {"attn_qkv": "blk.{bid}.attn_qkv_t.in_scale", "attn_output": "blk.{bid}.attn_output_t.in_scale",
             "ffn_gate_up": "blk.{bid}.ffn_gate_up_t.in_scale", "ffn_down": "blk.{bid}.ffn_down_t.in_scale"}

@@ -195,6 +195,17 @@ def place_model(reader, cfg: ModelConfig, weights: ModelWeights, cpu_ffn, n_ctx:
                 _notice(msg)
             return Model(cfg, weights, n_ctx, n_threads, ffn=cpu_ffn)
         raise PyinferError(msg)
+    if device == "cpu" and backend is None:
+        if vram_budget is not None or n_gpu_layers:
+            raise PyinferError("--vram-budget and -ngl need a GPU device (--device cuda or auto)")
+        return Model(cfg, weights, n_ctx, n_threads, ffn=cpu_ffn)
+    if getattr(cpu_ffn, "is_input_sparse", False):  # no GPU kernels for sparse mode "input" yet
+        if device == "auto":
+            if not quiet:
+                _notice("sparse mode 'input' runs on the CPU only; running on the CPU")
+            return Model(cfg, weights, n_ctx, n_threads, ffn=cpu_ffn)
+        raise PyinferError("this file's sparse mode 'input' runs on the CPU only; use --device cpu, "
+                           "or convert with --sparse-mode glu for the GPU engine")
     odd = _types_off_gpu(weights)
     if device != "cpu" and odd:
         msg = (f"the GPU kernels read {', '.join(cuda.GPU_TYPES)} weights, not {', '.join(odd)} "
@@ -208,13 +219,6 @@ def place_model(reader, cfg: ModelConfig, weights: ModelWeights, cpu_ffn, n_ctx:
         if vram_budget is not None or n_gpu_layers:
             raise PyinferError("--vram-budget and -ngl need a GPU device (--device cuda or auto)")
         return Model(cfg, weights, n_ctx, n_threads, ffn=cpu_ffn)
-    if getattr(cpu_ffn, "is_input_sparse", False):  # no GPU kernels for sparse mode "input" yet
-        if device == "auto":
-            if not quiet:
-                _notice("sparse mode 'input' runs on the CPU only; running on the CPU")
-            return Model(cfg, weights, n_ctx, n_threads, ffn=cpu_ffn)
-        raise PyinferError("this file's sparse mode 'input' runs on the CPU only; use --device cpu, "
-                           "or convert with --sparse-mode glu for the GPU engine")
     if backend is None:
         if not cuda.available():
             if device == "auto":

@@ -13,7 +13,7 @@ import numpy as np
 from pyinfer import constants as C
 from pyinfer.config import ModelConfig, read_field
 from pyinfer.errors import PyinferError
-from pyinfer.ops.cpu import SUPPORTED, QTensor
+from pyinfer.ops.cpu import Q4_0_IB, Q8_0_IB, SUPPORTED, IBTensor, QTensor
 
 QT = gguf.GGMLQuantizationType
 
@@ -53,7 +53,8 @@ class LayerWeights:
     # (pyinfer.llamacpp) or a `pyinfer-convert --dense` file (pyinfer.ffn_layout "rows")
     ffn_down: QTensor | None = None  # (n_embd, n_ff) one row per output channel
 
-    # sparse mode "input" (TEAL/WINA): transposed storage, one row per input channel
+    # sparse mode "input" (TEAL/WINA): one row per input channel, transposed (QTensor) or in the
+    # input-block layout of q8_0 / q4_0 files (IBTensor, rows = input channels; ffn_down_t too)
     attn_qkv_t: QTensor | None = None  # (n_embd, n_embd_q + 2 n_embd_kv) = [wq; wk; wv]^T
     attn_output_t: QTensor | None = None  # (n_embd_q, n_embd) = wo^T
     ffn_gate_up_t: QTensor | None = None  # (n_embd, 2 n_ff) = [ffn_gate; ffn_up]^T
@@ -121,6 +122,26 @@ class ModelWeights:
                                    f"expected ({rows}, {cols})")
             return q
 
+        def in_matrix(i, g, t_name, n_in, n_out):
+            """Layer i's matrix of input group g: the input-block tensor where the file has one
+            (IBTensor), else the transposed one (QTensor (n_in, n_out))."""
+            t = by_name.get(C.IB[g].format(bid=i))
+            if t is None:
+                return tensor(t_name.format(bid=i), n_in, n_out)
+            name = C.IB[g].format(bid=i)
+            qt = QT(t.tensor_type)
+            if qt not in (QT.Q8_0, QT.Q4_0):
+                raise PyinferError(f"tensor {name} is {qt.name}; an input-block tensor is Q8_0 or Q4_0")
+            shape = tuple(int(d) for d in t.shape[::-1])
+            if shape != (n_in // 32, 32 * n_out):
+                raise PyinferError(f"tensor {name} has shape {shape}, expected "
+                                   f"({n_in // 32}, {32 * n_out})")
+            try:
+                return IBTensor(np.asarray(t.data).reshape(n_in // 32, -1),
+                                Q8_0_IB if qt == QT.Q8_0 else Q4_0_IB, n_in, n_out)
+            except ValueError as e:
+                raise PyinferError(f"tensor {name}: {e}") from None
+
         def vector(name, n):
             t = by_name.get(name)
             if t is None:
@@ -173,7 +194,8 @@ class ModelWeights:
         layers = []
         for i in range(cfg.n_layer):
             fc1, fc2 = predictor(i)
-            if C.ATTN_QKV_T.format(bid=i) in by_name:  # sparse mode "input": transposed layout
+            if (C.ATTN_QKV_T.format(bid=i) in by_name  # sparse mode "input": transposed layout
+                    or C.IB["attn_qkv"].format(bid=i) in by_name):
                 scales = {g: vector(C.IN_SCALE[g].format(bid=i), n_in[g]) for g in C.IN_GROUPS
                           if C.IN_SCALE[g].format(bid=i) in by_name}
                 layers.append(LayerWeights(
@@ -181,10 +203,11 @@ class ModelWeights:
                     wq=None, wk=None, wv=None, wo=None,
                     ffn_norm=vector(C.FFN_NORM.format(bid=i), E),
                     ffn_gate=None, ffn_up=None,
-                    ffn_down_t=tensor(C.FFN_DOWN_T.format(bid=i), F, E),
-                    attn_qkv_t=tensor(C.ATTN_QKV_T.format(bid=i), E, cfg.n_embd_q + 2 * cfg.n_embd_kv),
-                    attn_output_t=tensor(C.ATTN_OUT_T.format(bid=i), cfg.n_embd_q, E),
-                    ffn_gate_up_t=tensor(C.FFN_GATE_UP_T.format(bid=i), E, 2 * F),
+                    ffn_down_t=in_matrix(i, "ffn_down", C.FFN_DOWN_T, F, E),
+                    attn_qkv_t=in_matrix(i, "attn_qkv", C.ATTN_QKV_T, E,
+                                         cfg.n_embd_q + 2 * cfg.n_embd_kv),
+                    attn_output_t=in_matrix(i, "attn_output", C.ATTN_OUT_T, cfg.n_embd_q, E),
+                    ffn_gate_up_t=in_matrix(i, "ffn_gate_up", C.FFN_GATE_UP_T, E, 2 * F),
                     in_scale=scales or None,
                 ))
                 continue

@@ -471,6 +471,17 @@ def test_build_variants(tmp_path, env):
     envv = dict(os.environ, **{env: "1"})
     subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=tmp_path, env=envv,
                    check=True, capture_output=True)
+    # the input-block sums (ibsum.h) of this build's VNNI/AVX2/scalar path: bits to match
+    ib_want = {}
+    rng = np.random.default_rng(5)
+    for qt in (QT.Q8_0, QT.Q4_0):
+        w = cpu.QTensor.from_array(rng.standard_normal((192, 96)).astype(np.float32), qt)
+        X = rng.standard_normal((3, 96)).astype(np.float32)
+        X[rng.random(X.shape) < 0.3] = 0.0
+        out = np.empty((3, 192), np.float32)
+        cpu.matmul_t(cpu.IBTensor.from_rows(w), X, out, 2)
+        ib_want[f"{qt.name}_w"], ib_want[f"{qt.name}_x"], ib_want[f"{qt.name}_y"] = w.raw, X, out
+    np.savez(tmp_path / "ib.npz", **ib_want)
     code = ("import numpy as np, gguf; from pyinfer.ops import cpu, reference as ref\n"
             "rng=np.random.default_rng(0)\n"
             "for qt in cpu.SUPPORTED:\n"
@@ -487,6 +498,14 @@ def test_build_variants(tmp_path, env):
             "    # the GEMM sums the same block products in another order (test_prefill_gemm)\n"
             "    assert (np.allclose(M,D,rtol=1e-5,atol=1e-4) if cpu.prefill_gemm(qt)\n"
             "            else np.array_equal(M,D)), qt\n"
+            "ib=np.load('ib.npz')\n"
+            "for qt in (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0):\n"
+            "    w=cpu.IBTensor.from_rows(cpu.QTensor(ib[qt.name+'_w'], qt, 192, 96)); X=ib[qt.name+'_x']\n"
+            "    Y=np.empty((3,192),np.float32); cpu.matmul_t(w,X,Y,2)\n"
+            "    assert np.array_equal(Y, ib[qt.name+'_y']), qt  # every path: the same bits\n"
+            "    for t in range(3):\n"
+            "        i=np.flatnonzero(X[t]).astype(np.int32)\n"
+            "        assert np.array_equal(cpu.axpy_rows(w,X[t,i].copy(),i,np.empty(192,np.float32),3), Y[t])\n"
             f"print(cpu.openmp_enabled(), cpu.simd_enabled())\n")
     res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=envv, check=True,
                          capture_output=True, text=True)

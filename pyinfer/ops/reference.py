@@ -14,11 +14,18 @@ QT = gguf.GGMLQuantizationType
 QUANT = (QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K)
 
 
+def _is_ib(w) -> bool:
+    return hasattr(w, "base_qtype")  # cpu.IBTensor
+
+
 def dequantize(w) -> np.ndarray:
-    """A QTensor's values as float32 (rows, cols).
+    """A QTensor's values as float32 (rows, cols); an IBTensor's as W^T (n_in, n_out), the
+    row-major matrix it regroups (``IBTensor.to_rows``) transposed.
 
     q8_0 block: f16 d + int8 qs[32], x = d*q. q4_0 block: f16 d + uint8 qs[16],
     x[j] = d*((qs[j] & 15) - 8), x[j+16] = d*((qs[j] >> 4) - 8)."""
+    if _is_ib(w):
+        return np.ascontiguousarray(dequantize(w.to_rows()).T)
     if w.qtype == QT.F32:
         return np.asarray(w.data, dtype=np.float32)
     if w.qtype == QT.F16:
@@ -78,7 +85,8 @@ def matvec_t(w, a, out, n_threads=1):
 
 
 def matmul_t(w, a, out, n_threads=1):
-    out[...] = a @ dequantize(w)
+    """an IBTensor's product sees a quantized as the GEMV sees it (ibsum.h)"""
+    out[...] = (quantize_act_q8(a) if _is_ib(w) else a) @ dequantize(w)
     return out
 
 
@@ -88,8 +96,21 @@ def gather_matvec(w, x, idx, out, n_threads=1):
 
 
 def axpy_rows(w, coef, idx, out, n_threads=1):
+    if _is_ib(w):  # the masked input, quantized per 32 channels as the GEMV's (ibsum.h)
+        x = np.zeros(w.rows, np.float32)
+        x[np.asarray(idx, dtype=np.int64)] = coef
+        out[...] = quantize_act_q8(x) @ dequantize(w)
+        return out
     out[...] = np.asarray(coef, dtype=np.float32) @ dequantize(w)[np.asarray(idx, dtype=np.int64)]
     return out
+
+
+def _in_product(w, x, keep):
+    """sum over kept j of x_j w[j] (w transposed, one row per input): exact for the transposed
+    layouts, over the int8-quantized masked input for an IBTensor"""
+    if _is_ib(w):
+        return quantize_act_q8(np.where(keep, x, np.float32(0)).astype(np.float32)) @ dequantize(w)
+    return x[keep] @ dequantize(w)[keep]
 
 
 def get_rows(w, ids, out):
@@ -221,10 +242,10 @@ def decode_ffn_in(x, ffn_norm, eps, gate_up_t, down_t, scale_gu, thr_gu, scale_d
     n_ff = down_t.rows
     h = rmsnorm(x[None], ffn_norm, eps, np.empty((1, x.size), np.float32))[0]
     k1 = _keep(h, scale_gu, thr_gu)
-    gu = h[k1] @ dequantize(gate_up_t)[k1]
+    gu = _in_product(gate_up_t, h, k1)
     a = (_act(gu[:n_ff], silu) * gu[n_ff:]).astype(np.float32)
     k2 = _keep(a, scale_d, thr_d)
-    x += (a[k2] @ dequantize(down_t)[k2]).astype(np.float32)
+    x += _in_product(down_t, a, k2).astype(np.float32)
     return int(k1.sum()), int(k2.sum())
 
 
@@ -234,7 +255,7 @@ def decode_attn_in(x, attn_norm, eps, qkv_t, o_t, k_cache, v_cache, n_past, n_he
     nq, nkv = n_head * hd, n_kv * hd
     h = rmsnorm(x[None], attn_norm, eps, np.empty((1, x.size), np.float32))[0]
     k1 = _keep(h, scale_qkv, thr_qkv)
-    qkv = (h[k1] @ dequantize(qkv_t)[k1]).astype(np.float32)
+    qkv = _in_product(qkv_t, h, k1).astype(np.float32)
     q = qkv[:nq].reshape(1, n_head, hd).copy()
     k = qkv[nq:nq + nkv].reshape(1, n_kv, hd).copy()
     rope_neox(q, [n_past], freq_base, hd)
@@ -243,5 +264,5 @@ def decode_attn_in(x, attn_norm, eps, qkv_t, o_t, k_cache, v_cache, n_past, n_he
     v_cache[n_past] = qkv[nq + nkv:].reshape(n_kv, hd)
     att = attention(q, k_cache, v_cache, n_past, np.empty((1, n_head, hd), np.float32)).reshape(-1)
     k2 = _keep(att, scale_o, thr_o)
-    x += (att[k2] @ dequantize(o_t)[k2]).astype(np.float32)
+    x += _in_product(o_t, att, k2).astype(np.float32)
     return int(k1.sum()), int(k2.sum())

@@ -1,0 +1,235 @@
+"""The input-block layout of input-sparse q8_0 / q4_0 projections (cython/ibsum.h, issue 12):
+the regrouping is a pure permutation of gguf's row-major quantization, the sum over the kept
+input channels is the int8 GEMV of the masked input (q8_0: the project's GEMV bit for bit;
+both within the int8-activation bound of the exact product of gguf's dequantized weights),
+the same bits at any thread count, prefill equals decode, and the converter writes it."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+
+from convert.cli import main as convert_main
+from pyinfer import constants as C
+from pyinfer.engine import Engine
+from pyinfer.ops import cpu
+from pyinfer.ops import reference as ref
+from tests._models import load_hf_state_dict, make_random_llama
+from tests.test_input_sparse import reference_logits
+
+QT = gguf.GGMLQuantizationType
+TYPES = [QT.Q8_0, QT.Q4_0]
+SHAPES = [(64, 32), (192, 96), (960, 576), (576, 1536)]  # (n_out, n_in)
+
+
+def _pair(rng, qtype, n_out, n_in):
+    """(row-major QTensor W (n_out, n_in), its IBTensor) from gguf's quantizer"""
+    w = cpu.QTensor.from_array(rng.standard_normal((n_out, n_in)).astype(np.float32), qtype)
+    return w, cpu.IBTensor.from_rows(w)
+
+
+def _kept(rng, x, frac):
+    """(idx int32 ascending, coef) of a random fraction of x's channels"""
+    idx = np.sort(rng.choice(x.size, int(round(frac * x.size)), replace=False)).astype(np.int32)
+    return idx, np.ascontiguousarray(x[idx])
+
+
+def _exact_and_bound(w, x):
+    """gguf's dequantization of W times x in float64, and the int8-activation error bound per
+    output: sum over 32-channel blocks b of (max_b |x| / 127 / 2) * sum_{j in b} |W[i, j]|"""
+    deq = gguf.quants.dequantize(w.raw, w.qtype).reshape(w.rows, w.cols).astype(np.float64)
+    xb = np.abs(x.astype(np.float64)).reshape(-1, 32)
+    half_step = xb.max(1) / 127.0 / 2  # (nb,)
+    bound = (np.abs(deq).reshape(w.rows, -1, 32) * (xb > 0)).sum(2) @ half_step
+    return deq @ x.astype(np.float64), bound
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_layout_is_a_permutation_of_the_row_major_blocks(qtype, shape):
+    rng = np.random.default_rng(int(qtype) + shape[0])
+    w, ib = _pair(rng, qtype, *shape)
+    n_out, n_in = shape
+    assert ib.raw.shape == (n_in // 32, (34 if qtype == QT.Q8_0 else 18) * n_out)
+    np.testing.assert_array_equal(ib.to_rows().raw, w.raw)
+    # every byte (or nibble) of the blocks lands somewhere: same multiset of scale words
+    d_rows = np.sort(w.raw.reshape(n_out, n_in // 32, -1)[:, :, :2].copy().view(np.uint16).ravel())
+    d_ib = np.sort(ib.raw[:, :2 * n_out].copy().view(np.uint16).ravel())
+    np.testing.assert_array_equal(d_rows, d_ib)
+    # the NumPy twin's W^T is gguf's dequantization transposed
+    np.testing.assert_array_equal(
+        ref.dequantize(ib), gguf.quants.dequantize(w.raw, qtype).reshape(n_out, n_in).T)
+
+
+def test_layout_refuses_shapes_and_data():
+    rng = np.random.default_rng(0)
+    w = cpu.QTensor.from_array(rng.standard_normal((96, 64)).astype(np.float32), QT.Q8_0)
+    assert not cpu.ib_supported(QT.Q8_0, 96, 64) and not cpu.ib_supported(QT.Q4_1, 64, 64)
+    with pytest.raises(ValueError, match="input-block"):
+        cpu.ib_from_rows(w.raw, QT.Q8_0, 96, 64)
+    with pytest.raises(ValueError, match="does not hold"):
+        cpu.IBTensor(np.zeros((2, 100), np.uint8), cpu.Q8_0_IB, 64, 64)
+    w, ib = _pair(rng, QT.Q8_0, 64, 64)
+    with pytest.raises(ValueError, match="ascending"):
+        cpu.axpy_rows(ib, np.ones(2, np.float32), np.array([5, 3], np.int32), np.zeros(64, np.float32))
+    with pytest.raises(IndexError):
+        cpu.axpy_rows(ib, np.ones(1, np.float32), np.array([64], np.int32), np.zeros(64, np.float32))
+    with pytest.raises(ValueError):
+        cpu.matvec_t(ib, np.ones(64, np.float32), np.zeros(64, np.float32))
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_sum_of_kept_channels(qtype, shape):
+    """Against gguf's dequantized product of the masked input (the int8-activation bound), the
+    GEMV of the masked input (q8_0: the same bits), and the same bits at 1, 2, 3 and 5 threads."""
+    rng = np.random.default_rng(7 * int(qtype) + shape[1])
+    w, ib = _pair(rng, qtype, *shape)
+    x = rng.standard_normal(shape[1]).astype(np.float32)
+    for frac in (0.0, 0.03, 0.5, 0.7, 1.0):
+        idx, coef = _kept(rng, x, frac)
+        xm = np.zeros_like(x)
+        xm[idx] = coef
+        outs = []
+        for n_threads in (1, 2, 3, 5):
+            out = np.full(shape[0], np.nan, np.float32)
+            cpu.axpy_rows(ib, coef, idx, out, n_threads)
+            outs.append(out)
+        for o in outs[1:]:
+            np.testing.assert_array_equal(o, outs[0])
+        got = outs[0].astype(np.float64)
+        exact, bound = _exact_and_bound(w, xm)
+        slack = 1e-5 * (np.abs(exact).max(initial=0) + 1)
+        assert np.all(np.abs(got - exact) <= bound + slack), frac
+        gemv = cpu.matvec(w, xm, np.empty(shape[0], np.float32), 1)
+        if qtype == QT.Q8_0:
+            np.testing.assert_array_equal(outs[0], gemv)
+        else:  # q4_0: the offset 8 comes off in the integers here, in f32 in the GEMV
+            np.testing.assert_allclose(outs[0], gemv, rtol=1e-5, atol=1e-5 * (np.abs(gemv).max(initial=0) + 1))
+        if frac == 0.0:
+            assert not outs[0].any()
+        # and the NumPy twin (the GEMV's quantized activation)
+        np.testing.assert_allclose(got, ref.axpy_rows(ib, coef, idx, np.empty(shape[0], np.float32)),
+                                   rtol=1e-5, atol=1e-5 * (np.abs(exact).max(initial=0) + 1))
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_prefill_equals_decode(qtype):
+    """matmul_t over masked rows (dropped channels 0) gives each token decode's bits."""
+    rng = np.random.default_rng(3 + int(qtype))
+    w, ib = _pair(rng, qtype, 192, 96)
+    X = rng.standard_normal((7, 96)).astype(np.float32)
+    X[rng.random(X.shape) < 0.4] = 0.0
+    X[3] = 0.0  # a token with nothing kept
+    for n_threads in (1, 2, 3):
+        out = np.full((7, 192), np.nan, np.float32)
+        cpu.matmul_t(ib, X, out, n_threads)
+        for t in range(7):
+            idx = np.flatnonzero(X[t]).astype(np.int32)
+            one = cpu.axpy_rows(ib, np.ascontiguousarray(X[t, idx]), idx,
+                                np.empty(192, np.float32), 1)
+            np.testing.assert_array_equal(out[t], one)
+    np.testing.assert_allclose(out, ref.matmul_t(ib, X, np.empty_like(out)), rtol=1e-5,
+                               atol=1e-5 * np.abs(out).max())
+
+
+def _gap(a):
+    s = np.sort(np.abs(a))
+    lo, hi = len(s) // 4, 3 * len(s) // 4
+    i = lo + int(np.argmax(np.diff(s[lo:hi + 1])))
+    return float((s[i] + s[i + 1]) / 2)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_fused_half_layers(qtype):
+    """decode_ffn_in and decode_attn_in over input-block weights against the NumPy twin (the
+    int8 GEMV of the masked inputs), at thresholds in wide gaps; the same bits at 1-3 threads."""
+    rng = np.random.default_rng(11 + int(qtype))
+    n_embd, n_ff, n_head, n_kv, hd, n_ctx, n_past = 128, 256, 2, 1, 64, 9, 5
+    nq, nkv = n_head * hd, n_kv * hd
+    gu = cpu.IBTensor.from_rows(cpu.QTensor.from_array(rng.standard_normal((2 * n_ff, n_embd)), qtype))
+    down = cpu.IBTensor.from_rows(cpu.QTensor.from_array(rng.standard_normal((n_embd, n_ff)), qtype))
+    qkv = cpu.IBTensor.from_rows(cpu.QTensor.from_array(0.1 * rng.standard_normal((nq + 2 * nkv, n_embd)), qtype))
+    wo = cpu.IBTensor.from_rows(cpu.QTensor.from_array(rng.standard_normal((n_embd, nq)), qtype))
+    norm = rng.uniform(0.5, 1.5, n_embd).astype(np.float32)
+    x0 = rng.standard_normal(n_embd).astype(np.float32)
+    h = ref.rmsnorm(x0[None], norm, 1e-5, np.empty((1, n_embd), np.float32))[0]
+    t_in = _gap(h)
+    g_u = ref.quantize_act_q8(np.where(np.abs(h) > t_in, h, 0).astype(np.float32)) @ ref.dequantize(gu)
+    a = ref._act(g_u[:n_ff], True) * g_u[n_ff:]
+    for t_d in (-1.0, _gap(a), 1e30):
+        want = x0.copy()
+        n_want = ref.decode_ffn_in(want, norm, 1e-5, gu, down, None, t_in, None, t_d, True)
+        outs = []
+        for n_threads in (1, 2, 3):
+            got = x0.copy()
+            assert cpu.decode_ffn_in(got, norm, 1e-5, gu, down, None, t_in, None, t_d, True,
+                                     n_threads) == n_want
+            outs.append(got)
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+        for o in outs[1:]:
+            np.testing.assert_array_equal(o, outs[0])
+    k0 = rng.standard_normal((n_ctx, n_kv, hd)).astype(np.float32)
+    v0 = rng.standard_normal((n_ctx, n_kv, hd)).astype(np.float32)
+    for t_o in (-1.0, 1e30):
+        kw, vw, want = k0.copy(), v0.copy(), x0.copy()
+        n_want = ref.decode_attn_in(want, norm, 1e-5, qkv, wo, kw, vw, n_past, n_head, 1e4, None,
+                                    t_in, None, t_o)
+        outs = []
+        for n_threads in (1, 2, 3):
+            kc, vc, got = k0.copy(), v0.copy(), x0.copy()
+            assert cpu.decode_attn_in(got, norm, 1e-5, qkv, wo, kc, vc, n_past, n_head, 1e4, None,
+                                      t_in, None, t_o, n_threads) == n_want
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+            np.testing.assert_allclose(kc, kw, rtol=1e-4, atol=1e-4 * np.abs(kw).max())
+            outs.append(got)
+        for o in outs[1:]:
+            np.testing.assert_array_equal(o, outs[0])
+
+
+@pytest.fixture(scope="module")
+def wide_dir(tmp_path_factory):
+    # every projection's outputs a multiple of 64 and inputs of 32: the layout applies to all
+    return make_random_llama(tmp_path_factory.mktemp("ib"), hidden_act="silu", tokenizer="bpe",
+                             hidden_size=128, intermediate_size=256, n_heads=2, n_kv_heads=1,
+                             n_layers=2, name="ib")
+
+
+@pytest.mark.parametrize("outtype", ["q8_0", "q4_0"])
+def test_converter_writes_the_layout(wide_dir, tmp_path, outtype):
+    """A q8_0 / q4_0 input-sparse file stores the four matrices in the input-block layout (and
+    no transposed copies); prefill agrees with token-by-token decode (their projections give the
+    same bits, test_prefill_equals_decode; attention and norms are batched differently); the logits follow the masked
+    float64 reference (transformers' weights) within the quantization error, and (q8_0) the
+    masks matter more than that error."""
+    out = str(tmp_path / f"ib.{outtype}.gguf")
+    assert convert_main([wide_dir, out, "--outtype", outtype, "--target-sparsity", "0.4",
+                         "--sparse-mode", "input", "--sparse-alloc", "uniform", "--calib-tokens",
+                         "128", "-t", "1"]) == 0
+    r = gguf.GGUFReader(out)
+    names = {t.name: t for t in r.tensors}
+    for i in range(2):
+        for g in C.IN_GROUPS:
+            t = names[C.IB[g].format(bid=i)]
+            assert gguf.GGMLQuantizationType(t.tensor_type).name.lower() == outtype
+        for gone in (C.ATTN_QKV_T, C.ATTN_OUT_T, C.FFN_GATE_UP_T, C.FFN_DOWN_T, C.ATTN_Q, C.FFN_UP):
+            assert gone.format(bid=i) not in names
+    eng = Engine(out, n_ctx=64, n_threads=2)
+    assert all(isinstance(lw.ffn_gate_up_t, cpu.IBTensor) and isinstance(lw.ffn_down_t, cpu.IBTensor)
+               for lw in eng.weights.layers)
+    cfg = eng.cfg
+    tokens = np.random.default_rng(2).integers(3, cfg.n_vocab, 20).tolist()
+    eng.reset_stats()
+    got = eng.model.forward(tokens, 0, all_logits=True)
+    assert 0.2 < eng.ffn_sparsity() < 0.6
+    eng.reset()
+    steps = np.stack([eng.eval_token(t) for t in tokens])
+    np.testing.assert_allclose(steps, got, rtol=1e-4, atol=1e-4 * np.abs(got).max())
+    thr = eng.model.ffn.thr
+    sd = load_hf_state_dict(wide_dir)
+    want = reference_logits(sd, cfg, tokens, thr, None)
+    err = np.abs(got - want).max()
+    assert err < (0.1 if outtype == "q8_0" else 0.3) * np.abs(want).max()
+    dense = reference_logits(sd, cfg, tokens, {g: np.full(2, -1.0) for g in C.IN_GROUPS}, None)
+    if outtype == "q8_0":  # (q4_0's rounding here is as large as what the masks change)
+        assert np.abs(dense - want).max() > 2 * err, (np.abs(dense - want).max(), err)
