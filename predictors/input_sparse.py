@@ -70,7 +70,8 @@ def column_norms(lw) -> dict[str, np.ndarray]:
     return {"attn_qkv": np.sqrt(sq(lw.wq) + sq(lw.wk) + sq(lw.wv)).astype(np.float32),
             "attn_output": np.sqrt(sq(lw.wo)).astype(np.float32),
             "ffn_gate_up": np.sqrt(sq(lw.ffn_gate) + sq(lw.ffn_up)).astype(np.float32),
-            "ffn_down": np.sqrt((dequantize(lw.ffn_down_t).astype(np.float64) ** 2).sum(1)
+            "ffn_down": np.sqrt(sq(lw.ffn_down) if lw.ffn_down_t is None  # a --dense file
+                                else (dequantize(lw.ffn_down_t).astype(np.float64) ** 2).sum(1)
                                 ).astype(np.float32)}
 
 
