@@ -90,6 +90,38 @@ static inline void pi_ib_prep(int t, long n_out, const float *coef, const int32_
                               long k1, long b, int32_t *off, int32_t *cf, int32_t *ng, float *sb,
                               int32_t *corr) {
     const size_t rb = pi_ib_row_bytes(t, n_out);
+#if PI_SIMD && defined(__AVX512F__) && defined(__AVX512BW__)
+    {
+        /* the scalar loop below, 16 lanes at a time (as simd.h pi_quantize_q8: max |x| in any
+         * order, one f32 product per value, cvtps rounds to nearest-even as lrintf does in the
+         * default rounding mode); lanes past n load 0 and give q = 0 and offset 0 */
+        const int n = (int)(k1 - k0);
+        const __mmask32 m = n >= 32 ? 0xffffffffu : ((1u << n) - 1u);
+        const __mmask16 m0 = (__mmask16)m, m1 = (__mmask16)(m >> 16);
+        const __m512 x0 = _mm512_maskz_loadu_ps(m0, coef + k0);
+        const __m512 x1 = _mm512_maskz_loadu_ps(m1, coef + k0 + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+        const float d = amax / 127.0f;
+        const __m512 id = _mm512_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, id));
+        const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, id));
+        int8_t q[32];
+        _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(q1));
+        memcpy(cf + 8 * b, q, 32);
+        const __m512i base = _mm512_set1_epi32((int32_t)(32 * b)), vrb = _mm512_set1_epi32((int32_t)rb);
+        const __m512i j0 = _mm512_maskz_loadu_epi32(m0, idx + k0);
+        const __m512i j1 = _mm512_maskz_loadu_epi32(m1, idx + k0 + 16);
+        _mm512_storeu_si512((void *)(off + 32 * b),
+                            _mm512_mullo_epi32(_mm512_maskz_sub_epi32(m0, j0, base), vrb));
+        _mm512_storeu_si512((void *)(off + 32 * b + 16),
+                            _mm512_mullo_epi32(_mm512_maskz_sub_epi32(m1, j1, base), vrb));
+        ng[b] = (n + 3) / 4;
+        sb[b] = d;
+        corr[b] = (t == PI_Q8_0_IB ? 128 : 8) * _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        return;
+    }
+#endif
     float amax = 0.0f;
     for (long k = k0; k < k1; k++) {
         const float a = fabsf(coef[k]);
@@ -273,6 +305,9 @@ static inline void pi_ib_scalar(const int t, const uint8_t *val, const int32_t *
 #ifndef PI_IB_PF_LINES
 #define PI_IB_PF_LINES 2
 #endif
+#ifndef PI_IB_PF_DIST
+#define PI_IB_PF_DIST 8
+#endif
 #ifndef PI_IB_PF_AHEAD
 #define PI_IB_PF_AHEAD 1
 #endif
@@ -335,9 +370,25 @@ static void pi_ib_halves(int t, const uint8_t *w, size_t stride, long n_out, lon
              * half a line */
             const int pf = t == PI_Q8_0_IB || !(u & 1) || u == ua || PI_IB_PF_LINES == 2;
 #if PI_IB_VNNI512
+#if PI_IB_PF_DIST
+            {
+                /* D tiles ahead in the thread's (block, tile) order; at most one block ahead */
+                const long ud = u + (PI_IB_PF_DIST < ub - ua ? PI_IB_PF_DIST : ub - ua);
+                if (ud < ub) {
+                    pi_ib_pf(t, val, o, 4 * G, ud, 0);
+                    if (PI_IB_PF_LINES == 2 && t == PI_Q8_0_IB) pi_ib_pf(t, val, o, 4 * G, ud, 1);
+                } else if (ud - ub < ub - ua) {
+                    pi_ib_pf(t, valn, on, Nn, ua + ud - ub, 0);
+                    if (PI_IB_PF_LINES == 2 && t == PI_Q8_0_IB) pi_ib_pf(t, valn, on, Nn, ua + ud - ub, 1);
+                }
+            }
+            (void)pf;
+            pi_ib_tile512(t, val, o, c, G, dsc, s, cr, u, y);
+#else
             pi_ib_tile512(t, val, o, c, G, dsc, s, cr, u, y);
             if (pf) pi_ib_pf(t, valn, on, Nn, u, 0);
             if (PI_IB_PF_LINES == 2 && t == PI_Q8_0_IB) pi_ib_pf(t, valn, on, Nn, u, 1);
+#endif
 #else
             pi_ib_half(t, val, o, c, G, dsc, s, cr, u, 0, y);
             if (pf) pi_ib_pf(t, valn, on, Nn, u, 0);
