@@ -308,6 +308,9 @@ static inline void pi_ib_scalar(const int t, const uint8_t *val, const int32_t *
 #ifndef PI_IB_PF_DIST
 #define PI_IB_PF_DIST 8
 #endif
+#ifndef PI_IB_PF_SCALES
+#define PI_IB_PF_SCALES 1
+#endif
 #ifndef PI_IB_PF_AHEAD
 #define PI_IB_PF_AHEAD 1
 #endif
@@ -383,6 +386,13 @@ static void pi_ib_halves(int t, const uint8_t *w, size_t stride, long n_out, lon
                 }
             }
             (void)pf;
+#if PI_IB_PF_SCALES
+            if (bn < nb) {  /* the next block's 64 f16 scales of this tile (128 bytes) */
+                const char *dn = (const char *)(w + stride * (size_t)bn) + 2 * PI_IB_TILE * u;
+                _mm_prefetch(dn, PI_IB_PF_HINT);
+                _mm_prefetch(dn + 64, PI_IB_PF_HINT);
+            }
+#endif
             pi_ib_tile512(t, val, o, c, G, dsc, s, cr, u, y);
 #else
             pi_ib_tile512(t, val, o, c, G, dsc, s, cr, u, y);
