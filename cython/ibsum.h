@@ -39,10 +39,20 @@
  * trick: |q| x sign(xq, q), at most 2 * 128 * 127 per pair); without SIMD a scalar loop. All
  * three give the same integers and the same f32 operations, so the same bits.
  *
- * Threads split the tiles (every output's sum runs over the same blocks in the same order: the
- * bits do not depend on the thread count); the per-block quantization is split by blocks first,
- * then a barrier. Block-outer, tile-inner: a block's kept rows stream together, and the next
- * block's kept rows of the same tile are prefetched into L2 (one line per row and tile).
+ * Threads split the 32-output half tiles (every output's sum runs over the same blocks in the
+ * same order: the bits do not depend on the thread count; SmolLM2's 576 outputs are 18 halves,
+ * 9/9 on two threads where whole tiles split 5/4); a thread's range may start or end in the
+ * middle of a tile, and that lone half goes through the 256-bit path (VNNI: _mm256_dpbusd_epi32
+ * on the same four-row lanes; AVX2: its usual half) in a private copy of the tile. The per-block
+ * quantization is split by blocks first (AVX-512: 32 lanes per block), then a barrier.
+ * Block-outer, tile-inner: a block's kept rows stream together. Prefetch (into L2, session 11,
+ * measured on 30 matrices streamed from memory: tools/ab_input_kernels.py --evict-mib): the
+ * VNNI path prefetches, while doing tile u of block b, tile u + 8 of the thread's (block, tile)
+ * sequence (the current block's rows, or the next non-empty block's past the range; at most one
+ * block ahead) and the next block's scale row of tile u; the AVX2 path the next block's kept
+ * rows of tile u. One prefetch per 32 bytes (two per 64-byte line, although the rows are
+ * line-aligned) measured faster from memory than one per line, and slower from cache. Prefill
+ * (pi_ib_tiles, the same matrix token after token, so from cache) keeps the lighter prefetch.
  *
  * Included by rowsum_team.h (after simd.h).
  */
@@ -306,7 +316,7 @@ static inline void pi_ib_scalar(const int t, const uint8_t *val, const int32_t *
 #define PI_IB_PF_LINES 2
 #endif
 #ifndef PI_IB_PF_DIST
-#define PI_IB_PF_DIST 8
+#define PI_IB_PF_DIST 8 /* >= 1 */
 #endif
 #ifndef PI_IB_PF_SCALES
 #define PI_IB_PF_SCALES 1
@@ -327,10 +337,14 @@ static inline __attribute__((always_inline)) void pi_ib_pf(const int t, const ui
 /* out += the products of the prepared blocks over the half tiles v0 .. v1 - 1 (half v: tile v / 2,
  * positions 32 (v % 2) .. + 31, i.e. outputs 64 (v / 2) + 16 s + 8 (v % 2) + k, s in 0..3, k in
  * 0..7). Every output gets the same operations whichever range holds it: an odd v0 or v1 makes a
- * lone half tile, which the VNNI build sums with 256-bit dpbusd, the AVX2 build as always. */
+ * lone half tile, which the VNNI build sums with 256-bit dpbusd, the AVX2 build as always.
+ * stream: 1 for a decode (the weights come from memory: the prefetch of the header comment),
+ * 0 where they are read again right after (prefill, token after token: only the next block's
+ * rows of the same tile, one prefetch per tile, as a0af1f5 did; the decode prefetch measured
+ * 1.14-1.39x slower there on one thread). Bits do not depend on it. */
 static void pi_ib_halves(int t, const uint8_t *w, size_t stride, long n_out, long nb,
                          const int32_t *off, const int32_t *cf, const int32_t *ng, const float *sb,
-                         const int32_t *corr, long v0, long v1, float *out) {
+                         const int32_t *corr, long v0, long v1, float *out, int stream) {
     const long ua = (v0 + 1) / 2, ub = v1 / 2;  /* whole tiles */
     const int head = (int)(v0 & 1) && v0 < v1, tail = (int)(v1 & 1) && v1 - 1 >= v0 + head;
     /* a lone half's outputs share cache lines with the other half (another thread's): sum them in
@@ -373,8 +387,7 @@ static void pi_ib_halves(int t, const uint8_t *w, size_t stride, long n_out, lon
              * half a line */
             const int pf = t == PI_Q8_0_IB || !(u & 1) || u == ua || PI_IB_PF_LINES == 2;
 #if PI_IB_VNNI512
-#if PI_IB_PF_DIST
-            {
+            if (stream) {
                 /* D tiles ahead in the thread's (block, tile) order; at most one block ahead */
                 const long ud = u + (PI_IB_PF_DIST < ub - ua ? PI_IB_PF_DIST : ub - ua);
                 if (ud < ub) {
@@ -384,25 +397,21 @@ static void pi_ib_halves(int t, const uint8_t *w, size_t stride, long n_out, lon
                     pi_ib_pf(t, valn, on, Nn, ua + ud - ub, 0);
                     if (PI_IB_PF_LINES == 2 && t == PI_Q8_0_IB) pi_ib_pf(t, valn, on, Nn, ua + ud - ub, 1);
                 }
+                if (PI_IB_PF_SCALES && bn < nb) {  /* the next block's 64 f16 scales of tile u */
+                    const char *dn = (const char *)(w + stride * (size_t)bn) + 2 * PI_IB_TILE * u;
+                    _mm_prefetch(dn, PI_IB_PF_HINT);
+                    _mm_prefetch(dn + 64, PI_IB_PF_HINT);
+                }
+                pi_ib_tile512(t, val, o, c, G, dsc, s, cr, u, y);
+            } else {  /* a0af1f5's: the next block's rows, same tile, once per tile */
+                pi_ib_tile512(t, val, o, c, G, dsc, s, cr, u, y);
+                pi_ib_pf(t, valn, on, Nn, u, 0);
             }
             (void)pf;
-#if PI_IB_PF_SCALES
-            if (bn < nb) {  /* the next block's 64 f16 scales of this tile (128 bytes) */
-                const char *dn = (const char *)(w + stride * (size_t)bn) + 2 * PI_IB_TILE * u;
-                _mm_prefetch(dn, PI_IB_PF_HINT);
-                _mm_prefetch(dn + 64, PI_IB_PF_HINT);
-            }
-#endif
-            pi_ib_tile512(t, val, o, c, G, dsc, s, cr, u, y);
-#else
-            pi_ib_tile512(t, val, o, c, G, dsc, s, cr, u, y);
-            if (pf) pi_ib_pf(t, valn, on, Nn, u, 0);
-            if (PI_IB_PF_LINES == 2 && t == PI_Q8_0_IB) pi_ib_pf(t, valn, on, Nn, u, 1);
-#endif
 #else
             pi_ib_half(t, val, o, c, G, dsc, s, cr, u, 0, y);
-            if (pf) pi_ib_pf(t, valn, on, Nn, u, 0);
-            if (PI_IB_PF_LINES == 2 && t == PI_Q8_0_IB) pi_ib_pf(t, valn, on, Nn, u, 1);
+            if (pf || !stream) pi_ib_pf(t, valn, on, Nn, u, 0);
+            if (stream && PI_IB_PF_LINES == 2 && t == PI_Q8_0_IB) pi_ib_pf(t, valn, on, Nn, u, 1);
             pi_ib_half(t, val, o, c, G, dsc, s, cr, u, 1, y);
 #endif
         }
@@ -423,11 +432,12 @@ static void pi_ib_halves(int t, const uint8_t *w, size_t stride, long n_out, lon
     }
 }
 
-/* out[64u0 .. 64u1) += the products of the prepared blocks (tiles u0..u1 of every block). */
+/* out[64u0 .. 64u1) += the products of the prepared blocks (tiles u0..u1 of every block), with
+ * the light prefetch (prefill: pi_ib_halves with stream = 0). */
 static void pi_ib_tiles(int t, const uint8_t *w, size_t stride, long n_out, long nb,
                         const int32_t *off, const int32_t *cf, const int32_t *ng, const float *sb,
                         const int32_t *corr, long u0, long u1, float *out) {
-    pi_ib_halves(t, w, stride, n_out, nb, off, cf, ng, sb, corr, 2 * u0, 2 * u1, out);
+    pi_ib_halves(t, w, stride, n_out, nb, off, cf, ng, sb, corr, 2 * u0, 2 * u1, out, 0);
 }
 
 /* The outputs of half tiles v0 .. v1 - 1 as runs of contiguous floats: out[.] = 0 (add NULL) or
@@ -481,7 +491,7 @@ static void pi_ib_rows_team(int t, int T, int qtype, const uint8_t *w, size_t st
     const long nv = cols / (PI_IB_TILE / 2), v0 = t * nv / T, v1 = (t + 1) * nv / T;
     if (v1 > v0) {
         pi_ib_halves_span(v0, v1, out, NULL);
-        pi_ib_halves(qtype, w, stride, cols, nb, off, cf, ng, sb, corr, v0, v1, out);
+        pi_ib_halves(qtype, w, stride, cols, nb, off, cf, ng, sb, corr, v0, v1, out, 1);
         if (add) pi_ib_halves_span(v0, v1, out, add);
     }
 }
