@@ -39,10 +39,20 @@
  * trick: |q| x sign(xq, q), at most 2 * 128 * 127 per pair); without SIMD a scalar loop. All
  * three give the same integers and the same f32 operations, so the same bits.
  *
- * Threads split the tiles (every output's sum runs over the same blocks in the same order: the
- * bits do not depend on the thread count); the per-block quantization is split by blocks first,
- * then a barrier. Block-outer, tile-inner: a block's kept rows stream together, and the next
- * block's kept rows of the same tile are prefetched into L2 (one line per row and tile).
+ * Threads split the 32-output half tiles (every output's sum runs over the same blocks in the
+ * same order: the bits do not depend on the thread count; SmolLM2's 576 outputs are 18 halves,
+ * 9/9 on two threads where whole tiles split 5/4); a thread's range may start or end in the
+ * middle of a tile, and that lone half goes through the 256-bit path (VNNI: _mm256_dpbusd_epi32
+ * on the same four-row lanes; AVX2: its usual half) in a private copy of the tile. The per-block
+ * quantization is split by blocks first (AVX-512: 32 lanes per block), then a barrier.
+ * Block-outer, tile-inner: a block's kept rows stream together. Prefetch (into L2, session 11,
+ * measured on 30 matrices streamed from memory: tools/ab_input_kernels.py --evict-mib): the
+ * VNNI path prefetches, while doing tile u of block b, tile u + 8 of the thread's (block, tile)
+ * sequence (the current block's rows, or the next non-empty block's past the range; at most one
+ * block ahead) and the next block's scale row of tile u; the AVX2 path the next block's kept
+ * rows of tile u. One prefetch per 32 bytes (two per 64-byte line, although the rows are
+ * line-aligned) measured faster from memory than one per line, and slower from cache. Prefill
+ * (pi_ib_tiles, the same matrix token after token, so from cache) keeps the lighter prefetch.
  *
  * Included by rowsum_team.h (after simd.h).
  */
@@ -90,6 +100,38 @@ static inline void pi_ib_prep(int t, long n_out, const float *coef, const int32_
                               long k1, long b, int32_t *off, int32_t *cf, int32_t *ng, float *sb,
                               int32_t *corr) {
     const size_t rb = pi_ib_row_bytes(t, n_out);
+#if PI_SIMD && defined(__AVX512F__) && defined(__AVX512BW__)
+    {
+        /* the scalar loop below, 16 lanes at a time (as simd.h pi_quantize_q8: max |x| in any
+         * order, one f32 product per value, cvtps rounds to nearest-even as lrintf does in the
+         * default rounding mode); lanes past n load 0 and give q = 0 and offset 0 */
+        const int n = (int)(k1 - k0);
+        const __mmask32 m = n >= 32 ? 0xffffffffu : ((1u << n) - 1u);
+        const __mmask16 m0 = (__mmask16)m, m1 = (__mmask16)(m >> 16);
+        const __m512 x0 = _mm512_maskz_loadu_ps(m0, coef + k0);
+        const __m512 x1 = _mm512_maskz_loadu_ps(m1, coef + k0 + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+        const float d = amax / 127.0f;
+        const __m512 id = _mm512_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, id));
+        const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, id));
+        int8_t q[32];
+        _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(q1));
+        memcpy(cf + 8 * b, q, 32);
+        const __m512i base = _mm512_set1_epi32((int32_t)(32 * b)), vrb = _mm512_set1_epi32((int32_t)rb);
+        const __m512i j0 = _mm512_maskz_loadu_epi32(m0, idx + k0);
+        const __m512i j1 = _mm512_maskz_loadu_epi32(m1, idx + k0 + 16);
+        _mm512_storeu_si512((void *)(off + 32 * b),
+                            _mm512_mullo_epi32(_mm512_maskz_sub_epi32(m0, j0, base), vrb));
+        _mm512_storeu_si512((void *)(off + 32 * b + 16),
+                            _mm512_mullo_epi32(_mm512_maskz_sub_epi32(m1, j1, base), vrb));
+        ng[b] = (n + 3) / 4;
+        sb[b] = d;
+        corr[b] = (t == PI_Q8_0_IB ? 128 : 8) * _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        return;
+    }
+#endif
     float amax = 0.0f;
     for (long k = k0; k < k1; k++) {
         const float a = fabsf(coef[k]);
@@ -127,11 +169,19 @@ static inline int pi_ib_val(int t, const uint8_t *row, long u, int p) {
 }
 
 #if PI_SIMD
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define PI_IB_VNNI512 1
 #else
 #define PI_IB_VNNI512 0
 #endif
+
+/* half h (positions 32h .. 32h + 31) of tile u of row p, unsigned */
+static inline __attribute__((always_inline)) __m256i pi_ib_load256(const int t, const uint8_t *p,
+                                                                   long u, int h) {
+    if (t == PI_Q8_0_IB) return _mm256_loadu_si256((const __m256i *)(p + 64 * u + 32 * h));
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 32 * u));
+    return _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(15));
+}
 
 #if PI_IB_VNNI512
 /* the 64 unsigned values of tile u of row p */
@@ -143,14 +193,6 @@ static inline __attribute__((always_inline)) __m512i pi_ib_load512(const int t, 
     return _mm512_and_si512(w, _mm512_set1_epi8(15));
 }
 #else
-/* half h (positions 32h .. 32h + 31) of tile u of row p, unsigned */
-static inline __attribute__((always_inline)) __m256i pi_ib_load256(const int t, const uint8_t *p,
-                                                                   long u, int h) {
-    if (t == PI_Q8_0_IB) return _mm256_loadu_si256((const __m256i *)(p + 64 * u + 32 * h));
-    const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 32 * u));
-    return _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(15));
-}
-
 /* sum of the four products of each 32-bit lane: unsigned values w (q8_0: q + 128) times the
  * signed coefficients c, into int32, as dpbusd computes it */
 static inline __attribute__((always_inline)) __m256i pi_ib_dot4(const int t, __m256i w, __m256i c) {
@@ -164,13 +206,155 @@ static inline __attribute__((always_inline)) __m256i pi_ib_dot4(const int t, __m
     return _mm256_madd_epi16(_mm256_maddubs_epi16(w, c), _mm256_set1_epi16(1));
 }
 #endif
+
+/* y[16 k + 8 h + 0..7] += (s d) * float(acc[k] - corr) for half h of tile u (y: the tile's 64
+ * outputs; dsc: the block's f16 scales) */
+static inline __attribute__((always_inline)) void pi_ib_flush256(const uint16_t *dsc, long u, int h,
+                                                                 float s, int32_t cr,
+                                                                 const __m256i acc[4], float *y) {
+    const __m256 vs = _mm256_set1_ps(s);
+    const __m256i vc = _mm256_set1_epi32(cr);
+    for (int k = 0; k < 4; k++) {
+        float *yk = y + 16 * k + 8 * h;
+        const __m256 d = _mm256_cvtph_ps(
+            _mm_loadu_si128((const __m128i *)(dsc + PI_IB_TILE * u + 16 * k + 8 * h)));
+        const __m256 f = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc[k], vc));
+        _mm256_storeu_ps(yk, _mm256_fmadd_ps(_mm256_mul_ps(vs, d), f, _mm256_loadu_ps(yk)));
+    }
+}
+
+/* half h of tile u over one block's G groups of four kept rows (val + o[.], coefficients c) */
+static inline __attribute__((always_inline)) void pi_ib_half(const int t, const uint8_t *val,
+                                                             const int32_t *o, const int32_t *c,
+                                                             int G, const uint16_t *dsc, float s,
+                                                             int32_t cr, long u, int h, float *y) {
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+    for (int g = 0; g < G; g++) {
+        const __m256i r0 = pi_ib_load256(t, val + o[4 * g], u, h);
+        const __m256i r1 = pi_ib_load256(t, val + o[4 * g + 1], u, h);
+        const __m256i r2 = pi_ib_load256(t, val + o[4 * g + 2], u, h);
+        const __m256i r3 = pi_ib_load256(t, val + o[4 * g + 3], u, h);
+        const __m256i l01 = _mm256_unpacklo_epi8(r0, r1), h01 = _mm256_unpackhi_epi8(r0, r1);
+        const __m256i l23 = _mm256_unpacklo_epi8(r2, r3), h23 = _mm256_unpackhi_epi8(r2, r3);
+        const __m256i cc = _mm256_set1_epi32(c[g]);
+#if PI_IB_VNNI512
+        a0 = _mm256_dpbusd_epi32(a0, _mm256_unpacklo_epi16(l01, l23), cc);
+        a1 = _mm256_dpbusd_epi32(a1, _mm256_unpackhi_epi16(l01, l23), cc);
+        a2 = _mm256_dpbusd_epi32(a2, _mm256_unpacklo_epi16(h01, h23), cc);
+        a3 = _mm256_dpbusd_epi32(a3, _mm256_unpackhi_epi16(h01, h23), cc);
+#else
+        a0 = _mm256_add_epi32(a0, pi_ib_dot4(t, _mm256_unpacklo_epi16(l01, l23), cc));
+        a1 = _mm256_add_epi32(a1, pi_ib_dot4(t, _mm256_unpackhi_epi16(l01, l23), cc));
+        a2 = _mm256_add_epi32(a2, pi_ib_dot4(t, _mm256_unpacklo_epi16(h01, h23), cc));
+        a3 = _mm256_add_epi32(a3, pi_ib_dot4(t, _mm256_unpackhi_epi16(h01, h23), cc));
+#endif
+    }
+    const __m256i acc[4] = {a0, a1, a2, a3};
+    /* q8_0 through pi_ib_dot4 (AVX2) is already signed: no correction */
+    pi_ib_flush256(dsc, u, h, s, (!PI_IB_VNNI512 && t == PI_Q8_0_IB) ? 0 : cr, acc, y);
+}
+
+#if PI_IB_VNNI512
+/* the whole tile u (both halves in one 512-bit pass) */
+static inline __attribute__((always_inline)) void pi_ib_tile512(const int t, const uint8_t *val,
+                                                                const int32_t *o, const int32_t *c,
+                                                                int G, const uint16_t *dsc, float s,
+                                                                int32_t cr, long u, float *y) {
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+    for (int g = 0; g < G; g++) {
+        const __m512i r0 = pi_ib_load512(t, val + o[4 * g], u);
+        const __m512i r1 = pi_ib_load512(t, val + o[4 * g + 1], u);
+        const __m512i r2 = pi_ib_load512(t, val + o[4 * g + 2], u);
+        const __m512i r3 = pi_ib_load512(t, val + o[4 * g + 3], u);
+        const __m512i l01 = _mm512_unpacklo_epi8(r0, r1), h01 = _mm512_unpackhi_epi8(r0, r1);
+        const __m512i l23 = _mm512_unpacklo_epi8(r2, r3), h23 = _mm512_unpackhi_epi8(r2, r3);
+        const __m512i cc = _mm512_set1_epi32(c[g]);
+        a0 = _mm512_dpbusd_epi32(a0, _mm512_unpacklo_epi16(l01, l23), cc);
+        a1 = _mm512_dpbusd_epi32(a1, _mm512_unpackhi_epi16(l01, l23), cc);
+        a2 = _mm512_dpbusd_epi32(a2, _mm512_unpacklo_epi16(h01, h23), cc);
+        a3 = _mm512_dpbusd_epi32(a3, _mm512_unpackhi_epi16(h01, h23), cc);
+    }
+    const __m512 vs = _mm512_set1_ps(s);
+    const __m512i vc = _mm512_set1_epi32(cr);
+    const __m512i acc[4] = {a0, a1, a2, a3};
+    for (int k = 0; k < 4; k++) {
+        const __m512 d = _mm512_cvtph_ps(
+            _mm256_loadu_si256((const __m256i *)(dsc + PI_IB_TILE * u + 16 * k)));
+        const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[k], vc));
+        _mm512_storeu_ps(y + 16 * k,
+                         _mm512_fmadd_ps(_mm512_mul_ps(vs, d), f, _mm512_loadu_ps(y + 16 * k)));
+    }
+}
+#endif
+#else
+/* halves h0..h1-1 of tile u, one output at a time (output i is in half (i >> 3) & 1) */
+static inline void pi_ib_scalar(const int t, const uint8_t *val, const int32_t *o, const int32_t *c,
+                                int G, const uint16_t *dsc, float s, int32_t cr, long u, int h0,
+                                int h1, float *y) {
+    for (int i = 0; i < PI_IB_TILE; i++) {
+        const int h = (i >> 3) & 1;
+        if (h < h0 || h >= h1) continue;
+        const int p = pi_ib_pos(i);
+        int32_t acc = 0;
+        for (int g = 0; g < G; g++) {
+            int8_t q4[4];
+            memcpy(q4, c + g, 4);
+            for (int r = 0; r < 4; r++) acc += q4[r] * pi_ib_val(t, val + o[4 * g + r], u, p);
+        }
+        const float d = pi_f16_to_f32(dsc[PI_IB_TILE * u + i]);
+        y[i] = fmaf(s * d, (float)(acc - cr), y[i]);
+    }
+}
 #endif /* PI_SIMD */
 
-/* out[64u0 .. 64u1) += the products of the prepared blocks (tiles u0..u1 of every block). */
-static void pi_ib_tiles(int t, const uint8_t *w, size_t stride, long n_out, long nb,
-                        const int32_t *off, const int32_t *cf, const int32_t *ng, const float *sb,
-                        const int32_t *corr, long u0, long u1, float *out) {
-    const size_t rb = pi_ib_row_bytes(t, n_out);
+/* Prefetch (PI_IB_PF_HINT, into L2) the line of half h of tile u of the n kept rows o[0..n) of
+ * the value rows valn */
+#ifndef PI_IB_PF_HINT
+#define PI_IB_PF_HINT _MM_HINT_T1
+#endif
+#ifndef PI_IB_PF_LINES
+#define PI_IB_PF_LINES 2
+#endif
+#ifndef PI_IB_PF_DIST
+#define PI_IB_PF_DIST 8 /* >= 1 */
+#endif
+#ifndef PI_IB_PF_SCALES
+#define PI_IB_PF_SCALES 1
+#endif
+#ifndef PI_IB_PF_AHEAD
+#define PI_IB_PF_AHEAD 1
+#endif
+static inline __attribute__((always_inline)) void pi_ib_pf(const int t, const uint8_t *valn,
+                                                           const int32_t *on, int n, long u, int h) {
+#if PI_SIMD
+    const size_t at = t == PI_Q8_0_IB ? 64 * (size_t)u + 32 * (size_t)h : 32 * (size_t)u;
+    for (int g = 0; g < n; g++) _mm_prefetch((const char *)(valn + on[g] + at), PI_IB_PF_HINT);
+#else
+    (void)t; (void)valn; (void)on; (void)n; (void)u; (void)h;
+#endif
+}
+
+/* out += the products of the prepared blocks over the half tiles v0 .. v1 - 1 (half v: tile v / 2,
+ * positions 32 (v % 2) .. + 31, i.e. outputs 64 (v / 2) + 16 s + 8 (v % 2) + k, s in 0..3, k in
+ * 0..7). Every output gets the same operations whichever range holds it: an odd v0 or v1 makes a
+ * lone half tile, which the VNNI build sums with 256-bit dpbusd, the AVX2 build as always.
+ * stream: 1 for a decode (the weights come from memory: the prefetch of the header comment),
+ * 0 where they are read again right after (prefill, token after token: only the next block's
+ * rows of the same tile, one prefetch per tile, as a0af1f5 did; the decode prefetch measured
+ * 1.14-1.39x slower there on one thread). Bits do not depend on it. */
+static void pi_ib_halves(int t, const uint8_t *w, size_t stride, long n_out, long nb,
+                         const int32_t *off, const int32_t *cf, const int32_t *ng, const float *sb,
+                         const int32_t *corr, long v0, long v1, float *out, int stream) {
+    const long ua = (v0 + 1) / 2, ub = v1 / 2;  /* whole tiles */
+    const int head = (int)(v0 & 1) && v0 < v1, tail = (int)(v1 & 1) && v1 - 1 >= v0 + head;
+    /* a lone half's outputs share cache lines with the other half (another thread's): sum them in
+     * a private copy of the tile and write them back at the end (same operations, same bits) */
+    float yh[PI_IB_TILE] __attribute__((aligned(64))), yt[PI_IB_TILE] __attribute__((aligned(64)));
+    float *oh = out + PI_IB_TILE * (v0 / 2), *ot = out + PI_IB_TILE * (v1 / 2);
+    for (int k = 0; k < 4; k++) {
+        if (head) memcpy(yh + 16 * k + 8, oh + 16 * k + 8, 8 * sizeof(float));
+        if (tail) memcpy(yt + 16 * k, ot + 16 * k, 8 * sizeof(float));
+    }
     for (long b = 0; b < nb; b++) {
         const int G = ng[b];
         if (!G) continue;
@@ -180,90 +364,98 @@ static void pi_ib_tiles(int t, const uint8_t *w, size_t stride, long n_out, long
         const int32_t *o = off + 32 * b, *c = cf + 8 * b;
         long bn = b + 1;
         while (bn < nb && !ng[bn]) bn++;
-        const int Gn = bn < nb ? ng[bn] : 0;
+#if PI_IB_PF_AHEAD == 2
+        if (bn < nb) {
+            long b2 = bn + 1;
+            while (b2 < nb && !ng[b2]) b2++;
+            if (b2 < nb) bn = b2;
+        }
+#endif
+        const int Nn = bn < nb ? 4 * ng[bn] : 0;
         const uint8_t *valn = bn < nb ? w + stride * (size_t)bn + 2 * (size_t)n_out : val;
         const int32_t *on = off + 32 * (bn < nb ? bn : b);
         const float s = sb[b];
         const int32_t cr = corr[b];
-        (void)rb;
-        for (long u = u0; u < u1; u++) {
+#if PI_SIMD
+        if (head) {
+            pi_ib_half(t, val, o, c, G, dsc, s, cr, v0 / 2, 1, yh);
+            pi_ib_pf(t, valn, on, Nn, v0 / 2, 1);
+        }
+        for (long u = ua; u < ub; u++) {
             float *y = out + PI_IB_TILE * u;
-#if PI_SIMD && PI_IB_VNNI512
-            __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
-            for (int g = 0; g < G; g++) {
-                const __m512i r0 = pi_ib_load512(t, val + o[4 * g], u);
-                const __m512i r1 = pi_ib_load512(t, val + o[4 * g + 1], u);
-                const __m512i r2 = pi_ib_load512(t, val + o[4 * g + 2], u);
-                const __m512i r3 = pi_ib_load512(t, val + o[4 * g + 3], u);
-                const __m512i l01 = _mm512_unpacklo_epi8(r0, r1), h01 = _mm512_unpackhi_epi8(r0, r1);
-                const __m512i l23 = _mm512_unpacklo_epi8(r2, r3), h23 = _mm512_unpackhi_epi8(r2, r3);
-                const __m512i cc = _mm512_set1_epi32(c[g]);
-                a0 = _mm512_dpbusd_epi32(a0, _mm512_unpacklo_epi16(l01, l23), cc);
-                a1 = _mm512_dpbusd_epi32(a1, _mm512_unpackhi_epi16(l01, l23), cc);
-                a2 = _mm512_dpbusd_epi32(a2, _mm512_unpacklo_epi16(h01, h23), cc);
-                a3 = _mm512_dpbusd_epi32(a3, _mm512_unpackhi_epi16(h01, h23), cc);
-            }
-            for (int g = 0; g < 4 * Gn; g++)
-                _mm_prefetch((const char *)(valn + on[g] + (t == PI_Q8_0_IB ? 64 : 32) * u),
-                             _MM_HINT_T1);
-            const __m512 vs = _mm512_set1_ps(s);
-            const __m512i vc = _mm512_set1_epi32(cr);
-            const __m512i acc[4] = {a0, a1, a2, a3};
-            for (int k = 0; k < 4; k++) {
-                const __m512 d = _mm512_cvtph_ps(
-                    _mm256_loadu_si256((const __m256i *)(dsc + PI_IB_TILE * u + 16 * k)));
-                const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[k], vc));
-                _mm512_storeu_ps(y + 16 * k,
-                                 _mm512_fmadd_ps(_mm512_mul_ps(vs, d), f, _mm512_loadu_ps(y + 16 * k)));
-            }
-#elif PI_SIMD
-            for (int h = 0; h < 2; h++) {
-                __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
-                for (int g = 0; g < G; g++) {
-                    const __m256i r0 = pi_ib_load256(t, val + o[4 * g], u, h);
-                    const __m256i r1 = pi_ib_load256(t, val + o[4 * g + 1], u, h);
-                    const __m256i r2 = pi_ib_load256(t, val + o[4 * g + 2], u, h);
-                    const __m256i r3 = pi_ib_load256(t, val + o[4 * g + 3], u, h);
-                    const __m256i l01 = _mm256_unpacklo_epi8(r0, r1), h01 = _mm256_unpackhi_epi8(r0, r1);
-                    const __m256i l23 = _mm256_unpacklo_epi8(r2, r3), h23 = _mm256_unpackhi_epi8(r2, r3);
-                    const __m256i cc = _mm256_set1_epi32(c[g]);
-                    a0 = _mm256_add_epi32(a0, pi_ib_dot4(t, _mm256_unpacklo_epi16(l01, l23), cc));
-                    a1 = _mm256_add_epi32(a1, pi_ib_dot4(t, _mm256_unpackhi_epi16(l01, l23), cc));
-                    a2 = _mm256_add_epi32(a2, pi_ib_dot4(t, _mm256_unpacklo_epi16(h01, h23), cc));
-                    a3 = _mm256_add_epi32(a3, pi_ib_dot4(t, _mm256_unpackhi_epi16(h01, h23), cc));
+            /* one prefetch per 64-byte line (PI_IB_PF_LINES 1) or per 32 bytes (2); a q4_0 tile is
+             * half a line */
+            const int pf = t == PI_Q8_0_IB || !(u & 1) || u == ua || PI_IB_PF_LINES == 2;
+#if PI_IB_VNNI512
+            if (stream) {
+                /* D tiles ahead in the thread's (block, tile) order; at most one block ahead */
+                const long ud = u + (PI_IB_PF_DIST < ub - ua ? PI_IB_PF_DIST : ub - ua);
+                if (ud < ub) {
+                    pi_ib_pf(t, val, o, 4 * G, ud, 0);
+                    if (PI_IB_PF_LINES == 2 && t == PI_Q8_0_IB) pi_ib_pf(t, val, o, 4 * G, ud, 1);
+                } else if (ud - ub < ub - ua) {
+                    pi_ib_pf(t, valn, on, Nn, ua + ud - ub, 0);
+                    if (PI_IB_PF_LINES == 2 && t == PI_Q8_0_IB) pi_ib_pf(t, valn, on, Nn, ua + ud - ub, 1);
                 }
-                if (h == 0)
-                    for (int g = 0; g < 4 * Gn; g++)
-                        _mm_prefetch((const char *)(valn + on[g] + (t == PI_Q8_0_IB ? 64 : 32) * u),
-                                     _MM_HINT_T1);
-                /* q8_0 through pi_ib_dot4 is already signed: no correction */
-                const __m256i vc = _mm256_set1_epi32(t == PI_Q8_0_IB ? 0 : cr);
-                const __m256 vs = _mm256_set1_ps(s);
-                const __m256i acc[4] = {a0, a1, a2, a3};
-                for (int k = 0; k < 4; k++) {
-                    float *yk = y + 16 * k + 8 * h;
-                    const __m256 d = _mm256_cvtph_ps(
-                        _mm_loadu_si128((const __m128i *)(dsc + PI_IB_TILE * u + 16 * k + 8 * h)));
-                    const __m256 f = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc[k], vc));
-                    _mm256_storeu_ps(yk, _mm256_fmadd_ps(_mm256_mul_ps(vs, d), f, _mm256_loadu_ps(yk)));
+                if (PI_IB_PF_SCALES && bn < nb) {  /* the next block's 64 f16 scales of tile u */
+                    const char *dn = (const char *)(w + stride * (size_t)bn) + 2 * PI_IB_TILE * u;
+                    _mm_prefetch(dn, PI_IB_PF_HINT);
+                    _mm_prefetch(dn + 64, PI_IB_PF_HINT);
                 }
+                pi_ib_tile512(t, val, o, c, G, dsc, s, cr, u, y);
+            } else {  /* a0af1f5's: the next block's rows, same tile, once per tile */
+                pi_ib_tile512(t, val, o, c, G, dsc, s, cr, u, y);
+                pi_ib_pf(t, valn, on, Nn, u, 0);
             }
+            (void)pf;
 #else
-            (void)valn;
-            (void)on;
-            (void)Gn;
-            for (int i = 0; i < PI_IB_TILE; i++) {
-                const int p = pi_ib_pos(i);
-                int32_t acc = 0;
-                for (int g = 0; g < G; g++) {
-                    int8_t q4[4];
-                    memcpy(q4, c + g, 4);
-                    for (int r = 0; r < 4; r++) acc += q4[r] * pi_ib_val(t, val + o[4 * g + r], u, p);
-                }
-                const float d = pi_f16_to_f32(dsc[PI_IB_TILE * u + i]);
-                y[i] = fmaf(s * d, (float)(acc - cr), y[i]);
-            }
+            pi_ib_half(t, val, o, c, G, dsc, s, cr, u, 0, y);
+            if (pf || !stream) pi_ib_pf(t, valn, on, Nn, u, 0);
+            if (stream && PI_IB_PF_LINES == 2 && t == PI_Q8_0_IB) pi_ib_pf(t, valn, on, Nn, u, 1);
+            pi_ib_half(t, val, o, c, G, dsc, s, cr, u, 1, y);
 #endif
+        }
+        if (tail) {
+            pi_ib_half(t, val, o, c, G, dsc, s, cr, v1 / 2, 0, yt);
+            pi_ib_pf(t, valn, on, Nn, v1 / 2, 0);
+        }
+#else
+        (void)valn; (void)on; (void)Nn;
+        if (head) pi_ib_scalar(t, val, o, c, G, dsc, s, cr, v0 / 2, 1, 2, yh);
+        for (long u = ua; u < ub; u++) pi_ib_scalar(t, val, o, c, G, dsc, s, cr, u, 0, 2, out + PI_IB_TILE * u);
+        if (tail) pi_ib_scalar(t, val, o, c, G, dsc, s, cr, v1 / 2, 0, 1, yt);
+#endif
+    }
+    for (int k = 0; k < 4; k++) {
+        if (head) memcpy(oh + 16 * k + 8, yh + 16 * k + 8, 8 * sizeof(float));
+        if (tail) memcpy(ot + 16 * k, yt + 16 * k, 8 * sizeof(float));
+    }
+}
+
+/* out[64u0 .. 64u1) += the products of the prepared blocks (tiles u0..u1 of every block), with
+ * the light prefetch (prefill: pi_ib_halves with stream = 0). */
+static void pi_ib_tiles(int t, const uint8_t *w, size_t stride, long n_out, long nb,
+                        const int32_t *off, const int32_t *cf, const int32_t *ng, const float *sb,
+                        const int32_t *corr, long u0, long u1, float *out) {
+    pi_ib_halves(t, w, stride, n_out, nb, off, cf, ng, sb, corr, 2 * u0, 2 * u1, out, 0);
+}
+
+/* The outputs of half tiles v0 .. v1 - 1 as runs of contiguous floats: out[.] = 0 (add NULL) or
+ * add[.] += out[.] */
+static void pi_ib_halves_span(long v0, long v1, float *out, float *add) {
+    long v = v0;
+    while (v < v1) {
+        if ((v & 1) || v + 1 >= v1) {  /* a lone half: four runs of 8 */
+            for (int k = 0; k < 4; k++) {
+                const long a = PI_IB_TILE * (v / 2) + 16 * k + 8 * (v & 1);
+                if (add) pi_add_f32(add + a, out + a, 8); else memset(out + a, 0, 8 * sizeof(float));
+            }
+            v++;
+        } else {  /* whole tiles */
+            const long e = v + ((v1 - v) & ~1L);
+            const long a = PI_IB_TILE * (v / 2), n = PI_IB_TILE * ((e - v) / 2);
+            if (add) pi_add_f32(add + a, out + a, (int)n); else memset(out + a, 0, (size_t)n * sizeof(float));
+            v = e;
         }
     }
 }
@@ -272,7 +464,8 @@ static void pi_ib_tiles(int t, const uint8_t *w, size_t stride, long n_out, long
  * (idx ascending, n entries) and 0 elsewhere; then, if add is not NULL, add += out. w: the
  * input blocks, `stride` bytes each; scratch: pi_ib_scratch_floats(idx[n-1] + 1) floats shared
  * by the team. One barrier (after the per-block quantization); each thread then writes only its
- * own tiles of out and add. */
+ * own half tiles of out and add (split by 32-output halves: SmolLM2's 576 outputs are 18 halves,
+ * 9/9 on two threads, where whole tiles split 5/4). */
 static void pi_ib_rows_team(int t, int T, int qtype, const uint8_t *w, size_t stride,
                             const float *coef, const int32_t *idx, long n, float *out, int cols,
                             float *scratch, float *add) {
@@ -294,12 +487,12 @@ static void pi_ib_rows_team(int t, int T, int qtype, const uint8_t *w, size_t st
         k = k1;
     }
     PI_BARRIER();
-    /* 2. this thread's tiles over every block */
-    const long nu = cols / PI_IB_TILE, u0 = t * nu / T, u1 = (t + 1) * nu / T;
-    if (u1 > u0) {
-        memset(out + PI_IB_TILE * u0, 0, (size_t)(u1 - u0) * PI_IB_TILE * sizeof(float));
-        pi_ib_tiles(qtype, w, stride, cols, nb, off, cf, ng, sb, corr, u0, u1, out);
-        if (add) pi_add_f32(add + PI_IB_TILE * u0, out + PI_IB_TILE * u0, (u1 - u0) * PI_IB_TILE);
+    /* 2. this thread's half tiles over every block */
+    const long nv = cols / (PI_IB_TILE / 2), v0 = t * nv / T, v1 = (t + 1) * nv / T;
+    if (v1 > v0) {
+        pi_ib_halves_span(v0, v1, out, NULL);
+        pi_ib_halves(qtype, w, stride, cols, nb, off, cf, ng, sb, corr, v0, v1, out, 1);
+        if (add) pi_ib_halves_span(v0, v1, out, add);
     }
 }
 

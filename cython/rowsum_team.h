@@ -185,7 +185,7 @@ static void pi_axpy_rows_team(int t, int T, int qtype, const uint8_t *w, size_t 
 static void pi_axpy_rows_par(int qtype, const uint8_t *w, size_t stride, const float *coef,
                              const int32_t *idx, long n, float *out, int cols, float *tmp,
                              int n_threads) {
-    const long most = pi_is_ib(qtype) ? cols / PI_IB_TILE
+    const long most = pi_is_ib(qtype) ? cols / (PI_IB_TILE / 2)
                       : !pi_axpy_col_split(qtype, idx, stride, n) ? pi_axpy_nchunks(n, stride)
                       : n < 2 * PI_AXPY_ALIGN ? 1 : cols / pi_axpyq_unit_cols(qtype);
     const int nt = (int)(n_threads < most ? n_threads : (most > 0 ? most : 1));
