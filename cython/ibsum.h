@@ -499,6 +499,76 @@ pi_ib_chunk(const int t, const int NT, const uint8_t *val, size_t rb, const uint
 #endif
 }
 
+#if PI_SIMD && PI_IB_VNNI512
+/* Tile u of a block's 32 rows (values val), unpacked once: group g's four dpbusd operands (the
+ * four-row lanes of pi_ib_tiles) at pk + 256 (4 g + k) bytes, 2 KiB in all, 64-byte aligned. */
+static inline void pi_ib_unpack512(const int t, const uint8_t *val, size_t rb, long u,
+                                   uint8_t *pk) {
+    for (int g = 0; g < 8; g++) {
+        const uint8_t *p = val + (size_t)(4 * g) * rb;
+        const __m512i r0 = pi_ib_load512(t, p, u), r1 = pi_ib_load512(t, p + rb, u);
+        const __m512i r2 = pi_ib_load512(t, p + 2 * rb, u), r3 = pi_ib_load512(t, p + 3 * rb, u);
+        const __m512i l01 = _mm512_unpacklo_epi8(r0, r1), h01 = _mm512_unpackhi_epi8(r0, r1);
+        const __m512i l23 = _mm512_unpacklo_epi8(r2, r3), h23 = _mm512_unpackhi_epi8(r2, r3);
+        __m512i *o = (__m512i *)(pk + 256 * g);
+        _mm512_store_si512(o, _mm512_unpacklo_epi16(l01, l23));
+        _mm512_store_si512(o + 1, _mm512_unpackhi_epi16(l01, l23));
+        _mm512_store_si512(o + 2, _mm512_unpacklo_epi16(h01, h23));
+        _mm512_store_si512(o + 3, _mm512_unpackhi_epi16(h01, h23));
+    }
+}
+
+/* pi_ib_chunk over a block unpacked by pi_ib_unpack512 (same integers, same flush) */
+static inline __attribute__((always_inline)) void
+pi_ib_chunk_pk(const int NT, const uint8_t *pk, const uint16_t *dsc, long u, const int32_t *cf,
+               const float *sb, const int32_t *corr, const int32_t *nz, unsigned gm, float *y,
+               long ldo) {
+    __m512i acc[PI_IB_NT][4];
+#pragma GCC unroll 8
+    for (int i = 0; i < NT; i++)
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) acc[i][k] = _mm512_set1_epi32(-corr[i]);
+    for (int g = 0; g < 8; g++) {
+        if (!((gm >> g) & 1)) continue;
+        const __m512i *o = (const __m512i *)(pk + 256 * g);
+        const __m512i v0 = _mm512_load_si512(o), v1 = _mm512_load_si512(o + 1);
+        const __m512i v2 = _mm512_load_si512(o + 2), v3 = _mm512_load_si512(o + 3);
+#pragma GCC unroll 8
+        for (int i = 0; i < NT; i++) {
+            const __m512i cc = _mm512_set1_epi32(cf[8 * i + g]);
+            acc[i][0] = _mm512_dpbusd_epi32(acc[i][0], v0, cc);
+            acc[i][1] = _mm512_dpbusd_epi32(acc[i][1], v1, cc);
+            acc[i][2] = _mm512_dpbusd_epi32(acc[i][2], v2, cc);
+            acc[i][3] = _mm512_dpbusd_epi32(acc[i][3], v3, cc);
+        }
+    }
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) {
+        const __m512 d = _mm512_cvtph_ps(
+            _mm256_loadu_si256((const __m256i *)(dsc + PI_IB_TILE * u + 16 * k)));
+#pragma GCC unroll 8
+        for (int i = 0; i < NT; i++) {
+            if (!nz[i]) continue;
+            float *yk = y + ldo * i + 16 * k;
+            const __m512 f = _mm512_cvtepi32_ps(acc[i][k]);  /* acc - corr */
+            _mm512_storeu_ps(yk, _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(sb[i]), d), f,
+                                                 _mm512_loadu_ps(yk)));
+        }
+    }
+}
+
+static void pi_ib_chunk_pk_any(int nt, const uint8_t *pk, const uint16_t *dsc, long u,
+                               const int32_t *cf, const float *sb, const int32_t *corr,
+                               const int32_t *nz, unsigned gm, float *y, long ldo) {
+    switch (nt) {
+#define PI_IB_CASE(N_) \
+    case N_: pi_ib_chunk_pk(N_, pk, dsc, u, cf, sb, corr, nz, gm, y, ldo); break;
+        PI_IB_CASE(1) PI_IB_CASE(2) PI_IB_CASE(3) PI_IB_CASE(4) PI_IB_CASE(5) PI_IB_CASE(6)
+#undef PI_IB_CASE
+    }
+}
+#endif
+
 /* pi_ib_chunk with the type and the token count as constants */
 static void pi_ib_chunk_any(int t, int nt, const uint8_t *val, size_t rb, const uint16_t *dsc,
                             long u, const int32_t *cf, const float *sb, const int32_t *corr,
@@ -556,14 +626,33 @@ static void pi_ib_matmul(int qtype, const uint8_t *w, size_t stride, long n_in, 
         PI_BARRIER();
         /* 2. this thread's tiles: chunks of tokens, every block in order */
         const long u0 = t * nu / T, u1 = (t + 1) * nu / T;
-        if (u1 > u0)
-            for (long k = 0; k < n_tok; k++)
-                memset(out + ldo * k + PI_IB_TILE * u0, 0,
-                       (size_t)(u1 - u0) * PI_IB_TILE * sizeof(float));
-        for (long u = u0; u < u1; u++)
+        /* a chunk's sums go to yb (contiguous: rows of out ldo floats apart would alias in L1
+         * and in the store-to-load check), then to out */
+        float yb[PI_IB_NT * PI_IB_TILE] __attribute__((aligned(64)));
+#if PI_SIMD && PI_IB_VNNI512
+        /* more than one chunk: each tile's blocks unpacked once into pk, then read by every
+         * chunk (contiguous: no cache-set aliasing of rows n_out bytes apart) */
+        uint8_t *pk = n_tok > PI_IB_NT && u1 > u0 ? (uint8_t *)aligned_alloc(64, 2048 * (size_t)nb)
+                                                  : NULL;
+#endif
+        for (long u = u0; u < u1; u++) {
+#if PI_SIMD && PI_IB_VNNI512
+            if (pk)
+                for (long b = 0; b < nb; b++) {
+                    const uint8_t *blk = w + stride * (size_t)b;
+                    pi_ib_unpack512(qtype, blk + 2 * (size_t)cols, rb, u, pk + 2048 * (size_t)b);
+                    /* the next tile's rows and scales of this block, into L2 by its turn */
+                    if (u + 1 < u1) {
+                        const uint8_t *nx = blk + 2 * (size_t)cols + (qtype == PI_Q8_0_IB ? 64 : 32) * (u + 1);
+                        for (int j = 0; j < 32; j++) _mm_prefetch((const char *)(nx + (size_t)j * rb), _MM_HINT_T1);
+                        _mm_prefetch((const char *)(blk + 2 * PI_IB_TILE * (u + 1)), _MM_HINT_T1);
+                        _mm_prefetch((const char *)(blk + 2 * PI_IB_TILE * (u + 1) + 64), _MM_HINT_T1);
+                    }
+                }
+#endif
             for (long k0 = 0; k0 < n_tok; k0 += PI_IB_NT) {
                 const int n = n_tok - k0 < PI_IB_NT ? (int)(n_tok - k0) : PI_IB_NT;
-                float *y = out + ldo * k0 + PI_IB_TILE * u;
+                memset(yb, 0, sizeof(yb));
                 for (long b = 0; b < nb; b++) {
                     const size_t e = (size_t)b * n_tok + k0;
                     unsigned gm = 0;
@@ -574,10 +663,25 @@ static void pi_ib_matmul(int qtype, const uint8_t *w, size_t stride, long n_in, 
                     }
                     if (!any) continue;
                     const uint8_t *blk = w + stride * (size_t)b;
+#if PI_SIMD && PI_IB_VNNI512
+                    if (pk) {
+                        pi_ib_chunk_pk_any(n, pk + 2048 * (size_t)b, (const uint16_t *)blk, u,
+                                           cfw + 8 * e, sbt + e, crt + e, nzt + e, gm, yb,
+                                           PI_IB_TILE);
+                        continue;
+                    }
+#endif
                     pi_ib_chunk_any(qtype, n, blk + 2 * (size_t)cols, rb, (const uint16_t *)blk, u,
-                                    cfw + 8 * e, sbt + e, crt + e, nzt + e, gm, y, ldo);
+                                    cfw + 8 * e, sbt + e, crt + e, nzt + e, gm, yb, PI_IB_TILE);
                 }
+                for (int i = 0; i < n; i++)
+                    memcpy(out + ldo * (k0 + i) + PI_IB_TILE * u, yb + PI_IB_TILE * i,
+                           PI_IB_TILE * sizeof(float));
             }
+        }
+#if PI_SIMD && PI_IB_VNNI512
+        free(pk);
+#endif
     }
     free(cfw);
 }
