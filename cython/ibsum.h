@@ -396,8 +396,9 @@ static inline int pi_ib_prep_dense(int t, const float *x, long n, int32_t *cf8, 
 }
 
 /* Chunk of NT tokens, block (values val, scales dsc), tile u: y + ldo i (token i's row of out,
- * at tile u) += the block's products. cf: token i's 8 words at cf + 8 i; sb, corr, nz: token
- * i's at [i]; gm: bit g set where group g has a nonzero coefficient for some token. */
+ * at tile u) += the block's products. cf: token i's 8 words at cf + 8 i; sb, corr: token i's
+ * at [i]; nz[i]: not 0 where token i kept something in the block (else no flush, as decode
+ * skips the block); gm: bit g set where group g has a nonzero coefficient for some token. */
 static inline __attribute__((always_inline)) void
 pi_ib_chunk(const int t, const int NT, const uint8_t *val, size_t rb, const uint16_t *dsc, long u,
             const int32_t *cf, const float *sb, const int32_t *corr, const int32_t *nz,
@@ -562,7 +563,10 @@ static void pi_ib_chunk_pk_any(int nt, const uint8_t *pk, const uint16_t *dsc, l
                                const int32_t *nz, unsigned gm, float *y, long ldo) {
     switch (nt) {
 #define PI_IB_CASE(N_) \
-    case N_: pi_ib_chunk_pk(N_, pk, dsc, u, cf, sb, corr, nz, gm, y, ldo); break;
+    case N_:                                                                                  \
+        if (N_ <= PI_IB_NT)                                                                   \
+            pi_ib_chunk_pk(N_ <= PI_IB_NT ? N_ : 1, pk, dsc, u, cf, sb, corr, nz, gm, y, ldo);  \
+        break;
         PI_IB_CASE(1) PI_IB_CASE(2) PI_IB_CASE(3) PI_IB_CASE(4) PI_IB_CASE(5) PI_IB_CASE(6)
 #undef PI_IB_CASE
     }
@@ -619,9 +623,13 @@ static void pi_ib_matmul(int qtype, const uint8_t *w, size_t stride, long n_in, 
         for (long k = t; k < n_tok; k += T)
             for (long b = 0; b < nb; b++) {
                 const size_t e = (size_t)b * n_tok + k;
-                nzt[e] = pi_ib_prep_dense(qtype, a + lda * k + 32 * b,
-                                          n_in - 32 * b < 32 ? n_in - 32 * b : 32, cfw + 8 * e,
-                                          sbt + e, crt + e);
+                const int kept = pi_ib_prep_dense(qtype, a + lda * k + 32 * b,
+                                                  n_in - 32 * b < 32 ? n_in - 32 * b : 32,
+                                                  cfw + 8 * e, sbt + e, crt + e);
+                /* bit 8: kept something; bit g: group g has a nonzero coefficient */
+                int32_t f = kept << 8;
+                for (int g = 0; g < 8; g++) f |= (cfw[8 * e + g] != 0) << g;
+                nzt[e] = f;
             }
         PI_BARRIER();
         /* 2. this thread's tiles: chunks of tokens, every block in order */
@@ -655,13 +663,10 @@ static void pi_ib_matmul(int qtype, const uint8_t *w, size_t stride, long n_in, 
                 memset(yb, 0, sizeof(yb));
                 for (long b = 0; b < nb; b++) {
                     const size_t e = (size_t)b * n_tok + k0;
-                    unsigned gm = 0;
-                    int any = 0;
-                    for (int i = 0; i < n; i++) {
-                        any |= nzt[e + i];
-                        for (int g = 0; g < 8; g++) gm |= (unsigned)(cfw[8 * (e + i) + g] != 0) << g;
-                    }
+                    int32_t any = 0;
+                    for (int i = 0; i < n; i++) any |= nzt[e + i];
                     if (!any) continue;
+                    const unsigned gm = (unsigned)any & 255;
                     const uint8_t *blk = w + stride * (size_t)b;
 #if PI_SIMD && PI_IB_VNNI512
                     if (pk) {
