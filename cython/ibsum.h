@@ -44,6 +44,11 @@
  * then a barrier. Block-outer, tile-inner: a block's kept rows stream together, and the next
  * block's kept rows of the same tile are prefetched into L2 (one line per row and tile).
  *
+ * Prefill (pi_ib_matmul) is a GEMM over the dense masked input with decode's integers and
+ * decode's flush, so each token gets decode's bits: chunks of tokens share each loaded group of
+ * four rows, every row of a block enters (a dropped channel has coefficient 0), and a tile's
+ * blocks are unpacked once per call (see there).
+ *
  * Included by rowsum_team.h (after simd.h).
  */
 #ifndef PYINFER_IBSUM_H
@@ -316,11 +321,12 @@ static void pi_ib_rows_team(int t, int T, int qtype, const uint8_t *w, size_t st
  * So every row of out has the bits of pi_ib_rows_team on that token's nonzero inputs.
  * Groups whose coefficients are 0 for every token of the chunk are skipped. */
 
-/* tokens per chunk: 6 x 4 zmm int32 accumulators (VNNI-512), 2 x 4 ymm per half (AVX2) */
+/* tokens per chunk: 6 x 4 zmm int32 accumulators (VNNI-512), 3 x 4 ymm per half (AVX2: 2 measured
+ * 3-5% slower, 4 within 2%, on 3072 x 576 and 576 x 576 q8_0/q4_0 at 128 tokens) */
 #if PI_SIMD && PI_IB_VNNI512
 #define PI_IB_NT 6
 #elif PI_SIMD
-#define PI_IB_NT 2
+#define PI_IB_NT 3
 #else
 #define PI_IB_NT 4
 #endif
@@ -500,13 +506,15 @@ pi_ib_chunk(const int t, const int NT, const uint8_t *val, size_t rb, const uint
 #endif
 }
 
-#if PI_SIMD && PI_IB_VNNI512
+#if PI_SIMD
 /* Tile u of a block's 32 rows (values val), unpacked once: group g's four dpbusd operands (the
- * four-row lanes of pi_ib_tiles) at pk + 256 (4 g + k) bytes, 2 KiB in all, 64-byte aligned. */
-static inline void pi_ib_unpack512(const int t, const uint8_t *val, size_t rb, long u,
-                                   uint8_t *pk) {
+ * four-row lanes of pi_ib_tiles) at pk + 256 g + 64 k, 2 KiB in all, 64-byte aligned. The
+ * unpacks work inside 128-bit lanes, so the AVX2 path's operands for half h of the tile are
+ * bytes 32 h .. 32 h + 31 of the same 64. */
+static inline void pi_ib_unpack(const int t, const uint8_t *val, size_t rb, long u, uint8_t *pk) {
     for (int g = 0; g < 8; g++) {
         const uint8_t *p = val + (size_t)(4 * g) * rb;
+#if PI_IB_VNNI512
         const __m512i r0 = pi_ib_load512(t, p, u), r1 = pi_ib_load512(t, p + rb, u);
         const __m512i r2 = pi_ib_load512(t, p + 2 * rb, u), r3 = pi_ib_load512(t, p + 3 * rb, u);
         const __m512i l01 = _mm512_unpacklo_epi8(r0, r1), h01 = _mm512_unpackhi_epi8(r0, r1);
@@ -516,14 +524,29 @@ static inline void pi_ib_unpack512(const int t, const uint8_t *val, size_t rb, l
         _mm512_store_si512(o + 1, _mm512_unpackhi_epi16(l01, l23));
         _mm512_store_si512(o + 2, _mm512_unpacklo_epi16(h01, h23));
         _mm512_store_si512(o + 3, _mm512_unpackhi_epi16(h01, h23));
+#else
+        for (int h = 0; h < 2; h++) {
+            const __m256i r0 = pi_ib_load256(t, p, u, h), r1 = pi_ib_load256(t, p + rb, u, h);
+            const __m256i r2 = pi_ib_load256(t, p + 2 * rb, u, h), r3 = pi_ib_load256(t, p + 3 * rb, u, h);
+            const __m256i l01 = _mm256_unpacklo_epi8(r0, r1), h01 = _mm256_unpackhi_epi8(r0, r1);
+            const __m256i l23 = _mm256_unpacklo_epi8(r2, r3), h23 = _mm256_unpackhi_epi8(r2, r3);
+            uint8_t *o = pk + 256 * g + 32 * h;
+            _mm256_store_si256((__m256i *)o, _mm256_unpacklo_epi16(l01, l23));
+            _mm256_store_si256((__m256i *)(o + 64), _mm256_unpackhi_epi16(l01, l23));
+            _mm256_store_si256((__m256i *)(o + 128), _mm256_unpacklo_epi16(h01, h23));
+            _mm256_store_si256((__m256i *)(o + 192), _mm256_unpackhi_epi16(h01, h23));
+        }
+#endif
     }
 }
 
-/* pi_ib_chunk over a block unpacked by pi_ib_unpack512 (same integers, same flush) */
+/* pi_ib_chunk over a block unpacked by pi_ib_unpack (same integers, same flush) */
 static inline __attribute__((always_inline)) void
-pi_ib_chunk_pk(const int NT, const uint8_t *pk, const uint16_t *dsc, long u, const int32_t *cf,
-               const float *sb, const int32_t *corr, const int32_t *nz, unsigned gm, float *y,
-               long ldo) {
+pi_ib_chunk_pk(const int t, const int NT, const uint8_t *pk, const uint16_t *dsc, long u,
+               const int32_t *cf, const float *sb, const int32_t *corr, const int32_t *nz,
+               unsigned gm, float *y, long ldo) {
+#if PI_IB_VNNI512
+    (void)t;
     __m512i acc[PI_IB_NT][4];
 #pragma GCC unroll 8
     for (int i = 0; i < NT; i++)
@@ -556,22 +579,71 @@ pi_ib_chunk_pk(const int NT, const uint8_t *pk, const uint16_t *dsc, long u, con
                                                  _mm512_loadu_ps(yk)));
         }
     }
+#else
+    for (int h = 0; h < 2; h++) {
+        __m256i acc[PI_IB_NT][4];
+#pragma GCC unroll 8
+        for (int i = 0; i < NT; i++)
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++)  /* q8_0 through pi_ib_dot4 is signed: no correction */
+                acc[i][k] = _mm256_set1_epi32(t == PI_Q8_0_IB ? 0 : -corr[i]);
+        for (int g = 0; g < 8; g++) {
+            if (!((gm >> g) & 1)) continue;
+            const uint8_t *o = pk + 256 * g + 32 * h;
+            const __m256i v0 = _mm256_load_si256((const __m256i *)o);
+            const __m256i v1 = _mm256_load_si256((const __m256i *)(o + 64));
+            const __m256i v2 = _mm256_load_si256((const __m256i *)(o + 128));
+            const __m256i v3 = _mm256_load_si256((const __m256i *)(o + 192));
+#pragma GCC unroll 8
+            for (int i = 0; i < NT; i++) {
+                const __m256i cc = _mm256_set1_epi32(cf[8 * i + g]);
+                acc[i][0] = _mm256_add_epi32(acc[i][0], pi_ib_dot4(t, v0, cc));
+                acc[i][1] = _mm256_add_epi32(acc[i][1], pi_ib_dot4(t, v1, cc));
+                acc[i][2] = _mm256_add_epi32(acc[i][2], pi_ib_dot4(t, v2, cc));
+                acc[i][3] = _mm256_add_epi32(acc[i][3], pi_ib_dot4(t, v3, cc));
+            }
+        }
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) {
+            const __m256 d = _mm256_cvtph_ps(
+                _mm_loadu_si128((const __m128i *)(dsc + PI_IB_TILE * u + 16 * k + 8 * h)));
+#pragma GCC unroll 8
+            for (int i = 0; i < NT; i++) {
+                if (!nz[i]) continue;
+                float *yk = y + ldo * i + 16 * k + 8 * h;
+                const __m256 f = _mm256_cvtepi32_ps(acc[i][k]);  /* acc - corr */
+                _mm256_storeu_ps(yk, _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(sb[i]), d), f,
+                                                     _mm256_loadu_ps(yk)));
+            }
+        }
+    }
+#endif
 }
 
-static void pi_ib_chunk_pk_any(int nt, const uint8_t *pk, const uint16_t *dsc, long u,
+/* pi_ib_chunk_pk with the type and the token count as constants */
+static void pi_ib_chunk_pk_any(int t, int nt, const uint8_t *pk, const uint16_t *dsc, long u,
                                const int32_t *cf, const float *sb, const int32_t *corr,
                                const int32_t *nz, unsigned gm, float *y, long ldo) {
-    switch (nt) {
-#define PI_IB_CASE(N_) \
+#define PI_IB_CASE(T_, N_)                                                                    \
     case N_:                                                                                  \
         if (N_ <= PI_IB_NT)                                                                   \
-            pi_ib_chunk_pk(N_ <= PI_IB_NT ? N_ : 1, pk, dsc, u, cf, sb, corr, nz, gm, y, ldo);  \
+            pi_ib_chunk_pk(T_, N_ <= PI_IB_NT ? N_ : 1, pk, dsc, u, cf, sb, corr, nz, gm, y,  \
+                           ldo);                                                              \
         break;
-        PI_IB_CASE(1) PI_IB_CASE(2) PI_IB_CASE(3) PI_IB_CASE(4) PI_IB_CASE(5) PI_IB_CASE(6)
-#undef PI_IB_CASE
+    if (t == PI_Q8_0_IB) {
+        switch (nt) {
+            PI_IB_CASE(PI_Q8_0_IB, 1) PI_IB_CASE(PI_Q8_0_IB, 2) PI_IB_CASE(PI_Q8_0_IB, 3)
+            PI_IB_CASE(PI_Q8_0_IB, 4) PI_IB_CASE(PI_Q8_0_IB, 5) PI_IB_CASE(PI_Q8_0_IB, 6)
+        }
+    } else {
+        switch (nt) {
+            PI_IB_CASE(PI_Q4_0_IB, 1) PI_IB_CASE(PI_Q4_0_IB, 2) PI_IB_CASE(PI_Q4_0_IB, 3)
+            PI_IB_CASE(PI_Q4_0_IB, 4) PI_IB_CASE(PI_Q4_0_IB, 5) PI_IB_CASE(PI_Q4_0_IB, 6)
+        }
     }
+#undef PI_IB_CASE
 }
-#endif
+#endif /* PI_SIMD */
 
 /* pi_ib_chunk with the type and the token count as constants */
 static void pi_ib_chunk_any(int t, int nt, const uint8_t *val, size_t rb, const uint16_t *dsc,
@@ -637,18 +709,18 @@ static void pi_ib_matmul(int qtype, const uint8_t *w, size_t stride, long n_in, 
         /* a chunk's sums go to yb (contiguous: rows of out ldo floats apart would alias in L1
          * and in the store-to-load check), then to out */
         float yb[PI_IB_NT * PI_IB_TILE] __attribute__((aligned(64)));
-#if PI_SIMD && PI_IB_VNNI512
+#if PI_SIMD
         /* more than one chunk: each tile's blocks unpacked once into pk, then read by every
          * chunk (contiguous: no cache-set aliasing of rows n_out bytes apart) */
         uint8_t *pk = n_tok > PI_IB_NT && u1 > u0 ? (uint8_t *)aligned_alloc(64, 2048 * (size_t)nb)
                                                   : NULL;
 #endif
         for (long u = u0; u < u1; u++) {
-#if PI_SIMD && PI_IB_VNNI512
+#if PI_SIMD
             if (pk)
                 for (long b = 0; b < nb; b++) {
                     const uint8_t *blk = w + stride * (size_t)b;
-                    pi_ib_unpack512(qtype, blk + 2 * (size_t)cols, rb, u, pk + 2048 * (size_t)b);
+                    pi_ib_unpack(qtype, blk + 2 * (size_t)cols, rb, u, pk + 2048 * (size_t)b);
                     /* the next tile's rows and scales of this block, into L2 by its turn */
                     if (u + 1 < u1) {
                         const uint8_t *nx = blk + 2 * (size_t)cols + (qtype == PI_Q8_0_IB ? 64 : 32) * (u + 1);
@@ -668,9 +740,9 @@ static void pi_ib_matmul(int qtype, const uint8_t *w, size_t stride, long n_in, 
                     if (!any) continue;
                     const unsigned gm = (unsigned)any & 255;
                     const uint8_t *blk = w + stride * (size_t)b;
-#if PI_SIMD && PI_IB_VNNI512
+#if PI_SIMD
                     if (pk) {
-                        pi_ib_chunk_pk_any(n, pk + 2048 * (size_t)b, (const uint16_t *)blk, u,
+                        pi_ib_chunk_pk_any(qtype, n, pk + 2048 * (size_t)b, (const uint16_t *)blk, u,
                                            cfw + 8 * e, sbt + e, crt + e, nzt + e, gm, yb,
                                            PI_IB_TILE);
                         continue;
@@ -684,7 +756,7 @@ static void pi_ib_matmul(int qtype, const uint8_t *w, size_t stride, long n_in, 
                            PI_IB_TILE * sizeof(float));
             }
         }
-#if PI_SIMD && PI_IB_VNNI512
+#if PI_SIMD
         free(pk);
 #endif
     }
