@@ -54,6 +54,11 @@
  * line-aligned) measured faster from memory than one per line, and slower from cache. Prefill
  * (pi_ib_tiles, the same matrix token after token, so from cache) keeps the lighter prefetch.
  *
+ * Prefill (pi_ib_matmul) is a GEMM over the dense masked input with decode's integers and
+ * decode's flush, so each token gets decode's bits: chunks of tokens share each loaded group of
+ * four rows, every row of a block enters (a dropped channel has coefficient 0), and a tile's
+ * blocks are unpacked once per call (see there).
+ *
  * Included by rowsum_team.h (after simd.h).
  */
 #ifndef PYINFER_IBSUM_H
@@ -496,16 +501,382 @@ static void pi_ib_rows_team(int t, int T, int qtype, const uint8_t *w, size_t st
     }
 }
 
+/* Prefill (matmul_t over an input-block tensor): a GEMM over the dense masked input.
+ *
+ * A token's dropped channels are 0 in its input row, and a 0 coefficient changes no integer sum,
+ * no block scale (the max of the kept |x|) and no correction (128 or 8 times sum(xq)). So per
+ * block b, 64-output tile u and chunk of up to PI_IB_NT tokens, the kernel takes all 32 rows of
+ * the block in 8 groups of four, loads and unpacks each group once, and adds each token's four
+ * products with that token's broadcast coefficients (its xq of the group's four channels, 0 for
+ * a dropped one): the integer sums acc - corr of decode (pi_ib_tiles), grouped differently but
+ * exact. Each token's flush is decode's: y += (s_b d) * float(acc - corr), one FMA per block,
+ * in block order, skipped where the token kept nothing in the block (decode skips such blocks).
+ * So every row of out has the bits of pi_ib_rows_team on that token's nonzero inputs.
+ * Groups whose coefficients are 0 for every token of the chunk are skipped. */
+
+/* tokens per chunk: 6 x 4 zmm int32 accumulators (VNNI-512), 3 x 4 ymm per half (AVX2: 2 measured
+ * 3-5% slower, 4 within 2%, on 3072 x 576 and 576 x 576 q8_0/q4_0 at 128 tokens) */
+#if PI_SIMD && PI_IB_VNNI512
+#define PI_IB_NT 6
+#elif PI_SIMD
+#define PI_IB_NT 3
+#else
+#define PI_IB_NT 4
+#endif
+
+/* One token's block of n (<= 32) inputs x, quantized as pi_ib_prep quantizes its nonzero
+ * entries (same max, same scale, same rounding), at their channel positions: cf8 the 8 packed
+ * words (channel 4g + r in byte r of word g, 0 where x is 0). Returns 1 where some x is not 0
+ * (a NaN counts as kept, as in the scalar test x == 0). */
+static inline int pi_ib_prep_dense(int t, const float *x, long n, int32_t *cf8, float *sb,
+                                   int32_t *corr) {
+    const int c8 = t == PI_Q8_0_IB ? 128 : 8;
+#if PI_SIMD
+    if (n == 32) {
+        /* pi_quantize_q8's vector steps (max |x| in any order, one f32 product per value,
+         * cvtps rounding to nearest-even as lrintf in the default mode), with the zeros kept
+         * out of the products (their xq is 0 whatever 1/d is) */
+        const __m256 sign = _mm256_set1_ps(-0.0f), zero = _mm256_setzero_ps();
+        __m256 v[4], keep[4];
+        int any = 0;
+        for (int k = 0; k < 4; k++) {
+            v[k] = _mm256_loadu_ps(x + 8 * k);
+            keep[k] = _mm256_cmp_ps(v[k], zero, _CMP_NEQ_UQ);
+            any |= _mm256_movemask_ps(keep[k]);
+        }
+        const __m256 m = _mm256_max_ps(
+            _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+            _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float amax = _mm_cvtss_f32(m4);
+        const float d = amax / 127.0f;
+        const __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+        __m256i i[4];
+        for (int k = 0; k < 4; k++)
+            i[k] = _mm256_cvtps_epi32(_mm256_and_ps(_mm256_mul_ps(v[k], id), keep[k]));
+        /* |i| <= 127: the packs do not saturate; the permute undoes their lane interleave */
+        const __m256i p = _mm256_permutevar8x32_epi32(
+            _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3])),
+            _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)cf8, p);
+        __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+        *sb = d;
+        *corr = c8 * _mm_cvtsi128_si32(s4);
+        return any != 0;
+    }
+#endif
+    float amax = 0.0f;
+    int m = 0;
+    for (long j = 0; j < n; j++) {
+        if (x[j] == 0.0f) continue;
+        const float a = fabsf(x[j]);
+        amax = a > amax ? a : amax;
+        m = 1;
+    }
+    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    int8_t q[32];
+    memset(q, 0, sizeof(q));
+    int s = 0;
+    for (long j = 0; j < n; j++) {
+        if (x[j] == 0.0f) continue;
+        const int v = (int)lrintf(x[j] * id);
+        q[j] = (int8_t)v;
+        s += v;
+    }
+    memcpy(cf8, q, sizeof(q));
+    *sb = d;
+    *corr = c8 * s;
+    return m;
+}
+
+/* Chunk of NT tokens, block (values val, scales dsc), tile u: y + ldo i (token i's row of out,
+ * at tile u) += the block's products. cf: token i's 8 words at cf + 8 i; sb, corr: token i's
+ * at [i]; nz[i]: not 0 where token i kept something in the block (else no flush, as decode
+ * skips the block); gm: bit g set where group g has a nonzero coefficient for some token. */
+static inline __attribute__((always_inline)) void
+pi_ib_chunk(const int t, const int NT, const uint8_t *val, size_t rb, const uint16_t *dsc, long u,
+            const int32_t *cf, const float *sb, const int32_t *corr, const int32_t *nz,
+            unsigned gm, float *y, long ldo) {
+#if PI_SIMD && PI_IB_VNNI512
+    __m512i acc[PI_IB_NT][4];
+#pragma GCC unroll 8
+    for (int i = 0; i < NT; i++)
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) acc[i][k] = _mm512_set1_epi32(-corr[i]);
+    for (int g = 0; g < 8; g++) {
+        if (!((gm >> g) & 1)) continue;
+        const uint8_t *p = val + (size_t)(4 * g) * rb;
+        const __m512i r0 = pi_ib_load512(t, p, u), r1 = pi_ib_load512(t, p + rb, u);
+        const __m512i r2 = pi_ib_load512(t, p + 2 * rb, u), r3 = pi_ib_load512(t, p + 3 * rb, u);
+        const __m512i l01 = _mm512_unpacklo_epi8(r0, r1), h01 = _mm512_unpackhi_epi8(r0, r1);
+        const __m512i l23 = _mm512_unpacklo_epi8(r2, r3), h23 = _mm512_unpackhi_epi8(r2, r3);
+        const __m512i v0 = _mm512_unpacklo_epi16(l01, l23), v1 = _mm512_unpackhi_epi16(l01, l23);
+        const __m512i v2 = _mm512_unpacklo_epi16(h01, h23), v3 = _mm512_unpackhi_epi16(h01, h23);
+#pragma GCC unroll 8
+        for (int i = 0; i < NT; i++) {
+            const __m512i cc = _mm512_set1_epi32(cf[8 * i + g]);
+            acc[i][0] = _mm512_dpbusd_epi32(acc[i][0], v0, cc);
+            acc[i][1] = _mm512_dpbusd_epi32(acc[i][1], v1, cc);
+            acc[i][2] = _mm512_dpbusd_epi32(acc[i][2], v2, cc);
+            acc[i][3] = _mm512_dpbusd_epi32(acc[i][3], v3, cc);
+        }
+    }
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) {
+        const __m512 d = _mm512_cvtph_ps(
+            _mm256_loadu_si256((const __m256i *)(dsc + PI_IB_TILE * u + 16 * k)));
+#pragma GCC unroll 8
+        for (int i = 0; i < NT; i++) {
+            if (!nz[i]) continue;
+            float *yk = y + ldo * i + 16 * k;
+            const __m512 f = _mm512_cvtepi32_ps(acc[i][k]);  /* acc - corr */
+            _mm512_storeu_ps(yk, _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(sb[i]), d), f,
+                                                 _mm512_loadu_ps(yk)));
+        }
+    }
+#elif PI_SIMD
+    for (int h = 0; h < 2; h++) {
+        __m256i acc[PI_IB_NT][4];
+#pragma GCC unroll 8
+        for (int i = 0; i < NT; i++)
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++)  /* q8_0 through pi_ib_dot4 is signed: no correction */
+                acc[i][k] = _mm256_set1_epi32(t == PI_Q8_0_IB ? 0 : -corr[i]);
+        for (int g = 0; g < 8; g++) {
+            if (!((gm >> g) & 1)) continue;
+            const uint8_t *p = val + (size_t)(4 * g) * rb;
+            const __m256i r0 = pi_ib_load256(t, p, u, h), r1 = pi_ib_load256(t, p + rb, u, h);
+            const __m256i r2 = pi_ib_load256(t, p + 2 * rb, u, h), r3 = pi_ib_load256(t, p + 3 * rb, u, h);
+            const __m256i l01 = _mm256_unpacklo_epi8(r0, r1), h01 = _mm256_unpackhi_epi8(r0, r1);
+            const __m256i l23 = _mm256_unpacklo_epi8(r2, r3), h23 = _mm256_unpackhi_epi8(r2, r3);
+            const __m256i v0 = _mm256_unpacklo_epi16(l01, l23), v1 = _mm256_unpackhi_epi16(l01, l23);
+            const __m256i v2 = _mm256_unpacklo_epi16(h01, h23), v3 = _mm256_unpackhi_epi16(h01, h23);
+#pragma GCC unroll 8
+            for (int i = 0; i < NT; i++) {
+                const __m256i cc = _mm256_set1_epi32(cf[8 * i + g]);
+                acc[i][0] = _mm256_add_epi32(acc[i][0], pi_ib_dot4(t, v0, cc));
+                acc[i][1] = _mm256_add_epi32(acc[i][1], pi_ib_dot4(t, v1, cc));
+                acc[i][2] = _mm256_add_epi32(acc[i][2], pi_ib_dot4(t, v2, cc));
+                acc[i][3] = _mm256_add_epi32(acc[i][3], pi_ib_dot4(t, v3, cc));
+            }
+        }
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) {
+            const __m256 d = _mm256_cvtph_ps(
+                _mm_loadu_si128((const __m128i *)(dsc + PI_IB_TILE * u + 16 * k + 8 * h)));
+#pragma GCC unroll 8
+            for (int i = 0; i < NT; i++) {
+                if (!nz[i]) continue;
+                float *yk = y + ldo * i + 16 * k + 8 * h;
+                const __m256 f = _mm256_cvtepi32_ps(acc[i][k]);  /* acc - corr */
+                _mm256_storeu_ps(yk, _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(sb[i]), d), f,
+                                                     _mm256_loadu_ps(yk)));
+            }
+        }
+    }
+#else
+    (void)gm;
+    for (int o = 0; o < PI_IB_TILE; o++) {
+        const int p = pi_ib_pos(o);
+        int w32[32];
+        for (int j = 0; j < 32; j++) w32[j] = pi_ib_val(t, val + (size_t)j * rb, u, p);
+        const float d = pi_f16_to_f32(dsc[PI_IB_TILE * u + o]);
+        for (int i = 0; i < NT; i++) {
+            if (!nz[i]) continue;
+            int8_t q[32];
+            memcpy(q, cf + 8 * i, sizeof(q));
+            int32_t a = 0;
+            for (int j = 0; j < 32; j++) a += q[j] * w32[j];
+            float *yo = y + ldo * i + o;
+            *yo = fmaf(sb[i] * d, (float)(a - corr[i]), *yo);
+        }
+    }
+#endif
+}
+
+#if PI_SIMD
+/* Tile u of a block's 32 rows (values val), unpacked once: group g's four dpbusd operands (the
+ * four-row lanes of pi_ib_tiles) at pk + 256 g + 64 k, 2 KiB in all, 64-byte aligned. The
+ * unpacks work inside 128-bit lanes, so the AVX2 path's operands for half h of the tile are
+ * bytes 32 h .. 32 h + 31 of the same 64. */
+static inline void pi_ib_unpack(const int t, const uint8_t *val, size_t rb, long u, uint8_t *pk) {
+    for (int g = 0; g < 8; g++) {
+        const uint8_t *p = val + (size_t)(4 * g) * rb;
+#if PI_IB_VNNI512
+        const __m512i r0 = pi_ib_load512(t, p, u), r1 = pi_ib_load512(t, p + rb, u);
+        const __m512i r2 = pi_ib_load512(t, p + 2 * rb, u), r3 = pi_ib_load512(t, p + 3 * rb, u);
+        const __m512i l01 = _mm512_unpacklo_epi8(r0, r1), h01 = _mm512_unpackhi_epi8(r0, r1);
+        const __m512i l23 = _mm512_unpacklo_epi8(r2, r3), h23 = _mm512_unpackhi_epi8(r2, r3);
+        __m512i *o = (__m512i *)(pk + 256 * g);
+        _mm512_store_si512(o, _mm512_unpacklo_epi16(l01, l23));
+        _mm512_store_si512(o + 1, _mm512_unpackhi_epi16(l01, l23));
+        _mm512_store_si512(o + 2, _mm512_unpacklo_epi16(h01, h23));
+        _mm512_store_si512(o + 3, _mm512_unpackhi_epi16(h01, h23));
+#else
+        for (int h = 0; h < 2; h++) {
+            const __m256i r0 = pi_ib_load256(t, p, u, h), r1 = pi_ib_load256(t, p + rb, u, h);
+            const __m256i r2 = pi_ib_load256(t, p + 2 * rb, u, h), r3 = pi_ib_load256(t, p + 3 * rb, u, h);
+            const __m256i l01 = _mm256_unpacklo_epi8(r0, r1), h01 = _mm256_unpackhi_epi8(r0, r1);
+            const __m256i l23 = _mm256_unpacklo_epi8(r2, r3), h23 = _mm256_unpackhi_epi8(r2, r3);
+            uint8_t *o = pk + 256 * g + 32 * h;
+            _mm256_store_si256((__m256i *)o, _mm256_unpacklo_epi16(l01, l23));
+            _mm256_store_si256((__m256i *)(o + 64), _mm256_unpackhi_epi16(l01, l23));
+            _mm256_store_si256((__m256i *)(o + 128), _mm256_unpacklo_epi16(h01, h23));
+            _mm256_store_si256((__m256i *)(o + 192), _mm256_unpackhi_epi16(h01, h23));
+        }
+#endif
+    }
+}
+
+/* pi_ib_chunk over a block unpacked by pi_ib_unpack (same integers, same flush) */
+static inline __attribute__((always_inline)) void
+pi_ib_chunk_pk(const int t, const int NT, const uint8_t *pk, const uint16_t *dsc, long u,
+               const int32_t *cf, const float *sb, const int32_t *corr, const int32_t *nz,
+               unsigned gm, float *y, long ldo) {
+#if PI_IB_VNNI512
+    (void)t;
+    __m512i acc[PI_IB_NT][4];
+#pragma GCC unroll 8
+    for (int i = 0; i < NT; i++)
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) acc[i][k] = _mm512_set1_epi32(-corr[i]);
+    for (int g = 0; g < 8; g++) {
+        if (!((gm >> g) & 1)) continue;
+        const __m512i *o = (const __m512i *)(pk + 256 * g);
+        const __m512i v0 = _mm512_load_si512(o), v1 = _mm512_load_si512(o + 1);
+        const __m512i v2 = _mm512_load_si512(o + 2), v3 = _mm512_load_si512(o + 3);
+#pragma GCC unroll 8
+        for (int i = 0; i < NT; i++) {
+            const __m512i cc = _mm512_set1_epi32(cf[8 * i + g]);
+            acc[i][0] = _mm512_dpbusd_epi32(acc[i][0], v0, cc);
+            acc[i][1] = _mm512_dpbusd_epi32(acc[i][1], v1, cc);
+            acc[i][2] = _mm512_dpbusd_epi32(acc[i][2], v2, cc);
+            acc[i][3] = _mm512_dpbusd_epi32(acc[i][3], v3, cc);
+        }
+    }
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) {
+        const __m512 d = _mm512_cvtph_ps(
+            _mm256_loadu_si256((const __m256i *)(dsc + PI_IB_TILE * u + 16 * k)));
+#pragma GCC unroll 8
+        for (int i = 0; i < NT; i++) {
+            if (!nz[i]) continue;
+            float *yk = y + ldo * i + 16 * k;
+            const __m512 f = _mm512_cvtepi32_ps(acc[i][k]);  /* acc - corr */
+            _mm512_storeu_ps(yk, _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(sb[i]), d), f,
+                                                 _mm512_loadu_ps(yk)));
+        }
+    }
+#else
+    for (int h = 0; h < 2; h++) {
+        __m256i acc[PI_IB_NT][4];
+#pragma GCC unroll 8
+        for (int i = 0; i < NT; i++)
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++)  /* q8_0 through pi_ib_dot4 is signed: no correction */
+                acc[i][k] = _mm256_set1_epi32(t == PI_Q8_0_IB ? 0 : -corr[i]);
+        for (int g = 0; g < 8; g++) {
+            if (!((gm >> g) & 1)) continue;
+            const uint8_t *o = pk + 256 * g + 32 * h;
+            const __m256i v0 = _mm256_load_si256((const __m256i *)o);
+            const __m256i v1 = _mm256_load_si256((const __m256i *)(o + 64));
+            const __m256i v2 = _mm256_load_si256((const __m256i *)(o + 128));
+            const __m256i v3 = _mm256_load_si256((const __m256i *)(o + 192));
+#pragma GCC unroll 8
+            for (int i = 0; i < NT; i++) {
+                const __m256i cc = _mm256_set1_epi32(cf[8 * i + g]);
+                acc[i][0] = _mm256_add_epi32(acc[i][0], pi_ib_dot4(t, v0, cc));
+                acc[i][1] = _mm256_add_epi32(acc[i][1], pi_ib_dot4(t, v1, cc));
+                acc[i][2] = _mm256_add_epi32(acc[i][2], pi_ib_dot4(t, v2, cc));
+                acc[i][3] = _mm256_add_epi32(acc[i][3], pi_ib_dot4(t, v3, cc));
+            }
+        }
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) {
+            const __m256 d = _mm256_cvtph_ps(
+                _mm_loadu_si128((const __m128i *)(dsc + PI_IB_TILE * u + 16 * k + 8 * h)));
+#pragma GCC unroll 8
+            for (int i = 0; i < NT; i++) {
+                if (!nz[i]) continue;
+                float *yk = y + ldo * i + 16 * k + 8 * h;
+                const __m256 f = _mm256_cvtepi32_ps(acc[i][k]);  /* acc - corr */
+                _mm256_storeu_ps(yk, _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(sb[i]), d), f,
+                                                     _mm256_loadu_ps(yk)));
+            }
+        }
+    }
+#endif
+}
+
+/* pi_ib_chunk_pk with the type and the token count as constants */
+static void pi_ib_chunk_pk_any(int t, int nt, const uint8_t *pk, const uint16_t *dsc, long u,
+                               const int32_t *cf, const float *sb, const int32_t *corr,
+                               const int32_t *nz, unsigned gm, float *y, long ldo) {
+#define PI_IB_CASE(T_, N_)                                                                    \
+    case N_:                                                                                  \
+        if (N_ <= PI_IB_NT)                                                                   \
+            pi_ib_chunk_pk(T_, N_ <= PI_IB_NT ? N_ : 1, pk, dsc, u, cf, sb, corr, nz, gm, y,  \
+                           ldo);                                                              \
+        break;
+    if (t == PI_Q8_0_IB) {
+        switch (nt) {
+            PI_IB_CASE(PI_Q8_0_IB, 1) PI_IB_CASE(PI_Q8_0_IB, 2) PI_IB_CASE(PI_Q8_0_IB, 3)
+            PI_IB_CASE(PI_Q8_0_IB, 4) PI_IB_CASE(PI_Q8_0_IB, 5) PI_IB_CASE(PI_Q8_0_IB, 6)
+        }
+    } else {
+        switch (nt) {
+            PI_IB_CASE(PI_Q4_0_IB, 1) PI_IB_CASE(PI_Q4_0_IB, 2) PI_IB_CASE(PI_Q4_0_IB, 3)
+            PI_IB_CASE(PI_Q4_0_IB, 4) PI_IB_CASE(PI_Q4_0_IB, 5) PI_IB_CASE(PI_Q4_0_IB, 6)
+        }
+    }
+#undef PI_IB_CASE
+}
+#endif /* PI_SIMD */
+
+/* pi_ib_chunk with the type and the token count as constants */
+static void pi_ib_chunk_any(int t, int nt, const uint8_t *val, size_t rb, const uint16_t *dsc,
+                            long u, const int32_t *cf, const float *sb, const int32_t *corr,
+                            const int32_t *nz, unsigned gm, float *y, long ldo) {
+#define PI_IB_CASE(T_, N_)                                                                    \
+    case N_:                                                                                  \
+        if (N_ <= PI_IB_NT) pi_ib_chunk(T_, N_ <= PI_IB_NT ? N_ : 1, val, rb, dsc, u, cf, sb, \
+                                        corr, nz, gm, y, ldo);                                \
+        break;
+    if (t == PI_Q8_0_IB) {
+        switch (nt) {
+            PI_IB_CASE(PI_Q8_0_IB, 1) PI_IB_CASE(PI_Q8_0_IB, 2) PI_IB_CASE(PI_Q8_0_IB, 3)
+            PI_IB_CASE(PI_Q8_0_IB, 4) PI_IB_CASE(PI_Q8_0_IB, 5) PI_IB_CASE(PI_Q8_0_IB, 6)
+        }
+    } else {
+        switch (nt) {
+            PI_IB_CASE(PI_Q4_0_IB, 1) PI_IB_CASE(PI_Q4_0_IB, 2) PI_IB_CASE(PI_Q4_0_IB, 3)
+            PI_IB_CASE(PI_Q4_0_IB, 4) PI_IB_CASE(PI_Q4_0_IB, 5) PI_IB_CASE(PI_Q4_0_IB, 6)
+        }
+    }
+#undef PI_IB_CASE
+}
+
 /* Prefill: out[k] (row k of out, ldo apart) = W a[k] for n_tok tokens, a (n_tok, lda) f32 with
  * the dropped channels already 0 (kept: the nonzero ones, as decode's kept list gives them
  * after its selection; a kept 0 changes neither the block scale nor the sums), on n_threads
- * threads. Each token's result has the bits of pi_ib_rows_team on that token. */
+ * threads. Each token's result has the bits of pi_ib_rows_team on that token. Threads split
+ * the tiles as decode does; each thread runs its tiles, chunk of tokens by chunk, over every
+ * block in order (a tile's rows of every block, 2 KiB per q8_0 block, stay in L1/L2 across
+ * chunks). */
 static void pi_ib_matmul(int qtype, const uint8_t *w, size_t stride, long n_in, const float *a,
                          long lda, long n_tok, float *out, long ldo, int cols, int n_threads) {
     const long nb = (n_in + 31) / 32, nu = cols / PI_IB_TILE;
-    const size_t per = pi_ib_scratch_floats(n_in);
-    float *scr = (float *)malloc(per * (size_t)n_tok * sizeof(float));
-    if (!scr) return;
+    const size_t nbt = (size_t)nb * (size_t)n_tok;  /* (block, token) pairs, block-major */
+    int32_t *cfw = (int32_t *)malloc(nbt * 11 * sizeof(int32_t));
+    if (!cfw) return;
+    float *sbt = (float *)(cfw + 8 * nbt);
+    int32_t *crt = (int32_t *)(sbt + nbt), *nzt = crt + nbt;
+    const size_t rb = pi_ib_row_bytes(qtype, cols);
     int nt = n_threads < 1 ? 1 : n_threads;
     if (nt > nu) nt = nu > 0 ? (int)nu : 1;
 #ifdef _OPENMP
@@ -513,37 +884,76 @@ static void pi_ib_matmul(int qtype, const uint8_t *w, size_t stride, long n_in, 
 #endif
     {
         const int t = pi_team_thread(), T = pi_team_size();
-        float cbuf[32];
-        int32_t ibuf[32];
-        /* 1. per token and block: the nonzero inputs, quantized (tokens split over threads) */
-        for (long k = t; k < n_tok; k += T) {
-            int32_t *off = (int32_t *)(scr + per * (size_t)k), *cf = off + 32 * nb, *ng = cf + 8 * nb;
-            float *sb = (float *)(ng + nb);
-            int32_t *corr = (int32_t *)(sb + nb);
-            const float *x = a + lda * k;
+        /* 1. per token and block: the coefficients (tokens split over threads) */
+        for (long k = t; k < n_tok; k += T)
             for (long b = 0; b < nb; b++) {
-                long m = 0;
-                for (long j = 32 * b; j < 32 * (b + 1) && j < n_in; j++) {
-                    cbuf[m] = x[j];
-                    ibuf[m] = (int32_t)j;
-                    m += x[j] != 0.0f;
+                const size_t e = (size_t)b * n_tok + k;
+                const int kept = pi_ib_prep_dense(qtype, a + lda * k + 32 * b,
+                                                  n_in - 32 * b < 32 ? n_in - 32 * b : 32,
+                                                  cfw + 8 * e, sbt + e, crt + e);
+                /* bit 8: kept something; bit g: group g has a nonzero coefficient */
+                int32_t f = kept << 8;
+                for (int g = 0; g < 8; g++) f |= (cfw[8 * e + g] != 0) << g;
+                nzt[e] = f;
+            }
+        PI_BARRIER();
+        /* 2. this thread's tiles: chunks of tokens, every block in order */
+        const long u0 = t * nu / T, u1 = (t + 1) * nu / T;
+        /* a chunk's sums go to yb (contiguous: rows of out ldo floats apart would alias in L1
+         * and in the store-to-load check), then to out */
+        float yb[PI_IB_NT * PI_IB_TILE] __attribute__((aligned(64)));
+#if PI_SIMD
+        /* more than one chunk: each tile's blocks unpacked once into pk, then read by every
+         * chunk (contiguous: no cache-set aliasing of rows n_out bytes apart) */
+        uint8_t *pk = n_tok > PI_IB_NT && u1 > u0 ? (uint8_t *)aligned_alloc(64, 2048 * (size_t)nb)
+                                                  : NULL;
+#endif
+        for (long u = u0; u < u1; u++) {
+#if PI_SIMD
+            if (pk)
+                for (long b = 0; b < nb; b++) {
+                    const uint8_t *blk = w + stride * (size_t)b;
+                    pi_ib_unpack(qtype, blk + 2 * (size_t)cols, rb, u, pk + 2048 * (size_t)b);
+                    /* the next tile's rows and scales of this block, into L2 by its turn */
+                    if (u + 1 < u1) {
+                        const uint8_t *nx = blk + 2 * (size_t)cols + (qtype == PI_Q8_0_IB ? 64 : 32) * (u + 1);
+                        for (int j = 0; j < 32; j++) _mm_prefetch((const char *)(nx + (size_t)j * rb), _MM_HINT_T1);
+                        _mm_prefetch((const char *)(blk + 2 * PI_IB_TILE * (u + 1)), _MM_HINT_T1);
+                        _mm_prefetch((const char *)(blk + 2 * PI_IB_TILE * (u + 1) + 64), _MM_HINT_T1);
+                    }
                 }
-                pi_ib_prep(qtype, cols, cbuf, ibuf, 0, m, b, off, cf, ng, sb, corr);
+#endif
+            for (long k0 = 0; k0 < n_tok; k0 += PI_IB_NT) {
+                const int n = n_tok - k0 < PI_IB_NT ? (int)(n_tok - k0) : PI_IB_NT;
+                memset(yb, 0, sizeof(yb));
+                for (long b = 0; b < nb; b++) {
+                    const size_t e = (size_t)b * n_tok + k0;
+                    int32_t any = 0;
+                    for (int i = 0; i < n; i++) any |= nzt[e + i];
+                    if (!any) continue;
+                    const unsigned gm = (unsigned)any & 255;
+                    const uint8_t *blk = w + stride * (size_t)b;
+#if PI_SIMD
+                    if (pk) {
+                        pi_ib_chunk_pk_any(qtype, n, pk + 2048 * (size_t)b, (const uint16_t *)blk, u,
+                                           cfw + 8 * e, sbt + e, crt + e, nzt + e, gm, yb,
+                                           PI_IB_TILE);
+                        continue;
+                    }
+#endif
+                    pi_ib_chunk_any(qtype, n, blk + 2 * (size_t)cols, rb, (const uint16_t *)blk, u,
+                                    cfw + 8 * e, sbt + e, crt + e, nzt + e, gm, yb, PI_IB_TILE);
+                }
+                for (int i = 0; i < n; i++)
+                    memcpy(out + ldo * (k0 + i) + PI_IB_TILE * u, yb + PI_IB_TILE * i,
+                           PI_IB_TILE * sizeof(float));
             }
         }
-        PI_BARRIER();
-        /* 2. this thread's tiles, token by token */
-        const long u0 = t * nu / T, u1 = (t + 1) * nu / T;
-        for (long k = 0; k < n_tok && u1 > u0; k++) {
-            int32_t *off = (int32_t *)(scr + per * (size_t)k), *cf = off + 32 * nb, *ng = cf + 8 * nb;
-            float *sb = (float *)(ng + nb);
-            int32_t *corr = (int32_t *)(sb + nb);
-            float *y = out + ldo * k;
-            memset(y + PI_IB_TILE * u0, 0, (size_t)(u1 - u0) * PI_IB_TILE * sizeof(float));
-            pi_ib_tiles(qtype, w, stride, cols, nb, off, cf, ng, sb, corr, u0, u1, y);
-        }
+#if PI_SIMD
+        free(pk);
+#endif
     }
-    free(scr);
+    free(cfw);
 }
 
 #endif /* PYINFER_IBSUM_H */

@@ -543,7 +543,7 @@ def matmul_t(const uint8_t[:, ::1] w, int qtype, int cols, const float[:, ::1] a
     _check_len(a.shape[1], _in_rows(w, qtype), "matmul_t a columns")
     _check_len(out.shape[0], a.shape[0], "matmul_t out rows")
     _check_len(out.shape[1], cols, "matmul_t out columns")
-    if pi_is_ib(qtype):  # the decode kernel per token over its nonzero inputs (ibsum.h)
+    if pi_is_ib(qtype):  # a GEMM with each token's decode bits (ibsum.h pi_ib_matmul)
         if a.shape[0] > 0:
             with nogil:
                 pi_ib_matmul(qtype, &w[0, 0], w.shape[1], a.shape[1], &a[0, 0], a.shape[1],

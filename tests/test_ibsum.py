@@ -133,6 +133,33 @@ def test_prefill_equals_decode(qtype):
                                atol=1e-5 * np.abs(out).max())
 
 
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("n_tok", [1, 5, 6, 7, 13])
+def test_prefill_chunks_equal_decode(qtype, n_tok):
+    """The GEMM prefill (chunks of up to 6 tokens; whole blocks unpacked once per tile when there
+    is more than one chunk) gives each token decode's bits for token counts around the chunk
+    size, with blocks where a token kept nothing, and groups of four channels that no token of a
+    chunk kept (skipped), at 1-3 threads."""
+    rng = np.random.default_rng(40 + n_tok + int(qtype))
+    n_out, n_in = 320, 128
+    w, ib = _pair(rng, qtype, n_out, n_in)
+    X = (rng.standard_normal((n_tok, n_in)) * rng.uniform(0.1, 10, (n_tok, 1))).astype(np.float32)
+    X[rng.random(X.shape) < 0.3] = 0.0
+    X[:, 8:16] = 0.0             # groups 2-3 of block 0: nobody's
+    X[::2, 32:64] = 0.0          # block 1 empty for every other token
+    X[-1, :] = 0.0 if n_tok > 1 else X[-1, :]
+    for n_threads in (1, 2, 3):
+        out = np.full((n_tok, n_out), np.nan, np.float32)
+        cpu.matmul_t(ib, X, out, n_threads)
+        for t in range(n_tok):
+            idx = np.flatnonzero(X[t]).astype(np.int32)
+            one = cpu.axpy_rows(ib, np.ascontiguousarray(X[t, idx]), idx,
+                                np.empty(n_out, np.float32), 1)
+            np.testing.assert_array_equal(out[t], one)
+    np.testing.assert_allclose(out, ref.matmul_t(ib, X, np.empty_like(out)), rtol=1e-5,
+                               atol=1e-5 * np.abs(out).max())
+
 def _gap(a):
     s = np.sort(np.abs(a))
     lo, hi = len(s) // 4, 3 * len(s) // 4
