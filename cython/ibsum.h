@@ -467,38 +467,33 @@ static void pi_ib_halves_span(long v0, long v1, float *out, float *add) {
 
 /* Thread t of T's share of out = W xm (overwrites out), xm holding coef[k] at channel idx[k]
  * (idx ascending, n entries) and 0 elsewhere; then, if add is not NULL, add += out. w: the
- * input blocks, `stride` bytes each; scratch: pi_ib_scratch_floats(idx[n-1] + 1) floats shared
- * by the team. One barrier (after the per-block quantization); each thread then writes only its
- * own half tiles of out and add (split by 32-output halves: SmolLM2's 576 outputs are 18 halves,
- * 9/9 on two threads, where whole tiles split 5/4). */
+ * input blocks, `stride` bytes each. Every thread quantizes every block itself into its own
+ * stack arrays (43 ints per block; about a microsecond for SmolLM2's 48 blocks with the
+ * AVX-512 pi_ib_prep), so the team needs no barrier: a barrier costs about as much on an idle
+ * box and a scheduler time slice when another process holds a core (session 11). Each thread
+ * then writes only its own half tiles of out and add (split by 32-output halves: SmolLM2's 576
+ * outputs are 18 halves, 9/9 on two threads, where whole tiles split 5/4). scratch: unused
+ * (kept for rowsum_team.h's signature). */
 static void pi_ib_rows_team(int t, int T, int qtype, const uint8_t *w, size_t stride,
                             const float *coef, const int32_t *idx, long n, float *out, int cols,
                             float *scratch, float *add) {
+    (void)scratch;
     const long nb = n > 0 ? idx[n - 1] / 32 + 1 : 0;
-    int32_t *off = (int32_t *)scratch, *cf = off + 32 * nb, *ng = cf + 8 * nb;
-    float *sb = (float *)(ng + nb);
-    int32_t *corr = (int32_t *)(sb + nb);
-    /* 1. the kept channels of this thread's blocks, quantized per block */
-    const long b0 = t * nb / T, b1 = (t + 1) * nb / T;
-    long lo = 0, hi = n;  /* first k with idx[k] >= 32 b0 */
-    while (lo < hi) {
-        const long mid = (lo + hi) / 2;
-        if (idx[mid] < 32 * b0) lo = mid + 1; else hi = mid;
-    }
-    for (long b = b0, k = lo; b < b1; b++) {
+    const long nv = cols / (PI_IB_TILE / 2), v0 = t * nv / T, v1 = (t + 1) * nv / T;
+    if (v1 <= v0) return;
+    int32_t off[32 * nb + 1], cf[8 * nb + 1], ng[nb + 1], corr[nb + 1];
+    float sb[nb + 1];
+    /* 1. the kept channels of every block, quantized per block */
+    for (long b = 0, k = 0; b < nb; b++) {
         long k1 = k;
         while (k1 < n && idx[k1] < 32 * (b + 1)) k1++;
         pi_ib_prep(qtype, cols, coef, idx, k, k1, b, off, cf, ng, sb, corr);
         k = k1;
     }
-    PI_BARRIER();
     /* 2. this thread's half tiles over every block */
-    const long nv = cols / (PI_IB_TILE / 2), v0 = t * nv / T, v1 = (t + 1) * nv / T;
-    if (v1 > v0) {
-        pi_ib_halves_span(v0, v1, out, NULL);
-        pi_ib_halves(qtype, w, stride, cols, nb, off, cf, ng, sb, corr, v0, v1, out, 1);
-        if (add) pi_ib_halves_span(v0, v1, out, add);
-    }
+    pi_ib_halves_span(v0, v1, out, NULL);
+    pi_ib_halves(qtype, w, stride, cols, nb, off, cf, ng, sb, corr, v0, v1, out, 1);
+    if (add) pi_ib_halves_span(v0, v1, out, add);
 }
 
 /* Prefill (matmul_t over an input-block tensor): a GEMM over the dense masked input.
