@@ -668,6 +668,43 @@ static void pi_ib_chunk_any(int t, int nt, const uint8_t *val, size_t rb, const 
 #undef PI_IB_CASE
 }
 
+/* One token's out = W a (a: n_in f32, the dropped channels 0) by the decode kernel over its
+ * nonzero inputs (their rows only: at one token the GEMM's dense rows cost more than the
+ * shared loads save), on n_threads threads. */
+static void pi_ib_matmul_one(int qtype, const uint8_t *w, size_t stride, long n_in,
+                             const float *a, float *out, int cols, int n_threads) {
+    const long nu = cols / PI_IB_TILE;
+    float *scr = (float *)malloc(pi_ib_scratch_floats(n_in) * sizeof(float));
+    int32_t *idx = (int32_t *)malloc((size_t)(n_in > 0 ? n_in : 1) * sizeof(int32_t));
+    float *coef = (float *)malloc((size_t)(n_in > 0 ? n_in : 1) * sizeof(float));
+    if (!scr || !idx || !coef) {
+        free(scr);
+        free(idx);
+        free(coef);
+        return;
+    }
+    long n = 0;
+    for (long j = 0; j < n_in; j++)
+        if (a[j] != 0.0f) {
+            coef[n] = a[j];
+            idx[n++] = (int32_t)j;
+        }
+    int nt = n_threads < 1 ? 1 : n_threads;
+    if (nt > nu) nt = nu > 0 ? (int)nu : 1;
+    if (n == 0) {
+        memset(out, 0, (size_t)cols * sizeof(float));
+    } else {
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nt)
+#endif
+        pi_ib_rows_team(pi_team_thread(), pi_team_size(), qtype, w, stride, coef, idx, n, out,
+                        cols, scr, NULL);
+    }
+    free(scr);
+    free(idx);
+    free(coef);
+}
+
 /* Prefill: out[k] (row k of out, ldo apart) = W a[k] for n_tok tokens, a (n_tok, lda) f32 with
  * the dropped channels already 0 (kept: the nonzero ones, as decode's kept list gives them
  * after its selection; a kept 0 changes neither the block scale nor the sums), on n_threads
@@ -677,6 +714,10 @@ static void pi_ib_chunk_any(int t, int nt, const uint8_t *val, size_t rb, const 
  * chunks). */
 static void pi_ib_matmul(int qtype, const uint8_t *w, size_t stride, long n_in, const float *a,
                          long lda, long n_tok, float *out, long ldo, int cols, int n_threads) {
+    if (n_tok == 1) {
+        pi_ib_matmul_one(qtype, w, stride, n_in, a, out, cols, n_threads);
+        return;
+    }
     const long nb = (n_in + 31) / 32, nu = cols / PI_IB_TILE;
     const size_t nbt = (size_t)nb * (size_t)n_tok;  /* (block, token) pairs, block-major */
     int32_t *cfw = (int32_t *)malloc(nbt * 11 * sizeof(int32_t));
