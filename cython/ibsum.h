@@ -458,11 +458,14 @@ pi_ib_chunk(const int t, const int NT, const uint8_t *val, size_t rb, const uint
             if (!((gm >> g) & 1)) continue;
             const uint8_t *p = val + (size_t)(4 * g) * rb;
             const __m256i r0 = pi_ib_load256(t, p, u, h), r1 = pi_ib_load256(t, p + rb, u, h);
-            const __m256i r2 = pi_ib_load256(t, p + 2 * rb, u, h), r3 = pi_ib_load256(t, p + 3 * rb, u, h);
+            const __m256i r2 = pi_ib_load256(t, p + 2 * rb, u, h);
+            const __m256i r3 = pi_ib_load256(t, p + 3 * rb, u, h);
             const __m256i l01 = _mm256_unpacklo_epi8(r0, r1), h01 = _mm256_unpackhi_epi8(r0, r1);
             const __m256i l23 = _mm256_unpacklo_epi8(r2, r3), h23 = _mm256_unpackhi_epi8(r2, r3);
-            const __m256i v0 = _mm256_unpacklo_epi16(l01, l23), v1 = _mm256_unpackhi_epi16(l01, l23);
-            const __m256i v2 = _mm256_unpacklo_epi16(h01, h23), v3 = _mm256_unpackhi_epi16(h01, h23);
+            const __m256i v0 = _mm256_unpacklo_epi16(l01, l23);
+            const __m256i v1 = _mm256_unpackhi_epi16(l01, l23);
+            const __m256i v2 = _mm256_unpacklo_epi16(h01, h23);
+            const __m256i v3 = _mm256_unpackhi_epi16(h01, h23);
 #pragma GCC unroll 8
             for (int i = 0; i < NT; i++) {
                 const __m256i cc = _mm256_set1_epi32(cf[8 * i + g]);
@@ -527,7 +530,8 @@ static inline void pi_ib_unpack(const int t, const uint8_t *val, size_t rb, long
 #else
         for (int h = 0; h < 2; h++) {
             const __m256i r0 = pi_ib_load256(t, p, u, h), r1 = pi_ib_load256(t, p + rb, u, h);
-            const __m256i r2 = pi_ib_load256(t, p + 2 * rb, u, h), r3 = pi_ib_load256(t, p + 3 * rb, u, h);
+            const __m256i r2 = pi_ib_load256(t, p + 2 * rb, u, h);
+            const __m256i r3 = pi_ib_load256(t, p + 3 * rb, u, h);
             const __m256i l01 = _mm256_unpacklo_epi8(r0, r1), h01 = _mm256_unpackhi_epi8(r0, r1);
             const __m256i l23 = _mm256_unpacklo_epi8(r2, r3), h23 = _mm256_unpackhi_epi8(r2, r3);
             uint8_t *o = pk + 256 * g + 32 * h;
@@ -708,10 +712,11 @@ static void pi_ib_matmul_one(int qtype, const uint8_t *w, size_t stride, long n_
 /* Prefill: out[k] (row k of out, ldo apart) = W a[k] for n_tok tokens, a (n_tok, lda) f32 with
  * the dropped channels already 0 (kept: the nonzero ones, as decode's kept list gives them
  * after its selection; a kept 0 changes neither the block scale nor the sums), on n_threads
- * threads. Each token's result has the bits of pi_ib_rows_team on that token. Threads split
- * the tiles as decode does; each thread runs its tiles, chunk of tokens by chunk, over every
- * block in order (a tile's rows of every block, 2 KiB per q8_0 block, stay in L1/L2 across
- * chunks). */
+ * threads. Each token's result has the bits of pi_ib_rows_team on that token. One token goes
+ * through pi_ib_rows_team itself (pi_ib_matmul_one). Otherwise threads split the tiles as
+ * decode does; each thread runs its tiles, chunk of tokens by chunk, over every block in order
+ * (with more than one chunk, from a 2 KiB per block copy of the tile unpacked once, which stays
+ * in L1/L2 across chunks). The per-token coefficients take 44 bytes per token and block. */
 static void pi_ib_matmul(int qtype, const uint8_t *w, size_t stride, long n_in, const float *a,
                          long lda, long n_tok, float *out, long ldo, int cols, int n_threads) {
     if (n_tok == 1) {
@@ -753,8 +758,8 @@ static void pi_ib_matmul(int qtype, const uint8_t *w, size_t stride, long n_in, 
 #if PI_SIMD
         /* more than one chunk: each tile's blocks unpacked once into pk, then read by every
          * chunk (contiguous: no cache-set aliasing of rows n_out bytes apart) */
-        uint8_t *pk = n_tok > PI_IB_NT && u1 > u0 ? (uint8_t *)aligned_alloc(64, 2048 * (size_t)nb)
-                                                  : NULL;
+        uint8_t *pk = n_tok > PI_IB_NT && u1 > u0
+                          ? (uint8_t *)aligned_alloc(64, 2048 * (size_t)nb) : NULL;
 #endif
         for (long u = u0; u < u1; u++) {
 #if PI_SIMD
@@ -764,10 +769,13 @@ static void pi_ib_matmul(int qtype, const uint8_t *w, size_t stride, long n_in, 
                     pi_ib_unpack(qtype, blk + 2 * (size_t)cols, rb, u, pk + 2048 * (size_t)b);
                     /* the next tile's rows and scales of this block, into L2 by its turn */
                     if (u + 1 < u1) {
-                        const uint8_t *nx = blk + 2 * (size_t)cols + (qtype == PI_Q8_0_IB ? 64 : 32) * (u + 1);
-                        for (int j = 0; j < 32; j++) _mm_prefetch((const char *)(nx + (size_t)j * rb), _MM_HINT_T1);
-                        _mm_prefetch((const char *)(blk + 2 * PI_IB_TILE * (u + 1)), _MM_HINT_T1);
-                        _mm_prefetch((const char *)(blk + 2 * PI_IB_TILE * (u + 1) + 64), _MM_HINT_T1);
+                        const uint8_t *nx = blk + 2 * (size_t)cols
+                                            + (qtype == PI_Q8_0_IB ? 64 : 32) * (u + 1);
+                        const char *ds = (const char *)(blk + 2 * PI_IB_TILE * (u + 1));
+                        for (int j = 0; j < 32; j++)
+                            _mm_prefetch((const char *)(nx + (size_t)j * rb), _MM_HINT_T1);
+                        _mm_prefetch(ds, _MM_HINT_T1);
+                        _mm_prefetch(ds + 64, _MM_HINT_T1);
                     }
                 }
 #endif
@@ -783,9 +791,9 @@ static void pi_ib_matmul(int qtype, const uint8_t *w, size_t stride, long n_in, 
                     const uint8_t *blk = w + stride * (size_t)b;
 #if PI_SIMD
                     if (pk) {
-                        pi_ib_chunk_pk_any(qtype, n, pk + 2048 * (size_t)b, (const uint16_t *)blk, u,
-                                           cfw + 8 * e, sbt + e, crt + e, nzt + e, gm, yb,
-                                           PI_IB_TILE);
+                        pi_ib_chunk_pk_any(qtype, n, pk + 2048 * (size_t)b,
+                                           (const uint16_t *)blk, u, cfw + 8 * e, sbt + e,
+                                           crt + e, nzt + e, gm, yb, PI_IB_TILE);
                         continue;
                     }
 #endif
