@@ -646,11 +646,14 @@ pi_ib_chunk(const int t, const int NT, const uint8_t *val, size_t rb, const uint
             if (!((gm >> g) & 1)) continue;
             const uint8_t *p = val + (size_t)(4 * g) * rb;
             const __m256i r0 = pi_ib_load256(t, p, u, h), r1 = pi_ib_load256(t, p + rb, u, h);
-            const __m256i r2 = pi_ib_load256(t, p + 2 * rb, u, h), r3 = pi_ib_load256(t, p + 3 * rb, u, h);
+            const __m256i r2 = pi_ib_load256(t, p + 2 * rb, u, h);
+            const __m256i r3 = pi_ib_load256(t, p + 3 * rb, u, h);
             const __m256i l01 = _mm256_unpacklo_epi8(r0, r1), h01 = _mm256_unpackhi_epi8(r0, r1);
             const __m256i l23 = _mm256_unpacklo_epi8(r2, r3), h23 = _mm256_unpackhi_epi8(r2, r3);
-            const __m256i v0 = _mm256_unpacklo_epi16(l01, l23), v1 = _mm256_unpackhi_epi16(l01, l23);
-            const __m256i v2 = _mm256_unpacklo_epi16(h01, h23), v3 = _mm256_unpackhi_epi16(h01, h23);
+            const __m256i v0 = _mm256_unpacklo_epi16(l01, l23);
+            const __m256i v1 = _mm256_unpackhi_epi16(l01, l23);
+            const __m256i v2 = _mm256_unpacklo_epi16(h01, h23);
+            const __m256i v3 = _mm256_unpackhi_epi16(h01, h23);
 #pragma GCC unroll 8
             for (int i = 0; i < NT; i++) {
                 const __m256i cc = _mm256_set1_epi32(cf[8 * i + g]);
@@ -715,7 +718,8 @@ static inline void pi_ib_unpack(const int t, const uint8_t *val, size_t rb, long
 #else
         for (int h = 0; h < 2; h++) {
             const __m256i r0 = pi_ib_load256(t, p, u, h), r1 = pi_ib_load256(t, p + rb, u, h);
-            const __m256i r2 = pi_ib_load256(t, p + 2 * rb, u, h), r3 = pi_ib_load256(t, p + 3 * rb, u, h);
+            const __m256i r2 = pi_ib_load256(t, p + 2 * rb, u, h);
+            const __m256i r3 = pi_ib_load256(t, p + 3 * rb, u, h);
             const __m256i l01 = _mm256_unpacklo_epi8(r0, r1), h01 = _mm256_unpackhi_epi8(r0, r1);
             const __m256i l23 = _mm256_unpacklo_epi8(r2, r3), h23 = _mm256_unpackhi_epi8(r2, r3);
             uint8_t *o = pk + 256 * g + 32 * h;
@@ -856,15 +860,57 @@ static void pi_ib_chunk_any(int t, int nt, const uint8_t *val, size_t rb, const 
 #undef PI_IB_CASE
 }
 
+/* One token's out = W a (a: n_in f32, the dropped channels 0) by the decode kernel over its
+ * nonzero inputs (their rows only: at one token the GEMM's dense rows cost more than the
+ * shared loads save), on n_threads threads. */
+static void pi_ib_matmul_one(int qtype, const uint8_t *w, size_t stride, long n_in,
+                             const float *a, float *out, int cols, int n_threads) {
+    const long nu = cols / PI_IB_TILE;
+    float *scr = (float *)malloc(pi_ib_scratch_floats(n_in) * sizeof(float));
+    int32_t *idx = (int32_t *)malloc((size_t)(n_in > 0 ? n_in : 1) * sizeof(int32_t));
+    float *coef = (float *)malloc((size_t)(n_in > 0 ? n_in : 1) * sizeof(float));
+    if (!scr || !idx || !coef) {
+        free(scr);
+        free(idx);
+        free(coef);
+        return;
+    }
+    long n = 0;
+    for (long j = 0; j < n_in; j++)
+        if (a[j] != 0.0f) {
+            coef[n] = a[j];
+            idx[n++] = (int32_t)j;
+        }
+    int nt = n_threads < 1 ? 1 : n_threads;
+    if (nt > nu) nt = nu > 0 ? (int)nu : 1;
+    if (n == 0) {
+        memset(out, 0, (size_t)cols * sizeof(float));
+    } else {
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nt)
+#endif
+        pi_ib_rows_team(pi_team_thread(), pi_team_size(), qtype, w, stride, coef, idx, n, out,
+                        cols, scr, NULL);
+    }
+    free(scr);
+    free(idx);
+    free(coef);
+}
+
 /* Prefill: out[k] (row k of out, ldo apart) = W a[k] for n_tok tokens, a (n_tok, lda) f32 with
  * the dropped channels already 0 (kept: the nonzero ones, as decode's kept list gives them
  * after its selection; a kept 0 changes neither the block scale nor the sums), on n_threads
- * threads. Each token's result has the bits of pi_ib_rows_team on that token. Threads split
- * the tiles as decode does; each thread runs its tiles, chunk of tokens by chunk, over every
- * block in order (a tile's rows of every block, 2 KiB per q8_0 block, stay in L1/L2 across
- * chunks). */
+ * threads. Each token's result has the bits of pi_ib_rows_team on that token. One token goes
+ * through pi_ib_rows_team itself (pi_ib_matmul_one). Otherwise threads split the tiles as
+ * decode does; each thread runs its tiles, chunk of tokens by chunk, over every block in order
+ * (with more than one chunk, from a 2 KiB per block copy of the tile unpacked once, which stays
+ * in L1/L2 across chunks). The per-token coefficients take 44 bytes per token and block. */
 static void pi_ib_matmul(int qtype, const uint8_t *w, size_t stride, long n_in, const float *a,
                          long lda, long n_tok, float *out, long ldo, int cols, int n_threads) {
+    if (n_tok == 1) {
+        pi_ib_matmul_one(qtype, w, stride, n_in, a, out, cols, n_threads);
+        return;
+    }
     const long nb = (n_in + 31) / 32, nu = cols / PI_IB_TILE;
     const size_t nbt = (size_t)nb * (size_t)n_tok;  /* (block, token) pairs, block-major */
     int32_t *cfw = (int32_t *)malloc(nbt * 11 * sizeof(int32_t));
@@ -900,8 +946,8 @@ static void pi_ib_matmul(int qtype, const uint8_t *w, size_t stride, long n_in, 
 #if PI_SIMD
         /* more than one chunk: each tile's blocks unpacked once into pk, then read by every
          * chunk (contiguous: no cache-set aliasing of rows n_out bytes apart) */
-        uint8_t *pk = n_tok > PI_IB_NT && u1 > u0 ? (uint8_t *)aligned_alloc(64, 2048 * (size_t)nb)
-                                                  : NULL;
+        uint8_t *pk = n_tok > PI_IB_NT && u1 > u0
+                          ? (uint8_t *)aligned_alloc(64, 2048 * (size_t)nb) : NULL;
 #endif
         for (long u = u0; u < u1; u++) {
 #if PI_SIMD
@@ -911,10 +957,13 @@ static void pi_ib_matmul(int qtype, const uint8_t *w, size_t stride, long n_in, 
                     pi_ib_unpack(qtype, blk + 2 * (size_t)cols, rb, u, pk + 2048 * (size_t)b);
                     /* the next tile's rows and scales of this block, into L2 by its turn */
                     if (u + 1 < u1) {
-                        const uint8_t *nx = blk + 2 * (size_t)cols + (qtype == PI_Q8_0_IB ? 64 : 32) * (u + 1);
-                        for (int j = 0; j < 32; j++) _mm_prefetch((const char *)(nx + (size_t)j * rb), _MM_HINT_T1);
-                        _mm_prefetch((const char *)(blk + 2 * PI_IB_TILE * (u + 1)), _MM_HINT_T1);
-                        _mm_prefetch((const char *)(blk + 2 * PI_IB_TILE * (u + 1) + 64), _MM_HINT_T1);
+                        const uint8_t *nx = blk + 2 * (size_t)cols
+                                            + (qtype == PI_Q8_0_IB ? 64 : 32) * (u + 1);
+                        const char *ds = (const char *)(blk + 2 * PI_IB_TILE * (u + 1));
+                        for (int j = 0; j < 32; j++)
+                            _mm_prefetch((const char *)(nx + (size_t)j * rb), _MM_HINT_T1);
+                        _mm_prefetch(ds, _MM_HINT_T1);
+                        _mm_prefetch(ds + 64, _MM_HINT_T1);
                     }
                 }
 #endif
@@ -930,9 +979,9 @@ static void pi_ib_matmul(int qtype, const uint8_t *w, size_t stride, long n_in, 
                     const uint8_t *blk = w + stride * (size_t)b;
 #if PI_SIMD
                     if (pk) {
-                        pi_ib_chunk_pk_any(qtype, n, pk + 2048 * (size_t)b, (const uint16_t *)blk, u,
-                                           cfw + 8 * e, sbt + e, crt + e, nzt + e, gm, yb,
-                                           PI_IB_TILE);
+                        pi_ib_chunk_pk_any(qtype, n, pk + 2048 * (size_t)b,
+                                           (const uint16_t *)blk, u, cfw + 8 * e, sbt + e,
+                                           crt + e, nzt + e, gm, yb, PI_IB_TILE);
                         continue;
                     }
 #endif
