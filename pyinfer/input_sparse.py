@@ -69,7 +69,7 @@ class InputSparseFFN:
             s *= lw.in_scale[group]
         keep = s > self.thr[group][layer]
         self._count(group, int(keep.sum()), x.shape[0])
-        return np.where(keep, x, np.float32(0.0)).astype(np.float32)
+        return np.where(keep, x, np.float32(0.0))  # f32: both branches are f32 (no second copy)
 
     @staticmethod
     def _scale(lw, group):
