@@ -50,9 +50,10 @@
  * VNNI path prefetches, while doing tile u of block b, tile u + 8 of the thread's (block, tile)
  * sequence (the current block's rows, or the next non-empty block's past the range; at most one
  * block ahead) and the next block's scale row of tile u; the AVX2 path the next block's kept
- * rows of tile u. One prefetch per 32 bytes (two per 64-byte line, although the rows are
- * line-aligned) measured faster from memory than one per line, and slower from cache. Prefill
- * (pi_ib_tiles, the same matrix token after token, so from cache) keeps the lighter prefetch.
+ * rows of tile u, one prefetch per tile. On the VNNI path one prefetch per 32 bytes (two per
+ * 64-byte line, although the rows are line-aligned) measured faster from memory than one per
+ * line, and slower from cache. Prefill (pi_ib_tiles, the same matrix token after token, so from
+ * cache) keeps the lighter prefetch.
  *
  * Prefill (pi_ib_matmul) is a GEMM over the dense masked input with decode's integers and
  * decode's flush, so each token gets decode's bits: chunks of tokens share each loaded group of
@@ -414,9 +415,12 @@ static void pi_ib_halves(int t, const uint8_t *w, size_t stride, long n_out, lon
             }
             (void)pf;
 #else
+            /* AVX2: a0af1f5's prefetch (two per line measured 0.87-1.10x from memory and up to
+             * 1.17x slower from cache on this build) */
             pi_ib_half(t, val, o, c, G, dsc, s, cr, u, 0, y);
-            if (pf || !stream) pi_ib_pf(t, valn, on, Nn, u, 0);
-            if (stream && PI_IB_PF_LINES == 2 && t == PI_Q8_0_IB) pi_ib_pf(t, valn, on, Nn, u, 1);
+            pi_ib_pf(t, valn, on, Nn, u, 0);
+            (void)pf;
+            (void)stream;
             pi_ib_half(t, val, o, c, G, dsc, s, cr, u, 1, y);
 #endif
         }
