@@ -593,14 +593,69 @@ static inline int pi_ib_prep_dense(int t, const float *x, long n, int32_t *cf8, 
     return m;
 }
 
-/* Chunk of NT tokens, block (values val, scales dsc), tile u: y + ldo i (token i's row of out,
- * at tile u) += the block's products. cf: token i's 8 words at cf + 8 i; sb, corr: token i's
- * at [i]; nz[i]: not 0 where token i kept something in the block (else no flush, as decode
- * skips the block); gm: bit g set where group g has a nonzero coefficient for some token. */
+#if PI_SIMD
+#if PI_IB_VNNI512
+/* group g's four dpbusd operands of tile u (the four-row lanes of pi_ib_tiles), from the rows
+ * p, p + rb, p + 2 rb, p + 3 rb */
+static inline __attribute__((always_inline)) void pi_ib_ops512(const int t, const uint8_t *p,
+                                                               size_t rb, long u, __m512i v[4]) {
+    const __m512i r0 = pi_ib_load512(t, p, u), r1 = pi_ib_load512(t, p + rb, u);
+    const __m512i r2 = pi_ib_load512(t, p + 2 * rb, u), r3 = pi_ib_load512(t, p + 3 * rb, u);
+    const __m512i l01 = _mm512_unpacklo_epi8(r0, r1), h01 = _mm512_unpackhi_epi8(r0, r1);
+    const __m512i l23 = _mm512_unpacklo_epi8(r2, r3), h23 = _mm512_unpackhi_epi8(r2, r3);
+    v[0] = _mm512_unpacklo_epi16(l01, l23);
+    v[1] = _mm512_unpackhi_epi16(l01, l23);
+    v[2] = _mm512_unpacklo_epi16(h01, h23);
+    v[3] = _mm512_unpackhi_epi16(h01, h23);
+}
+#endif
+/* the same for half h of the tile (256-bit operands) */
+static inline __attribute__((always_inline)) void pi_ib_ops256(const int t, const uint8_t *p,
+                                                               size_t rb, long u, int h,
+                                                               __m256i v[4]) {
+    const __m256i r0 = pi_ib_load256(t, p, u, h), r1 = pi_ib_load256(t, p + rb, u, h);
+    const __m256i r2 = pi_ib_load256(t, p + 2 * rb, u, h), r3 = pi_ib_load256(t, p + 3 * rb, u, h);
+    const __m256i l01 = _mm256_unpacklo_epi8(r0, r1), h01 = _mm256_unpackhi_epi8(r0, r1);
+    const __m256i l23 = _mm256_unpacklo_epi8(r2, r3), h23 = _mm256_unpackhi_epi8(r2, r3);
+    v[0] = _mm256_unpacklo_epi16(l01, l23);
+    v[1] = _mm256_unpackhi_epi16(l01, l23);
+    v[2] = _mm256_unpacklo_epi16(h01, h23);
+    v[3] = _mm256_unpackhi_epi16(h01, h23);
+}
+
+/* Tile u of a block's 32 rows (values val), unpacked once: group g's four dpbusd operands (the
+ * four-row lanes of pi_ib_tiles) at pk + 256 g + 64 k, 2 KiB in all, 64-byte aligned. The
+ * unpacks work inside 128-bit lanes, so the AVX2 path's operands for half h of the tile are
+ * bytes 32 h .. 32 h + 31 of the same 64. */
+static inline void pi_ib_unpack(const int t, const uint8_t *val, size_t rb, long u, uint8_t *pk) {
+    for (int g = 0; g < 8; g++) {
+        const uint8_t *p = val + (size_t)(4 * g) * rb;
+#if PI_IB_VNNI512
+        __m512i v[4];
+        pi_ib_ops512(t, p, rb, u, v);
+        for (int k = 0; k < 4; k++) _mm512_store_si512((__m512i *)(pk + 256 * g + 64 * k), v[k]);
+#else
+        for (int h = 0; h < 2; h++) {
+            __m256i v[4];
+            pi_ib_ops256(t, p, rb, u, h, v);
+            for (int k = 0; k < 4; k++)
+                _mm256_store_si256((__m256i *)(pk + 256 * g + 64 * k + 32 * h), v[k]);
+        }
+#endif
+    }
+}
+#endif /* PI_SIMD */
+
+/* Chunk of NT tokens, block (scales dsc), tile u: y + ldo i (token i's row of out, at tile u)
+ * += the block's products, the operands unpacked here from the values val (rows rb bytes apart;
+ * packed 0) or read from pi_ib_unpack's pk (packed 1: same integers, same flush). cf: token
+ * i's 8 words at cf + 8 i; sb, corr: token i's at [i]; nz[i]: not 0 where token i kept
+ * something in the block (else no flush, as decode skips the block); gm: bit g set where group
+ * g has a nonzero coefficient for some token. */
 static inline __attribute__((always_inline)) void
-pi_ib_chunk(const int t, const int NT, const uint8_t *val, size_t rb, const uint16_t *dsc, long u,
-            const int32_t *cf, const float *sb, const int32_t *corr, const int32_t *nz,
-            unsigned gm, float *y, long ldo) {
+pi_ib_chunk_src(const int t, const int NT, const int packed, const uint8_t *val, size_t rb,
+                const uint8_t *pk, const uint16_t *dsc, long u, const int32_t *cf, const float *sb,
+                const int32_t *corr, const int32_t *nz, unsigned gm, float *y, long ldo) {
 #if PI_SIMD && PI_IB_VNNI512
     __m512i acc[PI_IB_NT][4];
 #pragma GCC unroll 8
@@ -609,20 +664,22 @@ pi_ib_chunk(const int t, const int NT, const uint8_t *val, size_t rb, const uint
         for (int k = 0; k < 4; k++) acc[i][k] = _mm512_set1_epi32(-corr[i]);
     for (int g = 0; g < 8; g++) {
         if (!((gm >> g) & 1)) continue;
-        const uint8_t *p = val + (size_t)(4 * g) * rb;
-        const __m512i r0 = pi_ib_load512(t, p, u), r1 = pi_ib_load512(t, p + rb, u);
-        const __m512i r2 = pi_ib_load512(t, p + 2 * rb, u), r3 = pi_ib_load512(t, p + 3 * rb, u);
-        const __m512i l01 = _mm512_unpacklo_epi8(r0, r1), h01 = _mm512_unpackhi_epi8(r0, r1);
-        const __m512i l23 = _mm512_unpacklo_epi8(r2, r3), h23 = _mm512_unpackhi_epi8(r2, r3);
-        const __m512i v0 = _mm512_unpacklo_epi16(l01, l23), v1 = _mm512_unpackhi_epi16(l01, l23);
-        const __m512i v2 = _mm512_unpacklo_epi16(h01, h23), v3 = _mm512_unpackhi_epi16(h01, h23);
+        __m512i v[4];
+        if (packed) {
+            const __m512i *o = (const __m512i *)(pk + 256 * g);
+            v[0] = _mm512_load_si512(o);
+            v[1] = _mm512_load_si512(o + 1);
+            v[2] = _mm512_load_si512(o + 2);
+            v[3] = _mm512_load_si512(o + 3);
+        } else
+            pi_ib_ops512(t, val + (size_t)(4 * g) * rb, rb, u, v);
 #pragma GCC unroll 8
         for (int i = 0; i < NT; i++) {
             const __m512i cc = _mm512_set1_epi32(cf[8 * i + g]);
-            acc[i][0] = _mm512_dpbusd_epi32(acc[i][0], v0, cc);
-            acc[i][1] = _mm512_dpbusd_epi32(acc[i][1], v1, cc);
-            acc[i][2] = _mm512_dpbusd_epi32(acc[i][2], v2, cc);
-            acc[i][3] = _mm512_dpbusd_epi32(acc[i][3], v3, cc);
+            acc[i][0] = _mm512_dpbusd_epi32(acc[i][0], v[0], cc);
+            acc[i][1] = _mm512_dpbusd_epi32(acc[i][1], v[1], cc);
+            acc[i][2] = _mm512_dpbusd_epi32(acc[i][2], v[2], cc);
+            acc[i][3] = _mm512_dpbusd_epi32(acc[i][3], v[3], cc);
         }
     }
 #pragma GCC unroll 4
@@ -648,23 +705,22 @@ pi_ib_chunk(const int t, const int NT, const uint8_t *val, size_t rb, const uint
                 acc[i][k] = _mm256_set1_epi32(t == PI_Q8_0_IB ? 0 : -corr[i]);
         for (int g = 0; g < 8; g++) {
             if (!((gm >> g) & 1)) continue;
-            const uint8_t *p = val + (size_t)(4 * g) * rb;
-            const __m256i r0 = pi_ib_load256(t, p, u, h), r1 = pi_ib_load256(t, p + rb, u, h);
-            const __m256i r2 = pi_ib_load256(t, p + 2 * rb, u, h);
-            const __m256i r3 = pi_ib_load256(t, p + 3 * rb, u, h);
-            const __m256i l01 = _mm256_unpacklo_epi8(r0, r1), h01 = _mm256_unpackhi_epi8(r0, r1);
-            const __m256i l23 = _mm256_unpacklo_epi8(r2, r3), h23 = _mm256_unpackhi_epi8(r2, r3);
-            const __m256i v0 = _mm256_unpacklo_epi16(l01, l23);
-            const __m256i v1 = _mm256_unpackhi_epi16(l01, l23);
-            const __m256i v2 = _mm256_unpacklo_epi16(h01, h23);
-            const __m256i v3 = _mm256_unpackhi_epi16(h01, h23);
+            __m256i v[4];
+            if (packed) {
+                const uint8_t *o = pk + 256 * g + 32 * h;
+                v[0] = _mm256_load_si256((const __m256i *)o);
+                v[1] = _mm256_load_si256((const __m256i *)(o + 64));
+                v[2] = _mm256_load_si256((const __m256i *)(o + 128));
+                v[3] = _mm256_load_si256((const __m256i *)(o + 192));
+            } else
+                pi_ib_ops256(t, val + (size_t)(4 * g) * rb, rb, u, h, v);
 #pragma GCC unroll 8
             for (int i = 0; i < NT; i++) {
                 const __m256i cc = _mm256_set1_epi32(cf[8 * i + g]);
-                acc[i][0] = _mm256_add_epi32(acc[i][0], pi_ib_dot4(t, v0, cc));
-                acc[i][1] = _mm256_add_epi32(acc[i][1], pi_ib_dot4(t, v1, cc));
-                acc[i][2] = _mm256_add_epi32(acc[i][2], pi_ib_dot4(t, v2, cc));
-                acc[i][3] = _mm256_add_epi32(acc[i][3], pi_ib_dot4(t, v3, cc));
+                acc[i][0] = _mm256_add_epi32(acc[i][0], pi_ib_dot4(t, v[0], cc));
+                acc[i][1] = _mm256_add_epi32(acc[i][1], pi_ib_dot4(t, v[1], cc));
+                acc[i][2] = _mm256_add_epi32(acc[i][2], pi_ib_dot4(t, v[2], cc));
+                acc[i][3] = _mm256_add_epi32(acc[i][3], pi_ib_dot4(t, v[3], cc));
             }
         }
 #pragma GCC unroll 4
@@ -682,6 +738,8 @@ pi_ib_chunk(const int t, const int NT, const uint8_t *val, size_t rb, const uint
         }
     }
 #else
+    (void)packed;
+    (void)pk;
     (void)gm;
     for (int o = 0; o < PI_IB_TILE; o++) {
         const int p = pi_ib_pos(o);
@@ -701,119 +759,21 @@ pi_ib_chunk(const int t, const int NT, const uint8_t *val, size_t rb, const uint
 #endif
 }
 
-#if PI_SIMD
-/* Tile u of a block's 32 rows (values val), unpacked once: group g's four dpbusd operands (the
- * four-row lanes of pi_ib_tiles) at pk + 256 g + 64 k, 2 KiB in all, 64-byte aligned. The
- * unpacks work inside 128-bit lanes, so the AVX2 path's operands for half h of the tile are
- * bytes 32 h .. 32 h + 31 of the same 64. */
-static inline void pi_ib_unpack(const int t, const uint8_t *val, size_t rb, long u, uint8_t *pk) {
-    for (int g = 0; g < 8; g++) {
-        const uint8_t *p = val + (size_t)(4 * g) * rb;
-#if PI_IB_VNNI512
-        const __m512i r0 = pi_ib_load512(t, p, u), r1 = pi_ib_load512(t, p + rb, u);
-        const __m512i r2 = pi_ib_load512(t, p + 2 * rb, u), r3 = pi_ib_load512(t, p + 3 * rb, u);
-        const __m512i l01 = _mm512_unpacklo_epi8(r0, r1), h01 = _mm512_unpackhi_epi8(r0, r1);
-        const __m512i l23 = _mm512_unpacklo_epi8(r2, r3), h23 = _mm512_unpackhi_epi8(r2, r3);
-        __m512i *o = (__m512i *)(pk + 256 * g);
-        _mm512_store_si512(o, _mm512_unpacklo_epi16(l01, l23));
-        _mm512_store_si512(o + 1, _mm512_unpackhi_epi16(l01, l23));
-        _mm512_store_si512(o + 2, _mm512_unpacklo_epi16(h01, h23));
-        _mm512_store_si512(o + 3, _mm512_unpackhi_epi16(h01, h23));
-#else
-        for (int h = 0; h < 2; h++) {
-            const __m256i r0 = pi_ib_load256(t, p, u, h), r1 = pi_ib_load256(t, p + rb, u, h);
-            const __m256i r2 = pi_ib_load256(t, p + 2 * rb, u, h);
-            const __m256i r3 = pi_ib_load256(t, p + 3 * rb, u, h);
-            const __m256i l01 = _mm256_unpacklo_epi8(r0, r1), h01 = _mm256_unpackhi_epi8(r0, r1);
-            const __m256i l23 = _mm256_unpacklo_epi8(r2, r3), h23 = _mm256_unpackhi_epi8(r2, r3);
-            uint8_t *o = pk + 256 * g + 32 * h;
-            _mm256_store_si256((__m256i *)o, _mm256_unpacklo_epi16(l01, l23));
-            _mm256_store_si256((__m256i *)(o + 64), _mm256_unpackhi_epi16(l01, l23));
-            _mm256_store_si256((__m256i *)(o + 128), _mm256_unpacklo_epi16(h01, h23));
-            _mm256_store_si256((__m256i *)(o + 192), _mm256_unpackhi_epi16(h01, h23));
-        }
-#endif
-    }
+/* the chunk from the values (pi_ib_chunk_src, packed 0) */
+static inline __attribute__((always_inline)) void
+pi_ib_chunk(const int t, const int NT, const uint8_t *val, size_t rb, const uint16_t *dsc, long u,
+            const int32_t *cf, const float *sb, const int32_t *corr, const int32_t *nz,
+            unsigned gm, float *y, long ldo) {
+    pi_ib_chunk_src(t, NT, 0, val, rb, NULL, dsc, u, cf, sb, corr, nz, gm, y, ldo);
 }
 
-/* pi_ib_chunk over a block unpacked by pi_ib_unpack (same integers, same flush) */
+#if PI_SIMD
+/* the chunk over a block unpacked by pi_ib_unpack (pi_ib_chunk_src, packed 1) */
 static inline __attribute__((always_inline)) void
 pi_ib_chunk_pk(const int t, const int NT, const uint8_t *pk, const uint16_t *dsc, long u,
                const int32_t *cf, const float *sb, const int32_t *corr, const int32_t *nz,
                unsigned gm, float *y, long ldo) {
-#if PI_IB_VNNI512
-    (void)t;
-    __m512i acc[PI_IB_NT][4];
-#pragma GCC unroll 8
-    for (int i = 0; i < NT; i++)
-#pragma GCC unroll 4
-        for (int k = 0; k < 4; k++) acc[i][k] = _mm512_set1_epi32(-corr[i]);
-    for (int g = 0; g < 8; g++) {
-        if (!((gm >> g) & 1)) continue;
-        const __m512i *o = (const __m512i *)(pk + 256 * g);
-        const __m512i v0 = _mm512_load_si512(o), v1 = _mm512_load_si512(o + 1);
-        const __m512i v2 = _mm512_load_si512(o + 2), v3 = _mm512_load_si512(o + 3);
-#pragma GCC unroll 8
-        for (int i = 0; i < NT; i++) {
-            const __m512i cc = _mm512_set1_epi32(cf[8 * i + g]);
-            acc[i][0] = _mm512_dpbusd_epi32(acc[i][0], v0, cc);
-            acc[i][1] = _mm512_dpbusd_epi32(acc[i][1], v1, cc);
-            acc[i][2] = _mm512_dpbusd_epi32(acc[i][2], v2, cc);
-            acc[i][3] = _mm512_dpbusd_epi32(acc[i][3], v3, cc);
-        }
-    }
-#pragma GCC unroll 4
-    for (int k = 0; k < 4; k++) {
-        const __m512 d = _mm512_cvtph_ps(
-            _mm256_loadu_si256((const __m256i *)(dsc + PI_IB_TILE * u + 16 * k)));
-#pragma GCC unroll 8
-        for (int i = 0; i < NT; i++) {
-            if (!nz[i]) continue;
-            float *yk = y + ldo * i + 16 * k;
-            const __m512 f = _mm512_cvtepi32_ps(acc[i][k]);  /* acc - corr */
-            _mm512_storeu_ps(yk, _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(sb[i]), d), f,
-                                                 _mm512_loadu_ps(yk)));
-        }
-    }
-#else
-    for (int h = 0; h < 2; h++) {
-        __m256i acc[PI_IB_NT][4];
-#pragma GCC unroll 8
-        for (int i = 0; i < NT; i++)
-#pragma GCC unroll 4
-            for (int k = 0; k < 4; k++)  /* q8_0 through pi_ib_dot4 is signed: no correction */
-                acc[i][k] = _mm256_set1_epi32(t == PI_Q8_0_IB ? 0 : -corr[i]);
-        for (int g = 0; g < 8; g++) {
-            if (!((gm >> g) & 1)) continue;
-            const uint8_t *o = pk + 256 * g + 32 * h;
-            const __m256i v0 = _mm256_load_si256((const __m256i *)o);
-            const __m256i v1 = _mm256_load_si256((const __m256i *)(o + 64));
-            const __m256i v2 = _mm256_load_si256((const __m256i *)(o + 128));
-            const __m256i v3 = _mm256_load_si256((const __m256i *)(o + 192));
-#pragma GCC unroll 8
-            for (int i = 0; i < NT; i++) {
-                const __m256i cc = _mm256_set1_epi32(cf[8 * i + g]);
-                acc[i][0] = _mm256_add_epi32(acc[i][0], pi_ib_dot4(t, v0, cc));
-                acc[i][1] = _mm256_add_epi32(acc[i][1], pi_ib_dot4(t, v1, cc));
-                acc[i][2] = _mm256_add_epi32(acc[i][2], pi_ib_dot4(t, v2, cc));
-                acc[i][3] = _mm256_add_epi32(acc[i][3], pi_ib_dot4(t, v3, cc));
-            }
-        }
-#pragma GCC unroll 4
-        for (int k = 0; k < 4; k++) {
-            const __m256 d = _mm256_cvtph_ps(
-                _mm_loadu_si128((const __m128i *)(dsc + PI_IB_TILE * u + 16 * k + 8 * h)));
-#pragma GCC unroll 8
-            for (int i = 0; i < NT; i++) {
-                if (!nz[i]) continue;
-                float *yk = y + ldo * i + 16 * k + 8 * h;
-                const __m256 f = _mm256_cvtepi32_ps(acc[i][k]);  /* acc - corr */
-                _mm256_storeu_ps(yk, _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(sb[i]), d), f,
-                                                     _mm256_loadu_ps(yk)));
-            }
-        }
-    }
-#endif
+    pi_ib_chunk_src(t, NT, 1, NULL, 0, pk, dsc, u, cf, sb, corr, nz, gm, y, ldo);
 }
 
 /* pi_ib_chunk_pk with the type and the token count as constants */
