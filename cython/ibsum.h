@@ -775,29 +775,39 @@ pi_ib_chunk_pk(const int t, const int NT, const uint8_t *pk, const uint16_t *dsc
                unsigned gm, float *y, long ldo) {
     pi_ib_chunk_src(t, NT, 1, NULL, 0, pk, dsc, u, cf, sb, corr, nz, gm, y, ldo);
 }
+#endif /* PI_SIMD */
 
+/* A switch over the type (q8_0 / q4_0) and the chunk's token count nt (1 .. PI_IB_NT) that
+ * calls CALL(T_, N_) with both as constants (the chunk kernels unroll over them). */
+#define PI_IB_CASE(CALL, T_, N_)                                                              \
+    case N_:                                                                                  \
+        if (N_ <= PI_IB_NT) CALL(T_, (N_ <= PI_IB_NT ? N_ : 1));                              \
+        break;
+#define PI_IB_SWITCH(t, nt, CALL)                                                             \
+    do {                                                                                      \
+        if ((t) == PI_Q8_0_IB) {                                                              \
+            switch (nt) {                                                                     \
+                PI_IB_CASE(CALL, PI_Q8_0_IB, 1) PI_IB_CASE(CALL, PI_Q8_0_IB, 2)               \
+                PI_IB_CASE(CALL, PI_Q8_0_IB, 3) PI_IB_CASE(CALL, PI_Q8_0_IB, 4)               \
+                PI_IB_CASE(CALL, PI_Q8_0_IB, 5) PI_IB_CASE(CALL, PI_Q8_0_IB, 6)               \
+            }                                                                                 \
+        } else {                                                                              \
+            switch (nt) {                                                                     \
+                PI_IB_CASE(CALL, PI_Q4_0_IB, 1) PI_IB_CASE(CALL, PI_Q4_0_IB, 2)               \
+                PI_IB_CASE(CALL, PI_Q4_0_IB, 3) PI_IB_CASE(CALL, PI_Q4_0_IB, 4)               \
+                PI_IB_CASE(CALL, PI_Q4_0_IB, 5) PI_IB_CASE(CALL, PI_Q4_0_IB, 6)               \
+            }                                                                                 \
+        }                                                                                     \
+    } while (0)
+
+#if PI_SIMD
 /* pi_ib_chunk_pk with the type and the token count as constants */
 static void pi_ib_chunk_pk_any(int t, int nt, const uint8_t *pk, const uint16_t *dsc, long u,
                                const int32_t *cf, const float *sb, const int32_t *corr,
                                const int32_t *nz, unsigned gm, float *y, long ldo) {
-#define PI_IB_CASE(T_, N_)                                                                    \
-    case N_:                                                                                  \
-        if (N_ <= PI_IB_NT)                                                                   \
-            pi_ib_chunk_pk(T_, N_ <= PI_IB_NT ? N_ : 1, pk, dsc, u, cf, sb, corr, nz, gm, y,  \
-                           ldo);                                                              \
-        break;
-    if (t == PI_Q8_0_IB) {
-        switch (nt) {
-            PI_IB_CASE(PI_Q8_0_IB, 1) PI_IB_CASE(PI_Q8_0_IB, 2) PI_IB_CASE(PI_Q8_0_IB, 3)
-            PI_IB_CASE(PI_Q8_0_IB, 4) PI_IB_CASE(PI_Q8_0_IB, 5) PI_IB_CASE(PI_Q8_0_IB, 6)
-        }
-    } else {
-        switch (nt) {
-            PI_IB_CASE(PI_Q4_0_IB, 1) PI_IB_CASE(PI_Q4_0_IB, 2) PI_IB_CASE(PI_Q4_0_IB, 3)
-            PI_IB_CASE(PI_Q4_0_IB, 4) PI_IB_CASE(PI_Q4_0_IB, 5) PI_IB_CASE(PI_Q4_0_IB, 6)
-        }
-    }
-#undef PI_IB_CASE
+#define PI_IB_PK(T_, N_) pi_ib_chunk_pk(T_, N_, pk, dsc, u, cf, sb, corr, nz, gm, y, ldo)
+    PI_IB_SWITCH(t, nt, PI_IB_PK);
+#undef PI_IB_PK
 }
 #endif /* PI_SIMD */
 
@@ -805,23 +815,9 @@ static void pi_ib_chunk_pk_any(int t, int nt, const uint8_t *pk, const uint16_t 
 static void pi_ib_chunk_any(int t, int nt, const uint8_t *val, size_t rb, const uint16_t *dsc,
                             long u, const int32_t *cf, const float *sb, const int32_t *corr,
                             const int32_t *nz, unsigned gm, float *y, long ldo) {
-#define PI_IB_CASE(T_, N_)                                                                    \
-    case N_:                                                                                  \
-        if (N_ <= PI_IB_NT) pi_ib_chunk(T_, N_ <= PI_IB_NT ? N_ : 1, val, rb, dsc, u, cf, sb, \
-                                        corr, nz, gm, y, ldo);                                \
-        break;
-    if (t == PI_Q8_0_IB) {
-        switch (nt) {
-            PI_IB_CASE(PI_Q8_0_IB, 1) PI_IB_CASE(PI_Q8_0_IB, 2) PI_IB_CASE(PI_Q8_0_IB, 3)
-            PI_IB_CASE(PI_Q8_0_IB, 4) PI_IB_CASE(PI_Q8_0_IB, 5) PI_IB_CASE(PI_Q8_0_IB, 6)
-        }
-    } else {
-        switch (nt) {
-            PI_IB_CASE(PI_Q4_0_IB, 1) PI_IB_CASE(PI_Q4_0_IB, 2) PI_IB_CASE(PI_Q4_0_IB, 3)
-            PI_IB_CASE(PI_Q4_0_IB, 4) PI_IB_CASE(PI_Q4_0_IB, 5) PI_IB_CASE(PI_Q4_0_IB, 6)
-        }
-    }
-#undef PI_IB_CASE
+#define PI_IB_VAL(T_, N_) pi_ib_chunk(T_, N_, val, rb, dsc, u, cf, sb, corr, nz, gm, y, ldo)
+    PI_IB_SWITCH(t, nt, PI_IB_VAL);
+#undef PI_IB_VAL
 }
 
 /* One token's out = W a (a: n_in f32, the dropped channels 0) by the decode kernel over its
