@@ -232,13 +232,8 @@ class IBTensor:
         """The ggml type whose numbers the layout holds (Q8_0 or Q4_0)."""
         return _IB_BASE[self.qtype]
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (self.rows, self.cols)
-
-    @property
-    def nbytes(self) -> int:
-        return self.raw.nbytes
+    shape = QTensor.shape
+    nbytes = QTensor.nbytes
 
     def to_rows(self) -> QTensor:
         """W (n_out, n_in) as a row-major QTensor (a copy)."""
