@@ -20,7 +20,7 @@
  *
  * are exact, and out_i = sum over blocks in order of (s_b d[i, b]) * acc[i, b] (one f32 FMA per
  * block). For q8_0 that is the GEMV of the masked x bit for bit (same quantized activation,
- * same integer sums, same f32 order: tests/test_kernels.py checks it against pi_gemv8); for
+ * same integer sums, same f32 order: tests/test_ibsum.py checks it against cpu.matvec); for
  * q4_0 the integer offset 8 sum(xq) is taken off inside the integer sum (the GEMV subtracts it
  * in f32), so the two differ by f32 rounding. Error against the exact product, per output i:
  * |err_i| <= sum_b s_b / 2 * sum_{kept j in b} |d[i, b] q[i, j]| (+ f32 rounding): the int8
@@ -43,17 +43,17 @@
  * same order: the bits do not depend on the thread count; SmolLM2's 576 outputs are 18 halves,
  * 9/9 on two threads where whole tiles split 5/4); a thread's range may start or end in the
  * middle of a tile, and that lone half goes through the 256-bit path (VNNI: _mm256_dpbusd_epi32
- * on the same four-row lanes; AVX2: its usual half) in a private copy of the tile. The per-block
- * quantization is split by blocks first (AVX-512: 32 lanes per block), then a barrier.
- * Block-outer, tile-inner: a block's kept rows stream together. Prefetch (into L2, session 11,
+ * on the same four-row lanes; AVX2: its usual half) in a private copy of the tile. Every thread
+ * quantizes every block itself (AVX-512: 32 lanes per block) into its own stack arrays, so the
+ * team needs no barrier. Block-outer, tile-inner: a block's kept rows stream together. Prefetch (into L2, session 11,
  * measured on 30 matrices streamed from memory: tools/ab_input_kernels.py --evict-mib): the
  * VNNI path prefetches, while doing tile u of block b, tile u + 8 of the thread's (block, tile)
  * sequence (the current block's rows, or the next non-empty block's past the range; at most one
  * block ahead) and the next block's scale row of tile u; the AVX2 path the next block's kept
  * rows of tile u, one prefetch per tile. On the VNNI path one prefetch per 32 bytes (two per
  * 64-byte line, although the rows are line-aligned) measured faster from memory than one per
- * line, and slower from cache. Prefill (pi_ib_tiles, the same matrix token after token, so from
- * cache) keeps the lighter prefetch.
+ * line, and slower from cache (pi_ib_halves' stream 0 keeps the lighter prefetch, for a caller
+ * that reads the same matrix again and again).
  *
  * Prefill (pi_ib_matmul) is a GEMM over the dense masked input with decode's integers and
  * decode's flush, so each token gets decode's bits: chunks of tokens share each loaded group of
@@ -441,13 +441,6 @@ static void pi_ib_halves(int t, const uint8_t *w, size_t stride, long n_out, lon
     }
 }
 
-/* out[64u0 .. 64u1) += the products of the prepared blocks (tiles u0..u1 of every block), with
- * the light prefetch (prefill: pi_ib_halves with stream = 0). */
-static void pi_ib_tiles(int t, const uint8_t *w, size_t stride, long n_out, long nb,
-                        const int32_t *off, const int32_t *cf, const int32_t *ng, const float *sb,
-                        const int32_t *corr, long u0, long u1, float *out) {
-    pi_ib_halves(t, w, stride, n_out, nb, off, cf, ng, sb, corr, 2 * u0, 2 * u1, out, 0);
-}
 
 /* The outputs of half tiles v0 .. v1 - 1 as runs of contiguous floats: out[.] = 0 (add NULL) or
  * add[.] += out[.] */
@@ -507,7 +500,7 @@ static void pi_ib_rows_team(int t, int T, int qtype, const uint8_t *w, size_t st
  * block b, 64-output tile u and chunk of up to PI_IB_NT tokens, the kernel takes all 32 rows of
  * the block in 8 groups of four, loads and unpacks each group once, and adds each token's four
  * products with that token's broadcast coefficients (its xq of the group's four channels, 0 for
- * a dropped one): the integer sums acc - corr of decode (pi_ib_tiles), grouped differently but
+ * a dropped one): the integer sums acc - corr of decode (pi_ib_halves), grouped differently but
  * exact. Each token's flush is decode's: y += (s_b d) * float(acc - corr), one FMA per block,
  * in block order, skipped where the token kept nothing in the block (decode skips such blocks).
  * So every row of out has the bits of pi_ib_rows_team on that token's nonzero inputs.
@@ -595,7 +588,7 @@ static inline int pi_ib_prep_dense(int t, const float *x, long n, int32_t *cf8, 
 
 #if PI_SIMD
 #if PI_IB_VNNI512
-/* group g's four dpbusd operands of tile u (the four-row lanes of pi_ib_tiles), from the rows
+/* group g's four dpbusd operands of tile u (the four-row lanes of pi_ib_halves), from the rows
  * p, p + rb, p + 2 rb, p + 3 rb */
 static inline __attribute__((always_inline)) void pi_ib_ops512(const int t, const uint8_t *p,
                                                                size_t rb, long u, __m512i v[4]) {
@@ -624,7 +617,7 @@ static inline __attribute__((always_inline)) void pi_ib_ops256(const int t, cons
 }
 
 /* Tile u of a block's 32 rows (values val), unpacked once: group g's four dpbusd operands (the
- * four-row lanes of pi_ib_tiles) at pk + 256 g + 64 k, 2 KiB in all, 64-byte aligned. The
+ * four-row lanes of pi_ib_halves) at pk + 256 g + 64 k, 2 KiB in all, 64-byte aligned. The
  * unpacks work inside 128-bit lanes, so the AVX2 path's operands for half h of the tile are
  * bytes 32 h .. 32 h + 31 of the same 64. */
 static inline void pi_ib_unpack(const int t, const uint8_t *val, size_t rb, long u, uint8_t *pk) {
