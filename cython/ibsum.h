@@ -516,74 +516,17 @@ static void pi_ib_rows_team(int t, int T, int qtype, const uint8_t *w, size_t st
 #define PI_IB_NT 4
 #endif
 
-/* One token's block of n (<= 32) inputs x, quantized as pi_ib_prep quantizes its nonzero
- * entries (same max, same scale, same rounding), at their channel positions: cf8 the 8 packed
- * words (channel 4g + r in byte r of word g, 0 where x is 0). Returns 1 where some x is not 0
- * (a NaN counts as kept, as in the scalar test x == 0). */
-static inline int pi_ib_prep_dense(int t, const float *x, long n, int32_t *cf8, float *sb,
-                                   int32_t *corr) {
-    const int c8 = t == PI_Q8_0_IB ? 128 : 8;
-#if PI_SIMD
-    if (n == 32) {
-        /* pi_quantize_q8's vector steps (max |x| in any order, one f32 product per value,
-         * cvtps rounding to nearest-even as lrintf in the default mode), with the zeros kept
-         * out of the products (their xq is 0 whatever 1/d is) */
-        const __m256 sign = _mm256_set1_ps(-0.0f), zero = _mm256_setzero_ps();
-        __m256 v[4], keep[4];
-        int any = 0;
-        for (int k = 0; k < 4; k++) {
-            v[k] = _mm256_loadu_ps(x + 8 * k);
-            keep[k] = _mm256_cmp_ps(v[k], zero, _CMP_NEQ_UQ);
-            any |= _mm256_movemask_ps(keep[k]);
-        }
-        const __m256 m = _mm256_max_ps(
-            _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-            _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-        const float amax = _mm_cvtss_f32(m4);
-        const float d = amax / 127.0f;
-        const __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
-        __m256i i[4];
-        for (int k = 0; k < 4; k++)
-            i[k] = _mm256_cvtps_epi32(_mm256_and_ps(_mm256_mul_ps(v[k], id), keep[k]));
-        /* |i| <= 127: the packs do not saturate; the permute undoes their lane interleave */
-        const __m256i p = _mm256_permutevar8x32_epi32(
-            _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3])),
-            _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256((__m256i *)cf8, p);
-        __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
-        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
-        *sb = d;
-        *corr = c8 * _mm_cvtsi128_si32(s4);
-        return any != 0;
-    }
-#endif
-    float amax = 0.0f;
-    int m = 0;
-    for (long j = 0; j < n; j++) {
-        if (x[j] == 0.0f) continue;
-        const float a = fabsf(x[j]);
-        amax = a > amax ? a : amax;
-        m = 1;
-    }
-    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+/* One token's block of 32 inputs x (the dropped ones 0), quantized as pi_ib_prep quantizes its
+ * nonzero entries (pi_quantize_q8_block: a 0 raises no max and quantizes to 0) at their
+ * channel positions: cf8 the 8 packed words (channel 4g + r in byte r of word g). Returns 1
+ * where some x is not 0 (a NaN counts as kept, as in the test x != 0). */
+static inline int pi_ib_prep_dense(int t, const float *x, int32_t *cf8, float *sb, int32_t *corr) {
     int8_t q[32];
-    memset(q, 0, sizeof(q));
-    int s = 0;
-    for (long j = 0; j < n; j++) {
-        if (x[j] == 0.0f) continue;
-        const int v = (int)lrintf(x[j] * id);
-        q[j] = (int8_t)v;
-        s += v;
-    }
+    *corr = (t == PI_Q8_0_IB ? 128 : 8) * pi_quantize_q8_block(x, q, sb);
     memcpy(cf8, q, sizeof(q));
-    *sb = d;
-    *corr = c8 * s;
-    return m;
+    int any = 0;
+    for (int j = 0; j < 32; j++) any |= x[j] != 0.0f;
+    return any;
 }
 
 #if PI_SIMD
@@ -882,9 +825,8 @@ static void pi_ib_matmul(int qtype, const uint8_t *w, size_t stride, long n_in, 
         for (long k = t; k < n_tok; k += T)
             for (long b = 0; b < nb; b++) {
                 const size_t e = (size_t)b * n_tok + k;
-                const int kept = pi_ib_prep_dense(qtype, a + lda * k + 32 * b,
-                                                  n_in - 32 * b < 32 ? n_in - 32 * b : 32,
-                                                  cfw + 8 * e, sbt + e, crt + e);
+                const int kept = pi_ib_prep_dense(qtype, a + lda * k + 32 * b, cfw + 8 * e,
+                                                  sbt + e, crt + e);
                 /* bit 8: kept something; bit g: group g has a nonzero coefficient */
                 int32_t f = kept << 8;
                 for (int g = 0; g < 8; g++) f |= (cfw[8 * e + g] != 0) << g;

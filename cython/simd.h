@@ -193,60 +193,62 @@ static inline float pi_dot_f16(const uint16_t *w, const float *x, int n) {
  * dot multiplies the unsigned nibbles (0..15) directly and subtracts the offset 8 once per block
  * through s_b, which saves the sign tricks and the subtraction (2nb floats needed in d). */
 
+/* One block of 32: d = max |x| / 127, q[j] = rint(x[j] / d) (0 where d is 0); returns the sum
+ * of q. The SIMD path gives the scalar loop's numbers, 8 lanes at a time: max |x| in any order,
+ * one f32 product per value, and cvtps rounds to nearest-even as lrintf does in the default
+ * rounding mode. (Also ibsum.h's per-token quantization of a prefill.) */
+static inline int pi_quantize_q8_block(const float *xb, int8_t *q, float *d) {
+#if PI_SIMD
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4];
+    for (int k = 0; k < 4; k++) v[k] = _mm256_loadu_ps(xb + 8 * k);
+    const __m256 m = _mm256_max_ps(
+        _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+        _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+    const float db = amax / 127.0f;
+    const __m256 id = _mm256_set1_ps(db != 0.0f ? 1.0f / db : 0.0f);
+    __m256i i[4];
+    for (int k = 0; k < 4; k++) i[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], id));
+    /* |i| <= 127: the packs do not saturate; packs interleave 128-bit lanes, undone by the
+     * permute */
+    const __m256i p = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3])),
+        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)q, p);
+    __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    *d = db;
+    return _mm_cvtsi128_si32(s4);
+#else
+    float amax = 0.0f;
+    for (int j = 0; j < PI_QK; j++) {
+        float v = fabsf(xb[j]);
+        amax = v > amax ? v : amax;
+    }
+    const float db = amax / 127.0f;
+    const float id = db != 0.0f ? 1.0f / db : 0.0f;
+    int sum = 0;
+    for (int j = 0; j < PI_QK; j++) {
+        const int v = (int)lrintf(xb[j] * id);
+        q[j] = (int8_t)v;
+        sum += v;
+    }
+    *d = db;
+    return sum;
+#endif
+}
+
 static inline void pi_quantize_q8(const float *x, int n, float *d, int8_t *q) {
     const int nb = n / PI_QK;
-#if PI_SIMD
-    /* the same numbers as the scalar loop below, 8 lanes at a time: max |x| in any order, one
-     * f32 product per value, and cvtps rounds to nearest-even as lrintf does in the default
-     * rounding mode */
-    const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int b = 0; b < nb; b++) {
-        const float *xb = x + b * PI_QK;
-        __m256 v[4];
-        for (int k = 0; k < 4; k++) v[k] = _mm256_loadu_ps(xb + 8 * k);
-        const __m256 m = _mm256_max_ps(
-            _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-            _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-        const float amax = _mm_cvtss_f32(m4);
-        const float db = amax / 127.0f;
-        const __m256 id = _mm256_set1_ps(db != 0.0f ? 1.0f / db : 0.0f);
-        __m256i i[4];
-        for (int k = 0; k < 4; k++) i[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], id));
-        /* |i| <= 127: the packs do not saturate; packs interleave 128-bit lanes, undone by
-         * the permute */
-        const __m256i p = _mm256_permutevar8x32_epi32(
-            _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3])),
-            _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256((__m256i *)(q + b * PI_QK), p);
-        __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
-        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
-        d[b] = db;
-        d[nb + b] = 8.0f * db * (float)_mm_cvtsi128_si32(s4);
-    }
-    return;
-#endif
-    for (int b = 0; b < nb; b++) {
-        const float *xb = x + b * PI_QK;
-        float amax = 0.0f;
-        for (int j = 0; j < PI_QK; j++) {
-            float v = fabsf(xb[j]);
-            amax = v > amax ? v : amax;
-        }
-        const float db = amax / 127.0f;
-        const float id = db != 0.0f ? 1.0f / db : 0.0f;
-        int sum = 0;
-        for (int j = 0; j < PI_QK; j++) {
-            const int v = (int)lrintf(xb[j] * id);
-            q[b * PI_QK + j] = (int8_t)v;
-            sum += v;
-        }
-        d[b] = db;
-        d[nb + b] = 8.0f * db * (float)sum;
+        const int sum = pi_quantize_q8_block(x + b * PI_QK, q + b * PI_QK, d + b);
+        d[nb + b] = 8.0f * d[b] * (float)sum;
     }
 }
 
