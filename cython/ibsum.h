@@ -93,12 +93,6 @@ static inline int pi_ib_stride(size_t stride, long cols) {
     return cols > 0 && (stride == 34 * (size_t)cols || stride == 18 * (size_t)cols);
 }
 
-/* Scratch (floats) of one call over n_in input channels: per block 32 row offsets, 8 packed
- * coefficient words, the group count, s_b and corr. */
-static inline size_t pi_ib_scratch_floats(long n_in) {
-    const long nb = (n_in + 31) / 32;
-    return (size_t)(43 * nb + 16);
-}
 
 /* Quantize the kept entries k0..k1 of block b (coef[k] at channel idx[k], all in block b) as
  * pi_quantize_q8 quantizes a block, and lay out their rows in groups of four. */
@@ -469,12 +463,10 @@ static void pi_ib_halves_span(long v0, long v1, float *out, float *add) {
  * AVX-512 pi_ib_prep), so the team needs no barrier: a barrier costs about as much on an idle
  * box and a scheduler time slice when another process holds a core (session 11). Each thread
  * then writes only its own half tiles of out and add (split by 32-output halves: SmolLM2's 576
- * outputs are 18 halves, 9/9 on two threads, where whole tiles split 5/4). scratch: unused
- * (kept for rowsum_team.h's signature). */
+ * outputs are 18 halves, 9/9 on two threads, where whole tiles split 5/4). */
 static void pi_ib_rows_team(int t, int T, int qtype, const uint8_t *w, size_t stride,
                             const float *coef, const int32_t *idx, long n, float *out, int cols,
-                            float *scratch, float *add) {
-    (void)scratch;
+                            float *add) {
     const long nb = n > 0 ? idx[n - 1] / 32 + 1 : 0;
     const long nv = cols / (PI_IB_TILE / 2), v0 = t * nv / T, v1 = (t + 1) * nv / T;
     if (v1 <= v0) return;
@@ -761,12 +753,10 @@ static void pi_ib_chunk_any(int t, int nt, const uint8_t *val, size_t rb, const 
  * shared loads save), on n_threads threads. */
 static void pi_ib_matmul_one(int qtype, const uint8_t *w, size_t stride, long n_in,
                              const float *a, float *out, int cols, int n_threads) {
-    const long nu = cols / PI_IB_TILE;
-    float *scr = (float *)malloc(pi_ib_scratch_floats(n_in) * sizeof(float));
+    const long nv = cols / (PI_IB_TILE / 2);  /* half tiles, as pi_ib_rows_team splits them */
     int32_t *idx = (int32_t *)malloc((size_t)(n_in > 0 ? n_in : 1) * sizeof(int32_t));
     float *coef = (float *)malloc((size_t)(n_in > 0 ? n_in : 1) * sizeof(float));
-    if (!scr || !idx || !coef) {
-        free(scr);
+    if (!idx || !coef) {
         free(idx);
         free(coef);
         return;
@@ -778,7 +768,7 @@ static void pi_ib_matmul_one(int qtype, const uint8_t *w, size_t stride, long n_
             idx[n++] = (int32_t)j;
         }
     int nt = n_threads < 1 ? 1 : n_threads;
-    if (nt > nu) nt = nu > 0 ? (int)nu : 1;
+    if (nt > nv) nt = nv > 0 ? (int)nv : 1;
     if (n == 0) {
         memset(out, 0, (size_t)cols * sizeof(float));
     } else {
@@ -786,9 +776,8 @@ static void pi_ib_matmul_one(int qtype, const uint8_t *w, size_t stride, long n_
 #pragma omp parallel num_threads(nt)
 #endif
         pi_ib_rows_team(pi_team_thread(), pi_team_size(), qtype, w, stride, coef, idx, n, out,
-                        cols, scr, NULL);
+                        cols, NULL);
     }
-    free(scr);
     free(idx);
     free(coef);
 }

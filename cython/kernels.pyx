@@ -73,7 +73,6 @@ cdef extern from "rowsum_team.h" nogil:
     size_t pi_axpy_tmp_floats(long n, int cols, size_t stride)
     int pi_is_ib(int qtype)
     size_t pi_ib_block_bytes(int qtype, long n_out)
-    size_t pi_ib_scratch_floats(long n_in)
     void pi_ib_matmul(int qtype, const uint8_t *w, size_t stride, long n_in, const float *a,
                       long lda, long n_tok, float *out, long ldo, int cols, int n_threads)
     int PI_Q8_0_IB_ID "PI_Q8_0_IB"
@@ -485,8 +484,6 @@ cdef void _axpy_rows(const uint8_t *w, Py_ssize_t stride, int qtype, int cols, c
     n_threads (issue 9: a thread-count split once changed greedy tokens on the sparse path)."""
     cdef float *tmp = NULL
     cdef size_t nt = pi_axpy_tmp_floats(n, cols, stride)
-    if pi_is_ib(qtype):  # scratch by the highest input block (idx ascending)
-        nt = pi_ib_scratch_floats(idx[n - 1] + 1 if n > 0 else 0)
     if nt:
         tmp = <float *> malloc(nt * sizeof(float))
     pi_axpy_rows_par(qtype, w, stride, coef, idx, n, out, cols, tmp, n_threads)

@@ -126,7 +126,7 @@ static inline int pi_axpy_col_split(int qtype, const int32_t *idx, size_t stride
 /* Floats of scratch the sum of n rows of `stride` bytes needs (the partial sums of chunks
  * 1..nc-1; fewer rows never need more). */
 static inline size_t pi_axpy_tmp_floats(long n, int cols, size_t stride) {
-    if (pi_ib_stride(stride, cols)) return pi_ib_scratch_floats(n); /* n: input channels */
+    if (pi_ib_stride(stride, cols)) return 0; /* the input-block team needs none (ibsum.h) */
     return (size_t)(pi_axpy_nchunks(n, stride) - 1) * (size_t)cols;
 }
 
@@ -146,7 +146,7 @@ static void pi_axpy_rows_team(int t, int T, int qtype, const uint8_t *w, size_t 
                               const float *coef, const int32_t *idx, long n, float *out, int cols,
                               float *tmp, float *add) {
     if (pi_is_ib(qtype)) {  /* the input-block layout (ibsum.h) */
-        pi_ib_rows_team(t, T, qtype, w, stride, coef, idx, n, out, cols, tmp, add);
+        pi_ib_rows_team(t, T, qtype, w, stride, coef, idx, n, out, cols, add);
         return;
     }
     if (pi_axpy_col_split(qtype, idx, stride, n)) {
