@@ -40,9 +40,7 @@ def with_down_type(jobs: list, down_type: str) -> list:
     import dataclasses
     import re
 
-    import gguf
-
-    from .writer import matrix_qtype
+    from .writer import job_floats, matrix_qtype
 
     pat = re.compile("|".join(re.escape(n).replace(r"\{bid\}", r"\d+") + "$"
                               for n in (C.FFN_DOWN_T, C.SRC_FFN_DOWN)))
@@ -51,9 +49,7 @@ def with_down_type(jobs: list, down_type: str) -> list:
         if pat.match(j.name):
             qtype = matrix_qtype(j.shape[1], down_type)
             if qtype != j.qtype:
-                load = ((lambda j=j: gguf.quants.dequantize(j.load(), j.qtype).reshape(j.shape))
-                        if j.raw else j.load)
-                j = dataclasses.replace(j, qtype=qtype, load=load, raw=False)
+                j = dataclasses.replace(j, qtype=qtype, load=lambda j=j: job_floats(j), raw=False)
         out.append(j)
     return out
 

@@ -91,6 +91,15 @@ class TensorJob:
     raw: bool = False
 
 
+def job_floats(job: TensorJob) -> np.ndarray:
+    """A job's tensor as float32 of ``job.shape`` (a job copied as stored holds its encoded
+    bytes: decoded with ``gguf.quants.dequantize``)."""
+    a = job.load()
+    if not job.raw:
+        return a
+    return gguf.quants.dequantize(np.asarray(a), job.qtype).astype(np.float32).reshape(job.shape)
+
+
 def matrix_qtype(cols: int, outtype) -> gguf.GGMLQuantizationType:
     """The type a 2-D weight with rows of ``cols`` elements gets for ``outtype`` (a name of
     OUTTYPES or a type).

@@ -387,16 +387,6 @@ def blend_levels(fisher: np.ndarray, unit_bytes: np.ndarray, target: float,
     return level.reshape(L, n_g)
 
 
-def _floats(job) -> np.ndarray:
-    """A converter job's tensor as f32 (a job copied as stored holds its encoded bytes)."""
-    a = job.load()
-    if not job.raw:
-        return a
-    import gguf
-
-    return gguf.quants.dequantize(np.asarray(a), job.qtype).astype(np.float32).reshape(job.shape)
-
-
 def transposed_jobs(jobs, cfg, outtype: str, scales: list[dict] | None):
     """The converter's jobs with each layer's wq/wk/wv, attn_output, ffn_gate, ffn_up and
     ffn_down replaced by the four matrices of input sparsity (same place in the file), plus the
@@ -407,7 +397,7 @@ def transposed_jobs(jobs, cfg, outtype: str, scales: list[dict] | None):
     quantization regrouped by input channel; decode reads a kept channel's row at the GEMV's
     int8 cost per byte); the others are stored transposed (``attn_qkv_t``, ``attn_output_t``,
     ``ffn_gate_up_t``, ``ffn_down_t``) for the f32 / int16 AXPY of rowsum_team.h."""
-    from convert.writer import TensorJob, matrix_qtype
+    from convert.writer import TensorJob, job_floats, matrix_qtype
     from pyinfer.ops import cpu
     from pyinfer.quants import quantize
 
@@ -430,16 +420,16 @@ def transposed_jobs(jobs, cfg, outtype: str, scales: list[dict] | None):
 
         # each group's matrix W (n_out, n_in), row-major, f32
         def qkv(s=src):
-            return np.concatenate([_floats(s["q"]), _floats(s["k"]), _floats(s["v"])])
+            return np.concatenate([job_floats(s["q"]), job_floats(s["k"]), job_floats(s["v"])])
 
         def o(s=src):
-            return _floats(s["o"])
+            return job_floats(s["o"])
 
         def gu(s=src):
-            return np.concatenate([_floats(s["g"]), _floats(s["u"])])
+            return np.concatenate([job_floats(s["g"]), job_floats(s["u"])])
 
         def down(s=src):  # the converter's ffn_down_t job is (n_ff, n_embd)
-            return np.ascontiguousarray(_floats(s["d"]).T)
+            return np.ascontiguousarray(job_floats(s["d"]).T)
 
         for g, load, n_out, n_in, t_name in (
                 ("attn_qkv", qkv, n_qkv, cfg.n_embd, C.ATTN_QKV_T),
