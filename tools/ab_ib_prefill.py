@@ -26,9 +26,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 import numpy as np  # noqa: E402
 
 from ab_common import load_kernels  # noqa: E402
+from ab_input_kernels import NAMES  # noqa: E402  (the four matrices' LayerWeights fields)
 from pyinfer.engine import Engine  # noqa: E402
-
-NAMES = ["attn_qkv_t", "attn_output_t", "ffn_gate_up_t", "ffn_down_t"]
 
 
 def main(argv=None):
