@@ -75,12 +75,13 @@ def column_norms(lw) -> dict[str, np.ndarray]:
                                 ).astype(np.float32)}
 
 
-def record_inputs(eng, pieces: list[list[int]], n_threads: int, on_layer) -> None:
+def record_inputs(eng, pieces: list[list[int]], n_threads: int, on_layer, on_final=None) -> None:
     """Run ``pieces`` (token lists, each from position 0) through the dense row-layout model of
     ``eng`` layer by layer; after each layer call ``on_layer(i, inputs, energy, xs)`` with inputs
     {group: (n_tok, n_in) f32} over all pieces, energy {"resid_attn", "attn", "resid_ffn",
     "ffn": mean squared norm per token} (residual before each block, block output) and xs the
-    layer's input, one (len(piece), n_embd) f32 array per piece."""
+    layer's input, one (len(piece), n_embd) f32 array per piece; at the end
+    ``on_final(h)``, h (n_tok, n_embd) f32 the lm head's input (the output-normed last residual)."""
     cfg, w = eng.cfg, eng.weights
     E, hd = cfg.n_embd, cfg.head_dim
     xs = []
@@ -128,6 +129,11 @@ def record_inputs(eng, pieces: list[list[int]], n_threads: int, on_layer) -> Non
             x += f
             s += T
         on_layer(i, rec, {k: v / n_tok for k, v in en.items()}, x_in)
+    if on_final is not None:
+        x = np.concatenate(xs)
+        h = np.empty_like(x)
+        cpu.rmsnorm(x, w.output_norm, cfg.rms_eps, h)
+        on_final(h)
 
 
 def unit_curve(x: np.ndarray, cnorm: np.ndarray, wina: bool,
@@ -459,6 +465,41 @@ def transposed_jobs(jobs, cfg, outtype: str, scales: list[dict] | None):
     return out
 
 
+def lm_head_source(jobs):
+    """The converter's job of the lm head's matrix: ``output.weight``, or ``token_embd.weight``
+    where the embeddings are tied."""
+    by_name = {j.name: j for j in jobs}
+    return by_name.get(C.OUTPUT) or by_name[C.TOKEN_EMBD]
+
+
+def lm_head_supported(jobs, cfg) -> bool:
+    """True where the lm head can take input sparsity: its matrix is q8_0 or q4_0 with n_vocab a
+    multiple of 64 and n_embd of 32 (``cpu.ib_supported``)."""
+    return cpu.ib_supported(lm_head_source(jobs).qtype, cfg.n_vocab, cfg.n_embd)
+
+
+def lm_head_jobs(jobs, cfg, chunk: int, norms: np.ndarray | None) -> list:
+    """The jobs of the lm head under input sparsity: ``output_ib.weight``, the head's own q8_0 /
+    q4_0 numbers (those of the dense head, ``lm_head_source``) in ``cpu.IBChunks``' layout, and
+    for WINA its column norms ``norms`` (n_embd,) f32."""
+    from convert.writer import TensorJob, job_floats
+    from pyinfer.quants import quantize
+
+    src = lm_head_source(jobs)
+    qt, n_out, n_in = src.qtype, cfg.n_vocab, cfg.n_embd
+
+    def load():
+        raw = (np.asarray(src.load()) if src.raw
+               else quantize(np.ascontiguousarray(job_floats(src), np.float32), qt))
+        return cpu.ib_chunked_from_rows(raw.view(np.uint8).reshape(n_out, -1), qt, n_out, n_in,
+                                        chunk)
+
+    out = [TensorJob(C.OUTPUT_IB, (n_in // 32, 32 * n_out), qt, load, raw=True)]
+    if norms is not None:
+        out.append(TensorJob(C.OUTPUT_IN_SCALE, norms.shape, C.QT.F32, lambda: norms))
+    return out
+
+
 def format_table(sparsity: np.ndarray, loss: np.ndarray, score: str, target: float,
                  alloc: str = "greedy") -> str:
     """The summary: per layer the calibrated sparsity of each group and the calibration loss
@@ -487,17 +528,20 @@ class Calibration:
     paths: list[BlockPath] | None
     alloc: str = "greedy"
     cost: np.ndarray | None = None  # "fisher": (n_layer, 4, N_LEVELS) input_fisher.fisher_costs
+    head: UnitCurve | None = None  # the lm head's input (``calibrate(lm_head=True)``)
+    head_norms: np.ndarray | None = None  # (n_embd,) f32 the lm head's column norms
 
 
 def calibrate(eng, seqs: list[list[int]], wina: bool, seed: int, n_threads: int,
               max_sparsity: float = 0.9, alloc: str = "uniform",
-              fisher_tokens: int | None = FISHER_TOKENS) -> tuple[Calibration, list[dict]]:
+              fisher_tokens: int | None = FISHER_TOKENS,
+              lm_head: bool = False) -> tuple[Calibration, list[dict]]:
     """(Calibration, column norms [n_layer] {group: (n_in,) f32}) from the dense row-layout
     engine ``eng`` over the calibration sequences (steps 1-3: thresholds from every calibration
     token; for ``alloc`` "greedy" the block greedy on the first EVAL_TOKENS of them, up to block
     sparsity ``max_sparsity``; for "fisher" the end-of-model costs over the first
-    ``fisher_tokens`` calibration tokens (None: all), which needs PyTorch). Deterministic for a
-    seed. Raises ValueError for an unknown alloc,
+    ``fisher_tokens`` calibration tokens (None: all), which needs PyTorch; with ``lm_head`` the
+    lm head input's curve over every calibration token). Deterministic for a seed. Raises ValueError for an unknown alloc,
     PyinferError for "fisher" without PyTorch."""
     if alloc not in C.IN_ALLOCS:
         raise ValueError(f"unknown allocation {alloc!r} (one of {', '.join(C.IN_ALLOCS)})")
@@ -526,7 +570,14 @@ def calibrate(eng, seqs: list[list[int]], wina: bool, seed: int, n_threads: int,
                      c, norms[i], wina, n_threads)
         paths.append(block_path(blk, unit_bytes, max_sparsity))
 
-    record_inputs(eng, pieces, n_threads, on_layer)
+    head = {}
+
+    def on_final(h):
+        w = dequantize(eng.weights.output)
+        head["norms"] = np.sqrt(np.einsum("ij,ij->j", w, w, dtype=np.float64)).astype(np.float32)
+        head["curve"] = unit_curve(h, head["norms"], wina, rng)
+
+    record_inputs(eng, pieces, n_threads, on_layer, on_final if lm_head else None)
     cost = None
     if alloc == "fisher":
         from predictors.input_fisher import fisher_costs, fisher_pieces
@@ -534,7 +585,8 @@ def calibrate(eng, seqs: list[list[int]], wina: bool, seed: int, n_threads: int,
         thr = np.array([[c.thr for c in cs] for cs in curves])  # (n_layer, 4, N_LEVELS)
         cost = fisher_costs(eng, fisher_pieces(pieces, fisher_tokens), thr, seed, n_threads,
                             norms if wina else None)
-    return Calibration(curves, paths if alloc == "greedy" else None, alloc, cost), norms
+    return Calibration(curves, paths if alloc == "greedy" else None, alloc, cost,
+                       head.get("curve"), head.get("norms")), norms
 
 
 def thresholds_for(cal: Calibration, cfg, target: float, fisher_weight: float = 1.0):
@@ -580,9 +632,18 @@ def input_stage(src: str, out: str, outtype: str, opts, eng, seqs, source: str, 
     cfg = eng.cfg
     wina = opts.input_score == "wina"
     t0 = time.perf_counter()
+    from predictors.offline import DEFAULT_LM_HEAD_SPARSITY
+
+    meta, jobs = plan(src, outtype, allow_unused)
+    want = DEFAULT_LM_HEAD_SPARSITY if opts.lm_head_sparsity is None else opts.lm_head_sparsity
+    head = want > 0 and lm_head_supported(jobs, cfg)
+    if want > 0 and not head and opts.lm_head_sparsity is not None:
+        raise PyinferError("--lm-head-sparsity needs the lm head in q8_0 or q4_0 with a vocabulary "
+                           f"that is a multiple of 64 (this one: {lm_head_source(jobs).qtype.name}, "
+                           f"{cfg.n_vocab})")
     cal, norms = calibrate(eng, seqs, wina, opts.seed, n_threads,
                            max_sparsity=min(0.95, opts.target_sparsity + 0.05),
-                           alloc=opts.input_alloc)
+                           alloc=opts.input_alloc, lm_head=head)
     secs["calibration"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     weight = opts.fisher_weight if opts.input_alloc == "fisher" else 1.0
@@ -590,7 +651,6 @@ def input_stage(src: str, out: str, outtype: str, opts, eng, seqs, source: str, 
     secs["allocation"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    meta, jobs = plan(src, outtype, allow_unused)
     meta.string(C.K_SPARSE_MODE, C.SPARSE_MODE_INPUT)
     meta.string(C.K_IN_SCORE, opts.input_score)
     meta.string(C.K_IN_ALLOC, opts.input_alloc)
@@ -604,13 +664,27 @@ def input_stage(src: str, out: str, outtype: str, opts, eng, seqs, source: str, 
     meta.u32(C.K_CALIB_TOKENS, sum(len(s) for s in seqs))
     meta.u32(C.K_CALIB_SEED, opts.seed)
     jobs = transposed_jobs(jobs, cfg, outtype, norms if wina else None)
+    head_sparsity = None
+    if head:
+        level = min(int(round(want * N_LEVELS)), N_LEVELS - 1)
+        head_sparsity = level / N_LEVELS
+        meta.f32(C.K_LM_HEAD_THRESHOLD, float(cal.head.thr[level]))
+        meta.f32(C.K_LM_HEAD_SPARSITY, head_sparsity)
+        meta.u32(C.K_LM_HEAD_CHUNK, C.LM_HEAD_CHUNK)
+        jobs += lm_head_jobs(jobs, cfg, C.LM_HEAD_CHUNK, cal.head_norms if wina else None)
     try:
         write_gguf(out, meta, jobs, progress=opts.progress)
     except OSError as e:
         raise PyinferError(f"cannot write {out}: {e.strerror or e}") from None
     secs["final write"] = time.perf_counter() - t0
+    table = format_table(sparsity, loss, opts.input_score, opts.target_sparsity,
+                         opts.input_alloc if opts.input_alloc != "fisher" else
+                         f"fisher (weight {weight:g})")
+    table += ("\nlm head: dense" + (" (needs q8_0 / q4_0 and n_vocab a multiple of 64)"
+                                    if want > 0 else "")
+              if head_sparsity is None else
+              f"\nlm head: {head_sparsity:.1%} of its input channels skipped on the calibration "
+              "tokens (not counted in the target)")
     return {"mode": C.SPARSE_MODE_INPUT, "calib_source": source, "seconds": secs,
             "sparsity": sparsity, "loss": loss, "thresholds": thr, "placement": None, "rows": [],
-            "table": format_table(sparsity, loss, opts.input_score, opts.target_sparsity,
-                                  opts.input_alloc if opts.input_alloc != "fisher" else
-                                  f"fisher (weight {weight:g})")}
+            "lm_head_sparsity": head_sparsity, "table": table}

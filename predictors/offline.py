@@ -64,6 +64,9 @@ FALLBACK_INPUT_ALLOC = "uniform"
 #: --sparse-alloc fisher: each unit half-way from uniform to its Fisher level (SmolLM2: better than
 #: the unshrunk Fisher levels at 30/35/40% on two held-out texts; docs/benchmarks.md, session 8)
 DEFAULT_FISHER_WEIGHT = 0.5
+#: sparse mode input: fraction of the lm head's input channels skipped where the head is q8_0 /
+#: q4_0 (docs/benchmarks.md "lm-head input sparsity (issue 12), session 12")
+DEFAULT_LM_HEAD_SPARSITY = 0.1
 DEFAULT_SEED = 0
 DEFAULT_MAX_EPOCHS = 12  # SmolLM2: ~6 s of one core per layer; most layers stop by patience
 DEFAULT_PATIENCE = 3
@@ -101,6 +104,9 @@ class OfflineOptions:
     # where PyTorch is installed, else FALLBACK_INPUT_ALLOC (check() resolves it and says so)
     input_alloc: str | None = None
     fisher_weight: float | None = None  # "fisher" (check() sets None to DEFAULT_FISHER_WEIGHT); 0.5: half-way to uniform
+    # mode "input": the lm head's fraction of input channels skipped (None: DEFAULT_LM_HEAD_SPARSITY
+    # where the head's type allows it, else a dense head; a value given is an error there)
+    lm_head_sparsity: float | None = None
 
     def check(self) -> None:
         """Raise PyinferError for a setting outside its range (before any work is done)."""
@@ -126,6 +132,11 @@ class OfflineOptions:
         if self.input_alloc not in C.IN_ALLOCS:
             raise PyinferError(f"--sparse-alloc must be one of {', '.join(C.IN_ALLOCS)}, "
                                f"got {self.input_alloc!r}")
+        if self.lm_head_sparsity is not None:
+            if not 0.0 <= self.lm_head_sparsity < 1.0:
+                raise PyinferError(f"--lm-head-sparsity must be in [0, 1), got {self.lm_head_sparsity}")
+            if self.sparse_mode != C.SPARSE_MODE_INPUT:
+                raise PyinferError("--lm-head-sparsity needs --sparse-mode input")
         if self.fisher_weight is not None:
             if self.input_alloc != "fisher":
                 raise PyinferError("--fisher-weight needs --sparse-alloc fisher")
@@ -409,6 +420,11 @@ def add_arguments(parser) -> None:
                    help="with --sparse-alloc fisher: move each projection's sparsity from the "
                         "uniform level towards its Fisher level by W in [0, 1] (default "
                         f"{DEFAULT_FISHER_WEIGHT:g}: half-way; 1: the Fisher levels), same model-wide target")
+    g.add_argument("--lm-head-sparsity", type=float, default=None, metavar="S",
+                   help="sparse mode input: fraction of the lm head's input channels skipped, "
+                        "calibrated like the projections' and not counted in --target-sparsity "
+                        f"(default {DEFAULT_LM_HEAD_SPARSITY:g} where the head is q8_0 or q4_0; "
+                        "0: the dense head)")
     g.add_argument("--vram-budget", type=float, default=None, metavar="GiB",
                    help="GiB of GPU memory to store a hot/cold neuron split for (default: no split "
                         "stored; activation counts are always stored so the GPU engine can solve at load)")
@@ -426,4 +442,5 @@ def options_from_args(args) -> OfflineOptions:
                           vram_budget_gib=args.vram_budget, predictor_rank=args.predictor_rank,
                           n_threads=args.threads, max_epochs=args.epochs,
                           sparse_mode=args.sparse_mode, input_score=args.sparsity_score,
-                          input_alloc=args.sparse_alloc, fisher_weight=args.fisher_weight)
+                          input_alloc=args.sparse_alloc, fisher_weight=args.fisher_weight,
+                          lm_head_sparsity=args.lm_head_sparsity)

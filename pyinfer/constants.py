@@ -119,6 +119,11 @@ FFN_GATE_UP_T = "blk.{bid}.ffn_gate_up_t.weight"  # (n_embd, 2 n_ff): [ffn_gate;
 # channels holding the row-major matrix's scales and values regrouped (pyinfer.ops.cpu.IBTensor)
 IB = {"attn_qkv": "blk.{bid}.attn_qkv_ib.weight", "attn_output": "blk.{bid}.attn_output_ib.weight",
       "ffn_gate_up": "blk.{bid}.ffn_gate_up_ib.weight", "ffn_down": "blk.{bid}.ffn_down_ib.weight"}
+# the lm head under input sparsity (q8_0 / q4_0, n_vocab a multiple of 64): the output matrix in
+# the input-block layout cut into chunks of K_LM_HEAD_CHUNK outputs (pyinfer.ops.cpu.IBChunks), stored
+# as Q8_0 / Q4_0 of shape (n_embd / 32, 32 n_vocab); token_embd stays for the embedding lookup
+OUTPUT_IB = "output_ib.weight"
+OUTPUT_IN_SCALE = "output.in_scale"  # (n_embd,) f32 column norms of the lm head (WINA files)
 #: per input channel column norms of each group's matrix (WINA's score |x_j| * ||W[:, j]||), f32
 IN_SCALE = {"attn_qkv": "blk.{bid}.attn_qkv_t.in_scale", "attn_output": "blk.{bid}.attn_output_t.in_scale",
             "ffn_gate_up": "blk.{bid}.ffn_gate_up_t.in_scale", "ffn_down": "blk.{bid}.ffn_down_t.in_scale"}
@@ -197,3 +202,7 @@ IN_ALLOCS = ("uniform", "greedy", "fisher")
 K_IN_FISHER_WEIGHT = "pyinfer.sparse.input_fisher_weight"
 K_IN_THRESHOLD = "pyinfer.sparse.input_threshold.{group}"  # f32[n_layer]; < 0 keeps every input
 K_IN_SPARSITY = "pyinfer.sparse.input_sparsity.{group}"  # f32[n_layer], calibrated fraction skipped
+K_LM_HEAD_THRESHOLD = "pyinfer.sparse.input_threshold.output"  # f32: the lm head's input threshold
+K_LM_HEAD_SPARSITY = "pyinfer.sparse.input_sparsity.output"  # f32: its calibrated fraction skipped
+K_LM_HEAD_CHUNK = "pyinfer.sparse.output_chunk"  # u32: outputs per chunk of OUTPUT_IB
+LM_HEAD_CHUNK = 6144  # SmolLM2's head: 8 chunks (docs/benchmarks.md "lm-head input sparsity")

@@ -168,6 +168,8 @@ class Engine:
 
     def reset_stats(self):
         self.model.ffn.stats.reset()
+        if hasattr(self.model.ffn, "head_stats"):  # sparse mode input: the lm head's counts
+            self.model.ffn.head_stats.reset()
         self.timings.reset()
 
     # ---- evaluation ------------------------------------------------------------------------

@@ -43,6 +43,10 @@ class InputSparseFFN:
     files. ``stats`` counts weight rows: ``total`` = rows a dense pass would read, weighted by
     row length (elements), ``active`` = those read, so ``stats.sparsity`` is the fraction of
     projection weight bytes skipped (the lm head and embeddings are not counted).
+
+    The lm head: where the file stores ``output_ib`` and a threshold (``thresholds["output"]``, a
+    float; absent: the dense head), ``lm_head`` skips its small input channels too, counted in
+    ``head_stats`` the same way.
     """
 
     is_input_sparse = True
@@ -56,6 +60,11 @@ class InputSparseFFN:
         self.is_sparse = not dense
         self.sizes = in_sizes(cfg)
         self.stats = FFNStats()
+        head = thresholds.get("output")
+        self.lm_head_thr = None if head is None else (-1.0 if dense else float(head))
+        self.head_stats = FFNStats()
+        self._coef = np.empty(cfg.n_embd, np.float32)  # lm_head's kept inputs (one token)
+        self._idx = np.empty(cfg.n_embd, np.int32)
 
     def _count(self, group: str, kept: int, n_tok: int = 1) -> None:
         n_in, n_out = self.sizes[group]
@@ -125,9 +134,34 @@ class InputSparseFFN:
         return out
 
 
-def thresholds_from_reader(reader, cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """{group: (n_layer,) f32} from the file's ``pyinfer.sparse.input_threshold.*`` arrays.
-    Raises PyinferError when one is missing or has the wrong length."""
+    # ---- the lm head -----------------------------------------------------------------------------
+    def lm_head(self, w, h: np.ndarray, out: np.ndarray, n_threads: int) -> np.ndarray:
+        """out (n_tok, n_vocab) f32 = the logits of the output-normed h (n_tok, n_embd) with the
+        head's input channels j of score |h_j| (* ``w.output_in_scale``) <= the threshold
+        skipped: one token sums the kept rows of ``w.output_ib`` (``IBChunks.axpy_rows``), a
+        batch multiplies the masked h (``IBChunks.matmul_t``): for q8_0 both the bits of the
+        dense GEMV of the masked input (cython/ibsum.h)."""
+        thr, scale, ib = self.lm_head_thr, w.output_in_scale, w.output_ib
+        n_tok, n_in = h.shape
+        if n_tok == 1:
+            k = cpu.select_inputs(h[0], scale, thr, self._coef, self._idx)
+            ib.axpy_rows(self._coef[:k], self._idx[:k], out[0], n_threads)
+        else:
+            s = np.abs(h)
+            if scale is not None:
+                s *= scale
+            keep = s > np.float32(thr)
+            k = int(keep.sum())
+            ib.matmul_t(np.where(keep, h, np.float32(0.0)), out, n_threads)
+        self.head_stats.total += n_tok * n_in
+        self.head_stats.active += k
+        return out
+
+
+def thresholds_from_reader(reader, cfg: ModelConfig) -> dict:
+    """{group: (n_layer,) f32} from the file's ``pyinfer.sparse.input_threshold.*`` arrays, and
+    "output": the lm head's threshold (float) where the file has one. Raises PyinferError when
+    one is missing or has the wrong length."""
     from pyinfer.config import read_field
     from pyinfer.errors import PyinferError
 
@@ -138,4 +172,9 @@ def thresholds_from_reader(reader, cfg: ModelConfig) -> dict[str, np.ndarray]:
         if v is None or len(v) != cfg.n_layer:
             raise PyinferError(f"sparse mode input needs {key} with {cfg.n_layer} entries")
         out[g] = np.asarray(v, np.float32)
+    head = read_field(reader, C.K_LM_HEAD_THRESHOLD)
+    if head is not None:
+        if not isinstance(head, float):
+            raise PyinferError(f"{C.K_LM_HEAD_THRESHOLD} must be a float, got {head!r}")
+        out["output"] = head
     return out

@@ -176,7 +176,11 @@ class Model:
         h = np.empty_like(x)
         fam.norm(cfg, x, w.output_norm, w.output_norm_b, h)
         logits = np.empty((h.shape[0], cfg.n_vocab), np.float32)  # (n_tok, n_vocab)
-        linear(w.output, h, logits, nt)
+        isp = self.input_sparse
+        if isp is not None and isp.lm_head_thr is not None and w.output_ib is not None:
+            isp.lm_head(w, h, logits, nt)  # input sparsity in the lm head too
+        else:
+            linear(w.output, h, logits, nt)
         if cfg.final_softcap:  # Gemma: cap * tanh(logits / cap)
             fam.softcap(logits, cfg.final_softcap)
         return logits if all_logits else logits[0]

@@ -13,7 +13,7 @@ import numpy as np
 from pyinfer import constants as C
 from pyinfer.config import ModelConfig, read_field
 from pyinfer.errors import PyinferError
-from pyinfer.ops.cpu import Q4_0_IB, Q8_0_IB, SUPPORTED, IBTensor, QTensor
+from pyinfer.ops.cpu import Q4_0_IB, Q8_0_IB, SUPPORTED, IBChunks, IBTensor, QTensor
 
 QT = gguf.GGMLQuantizationType
 
@@ -80,6 +80,9 @@ class ModelWeights:
     output_norm_b: np.ndarray | None = None  # (n_embd,) LayerNorm bias
     pos_embd: QTensor | None = None  # (n_ctx_train, n_embd) learned positions
     rope_freqs: np.ndarray | None = None  # (head_dim/2,) f32 divisors of RoPE's frequencies
+    # sparse mode "input" with lm-head sparsity: the output matrix for input sparsity, in chunks
+    output_ib: "IBChunks | None" = None  # rows n_embd, cols n_vocab
+    output_in_scale: np.ndarray | None = None  # (n_embd,) f32 column norms (WINA files)
 
     @property
     def llama_plain(self) -> bool:
@@ -248,6 +251,21 @@ class ModelWeights:
         rope_freqs = bias(C.ROPE_FREQS, cfg.head_dim // 2)
         if rope_freqs is not None and not (np.all(np.isfinite(rope_freqs)) and np.all(rope_freqs > 0)):
             raise PyinferError(f"tensor {C.ROPE_FREQS} must hold positive numbers")
+        output_ib = None
+        if C.OUTPUT_IB in by_name:
+            t = by_name[C.OUTPUT_IB]
+            qt = QT(t.tensor_type)
+            chunk = read_field(reader, C.K_LM_HEAD_CHUNK)
+            if qt not in (QT.Q8_0, QT.Q4_0) or not isinstance(chunk, int):
+                raise PyinferError(f"tensor {C.OUTPUT_IB} must be Q8_0 or Q4_0 with "
+                                   f"{C.K_LM_HEAD_CHUNK} set")
+            try:
+                output_ib = IBChunks.from_raw(np.asarray(t.data).view(np.uint8),
+                                              Q8_0_IB if qt == QT.Q8_0 else Q4_0_IB, E,
+                                              cfg.n_vocab, chunk)
+            except ValueError as e:
+                raise PyinferError(f"tensor {C.OUTPUT_IB}: {e}") from None
         return cls(token_embd=token_embd, output_norm=vector(C.OUTPUT_NORM, E),
                    output=output, layers=layers, output_norm_b=bias(C.OUTPUT_NORM_B, E),
-                   pos_embd=pos_embd, rope_freqs=rope_freqs)
+                   pos_embd=pos_embd, rope_freqs=rope_freqs, output_ib=output_ib,
+                   output_in_scale=bias(C.OUTPUT_IN_SCALE, E))

@@ -11,6 +11,7 @@ import pytest
 
 from convert.cli import main as convert_main
 from pyinfer import constants as C
+from pyinfer.config import read_field
 from pyinfer.engine import Engine
 from pyinfer.ops import cpu
 from pyinfer.ops import reference as ref
@@ -254,9 +255,109 @@ def test_converter_writes_the_layout(wide_dir, tmp_path, outtype):
     np.testing.assert_allclose(steps, got, rtol=1e-4, atol=1e-4 * np.abs(got).max())
     thr = eng.model.ffn.thr
     sd = load_hf_state_dict(wide_dir)
-    want = reference_logits(sd, cfg, tokens, thr, None)
+    want = reference_logits(sd, cfg, tokens, thr, None, (eng.model.ffn.lm_head_thr, None))
     err = np.abs(got - want).max()
     assert err < (0.1 if outtype == "q8_0" else 0.3) * np.abs(want).max()
     dense = reference_logits(sd, cfg, tokens, {g: np.full(2, -1.0) for g in C.IN_GROUPS}, None)
     if outtype == "q8_0":  # (q4_0's rounding here is as large as what the masks change)
         assert np.abs(dense - want).max() > 2 * err, (np.abs(dense - want).max(), err)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_chunked_head_is_the_gemv_of_the_masked_input(qtype):
+    """The lm head's chunked layout (``IBChunks``): each chunk holds its rows' numbers (the
+    inverse gives them back), and the kept-channel sum of one token and the batched product are
+    the dense GEMV of the masked input (q8_0: the same bits; q4_0: within the int8-activation
+    bound around gguf's dequantization), with a last chunk shorter than the others."""
+    rng = np.random.default_rng(7)
+    n_out, n_in, chunk = 320, 96, 128  # chunks of 128, 128 and 64 outputs
+    w = cpu.QTensor.from_array(rng.standard_normal((n_out, n_in)).astype(np.float32), qtype)
+    raw = cpu.ib_chunked_from_rows(w.raw, qtype, n_out, n_in, chunk)
+    assert raw.shape == (n_in // 32, (34 if qtype == QT.Q8_0 else 18) * n_out)
+    ib = cpu.IBChunks.from_raw(raw, cpu.Q8_0_IB if qtype == QT.Q8_0 else cpu.Q4_0_IB, n_in, n_out,
+                               chunk)
+    assert [(c0, t.cols) for c0, t in ib.parts] == [(0, 128), (128, 128), (256, 64)]
+    for c0, t in ib.parts:
+        np.testing.assert_array_equal(t.to_rows().raw, w.raw[c0:c0 + t.cols])
+    x = rng.standard_normal((3, n_in)).astype(np.float32)
+    x[:, rng.random(n_in) < 0.4] = 0.0
+    batch = ib.matmul_t(x, np.empty((3, n_out), np.float32), 2)
+    for i in range(3):
+        idx = np.nonzero(x[i])[0].astype(np.int32)
+        one = ib.axpy_rows(np.ascontiguousarray(x[i, idx]), idx, np.empty(n_out, np.float32), 2)
+        np.testing.assert_array_equal(one, batch[i])
+        if qtype == QT.Q8_0:
+            np.testing.assert_array_equal(one, cpu.matvec(w, x[i], np.empty(n_out, np.float32)))
+        exact, bound = _exact_and_bound(w, x[i])
+        assert np.all(np.abs(one - exact) <= bound * 1.01 + 1e-4), np.abs(one - exact).max()
+    with pytest.raises(ValueError, match="do not hold"):
+        cpu.IBChunks.from_raw(raw[:, :-34], cpu.Q8_0_IB, n_in, n_out, chunk)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        cpu.ib_chunks(n_out, 100)
+
+
+@pytest.fixture(scope="module")
+def head_dir(tmp_path_factory):
+    # the layout everywhere, a vocabulary of 576 = 9 tiles of 64 (the tokenizer has 513), tied
+    return make_random_llama(tmp_path_factory.mktemp("ibh"), hidden_act="silu", tokenizer="bpe",
+                             hidden_size=128, intermediate_size=256, n_heads=2, n_kv_heads=1,
+                             n_layers=2, vocab_size=576, tied=True, name="ibhead")
+
+
+@pytest.mark.parametrize("score", ["magnitude", "wina"])
+def test_lm_head_sparsity(head_dir, tmp_path, score):
+    """``--lm-head-sparsity``: the file stores the head in the chunked layout with its threshold
+    (token_embd stays for the lookup); prefill and decode skip the head's small inputs as the
+    float64 reference with the same mask (transformers' weights) does, and the calibrated
+    fraction is what the calibration text skips."""
+    out = str(tmp_path / f"head.{score}.gguf")
+    assert convert_main([head_dir, out, "--outtype", "q8_0", "--target-sparsity", "0.3",
+                         "--sparse-mode", "input", "--sparse-alloc", "uniform", "--sparsity-score",
+                         score, "--lm-head-sparsity", "0.4", "--calib-tokens", "128", "-t", "1"]) == 0
+    r = gguf.GGUFReader(out)
+    names = {t.name for t in r.tensors}
+    assert {C.OUTPUT_IB, C.TOKEN_EMBD} <= names and C.OUTPUT not in names
+    assert (C.OUTPUT_IN_SCALE in names) == (score == "wina")
+    assert abs(read_field(r, C.K_LM_HEAD_SPARSITY) - 0.4) < 1e-6
+    eng = Engine(out, n_ctx=64, n_threads=2)
+    isp, cfg = eng.model.ffn, eng.cfg
+    assert isp.lm_head_thr is not None and isp.lm_head_thr > 0
+    scale = eng.weights.output_in_scale
+    tokens = np.random.default_rng(3).integers(3, cfg.n_vocab, 20).tolist()
+    eng.reset_stats()
+    got = eng.model.forward(tokens, 0, all_logits=True)
+    assert 0.2 < isp.head_stats.sparsity < 0.65, isp.head_stats.sparsity
+    eng.reset()
+    steps = np.stack([eng.eval_token(t) for t in tokens])
+    np.testing.assert_allclose(steps, got, rtol=1e-4, atol=1e-4 * np.abs(got).max())
+    sd = load_hf_state_dict(head_dir)
+    scales = [lw.in_scale for lw in eng.weights.layers] if score == "wina" else None
+    want = reference_logits(sd, cfg, tokens, isp.thr, scales, (isp.lm_head_thr, scale))
+    err = np.abs(got - want).max()
+    assert err < 0.1 * np.abs(want).max()
+    # what the head's mask changes, in the file (the same run with the head's every input kept)
+    # and in the reference, agrees (the rest of the error is the body's quantization)
+    full = reference_logits(sd, cfg, tokens, isp.thr, scales)
+    isp.lm_head_thr = -1.0
+    eng.reset()
+    got_full = eng.model.forward(tokens, 0, all_logits=True)
+    d_got, d_want = (got - got_full).ravel(), (want - full).ravel()
+    assert np.abs(d_got).max() > 0.05 * np.abs(got).max()
+    assert np.corrcoef(d_got, d_want)[0, 1] > 0.9
+    # --dense runs the same file with every input kept: the dense head's logits
+    d = Engine(out, n_ctx=64, n_threads=2, dense=True)
+    assert d.model.ffn.lm_head_thr == -1.0
+
+
+def test_lm_head_sparsity_needs_q8_0_or_q4_0(head_dir, tmp_path, capsys):
+    """f32 has no chunked head: by default the head stays dense; asked for, a one-line error."""
+    out = str(tmp_path / "f32.gguf")
+    args = [head_dir, out, "--outtype", "f32", "--target-sparsity", "0.3", "--sparse-mode", "input",
+            "--sparse-alloc", "uniform", "--calib-tokens", "128", "-t", "1"]
+    assert convert_main(args) == 0
+    assert C.OUTPUT_IB not in {t.name for t in gguf.GGUFReader(out).tensors}
+    assert Engine(out, n_ctx=32).model.ffn.lm_head_thr is None
+    capsys.readouterr()
+    assert convert_main(args + ["--lm-head-sparsity", "0.2"]) != 0
+    err = capsys.readouterr().err
+    assert "--lm-head-sparsity needs the lm head in q8_0 or q4_0" in err and "Traceback" not in err

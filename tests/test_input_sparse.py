@@ -80,9 +80,10 @@ def _rope(x, pos, base):  # transformers' rotate_half layout; x (T, n_head, hd)
     return x * np.cos(ang) + rot * np.sin(ang)
 
 
-def reference_logits(sd, cfg, tokens, thr, scales):
+def reference_logits(sd, cfg, tokens, thr, scales, head=None):
     """Llama forward as transformers computes it (float64), each projection's input with the
-    channels whose |x_j| (* scale_j) <= threshold set to 0. thr {group: (n_layer,)}."""
+    channels whose |x_j| (* scale_j) <= threshold set to 0. thr {group: (n_layer,)}; head: None
+    (the dense lm head) or (threshold, scale or None) for the lm head's input."""
     def keep(x, i, g):
         s = np.abs(x) * (scales[i][g] if scales else 1.0)
         return np.where(s > thr[g][i], x, 0.0)
@@ -111,7 +112,10 @@ def reference_logits(sd, cfg, tokens, thr, scales):
         a = g / (1 + np.exp(-g)) * (h @ W[p + "mlp.up_proj.weight"].T)
         x = x + keep(a, i, "ffn_down") @ W[p + "mlp.down_proj.weight"].T
     x = _rmsnorm(x, W["model.norm.weight"], cfg.rms_eps)
-    return x @ W["lm_head.weight"].T
+    if head is not None and head[0] is not None:
+        x = np.where(np.abs(x) * (1.0 if head[1] is None else head[1]) > head[0], x, 0.0)
+    lm_head = W.get("lm_head.weight", W["model.embed_tokens.weight"])  # tied: the embeddings
+    return x @ lm_head.T
 
 
 def test_logits_match_masked_reference(input_file, silu_dir):

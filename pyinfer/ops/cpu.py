@@ -247,6 +247,78 @@ class IBTensor:
         return cls(ib_from_rows(w.raw, w.qtype, w.rows, w.cols), qt, w.cols, w.rows)
 
 
+@dataclass(frozen=True)
+class IBChunks:
+    """A wide projection W (n_out, n_in) (the lm head: n_out = n_vocab) in the input-block layout
+    cut into output chunks of ``chunk`` outputs (the last one the rest), each its own IBTensor
+    over W[c0:c1]: a chunk's f32 sums stay in L1/L2 while its kept rows stream in (one IBTensor
+    over all 49,152 outputs of SmolLM2's head ran 1.5x slower than the dense GEMV on one thread;
+    chunks of 6,144 faster than it, docs/benchmarks.md "lm-head input sparsity"). The stored
+    bytes (``ib_chunked_from_rows``) are the chunks' layouts one after the other."""
+
+    parts: tuple  # ((c0, IBTensor over outputs c0 .. c0 + cols), ...)
+    rows: int  # n_in
+    cols: int  # n_out
+
+    @classmethod
+    def from_raw(cls, raw: np.ndarray, qtype: int, n_in: int, n_out: int, chunk: int) -> "IBChunks":
+        """raw: uint8, the bytes of ``ib_chunked_from_rows`` (any shape, C order; e.g. the GGUF
+        memmap); qtype Q8_0_IB or Q4_0_IB. ValueError where the sizes do not match."""
+        flat = np.asarray(raw).reshape(-1)
+        bb = 34 if qtype == Q8_0_IB else 18
+        parts, off = [], 0
+        for c0, c1 in ib_chunks(n_out, chunk):
+            size = n_in // 32 * bb * (c1 - c0)
+            if off + size > flat.size:
+                break
+            parts.append((c0, IBTensor(flat[off:off + size].reshape(n_in // 32, -1), qtype, n_in,
+                                       c1 - c0)))
+            off += size
+        if off != flat.size or len(parts) != len(ib_chunks(n_out, chunk)):
+            raise ValueError(f"{flat.size} bytes do not hold a ({n_out}, {n_in}) input-block matrix "
+                             f"in chunks of {chunk}")
+        return cls(tuple(parts), n_in, n_out)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for _, t in self.parts)
+
+    def axpy_rows(self, coef: np.ndarray, idx: np.ndarray, out: np.ndarray, n_threads: int = 1):
+        """out (n_out,) f32 = sum_k coef[k] * W[:, idx[k]], chunk by chunk (``axpy_rows``)."""
+        for c0, t in self.parts:
+            _k.axpy_rows(*_wargs(t), coef, idx, out[c0:c0 + t.cols], n_threads)
+        return out
+
+    def matmul_t(self, a: np.ndarray, out: np.ndarray, n_threads: int = 1):
+        """out (n_tok, n_out) f32 = a (n_tok, n_in) @ W^T, chunk by chunk (``matmul_t``)."""
+        for c0, t in self.parts:
+            tmp = np.empty((a.shape[0], t.cols), np.float32)
+            _k.matmul_t(*_wargs(t), a, tmp, n_threads)
+            out[:, c0:c0 + t.cols] = tmp
+        return out
+
+
+def ib_chunks(n_out: int, chunk: int) -> list[tuple[int, int]]:
+    """The output ranges [(c0, c1), ...] of ``IBChunks``: ``chunk`` outputs each (a positive
+    multiple of 64), the last one the rest."""
+    if chunk <= 0 or chunk % IB_TILE:
+        raise ValueError(f"an output chunk must be a positive multiple of {IB_TILE}, got {chunk}")
+    return [(c0, min(c0 + chunk, n_out)) for c0 in range(0, n_out, chunk)]
+
+
+def ib_chunked_from_rows(raw: np.ndarray, qtype, n_out: int, n_in: int, chunk: int) -> np.ndarray:
+    """Row-major q8_0 / q4_0 bytes of W (n_out, n_in) -> ``IBChunks``' bytes: each chunk's
+    ``ib_from_rows`` in turn, uint8 (n_in / 32, block bytes of all n_out outputs) (the shape of
+    one unchunked input-block tensor, the GGUF tensor's). ValueError where ``ib_supported`` is
+    False."""
+    if not ib_supported(qtype, n_out, n_in):
+        raise ValueError(f"no input-block layout for {QT(qtype).name} ({n_out}, {n_in})")
+    rows = np.asarray(raw, np.uint8).reshape(n_out, -1)
+    parts = [ib_from_rows(rows[c0:c1], qtype, c1 - c0, n_in).reshape(-1)
+             for c0, c1 in ib_chunks(n_out, chunk)]
+    return np.concatenate(parts).reshape(n_in // 32, -1)
+
+
 def _wargs(w: QTensor):
     return w.raw, int(w.qtype), w.cols
 
