@@ -1480,3 +1480,65 @@ def cold_ffn(const uint8_t[:, ::1] wg, int tg, const uint8_t[:, ::1] wu, int tu,
         free(xd)
         free(xq)
     return n_cand, k
+
+
+# ---------------------------------------------------------------- input sparsity, a batch (prefill)
+def mask_inputs(const float[:, ::1] x, const float[::1] scale, float thr, float[:, ::1] out,
+                int n_threads):
+    """Input sparsity's mask over a batch: out (n_tok, n) f32 = x (n_tok, n) with channel j of a
+    row set to 0 where |x_j| * scale_j <= thr (scale None: 1; thr < 0 keeps all), the channels
+    ``select_inputs`` drops for that row. Rows in parallel. Returns the kept count (all rows)."""
+    cdef Py_ssize_t T = x.shape[0], n = x.shape[1], t
+    if out.shape[0] != T or out.shape[1] != n:
+        raise ValueError(f"mask_inputs: out {tuple(out.shape)[:2]} is not x's ({T}, {n})")
+    cdef const float *sp = _opt_ptr(scale, n, "mask_inputs scale")
+    cdef long long kept = 0
+    if T == 0 or n == 0:
+        return 0
+    with nogil:
+        for t in prange(T, schedule='static', num_threads=n_threads):
+            kept += _mask_row(&x[t, 0], NULL, 0, sp, thr, n, &out[t, 0])
+    return kept
+
+
+cdef inline long _mask_row(const float *x, const float *u, int silu, const float *sp, float thr,
+                           Py_ssize_t n, float *out) noexcept nogil:
+    """One row of mask_inputs (u NULL) or of glu_mask (x = g, u the up half); returns its kept
+    count. The activations first (independent iterations), then a branch-free mask."""
+    cdef Py_ssize_t j
+    cdef long k = 0
+    cdef float s, v
+    cdef bint keep
+    if u != NULL:
+        for j in range(n):
+            out[j] = pi_act1(x[j], silu) * u[j]
+        x = out
+    for j in range(n):
+        v = x[j]
+        s = fabsf(v)
+        if sp != NULL:
+            s = s * sp[j]
+        keep = s > thr
+        out[j] = v if keep else 0.0
+        k += keep
+    return k
+
+
+def glu_mask(const float[:, ::1] gu, int silu, const float[::1] scale, float thr,
+             float[:, ::1] out, int n_threads):
+    """The GLU product of a batch and its input-sparsity mask in one pass: with gu = [g | u]
+    (n_tok, 2 n_ff) f32, a = act(g) * u (act: SiLU g / (1 + exp(-g)) if silu else ReLU, as
+    decode's ``decode_ffn_in`` computes it, pi_act1), out (n_tok, n_ff) = a with a_j set to 0
+    where |a_j| * scale_j <= thr (``mask_inputs``). Rows in parallel. Returns the kept count."""
+    cdef Py_ssize_t T = gu.shape[0], n = out.shape[1], t
+    if gu.shape[1] != 2 * n or out.shape[0] != T:
+        raise ValueError(f"glu_mask: gu {tuple(gu.shape)[:2]} and out {tuple(out.shape)[:2]} "
+                         "are not (n_tok, 2 n_ff) and (n_tok, n_ff)")
+    cdef const float *sp = _opt_ptr(scale, n, "glu_mask scale")
+    cdef long long kept = 0
+    if T == 0 or n == 0:
+        return 0
+    with nogil:
+        for t in prange(T, schedule='static', num_threads=n_threads):
+            kept += _mask_row(&gu[t, 0], &gu[t, n], silu, sp, thr, n, &out[t, 0])
+    return kept

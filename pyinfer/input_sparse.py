@@ -71,14 +71,13 @@ class InputSparseFFN:
         self.stats.total += n_tok * n_in * n_out
         self.stats.active += kept * n_out
 
-    def _mask(self, lw, layer: int, group: str, x: np.ndarray) -> np.ndarray:
-        """x (n_tok, n_in) with the dropped channels set to 0 (a copy), counted in stats."""
-        s = np.abs(x)
-        if lw.in_scale is not None and group in lw.in_scale:
-            s *= lw.in_scale[group]
-        keep = s > self.thr[group][layer]
-        self._count(group, int(keep.sum()), x.shape[0])
-        return np.where(keep, x, np.float32(0.0))  # f32: both branches are f32 (no second copy)
+    def _mask(self, lw, layer: int, group: str, x: np.ndarray, n_threads: int) -> np.ndarray:
+        """x (n_tok, n_in) with the dropped channels set to 0 (a copy, ``cpu.mask_inputs``),
+        counted in stats."""
+        out = np.empty_like(x)
+        kept = cpu.mask_inputs(x, self._scale(lw, group), self.thr[group][layer], out, n_threads)
+        self._count(group, kept, x.shape[0])
+        return out
 
     @staticmethod
     def _scale(lw, group):
@@ -113,24 +112,28 @@ class InputSparseFFN:
         """q, k, v (n_tok, n_embd_q / n_embd_kv) from the attention-normed h (n_tok, n_embd)."""
         cfg = self.cfg
         out = np.empty((h.shape[0], cfg.n_embd_q + 2 * cfg.n_embd_kv), np.float32)
-        cpu.matmul_t(lw.attn_qkv_t, self._mask(lw, layer, "attn_qkv", h), out, n_threads)
+        cpu.matmul_t(lw.attn_qkv_t, self._mask(lw, layer, "attn_qkv", h, n_threads), out, n_threads)
         q[...] = out[:, :cfg.n_embd_q]
         k[...] = out[:, cfg.n_embd_q:cfg.n_embd_q + cfg.n_embd_kv]
         v[...] = out[:, cfg.n_embd_q + cfg.n_embd_kv:]
 
     def attn_out(self, lw, layer: int, att: np.ndarray, out: np.ndarray, n_threads: int) -> None:
         """out (n_tok, n_embd) = the output projection of att (n_tok, n_embd_q)."""
-        cpu.matmul_t(lw.attn_output_t, self._mask(lw, layer, "attn_output", att), out, n_threads)
+        cpu.matmul_t(lw.attn_output_t, self._mask(lw, layer, "attn_output", att, n_threads), out,
+                     n_threads)
 
     def __call__(self, lw, layer: int, x: np.ndarray, h: np.ndarray, out: np.ndarray,
                  n_threads: int) -> np.ndarray:
         """FFN of n_tok tokens: h (n_tok, n_embd) FFN-normed; writes (n_tok, n_embd) into out."""
         n_tok, n_ff = h.shape[0], self.cfg.n_ff
         gu = np.empty((n_tok, 2 * n_ff), np.float32)  # (n_tok, 2 n_ff): gate | up
-        cpu.matmul_t(lw.ffn_gate_up_t, self._mask(lw, layer, "ffn_gate_up", h), gu, n_threads)
-        a = np.ascontiguousarray(gu[:, :n_ff])
-        (cpu.silu_mul if self.silu else cpu.relu_mul)(a, np.ascontiguousarray(gu[:, n_ff:]), a)
-        cpu.matmul_t(lw.ffn_down_t, self._mask(lw, layer, "ffn_down", a), out, n_threads)
+        cpu.matmul_t(lw.ffn_gate_up_t, self._mask(lw, layer, "ffn_gate_up", h, n_threads), gu,
+                     n_threads)
+        a = np.empty((n_tok, n_ff), np.float32)  # act(gate) * up, masked
+        kept = cpu.glu_mask(gu, self.silu, self._scale(lw, "ffn_down"),
+                            self.thr["ffn_down"][layer], a, n_threads)
+        self._count("ffn_down", kept, n_tok)
+        cpu.matmul_t(lw.ffn_down_t, a, out, n_threads)
         return out
 
 
@@ -147,12 +150,9 @@ class InputSparseFFN:
             k = cpu.select_inputs(h[0], scale, thr, self._coef, self._idx)
             ib.axpy_rows(self._coef[:k], self._idx[:k], out[0], n_threads)
         else:
-            s = np.abs(h)
-            if scale is not None:
-                s *= scale
-            keep = s > np.float32(thr)
-            k = int(keep.sum())
-            ib.matmul_t(np.where(keep, h, np.float32(0.0)), out, n_threads)
+            hm = np.empty_like(h)
+            k = cpu.mask_inputs(h, scale, thr, hm, n_threads)
+            ib.matmul_t(hm, out, n_threads)
         self.head_stats.total += n_tok * n_in
         self.head_stats.active += k
         return out

@@ -585,3 +585,48 @@ def test_default_allocation_is_fisher_with_torch_and_uniform_without(monkeypatch
     opts = offline.OfflineOptions()  # mode glu: the allocation is unused, nothing said
     opts.check()
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("silu", [True, False])
+def test_batch_masks_are_decode_selection(silu):
+    """Prefill's masks (``mask_inputs``, ``glu_mask``): each row keeps exactly the channels
+    ``select_inputs`` keeps for it (the decode selection), with the same values; the GLU product
+    follows float64 SiLU / ReLU; the same result at 1 and 3 threads."""
+    from pyinfer.ops import cpu
+
+    rng = np.random.default_rng(5)
+    T, n = 7, 96
+    gu = rng.standard_normal((T, 2 * n)).astype(np.float32) * 3
+    scale = rng.random(n).astype(np.float32) + 0.5
+    g, u = gu[:, :n].astype(np.float64), gu[:, n:].astype(np.float64)
+    a64 = (g / (1 + np.exp(-g)) if silu else np.maximum(g, 0)) * u
+    for sc in (None, scale):
+        outs = []
+        for nt in (1, 3):
+            a = np.empty((T, n), np.float32)
+            kept = cpu.glu_mask(gu, silu, sc, 0.4, a, nt)
+            m = np.empty_like(a)
+            assert cpu.mask_inputs(gu[:, :n].copy(), sc, 0.4, m, nt) == sum(
+                cpu.select_inputs(gu[t, :n].copy(), sc, 0.4, np.empty(n, np.float32),
+                                  np.empty(n, np.int32)) for t in range(T))
+            outs.append((a, m))
+            assert 0 < kept < T * n
+            total = 0
+            for t in range(T):
+                full = np.empty((1, n), np.float32)
+                cpu.glu_mask(gu[t:t + 1], silu, None, -1.0, full, 1)  # every channel kept
+                np.testing.assert_allclose(full[0], a64[t], rtol=1e-5, atol=1e-6)
+                coef, idx = np.empty(n, np.float32), np.empty(n, np.int32)
+                k = cpu.select_inputs(full[0], sc, 0.4, coef, idx)
+                want = np.zeros(n, np.float32)
+                want[idx[:k]] = coef[:k]
+                np.testing.assert_array_equal(a[t], want)
+                x = gu[t, :n].copy()
+                k = cpu.select_inputs(x, sc, 0.4, coef, idx)
+                want = np.zeros(n, np.float32)
+                want[idx[:k]] = coef[:k]
+                np.testing.assert_array_equal(m[t], want)
+                total += int((a[t] != 0).sum())
+            assert kept == total
+        np.testing.assert_array_equal(outs[0][0], outs[1][0])
+        np.testing.assert_array_equal(outs[0][1], outs[1][1])

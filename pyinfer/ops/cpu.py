@@ -514,6 +514,20 @@ def select_inputs(x: np.ndarray, scale: np.ndarray | None, threshold: float, coe
     return _k.select_inputs(x, scale, float(threshold), coef, idx)
 
 
+def mask_inputs(x: np.ndarray, scale: np.ndarray | None, threshold: float, out: np.ndarray,
+                n_threads: int = 1) -> int:
+    """``select_inputs`` over a batch as a mask: out (n_tok, n) f32 = x (n_tok, n) f32 with the
+    dropped channels (|x_j| * scale_j <= threshold) set to 0. Returns the kept count."""
+    return _k.mask_inputs(x, scale, float(threshold), out, n_threads)
+
+
+def glu_mask(gu: np.ndarray, silu: bool, scale: np.ndarray | None, threshold: float,
+             out: np.ndarray, n_threads: int = 1) -> int:
+    """out (n_tok, n_ff) f32 = act(g) * u of gu = [g | u] (n_tok, 2 n_ff) f32 (decode's
+    activation bits), masked as ``mask_inputs``. Returns the kept count."""
+    return _k.glu_mask(gu, int(silu), scale, float(threshold), out, n_threads)
+
+
 def decode_ffn_in(x: np.ndarray, ffn_norm: np.ndarray, eps: float, gate_up_t: QTensor,
                   down_t: QTensor, scale_gu: np.ndarray | None, thr_gu: float,
                   scale_d: np.ndarray | None, thr_d: float, silu: bool,
