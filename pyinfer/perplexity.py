@@ -85,7 +85,12 @@ def main(argv=None) -> int:
         return 1
     mode = "sparse" if eng.is_sparse else "dense"
     print(f"perplexity: {ppl:.4f} over {n} tokens ({mode}, ctx {args.ctx_size}, {dt:.1f} s)")
-    if eng.is_sparse:
+    isp = eng.model.input_sparse if hasattr(eng.model, "input_sparse") else None
+    if isp is not None and eng.is_sparse:  # sparse mode input: weight bytes, not neurons
+        head = (f"; lm head inputs skipped: {isp.head_stats.sparsity:.1%}"
+                if isp.lm_head_thr is not None else "")
+        print(f"projection weight reads skipped: {1 - frac:.1%}{head}")
+    elif eng.is_sparse:
         print(f"ffn neurons computed per token: {frac:.1%} (sparsity {1 - frac:.1%})")
     return 0
 
