@@ -2,9 +2,8 @@
  *
  *     out[0:cols] = sum_k coef[k] * W[idx ? idx[k] : k, 0:cols]
  *
- * the work of kernels.pyx's _axpy_rows and of the second half of decode_ffn_in (activation,
- * down selection, down sums, residual), each in ONE parallel region with only the barriers the
- * data needs. Cython emits a prange inside a parallel block as "omp for nowait" whose loop index
+ * the work of kernels.pyx's _axpy_rows and of the fused input-sparse half-layers (decode_ffn_in,
+ * decode_attn_in), each in ONE parallel region with only the barriers the data needs. Cython emits a prange inside a parallel block as "omp for nowait" whose loop index
  * is firstprivate and lastprivate, and GCC puts a barrier before each such loop: on the 2-core
  * box a barrier costs about 1 us, and a region of four pranges plus the barriers the data needs
  * had about seven per call, more than the work they split on SmolLM2's short sums.
@@ -57,9 +56,6 @@
  * shorter rows (SmolLM2's 612-byte ffn_down_t rows) streamed from memory up to 1.7x slower on two
  * threads when each thread read half of every row (docs/benchmarks.md, session 8) */
 #define PI_AXPY_SPLIT_COLS_BYTES 2048
-/* parts of the activation loop of pi_act_select_down (fixed: the compacted list is the same for
- * any split; the parts spread the 1536 expf calls of a SmolLM2 layer, 7 us on one core) */
-#define PI_ACT_PARTS 8
 
 /* An explicit team barrier for Cython's parallel blocks: Cython compiles each prange inside a
  * `with parallel()` block as `omp for nowait`, so the OpenMP standard puts no barrier between two
@@ -229,58 +225,33 @@ static inline long pi_act_select(const float *gu, long n_ff, long j0, long j1, i
     return k;
 }
 
-/* Thread t of T's share of the FFN tail of one token: a = act(g) u, the kept a_j (|a_j| sd_j >
- * thr) compacted in index order into coef/idx, y = sum of a_j wd[j] over them (pi_axpy_rows_team),
- * x += y. ctmp/itmp: n_ff each; tmp: pi_axpy_tmp_floats(n_ff, n_embd, stride); cnt: PI_ACT_PARTS
- * longs.
- * Returns the kept count. */
-static long pi_act_select_down_team(int t, int T, const float *gu, long n_ff, int silu,
-                                    const float *sd, float thr, const uint8_t *wd, size_t stride,
-                                    int td, int n_embd, float *coef, int32_t *idx, float *ctmp,
-                                    int32_t *itmp, float *tmp, float *y, float *x, long *cnt) {
-    const int p0 = t * PI_ACT_PARTS / T, p1 = (t + 1) * PI_ACT_PARTS / T;
-    for (int p = p0; p < p1; p++) {
-        const long j0 = p * n_ff / PI_ACT_PARTS, j1 = (p + 1) * n_ff / PI_ACT_PARTS;
-        cnt[p] = pi_act_select(gu, n_ff, j0, j1, silu, sd, thr, ctmp + j0, itmp + j0);
+/* Thread t of T's activations j0 <= j < j1 in decode_ffn_in's team (kernels.pyx _ffn_in_team):
+ * over an input-block gate/up (qtype), those whose gate and up the thread summed itself
+ * (pi_ib_rows_team_parts with two spans: no line of g or u crosses cores), else an even split.
+ * The kept list they make, in thread order, is the same for any split. */
+static inline void pi_act_span(int t, int T, int qtype, long n_ff, long *j0, long *j1) {
+    const long hv = PI_IB_TILE / 2;
+    if (pi_is_ib(qtype) && n_ff % hv == 0) {
+        *j0 = hv * (t * (n_ff / hv) / T);
+        *j1 = hv * ((t + 1) * (n_ff / hv) / T);
+    } else {
+        *j0 = t * n_ff / T;
+        *j1 = (t + 1) * n_ff / T;
     }
-    PI_BARRIER();
-    long n = 0, off = 0;
-    for (int q = 0; q < PI_ACT_PARTS; q++) {
-        off += q < p0 ? cnt[q] : 0;
-        n += cnt[q];
-    }
-    for (int p = p0; p < p1; p++) {
-        const long j0 = p * n_ff / PI_ACT_PARTS;
-        memcpy(coef + off, ctmp + j0, (size_t)cnt[p] * sizeof(float));
-        memcpy(idx + off, itmp + j0, (size_t)cnt[p] * sizeof(int32_t));
-        off += cnt[p];
-    }
-    PI_BARRIER();
-    pi_axpy_rows_team(t, T, td, wd, stride, coef, idx, n, y, n_embd, tmp, x);
-    return n;
 }
 
-/* The FFN tail above on up to n_threads threads in one region; returns the kept count. */
-static long pi_act_select_down(const float *gu, long n_ff, int silu, const float *sd, float thr,
-                               const uint8_t *wd, size_t stride, int td, int n_embd, float *coef,
-                               int32_t *idx, float *ctmp, int32_t *itmp, float *tmp, float *y,
-                               float *x, int n_threads) {
-    long cnt[PI_ACT_PARTS], n = 0;
-    if (n_threads <= 1)
-        return pi_act_select_down_team(0, 1, gu, n_ff, silu, sd, thr, wd, stride, td, n_embd,
-                                       coef, idx, ctmp, itmp, tmp, y, x, cnt);
-#ifdef _OPENMP
-#pragma omp parallel num_threads(n_threads)
-    {
-        const long k = pi_act_select_down_team(omp_get_thread_num(), omp_get_num_threads(), gu,
-                                               n_ff, silu, sd, thr, wd, stride, td, n_embd, coef,
-                                               idx, ctmp, itmp, tmp, y, x, cnt);
-        if (omp_get_thread_num() == 0) n = k;
+/* The kept activations of all T threads in thread order (thread p's cnt[p] entries at ctmp and
+ * itmp + its j0) copied into coef/idx; returns their count. Each thread of the team makes its own
+ * copy: that costs less than a shared list and the barrier after it. */
+static inline long pi_act_gather(int T, int qtype, long n_ff, const long *cnt, const float *ctmp,
+                                 const int32_t *itmp, float *coef, int32_t *idx) {
+    long n = 0, j0, j1;
+    for (int p = 0; p < T; p++) {
+        pi_act_span(p, T, qtype, n_ff, &j0, &j1);
+        memcpy(coef + n, ctmp + j0, (size_t)cnt[p] * sizeof(float));
+        memcpy(idx + n, itmp + j0, (size_t)cnt[p] * sizeof(int32_t));
+        n += cnt[p];
     }
-#else
-    n = pi_act_select_down_team(0, 1, gu, n_ff, silu, sd, thr, wd, stride, td, n_embd, coef, idx,
-                                ctmp, itmp, tmp, y, x, cnt);
-#endif
     return n;
 }
 
