@@ -89,6 +89,7 @@ cdef extern from "rowsum_team.h" nogil:
                                int cols, int parts, float *add)
     long pi_act_select(const float *gu, long n_ff, long j0, long j1, int silu, const float *sd,
                        float thr, float *coef, int32_t *idx)
+    void pi_act_values(const float *gu, long n_ff, long j0, long j1, int silu, float *out)
     void pi_act_span(int t, int T, int qtype, long n_ff, long *j0, long *j1)
     long pi_act_gather(int T, int qtype, long n_ff, const long *cnt, const float *ctmp,
                        const int32_t *itmp, float *coef, int32_t *idx)
@@ -844,6 +845,18 @@ def relu_mul(const float[::1] gate, const float[::1] up, float[::1] out):
         for i in range(n):
             g = gate[i]
             out[i] = (g if g > 0.0 else 0.0) * up[i]
+
+
+def act_mul(const float[::1] gu, int silu, float[::1] out):
+    """out = act(g) * u for gu = [g | u] (2 n,) f32, out (n,) f32, as decode_ffn_in computes its
+    activations (rowsum_team.h pi_act_values: silu's exp through pi_expf_safe, the bits of
+    select_active's act(g) * u under glibc; relu: max(g, 0) * u)."""
+    cdef Py_ssize_t n = out.shape[0]
+    _check_len(gu.shape[0], 2 * n, "act_mul gu")
+    if n == 0:
+        return
+    with nogil:
+        pi_act_values(&gu[0], n, 0, n, silu, &out[0])
 
 
 def select_active(const float[::1] g, const float[::1] u, const int32_t[::1] ids, int silu,

@@ -199,21 +199,121 @@ static void pi_axpy_rows_par(int qtype, const uint8_t *w, size_t stride, const f
 }
 
 /* act(g) = silu(g) = g / (1 + exp(-g)) (the division in double) or relu(g): the activation of
- * every fused decode and selection in kernels.pyx too, so all paths give the same bits. */
+ * every fused decode and selection in kernels.pyx too, so all paths give the same bits (the
+ * input-sparse FFN's pi_act_select through pi_expf_safe: the same under glibc, see there). */
 static inline float pi_act1(float g, int silu) {
     if (silu) return (float)(g / (1.0 + expf(-g)));
     return g > 0.0f ? g : 0.0f;
 }
 
+/* e^x for a float x in double (issue 12, session 12): x = k ln2 + r, |r| <= ln2/2, e^r by its
+ * Taylor series through r^11/11! (truncation below 1e-14 relative), 2^k through the exponent
+ * bits; then rounded to float where that rounding is safe, i.e. the double times 1 - 2^-31 and
+ * times 1 + 2^-31 round to the same float. The double is within 1e-14 relative of e^x, and a
+ * float's ulp is at most 2^-23 of it, so e^x then lies more than 0.002 ulp from a rounding
+ * midpoint, and any expf within 0.502 ulp returns that same float (glibc's since 2.28 states
+ * that bound: e_expf.c). Lanes that are not safe (about 1 in 100), |x| > 87 and NaN call expf.
+ * So under glibc the value is expf(x) bit for bit (tests/test_ibsum.py checks 2^20 inputs; all
+ * floats in [-87, 87] were checked once: docs/benchmarks.md), and on any libm it is the same in
+ * every build, lane and split. pi_expf_safe is the scalar twin of pi_expf_safe4/8, operation
+ * for operation (explicit FMAs: no contraction differs). */
+#define PI_EXP_LOG2E 1.4426950408889634
+#define PI_EXP_LN2 0.6931471805599453
+#define PI_EXP_LO (1.0 - 4.656612873077393e-10) /* 1 -+ 2^-31, exact in double */
+#define PI_EXP_HI (1.0 + 4.656612873077393e-10)
+#define PI_EXP_C(n) (1.0 / (n))
+#define PI_EXP_POLY(FMA, SET, p, r)                                                             \
+    do {                                                                                        \
+        p = FMA(SET(PI_EXP_C(39916800.0)), r, SET(PI_EXP_C(3628800.0)));                         \
+        p = FMA(p, r, SET(PI_EXP_C(362880.0)));                                                 \
+        p = FMA(p, r, SET(PI_EXP_C(40320.0)));                                                  \
+        p = FMA(p, r, SET(PI_EXP_C(5040.0)));                                                   \
+        p = FMA(p, r, SET(PI_EXP_C(720.0)));                                                    \
+        p = FMA(p, r, SET(PI_EXP_C(120.0)));                                                    \
+        p = FMA(p, r, SET(PI_EXP_C(24.0)));                                                     \
+        p = FMA(p, r, SET(PI_EXP_C(6.0)));                                                      \
+        p = FMA(p, r, SET(0.5));                                                                \
+        p = FMA(p, r, SET(1.0));                                                                \
+        p = FMA(p, r, SET(1.0));                                                                \
+    } while (0)
+#define PI_EXP_ID(v) (v)
+
+static inline float pi_expf_safe(float x) {
+    if (!(fabsf(x) <= 87.0f)) return expf(x);
+    const double xd = (double)x, kd = nearbyint(xd * PI_EXP_LOG2E), r = fma(-kd, PI_EXP_LN2, xd);
+    const uint64_t bits = (uint64_t)((int64_t)kd + 1023) << 52;
+    double s, p;
+    memcpy(&s, &bits, sizeof(s));
+    PI_EXP_POLY(fma, PI_EXP_ID, p, r);
+    const double e = p * s;
+    const float lo = (float)(e * PI_EXP_LO), hi = (float)(e * PI_EXP_HI);
+    return lo == hi ? lo : expf(x);
+}
+
+#if PI_SIMD
+/* pi_expf_safe of 4 floats; the lanes not safe (bits of *bad) still to be replaced by expf */
+static inline __m128 pi_expf_safe4(__m128 x, int *bad) {
+    const __m256d xd = _mm256_cvtps_pd(x);
+    const __m256d kd = _mm256_round_pd(_mm256_mul_pd(xd, _mm256_set1_pd(PI_EXP_LOG2E)),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256d r = _mm256_fnmadd_pd(kd, _mm256_set1_pd(PI_EXP_LN2), xd);
+    const __m256i bits = _mm256_slli_epi64(
+        _mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_cvtpd_epi32(kd)), _mm256_set1_epi64x(1023)),
+        52);
+    __m256d p;
+    PI_EXP_POLY(_mm256_fmadd_pd, _mm256_set1_pd, p, r);
+    const __m256d e = _mm256_mul_pd(p, _mm256_castsi256_pd(bits));
+    const __m128 lo = _mm256_cvtpd_ps(_mm256_mul_pd(e, _mm256_set1_pd(PI_EXP_LO)));
+    const __m128 hi = _mm256_cvtpd_ps(_mm256_mul_pd(e, _mm256_set1_pd(PI_EXP_HI)));
+    const __m128 ax = _mm_andnot_ps(_mm_set1_ps(-0.0f), x);
+    const __m128 ok = _mm_and_ps(_mm_cmp_ps(lo, hi, _CMP_EQ_OQ),
+                                 _mm_cmp_ps(ax, _mm_set1_ps(87.0f), _CMP_LE_OQ));
+    *bad = ~_mm_movemask_ps(ok) & 15;
+    return lo;
+}
+#endif
+
+/* out[j - j0] = act(g_j) u_j for j0 <= j < j1 (gu = [g, u], (2 n_ff,)): silu through
+ * pi_expf_safe (the same bits as pi_act1 under glibc), 8 lanes at a time (the 1536 expf calls
+ * of a SmolLM2 layer took 5-7 us on one core, most of the activation step) */
+static inline void pi_act_values(const float *gu, long n_ff, long j0, long j1, int silu,
+                                 float *out) {
+    long j = j0;
+    if (!silu) {
+        for (; j < j1; j++) out[j - j0] = (gu[j] > 0.0f ? gu[j] : 0.0f) * gu[n_ff + j];
+        return;
+    }
+#if PI_SIMD
+    for (; j + 4 <= j1; j += 4) {
+        const __m128 g = _mm_loadu_ps(gu + j);
+        int bad;
+        __m128 e = pi_expf_safe4(_mm_xor_ps(g, _mm_set1_ps(-0.0f)), &bad);
+        if (bad) {
+            float ev[4];
+            _mm_storeu_ps(ev, e);
+            for (int l = 0; l < 4; l++)
+                if ((bad >> l) & 1) ev[l] = expf(-gu[j + l]);
+            e = _mm_loadu_ps(ev);
+        }
+        const __m256d q = _mm256_div_pd(_mm256_cvtps_pd(g),
+                                        _mm256_add_pd(_mm256_set1_pd(1.0), _mm256_cvtps_pd(e)));
+        _mm_storeu_ps(out + j - j0, _mm_mul_ps(_mm256_cvtpd_ps(q), _mm_loadu_ps(gu + n_ff + j)));
+    }
+#endif
+    for (; j < j1; j++) {
+        const float g = gu[j];
+        out[j - j0] = (float)(g / (1.0 + (double)pi_expf_safe(-g))) * gu[n_ff + j];
+    }
+}
+
 /* a_j = act(g_j) u_j for j0 <= j < j1 (gu = [g, u], (2 n_ff,)); the kept ones (|a_j| sd_j > thr,
  * sd NULL: 1) written in order to coef/idx (room for j1 - j0 each; branch-free compaction: kept
  * or dropped mispredicts half the time); returns their count. Two loops: the activations first
- * (independent iterations, so the divisions overlap; inside the compaction loop they waited on
- * its store chain, 2 us more per 1536), then the compaction in place. */
+ * (pi_act_values), then the compaction in place. */
 static inline long pi_act_select(const float *gu, long n_ff, long j0, long j1, int silu,
                                  const float *sd, float thr, float *coef, int32_t *idx) {
     long k = 0;
-    for (long j = j0; j < j1; j++) coef[j - j0] = pi_act1(gu[j], silu) * gu[n_ff + j];
+    pi_act_values(gu, n_ff, j0, j1, silu, coef);
     for (long j = j0; j < j1; j++) {
         const float a = coef[j - j0];
         float s = fabsf(a);

@@ -349,3 +349,23 @@ def test_fused_halves_equal_unfused_kernels(layout, qtype):
             np.testing.assert_array_equal(got, want)
             np.testing.assert_array_equal(kc, kw)
             np.testing.assert_array_equal(vc, vw)
+
+
+def test_act_values_equal_select_active():
+    """decode_ffn_in's activations (act_mul: silu's exp in double, 4 lanes, rounded where safe,
+    else expf) have the bits of select_active's act(g) * u (libm expf) on 2^20 inputs from
+    -100 to 100 (beyond +-87 expf itself), exact halves, +-0, +-inf and NaN, and relu's too."""
+    rng = np.random.default_rng(3)
+    g = np.concatenate([rng.uniform(-100, 100, 1 << 19), rng.standard_normal(1 << 19) * 4,
+                        np.arange(-200, 201) / 2, [0.0, -0.0, np.inf, -np.inf, np.nan, 87.0,
+                                                   -87.0, 88.7, -103.9]]).astype(np.float32)
+    u = rng.standard_normal(g.size).astype(np.float32)
+    for silu in (True, False):
+        coef, idx = np.empty_like(g), np.empty(g.size, np.int32)
+        with np.errstate(invalid="ignore"):
+            n = cpu.select_active(g, u, None, silu, -1.0, coef, idx)  # keeps all but NaN
+        want = np.full_like(g, np.nan)
+        want[idx[:n]] = coef[:n]
+        got = np.full_like(g, 1.0)
+        cpu._k.act_mul(np.concatenate([g, u]), int(silu), got)
+        np.testing.assert_array_equal(got, want)  # NaN where want is NaN
