@@ -463,20 +463,12 @@ static void pi_ib_halves_span(long v0, long v1, float *out, float *add) {
  * AVX-512 pi_ib_prep), so the team needs no barrier: a barrier costs about as much on an idle
  * box and a scheduler time slice when another process holds a core (session 11). Each thread
  * then writes only its own half tiles of out and add (split by 32-output halves: SmolLM2's 576
- * outputs are 18 halves, 9/9 on two threads, where whole tiles split 5/4).
- *
- * parts > 1 (dividing the half tiles): the outputs are `parts` equal spans and thread t takes
- * its share of each, the same share of every span (issue 12, session 12: decode_ffn_in's
- * gate/up as two spans, so that the thread that computes gate j also computes up j and its
- * activation reads no line another core wrote). Which thread sums an output never changes its
- * bits. */
-static void pi_ib_rows_team_parts(int t, int T, int qtype, const uint8_t *w, size_t stride,
-                                  const float *coef, const int32_t *idx, long n, float *out,
-                                  int cols, int parts, float *add) {
+ * outputs are 18 halves, 9/9 on two threads, where whole tiles split 5/4). */
+static void pi_ib_rows_team(int t, int T, int qtype, const uint8_t *w, size_t stride,
+                            const float *coef, const int32_t *idx, long n, float *out, int cols,
+                            float *add) {
     const long nb = n > 0 ? idx[n - 1] / 32 + 1 : 0;
-    const long nv = cols / (PI_IB_TILE / 2);
-    if (parts < 1 || nv % parts) parts = 1;
-    const long nvp = nv / parts, v0 = t * nvp / T, v1 = (t + 1) * nvp / T;
+    const long nv = cols / (PI_IB_TILE / 2), v0 = t * nv / T, v1 = (t + 1) * nv / T;
     if (v1 <= v0) return;
     int32_t off[32 * nb + 1], cf[8 * nb + 1], ng[nb + 1], corr[nb + 1];
     float sb[nb + 1];
@@ -487,20 +479,10 @@ static void pi_ib_rows_team_parts(int t, int T, int qtype, const uint8_t *w, siz
         pi_ib_prep(qtype, cols, coef, idx, k, k1, b, off, cf, ng, sb, corr);
         k = k1;
     }
-    /* 2. this thread's half tiles of each span over every block */
-    for (long p = 0; p < parts; p++) {
-        const long a = p * nvp + v0, e = p * nvp + v1;
-        pi_ib_halves_span(a, e, out, NULL);
-        pi_ib_halves(qtype, w, stride, cols, nb, off, cf, ng, sb, corr, a, e, out, 1);
-        if (add) pi_ib_halves_span(a, e, out, add);
-    }
-}
-
-/* pi_ib_rows_team_parts over one span */
-static inline void pi_ib_rows_team(int t, int T, int qtype, const uint8_t *w, size_t stride,
-                                   const float *coef, const int32_t *idx, long n, float *out,
-                                   int cols, float *add) {
-    pi_ib_rows_team_parts(t, T, qtype, w, stride, coef, idx, n, out, cols, 1, add);
+    /* 2. this thread's half tiles over every block */
+    pi_ib_halves_span(v0, v1, out, NULL);
+    pi_ib_halves(qtype, w, stride, cols, nb, off, cf, ng, sb, corr, v0, v1, out, 1);
+    if (add) pi_ib_halves_span(v0, v1, out, add);
 }
 
 /* Prefill (matmul_t over an input-block tensor): a GEMM over the dense masked input.

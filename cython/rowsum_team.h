@@ -366,29 +366,21 @@ static inline long pi_act_select(const float *gu, long n_ff, long j0, long j1, i
     return k;
 }
 
-/* Thread t of T's activations j0 <= j < j1 in decode_ffn_in's team (kernels.pyx _ffn_in_team):
- * over an input-block gate/up (qtype), those whose gate and up the thread summed itself
- * (pi_ib_rows_team_parts with two spans: no line of g or u crosses cores), else an even split.
+/* Thread t of T's activations j0 <= j < j1 in decode_ffn_in's team (kernels.pyx _ffn_in_team).
  * The kept list they make, in thread order, is the same for any split. */
-static inline void pi_act_span(int t, int T, int qtype, long n_ff, long *j0, long *j1) {
-    const long hv = PI_IB_TILE / 2;
-    if (pi_is_ib(qtype) && n_ff % hv == 0) {
-        *j0 = hv * (t * (n_ff / hv) / T);
-        *j1 = hv * ((t + 1) * (n_ff / hv) / T);
-    } else {
-        *j0 = t * n_ff / T;
-        *j1 = (t + 1) * n_ff / T;
-    }
+static inline void pi_act_span(int t, int T, long n_ff, long *j0, long *j1) {
+    *j0 = t * n_ff / T;
+    *j1 = (t + 1) * n_ff / T;
 }
 
 /* The kept activations of all T threads in thread order (thread p's cnt[p] entries at ctmp and
  * itmp + its j0) copied into coef/idx; returns their count. Each thread of the team makes its own
  * copy: that costs less than a shared list and the barrier after it. */
-static inline long pi_act_gather(int T, int qtype, long n_ff, const long *cnt, const float *ctmp,
+static inline long pi_act_gather(int T, long n_ff, const long *cnt, const float *ctmp,
                                  const int32_t *itmp, float *coef, int32_t *idx) {
     long n = 0, j0, j1;
     for (int p = 0; p < T; p++) {
-        pi_act_span(p, T, qtype, n_ff, &j0, &j1);
+        pi_act_span(p, T, n_ff, &j0, &j1);
         memcpy(coef + n, ctmp + j0, (size_t)cnt[p] * sizeof(float));
         memcpy(idx + n, itmp + j0, (size_t)cnt[p] * sizeof(int32_t));
         n += cnt[p];
