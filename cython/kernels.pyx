@@ -13,6 +13,9 @@ llama.cpp's ggml_vec_dot_q4_0_q8_0 does: relative error about 1e-3 against an f3
 from cython.parallel cimport prange, parallel
 from libc.stdint cimport uint8_t, int8_t, int32_t
 from libc.stdlib cimport malloc, free, calloc
+
+cdef extern from "<stdlib.h>" nogil:
+    void *aligned_alloc(size_t alignment, size_t size)
 from libc.string cimport memset
 from libc.math cimport expf, sqrtf, fabsf, cos, sin, pow
 
@@ -81,10 +84,12 @@ cdef extern from "rowsum_team.h" nogil:
     void pi_axpy_rows_par(int qtype, const uint8_t *w, size_t stride, const float *coef,
                           const int32_t *idx, long n, float *out, int cols, float *tmp,
                           int n_threads)
-    long pi_act_select_down(const float *gu, long n_ff, int silu, const float *sd, float thr,
-                            const uint8_t *wd, size_t stride, int td, int n_embd, float *coef,
-                            int32_t *idx, float *ctmp, int32_t *itmp, float *tmp, float *y,
-                            float *x, int n_threads)
+    long pi_act_select(const float *gu, long n_ff, long j0, long j1, int silu, const float *sd,
+                       float thr, float *coef, int32_t *idx)
+    void pi_act_values(const float *gu, long n_ff, long j0, long j1, int silu, float *out)
+    void pi_act_span(int t, int T, long n_ff, long *j0, long *j1)
+    long pi_act_gather(int T, long n_ff, const long *cnt, const float *ctmp,
+                       const int32_t *itmp, float *coef, int32_t *idx)
 
 cdef extern from "gemm.h" nogil:
     int pi_gemm_supported(int qtype)
@@ -839,6 +844,18 @@ def relu_mul(const float[::1] gate, const float[::1] up, float[::1] out):
             out[i] = (g if g > 0.0 else 0.0) * up[i]
 
 
+def act_mul(const float[::1] gu, int silu, float[::1] out):
+    """out = act(g) * u for gu = [g | u] (2 n,) f32, out (n,) f32, as decode_ffn_in computes its
+    activations (rowsum_team.h pi_act_values: silu's exp through pi_expf_safe, the bits of
+    select_active's act(g) * u under glibc; relu: max(g, 0) * u)."""
+    cdef Py_ssize_t n = out.shape[0]
+    _check_len(gu.shape[0], 2 * n, "act_mul gu")
+    if n == 0:
+        return
+    with nogil:
+        pi_act_values(&gu[0], n, 0, n, silu, &out[0])
+
+
 def select_active(const float[::1] g, const float[::1] u, const int32_t[::1] ids, int silu,
                   float thr, float[::1] coef, int32_t[::1] idx):
     """The sparse FFN's neuron selection, one pass: a = act(g[j]) (* u[j] when u is given),
@@ -1189,6 +1206,46 @@ def select_inputs(const float[::1] x, const float[::1] scale, float thr, float[:
     return k
 
 
+cdef void _ffn_in_team(int t, int T, float *x, const float *ffn_norm, float eps, int n_embd,
+                       const uint8_t *wgu, size_t sgu, int tgu, const uint8_t *wd, size_t sd_,
+                       int td, Py_ssize_t n_ff, const float *scale_gu, float thr_gu,
+                       const float *scale_d, float thr_d, int silu, float *gu, float *y,
+                       float *ctmp, int32_t *itmp, float *tmp_gu, float *tmp_d, long *cnt,
+                       float *priv, Py_ssize_t n_priv, Py_ssize_t *counts) noexcept nogil:
+    """Thread t of T's share of decode_ffn_in in one parallel region (every thread calls it with
+    the same arguments; rowsum_team.h's conventions). gu (2 n_ff), y (n_embd), ctmp/itmp (n_ff):
+    shared; cnt: T longs; priv: T blocks of n_priv floats, one per thread (its normed input, its
+    copies of both kept lists). Two barriers: gate/up complete before the activations, every
+    thread's kept activations before the down sums. Each step's split of the work (half tiles,
+    chunks, columns) leaves every result the same as one thread computes it."""
+    cdef float *h = priv + t * n_priv
+    cdef float *cin = h + n_embd
+    cdef int32_t *iin = <int32_t *> (cin + n_embd)
+    cdef float *cd = <float *> (iin + n_embd)
+    cdef int32_t *idd = <int32_t *> (cd + n_ff)
+    cdef Py_ssize_t n_in, n_mid
+    cdef long j0, j1
+    # 1. every thread its own norm and kept list of the gate/up inputs (no barrier, and no line
+    # of them written by another core)
+    _rmsnorm1(x, ffn_norm, eps, h, n_embd)
+    n_in = _select_inputs(h, scale_gu, thr_gu, n_embd, cin, iin)
+    # 2. [g, u] = the kept rows of ffn_gate_up_t (summing g and u as two spans, so that a
+    # thread's activations read only its own lines, measured 1-3% slower on 2 threads and 5%
+    # on one: each row is then streamed in two passes)
+    pi_axpy_rows_team(t, T, tgu, wgu, sgu, cin, iin, n_in, gu, <int> (2 * n_ff), tmp_gu, NULL)
+    pi_team_barrier()
+    # 3. a = act(g) u over this thread's span, its kept ones compacted at the span's start
+    pi_act_span(t, T, n_ff, &j0, &j1)
+    cnt[t] = pi_act_select(gu, n_ff, j0, j1, silu, scale_d, thr_d, ctmp + j0, itmp + j0)
+    pi_team_barrier()
+    # 4. x += the kept rows of ffn_down_t over this thread's copy of the whole kept list
+    n_mid = pi_act_gather(T, n_ff, cnt, ctmp, itmp, cd, idd)
+    pi_axpy_rows_team(t, T, td, wd, sd_, cd, idd, n_mid, y, n_embd, tmp_d, x)
+    if t == 0:
+        counts[0] = n_in
+        counts[1] = n_mid
+
+
 def decode_ffn_in(float[::1] x, const float[::1] ffn_norm, float eps,
                   const uint8_t[:, ::1] wgu, int tgu, const uint8_t[:, ::1] wd, int td,
                   const float[::1] scale_gu, float thr_gu, const float[::1] scale_d, float thr_d,
@@ -1197,7 +1254,9 @@ def decode_ffn_in(float[::1] x, const float[::1] ffn_norm, float eps,
     (n_embd,) f32: h = rmsnorm(x); [g, u] = sum over kept j (|h_j| scale_gu_j > thr_gu) of
     h_j * wgu[j], wgu = ffn_gate_up_t (n_embd, 2 n_ff); a = act(g) * u; x += sum over kept i
     (|a_i| scale_d_i > thr_d) of a_i * wd[i], wd = ffn_down_t (n_ff, n_embd). Weights are
-    dequantized exactly (no activation quantization). Returns (gate/up rows read, down rows read)."""
+    dequantized exactly (no activation quantization) in the transposed row layouts; input-block
+    layouts take the int8 sums of ibsum.h. One parallel region (_ffn_in_team; was two, with the
+    norm and selection before them on one thread). Returns (gate/up rows read, down rows read)."""
     cdef int n_embd = x.shape[0]
     _check_len(ffn_norm.shape[0], n_embd, "decode_ffn_in ffn_norm")
     _check_len(_in_rows(wgu, tgu), n_embd, "decode_ffn_in gate_up rows")
@@ -1206,77 +1265,88 @@ def decode_ffn_in(float[::1] x, const float[::1] ffn_norm, float eps,
     _check_w(wd, td, n_embd)
     cdef const float *sgu = _opt_ptr(scale_gu, n_embd, "decode_ffn_in scale_gu")
     cdef const float *sd = _opt_ptr(scale_d, n_ff, "decode_ffn_in scale_d")
-    cdef Py_ssize_t m = max(<Py_ssize_t> n_embd, n_ff)
+    cdef int T = max(n_threads, 1)
+    # per thread: h, the gate/up kept list (coef, idx), the down kept list (coef, idx); whole
+    # cache lines each, so no thread writes a line another one reads
+    cdef Py_ssize_t n_priv = (3 * n_embd + 2 * n_ff + 15) // 16 * 16
+    cdef Py_ssize_t nt_gu = pi_axpy_tmp_floats(n_embd, <int> (2 * n_ff), wgu.shape[1])
+    cdef Py_ssize_t nt_d = pi_axpy_tmp_floats(n_ff, n_embd, wd.shape[1])
+    cdef Py_ssize_t counts[2]
     cdef float *buf
-    cdef float *h
-    cdef float *y
+    cdef float *priv
+    cdef long *cnt
     cdef float *gu
-    cdef float *coef
+    cdef float *y
     cdef float *ctmp
-    cdef float *tmp
-    cdef int32_t *idx
-    cdef Py_ssize_t n_in, n_mid
+    cdef float *tmp_gu
+    cdef float *tmp_d
+    cdef int32_t *itmp
     with nogil:
-        # (the down sums take at most pi_axpy_nchunks(n_ff, stride) chunks)
-        buf = <float *> malloc((2 * n_embd + m + 3 * n_ff
-                                + pi_axpy_tmp_floats(n_ff, n_embd, wd.shape[1]) + 1)
-                               * sizeof(float))
-        idx = <int32_t *> malloc((m + n_ff + 1) * sizeof(int32_t))
-        h = buf
-        y = h + n_embd
-        coef = y + n_embd
-        gu = coef + m
-        ctmp = gu + 2 * n_ff
-        tmp = ctmp + n_ff
-        _rmsnorm1(&x[0], &ffn_norm[0], eps, h, n_embd)
-        n_in = _select_inputs(h, sgu, thr_gu, n_embd, coef, idx)
-        _axpy_rows(&wgu[0, 0], wgu.shape[1], tgu, <int> (2 * n_ff), coef, idx, n_in, gu,
-                   n_threads)
-        # act, the down selection and sums and the residual in one parallel region
-        n_mid = pi_act_select_down(gu, n_ff, silu, sd, thr_d, &wd[0, 0], wd.shape[1], td, n_embd,
-                                   coef, idx, ctmp, idx + m, tmp, y, &x[0], n_threads)
+        # (at most n_embd gate/up rows and n_ff down rows are kept: tmp sized for every row)
+        buf = <float *> malloc((2 * n_ff + n_embd + 2 * n_ff + nt_gu + nt_d + 1) * sizeof(float))
+        priv = <float *> aligned_alloc(64, T * n_priv * sizeof(float))
+        cnt = <long *> malloc(T * sizeof(long))
+        gu = buf
+        y = gu + 2 * n_ff
+        ctmp = y + n_embd
+        itmp = <int32_t *> (ctmp + n_ff)
+        tmp_gu = <float *> (itmp + n_ff)
+        tmp_d = tmp_gu + nt_gu
+        if T == 1:
+            _ffn_in_team(0, 1, &x[0], &ffn_norm[0], eps, n_embd, &wgu[0, 0], wgu.shape[1], tgu,
+                         &wd[0, 0], wd.shape[1], td, n_ff, sgu, thr_gu, sd, thr_d, silu, gu, y,
+                         ctmp, itmp, tmp_gu, tmp_d, cnt, priv, n_priv, counts)
+        else:
+            with parallel(num_threads=T):
+                _ffn_in_team(pi_team_thread(), pi_team_size(), &x[0], &ffn_norm[0], eps, n_embd,
+                             &wgu[0, 0], wgu.shape[1], tgu, &wd[0, 0], wd.shape[1], td, n_ff, sgu,
+                             thr_gu, sd, thr_d, silu, gu, y, ctmp, itmp, tmp_gu, tmp_d, cnt, priv,
+                             n_priv, counts)
         free(buf)
-        free(idx)
-    return n_in, n_mid
+        free(priv)
+        free(cnt)
+    return counts[0], counts[1]
 
 
 cdef void _attn_in_team(int t, int T, float *x, const float *attn_norm, float eps, int n_embd,
                         const uint8_t *wqkv, size_t sqkv, int tqkv, const uint8_t *wo,
                         size_t so_, int to, float *k_cache, float *v_cache, Py_ssize_t rs,
                         int n_past, int n_head, int n_kv, int hd, double freq_base,
-                        const float *sq, float thr_qkv, const float *so, float thr_o, float *h,
-                        float *qkv, float *att, float *cs, float *coef, int32_t *idx,
-                        float *tmp_qkv, float *tmp_o, float *y, float *priv, Py_ssize_t n_priv,
+                        const float *sq, float thr_qkv, const float *so, float thr_o,
+                        float *qkv, float *att, float *cs, float *tmp_qkv, float *tmp_o,
+                        float *y, float *priv, Py_ssize_t n_priv,
                         Py_ssize_t *counts) noexcept nogil:
     """Thread t of T's share of decode_attn_in in one parallel region (every thread calls it with
     the same arguments; rowsum_team.h's conventions). rs: floats per cache row (n_kv hd); k_cache,
     v_cache: row 0 of the caches; cs: hd floats shared (the rope's cos | sin); priv: T blocks of
-    n_priv floats, one per thread (its attention scores, then its copy of the output's kept
-    list). Each step's split of the work (heads, chunks, columns) leaves every result the same
-    as one thread computes it, so the bits do not depend on T."""
-    cdef Py_ssize_t nq = n_head * hd, nkv = n_kv * hd, n_att = n_past + 1, n_mid, i
+    n_priv floats, one per thread (its attention scores, its copy of the output's kept list,
+    its normed input and its copy of the q/k/v inputs' kept list). Each step's split of the
+    work (heads, chunks, columns) leaves every result the same as one thread computes it, so
+    the bits do not depend on T."""
+    cdef Py_ssize_t nq = n_head * hd, nkv = n_kv * hd, n_att = n_past + 1, n_mid, n_in, i
     cdef int half = hd // 2, group = n_head // n_kv, hh, h0, h1
     cdef double theta
     cdef float scale = 1.0 / sqrtf(<float> hd)
     cdef float *mine = priv + t * n_priv
     cdef int32_t *midx = <int32_t *> (mine + n_att)
     cdef float *mcoef = mine + n_att + nq
+    cdef float *h = mcoef + nq
+    cdef float *cin = h + n_embd
+    cdef int32_t *iin = <int32_t *> (cin + n_embd)
     cdef float *krow = k_cache + n_past * rs
     cdef float *vrow = v_cache + n_past * rs
-    # 1. the norm and the q/k/v inputs kept (thread 0) while the last thread makes the rope's
-    # table for this position (_rope1's expressions: the same cos/sin for q and k)
-    if t == 0:
-        _rmsnorm1(x, attn_norm, eps, h, n_embd)
-        counts[0] = _select_inputs(h, sq, thr_qkv, n_embd, coef, idx)
-    if t == T - 1:
-        for i in range(half):
-            theta = n_past * pow(freq_base, -2.0 * i / hd)
-            cs[i] = <float> cos(theta)
-            cs[half + i] = <float> sin(theta)
-    pi_team_barrier()
+    # 1. every thread its own norm and kept list of the q/k/v inputs (no barrier: the kept list
+    # was thread 0's, the others waiting), and its share of the rope's table for this position
+    # (_rope1's expressions: the same cos/sin for q and k; read after step 2's barrier)
+    _rmsnorm1(x, attn_norm, eps, h, n_embd)
+    n_in = _select_inputs(h, sq, thr_qkv, n_embd, cin, iin)
+    for i in range(t * half // T, (t + 1) * half // T):
+        theta = n_past * pow(freq_base, -2.0 * i / hd)
+        cs[i] = <float> cos(theta)
+        cs[half + i] = <float> sin(theta)
     # 2. [q, k, v] = the kept rows of attn_qkv_t (chunks by count, then column slices)
-    pi_axpy_rows_team(t, T, tqkv, wqkv, sqkv, coef, idx, counts[0], qkv,
-                      <int> (nq + 2 * nkv), tmp_qkv, NULL)
+    pi_axpy_rows_team(t, T, tqkv, wqkv, sqkv, cin, iin, n_in, qkv, <int> (nq + 2 * nkv),
+                      tmp_qkv, NULL)
     pi_team_barrier()
     # 3. rope on this thread's share of the q and k heads; its k heads' K and V to the cache
     h0 = t * (n_head + n_kv) // T
@@ -1297,6 +1367,7 @@ cdef void _attn_in_team(int t, int T, float *x, const float *attn_norm, float ep
     # x += the kept rows of attn_output_t, the residual added by column slices
     n_mid = _select_inputs(att, so, thr_o, nq, mcoef, midx)
     if t == 0:
+        counts[0] = n_in
         counts[1] = n_mid
     pi_axpy_rows_team(t, T, to, wo, so_, mcoef, midx, n_mid, y, n_embd, tmp_o, x)
 
@@ -1311,8 +1382,8 @@ def decode_attn_in(float[::1] x, const float[::1] attn_norm, float eps,
     wqkv = attn_qkv_t (n_embd, n_head*hd + 2 n_head_kv*hd); rope on q and k, K and V to cache row
     n_past; att = attention; x += sum over kept i (|att_i| scale_o_i > thr_o) of att_i * wo[i],
     wo = attn_output_t (n_head*hd, n_embd). One parallel region (_attn_in_team; was three, with
-    the selections and rope between them on one thread). Returns (qkv rows read, output rows
-    read)."""
+    the selections and rope between them on one thread), three barriers. Returns (qkv rows
+    read, output rows read)."""
     cdef int n_embd = x.shape[0]
     cdef Py_ssize_t n_ctx = k_cache.shape[0], n_kv = k_cache.shape[1], hd = k_cache.shape[2]
     cdef Py_ssize_t nq = n_head * hd, nkv = n_kv * hd
@@ -1330,51 +1401,45 @@ def decode_attn_in(float[::1] x, const float[::1] attn_norm, float eps,
     cdef const float *so = _opt_ptr(scale_o, nq, "decode_attn_in scale_o")
     cdef int T = max(n_threads, 1)
     cdef Py_ssize_t n_att = n_past + 1
-    cdef Py_ssize_t n_priv = (n_att + 2 * nq + 15) // 16 * 16  # scores, then idx | coef
+    # per thread: scores, the output's kept list (idx | coef), h, the q/k/v kept list (coef | idx);
+    # whole cache lines each
+    cdef Py_ssize_t n_priv = (n_att + 2 * nq + 3 * n_embd + 15) // 16 * 16
     cdef Py_ssize_t nt_qkv = pi_axpy_tmp_floats(n_embd, <int> (nq + 2 * nkv), wqkv.shape[1])
     cdef Py_ssize_t nt_o = pi_axpy_tmp_floats(nq, n_embd, wo.shape[1])
     cdef float *buf
     cdef float *priv
-    cdef int32_t *idx
     cdef Py_ssize_t counts[2]
-    cdef float *h
     cdef float *y
     cdef float *qkv
     cdef float *att
     cdef float *cs
-    cdef float *coef
     cdef float *tmp_qkv
     cdef float *tmp_o
     with nogil:
         # (at most n_embd qkv rows and nq output rows are kept: tmp sized for every row)
-        buf = <float *> malloc((2 * n_embd + nq + 2 * nkv + nq + hd + n_embd + nt_qkv + nt_o + 1)
+        buf = <float *> malloc((n_embd + nq + 2 * nkv + nq + hd + nt_qkv + nt_o + 1)
                                * sizeof(float))
-        priv = <float *> malloc(T * n_priv * sizeof(float))
-        idx = <int32_t *> malloc((n_embd + 1) * sizeof(int32_t))
-        h = buf
-        y = h + n_embd
+        priv = <float *> aligned_alloc(64, T * n_priv * sizeof(float))
+        y = buf
         qkv = y + n_embd
         att = qkv + nq + 2 * nkv
         cs = att + nq
-        coef = cs + hd
-        tmp_qkv = coef + n_embd
+        tmp_qkv = cs + hd
         tmp_o = tmp_qkv + nt_qkv
         if T == 1:
             _attn_in_team(0, 1, &x[0], &attn_norm[0], eps, n_embd, &wqkv[0, 0], wqkv.shape[1],
                           tqkv, &wo[0, 0], wo.shape[1], to, &k_cache[0, 0, 0], &v_cache[0, 0, 0],
                           nkv, n_past, n_head, <int> n_kv, <int> hd, freq_base, sq, thr_qkv, so,
-                          thr_o, h, qkv, att, cs, coef, idx, tmp_qkv, tmp_o, y, priv, n_priv,
-                          counts)
+                          thr_o, qkv, att, cs, tmp_qkv, tmp_o, y, priv, n_priv, counts)
         else:
             with parallel(num_threads=T):
                 _attn_in_team(pi_team_thread(), pi_team_size(), &x[0], &attn_norm[0], eps,
                               n_embd, &wqkv[0, 0], wqkv.shape[1], tqkv, &wo[0, 0], wo.shape[1],
                               to, &k_cache[0, 0, 0], &v_cache[0, 0, 0], nkv, n_past, n_head,
-                              <int> n_kv, <int> hd, freq_base, sq, thr_qkv, so, thr_o, h, qkv,
-                              att, cs, coef, idx, tmp_qkv, tmp_o, y, priv, n_priv, counts)
+                              <int> n_kv, <int> hd, freq_base, sq, thr_qkv, so, thr_o, qkv, att,
+                              cs, tmp_qkv, tmp_o, y, priv, n_priv, counts)
         free(buf)
         free(priv)
-        free(idx)
     return counts[0], counts[1]
 
 
@@ -1497,21 +1562,21 @@ def mask_inputs(const float[:, ::1] x, const float[::1] scale, float thr, float[
         return 0
     with nogil:
         for t in prange(T, schedule='static', num_threads=n_threads):
-            kept += _mask_row(&x[t, 0], NULL, 0, sp, thr, n, &out[t, 0])
+            kept += _mask_row(&x[t, 0], 0, 0, sp, thr, n, &out[t, 0])
     return kept
 
 
-cdef inline long _mask_row(const float *x, const float *u, int silu, const float *sp, float thr,
+cdef inline long _mask_row(const float *x, int glu, int silu, const float *sp, float thr,
                            Py_ssize_t n, float *out) noexcept nogil:
-    """One row of mask_inputs (u NULL) or of glu_mask (x = g, u the up half); returns its kept
-    count. The activations first (independent iterations), then a branch-free mask."""
+    """One row of mask_inputs (glu 0: x (n,)) or of glu_mask (glu 1: x = [g | u] (2 n,));
+    returns its kept count. The activations first (pi_act_values, decode's bits), then a
+    branch-free mask."""
     cdef Py_ssize_t j
     cdef long k = 0
     cdef float s, v
     cdef bint keep
-    if u != NULL:
-        for j in range(n):
-            out[j] = pi_act1(x[j], silu) * u[j]
+    if glu:
+        pi_act_values(x, n, 0, n, silu, out)
         x = out
     for j in range(n):
         v = x[j]
@@ -1528,7 +1593,7 @@ def glu_mask(const float[:, ::1] gu, int silu, const float[::1] scale, float thr
              float[:, ::1] out, int n_threads):
     """The GLU product of a batch and its input-sparsity mask in one pass: with gu = [g | u]
     (n_tok, 2 n_ff) f32, a = act(g) * u (act: SiLU g / (1 + exp(-g)) if silu else ReLU, as
-    decode's ``decode_ffn_in`` computes it, pi_act1), out (n_tok, n_ff) = a with a_j set to 0
+    decode's ``decode_ffn_in`` computes it, pi_act_values), out (n_tok, n_ff) = a with a_j set to 0
     where |a_j| * scale_j <= thr (``mask_inputs``). Rows in parallel. Returns the kept count."""
     cdef Py_ssize_t T = gu.shape[0], n = out.shape[1], t
     if gu.shape[1] != 2 * n or out.shape[0] != T:
@@ -1540,5 +1605,5 @@ def glu_mask(const float[:, ::1] gu, int silu, const float[::1] scale, float thr
         return 0
     with nogil:
         for t in prange(T, schedule='static', num_threads=n_threads):
-            kept += _mask_row(&gu[t, 0], &gu[t, n], silu, sp, thr, n, &out[t, 0])
+            kept += _mask_row(&gu[t, 0], 1, silu, sp, thr, n, &out[t, 0])
     return kept

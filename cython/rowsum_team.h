@@ -2,9 +2,8 @@
  *
  *     out[0:cols] = sum_k coef[k] * W[idx ? idx[k] : k, 0:cols]
  *
- * the work of kernels.pyx's _axpy_rows and of the second half of decode_ffn_in (activation,
- * down selection, down sums, residual), each in ONE parallel region with only the barriers the
- * data needs. Cython emits a prange inside a parallel block as "omp for nowait" whose loop index
+ * the work of kernels.pyx's _axpy_rows and of the fused input-sparse half-layers (decode_ffn_in,
+ * decode_attn_in), each in ONE parallel region with only the barriers the data needs. Cython emits a prange inside a parallel block as "omp for nowait" whose loop index
  * is firstprivate and lastprivate, and GCC puts a barrier before each such loop: on the 2-core
  * box a barrier costs about 1 us, and a region of four pranges plus the barriers the data needs
  * had about seven per call, more than the work they split on SmolLM2's short sums.
@@ -57,9 +56,6 @@
  * shorter rows (SmolLM2's 612-byte ffn_down_t rows) streamed from memory up to 1.7x slower on two
  * threads when each thread read half of every row (docs/benchmarks.md, session 8) */
 #define PI_AXPY_SPLIT_COLS_BYTES 2048
-/* parts of the activation loop of pi_act_select_down (fixed: the compacted list is the same for
- * any split; the parts spread the 1536 expf calls of a SmolLM2 layer, 7 us on one core) */
-#define PI_ACT_PARTS 8
 
 /* An explicit team barrier for Cython's parallel blocks: Cython compiles each prange inside a
  * `with parallel()` block as `omp for nowait`, so the OpenMP standard puts no barrier between two
@@ -203,21 +199,162 @@ static void pi_axpy_rows_par(int qtype, const uint8_t *w, size_t stride, const f
 }
 
 /* act(g) = silu(g) = g / (1 + exp(-g)) (the division in double) or relu(g): the activation of
- * every fused decode and selection in kernels.pyx too, so all paths give the same bits. */
+ * every fused decode and selection in kernels.pyx too, so all paths give the same bits (the
+ * input-sparse FFN's pi_act_select through pi_expf_safe: the same under glibc, see there). */
 static inline float pi_act1(float g, int silu) {
     if (silu) return (float)(g / (1.0 + expf(-g)));
     return g > 0.0f ? g : 0.0f;
 }
 
+/* e^x for a float x in double (issue 12, session 12): x = k ln2 + r, |r| <= ln2/2, e^r by its
+ * Taylor series through r^11/11! (truncation below 1e-14 relative), 2^k through the exponent
+ * bits; then rounded to float where that rounding is safe, i.e. the double times 1 - 2^-31 and
+ * times 1 + 2^-31 round to the same float. The double is within 1e-14 relative of e^x, and a
+ * float's ulp is at most 2^-23 of it, so e^x then lies more than 0.002 ulp from a rounding
+ * midpoint, and any expf within 0.502 ulp returns that same float (glibc's since 2.28 states
+ * that bound: e_expf.c). Lanes that are not safe (about 1 in 100), |x| > 87 and NaN call expf.
+ * So under glibc the value is expf(x) bit for bit (tests/test_ibsum.py checks 2^20 inputs; all
+ * floats in [-87, 87] were checked once: docs/benchmarks.md), and on any libm it is the same in
+ * every build, lane and split. pi_expf_safe is the scalar twin of pi_expf_safe4/8, operation
+ * for operation (explicit FMAs: no contraction differs). */
+#define PI_EXP_LOG2E 1.4426950408889634
+#define PI_EXP_LN2 0.6931471805599453
+#define PI_EXP_LO (1.0 - 4.656612873077393e-10) /* 1 -+ 2^-31, exact in double */
+#define PI_EXP_HI (1.0 + 4.656612873077393e-10)
+#define PI_EXP_C(n) (1.0 / (n))
+#define PI_EXP_POLY(FMA, SET, p, r)                                                             \
+    do {                                                                                        \
+        p = FMA(SET(PI_EXP_C(39916800.0)), r, SET(PI_EXP_C(3628800.0)));                         \
+        p = FMA(p, r, SET(PI_EXP_C(362880.0)));                                                 \
+        p = FMA(p, r, SET(PI_EXP_C(40320.0)));                                                  \
+        p = FMA(p, r, SET(PI_EXP_C(5040.0)));                                                   \
+        p = FMA(p, r, SET(PI_EXP_C(720.0)));                                                    \
+        p = FMA(p, r, SET(PI_EXP_C(120.0)));                                                    \
+        p = FMA(p, r, SET(PI_EXP_C(24.0)));                                                     \
+        p = FMA(p, r, SET(PI_EXP_C(6.0)));                                                      \
+        p = FMA(p, r, SET(0.5));                                                                \
+        p = FMA(p, r, SET(1.0));                                                                \
+        p = FMA(p, r, SET(1.0));                                                                \
+    } while (0)
+#define PI_EXP_ID(v) (v)
+
+static inline float pi_expf_safe(float x) {
+    if (!(fabsf(x) <= 87.0f)) return expf(x);
+    const double xd = (double)x, kd = nearbyint(xd * PI_EXP_LOG2E), r = fma(-kd, PI_EXP_LN2, xd);
+    const uint64_t bits = (uint64_t)((int64_t)kd + 1023) << 52;
+    double s, p;
+    memcpy(&s, &bits, sizeof(s));
+    PI_EXP_POLY(fma, PI_EXP_ID, p, r);
+    const double e = p * s;
+    const float lo = (float)(e * PI_EXP_LO), hi = (float)(e * PI_EXP_HI);
+    return lo == hi ? lo : expf(x);
+}
+
+#if PI_SIMD
+/* pi_expf_safe of 4 floats (x: the negated gates); the lanes not safe (bits of *bad) still to be replaced by expf */
+static inline __m128 pi_expf_safe4(__m128 x, int *bad) {
+    const __m256d xd = _mm256_cvtps_pd(x);
+    const __m256d kd = _mm256_round_pd(_mm256_mul_pd(xd, _mm256_set1_pd(PI_EXP_LOG2E)),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256d r = _mm256_fnmadd_pd(kd, _mm256_set1_pd(PI_EXP_LN2), xd);
+    const __m256i bits = _mm256_slli_epi64(
+        _mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_cvtpd_epi32(kd)), _mm256_set1_epi64x(1023)),
+        52);
+    __m256d p;
+    PI_EXP_POLY(_mm256_fmadd_pd, _mm256_set1_pd, p, r);
+    const __m256d e = _mm256_mul_pd(p, _mm256_castsi256_pd(bits));
+    const __m128 lo = _mm256_cvtpd_ps(_mm256_mul_pd(e, _mm256_set1_pd(PI_EXP_LO)));
+    const __m128 hi = _mm256_cvtpd_ps(_mm256_mul_pd(e, _mm256_set1_pd(PI_EXP_HI)));
+    const __m128 ax = _mm_andnot_ps(_mm_set1_ps(-0.0f), x);
+    const __m128 ok = _mm_and_ps(_mm_cmp_ps(lo, hi, _CMP_EQ_OQ),
+                                 _mm_cmp_ps(ax, _mm_set1_ps(87.0f), _CMP_LE_OQ));
+    *bad = ~_mm_movemask_ps(ok) & 15;
+    return lo;
+}
+#if defined(__AVX512F__)
+/* pi_expf_safe4 over 8 floats (the same operations in 512-bit registers) */
+static inline __m256 pi_expf_safe8(__m256 x, int *bad) {
+    const __m512d xd = _mm512_cvtps_pd(x);
+    const __m512d kd = _mm512_roundscale_pd(_mm512_mul_pd(xd, _mm512_set1_pd(PI_EXP_LOG2E)),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512d r = _mm512_fnmadd_pd(kd, _mm512_set1_pd(PI_EXP_LN2), xd);
+    const __m512i bits = _mm512_slli_epi64(
+        _mm512_add_epi64(_mm512_cvtepi32_epi64(_mm512_cvtpd_epi32(kd)), _mm512_set1_epi64(1023)),
+        52);
+    __m512d p;
+    PI_EXP_POLY(_mm512_fmadd_pd, _mm512_set1_pd, p, r);
+    const __m512d e = _mm512_mul_pd(p, _mm512_castsi512_pd(bits));
+    const __m256 lo = _mm512_cvtpd_ps(_mm512_mul_pd(e, _mm512_set1_pd(PI_EXP_LO)));
+    const __m256 hi = _mm512_cvtpd_ps(_mm512_mul_pd(e, _mm512_set1_pd(PI_EXP_HI)));
+    const __m256 ax = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
+    const __m256 ok = _mm256_and_ps(_mm256_cmp_ps(lo, hi, _CMP_EQ_OQ),
+                                    _mm256_cmp_ps(ax, _mm256_set1_ps(87.0f), _CMP_LE_OQ));
+    *bad = ~_mm256_movemask_ps(ok) & 255;
+    return lo;
+}
+#endif
+#endif
+
+/* out[j - j0] = act(g_j) u_j for j0 <= j < j1 (gu = [g, u], (2 n_ff,)): silu through
+ * pi_expf_safe (the same bits as pi_act1 under glibc), 8 lanes at a time with AVX-512, 4 with
+ * AVX2 (the 1536 expf calls of a SmolLM2 layer took 5.4 us on one core, most of the activation
+ * step; 8 lanes: ~1.5 us, 4 lanes: ~3.1 us) */
+static inline void pi_act_values(const float *gu, long n_ff, long j0, long j1, int silu,
+                                 float *out) {
+    long j = j0;
+    if (!silu) {
+        for (; j < j1; j++) out[j - j0] = (gu[j] > 0.0f ? gu[j] : 0.0f) * gu[n_ff + j];
+        return;
+    }
+#if PI_SIMD && defined(__AVX512F__)
+    for (; j + 8 <= j1; j += 8) {
+        const __m256 g = _mm256_loadu_ps(gu + j);
+        int bad;
+        __m256 e = pi_expf_safe8(_mm256_xor_ps(g, _mm256_set1_ps(-0.0f)), &bad);
+        if (bad) {
+            float ev[8];
+            _mm256_storeu_ps(ev, e);
+            for (int l = 0; l < 8; l++)
+                if ((bad >> l) & 1) ev[l] = expf(-gu[j + l]);
+            e = _mm256_loadu_ps(ev);
+        }
+        const __m512d q = _mm512_div_pd(_mm512_cvtps_pd(g),
+                                        _mm512_add_pd(_mm512_set1_pd(1.0), _mm512_cvtps_pd(e)));
+        _mm256_storeu_ps(out + j - j0,
+                         _mm256_mul_ps(_mm512_cvtpd_ps(q), _mm256_loadu_ps(gu + n_ff + j)));
+    }
+#endif
+#if PI_SIMD
+    for (; j + 4 <= j1; j += 4) {
+        const __m128 g = _mm_loadu_ps(gu + j);
+        int bad;
+        __m128 e = pi_expf_safe4(_mm_xor_ps(g, _mm_set1_ps(-0.0f)), &bad);
+        if (bad) {
+            float ev[4];
+            _mm_storeu_ps(ev, e);
+            for (int l = 0; l < 4; l++)
+                if ((bad >> l) & 1) ev[l] = expf(-gu[j + l]);
+            e = _mm_loadu_ps(ev);
+        }
+        const __m256d q = _mm256_div_pd(_mm256_cvtps_pd(g),
+                                        _mm256_add_pd(_mm256_set1_pd(1.0), _mm256_cvtps_pd(e)));
+        _mm_storeu_ps(out + j - j0, _mm_mul_ps(_mm256_cvtpd_ps(q), _mm_loadu_ps(gu + n_ff + j)));
+    }
+#endif
+    for (; j < j1; j++) {
+        const float g = gu[j];
+        out[j - j0] = (float)(g / (1.0 + (double)pi_expf_safe(-g))) * gu[n_ff + j];
+    }
+}
+
 /* a_j = act(g_j) u_j for j0 <= j < j1 (gu = [g, u], (2 n_ff,)); the kept ones (|a_j| sd_j > thr,
  * sd NULL: 1) written in order to coef/idx (room for j1 - j0 each; branch-free compaction: kept
  * or dropped mispredicts half the time); returns their count. Two loops: the activations first
- * (independent iterations, so the divisions overlap; inside the compaction loop they waited on
- * its store chain, 2 us more per 1536), then the compaction in place. */
+ * (pi_act_values), then the compaction in place. */
 static inline long pi_act_select(const float *gu, long n_ff, long j0, long j1, int silu,
                                  const float *sd, float thr, float *coef, int32_t *idx) {
     long k = 0;
-    for (long j = j0; j < j1; j++) coef[j - j0] = pi_act1(gu[j], silu) * gu[n_ff + j];
+    pi_act_values(gu, n_ff, j0, j1, silu, coef);
     for (long j = j0; j < j1; j++) {
         const float a = coef[j - j0];
         float s = fabsf(a);
@@ -229,58 +366,25 @@ static inline long pi_act_select(const float *gu, long n_ff, long j0, long j1, i
     return k;
 }
 
-/* Thread t of T's share of the FFN tail of one token: a = act(g) u, the kept a_j (|a_j| sd_j >
- * thr) compacted in index order into coef/idx, y = sum of a_j wd[j] over them (pi_axpy_rows_team),
- * x += y. ctmp/itmp: n_ff each; tmp: pi_axpy_tmp_floats(n_ff, n_embd, stride); cnt: PI_ACT_PARTS
- * longs.
- * Returns the kept count. */
-static long pi_act_select_down_team(int t, int T, const float *gu, long n_ff, int silu,
-                                    const float *sd, float thr, const uint8_t *wd, size_t stride,
-                                    int td, int n_embd, float *coef, int32_t *idx, float *ctmp,
-                                    int32_t *itmp, float *tmp, float *y, float *x, long *cnt) {
-    const int p0 = t * PI_ACT_PARTS / T, p1 = (t + 1) * PI_ACT_PARTS / T;
-    for (int p = p0; p < p1; p++) {
-        const long j0 = p * n_ff / PI_ACT_PARTS, j1 = (p + 1) * n_ff / PI_ACT_PARTS;
-        cnt[p] = pi_act_select(gu, n_ff, j0, j1, silu, sd, thr, ctmp + j0, itmp + j0);
-    }
-    PI_BARRIER();
-    long n = 0, off = 0;
-    for (int q = 0; q < PI_ACT_PARTS; q++) {
-        off += q < p0 ? cnt[q] : 0;
-        n += cnt[q];
-    }
-    for (int p = p0; p < p1; p++) {
-        const long j0 = p * n_ff / PI_ACT_PARTS;
-        memcpy(coef + off, ctmp + j0, (size_t)cnt[p] * sizeof(float));
-        memcpy(idx + off, itmp + j0, (size_t)cnt[p] * sizeof(int32_t));
-        off += cnt[p];
-    }
-    PI_BARRIER();
-    pi_axpy_rows_team(t, T, td, wd, stride, coef, idx, n, y, n_embd, tmp, x);
-    return n;
+/* Thread t of T's activations j0 <= j < j1 in decode_ffn_in's team (kernels.pyx _ffn_in_team).
+ * The kept list they make, in thread order, is the same for any split. */
+static inline void pi_act_span(int t, int T, long n_ff, long *j0, long *j1) {
+    *j0 = t * n_ff / T;
+    *j1 = (t + 1) * n_ff / T;
 }
 
-/* The FFN tail above on up to n_threads threads in one region; returns the kept count. */
-static long pi_act_select_down(const float *gu, long n_ff, int silu, const float *sd, float thr,
-                               const uint8_t *wd, size_t stride, int td, int n_embd, float *coef,
-                               int32_t *idx, float *ctmp, int32_t *itmp, float *tmp, float *y,
-                               float *x, int n_threads) {
-    long cnt[PI_ACT_PARTS], n = 0;
-    if (n_threads <= 1)
-        return pi_act_select_down_team(0, 1, gu, n_ff, silu, sd, thr, wd, stride, td, n_embd,
-                                       coef, idx, ctmp, itmp, tmp, y, x, cnt);
-#ifdef _OPENMP
-#pragma omp parallel num_threads(n_threads)
-    {
-        const long k = pi_act_select_down_team(omp_get_thread_num(), omp_get_num_threads(), gu,
-                                               n_ff, silu, sd, thr, wd, stride, td, n_embd, coef,
-                                               idx, ctmp, itmp, tmp, y, x, cnt);
-        if (omp_get_thread_num() == 0) n = k;
+/* The kept activations of all T threads in thread order (thread p's cnt[p] entries at ctmp and
+ * itmp + its j0) copied into coef/idx; returns their count. Each thread of the team makes its own
+ * copy: that costs less than a shared list and the barrier after it. */
+static inline long pi_act_gather(int T, long n_ff, const long *cnt, const float *ctmp,
+                                 const int32_t *itmp, float *coef, int32_t *idx) {
+    long n = 0, j0, j1;
+    for (int p = 0; p < T; p++) {
+        pi_act_span(p, T, n_ff, &j0, &j1);
+        memcpy(coef + n, ctmp + j0, (size_t)cnt[p] * sizeof(float));
+        memcpy(idx + n, itmp + j0, (size_t)cnt[p] * sizeof(int32_t));
+        n += cnt[p];
     }
-#else
-    n = pi_act_select_down_team(0, 1, gu, n_ff, silu, sd, thr, wd, stride, td, n_embd, coef, idx,
-                                ctmp, itmp, tmp, y, x, cnt);
-#endif
     return n;
 }
 

@@ -361,3 +361,112 @@ def test_lm_head_sparsity_needs_q8_0_or_q4_0(head_dir, tmp_path, capsys):
     assert convert_main(args + ["--lm-head-sparsity", "0.2"]) != 0
     err = capsys.readouterr().err
     assert "--lm-head-sparsity needs the lm head in q8_0 or q4_0" in err and "Traceback" not in err
+
+
+def _unfused_ffn(x, norm, gu, down, t_in, t_d, n_threads):
+    """decode_ffn_in by the separate kernels: rmsnorm, select_inputs, axpy_rows (gate/up),
+    select_active (a = act(g) u, every j), select_inputs, axpy_rows (down), the residual add."""
+    n_embd, n_ff = x.size, down.rows
+    h = cpu.rmsnorm(x, norm, 1e-5, np.empty_like(x))
+    coef, idx = np.empty(n_embd, np.float32), np.empty(n_embd, np.int32)
+    n_in = cpu.select_inputs(h, None, t_in, coef, idx)
+    g_u = cpu.axpy_rows(gu, coef[:n_in], idx[:n_in], np.empty(2 * n_ff, np.float32), n_threads)
+    a, ia = np.empty(n_ff, np.float32), np.empty(n_ff, np.int32)
+    assert cpu.select_active(g_u[:n_ff].copy(), g_u[n_ff:].copy(), None, True, -1.0, a, ia) == n_ff
+    cd, idd = np.empty(n_ff, np.float32), np.empty(n_ff, np.int32)
+    n_mid = cpu.select_inputs(a, None, t_d, cd, idd)
+    y = cpu.axpy_rows(down, cd[:n_mid], idd[:n_mid], np.empty(n_embd, np.float32), n_threads)
+    return x + y, (n_in, n_mid)
+
+
+def _unfused_attn(x, norm, qkv, wo, kc, vc, n_past, n_head, t_in, t_o, n_threads):
+    """decode_attn_in by the separate kernels: rmsnorm, select_inputs, axpy_rows (q/k/v),
+    rope_neox, the cache write, attention, select_inputs, axpy_rows (output), the residual;
+    x, kc, vc: f32 (n_embd,), (n_ctx, n_kv, hd) (the caches written in place)."""
+    n_embd, (n_kv, hd) = x.size, kc.shape[1:]
+    nq, nkv = n_head * hd, n_kv * hd
+    h = cpu.rmsnorm(x, norm, 1e-5, np.empty_like(x))
+    coef, idx = np.empty(n_embd, np.float32), np.empty(n_embd, np.int32)
+    n_in = cpu.select_inputs(h, None, t_in, coef, idx)
+    out = cpu.axpy_rows(qkv, coef[:n_in], idx[:n_in], np.empty(nq + 2 * nkv, np.float32),
+                        n_threads)
+    q = np.ascontiguousarray(out[:nq].reshape(1, n_head, hd))
+    k = np.ascontiguousarray(out[nq:nq + nkv].reshape(1, n_kv, hd))
+    cpu.rope_neox(q, [n_past], 1e4, hd)
+    cpu.rope_neox(k, [n_past], 1e4, hd)
+    kc[n_past], vc[n_past] = k[0], out[nq + nkv:].reshape(n_kv, hd)
+    # the one-query-at-a-time kernel (_attend_head, the fused call's): the batched one that
+    # prefill runs (pi_attend_block) rounds differently by a few ulp
+    prev = cpu._k.set_old_prefill(1)
+    try:
+        att = cpu.attention(q, kc, vc, n_past, np.empty_like(q), n_threads).reshape(-1)
+    finally:
+        cpu._k.set_old_prefill(prev)
+    co, io = np.empty(nq, np.float32), np.empty(nq, np.int32)
+    n_mid = cpu.select_inputs(att, None, t_o, co, io)
+    y = cpu.axpy_rows(wo, co[:n_mid], io[:n_mid], np.empty(n_embd, np.float32), n_threads)
+    return x + y, (n_in, n_mid)
+
+
+@pytest.mark.parametrize("layout,qtype", [("ib", QT.Q8_0), ("ib", QT.Q4_0), ("t", QT.Q8_0),
+                                          ("t", QT.Q4_0), ("t", QT.F16)])
+def test_fused_halves_equal_unfused_kernels(layout, qtype):
+    """decode_ffn_in and decode_attn_in (one parallel region each, issue 12) give the bits of
+    their steps run as separate kernels, at 1, 2 and 3 threads, over the input-block tensors
+    and the transposed row tensors (``*_t``: one row per input channel, quantized along it).
+    Sizes give the row sums several chunks (256 / 512 kept rows) and every threshold between
+    none and all kept."""
+    rng = np.random.default_rng(5 + int(qtype) + len(layout))
+    n_embd, n_ff, n_head, n_kv, hd, n_ctx, n_past = 256, 512, 4, 2, 64, 12, 7
+    nq, nkv = n_head * hd, n_kv * hd
+
+    def weight(n_out, n_in, scale=1.0):
+        w = (scale * rng.standard_normal((n_out, n_in))).astype(np.float32)
+        if layout == "ib":
+            return cpu.IBTensor.from_rows(cpu.QTensor.from_array(w, qtype))
+        return cpu.QTensor.from_array(np.ascontiguousarray(w.T), qtype)
+
+    gu, down = weight(2 * n_ff, n_embd, 0.1), weight(n_embd, n_ff, 0.1)
+    qkv, wo = weight(nq + 2 * nkv, n_embd, 0.1), weight(n_embd, nq, 0.1)
+    norm = rng.uniform(0.5, 1.5, n_embd).astype(np.float32)
+    x0 = rng.standard_normal(n_embd).astype(np.float32)
+    k0 = rng.standard_normal((n_ctx, n_kv, hd)).astype(np.float32)
+    v0 = rng.standard_normal((n_ctx, n_kv, hd)).astype(np.float32)
+    h = np.abs(cpu.rmsnorm(x0, norm, 1e-5, np.empty_like(x0)))
+    for t_in, t_mid in ((-1.0, -1.0), (np.quantile(h, 0.3), 0.02), (np.quantile(h, 0.7), 0.1),
+                        (1e30, -1.0), (-1.0, 1e30)):
+        for n_threads in (1, 2, 3):
+            want, n_want = _unfused_ffn(x0, norm, gu, down, t_in, t_mid, n_threads)
+            got = x0.copy()
+            assert cpu.decode_ffn_in(got, norm, 1e-5, gu, down, None, t_in, None, t_mid, True,
+                                     n_threads) == n_want
+            np.testing.assert_array_equal(got, want)
+            kw, vw = k0.copy(), v0.copy()
+            want, n_want = _unfused_attn(x0, norm, qkv, wo, kw, vw, n_past, n_head, t_in, t_mid,
+                                         n_threads)
+            kc, vc, got = k0.copy(), v0.copy(), x0.copy()
+            assert cpu.decode_attn_in(got, norm, 1e-5, qkv, wo, kc, vc, n_past, n_head, 1e4,
+                                      None, t_in, None, t_mid, n_threads) == n_want
+            np.testing.assert_array_equal(got, want)
+            np.testing.assert_array_equal(kc, kw)
+            np.testing.assert_array_equal(vc, vw)
+
+
+def test_act_values_equal_select_active():
+    """decode_ffn_in's activations (act_mul: silu's exp in double, 4 lanes, rounded where safe,
+    else expf) have the bits of select_active's act(g) * u (libm expf) on 2^20 inputs from
+    -100 to 100 (beyond +-87 expf itself), exact halves, +-0, +-inf and NaN, and relu's too."""
+    rng = np.random.default_rng(3)
+    g = np.concatenate([rng.uniform(-100, 100, 1 << 19), rng.standard_normal(1 << 19) * 4,
+                        np.arange(-200, 201) / 2, [0.0, -0.0, np.inf, -np.inf, np.nan, 87.0,
+                                                   -87.0, 88.7, -103.9]]).astype(np.float32)
+    u = rng.standard_normal(g.size).astype(np.float32)
+    for silu in (True, False):
+        coef, idx = np.empty_like(g), np.empty(g.size, np.int32)
+        with np.errstate(invalid="ignore"):
+            n = cpu.select_active(g, u, None, silu, -1.0, coef, idx)  # keeps all but NaN
+        want = np.full_like(g, np.nan)
+        want[idx[:n]] = coef[:n]
+        got = np.full_like(g, 1.0)
+        cpu._k.act_mul(np.concatenate([g, u]), int(silu), got)
+        np.testing.assert_array_equal(got, want)  # NaN where want is NaN

@@ -481,6 +481,22 @@ def test_build_variants(tmp_path, env):
         out = np.empty((13, 192), np.float32)
         cpu.matmul_t(cpu.IBTensor.from_rows(w), X, out, 2)
         ib_want[f"{qt.name}_w"], ib_want[f"{qt.name}_x"], ib_want[f"{qt.name}_y"] = w.raw, X, out
+        # decode_ffn_in over input-block gate/up (256, 64) and down (64, 128): its activations'
+        # exp (pi_expf_safe, 8, 4 or 1 lanes) and the team split must not show in the bits
+        # (act_mul: in every build; decode_ffn_in: in every SIMD build)
+        gu = cpu.QTensor.from_array(0.3 * rng.standard_normal((256, 64)).astype(np.float32), qt)
+        dn = cpu.QTensor.from_array(rng.standard_normal((64, 128)).astype(np.float32), qt)
+        x = rng.standard_normal(64).astype(np.float32)
+        ib_want[f"{qt.name}_gu"], ib_want[f"{qt.name}_dn"] = gu.raw, dn.raw
+        ib_want[f"{qt.name}_x0"] = x
+        x = x.copy()
+        cpu.decode_ffn_in(x, np.ones(64, np.float32), 1e-5, cpu.IBTensor.from_rows(gu),
+                          cpu.IBTensor.from_rows(dn), None, 0.3, None, 0.05, True, 2)
+        ib_want[f"{qt.name}_x1"] = x
+    g_u = np.concatenate([rng.uniform(-90, 90, 4099), rng.standard_normal(4099)]).astype(np.float32)
+    act = np.empty(4099, np.float32)
+    cpu._k.act_mul(g_u, 1, act)
+    ib_want["gu"], ib_want["act"] = g_u, act
     np.savez(tmp_path / "ib.npz", **ib_want)
     code = ("import numpy as np, gguf; from pyinfer.ops import cpu, reference as ref\n"
             "rng=np.random.default_rng(0)\n"
@@ -506,6 +522,16 @@ def test_build_variants(tmp_path, env):
             "    for t in range(13):\n"
             "        i=np.flatnonzero(X[t]).astype(np.int32)\n"
             "        assert np.array_equal(cpu.axpy_rows(w,X[t,i].copy(),i,np.empty(192,np.float32),3), Y[t])\n"
+            "    gu=cpu.IBTensor.from_rows(cpu.QTensor(ib[qt.name+'_gu'], qt, 256, 64))\n"
+            "    dn=cpu.IBTensor.from_rows(cpu.QTensor(ib[qt.name+'_dn'], qt, 64, 128))\n"
+            "    for nt in (1, 2, 3):\n"
+            "        x=ib[qt.name+'_x0'].copy()\n"
+            "        cpu.decode_ffn_in(x,np.ones(64,np.float32),1e-5,gu,dn,None,0.3,None,0.05,True,nt)\n"
+            "        # (the scalar build's rmsnorm dot sums in another order: rounding apart)\n"
+            "        assert (np.array_equal(x, ib[qt.name+'_x1']) if cpu.simd_enabled() else\n"
+            "                np.allclose(x, ib[qt.name+'_x1'], rtol=1e-4, atol=1e-4)), (qt, nt)\n"
+            "act=np.empty(4099,np.float32); cpu._k.act_mul(ib['gu'], 1, act)\n"
+            "assert np.array_equal(act, ib['act'])\n"
             f"print(cpu.openmp_enabled(), cpu.simd_enabled())\n")
     res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=envv, check=True,
                          capture_output=True, text=True)

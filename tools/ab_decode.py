@@ -6,9 +6,10 @@
 
 Each model is loaded once; every round decodes --n-gen greedy tokens after an 8-token prompt with
 the old build swapped into ``pyinfer.ops.cpu`` and then with the new one, so a slow spell of a
-shared machine hits both alike. Prints median tokens/s per build, new/old, whether both builds
-chose the same greedy tokens, and (for two models) the ratio between the models per build. Make
-the .so files as tools/ab_kernels.py says.
+shared machine hits both alike. Prints median tokens/s per build, new/old (of the medians and
+the median of the per-round ratios), whether both builds chose the same greedy tokens, and (for
+two models) the ratio between the models per build. Make the .so files as tools/ab_kernels.py
+says.
 """
 from __future__ import annotations
 
@@ -55,8 +56,10 @@ def main(argv=None):
     med = {k: statistics.median(v) for k, v in rates.items()}
     for m in models:
         o, n = med[m, "old"], med[m, "new"]
+        rr = statistics.median(a / b for a, b in zip(rates[m, "new"], rates[m, "old"]))
         print(f"{os.path.basename(m)} threads {args.threads}: old {o:.1f} tok/s, new {n:.1f} tok/s, "
-              f"new/old {n / o:.2f}x (same greedy tokens: {toks[m, 'old'] == toks[m, 'new']})")
+              f"new/old {n / o:.2f}x, median per-round new/old {rr:.3f}x "
+              f"(same greedy tokens: {toks[m, 'old'] == toks[m, 'new']})")
     if len(models) == 2:
         for name in builds:
             a, b = med[models[0], name], med[models[1], name]
