@@ -1607,3 +1607,38 @@ def glu_mask(const float[:, ::1] gu, int silu, const float[::1] scale, float thr
         for t in prange(T, schedule='static', num_threads=n_threads):
             kept += _mask_row(&gu[t, 0], 1, silu, sp, thr, n, &out[t, 0])
     return kept
+
+
+def ib_chunks_axpy(const uint8_t[::1] raw, int qtype, int n_in, int n_out, int chunk,
+                   const float[::1] coef, const int32_t[::1] idx, float[::1] out, int n_threads):
+    """``axpy_rows`` over a chunked input-block matrix (pyinfer.ops.cpu.IBChunks: W (n_out, n_in)
+    as chunks of ``chunk`` outputs, the last the rest, each chunk's input-block layout after the
+    other in ``raw``) in one parallel region: every thread takes its half tiles of each chunk in
+    turn (pi_axpy_rows_team, no barrier: the chunks' outputs are disjoint). out (n_out,) f32 is
+    overwritten; idx strictly ascending channels < n_in. The bits of ``axpy_rows`` per chunk."""
+    if not pi_is_ib(qtype) or n_in % 32 or n_out % PI_IB_TILE or chunk <= 0 or chunk % PI_IB_TILE:
+        raise ValueError(f"ib_chunks_axpy: no chunked input-block matrix ({n_out}, {n_in}) in "
+                         f"chunks of {chunk}")
+    _check_len(raw.shape[0], <Py_ssize_t> ((n_in // 32) * pi_ib_block_bytes(qtype, n_out)),
+               "ib_chunks_axpy raw")
+    _check_len(coef.shape[0], idx.shape[0], "ib_chunks_axpy coef")
+    _check_len(out.shape[0], n_out, "ib_chunks_axpy out")
+    _check_idx(idx, n_in)
+    cdef Py_ssize_t n = idx.shape[0], k
+    for k in range(1, n):
+        if idx[k] <= idx[k - 1]:
+            raise ValueError("ib_chunks_axpy: idx must be strictly ascending")
+    cdef const float *cp = &coef[0] if n > 0 else NULL
+    cdef const int32_t *ip = &idx[0] if n > 0 else NULL
+    cdef const uint8_t *base = &raw[0]
+    cdef int t, T, c0, cols
+    with nogil, parallel(num_threads=n_threads):
+        t = pi_team_thread()
+        T = pi_team_size()
+        c0 = 0
+        while c0 < n_out:
+            cols = n_out - c0 if n_out - c0 < chunk else chunk
+            pi_axpy_rows_team(t, T, qtype, base + (n_in // 32) * pi_ib_block_bytes(qtype, c0),
+                              pi_ib_block_bytes(qtype, cols), cp, ip, n, &out[c0], cols, NULL,
+                              NULL)
+            c0 = c0 + chunk

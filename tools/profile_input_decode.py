@@ -50,9 +50,19 @@ def record_inputs(inp, ids):
     rec = {}
     orig = ffn._mask, ffn.decode_attn, ffn.decode
 
-    def spy(lw, layer, group, x):
+    def spy(lw, layer, group, x, *a):
         rec[layer, group] = np.array(x[-1], np.float32)
-        return orig[0](lw, layer, group, x)
+        return orig[0](lw, layer, group, x, *a)
+
+    glu_mask = cpu.glu_mask
+    seen = []
+
+    def spy_glu(gu, silu, scale, thr, out, nt):  # the down projection's input: act(g) * u
+        a = np.empty((1, out.shape[1]), np.float32)
+        glu_mask(np.ascontiguousarray(gu[-1:]), silu, None, -1.0, a, 1)
+        rec[len(seen), "ffn_down"] = a[0]
+        seen.append(1)
+        return glu_mask(gu, silu, scale, thr, out, nt)
 
     def spy_attn(lw, layer, x, *a):
         rec[layer, "attn"] = x.copy()
@@ -62,16 +72,21 @@ def record_inputs(inp, ids):
         rec[layer, "ffn"] = x.copy()
         return orig[2](lw, layer, x, *a)
 
+    import pyinfer.input_sparse as isp_mod
+
     try:
         ffn._mask = spy
+        isp_mod.cpu.glu_mask = spy_glu
         inp.reset()
         inp.eval_prompt(ids)
+        isp_mod.cpu.glu_mask = glu_mask
         ffn._mask, ffn.decode_attn, ffn.decode = orig[0], spy_attn, spy_ffn
         inp.reset()
         inp.eval_prompt(ids[:-1])
         inp.eval_token(ids[-1])
     finally:
         ffn._mask, ffn.decode_attn, ffn.decode = orig
+        isp_mod.cpu.glu_mask = glu_mask
     return rec
 
 

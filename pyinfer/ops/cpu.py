@@ -259,6 +259,8 @@ class IBChunks:
     parts: tuple  # ((c0, IBTensor over outputs c0 .. c0 + cols), ...)
     rows: int  # n_in
     cols: int  # n_out
+    chunk: int  # outputs per chunk
+    raw: np.ndarray  # uint8 (all bytes,), the chunks' layouts one after the other
 
     @classmethod
     def from_raw(cls, raw: np.ndarray, qtype: int, n_in: int, n_out: int, chunk: int) -> "IBChunks":
@@ -277,16 +279,18 @@ class IBChunks:
         if off != flat.size or len(parts) != len(ib_chunks(n_out, chunk)):
             raise ValueError(f"{flat.size} bytes do not hold a ({n_out}, {n_in}) input-block matrix "
                              f"in chunks of {chunk}")
-        return cls(tuple(parts), n_in, n_out)
+        return cls(tuple(parts), n_in, n_out, chunk, flat)
 
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for _, t in self.parts)
 
     def axpy_rows(self, coef: np.ndarray, idx: np.ndarray, out: np.ndarray, n_threads: int = 1):
-        """out (n_out,) f32 = sum_k coef[k] * W[:, idx[k]], chunk by chunk (``axpy_rows``)."""
-        for c0, t in self.parts:
-            _k.axpy_rows(*_wargs(t), coef, idx, out[c0:c0 + t.cols], n_threads)
+        """out (n_out,) f32 = sum_k coef[k] * W[:, idx[k]] (idx strictly ascending), chunk by
+        chunk in one parallel region (``_kernels.ib_chunks_axpy``; the bits of ``axpy_rows``
+        on each chunk's IBTensor)."""
+        _k.ib_chunks_axpy(self.raw, self.parts[0][1].qtype, self.rows, self.cols, self.chunk,
+                          coef, idx, out, n_threads)
         return out
 
     def matmul_t(self, a: np.ndarray, out: np.ndarray, n_threads: int = 1):
