@@ -1553,7 +1553,7 @@ def mask_inputs(const float[:, ::1] x, const float[::1] scale, float thr, float[
     """Input sparsity's mask over a batch: out (n_tok, n) f32 = x (n_tok, n) with channel j of a
     row set to 0 where |x_j| * scale_j <= thr (scale None: 1; thr < 0 keeps all), the channels
     ``select_inputs`` drops for that row. Rows in parallel. Returns the kept count (all rows)."""
-    cdef Py_ssize_t T = x.shape[0], n = x.shape[1], t
+    cdef Py_ssize_t T = x.shape[0], n = x.shape[1]
     if out.shape[0] != T or out.shape[1] != n:
         raise ValueError(f"mask_inputs: out {tuple(out.shape)[:2]} is not x's ({T}, {n})")
     cdef const float *sp = _opt_ptr(scale, n, "mask_inputs scale")
@@ -1561,8 +1561,18 @@ def mask_inputs(const float[:, ::1] x, const float[::1] scale, float thr, float[
     if T == 0 or n == 0:
         return 0
     with nogil:
-        for t in prange(T, schedule='static', num_threads=n_threads):
-            kept += _mask_row(&x[t, 0], 0, 0, sp, thr, n, &out[t, 0])
+        kept = _mask_rows(&x[0, 0], n, 0, 0, sp, thr, T, n, &out[0, 0], n_threads)
+    return kept
+
+
+cdef long long _mask_rows(const float *x, Py_ssize_t ldx, int glu, int silu, const float *sp,
+                          float thr, Py_ssize_t T, Py_ssize_t n, float *out,
+                          int n_threads) noexcept nogil:
+    """T rows (x ldx floats apart, out n apart) of _mask_row in parallel; the kept count."""
+    cdef long long kept = 0
+    cdef Py_ssize_t t
+    for t in prange(T, schedule='static', num_threads=n_threads):
+        kept += _mask_row(x + t * ldx, glu, silu, sp, thr, n, out + t * n)
     return kept
 
 
@@ -1595,7 +1605,7 @@ def glu_mask(const float[:, ::1] gu, int silu, const float[::1] scale, float thr
     (n_tok, 2 n_ff) f32, a = act(g) * u (act: SiLU g / (1 + exp(-g)) if silu else ReLU, as
     decode's ``decode_ffn_in`` computes it, pi_act_values), out (n_tok, n_ff) = a with a_j set to 0
     where |a_j| * scale_j <= thr (``mask_inputs``). Rows in parallel. Returns the kept count."""
-    cdef Py_ssize_t T = gu.shape[0], n = out.shape[1], t
+    cdef Py_ssize_t T = gu.shape[0], n = out.shape[1]
     if gu.shape[1] != 2 * n or out.shape[0] != T:
         raise ValueError(f"glu_mask: gu {tuple(gu.shape)[:2]} and out {tuple(out.shape)[:2]} "
                          "are not (n_tok, 2 n_ff) and (n_tok, n_ff)")
@@ -1604,8 +1614,7 @@ def glu_mask(const float[:, ::1] gu, int silu, const float[::1] scale, float thr
     if T == 0 or n == 0:
         return 0
     with nogil:
-        for t in prange(T, schedule='static', num_threads=n_threads):
-            kept += _mask_row(&gu[t, 0], 1, silu, sp, thr, n, &out[t, 0])
+        kept = _mask_rows(&gu[0, 0], 2 * n, 1, silu, sp, thr, T, n, &out[0, 0], n_threads)
     return kept
 
 
