@@ -13,7 +13,7 @@ import numpy as np
 from pyinfer import constants as C
 from pyinfer.config import ModelConfig, read_field
 from pyinfer.errors import PyinferError
-from pyinfer.ops.cpu import Q4_0_IB, Q8_0_IB, SUPPORTED, IBChunks, IBTensor, QTensor
+from pyinfer.ops.cpu import SUPPORTED, IBChunks, IBTensor, QTensor, ib_type
 
 QT = gguf.GGMLQuantizationType
 
@@ -132,16 +132,17 @@ class ModelWeights:
             if t is None:
                 return tensor(t_name.format(bid=i), n_in, n_out)
             name = C.IB[g].format(bid=i)
-            qt = QT(t.tensor_type)
-            if qt not in (QT.Q8_0, QT.Q4_0):
-                raise PyinferError(f"tensor {name} is {qt.name}; an input-block tensor is Q8_0 or Q4_0")
+            try:
+                ib = ib_type(t.tensor_type)
+            except ValueError:
+                raise PyinferError(f"tensor {name} is {QT(t.tensor_type).name}; an input-block "
+                                   "tensor is Q8_0 or Q4_0") from None
             shape = tuple(int(d) for d in t.shape[::-1])
             if shape != (n_in // 32, 32 * n_out):
                 raise PyinferError(f"tensor {name} has shape {shape}, expected "
                                    f"({n_in // 32}, {32 * n_out})")
             try:
-                return IBTensor(np.asarray(t.data).reshape(n_in // 32, -1),
-                                Q8_0_IB if qt == QT.Q8_0 else Q4_0_IB, n_in, n_out)
+                return IBTensor(np.asarray(t.data).reshape(n_in // 32, -1), ib, n_in, n_out)
             except ValueError as e:
                 raise PyinferError(f"tensor {name}: {e}") from None
 
@@ -254,15 +255,12 @@ class ModelWeights:
         output_ib = None
         if C.OUTPUT_IB in by_name:
             t = by_name[C.OUTPUT_IB]
-            qt = QT(t.tensor_type)
             chunk = read_field(reader, C.K_LM_HEAD_CHUNK)
-            if qt not in (QT.Q8_0, QT.Q4_0) or not isinstance(chunk, int):
-                raise PyinferError(f"tensor {C.OUTPUT_IB} must be Q8_0 or Q4_0 with "
-                                   f"{C.K_LM_HEAD_CHUNK} set")
-            try:
+            if not isinstance(chunk, int):
+                raise PyinferError(f"tensor {C.OUTPUT_IB} needs {C.K_LM_HEAD_CHUNK}")
+            try:  # (ib_type: ValueError for a type other than Q8_0 / Q4_0)
                 output_ib = IBChunks.from_raw(np.asarray(t.data).view(np.uint8),
-                                              Q8_0_IB if qt == QT.Q8_0 else Q4_0_IB, E,
-                                              cfg.n_vocab, chunk)
+                                              ib_type(t.tensor_type), E, cfg.n_vocab, chunk)
             except ValueError as e:
                 raise PyinferError(f"tensor {C.OUTPUT_IB}: {e}") from None
         return cls(token_embd=token_embd, output_norm=vector(C.OUTPUT_NORM, E),

@@ -144,6 +144,21 @@ IB_TILE = 64
 _IB_BASE = {Q8_0_IB: QT.Q8_0, Q4_0_IB: QT.Q4_0}
 
 
+def ib_type(qtype) -> int:
+    """The input-block type id holding the numbers of ggml ``qtype`` (Q8_0 or Q4_0); ValueError
+    for another type."""
+    for ib, base in _IB_BASE.items():
+        if QT(qtype) == base:
+            return ib
+    raise ValueError(f"no input-block layout for {QT(qtype).name} (Q8_0 or Q4_0)")
+
+
+def _ib_block_bytes(qtype: int, n_out: int) -> int:
+    """Bytes of one 32-channel block row of an input-block matrix with n_out outputs (f16 scales
+    and 32 value rows: 34 n_out for q8_0, 18 n_out for q4_0); qtype an input-block id."""
+    return (34 if qtype == Q8_0_IB else 18) * n_out
+
+
 def _ib_tile_perm() -> np.ndarray:
     """src[p]: the output (0..63) a 64-output tile stores at byte position p = 16 L + 4 s + m,
     namely 16 s + 4 L + m (cython/ibsum.h: undoes the 128-bit lanes of the kernel's unpacks)."""
@@ -220,7 +235,7 @@ class IBTensor:
             raise ValueError(f"unknown input-block type {self.qtype}")
         if not ib_supported(self.base_qtype, self.cols, self.rows):
             raise ValueError(f"no input-block layout for ({self.cols}, {self.rows})")
-        bb = (34 if self.qtype == Q8_0_IB else 18) * self.cols
+        bb = _ib_block_bytes(self.qtype, self.cols)
         raw = np.asarray(self.raw)
         if raw.dtype != np.uint8 or raw.ndim != 2 or raw.shape != (self.rows // 32, bb):
             raise ValueError(f"input-block data {raw.shape} {raw.dtype} does not hold "
@@ -243,8 +258,7 @@ class IBTensor:
     @classmethod
     def from_rows(cls, w: QTensor) -> "IBTensor":
         """The input-block layout of a row-major Q8_0 / Q4_0 QTensor W (n_out, n_in)."""
-        qt = Q8_0_IB if QT(w.qtype) == QT.Q8_0 else Q4_0_IB
-        return cls(ib_from_rows(w.raw, w.qtype, w.rows, w.cols), qt, w.cols, w.rows)
+        return cls(ib_from_rows(w.raw, w.qtype, w.rows, w.cols), ib_type(w.qtype), w.cols, w.rows)
 
 
 @dataclass(frozen=True)
@@ -267,23 +281,20 @@ class IBChunks:
         """raw: uint8, the bytes of ``ib_chunked_from_rows`` (any shape, C order; e.g. the GGUF
         memmap); qtype Q8_0_IB or Q4_0_IB. ValueError where the sizes do not match."""
         flat = np.asarray(raw).reshape(-1)
-        bb = 34 if qtype == Q8_0_IB else 18
-        parts, off = [], 0
-        for c0, c1 in ib_chunks(n_out, chunk):
-            size = n_in // 32 * bb * (c1 - c0)
-            if off + size > flat.size:
-                break
-            parts.append((c0, IBTensor(flat[off:off + size].reshape(n_in // 32, -1), qtype, n_in,
-                                       c1 - c0)))
-            off += size
-        if off != flat.size or len(parts) != len(ib_chunks(n_out, chunk)):
+        if flat.size != n_in // 32 * _ib_block_bytes(qtype, n_out):
             raise ValueError(f"{flat.size} bytes do not hold a ({n_out}, {n_in}) input-block matrix "
                              f"in chunks of {chunk}")
+        parts = []
+        for c0, c1 in ib_chunks(n_out, chunk):  # chunk c starts after the c0 outputs before it
+            off = n_in // 32 * _ib_block_bytes(qtype, c0)
+            size = n_in // 32 * _ib_block_bytes(qtype, c1 - c0)
+            parts.append((c0, IBTensor(flat[off:off + size].reshape(n_in // 32, -1), qtype, n_in,
+                                       c1 - c0)))
         return cls(tuple(parts), n_in, n_out, chunk, flat)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for _, t in self.parts)
+        return self.raw.nbytes
 
     def axpy_rows(self, coef: np.ndarray, idx: np.ndarray, out: np.ndarray, n_threads: int = 1):
         """out (n_out,) f32 = sum_k coef[k] * W[:, idx[k]] (idx strictly ascending), chunk by
