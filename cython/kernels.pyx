@@ -241,6 +241,15 @@ cdef inline int _check_len(Py_ssize_t got, Py_ssize_t want, str what) except -1:
     return 0
 
 
+cdef int _check_ascending(const int32_t[::1] idx, str what) except -1:
+    """ValueError unless idx is strictly ascending (the input-block sums' order)."""
+    cdef Py_ssize_t k
+    for k in range(1, idx.shape[0]):
+        if idx[k] <= idx[k - 1]:
+            raise ValueError(f"{what} needs idx strictly ascending")
+    return 0
+
+
 cdef int _check_idx(const int32_t[::1] idx, Py_ssize_t rows) except -1:
     cdef Py_ssize_t k
     cdef int bad = 0
@@ -502,11 +511,8 @@ def axpy_rows(const uint8_t[:, ::1] w, int qtype, int cols, const float[::1] coe
     _check_len(coef.shape[0], idx.shape[0], "axpy_rows coef")
     _check_len(out.shape[0], cols, "axpy_rows out")
     _check_idx(idx, _in_rows(w, qtype))
-    cdef Py_ssize_t k
     if pi_is_ib(qtype):
-        for k in range(1, idx.shape[0]):
-            if idx[k] <= idx[k - 1]:
-                raise ValueError("axpy_rows: an input-block weight needs idx strictly ascending")
+        _check_ascending(idx, "axpy_rows: an input-block weight")
     cdef Py_ssize_t n = idx.shape[0]
     cdef const float *cp = &coef[0] if n > 0 else NULL
     cdef const int32_t *ip = &idx[0] if n > 0 else NULL
@@ -1633,10 +1639,8 @@ def ib_chunks_axpy(const uint8_t[::1] raw, int qtype, int n_in, int n_out, int c
     _check_len(coef.shape[0], idx.shape[0], "ib_chunks_axpy coef")
     _check_len(out.shape[0], n_out, "ib_chunks_axpy out")
     _check_idx(idx, n_in)
-    cdef Py_ssize_t n = idx.shape[0], k
-    for k in range(1, n):
-        if idx[k] <= idx[k - 1]:
-            raise ValueError("ib_chunks_axpy: idx must be strictly ascending")
+    _check_ascending(idx, "ib_chunks_axpy")
+    cdef Py_ssize_t n = idx.shape[0]
     cdef const float *cp = &coef[0] if n > 0 else NULL
     cdef const int32_t *ip = &idx[0] if n > 0 else NULL
     cdef const uint8_t *base = &raw[0]

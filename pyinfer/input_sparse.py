@@ -136,7 +136,6 @@ class InputSparseFFN:
         cpu.matmul_t(lw.ffn_down_t, a, out, n_threads)
         return out
 
-
     # ---- the lm head -----------------------------------------------------------------------------
     def lm_head(self, w, h: np.ndarray, out: np.ndarray, n_threads: int) -> np.ndarray:
         """out (n_tok, n_vocab) f32 = the logits of the output-normed h (n_tok, n_embd) with the
