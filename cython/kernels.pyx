@@ -91,6 +91,11 @@ cdef extern from "rowsum_team.h" nogil:
     long pi_act_gather(int T, long n_ff, const long *cnt, const float *ctmp,
                        const int32_t *itmp, float *coef, int32_t *idx)
 
+cdef extern from "attend.h" nogil:
+    void pi_attend_team(int t, int T, const float *q, const float *k, const float *v, long rs,
+                        long n_att, int hd, int n_head, int n_kv, float scale, float *sc,
+                        float *out)
+
 cdef extern from "gemm.h" nogil:
     int pi_gemm_supported(int qtype)
     void pi_gemm_rows(int qtype, const uint8_t *w, size_t ws, long r0, long r1, const float *xd,
@@ -740,7 +745,9 @@ def attention(const float[:, :, ::1] q, const float[:, :, ::1] k_cache,
 
     q, out (n_tok, n_head, head_dim); k_cache, v_cache (n_ctx, n_head_kv, head_dim) already
     holding the new tokens' K/V. Head h reads kv head h // (n_head // n_head_kv); token t attends
-    to cache rows 0 .. n_past+t; scale 1/sqrt(head_dim); softmax in f32 with max subtraction."""
+    to cache rows 0 .. n_past+t; scale 1/sqrt(head_dim); softmax in f32 with max subtraction.
+    One token (n_tok 1) goes through decode's kernel (attend.h pi_attend_team: the bits of the
+    one-query loop _attend_head, which set_old_prefill(1) selects, at any n_threads)."""
     cdef Py_ssize_t n_tok = q.shape[0], n_head = q.shape[1], hd = q.shape[2]
     cdef Py_ssize_t n_kv = k_cache.shape[1], n_ctx = k_cache.shape[0]
     if (k_cache.shape[2] != hd or v_cache.shape[0] != n_ctx or v_cache.shape[1] != n_kv
@@ -756,6 +763,20 @@ def attention(const float[:, :, ::1] q, const float[:, :, ::1] k_cache,
     cdef float scale = 1.0 / sqrtf(<float> hd)
     cdef float *sc
     if n_tok == 0 or hd == 0:
+        return
+    if n_tok == 1 and not _old_prefill:  # one query: decode's kernel (attend.h), its bits
+        with nogil:
+            sc = <float *> malloc(n_head * (n_past + 1) * sizeof(float))
+            if n_threads <= 1:
+                pi_attend_team(0, 1, &q[0, 0, 0], &k_cache[0, 0, 0], &v_cache[0, 0, 0], n_kv * hd,
+                               n_past + 1, <int> hd, <int> n_head, <int> n_kv, scale, sc,
+                               &out[0, 0, 0])
+            else:
+                with parallel(num_threads=n_threads):
+                    pi_attend_team(pi_team_thread(), pi_team_size(), &q[0, 0, 0],
+                                   &k_cache[0, 0, 0], &v_cache[0, 0, 0], n_kv * hd, n_past + 1,
+                                   <int> hd, <int> n_head, <int> n_kv, scale, sc, &out[0, 0, 0])
+            free(sc)
         return
     if not _old_prefill:
         _attention_blocks(q, k_cache, v_cache, n_past, out, scale, n_threads)
@@ -992,8 +1013,10 @@ def decode_attn(float[::1] x, const float[::1] attn_norm, float eps,
     cdef float *att
     cdef float *y
     cdef float *sc
-    cdef Py_ssize_t group = n_head // n_kv, hh, kvh, i, n_att = n_past + 1
+    cdef Py_ssize_t group = n_head // n_kv, i, tt, n_att = n_past + 1
     cdef float scale = 1.0 / sqrtf(<float> hd)
+    if n_threads < 1:
+        n_threads = 1
     with nogil:
         buf = <float *> malloc((2 * n_embd + 2 * nq + hd) * sizeof(float))
         h = buf
@@ -1021,12 +1044,17 @@ def decode_attn(float[::1] x, const float[::1] attn_norm, float eps,
         # K turns by the same angles: reuse the cos/sin _rope1 left in att (same bits, half the
         # libm calls)
         _rope_rotate(&k_cache[n_past, 0, 0], n_kv, hd, hd // 2, att, att + hd // 2)
-    with nogil, parallel(num_threads=n_threads):
-        sc = <float *> malloc(n_att * sizeof(float))
-        for hh in prange(n_head, schedule='static'):
-            kvh = hh // group
-            _attend_head(q + hh * hd, &k_cache[0, kvh, 0], &v_cache[0, kvh, 0], n_kv * hd, n_att,
-                         hd, scale, sc, att + hh * hd)
+    # one pass over the cache rows for the scores, then each thread's heads (attend.h)
+    with nogil:
+        sc = <float *> malloc(n_head * n_att * sizeof(float))
+        if n_threads == 1:
+            pi_attend_team(0, 1, q, &k_cache[0, 0, 0], &v_cache[0, 0, 0], n_kv * hd, n_att,
+                           <int> hd, n_head, <int> n_kv, scale, sc, att)
+        else:
+            with parallel(num_threads=n_threads):
+                pi_attend_team(pi_team_thread(), pi_team_size(), q, &k_cache[0, 0, 0],
+                               &v_cache[0, 0, 0], n_kv * hd, n_att, <int> hd, n_head, <int> n_kv,
+                               scale, sc, att)
         free(sc)
     with nogil:
         _matvec1(&wo[0, 0], to, wo.shape[1], n_embd, nq, att, y, n_threads)
@@ -1319,14 +1347,15 @@ cdef void _attn_in_team(int t, int T, float *x, const float *attn_norm, float ep
                         size_t so_, int to, float *k_cache, float *v_cache, Py_ssize_t rs,
                         int n_past, int n_head, int n_kv, int hd, double freq_base,
                         const float *sq, float thr_qkv, const float *so, float thr_o,
-                        float *qkv, float *att, float *cs, float *tmp_qkv, float *tmp_o,
-                        float *y, float *priv, Py_ssize_t n_priv,
+                        float *qkv, float *att, float *cs, float *sc, float *tmp_qkv,
+                        float *tmp_o, float *y, float *priv, Py_ssize_t n_priv,
                         Py_ssize_t *counts) noexcept nogil:
     """Thread t of T's share of decode_attn_in in one parallel region (every thread calls it with
     the same arguments; rowsum_team.h's conventions). rs: floats per cache row (n_kv hd); k_cache,
-    v_cache: row 0 of the caches; cs: hd floats shared (the rope's cos | sin); priv: T blocks of
-    n_priv floats, one per thread (its attention scores, its copy of the output's kept list,
-    its normed input and its copy of the q/k/v inputs' kept list). Each step's split of the
+    v_cache: row 0 of the caches; cs: hd floats shared (the rope's cos | sin); sc: n_head
+    (n_past + 1) floats shared (the attention scores); priv: T blocks of n_priv floats, one per
+    thread (its copy of the output's kept list, its normed input and its copy of the q/k/v
+    inputs' kept list). Each step's split of the
     work (heads, chunks, columns) leaves every result the same as one thread computes it, so
     the bits do not depend on T."""
     cdef Py_ssize_t nq = n_head * hd, nkv = n_kv * hd, n_att = n_past + 1, n_mid, n_in, i
@@ -1334,8 +1363,8 @@ cdef void _attn_in_team(int t, int T, float *x, const float *attn_norm, float ep
     cdef double theta
     cdef float scale = 1.0 / sqrtf(<float> hd)
     cdef float *mine = priv + t * n_priv
-    cdef int32_t *midx = <int32_t *> (mine + n_att)
-    cdef float *mcoef = mine + n_att + nq
+    cdef int32_t *midx = <int32_t *> mine
+    cdef float *mcoef = mine + nq
     cdef float *h = mcoef + nq
     cdef float *cin = h + n_embd
     cdef int32_t *iin = <int32_t *> (cin + n_embd)
@@ -1364,10 +1393,9 @@ cdef void _attn_in_team(int t, int T, float *x, const float *attn_norm, float ep
                 krow[(hh - n_head) * hd + i] = qkv[hh * hd + i]
                 vrow[(hh - n_head) * hd + i] = qkv[nq + nkv + (hh - n_head) * hd + i]
     pi_team_barrier()
-    # 4. attention of this thread's query heads
-    for hh in range(t * n_head // T, (t + 1) * n_head // T):
-        _attend_head(qkv + hh * hd, k_cache + (hh // group) * hd, v_cache + (hh // group) * hd,
-                     rs, n_att, hd, scale, mine, att + hh * hd)
+    # 4. attention: the scores of every head over this thread's cache rows, then this thread's
+    # query heads (attend.h; one barrier inside)
+    pi_attend_team(t, T, qkv, k_cache, v_cache, rs, n_att, hd, n_head, n_kv, scale, sc, att)
     pi_team_barrier()
     # 5. every thread selects the output's inputs into its own list (the same list), then
     # x += the kept rows of attn_output_t, the residual added by column slices
@@ -1407,9 +1435,9 @@ def decode_attn_in(float[::1] x, const float[::1] attn_norm, float eps,
     cdef const float *so = _opt_ptr(scale_o, nq, "decode_attn_in scale_o")
     cdef int T = max(n_threads, 1)
     cdef Py_ssize_t n_att = n_past + 1
-    # per thread: scores, the output's kept list (idx | coef), h, the q/k/v kept list (coef | idx);
+    # per thread: the output's kept list (idx | coef), h, the q/k/v kept list (coef | idx);
     # whole cache lines each
-    cdef Py_ssize_t n_priv = (n_att + 2 * nq + 3 * n_embd + 15) // 16 * 16
+    cdef Py_ssize_t n_priv = (2 * nq + 3 * n_embd + 15) // 16 * 16
     cdef Py_ssize_t nt_qkv = pi_axpy_tmp_floats(n_embd, <int> (nq + 2 * nkv), wqkv.shape[1])
     cdef Py_ssize_t nt_o = pi_axpy_tmp_floats(nq, n_embd, wo.shape[1])
     cdef float *buf
@@ -1419,31 +1447,33 @@ def decode_attn_in(float[::1] x, const float[::1] attn_norm, float eps,
     cdef float *qkv
     cdef float *att
     cdef float *cs
+    cdef float *sc
     cdef float *tmp_qkv
     cdef float *tmp_o
     with nogil:
         # (at most n_embd qkv rows and nq output rows are kept: tmp sized for every row)
-        buf = <float *> malloc((n_embd + nq + 2 * nkv + nq + hd + nt_qkv + nt_o + 1)
-                               * sizeof(float))
+        buf = <float *> malloc((n_embd + nq + 2 * nkv + nq + hd + n_head * n_att + nt_qkv + nt_o
+                                + 1) * sizeof(float))
         priv = <float *> aligned_alloc(64, T * n_priv * sizeof(float))
         y = buf
         qkv = y + n_embd
         att = qkv + nq + 2 * nkv
         cs = att + nq
-        tmp_qkv = cs + hd
+        sc = cs + hd
+        tmp_qkv = sc + n_head * n_att
         tmp_o = tmp_qkv + nt_qkv
         if T == 1:
             _attn_in_team(0, 1, &x[0], &attn_norm[0], eps, n_embd, &wqkv[0, 0], wqkv.shape[1],
                           tqkv, &wo[0, 0], wo.shape[1], to, &k_cache[0, 0, 0], &v_cache[0, 0, 0],
                           nkv, n_past, n_head, <int> n_kv, <int> hd, freq_base, sq, thr_qkv, so,
-                          thr_o, qkv, att, cs, tmp_qkv, tmp_o, y, priv, n_priv, counts)
+                          thr_o, qkv, att, cs, sc, tmp_qkv, tmp_o, y, priv, n_priv, counts)
         else:
             with parallel(num_threads=T):
                 _attn_in_team(pi_team_thread(), pi_team_size(), &x[0], &attn_norm[0], eps,
                               n_embd, &wqkv[0, 0], wqkv.shape[1], tqkv, &wo[0, 0], wo.shape[1],
                               to, &k_cache[0, 0, 0], &v_cache[0, 0, 0], nkv, n_past, n_head,
                               <int> n_kv, <int> hd, freq_base, sq, thr_qkv, so, thr_o, qkv, att,
-                              cs, tmp_qkv, tmp_o, y, priv, n_priv, counts)
+                              cs, sc, tmp_qkv, tmp_o, y, priv, n_priv, counts)
         free(buf)
         free(priv)
     return counts[0], counts[1]

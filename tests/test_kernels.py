@@ -415,6 +415,40 @@ def test_attention(n_threads):
         np.testing.assert_allclose(out, sd.transpose(0, 1).numpy(), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("n_threads", [1, 2, 3])
+def test_attention_one_query(n_threads):
+    """One query (decode): attend.h's kernel (every head's scores from one pass over the cache
+    rows, rows split between threads) gives the one-head-at-a-time loop's bits (the
+    set_old_prefill(1) path) and agrees with torch SDPA. Scores spread to large negative
+    differences so that some exponentials fall outside pi_expf_safe's range."""
+    rng = np.random.default_rng(101 + n_threads)
+    torch = _torch()
+    for n_head, n_kv, hd, n_att, spread in [(9, 3, 64, 1, 1), (9, 3, 64, 37, 1), (9, 3, 64, 481, 1),
+                                            (4, 4, 128, 100, 4), (8, 2, 32, 16, 30),
+                                            (6, 1, 8, 5, 1), (5, 5, 40, 70, 8)]:
+        n_ctx = n_att + 2
+        q = _ro((spread * rng.standard_normal((1, n_head, hd))).astype(np.float32))
+        k = rng.standard_normal((n_ctx, n_kv, hd)).astype(np.float32)
+        v = rng.standard_normal((n_ctx, n_kv, hd)).astype(np.float32)
+        k[n_att:] = v[n_att:] = np.nan  # rows past the query must never be read
+        k, v = _ro(k), _ro(v)
+        got = _nan((1, n_head, hd))
+        cpu.attention(q, k, v, n_att - 1, got, n_threads)
+        old = cpu._k.set_old_prefill(1)
+        try:
+            want = _nan((1, n_head, hd))
+            cpu.attention(q, k, v, n_att - 1, want, 1)
+        finally:
+            cpu._k.set_old_prefill(old)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (n_head, n_kv, hd, n_att)
+        g = n_head // n_kv
+        qt = torch.tensor(q).transpose(0, 1)  # (n_head, 1, hd)
+        kt = torch.tensor(k[:n_att]).repeat_interleave(g, dim=1).transpose(0, 1)
+        vt = torch.tensor(v[:n_att]).repeat_interleave(g, dim=1).transpose(0, 1)
+        sd = torch.nn.functional.scaled_dot_product_attention(qt.double(), kt.double(), vt.double())
+        np.testing.assert_allclose(got, sd.transpose(0, 1).numpy(), rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("name", ["silu_mul", "relu_mul"])
 def test_activations(name):
     rng = np.random.default_rng(110)

@@ -1,0 +1,133 @@
+/* Decode attention, one query token (session 13):
+ *
+ *     out_h = sum_j softmax_j(q_h . k_j * scale) v_j,   j = 0 .. n_att - 1
+ *
+ * for every query head h, reading KV head h / (n_head / n_kv) (grouped-query attention, Ainslie
+ * et al. 2023), cache rows laid out (n_ctx, n_kv, hd). The loop it replaces (kernels.pyx
+ * _attend_head, still the one-query reference) took one head at a time and read hd floats of
+ * each cache row: a strided walk that the hardware prefetchers follow badly (at 480 cached
+ * tokens SmolLM2's f32 cache is 737 KB a layer, 22 MB a token, and that walk read it at 7-8 GB/s
+ * on a core that streams 25 GB/s). Here the scores of all heads come from one pass over whole
+ * rows, the rows split between the threads; the exponentials go 8 (AVX-512) or 4 (AVX2) lanes
+ * at a time through pi_expf_safe8/4 (rowsum_team.h: the bits of glibc's expf; lanes it cannot
+ * vouch for call expf).
+ *
+ * Every head's operations and their order are those of _attend_head: scores pi_dot_f32(q_h,
+ * k_j) * scale in f32; the max; e_j = expf(s_j - max); their sum in order j = 0, 1, ...;
+ * inv = (float)(1.0 / sum); out_h = 0, then out_h += (e_j inv) v_j for j in order
+ * (pi_axpy_f32). So the result has the bits of _attend_head at any thread count.
+ *
+ * Included by kernels.pyx after rowsum_team.h.
+ */
+#ifndef PYINFER_ATTEND_H
+#define PYINFER_ATTEND_H
+
+#include <string.h>
+#include <math.h>
+#include "rowsum_team.h"
+
+/* s[0:n] = expf(s[0:n] - mx) */
+static inline void pi_exp_shifted(float *s, long n, float mx) {
+    long j = 0;
+#if PI_SIMD && defined(__AVX512F__)
+    const __m256 vm8 = _mm256_set1_ps(mx);
+    for (; j + 8 <= n; j += 8) {
+        const __m256 x = _mm256_sub_ps(_mm256_loadu_ps(s + j), vm8);
+        int bad;
+        __m256 e = pi_expf_safe8(x, &bad);
+        _mm256_storeu_ps(s + j, e);
+        if (bad) {
+            float xv[8];
+            _mm256_storeu_ps(xv, x);
+            for (int l = 0; l < 8; l++)
+                if ((bad >> l) & 1) s[j + l] = expf(xv[l]);
+        }
+    }
+#endif
+#if PI_SIMD
+    const __m128 vm4 = _mm_set1_ps(mx);
+    for (; j + 4 <= n; j += 4) {
+        const __m128 x = _mm_sub_ps(_mm_loadu_ps(s + j), vm4);
+        int bad;
+        __m128 e = pi_expf_safe4(x, &bad);
+        _mm_storeu_ps(s + j, e);
+        if (bad) {
+            float xv[4];
+            _mm_storeu_ps(xv, x);
+            for (int l = 0; l < 4; l++)
+                if ((bad >> l) & 1) s[j + l] = expf(xv[l]);
+        }
+    }
+#endif
+    for (; j < n; j++) s[j] = expf(s[j] - mx);
+}
+
+/* s[0:n] max: the value of the sequential `if (s[j] > mx) mx = s[j]` from mx0 (max_ps(a, b) is
+ * a > b ? a : b lane by lane, so NaNs are skipped as there; of +0 and -0 either may come back
+ * where the loop returns the first, and s - mx then differs at most in the sign of a zero, which
+ * expf maps to 1 either way) */
+static inline float pi_max_f32(const float *s, long n, float mx0) {
+    long j = 0;
+    float mx = mx0;
+#if PI_SIMD
+    __m256 m = _mm256_set1_ps(mx0);
+    for (; j + 8 <= n; j += 8) m = _mm256_max_ps(_mm256_loadu_ps(s + j), m);
+    float mv[8];
+    _mm256_storeu_ps(mv, m);
+    for (int l = 0; l < 8; l++)
+        if (mv[l] > mx) mx = mv[l];
+#endif
+    for (; j < n; j++)
+        if (s[j] > mx) mx = s[j];
+    return mx;
+}
+
+/* Thread t of T's share of one token's attention over every head (call it from every thread of
+ * the team with the same arguments: it has one barrier; t = 0, T = 1 runs serially).
+ * q (n_head, hd) f32; k, v: cache row 0 (row j at k + j rs, KV head g at + g hd); sc: n_head
+ * n_att floats shared by the team; out (n_head, hd): this thread's heads written (the caller's
+ * barrier before anyone reads them).
+ *   1. the scores of every head over cache rows j0 .. j1 - 1 (the thread's share of the rows, cut
+ *      at multiples of 16): one pass over contiguous rows, all KV heads;
+ *   2. (barrier) the thread's query heads h0 .. h1 - 1: softmax over all rows, then
+ *      out_h = sum_j p_hj v_j, one pass over the rows (the KV heads of h0 .. h1 - 1).
+ * Step 1 reads K as one stream of whole rows where one head at a time read hd floats of each
+ * row: at 480 rows, about 2x faster (docs/benchmarks.md, session 13). */
+static void pi_attend_team(int t, int T, const float *q, const float *k, const float *v, long rs,
+                           long n_att, int hd, int n_head, int n_kv, float scale, float *sc,
+                           float *out) {
+    const int group = n_head / n_kv;
+    const long j0 = t == 0 ? 0 : (t * n_att / T) & ~15L;
+    const long j1 = t == T - 1 ? n_att : ((t + 1) * n_att / T) & ~15L;
+    for (long j = j0; j < j1; j++) {
+        const float *kr = k + j * rs;
+        for (int h = 0; h < n_head; h++)
+            sc[(long)h * n_att + j] = pi_dot_f32(q + (long)h * hd, kr + (long)(h / group) * hd, hd) * scale;
+    }
+    if (T > 1) pi_team_barrier();
+    const int h0 = t * n_head / T, h1 = (t + 1) * n_head / T, H = h1 - h0;
+    if (H <= 0) return;
+    float ssum[H];
+    float *s0 = sc + (long)h0 * n_att;
+    for (int g = 0; g < H; g++) {
+        float *s = s0 + (long)g * n_att;
+        pi_exp_shifted(s, n_att, pi_max_f32(s, n_att, -3.4e38f));
+        ssum[g] = 0.0f;
+    }
+    for (long j = 0; j < n_att; j++)  /* the G sums interleaved, each in order j = 0, 1, ... */
+        for (int g = 0; g < H; g++) ssum[g] = ssum[g] + s0[(long)g * n_att + j];
+    for (int g = 0; g < H; g++) {
+        float *s = s0 + (long)g * n_att;
+        const float inv = (float)(1.0 / ssum[g]);
+        for (long j = 0; j < n_att; j++) s[j] = s[j] * inv;
+        memset(out + (long)(h0 + g) * hd, 0, (size_t)hd * sizeof(float));
+    }
+    for (long j = 0; j < n_att; j++) {
+        const float *vr = v + j * rs;
+        for (int h = h0; h < h1; h++)
+            pi_axpy_f32(s0[(long)(h - h0) * n_att + j], vr + (long)(h / group) * hd,
+                        out + (long)h * hd, hd);
+    }
+}
+
+#endif /* PYINFER_ATTEND_H */
