@@ -20,8 +20,8 @@
  * group's query heads x a few consecutive tokens). Each K and V row is read from L2 once per block
  * instead of once per query; scores come 8 keys to a vector (keys transposed once per block), the
  * softmax uses an 8-lane exp, and each query's output stays in registers across the keys. Decode
- * (_attend_head in kernels.pyx) sums the scores and the softmax in another f32 order and with
- * libm's expf: the two agree within 1e-5 (tests/test_prefill_gemm.py).
+ * (attend.h, with _attend_head's operations in kernels.pyx) sums the scores and the softmax in
+ * another f32 order and with expf's bits: the two agree within 1e-5 (tests/test_prefill_gemm.py).
  *
  * The GEMM's numerics: per (row, token), s = sum over blocks in order of
  * fma(a_w * d_x, isum_b, s) (then fma(off_w / 8, s_x, s) for types with an offset) with isum_b
@@ -541,8 +541,9 @@ static inline void pi_softmax8(float *s, long n) {
  * v), n_att non-decreasing in i is NOT required. kt: the keys through pi_transpose_keys (SIMD
  * build, hd a multiple of 8 and at most PI_ATT_MAX_HD), or NULL for the scalar loop. sc: scratch
  * of nq * sc_stride floats (sc_stride
- * >= max n_att). out[i] (hd floats) = softmax(q_i . k_j * scale) @ v_j, computed as _attend_head
- * computes it (see the top of this file). */
+ * >= max n_att). out[i] (hd floats) = softmax(q_i . k_j * scale) @ v_j; on the SIMD build with
+ * the 8-key scores and pi_softmax8, in another f32 order than decode's (see the top of this
+ * file). */
 static inline void pi_attend_block(const float *const *q, int nq, const long *n_att,
                                    const float *k, const float *kt, const float *v, long rs,
                                    int hd, float scale, float *sc, long sc_stride,

@@ -796,9 +796,10 @@ cdef void _attention_blocks(const float[:, :, ::1] q, const float[:, :, ::1] k_c
                             const float[:, :, ::1] v_cache, int n_past, float[:, :, ::1] out,
                             float scale, int n_threads) noexcept nogil:
     """``attention`` over work items of (KV head, ATT_TOKENS consecutive tokens): the group's
-    query heads of those tokens share every K/V row read (gemm.h pi_attend_block, same bits as
-    _attend_head). Items are dealt round-robin (chunksize 1) since later tokens attend to more
-    keys."""
+    query heads of those tokens share every K/V row read (gemm.h pi_attend_block: on the SIMD
+    build its scores and softmax are summed in another f32 order than decode's, within 1e-5 of
+    it, tests/test_prefill_gemm.py). Items are dealt round-robin (chunksize 1) since later tokens
+    attend to more keys."""
     cdef Py_ssize_t n_tok = q.shape[0], n_head = q.shape[1], hd = q.shape[2]
     cdef Py_ssize_t n_kv = k_cache.shape[1], group = n_head // n_kv
     cdef Py_ssize_t n_blk = (n_tok + ATT_TOKENS - 1) // ATT_TOKENS, item, blk, kvh, t, t1, g
