@@ -63,6 +63,8 @@ class InputSparseFFN:
         head = thresholds.get("output")
         self.lm_head_thr = None if head is None else (-1.0 if dense else float(head))
         self.head_stats = FFNStats()
+        self._plan = None  # cpu.input_decode_plan of the layers last decoded (decode_layers)
+        self._plan_layers = None
         self._coef = np.empty(cfg.n_embd, np.float32)  # lm_head's kept inputs (one token)
         self._idx = np.empty(cfg.n_embd, np.int32)
 
@@ -105,6 +107,31 @@ class InputSparseFFN:
         self._count("ffn_gate_up", n_in)
         self._count("ffn_down", n_mid)
         return True
+
+    def decode_layers(self, layers, x: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+                      n_past: int, first: int, n_threads: int) -> None:
+        """Layers first .. n_layer - 1 of one token in place on x (n_embd,): ``decode_attn`` and
+        ``decode`` of each layer in one kernel call (``cpu.decode_layers_in``, the same bits),
+        counted in stats as they count. layers: the model's LayerWeights; caches (n_layer, n_ctx,
+        n_head_kv, head_dim)."""
+        cfg = self.cfg
+        if self._plan is None or self._plan_layers is not layers:
+            self._plan = cpu.input_decode_plan(
+                [(lw.attn_norm, lw.attn_qkv_t, lw.attn_output_t, lw.ffn_norm, lw.ffn_gate_up_t,
+                  lw.ffn_down_t, *(self._scale(lw, g) for g in C.IN_GROUPS)) for lw in layers],
+                cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.rms_eps, cfg.rope_freq_base,
+                self.silu)
+            self._plan_layers = layers
+        thr = np.stack([self.thr[g] for g in C.IN_GROUPS])  # (4, n_layer); tools reassign thr[g]
+        counts = np.zeros((cfg.n_layer, len(C.IN_GROUPS)), np.int64)
+        cpu.decode_layers_in(self._plan, x, k_cache, v_cache, n_past, thr, counts, first,
+                             n_threads)
+        kept = counts[first:].sum(axis=0)
+        n_run = cfg.n_layer - first
+        for gi, g in enumerate(C.IN_GROUPS):
+            n_in, n_out = self.sizes[g]
+            self.stats.total += n_run * n_in * n_out
+            self.stats.active += int(kept[gi]) * n_out
 
     # ---- a batch (prefill): dense products over masked inputs ---------------------------------
     def qkv(self, lw, layer: int, h: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray,

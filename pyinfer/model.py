@@ -150,6 +150,10 @@ class Model:
         cfg, w, nt = self.cfg, self.w, self.n_threads
         xv = x[0]
         ffn_decode = getattr(self.ffn, "decode", None)
+        isp = self.input_sparse
+        if isp is not None and ffn_decode == isp.decode:  # every layer in one kernel call
+            isp.decode_layers(w.layers, xv, self.cache.k, self.cache.v, n_past, first, nt)
+            return x
         h = y = None
         for i in range(first, cfg.n_layer):
             lw = w.layers[i]

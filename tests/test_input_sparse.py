@@ -12,6 +12,7 @@ from pyinfer import constants as C
 from pyinfer.config import read_field
 from pyinfer.engine import Engine
 from pyinfer.errors import PyinferError
+from pyinfer.ffn import FFNStats
 from tests._models import convert_neuron_major, load_hf_state_dict, make_random_llama
 
 CALIB = ["--calib-tokens", "128", "-t", "1"]
@@ -343,6 +344,34 @@ def test_decode_same_bits_at_any_thread_count(input_file):
         assert eng.ffn_sparsity() > 0.3
     np.testing.assert_array_equal(got[0], got[1])
     np.testing.assert_array_equal(got[0], got[2])
+
+
+@pytest.mark.parametrize("n_threads", [1, 2, 3])
+def test_whole_token_call_equals_half_layer_calls(input_file, n_threads):
+    """``decode_layers`` (every layer of a token in one kernel call and one parallel region)
+    gives the residual, the K/V cache rows and the stats of ``decode_attn`` + ``decode`` called
+    layer by layer, bit for bit, from the first layer and from layer 1."""
+    path, _ = input_file
+    eng = Engine(path, n_ctx=16, n_threads=n_threads)
+    m, cfg = eng.model, eng.cfg
+    isp = m.input_sparse
+    eng.eval_prompt(np.random.default_rng(12).integers(3, 200, 5).tolist())
+    x0 = np.random.default_rng(13).standard_normal(cfg.n_embd).astype(np.float32)
+    for first in (0, 1):
+        got, want = [x0.copy(), m.cache.k.copy(), m.cache.v.copy()], [x0.copy(), m.cache.k.copy(),
+                                                                       m.cache.v.copy()]
+        isp.stats = FFNStats()
+        isp.decode_layers(eng.weights.layers, got[0], got[1], got[2], 5, first, n_threads)
+        stats_got = (isp.stats.total, isp.stats.active)
+        isp.stats = FFNStats()
+        for i in range(first, cfg.n_layer):
+            lw = eng.weights.layers[i]
+            isp.decode_attn(lw, i, want[0], want[1][i], want[2][i], 5, n_threads)
+            isp.decode(lw, i, want[0], cfg.rms_eps, n_threads)
+        for a, b in zip(got, want):
+            assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+        assert stats_got == (isp.stats.total, isp.stats.active) and stats_got[1] > 0
+        assert not np.array_equal(got[0], x0)
 
 
 def _brute_force(cost, ub, need, max_level):

@@ -573,6 +573,32 @@ def decode_attn_in(x: np.ndarray, attn_norm: np.ndarray, eps: float, qkv_t: QTen
                              n_threads)
 
 
+def input_decode_plan(layers, n_head: int, n_head_kv: int, head_dim: int, eps: float,
+                      freq_base: float, silu: bool):
+    """The raw pointers of an input-sparse model's layers, checked once, for ``decode_layers_in``.
+    layers: per layer (attn_norm, attn_qkv_t, attn_output_t, ffn_norm, ffn_gate_up_t, ffn_down_t,
+    scale_qkv, scale_o, scale_gu, scale_d), the QTensors and (n,) f32 vectors (scales may be None)
+    of ``decode_attn_in`` / ``decode_ffn_in``. ValueError on shapes that do not fit."""
+    rows = [(an, qkv.raw, int(qkv.qtype), o.raw, int(o.qtype), fn, gu.raw, int(gu.qtype), d.raw,
+             int(d.qtype), sq, so, sgu, sd)
+            for an, qkv, o, fn, gu, d, sq, so, sgu, sd in layers]
+    return _k.InputDecodePlan(rows, int(n_head), int(n_head_kv), int(head_dim), float(eps),
+                              float(freq_base), int(silu))
+
+
+def decode_layers_in(plan, x: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, n_past: int,
+                     thr: np.ndarray, counts: np.ndarray, first: int = 0,
+                     n_threads: int = 1) -> np.ndarray:
+    """Layers first .. n_layer - 1 of one token with input sparsity, in place on x (n_embd,) f32:
+    ``decode_attn_in`` then ``decode_ffn_in`` per layer (the same bits) in one call and one
+    parallel region. k_cache, v_cache (n_layer, n_ctx, n_head_kv, head_dim) f32; thr (4, n_layer)
+    f32 (attn_qkv, attn_output, ffn_gate_up, ffn_down); counts (n_layer, 4) int64 receives the
+    rows read per projection. Returns x. ValueError on shapes that do not fit."""
+    _k.decode_layers_in(plan, x, k_cache, v_cache, int(n_past), thr, counts, int(first),
+                        n_threads)
+    return x
+
+
 def cold_ffn(gate: QTensor, up: QTensor, down_t: QTensor, h: np.ndarray, ids: np.ndarray,
              mask: np.ndarray | None, silu: bool, glu: bool, threshold: float, out: np.ndarray,
              n_threads: int = 1) -> tuple[int, int]:
