@@ -402,7 +402,9 @@ def transposed_jobs(jobs, cfg, outtype: str, scales: list[dict] | None):
     are a multiple of 64 takes the input-block layout (``C.IB``, ``cpu.IBTensor``: the row-major
     quantization regrouped by input channel; decode reads a kept channel's row at the GEMV's
     int8 cost per byte); the others are stored transposed (``attn_qkv_t``, ``attn_output_t``,
-    ``ffn_gate_up_t``, ``ffn_down_t``) for the f32 / int16 AXPY of rowsum_team.h."""
+    ``ffn_gate_up_t``, ``ffn_down_t``) for the f32 / int16 AXPY of rowsum_team.h. outtype
+    ``auto`` (``C.OUTTYPE_AUTO``, the default for a GGUF source) takes each group's type from its
+    source job: wq's for q/k/v, attn_output's, ffn_gate's for gate/up, ffn_down's."""
     from convert.writer import TensorJob, job_floats, matrix_qtype
     from pyinfer.ops import cpu
     from pyinfer.quants import quantize
@@ -442,7 +444,9 @@ def transposed_jobs(jobs, cfg, outtype: str, scales: list[dict] | None):
                 ("attn_output", o, cfg.n_embd, cfg.n_embd_q, C.ATTN_OUT_T),
                 ("ffn_gate_up", gu, 2 * cfg.n_ff, cfg.n_embd, C.FFN_GATE_UP_T),
                 ("ffn_down", down, cfg.n_embd, cfg.n_ff, C.FFN_DOWN_T)):
-            qt = matrix_qtype(n_in, outtype)
+            ot = src[{"attn_qkv": "q", "attn_output": "o", "ffn_gate_up": "g",
+                      "ffn_down": "d"}[g]].qtype if outtype == C.OUTTYPE_AUTO else outtype
+            qt = matrix_qtype(n_in, ot)
             if cpu.ib_supported(qt, n_out, n_in):
                 def ib(load=load, qt=qt, n_out=n_out, n_in=n_in):
                     w = np.ascontiguousarray(load(), np.float32)
@@ -454,7 +458,7 @@ def transposed_jobs(jobs, cfg, outtype: str, scales: list[dict] | None):
                 out.append(src["d"])
             else:
                 out.append(TensorJob(t_name.format(bid=i), (n_in, n_out),
-                                     matrix_qtype(n_out, outtype),
+                                     matrix_qtype(n_out, ot),
                                      lambda load=load: np.ascontiguousarray(load().T)))
 
         if scales is not None:

@@ -223,6 +223,28 @@ def wide_dir(tmp_path_factory):
                              n_layers=2, name="ib")
 
 
+def test_gguf_source_with_auto_outtype(wide_dir, tmp_path):
+    """A q4_0 GGUF source converted in sparse mode input with the default ``--outtype auto``
+    keeps each projection's source type (q4_0, so the input-block layout) where session 13's
+    first try on the 7B-shaped file ended in a KeyError traceback; the same matrices as
+    converting the HF source to q4_0 directly."""
+    src = str(tmp_path / "src.q4_0.gguf")
+    assert convert_main([wide_dir, src, "--outtype", "q4_0", "--dense"]) == 0
+    out = str(tmp_path / "auto.gguf")
+    args = ["--target-sparsity", "0.4", "--sparse-mode", "input", "--sparse-alloc", "uniform",
+            "--calib-tokens", "128", "-t", "1"]
+    assert convert_main([src, out, *args]) == 0
+    ref = str(tmp_path / "direct.gguf")
+    assert convert_main([src, ref, "--outtype", "q4_0", *args]) == 0
+    got = {t.name: t for t in gguf.GGUFReader(out).tensors}
+    want = {t.name: t for t in gguf.GGUFReader(ref).tensors}
+    for i in range(2):
+        for g in C.IN_GROUPS:
+            name = C.IB[g].format(bid=i)
+            assert got[name].tensor_type == gguf.GGMLQuantizationType.Q4_0
+            np.testing.assert_array_equal(got[name].data, want[name].data)
+
+
 @pytest.mark.parametrize("outtype", ["q8_0", "q4_0"])
 def test_converter_writes_the_layout(wide_dir, tmp_path, outtype):
     """A q8_0 / q4_0 input-sparse file stores the four matrices in the input-block layout (and
