@@ -1310,37 +1310,77 @@ def decode_ffn_in(float[::1] x, const float[::1] ffn_norm, float eps,
     cdef float *buf
     cdef float *priv
     cdef long *cnt
-    cdef float *gu
-    cdef float *y
-    cdef float *ctmp
-    cdef float *tmp_gu
-    cdef float *tmp_d
-    cdef int32_t *itmp
+    cdef FfnBufs b
     with nogil:
         # (at most n_embd gate/up rows and n_ff down rows are kept: tmp sized for every row)
-        buf = <float *> malloc((2 * n_ff + n_embd + 2 * n_ff + nt_gu + nt_d + 1) * sizeof(float))
+        buf = <float *> malloc((_ffn_bufs(NULL, &b, n_embd, n_ff, nt_gu, nt_d) + 1)
+                               * sizeof(float))
+        _ffn_bufs(buf, &b, n_embd, n_ff, nt_gu, nt_d)
         priv = <float *> aligned_alloc(64, T * n_priv * sizeof(float))
         cnt = <long *> malloc(T * sizeof(long))
-        gu = buf
-        y = gu + 2 * n_ff
-        ctmp = y + n_embd
-        itmp = <int32_t *> (ctmp + n_ff)
-        tmp_gu = <float *> (itmp + n_ff)
-        tmp_d = tmp_gu + nt_gu
         if T == 1:
             _ffn_in_team(0, 1, &x[0], &ffn_norm[0], eps, n_embd, &wgu[0, 0], wgu.shape[1], tgu,
-                         &wd[0, 0], wd.shape[1], td, n_ff, sgu, thr_gu, sd, thr_d, silu, gu, y,
-                         ctmp, itmp, tmp_gu, tmp_d, cnt, priv, n_priv, counts)
+                         &wd[0, 0], wd.shape[1], td, n_ff, sgu, thr_gu, sd, thr_d, silu, b.gu,
+                         b.y, b.ctmp, b.itmp, b.tmp_gu, b.tmp_d, cnt, priv, n_priv, counts)
         else:
             with parallel(num_threads=T):
                 _ffn_in_team(pi_team_thread(), pi_team_size(), &x[0], &ffn_norm[0], eps, n_embd,
                              &wgu[0, 0], wgu.shape[1], tgu, &wd[0, 0], wd.shape[1], td, n_ff, sgu,
-                             thr_gu, sd, thr_d, silu, gu, y, ctmp, itmp, tmp_gu, tmp_d, cnt, priv,
-                             n_priv, counts)
+                             thr_gu, sd, thr_d, silu, b.gu, b.y, b.ctmp, b.itmp, b.tmp_gu,
+                             b.tmp_d, cnt, priv, n_priv, counts)
         free(buf)
         free(priv)
         free(cnt)
     return counts[0], counts[1]
+
+
+cdef struct AttnBufs:  # decode_attn_in's shared scratch (see _attn_bufs)
+    float *y
+    float *qkv
+    float *att
+    float *cs
+    float *sc
+    float *tmp_qkv
+    float *tmp_o
+
+
+cdef struct FfnBufs:  # decode_ffn_in's shared scratch (see _ffn_bufs)
+    float *gu
+    float *y
+    float *ctmp
+    int32_t *itmp
+    float *tmp_gu
+    float *tmp_d
+
+
+cdef inline Py_ssize_t _attn_bufs(float *buf, AttnBufs *b, int n_embd, Py_ssize_t nq,
+                                  Py_ssize_t nkv, int hd, int n_head, Py_ssize_t n_att,
+                                  Py_ssize_t nt_qkv, Py_ssize_t nt_o) noexcept nogil:
+    """Floats of _attn_in_team's shared scratch: y (n_embd), qkv (nq + 2 nkv), att (nq), cs (hd),
+    sc (n_head n_att), tmp_qkv (nt_qkv), tmp_o (nt_o); with buf not NULL, b points into it."""
+    if buf != NULL:
+        b.y = buf
+        b.qkv = b.y + n_embd
+        b.att = b.qkv + nq + 2 * nkv
+        b.cs = b.att + nq
+        b.sc = b.cs + hd
+        b.tmp_qkv = b.sc + n_head * n_att
+        b.tmp_o = b.tmp_qkv + nt_qkv
+    return n_embd + nq + 2 * nkv + nq + hd + n_head * n_att + nt_qkv + nt_o
+
+
+cdef inline Py_ssize_t _ffn_bufs(float *buf, FfnBufs *b, int n_embd, Py_ssize_t n_ff,
+                                 Py_ssize_t nt_gu, Py_ssize_t nt_d) noexcept nogil:
+    """Floats of _ffn_in_team's shared scratch: gu (2 n_ff), y (n_embd), ctmp (n_ff), itmp (n_ff
+    int32), tmp_gu (nt_gu), tmp_d (nt_d); with buf not NULL, b points into it."""
+    if buf != NULL:
+        b.gu = buf
+        b.y = b.gu + 2 * n_ff
+        b.ctmp = b.y + n_embd
+        b.itmp = <int32_t *> (b.ctmp + n_ff)
+        b.tmp_gu = <float *> (b.itmp + n_ff)
+        b.tmp_d = b.tmp_gu + nt_gu
+    return 2 * n_ff + n_embd + 2 * n_ff + nt_gu + nt_d
 
 
 cdef void _attn_in_team(int t, int T, float *x, const float *attn_norm, float eps, int n_embd,
@@ -1444,37 +1484,26 @@ def decode_attn_in(float[::1] x, const float[::1] attn_norm, float eps,
     cdef float *buf
     cdef float *priv
     cdef Py_ssize_t counts[2]
-    cdef float *y
-    cdef float *qkv
-    cdef float *att
-    cdef float *cs
-    cdef float *sc
-    cdef float *tmp_qkv
-    cdef float *tmp_o
+    cdef AttnBufs b
     with nogil:
         # (at most n_embd qkv rows and nq output rows are kept: tmp sized for every row)
-        buf = <float *> malloc((n_embd + nq + 2 * nkv + nq + hd + n_head * n_att + nt_qkv + nt_o
-                                + 1) * sizeof(float))
+        buf = <float *> malloc((_attn_bufs(NULL, &b, n_embd, nq, nkv, <int> hd, n_head, n_att,
+                                           nt_qkv, nt_o) + 1) * sizeof(float))
+        _attn_bufs(buf, &b, n_embd, nq, nkv, <int> hd, n_head, n_att, nt_qkv, nt_o)
         priv = <float *> aligned_alloc(64, T * n_priv * sizeof(float))
-        y = buf
-        qkv = y + n_embd
-        att = qkv + nq + 2 * nkv
-        cs = att + nq
-        sc = cs + hd
-        tmp_qkv = sc + n_head * n_att
-        tmp_o = tmp_qkv + nt_qkv
         if T == 1:
             _attn_in_team(0, 1, &x[0], &attn_norm[0], eps, n_embd, &wqkv[0, 0], wqkv.shape[1],
                           tqkv, &wo[0, 0], wo.shape[1], to, &k_cache[0, 0, 0], &v_cache[0, 0, 0],
                           nkv, n_past, n_head, <int> n_kv, <int> hd, freq_base, sq, thr_qkv, so,
-                          thr_o, qkv, att, cs, sc, tmp_qkv, tmp_o, y, priv, n_priv, counts)
+                          thr_o, b.qkv, b.att, b.cs, b.sc, b.tmp_qkv, b.tmp_o, b.y, priv, n_priv,
+                          counts)
         else:
             with parallel(num_threads=T):
                 _attn_in_team(pi_team_thread(), pi_team_size(), &x[0], &attn_norm[0], eps,
                               n_embd, &wqkv[0, 0], wqkv.shape[1], tqkv, &wo[0, 0], wo.shape[1],
                               to, &k_cache[0, 0, 0], &v_cache[0, 0, 0], nkv, n_past, n_head,
-                              <int> n_kv, <int> hd, freq_base, sq, thr_qkv, so, thr_o, qkv, att,
-                              cs, sc, tmp_qkv, tmp_o, y, priv, n_priv, counts)
+                              <int> n_kv, <int> hd, freq_base, sq, thr_qkv, so, thr_o, b.qkv,
+                              b.att, b.cs, b.sc, b.tmp_qkv, b.tmp_o, b.y, priv, n_priv, counts)
         free(buf)
         free(priv)
     return counts[0], counts[1]
@@ -1600,25 +1629,14 @@ def decode_layers_in(InputDecodePlan plan, float[::1] x, float[:, :, :, ::1] k_c
         raise ValueError(f"decode_layers_in: first layer {first} outside 0..{L}")
     cdef Py_ssize_t n_att = n_past + 1, layer_rows = k_cache.shape[1] * rs
     cdef Py_ssize_t n_priv = (max(2 * nq + 3 * n_embd, 3 * n_embd + 2 * n_ff) + 15) // 16 * 16
-    cdef Py_ssize_t n_abuf = n_embd + nq + 2 * nkv + nq + hd + n_head * n_att + plan.nt_qkv + plan.nt_o
-    cdef Py_ssize_t n_fbuf = 2 * n_ff + n_embd + 2 * n_ff + plan.nt_gu + plan.nt_d
+    cdef AttnBufs a
+    cdef FfnBufs f
+    cdef Py_ssize_t n_abuf = _attn_bufs(NULL, &a, n_embd, nq, nkv, hd, n_head, n_att,
+                                        plan.nt_qkv, plan.nt_o)
     cdef float *buf
     cdef float *priv
     cdef long *cnt
     cdef Py_ssize_t *cts
-    cdef float *ay
-    cdef float *qkv
-    cdef float *att
-    cdef float *cs
-    cdef float *sc
-    cdef float *tqkv
-    cdef float *to
-    cdef float *gu
-    cdef float *fy
-    cdef float *ctmp
-    cdef int32_t *itmp
-    cdef float *tgu
-    cdef float *td
     cdef float *kc = &k_cache[0, 0, 0, 0]
     cdef float *vc = &v_cache[0, 0, 0, 0]
     cdef const uint8_t **w = plan.w
@@ -1629,35 +1647,26 @@ def decode_layers_in(InputDecodePlan plan, float[::1] x, float[:, :, :, ::1] k_c
     cdef double fb = plan.freq_base
     cdef int silu = plan.silu
     with nogil:
-        buf = <float *> malloc((n_abuf + n_fbuf + 1) * sizeof(float))
+        buf = <float *> malloc((n_abuf + _ffn_bufs(NULL, &f, n_embd, n_ff, plan.nt_gu, plan.nt_d)
+                                + 1) * sizeof(float))
+        _attn_bufs(buf, &a, n_embd, nq, nkv, hd, n_head, n_att, plan.nt_qkv, plan.nt_o)
+        _ffn_bufs(buf + n_abuf, &f, n_embd, n_ff, plan.nt_gu, plan.nt_d)
         priv = <float *> aligned_alloc(64, T * n_priv * sizeof(float))
         cnt = <long *> malloc(T * sizeof(long))
         cts = <Py_ssize_t *> malloc(4 * L * sizeof(Py_ssize_t))
-        ay = buf
-        qkv = ay + n_embd
-        att = qkv + nq + 2 * nkv
-        cs = att + nq
-        sc = cs + hd
-        tqkv = sc + n_head * n_att
-        to = tqkv + plan.nt_qkv
-        gu = to + plan.nt_o
-        fy = gu + 2 * n_ff
-        ctmp = fy + n_embd
-        itmp = <int32_t *> (ctmp + n_ff)
-        tgu = <float *> (itmp + n_ff)
-        td = tgu + plan.nt_gu
         if T == 1:
             for l in range(first, L):
                 _attn_in_team(0, 1, &x[0], vec[6 * l], eps, n_embd, w[4 * l], st[4 * l],
                               qt[4 * l], w[4 * l + 1], st[4 * l + 1], qt[4 * l + 1],
                               kc + l * layer_rows, vc + l * layer_rows, rs, n_past, n_head, n_kv,
-                              hd, fb, vec[6 * l + 2], thr[0, l], vec[6 * l + 3], thr[1, l], qkv,
-                              att, cs, sc, tqkv, to, ay, priv, n_priv, cts + 4 * l)
+                              hd, fb, vec[6 * l + 2], thr[0, l], vec[6 * l + 3], thr[1, l], a.qkv,
+                              a.att, a.cs, a.sc, a.tmp_qkv, a.tmp_o, a.y, priv, n_priv,
+                              cts + 4 * l)
                 _ffn_in_team(0, 1, &x[0], vec[6 * l + 1], eps, n_embd, w[4 * l + 2],
                              st[4 * l + 2], qt[4 * l + 2], w[4 * l + 3], st[4 * l + 3],
                              qt[4 * l + 3], n_ff, vec[6 * l + 4], thr[2, l], vec[6 * l + 5],
-                             thr[3, l], silu, gu, fy, ctmp, itmp, tgu, td, cnt, priv, n_priv,
-                             cts + 4 * l + 2)
+                             thr[3, l], silu, f.gu, f.y, f.ctmp, f.itmp, f.tmp_gu, f.tmp_d, cnt,
+                             priv, n_priv, cts + 4 * l + 2)
         else:
             with parallel(num_threads=T):
                 t = pi_team_thread()
@@ -1667,14 +1676,14 @@ def decode_layers_in(InputDecodePlan plan, float[::1] x, float[:, :, :, ::1] k_c
                                   qt[4 * l], w[4 * l + 1], st[4 * l + 1], qt[4 * l + 1],
                                   kc + l * layer_rows, vc + l * layer_rows, rs, n_past, n_head,
                                   n_kv, hd, fb, vec[6 * l + 2], thr[0, l], vec[6 * l + 3],
-                                  thr[1, l], qkv, att, cs, sc, tqkv, to, ay, priv, n_priv,
-                                  cts + 4 * l)
+                                  thr[1, l], a.qkv, a.att, a.cs, a.sc, a.tmp_qkv, a.tmp_o, a.y, priv,
+                                  n_priv, cts + 4 * l)
                     pi_team_barrier()  # x complete before every thread norms it
                     _ffn_in_team(t, TT, &x[0], vec[6 * l + 1], eps, n_embd, w[4 * l + 2],
                                  st[4 * l + 2], qt[4 * l + 2], w[4 * l + 3], st[4 * l + 3],
                                  qt[4 * l + 3], n_ff, vec[6 * l + 4], thr[2, l], vec[6 * l + 5],
-                                 thr[3, l], silu, gu, fy, ctmp, itmp, tgu, td, cnt, priv, n_priv,
-                                 cts + 4 * l + 2)
+                                 thr[3, l], silu, f.gu, f.y, f.ctmp, f.itmp, f.tmp_gu, f.tmp_d, cnt,
+                                 priv, n_priv, cts + 4 * l + 2)
                     pi_team_barrier()
         for l in range(first, L):
             for t in range(4):
