@@ -746,8 +746,7 @@ def attention(const float[:, :, ::1] q, const float[:, :, ::1] k_cache,
     q, out (n_tok, n_head, head_dim); k_cache, v_cache (n_ctx, n_head_kv, head_dim) already
     holding the new tokens' K/V. Head h reads kv head h // (n_head // n_head_kv); token t attends
     to cache rows 0 .. n_past+t; scale 1/sqrt(head_dim); softmax in f32 with max subtraction.
-    One token (n_tok 1) goes through decode's kernel (attend.h pi_attend_team: the bits of the
-    one-query loop _attend_head, which set_old_prefill(1) selects, at any n_threads)."""
+    (The fused decode half-layers use attend.h instead: ``attend_one``.)"""
     cdef Py_ssize_t n_tok = q.shape[0], n_head = q.shape[1], hd = q.shape[2]
     cdef Py_ssize_t n_kv = k_cache.shape[1], n_ctx = k_cache.shape[0]
     if (k_cache.shape[2] != hd or v_cache.shape[0] != n_ctx or v_cache.shape[1] != n_kv
@@ -764,20 +763,6 @@ def attention(const float[:, :, ::1] q, const float[:, :, ::1] k_cache,
     cdef float *sc
     if n_tok == 0 or hd == 0:
         return
-    if n_tok == 1 and not _old_prefill:  # one query: decode's kernel (attend.h), its bits
-        with nogil:
-            sc = <float *> malloc(n_head * (n_past + 1) * sizeof(float))
-            if n_threads <= 1:
-                pi_attend_team(0, 1, &q[0, 0, 0], &k_cache[0, 0, 0], &v_cache[0, 0, 0], n_kv * hd,
-                               n_past + 1, <int> hd, <int> n_head, <int> n_kv, scale, sc,
-                               &out[0, 0, 0])
-            else:
-                with parallel(num_threads=n_threads):
-                    pi_attend_team(pi_team_thread(), pi_team_size(), &q[0, 0, 0],
-                                   &k_cache[0, 0, 0], &v_cache[0, 0, 0], n_kv * hd, n_past + 1,
-                                   <int> hd, <int> n_head, <int> n_kv, scale, sc, &out[0, 0, 0])
-            free(sc)
-        return
     if not _old_prefill:
         _attention_blocks(q, k_cache, v_cache, n_past, out, scale, n_threads)
         return
@@ -789,6 +774,36 @@ def attention(const float[:, :, ::1] q, const float[:, :, ::1] k_cache,
             kvh = h // group
             _attend_head(&q[t, h, 0], &k_cache[0, kvh, 0], &v_cache[0, kvh, 0], n_kv * hd,
                          n_past + t + 1, hd, scale, sc, &out[t, h, 0])
+        free(sc)
+
+
+def attend_one(const float[:, ::1] q, const float[:, :, ::1] k_cache,
+               const float[:, :, ::1] v_cache, int n_past, float[:, ::1] out, int n_threads):
+    """One query's attention as the fused decode half-layers compute it (attend.h
+    pi_attend_team: the bits of the one-head loop _attend_head, ``attention`` under
+    set_old_prefill(1), at any n_threads). q, out (n_head, head_dim) f32; k_cache, v_cache
+    (n_ctx, n_head_kv, head_dim) f32 holding the query's own row n_past; rows 0 .. n_past read.
+    ValueError on shapes that do not fit."""
+    cdef Py_ssize_t n_head = q.shape[0], hd = q.shape[1], n_kv = k_cache.shape[1]
+    if (k_cache.shape[2] != hd or v_cache.shape[0] != k_cache.shape[0] or v_cache.shape[1] != n_kv
+            or v_cache.shape[2] != hd or out.shape[0] != n_head or out.shape[1] != hd):
+        raise ValueError("attend_one: shapes of q, the caches and out do not match")
+    if n_kv == 0 or n_head % n_kv or hd == 0:
+        raise ValueError(f"attend_one: n_head {n_head} is not a multiple of n_head_kv {n_kv}")
+    if n_past < 0 or n_past >= k_cache.shape[0]:
+        raise ValueError(f"attend_one: position {n_past} outside the cache ({k_cache.shape[0]})")
+    cdef float scale = 1.0 / sqrtf(<float> hd)
+    cdef float *sc
+    with nogil:
+        sc = <float *> malloc(n_head * (n_past + 1) * sizeof(float))
+        if n_threads <= 1:
+            pi_attend_team(0, 1, &q[0, 0], &k_cache[0, 0, 0], &v_cache[0, 0, 0], n_kv * hd,
+                           n_past + 1, <int> hd, <int> n_head, <int> n_kv, scale, sc, &out[0, 0])
+        else:
+            with parallel(num_threads=n_threads):
+                pi_attend_team(pi_team_thread(), pi_team_size(), &q[0, 0], &k_cache[0, 0, 0],
+                               &v_cache[0, 0, 0], n_kv * hd, n_past + 1, <int> hd, <int> n_head,
+                               <int> n_kv, scale, sc, &out[0, 0])
         free(sc)
 
 

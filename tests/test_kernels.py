@@ -417,9 +417,10 @@ def test_attention(n_threads):
 
 @pytest.mark.parametrize("n_threads", [1, 2, 3])
 def test_attention_one_query(n_threads):
-    """One query (decode): attend.h's kernel (every head's scores from one pass over the cache
-    rows, rows split between threads) gives the one-head-at-a-time loop's bits (the
-    set_old_prefill(1) path) and agrees with torch SDPA. Scores spread to large negative
+    """One query (the fused decode's attention, ``attend_one``): attend.h's kernel (every head's
+    scores from one pass over the cache rows, rows split between threads) gives the
+    one-head-at-a-time loop's bits (``attention`` under set_old_prefill(1)) and agrees with torch
+    SDPA. Scores spread to large negative
     differences so that some exponentials fall outside pi_expf_safe's range."""
     rng = np.random.default_rng(101 + n_threads)
     torch = _torch()
@@ -433,7 +434,7 @@ def test_attention_one_query(n_threads):
         k[n_att:] = v[n_att:] = np.nan  # rows past the query must never be read
         k, v = _ro(k), _ro(v)
         got = _nan((1, n_head, hd))
-        cpu.attention(q, k, v, n_att - 1, got, n_threads)
+        cpu._k.attend_one(q[0], k, v, n_att - 1, got[0], n_threads)
         old = cpu._k.set_old_prefill(1)
         try:
             want = _nan((1, n_head, hd))
