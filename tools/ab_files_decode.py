@@ -1,0 +1,94 @@
+#!/usr/bin/env python3
+"""Decode speed of several GGUF files against the first, interleaved, at given context depths.
+
+    python tools/ab_files_decode.py DENSE.gguf INPUT.gguf [...] [--threads 2] [--depths 8 256 480]
+        [--rounds 20] [--n-gen 16]
+
+For each depth P, every round evaluates a P-token prompt on each file's engine and then times
+--n-gen greedy tokens (so the attention reads P .. P + n_gen cache rows, as llama-bench's
+``-d P -n N``); the files run in turn, the order rotated and reversed round by round, so that the
+machine's slow spells (they move one file's speed by 25% between minutes on the 2-core box, and
+only interleaved ratios mean anything: docs/benchmarks.md) hit all files alike. Prints a
+Markdown table per depth: median tokens/s of each file and the median and quartiles of its
+per-round ratio to the first file.
+
+The context depth matters: attention is a fixed cost that the files share, so an input-sparse
+file's lead over the dense one shrinks as the cache grows (docs/benchmarks.md, session 13).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import pyinfer  # noqa: E402,F401  (before NumPy: pyinfer's OPENBLAS_NUM_THREADS=1 takes effect)
+
+import numpy as np  # noqa: E402
+
+from pyinfer.engine import Engine  # noqa: E402
+from pyinfer.errors import PyinferError  # noqa: E402
+
+TEXT = "The history of the printing press begins in the fifteenth century. " * 64
+
+
+def decode_round(eng, prompt, n_gen: int) -> float:
+    """Reset, evaluate ``prompt``, then time n_gen greedy steps: tokens/s."""
+    eng.reset()
+    tok = int(np.argmax(eng.eval_prompt(prompt)))
+    t0 = time.perf_counter()
+    for _ in range(n_gen):
+        tok = int(np.argmax(eng.eval_token(tok)))
+    return n_gen / (time.perf_counter() - t0)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("files", nargs="+", help="GGUF files; ratios are to the first")
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--depths", type=int, nargs="+", default=[8, 256, 480],
+                    help="prompt tokens before the timed steps (default 8 256 480)")
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--n-gen", type=int, default=16, help="timed greedy tokens per round")
+    args = ap.parse_args(argv)
+    if min(args.depths) < 1 or args.rounds < 1 or args.n_gen < 1 or args.threads < 1:
+        ap.error("depths, --rounds, --n-gen and --threads must be positive")
+    try:
+        n_ctx = max(args.depths) + args.n_gen + 1
+        engs = [Engine(p, n_ctx=n_ctx, n_threads=args.threads) for p in args.files]
+    except (PyinferError, OSError) as e:
+        print(f"ab_files_decode: {e}", file=sys.stderr)
+        return 1
+    ids = engs[0].tokenizer.encode(TEXT)
+    while len(ids) < max(args.depths):
+        ids = ids + ids
+    names = [os.path.basename(p) for p in args.files]
+    print(f"{args.threads} threads, {args.rounds} rounds of {args.n_gen} tokens per file and depth; "
+          f"PYINFER_ADAPTIVE_THREADS={os.environ.get('PYINFER_ADAPTIVE_THREADS', '(unset)')}\n")
+    for depth in args.depths:
+        prompt = ids[:depth]
+        for e in engs:  # warm-up: first touch of the weights and the cache
+            decode_round(e, prompt, 2)
+        res = [[] for _ in engs]
+        for r in range(args.rounds):
+            order = list(range(len(engs)))
+            order = order[r % len(order):] + order[:r % len(order)]
+            if r % 2:
+                order.reverse()
+            for k in order:
+                res[k].append(decode_round(engs[k], prompt, args.n_gen))
+        print(f"depth {depth}\n\n| file | tokens/s | vs {names[0]} | IQR |\n|---|---|---|---|")
+        for name, v in zip(names, res):
+            rat = [a / b for a, b in zip(v, res[0])]
+            q = statistics.quantiles(rat, n=4) if len(rat) > 1 else [rat[0]] * 3
+            print(f"| {name} | {statistics.median(v):.1f} | {statistics.median(rat):.3f}x "
+                  f"| {q[0]:.3f}-{q[2]:.3f} |")
+        print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
