@@ -122,7 +122,8 @@ class InputSparseFFN:
                 cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.rms_eps, cfg.rope_freq_base,
                 self.silu)
             self._plan_layers = layers
-        thr = np.stack([self.thr[g] for g in C.IN_GROUPS])  # (4, n_layer); tools reassign thr[g]
+        # (4, n_layer) f32, stacked each call: tools reassign thr[g], in any float dtype
+        thr = np.asarray(np.stack([self.thr[g] for g in C.IN_GROUPS]), np.float32)
         counts = np.zeros((cfg.n_layer, len(C.IN_GROUPS)), np.int64)
         cpu.decode_layers_in(self._plan, x, k_cache, v_cache, n_past, thr, counts, first,
                              n_threads)
