@@ -63,6 +63,9 @@ class InputSparseFFN:
         head = thresholds.get("output")
         self.lm_head_thr = None if head is None else (-1.0 if dense else float(head))
         self.head_stats = FFNStats()
+        # decode every layer of a token in one kernel call (decode_layers); False: one call per
+        # half-layer (decode_attn, decode), e.g. for a tool that wraps those to record inputs
+        self.whole_token = True
         self._plan = None  # cpu.input_decode_plan of the layers last decoded (decode_layers)
         self._plan_layers = None
         self._coef = np.empty(cfg.n_embd, np.float32)  # lm_head's kept inputs (one token)

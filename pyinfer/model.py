@@ -151,7 +151,7 @@ class Model:
         xv = x[0]
         ffn_decode = getattr(self.ffn, "decode", None)
         isp = self.input_sparse
-        if isp is not None and ffn_decode == isp.decode:  # every layer in one kernel call
+        if isp is not None and isp.whole_token and ffn_decode == isp.decode:  # one kernel call
             isp.decode_layers(w.layers, xv, self.cache.k, self.cache.v, n_past, first, nt)
             return x
         h = y = None

@@ -376,6 +376,25 @@ def test_whole_token_call_equals_half_layer_calls(input_file, n_threads):
         assert not np.array_equal(got[0], x0)
 
 
+def test_whole_token_switch(input_file):
+    """``whole_token = False`` (tools that wrap the half-layer methods) decodes through
+    ``decode_attn`` / ``decode`` layer by layer, and gives the whole-token call's logits."""
+    path, _ = input_file
+    tokens = np.random.default_rng(14).integers(3, 200, 6).tolist()
+    eng = Engine(path, n_ctx=16, n_threads=2)
+    isp = eng.model.input_sparse
+    calls = []
+    decode = isp.decode
+    isp.decode = lambda *a: calls.append(1) or decode(*a)
+    got = {}
+    for whole in (True, False):
+        isp.whole_token = whole
+        eng.reset()
+        got[whole] = np.stack([eng.eval_token(t) for t in tokens])
+        assert (len(calls) > 0) == (not whole)
+    np.testing.assert_array_equal(got[True], got[False])
+
+
 def _brute_force(cost, ub, need, max_level):
     """The least total cost over every combination of levels skipping >= need level-bytes."""
     import itertools

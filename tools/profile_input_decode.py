@@ -81,11 +81,13 @@ def record_inputs(inp, ids):
         inp.eval_prompt(ids)
         isp_mod.cpu.glu_mask = glu_mask
         ffn._mask, ffn.decode_attn, ffn.decode = orig[0], spy_attn, spy_ffn
+        ffn.whole_token = False  # the per-layer calls, so that the spies see each layer's input
         inp.reset()
         inp.eval_prompt(ids[:-1])
         inp.eval_token(ids[-1])
     finally:
         ffn._mask, ffn.decode_attn, ffn.decode = orig
+        ffn.whole_token = True
         isp_mod.cpu.glu_mask = glu_mask
     return rec
 
