@@ -26,38 +26,18 @@
 #include <math.h>
 #include "rowsum_team.h"
 
-/* s[0:n] = expf(s[0:n] - mx) */
+/* s[0:n] = expf(s[0:n] - mx), 8 or 4 lanes at a time (rowsum_team.h pi_expf8/4: expf's bits) */
 static inline void pi_exp_shifted(float *s, long n, float mx) {
     long j = 0;
 #if PI_SIMD && defined(__AVX512F__)
-    const __m256 vm8 = _mm256_set1_ps(mx);
-    for (; j + 8 <= n; j += 8) {
-        const __m256 x = _mm256_sub_ps(_mm256_loadu_ps(s + j), vm8);
-        int bad;
-        __m256 e = pi_expf_safe8(x, &bad);
-        _mm256_storeu_ps(s + j, e);
-        if (bad) {
-            float xv[8];
-            _mm256_storeu_ps(xv, x);
-            for (int l = 0; l < 8; l++)
-                if ((bad >> l) & 1) s[j + l] = expf(xv[l]);
-        }
-    }
+    const __m256 m8 = _mm256_set1_ps(mx);
+    for (; j + 8 <= n; j += 8)
+        _mm256_storeu_ps(s + j, pi_expf8(_mm256_sub_ps(_mm256_loadu_ps(s + j), m8)));
 #endif
 #if PI_SIMD
-    const __m128 vm4 = _mm_set1_ps(mx);
-    for (; j + 4 <= n; j += 4) {
-        const __m128 x = _mm_sub_ps(_mm_loadu_ps(s + j), vm4);
-        int bad;
-        __m128 e = pi_expf_safe4(x, &bad);
-        _mm_storeu_ps(s + j, e);
-        if (bad) {
-            float xv[4];
-            _mm_storeu_ps(xv, x);
-            for (int l = 0; l < 4; l++)
-                if ((bad >> l) & 1) s[j + l] = expf(xv[l]);
-        }
-    }
+    const __m128 m4 = _mm_set1_ps(mx);
+    for (; j + 4 <= n; j += 4)
+        _mm_storeu_ps(s + j, pi_expf4(_mm_sub_ps(_mm_loadu_ps(s + j), m4)));
 #endif
     for (; j < n; j++) s[j] = expf(s[j] - mx);
 }
@@ -102,7 +82,8 @@ static void pi_attend_team(int t, int T, const float *q, const float *k, const f
     for (long j = j0; j < j1; j++) {
         const float *kr = k + j * rs;
         for (int h = 0; h < n_head; h++)
-            sc[(long)h * n_att + j] = pi_dot_f32(q + (long)h * hd, kr + (long)(h / group) * hd, hd) * scale;
+            sc[(long)h * n_att + j] =
+                pi_dot_f32(q + (long)h * hd, kr + (long)(h / group) * hd, hd) * scale;
     }
     if (T > 1) pi_team_barrier();
     const int h0 = t * n_head / T, h1 = (t + 1) * n_head / T, H = h1 - h0;

@@ -295,6 +295,39 @@ static inline __m256 pi_expf_safe8(__m256 x, int *bad) {
 #endif
 #endif
 
+/* expf of 4 / 8 floats with expf's bits: pi_expf_safe4/8, the lanes they cannot vouch for
+ * through expf itself */
+#if PI_SIMD
+static inline __m128 pi_expf4(__m128 x) {
+    int bad;
+    __m128 e = pi_expf_safe4(x, &bad);
+    if (bad) {
+        float xv[4], ev[4];
+        _mm_storeu_ps(xv, x);
+        _mm_storeu_ps(ev, e);
+        for (int l = 0; l < 4; l++)
+            if ((bad >> l) & 1) ev[l] = expf(xv[l]);
+        e = _mm_loadu_ps(ev);
+    }
+    return e;
+}
+#if defined(__AVX512F__)
+static inline __m256 pi_expf8(__m256 x) {
+    int bad;
+    __m256 e = pi_expf_safe8(x, &bad);
+    if (bad) {
+        float xv[8], ev[8];
+        _mm256_storeu_ps(xv, x);
+        _mm256_storeu_ps(ev, e);
+        for (int l = 0; l < 8; l++)
+            if ((bad >> l) & 1) ev[l] = expf(xv[l]);
+        e = _mm256_loadu_ps(ev);
+    }
+    return e;
+}
+#endif
+#endif
+
 /* out[j - j0] = act(g_j) u_j for j0 <= j < j1 (gu = [g, u], (2 n_ff,)): silu through
  * pi_expf_safe (the same bits as pi_act1 under glibc), 8 lanes at a time with AVX-512, 4 with
  * AVX2 (the 1536 expf calls of a SmolLM2 layer took 5.4 us on one core, most of the activation
@@ -309,15 +342,7 @@ static inline void pi_act_values(const float *gu, long n_ff, long j0, long j1, i
 #if PI_SIMD && defined(__AVX512F__)
     for (; j + 8 <= j1; j += 8) {
         const __m256 g = _mm256_loadu_ps(gu + j);
-        int bad;
-        __m256 e = pi_expf_safe8(_mm256_xor_ps(g, _mm256_set1_ps(-0.0f)), &bad);
-        if (bad) {
-            float ev[8];
-            _mm256_storeu_ps(ev, e);
-            for (int l = 0; l < 8; l++)
-                if ((bad >> l) & 1) ev[l] = expf(-gu[j + l]);
-            e = _mm256_loadu_ps(ev);
-        }
+        const __m256 e = pi_expf8(_mm256_xor_ps(g, _mm256_set1_ps(-0.0f)));
         const __m512d q = _mm512_div_pd(_mm512_cvtps_pd(g),
                                         _mm512_add_pd(_mm512_set1_pd(1.0), _mm512_cvtps_pd(e)));
         _mm256_storeu_ps(out + j - j0,
@@ -327,15 +352,7 @@ static inline void pi_act_values(const float *gu, long n_ff, long j0, long j1, i
 #if PI_SIMD
     for (; j + 4 <= j1; j += 4) {
         const __m128 g = _mm_loadu_ps(gu + j);
-        int bad;
-        __m128 e = pi_expf_safe4(_mm_xor_ps(g, _mm_set1_ps(-0.0f)), &bad);
-        if (bad) {
-            float ev[4];
-            _mm_storeu_ps(ev, e);
-            for (int l = 0; l < 4; l++)
-                if ((bad >> l) & 1) ev[l] = expf(-gu[j + l]);
-            e = _mm_loadu_ps(ev);
-        }
+        const __m128 e = pi_expf4(_mm_xor_ps(g, _mm_set1_ps(-0.0f)));
         const __m256d q = _mm256_div_pd(_mm256_cvtps_pd(g),
                                         _mm256_add_pd(_mm256_set1_pd(1.0), _mm256_cvtps_pd(e)));
         _mm_storeu_ps(out + j - j0, _mm_mul_ps(_mm256_cvtpd_ps(q), _mm_loadu_ps(gu + n_ff + j)));
