@@ -792,19 +792,25 @@ def attend_one(const float[:, ::1] q, const float[:, :, ::1] k_cache,
         raise ValueError(f"attend_one: n_head {n_head} is not a multiple of n_head_kv {n_kv}")
     if n_past < 0 or n_past >= k_cache.shape[0]:
         raise ValueError(f"attend_one: position {n_past} outside the cache ({k_cache.shape[0]})")
-    cdef float scale = 1.0 / sqrtf(<float> hd)
-    cdef float *sc
     with nogil:
-        sc = <float *> malloc(n_head * (n_past + 1) * sizeof(float))
-        if n_threads <= 1:
-            pi_attend_team(0, 1, &q[0, 0], &k_cache[0, 0, 0], &v_cache[0, 0, 0], n_kv * hd,
-                           n_past + 1, <int> hd, <int> n_head, <int> n_kv, scale, sc, &out[0, 0])
-        else:
-            with parallel(num_threads=n_threads):
-                pi_attend_team(pi_team_thread(), pi_team_size(), &q[0, 0], &k_cache[0, 0, 0],
-                               &v_cache[0, 0, 0], n_kv * hd, n_past + 1, <int> hd, <int> n_head,
-                               <int> n_kv, scale, sc, &out[0, 0])
-        free(sc)
+        _attend_decode(&q[0, 0], &k_cache[0, 0, 0], &v_cache[0, 0, 0], n_past + 1, <int> hd,
+                       <int> n_head, <int> n_kv, 1.0 / sqrtf(<float> hd), &out[0, 0], n_threads)
+
+
+cdef void _attend_decode(const float *q, const float *k, const float *v, Py_ssize_t n_att, int hd,
+                         int n_head, int n_kv, float scale, float *out,
+                         int n_threads) noexcept nogil:
+    """One query over cache rows 0 .. n_att - 1 (k, v: row 0 of (n_ctx, n_kv, hd) caches), every
+    head into out (n_head, hd): attend.h pi_attend_team on up to n_threads threads, its scores in
+    a scratch of n_head n_att floats."""
+    cdef float *sc = <float *> malloc(n_head * n_att * sizeof(float))
+    if n_threads <= 1:
+        pi_attend_team(0, 1, q, k, v, n_kv * hd, n_att, hd, n_head, n_kv, scale, sc, out)
+    else:
+        with parallel(num_threads=n_threads):
+            pi_attend_team(pi_team_thread(), pi_team_size(), q, k, v, n_kv * hd, n_att, hd,
+                           n_head, n_kv, scale, sc, out)
+    free(sc)
 
 
 cdef void _attention_blocks(const float[:, :, ::1] q, const float[:, :, ::1] k_cache,
@@ -1028,11 +1034,8 @@ def decode_attn(float[::1] x, const float[::1] attn_norm, float eps,
     cdef float *q
     cdef float *att
     cdef float *y
-    cdef float *sc
-    cdef Py_ssize_t group = n_head // n_kv, i, tt, n_att = n_past + 1
+    cdef Py_ssize_t i, n_att = n_past + 1
     cdef float scale = 1.0 / sqrtf(<float> hd)
-    if n_threads < 1:
-        n_threads = 1
     with nogil:
         buf = <float *> malloc((2 * n_embd + 2 * nq + hd) * sizeof(float))
         h = buf
@@ -1062,16 +1065,8 @@ def decode_attn(float[::1] x, const float[::1] attn_norm, float eps,
         _rope_rotate(&k_cache[n_past, 0, 0], n_kv, hd, hd // 2, att, att + hd // 2)
     # one pass over the cache rows for the scores, then each thread's heads (attend.h)
     with nogil:
-        sc = <float *> malloc(n_head * n_att * sizeof(float))
-        if n_threads == 1:
-            pi_attend_team(0, 1, q, &k_cache[0, 0, 0], &v_cache[0, 0, 0], n_kv * hd, n_att,
-                           <int> hd, n_head, <int> n_kv, scale, sc, att)
-        else:
-            with parallel(num_threads=n_threads):
-                pi_attend_team(pi_team_thread(), pi_team_size(), q, &k_cache[0, 0, 0],
-                               &v_cache[0, 0, 0], n_kv * hd, n_att, <int> hd, n_head, <int> n_kv,
-                               scale, sc, att)
-        free(sc)
+        _attend_decode(q, &k_cache[0, 0, 0], &v_cache[0, 0, 0], n_att, <int> hd, n_head,
+                       <int> n_kv, scale, att, n_threads)
     with nogil:
         _matvec1(&wo[0, 0], to, wo.shape[1], n_embd, nq, att, y, n_threads)
         for i in range(n_embd):
@@ -1309,10 +1304,7 @@ def decode_ffn_in(float[::1] x, const float[::1] ffn_norm, float eps,
     norm and selection before them on one thread). Returns (gate/up rows read, down rows read)."""
     cdef int n_embd = x.shape[0]
     _check_len(ffn_norm.shape[0], n_embd, "decode_ffn_in ffn_norm")
-    _check_len(_in_rows(wgu, tgu), n_embd, "decode_ffn_in gate_up rows")
-    cdef Py_ssize_t n_ff = _in_rows(wd, td)
-    _check_w(wgu, tgu, 2 * n_ff)
-    _check_w(wd, td, n_embd)
+    cdef Py_ssize_t n_ff = _check_ffn_in(wgu, tgu, wd, td, n_embd, "decode_ffn_in")
     cdef const float *sgu = _opt_ptr(scale_gu, n_embd, "decode_ffn_in scale_gu")
     cdef const float *sd = _opt_ptr(scale_d, n_ff, "decode_ffn_in scale_d")
     cdef int T = max(n_threads, 1)
@@ -1347,6 +1339,28 @@ def decode_ffn_in(float[::1] x, const float[::1] ffn_norm, float eps,
         free(priv)
         free(cnt)
     return counts[0], counts[1]
+
+
+cdef int _check_attn_in(const uint8_t[:, ::1] wqkv, int tqkv, const uint8_t[:, ::1] wo, int to,
+                        Py_ssize_t n_embd, Py_ssize_t nq, Py_ssize_t nkv, str what) except -1:
+    """ValueError unless wqkv is attn_qkv_t (n_embd inputs, nq + 2 nkv outputs) and wo
+    attn_output_t (nq inputs, n_embd outputs), transposed or input-block."""
+    _check_w(wqkv, tqkv, <int> (nq + 2 * nkv))
+    _check_w(wo, to, <int> n_embd)
+    _check_len(_in_rows(wqkv, tqkv), n_embd, what + " qkv rows")
+    _check_len(_in_rows(wo, to), nq, what + " output rows")
+    return 0
+
+
+cdef Py_ssize_t _check_ffn_in(const uint8_t[:, ::1] wgu, int tgu, const uint8_t[:, ::1] wd,
+                              int td, Py_ssize_t n_embd, str what) except -1:
+    """n_ff, the down projection's inputs; ValueError unless wgu is ffn_gate_up_t (n_embd inputs,
+    2 n_ff outputs) and wd ffn_down_t (n_ff inputs, n_embd outputs), transposed or input-block."""
+    _check_len(_in_rows(wgu, tgu), n_embd, what + " gate_up rows")
+    cdef Py_ssize_t n_ff = _in_rows(wd, td)
+    _check_w(wgu, tgu, <int> (2 * n_ff))
+    _check_w(wd, td, <int> n_embd)
+    return n_ff
 
 
 cdef struct AttnBufs:  # decode_attn_in's shared scratch (see _attn_bufs)
@@ -1477,11 +1491,8 @@ def decode_attn_in(float[::1] x, const float[::1] attn_norm, float eps,
     cdef int n_embd = x.shape[0]
     cdef Py_ssize_t n_ctx = k_cache.shape[0], n_kv = k_cache.shape[1], hd = k_cache.shape[2]
     cdef Py_ssize_t nq = n_head * hd, nkv = n_kv * hd
-    _check_w(wqkv, tqkv, <int> (nq + 2 * nkv))
-    _check_w(wo, to, n_embd)
+    _check_attn_in(wqkv, tqkv, wo, to, n_embd, nq, nkv, "decode_attn_in")
     _check_len(attn_norm.shape[0], n_embd, "decode_attn_in attn_norm")
-    _check_len(_in_rows(wqkv, tqkv), n_embd, "decode_attn_in qkv rows")
-    _check_len(_in_rows(wo, to), nq, "decode_attn_in output rows")
     if (v_cache.shape[0] != n_ctx or v_cache.shape[1] != n_kv or v_cache.shape[2] != hd
             or n_kv == 0 or n_head % n_kv or hd % 2):
         raise ValueError("decode_attn_in: cache shapes do not match the heads")
@@ -1567,7 +1578,7 @@ cdef class InputDecodePlan:
         self.vec = <const float **> malloc(6 * n * sizeof(float *))
         if not (self.w and self.stride and self.qtype and self.vec):
             raise MemoryError()
-        cdef Py_ssize_t nq = n_head * hd, nkv = n_kv * hd, n_embd = -1, n_ff = -1
+        cdef Py_ssize_t nq = n_head * hd, nkv = n_kv * hd, n_embd = -1, n_ff = -1, nf
         self.nt_qkv = self.nt_o = self.nt_gu = self.nt_d = 0
         for i in range(n):
             lt = layers[i]
@@ -1581,34 +1592,29 @@ cdef class InputDecodePlan:
             fv = lt[0]
             if n_embd < 0:
                 n_embd = fv.shape[0]
-                wv = lt[8]
-                n_ff = _in_rows(wv, self.qtype[3])
             _check_len(fv.shape[0], n_embd, "InputDecodePlan attn_norm")
             self.vec[6 * i] = &fv[0]
             fv = lt[5]
             _check_len(fv.shape[0], n_embd, "InputDecodePlan ffn_norm")
             self.vec[6 * i + 1] = &fv[0]
+            _check_attn_in(lt[1], self.qtype[4 * i], lt[3], self.qtype[4 * i + 1], n_embd, nq,
+                           nkv, "InputDecodePlan")
+            nf = _check_ffn_in(lt[6], self.qtype[4 * i + 2], lt[8], self.qtype[4 * i + 3], n_embd,
+                               "InputDecodePlan")
+            if n_ff < 0:
+                n_ff = nf
+            _check_len(nf, n_ff, "InputDecodePlan down rows")
             self.vec[6 * i + 2] = _opt_ptr(lt[10], n_embd, "InputDecodePlan scale_qkv")
             self.vec[6 * i + 3] = _opt_ptr(lt[11], nq, "InputDecodePlan scale_o")
             self.vec[6 * i + 4] = _opt_ptr(lt[12], n_embd, "InputDecodePlan scale_gu")
             self.vec[6 * i + 5] = _opt_ptr(lt[13], n_ff, "InputDecodePlan scale_d")
-            wv = lt[1]
-            _check_w(wv, self.qtype[4 * i], <int> (nq + 2 * nkv))
-            _check_len(_in_rows(wv, self.qtype[4 * i]), n_embd, "InputDecodePlan qkv rows")
             self.nt_qkv = max(self.nt_qkv, pi_axpy_tmp_floats(n_embd, <int> (nq + 2 * nkv),
-                                                              wv.shape[1]))
-            wv = lt[3]
-            _check_w(wv, self.qtype[4 * i + 1], <int> n_embd)
-            _check_len(_in_rows(wv, self.qtype[4 * i + 1]), nq, "InputDecodePlan output rows")
-            self.nt_o = max(self.nt_o, pi_axpy_tmp_floats(nq, <int> n_embd, wv.shape[1]))
-            wv = lt[6]
-            _check_w(wv, self.qtype[4 * i + 2], <int> (2 * n_ff))
-            _check_len(_in_rows(wv, self.qtype[4 * i + 2]), n_embd, "InputDecodePlan gate_up rows")
-            self.nt_gu = max(self.nt_gu, pi_axpy_tmp_floats(n_embd, <int> (2 * n_ff), wv.shape[1]))
-            wv = lt[8]
-            _check_w(wv, self.qtype[4 * i + 3], <int> n_embd)
-            _check_len(_in_rows(wv, self.qtype[4 * i + 3]), n_ff, "InputDecodePlan down rows")
-            self.nt_d = max(self.nt_d, pi_axpy_tmp_floats(n_ff, <int> n_embd, wv.shape[1]))
+                                                              self.stride[4 * i]))
+            self.nt_o = max(self.nt_o, pi_axpy_tmp_floats(nq, <int> n_embd, self.stride[4 * i + 1]))
+            self.nt_gu = max(self.nt_gu, pi_axpy_tmp_floats(n_embd, <int> (2 * n_ff),
+                                                            self.stride[4 * i + 2]))
+            self.nt_d = max(self.nt_d, pi_axpy_tmp_floats(n_ff, <int> n_embd,
+                                                          self.stride[4 * i + 3]))
         self.n_embd, self.n_ff = <int> n_embd, <int> n_ff
 
     def __dealloc__(self):
@@ -1616,6 +1622,31 @@ cdef class InputDecodePlan:
         free(self.stride)
         free(self.qtype)
         free(self.vec)
+
+
+cdef void _layers_in_team(int t, int T, int first, int L, float *x, float *kc, float *vc,
+                          Py_ssize_t layer_rows, int n_past, const float *thr,
+                          const uint8_t **w, size_t *st, int *qt, const float **vec, float eps,
+                          int n_embd, int n_head, int n_kv, int hd, Py_ssize_t n_ff, double fb,
+                          int silu, AttnBufs *a, FfnBufs *f, long *cnt, float *priv,
+                          Py_ssize_t n_priv, Py_ssize_t *cts) noexcept nogil:
+    """Thread t of T's share of decode_layers_in: layers first .. L - 1, each _attn_in_team then
+    _ffn_in_team with a barrier after each (x complete before every thread norms it). thr (4, L)
+    row-major; cts: 4 counts a layer. t = 0, T = 1 runs serially (rowsum_team.h's conventions)."""
+    cdef int l
+    cdef Py_ssize_t rs = n_kv * hd
+    for l in range(first, L):
+        _attn_in_team(t, T, x, vec[6 * l], eps, n_embd, w[4 * l], st[4 * l], qt[4 * l],
+                      w[4 * l + 1], st[4 * l + 1], qt[4 * l + 1], kc + l * layer_rows,
+                      vc + l * layer_rows, rs, n_past, n_head, n_kv, hd, fb, vec[6 * l + 2],
+                      thr[l], vec[6 * l + 3], thr[L + l], a.qkv, a.att, a.cs, a.sc, a.tmp_qkv,
+                      a.tmp_o, a.y, priv, n_priv, cts + 4 * l)
+        pi_team_barrier()
+        _ffn_in_team(t, T, x, vec[6 * l + 1], eps, n_embd, w[4 * l + 2], st[4 * l + 2],
+                     qt[4 * l + 2], w[4 * l + 3], st[4 * l + 3], qt[4 * l + 3], n_ff,
+                     vec[6 * l + 4], thr[2 * L + l], vec[6 * l + 5], thr[3 * L + l], silu, f.gu,
+                     f.y, f.ctmp, f.itmp, f.tmp_gu, f.tmp_d, cnt, priv, n_priv, cts + 4 * l + 2)
+        pi_team_barrier()
 
 
 def decode_layers_in(InputDecodePlan plan, float[::1] x, float[:, :, :, ::1] k_cache,
@@ -1629,7 +1660,7 @@ def decode_layers_in(InputDecodePlan plan, float[::1] x, float[:, :, :, ::1] k_c
     rows each projection read (as the two calls return them; rows before `first` untouched).
     ValueError on shapes that do not fit."""
     cdef int L = plan.n_layer, n_embd = plan.n_embd, n_head = plan.n_head, n_kv = plan.n_kv
-    cdef int hd = plan.hd, T = max(n_threads, 1), l, t, TT
+    cdef int hd = plan.hd, T = max(n_threads, 1), l, t
     cdef Py_ssize_t n_ff = plan.n_ff, nq = n_head * hd, nkv = n_kv * hd, rs = nkv
     _check_len(x.shape[0], n_embd, "decode_layers_in x")
     if (k_cache.shape[0] != L or v_cache.shape[0] != L or k_cache.shape[1] != v_cache.shape[1]
@@ -1670,36 +1701,14 @@ def decode_layers_in(InputDecodePlan plan, float[::1] x, float[:, :, :, ::1] k_c
         cnt = <long *> malloc(T * sizeof(long))
         cts = <Py_ssize_t *> malloc(4 * L * sizeof(Py_ssize_t))
         if T == 1:
-            for l in range(first, L):
-                _attn_in_team(0, 1, &x[0], vec[6 * l], eps, n_embd, w[4 * l], st[4 * l],
-                              qt[4 * l], w[4 * l + 1], st[4 * l + 1], qt[4 * l + 1],
-                              kc + l * layer_rows, vc + l * layer_rows, rs, n_past, n_head, n_kv,
-                              hd, fb, vec[6 * l + 2], thr[0, l], vec[6 * l + 3], thr[1, l], a.qkv,
-                              a.att, a.cs, a.sc, a.tmp_qkv, a.tmp_o, a.y, priv, n_priv,
-                              cts + 4 * l)
-                _ffn_in_team(0, 1, &x[0], vec[6 * l + 1], eps, n_embd, w[4 * l + 2],
-                             st[4 * l + 2], qt[4 * l + 2], w[4 * l + 3], st[4 * l + 3],
-                             qt[4 * l + 3], n_ff, vec[6 * l + 4], thr[2, l], vec[6 * l + 5],
-                             thr[3, l], silu, f.gu, f.y, f.ctmp, f.itmp, f.tmp_gu, f.tmp_d, cnt,
-                             priv, n_priv, cts + 4 * l + 2)
+            _layers_in_team(0, 1, first, L, &x[0], kc, vc, layer_rows, n_past, &thr[0, 0], w, st,
+                            qt, vec, eps, n_embd, n_head, n_kv, hd, n_ff, fb, silu, &a, &f, cnt,
+                            priv, n_priv, cts)
         else:
             with parallel(num_threads=T):
-                t = pi_team_thread()
-                TT = pi_team_size()
-                for l in range(first, L):
-                    _attn_in_team(t, TT, &x[0], vec[6 * l], eps, n_embd, w[4 * l], st[4 * l],
-                                  qt[4 * l], w[4 * l + 1], st[4 * l + 1], qt[4 * l + 1],
-                                  kc + l * layer_rows, vc + l * layer_rows, rs, n_past, n_head,
-                                  n_kv, hd, fb, vec[6 * l + 2], thr[0, l], vec[6 * l + 3],
-                                  thr[1, l], a.qkv, a.att, a.cs, a.sc, a.tmp_qkv, a.tmp_o, a.y, priv,
-                                  n_priv, cts + 4 * l)
-                    pi_team_barrier()  # x complete before every thread norms it
-                    _ffn_in_team(t, TT, &x[0], vec[6 * l + 1], eps, n_embd, w[4 * l + 2],
-                                 st[4 * l + 2], qt[4 * l + 2], w[4 * l + 3], st[4 * l + 3],
-                                 qt[4 * l + 3], n_ff, vec[6 * l + 4], thr[2, l], vec[6 * l + 5],
-                                 thr[3, l], silu, f.gu, f.y, f.ctmp, f.itmp, f.tmp_gu, f.tmp_d, cnt,
-                                 priv, n_priv, cts + 4 * l + 2)
-                    pi_team_barrier()
+                _layers_in_team(pi_team_thread(), pi_team_size(), first, L, &x[0], kc, vc,
+                                layer_rows, n_past, &thr[0, 0], w, st, qt, vec, eps, n_embd,
+                                n_head, n_kv, hd, n_ff, fb, silu, &a, &f, cnt, priv, n_priv, cts)
         for l in range(first, L):
             for t in range(4):
                 counts[l, t] = cts[4 * l + t]
