@@ -131,11 +131,8 @@ class InputSparseFFN:
         cpu.decode_layers_in(self._plan, x, k_cache, v_cache, n_past, thr, counts, first,
                              n_threads)
         kept = counts[first:].sum(axis=0)
-        n_run = cfg.n_layer - first
-        for gi, g in enumerate(C.IN_GROUPS):
-            n_in, n_out = self.sizes[g]
-            self.stats.total += n_run * n_in * n_out
-            self.stats.active += int(kept[gi]) * n_out
+        for gi, g in enumerate(C.IN_GROUPS):  # as the half-layer calls count, layers summed
+            self._count(g, int(kept[gi]), cfg.n_layer - first)
 
     # ---- a batch (prefill): dense products over masked inputs ---------------------------------
     def qkv(self, lw, layer: int, h: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray,
