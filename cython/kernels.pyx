@@ -84,6 +84,8 @@ cdef extern from "rowsum_team.h" nogil:
     void pi_axpy_rows_par(int qtype, const uint8_t *w, size_t stride, const float *coef,
                           const int32_t *idx, long n, float *out, int cols, float *tmp,
                           int n_threads)
+    long pi_select_kept(const float *x, const float *scale, float thr, long n, long j0,
+                        float *coef, int32_t *idx)
     long pi_act_select(const float *gu, long n_ff, long j0, long j1, int silu, const float *sd,
                        float thr, float *coef, int32_t *idx)
     void pi_act_values(const float *gu, long n_ff, long j0, long j1, int silu, float *out)
@@ -1213,20 +1215,11 @@ def decode_ffn_rows(float[::1] x, const float[::1] ffn_norm, float eps,
 # and ffn_down_t as before), so y is an AXPY over the rows of the kept channels (_axpy_rows: the
 # row sum is cut into chunks by the number of kept rows alone, never by the thread count).
 
-cdef Py_ssize_t _select_inputs(const float *x, const float *scale, float thr, Py_ssize_t n,
-                               float *coef, int32_t *idx) noexcept nogil:
+cdef inline Py_ssize_t _select_inputs(const float *x, const float *scale, float thr, Py_ssize_t n,
+                                      float *coef, int32_t *idx) noexcept nogil:
     """Keep channel j where |x[j]| * scale[j] > thr (scale NULL: 1): writes x[j] into coef[:k]
-    and j into idx[:k], returns k. thr < 0 keeps every channel. Branch-free compaction."""
-    cdef Py_ssize_t j, k = 0
-    cdef float s
-    for j in range(n):
-        s = fabsf(x[j])
-        if scale != NULL:
-            s = s * scale[j]
-        coef[k] = x[j]
-        idx[k] = <int32_t> j
-        k += <int> (s > thr)
-    return k
+    and j into idx[:k], returns k. thr < 0 keeps every channel (rowsum_team.h pi_select_kept)."""
+    return pi_select_kept(x, scale, thr, n, 0, coef, idx)
 
 
 cdef inline const float *_opt_ptr(const float[::1] a, Py_ssize_t n, str what) except? NULL:
@@ -1371,6 +1364,16 @@ cdef struct AttnBufs:  # decode_attn_in's shared scratch (see _attn_bufs)
     float *sc
     float *tmp_qkv
     float *tmp_o
+
+
+cdef struct HeadArgs:  # decode_layers_in's lm head (InputDecodePlan.set_head, the threshold)
+    const float *norm
+    const uint8_t *raw
+    const float *scale
+    int qtype
+    int n_out
+    int chunk
+    float thr
 
 
 cdef struct FfnBufs:  # decode_ffn_in's shared scratch (see _ffn_bufs)
@@ -1557,6 +1560,12 @@ cdef class InputDecodePlan:
     cdef const float **vec
     cdef Py_ssize_t nt_qkv, nt_o, nt_gu, nt_d
     cdef list _keep
+    # the lm head (set_head): output norm, chunked input-block matrix, channel scale
+    cdef const float *h_norm
+    cdef const uint8_t *h_raw
+    cdef const float *h_scale
+    cdef readonly int h_qtype, h_n_out, h_chunk
+    cdef tuple _keep_head
 
     def __cinit__(self, list layers, int n_head, int n_kv, int hd, float eps, double freq_base,
                   int silu):
@@ -1567,6 +1576,8 @@ cdef class InputDecodePlan:
         self.stride = NULL
         self.qtype = NULL
         self.vec = NULL
+        self.h_raw = NULL
+        self.h_n_out = 0
         if n == 0 or n_kv <= 0 or n_head % n_kv or hd % 2:
             raise ValueError("InputDecodePlan: no layers, or heads that do not fit")
         self.n_layer, self.n_head, self.n_kv, self.hd = n, n_head, n_kv, hd
@@ -1617,6 +1628,26 @@ cdef class InputDecodePlan:
                                                           self.stride[4 * i + 3]))
         self.n_embd, self.n_ff = <int> n_embd, <int> n_ff
 
+    def set_head(self, const float[::1] norm, const uint8_t[::1] raw, int qtype, int n_out,
+                 int chunk, const float[::1] scale):
+        """The lm head for decode_layers_in's logits: norm (n_embd,) f32 the output norm's
+        weight; raw the chunked input-block matrix (pyinfer.ops.cpu.IBChunks: n_out outputs in
+        chunks of ``chunk``, as ib_chunks_axpy takes it); scale (n_embd,) f32 or None, the
+        channel scores' factor. ValueError on shapes that do not fit."""
+        cdef int n_embd = self.n_embd
+        if (not pi_is_ib(qtype) or n_embd % 32 or n_out <= 0 or n_out % PI_IB_TILE or chunk <= 0
+                or chunk % PI_IB_TILE):
+            raise ValueError(f"InputDecodePlan.set_head: no chunked input-block matrix ({n_out}, "
+                             f"{n_embd}) in chunks of {chunk}")
+        _check_len(norm.shape[0], n_embd, "InputDecodePlan.set_head norm")
+        _check_len(raw.shape[0], <Py_ssize_t> ((n_embd // 32) * pi_ib_block_bytes(qtype, n_out)),
+                   "InputDecodePlan.set_head raw")
+        self.h_scale = _opt_ptr(scale, n_embd, "InputDecodePlan.set_head scale")
+        self.h_norm = &norm[0]
+        self.h_raw = &raw[0]
+        self.h_qtype, self.h_n_out, self.h_chunk = qtype, n_out, chunk
+        self._keep_head = (norm, raw, scale)
+
     def __dealloc__(self):
         free(self.w)
         free(self.stride)
@@ -1629,12 +1660,19 @@ cdef void _layers_in_team(int t, int T, int first, int L, float *x, float *kc, f
                           const uint8_t **w, size_t *st, int *qt, const float **vec, float eps,
                           int n_embd, int n_head, int n_kv, int hd, Py_ssize_t n_ff, double fb,
                           int silu, AttnBufs *a, FfnBufs *f, long *cnt, float *priv,
-                          Py_ssize_t n_priv, Py_ssize_t *cts) noexcept nogil:
+                          Py_ssize_t n_priv, Py_ssize_t *cts, const HeadArgs *hd_,
+                          float *logits) noexcept nogil:
     """Thread t of T's share of decode_layers_in: layers first .. L - 1, each _attn_in_team then
-    _ffn_in_team with a barrier after each (x complete before every thread norms it). thr (4, L)
-    row-major; cts: 4 counts a layer. t = 0, T = 1 runs serially (rowsum_team.h's conventions)."""
-    cdef int l
-    cdef Py_ssize_t rs = n_kv * hd
+    _ffn_in_team with a barrier after each (x complete before every thread norms it); then, with
+    logits not NULL, the lm head of plan.set_head: every thread the output norm and the kept list
+    of its own (as the half-layers do), its half tiles of each chunk (ib_chunks_axpy's split, no
+    barrier), into logits (hd_.n_out,). thr (4, L) row-major; cts: 4 counts a layer, then the head's. t = 0, T = 1 runs
+    serially (rowsum_team.h's conventions)."""
+    cdef int l, c0, cols
+    cdef Py_ssize_t rs = n_kv * hd, n
+    cdef float *h
+    cdef float *cin
+    cdef int32_t *iin
     for l in range(first, L):
         _attn_in_team(t, T, x, vec[6 * l], eps, n_embd, w[4 * l], st[4 * l], qt[4 * l],
                       w[4 * l + 1], st[4 * l + 1], qt[4 * l + 1], kc + l * layer_rows,
@@ -1647,18 +1685,40 @@ cdef void _layers_in_team(int t, int T, int first, int L, float *x, float *kc, f
                      vec[6 * l + 4], thr[2 * L + l], vec[6 * l + 5], thr[3 * L + l], silu, f.gu,
                      f.y, f.ctmp, f.itmp, f.tmp_gu, f.tmp_d, cnt, priv, n_priv, cts + 4 * l + 2)
         pi_team_barrier()
+    if logits == NULL:
+        return
+    h = priv + t * n_priv
+    cin = h + n_embd
+    iin = <int32_t *> (cin + n_embd)
+    _rmsnorm1(x, hd_.norm, eps, h, n_embd)
+    n = _select_inputs(h, hd_.scale, hd_.thr, n_embd, cin, iin)
+    c0 = 0
+    while c0 < hd_.n_out:
+        cols = hd_.n_out - c0 if hd_.n_out - c0 < hd_.chunk else hd_.chunk
+        pi_axpy_rows_team(t, T, hd_.qtype,
+                          hd_.raw + (n_embd // 32) * pi_ib_block_bytes(hd_.qtype, c0),
+                          pi_ib_block_bytes(hd_.qtype, cols), cin, iin, n, logits + c0, cols,
+                          NULL, NULL)
+        c0 = c0 + hd_.chunk
+    if t == 0:
+        cts[4 * L] = n
 
 
 def decode_layers_in(InputDecodePlan plan, float[::1] x, float[:, :, :, ::1] k_cache,
                      float[:, :, :, ::1] v_cache, int n_past, const float[:, ::1] thr,
-                     int64_t[:, ::1] counts, int first, int n_threads):
+                     int64_t[:, ::1] counts, int first, int n_threads, float[::1] logits=None,
+                     float head_thr=-1.0):
     """Layers first .. n_layer - 1 of one token with input sparsity, in place on x (n_embd,) f32:
     per layer decode_attn_in then decode_ffn_in (the same team functions, so the same bits), in
     ONE parallel region with a barrier after each half-layer. k_cache, v_cache (n_layer, n_ctx,
     n_head_kv, head_dim) f32, row n_past of each layer written; thr (4, n_layer) f32: the
-    thresholds of attn_qkv, attn_output, ffn_gate_up, ffn_down; counts (n_layer, 4) int64: the
-    rows each projection read (as the two calls return them; rows before `first` untouched).
-    ValueError on shapes that do not fit."""
+    thresholds of attn_qkv, attn_output, ffn_gate_up, ffn_down; counts (n_layer, 4) int64 or
+    None: the rows each projection read (as the two calls return them; rows before `first`
+    untouched). logits (n_vocab,) f32 or None: with the plan's set_head, the same region then
+    writes the lm head's logits of the output-normed x, channels of score <= head_thr skipped
+    (the bits of rmsnorm, select_inputs and ib_chunks_axpy). Returns (qkv, output, gate_up, down,
+    head) rows read, the first four summed over the layers, head -1 without logits. ValueError
+    on shapes that do not fit."""
     cdef int L = plan.n_layer, n_embd = plan.n_embd, n_head = plan.n_head, n_kv = plan.n_kv
     cdef int hd = plan.hd, T = max(n_threads, 1), l, t
     cdef Py_ssize_t n_ff = plan.n_ff, nq = n_head * hd, nkv = n_kv * hd, rs = nkv
@@ -1669,10 +1729,20 @@ def decode_layers_in(InputDecodePlan plan, float[::1] x, float[:, :, :, ::1] k_c
         raise ValueError("decode_layers_in: cache shapes do not match the plan")
     if n_past < 0 or n_past >= k_cache.shape[1]:
         raise ValueError(f"decode_layers_in: position {n_past} outside the cache ({k_cache.shape[1]})")
-    if thr.shape[0] != 4 or thr.shape[1] != L or counts.shape[0] != L or counts.shape[1] != 4:
+    if (thr.shape[0] != 4 or thr.shape[1] != L
+            or (counts is not None and (counts.shape[0] != L or counts.shape[1] != 4))):
         raise ValueError("decode_layers_in: thr must be (4, n_layer), counts (n_layer, 4)")
     if first < 0 or first > L:
         raise ValueError(f"decode_layers_in: first layer {first} outside 0..{L}")
+    cdef HeadArgs ha
+    cdef float *lp = NULL
+    if logits is not None:
+        if plan.h_raw == NULL:
+            raise ValueError("decode_layers_in: logits asked of a plan without set_head")
+        _check_len(logits.shape[0], plan.h_n_out, "decode_layers_in logits")
+        lp = &logits[0]
+        ha.norm, ha.raw, ha.scale = plan.h_norm, plan.h_raw, plan.h_scale
+        ha.qtype, ha.n_out, ha.chunk, ha.thr = plan.h_qtype, plan.h_n_out, plan.h_chunk, head_thr
     cdef Py_ssize_t n_att = n_past + 1, layer_rows = k_cache.shape[1] * rs
     cdef Py_ssize_t n_priv = (max(2 * nq + 3 * n_embd, 3 * n_embd + 2 * n_ff) + 15) // 16 * 16
     cdef AttnBufs a
@@ -1683,6 +1753,7 @@ def decode_layers_in(InputDecodePlan plan, float[::1] x, float[:, :, :, ::1] k_c
     cdef float *priv
     cdef long *cnt
     cdef Py_ssize_t *cts
+    cdef Py_ssize_t sums[5]
     cdef float *kc = &k_cache[0, 0, 0, 0]
     cdef float *vc = &v_cache[0, 0, 0, 0]
     cdef const uint8_t **w = plan.w
@@ -1692,6 +1763,7 @@ def decode_layers_in(InputDecodePlan plan, float[::1] x, float[:, :, :, ::1] k_c
     cdef float eps = plan.eps
     cdef double fb = plan.freq_base
     cdef int silu = plan.silu
+    cdef int has_counts = counts is not None
     with nogil:
         buf = <float *> malloc((n_abuf + _ffn_bufs(NULL, &f, n_embd, n_ff, plan.nt_gu, plan.nt_d)
                                 + 1) * sizeof(float))
@@ -1699,23 +1771,31 @@ def decode_layers_in(InputDecodePlan plan, float[::1] x, float[:, :, :, ::1] k_c
         _ffn_bufs(buf + n_abuf, &f, n_embd, n_ff, plan.nt_gu, plan.nt_d)
         priv = <float *> aligned_alloc(64, T * n_priv * sizeof(float))
         cnt = <long *> malloc(T * sizeof(long))
-        cts = <Py_ssize_t *> malloc(4 * L * sizeof(Py_ssize_t))
+        cts = <Py_ssize_t *> malloc((4 * L + 1) * sizeof(Py_ssize_t))
+        cts[4 * L] = -1
         if T == 1:
             _layers_in_team(0, 1, first, L, &x[0], kc, vc, layer_rows, n_past, &thr[0, 0], w, st,
                             qt, vec, eps, n_embd, n_head, n_kv, hd, n_ff, fb, silu, &a, &f, cnt,
-                            priv, n_priv, cts)
+                            priv, n_priv, cts, &ha, lp)
         else:
             with parallel(num_threads=T):
                 _layers_in_team(pi_team_thread(), pi_team_size(), first, L, &x[0], kc, vc,
                                 layer_rows, n_past, &thr[0, 0], w, st, qt, vec, eps, n_embd,
-                                n_head, n_kv, hd, n_ff, fb, silu, &a, &f, cnt, priv, n_priv, cts)
+                                n_head, n_kv, hd, n_ff, fb, silu, &a, &f, cnt, priv, n_priv, cts,
+                                &ha, lp)
+        for t in range(4):
+            sums[t] = 0
         for l in range(first, L):
             for t in range(4):
-                counts[l, t] = cts[4 * l + t]
+                sums[t] += cts[4 * l + t]
+                if has_counts:
+                    counts[l, t] = cts[4 * l + t]
+        sums[4] = cts[4 * L]
         free(buf)
         free(priv)
         free(cnt)
         free(cts)
+    return sums[0], sums[1], sums[2], sums[3], sums[4]
 
 
 # ---------------------------------------------------------------- the CPU's part of a split layer

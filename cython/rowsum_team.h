@@ -364,23 +364,51 @@ static inline void pi_act_values(const float *gu, long n_ff, long j0, long j1, i
     }
 }
 
-/* a_j = act(g_j) u_j for j0 <= j < j1 (gu = [g, u], (2 n_ff,)); the kept ones (|a_j| sd_j > thr,
- * sd NULL: 1) written in order to coef/idx (room for j1 - j0 each; branch-free compaction: kept
- * or dropped mispredicts half the time); returns their count. Two loops: the activations first
- * (pi_act_values), then the compaction in place. */
-static inline long pi_act_select(const float *gu, long n_ff, long j0, long j1, int silu,
-                                 const float *sd, float thr, float *coef, int32_t *idx) {
-    long k = 0;
-    pi_act_values(gu, n_ff, j0, j1, silu, coef);
-    for (long j = j0; j < j1; j++) {
-        const float a = coef[j - j0];
+/* The kept channels of x[0:n]: x[i] where |x[i]| * scale[i] > thr (scale NULL: |x[i]| > thr; a
+ * NaN score is dropped), written in order to coef[0:k] and their channels j0 + i to idx[0:k];
+ * returns k. coef may be x itself (compaction in place). AVX-512: 16 channels a step, the kept
+ * ones packed by vcompressps / vpcompressd in registers and written with a masked store (the
+ * memory form is microcoded on AMD Zen 4); otherwise branch-free scalar compaction (kept or
+ * dropped mispredicts half the time). The same comparisons either way, so the same list. */
+static inline long pi_select_kept(const float *x, const float *scale, float thr, long n, long j0,
+                                  float *coef, int32_t *idx) {
+    long i = 0, k = 0;
+#if PI_SIMD && defined(__AVX512F__)
+    const __m512 t = _mm512_set1_ps(thr);
+    const __m512i step = _mm512_set1_epi32(16);
+    __m512i ch = _mm512_add_epi32(_mm512_set1_epi32((int)j0),
+                                  _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
+                                                    14, 15));
+    for (; i + 16 <= n; i += 16, ch = _mm512_add_epi32(ch, step)) {
+        const __m512 v = _mm512_loadu_ps(x + i);
+        __m512 s = _mm512_abs_ps(v);
+        if (scale) s = _mm512_mul_ps(s, _mm512_loadu_ps(scale + i));
+        const __mmask16 m = _mm512_cmp_ps_mask(s, t, _CMP_GT_OQ);
+        const int c = __builtin_popcount((unsigned)m);
+        const __mmask16 w = (__mmask16)((1u << c) - 1u);
+        _mm512_mask_storeu_ps(coef + k, w, _mm512_maskz_compress_ps(m, v));
+        _mm512_mask_storeu_epi32(idx + k, w, _mm512_maskz_compress_epi32(m, ch));
+        k += c;
+    }
+#endif
+    for (; i < n; i++) {
+        const float a = x[i];
         float s = fabsf(a);
-        if (sd) s *= sd[j];
+        if (scale) s = s * scale[i];
         coef[k] = a;
-        idx[k] = (int32_t)j;
+        idx[k] = (int32_t)(j0 + i);
         k += s > thr;
     }
     return k;
+}
+
+/* a_j = act(g_j) u_j for j0 <= j < j1 (gu = [g, u], (2 n_ff,)); the kept ones (|a_j| sd_j > thr,
+ * sd NULL: 1) written in order to coef/idx (room for j1 - j0 each); returns their count. Two
+ * steps: the activations first (pi_act_values), then the compaction in place (pi_select_kept). */
+static inline long pi_act_select(const float *gu, long n_ff, long j0, long j1, int silu,
+                                 const float *sd, float thr, float *coef, int32_t *idx) {
+    pi_act_values(gu, n_ff, j0, j1, silu, coef);
+    return pi_select_kept(coef, sd ? sd + j0 : NULL, thr, j1 - j0, j0, coef, idx);
 }
 
 /* Thread t of T's activations j0 <= j < j1 in decode_ffn_in's team (kernels.pyx _ffn_in_team).

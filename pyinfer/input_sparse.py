@@ -18,6 +18,8 @@ set to zero: the same channels the token-at-a-time path skips, so both compute o
 """
 from __future__ import annotations
 
+from collections.abc import MutableMapping
+
 import numpy as np
 
 from pyinfer import constants as C
@@ -32,6 +34,42 @@ def in_sizes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
             "attn_output": (cfg.n_embd_q, cfg.n_embd),
             "ffn_gate_up": (cfg.n_embd, 2 * cfg.n_ff),
             "ffn_down": (cfg.n_ff, cfg.n_embd)}
+
+
+class GroupThresholds(MutableMapping):
+    """{group: (n_layer,) f32} thresholds whose rows are views of one (4, n_layer) f32 array,
+    ``stacked`` (groups in C.IN_GROUPS order), the layout ``cpu.decode_layers_in`` takes: so a
+    token's decode passes it as it is. Assigning a group copies into its row (any float dtype,
+    n_layer values; tools reassign groups); writes into a row land in ``stacked``. No group can
+    be removed. ValueError for another group or length."""
+
+    def __init__(self, rows: dict, n_layer: int):
+        self.stacked = np.empty((len(C.IN_GROUPS), n_layer), np.float32)
+        for g in C.IN_GROUPS:
+            self[g] = rows[g]
+
+    def _row(self, group: str) -> int:
+        if group not in C.IN_GROUPS:
+            raise KeyError(group)
+        return C.IN_GROUPS.index(group)
+
+    def __getitem__(self, group: str) -> np.ndarray:
+        return self.stacked[self._row(group)]
+
+    def __setitem__(self, group: str, value) -> None:
+        v = np.asarray(value, np.float32).reshape(-1)
+        if v.shape[0] != self.stacked.shape[1]:
+            raise ValueError(f"{group}: {v.shape[0]} thresholds for {self.stacked.shape[1]} layers")
+        self.stacked[self._row(group)] = v
+
+    def __delitem__(self, group: str) -> None:
+        raise TypeError("thresholds of a group cannot be removed")
+
+    def __iter__(self):
+        return iter(C.IN_GROUPS)
+
+    def __len__(self) -> int:
+        return len(C.IN_GROUPS)
 
 
 class InputSparseFFN:
@@ -54,11 +92,14 @@ class InputSparseFFN:
     def __init__(self, cfg: ModelConfig, thresholds: dict[str, np.ndarray], dense: bool = False):
         self.cfg = cfg
         n = cfg.n_layer
-        self.thr = {g: (np.full(n, -1.0, np.float32) if dense
-                        else np.asarray(thresholds[g], np.float32).reshape(n)) for g in C.IN_GROUPS}
+        self.thr = GroupThresholds({g: (np.full(n, -1.0, np.float32) if dense else thresholds[g])
+                                    for g in C.IN_GROUPS}, n)
         self.silu = cfg.hidden_act == "silu"
         self.is_sparse = not dense
         self.sizes = in_sizes(cfg)
+        # decode_layers' stats per layer: rows a dense pass reads (elements), outputs per row
+        self._dense_elems = sum(n_in * n_out for n_in, n_out in self.sizes.values())
+        self._row_elems = tuple(self.sizes[g][1] for g in C.IN_GROUPS)
         self.stats = FFNStats()
         head = thresholds.get("output")
         self.lm_head_thr = None if head is None else (-1.0 if dense else float(head))
@@ -68,6 +109,7 @@ class InputSparseFFN:
         self.whole_token = True
         self._plan = None  # cpu.input_decode_plan of the layers last decoded (decode_layers)
         self._plan_layers = None
+        self._plan_head = False  # the plan holds the lm head
         self._coef = np.empty(cfg.n_embd, np.float32)  # lm_head's kept inputs (one token)
         self._idx = np.empty(cfg.n_embd, np.int32)
 
@@ -112,27 +154,37 @@ class InputSparseFFN:
         return True
 
     def decode_layers(self, layers, x: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
-                      n_past: int, first: int, n_threads: int) -> None:
+                      n_past: int, first: int, n_threads: int, w=None,
+                      logits: np.ndarray | None = None) -> None:
         """Layers first .. n_layer - 1 of one token in place on x (n_embd,): ``decode_attn`` and
         ``decode`` of each layer in one kernel call (``cpu.decode_layers_in``, the same bits),
         counted in stats as they count. layers: the model's LayerWeights; caches (n_layer, n_ctx,
-        n_head_kv, head_dim)."""
+        n_head_kv, head_dim). With w (the model's weights, ``head_fits(w)``) and logits
+        (n_vocab,) f32, the same call also writes the lm head's logits of x (``lm_head``'s bits
+        and head_stats), so a token's whole pass is one kernel call."""
         cfg = self.cfg
-        if self._plan is None or self._plan_layers is not layers:
+        head = logits is not None
+        if self._plan is None or self._plan_layers is not layers or (head and not self._plan_head):
             self._plan = cpu.input_decode_plan(
                 [(lw.attn_norm, lw.attn_qkv_t, lw.attn_output_t, lw.ffn_norm, lw.ffn_gate_up_t,
                   lw.ffn_down_t, *(self._scale(lw, g) for g in C.IN_GROUPS)) for lw in layers],
                 cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.rms_eps, cfg.rope_freq_base,
-                self.silu)
-            self._plan_layers = layers
-        # (4, n_layer) f32, stacked each call: tools reassign thr[g], in any float dtype
-        thr = np.asarray(np.stack([self.thr[g] for g in C.IN_GROUPS]), np.float32)
-        counts = np.zeros((cfg.n_layer, len(C.IN_GROUPS)), np.int64)
-        cpu.decode_layers_in(self._plan, x, k_cache, v_cache, n_past, thr, counts, first,
-                             n_threads)
-        kept = counts[first:].sum(axis=0)
-        for gi, g in enumerate(C.IN_GROUPS):  # as the half-layer calls count, layers summed
-            self._count(g, int(kept[gi]), cfg.n_layer - first)
+                self.silu, (w.output_norm, w.output_ib, w.output_in_scale) if head else None)
+            self._plan_layers, self._plan_head = layers, head
+        kept = cpu.decode_layers_in(self._plan, x, k_cache, v_cache, n_past, self.thr.stacked,
+                                    None, first, n_threads, logits,
+                                    self.lm_head_thr if head else -1.0)
+        # as _count counts each group's half-layer calls, layers summed
+        self.stats.total += (cfg.n_layer - first) * self._dense_elems
+        self.stats.active += sum(k * n_out for k, n_out in zip(kept, self._row_elems))
+        if head:
+            self.head_stats.total += cfg.n_embd
+            self.head_stats.active += kept[4]
+
+    def head_fits(self, w) -> bool:
+        """True where ``decode_layers`` can write the logits: the file's lm head is input-sparse
+        (``lm_head``'s one-token path)."""
+        return self.lm_head_thr is not None and w.output_ib is not None
 
     # ---- a batch (prefill): dense products over masked inputs ---------------------------------
     def qkv(self, lw, layer: int, h: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray,

@@ -66,8 +66,23 @@ class Model:
         Raises ValueError when the tokens do not fit in the context.
         """
         x = self.embed(tokens, n_past)
+        isp = self.input_sparse
+        if (x.shape[0] == 1 and not all_logits and self._whole_token_input()
+                and isp.head_fits(self.w)):  # layers and head in one kernel call
+            logits = np.empty(self.cfg.n_vocab, np.float32)
+            isp.decode_layers(self.w.layers, x[0], self.cache.k, self.cache.v, n_past, 0,
+                              self.n_threads, self.w, logits)
+            return logits
         self.run_layers(x, n_past, 0)
         return self.logits(x, all_logits)
+
+    def _whole_token_input(self) -> bool:
+        """True where one token's layers go through ``InputSparseFFN.decode_layers`` (one kernel
+        call): the fused Llama path of an input-sparse model with ``whole_token`` set and its
+        own FFN decode (a tool that wraps the half-layer methods turns it off)."""
+        isp = self.input_sparse
+        return (self.fused and self.llama_plain and isp is not None and isp.whole_token
+                and getattr(self.ffn, "decode", None) == isp.decode)
 
     def run_layers(self, x: np.ndarray, n_past: int, first: int = 0) -> np.ndarray:
         """Layers ``first``.. on the residual stream x (n_tok, n_embd) f32, in place; returns x.
@@ -150,9 +165,9 @@ class Model:
         cfg, w, nt = self.cfg, self.w, self.n_threads
         xv = x[0]
         ffn_decode = getattr(self.ffn, "decode", None)
-        isp = self.input_sparse
-        if isp is not None and isp.whole_token and ffn_decode == isp.decode:  # one kernel call
-            isp.decode_layers(w.layers, xv, self.cache.k, self.cache.v, n_past, first, nt)
+        if self._whole_token_input():  # one kernel call
+            self.input_sparse.decode_layers(w.layers, xv, self.cache.k, self.cache.v, n_past,
+                                            first, nt)
             return x
         h = y = None
         for i in range(first, cfg.n_layer):

@@ -350,8 +350,22 @@ def test_lm_head_sparsity(head_dir, tmp_path, score):
     got = eng.model.forward(tokens, 0, all_logits=True)
     assert 0.2 < isp.head_stats.sparsity < 0.65, isp.head_stats.sparsity
     eng.reset()
+    eng.reset_stats()
     steps = np.stack([eng.eval_token(t) for t in tokens])
     np.testing.assert_allclose(steps, got, rtol=1e-4, atol=1e-4 * np.abs(got).max())
+    # a token's layers and head in one kernel call (decode_layers with logits) give the bits
+    # and the head's counts of the layer calls followed by lm_head, at any thread count
+    assert isp.head_fits(eng.weights) and isp.whole_token
+    head_counts = (isp.head_stats.total, isp.head_stats.active)
+    for nt, whole in ((2, False), (1, True), (3, True)):
+        e = eng if nt == 2 else Engine(out, n_ctx=64, n_threads=nt)
+        e.model.ffn.whole_token = whole
+        e.reset()
+        e.reset_stats()
+        again = np.stack([e.eval_token(t) for t in tokens])
+        assert np.array_equal(again.view(np.uint32), steps.view(np.uint32)), (nt, whole)
+        assert (e.model.ffn.head_stats.total, e.model.ffn.head_stats.active) == head_counts
+    isp.whole_token = True
     sd = load_hf_state_dict(head_dir)
     scales = [lw.in_scale for lw in eng.weights.layers] if score == "wina" else None
     want = reference_logits(sd, cfg, tokens, isp.thr, scales, (isp.lm_head_thr, scale))

@@ -484,6 +484,28 @@ def test_select_active(silu, with_up, with_ids):
                                  np.zeros(100, np.int32)) < 100
 
 
+def test_select_inputs_matches_numpy():
+    """``select_inputs`` (the decode's input selection; AVX-512: 16 channels a step packed by
+    compress instructions, a scalar tail) keeps exactly NumPy's |x| * scale > thr, in order, with
+    their values: NaN scores dropped, -0 and ties at the threshold dropped, every length around
+    the 16-lane steps."""
+    rng = np.random.default_rng(17)
+    for n in (0, 1, 15, 16, 17, 33, 576, 1539):
+        x = rng.standard_normal(n).astype(np.float32)
+        x[rng.random(n) < 0.05] = np.nan
+        x[rng.random(n) < 0.05] = -0.0
+        x[rng.random(n) < 0.05] = np.float32(-0.5)  # ties with thr below (scale None)
+        for scale, thr in ((None, 0.5), (rng.uniform(0, 2, n).astype(np.float32), 0.7),
+                           (None, -1.0), (None, 1e9)):
+            s = np.abs(x) if scale is None else np.abs(x) * scale
+            keep = np.flatnonzero(s > np.float32(thr))
+            coef, idx = _nan((n,)), np.full(n, -7, np.int32)
+            k = cpu.select_inputs(x, scale, thr, coef, idx)
+            assert k == keep.size, (n, thr)
+            np.testing.assert_array_equal(idx[:k], keep)
+            assert np.array_equal(coef[:k].view(np.uint32), x[keep].view(np.uint32))
+
+
 def test_info():
     assert isinstance(cpu.openmp_enabled(), bool)
     assert isinstance(cpu.simd_enabled(), bool)

@@ -574,29 +574,40 @@ def decode_attn_in(x: np.ndarray, attn_norm: np.ndarray, eps: float, qkv_t: QTen
 
 
 def input_decode_plan(layers, n_head: int, n_head_kv: int, head_dim: int, eps: float,
-                      freq_base: float, silu: bool):
+                      freq_base: float, silu: bool, head=None):
     """The raw pointers of an input-sparse model's layers, checked once, for ``decode_layers_in``.
     layers: per layer (attn_norm, attn_qkv_t, attn_output_t, ffn_norm, ffn_gate_up_t, ffn_down_t,
     scale_qkv, scale_o, scale_gu, scale_d), the QTensors and (n,) f32 vectors (scales may be None)
-    of ``decode_attn_in`` / ``decode_ffn_in``. ValueError on shapes that do not fit."""
+    of ``decode_attn_in`` / ``decode_ffn_in``. head: None, or (output_norm (n_embd,) f32, the lm
+    head's IBChunks, its channel scale (n_embd,) f32 or None) for the logits of
+    ``decode_layers_in``. ValueError on shapes that do not fit."""
     rows = [(an, qkv.raw, int(qkv.qtype), o.raw, int(o.qtype), fn, gu.raw, int(gu.qtype), d.raw,
              int(d.qtype), sq, so, sgu, sd)
             for an, qkv, o, fn, gu, d, sq, so, sgu, sd in layers]
-    return _k.InputDecodePlan(rows, int(n_head), int(n_head_kv), int(head_dim), float(eps),
+    plan = _k.InputDecodePlan(rows, int(n_head), int(n_head_kv), int(head_dim), float(eps),
                               float(freq_base), int(silu))
+    if head is not None:
+        norm, ib, scale = head
+        plan.set_head(norm, ib.raw, int(ib.parts[0][1].qtype), ib.cols, ib.chunk, scale)
+    return plan
 
 
 def decode_layers_in(plan, x: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, n_past: int,
-                     thr: np.ndarray, counts: np.ndarray, first: int = 0,
-                     n_threads: int = 1) -> np.ndarray:
+                     thr: np.ndarray, counts: np.ndarray | None = None, first: int = 0,
+                     n_threads: int = 1, logits: np.ndarray | None = None,
+                     head_thr: float = -1.0) -> tuple[int, int, int, int, int]:
     """Layers first .. n_layer - 1 of one token with input sparsity, in place on x (n_embd,) f32:
     ``decode_attn_in`` then ``decode_ffn_in`` per layer (the same bits) in one call and one
     parallel region. k_cache, v_cache (n_layer, n_ctx, n_head_kv, head_dim) f32; thr (4, n_layer)
-    f32 (attn_qkv, attn_output, ffn_gate_up, ffn_down); counts (n_layer, 4) int64 receives the
-    rows read per projection. Returns x. ValueError on shapes that do not fit."""
-    _k.decode_layers_in(plan, x, k_cache, v_cache, int(n_past), thr, counts, int(first),
-                        n_threads)
-    return x
+    f32 (attn_qkv, attn_output, ffn_gate_up, ffn_down); counts (n_layer, 4) int64 or None
+    receives the rows read per projection. logits (n_vocab,) f32 or None: with a plan made with
+    ``head``, the lm head's logits of the output-normed x in the same region, input channels of
+    score <= head_thr skipped (the bits of ``rmsnorm``, ``select_inputs`` and
+    ``IBChunks.axpy_rows``). Returns the rows read: (qkv, output, gate_up, down) summed over the
+    layers, and the head's kept channels (-1 without logits). ValueError on shapes that do not
+    fit."""
+    return _k.decode_layers_in(plan, x, k_cache, v_cache, int(n_past), thr, counts, int(first),
+                               n_threads, logits, float(head_thr))
 
 
 def cold_ffn(gate: QTensor, up: QTensor, down_t: QTensor, h: np.ndarray, ids: np.ndarray,
