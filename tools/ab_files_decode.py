@@ -1,8 +1,11 @@
 #!/usr/bin/env python3
 """Decode speed of several GGUF files against the first, interleaved, at given context depths.
 
-    python tools/ab_files_decode.py DENSE.gguf INPUT.gguf [...] [--threads 2] [--depths 8 256 480]
-        [--rounds 20] [--n-gen 16]
+    python tools/ab_files_decode.py DENSE.gguf INPUT.gguf [INPUT.gguf:dense ...] [--threads 2]
+        [--depths 8 256 480] [--rounds 20] [--n-gen 16]
+
+A file named with the suffix ``:dense`` runs with every input kept (``pyinfer-run --dense``, the
+issue's baseline "the same file with --dense": the same kernels and fixed work, nothing skipped).
 
 For each depth P, every round evaluates a P-token prompt on each file's engine and then times
 --n-gen greedy tokens (so the attention reads P .. P + n_gen cache rows, as llama-bench's
@@ -58,14 +61,16 @@ def main(argv=None) -> int:
         ap.error("depths, --rounds, --n-gen and --threads must be positive")
     try:
         n_ctx = max(args.depths) + args.n_gen + 1
-        engs = [Engine(p, n_ctx=n_ctx, n_threads=args.threads) for p in args.files]
+        engs = [Engine(p.removesuffix(":dense"), n_ctx=n_ctx, n_threads=args.threads,
+                       dense=p.endswith(":dense")) for p in args.files]
     except (PyinferError, OSError) as e:
         print(f"ab_files_decode: {e}", file=sys.stderr)
         return 1
     ids = engs[0].tokenizer.encode(TEXT)
     while len(ids) < max(args.depths):
         ids = ids + ids
-    names = [os.path.basename(p) for p in args.files]
+    names = [os.path.basename(p.removesuffix(":dense")) + (" --dense" if p.endswith(":dense") else "")
+             for p in args.files]
     print(f"{args.threads} threads, {args.rounds} rounds of {args.n_gen} tokens per file and depth; "
           f"PYINFER_ADAPTIVE_THREADS={os.environ.get('PYINFER_ADAPTIVE_THREADS', '(unset)')}\n")
     for depth in args.depths:
