@@ -680,3 +680,26 @@ def test_batch_masks_are_decode_selection(silu):
             assert kept == total
         np.testing.assert_array_equal(outs[0][0], outs[1][0])
         np.testing.assert_array_equal(outs[0][1], outs[1][1])
+
+
+def test_group_thresholds_write_through():
+    """``InputSparseFFN.thr`` rows are views of the (4, n_layer) f32 array the whole-token
+    kernel takes: assigning a group (any float dtype) and writing into a row both land there;
+    a wrong length or an unknown group is an error, and no group can be removed."""
+    from pyinfer.input_sparse import GroupThresholds
+    n = 3
+    thr = GroupThresholds({g: np.full(n, i, np.float32) for i, g in enumerate(C.IN_GROUPS)}, n)
+    assert thr.stacked.dtype == np.float32 and thr.stacked.shape == (4, n)
+    assert list(thr) == list(C.IN_GROUPS) and len(thr) == 4
+    np.testing.assert_array_equal(thr.stacked[:, 0], [0, 1, 2, 3])
+    thr["ffn_down"] = np.array([0.5, 0.25, 0.125])  # float64, reassigned as tools do
+    np.testing.assert_array_equal(thr.stacked[3], np.float32([0.5, 0.25, 0.125]))
+    thr["attn_qkv"][:] = -1.0  # in place, as tools/profile_input_decode.py does
+    np.testing.assert_array_equal(thr.stacked[0], [-1.0] * n)
+    assert dict(thr)["ffn_down"][1] == np.float32(0.25)
+    with pytest.raises(ValueError):
+        thr["attn_output"] = np.zeros(n + 1)
+    with pytest.raises(KeyError):
+        thr["ffn_up"]
+    with pytest.raises(TypeError):
+        del thr["attn_qkv"]
