@@ -1560,11 +1560,7 @@ cdef class InputDecodePlan:
     cdef const float **vec
     cdef Py_ssize_t nt_qkv, nt_o, nt_gu, nt_d
     cdef list _keep
-    # the lm head (set_head): output norm, chunked input-block matrix, channel scale
-    cdef const float *h_norm
-    cdef const uint8_t *h_raw
-    cdef const float *h_scale
-    cdef readonly int h_qtype, h_n_out, h_chunk
+    cdef HeadArgs head  # the lm head (set_head; raw NULL: none), its thr set per call
     cdef tuple _keep_head
 
     def __cinit__(self, list layers, int n_head, int n_kv, int hd, float eps, double freq_base,
@@ -1576,8 +1572,7 @@ cdef class InputDecodePlan:
         self.stride = NULL
         self.qtype = NULL
         self.vec = NULL
-        self.h_raw = NULL
-        self.h_n_out = 0
+        self.head.raw = NULL
         if n == 0 or n_kv <= 0 or n_head % n_kv or hd % 2:
             raise ValueError("InputDecodePlan: no layers, or heads that do not fit")
         self.n_layer, self.n_head, self.n_kv, self.hd = n, n_head, n_kv, hd
@@ -1642,10 +1637,10 @@ cdef class InputDecodePlan:
         _check_len(norm.shape[0], n_embd, "InputDecodePlan.set_head norm")
         _check_len(raw.shape[0], <Py_ssize_t> ((n_embd // 32) * pi_ib_block_bytes(qtype, n_out)),
                    "InputDecodePlan.set_head raw")
-        self.h_scale = _opt_ptr(scale, n_embd, "InputDecodePlan.set_head scale")
-        self.h_norm = &norm[0]
-        self.h_raw = &raw[0]
-        self.h_qtype, self.h_n_out, self.h_chunk = qtype, n_out, chunk
+        self.head.scale = _opt_ptr(scale, n_embd, "InputDecodePlan.set_head scale")
+        self.head.norm = &norm[0]
+        self.head.raw = &raw[0]
+        self.head.qtype, self.head.n_out, self.head.chunk = qtype, n_out, chunk
         self._keep_head = (norm, raw, scale)
 
     def __dealloc__(self):
@@ -1668,7 +1663,7 @@ cdef void _layers_in_team(int t, int T, int first, int L, float *x, float *kc, f
     of its own (as the half-layers do), its half tiles of each chunk (ib_chunks_axpy's split, no
     barrier), into logits (hd_.n_out,). thr (4, L) row-major; cts: 4 counts a layer, then the head's. t = 0, T = 1 runs
     serially (rowsum_team.h's conventions)."""
-    cdef int l, c0, cols
+    cdef int l
     cdef Py_ssize_t rs = n_kv * hd, n
     cdef float *h
     cdef float *cin
@@ -1692,14 +1687,7 @@ cdef void _layers_in_team(int t, int T, int first, int L, float *x, float *kc, f
     iin = <int32_t *> (cin + n_embd)
     _rmsnorm1(x, hd_.norm, eps, h, n_embd)
     n = _select_inputs(h, hd_.scale, hd_.thr, n_embd, cin, iin)
-    c0 = 0
-    while c0 < hd_.n_out:
-        cols = hd_.n_out - c0 if hd_.n_out - c0 < hd_.chunk else hd_.chunk
-        pi_axpy_rows_team(t, T, hd_.qtype,
-                          hd_.raw + (n_embd // 32) * pi_ib_block_bytes(hd_.qtype, c0),
-                          pi_ib_block_bytes(hd_.qtype, cols), cin, iin, n, logits + c0, cols,
-                          NULL, NULL)
-        c0 = c0 + hd_.chunk
+    _ib_chunks_team(t, T, hd_.qtype, hd_.raw, n_embd, hd_.n_out, hd_.chunk, cin, iin, n, logits)
     if t == 0:
         cts[4 * L] = n
 
@@ -1737,12 +1725,12 @@ def decode_layers_in(InputDecodePlan plan, float[::1] x, float[:, :, :, ::1] k_c
     cdef HeadArgs ha
     cdef float *lp = NULL
     if logits is not None:
-        if plan.h_raw == NULL:
+        if plan.head.raw == NULL:
             raise ValueError("decode_layers_in: logits asked of a plan without set_head")
-        _check_len(logits.shape[0], plan.h_n_out, "decode_layers_in logits")
+        _check_len(logits.shape[0], plan.head.n_out, "decode_layers_in logits")
         lp = &logits[0]
-        ha.norm, ha.raw, ha.scale = plan.h_norm, plan.h_raw, plan.h_scale
-        ha.qtype, ha.n_out, ha.chunk, ha.thr = plan.h_qtype, plan.h_n_out, plan.h_chunk, head_thr
+        ha = plan.head
+        ha.thr = head_thr
     cdef Py_ssize_t n_att = n_past + 1, layer_rows = k_cache.shape[1] * rs
     cdef Py_ssize_t n_priv = (max(2 * nq + 3 * n_embd, 3 * n_embd + 2 * n_ff) + 15) // 16 * 16
     cdef AttnBufs a
@@ -1973,6 +1961,21 @@ def glu_mask(const float[:, ::1] gu, int silu, const float[::1] scale, float thr
     return kept
 
 
+cdef void _ib_chunks_team(int t, int T, int qtype, const uint8_t *raw, int n_in, int n_out,
+                          int chunk, const float *coef, const int32_t *idx, Py_ssize_t n,
+                          float *out) noexcept nogil:
+    """Thread t of T's share of out (n_out,) = sum_k coef[k] W[:, idx[k]] over a chunked
+    input-block matrix (ib_chunks_axpy): its half tiles of each chunk in turn
+    (pi_axpy_rows_team, no barrier: the chunks' outputs are disjoint)."""
+    cdef int c0 = 0, cols
+    while c0 < n_out:
+        cols = n_out - c0 if n_out - c0 < chunk else chunk
+        pi_axpy_rows_team(t, T, qtype, raw + (n_in // 32) * pi_ib_block_bytes(qtype, c0),
+                          pi_ib_block_bytes(qtype, cols), coef, idx, n, out + c0, cols, NULL,
+                          NULL)
+        c0 = c0 + chunk
+
+
 def ib_chunks_axpy(const uint8_t[::1] raw, int qtype, int n_in, int n_out, int chunk,
                    const float[::1] coef, const int32_t[::1] idx, float[::1] out, int n_threads):
     """``axpy_rows`` over a chunked input-block matrix (pyinfer.ops.cpu.IBChunks: W (n_out, n_in)
@@ -1993,14 +1996,6 @@ def ib_chunks_axpy(const uint8_t[::1] raw, int qtype, int n_in, int n_out, int c
     cdef const float *cp = &coef[0] if n > 0 else NULL
     cdef const int32_t *ip = &idx[0] if n > 0 else NULL
     cdef const uint8_t *base = &raw[0]
-    cdef int t, T, c0, cols
     with nogil, parallel(num_threads=n_threads):
-        t = pi_team_thread()
-        T = pi_team_size()
-        c0 = 0
-        while c0 < n_out:
-            cols = n_out - c0 if n_out - c0 < chunk else chunk
-            pi_axpy_rows_team(t, T, qtype, base + (n_in // 32) * pi_ib_block_bytes(qtype, c0),
-                              pi_ib_block_bytes(qtype, cols), cp, ip, n, &out[c0], cols, NULL,
-                              NULL)
-            c0 = c0 + chunk
+        _ib_chunks_team(pi_team_thread(), pi_team_size(), qtype, base, n_in, n_out, chunk, cp, ip,
+                        n, &out[0])
