@@ -3,7 +3,8 @@
  *     out_h = sum_j softmax_j(q_h . k_j * scale) v_j,   j = 0 .. n_att - 1
  *
  * for every query head h, reading KV head h / (n_head / n_kv) (grouped-query attention, Ainslie
- * et al. 2023), cache rows laid out (n_ctx, n_kv, hd). The loop it replaces (kernels.pyx
+ * et al. 2023), cache rows laid out (n_ctx, n_kv, hd), f16 (f16 = 1: pyinfer/kv_cache.py's default
+ * since session 15, converted exactly to f32 as read) or f32. The loop it replaces (kernels.pyx
  * _attend_head, still the one-query reference) took one head at a time and read hd floats of
  * each cache row: a strided walk that the hardware prefetchers follow badly (at 480 cached
  * tokens SmolLM2's f32 cache is 737 KB a layer, 22 MB a token, and that walk read it at 7-8 GB/s
@@ -12,10 +13,13 @@
  * at a time through pi_expf_safe8/4 (rowsum_team.h: the bits of glibc's expf; lanes it cannot
  * vouch for call expf).
  *
- * Every head's operations and their order are those of _attend_head: scores pi_dot_f32(q_h,
- * k_j) * scale in f32; the max; e_j = expf(s_j - max); their sum in order j = 0, 1, ...;
- * inv = (float)(1.0 / sum); out_h = 0, then out_h += (e_j inv) v_j for j in order
- * (pi_axpy_f32). So the result has the bits of _attend_head at any thread count.
+ * Every head's operations and their order are those of _attend_head over the f32 values of the
+ * rows (kernels.pyx `attention` converts them once per call): scores pi_dot_f32(q_h, k_j) *
+ * scale in f32 (pi_dot_f16 on an f16 cache: the same FMAs); the max; e_j = expf(s_j - max); their sum in
+ * order j = 0, 1, ...; inv = (float)(1.0 / sum); out_h = 0, then out_h += (e_j inv) v_j for j in
+ * order (pi_axpy_f32; with AVX-512 and head_dim 64 or 128, pi_attend_v16 keeps the heads'
+ * sums in registers, the same FMAs). So the result has the bits of _attend_head at any thread
+ * count.
  *
  * Included by kernels.pyx after rowsum_team.h.
  */
@@ -62,6 +66,38 @@ static inline float pi_max_f32(const float *s, long n, float mx0) {
     return mx;
 }
 
+#if PI_SIMD && defined(__AVX512F__)
+/* out_h = sum_j (e_hj inv_h) v_j for the NH heads hp .. hp + NH - 1 (hd = 16 NC; e: their rows of
+ * exponentials, n_att apart), j = 0, 1, ... in order, as pi_axpy_f16 row after row computes it
+ * (p = e inv rounded to f32, then one FMA per value from 0: the same bits) with the NH NC
+ * accumulators in registers: the cache rows stream once, and no output is loaded and stored
+ * again per row. */
+static inline __attribute__((always_inline)) void pi_attend_v16(
+    const float *e, long n_att, const float *inv, const void *v, long rs, int hd, int group,
+    int hp, float *out, const int NH, const int NC, const int F16) {
+    __m512 acc[6][8];
+    long vh[6]; /* element offset of head hp + g's KV head in a row */
+    for (int g = 0; g < NH; g++) {
+        for (int c = 0; c < NC; c++) acc[g][c] = _mm512_setzero_ps();
+        vh[g] = (long)((hp + g) / group) * hd;
+    }
+    for (long j = 0; j < n_att; j++) {
+        const long o = j * rs;
+        for (int g = 0; g < NH; g++) {
+            const __m512 p = _mm512_set1_ps(e[(long)g * n_att + j] * inv[g]);
+            for (int c = 0; c < NC; c++) {
+                const long a = o + vh[g] + 16 * c;
+                const __m512 vv = F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)v + a)))
+                                      : _mm512_loadu_ps((const float *)v + a);
+                acc[g][c] = _mm512_fmadd_ps(p, vv, acc[g][c]);
+            }
+        }
+    }
+    for (int g = 0; g < NH; g++)
+        for (int c = 0; c < NC; c++) _mm512_storeu_ps(out + (long)g * hd + 16 * c, acc[g][c]);
+}
+#endif
+
 /* Thread t of T's share of one token's attention over every head (call it from every thread of
  * the team with the same arguments: it has one barrier; t = 0, T = 1 runs serially).
  * q (n_head, hd) f32; k, v: cache row 0 (row j at k + j rs, KV head g at + g hd); sc: n_head
@@ -73,17 +109,24 @@ static inline float pi_max_f32(const float *s, long n, float mx0) {
  *      out_h = sum_j p_hj v_j, one pass over the rows (the KV heads of h0 .. h1 - 1).
  * Step 1 reads K as one stream of whole rows where one head at a time read hd floats of each
  * row: at 480 rows, about 2x faster (docs/benchmarks.md, session 13). */
-static void pi_attend_team(int t, int T, const float *q, const float *k, const float *v, long rs,
-                           long n_att, int hd, int n_head, int n_kv, float scale, float *sc,
-                           float *out) {
+static void pi_attend_team(int t, int T, const float *q, const void *k, const void *v, int f16,
+                           long rs, long n_att, int hd, int n_head, int n_kv, float scale,
+                           float *sc, float *out) {
     const int group = n_head / n_kv;
     const long j0 = t == 0 ? 0 : (t * n_att / T) & ~15L;
     const long j1 = t == T - 1 ? n_att : ((t + 1) * n_att / T) & ~15L;
     for (long j = j0; j < j1; j++) {
-        const float *kr = k + j * rs;
-        for (int h = 0; h < n_head; h++)
-            sc[(long)h * n_att + j] =
-                pi_dot_f32(q + (long)h * hd, kr + (long)(h / group) * hd, hd) * scale;
+        if (f16) {
+            const uint16_t *kr = (const uint16_t *)k + j * rs;
+            for (int h = 0; h < n_head; h++)
+                sc[(long)h * n_att + j] =
+                    pi_dot_f16(kr + (long)(h / group) * hd, q + (long)h * hd, hd) * scale;
+        } else {
+            const float *kr = (const float *)k + j * rs;
+            for (int h = 0; h < n_head; h++)
+                sc[(long)h * n_att + j] =
+                    pi_dot_f32(q + (long)h * hd, kr + (long)(h / group) * hd, hd) * scale;
+        }
     }
     if (T > 1) pi_team_barrier();
     const int h0 = t * n_head / T, h1 = (t + 1) * n_head / T, H = h1 - h0;
@@ -97,17 +140,45 @@ static void pi_attend_team(int t, int T, const float *q, const float *k, const f
     }
     for (long j = 0; j < n_att; j++)  /* the G sums interleaved, each in order j = 0, 1, ... */
         for (int g = 0; g < H; g++) ssum[g] = ssum[g] + s0[(long)g * n_att + j];
+    float inv[H];
+    for (int g = 0; g < H; g++) inv[g] = (float)(1.0 / ssum[g]);
+#if PI_SIMD && defined(__AVX512F__)
+    if (hd == 64 || hd == 128) {
+        const int NC = hd / 16, per = NC == 4 ? 6 : 3; /* heads a pass keeps in 24 registers */
+        for (int g0 = 0; g0 < H; g0 += per) {
+            const int nh = H - g0 < per ? H - g0 : per;
+            const float *sp = s0 + (long)g0 * n_att;
+            float *op = out + (long)(h0 + g0) * hd;
+            const int hp = h0 + g0;
+#define PI_AV(NH, C) (f16 ? pi_attend_v16(sp, n_att, inv + g0, v, rs, hd, group, hp, op, NH, C, 1) \
+                           : pi_attend_v16(sp, n_att, inv + g0, v, rs, hd, group, hp, op, NH, C, 0))
+            if (NC == 4) {
+                switch (nh) {
+                case 1: PI_AV(1, 4); break; case 2: PI_AV(2, 4); break; case 3: PI_AV(3, 4); break;
+                case 4: PI_AV(4, 4); break; case 5: PI_AV(5, 4); break; default: PI_AV(6, 4); break;
+                }
+            } else {
+                switch (nh) {
+                case 1: PI_AV(1, 8); break; case 2: PI_AV(2, 8); break; default: PI_AV(3, 8); break;
+                }
+            }
+#undef PI_AV
+        }
+        return;
+    }
+#endif
     for (int g = 0; g < H; g++) {
         float *s = s0 + (long)g * n_att;
-        const float inv = (float)(1.0 / ssum[g]);
-        for (long j = 0; j < n_att; j++) s[j] = s[j] * inv;
+        for (long j = 0; j < n_att; j++) s[j] = s[j] * inv[g];
         memset(out + (long)(h0 + g) * hd, 0, (size_t)hd * sizeof(float));
     }
     for (long j = 0; j < n_att; j++) {
-        const float *vr = v + j * rs;
-        for (int h = h0; h < h1; h++)
-            pi_axpy_f32(s0[(long)(h - h0) * n_att + j], vr + (long)(h / group) * hd,
-                        out + (long)h * hd, hd);
+        for (int h = h0; h < h1; h++) {
+            const float a = s0[(long)(h - h0) * n_att + j];
+            const long o = j * rs + (long)(h / group) * hd;
+            if (f16) pi_axpy_f16(a, (const uint16_t *)v + o, out + (long)h * hd, hd);
+            else pi_axpy_f32(a, (const float *)v + o, out + (long)h * hd, hd);
+        }
     }
 }
 

@@ -11,12 +11,13 @@ Quantized (q4_0 / q8_0) dot products quantize the activation to 8 bits per 32-bl
 llama.cpp's ggml_vec_dot_q4_0_q8_0 does: relative error about 1e-3 against an f32 dot.
 """
 from cython.parallel cimport prange, parallel
-from libc.stdint cimport uint8_t, int8_t, int32_t, int64_t
+from libc.stdint cimport uint8_t, uint16_t, int8_t, int32_t, int64_t
+from cython cimport view
 from libc.stdlib cimport malloc, free, calloc
 
 cdef extern from "<stdlib.h>" nogil:
     void *aligned_alloc(size_t alignment, size_t size)
-from libc.string cimport memset
+from libc.string cimport memset, memcpy
 from libc.math cimport expf, sqrtf, fabsf, cos, sin, pow
 
 cdef extern from "simd.h" nogil:
@@ -44,6 +45,9 @@ cdef extern from "simd.h" nogil:
     void pi_dot4_xrow(int qtype, const uint8_t *row, const float *xd, long xd_stride,
                       const int8_t *xq, long xq_stride, int nb, float *out, long out_stride)
     void pi_axpy_f32(float a, const float *w, float *out, int n)
+    uint16_t pi_f32_to_f16(float f)
+    void pi_f32_to_f16_row(const float *x, uint16_t *o, long n)
+    void pi_f16_to_f32_row(const uint16_t *h, float *o, long n)
     void pi_axpy_row(int qtype, float a, const uint8_t *row, float *out, int n)
     void pi_dequant_row(int qtype, const uint8_t *row, float *out, int n)
     void pi_add_f32(float *out, const float *a, int n)
@@ -94,7 +98,7 @@ cdef extern from "rowsum_team.h" nogil:
                        const int32_t *itmp, float *coef, int32_t *idx)
 
 cdef extern from "attend.h" nogil:
-    void pi_attend_team(int t, int T, const float *q, const float *k, const float *v, long rs,
+    void pi_attend_team(int t, int T, const float *q, const void *k, const void *v, int f16, long rs,
                         long n_att, int hd, int n_head, int n_kv, float scale, float *sc,
                         float *out)
 
@@ -741,18 +745,21 @@ def rope_neox(float[:, :, ::1] x, const int32_t[::1] positions, double freq_base
         free(inv_freq)
 
 
-def attention(const float[:, :, ::1] q, const float[:, :, ::1] k_cache,
-              const float[:, :, ::1] v_cache, int n_past, float[:, :, ::1] out, int n_threads):
+def attention(const float[:, :, ::1] q, const uint16_t[:, :, ::1] k_cache,
+              const uint16_t[:, :, ::1] v_cache, int kv_f16, int n_past, float[:, :, ::1] out,
+              int n_threads):
     """Causal grouped-query attention for n_tok new tokens at positions n_past .. n_past+n_tok-1.
 
-    q, out (n_tok, n_head, head_dim); k_cache, v_cache (n_ctx, n_head_kv, head_dim) already
-    holding the new tokens' K/V. Head h reads kv head h // (n_head // n_head_kv); token t attends
-    to cache rows 0 .. n_past+t; scale 1/sqrt(head_dim); softmax in f32 with max subtraction.
-    (The fused decode half-layers use attend.h instead: ``attend_one``.)"""
+    q, out (n_tok, n_head, head_dim) f32; k_cache, v_cache (n_ctx, n_head_kv, head_dim) already
+    holding the new tokens' K/V, as uint16 (``cpu.kv_bits``): kv_f16 1, f16 values (their rows
+    read are copied to f32 once per call, exactly); kv_f16 0, f32 values (the last axis 2
+    head_dim uint16). Head h reads kv head h // (n_head // n_head_kv); token t attends to cache
+    rows 0 .. n_past+t; scale 1/sqrt(head_dim); softmax in f32 with max subtraction. (The fused
+    decode half-layers use attend.h instead: ``attend_one``.)"""
     cdef Py_ssize_t n_tok = q.shape[0], n_head = q.shape[1], hd = q.shape[2]
-    cdef Py_ssize_t n_kv = k_cache.shape[1], n_ctx = k_cache.shape[0]
-    if (k_cache.shape[2] != hd or v_cache.shape[0] != n_ctx or v_cache.shape[1] != n_kv
-            or v_cache.shape[2] != hd):
+    cdef Py_ssize_t n_kv = k_cache.shape[1], n_ctx = k_cache.shape[0], w = 1 if kv_f16 else 2
+    if (k_cache.shape[2] != hd * w or v_cache.shape[0] != n_ctx or v_cache.shape[1] != n_kv
+            or v_cache.shape[2] != hd * w):
         raise ValueError("attention: k_cache/v_cache shapes do not match q")
     if n_kv == 0 or n_head % n_kv:
         raise ValueError(f"attention: n_head {n_head} is not a multiple of n_head_kv {n_kv}")
@@ -760,6 +767,29 @@ def attention(const float[:, :, ::1] q, const float[:, :, ::1] k_cache,
         raise ValueError("attention: out shape differs from q")
     if n_past < 0 or n_past + n_tok > n_ctx:
         raise ValueError(f"attention: positions {n_past}..{n_past + n_tok} exceed n_ctx {n_ctx}")
+    if n_tok == 0 or hd == 0:
+        return
+    cdef Py_ssize_t n_keys = n_past + n_tok
+    cdef float[:, :, ::1] kf
+    cdef float[:, :, ::1] vf
+    if not kv_f16:
+        kf = <float[:n_keys, :n_kv, :hd]> <float *> &k_cache[0, 0, 0]
+        vf = <float[:n_keys, :n_kv, :hd]> <float *> &v_cache[0, 0, 0]
+    else:
+        kf = view.array((n_keys, n_kv, hd), sizeof(float), "f")
+        vf = view.array((n_keys, n_kv, hd), sizeof(float), "f")
+        with nogil:
+            pi_f16_to_f32_row(&k_cache[0, 0, 0], &kf[0, 0, 0], n_keys * n_kv * hd)
+            pi_f16_to_f32_row(&v_cache[0, 0, 0], &vf[0, 0, 0], n_keys * n_kv * hd)
+    _attention_f32(q, kf, vf, n_past, out, n_threads)
+
+
+cdef _attention_f32(const float[:, :, ::1] q, const float[:, :, ::1] k_cache,
+                    const float[:, :, ::1] v_cache, int n_past, float[:, :, ::1] out,
+                    int n_threads):
+    """``attention`` over f32 copies of the cache rows 0 .. n_past + n_tok - 1 (checked there)."""
+    cdef Py_ssize_t n_tok = q.shape[0], n_head = q.shape[1], hd = q.shape[2]
+    cdef Py_ssize_t n_kv = k_cache.shape[1]
     cdef Py_ssize_t group = n_head // n_kv, item, t, h, kvh
     cdef float scale = 1.0 / sqrtf(<float> hd)
     cdef float *sc
@@ -779,38 +809,43 @@ def attention(const float[:, :, ::1] q, const float[:, :, ::1] k_cache,
         free(sc)
 
 
-def attend_one(const float[:, ::1] q, const float[:, :, ::1] k_cache,
-               const float[:, :, ::1] v_cache, int n_past, float[:, ::1] out, int n_threads):
+def attend_one(const float[:, ::1] q, const uint16_t[:, :, ::1] k_cache,
+               const uint16_t[:, :, ::1] v_cache, int kv_f16, int n_past, float[:, ::1] out,
+               int n_threads):
     """One query's attention as the fused decode half-layers compute it (attend.h
     pi_attend_team: the bits of the one-head loop _attend_head, ``attention`` under
     set_old_prefill(1), at any n_threads). q, out (n_head, head_dim) f32; k_cache, v_cache
-    (n_ctx, n_head_kv, head_dim) f32 holding the query's own row n_past; rows 0 .. n_past read.
+    (n_ctx, n_head_kv, head_dim) as ``attention`` takes them (uint16; f16 values with kv_f16, else
+    f32) holding the query's own row n_past; rows 0 .. n_past read.
     ValueError on shapes that do not fit."""
     cdef Py_ssize_t n_head = q.shape[0], hd = q.shape[1], n_kv = k_cache.shape[1]
-    if (k_cache.shape[2] != hd or v_cache.shape[0] != k_cache.shape[0] or v_cache.shape[1] != n_kv
-            or v_cache.shape[2] != hd or out.shape[0] != n_head or out.shape[1] != hd):
+    cdef Py_ssize_t w = 1 if kv_f16 else 2
+    if (k_cache.shape[2] != hd * w or v_cache.shape[0] != k_cache.shape[0]
+            or v_cache.shape[1] != n_kv or v_cache.shape[2] != hd * w or out.shape[0] != n_head
+            or out.shape[1] != hd):
         raise ValueError("attend_one: shapes of q, the caches and out do not match")
     if n_kv == 0 or n_head % n_kv or hd == 0:
         raise ValueError(f"attend_one: n_head {n_head} is not a multiple of n_head_kv {n_kv}")
     if n_past < 0 or n_past >= k_cache.shape[0]:
         raise ValueError(f"attend_one: position {n_past} outside the cache ({k_cache.shape[0]})")
     with nogil:
-        _attend_decode(&q[0, 0], &k_cache[0, 0, 0], &v_cache[0, 0, 0], n_past + 1, <int> hd,
+        _attend_decode(&q[0, 0], &k_cache[0, 0, 0], &v_cache[0, 0, 0], kv_f16, n_past + 1, <int> hd,
                        <int> n_head, <int> n_kv, 1.0 / sqrtf(<float> hd), &out[0, 0], n_threads)
 
 
-cdef void _attend_decode(const float *q, const float *k, const float *v, Py_ssize_t n_att, int hd,
+cdef void _attend_decode(const float *q, const void *k, const void *v, int f16, Py_ssize_t n_att, int hd,
                          int n_head, int n_kv, float scale, float *out,
                          int n_threads) noexcept nogil:
-    """One query over cache rows 0 .. n_att - 1 (k, v: row 0 of (n_ctx, n_kv, hd) caches), every
+    """One query over cache rows 0 .. n_att - 1 (k, v: row 0 of (n_ctx, n_kv, hd) caches, f16 values
+    or f32 as f16 says), every
     head into out (n_head, hd): attend.h pi_attend_team on up to n_threads threads, its scores in
     a scratch of n_head n_att floats."""
     cdef float *sc = <float *> malloc(n_head * n_att * sizeof(float))
     if n_threads <= 1:
-        pi_attend_team(0, 1, q, k, v, n_kv * hd, n_att, hd, n_head, n_kv, scale, sc, out)
+        pi_attend_team(0, 1, q, k, v, f16, n_kv * hd, n_att, hd, n_head, n_kv, scale, sc, out)
     else:
         with parallel(num_threads=n_threads):
-            pi_attend_team(pi_team_thread(), pi_team_size(), q, k, v, n_kv * hd, n_att, hd,
+            pi_attend_team(pi_team_thread(), pi_team_size(), q, k, v, f16, n_kv * hd, n_att, hd,
                            n_head, n_kv, scale, sc, out)
     free(sc)
 
@@ -893,6 +928,18 @@ def relu_mul(const float[::1] gate, const float[::1] up, float[::1] out):
         for i in range(n):
             g = gate[i]
             out[i] = (g if g > 0.0 else 0.0) * up[i]
+
+
+def f32_to_f16(const float[::1] x, uint16_t[::1] out):
+    """out = the f16 bits of x (n,) f32 as the decode kernels write KV cache rows (simd.h
+    pi_f32_to_f16_row: round to nearest even, overflow to inf; numpy's astype(float16) bits for
+    every non-NaN value). out (n,) uint16."""
+    cdef Py_ssize_t n = x.shape[0]
+    _check_len(out.shape[0], n, "f32_to_f16 out")
+    if n == 0:
+        return
+    with nogil:
+        pi_f32_to_f16_row(&x[0], &out[0], n)
 
 
 def act_mul(const float[::1] gu, int silu, float[::1] out):
@@ -1002,15 +1049,17 @@ cdef void _gate_up_matvec(int n_mat, const uint8_t *wg, int tg, Py_ssize_t sg, c
 def decode_attn(float[::1] x, const float[::1] attn_norm, float eps,
                 const uint8_t[:, ::1] wq, int tq, const uint8_t[:, ::1] wk, int tk,
                 const uint8_t[:, ::1] wv, int tv, const uint8_t[:, ::1] wo, int to,
-                float[:, :, ::1] k_cache, float[:, :, ::1] v_cache, int n_past, int n_head,
-                double freq_base, int n_threads):
+                uint16_t[:, :, ::1] k_cache, uint16_t[:, :, ::1] v_cache, int kv_f16, int n_past,
+                int n_head, double freq_base, int n_threads):
     """The attention half of one layer for one token, in place on the residual x (n_embd,) f32:
     x += wo @ attention(rope(wq h), cache), h = rmsnorm(x); K and V of the token (rope on K) are
-    written to k_cache/v_cache row n_past ((n_ctx, n_head_kv, head_dim) f32). Rope over the whole
+    written to k_cache/v_cache row n_past ((n_ctx, n_head_kv, head_dim) as ``attention`` takes
+    them; f16 values rounded to nearest even as numpy's astype(float16)). Rope over the whole
     head (NeoX layout), as ``Model.forward``. Same numerics as rmsnorm, matvec, rope_neox and
     attention called one by one."""
     cdef int n_embd = x.shape[0]
-    cdef Py_ssize_t n_ctx = k_cache.shape[0], n_kv = k_cache.shape[1], hd = k_cache.shape[2]
+    cdef Py_ssize_t w = 1 if kv_f16 else 2
+    cdef Py_ssize_t n_ctx = k_cache.shape[0], n_kv = k_cache.shape[1], hd = k_cache.shape[2] // w
     cdef Py_ssize_t nq = n_head * hd, nkv = n_kv * hd
     _check_w(wq, tq, n_embd)
     _check_w(wk, tk, n_embd)
@@ -1021,8 +1070,8 @@ def decode_attn(float[::1] x, const float[::1] attn_norm, float eps,
     _check_len(wk.shape[0], nkv, "decode_attn wk rows")
     _check_len(wv.shape[0], nkv, "decode_attn wv rows")
     _check_len(wo.shape[0], n_embd, "decode_attn wo rows")
-    if (v_cache.shape[0] != n_ctx or v_cache.shape[1] != n_kv or v_cache.shape[2] != hd
-            or n_kv == 0 or n_head % n_kv or hd % 2):
+    if (v_cache.shape[0] != n_ctx or v_cache.shape[1] != n_kv or v_cache.shape[2] != hd * w
+            or k_cache.shape[2] != hd * w or n_kv == 0 or n_head % n_kv or hd % 2):
         raise ValueError("decode_attn: cache shapes do not match the heads")
     if n_past < 0 or n_past >= n_ctx:
         raise ValueError(f"decode_attn: position {n_past} outside the cache ({n_ctx})")
@@ -1036,14 +1085,16 @@ def decode_attn(float[::1] x, const float[::1] attn_norm, float eps,
     cdef float *q
     cdef float *att
     cdef float *y
+    cdef float *kv
     cdef Py_ssize_t i, n_att = n_past + 1
     cdef float scale = 1.0 / sqrtf(<float> hd)
     with nogil:
-        buf = <float *> malloc((2 * n_embd + 2 * nq + hd) * sizeof(float))
+        buf = <float *> malloc((2 * n_embd + 2 * nq + hd + 2 * nkv) * sizeof(float))
         h = buf
         y = h + n_embd
         q = y + n_embd
         att = q + nq
+        kv = att + nq + hd
         _rmsnorm1(&x[0], &attn_norm[0], eps, h, n_embd)
         ws[0] = &wq[0, 0]
         ws[1] = &wk[0, 0]
@@ -1058,16 +1109,22 @@ def decode_attn(float[::1] x, const float[::1] attn_norm, float eps,
         rows[1] = nkv
         rows[2] = nkv
         outs[0] = q
-        outs[1] = &k_cache[n_past, 0, 0]
-        outs[2] = &v_cache[n_past, 0, 0]
+        outs[1] = kv
+        outs[2] = kv + nkv
         _multi_matvec(3, ws, qts, strides, rows, n_embd, h, outs, n_threads)
         _rope1(q, n_head, hd, n_past, freq_base, hd, att, att + hd // 2)
         # K turns by the same angles: reuse the cos/sin _rope1 left in att (same bits, half the
         # libm calls)
-        _rope_rotate(&k_cache[n_past, 0, 0], n_kv, hd, hd // 2, att, att + hd // 2)
+        _rope_rotate(kv, n_kv, hd, hd // 2, att, att + hd // 2)
+        if kv_f16:
+            pi_f32_to_f16_row(kv, &k_cache[n_past, 0, 0], nkv)
+            pi_f32_to_f16_row(kv + nkv, &v_cache[n_past, 0, 0], nkv)
+        else:
+            memcpy(&k_cache[n_past, 0, 0], kv, nkv * sizeof(float))
+            memcpy(&v_cache[n_past, 0, 0], kv + nkv, nkv * sizeof(float))
     # one pass over the cache rows for the scores, then each thread's heads (attend.h)
     with nogil:
-        _attend_decode(q, &k_cache[0, 0, 0], &v_cache[0, 0, 0], n_att, <int> hd, n_head,
+        _attend_decode(q, &k_cache[0, 0, 0], &v_cache[0, 0, 0], kv_f16, n_att, <int> hd, n_head,
                        <int> n_kv, scale, att, n_threads)
     with nogil:
         _matvec1(&wo[0, 0], to, wo.shape[1], n_embd, nq, att, y, n_threads)
@@ -1417,15 +1474,15 @@ cdef inline Py_ssize_t _ffn_bufs(float *buf, FfnBufs *b, int n_embd, Py_ssize_t 
 
 cdef void _attn_in_team(int t, int T, float *x, const float *attn_norm, float eps, int n_embd,
                         const uint8_t *wqkv, size_t sqkv, int tqkv, const uint8_t *wo,
-                        size_t so_, int to, float *k_cache, float *v_cache, Py_ssize_t rs,
+                        size_t so_, int to, void *k_cache, void *v_cache, int f16, Py_ssize_t rs,
                         int n_past, int n_head, int n_kv, int hd, double freq_base,
                         const float *sq, float thr_qkv, const float *so, float thr_o,
                         float *qkv, float *att, float *cs, float *sc, float *tmp_qkv,
                         float *tmp_o, float *y, float *priv, Py_ssize_t n_priv,
                         Py_ssize_t *counts) noexcept nogil:
     """Thread t of T's share of decode_attn_in in one parallel region (every thread calls it with
-    the same arguments; rowsum_team.h's conventions). rs: floats per cache row (n_kv hd); k_cache,
-    v_cache: row 0 of the caches; cs: hd floats shared (the rope's cos | sin); sc: n_head
+    the same arguments; rowsum_team.h's conventions). rs: values per cache row (n_kv hd); k_cache,
+    v_cache: row 0 of the caches (f16 values with f16, else f32); cs: hd floats shared (the rope's cos | sin); sc: n_head
     (n_past + 1) floats shared (the attention scores); priv: T blocks of n_priv floats, one per
     thread (its copy of the output's kept list, its normed input and its copy of the q/k/v
     inputs' kept list). Each step's split of the
@@ -1441,8 +1498,10 @@ cdef void _attn_in_team(int t, int T, float *x, const float *attn_norm, float ep
     cdef float *h = mcoef + nq
     cdef float *cin = h + n_embd
     cdef int32_t *iin = <int32_t *> (cin + n_embd)
-    cdef float *krow = k_cache + n_past * rs
-    cdef float *vrow = v_cache + n_past * rs
+    cdef uint16_t *krow16 = <uint16_t *> k_cache + n_past * rs
+    cdef uint16_t *vrow16 = <uint16_t *> v_cache + n_past * rs
+    cdef float *krow = <float *> k_cache + n_past * rs
+    cdef float *vrow = <float *> v_cache + n_past * rs
     # 1. every thread its own norm and kept list of the q/k/v inputs (no barrier: the kept list
     # was thread 0's, the others waiting), and its share of the rope's table for this position
     # (_rope1's expressions: the same cos/sin for q and k; read after step 2's barrier)
@@ -1463,12 +1522,16 @@ cdef void _attn_in_team(int t, int T, float *x, const float *attn_norm, float ep
         _rope_rotate(qkv + hh * hd, 1, hd, half, cs, cs + half)
         if hh >= n_head:
             for i in range(hd):
-                krow[(hh - n_head) * hd + i] = qkv[hh * hd + i]
-                vrow[(hh - n_head) * hd + i] = qkv[nq + nkv + (hh - n_head) * hd + i]
+                if f16:
+                    krow16[(hh - n_head) * hd + i] = pi_f32_to_f16(qkv[hh * hd + i])
+                    vrow16[(hh - n_head) * hd + i] = pi_f32_to_f16(qkv[nq + nkv + (hh - n_head) * hd + i])
+                else:
+                    krow[(hh - n_head) * hd + i] = qkv[hh * hd + i]
+                    vrow[(hh - n_head) * hd + i] = qkv[nq + nkv + (hh - n_head) * hd + i]
     pi_team_barrier()
     # 4. attention: the scores of every head over this thread's cache rows, then this thread's
     # query heads (attend.h; one barrier inside)
-    pi_attend_team(t, T, qkv, k_cache, v_cache, rs, n_att, hd, n_head, n_kv, scale, sc, att)
+    pi_attend_team(t, T, qkv, k_cache, v_cache, f16, rs, n_att, hd, n_head, n_kv, scale, sc, att)
     pi_team_barrier()
     # 5. every thread selects the output's inputs into its own list (the same list), then
     # x += the kept rows of attn_output_t, the residual added by column slices
@@ -1481,8 +1544,8 @@ cdef void _attn_in_team(int t, int T, float *x, const float *attn_norm, float ep
 
 def decode_attn_in(float[::1] x, const float[::1] attn_norm, float eps,
                    const uint8_t[:, ::1] wqkv, int tqkv, const uint8_t[:, ::1] wo, int to,
-                   float[:, :, ::1] k_cache, float[:, :, ::1] v_cache, int n_past, int n_head,
-                   double freq_base, const float[::1] scale_qkv, float thr_qkv,
+                   uint16_t[:, :, ::1] k_cache, uint16_t[:, :, ::1] v_cache, int kv_f16, int n_past,
+                   int n_head, double freq_base, const float[::1] scale_qkv, float thr_qkv,
                    const float[::1] scale_o, float thr_o, int n_threads):
     """The attention half-layer of one token with input sparsity, in place on x (n_embd,):
     h = rmsnorm(x); [q, k, v] = sum over kept j (|h_j| scale_qkv_j > thr_qkv) of h_j * wqkv[j],
@@ -1490,14 +1553,15 @@ def decode_attn_in(float[::1] x, const float[::1] attn_norm, float eps,
     n_past; att = attention; x += sum over kept i (|att_i| scale_o_i > thr_o) of att_i * wo[i],
     wo = attn_output_t (n_head*hd, n_embd). One parallel region (_attn_in_team; was three, with
     the selections and rope between them on one thread), three barriers. Returns (qkv rows
-    read, output rows read)."""
+    read, output rows read). The caches as ``decode_attn`` takes them."""
     cdef int n_embd = x.shape[0]
-    cdef Py_ssize_t n_ctx = k_cache.shape[0], n_kv = k_cache.shape[1], hd = k_cache.shape[2]
+    cdef Py_ssize_t w = 1 if kv_f16 else 2
+    cdef Py_ssize_t n_ctx = k_cache.shape[0], n_kv = k_cache.shape[1], hd = k_cache.shape[2] // w
     cdef Py_ssize_t nq = n_head * hd, nkv = n_kv * hd
     _check_attn_in(wqkv, tqkv, wo, to, n_embd, nq, nkv, "decode_attn_in")
     _check_len(attn_norm.shape[0], n_embd, "decode_attn_in attn_norm")
-    if (v_cache.shape[0] != n_ctx or v_cache.shape[1] != n_kv or v_cache.shape[2] != hd
-            or n_kv == 0 or n_head % n_kv or hd % 2):
+    if (v_cache.shape[0] != n_ctx or v_cache.shape[1] != n_kv or v_cache.shape[2] != hd * w
+            or k_cache.shape[2] != hd * w or n_kv == 0 or n_head % n_kv or hd % 2):
         raise ValueError("decode_attn_in: cache shapes do not match the heads")
     if n_past < 0 or n_past >= n_ctx:
         raise ValueError(f"decode_attn_in: position {n_past} outside the cache ({n_ctx})")
@@ -1523,14 +1587,14 @@ def decode_attn_in(float[::1] x, const float[::1] attn_norm, float eps,
         if T == 1:
             _attn_in_team(0, 1, &x[0], &attn_norm[0], eps, n_embd, &wqkv[0, 0], wqkv.shape[1],
                           tqkv, &wo[0, 0], wo.shape[1], to, &k_cache[0, 0, 0], &v_cache[0, 0, 0],
-                          nkv, n_past, n_head, <int> n_kv, <int> hd, freq_base, sq, thr_qkv, so,
+                          kv_f16, nkv, n_past, n_head, <int> n_kv, <int> hd, freq_base, sq, thr_qkv, so,
                           thr_o, b.qkv, b.att, b.cs, b.sc, b.tmp_qkv, b.tmp_o, b.y, priv, n_priv,
                           counts)
         else:
             with parallel(num_threads=T):
                 _attn_in_team(pi_team_thread(), pi_team_size(), &x[0], &attn_norm[0], eps,
                               n_embd, &wqkv[0, 0], wqkv.shape[1], tqkv, &wo[0, 0], wo.shape[1],
-                              to, &k_cache[0, 0, 0], &v_cache[0, 0, 0], nkv, n_past, n_head,
+                              to, &k_cache[0, 0, 0], &v_cache[0, 0, 0], kv_f16, nkv, n_past, n_head,
                               <int> n_kv, <int> hd, freq_base, sq, thr_qkv, so, thr_o, b.qkv,
                               b.att, b.cs, b.sc, b.tmp_qkv, b.tmp_o, b.y, priv, n_priv, counts)
         free(buf)
@@ -1650,7 +1714,7 @@ cdef class InputDecodePlan:
         free(self.vec)
 
 
-cdef void _layers_in_team(int t, int T, int first, int L, float *x, float *kc, float *vc,
+cdef void _layers_in_team(int t, int T, int first, int L, float *x, uint16_t *kc, uint16_t *vc, int f16,
                           Py_ssize_t layer_rows, int n_past, const float *thr,
                           const uint8_t **w, size_t *st, int *qt, const float **vec, float eps,
                           int n_embd, int n_head, int n_kv, int hd, Py_ssize_t n_ff, double fb,
@@ -1670,8 +1734,8 @@ cdef void _layers_in_team(int t, int T, int first, int L, float *x, float *kc, f
     cdef int32_t *iin
     for l in range(first, L):
         _attn_in_team(t, T, x, vec[6 * l], eps, n_embd, w[4 * l], st[4 * l], qt[4 * l],
-                      w[4 * l + 1], st[4 * l + 1], qt[4 * l + 1], kc + l * layer_rows,
-                      vc + l * layer_rows, rs, n_past, n_head, n_kv, hd, fb, vec[6 * l + 2],
+                      w[4 * l + 1], st[4 * l + 1], qt[4 * l + 1], kc + l * layer_rows * (2 - f16),
+                      vc + l * layer_rows * (2 - f16), f16, rs, n_past, n_head, n_kv, hd, fb, vec[6 * l + 2],
                       thr[l], vec[6 * l + 3], thr[L + l], a.qkv, a.att, a.cs, a.sc, a.tmp_qkv,
                       a.tmp_o, a.y, priv, n_priv, cts + 4 * l)
         pi_team_barrier()
@@ -1692,14 +1756,15 @@ cdef void _layers_in_team(int t, int T, int first, int L, float *x, float *kc, f
         cts[4 * L] = n
 
 
-def decode_layers_in(InputDecodePlan plan, float[::1] x, float[:, :, :, ::1] k_cache,
-                     float[:, :, :, ::1] v_cache, int n_past, const float[:, ::1] thr,
+def decode_layers_in(InputDecodePlan plan, float[::1] x, uint16_t[:, :, :, ::1] k_cache,
+                     uint16_t[:, :, :, ::1] v_cache, int kv_f16, int n_past, const float[:, ::1] thr,
                      int64_t[:, ::1] counts, int first, int n_threads, float[::1] logits=None,
                      float head_thr=-1.0):
     """Layers first .. n_layer - 1 of one token with input sparsity, in place on x (n_embd,) f32:
     per layer decode_attn_in then decode_ffn_in (the same team functions, so the same bits), in
     ONE parallel region with a barrier after each half-layer. k_cache, v_cache (n_layer, n_ctx,
-    n_head_kv, head_dim) f32, row n_past of each layer written; thr (4, n_layer) f32: the
+    n_head_kv, head_dim) as ``decode_attn`` takes them (uint16: f16 values with kv_f16, else f32,
+    the last axis 2 head_dim), row n_past of each layer written; thr (4, n_layer) f32: the
     thresholds of attn_qkv, attn_output, ffn_gate_up, ffn_down; counts (n_layer, 4) int64 or
     None: the rows each projection read (as the two calls return them; rows before `first`
     untouched). logits (n_vocab,) f32 or None: with the plan's set_head, the same region then
@@ -1712,8 +1777,8 @@ def decode_layers_in(InputDecodePlan plan, float[::1] x, float[:, :, :, ::1] k_c
     cdef Py_ssize_t n_ff = plan.n_ff, nq = n_head * hd, nkv = n_kv * hd, rs = nkv
     _check_len(x.shape[0], n_embd, "decode_layers_in x")
     if (k_cache.shape[0] != L or v_cache.shape[0] != L or k_cache.shape[1] != v_cache.shape[1]
-            or k_cache.shape[2] != n_kv or v_cache.shape[2] != n_kv or k_cache.shape[3] != hd
-            or v_cache.shape[3] != hd):
+            or k_cache.shape[2] != n_kv or v_cache.shape[2] != n_kv
+            or k_cache.shape[3] != hd * (2 - (kv_f16 != 0)) or v_cache.shape[3] != k_cache.shape[3]):
         raise ValueError("decode_layers_in: cache shapes do not match the plan")
     if n_past < 0 or n_past >= k_cache.shape[1]:
         raise ValueError(f"decode_layers_in: position {n_past} outside the cache ({k_cache.shape[1]})")
@@ -1742,8 +1807,9 @@ def decode_layers_in(InputDecodePlan plan, float[::1] x, float[:, :, :, ::1] k_c
     cdef long *cnt
     cdef Py_ssize_t *cts
     cdef Py_ssize_t sums[5]
-    cdef float *kc = &k_cache[0, 0, 0, 0]
-    cdef float *vc = &v_cache[0, 0, 0, 0]
+    cdef int f16 = 1 if kv_f16 else 0
+    cdef uint16_t *kc = &k_cache[0, 0, 0, 0]
+    cdef uint16_t *vc = &v_cache[0, 0, 0, 0]
     cdef const uint8_t **w = plan.w
     cdef size_t *st = plan.stride
     cdef int *qt = plan.qtype
@@ -1762,12 +1828,12 @@ def decode_layers_in(InputDecodePlan plan, float[::1] x, float[:, :, :, ::1] k_c
         cts = <Py_ssize_t *> malloc((4 * L + 1) * sizeof(Py_ssize_t))
         cts[4 * L] = -1
         if T == 1:
-            _layers_in_team(0, 1, first, L, &x[0], kc, vc, layer_rows, n_past, &thr[0, 0], w, st,
+            _layers_in_team(0, 1, first, L, &x[0], kc, vc, f16, layer_rows, n_past, &thr[0, 0], w, st,
                             qt, vec, eps, n_embd, n_head, n_kv, hd, n_ff, fb, silu, &a, &f, cnt,
                             priv, n_priv, cts, &ha, lp)
         else:
             with parallel(num_threads=T):
-                _layers_in_team(pi_team_thread(), pi_team_size(), first, L, &x[0], kc, vc,
+                _layers_in_team(pi_team_thread(), pi_team_size(), first, L, &x[0], kc, vc, f16,
                                 layer_rows, n_past, &thr[0, 0], w, st, qt, vec, eps, n_embd,
                                 n_head, n_kv, hd, n_ff, fb, silu, &a, &f, cnt, priv, n_priv, cts,
                                 &ha, lp)

@@ -115,6 +115,55 @@ static inline float pi_f16_to_f32(uint16_t h) {
 #endif
 }
 
+/* f32 -> f16 bits, rounded to nearest even (IEEE 754 binary16: overflow past 65504 to inf,
+ * results below 2^-14 to subnormals), the conversion numpy's astype(float16) makes: F16C's
+ * vcvtps2ph on the SIMD build, the same rounding spelled out otherwise. (The KV cache: prefill
+ * writes its rows through numpy, decode through this, and both must store the same bits.) */
+static inline uint16_t pi_f32_to_f16(float f) {
+#if PI_SIMD
+    return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) /* inf, or NaN (kept quiet, top payload bits) */
+        return (uint16_t)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u | ((ax >> 13) & 0x3ffu) : 0u));
+    if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* >= 65520 rounds to inf */
+    if (ax >= 0x38800000u) { /* normal half: drop 13 mantissa bits, ties to even */
+        const uint32_t m = ax - 0x38000000u; /* exponent rebiased 127 -> 15 */
+        return (uint16_t)(sign | ((m + 0xfffu + ((m >> 13) & 1u)) >> 13));
+    }
+    if (ax < 0x33000000u) return (uint16_t)sign; /* below 2^-25 (or exactly: a tie to 0) */
+    /* subnormal half: value / 2^-24 rounded to an integer, ties to even */
+    const uint32_t mant = (ax & 0x7fffffu) | 0x800000u, sh = 126u - (ax >> 23);
+    uint32_t r = mant >> sh;
+    const uint32_t rem = mant & ((1u << sh) - 1u), half = 1u << (sh - 1u);
+    r += rem > half || (rem == half && (r & 1u));
+    return (uint16_t)(sign | r);
+#endif
+}
+
+/* o[0:n] = f16 bits of x[0:n] (pi_f32_to_f16, 8 at a time on the SIMD build) */
+static inline void pi_f32_to_f16_row(const float *x, uint16_t *o, long n) {
+    long i = 0;
+#if PI_SIMD
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(o + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+    for (; i < n; i++) o[i] = pi_f32_to_f16(x[i]);
+}
+
+/* o[0:n] = the f32 values of the f16 bits h[0:n] (exact) */
+static inline void pi_f16_to_f32_row(const uint16_t *h, float *o, long n) {
+    long i = 0;
+#if PI_SIMD
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(o + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+#endif
+    for (; i < n; i++) o[i] = pi_f16_to_f32(h[i]);
+}
+
 static inline float pi_load_d(const uint8_t *blk) {
     uint16_t h;
     memcpy(&h, blk, 2);

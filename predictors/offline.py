@@ -213,7 +213,9 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
                 down_type=down_type)
         secs["dense conversion"] = time.perf_counter() - t0
         n_threads = opts.n_threads or default_n_threads()
-        eng = Engine(staging, n_ctx=None, n_threads=n_threads, dense=True)
+        # f32 keys and values: the calibration records the model's own activations (and the
+        # files it writes do not depend on the run's --cache-type)
+        eng = Engine(staging, n_ctx=None, n_threads=n_threads, dense=True, cache_type="f32")
         cfg = eng.cfg
         chunk_len = min(CHUNK_LEN, eng.n_ctx)
         mode = sparse_mode(cfg)

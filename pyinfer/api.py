@@ -95,6 +95,8 @@ class LLM:
         dense: compute every FFN neuron even when the file has predictors (the offline stage's).
         reset_gpu_index, disable_gpu_index, n_gpu_layers: GPU placement options of
             ``pyinfer.engine.Engine`` (re-solve the split, whole layers only, llama.cpp -ngl).
+        cache_type: the KV cache's type, "auto" (f32 for an f32 file, f16 otherwise), "f16" or
+            "f32" (llama.cpp's --cache-type-k/v).
     Raises PyinferError for a bad file or setting.
     """
 
@@ -102,7 +104,7 @@ class LLM:
                  device: str | None = None, vram_budget: float | None = None,
                  seed: int | None = None, verbose: bool = False, dense: bool = False,
                  reset_gpu_index: bool = False, disable_gpu_index: bool = False,
-                 n_gpu_layers: int | None = None):
+                 n_gpu_layers: int | None = None, cache_type: str = "auto"):
         from pyinfer.engine import Engine
 
         options.check_optional("threads", n_threads, "n_threads")
@@ -117,7 +119,7 @@ class LLM:
                                      disable_gpu_index=disable_gpu_index, n_gpu_layers=n_gpu_layers)
         self.model_path = model_path
         self.engine = Engine(model_path, n_ctx=n_ctx or None, n_threads=n_threads, verbose=verbose,
-                             dense=dense, **extra)
+                             dense=dense, cache_type=cache_type, **extra)
         self.tokenizer = self.engine.tokenizer
         self.verbose = verbose
         self.model_name = os.path.basename(model_path)

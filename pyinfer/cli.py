@@ -55,6 +55,9 @@ def build_parser(prog: str = "pyinfer-run", chat: bool = False) -> argparse.Argu
     p.add_argument("-t", "--threads", type=arg_type("threads"), default=None, help="kernel threads (default: the physical cores this process may use)")
     p.add_argument("-c", "--ctx-size", type=arg_type("ctx_size"), default=0,
                    help="context size in tokens (0: min(4096, the model's))")
+    p.add_argument("-ctk", "--cache-type", choices=["auto", "f16", "f32"], default="auto",
+                   help="KV cache type (llama.cpp's --cache-type-k/v): f16 halves the bytes each "
+                        "token's attention reads; auto: f32 for an f32 file, else f16")
     p.add_argument("--temp", type=arg_type("temperature"), default=0.8, help="temperature (0: greedy)")
     p.add_argument("--top-k", type=arg_type("top_k"), default=40)
     p.add_argument("--top-p", type=arg_type("top_p"), default=0.95)
@@ -188,7 +191,8 @@ def load(args, model_path: str):
     llm = LLM(model_path, n_ctx=args.ctx_size or None, n_threads=args.threads, device=args.device,
               vram_budget=args.vram_budget, seed=None if args.seed == -1 else args.seed,
               dense=args.dense, reset_gpu_index=args.reset_gpu_index,
-              disable_gpu_index=args.disable_gpu_index, n_gpu_layers=args.n_gpu_layers)
+              disable_gpu_index=args.disable_gpu_index, n_gpu_layers=args.n_gpu_layers,
+              cache_type=getattr(args, "cache_type", "auto"))
     return llm
 
 

@@ -97,7 +97,8 @@ class Engine:
     def __init__(self, model_path: str, *, n_ctx: int | None = None, n_threads: int | None = None,
                  dense: bool = False, verbose: bool = False, device: str | None = "cpu",
                  vram_budget: float | None = None, reset_gpu_index: bool = False,
-                 disable_gpu_index: bool = False, n_gpu_layers: int | None = None):
+                 disable_gpu_index: bool = False, n_gpu_layers: int | None = None,
+                 cache_type: str = "auto"):
         t0 = time.perf_counter()
         self.path = model_path
         self.reader = open_gguf(model_path)
@@ -125,6 +126,8 @@ class Engine:
                                  reset_gpu_index=reset_gpu_index,
                                  disable_gpu_index=disable_gpu_index, n_gpu_layers=n_gpu_layers,
                                  verbose=verbose)
+        if cache_type != "auto":  # the CPU model's cache (a GPU model keeps its own on the device)
+            getattr(self.model, "cpu", self.model).set_cache_type(cache_type)
         self.tokens: list[int] = []  # tokens whose keys/values are in the cache, in order
         self._dry_breakers: frozenset[int] | None = None  # see dry_breakers
         # fewer threads while other processes hold CPUs (spinning OpenMP waits: pyinfer.threads)

@@ -171,7 +171,8 @@ class GpuModel:
         self.dev, self.plan = dev, plan
         self.cpu_ffn = cpu_ffn
         # the CPU model: embeddings, layers past n_resident, logits when the output stays here
-        self.cpu = Model(cfg, weights, n_ctx, n_threads, ffn=cpu_ffn)
+        # f32 as the device's cache, so that a layer computes one function wherever it runs
+        self.cpu = Model(cfg, weights, n_ctx, n_threads, ffn=cpu_ffn, cache_type="f32")
         sparse = isinstance(cpu_ffn, SparseFFN) and not plan.dense
         self.sparse = sparse
         self.glu = sparse and cpu_ffn.glu

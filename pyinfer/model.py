@@ -11,10 +11,19 @@ import numpy as np
 from pyinfer.config import ModelConfig
 from pyinfer.errors import PyinferError
 from pyinfer.ffn import DenseFFN, linear, linear_many
-from pyinfer.kv_cache import KVCache
+from pyinfer.kv_cache import CACHE_TYPE_AUTO, KVCache, cache_dtype
 from pyinfer.ops import cpu
 from pyinfer.ops import families as fam
 from pyinfer.weights import ModelWeights
+
+
+def weights_are_f32(weights: ModelWeights) -> bool:
+    """True where the first layer's attention weights are f32 (the reference-accuracy file:
+    ``--cache-type auto`` then keeps the KV cache in f32)."""
+    lw = weights.layers[0]
+    t = next((getattr(lw, n, None) for n in ("wq", "attn_qkv_t", "wqkv")
+              if getattr(lw, n, None) is not None), None)
+    return t is not None and int(getattr(t, "qtype", -1)) == 0  # ggml's F32
 
 
 class Model:
@@ -26,13 +35,13 @@ class Model:
     loop of ``run_layers``."""
 
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, n_ctx: int, n_threads: int = 1,
-                 ffn=None, fused: bool = True):
+                 ffn=None, fused: bool = True, cache_type: str = CACHE_TYPE_AUTO):
         self.fused = fused  # one-token steps through the fused half-layer kernels
         self.cfg = cfg
         self.w = weights
         self.n_ctx = n_ctx
         self.n_threads = n_threads
-        self.cache = KVCache(cfg, n_ctx)
+        self.cache = KVCache(cfg, n_ctx, cache_dtype(cache_type, weights_are_f32(weights)))
         self.ffn = ffn if ffn is not None else DenseFFN(cfg)
         # sparse mode "input" (pyinfer.input_sparse): the FFN object also runs q/k/v/o
         self.input_sparse = self.ffn if getattr(self.ffn, "is_input_sparse", False) else None
@@ -57,6 +66,11 @@ class Model:
         if self.cfg.embd_scale != 1.0:  # Gemma: embeddings times sqrt(n_embd), in f32 as HF does
             x *= np.float32(self.cfg.embd_scale)
         return x
+
+    def set_cache_type(self, cache_type: str) -> None:
+        """A fresh, empty KV cache of ``cache_type`` ("auto", "f16", "f32": ``kv_cache.cache_dtype``)
+        in place of the current one (what it held is gone). ValueError for another name."""
+        self.cache = KVCache(self.cfg, self.n_ctx, cache_dtype(cache_type, weights_are_f32(self.w)))
 
     def forward(self, tokens, n_past: int, all_logits: bool = False) -> np.ndarray:
         """Evaluate ``tokens`` at positions n_past.. and return logits.

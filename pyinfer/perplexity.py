@@ -67,6 +67,8 @@ def main(argv=None) -> int:
     ap.add_argument("-t", "--threads", type=arg_type("threads"), default=None)
     ap.add_argument("--chunks", type=arg_type("chunks"), default=0, help="score at most this many chunks")
     ap.add_argument("--dense", action="store_true", help="compute every FFN neuron")
+    ap.add_argument("-ctk", "--cache-type", choices=["auto", "f16", "f32"], default="auto",
+                    help="KV cache type (auto: f32 for an f32 file, else f16)")
     args = ap.parse_args(argv)
     try:
         from pyinfer.engine import Engine
@@ -75,7 +77,8 @@ def main(argv=None) -> int:
         text = read_text_file(args.file, MAX_TEXT_FILE_BYTES, "text file", hint="score a part of it")
         if args.ctx_size < 8:
             raise PyinferError("-c/--ctx-size must be at least 8")
-        eng = Engine(path, n_ctx=args.ctx_size, n_threads=args.threads, dense=args.dense)
+        eng = Engine(path, n_ctx=args.ctx_size, n_threads=args.threads, dense=args.dense,
+                     cache_type=args.cache_type)
         tokens = eng.tokenizer.encode(text, add_bos=False)
         t0 = time.perf_counter()
         ppl, n, frac = perplexity(eng, tokens, args.ctx_size, args.chunks)

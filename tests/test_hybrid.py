@@ -26,7 +26,7 @@ from pyinfer.ffn import DenseFFN, Predictor, SparseFFN
 from pyinfer.gpu_model import GpuModel, GpuPlan
 from pyinfer.hybrid import place_model
 from pyinfer.model import Model
-from pyinfer.ops import cpu, cuda
+from pyinfer.ops import cpu, cuda, reference
 from pyinfer.ops import xp as X
 from pyinfer.ops.cpu import QT, QTensor
 from tests._models import make_random_llama
@@ -105,7 +105,7 @@ def compare(eng, make_ffn, plan, outtype, dev, exact_counts):
     neuron counts."""
     cfg, w = eng.cfg, eng.weights
     ref_ffn = make_ffn()
-    ref_model = Model(cfg, w, eng.n_ctx, 2, ffn=ref_ffn)
+    ref_model = Model(cfg, w, eng.n_ctx, 2, ffn=ref_ffn, cache_type="f32")  # the device's cache
     ref = decode_all(ref_model, PROMPT)
     gm = GpuModel(cfg, w, eng.n_ctx, 2, make_ffn(), dev, plan)
     got = decode_all(gm, PROMPT)
@@ -175,6 +175,7 @@ def test_dense_rows_file_on_the_device(tmp_path, outtype, backend):
     eng = engine_for(tmp_path, "silu", outtype, rows=True)
     cfg, w = eng.cfg, eng.weights
     assert all(lw.ffn_down_t is None and lw.ffn_down is not None for lw in w.layers)
+    eng.model.set_cache_type("f32")  # the device keeps f32 keys and values
     ref = decode_all(eng.model, PROMPT)  # the CPU: GEMVs over the rows as stored
     gm = place_model(eng.reader, cfg, w, DenseFFN(cfg), 64, 2, device="cuda",
                      disable_gpu_index=True, backend=_device(backend))
@@ -249,7 +250,7 @@ def test_numpy_twins_match_cpu_kernels():
     np.testing.assert_array_equal(cv, cv_ref)
     out, want = np.full((n_head, hd), np.nan, np.float32), np.empty((1, n_head, hd), np.float32)
     dev.attn_decode(q, ck, cv, np.array([9], np.int32), out, 10)
-    cpu.attention(q[None].copy(), ck, cv, 9, want)
+    reference.attention(q[None].copy(), ck, cv, 9, want)  # the device cache stays f32 (the CPU kernel takes f16)
     np.testing.assert_allclose(out, want[0], rtol=1e-5, atol=1e-5)
 
 
@@ -280,7 +281,7 @@ def test_budget_counts_what_is_allocated(tmp_path, capsys):
     assert tiny.plan.n_resident == 1 and tiny.n_hot == 0 and not tiny.plan.output
     assert tiny.device_bytes == tiny.plan.planned_bytes
     assert "holds the attention of 1/3 layers" in capsys.readouterr().err
-    ref = decode_all(Model(cfg, w, 64, 2, ffn=sparse_ffn(cfg, "relu")), PROMPT[:4])
+    ref = decode_all(Model(cfg, w, 64, 2, ffn=sparse_ffn(cfg, "relu"), cache_type="f32"), PROMPT[:4])
     assert rel_err(decode_all(tiny, PROMPT[:4]), ref) < 1e-4
     # whole layers at the same rules
     lo = place_model(None, cfg, w, DenseFFN(cfg), 64, 2, device="cuda", n_gpu_layers=2,
@@ -477,6 +478,7 @@ def test_gpu_memory_pool_holds_the_plan(tmp_path):
 def test_gpu_engine_auto_device(tmp_path):
     eng = engine_for(tmp_path, "relu", "f16")
     gpu_eng = Engine(eng.path, n_ctx=64, n_threads=2, dense=True, device=None)
+    eng.model.set_cache_type("f32")  # the device keeps f32 keys and values
     assert isinstance(gpu_eng.model, GpuModel) and gpu_eng.model.plan.n_resident == eng.cfg.n_layer
     assert rel_err(decode_all(gpu_eng.model, PROMPT), decode_all(eng.model, PROMPT)) < 1e-4
     lo = Engine(eng.path, n_ctx=64, n_threads=2, dense=True, device="cuda", n_gpu_layers=2)

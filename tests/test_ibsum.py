@@ -197,8 +197,8 @@ def test_fused_half_layers(qtype):
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
         for o in outs[1:]:
             np.testing.assert_array_equal(o, outs[0])
-    k0 = rng.standard_normal((n_ctx, n_kv, hd)).astype(np.float32)
-    v0 = rng.standard_normal((n_ctx, n_kv, hd)).astype(np.float32)
+    k0 = rng.standard_normal((n_ctx, n_kv, hd)).astype(np.float16)
+    v0 = rng.standard_normal((n_ctx, n_kv, hd)).astype(np.float16)
     for t_o in (-1.0, 1e30):
         kw, vw, want = k0.copy(), v0.copy(), x0.copy()
         n_want = ref.decode_attn_in(want, norm, 1e-5, qkv, wo, kw, vw, n_past, n_head, 1e4, None,
@@ -341,7 +341,8 @@ def test_lm_head_sparsity(head_dir, tmp_path, score):
     assert {C.OUTPUT_IB, C.TOKEN_EMBD} <= names and C.OUTPUT not in names
     assert (C.OUTPUT_IN_SCALE in names) == (score == "wina")
     assert abs(read_field(r, C.K_LM_HEAD_SPARSITY) - 0.4) < 1e-6
-    eng = Engine(out, n_ctx=64, n_threads=2)
+    # f32 keys and values, as the float64 reference keeps them
+    eng = Engine(out, n_ctx=64, n_threads=2, cache_type="f32")
     isp, cfg = eng.model.ffn, eng.cfg
     assert isp.lm_head_thr is not None and isp.lm_head_thr > 0
     scale = eng.weights.output_in_scale
@@ -358,7 +359,7 @@ def test_lm_head_sparsity(head_dir, tmp_path, score):
     assert isp.head_fits(eng.weights) and isp.whole_token
     head_counts = (isp.head_stats.total, isp.head_stats.active)
     for nt, whole in ((2, False), (1, True), (3, True)):
-        e = eng if nt == 2 else Engine(out, n_ctx=64, n_threads=nt)
+        e = eng if nt == 2 else Engine(out, n_ctx=64, n_threads=nt, cache_type="f32")
         e.model.ffn.whole_token = whole
         e.reset()
         e.reset_stats()
@@ -466,8 +467,8 @@ def test_fused_halves_equal_unfused_kernels(layout, qtype):
     qkv, wo = weight(nq + 2 * nkv, n_embd, 0.1), weight(n_embd, nq, 0.1)
     norm = rng.uniform(0.5, 1.5, n_embd).astype(np.float32)
     x0 = rng.standard_normal(n_embd).astype(np.float32)
-    k0 = rng.standard_normal((n_ctx, n_kv, hd)).astype(np.float32)
-    v0 = rng.standard_normal((n_ctx, n_kv, hd)).astype(np.float32)
+    k0 = rng.standard_normal((n_ctx, n_kv, hd)).astype(np.float16)
+    v0 = rng.standard_normal((n_ctx, n_kv, hd)).astype(np.float16)
     h = np.abs(cpu.rmsnorm(x0, norm, 1e-5, np.empty_like(x0)))
     for t_in, t_mid in ((-1.0, -1.0), (np.quantile(h, 0.3), 0.02), (np.quantile(h, 0.7), 0.1),
                         (1e30, -1.0), (-1.0, 1e30)):

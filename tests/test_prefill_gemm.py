@@ -215,8 +215,8 @@ def test_batched_attention(n_threads):
                                             (8, 2, 32, 0, 1), (6, 1, 96, 2, 3), (2, 1, 8, 0, 9)]:
         n_ctx = n_past + n_tok + 2
         q = _ro(rng.standard_normal((n_tok, n_head, hd)).astype(np.float32))
-        k = rng.standard_normal((n_ctx, n_kv, hd)).astype(np.float32)
-        v = rng.standard_normal((n_ctx, n_kv, hd)).astype(np.float32)
+        k = rng.standard_normal((n_ctx, n_kv, hd)).astype(np.float16)
+        v = rng.standard_normal((n_ctx, n_kv, hd)).astype(np.float16)
         k[n_past + n_tok:] = np.nan  # never read
         v[n_past + n_tok:] = np.nan
         k, v = _ro(k), _ro(v)

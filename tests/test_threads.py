@@ -74,8 +74,8 @@ def test_attention():
     rng = np.random.default_rng(1)
     n_ctx, n_kv, hd, n_head, n_past, n_tok = 40, 2, 32, 6, 11, 9
     q = rng.normal(size=(n_tok, n_head, hd)).astype(np.float32)
-    k = rng.normal(size=(n_ctx, n_kv, hd)).astype(np.float32)
-    v = rng.normal(size=(n_ctx, n_kv, hd)).astype(np.float32)
+    k = rng.normal(size=(n_ctx, n_kv, hd)).astype(np.float16)
+    v = rng.normal(size=(n_ctx, n_kv, hd)).astype(np.float16)
 
     def run(t):
         return (cpu.attention(q, k, v, n_past, _poisoned((n_tok, n_head, hd)), t),)
@@ -93,8 +93,8 @@ def test_decode_attn(qtype):
     wo = _weights(rng, n_embd, n_head * hd, qtype)
     norm = rng.uniform(0.5, 1.5, n_embd).astype(np.float32)
     x0 = rng.normal(size=n_embd).astype(np.float32)
-    k0 = rng.normal(size=(n_ctx, n_kv, hd)).astype(np.float32)
-    v0 = rng.normal(size=(n_ctx, n_kv, hd)).astype(np.float32)
+    k0 = rng.normal(size=(n_ctx, n_kv, hd)).astype(np.float16)
+    v0 = rng.normal(size=(n_ctx, n_kv, hd)).astype(np.float16)
 
     def run(t):
         x, k, v = x0.copy(), k0.copy(), v0.copy()

@@ -5,7 +5,9 @@
         [--depths 8 256 480] [--rounds 20] [--n-gen 16]
 
 A file named with the suffix ``:dense`` runs with every input kept (``pyinfer-run --dense``, the
-issue's baseline "the same file with --dense": the same kernels and fixed work, nothing skipped).
+issue's baseline "the same file with --dense": the same kernels and fixed work, nothing skipped);
+a suffix ``:f32`` or ``:f16`` (after ``:dense`` where both) sets its KV cache type (``--cache-type``;
+default auto: f32 for an f32 file, f16 otherwise).
 
 For each depth P, every round evaluates a P-token prompt on each file's engine and then times
 --n-gen greedy tokens (so the attention reads P .. P + n_gen cache rows, as llama-bench's
@@ -61,15 +63,19 @@ def main(argv=None) -> int:
         ap.error("depths, --rounds, --n-gen and --threads must be positive")
     try:
         n_ctx = max(args.depths) + args.n_gen + 1
-        engs = [Engine(p.removesuffix(":dense"), n_ctx=n_ctx, n_threads=args.threads,
-                       dense=p.endswith(":dense")) for p in args.files]
+        engs = []
+        for p in args.files:
+            path, _, cache_type = p.partition(":f")
+            cache_type = "f" + cache_type if cache_type else "auto"
+            engs.append(Engine(path.removesuffix(":dense"), n_ctx=n_ctx, n_threads=args.threads,
+                               dense=path.endswith(":dense"), cache_type=cache_type))
     except (PyinferError, OSError) as e:
         print(f"ab_files_decode: {e}", file=sys.stderr)
         return 1
     ids = engs[0].tokenizer.encode(TEXT)
     while len(ids) < max(args.depths):
         ids = ids + ids
-    names = [os.path.basename(p.removesuffix(":dense")) + (" --dense" if p.endswith(":dense") else "")
+    names = [os.path.basename(p).replace(":dense", " --dense").replace(":f", " --cache-type f")
              for p in args.files]
     print(f"{args.threads} threads, {args.rounds} rounds of {args.n_gen} tokens per file and depth; "
           f"PYINFER_ADAPTIVE_THREADS={os.environ.get('PYINFER_ADAPTIVE_THREADS', '(unset)')}\n")
