@@ -1472,6 +1472,19 @@ cdef inline Py_ssize_t _ffn_bufs(float *buf, FfnBufs *b, int n_embd, Py_ssize_t 
     return 2 * n_ff + n_embd + 2 * n_ff + nt_gu + nt_d
 
 
+cdef inline void _rope_table_share(int t, int T, int n_past, double freq_base, int hd,
+                                   float *cs) noexcept nogil:
+    """Thread t of T's share of the rope's table for position n_past: cs[i] = cos(theta_i),
+    cs[hd/2 + i] = sin(theta_i), theta_i = n_past freq_base^(-2i/hd) (_rope1's expressions: the
+    same cos/sin for q and k). The team reads it after a barrier."""
+    cdef int i, half = hd // 2
+    cdef double theta
+    for i in range(t * half // T, (t + 1) * half // T):
+        theta = n_past * pow(freq_base, -2.0 * i / hd)
+        cs[i] = <float> cos(theta)
+        cs[half + i] = <float> sin(theta)
+
+
 cdef void _attn_in_team(int t, int T, float *x, const float *attn_norm, float eps, int n_embd,
                         const uint8_t *wqkv, size_t sqkv, int tqkv, const uint8_t *wo,
                         size_t so_, int to, void *k_cache, void *v_cache, int f16, Py_ssize_t rs,
@@ -1479,7 +1492,7 @@ cdef void _attn_in_team(int t, int T, float *x, const float *attn_norm, float ep
                         const float *sq, float thr_qkv, const float *so, float thr_o,
                         float *qkv, float *att, float *cs, float *sc, float *tmp_qkv,
                         float *tmp_o, float *y, float *priv, Py_ssize_t n_priv,
-                        Py_ssize_t *counts) noexcept nogil:
+                        Py_ssize_t *counts, int rope_ready=0) noexcept nogil:
     """Thread t of T's share of decode_attn_in in one parallel region (every thread calls it with
     the same arguments; rowsum_team.h's conventions). rs: values per cache row (n_kv hd); k_cache,
     v_cache: row 0 of the caches (f16 values with f16, else f32); cs: hd floats shared (the rope's cos | sin); sc: n_head
@@ -1490,7 +1503,6 @@ cdef void _attn_in_team(int t, int T, float *x, const float *attn_norm, float ep
     the bits do not depend on T."""
     cdef Py_ssize_t nq = n_head * hd, nkv = n_kv * hd, n_att = n_past + 1, n_mid, n_in, i
     cdef int half = hd // 2, group = n_head // n_kv, hh, h0, h1
-    cdef double theta
     cdef float scale = 1.0 / sqrtf(<float> hd)
     cdef float *mine = priv + t * n_priv
     cdef int32_t *midx = <int32_t *> mine
@@ -1507,10 +1519,8 @@ cdef void _attn_in_team(int t, int T, float *x, const float *attn_norm, float ep
     # (_rope1's expressions: the same cos/sin for q and k; read after step 2's barrier)
     _rmsnorm1(x, attn_norm, eps, h, n_embd)
     n_in = _select_inputs(h, sq, thr_qkv, n_embd, cin, iin)
-    for i in range(t * half // T, (t + 1) * half // T):
-        theta = n_past * pow(freq_base, -2.0 * i / hd)
-        cs[i] = <float> cos(theta)
-        cs[half + i] = <float> sin(theta)
+    if not rope_ready:  # (decode_layers_in makes the table once per token: rope_ready 1)
+        _rope_table_share(t, T, n_past, freq_base, hd, cs)
     # 2. [q, k, v] = the kept rows of attn_qkv_t (chunks by count, then column slices)
     pi_axpy_rows_team(t, T, tqkv, wqkv, sqkv, cin, iin, n_in, qkv, <int> (nq + 2 * nkv),
                       tmp_qkv, NULL)
@@ -1732,12 +1742,15 @@ cdef void _layers_in_team(int t, int T, int first, int L, float *x, uint16_t *kc
     cdef float *h
     cdef float *cin
     cdef int32_t *iin
+    # the rope's table once per token (every layer turns by the same angles; layer first's
+    # barrier after its q/k/v sums comes before any rope reads it)
+    _rope_table_share(t, T, n_past, fb, hd, a.cs)
     for l in range(first, L):
         _attn_in_team(t, T, x, vec[6 * l], eps, n_embd, w[4 * l], st[4 * l], qt[4 * l],
                       w[4 * l + 1], st[4 * l + 1], qt[4 * l + 1], kc + l * layer_rows * (2 - f16),
                       vc + l * layer_rows * (2 - f16), f16, rs, n_past, n_head, n_kv, hd, fb, vec[6 * l + 2],
                       thr[l], vec[6 * l + 3], thr[L + l], a.qkv, a.att, a.cs, a.sc, a.tmp_qkv,
-                      a.tmp_o, a.y, priv, n_priv, cts + 4 * l)
+                      a.tmp_o, a.y, priv, n_priv, cts + 4 * l, 1)
         pi_team_barrier()
         _ffn_in_team(t, T, x, vec[6 * l + 1], eps, n_embd, w[4 * l + 2], st[4 * l + 2],
                      qt[4 * l + 2], w[4 * l + 3], st[4 * l + 3], qt[4 * l + 3], n_ff,
