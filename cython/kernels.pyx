@@ -45,7 +45,6 @@ cdef extern from "simd.h" nogil:
     void pi_dot4_xrow(int qtype, const uint8_t *row, const float *xd, long xd_stride,
                       const int8_t *xq, long xq_stride, int nb, float *out, long out_stride)
     void pi_axpy_f32(float a, const float *w, float *out, int n)
-    uint16_t pi_f32_to_f16(float f)
     void pi_f32_to_f16_row(const float *x, uint16_t *o, long n)
     void pi_f16_to_f32_row(const uint16_t *h, float *o, long n)
     void pi_axpy_row(int qtype, float a, const uint8_t *row, float *out, int n)
@@ -745,19 +744,34 @@ def rope_neox(float[:, :, ::1] x, const int32_t[::1] positions, double freq_base
         free(inv_freq)
 
 
+cdef inline Py_ssize_t _kv_width(int kv_f16) noexcept nogil:
+    """uint16 per cached value: 1 for an f16 cache, 2 for an f32 one (``cpu.kv_pair``)."""
+    return 1 if kv_f16 else 2
+
+
+cdef inline void _kv_store(const float *src, void *cache, Py_ssize_t off, int f16,
+                           Py_ssize_t n) noexcept nogil:
+    """cache values off .. off + n - 1 = src[0:n]: rounded to nearest even into an f16 cache
+    (pi_f32_to_f16_row, numpy's astype bits), copied into an f32 one."""
+    if f16:
+        pi_f32_to_f16_row(src, <uint16_t *> cache + off, n)
+    else:
+        memcpy(<float *> cache + off, src, n * sizeof(float))
+
+
 def attention(const float[:, :, ::1] q, const uint16_t[:, :, ::1] k_cache,
               const uint16_t[:, :, ::1] v_cache, int kv_f16, int n_past, float[:, :, ::1] out,
               int n_threads):
     """Causal grouped-query attention for n_tok new tokens at positions n_past .. n_past+n_tok-1.
 
     q, out (n_tok, n_head, head_dim) f32; k_cache, v_cache (n_ctx, n_head_kv, head_dim) already
-    holding the new tokens' K/V, as uint16 (``cpu.kv_bits``): kv_f16 1, f16 values (their rows
+    holding the new tokens' K/V, as uint16 (``cpu.kv_pair``): kv_f16 1, f16 values (their rows
     read are copied to f32 once per call, exactly); kv_f16 0, f32 values (the last axis 2
     head_dim uint16). Head h reads kv head h // (n_head // n_head_kv); token t attends to cache
     rows 0 .. n_past+t; scale 1/sqrt(head_dim); softmax in f32 with max subtraction. (The fused
     decode half-layers use attend.h instead: ``attend_one``.)"""
     cdef Py_ssize_t n_tok = q.shape[0], n_head = q.shape[1], hd = q.shape[2]
-    cdef Py_ssize_t n_kv = k_cache.shape[1], n_ctx = k_cache.shape[0], w = 1 if kv_f16 else 2
+    cdef Py_ssize_t n_kv = k_cache.shape[1], n_ctx = k_cache.shape[0], w = _kv_width(kv_f16)
     if (k_cache.shape[2] != hd * w or v_cache.shape[0] != n_ctx or v_cache.shape[1] != n_kv
             or v_cache.shape[2] != hd * w):
         raise ValueError("attention: k_cache/v_cache shapes do not match q")
@@ -819,7 +833,7 @@ def attend_one(const float[:, ::1] q, const uint16_t[:, :, ::1] k_cache,
     f32) holding the query's own row n_past; rows 0 .. n_past read.
     ValueError on shapes that do not fit."""
     cdef Py_ssize_t n_head = q.shape[0], hd = q.shape[1], n_kv = k_cache.shape[1]
-    cdef Py_ssize_t w = 1 if kv_f16 else 2
+    cdef Py_ssize_t w = _kv_width(kv_f16)
     if (k_cache.shape[2] != hd * w or v_cache.shape[0] != k_cache.shape[0]
             or v_cache.shape[1] != n_kv or v_cache.shape[2] != hd * w or out.shape[0] != n_head
             or out.shape[1] != hd):
@@ -1058,7 +1072,7 @@ def decode_attn(float[::1] x, const float[::1] attn_norm, float eps,
     head (NeoX layout), as ``Model.forward``. Same numerics as rmsnorm, matvec, rope_neox and
     attention called one by one."""
     cdef int n_embd = x.shape[0]
-    cdef Py_ssize_t w = 1 if kv_f16 else 2
+    cdef Py_ssize_t w = _kv_width(kv_f16)
     cdef Py_ssize_t n_ctx = k_cache.shape[0], n_kv = k_cache.shape[1], hd = k_cache.shape[2] // w
     cdef Py_ssize_t nq = n_head * hd, nkv = n_kv * hd
     _check_w(wq, tq, n_embd)
@@ -1116,12 +1130,8 @@ def decode_attn(float[::1] x, const float[::1] attn_norm, float eps,
         # K turns by the same angles: reuse the cos/sin _rope1 left in att (same bits, half the
         # libm calls)
         _rope_rotate(kv, n_kv, hd, hd // 2, att, att + hd // 2)
-        if kv_f16:
-            pi_f32_to_f16_row(kv, &k_cache[n_past, 0, 0], nkv)
-            pi_f32_to_f16_row(kv + nkv, &v_cache[n_past, 0, 0], nkv)
-        else:
-            memcpy(&k_cache[n_past, 0, 0], kv, nkv * sizeof(float))
-            memcpy(&v_cache[n_past, 0, 0], kv + nkv, nkv * sizeof(float))
+        _kv_store(kv, &k_cache[0, 0, 0], n_past * nkv, kv_f16, nkv)
+        _kv_store(kv + nkv, &v_cache[0, 0, 0], n_past * nkv, kv_f16, nkv)
     # one pass over the cache rows for the scores, then each thread's heads (attend.h)
     with nogil:
         _attend_decode(q, &k_cache[0, 0, 0], &v_cache[0, 0, 0], kv_f16, n_att, <int> hd, n_head,
@@ -1510,10 +1520,6 @@ cdef void _attn_in_team(int t, int T, float *x, const float *attn_norm, float ep
     cdef float *h = mcoef + nq
     cdef float *cin = h + n_embd
     cdef int32_t *iin = <int32_t *> (cin + n_embd)
-    cdef uint16_t *krow16 = <uint16_t *> k_cache + n_past * rs
-    cdef uint16_t *vrow16 = <uint16_t *> v_cache + n_past * rs
-    cdef float *krow = <float *> k_cache + n_past * rs
-    cdef float *vrow = <float *> v_cache + n_past * rs
     # 1. every thread its own norm and kept list of the q/k/v inputs (no barrier: the kept list
     # was thread 0's, the others waiting), and its share of the rope's table for this position
     # (_rope1's expressions: the same cos/sin for q and k; read after step 2's barrier)
@@ -1531,13 +1537,9 @@ cdef void _attn_in_team(int t, int T, float *x, const float *attn_norm, float ep
     for hh in range(h0, h1):
         _rope_rotate(qkv + hh * hd, 1, hd, half, cs, cs + half)
         if hh >= n_head:
-            for i in range(hd):
-                if f16:
-                    krow16[(hh - n_head) * hd + i] = pi_f32_to_f16(qkv[hh * hd + i])
-                    vrow16[(hh - n_head) * hd + i] = pi_f32_to_f16(qkv[nq + nkv + (hh - n_head) * hd + i])
-                else:
-                    krow[(hh - n_head) * hd + i] = qkv[hh * hd + i]
-                    vrow[(hh - n_head) * hd + i] = qkv[nq + nkv + (hh - n_head) * hd + i]
+            _kv_store(qkv + hh * hd, k_cache, n_past * rs + (hh - n_head) * hd, f16, hd)
+            _kv_store(qkv + nq + nkv + (hh - n_head) * hd, v_cache,
+                      n_past * rs + (hh - n_head) * hd, f16, hd)
     pi_team_barrier()
     # 4. attention: the scores of every head over this thread's cache rows, then this thread's
     # query heads (attend.h; one barrier inside)
@@ -1565,7 +1567,7 @@ def decode_attn_in(float[::1] x, const float[::1] attn_norm, float eps,
     the selections and rope between them on one thread), three barriers. Returns (qkv rows
     read, output rows read). The caches as ``decode_attn`` takes them."""
     cdef int n_embd = x.shape[0]
-    cdef Py_ssize_t w = 1 if kv_f16 else 2
+    cdef Py_ssize_t w = _kv_width(kv_f16)
     cdef Py_ssize_t n_ctx = k_cache.shape[0], n_kv = k_cache.shape[1], hd = k_cache.shape[2] // w
     cdef Py_ssize_t nq = n_head * hd, nkv = n_kv * hd
     _check_attn_in(wqkv, tqkv, wo, to, n_embd, nq, nkv, "decode_attn_in")
@@ -1747,8 +1749,8 @@ cdef void _layers_in_team(int t, int T, int first, int L, float *x, uint16_t *kc
     _rope_table_share(t, T, n_past, fb, hd, a.cs)
     for l in range(first, L):
         _attn_in_team(t, T, x, vec[6 * l], eps, n_embd, w[4 * l], st[4 * l], qt[4 * l],
-                      w[4 * l + 1], st[4 * l + 1], qt[4 * l + 1], kc + l * layer_rows * (2 - f16),
-                      vc + l * layer_rows * (2 - f16), f16, rs, n_past, n_head, n_kv, hd, fb, vec[6 * l + 2],
+                      w[4 * l + 1], st[4 * l + 1], qt[4 * l + 1], kc + l * layer_rows * _kv_width(f16),
+                      vc + l * layer_rows * _kv_width(f16), f16, rs, n_past, n_head, n_kv, hd, fb, vec[6 * l + 2],
                       thr[l], vec[6 * l + 3], thr[L + l], a.qkv, a.att, a.cs, a.sc, a.tmp_qkv,
                       a.tmp_o, a.y, priv, n_priv, cts + 4 * l, 1)
         pi_team_barrier()
@@ -1791,7 +1793,7 @@ def decode_layers_in(InputDecodePlan plan, float[::1] x, uint16_t[:, :, :, ::1] 
     _check_len(x.shape[0], n_embd, "decode_layers_in x")
     if (k_cache.shape[0] != L or v_cache.shape[0] != L or k_cache.shape[1] != v_cache.shape[1]
             or k_cache.shape[2] != n_kv or v_cache.shape[2] != n_kv
-            or k_cache.shape[3] != hd * (2 - (kv_f16 != 0)) or v_cache.shape[3] != k_cache.shape[3]):
+            or k_cache.shape[3] != hd * _kv_width(kv_f16) or v_cache.shape[3] != k_cache.shape[3]):
         raise ValueError("decode_layers_in: cache shapes do not match the plan")
     if n_past < 0 or n_past >= k_cache.shape[1]:
         raise ValueError(f"decode_layers_in: position {n_past} outside the cache ({k_cache.shape[1]})")
@@ -1820,7 +1822,6 @@ def decode_layers_in(InputDecodePlan plan, float[::1] x, uint16_t[:, :, :, ::1] 
     cdef long *cnt
     cdef Py_ssize_t *cts
     cdef Py_ssize_t sums[5]
-    cdef int f16 = 1 if kv_f16 else 0
     cdef uint16_t *kc = &k_cache[0, 0, 0, 0]
     cdef uint16_t *vc = &v_cache[0, 0, 0, 0]
     cdef const uint8_t **w = plan.w
@@ -1841,12 +1842,12 @@ def decode_layers_in(InputDecodePlan plan, float[::1] x, uint16_t[:, :, :, ::1] 
         cts = <Py_ssize_t *> malloc((4 * L + 1) * sizeof(Py_ssize_t))
         cts[4 * L] = -1
         if T == 1:
-            _layers_in_team(0, 1, first, L, &x[0], kc, vc, f16, layer_rows, n_past, &thr[0, 0], w, st,
+            _layers_in_team(0, 1, first, L, &x[0], kc, vc, kv_f16, layer_rows, n_past, &thr[0, 0], w, st,
                             qt, vec, eps, n_embd, n_head, n_kv, hd, n_ff, fb, silu, &a, &f, cnt,
                             priv, n_priv, cts, &ha, lp)
         else:
             with parallel(num_threads=T):
-                _layers_in_team(pi_team_thread(), pi_team_size(), first, L, &x[0], kc, vc, f16,
+                _layers_in_team(pi_team_thread(), pi_team_size(), first, L, &x[0], kc, vc, kv_f16,
                                 layer_rows, n_past, &thr[0, 0], w, st, qt, vec, eps, n_embd,
                                 n_head, n_kv, hd, n_ff, fb, silu, &a, &f, cnt, priv, n_priv, cts,
                                 &ha, lp)

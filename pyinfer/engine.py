@@ -91,6 +91,8 @@ class Engine:
         disable_gpu_index: ignore the stored split; offload whole layers instead.
         n_gpu_layers: llama.cpp -ngl: the first k layers' FFNs dense on the GPU (baseline).
         See ``pyinfer.hybrid.place_model``.
+        cache_type: the KV cache, "auto" (f32 for an f32 file, f16 otherwise), "f16" or "f32"
+            (``pyinfer.kv_cache.cache_dtype``; ValueError for another name).
     Raises PyinferError for a bad file or an impossible setting.
     """
 
@@ -125,9 +127,7 @@ class Engine:
                                  device=device, vram_budget=vram_budget,
                                  reset_gpu_index=reset_gpu_index,
                                  disable_gpu_index=disable_gpu_index, n_gpu_layers=n_gpu_layers,
-                                 verbose=verbose)
-        if cache_type != "auto":  # the CPU model's cache (a GPU model keeps its own on the device)
-            getattr(self.model, "cpu", self.model).set_cache_type(cache_type)
+                                 verbose=verbose, cache_type=cache_type)
         self.tokens: list[int] = []  # tokens whose keys/values are in the cache, in order
         self._dry_breakers: frozenset[int] | None = None  # see dry_breakers
         # fewer threads while other processes hold CPUs (spinning OpenMP waits: pyinfer.threads)

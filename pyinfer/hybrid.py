@@ -161,7 +161,8 @@ def _types_off_gpu(weights: ModelWeights) -> list[str]:
 def place_model(reader, cfg: ModelConfig, weights: ModelWeights, cpu_ffn, n_ctx: int,
                 n_threads: int, *, device: str | None = "cpu", vram_budget: float | None = None,
                 reset_gpu_index: bool = False, disable_gpu_index: bool = False,
-                n_gpu_layers: int | None = None, backend=None, verbose: bool = False):
+                n_gpu_layers: int | None = None, backend=None, verbose: bool = False,
+                cache_type: str = "auto"):
     """The model the engine should run: a CPU ``Model`` or a ``GpuModel`` with the plan.
 
     device: "cpu"; "auto" (GPU when ``pyinfer.ops.cuda.available()``, else the CPU with a
@@ -169,7 +170,8 @@ def place_model(reader, cfg: ModelConfig, weights: ModelWeights, cpu_ffn, n_ctx:
     vram_budget: GiB (default: free memory minus a margin). reset_gpu_index: re-solve the split
     from the stored activation counts. disable_gpu_index: whole layers instead of the hot-neuron
     split. n_gpu_layers: llama.cpp ``-ngl``: the first k layers whole on the device. backend: a
-    ``pyinfer.device`` backend instead of CupyDevice (tests pass NumpyDevice).
+    ``pyinfer.device`` backend instead of CupyDevice (tests pass NumpyDevice). cache_type: the
+    KV cache of a CPU ``Model`` (``kv_cache.cache_dtype``; a GpuModel keeps f32, as its device).
     Raises PyinferError for an unknown device, a budget that is not positive or exceeds the free
     memory, -ngl layers that do not fit, or a device out of memory.
     """
@@ -184,7 +186,7 @@ def place_model(reader, cfg: ModelConfig, weights: ModelWeights, cpu_ffn, n_ctx:
             if not quiet:
                 _notice(f"the GPU engine runs Llama files only, not {cfg.family} with its "
                         "extensions; running on the CPU")
-            return Model(cfg, weights, n_ctx, n_threads, ffn=cpu_ffn)
+            return Model(cfg, weights, n_ctx, n_threads, ffn=cpu_ffn, cache_type=cache_type)
         raise PyinferError(f"the GPU engine runs Llama files only; this {cfg.family} file needs "
                            "--device cpu")
     rows_file = reader is not None and read_field(reader, C.K_FFN_LAYOUT) == C.FFN_LAYOUT_ROWS
@@ -193,17 +195,17 @@ def place_model(reader, cfg: ModelConfig, weights: ModelWeights, cpu_ffn, n_ctx:
         if device == "auto" and backend is None:
             if not quiet:
                 _notice(msg)
-            return Model(cfg, weights, n_ctx, n_threads, ffn=cpu_ffn)
+            return Model(cfg, weights, n_ctx, n_threads, ffn=cpu_ffn, cache_type=cache_type)
         raise PyinferError(msg)
     if device == "cpu" and backend is None:
         if vram_budget is not None or n_gpu_layers:
             raise PyinferError("--vram-budget and -ngl need a GPU device (--device cuda or auto)")
-        return Model(cfg, weights, n_ctx, n_threads, ffn=cpu_ffn)
+        return Model(cfg, weights, n_ctx, n_threads, ffn=cpu_ffn, cache_type=cache_type)
     if getattr(cpu_ffn, "is_input_sparse", False):  # no GPU kernels for sparse mode "input" yet
         if device == "auto":
             if not quiet:
                 _notice("sparse mode 'input' runs on the CPU only; running on the CPU")
-            return Model(cfg, weights, n_ctx, n_threads, ffn=cpu_ffn)
+            return Model(cfg, weights, n_ctx, n_threads, ffn=cpu_ffn, cache_type=cache_type)
         raise PyinferError("this file's sparse mode 'input' runs on the CPU only; use --device cpu, "
                            "or convert with --sparse-mode glu for the GPU engine")
     odd = _types_off_gpu(weights)
@@ -213,18 +215,18 @@ def place_model(reader, cfg: ModelConfig, weights: ModelWeights, cpu_ffn, n_ctx:
         if device == "auto" and backend is None:
             if not quiet:
                 _notice(msg + "; running on the CPU")
-            return Model(cfg, weights, n_ctx, n_threads, ffn=cpu_ffn)
+            return Model(cfg, weights, n_ctx, n_threads, ffn=cpu_ffn, cache_type=cache_type)
         raise PyinferError(msg)
     if device == "cpu" and backend is None:
         if vram_budget is not None or n_gpu_layers:
             raise PyinferError("--vram-budget and -ngl need a GPU device (--device cuda or auto)")
-        return Model(cfg, weights, n_ctx, n_threads, ffn=cpu_ffn)
+        return Model(cfg, weights, n_ctx, n_threads, ffn=cpu_ffn, cache_type=cache_type)
     if backend is None:
         if not cuda.available():
             if device == "auto":
                 if not quiet:
                     _notice(f"no GPU ({cuda.unavailable_reason()}); running on the CPU")
-                return Model(cfg, weights, n_ctx, n_threads, ffn=cpu_ffn)
+                return Model(cfg, weights, n_ctx, n_threads, ffn=cpu_ffn, cache_type=cache_type)
             raise PyinferError(f"--device cuda: no CUDA device ({cuda.unavailable_reason()})")
         backend = CupyDevice()
     if any(lw.ffn_down_t is None for lw in weights.layers):  # a --dense file (rows_file)
@@ -248,7 +250,7 @@ def place_model(reader, cfg: ModelConfig, weights: ModelWeights, cpu_ffn, n_ctx:
         _notice(note)
     if plan.n_resident == 0:
         _notice("no layer fits in the VRAM budget; running on the CPU")
-        return Model(cfg, weights, n_ctx, n_threads, ffn=cpu_ffn)
+        return Model(cfg, weights, n_ctx, n_threads, ffn=cpu_ffn, cache_type=cache_type)
     model = GpuModel(cfg, weights, n_ctx, n_threads, cpu_ffn, backend, plan)
     if verbose:
         n_hot = model.n_hot

@@ -21,9 +21,8 @@ def weights_are_f32(weights: ModelWeights) -> bool:
     """True where the first layer's attention weights are f32 (the reference-accuracy file:
     ``--cache-type auto`` then keeps the KV cache in f32)."""
     lw = weights.layers[0]
-    t = next((getattr(lw, n, None) for n in ("wq", "attn_qkv_t", "wqkv")
-              if getattr(lw, n, None) is not None), None)
-    return t is not None and int(getattr(t, "qtype", -1)) == 0  # ggml's F32
+    t = lw.wq if lw.wq is not None else lw.attn_qkv_t
+    return t is not None and int(t.qtype) == int(cpu.QT.F32)
 
 
 class Model:

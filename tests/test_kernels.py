@@ -447,8 +447,7 @@ def test_attention_one_query(n_threads):
         k[n_att:] = v[n_att:] = np.nan  # rows past the query must never be read
         k, v = _ro(k), _ro(v)
         got = _nan((1, n_head, hd))
-        (kb, f16), (vb, _) = cpu.kv_bits(k), cpu.kv_bits(v)
-        cpu._k.attend_one(q[0], kb, vb, f16, n_att - 1, got[0], n_threads)
+        cpu._k.attend_one(q[0], *cpu.kv_pair(k, v), n_att - 1, got[0], n_threads)
         old = cpu._k.set_old_prefill(1)
         try:
             want = _nan((1, n_head, hd))

@@ -441,31 +441,22 @@ def rope_neox(x: np.ndarray, positions, freq_base: float, n_rot: int,
     return x
 
 
-def kv_bits(cache: np.ndarray) -> tuple[np.ndarray, int]:
-    """A KV cache array as the kernels take it: (its memory as uint16, 1 for f16 values / 0 for
-    f32). cache: float16 or float32, C-contiguous (an f32 array's last axis doubles as uint16).
-    TypeError for any other dtype."""
-    if cache.dtype == np.float16:
-        return cache.view(np.uint16), 1
-    if cache.dtype == np.float32:
-        return cache.view(np.uint16), 0
-    raise TypeError(f"a KV cache is float16 or float32, not {cache.dtype}")
+def kv_pair(k_cache: np.ndarray, v_cache: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """The key and value caches as the kernels take them: (k's memory as uint16, v's, 1 for f16
+    values / 0 for f32). Both float16 or both float32, C-contiguous (an f32 array's last axis
+    doubles as uint16). TypeError for any other dtype or a mixed pair."""
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (np.float16, np.float32):
+        raise TypeError(f"the KV caches are both float16 or both float32, not {k_cache.dtype} "
+                        f"and {v_cache.dtype}")
+    return k_cache.view(np.uint16), v_cache.view(np.uint16), int(k_cache.dtype == np.float16)
 
 
 def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, n_past: int,
               out: np.ndarray, n_threads: int = 1) -> np.ndarray:
     """Causal grouped-query attention; see cython/kernels.pyx ``attention`` for shapes. q and
     out f32; the caches float16 or float32 (both the same)."""
-    kb, f16 = kv_bits(k_cache)
-    _k.attention(q, kb, _same_kv(v_cache, f16), f16, n_past, out, n_threads)
+    _k.attention(q, *kv_pair(k_cache, v_cache), n_past, out, n_threads)
     return out
-
-
-def _same_kv(v_cache: np.ndarray, f16: int) -> np.ndarray:
-    vb, vf16 = kv_bits(v_cache)
-    if vf16 != f16:
-        raise TypeError(f"k and v caches differ in dtype (v: {v_cache.dtype})")
-    return vb
 
 
 def _flat(a: np.ndarray) -> np.ndarray:
@@ -482,9 +473,8 @@ def decode_attn(x: np.ndarray, attn_norm: np.ndarray, eps: float, wq: QTensor, w
     (n_ctx, n_head_kv, head_dim) float16 (the row rounded to nearest even, as numpy's astype) or
     float32. Equals rmsnorm, matvec, rope_neox, attention, matvec called one by one.
     Raises ValueError on shapes that do not fit."""
-    kb, f16 = kv_bits(k_cache)
     _k.decode_attn(x, attn_norm, float(eps), wq.raw, int(wq.qtype), wk.raw, int(wk.qtype), wv.raw,
-                   int(wv.qtype), wo.raw, int(wo.qtype), kb, _same_kv(v_cache, f16), f16, int(n_past),
+                   int(wv.qtype), wo.raw, int(wo.qtype), *kv_pair(k_cache, v_cache), int(n_past),
                    int(n_head), float(freq_base), n_threads)
     return x
 
@@ -590,9 +580,8 @@ def decode_attn_in(x: np.ndarray, attn_norm: np.ndarray, eps: float, qkv_t: QTen
     n_embd_kv) = [wq; wk; wv] transposed; o_t (n_embd_q, n_embd) = wo transposed. Returns (qkv rows
     read, output rows read); caches float16 as ``decode_attn``'s. ValueError on shapes that do not
     fit."""
-    kb, f16 = kv_bits(k_cache)
     return _k.decode_attn_in(x, attn_norm, float(eps), qkv_t.raw, int(qkv_t.qtype), o_t.raw,
-                             int(o_t.qtype), kb, _same_kv(v_cache, f16), f16, int(n_past), int(n_head),
+                             int(o_t.qtype), *kv_pair(k_cache, v_cache), int(n_past), int(n_head),
                              float(freq_base), scale_qkv, float(thr_qkv), scale_o, float(thr_o),
                              n_threads)
 
@@ -623,17 +612,15 @@ def decode_layers_in(plan, x: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarr
     """Layers first .. n_layer - 1 of one token with input sparsity, in place on x (n_embd,) f32:
     ``decode_attn_in`` then ``decode_ffn_in`` per layer (the same bits) in one call and one
     parallel region. k_cache, v_cache (n_layer, n_ctx, n_head_kv, head_dim) float16 or float32;
-    thr (4, n_layer)
-    f32 (attn_qkv, attn_output, ffn_gate_up, ffn_down); counts (n_layer, 4) int64 or None
+    thr (4, n_layer) f32 (attn_qkv, attn_output, ffn_gate_up, ffn_down); counts (n_layer, 4) int64 or None
     receives the rows read per projection. logits (n_vocab,) f32 or None: with a plan made with
     ``head``, the lm head's logits of the output-normed x in the same region, input channels of
     score <= head_thr skipped (the bits of ``rmsnorm``, ``select_inputs`` and
     ``IBChunks.axpy_rows``). Returns the rows read: (qkv, output, gate_up, down) summed over the
     layers, and the head's kept channels (-1 without logits). ValueError on shapes that do not
     fit."""
-    kb, f16 = kv_bits(k_cache)
-    return _k.decode_layers_in(plan, x, kb, _same_kv(v_cache, f16), f16, int(n_past), thr, counts, int(first),
-                               n_threads, logits, float(head_thr))
+    return _k.decode_layers_in(plan, x, *kv_pair(k_cache, v_cache), int(n_past), thr, counts,
+                               int(first), n_threads, logits, float(head_thr))
 
 
 def cold_ffn(gate: QTensor, up: QTensor, down_t: QTensor, h: np.ndarray, ids: np.ndarray,

@@ -138,17 +138,13 @@ def rope_neox(x, positions, freq_base, n_rot, n_threads=1):
     return x
 
 
-def _kv_f32(cache):
-    """The values of an f16 KV cache (float16, or its uint16 bits) as f32 (exact)."""
-    return (cache.view(np.float16) if cache.dtype == np.uint16 else cache).astype(np.float32)
-
-
 def attention(q, k_cache, v_cache, n_past, out, n_threads=1):
     n_tok, n_head, head_dim = q.shape
     group = n_head // k_cache.shape[1]
     n_kv = n_past + n_tok
-    k = np.repeat(_kv_f32(k_cache[:n_kv]), group, axis=1)  # (n_kv, n_head, head_dim)
-    v = np.repeat(_kv_f32(v_cache[:n_kv]), group, axis=1)
+    # (n_kv, n_head, head_dim) f32: an f16 cache's values exactly
+    k = np.repeat(k_cache[:n_kv].astype(np.float32), group, axis=1)
+    v = np.repeat(v_cache[:n_kv].astype(np.float32), group, axis=1)
     scores = np.einsum("thd,jhd->thj", q, k) / np.float32(np.sqrt(head_dim))
     mask = np.arange(n_kv)[None, :] > (n_past + np.arange(n_tok))[:, None]  # (n_tok, n_kv)
     scores = np.where(mask[:, None, :], -np.inf, scores)
