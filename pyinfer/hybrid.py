@@ -175,6 +175,9 @@ def place_model(reader, cfg: ModelConfig, weights: ModelWeights, cpu_ffn, n_ctx:
     Raises PyinferError for an unknown device, a budget that is not positive or exceeds the free
     memory, -ngl layers that do not fit, or a device out of memory.
     """
+    def cpu_model():
+        return Model(cfg, weights, n_ctx, n_threads, ffn=cpu_ffn, cache_type=cache_type)
+
     quiet = device is None
     device = (device or "auto").lower()
     if device not in ("auto", "cpu", "cuda", "gpu"):
@@ -186,7 +189,7 @@ def place_model(reader, cfg: ModelConfig, weights: ModelWeights, cpu_ffn, n_ctx:
             if not quiet:
                 _notice(f"the GPU engine runs Llama files only, not {cfg.family} with its "
                         "extensions; running on the CPU")
-            return Model(cfg, weights, n_ctx, n_threads, ffn=cpu_ffn, cache_type=cache_type)
+            return cpu_model()
         raise PyinferError(f"the GPU engine runs Llama files only; this {cfg.family} file needs "
                            "--device cpu")
     rows_file = reader is not None and read_field(reader, C.K_FFN_LAYOUT) == C.FFN_LAYOUT_ROWS
@@ -195,17 +198,17 @@ def place_model(reader, cfg: ModelConfig, weights: ModelWeights, cpu_ffn, n_ctx:
         if device == "auto" and backend is None:
             if not quiet:
                 _notice(msg)
-            return Model(cfg, weights, n_ctx, n_threads, ffn=cpu_ffn, cache_type=cache_type)
+            return cpu_model()
         raise PyinferError(msg)
     if device == "cpu" and backend is None:
         if vram_budget is not None or n_gpu_layers:
             raise PyinferError("--vram-budget and -ngl need a GPU device (--device cuda or auto)")
-        return Model(cfg, weights, n_ctx, n_threads, ffn=cpu_ffn, cache_type=cache_type)
+        return cpu_model()
     if getattr(cpu_ffn, "is_input_sparse", False):  # no GPU kernels for sparse mode "input" yet
         if device == "auto":
             if not quiet:
                 _notice("sparse mode 'input' runs on the CPU only; running on the CPU")
-            return Model(cfg, weights, n_ctx, n_threads, ffn=cpu_ffn, cache_type=cache_type)
+            return cpu_model()
         raise PyinferError("this file's sparse mode 'input' runs on the CPU only; use --device cpu, "
                            "or convert with --sparse-mode glu for the GPU engine")
     odd = _types_off_gpu(weights)
@@ -215,18 +218,14 @@ def place_model(reader, cfg: ModelConfig, weights: ModelWeights, cpu_ffn, n_ctx:
         if device == "auto" and backend is None:
             if not quiet:
                 _notice(msg + "; running on the CPU")
-            return Model(cfg, weights, n_ctx, n_threads, ffn=cpu_ffn, cache_type=cache_type)
+            return cpu_model()
         raise PyinferError(msg)
-    if device == "cpu" and backend is None:
-        if vram_budget is not None or n_gpu_layers:
-            raise PyinferError("--vram-budget and -ngl need a GPU device (--device cuda or auto)")
-        return Model(cfg, weights, n_ctx, n_threads, ffn=cpu_ffn, cache_type=cache_type)
     if backend is None:
         if not cuda.available():
             if device == "auto":
                 if not quiet:
                     _notice(f"no GPU ({cuda.unavailable_reason()}); running on the CPU")
-                return Model(cfg, weights, n_ctx, n_threads, ffn=cpu_ffn, cache_type=cache_type)
+                return cpu_model()
             raise PyinferError(f"--device cuda: no CUDA device ({cuda.unavailable_reason()})")
         backend = CupyDevice()
     if any(lw.ffn_down_t is None for lw in weights.layers):  # a --dense file (rows_file)
@@ -250,7 +249,7 @@ def place_model(reader, cfg: ModelConfig, weights: ModelWeights, cpu_ffn, n_ctx:
         _notice(note)
     if plan.n_resident == 0:
         _notice("no layer fits in the VRAM budget; running on the CPU")
-        return Model(cfg, weights, n_ctx, n_threads, ffn=cpu_ffn, cache_type=cache_type)
+        return cpu_model()
     model = GpuModel(cfg, weights, n_ctx, n_threads, cpu_ffn, backend, plan)
     if verbose:
         n_hot = model.n_hot

@@ -19,7 +19,9 @@ calibration (the Fisher pass gives the uniform curves too). With several ``--hel
 perplexity only, no "same file dense" run: each text's table gives the perplexity of each quarter of its chunks, and
 ``--json`` keeps every chunk's negative log-likelihood for paired comparisons.
 Decode: --n-gen greedy tokens after an 8-token prompt, every configuration once per round,
---reps rounds, medians.
+--reps rounds; tokens/s are medians, ratios the medians of the per-round ratios, against the
+dense file and against the same input file with every channel kept (``pyinfer-run --dense``,
+issue 12's baseline).
 """
 from __future__ import annotations
 
@@ -48,10 +50,26 @@ from predictors.offline import DEFAULT_FISHER_WEIGHT, DEFAULT_INPUT_CALIB_TOKENS
 PROMPT = "The history of the printing press begins"
 
 
-def set_thresholds(eng, thr):
+def set_thresholds(eng, thr, head=None):
+    """Body thresholds (n_layer, 4) or None (every channel kept); the lm head's threshold too
+    when given (-1: every head input kept, as ``--dense``)."""
+    if head is not None and eng.model.ffn.lm_head_thr is not None:
+        eng.model.ffn.lm_head_thr = head
     for gi, g in enumerate(C.IN_GROUPS):
         eng.model.ffn.thr[g] = (np.full(eng.cfg.n_layer, -1.0, np.float32) if thr is None
                                 else np.ascontiguousarray(thr[:, gi]))
+
+
+def calibration_engine(args, n_ctx):
+    """The engine the calibration records inputs with, as the offline stage's (f32 cache): the
+    --calib file, else DENSE; it must hold ``ffn_down_t`` (the converter's neuron-major staging
+    layout, ``convert.cli.convert(src, out, type)``), which a ``--dense`` file does not."""
+    eng = Engine(args.calib or args.dense, n_ctx=n_ctx, n_threads=args.threads, dense=True,
+                 cache_type="f32")
+    if any(lw.ffn_down_t is None for lw in eng.model.w.layers):
+        sys.exit(f"{args.calib or args.dense}: no ffn_down_t (a --dense file); pass a neuron-major "
+                 "dense file as --calib (convert.cli.convert(src, out, type))")
+    return eng
 
 
 def chunk_nll(eng, tokens, n_ctx, n_chunks):
@@ -78,7 +96,7 @@ def quarters(nll):
 
 def main_texts(args):
     """Several held-out texts, perplexity only (module docstring)."""
-    cal_eng = Engine(args.dense, n_ctx=512, n_threads=args.threads, dense=True)
+    cal_eng = calibration_engine(args, 512)
     t0 = time.perf_counter()
     seqs, source = calibration_tokens(cal_eng, None, args.calib_tokens, args.seed, 512, False)
     print(f"calibration: {sum(map(len, seqs))} tokens ({source}) in "
@@ -144,6 +162,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("dense")
     ap.add_argument("--file", action="append", required=True, metavar="SCORE=PATH")
+    ap.add_argument("--calib", help="neuron-major dense file to calibrate with (default DENSE)")
     ap.add_argument("--heldout", required=True, nargs="+",
                     help="text file(s); with more than one, perplexity only (main_texts)")
     ap.add_argument("--targets", type=float, nargs="+", default=[0.25, 0.4, 0.5, 0.6, 0.7])
@@ -168,8 +187,7 @@ def main():
     args.heldout = args.heldout[0]
 
     dense = Engine(args.dense, n_ctx=args.ctx, n_threads=args.threads, dense=True)
-    cal = Engine(args.dense, n_ctx=min(512, dense.cfg.n_ctx_train), n_threads=args.threads,
-                 dense=True)
+    cal = calibration_engine(args, min(512, dense.cfg.n_ctx_train))
     t0 = time.perf_counter()
     seqs, source = calibration_tokens(cal, None, args.calib_tokens, args.seed, 512, False)
     print(f"calibration: {sum(map(len, seqs))} tokens ({source}) in {time.perf_counter() - t0:.1f} s")
@@ -184,11 +202,12 @@ def main():
     for spec in args.file:
         score, path = spec.split("=", 1)
         eng = Engine(path, n_ctx=args.ctx, n_threads=args.threads)
-        set_thresholds(eng, None)
+        head_thr = eng.model.ffn.lm_head_thr
+        set_thresholds(eng, None, -1.0)
         ppl0 = 1.0 if args.no_perplexity else perplexity(eng, tokens, args.ctx, args.chunks,
                                                          progress=False)[0]
         rows.append((score, "-", 0.0, ppl0, 0.0))
-        configs.append((f"{score} same file dense", eng, None))
+        configs.append((f"{score} same file dense", eng, (None, -1.0)))
         for alloc in args.alloc:
             t0 = time.perf_counter()
             curves, _ = calibrate(cal, seqs, score == "wina", args.seed, args.threads,
@@ -197,7 +216,7 @@ def main():
             for tgt, w in [(t, w) for t in args.targets
                            for w in (args.fisher_weight if alloc == "fisher" else [1.0])]:
                 thr, _, _ = thresholds_for(curves, eng.cfg, tgt, w)
-                set_thresholds(eng, thr)
+                set_thresholds(eng, thr, head_thr)
                 eng.reset_stats()
                 if args.no_perplexity:  # measured sparsity from a short prefill instead
                     ppl = 1.0
@@ -207,7 +226,7 @@ def main():
                     ppl = perplexity(eng, tokens, args.ctx, args.chunks, progress=False)[0]
                 lb = alloc if alloc != "fisher" or w == 1.0 else f"fisher w={w:g}"
                 rows.append((score, lb, tgt, ppl, eng.ffn_sparsity()))
-                configs.append((f"{score} {lb} {tgt:.0%}", eng, thr))
+                configs.append((f"{score} {lb} {tgt:.0%}", eng, (thr, head_thr)))
                 print(f"{score} {lb} target {tgt:.0%}: perplexity {ppl:.4f} "
                       f"({ppl / ppl_dense - 1:+.2%}), measured sparsity {eng.ffn_sparsity():.1%}",
                       flush=True)
@@ -224,19 +243,25 @@ def main():
     for _ in range(args.reps):
         for name, eng, thr in configs:
             if not isinstance(thr, str):
-                set_thresholds(eng, thr)
+                set_thresholds(eng, *thr)
             tps[name].append(greedy_decode(eng, ids, args.n_gen)[0])
     base = statistics.median(tps["dense file"])
     print(f"\ndecode tokens/s, {args.threads} threads, medians of {args.reps} interleaved rounds")
     for name, _, _ in configs:
         m = statistics.median(tps[name])
         print(f"{name:>28}: {m:7.1f}  ({m / base:.2f}x dense file)")
-    print("\n| score | allocation | target | measured sparsity | perplexity | vs dense | decode tok/s | vs dense file |")
-    print("|---|---|---|---|---|---|---|---|")
+
+    def ratio(name, ref):  # median of the per-round ratios (rounds are interleaved)
+        return statistics.median(a / b for a, b in zip(tps[name], tps[ref]))
+
+    print("\n| score | allocation | target | measured sparsity | perplexity | vs dense | decode tok/s "
+          "| vs dense file | vs same file --dense |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for (score, alloc, tgt, ppl, sp), (name, _, _) in zip(rows, [c for c in configs if c[0] != "dense file"]):
         m = statistics.median(tps[name])
         print(f"| {score} | {alloc} | {'same file, all kept' if tgt == 0 else f'{tgt:.0%}'} | {sp:.1%} | "
-              f"{ppl:.3f} | {ppl / ppl_dense - 1:+.1%} | {m:.1f} | {m / base:.2f}x |")
+              f"{ppl:.3f} | {ppl / ppl_dense - 1:+.1%} | {m:.1f} | {ratio(name, 'dense file'):.2f}x | "
+              f"{ratio(name, f'{score} same file dense'):.2f}x |")
 
 
 if __name__ == "__main__":
