@@ -469,6 +469,32 @@ def transposed_jobs(jobs, cfg, outtype: str, scales: list[dict] | None):
     return out
 
 
+def group_qtypes(weights, cfg, outtype: str) -> list:
+    """Per layer and group (``C.IN_GROUPS`` order) the type ``transposed_jobs`` gives the group's
+    matrix, from the staging file's dense ``weights`` (wq stands for q/k/v, ffn_gate for gate/up,
+    as there): a list of n_layer lists of four ``QT``."""
+    from convert.writer import matrix_qtype
+
+    sizes = in_sizes(cfg)
+    out = []
+    for lw in weights.layers:
+        src = (lw.wq, lw.wo, lw.ffn_gate, lw.ffn_down_t)
+        out.append([matrix_qtype(sizes[g][0], s.qtype if outtype == C.OUTTYPE_AUTO else outtype)
+                    for g, s in zip(C.IN_GROUPS, src)])
+    return out
+
+
+def input_block_everywhere(weights, cfg, outtype: str) -> bool:
+    """True where every projection matrix of the input file would take the input-block layout
+    (q8_0 / q4_0, outputs a multiple of 64: ``cpu.ib_supported``), whose kernels make input-sparse
+    decode faster than dense; the transposed layout of the other types does not (docs/benchmarks.md,
+    sessions 10-11: 0.89-0.99x its dense file). The offline stage's default mode hangs on it."""
+    sizes = in_sizes(cfg)
+    return all(cpu.ib_supported(qt, sizes[g][1], sizes[g][0])
+               for types in group_qtypes(weights, cfg, outtype)
+               for g, qt in zip(C.IN_GROUPS, types))
+
+
 def lm_head_source(jobs):
     """The converter's job of the lm head's matrix: ``output.weight``, or ``token_embd.weight``
     where the embeddings are tied."""

@@ -15,11 +15,14 @@ Flow (one function, :func:`convert_sparse`):
 5. the final file: the converter's metadata and tensor jobs (re-planned from the source) plus
    the new keys and tensors, through ``convert.writer.write_gguf`` (a unique temporary file, then rename).
 
-``--sparse-mode input`` (opt-in, Llama-shaped SwiGLU files; TEAL/WINA input sparsity of every
-projection, predictors/input_sparse.py) replaces steps 2-4: after step 2's calibration text it
-calibrates thresholds and writes the transposed layout, with no predictors, counts or split.
-SwiGLU models default to ``glu`` (the predictor path above, which the GPU engine needs) until
-input mode meets its quality target.
+Sparse mode ``input`` (Llama-shaped SwiGLU files; TEAL/WINA input sparsity of every projection,
+predictors/input_sparse.py) replaces steps 2-4: after step 2's calibration text it calibrates
+thresholds and writes the transposed layout, with no predictors, counts or split. It is the
+default where it makes decoding faster (:func:`default_mode`: a Llama-shaped SwiGLU model whose
+projections are q8_0 / q4_0, no ``--vram-budget``); other SwiGLU models, and any with a VRAM
+budget, take ``glu`` (the predictor path above, which the GPU engine needs): on SmolLM2 a glu
+file decodes no faster than its dense file on the CPU, an input file at the default 25% 1.1x
+faster at +1% perplexity (docs/benchmarks.md, session 17).
 
 The staging file is removed in a ``finally``; ``write_gguf`` removes its temporary file on any
 exception, so an interrupted or failed conversion leaves no partial file. Layers are always
@@ -45,7 +48,11 @@ DEFAULT_CALIB_TOKENS = 4096  # SmolLM2-135M: about 2 min of generation + 1 min p
 # at 87% sparsity). SwiGLU ("glu"): every missed neuron carries a non-zero output, and on SmolLM2
 # 0.95 cost 22% perplexity where 0.99 cost 4.7% at 44% sparsity (docs/benchmarks.md).
 DEFAULT_TARGET_RECALL = {C.SPARSE_MODE_RELU: 0.95, C.SPARSE_MODE_GLU: 0.99}
-DEFAULT_TARGET_SPARSITY = 0.40  # SwiGLU only; see docs/benchmarks.md "Offline stage (issue 3)", "Input sparsity (issue 12)"
+# SwiGLU only, by sparse mode. glu: the fraction of FFN neurons under the activation threshold
+# (docs/benchmarks.md "Offline stage (issue 3)"); input: the fraction of projection weight reads
+# skipped, 25% where SmolLM2 loses about 1% perplexity on held-out text at q8_0 (2% at q4_0; 30%
+# already costs 3.4-3.8%: docs/benchmarks.md, session 16's curve).
+DEFAULT_TARGET_SPARSITY = {C.SPARSE_MODE_GLU: 0.40, C.SPARSE_MODE_INPUT: 0.25}
 # Sparse mode "input" (predictors/input_sparse.py) needs only activation quantiles: fewer tokens
 # (the self-generated text is most of the stage's time) set its thresholds as well.
 DEFAULT_INPUT_CALIB_TOKENS = 1024
@@ -91,14 +98,14 @@ class OfflineOptions:
     calib_tokens: int | None = None  # None: DEFAULT_CALIB_TOKENS, or DEFAULT_INPUT_CALIB_TOKENS in mode "input"
     seed: int = DEFAULT_SEED
     target_recall: float | None = None  # None: DEFAULT_TARGET_RECALL of the model's sparse mode
-    target_sparsity: float = DEFAULT_TARGET_SPARSITY
+    target_sparsity: float | None = None  # None: DEFAULT_TARGET_SPARSITY of the sparse mode
     vram_budget_gib: float | None = None
     predictor_rank: str | int = "auto"
     n_threads: int | None = None
     max_epochs: int = DEFAULT_MAX_EPOCHS
     patience: int = DEFAULT_PATIENCE
     progress: bool | None = None
-    sparse_mode: str | None = None  # SwiGLU models: "glu" (None: predictors, the default) or "input"
+    sparse_mode: str | None = None  # SwiGLU models: "glu", "input" or None (default_mode decides)
     input_score: str = DEFAULT_INPUT_SCORE  # mode "input": "wina" or "magnitude" (TEAL)
     # mode "input": "uniform", "greedy" (TEAL block-wise) or "fisher"; None: DEFAULT_INPUT_ALLOC
     # where PyTorch is installed, else FALLBACK_INPUT_ALLOC (check() resolves it and says so)
@@ -107,12 +114,15 @@ class OfflineOptions:
     # mode "input": the lm head's fraction of input channels skipped (None: DEFAULT_LM_HEAD_SPARSITY
     # where the head's type allows it, else a dense head; a value given is an error there)
     lm_head_sparsity: float | None = None
+    # check(): the allocation fell back to FALLBACK_INPUT_ALLOC for want of PyTorch (said once
+    # the mode is known to be "input")
+    _alloc_fallback: bool = field(default=False, repr=False, compare=False)
 
     def check(self) -> None:
         """Raise PyinferError for a setting outside its range (before any work is done)."""
         if self.target_recall is not None and not 0.0 < self.target_recall < 1.0:
             raise PyinferError(f"--target-recall must be in (0, 1), got {self.target_recall}")
-        if not 0.0 < self.target_sparsity < 1.0:
+        if self.target_sparsity is not None and not 0.0 < self.target_sparsity < 1.0:
             raise PyinferError(f"--target-sparsity must be in (0, 1), got {self.target_sparsity}")
         if self.vram_budget_gib is not None and not self.vram_budget_gib > 0:
             raise PyinferError(f"--vram-budget must be > 0 GiB, got {self.vram_budget_gib}")
@@ -125,17 +135,16 @@ class OfflineOptions:
                                f"got {self.input_score!r}")
         if self.input_alloc is None:
             self.input_alloc = DEFAULT_INPUT_ALLOC if _have_torch() else FALLBACK_INPUT_ALLOC
-            if self.input_alloc != DEFAULT_INPUT_ALLOC and self.sparse_mode == C.SPARSE_MODE_INPUT:
-                print(f"pyinfer-convert: PyTorch is not installed: --sparse-alloc "
-                      f"{self.input_alloc} (the default, {DEFAULT_INPUT_ALLOC}, needs PyTorch: "
-                      "pip install torch)", file=sys.stderr, flush=True)
+            self._alloc_fallback = self.input_alloc != DEFAULT_INPUT_ALLOC
+            if self.sparse_mode == C.SPARSE_MODE_INPUT:
+                self.note_alloc_fallback()
         if self.input_alloc not in C.IN_ALLOCS:
             raise PyinferError(f"--sparse-alloc must be one of {', '.join(C.IN_ALLOCS)}, "
                                f"got {self.input_alloc!r}")
         if self.lm_head_sparsity is not None:
             if not 0.0 <= self.lm_head_sparsity < 1.0:
                 raise PyinferError(f"--lm-head-sparsity must be in [0, 1), got {self.lm_head_sparsity}")
-            if self.sparse_mode != C.SPARSE_MODE_INPUT:
+            if self.sparse_mode == C.SPARSE_MODE_GLU:
                 raise PyinferError("--lm-head-sparsity needs --sparse-mode input")
         if self.fisher_weight is not None:
             if self.input_alloc != "fisher":
@@ -155,6 +164,33 @@ class OfflineOptions:
             if rank < 1:
                 raise PyinferError(f"--predictor-rank must be >= 1, got {rank}")
             self.predictor_rank = rank
+
+
+    def note_alloc_fallback(self) -> None:
+        """Say on stderr (one line) that the allocation fell back to FALLBACK_INPUT_ALLOC because
+        PyTorch is missing; nothing where it did not."""
+        if self._alloc_fallback:
+            print(f"pyinfer-convert: PyTorch is not installed: --sparse-alloc "
+                  f"{self.input_alloc} (the default, {DEFAULT_INPUT_ALLOC}, needs PyTorch: "
+                  "pip install torch)", file=sys.stderr, flush=True)
+
+
+def default_mode(cfg, weights, outtype: str, opts: OfflineOptions) -> str:
+    """The sparse mode of a run without ``--sparse-mode``: "relu" for a ReLU model; for a
+    SwiGLU one "input" where that mode decodes faster than dense on the CPU (a Llama-shaped
+    model, ``cfg.llama_plain`` and ``weights.llama_plain``, whose projections all take the
+    input-block layout: ``input_sparse.input_block_everywhere``) and no ``--vram-budget`` asks for
+    the GPU split (which needs glu's predictors); "glu" otherwise. ``weights`` are the staging
+    file's (dense, neuron-major), ``outtype`` the conversion's."""
+    from predictors.input_sparse import input_block_everywhere
+    from predictors.profile import sparse_mode
+
+    mode = sparse_mode(cfg)
+    if (mode == C.SPARSE_MODE_GLU and opts.vram_budget_gib is None
+            and cfg.llama_plain and weights.llama_plain
+            and input_block_everywhere(weights, cfg, outtype)):
+        return C.SPARSE_MODE_INPUT
+    return mode
 
 
 def _plan(src: str, outtype: str, allow_unused: bool = False):
@@ -224,7 +260,20 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
                 raise PyinferError("--sparse-mode input needs a Llama-shaped SwiGLU model "
                                    "without biases (this file runs sparse mode "
                                    f"{mode}{'' if cfg.llama_plain else ' with its own family layers'})")
-            mode = C.SPARSE_MODE_INPUT  # opt-in: input sparsity (TEAL/WINA), no predictors
+            mode = C.SPARSE_MODE_INPUT
+        elif opts.sparse_mode is None:
+            mode = default_mode(cfg, eng.weights, outtype, opts)
+            if mode == C.SPARSE_MODE_INPUT:
+                opts.note_alloc_fallback()
+                _log("sparse mode input (the default for a Llama-shaped q8_0/q4_0 SwiGLU model: "
+                     "CPU decode; --sparse-mode glu or --vram-budget for the GPU engine's "
+                     "predictors)", opts.progress)
+        if mode == C.SPARSE_MODE_GLU and opts.lm_head_sparsity is not None:
+            raise PyinferError("--lm-head-sparsity needs --sparse-mode input (this model takes "
+                               "glu by default: its projections are not all q8_0 / q4_0, or "
+                               "--vram-budget was given)")
+        if opts.target_sparsity is None and mode in DEFAULT_TARGET_SPARSITY:
+            opts = dataclasses.replace(opts, target_sparsity=DEFAULT_TARGET_SPARSITY[mode])
         if opts.calib_tokens is None:
             opts = dataclasses.replace(opts, calib_tokens=DEFAULT_INPUT_CALIB_TOKENS
                                        if mode == C.SPARSE_MODE_INPUT else DEFAULT_CALIB_TOKENS)
@@ -399,14 +448,16 @@ def add_arguments(parser) -> None:
     g.add_argument("--target-recall", type=float, default=None, metavar="R",
                    help="held-out recall each layer's predictor threshold is tuned to "
                         "(default 0.95 for ReLU models, 0.99 for SwiGLU models)")
-    g.add_argument("--target-sparsity", type=float, default=DEFAULT_TARGET_SPARSITY, metavar="S",
+    g.add_argument("--target-sparsity", type=float, default=None, metavar="S",
                    help="SwiGLU models: model-wide fraction of projection weight reads skipped "
-                        "(sparse mode input; in mode glu the fraction of FFN neurons below the "
-                        f"activation threshold); default {DEFAULT_TARGET_SPARSITY}. ReLU models use their exact zeros")
+                        f"(sparse mode input, default {DEFAULT_TARGET_SPARSITY[C.SPARSE_MODE_INPUT]}); "
+                        "in mode glu the fraction of FFN neurons below the activation threshold "
+                        f"(default {DEFAULT_TARGET_SPARSITY[C.SPARSE_MODE_GLU]}). ReLU models use their exact zeros")
     g.add_argument("--sparse-mode", choices=[C.SPARSE_MODE_INPUT, C.SPARSE_MODE_GLU], default=None,
-                   help="SwiGLU models: glu (default: predictors and a GPU split) or input "
-                        "(skip small input channels of every projection, TEAL/WINA; CPU only; "
-                        "experimental: more perplexity lost than glu, see docs/benchmarks.md)")
+                   help="SwiGLU models: input (skip small input channels of every projection, "
+                        "TEAL/WINA; CPU only; the default for Llama-shaped models in q8_0 / q4_0 "
+                        "without --vram-budget) or glu (predictors and a GPU split, which the GPU "
+                        "engine needs; the default otherwise)")
     g.add_argument("--sparsity-score", choices=list(C.IN_SCORES), default=DEFAULT_INPUT_SCORE,
                    help="sparse mode input: rank input channels by |x| * column norm (wina, "
                         f"default {DEFAULT_INPUT_SCORE}) or by |x| (magnitude, TEAL)")

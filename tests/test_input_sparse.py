@@ -632,9 +632,11 @@ def test_default_allocation_is_fisher_with_torch_and_uniform_without(monkeypatch
     opts = offline.OfflineOptions(sparse_mode="input", input_alloc="greedy")
     opts.check()
     assert opts.input_alloc == "greedy" and capsys.readouterr().err == ""
-    opts = offline.OfflineOptions()  # mode glu: the allocation is unused, nothing said
+    opts = offline.OfflineOptions()  # mode not known yet (default_mode): nothing said ...
     opts.check()
-    assert capsys.readouterr().err == ""
+    assert opts.input_alloc == "uniform" and capsys.readouterr().err == ""
+    opts.note_alloc_fallback()  # ... until the default turns out to be "input"
+    assert "PyTorch is not installed" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("silu", [True, False])

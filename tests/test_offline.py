@@ -196,6 +196,8 @@ def test_bad_inputs(relu_dir, silu_dir, tmp_path, capsys):
         ([relu_dir, "--target-sparsity", "1"], "--target-sparsity"),
         ([silu_dir, "--target-sparsity", "0.999", *FAST], "too small"),
         ([silu_dir, "--vram-budget", "1", "--sparse-mode", "input", *FAST], "CPU only"),
+        # an f16 SwiGLU model takes glu by default: no lm head sparsity there
+        ([silu_dir, "--lm-head-sparsity", "0.1", *FAST], "needs --sparse-mode input"),
         ([relu_dir, "--predictor-rank", "zero"], "--predictor-rank"),
     ]
     for i, (args, contains) in enumerate(cases):
@@ -256,6 +258,39 @@ def test_calib_file_and_fixed_rank(silu_dir, tmp_path):
     assert eng.is_sparse
 
 
+def test_default_sparse_mode(silu_dir, relu_dir, tmp_path, capsys):
+    """Without --sparse-mode a Llama-shaped SwiGLU model takes sparse mode input where all its
+    projections are q8_0 / q4_0 (the input-block kernels that make decode faster), at the input
+    default target and with no predictors; glu where they are another type or a VRAM budget asks
+    for the GPU split; a ReLU model keeps relu (``default_mode`` over the staging weights)."""
+    from convert.cli import convert
+    from predictors.offline import DEFAULT_TARGET_SPARSITY, OfflineOptions, default_mode
+
+    out = str(tmp_path / "m.gguf")
+    assert convert_main([silu_dir, out, "--outtype", "q8_0", *FAST]) == 0
+    assert "sparse mode input (the default" in capsys.readouterr().err
+    r = gguf.GGUFReader(out)
+    assert read_field(r, C.K_SPARSE_MODE) == C.SPARSE_MODE_INPUT
+    want = DEFAULT_TARGET_SPARSITY[C.SPARSE_MODE_INPUT]
+    assert abs(read_field(r, C.K_TARGET_SPARSITY) - want) < 1e-6
+    names = {t.name for t in r.tensors}
+    assert C.FC1.format(bid=0) not in names and C.IB["ffn_gate_up"].format(bid=0) in names
+    eng = Engine(out, n_ctx=64, n_threads=1)
+    assert eng.is_sparse
+    eng.forward(eng.tokenizer.encode("The quick brown fox jumps over the lazy dog"), 0)
+    assert 0.05 < eng.ffn_sparsity() < 0.6  # weight reads skipped, about the target
+
+    for src, outtype, budget, mode in ((silu_dir, "q4_0", None, C.SPARSE_MODE_INPUT),
+                                       (silu_dir, "q8_0", 0.001, C.SPARSE_MODE_GLU),
+                                       (silu_dir, "f16", None, C.SPARSE_MODE_GLU),
+                                       (silu_dir, "q5_0", None, C.SPARSE_MODE_GLU),
+                                       (relu_dir, "q8_0", None, C.SPARSE_MODE_RELU)):
+        staging = str(tmp_path / f"staging-{outtype}-{budget}.gguf")
+        convert(src, staging, outtype, progress=False)
+        e = Engine(staging, n_ctx=64, n_threads=1, dense=True)
+        assert default_mode(e.cfg, e.weights, outtype, OfflineOptions(vram_budget_gib=budget)) == mode
+
+
 def test_calibration_is_reproducible(relu_dir, tmp_path):
     from predictors.calibrate import generate_tokens
 
@@ -303,8 +338,10 @@ def test_relu_fixture(tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_default_offline_stage(tmp_path, capsys):
-    """The README's main command: SmolLM2 converted with the default offline stage ('glu' mode,
-    predictors for recall 0.99) answers on the sparse path, skipping FFN neurons."""
+    """The README's main command: SmolLM2 converted to q8_0 with the default offline stage
+    (sparse mode input at 25%: no predictors, the projections in the input-block layout) answers
+    on the sparse path, skipping weight reads; --sparse-mode glu (predictors for recall 0.99, in
+    f16 beside q8_0 weights) answers too, skipping FFN neurons."""
     from pyinfer.cli import main as run_main
     from tests._paths import smollm2_gguf_path
 
@@ -313,6 +350,20 @@ def test_smollm2_default_offline_stage(tmp_path, capsys):
         pytest.skip("SmolLM2 GGUF not found: run tools/fetch_smollm2.sh (see tests/_paths.py)")
     out = str(tmp_path / "smollm2.sparse.q8_0.gguf")
     assert convert_main([src, out, "--outtype", "q8_0", "-t", "2"]) == 0
+    r = gguf.GGUFReader(out)
+    assert read_field(r, C.K_SPARSE_MODE) == C.SPARSE_MODE_INPUT
+    assert C.FC1.format(bid=0) not in {t.name for t in r.tensors}
+    capsys.readouterr()
+    assert run_main([out, "--chat", "-p", "What is the capital of Germany?", "--temp", "0",
+                     "-n", "24", "-t", "2"]) == 0
+    assert "Berlin" in capsys.readouterr().out
+    eng = Engine(out, n_ctx=256, n_threads=2)
+    assert eng.is_sparse
+    eng.forward(eng.tokenizer.encode("The Jargon File is a glossary of hacker slang."), 0)
+    assert eng.ffn_sparsity() > 0.15  # projection weight reads skipped (target 25%)
+
+    out = str(tmp_path / "smollm2.glu.q8_0.gguf")
+    assert convert_main([src, out, "--outtype", "q8_0", "--sparse-mode", "glu", "-t", "2"]) == 0
     r = gguf.GGUFReader(out)
     assert read_field(r, C.K_SPARSE_MODE) == C.SPARSE_MODE_GLU
     assert abs(read_field(r, C.K_TARGET_RECALL) - 0.99) < 1e-6

@@ -155,8 +155,8 @@ def sparse_gguf(tmp_path_factory):
     model_dir = make_random_llama(tmp / "hf", hidden_act="silu", tokenizer="bpe", n_layers=3,
                                   intermediate_size=256, name="silu")
     out = str(tmp / "m.gguf")
-    assert convert_main([str(model_dir), out, "--outtype", "q8_0", "--calib-tokens", "256",
-                         "--epochs", "3", "-t", "1"]) == 0
+    assert convert_main([str(model_dir), out, "--outtype", "q8_0", "--sparse-mode", "glu",
+                         "--calib-tokens", "256", "--epochs", "3", "-t", "1"]) == 0
     return out
 
 
