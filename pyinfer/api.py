@@ -45,6 +45,8 @@ class GenerationStats:
     neurons_total: int = 0
     finish_reason: str | None = None
     interrupted: bool = False
+    # what ``ffn_sparsity`` counts: FFN neurons, or in sparse mode "input" projection weight bytes
+    sparsity_label: str = "FFN sparsity"
 
     @property
     def tokens_per_second(self) -> float:
@@ -53,7 +55,8 @@ class GenerationStats:
 
     @property
     def ffn_sparsity(self) -> float:
-        """Fraction of FFN neurons skipped (0.0 for the dense FFN)."""
+        """Fraction of FFN neurons skipped (0.0 for the dense FFN); in sparse mode "input" the
+        fraction of projection weight bytes not read (``sparsity_label`` says which)."""
         if self.neurons_total <= 0:
             return 0.0
         return 1.0 - self.neurons_computed / self.neurons_total
@@ -240,6 +243,9 @@ class LLM:
         """
         stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
         stats = self.last_stats = GenerationStats(prompt_tokens=len(prompt_tokens))
+        if getattr(getattr(self.engine, "model", None), "ffn", None) is not None and getattr(
+                self.engine.model.ffn, "is_input_sparse", False):
+            stats.sparsity_label = "weight reads skipped"
         before = self._snapshot()
         dec = self.tokenizer.stream_decoder(skip_special=True)
         limit = None if max_tokens is None or max_tokens <= 0 else int(max_tokens)

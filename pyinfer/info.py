@@ -4,7 +4,9 @@ Reads the metadata and the tensor table with ``gguf``'s reader (after ``pyinfer.
 bounds every count): architecture and sizes, tensor types and bytes, tokenizer, whether the file
 is a pyinfer conversion or a llama.cpp file, the offline stage's sparse mode and targets, per layer
 the activation threshold, the sparsity measured on the calibration text, the predictor's rank,
-held-out recall and precision, and the hot-neuron split for the GPU when one is stored.
+held-out recall and precision, and the hot-neuron split for the GPU when one is stored; for sparse
+mode "input" instead the score, the allocation and per layer and projection group the input
+threshold and the fraction of input channels skipped on the calibration text (and the lm head's).
 ``--json`` prints the same facts as one JSON object.
 """
 from __future__ import annotations
@@ -57,6 +59,9 @@ def describe(path: str) -> dict:
     info["layout"] = "pyinfer" if converted else "llama.cpp"
     # "neuron_major" (ffn_down_t) or "rows" (ffn_down, a --dense file); None for a llama.cpp file
     info["ffn_layout"] = ffn_layout if converted else None
+    # sparse mode "input": projections stored one row per input channel (q8_0 / q4_0 in the
+    # input-block layout, others transposed), not as wq ... ffn_down
+    info["input_block"] = any(C.IB[g].format(bid=0) in names for g in C.IN_GROUPS)
     info["pyinfer_version"] = read_field(reader, C.K_PYINFER_VERSION, kind=str)
     info["source"] = read_field(reader, C.K_SOURCE, kind=str)
 
@@ -68,9 +73,12 @@ def describe(path: str) -> dict:
         row["parameters"] += int(t.n_elements)
     info["types"] = dict(sorted(by_type.items(), key=lambda kv: -kv[1]["bytes"]))
     info["n_tensors"] = len(reader.tensors)
-    predictor_like = ("fc1", "fc2", "gpu_idx", "gpu_bucket", "act_count")
+    predictor_like = ("fc1", "fc2", "gpu_idx", "gpu_bucket", "act_count", "in_scale")
+    # the model's parameters: not the offline stage's tensors, nor the lm head's input-block copy
+    # (sparse mode input), which holds the numbers of token_embd / output again
     info["parameters"] = int(sum(int(t.n_elements) for t in reader.tensors
-                                 if t.name.split(".")[-2 if t.name.endswith(".weight") else -1]
+                                 if t.name != C.OUTPUT_IB
+                                 and t.name.split(".")[-2 if t.name.endswith(".weight") else -1]
                                  not in predictor_like))
     info["tied_embeddings"] = C.OUTPUT not in names
 
@@ -100,7 +108,30 @@ def describe(path: str) -> dict:
             "vram_budget_bytes": read_field(reader, C.K_VRAM_BUDGET, kind=int),
             "layers": _layers(reader, n_layer or 0, info["n_ff"], calib_tokens, names),
         }
+        if mode == C.SPARSE_MODE_INPUT:
+            info["sparse"]["input"] = _input_sparsity(reader, n_layer or 0)
     return info
+
+
+def _input_sparsity(reader, n_layer: int) -> dict:
+    """Sparse mode "input": score, allocation (and Fisher weight), per layer {group: {threshold,
+    calibration_sparsity}} in ``C.IN_GROUPS`` order (None where the file has no value), and the
+    lm head's threshold and calibrated sparsity (None for a dense head)."""
+    def per_layer(key):
+        v = read_field(reader, key, kind=list, item=float)
+        return list(v) if v is not None and len(v) == n_layer else [None] * n_layer
+
+    thr = {g: per_layer(C.K_IN_THRESHOLD.format(group=g)) for g in C.IN_GROUPS}
+    sp = {g: per_layer(C.K_IN_SPARSITY.format(group=g)) for g in C.IN_GROUPS}
+    head_thr = read_field(reader, C.K_LM_HEAD_THRESHOLD, kind=float)
+    return {"score": read_field(reader, C.K_IN_SCORE, kind=str),
+            "allocation": read_field(reader, C.K_IN_ALLOC, kind=str),
+            "fisher_weight": read_field(reader, C.K_IN_FISHER_WEIGHT, kind=float),
+            "lm_head": None if head_thr is None else {
+                "threshold": head_thr,
+                "calibration_sparsity": read_field(reader, C.K_LM_HEAD_SPARSITY, kind=float)},
+            "layers": [{g: {"threshold": thr[g][i], "calibration_sparsity": sp[g][i]}
+                        for g in C.IN_GROUPS} for i in range(n_layer)]}
 
 
 def _layers(reader, n_layer: int, n_ff: int | None, calib_tokens: int | None, names: set) -> list[dict]:
@@ -154,7 +185,8 @@ def render(info: dict) -> str:
                + (" (tied embeddings)" if info["tied_embeddings"] else ""))
     if info["layout"] == "pyinfer":
         down = ("ffn_down in row layout, dense only" if info["ffn_layout"] == C.FFN_LAYOUT_ROWS
-                else "ffn_down_t, neuron-major")
+                else "projections stored by input channel, for sparse mode input"
+                if info["input_block"] else "ffn_down_t, neuron-major")
         out.append(f"layout:        pyinfer conversion (version {info['pyinfer_version'] or '?'}"
                    + (f", from {info['source']}" if info["source"] else "") + f"; {down})")
     else:
@@ -171,10 +203,13 @@ def render(info: dict) -> str:
     if sp is None:
         out.append("sparse:        no (dense FFN)")
         return "\n".join(out)
+    cal = sp["calibration"]
+    calib = f"calibration:   {_fmt(cal['tokens'])} tokens of {cal['source'] or '?'}, seed {_fmt(cal['seed'])}"
+    if "input" in sp:
+        return "\n".join(out + _render_input(sp, calib))
     out.append(f"sparse:        mode {sp['mode']}, target recall {_fmt(sp['target_recall'], '.3g')}, "
                f"target sparsity {_fmt(sp['target_sparsity'], '.3g')}")
-    cal = sp["calibration"]
-    out.append(f"calibration:   {_fmt(cal['tokens'])} tokens of {cal['source'] or '?'}, seed {_fmt(cal['seed'])}")
+    out.append(calib)
     if sp["vram_budget_bytes"]:
         out.append(f"gpu split:     solved for {sp['vram_budget_bytes'] / 2**30:.3f} GiB")
     out.append("layer  act_thr  calib_sparsity  rank  recall  precision  cpu_pred  gpu_neurons")
@@ -184,6 +219,26 @@ def render(info: dict) -> str:
                    f"{_fmt(r['recall'], '6.3f'):>6}  {_fmt(r['precision'], '9.3f'):>9}  "
                    f"{_fmt(r['cpu_predictor']):>8}  {_fmt(r['gpu_neurons']):>11}")
     return "\n".join(out)
+
+
+def _render_input(sp: dict, calib: str) -> list[str]:
+    """The lines of a sparse mode "input" file: its settings, then per layer the fraction of each
+    projection group's input channels skipped on the calibration text (thresholds: --json)."""
+    inp = sp["input"]
+    alloc = inp["allocation"] or "?"
+    if inp["fisher_weight"] is not None:
+        alloc += f" (weight {inp['fisher_weight']:g})"
+    head = ("dense" if inp["lm_head"] is None else
+            f"{_fmt(inp['lm_head']['calibration_sparsity'], '.1%')} of its inputs skipped")
+    out = [f"sparse:        mode input, score {inp['score'] or '?'}, allocation {alloc}, target "
+           f"sparsity {_fmt(sp['target_sparsity'], '.3g')} of projection weight bytes; lm head {head}",
+           calib,
+           "input channels skipped on the calibration text, per projection group:",
+           "layer  " + "  ".join(f"{g:>11}" for g in C.IN_GROUPS)]
+    for i, row in enumerate(inp["layers"]):
+        out.append(f"{i:5d}  " + "  ".join(
+            f"{_fmt(row[g]['calibration_sparsity'], '.1%'):>11}" for g in C.IN_GROUPS))
+    return out
 
 
 def build_parser() -> Parser:

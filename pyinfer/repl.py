@@ -21,7 +21,7 @@ from pyinfer.errors import PyinferError
 HELP = """commands:
   /help    this text
   /reset   start a new conversation (the system message stays)
-  /stats   speed and FFN sparsity of the last answer
+  /stats   speed and sparsity of the last answer
   /exit    leave (or Ctrl-D)
 Ctrl-C stops the current answer. End a line with \\ to continue it on the next line."""
 PROMPT = "> "
@@ -119,7 +119,7 @@ def format_stats(s: GenerationStats) -> str:
     reused = s.prompt_tokens - s.prompt_evaluated
     return (f"[prompt: {s.prompt_evaluated} tokens evaluated, {reused} reused from the cache; "
             f"answer: {s.completion_tokens} tokens, {s.tokens_per_second:.1f} tokens/s; "
-            f"FFN sparsity {100 * s.ffn_sparsity:.1f}%]")
+            f"{s.sparsity_label} {100 * s.ffn_sparsity:.1f}%]")
 
 
 @contextmanager

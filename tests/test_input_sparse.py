@@ -705,3 +705,16 @@ def test_group_thresholds_write_through():
         thr["ffn_up"]
     with pytest.raises(TypeError):
         del thr["attn_qkv"]
+
+
+def test_chat_stats_name_weight_reads(input_file):
+    """The REPL's statistics line of an input file counts projection weight bytes skipped, under
+    that name (not "FFN sparsity", which counts neurons), equal to the engine's own count."""
+    from pyinfer import LLM
+    from pyinfer.repl import format_stats
+
+    llm = LLM(input_file[0], n_ctx=64, n_threads=1, seed=0)
+    text = "".join(llm.stream_text([1, 17, 42, 7], max_tokens=6, temperature=0.0, ignore_eos=True))
+    s = llm.last_stats
+    assert text and s.sparsity_label == "weight reads skipped" and 0.05 < s.ffn_sparsity < 0.9
+    assert f"weight reads skipped {100 * s.ffn_sparsity:.1f}%" in format_stats(s)

@@ -108,3 +108,46 @@ def test_bad_input_is_one_line(tmp_path):
         r = inspect(*args)
         assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert r.stderr.startswith("error: ") and "Traceback" not in r.stderr
+
+
+def test_an_input_sparse_file(tmp_path):
+    """A tiny SwiGLU model converted to q8_0 by the offline stage's default (sparse mode input):
+    the per-group thresholds and calibrated sparsities equal the file's fields as gguf reads them,
+    the parameter count leaves out the lm head's input-block copy (it equals the --dense file's),
+    and the text names the mode's settings and prints a row per layer."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from convert.cli import main as convert_main
+    from tests._models import make_random_llama
+
+    src = make_random_llama(tmp_path / "hf", hidden_act="silu", tokenizer="bpe", name="silu")
+    out, dense = str(tmp_path / "in.gguf"), str(tmp_path / "dense.gguf")
+    assert convert_main([src, out, "--outtype", "q8_0", "--calib-tokens", "256", "-t", "1"]) == 0
+    assert convert_main([src, dense, "--outtype", "q8_0", "--dense"]) == 0
+    r = inspect(out, "--json")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    fields = gguf.GGUFReader(out).fields
+
+    def floats(key):
+        f = fields[key]
+        return [float(f.parts[i][0]) for i in f.data]
+
+    sp = info["sparse"]
+    assert sp["mode"] == C.SPARSE_MODE_INPUT and info["input_block"]
+    inp = sp["input"]
+    assert (inp["score"], inp["allocation"]) == (str(fields[C.K_IN_SCORE].contents()),
+                                                 str(fields[C.K_IN_ALLOC].contents()))
+    for g in C.IN_GROUPS:
+        thr, frac = floats(C.K_IN_THRESHOLD.format(group=g)), floats(C.K_IN_SPARSITY.format(group=g))
+        assert [row[g]["threshold"] for row in inp["layers"]] == pytest.approx(thr)
+        assert [row[g]["calibration_sparsity"] for row in inp["layers"]] == pytest.approx(frac)
+    if C.K_LM_HEAD_THRESHOLD in fields:
+        assert inp["lm_head"]["threshold"] == pytest.approx(
+            float(fields[C.K_LM_HEAD_THRESHOLD].parts[-1][0]))
+    else:  # this tiny vocabulary is no multiple of 64: a dense head
+        assert inp["lm_head"] is None
+    assert info["parameters"] == json.loads(inspect(dense, "--json").stdout)["parameters"]
+    text = inspect(out).stdout
+    assert "sparse:        mode input, score magnitude" in text and "attn_qkv" in text
+    assert f"{inp['layers'][1]['ffn_down']['calibration_sparsity']:.1%}" in text.splitlines()[-1]
