@@ -484,13 +484,17 @@ def group_qtypes(weights, cfg, outtype: str) -> list:
     return out
 
 
-def input_block_everywhere(weights, cfg, outtype: str) -> bool:
-    """True where every projection matrix of the input file would take the input-block layout
-    (q8_0 / q4_0, outputs a multiple of 64: ``cpu.ib_supported``), whose kernels make input-sparse
-    decode faster than dense; the transposed layout of the other types does not (docs/benchmarks.md,
-    sessions 10-11: 0.89-0.99x its dense file). The offline stage's default mode hangs on it."""
+def input_mode_pays(weights, cfg, outtype: str) -> bool:
+    """True where sparse mode input makes this model faster on the CPU than mode glu, in decode
+    and prefill alike: every projection matrix takes the input-block layout (q8_0 / q4_0, outputs
+    a multiple of 64: ``cpu.ib_supported``) or is f16 (the transposed f16 AXPY). Measured on
+    SmolLM2 at 25%, 2 threads (docs/benchmarks.md, session 17): q8_0 decode 1.32x / prefill 1.26x
+    its dense file against glu's 0.94x / 0.69x; f16 1.05x / 1.96x against 1.00x / 1.14x; but
+    q4_1 1.03x / 0.49x against 0.85x / 0.63x and q4_k 0.77x / 0.55x against 0.83x / 0.69x: for
+    those types neither mode pays, and glu, which the GPU engine needs, stays the default. The
+    offline stage's default mode hangs on it."""
     sizes = in_sizes(cfg)
-    return all(cpu.ib_supported(qt, sizes[g][1], sizes[g][0])
+    return all(qt == C.QT.F16 or cpu.ib_supported(qt, sizes[g][1], sizes[g][0])
                for types in group_qtypes(weights, cfg, outtype)
                for g, qt in zip(C.IN_GROUPS, types))
 

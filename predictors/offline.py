@@ -18,11 +18,11 @@ Flow (one function, :func:`convert_sparse`):
 Sparse mode ``input`` (Llama-shaped SwiGLU files; TEAL/WINA input sparsity of every projection,
 predictors/input_sparse.py) replaces steps 2-4: after step 2's calibration text it calibrates
 thresholds and writes the transposed layout, with no predictors, counts or split. It is the
-default where it makes decoding faster (:func:`default_mode`: a Llama-shaped SwiGLU model whose
-projections are q8_0 / q4_0, no ``--vram-budget``); other SwiGLU models, and any with a VRAM
-budget, take ``glu`` (the predictor path above, which the GPU engine needs): on SmolLM2 a glu
-file decodes no faster than its dense file on the CPU, an input file at the default 25% 1.1x
-faster at +1% perplexity (docs/benchmarks.md, session 17).
+default where it makes the CPU run faster (:func:`default_mode`: a Llama-shaped SwiGLU model whose
+projections are q8_0, q4_0 or f16, no ``--vram-budget``); other SwiGLU models, and any with a
+VRAM budget, take ``glu`` (the predictor path above, which the GPU engine needs): on SmolLM2 a
+glu q8_0 file decodes slower than its dense file on the CPU, an input file at the default 25%
+1.1-1.3x faster at +1% perplexity (docs/benchmarks.md, session 17).
 
 The staging file is removed in a ``finally``; ``write_gguf`` removes its temporary file on any
 exception, so an interrupted or failed conversion leaves no partial file. Layers are always
@@ -177,18 +177,18 @@ class OfflineOptions:
 
 def default_mode(cfg, weights, outtype: str, opts: OfflineOptions) -> str:
     """The sparse mode of a run without ``--sparse-mode``: "relu" for a ReLU model; for a
-    SwiGLU one "input" where that mode decodes faster than dense on the CPU (a Llama-shaped
-    model, ``cfg.llama_plain`` and ``weights.llama_plain``, whose projections all take the
-    input-block layout: ``input_sparse.input_block_everywhere``) and no ``--vram-budget`` asks for
+    SwiGLU one "input" where that mode runs faster than glu on the CPU (a Llama-shaped model,
+    ``cfg.llama_plain`` and ``weights.llama_plain``, whose projections are all q8_0 / q4_0 in the
+    input-block layout or f16: ``input_sparse.input_mode_pays``) and no ``--vram-budget`` asks for
     the GPU split (which needs glu's predictors); "glu" otherwise. ``weights`` are the staging
     file's (dense, neuron-major), ``outtype`` the conversion's."""
-    from predictors.input_sparse import input_block_everywhere
+    from predictors.input_sparse import input_mode_pays
     from predictors.profile import sparse_mode
 
     mode = sparse_mode(cfg)
     if (mode == C.SPARSE_MODE_GLU and opts.vram_budget_gib is None
             and cfg.llama_plain and weights.llama_plain
-            and input_block_everywhere(weights, cfg, outtype)):
+            and input_mode_pays(weights, cfg, outtype)):
         return C.SPARSE_MODE_INPUT
     return mode
 
@@ -263,15 +263,20 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
             mode = C.SPARSE_MODE_INPUT
         elif opts.sparse_mode is None:
             mode = default_mode(cfg, eng.weights, outtype, opts)
-            if mode == C.SPARSE_MODE_INPUT:
-                opts.note_alloc_fallback()
-                _log("sparse mode input (the default for a Llama-shaped q8_0/q4_0 SwiGLU model: "
-                     "CPU decode; --sparse-mode glu or --vram-budget for the GPU engine's "
-                     "predictors)", opts.progress)
         if mode == C.SPARSE_MODE_GLU and opts.lm_head_sparsity is not None:
             raise PyinferError("--lm-head-sparsity needs --sparse-mode input (this model takes "
-                               "glu by default: its projections are not all q8_0 / q4_0, or "
+                               "glu by default: its projections are not all q8_0, q4_0 or f16, or "
                                "--vram-budget was given)")
+        if opts.sparse_mode is None and mode == C.SPARSE_MODE_INPUT:
+            opts.note_alloc_fallback()
+            _log("sparse mode input (the default for a Llama-shaped SwiGLU model in q8_0, q4_0 or "
+                 "f16: CPU only; --sparse-mode glu or --vram-budget for the GPU engine's "
+                 "predictors)", opts.progress)
+        elif opts.sparse_mode is None and mode == C.SPARSE_MODE_GLU and opts.vram_budget_gib is None:
+            hint = ("; --outtype q8_0, q4_0 or f16 takes sparse mode input, which is faster"
+                    if cfg.llama_plain and eng.weights.llama_plain else "")
+            _log("sparse mode glu (predictors for the GPU engine): on the CPU this file runs no "
+                 f"faster than a --dense one (glu reads gate and up in full){hint}", opts.progress)
         if opts.target_sparsity is None and mode in DEFAULT_TARGET_SPARSITY:
             opts = dataclasses.replace(opts, target_sparsity=DEFAULT_TARGET_SPARSITY[mode])
         if opts.calib_tokens is None:
@@ -455,7 +460,7 @@ def add_arguments(parser) -> None:
                         f"(default {DEFAULT_TARGET_SPARSITY[C.SPARSE_MODE_GLU]}). ReLU models use their exact zeros")
     g.add_argument("--sparse-mode", choices=[C.SPARSE_MODE_INPUT, C.SPARSE_MODE_GLU], default=None,
                    help="SwiGLU models: input (skip small input channels of every projection, "
-                        "TEAL/WINA; CPU only; the default for Llama-shaped models in q8_0 / q4_0 "
+                        "TEAL/WINA; CPU only; the default for Llama-shaped models in q8_0, q4_0, f16 "
                         "without --vram-budget) or glu (predictors and a GPU split, which the GPU "
                         "engine needs; the default otherwise)")
     g.add_argument("--sparsity-score", choices=list(C.IN_SCORES), default=DEFAULT_INPUT_SCORE,

@@ -194,10 +194,10 @@ def test_bad_inputs(relu_dir, silu_dir, tmp_path, capsys):
         ([relu_dir, "--target-recall", "1.5"], "--target-recall"),
         ([relu_dir, "--target-recall", "0"], "--target-recall"),
         ([relu_dir, "--target-sparsity", "1"], "--target-sparsity"),
-        ([silu_dir, "--target-sparsity", "0.999", *FAST], "too small"),
+        ([silu_dir, "--target-sparsity", "0.999", "--sparse-mode", "glu", *FAST], "too small"),
         ([silu_dir, "--vram-budget", "1", "--sparse-mode", "input", *FAST], "CPU only"),
-        # an f16 SwiGLU model takes glu by default: no lm head sparsity there
-        ([silu_dir, "--lm-head-sparsity", "0.1", *FAST], "needs --sparse-mode input"),
+        # a q5_0 SwiGLU model takes glu by default: no lm head sparsity there
+        ([silu_dir, "--outtype", "q5_0", "--lm-head-sparsity", "0.1", *FAST], "needs --sparse-mode input"),
         ([relu_dir, "--predictor-rank", "zero"], "--predictor-rank"),
     ]
     for i, (args, contains) in enumerate(cases):
@@ -243,7 +243,7 @@ def test_calib_file_and_fixed_rank(silu_dir, tmp_path):
     text.write_text(" ".join(f"The quick brown fox {i} jumps over the lazy dog." for i in range(200)))
     out = str(tmp_path / "m.gguf")
     assert convert_main([silu_dir, out, "--calib", str(text), "--predictor-rank", "16",
-                         "--target-sparsity", "0.5", *FAST]) == 0
+                         "--target-sparsity", "0.5", "--sparse-mode", "glu", *FAST]) == 0
     r = gguf.GGUFReader(out)
     assert read_field(r, C.K_SPARSE_MODE) == C.SPARSE_MODE_GLU
     assert read_field(r, C.K_CALIB_SOURCE) == "files:calib.txt"
@@ -260,9 +260,10 @@ def test_calib_file_and_fixed_rank(silu_dir, tmp_path):
 
 def test_default_sparse_mode(silu_dir, relu_dir, tmp_path, capsys):
     """Without --sparse-mode a Llama-shaped SwiGLU model takes sparse mode input where all its
-    projections are q8_0 / q4_0 (the input-block kernels that make decode faster), at the input
-    default target and with no predictors; glu where they are another type or a VRAM budget asks
-    for the GPU split; a ReLU model keeps relu (``default_mode`` over the staging weights)."""
+    projections are q8_0 / q4_0 (the input-block kernels) or f16, at the input default target and
+    with no predictors; glu where they are another type (and the converter says a glu file runs
+    no faster than --dense on the CPU) or a VRAM budget asks for the GPU split; a ReLU model keeps
+    relu (``default_mode`` over the staging weights)."""
     from convert.cli import convert
     from predictors.offline import DEFAULT_TARGET_SPARSITY, OfflineOptions, default_mode
 
@@ -280,9 +281,15 @@ def test_default_sparse_mode(silu_dir, relu_dir, tmp_path, capsys):
     eng.forward(eng.tokenizer.encode("The quick brown fox jumps over the lazy dog"), 0)
     assert 0.05 < eng.ffn_sparsity() < 0.6  # weight reads skipped, about the target
 
+    out = str(tmp_path / "glu.gguf")
+    assert convert_main([silu_dir, out, "--outtype", "q5_0", *FAST]) == 0
+    err = capsys.readouterr().err
+    assert "sparse mode glu" in err and "no faster than a --dense one" in err
+    assert read_field(gguf.GGUFReader(out), C.K_SPARSE_MODE) == C.SPARSE_MODE_GLU
+
     for src, outtype, budget, mode in ((silu_dir, "q4_0", None, C.SPARSE_MODE_INPUT),
                                        (silu_dir, "q8_0", 0.001, C.SPARSE_MODE_GLU),
-                                       (silu_dir, "f16", None, C.SPARSE_MODE_GLU),
+                                       (silu_dir, "f16", None, C.SPARSE_MODE_INPUT),
                                        (silu_dir, "q5_0", None, C.SPARSE_MODE_GLU),
                                        (relu_dir, "q8_0", None, C.SPARSE_MODE_RELU)):
         staging = str(tmp_path / f"staging-{outtype}-{budget}.gguf")
