@@ -165,7 +165,6 @@ class OfflineOptions:
                 raise PyinferError(f"--predictor-rank must be >= 1, got {rank}")
             self.predictor_rank = rank
 
-
     def note_alloc_fallback(self) -> None:
         """Say on stderr (one line) that the allocation fell back to FALLBACK_INPUT_ALLOC because
         PyTorch is missing; nothing where it did not."""

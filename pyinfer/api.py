@@ -243,8 +243,7 @@ class LLM:
         """
         stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
         stats = self.last_stats = GenerationStats(prompt_tokens=len(prompt_tokens))
-        if getattr(getattr(self.engine, "model", None), "ffn", None) is not None and getattr(
-                self.engine.model.ffn, "is_input_sparse", False):
+        if getattr(getattr(getattr(self.engine, "model", None), "ffn", None), "is_input_sparse", False):
             stats.sparsity_label = "weight reads skipped"
         before = self._snapshot()
         dec = self.tokenizer.stream_decoder(skip_special=True)

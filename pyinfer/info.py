@@ -61,7 +61,8 @@ def describe(path: str) -> dict:
     info["ffn_layout"] = ffn_layout if converted else None
     # sparse mode "input": projections stored one row per input channel (q8_0 / q4_0 in the
     # input-block layout, others transposed), not as wq ... ffn_down
-    info["input_block"] = any(C.IB[g].format(bid=0) in names for g in C.IN_GROUPS)
+    info["by_input_channel"] = any(t.format(bid=0) in names
+                                   for t in (*C.IB.values(), C.ATTN_QKV_T, C.FFN_GATE_UP_T))
     info["pyinfer_version"] = read_field(reader, C.K_PYINFER_VERSION, kind=str)
     info["source"] = read_field(reader, C.K_SOURCE, kind=str)
 
@@ -186,7 +187,7 @@ def render(info: dict) -> str:
     if info["layout"] == "pyinfer":
         down = ("ffn_down in row layout, dense only" if info["ffn_layout"] == C.FFN_LAYOUT_ROWS
                 else "projections stored by input channel, for sparse mode input"
-                if info["input_block"] else "ffn_down_t, neuron-major")
+                if info["by_input_channel"] else "ffn_down_t, neuron-major")
         out.append(f"layout:        pyinfer conversion (version {info['pyinfer_version'] or '?'}"
                    + (f", from {info['source']}" if info["source"] else "") + f"; {down})")
     else:

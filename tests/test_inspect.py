@@ -134,7 +134,7 @@ def test_an_input_sparse_file(tmp_path):
         return [float(f.parts[i][0]) for i in f.data]
 
     sp = info["sparse"]
-    assert sp["mode"] == C.SPARSE_MODE_INPUT and info["input_block"]
+    assert sp["mode"] == C.SPARSE_MODE_INPUT and info["by_input_channel"]
     inp = sp["input"]
     assert (inp["score"], inp["allocation"]) == (str(fields[C.K_IN_SCORE].contents()),
                                                  str(fields[C.K_IN_ALLOC].contents()))
