@@ -25,7 +25,8 @@ install: $(BIN)/python
 	$(BIN)/pip install --quiet -e ".[train]" --config-settings editable_mode=compat
 
 # Run-only: pyinfer-run/-chat/-serve/-inspect/-perplexity and `pyinfer-convert --dense`; no PyTorch
-# (the offline stage then stops with "training predictors needs PyTorch").
+# (the offline stage runs sparse mode input with the uniform allocation, and stops with "training
+# predictors needs PyTorch" where it would train predictors).
 install-run: $(BIN)/python
 	$(BIN)/pip install --quiet -e . --config-settings editable_mode=compat
 
