@@ -114,16 +114,19 @@ def describe(path: str) -> dict:
     return info
 
 
+def _per_layer(reader, key: str, n_layer: int, item=float) -> list:
+    """The per-layer array field ``key`` as a list, or n_layer Nones where the file has none of
+    that length."""
+    v = read_field(reader, key, kind=list, item=item)
+    return list(v) if v is not None and len(v) == n_layer else [None] * n_layer
+
+
 def _input_sparsity(reader, n_layer: int) -> dict:
     """Sparse mode "input": score, allocation (and Fisher weight), per layer {group: {threshold,
     calibration_sparsity}} in ``C.IN_GROUPS`` order (None where the file has no value), and the
     lm head's threshold and calibrated sparsity (None for a dense head)."""
-    def per_layer(key):
-        v = read_field(reader, key, kind=list, item=float)
-        return list(v) if v is not None and len(v) == n_layer else [None] * n_layer
-
-    thr = {g: per_layer(C.K_IN_THRESHOLD.format(group=g)) for g in C.IN_GROUPS}
-    sp = {g: per_layer(C.K_IN_SPARSITY.format(group=g)) for g in C.IN_GROUPS}
+    thr = {g: _per_layer(reader, C.K_IN_THRESHOLD.format(group=g), n_layer) for g in C.IN_GROUPS}
+    sp = {g: _per_layer(reader, C.K_IN_SPARSITY.format(group=g), n_layer) for g in C.IN_GROUPS}
     head_thr = read_field(reader, C.K_LM_HEAD_THRESHOLD, kind=float)
     return {"score": read_field(reader, C.K_IN_SCORE, kind=str),
             "allocation": read_field(reader, C.K_IN_ALLOC, kind=str),
@@ -138,16 +141,12 @@ def _input_sparsity(reader, n_layer: int) -> dict:
 def _layers(reader, n_layer: int, n_ff: int | None, calib_tokens: int | None, names: set) -> list[dict]:
     """Per layer: act_threshold, calibration sparsity (1 - activations / (n_ff * calibration
     tokens), from ``blk.N.act_count``), predictor rank/threshold/recall/precision/cpu, gpu neurons."""
-    def per_layer(key, item):
-        v = read_field(reader, key, kind=list, item=item)
-        return list(v) if v is not None and len(v) == n_layer else [None] * n_layer
-
-    act_thr = per_layer(C.K_ACT_THRESHOLD, float)
-    pred_thr = per_layer(C.K_PRED_THRESHOLD, float)
-    rank = per_layer(C.K_PRED_RANK, int)
-    recall = per_layer(C.K_PRED_RECALL, float)
-    precision = per_layer(C.K_PRED_PRECISION, float)
-    cpu = per_layer(C.K_PRED_CPU, int)
+    act_thr = _per_layer(reader, C.K_ACT_THRESHOLD, n_layer)
+    pred_thr = _per_layer(reader, C.K_PRED_THRESHOLD, n_layer)
+    rank = _per_layer(reader, C.K_PRED_RANK, n_layer, int)
+    recall = _per_layer(reader, C.K_PRED_RECALL, n_layer)
+    precision = _per_layer(reader, C.K_PRED_PRECISION, n_layer)
+    cpu = _per_layer(reader, C.K_PRED_CPU, n_layer, int)
     tensors = {t.name: t for t in reader.tensors}
     rows = []
     for i in range(n_layer):
