@@ -266,16 +266,18 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
             raise PyinferError("--lm-head-sparsity needs --sparse-mode input (this model takes "
                                "glu by default: its projections are not all q8_0, q4_0 or f16, or "
                                "--vram-budget was given)")
-        if opts.sparse_mode is None and mode == C.SPARSE_MODE_INPUT:
-            opts.note_alloc_fallback()
-            _log("sparse mode input (the default for a Llama-shaped SwiGLU model in q8_0, q4_0 or "
-                 "f16: CPU only; --sparse-mode glu or --vram-budget for the GPU engine's "
-                 "predictors)", opts.progress)
-        elif opts.sparse_mode is None and mode == C.SPARSE_MODE_GLU and opts.vram_budget_gib is None:
-            hint = ("; --outtype q8_0, q4_0 or f16 takes sparse mode input, which is faster"
-                    if cfg.llama_plain and eng.weights.llama_plain else "")
-            _log("sparse mode glu (predictors for the GPU engine): on the CPU this file runs no "
-                 f"faster than a --dense one (glu reads gate and up in full){hint}", opts.progress)
+        if opts.sparse_mode is None:  # say which mode the default chose, and what it means
+            if mode == C.SPARSE_MODE_INPUT:
+                opts.note_alloc_fallback()
+                _log("sparse mode input (the default for a Llama-shaped SwiGLU model in q8_0, q4_0 "
+                     "or f16: CPU only; --sparse-mode glu or --vram-budget for the GPU engine's "
+                     "predictors)", opts.progress)
+            elif mode == C.SPARSE_MODE_GLU and opts.vram_budget_gib is None:
+                hint = ("; --outtype q8_0, q4_0 or f16 takes sparse mode input, which is faster"
+                        if cfg.llama_plain and eng.weights.llama_plain else "")
+                _log("sparse mode glu (predictors for the GPU engine): on the CPU this file runs "
+                     f"no faster than a --dense one (glu reads gate and up in full){hint}",
+                     opts.progress)
         if opts.target_sparsity is None and mode in DEFAULT_TARGET_SPARSITY:
             opts = dataclasses.replace(opts, target_sparsity=DEFAULT_TARGET_SPARSITY[mode])
         if opts.calib_tokens is None:
