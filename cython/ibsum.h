@@ -2,14 +2,15 @@
  *
  *     out[0:n_out] = W xm,   xm = x with the dropped input channels set to 0
  *
- * for a matrix W (n_out, n_in) whose q8_0 or q4_0 weights are stored per block of 32 input
- * channels instead of per output row. The numbers are those of the row-major q8_0 / q4_0 matrix
- * (ggml's blocks: one f16 scale d[i, b] per output i and input block b, 32 values q[i, 32b + c]),
- * only moved: input block b of the tensor holds
+ * for a matrix W (n_out, n_in) whose q8_0, q4_0 or q4_1 weights are stored per block of 32 input
+ * channels instead of per output row. The numbers are those of the row-major matrix (ggml's
+ * blocks: one f16 scale d[i, b] per output i and input block b, for q4_1 also an f16 min m[i, b],
+ * and 32 values q[i, 32b + c]), only moved: input block b of the tensor holds
  *
- *     d[0:n_out, b] as f16 (2 n_out bytes), then the 32 value rows of channels 32b .. 32b + 31,
- *     each n_out bytes (q8_0: q ^ 0x80, i.e. q + 128 as an unsigned byte) or n_out / 2 bytes
- *     (q4_0: the unsigned nibble u = q + 8, two outputs per byte).
+ *     d[0:n_out, b] as f16 (2 n_out bytes), for q4_1 then m[0:n_out, b] (2 n_out bytes), then
+ *     the 32 value rows of channels 32b .. 32b + 31, each n_out bytes (q8_0: q ^ 0x80, i.e.
+ *     q + 128 as an unsigned byte) or n_out / 2 bytes (q4_0: the unsigned nibble u = q + 8;
+ *     q4_1: its nibble u, w = d u + m; two outputs per byte).
  *
  * A kept channel j is one contiguous value row, so the bytes read shrink with the sparsity
  * (plus the scale row of each block with a kept channel, 1/17 of a q8_0 block). The products
@@ -22,7 +23,9 @@
  * block). For q8_0 that is the GEMV of the masked x bit for bit (same quantized activation,
  * same integer sums, same f32 order: tests/test_ibsum.py checks it against cpu.matvec); for
  * q4_0 the integer offset 8 sum(xq) is taken off inside the integer sum (the GEMV subtracts it
- * in f32), so the two differ by f32 rounding. Error against the exact product, per output i:
+ * in f32), so the two differ by f32 rounding. q4_1 adds its min term as the GEMV does (gemv.h:
+ * out_i = fma(m[i, b] / 8, 8 s_b sum(xq), fma(s_b d[i, b], acc[i, b], out_i)) per block, acc over
+ * the unsigned nibbles), so it too has the masked GEMV's bits. Error against the exact product, per output i:
  * |err_i| <= sum_b s_b / 2 * sum_{kept j in b} |d[i, b] q[i, j]| (+ f32 rounding): the int8
  * activation of the dense GEMV.
  *
@@ -73,24 +76,36 @@
  * Q4_0 rows of 32 n_out values, one row per input block, under names of their own) */
 #define PI_Q8_0_IB 1008
 #define PI_Q4_0_IB 1002
+#define PI_Q4_1_IB 1003
 #define PI_IB_TILE 64
 
-static inline int pi_is_ib(int t) { return t == PI_Q8_0_IB || t == PI_Q4_0_IB; }
+static inline int pi_is_ib(int t) { return t == PI_Q8_0_IB || t == PI_Q4_0_IB || t == PI_Q4_1_IB; }
 
 /* value bytes of one kept row (n_out outputs) */
 static inline size_t pi_ib_row_bytes(int t, long n_out) {
     return t == PI_Q8_0_IB ? (size_t)n_out : (size_t)n_out / 2;
 }
 
-/* bytes of one input block: the f16 scale row and 32 value rows */
-static inline size_t pi_ib_block_bytes(int t, long n_out) {
-    return 2 * (size_t)n_out + 32 * pi_ib_row_bytes(t, n_out);
+/* bytes of a block's scale rows: the f16 scales d, and for q4_1 then the f16 mins m */
+static inline size_t pi_ib_scale_bytes(int t, long n_out) {
+    return (t == PI_Q4_1_IB ? 4 : 2) * (size_t)n_out;
 }
+
+/* bytes of one input block: the scale rows and 32 value rows */
+static inline size_t pi_ib_block_bytes(int t, long n_out) {
+    return pi_ib_scale_bytes(t, n_out) + 32 * pi_ib_row_bytes(t, n_out);
+}
+
+/* what pi_ib_prep stores in corr per unit of the block's sum(xq): the offset of the unsigned
+ * values (q8_0 128, q4_0 8), taken off the integer sums in the flush; q4_1 keeps sum(xq) itself
+ * for its min term (its values need no offset) */
+static inline int pi_ib_corr_unit(int t) { return t == PI_Q8_0_IB ? 128 : t == PI_Q4_0_IB ? 8 : 1; }
 
 /* 1 where a stride of `stride` bytes for `cols` outputs is that of an input-block tensor (the
  * row layouts have at most 4 bytes per value) */
 static inline int pi_ib_stride(size_t stride, long cols) {
-    return cols > 0 && (stride == 34 * (size_t)cols || stride == 18 * (size_t)cols);
+    return cols > 0 && (stride == 34 * (size_t)cols || stride == 18 * (size_t)cols ||
+                        stride == 20 * (size_t)cols);
 }
 
 
@@ -128,7 +143,7 @@ static inline void pi_ib_prep(int t, long n_out, const float *coef, const int32_
                             _mm512_mullo_epi32(_mm512_maskz_sub_epi32(m1, j1, base), vrb));
         ng[b] = (n + 3) / 4;
         sb[b] = d;
-        corr[b] = (t == PI_Q8_0_IB ? 128 : 8) * _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        corr[b] = pi_ib_corr_unit(t) * _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
         return;
     }
 #endif
@@ -154,7 +169,7 @@ static inline void pi_ib_prep(int t, long n_out, const float *coef, const int32_
     for (int g = 0; g < n / 4; g++) memcpy(cf + 8 * b + g, q + 4 * g, 4);
     ng[b] = n / 4;
     sb[b] = d;
-    corr[b] = (t == PI_Q8_0_IB ? 128 : 8) * s;
+    corr[b] = pi_ib_corr_unit(t) * s;
 }
 
 /* Position in a 64-output tile of output o (0..63): see the header comment. */
@@ -208,25 +223,35 @@ static inline __attribute__((always_inline)) __m256i pi_ib_dot4(const int t, __m
 #endif
 
 /* y[16 k + 8 h + 0..7] += (s d) * float(acc[k] - corr) for half h of tile u (y: the tile's 64
- * outputs; dsc: the block's f16 scales) */
-static inline __attribute__((always_inline)) void pi_ib_flush256(const uint16_t *dsc, long u, int h,
+ * outputs; dsc: the block's f16 scales). q4_1 (cr = sum(xq), no offset; msc: the block's f16
+ * mins): y = fma(s d, float(acc), y), then y = fma(m / 8, xs, y) with xs = 8 s sum(xq): the two
+ * FMAs per block of the GEMV (gemv.h), so the masked GEMV's bits. */
+static inline __attribute__((always_inline)) void pi_ib_flush256(const int t, const uint16_t *dsc,
+                                                                 const uint16_t *msc, long u, int h,
                                                                  float s, int32_t cr,
                                                                  const __m256i acc[4], float *y) {
     const __m256 vs = _mm256_set1_ps(s);
-    const __m256i vc = _mm256_set1_epi32(cr);
+    const __m256i vc = _mm256_set1_epi32(t == PI_Q4_1_IB ? 0 : cr);
+    const __m256 xs = _mm256_set1_ps(8.0f * s * (float)cr);
     for (int k = 0; k < 4; k++) {
         float *yk = y + 16 * k + 8 * h;
-        const __m256 d = _mm256_cvtph_ps(
-            _mm_loadu_si128((const __m128i *)(dsc + PI_IB_TILE * u + 16 * k + 8 * h)));
+        const long a = PI_IB_TILE * u + 16 * k + 8 * h;
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dsc + a)));
         const __m256 f = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc[k], vc));
-        _mm256_storeu_ps(yk, _mm256_fmadd_ps(_mm256_mul_ps(vs, d), f, _mm256_loadu_ps(yk)));
+        __m256 r = _mm256_fmadd_ps(_mm256_mul_ps(vs, d), f, _mm256_loadu_ps(yk));
+        if (t == PI_Q4_1_IB) {
+            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(msc + a)));
+            r = _mm256_fmadd_ps(_mm256_mul_ps(m, _mm256_set1_ps(0.125f)), xs, r);
+        }
+        _mm256_storeu_ps(yk, r);
     }
 }
 
 /* half h of tile u over one block's G groups of four kept rows (val + o[.], coefficients c) */
 static inline __attribute__((always_inline)) void pi_ib_half(const int t, const uint8_t *val,
                                                              const int32_t *o, const int32_t *c,
-                                                             int G, const uint16_t *dsc, float s,
+                                                             int G, const uint16_t *dsc,
+                                                             const uint16_t *msc, float s,
                                                              int32_t cr, long u, int h, float *y) {
     __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
     for (int g = 0; g < G; g++) {
@@ -251,14 +276,15 @@ static inline __attribute__((always_inline)) void pi_ib_half(const int t, const 
     }
     const __m256i acc[4] = {a0, a1, a2, a3};
     /* q8_0 through pi_ib_dot4 (AVX2) is already signed: no correction */
-    pi_ib_flush256(dsc, u, h, s, (!PI_IB_VNNI512 && t == PI_Q8_0_IB) ? 0 : cr, acc, y);
+    pi_ib_flush256(t, dsc, msc, u, h, s, (!PI_IB_VNNI512 && t == PI_Q8_0_IB) ? 0 : cr, acc, y);
 }
 
 #if PI_IB_VNNI512
 /* the whole tile u (both halves in one 512-bit pass) */
 static inline __attribute__((always_inline)) void pi_ib_tile512(const int t, const uint8_t *val,
                                                                 const int32_t *o, const int32_t *c,
-                                                                int G, const uint16_t *dsc, float s,
+                                                                int G, const uint16_t *dsc,
+                                                                const uint16_t *msc, float s,
                                                                 int32_t cr, long u, float *y) {
     __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
     for (int g = 0; g < G; g++) {
@@ -275,22 +301,27 @@ static inline __attribute__((always_inline)) void pi_ib_tile512(const int t, con
         a3 = _mm512_dpbusd_epi32(a3, _mm512_unpackhi_epi16(h01, h23), cc);
     }
     const __m512 vs = _mm512_set1_ps(s);
-    const __m512i vc = _mm512_set1_epi32(cr);
+    const __m512i vc = _mm512_set1_epi32(t == PI_Q4_1_IB ? 0 : cr);
+    const __m512 xs = _mm512_set1_ps(8.0f * s * (float)cr);  /* q4_1: pi_ib_flush256 */
     const __m512i acc[4] = {a0, a1, a2, a3};
     for (int k = 0; k < 4; k++) {
-        const __m512 d = _mm512_cvtph_ps(
-            _mm256_loadu_si256((const __m256i *)(dsc + PI_IB_TILE * u + 16 * k)));
+        const long a = PI_IB_TILE * u + 16 * k;
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dsc + a)));
         const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[k], vc));
-        _mm512_storeu_ps(y + 16 * k,
-                         _mm512_fmadd_ps(_mm512_mul_ps(vs, d), f, _mm512_loadu_ps(y + 16 * k)));
+        __m512 r = _mm512_fmadd_ps(_mm512_mul_ps(vs, d), f, _mm512_loadu_ps(y + 16 * k));
+        if (t == PI_Q4_1_IB) {
+            const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(msc + a)));
+            r = _mm512_fmadd_ps(_mm512_mul_ps(m, _mm512_set1_ps(0.125f)), xs, r);
+        }
+        _mm512_storeu_ps(y + 16 * k, r);
     }
 }
 #endif
 #else
 /* halves h0..h1-1 of tile u, one output at a time (output i is in half (i >> 3) & 1) */
 static inline void pi_ib_scalar(const int t, const uint8_t *val, const int32_t *o, const int32_t *c,
-                                int G, const uint16_t *dsc, float s, int32_t cr, long u, int h0,
-                                int h1, float *y) {
+                                int G, const uint16_t *dsc, const uint16_t *msc, float s,
+                                int32_t cr, long u, int h0, int h1, float *y) {
     for (int i = 0; i < PI_IB_TILE; i++) {
         const int h = (i >> 3) & 1;
         if (h < h0 || h >= h1) continue;
@@ -302,7 +333,11 @@ static inline void pi_ib_scalar(const int t, const uint8_t *val, const int32_t *
             for (int r = 0; r < 4; r++) acc += q4[r] * pi_ib_val(t, val + o[4 * g + r], u, p);
         }
         const float d = pi_f16_to_f32(dsc[PI_IB_TILE * u + i]);
-        y[i] = fmaf(s * d, (float)(acc - cr), y[i]);
+        if (t == PI_Q4_1_IB)  /* pi_ib_flush256 */
+            y[i] = fmaf(0.125f * pi_f16_to_f32(msc[PI_IB_TILE * u + i]), 8.0f * s * (float)cr,
+                        fmaf(s * d, (float)acc, y[i]));
+        else
+            y[i] = fmaf(s * d, (float)(acc - cr), y[i]);
     }
 }
 #endif /* PI_SIMD */
@@ -359,8 +394,8 @@ static void pi_ib_halves(int t, const uint8_t *w, size_t stride, long n_out, lon
         const int G = ng[b];
         if (!G) continue;
         const uint8_t *blk = w + stride * (size_t)b;
-        const uint16_t *dsc = (const uint16_t *)blk;
-        const uint8_t *val = blk + 2 * (size_t)n_out;
+        const uint16_t *dsc = (const uint16_t *)blk, *msc = dsc + n_out; /* msc: q4_1's mins */
+        const uint8_t *val = blk + pi_ib_scale_bytes(t, n_out);
         const int32_t *o = off + 32 * b, *c = cf + 8 * b;
         long bn = b + 1;
         while (bn < nb && !ng[bn]) bn++;
@@ -372,13 +407,13 @@ static void pi_ib_halves(int t, const uint8_t *w, size_t stride, long n_out, lon
         }
 #endif
         const int Nn = bn < nb ? 4 * ng[bn] : 0;
-        const uint8_t *valn = bn < nb ? w + stride * (size_t)bn + 2 * (size_t)n_out : val;
+        const uint8_t *valn = bn < nb ? w + stride * (size_t)bn + pi_ib_scale_bytes(t, n_out) : val;
         const int32_t *on = off + 32 * (bn < nb ? bn : b);
         const float s = sb[b];
         const int32_t cr = corr[b];
 #if PI_SIMD
         if (head) {
-            pi_ib_half(t, val, o, c, G, dsc, s, cr, v0 / 2, 1, yh);
+            pi_ib_half(t, val, o, c, G, dsc, msc, s, cr, v0 / 2, 1, yh);
             pi_ib_pf(t, valn, on, Nn, v0 / 2, 1);
         }
         for (long u = ua; u < ub; u++) {
@@ -401,32 +436,36 @@ static void pi_ib_halves(int t, const uint8_t *w, size_t stride, long n_out, lon
                     const char *dn = (const char *)(w + stride * (size_t)bn) + 2 * PI_IB_TILE * u;
                     _mm_prefetch(dn, PI_IB_PF_HINT);
                     _mm_prefetch(dn + 64, PI_IB_PF_HINT);
+                    if (t == PI_Q4_1_IB) {  /* and its mins */
+                        _mm_prefetch(dn + 2 * n_out, PI_IB_PF_HINT);
+                        _mm_prefetch(dn + 2 * n_out + 64, PI_IB_PF_HINT);
+                    }
                 }
-                pi_ib_tile512(t, val, o, c, G, dsc, s, cr, u, y);
+                pi_ib_tile512(t, val, o, c, G, dsc, msc, s, cr, u, y);
             } else {  /* a0af1f5's: the next block's rows, same tile, once per tile */
-                pi_ib_tile512(t, val, o, c, G, dsc, s, cr, u, y);
+                pi_ib_tile512(t, val, o, c, G, dsc, msc, s, cr, u, y);
                 pi_ib_pf(t, valn, on, Nn, u, 0);
             }
             (void)pf;
 #else
             /* AVX2: a0af1f5's prefetch (two per line measured 0.87-1.10x from memory and up to
              * 1.17x slower from cache on this build) */
-            pi_ib_half(t, val, o, c, G, dsc, s, cr, u, 0, y);
+            pi_ib_half(t, val, o, c, G, dsc, msc, s, cr, u, 0, y);
             pi_ib_pf(t, valn, on, Nn, u, 0);
             (void)pf;
             (void)stream;
-            pi_ib_half(t, val, o, c, G, dsc, s, cr, u, 1, y);
+            pi_ib_half(t, val, o, c, G, dsc, msc, s, cr, u, 1, y);
 #endif
         }
         if (tail) {
-            pi_ib_half(t, val, o, c, G, dsc, s, cr, v1 / 2, 0, yt);
+            pi_ib_half(t, val, o, c, G, dsc, msc, s, cr, v1 / 2, 0, yt);
             pi_ib_pf(t, valn, on, Nn, v1 / 2, 0);
         }
 #else
         (void)valn; (void)on; (void)Nn;
-        if (head) pi_ib_scalar(t, val, o, c, G, dsc, s, cr, v0 / 2, 1, 2, yh);
-        for (long u = ua; u < ub; u++) pi_ib_scalar(t, val, o, c, G, dsc, s, cr, u, 0, 2, out + PI_IB_TILE * u);
-        if (tail) pi_ib_scalar(t, val, o, c, G, dsc, s, cr, v1 / 2, 0, 1, yt);
+        if (head) pi_ib_scalar(t, val, o, c, G, dsc, msc, s, cr, v0 / 2, 1, 2, yh);
+        for (long u = ua; u < ub; u++) pi_ib_scalar(t, val, o, c, G, dsc, msc, s, cr, u, 0, 2, out + PI_IB_TILE * u);
+        if (tail) pi_ib_scalar(t, val, o, c, G, dsc, msc, s, cr, v1 / 2, 0, 1, yt);
 #endif
     }
     for (int k = 0; k < 4; k++) {
@@ -514,7 +553,7 @@ static void pi_ib_rows_team(int t, int T, int qtype, const uint8_t *w, size_t st
  * where some x is not 0 (a NaN counts as kept, as in the test x != 0). */
 static inline int pi_ib_prep_dense(int t, const float *x, int32_t *cf8, float *sb, int32_t *corr) {
     int8_t q[32];
-    *corr = (t == PI_Q8_0_IB ? 128 : 8) * pi_quantize_q8_block(x, q, sb);
+    *corr = pi_ib_corr_unit(t) * pi_quantize_q8_block(x, q, sb);
     memcpy(cf8, q, sizeof(q));
     int any = 0;
     for (int j = 0; j < 32; j++) any |= x[j] != 0.0f;
@@ -574,7 +613,7 @@ static inline void pi_ib_unpack(const int t, const uint8_t *val, size_t rb, long
 }
 #endif /* PI_SIMD */
 
-/* Chunk of NT tokens, block (scales dsc), tile u: y + ldo i (token i's row of out, at tile u)
+/* Chunk of NT tokens, block (scales dsc; q4_1's mins msc, flushed as pi_ib_flush256), tile u: y + ldo i (token i's row of out, at tile u)
  * += the block's products, the operands unpacked here from the values val (rows rb bytes apart;
  * packed 0) or read from pi_ib_unpack's pk (packed 1: same integers, same flush). cf: token
  * i's 8 words at cf + 8 i; sb, corr: token i's at [i]; nz[i]: not 0 where token i kept
@@ -582,14 +621,15 @@ static inline void pi_ib_unpack(const int t, const uint8_t *val, size_t rb, long
  * g has a nonzero coefficient for some token. */
 static inline __attribute__((always_inline)) void
 pi_ib_chunk_src(const int t, const int NT, const int packed, const uint8_t *val, size_t rb,
-                const uint8_t *pk, const uint16_t *dsc, long u, const int32_t *cf, const float *sb,
-                const int32_t *corr, const int32_t *nz, unsigned gm, float *y, long ldo) {
+                const uint8_t *pk, const uint16_t *dsc, const uint16_t *msc, long u,
+                const int32_t *cf, const float *sb, const int32_t *corr, const int32_t *nz,
+                unsigned gm, float *y, long ldo) {
 #if PI_SIMD && PI_IB_VNNI512
     __m512i acc[PI_IB_NT][4];
 #pragma GCC unroll 8
     for (int i = 0; i < NT; i++)
 #pragma GCC unroll 4
-        for (int k = 0; k < 4; k++) acc[i][k] = _mm512_set1_epi32(-corr[i]);
+        for (int k = 0; k < 4; k++) acc[i][k] = _mm512_set1_epi32(t == PI_Q4_1_IB ? 0 : -corr[i]);
     for (int g = 0; g < 8; g++) {
         if (!((gm >> g) & 1)) continue;
         __m512i v[4];
@@ -614,13 +654,19 @@ pi_ib_chunk_src(const int t, const int NT, const int packed, const uint8_t *val,
     for (int k = 0; k < 4; k++) {
         const __m512 d = _mm512_cvtph_ps(
             _mm256_loadu_si256((const __m256i *)(dsc + PI_IB_TILE * u + 16 * k)));
+        const __m512 m = t == PI_Q4_1_IB ? _mm512_cvtph_ps(_mm256_loadu_si256(
+                                               (const __m256i *)(msc + PI_IB_TILE * u + 16 * k)))
+                                         : _mm512_setzero_ps();
 #pragma GCC unroll 8
         for (int i = 0; i < NT; i++) {
             if (!nz[i]) continue;
             float *yk = y + ldo * i + 16 * k;
             const __m512 f = _mm512_cvtepi32_ps(acc[i][k]);  /* acc - corr */
-            _mm512_storeu_ps(yk, _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(sb[i]), d), f,
-                                                 _mm512_loadu_ps(yk)));
+            __m512 r = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(sb[i]), d), f, _mm512_loadu_ps(yk));
+            if (t == PI_Q4_1_IB)
+                r = _mm512_fmadd_ps(_mm512_mul_ps(m, _mm512_set1_ps(0.125f)),
+                                    _mm512_set1_ps(8.0f * sb[i] * (float)corr[i]), r);
+            _mm512_storeu_ps(yk, r);
         }
     }
 #elif PI_SIMD
@@ -630,7 +676,7 @@ pi_ib_chunk_src(const int t, const int NT, const int packed, const uint8_t *val,
         for (int i = 0; i < NT; i++)
 #pragma GCC unroll 4
             for (int k = 0; k < 4; k++)  /* q8_0 through pi_ib_dot4 is signed: no correction */
-                acc[i][k] = _mm256_set1_epi32(t == PI_Q8_0_IB ? 0 : -corr[i]);
+                acc[i][k] = _mm256_set1_epi32(t == PI_Q8_0_IB || t == PI_Q4_1_IB ? 0 : -corr[i]);
         for (int g = 0; g < 8; g++) {
             if (!((gm >> g) & 1)) continue;
             __m256i v[4];
@@ -655,13 +701,21 @@ pi_ib_chunk_src(const int t, const int NT, const int packed, const uint8_t *val,
         for (int k = 0; k < 4; k++) {
             const __m256 d = _mm256_cvtph_ps(
                 _mm_loadu_si128((const __m128i *)(dsc + PI_IB_TILE * u + 16 * k + 8 * h)));
+            const __m256 m = t == PI_Q4_1_IB
+                                 ? _mm256_cvtph_ps(_mm_loadu_si128(
+                                       (const __m128i *)(msc + PI_IB_TILE * u + 16 * k + 8 * h)))
+                                 : _mm256_setzero_ps();
 #pragma GCC unroll 8
             for (int i = 0; i < NT; i++) {
                 if (!nz[i]) continue;
                 float *yk = y + ldo * i + 16 * k + 8 * h;
                 const __m256 f = _mm256_cvtepi32_ps(acc[i][k]);  /* acc - corr */
-                _mm256_storeu_ps(yk, _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(sb[i]), d), f,
-                                                     _mm256_loadu_ps(yk)));
+                __m256 r = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(sb[i]), d), f,
+                                           _mm256_loadu_ps(yk));
+                if (t == PI_Q4_1_IB)
+                    r = _mm256_fmadd_ps(_mm256_mul_ps(m, _mm256_set1_ps(0.125f)),
+                                        _mm256_set1_ps(8.0f * sb[i] * (float)corr[i]), r);
+                _mm256_storeu_ps(yk, r);
             }
         }
     }
@@ -681,7 +735,11 @@ pi_ib_chunk_src(const int t, const int NT, const int packed, const uint8_t *val,
             int32_t a = 0;
             for (int j = 0; j < 32; j++) a += q[j] * w32[j];
             float *yo = y + ldo * i + o;
-            *yo = fmaf(sb[i] * d, (float)(a - corr[i]), *yo);
+            if (t == PI_Q4_1_IB)
+                *yo = fmaf(0.125f * pi_f16_to_f32(msc[PI_IB_TILE * u + o]),
+                           8.0f * sb[i] * (float)corr[i], fmaf(sb[i] * d, (float)a, *yo));
+            else
+                *yo = fmaf(sb[i] * d, (float)(a - corr[i]), *yo);
         }
     }
 #endif
@@ -689,23 +747,23 @@ pi_ib_chunk_src(const int t, const int NT, const int packed, const uint8_t *val,
 
 /* the chunk from the values (pi_ib_chunk_src, packed 0) */
 static inline __attribute__((always_inline)) void
-pi_ib_chunk(const int t, const int NT, const uint8_t *val, size_t rb, const uint16_t *dsc, long u,
-            const int32_t *cf, const float *sb, const int32_t *corr, const int32_t *nz,
-            unsigned gm, float *y, long ldo) {
-    pi_ib_chunk_src(t, NT, 0, val, rb, NULL, dsc, u, cf, sb, corr, nz, gm, y, ldo);
+pi_ib_chunk(const int t, const int NT, const uint8_t *val, size_t rb, const uint16_t *dsc,
+            const uint16_t *msc, long u, const int32_t *cf, const float *sb, const int32_t *corr,
+            const int32_t *nz, unsigned gm, float *y, long ldo) {
+    pi_ib_chunk_src(t, NT, 0, val, rb, NULL, dsc, msc, u, cf, sb, corr, nz, gm, y, ldo);
 }
 
 #if PI_SIMD
 /* the chunk over a block unpacked by pi_ib_unpack (pi_ib_chunk_src, packed 1) */
 static inline __attribute__((always_inline)) void
-pi_ib_chunk_pk(const int t, const int NT, const uint8_t *pk, const uint16_t *dsc, long u,
-               const int32_t *cf, const float *sb, const int32_t *corr, const int32_t *nz,
-               unsigned gm, float *y, long ldo) {
-    pi_ib_chunk_src(t, NT, 1, NULL, 0, pk, dsc, u, cf, sb, corr, nz, gm, y, ldo);
+pi_ib_chunk_pk(const int t, const int NT, const uint8_t *pk, const uint16_t *dsc,
+               const uint16_t *msc, long u, const int32_t *cf, const float *sb,
+               const int32_t *corr, const int32_t *nz, unsigned gm, float *y, long ldo) {
+    pi_ib_chunk_src(t, NT, 1, NULL, 0, pk, dsc, msc, u, cf, sb, corr, nz, gm, y, ldo);
 }
 #endif /* PI_SIMD */
 
-/* A switch over the type (q8_0 / q4_0) and the chunk's token count nt (1 .. PI_IB_NT) that
+/* A switch over the type (q8_0 / q4_0 / q4_1) and the chunk's token count nt (1 .. PI_IB_NT) that
  * calls CALL(T_, N_) with both as constants (the chunk kernels unroll over them). */
 #define PI_IB_CASE(CALL, T_, N_)                                                              \
     case N_:                                                                                  \
@@ -719,21 +777,28 @@ pi_ib_chunk_pk(const int t, const int NT, const uint8_t *pk, const uint16_t *dsc
                 PI_IB_CASE(CALL, PI_Q8_0_IB, 3) PI_IB_CASE(CALL, PI_Q8_0_IB, 4)               \
                 PI_IB_CASE(CALL, PI_Q8_0_IB, 5) PI_IB_CASE(CALL, PI_Q8_0_IB, 6)               \
             }                                                                                 \
-        } else {                                                                              \
+        } else if ((t) == PI_Q4_0_IB) {                                                       \
             switch (nt) {                                                                     \
                 PI_IB_CASE(CALL, PI_Q4_0_IB, 1) PI_IB_CASE(CALL, PI_Q4_0_IB, 2)               \
                 PI_IB_CASE(CALL, PI_Q4_0_IB, 3) PI_IB_CASE(CALL, PI_Q4_0_IB, 4)               \
                 PI_IB_CASE(CALL, PI_Q4_0_IB, 5) PI_IB_CASE(CALL, PI_Q4_0_IB, 6)               \
+            }                                                                                 \
+        } else {                                                                              \
+            switch (nt) {                                                                     \
+                PI_IB_CASE(CALL, PI_Q4_1_IB, 1) PI_IB_CASE(CALL, PI_Q4_1_IB, 2)               \
+                PI_IB_CASE(CALL, PI_Q4_1_IB, 3) PI_IB_CASE(CALL, PI_Q4_1_IB, 4)               \
+                PI_IB_CASE(CALL, PI_Q4_1_IB, 5) PI_IB_CASE(CALL, PI_Q4_1_IB, 6)               \
             }                                                                                 \
         }                                                                                     \
     } while (0)
 
 #if PI_SIMD
 /* pi_ib_chunk_pk with the type and the token count as constants */
-static void pi_ib_chunk_pk_any(int t, int nt, const uint8_t *pk, const uint16_t *dsc, long u,
-                               const int32_t *cf, const float *sb, const int32_t *corr,
-                               const int32_t *nz, unsigned gm, float *y, long ldo) {
-#define PI_IB_PK(T_, N_) pi_ib_chunk_pk(T_, N_, pk, dsc, u, cf, sb, corr, nz, gm, y, ldo)
+static void pi_ib_chunk_pk_any(int t, int nt, const uint8_t *pk, const uint16_t *dsc,
+                               const uint16_t *msc, long u, const int32_t *cf, const float *sb,
+                               const int32_t *corr, const int32_t *nz, unsigned gm, float *y,
+                               long ldo) {
+#define PI_IB_PK(T_, N_) pi_ib_chunk_pk(T_, N_, pk, dsc, msc, u, cf, sb, corr, nz, gm, y, ldo)
     PI_IB_SWITCH(t, nt, PI_IB_PK);
 #undef PI_IB_PK
 }
@@ -741,9 +806,10 @@ static void pi_ib_chunk_pk_any(int t, int nt, const uint8_t *pk, const uint16_t 
 
 /* pi_ib_chunk with the type and the token count as constants */
 static void pi_ib_chunk_any(int t, int nt, const uint8_t *val, size_t rb, const uint16_t *dsc,
-                            long u, const int32_t *cf, const float *sb, const int32_t *corr,
-                            const int32_t *nz, unsigned gm, float *y, long ldo) {
-#define PI_IB_VAL(T_, N_) pi_ib_chunk(T_, N_, val, rb, dsc, u, cf, sb, corr, nz, gm, y, ldo)
+                            const uint16_t *msc, long u, const int32_t *cf, const float *sb,
+                            const int32_t *corr, const int32_t *nz, unsigned gm, float *y,
+                            long ldo) {
+#define PI_IB_VAL(T_, N_) pi_ib_chunk(T_, N_, val, rb, dsc, msc, u, cf, sb, corr, nz, gm, y, ldo)
     PI_IB_SWITCH(t, nt, PI_IB_VAL);
 #undef PI_IB_VAL
 }
@@ -833,21 +899,25 @@ static void pi_ib_matmul(int qtype, const uint8_t *w, size_t stride, long n_in, 
         uint8_t *pk = n_tok > PI_IB_NT && u1 > u0
                           ? (uint8_t *)aligned_alloc(64, 2048 * (size_t)nb) : NULL;
 #endif
+        const size_t sbytes = pi_ib_scale_bytes(qtype, cols);  /* the values' offset in a block */
         for (long u = u0; u < u1; u++) {
 #if PI_SIMD
             if (pk)
                 for (long b = 0; b < nb; b++) {
                     const uint8_t *blk = w + stride * (size_t)b;
-                    pi_ib_unpack(qtype, blk + 2 * (size_t)cols, rb, u, pk + 2048 * (size_t)b);
+                    pi_ib_unpack(qtype, blk + sbytes, rb, u, pk + 2048 * (size_t)b);
                     /* the next tile's rows and scales of this block, into L2 by its turn */
                     if (u + 1 < u1) {
-                        const uint8_t *nx = blk + 2 * (size_t)cols
-                                            + (qtype == PI_Q8_0_IB ? 64 : 32) * (u + 1);
+                        const uint8_t *nx = blk + sbytes + (qtype == PI_Q8_0_IB ? 64 : 32) * (u + 1);
                         const char *ds = (const char *)(blk + 2 * PI_IB_TILE * (u + 1));
                         for (int j = 0; j < 32; j++)
                             _mm_prefetch((const char *)(nx + (size_t)j * rb), _MM_HINT_T1);
                         _mm_prefetch(ds, _MM_HINT_T1);
                         _mm_prefetch(ds + 64, _MM_HINT_T1);
+                        if (qtype == PI_Q4_1_IB) {  /* and its mins */
+                            _mm_prefetch(ds + 2 * (size_t)cols, _MM_HINT_T1);
+                            _mm_prefetch(ds + 2 * (size_t)cols + 64, _MM_HINT_T1);
+                        }
                     }
                 }
 #endif
@@ -864,13 +934,15 @@ static void pi_ib_matmul(int qtype, const uint8_t *w, size_t stride, long n_in, 
 #if PI_SIMD
                     if (pk) {
                         pi_ib_chunk_pk_any(qtype, n, pk + 2048 * (size_t)b,
-                                           (const uint16_t *)blk, u, cfw + 8 * e, sbt + e,
-                                           crt + e, nzt + e, gm, yb, PI_IB_TILE);
+                                           (const uint16_t *)blk, (const uint16_t *)blk + cols, u,
+                                           cfw + 8 * e, sbt + e, crt + e, nzt + e, gm, yb,
+                                           PI_IB_TILE);
                         continue;
                     }
 #endif
-                    pi_ib_chunk_any(qtype, n, blk + 2 * (size_t)cols, rb, (const uint16_t *)blk, u,
-                                    cfw + 8 * e, sbt + e, crt + e, nzt + e, gm, yb, PI_IB_TILE);
+                    pi_ib_chunk_any(qtype, n, blk + sbytes, rb, (const uint16_t *)blk,
+                                    (const uint16_t *)blk + cols, u, cfw + 8 * e, sbt + e, crt + e,
+                                    nzt + e, gm, yb, PI_IB_TILE);
                 }
                 for (int i = 0; i < n; i++)
                     memcpy(out + ldo * (k0 + i) + PI_IB_TILE * u, yb + PI_IB_TILE * i,

@@ -398,7 +398,7 @@ def transposed_jobs(jobs, cfg, outtype: str, scales: list[dict] | None):
     ffn_down replaced by the four matrices of input sparsity (same place in the file), plus the
     WINA column norms ``scales`` (per layer {group: (n_in,) f32}) when given.
 
-    A matrix whose type (``matrix_qtype`` over its n_in inputs) is q8_0 or q4_0 and whose outputs
+    A matrix whose type (``matrix_qtype`` over its n_in inputs) is q8_0, q4_0 or q4_1 and whose outputs
     are a multiple of 64 takes the input-block layout (``C.IB``, ``cpu.IBTensor``: the row-major
     quantization regrouped by input channel; decode reads a kept channel's row at the GEMV's
     int8 cost per byte); the others are stored transposed (``attn_qkv_t``, ``attn_output_t``,
@@ -486,13 +486,13 @@ def group_qtypes(weights, cfg, outtype: str) -> list:
 
 def input_mode_pays(weights, cfg, outtype: str) -> bool:
     """True where sparse mode input makes this model faster on the CPU than mode glu, in decode
-    and prefill alike: every projection matrix takes the input-block layout (q8_0 / q4_0, outputs
-    a multiple of 64: ``cpu.ib_supported``) or is f16 (the transposed f16 AXPY). Measured on
-    SmolLM2 at 25%, 2 threads (docs/benchmarks.md, session 17): q8_0 decode 1.32x / prefill 1.26x
-    its dense file against glu's 0.94x / 0.69x; f16 1.05x / 1.96x against 1.00x / 1.14x; but
-    q4_1 1.03x / 0.49x against 0.85x / 0.63x and q4_k 0.77x / 0.55x against 0.83x / 0.69x: for
-    those types neither mode pays, and glu, which the GPU engine needs, stays the default. The
-    offline stage's default mode hangs on it."""
+    and prefill alike: every projection matrix takes the input-block layout (q8_0 / q4_0 / q4_1,
+    outputs a multiple of 64: ``cpu.ib_supported``) or is f16 (the transposed f16 AXPY). Measured
+    on SmolLM2 at 25%, 2 threads (docs/benchmarks.md, sessions 17-18): q8_0 decode 1.32x /
+    prefill 1.26x its dense file against glu's 0.94x / 0.69x; f16 1.05x / 1.96x against 1.00x /
+    1.14x; q4_1 (input-block since session 18) 1.42x / 1.02x against 0.85x / 0.63x; but q4_k
+    0.77x / 0.55x against 0.83x / 0.69x: for the K-quants neither mode pays, and glu, which the
+    GPU engine needs, stays the default. The offline stage's default mode hangs on it."""
     sizes = in_sizes(cfg)
     return all(qt == C.QT.F16 or cpu.ib_supported(qt, sizes[g][1], sizes[g][0])
                for types in group_qtypes(weights, cfg, outtype)
@@ -507,14 +507,14 @@ def lm_head_source(jobs):
 
 
 def lm_head_supported(jobs, cfg) -> bool:
-    """True where the lm head can take input sparsity: its matrix is q8_0 or q4_0 with n_vocab a
-    multiple of 64 and n_embd of 32 (``cpu.ib_supported``)."""
+    """True where the lm head can take input sparsity: its matrix is q8_0, q4_0 or q4_1 with
+    n_vocab a multiple of 64 and n_embd of 32 (``cpu.ib_supported``)."""
     return cpu.ib_supported(lm_head_source(jobs).qtype, cfg.n_vocab, cfg.n_embd)
 
 
 def lm_head_jobs(jobs, cfg, chunk: int, norms: np.ndarray | None) -> list:
     """The jobs of the lm head under input sparsity: ``output_ib.weight``, the head's own q8_0 /
-    q4_0 numbers (those of the dense head, ``lm_head_source``) in ``cpu.IBChunks``' layout, and
+    q4_0 / q4_1 numbers (those of the dense head, ``lm_head_source``) in ``cpu.IBChunks``' layout, and
     for WINA its column norms ``norms`` (n_embd,) f32."""
     from convert.writer import TensorJob, job_floats
     from pyinfer.quants import quantize
@@ -672,8 +672,8 @@ def input_stage(src: str, out: str, outtype: str, opts, eng, seqs, source: str, 
     want = DEFAULT_LM_HEAD_SPARSITY if opts.lm_head_sparsity is None else opts.lm_head_sparsity
     head = want > 0 and lm_head_supported(jobs, cfg)
     if want > 0 and not head and opts.lm_head_sparsity is not None:
-        raise PyinferError("--lm-head-sparsity needs the lm head in q8_0 or q4_0 with a vocabulary "
-                           f"that is a multiple of 64 (this one: {lm_head_source(jobs).qtype.name}, "
+        raise PyinferError("--lm-head-sparsity needs the lm head in q8_0, q4_0 or q4_1 with a "
+                           f"vocabulary that is a multiple of 64 (this one: {lm_head_source(jobs).qtype.name}, "
                            f"{cfg.n_vocab})")
     cal, norms = calibrate(eng, seqs, wina, opts.seed, n_threads,
                            max_sparsity=min(0.95, opts.target_sparsity + 0.05),
@@ -714,7 +714,7 @@ def input_stage(src: str, out: str, outtype: str, opts, eng, seqs, source: str, 
     table = format_table(sparsity, loss, opts.input_score, opts.target_sparsity,
                          opts.input_alloc if opts.input_alloc != "fisher" else
                          f"fisher (weight {weight:g})")
-    table += ("\nlm head: dense" + (" (needs q8_0 / q4_0 and n_vocab a multiple of 64)"
+    table += ("\nlm head: dense" + (" (needs q8_0 / q4_0 / q4_1 and n_vocab a multiple of 64)"
                                     if want > 0 else "")
               if head_sparsity is None else
               f"\nlm head: {head_sparsity:.1%} of its input channels skipped on the calibration "

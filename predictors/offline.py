@@ -177,8 +177,8 @@ class OfflineOptions:
 def default_mode(cfg, weights, outtype: str, opts: OfflineOptions) -> str:
     """The sparse mode of a run without ``--sparse-mode``: "relu" for a ReLU model; for a
     SwiGLU one "input" where that mode runs faster than glu on the CPU (a Llama-shaped model,
-    ``cfg.llama_plain`` and ``weights.llama_plain``, whose projections are all q8_0 / q4_0 in the
-    input-block layout or f16: ``input_sparse.input_mode_pays``) and no ``--vram-budget`` asks for
+    ``cfg.llama_plain`` and ``weights.llama_plain``, whose projections are all q8_0 / q4_0 / q4_1
+    in the input-block layout or f16: ``input_sparse.input_mode_pays``) and no ``--vram-budget`` asks for
     the GPU split (which needs glu's predictors); "glu" otherwise. ``weights`` are the staging
     file's (dense, neuron-major), ``outtype`` the conversion's."""
     from predictors.input_sparse import input_mode_pays
@@ -269,11 +269,11 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
         if opts.sparse_mode is None:  # say which mode the default chose, and what it means
             if mode == C.SPARSE_MODE_INPUT:
                 opts.note_alloc_fallback()
-                _log("sparse mode input (the default for a Llama-shaped SwiGLU model in q8_0, q4_0 "
-                     "or f16: CPU only; --sparse-mode glu or --vram-budget for the GPU engine's "
+                _log("sparse mode input (the default for a Llama-shaped SwiGLU model in q8_0, q4_0, "
+                     "q4_1 or f16: CPU only; --sparse-mode glu or --vram-budget for the GPU engine's "
                      "predictors)", opts.progress)
             elif mode == C.SPARSE_MODE_GLU and opts.vram_budget_gib is None:
-                hint = ("; --outtype q8_0, q4_0 or f16 takes sparse mode input, which is faster"
+                hint = ("; --outtype q8_0, q4_0, q4_1 or f16 takes sparse mode input, which is faster"
                         if cfg.llama_plain and eng.weights.llama_plain else "")
                 _log("sparse mode glu (predictors for the GPU engine): on the CPU this file runs "
                      f"no faster than a --dense one (glu reads gate and up in full){hint}",
@@ -482,7 +482,7 @@ def add_arguments(parser) -> None:
     g.add_argument("--lm-head-sparsity", type=float, default=None, metavar="S",
                    help="sparse mode input: fraction of the lm head's input channels skipped, "
                         "calibrated like the projections' and not counted in --target-sparsity "
-                        f"(default {DEFAULT_LM_HEAD_SPARSITY:g} where the head is q8_0 or q4_0; "
+                        f"(default {DEFAULT_LM_HEAD_SPARSITY:g} where the head is q8_0, q4_0 or q4_1; "
                         "0: the dense head)")
     g.add_argument("--vram-budget", type=float, default=None, metavar="GiB",
                    help="GiB of GPU memory to store a hot/cold neuron split for (default: no split "

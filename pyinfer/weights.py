@@ -54,7 +54,7 @@ class LayerWeights:
     ffn_down: QTensor | None = None  # (n_embd, n_ff) one row per output channel
 
     # sparse mode "input" (TEAL/WINA): one row per input channel, transposed (QTensor) or in the
-    # input-block layout of q8_0 / q4_0 files (IBTensor, rows = input channels; ffn_down_t too)
+    # input-block layout of q8_0 / q4_0 / q4_1 files (IBTensor, rows = input channels; ffn_down_t too)
     attn_qkv_t: QTensor | None = None  # (n_embd, n_embd_q + 2 n_embd_kv) = [wq; wk; wv]^T
     attn_output_t: QTensor | None = None  # (n_embd_q, n_embd) = wo^T
     ffn_gate_up_t: QTensor | None = None  # (n_embd, 2 n_ff) = [ffn_gate; ffn_up]^T
@@ -136,7 +136,7 @@ class ModelWeights:
                 ib = ib_type(t.tensor_type)
             except ValueError:
                 raise PyinferError(f"tensor {name} is {QT(t.tensor_type).name}; an input-block "
-                                   "tensor is Q8_0 or Q4_0") from None
+                                   "tensor is Q8_0, Q4_0 or Q4_1") from None
             shape = tuple(int(d) for d in t.shape[::-1])
             if shape != (n_in // 32, 32 * n_out):
                 raise PyinferError(f"tensor {name} has shape {shape}, expected "
@@ -258,7 +258,7 @@ class ModelWeights:
             chunk = read_field(reader, C.K_LM_HEAD_CHUNK)
             if not isinstance(chunk, int):
                 raise PyinferError(f"tensor {C.OUTPUT_IB} needs {C.K_LM_HEAD_CHUNK}")
-            try:  # (ib_type: ValueError for a type other than Q8_0 / Q4_0)
+            try:  # (ib_type: ValueError for a type other than Q8_0 / Q4_0 / Q4_1)
                 output_ib = IBChunks.from_raw(np.asarray(t.data).view(np.uint8),
                                               ib_type(t.tensor_type), E, cfg.n_vocab, chunk)
             except ValueError as e:

