@@ -377,9 +377,10 @@ static inline __attribute__((always_inline)) void pi_ib_pf(const int t, const ui
  * 0 where they are read again right after (prefill, token after token: only the next block's
  * rows of the same tile, one prefetch per tile, as a0af1f5 did; the decode prefetch measured
  * 1.14-1.39x slower there on one thread). Bits do not depend on it. */
-static void pi_ib_halves(int t, const uint8_t *w, size_t stride, long n_out, long nb,
-                         const int32_t *off, const int32_t *cf, const int32_t *ng, const float *sb,
-                         const int32_t *corr, long v0, long v1, float *out, int stream) {
+static inline __attribute__((always_inline)) void
+pi_ib_halves_t(const int t, const uint8_t *w, size_t stride, long n_out, long nb,
+               const int32_t *off, const int32_t *cf, const int32_t *ng, const float *sb,
+               const int32_t *corr, long v0, long v1, float *out, int stream) {
     const long ua = (v0 + 1) / 2, ub = v1 / 2;  /* whole tiles */
     const int head = (int)(v0 & 1) && v0 < v1, tail = (int)(v1 & 1) && v1 - 1 >= v0 + head;
     /* a lone half's outputs share cache lines with the other half (another thread's): sum them in
@@ -472,6 +473,18 @@ static void pi_ib_halves(int t, const uint8_t *w, size_t stride, long n_out, lon
         if (head) memcpy(oh + 16 * k + 8, yh + 16 * k + 8, 8 * sizeof(float));
         if (tail) memcpy(ot + 16 * k, yt + 16 * k, 8 * sizeof(float));
     }
+}
+
+/* pi_ib_halves_t with the type a constant (its loads, sums and flush have no type test left) */
+static void pi_ib_halves(int t, const uint8_t *w, size_t stride, long n_out, long nb,
+                         const int32_t *off, const int32_t *cf, const int32_t *ng, const float *sb,
+                         const int32_t *corr, long v0, long v1, float *out, int stream) {
+    if (t == PI_Q8_0_IB)
+        pi_ib_halves_t(PI_Q8_0_IB, w, stride, n_out, nb, off, cf, ng, sb, corr, v0, v1, out, stream);
+    else if (t == PI_Q4_0_IB)
+        pi_ib_halves_t(PI_Q4_0_IB, w, stride, n_out, nb, off, cf, ng, sb, corr, v0, v1, out, stream);
+    else
+        pi_ib_halves_t(PI_Q4_1_IB, w, stride, n_out, nb, off, cf, ng, sb, corr, v0, v1, out, stream);
 }
 
 
