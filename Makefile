@@ -5,7 +5,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 MODELS := models
 SRC_GGUF := $(MODELS)/SmolLM2-135M-Instruct.Q4_1.gguf
-GGUF := $(MODELS)/smollm2-135m-instruct.sparse.q8_0.gguf
+# the default conversion: --outtype auto keeps the file's own Q4_1 projections, which take sparse
+# mode input (decode 1.3x the q8_0 conversion's speed on 2 threads, docs/benchmarks.md session 18)
+GGUF := $(MODELS)/smollm2-135m-instruct.sparse.gguf
 THREADS ?= 2
 PROMPT ?= What is the capital of Germany?
 
@@ -38,7 +40,7 @@ $(SRC_GGUF):
 	PATH=$(BIN):$$PATH tools/fetch_smollm2.sh $(MODELS)
 
 $(GGUF): $(SRC_GGUF) | install
-	$(BIN)/pyinfer-convert $(SRC_GGUF) $(GGUF) --outtype q8_0 -t $(THREADS)
+	$(BIN)/pyinfer-convert $(SRC_GGUF) $(GGUF) -t $(THREADS)
 
 demo: install $(GGUF)
 	$(BIN)/pyinfer-run $(GGUF) --chat -p "$(PROMPT)" --temp 0 -n 64 -t $(THREADS)

