@@ -512,18 +512,42 @@ def lm_head_supported(jobs, cfg) -> bool:
     return cpu.ib_supported(lm_head_source(jobs).qtype, cfg.n_vocab, cfg.n_embd)
 
 
-def lm_head_jobs(jobs, cfg, chunk: int, norms: np.ndarray | None) -> list:
+#: head types a 4-bit copy pays against: the two-stage head's default (more than 4 bits a weight)
+_WIDE_HEADS = (C.QT.F32, C.QT.F16, C.QT.BF16, C.QT.Q8_0, C.QT.Q6_K, C.QT.Q5_0, C.QT.Q5_1,
+               C.QT.Q5_K)
+
+
+def head_candidates(jobs, cfg, asked: int | None) -> int:
+    """K of the two-stage lm head (``C.K_LM_HEAD_CANDIDATES``): ``asked`` (the converter's
+    --lm-head-candidates), or where None ``offline.DEFAULT_LM_HEAD_CANDIDATES`` for a head wider
+    than 4 bits (``_WIDE_HEADS``), else 0; at most n_vocab. The q4_1 copy needs n_vocab a
+    multiple of 64 and n_embd of 32: otherwise 0 (PyinferError where K was asked for)."""
+    from predictors.offline import DEFAULT_LM_HEAD_CANDIDATES
+    from pyinfer.errors import PyinferError
+
+    fits = cpu.ib_supported(C.QT.Q4_1, cfg.n_vocab, cfg.n_embd)
+    if asked is None:
+        wide = lm_head_source(jobs).qtype in _WIDE_HEADS
+        return min(DEFAULT_LM_HEAD_CANDIDATES, cfg.n_vocab) if wide and fits else 0
+    if asked and not fits:
+        raise PyinferError("--lm-head-candidates needs a vocabulary that is a multiple of 64 and "
+                           f"n_embd of 32 (this one: {cfg.n_vocab}, {cfg.n_embd})")
+    return min(asked, cfg.n_vocab)
+
+
+def lm_head_jobs(jobs, cfg, chunk: int, norms: np.ndarray | None, copy_type=None) -> list:
     """The jobs of the lm head under input sparsity: ``output_ib.weight``, the head's own q8_0 /
-    q4_0 / q4_1 numbers (those of the dense head, ``lm_head_source``) in ``cpu.IBChunks``' layout, and
-    for WINA its column norms ``norms`` (n_embd,) f32."""
+    q4_0 / q4_1 numbers (those of the dense head, ``lm_head_source``) in ``cpu.IBChunks``' layout
+    (``copy_type``, e.g. Q4_1: the two-stage head's copy, requantized from the head's values),
+    and for WINA its column norms ``norms`` (n_embd,) f32."""
     from convert.writer import TensorJob, job_floats
     from pyinfer.quants import quantize
 
     src = lm_head_source(jobs)
-    qt, n_out, n_in = src.qtype, cfg.n_vocab, cfg.n_embd
+    qt, n_out, n_in = src.qtype if copy_type is None else copy_type, cfg.n_vocab, cfg.n_embd
 
     def load():
-        raw = (np.asarray(src.load()) if src.raw
+        raw = (np.asarray(src.load()) if src.raw and src.qtype == qt
                else quantize(np.ascontiguousarray(job_floats(src), np.float32), qt))
         return cpu.ib_chunked_from_rows(raw.view(np.uint8).reshape(n_out, -1), qt, n_out, n_in,
                                         chunk)
@@ -670,9 +694,11 @@ def input_stage(src: str, out: str, outtype: str, opts, eng, seqs, source: str, 
 
     meta, jobs = plan(src, outtype, allow_unused)
     want = DEFAULT_LM_HEAD_SPARSITY if opts.lm_head_sparsity is None else opts.lm_head_sparsity
-    head = want > 0 and lm_head_supported(jobs, cfg)
+    k_cand = head_candidates(jobs, cfg, opts.lm_head_candidates) if want > 0 else 0
+    head = want > 0 and (k_cand > 0 or lm_head_supported(jobs, cfg))
     if want > 0 and not head and opts.lm_head_sparsity is not None:
-        raise PyinferError("--lm-head-sparsity needs the lm head in q8_0, q4_0 or q4_1 with a "
+        raise PyinferError("--lm-head-sparsity needs the lm head in q8_0, q4_0 or q4_1, or "
+                           "--lm-head-candidates over 0, with a "
                            f"vocabulary that is a multiple of 64 (this one: {lm_head_source(jobs).qtype.name}, "
                            f"{cfg.n_vocab})")
     cal, norms = calibrate(eng, seqs, wina, opts.seed, n_threads,
@@ -705,7 +731,10 @@ def input_stage(src: str, out: str, outtype: str, opts, eng, seqs, source: str, 
         meta.f32(C.K_LM_HEAD_THRESHOLD, float(cal.head.thr[level]))
         meta.f32(C.K_LM_HEAD_SPARSITY, head_sparsity)
         meta.u32(C.K_LM_HEAD_CHUNK, C.LM_HEAD_CHUNK)
-        jobs += lm_head_jobs(jobs, cfg, C.LM_HEAD_CHUNK, cal.head_norms if wina else None)
+        if k_cand:
+            meta.u32(C.K_LM_HEAD_CANDIDATES, k_cand)
+        jobs += lm_head_jobs(jobs, cfg, C.LM_HEAD_CHUNK, cal.head_norms if wina else None,
+                             C.QT.Q4_1 if k_cand else None)
     try:
         write_gguf(out, meta, jobs, progress=opts.progress)
     except OSError as e:
@@ -718,7 +747,9 @@ def input_stage(src: str, out: str, outtype: str, opts, eng, seqs, source: str, 
                                     if want > 0 else "")
               if head_sparsity is None else
               f"\nlm head: {head_sparsity:.1%} of its input channels skipped on the calibration "
-              "tokens (not counted in the target)")
+              "tokens (not counted in the target)"
+              + (f"; a q4_1 copy picks {k_cand} candidates, the exact head computes them"
+                 if k_cand else ""))
     return {"mode": C.SPARSE_MODE_INPUT, "calib_source": source, "seconds": secs,
             "sparsity": sparsity, "loss": loss, "thresholds": thr, "placement": None, "rows": [],
             "lm_head_sparsity": head_sparsity, "table": table}

@@ -74,6 +74,10 @@ DEFAULT_FISHER_WEIGHT = 0.5
 #: sparse mode input: fraction of the lm head's input channels skipped where the head is q8_0 /
 #: q4_0 (docs/benchmarks.md "lm-head input sparsity (issue 12), session 12")
 DEFAULT_LM_HEAD_SPARSITY = 0.1
+#: sparse mode input: the two-stage lm head's candidates where the head is wider than 4 bits (a
+#: q4_1 copy picks them, the exact head computes them; SmolLM2's q8_0 head: +0.5% perplexity,
+#: 13 of its 30 MB a token unread: docs/benchmarks.md, session 18); 0 turns it off
+DEFAULT_LM_HEAD_CANDIDATES = 256
 DEFAULT_SEED = 0
 DEFAULT_MAX_EPOCHS = 12  # SmolLM2: ~6 s of one core per layer; most layers stop by patience
 DEFAULT_PATIENCE = 3
@@ -114,6 +118,9 @@ class OfflineOptions:
     # mode "input": the lm head's fraction of input channels skipped (None: DEFAULT_LM_HEAD_SPARSITY
     # where the head's type allows it, else a dense head; a value given is an error there)
     lm_head_sparsity: float | None = None
+    # mode "input": the two-stage head's candidates K (None: DEFAULT_LM_HEAD_CANDIDATES where the
+    # head is wider than 4 bits, else 0; 0: output_ib is the exact head in its own type)
+    lm_head_candidates: int | None = None
     # check(): the allocation fell back to FALLBACK_INPUT_ALLOC for want of PyTorch (said once
     # the mode is known to be "input")
     _alloc_fallback: bool = field(default=False, repr=False, compare=False)
@@ -146,6 +153,11 @@ class OfflineOptions:
                 raise PyinferError(f"--lm-head-sparsity must be in [0, 1), got {self.lm_head_sparsity}")
             if self.sparse_mode == C.SPARSE_MODE_GLU:
                 raise PyinferError("--lm-head-sparsity needs --sparse-mode input")
+        if self.lm_head_candidates is not None:
+            if self.lm_head_candidates < 0:
+                raise PyinferError(f"--lm-head-candidates must be >= 0, got {self.lm_head_candidates}")
+            if self.sparse_mode == C.SPARSE_MODE_GLU:
+                raise PyinferError("--lm-head-candidates needs --sparse-mode input")
         if self.fisher_weight is not None:
             if self.input_alloc != "fisher":
                 raise PyinferError("--fisher-weight needs --sparse-alloc fisher")
@@ -262,9 +274,11 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
             mode = C.SPARSE_MODE_INPUT
         elif opts.sparse_mode is None:
             mode = default_mode(cfg, eng.weights, outtype, opts)
-        if mode == C.SPARSE_MODE_GLU and opts.lm_head_sparsity is not None:
-            raise PyinferError("--lm-head-sparsity needs --sparse-mode input (this model takes "
-                               "glu by default: its projections are not all q8_0, q4_0 or f16, or "
+        if mode == C.SPARSE_MODE_GLU and (opts.lm_head_sparsity is not None
+                                          or opts.lm_head_candidates is not None):
+            flag = "--lm-head-sparsity" if opts.lm_head_sparsity is not None else "--lm-head-candidates"
+            raise PyinferError(f"{flag} needs --sparse-mode input (this model takes glu by "
+                               "default: its projections are not all q8_0, q4_0, q4_1 or f16, or "
                                "--vram-budget was given)")
         if opts.sparse_mode is None:  # say which mode the default chose, and what it means
             if mode == C.SPARSE_MODE_INPUT:
@@ -484,6 +498,11 @@ def add_arguments(parser) -> None:
                         "calibrated like the projections' and not counted in --target-sparsity "
                         f"(default {DEFAULT_LM_HEAD_SPARSITY:g} where the head is q8_0, q4_0 or q4_1; "
                         "0: the dense head)")
+    g.add_argument("--lm-head-candidates", type=int, default=None, metavar="K",
+                   help="sparse mode input: the lm head's input-sparse copy is stored in q4_1 and "
+                        "picks the K largest logits, which the exact head then computes (default "
+                        f"{DEFAULT_LM_HEAD_CANDIDATES} where the head is wider than 4 bits, e.g. "
+                        "q8_0; 0: the copy in the head's own type, exact)")
     g.add_argument("--vram-budget", type=float, default=None, metavar="GiB",
                    help="GiB of GPU memory to store a hot/cold neuron split for (default: no split "
                         "stored; activation counts are always stored so the GPU engine can solve at load)")
@@ -502,4 +521,5 @@ def options_from_args(args) -> OfflineOptions:
                           n_threads=args.threads, max_epochs=args.epochs,
                           sparse_mode=args.sparse_mode, input_score=args.sparsity_score,
                           input_alloc=args.sparse_alloc, fisher_weight=args.fisher_weight,
-                          lm_head_sparsity=args.lm_head_sparsity)
+                          lm_head_sparsity=args.lm_head_sparsity,
+                          lm_head_candidates=args.lm_head_candidates)

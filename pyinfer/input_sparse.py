@@ -84,7 +84,11 @@ class InputSparseFFN:
 
     The lm head: where the file stores ``output_ib`` and a threshold (``thresholds["output"]``, a
     float; absent: the dense head), ``lm_head`` skips its small input channels too, counted in
-    ``head_stats`` the same way.
+    ``head_stats`` the same way. Where the file also names K candidates
+    (``thresholds["output_candidates"]``, ``C.K_LM_HEAD_CANDIDATES``), ``output_ib`` is a q4_1
+    copy of the head: its logits pick the K largest, and those K come from the exact head
+    (``w.output``, a gather-GEMV of K rows: the dense head's bits), the others stay the copy's
+    (``_rescore``). ``dense=True`` then runs the exact head alone.
     """
 
     is_input_sparse = True
@@ -102,7 +106,13 @@ class InputSparseFFN:
         self._row_elems = tuple(self.sizes[g][1] for g in C.IN_GROUPS)
         self.stats = FFNStats()
         head = thresholds.get("output")
+        #: K of the two-stage head (0: output_ib is the exact head)
+        self.head_candidates = 0 if head is None else int(thresholds.get("output_candidates", 0))
         self.lm_head_thr = None if head is None else (-1.0 if dense else float(head))
+        if dense and self.head_candidates:  # --dense: the exact head, not its q4_1 copy
+            self.lm_head_thr, self.head_candidates = None, 0
+        self._cand = np.empty(max(self.head_candidates, 1), np.int32)
+        self._cval = np.empty(max(self.head_candidates, 1), np.float32)
         self.head_stats = FFNStats()
         # decode every layer of a token in one kernel call (decode_layers); False: one call per
         # half-layer (decode_attn, decode), e.g. for a tool that wraps those to record inputs
@@ -180,6 +190,10 @@ class InputSparseFFN:
         if head:
             self.head_stats.total += cfg.n_embd
             self.head_stats.active += kept[4]
+            if self.head_candidates:  # x is the last layer's output: the exact head's input
+                h = np.empty_like(x)
+                cpu.rmsnorm(x, w.output_norm, cfg.rms_eps, h)
+                self._rescore(w, h, logits, n_threads)
 
     def head_fits(self, w) -> bool:
         """True where ``decode_layers`` can write the logits: the file's lm head is input-sparse
@@ -234,13 +248,30 @@ class InputSparseFFN:
             ib.matmul_t(hm, out, n_threads)
         self.head_stats.total += n_tok * n_in
         self.head_stats.active += k
+        if self.head_candidates:
+            for t in range(n_tok):
+                self._rescore(w, h[t], out[t], n_threads)
         return out
+
+    def _rescore(self, w, h: np.ndarray, logits: np.ndarray, n_threads: int) -> None:
+        """The two-stage head's second stage, in place on one token's logits (n_vocab,) f32 of
+        the q4_1 copy: the head_candidates largest (``cpu.topk_indices``: ties to the lower
+        index) replaced by the exact head's, ``w.output``'s rows for them times the output-normed
+        h (n_embd,) f32 (``cpu.gather_matvec``: the dense head's bits for those tokens). Greedy
+        decoding then picks the exact head's argmax wherever it is among the candidates; the
+        other logits keep the copy's values (docs/benchmarks.md, session 18: +0.5% perplexity on
+        SmolLM2 with K = 256)."""
+        m = cpu.topk_indices(logits, self.head_candidates, self._cand)
+        idx = self._cand[:m]
+        cpu.gather_matvec(w.output, h, idx, self._cval[:m], n_threads)
+        logits[idx] = self._cval[:m]
 
 
 def thresholds_from_reader(reader, cfg: ModelConfig) -> dict:
-    """{group: (n_layer,) f32} from the file's ``pyinfer.sparse.input_threshold.*`` arrays, and
-    "output": the lm head's threshold (float) where the file has one. Raises PyinferError when
-    one is missing or has the wrong length."""
+    """{group: (n_layer,) f32} from the file's ``pyinfer.sparse.input_threshold.*`` arrays,
+    "output": the lm head's threshold (float) where the file has one, and with it
+    "output_candidates": the two-stage head's K (int, ``C.K_LM_HEAD_CANDIDATES``) where given.
+    Raises PyinferError when one is missing or has the wrong length or type."""
     from pyinfer.config import read_field
     from pyinfer.errors import PyinferError
 
@@ -256,4 +287,9 @@ def thresholds_from_reader(reader, cfg: ModelConfig) -> dict:
         if not isinstance(head, float):
             raise PyinferError(f"{C.K_LM_HEAD_THRESHOLD} must be a float, got {head!r}")
         out["output"] = head
+        k = read_field(reader, C.K_LM_HEAD_CANDIDATES)
+        if k is not None:
+            if not isinstance(k, int) or k < 0:
+                raise PyinferError(f"{C.K_LM_HEAD_CANDIDATES} must be a count, got {k!r}")
+            out["output_candidates"] = min(k, cfg.n_vocab)
     return out

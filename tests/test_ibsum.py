@@ -340,10 +340,12 @@ def test_lm_head_sparsity(head_dir, tmp_path, score):
     out = str(tmp_path / f"head.{score}.gguf")
     assert convert_main([head_dir, out, "--outtype", "q8_0", "--target-sparsity", "0.3",
                          "--sparse-mode", "input", "--sparse-alloc", "uniform", "--sparsity-score",
-                         score, "--lm-head-sparsity", "0.4", "--calib-tokens", "128", "-t", "1"]) == 0
+                         score, "--lm-head-sparsity", "0.4", "--lm-head-candidates", "0",
+                         "--calib-tokens", "128", "-t", "1"]) == 0
     r = gguf.GGUFReader(out)
     names = {t.name for t in r.tensors}
     assert {C.OUTPUT_IB, C.TOKEN_EMBD} <= names and C.OUTPUT not in names
+    assert read_field(r, C.K_LM_HEAD_CANDIDATES) is None
     assert (C.OUTPUT_IN_SCALE in names) == (score == "wina")
     assert abs(read_field(r, C.K_LM_HEAD_SPARSITY) - 0.4) < 1e-6
     # f32 keys and values, as the float64 reference keeps them
@@ -391,11 +393,100 @@ def test_lm_head_sparsity(head_dir, tmp_path, score):
     assert d.model.ffn.lm_head_thr == -1.0
 
 
+def test_topk_indices():
+    """The two-stage head's candidate set against NumPy's sort (value descending, then index
+    ascending): ties, NaNs, k past the non-NaN count, k = 0."""
+    rng = np.random.default_rng(4)
+    for trial in range(120):
+        n, k = int(rng.integers(1, 3000)), int(rng.integers(0, 300))
+        x = rng.standard_normal(n).astype(np.float32)
+        if trial % 3 == 0:
+            x = np.round(x * 2).astype(np.float32)  # many ties at the boundary
+        if trial % 4 == 0:
+            x[rng.random(n) < 0.2] = np.nan
+        out = np.full(max(k, 1), -1, np.int32)
+        m = cpu.topk_indices(x, k, out)
+        ok = np.flatnonzero(~np.isnan(x))
+        want = np.sort(ok[np.lexsort((ok, -x[ok]))][:k])
+        assert m == want.size
+        np.testing.assert_array_equal(out[:m], want)
+    with pytest.raises(ValueError):
+        cpu.topk_indices(np.zeros(10, np.float32), 5, np.empty(4, np.int32))
+    with pytest.raises(ValueError):
+        cpu.topk_indices(np.zeros(10, np.float32), -1, np.empty(4, np.int32))
+
+
+def test_two_stage_lm_head(head_dir, tmp_path, capsys):
+    """A q8_0 head converts by default to the two-stage head: a q4_1 input-sparse copy
+    (``output_ib``) whose K largest logits are replaced by the exact head's (the dense GEMV of
+    the same output-normed h, bit for bit) and the rest kept, in prefill (all logits) and in
+    decode (the whole-token kernel) alike; greedy tokens are the exact head's; ``--dense`` runs
+    the exact head alone; ``--lm-head-candidates`` is checked."""
+    from pyinfer.model import linear
+
+    out = str(tmp_path / "two.gguf")
+    args = [head_dir, out, "--outtype", "q8_0", "--target-sparsity", "0.3", "--sparse-mode",
+            "input", "--sparse-alloc", "uniform", "--calib-tokens", "128", "-t", "1"]
+    assert convert_main(args) == 0
+    assert "a q4_1 copy picks 256 candidates" in capsys.readouterr().err
+    r = gguf.GGUFReader(out)
+    assert read_field(r, C.K_LM_HEAD_CANDIDATES) == 256
+    names = {t.name: t for t in r.tensors}
+    assert names[C.OUTPUT_IB].tensor_type == QT.Q4_1 and names[C.TOKEN_EMBD].tensor_type == QT.Q8_0
+    eng = Engine(out, n_ctx=64, n_threads=2, cache_type="f32")
+    isp, cfg, w = eng.model.ffn, eng.cfg, eng.weights
+    assert isp.head_candidates == 256 and isp.lm_head_thr > 0
+    tokens = np.random.default_rng(5).integers(3, cfg.n_vocab, 12).tolist()
+    got = eng.model.forward(tokens, 0, all_logits=True)
+    # the two stages by hand: the final residual, its norm, the copy's and the exact logits
+    eng.reset()
+    x = eng.model.embed(tokens, 0)
+    eng.model.run_layers(x, 0)
+    h = np.empty_like(x)
+    cpu.rmsnorm(x, w.output_norm, cfg.rms_eps, h)
+    approx = np.empty_like(got)
+    isp.head_candidates = 0
+    isp.lm_head(w, h, approx, 2)
+    isp.head_candidates = 256
+    exact = linear(w.output, h, np.empty_like(got), 2)
+    for t in range(len(tokens)):
+        cand = np.zeros(cfg.n_vocab, bool)
+        cand[np.argsort(-approx[t], kind="stable")[:256]] = True
+        np.testing.assert_array_equal(got[t][cand], exact[t][cand])
+        np.testing.assert_array_equal(got[t][~cand], approx[t][~cand])
+        assert int(np.argmax(got[t])) == int(np.argmax(exact[t]))
+    eng.reset()
+    steps = np.stack([eng.eval_token(t) for t in tokens])  # the whole-token kernel
+    np.testing.assert_allclose(steps, got, rtol=1e-4, atol=1e-4 * np.abs(got).max())
+    assert (steps.argmax(1) == got.argmax(1)).all()
+    d = Engine(out, n_ctx=64, n_threads=2, cache_type="f32", dense=True)
+    assert d.model.ffn.lm_head_thr is None and d.model.ffn.head_candidates == 0
+    full = d.model.forward(tokens, 0, all_logits=True)
+    d.reset()
+    xd = d.model.embed(tokens, 0)
+    d.model.run_layers(xd, 0)
+    cpu.rmsnorm(xd, w.output_norm, cfg.rms_eps, h)
+    np.testing.assert_array_equal(full, linear(d.weights.output, h, np.empty_like(full), 2))
+    # K asked for: stored as given; 0: the copy in the head's own type, as before
+    assert convert_main(args + ["--lm-head-candidates", "32"]) == 0
+    assert read_field(gguf.GGUFReader(out), C.K_LM_HEAD_CANDIDATES) == 32
+    capsys.readouterr()
+    assert convert_main(args + ["--lm-head-candidates", "-1"]) != 0
+    err = capsys.readouterr().err
+    assert "--lm-head-candidates must be >= 0" in err and "Traceback" not in err
+
+
 def test_lm_head_sparsity_needs_q8_0_or_q4_0(head_dir, tmp_path, capsys):
-    """f32 has no chunked head: by default the head stays dense; asked for, a one-line error."""
+    """An f32 head takes the two-stage head by default (its q4_1 copy); without candidates it has
+    no chunked head: the head stays dense, and asked for, a one-line error."""
     out = str(tmp_path / "f32.gguf")
     args = [head_dir, out, "--outtype", "f32", "--target-sparsity", "0.3", "--sparse-mode", "input",
             "--sparse-alloc", "uniform", "--calib-tokens", "128", "-t", "1"]
+    assert convert_main(args) == 0
+    t = {t.name: t for t in gguf.GGUFReader(out).tensors}
+    assert t[C.OUTPUT_IB].tensor_type == QT.Q4_1 and t[C.TOKEN_EMBD].tensor_type == QT.F32
+    assert Engine(out, n_ctx=32).model.ffn.head_candidates == 256
+    args += ["--lm-head-candidates", "0"]
     assert convert_main(args) == 0
     assert C.OUTPUT_IB not in {t.name for t in gguf.GGUFReader(out).tensors}
     assert Engine(out, n_ctx=32).model.ffn.lm_head_thr is None

@@ -549,6 +549,14 @@ def select_inputs(x: np.ndarray, scale: np.ndarray | None, threshold: float, coe
     return _k.select_inputs(x, scale, float(threshold), coef, idx)
 
 
+def topk_indices(x: np.ndarray, k: int, out: np.ndarray) -> int:
+    """The indices of the k largest values of x (n,) f32, ascending, into out[:m] (int32, at
+    least min(k, n) long); returns m = min(k, count of non-NaN values). Ties at the boundary keep
+    the lower index and NaNs are never taken: the set depends on x alone. ValueError for k < 0
+    or a short out."""
+    return _k.topk_indices(x, int(k), out)
+
+
 def mask_inputs(x: np.ndarray, scale: np.ndarray | None, threshold: float, out: np.ndarray,
                 n_threads: int = 1) -> int:
     """``select_inputs`` over a batch as a mask: out (n_tok, n) f32 = x (n_tok, n) f32 with the
