@@ -393,7 +393,8 @@ def test_smollm2_default_offline_stage(tmp_path, capsys):
 @pytest.mark.slow
 def test_smollm2_own_q4_1_takes_input_mode(tmp_path, capsys):
     """The README's main command (``make demo``): the PyPI file converted with every default
-    (``--outtype auto``: its own Q4_1 projections) takes sparse mode input in the q4_1 input-block layout: the layout holds the source file's
+    (``--outtype auto``: its own Q4_1 projections) takes sparse mode input in the q4_1
+    input-block layout, and its Q8_0 head the two-stage head: the layout holds the source file's
     own Q4_1 blocks (nothing requantized: gguf's reader of both files, byte for byte), one
     token's kept-channel sum over them is the dense GEMV of the masked input bit for bit, and
     the file answers on the sparse path."""
@@ -415,6 +416,9 @@ def test_smollm2_own_q4_1_takes_input_mode(tmp_path, capsys):
     gu = lw.ffn_gate_up_t
     assert isinstance(gu, cpu.IBTensor) and gu.base_qtype == C.QT.Q4_1
     assert got[C.IB["ffn_gate_up"].format(bid=3)].tensor_type == C.QT.Q4_1
+    # the tied Q8_0 head: a q4_1 copy picks the candidates that the Q8_0 rows compute
+    assert read_field(r, C.K_LM_HEAD_CANDIDATES) == 256
+    assert got[C.OUTPUT_IB].tensor_type == C.QT.Q4_1 and got[C.TOKEN_EMBD].tensor_type == C.QT.Q8_0
     rows = np.concatenate([np.asarray(want[f"blk.3.ffn_{p}.weight"].data) for p in ("gate", "up")])
     np.testing.assert_array_equal(gu.to_rows().raw, rows)
     x = np.random.default_rng(0).standard_normal(gu.rows).astype(np.float32)
