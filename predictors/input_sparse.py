@@ -690,11 +690,13 @@ def input_stage(src: str, out: str, outtype: str, opts, eng, seqs, source: str, 
     cfg = eng.cfg
     wina = opts.input_score == "wina"
     t0 = time.perf_counter()
-    from predictors.offline import DEFAULT_LM_HEAD_SPARSITY
+    from predictors.offline import DEFAULT_LM_HEAD_SPARSITY, DEFAULT_LM_HEAD_SPARSITY_TWO_STAGE
 
     meta, jobs = plan(src, outtype, allow_unused)
-    want = DEFAULT_LM_HEAD_SPARSITY if opts.lm_head_sparsity is None else opts.lm_head_sparsity
-    k_cand = head_candidates(jobs, cfg, opts.lm_head_candidates) if want > 0 else 0
+    asked = opts.lm_head_sparsity
+    k_cand = head_candidates(jobs, cfg, opts.lm_head_candidates) if asked != 0 else 0
+    want = (asked if asked is not None else
+            DEFAULT_LM_HEAD_SPARSITY_TWO_STAGE if k_cand else DEFAULT_LM_HEAD_SPARSITY)
     head = want > 0 and (k_cand > 0 or lm_head_supported(jobs, cfg))
     if want > 0 and not head and opts.lm_head_sparsity is not None:
         raise PyinferError("--lm-head-sparsity needs the lm head in q8_0, q4_0 or q4_1, or "
