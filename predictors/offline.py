@@ -75,8 +75,9 @@ DEFAULT_FISHER_WEIGHT = 0.5
 #: q4_0 (docs/benchmarks.md "lm-head input sparsity (issue 12), session 12")
 DEFAULT_LM_HEAD_SPARSITY = 0.1
 #: sparse mode input: the two-stage lm head's candidates where the head is wider than 4 bits (a
-#: q4_1 copy picks them, the exact head computes them; SmolLM2's q8_0 head: +0.5% perplexity,
-#: 13 of its 30 MB a token unread: docs/benchmarks.md, session 18); 0 turns it off
+#: q4_1 copy picks them, the exact head computes them; SmolLM2's Q8_0 head: -0.0% / +0.2%
+#: perplexity on the q4_1 / q8_0 files against the exact copy, 12 of its 30 MB a token unread,
+#: decode 1.07x: docs/benchmarks.md, session 18); 0 turns it off
 DEFAULT_LM_HEAD_CANDIDATES = 256
 #: the lm head's input sparsity where the two-stage head is on: its error reaches only the
 #: copy's choice of candidates and the logits outside them (SmolLM2 q4_1: 0.2 costs +0.0-0.1%

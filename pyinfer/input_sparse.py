@@ -259,8 +259,8 @@ class InputSparseFFN:
         index) replaced by the exact head's, ``w.output``'s rows for them times the output-normed
         h (n_embd,) f32 (``cpu.gather_matvec``: the dense head's bits for those tokens). Greedy
         decoding then picks the exact head's argmax wherever it is among the candidates; the
-        other logits keep the copy's values (docs/benchmarks.md, session 18: +0.5% perplexity on
-        SmolLM2 with K = 256)."""
+        other logits keep the copy's values (docs/benchmarks.md, session 18: on SmolLM2 with
+        K = 256 within 0.2% of the exact copy's perplexity)."""
         m = cpu.topk_indices(logits, self.head_candidates, self._cand)
         idx = self._cand[:m]
         cpu.gather_matvec(w.output, h, idx, self._cval[:m], n_threads)
