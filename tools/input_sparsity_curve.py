@@ -52,9 +52,16 @@ PROMPT = "The history of the printing press begins"
 
 def set_thresholds(eng, thr, head=None):
     """Body thresholds (n_layer, 4) or None (every channel kept); the lm head's threshold too
-    when given (-1: every head input kept, as ``--dense``)."""
-    if head is not None and eng.model.ffn.lm_head_thr is not None:
-        eng.model.ffn.lm_head_thr = head
+    when given (-1: the exact head, as ``--dense``: a two-stage head's q4_1 copy and candidates
+    are set aside, and put back with a threshold >= 0)."""
+    isp = eng.model.ffn
+    if not hasattr(isp, "file_candidates"):  # the file's two-stage K, kept across calls
+        isp.file_candidates, isp.file_head = isp.head_candidates, isp.lm_head_thr is not None
+    if head is not None and isp.file_head:
+        if head < 0 and isp.file_candidates:
+            isp.lm_head_thr, isp.head_candidates = None, 0
+        else:
+            isp.lm_head_thr, isp.head_candidates = head, isp.file_candidates
     for gi, g in enumerate(C.IN_GROUPS):
         eng.model.ffn.thr[g] = (np.full(eng.cfg.n_layer, -1.0, np.float32) if thr is None
                                 else np.ascontiguousarray(thr[:, gi]))
