@@ -113,6 +113,7 @@ class InputSparseFFN:
             self.lm_head_thr, self.head_candidates = None, 0
         self._cand = np.empty(max(self.head_candidates, 1), np.int32)
         self._cval = np.empty(max(self.head_candidates, 1), np.float32)
+        self._head_h = np.empty(cfg.n_embd, np.float32)  # decode_layers' output-normed x
         self.head_stats = FFNStats()
         # decode every layer of a token in one kernel call (decode_layers); False: one call per
         # half-layer (decode_attn, decode), e.g. for a tool that wraps those to record inputs
@@ -191,9 +192,8 @@ class InputSparseFFN:
             self.head_stats.total += cfg.n_embd
             self.head_stats.active += kept[4]
             if self.head_candidates:  # x is the last layer's output: the exact head's input
-                h = np.empty_like(x)
-                cpu.rmsnorm(x, w.output_norm, cfg.rms_eps, h)
-                self._rescore(w, h, logits, n_threads)
+                cpu.rmsnorm(x, w.output_norm, cfg.rms_eps, self._head_h)
+                self._rescore(w, self._head_h, logits, n_threads)
 
     def head_fits(self, w) -> bool:
         """True where ``decode_layers`` can write the logits: the file's lm head is input-sparse

@@ -41,6 +41,7 @@ import numpy as np  # noqa: E402
 
 from pyinfer import constants as C  # noqa: E402
 from pyinfer.engine import Engine  # noqa: E402
+from pyinfer.input_sparse import thresholds_from_reader  # noqa: E402
 from pyinfer.perplexity import log_softmax_at, perplexity  # noqa: E402
 from ab_common import greedy_decode  # noqa: E402
 from predictors.calibrate import calibration_tokens  # noqa: E402
@@ -55,13 +56,13 @@ def set_thresholds(eng, thr, head=None):
     when given (-1: the exact head, as ``--dense``: a two-stage head's q4_1 copy and candidates
     are set aside, and put back with a threshold >= 0)."""
     isp = eng.model.ffn
-    if not hasattr(isp, "file_candidates"):  # the file's two-stage K, kept across calls
-        isp.file_candidates, isp.file_head = isp.head_candidates, isp.lm_head_thr is not None
-    if head is not None and isp.file_head:
-        if head < 0 and isp.file_candidates:
+    file_thr = thresholds_from_reader(eng.reader, eng.cfg)  # the file's head: threshold, K
+    if head is not None and "output" in file_thr:
+        k = file_thr.get("output_candidates", 0)
+        if head < 0 and k:
             isp.lm_head_thr, isp.head_candidates = None, 0
         else:
-            isp.lm_head_thr, isp.head_candidates = head, isp.file_candidates
+            isp.lm_head_thr, isp.head_candidates = head, k
     for gi, g in enumerate(C.IN_GROUPS):
         eng.model.ffn.thr[g] = (np.full(eng.cfg.n_layer, -1.0, np.float32) if thr is None
                                 else np.ascontiguousarray(thr[:, gi]))

@@ -147,6 +147,12 @@ _IB_BASE = {Q8_0_IB: QT.Q8_0, Q4_0_IB: QT.Q4_0, Q4_1_IB: QT.Q4_1}
 _BLOCK_BYTES = {QT.Q8_0: 34, QT.Q4_0: 18, QT.Q4_1: 20}
 
 
+def _scale_bytes(qtype) -> int:
+    """Bytes of a ggml block of ``qtype`` (Q8_0, Q4_0, Q4_1) before its values: the f16 scale,
+    and Q4_1's f16 min (the 32 values take 32 bytes, or 16 as nibbles)."""
+    return _BLOCK_BYTES[qtype] - (32 if qtype == QT.Q8_0 else 16)
+
+
 def ib_type(qtype) -> int:
     """The input-block type id holding the numbers of ggml ``qtype`` (Q8_0, Q4_0 or Q4_1);
     ValueError for another type."""
@@ -188,7 +194,7 @@ def ib_from_rows(raw: np.ndarray, qtype, n_out: int, n_in: int) -> np.ndarray:
         raise ValueError(f"no input-block layout for {qtype.name} ({n_out}, {n_in})")
     nb, nt = n_in // 32, n_out // IB_TILE
     bb = _BLOCK_BYTES[qtype]
-    hb = bb - (32 if qtype == QT.Q8_0 else 16)  # scale (and min) bytes of a ggml block
+    hb = _scale_bytes(qtype)
     blk = np.asarray(raw, np.uint8).reshape(n_out, nb, bb)
     # d[:, b] then (q4_1) m[:, b], each 2 n_out bytes
     scales = [blk[:, :, o:o + 2].transpose(1, 0, 2).reshape(nb, 2 * n_out) for o in range(0, hb, 2)]
@@ -207,7 +213,7 @@ def ib_to_rows(ib: np.ndarray, qtype, n_out: int, n_in: int) -> np.ndarray:
     """The inverse of ``ib_from_rows``: ggml row-major bytes (n_out, n_in / 32 * block bytes)."""
     qtype = QT(qtype)
     nb, nt = n_in // 32, n_out // IB_TILE
-    hb = _BLOCK_BYTES[qtype] - (32 if qtype == QT.Q8_0 else 16)
+    hb = _scale_bytes(qtype)
     ib = np.asarray(ib, np.uint8).reshape(nb, -1)
     scales = [ib[:, o * n_out:(o + 2) * n_out].reshape(nb, n_out, 2).transpose(1, 0, 2)
               for o in range(0, hb, 2)]
