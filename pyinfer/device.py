@@ -19,7 +19,7 @@ import contextlib
 import gguf
 import numpy as np
 
-from pyinfer.ops import cuda
+from pyinfer.ops import cuda, reference
 from pyinfer.ops import xp as X
 from pyinfer.ops.cpu import QT, QTensor
 from pyinfer.ops.cuda import DeviceRows
@@ -83,6 +83,23 @@ def as_qtensor(a: np.ndarray) -> QTensor:
     if a.dtype != np.float16:
         a = np.ascontiguousarray(a, np.float32)
     return QTensor(a, QT.F16 if a.dtype == np.float16 else QT.F32, *a.shape)
+
+
+def quantize_q8(x: np.ndarray, q8) -> None:
+    """NumPy twin of ``pyinfer.ops.cuda.quantize_q8``: q8 = (xq int8, xd f32) <- x (n,) f32 per
+    32-block, d = max|x| / 127, q = rint(x * (1 / d)) (simd.h pi_quantize_q8)."""
+    xq, xd = q8
+    xb = np.asarray(x, np.float32).reshape(-1, 32)
+    d = (np.abs(xb).max(axis=1) / np.float32(127.0)).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d != 0, np.float32(1.0) / d, np.float32(0.0)).astype(np.float32)
+    xq[:xb.size] = np.rint(xb * inv[:, None]).astype(np.int8).reshape(-1)
+    xd[:d.size] = d
+
+
+def _act_for(w: DeviceRows, x: np.ndarray) -> np.ndarray:
+    """The activation w's kernels read: q8(x) dequantized for q8_0/q4_0 rows, else x."""
+    return reference.quantize_act_q8(x) if w.qtype in cuda.Q8_TYPES else x
 
 
 class NumpyDevice:
@@ -159,17 +176,24 @@ class NumpyDevice:
         self.norm_fc1(fc1, x, hid)
         self.predict_fc2(fc2, hid, threshold, mask)
 
-    def norm_fc1(self, fc1: DeviceRows, x, hid, norm_w=None, eps: float = 0.0, h=None) -> None:
-        """hid[:rank] = relu(fc1 @ x); with norm_w also h = rmsnorm(x) * norm_w."""
+    def norm_fc1(self, fc1: DeviceRows, x, hid, norm_w=None, eps: float = 0.0, h=None,
+                 q8=None) -> None:
+        """hid[:rank] = relu(fc1 @ x); with norm_w also h = rmsnorm(x) * norm_w (and with q8
+        h's q8 form)."""
         hid[:fc1.rows] = np.maximum(fc1.f32 @ x.reshape(-1), 0.0)
         if norm_w is not None:
             X.rmsnorm(x.reshape(1, -1), norm_w, eps, h.reshape(1, -1))
+            if q8 is not None:
+                quantize_q8(h.reshape(-1), q8)
 
     def predict_fc2(self, fc2: DeviceRows, hid, threshold: float, mask) -> None:
         mask[...] = (fc2.f32 @ hid[:fc2.cols] >= threshold).astype(np.uint8)
 
-    def gemv(self, w: DeviceRows, x, out, ids=None, mask=None, accumulate: bool = False) -> None:
-        y = (w.f32 @ x).astype(np.float32)
+    def gemv(self, w: DeviceRows, x, out, ids=None, mask=None, accumulate: bool = False,
+             q8=None) -> None:
+        """out (+)= w @ x; quantized rows read q8(x), as the kernels (``q8`` is not needed:
+        the twin quantizes x itself)."""
+        y = (w.f32 @ _act_for(w, x)).astype(np.float32)
         if mask is not None:
             y[mask[ids] == 0] = 0.0
         if accumulate:
@@ -178,7 +202,9 @@ class NumpyDevice:
             out[...] = y
 
     def ffn_gate_up(self, gate: DeviceRows, up: DeviceRows, x, coef, counts, act: str,
-                    act_thr: float, ids=None, mask=None, glu: bool = False, pred=None) -> None:
+                    act_thr: float, ids=None, mask=None, glu: bool = False, pred=None,
+                    q8=None) -> None:
+        x = _act_for(gate, x)
         if pred is not None:  # the predictor inline: fc2 rows of the neurons ids
             fc2, hid, thr = pred
             cand = fc2.f32[ids] @ hid[:fc2.cols] >= thr
@@ -210,8 +236,10 @@ class NumpyDevice:
     def dequant(self, w: DeviceRows, r0: int, n_rows: int, out) -> None:
         out[:n_rows * w.cols] = w.f32[r0:r0 + n_rows].reshape(-1)
 
-    def rmsnorm(self, x, w, eps: float, out) -> None:
+    def rmsnorm(self, x, w, eps: float, out, q8=None) -> None:
         X.rmsnorm(x, w, eps, out)
+        if q8 is not None:
+            quantize_q8(out.reshape(-1), q8)
 
     def rope_store(self, q, k, v, cache_k, cache_v, cos_sin, pos) -> None:
         p = int(pos[0])  # pos: (1,) int32 device array (what a CUDA graph reads)
@@ -221,9 +249,11 @@ class NumpyDevice:
         cache_k[p] = kk[0]
         cache_v[p] = v
 
-    def attn_decode(self, q, cache_k, cache_v, pos, out, n_att: int) -> None:
+    def attn_decode(self, q, cache_k, cache_v, pos, out, n_att: int, q8=None) -> None:
         """n_att = pos + 1 rows (the host's copy of pos, which CupyDevice needs for sizing)."""
         out[...] = X.attention(q[None], cache_k, cache_v, n_att - 1)[0]
+        if q8 is not None:
+            quantize_q8(out.reshape(-1), q8)
 
     def add(self, out, a) -> None:
         out += a
@@ -333,18 +363,18 @@ class CupyDevice:
     def predict(self, fc1, fc2, threshold: float, x, hid, mask) -> None:
         cuda.predictor_mask(fc1, fc2, x, hid, mask, threshold)
 
-    def norm_fc1(self, fc1, x, hid, norm_w=None, eps: float = 0.0, h=None) -> None:
-        cuda.norm_fc1(fc1, x, hid, norm_w, eps, h)
+    def norm_fc1(self, fc1, x, hid, norm_w=None, eps: float = 0.0, h=None, q8=None) -> None:
+        cuda.norm_fc1(fc1, x, hid, norm_w, eps, h, q8)
 
     def predict_fc2(self, fc2, hid, threshold: float, mask) -> None:
         cuda.predictor_fc2(fc2, hid, mask, threshold)
 
-    def gemv(self, w, x, out, ids=None, mask=None, accumulate: bool = False) -> None:
-        cuda.gather_gemv(w, x, out, ids, mask, accumulate)
+    def gemv(self, w, x, out, ids=None, mask=None, accumulate: bool = False, q8=None) -> None:
+        cuda.gather_gemv(w, x, out, ids, mask, accumulate, q8)
 
     def ffn_gate_up(self, gate, up, x, coef, counts, act, act_thr, ids=None, mask=None,
-                    glu: bool = False, pred=None) -> None:
-        cuda.ffn_gate_up(gate, up, x, coef, counts, act, act_thr, ids, mask, glu, pred)
+                    glu: bool = False, pred=None, q8=None) -> None:
+        cuda.ffn_gate_up(gate, up, x, coef, counts, act, act_thr, ids, mask, glu, pred, q8)
 
     def axpy_rows(self, w, coef, out, skip_zero: bool = True, accumulate: bool = False,
                   scratch=None) -> None:
@@ -353,18 +383,20 @@ class CupyDevice:
     def dequant(self, w, r0: int, n_rows: int, out) -> None:
         cuda.dequant(w, r0, n_rows, out)
 
-    def rmsnorm(self, x, w, eps: float, out) -> None:
-        cuda.rmsnorm(x.reshape(-1, x.shape[-1]), w, eps, out)
+    def rmsnorm(self, x, w, eps: float, out, q8=None) -> None:
+        cuda.rmsnorm(x.reshape(-1, x.shape[-1]), w, eps, out, q8)
 
     def rope_store(self, q, k, v, cache_k, cache_v, cos_sin, pos) -> None:
         cuda.rope_store(q, k, v, cache_k, cache_v, cos_sin, pos)
 
-    def attn_decode(self, q, cache_k, cache_v, pos, out, n_att: int) -> None:
+    def attn_decode(self, q, cache_k, cache_v, pos, out, n_att: int, q8=None) -> None:
         """n_att: pos + 1, or any bound of it (a captured graph passes n_ctx)."""
         if n_att > cuda.MAX_DECODE_ATTN_ROWS:  # scores do not fit in shared memory
             out[...] = X.attention(q[None], cache_k, cache_v, int(pos.get()[0]))[0]
+            if q8 is not None:
+                cuda.quantize_q8(out.reshape(-1), q8)
         else:
-            cuda.attn_decode(q, cache_k, cache_v, pos, out, n_att)
+            cuda.attn_decode(q, cache_k, cache_v, pos, out, n_att, q8)
 
     def add(self, out, a) -> None:
         cuda.add(out, a)

@@ -82,10 +82,18 @@ def buffer_bytes(cfg: ModelConfig, n_ctx: int, rank: int) -> int:
     one-token activations, the prefill dequantization chunk and the RoPE table."""
     E, F, V = cfg.n_embd, cfg.n_ff, cfg.n_vocab
     decode = 4 * (3 * E + 2 * cfg.n_embd_q + 2 * cfg.n_embd_kv + rank + F + V) + F + 16 + 4
+    nq8 = q8_len(cfg)
+    decode += nq8 + 4 * max(1, nq8 // 32)  # the q8 form of the quantized rows' activation
     decode += 4 * cuda.axpy_chunks(F) * E  # AXPY partial sums
     cols = max(E, cfg.n_embd_q, F)
     rows = max(cfg.n_embd_q + 2 * cfg.n_embd_kv, F, V)
     return decode + 4 * min(rows * cols, DEQUANT_CHUNK_ELEMS) + 4 * n_ctx * cfg.head_dim
+
+
+def q8_len(cfg: ModelConfig) -> int:
+    """Values of the q8 activation buffer: the widest input of a quantized decode GEMV (n_embd
+    for q/k/v, gate/up and the output, n_head * head_dim for wo), rounded up to 32."""
+    return -(-max(cfg.n_embd, cfg.n_embd_q) // 32) * 32
 
 
 def prefill_reserve_bytes(cfg: ModelConfig, n_ctx: int) -> int:
@@ -200,6 +208,10 @@ class GpuModel:
         self._coef = dev.empty(F, np.float32)  # (n_hot,) act(gate) * up, 0 where inactive
         self._partial = dev.empty(E, np.float32)  # (n_embd,) the CPU's partial FFN output
         self._logits = dev.empty(cfg.n_vocab, np.float32)  # (n_vocab,)
+        nq8 = q8_len(cfg)
+        # (n,) int8 and (n / 32,) f32: the q8 form of the activation that q8_0/q4_0 rows read
+        # (cuda.quantize_q8), written by the kernel that makes the activation
+        self._q8 = (dev.empty(nq8, np.int8), dev.empty(max(1, nq8 // 32), np.float32))
         self._counts = dev.array(np.zeros(2, np.uint64))  # [candidates, active] of hot neurons
         self._pos = dev.array(np.zeros(1, np.int32))  # (1,) position of the decoded token
         self._axpy = dev.empty(cuda.axpy_chunks(F) * E, np.float32)  # AXPY partial sums
@@ -296,30 +308,40 @@ class GpuModel:
         k = self._qkv[nq:nq + nkv].reshape(cfg.n_head_kv, hd)
         v = self._qkv[nq + nkv:].reshape(cfg.n_head_kv, hd)
         for i, ly in enumerate(self.layers):
-            # attention
-            dev.rmsnorm(x, ly.attn_norm, cfg.rms_eps, h)
+            # attention; the q8 form of an activation is made by the kernel that makes it,
+            # where the rows that read it are quantized
+            q8 = self._q8_for(*([ly.wqkv] if ly.wqkv is not None else [ly.wq, ly.wk, ly.wv]))
+            dev.rmsnorm(x, ly.attn_norm, cfg.rms_eps, h, q8=q8)
             if ly.wqkv is not None:
-                dev.gemv(ly.wqkv, h[0], self._qkv)
+                dev.gemv(ly.wqkv, h[0], self._qkv, q8=q8)
             else:
-                dev.gemv(ly.wq, h[0], self._qkv[:nq])
-                dev.gemv(ly.wk, h[0], self._qkv[nq:nq + nkv])
-                dev.gemv(ly.wv, h[0], self._qkv[nq + nkv:])
+                dev.gemv(ly.wq, h[0], self._qkv[:nq], q8=self._q8_for(ly.wq))
+                dev.gemv(ly.wk, h[0], self._qkv[nq:nq + nkv], q8=self._q8_for(ly.wk))
+                dev.gemv(ly.wv, h[0], self._qkv[nq + nkv:], q8=self._q8_for(ly.wv))
             dev.rope_store(q, k, v, ly.k, ly.v, self._cos_sin, self._pos)
-            dev.attn_decode(q, ly.k, ly.v, self._pos, self._attn.reshape(cfg.n_head, hd), max_att)
-            dev.gemv(ly.wo, self._attn, x[0], accumulate=True)
+            q8 = self._q8_for(ly.wo)
+            dev.attn_decode(q, ly.k, ly.v, self._pos, self._attn.reshape(cfg.n_head, hd), max_att,
+                            q8=q8)
+            dev.gemv(ly.wo, self._attn, x[0], accumulate=True, q8=q8)
             # feed-forward: hot neurons here, cold ones on the CPU meanwhile
             self._ffn_decode(i, ly, x, h)
+
+    def _q8_for(self, *ws):
+        """The q8 activation buffers when a kernel over ``ws`` reads them (quantized rows),
+        else None. With mixed types (q/k/v of different types) the q8 form is made once."""
+        return self._q8 if any(w is not None and cuda.reads_q8(w) for w in ws) else None
 
     def _ffn_decode(self, i: int, ly: _ResidentLayer, x, h) -> None:
         dev, F, eps = self.dev, self.cfg.n_ff, self.cfg.rms_eps
         use_pred = self.use_pred[i]
         split = ly.n_hot < F
+        q8 = self._q8_for(ly.gate) if ly.n_hot else None
         if use_pred:  # the predictor's hidden layer and the FFN norm in one launch
-            dev.norm_fc1(ly.fc1, x[0], self._hid, ly.ffn_norm, eps, h[0])
+            dev.norm_fc1(ly.fc1, x[0], self._hid, ly.ffn_norm, eps, h[0], q8=q8)
             if split:  # the CPU's candidates; the hot rows evaluate fc2 inline
                 dev.predict_fc2(ly.fc2, self._hid, ly.pred_thr, self._mask)
         else:
-            dev.rmsnorm(x, ly.ffn_norm, eps, h)
+            dev.rmsnorm(x, ly.ffn_norm, eps, h, q8=q8)
         if split:  # the CPU's input goes down first, so it works while the GPU does the hot rows
             dev.download(h, self._h_pin[:1])
             if use_pred:
@@ -329,7 +351,7 @@ class GpuModel:
             dev.ffn_gate_up(ly.gate, ly.up, h[0], self._coef[:ly.n_hot], self._counts,
                             self.cfg.hidden_act, float(self.act_thr[i]), ids=ly.ids,
                             glu=self.glu,
-                            pred=(ly.fc2, self._hid, ly.pred_thr) if use_pred else None)
+                            pred=(ly.fc2, self._hid, ly.pred_thr) if use_pred else None, q8=q8)
             dev.axpy_rows(ly.down, self._coef[:ly.n_hot], x[0], skip_zero=self.sparse,
                           accumulate=True, scratch=self._axpy)
         if self._capturing:
@@ -378,8 +400,9 @@ class GpuModel:
             stream.begin_capture()
             self._layers_decode(self.n_ctx)
             cfg, dev = self.cfg, self.dev
-            dev.rmsnorm(self._x, self.output_norm, cfg.rms_eps, self._h)
-            dev.gemv(self.output, self._h[0], self._logits)
+            q8 = self._q8_for(self.output)
+            dev.rmsnorm(self._x, self.output_norm, cfg.rms_eps, self._h, q8=q8)
+            dev.gemv(self.output, self._h[0], self._logits, q8=q8)
             dev.download(self._logits, self._logits_pin)
             self._graphs.append(stream.end_capture())
         except Exception as e:  # a driver or CuPy that cannot capture: stay eager
@@ -435,9 +458,9 @@ class GpuModel:
             self.cpu.run_layers(x_host, n_past, self.plan.n_resident)
             return self.cpu.logits(x_host, all_logits)
         if not all_logits:
-            h = self._h
-            dev.rmsnorm(x[T - 1:T], self.output_norm, cfg.rms_eps, h)
-            dev.gemv(self.output, h[0], self._logits)
+            h, q8 = self._h, self._q8_for(self.output)
+            dev.rmsnorm(x[T - 1:T], self.output_norm, cfg.rms_eps, h, q8=q8)
+            dev.gemv(self.output, h[0], self._logits, q8=q8)
             return dev.to_host(self._logits, self._logits_pin).copy()
         hn = X.rmsnorm(x, self.output_norm, cfg.rms_eps)
         logits = np.empty((T, cfg.n_vocab), np.float32)
@@ -507,9 +530,12 @@ class GpuModel:
             x += dev.xp.asarray(self._part_pin[:T])
 
     def _linear(self, w, a):
-        """a (T, cols) @ w.T -> (T, rows) f32: w dequantized in chunks, GEMM (cuBLAS on a GPU)."""
+        """a (T, cols) @ w.T -> (T, rows) f32: w dequantized in chunks, GEMM (cuBLAS on a GPU).
+        q8_0/q4_0 rows meet a's q8 form, as in decode and on the CPU."""
         xp = self.dev.xp
         T = a.shape[0]
+        if cuda.reads_q8(w):
+            a = X.quantize_act_q8(a)
         out = xp.empty((T, w.rows), xp.float32)
         step = max(1, DEQUANT_CHUNK_ELEMS // w.cols)
         for r0 in range(0, w.rows, step):

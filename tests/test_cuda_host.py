@@ -1,7 +1,9 @@
 """The CUDA kernels' per-block arithmetic, checked on the host: the device functions of
-``pyinfer.ops.cuda`` that read quantized rows in the device layout (``dot_q8_0``/``dot_q4_0``,
-the AXPY units, ``el_*``) compiled as plain C++ with g++ (a warp emulated by a loop over its 32
-lanes), against ``gguf``'s dequantization of the same rows. CI has no GPU; this is what catches
+``pyinfer.ops.cuda`` that read quantized rows in the device layout (``dotx_q8_0``/``dotx_q4_0``
+against the activation's q8 form through ``__dp4a``, the AXPY units, ``el_*``) compiled as plain
+C++ with g++ (a warp emulated by a loop over its 32 lanes, ``__dp4a`` by its definition: four
+signed byte products added to an int), against ``gguf``'s dequantization of the same rows and
+the q8 activation of ``pyinfer.ops.reference.quantize_act_q8``. CI has no GPU; this is what catches
 an indexing slip in the split layout (``pyinfer.device.device_layout``) there. Rows at 16-, 8-,
 4- and 2-byte offsets take both the aligned and the 16-bit-load paths. Skipped without g++ or
 F16C (the shim converts halves with it)."""
@@ -12,8 +14,9 @@ import subprocess
 import numpy as np
 import pytest
 
-from pyinfer.device import dequantize_rows, device_layout, gguf_layout
+from pyinfer.device import dequantize_rows, device_layout, gguf_layout, quantize_q8
 from pyinfer.ops import cuda
+from pyinfer.ops import reference as ref
 from pyinfer.ops.cpu import QT, QTensor
 
 SHIM = r"""
@@ -26,13 +29,22 @@ struct float4 { float x, y, z, w; };
 static inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 static inline float h2f(u16 h) { return _cvtsh_ss(h); }
 static inline float ld_half(const u8* p) { return h2f(*(const u16*)p); }
+static inline int __dp4a(int a, int b, int c) {
+    for (int k = 0; k < 4; ++k) c += (int)(signed char)(a >> 8 * k) * (int)(signed char)(b >> 8 * k);
+    return c;
+}
+// compiled, never called on the host (warp_quantize_q8 needs a real warp)
+static inline float __shfl_xor_sync(unsigned, float v, int) { return v; }
+static inline int __float2int_rn(float v) { return (int)__builtin_rintf(v); }
+#include <cmath>
 """
 DRIVER = r"""
 extern "C" {
-float emu_dot(int t, const u8* row, int cols, const float* x) {
+float emu_dot(int t, const u8* row, int cols, const signed char* xq, const float* xd) {
     float s = 0.f;  // the warp's 32 lanes, summed (warp_sum's order does not matter here)
+    const int* q = (const int*)xq;
     for (int lane = 0; lane < 32; ++lane)
-        s += t == 8 ? dot_q8_0(row, cols, x, lane) : dot_q4_0(row, cols, x, lane);
+        s += t == 8 ? dotx_q8_0(row, cols, nullptr, q, xd, lane) : dotx_q4_0(row, cols, nullptr, q, xd, lane);
     return s;
 }
 float emu_el(int t, const u8* row, int c, int cols) {
@@ -64,7 +76,7 @@ def lib(tmp_path_factory):
     if gxx is None or not _f16c():
         pytest.skip("needs g++ and an F16C CPU")
     c = cuda.COMMON_SRC
-    body = c[c.index("__device__ __forceinline__ unsigned int ld_w32"):c.index("__device__ __forceinline__ float block_sum(")]
+    body = c[c.index("// Partial dot of one stored row"):c.index("__device__ __forceinline__ float block_sum(")]
     body += c[c.index("// Element c of one device row"):]
     u = cuda._AXPY_UNITS
     units = u[u.index("struct UnitF32"):u.index("// Stage 1 of out")]
@@ -91,6 +103,10 @@ def test_device_functions_on_the_host(lib, qt, cols):
     np.testing.assert_array_equal(gguf_layout(dev, qt), raw)
     f = dequantize_rows(raw, qt, cols)  # gguf's dequantization
     x = rng.normal(size=cols).astype(np.float32)
+    xq, xd = np.zeros(cols, np.int8), np.zeros(cols // 32, np.float32)
+    quantize_q8(x, (xq, xd))  # the kernels' q8 activation (NumPy twin of cuda.quantize_q8)
+    xdq = ref.quantize_act_q8(x)
+    np.testing.assert_array_equal(xq.astype(np.float32) * np.repeat(xd, 32), xdq)
     ptr = lambda a: ctypes.c_void_p(a.ctypes.data)  # noqa: E731
     for off in (0, 2, 4, 8):
         buf = np.zeros(dev.nbytes + 64, np.uint8)
@@ -99,9 +115,9 @@ def test_device_functions_on_the_host(lib, qt, cols):
         d2[...] = dev
         for r in range(3):
             row = d2[r]
-            got = lib.emu_dot(t, ptr(row), cols, ptr(x))
-            want = float(f[r].astype(np.float64) @ x)
-            assert abs(got - want) <= 1e-5 * float(np.abs(f[r]) @ np.abs(x)), (off, r, got, want)
+            got = lib.emu_dot(t, ptr(row), cols, ptr(xq), ptr(xd))
+            want = float(f[r].astype(np.float64) @ xdq)
+            assert abs(got - want) <= 1e-5 * float(np.abs(f[r]) @ np.abs(xdq)), (off, r, got, want)
             el = np.array([lib.emu_el(t, ptr(row), c, cols) for c in range(0, cols, 7)], np.float32)
             np.testing.assert_array_equal(el, f[r, ::7])
             acc = np.zeros(cols, np.float32)

@@ -140,60 +140,73 @@ __device__ __forceinline__ float sb(unsigned int w, int k) {  // signed byte k o
     return (float)((int)(w << (24 - 8 * k)) >> 24);
 }
 __device__ __forceinline__ float nib(unsigned int w, int sh) { return (float)((int)((w >> sh) & 15) - 8); }
-// Word w (quant bytes 4i..4i+3) of a q4_0 block against its x (xb: the block's 32, 16-byte
-// aligned): low nibbles are x[4i..4i+3], high nibbles x[16+4i..16+4i+3].
-__device__ __forceinline__ float word_q4_0(unsigned int w, const float* xb, int i) {
-    const float4 lo = ((const float4*)xb)[i], hi = ((const float4*)xb)[4 + i];
-    return nib(w, 0) * lo.x + nib(w, 8) * lo.y + nib(w, 16) * lo.z + nib(w, 24) * lo.w
-         + nib(w, 4) * hi.x + nib(w, 12) * hi.y + nib(w, 20) * hi.z + nib(w, 28) * hi.w;
+// A quantized row's dot reads its activation quantized too, once per vector (quantize_q8, or
+// the q8 epilogue of rmsnorm_f32 / norm_fc1 / attn_decode): per 32-block d = max|x| / 127 (f32)
+// and q = rint(x * (1 / d)) as int8 (0 where d is 0): simd.h pi_quantize_q8, llama.cpp's q8_0,
+// so the GPU's quantized dots see the CPU kernels' activation bit for bit. Lane `lane` of a warp
+// holds value v = x[32 b + lane] of block b; q, d point at the block's 32 int8 and its scale.
+__device__ __forceinline__ void warp_quantize_q8(float v, int lane, signed char* q, float* d) {
+    float m = fabsf(v);
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    const float db = m / 127.f;
+    const float id = db != 0.f ? 1.f / db : 0.f;
+    q[lane] = (signed char)__float2int_rn(v * id);
+    if (lane == 0) *d = db;
 }
-// Word w (int8 quants 4i..4i+3) of a q8_0 block against its x.
-__device__ __forceinline__ float word_q8_0(unsigned int w, const float* xb, int i) {
-    const float4 a = ((const float4*)xb)[i];
-    return sb(w, 0) * a.x + sb(w, 1) * a.y + sb(w, 2) * a.z + sb(w, 3) * a.w;
-}
-// Partial dots of one split-layout row with x, lane per 32-bit quant word, so a warp's weight
-// loads are 128 contiguous bytes and its x loads contiguous too: QB quant bytes per block (q4_0
-// 16: four lanes per block, eight blocks per step; q8_0 32: eight lanes, four blocks), four
-// steps' loads in flight per lane. The alignment test is per row (warp-uniform) and outside the
-// loops.
+// Word w (quant bytes 4i..4i+3 of a block) against the block's quantized activation xb (its 32
+// int8 as 8 words): the exact integer sum of the 4 (q8_0) or 8 (q4_0) products, by __dp4a. q4_0's
+// low nibbles are values 4i..4i+3, its high nibbles 16+4i..16+4i+3, each minus 8.
 template <int QB>
-__device__ __forceinline__ float word_dot(unsigned int w, const float* xb, int i) {
-    return QB == 16 ? word_q4_0(w, xb, i) : word_q8_0(w, xb, i);
+__device__ __forceinline__ int word_i8(unsigned int w, const int* xb, int i) {
+    if (QB == 16) {
+        const int xl = xb[i], xh = xb[4 + i];
+        const int lo = (int)(w & 0x0f0f0f0fu), hi = (int)((w >> 4) & 0x0f0f0f0fu);
+        return __dp4a(lo, xl, __dp4a(hi, xh, 0)) - 8 * __dp4a(0x01010101, xl, __dp4a(0x01010101, xh, 0));
+    }
+    return __dp4a((int)w, xb[i], 0);
 }
-template <int QB, bool AL>
-__device__ __forceinline__ float dot_split_t(const u8* row, int nb, const float* x, int lane) {
+// Partial dots of one split-layout row with the quantized activation (xq: n int8 as words, xd:
+// n/32 block scales), lane per 32-bit quant word, so a warp's weight loads are 128 contiguous
+// bytes: QB quant bytes per block (q4_0 16: four lanes per block, eight blocks per step; q8_0 32:
+// eight lanes, four blocks), U steps' loads in flight per lane (q4_0 4, q8_0 8: the fastest of
+// 4/8/16 on an H200, tools/gemv_variants_gpu.py). Each word adds (dw * dx) * its integer. The
+// alignment test is per row (warp-uniform) and outside the loops.
+template <int QB, bool AL, int U>
+__device__ __forceinline__ float dot_split_t(const u8* row, int nb, const int* xq, const float* xd, int lane) {
     const int lpb = QB / 4, step = 32 / lpb;  // lanes per block, blocks per step
     const u8* ds = row + QB * nb;
     const int i = lane % lpb;
     float s = 0.f;
     int b = lane / lpb;
-    for (; b + 3 * step < nb; b += 4 * step) {
-        unsigned int w[4];
-        float d[4];
+    for (; b + (U - 1) * step < nb; b += U * step) {
+        unsigned int w[U];
+        float d[U];
         #pragma unroll
-        for (int u = 0; u < 4; ++u) w[u] = ld_w32(row + QB * (b + u * step) + 4 * i, AL);
+        for (int u = 0; u < U; ++u) w[u] = ld_w32(row + QB * (b + u * step) + 4 * i, AL);
         #pragma unroll
-        for (int u = 0; u < 4; ++u) d[u] = ld_half(ds + 2 * (b + u * step));
-        float t = d[0] * word_dot<QB>(w[0], x + 32 * b, i);
+        for (int u = 0; u < U; ++u) d[u] = ld_half(ds + 2 * (b + u * step)) * xd[b + u * step];
         #pragma unroll
-        for (int u = 1; u < 4; ++u) t += d[u] * word_dot<QB>(w[u], x + 32 * (b + u * step), i);
-        s += t;
+        for (int u = 0; u < U; ++u) s += d[u] * (float)word_i8<QB>(w[u], xq + 8 * (b + u * step), i);
     }
-    for (; b < nb; b += step) s += ld_half(ds + 2 * b) * word_dot<QB>(ld_w32(row + QB * b + 4 * i, AL), x + 32 * b, i);
+    for (; b < nb; b += step)
+        s += ld_half(ds + 2 * b) * xd[b] * (float)word_i8<QB>(ld_w32(row + QB * b + 4 * i, AL), xq + 8 * b, i);
     return s;
 }
-template <int QB>
-__device__ __forceinline__ float dot_split(const u8* row, int cols, const float* x, int lane) {
-    return ((u64)row & 3) == 0 ? dot_split_t<QB, true>(row, cols >> 5, x, lane)
-                               : dot_split_t<QB, false>(row, cols >> 5, x, lane);
+template <int QB, int U>
+__device__ __forceinline__ float dot_split(const u8* row, int cols, const int* xq, const float* xd, int lane) {
+    return ((u64)row & 3) == 0 ? dot_split_t<QB, true, U>(row, cols >> 5, xq, xd, lane)
+                               : dot_split_t<QB, false, U>(row, cols >> 5, xq, xd, lane);
 }
-__device__ __forceinline__ float dot_q8_0(const u8* row, int cols, const float* x, int lane) {
-    return dot_split<32>(row, cols, x, lane);
-}
-__device__ __forceinline__ float dot_q4_0(const u8* row, int cols, const float* x, int lane) {
-    return dot_split<16>(row, cols, x, lane);
-}
+// Row . x for every weight type, one signature (the kernel templates below): float rows read
+// x, quantized rows its q8 form (xq, xd).
+__device__ __forceinline__ float dotx_f32(const u8* row, int cols, const float* x, const int* xq,
+                                          const float* xd, int lane) { return dot_f32(row, cols, x, lane); }
+__device__ __forceinline__ float dotx_f16(const u8* row, int cols, const float* x, const int* xq,
+                                          const float* xd, int lane) { return dot_f16(row, cols, x, lane); }
+__device__ __forceinline__ float dotx_q8_0(const u8* row, int cols, const float* x, const int* xq,
+                                           const float* xd, int lane) { return dot_split<32, 8>(row, cols, xq, xd, lane); }
+__device__ __forceinline__ float dotx_q4_0(const u8* row, int cols, const float* x, const int* xq,
+                                           const float* xd, int lane) { return dot_split<16, 4>(row, cols, xq, xd, lane); }
 
 __device__ __forceinline__ float block_sum(float v, float* red) {  // blockDim multiple of 32
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -213,6 +226,13 @@ __device__ __forceinline__ void block_rmsnorm(const float* x, const float* w, in
     const float scale = rsqrtf(block_sum(s, red) / n + eps);
     for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = x[i] * scale * w[i];
 }
+// The q8 form of h (n values, n % 32 == 0, written by this block before the call) into xq, xd,
+// by the whole block, warp per 32-block.
+__device__ __forceinline__ void block_quantize_q8(const float* h, int n, signed char* xq, float* xd) {
+    __syncthreads();  // h's values were written by other threads of the block
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (int b = warp; b < (n >> 5); b += nw) warp_quantize_q8(h[32 * b + lane], lane, xq + 32 * b, xd + b);
+}
 // Element c of one device row of cols columns, dequantized (quantized rows: split layout).
 __device__ __forceinline__ float el_f32(const u8* row, int c, int cols) { return ((const float*)row)[c]; }
 __device__ __forceinline__ float el_f16(const u8* row, int c, int cols) { return h2f(((const u16*)row)[c]); }
@@ -228,13 +248,15 @@ __device__ __forceinline__ float el_q4_0(const u8* row, int c, int cols) {
 _PREDICTOR_TEMPLATE = r"""
 // hid[r] = relu(fc1[r] . x), warp per row; fc1 (rank, n_embd) @T@, rows of row_bytes bytes.
 // Fused with the FFN's RMSNorm, which reads the same x: with do_norm, the last block (beyond
-// the fc1 rows) writes h = rmsnorm(x) * norm_w. One launch instead of two per layer.
+// the fc1 rows) writes h = rmsnorm(x) * norm_w, and with do_q8 also h's q8 form (hq, hd) for
+// the quantized rows that read h. One launch instead of two or three per layer.
 extern "C" __global__ void norm_fc1_@T@(const u8* fc1, long long row_bytes, int rank,
         int n_embd, const float* x, float* hid, int do_norm, const float* norm_w, float eps,
-        float* h) {
+        float* h, int do_q8, signed char* hq, float* hd) {
     __shared__ float red[32];
     if (do_norm && blockIdx.x == gridDim.x - 1) {
         block_rmsnorm(x, norm_w, n_embd, eps, h, red);
+        if (do_q8) block_quantize_q8(h, n_embd, hq, hd);
         return;
     }
     const int r = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
@@ -256,12 +278,14 @@ _GATHER_TEMPLATE = r"""
 // out[k] = (accumulate ? out[k] : 0) + w[k] . x for the n_rows rows of w (row_bytes apart),
 // warp per row; where use_mask, rows whose neuron ids[k] is not in the prediction mask are
 // skipped (0 added). accumulate=1 adds a projection into the residual stream in place.
+// Quantized rows read x's q8 form (xq, xd; see warp_quantize_q8), float rows x itself.
 extern "C" __global__ void gather_gemv_@T@(const u8* w, long long row_bytes, int n_rows, int cols,
-        const float* x, const int* ids, const u8* mask, int use_mask, int accumulate, float* out) {
+        const float* x, const int* xq, const float* xd, const int* ids, const u8* mask,
+        int use_mask, int accumulate, float* out) {
     const int k = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
     if (k >= n_rows) return;
     float s = 0.f;
-    if (!use_mask || mask[ids[k]]) s = warp_sum(dot_@T@(w + k * row_bytes, cols, x, lane));
+    if (!use_mask || mask[ids[k]]) s = warp_sum(dotx_@T@(w + k * row_bytes, cols, x, xq, xd, lane));
     if (lane == 0) out[k] = accumulate ? out[k] + s : s;
 }
 // The hot neurons of one layer, fused: for row k (neuron ids[k]) that is a candidate, a =
@@ -273,8 +297,10 @@ extern "C" __global__ void gather_gemv_@T@(const u8* w, long long row_bytes, int
 // says so, computed here from neuron ids[k]'s fc2 row (fc2 (n_ff, rank), f16 when fc2_half else
 // f32) and the hidden layer hid: fc2[ids[k]] . hid >= pred_thr (PowerInfer's predictor, as
 // predictor_fc2 computes it, without a mask round trip). counts[0] += candidates, [1] += kept.
+// Quantized rows read x's q8 form (xq, xd), float rows x.
 extern "C" __global__ void ffn_gate_up_@T@(const u8* gate, const u8* up, long long row_bytes,
-        int n_rows, int cols, const float* x, const int* ids, const u8* mask, int cand,
+        int n_rows, int cols, const float* x, const int* xq, const float* xd, const int* ids,
+        const u8* mask, int cand,
         const u8* fc2, long long fc2_row_bytes, int rank, int fc2_half, const float* hid,
         float pred_thr, int act, int glu, float act_thr, float* coef, u64* counts) {
     __shared__ unsigned int n_cand, n_act;
@@ -292,16 +318,16 @@ extern "C" __global__ void ffn_gate_up_@T@(const u8* gate, const u8* up, long lo
             is_cand = p >= pred_thr;
         }
         if (is_cand) {
-            const float g = warp_sum(dot_@T@(gate + k * row_bytes, cols, x, lane));
+            const float g = warp_sum(dotx_@T@(gate + k * row_bytes, cols, x, xq, xd, lane));
             const float a = act ? g / (1.f + expf(-g)) : fmaxf(g, 0.f);
             bool keep;
             if (glu) {
-                c = a * warp_sum(dot_@T@(up + k * row_bytes, cols, x, lane));
+                c = a * warp_sum(dotx_@T@(up + k * row_bytes, cols, x, xq, xd, lane));
                 keep = fabsf(c) > act_thr;
                 if (!keep) c = 0.f;
             } else {
                 keep = fabsf(a) > act_thr;
-                if (keep) c = a * warp_sum(dot_@T@(up + k * row_bytes, cols, x, lane));
+                if (keep) c = a * warp_sum(dotx_@T@(up + k * row_bytes, cols, x, xq, xd, lane));
             }
             if (lane == 0) { atomicAdd(&n_cand, 1u); if (keep) atomicAdd(&n_act, 1u); }
         }
@@ -477,10 +503,19 @@ __device__ __forceinline__ float block_max(float v, float* red) {
     for (int i = 1; i < nw; ++i) m = fmaxf(m, red[i]);
     return m;
 }
-// out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w, block per row t.
-extern "C" __global__ void rmsnorm_f32(const float* x, const float* w, int n, float eps, float* out) {
+// out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w, block per row t; with do_q8 also out[t]'s q8
+// form (oq + t n, od + t n / 32) for the quantized rows that read it.
+extern "C" __global__ void rmsnorm_f32(const float* x, const float* w, int n, float eps, float* out,
+                                       int do_q8, signed char* oq, float* od) {
     __shared__ float red[32];
-    block_rmsnorm(x + (long long)blockIdx.x * n, w, n, eps, out + (long long)blockIdx.x * n, red);
+    const long long t = blockIdx.x;
+    block_rmsnorm(x + t * n, w, n, eps, out + t * n, red);
+    if (do_q8) block_quantize_q8(out + t * n, n, oq + t * n, od + t * (n >> 5));
+}
+// (xq, xd) = the q8 form of x (n values, n % 32 == 0), warp per 32-block.
+extern "C" __global__ void quantize_q8(const float* x, int n, signed char* xq, float* xd) {
+    const int b = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
+    if (32 * b < n) warp_quantize_q8(x[32 * b + lane], lane, xq + 32 * b, xd + b);
 }
 // One token at position pos = *pos_p: NeoX rotary embedding (rotate_half) of q (n_head, hd) in
 // place and of k (n_kv, hd) into cache_k[pos]; v copied to cache_v[pos]. Caches (n_ctx, n_kv, hd)
@@ -510,9 +545,11 @@ extern "C" __global__ void rope_store(float* q, const float* k, const float* v, 
 }
 // One query token at position *pos_p, block per query head: out[h] = softmax(q[h] . k_j * scale)
 // @ v_j over the n_att = *pos_p + 1 cache rows (grouped-query: head h reads KV head
-// h / (n_head / n_kv)). Dynamic shared memory: at least n_att floats of scores.
+// h / (n_head / n_kv)). Dynamic shared memory: at least n_att floats of scores. With do_q8
+// (hd % 32 == 0: a warp's 32 values are one block) also out's q8 form (oq, od) for wo.
 extern "C" __global__ void attn_decode(const float* q, const float* cache_k, const float* cache_v,
-        const int* pos_p, int n_head, int n_kv, int hd, float scale, float* out) {
+        const int* pos_p, int n_head, int n_kv, int hd, float scale, float* out, int do_q8,
+        signed char* oq, float* od) {
     extern __shared__ float sc[];
     __shared__ float red[32];
     const int n_att = *pos_p + 1;
@@ -539,7 +576,9 @@ extern "C" __global__ void attn_decode(const float* q, const float* cache_k, con
         const float* vd = cache_v + kvh * hd + d;
         float o = 0.f;
         for (int j = 0; j < n_att; ++j) o += sc[j] * vd[j * stride];
-        out[h * hd + d] = o * inv;
+        const int e = h * hd + d;
+        out[e] = o * inv;
+        if (do_q8) warp_quantize_q8(o * inv, lane, oq + (e & ~31), od + (e >> 5));
     }
 }
 // out[i] += a[i] (the CPU's partial FFN output merged into the residual stream).
@@ -581,7 +620,7 @@ extern "C" __global__ void axpy_sum(const float* partial, int n_chunks, int cols
 #: name -> CUDA source; one RawModule each (tests compile every one with nvcc).
 SOURCES = {"predictor": PREDICTOR_SRC, "gather": GATHER_SRC, "axpy": AXPY_SRC, "attn": ATTN_SRC}
 #: kernels each source must define (the nvcc test counts them)
-N_KERNELS = {"predictor": 4, "gather": 8, "axpy": 9, "attn": 4}
+N_KERNELS = {"predictor": 4, "gather": 8, "axpy": 9, "attn": 5}
 _TYPE_NAME = {QT.F32: "f32", QT.F16: "f16", QT.Q8_0: "q8_0", QT.Q4_0: "q4_0"}
 #: weight types the kernels read (the QT names, lower case)
 GPU_TYPES = tuple(t.name.lower() for t in _TYPE_NAME)
@@ -643,17 +682,20 @@ def _grid(n: int, block: int = _BLOCK) -> tuple[int]:
 
 
 # ---- wrappers (cupy arrays in, cupy arrays out; all asynchronous on the current stream) ----------
-def norm_fc1(fc1: DeviceRows, x, hid, norm_w=None, eps: float = 0.0, h=None) -> None:
+def norm_fc1(fc1: DeviceRows, x, hid, norm_w=None, eps: float = 0.0, h=None, q8=None) -> None:
     """hid[:rank] = relu(fc1 @ x), and with ``norm_w`` also h = rmsnorm(x) * norm_w in the same
-    launch (one extra block). fc1 (rank, n_embd) f32 or f16; x, h, norm_w (n_embd,) f32."""
+    launch (one extra block), and with ``q8`` = (hq, hd) also h's q8 form (``quantize_q8``).
+    fc1 (rank, n_embd) f32 or f16; x, h, norm_w (n_embd,) f32."""
     t = _TYPE_NAME[fc1.qtype]
     do_norm = norm_w is not None
     grid = _grid_rows(fc1.rows)[0] + do_norm
     f32 = _dummy()["f32"]
+    do_q8, hq, hd = _q8_out(q8)
     _kernel("predictor", f"norm_fc1_{t}")(
         (grid,), (_BLOCK,),
         (fc1.data, np.int64(fc1.row_bytes), np.int32(fc1.rows), np.int32(fc1.cols), x, hid,
-         np.int32(do_norm), norm_w if do_norm else f32, np.float32(eps), h if do_norm else f32))
+         np.int32(do_norm), norm_w if do_norm else f32, np.float32(eps), h if do_norm else f32,
+         np.int32(do_q8 and do_norm), hq, hd))
 
 
 def predictor_fc2(fc2: DeviceRows, hid, mask, threshold: float) -> None:
@@ -673,6 +715,56 @@ def predictor_mask(fc1: DeviceRows, fc2: DeviceRows, x, hid, mask, threshold: fl
     predictor_fc2(fc2, hid, mask, threshold)
 
 
+#: weight types whose dots read the activation's q8 form (int8 per 32-block + f32 scales)
+Q8_TYPES = (QT.Q8_0, QT.Q4_0)
+
+
+def reads_q8(w: DeviceRows) -> bool:
+    """True when w's kernels read the q8 form of their activation (``quantize_q8``)."""
+    return w.qtype in Q8_TYPES
+
+
+def q8_buffers(n: int):
+    """Device buffers (xq (n,) int8, xd (n/32,) f32) for the q8 form of an n-value activation."""
+    return cupy.empty(n, cupy.int8), cupy.empty(max(1, n // 32), cupy.float32)
+
+
+def quantize_q8(x, q8) -> None:
+    """q8 = (xq, xd) <- x (n,) f32 quantized per 32-block as the CPU kernels quantize it
+    (simd.h pi_quantize_q8: d = max|x| / 127, q = rint(x / d)): xq (>= n,) int8, xd (>= n/32,)
+    f32. n must be a multiple of 32."""
+    n = x.size
+    if n % 32:
+        raise ValueError(f"q8 activations need a multiple of 32 values, got {n}")
+    xq, xd = q8
+    _kernel("attn", "quantize_q8")(_grid_rows(n // 32), (_BLOCK,), (x, np.int32(n), xq, xd))
+
+
+def _q8_out(q8):
+    """Kernel arguments (do_q8, xq, xd) of a kernel that can also write its output's q8 form."""
+    if q8 is None:
+        d = _dummy()
+        return 0, d["u8"], d["f32"]
+    return 1, q8[0], q8[1]
+
+
+def _q8_in(w: DeviceRows, x, q8):
+    """(xq, xd) a kernel over w's rows reads: for quantized rows ``q8`` when given (already
+    holding x's q8 form), else x quantized here into a scratch pair; dummies for float rows."""
+    if not reads_q8(w):
+        d = _dummy()
+        return d["u8"], d["f32"]
+    if q8 is None:
+        q8 = _q8_scratch(cupy.cuda.Device().id, x.size)
+        quantize_q8(x, q8)
+    return q8
+
+
+@functools.lru_cache(maxsize=None)
+def _q8_scratch(device_id: int, n: int):
+    return q8_buffers(n)
+
+
 def _mask_args(ids, mask):
     if mask is None:
         dummy = _dummy()
@@ -690,28 +782,34 @@ def _dummy():
     return _dummy_for(cupy.cuda.Device().id)
 
 
-def gather_gemv(w: DeviceRows, x, out, ids=None, mask=None, accumulate: bool = False) -> None:
+def gather_gemv(w: DeviceRows, x, out, ids=None, mask=None, accumulate: bool = False,
+                q8=None) -> None:
     """out[k] (+)= w[k] . x; with ``mask`` (n_ff,) uint8 and ``ids`` (n_rows,) int32, rows whose
-    neuron ids[k] is unmasked add 0 without being read. x (cols,) f32, out (n_rows,) f32."""
+    neuron ids[k] is unmasked add 0 without being read. x (cols,) f32, out (n_rows,) f32.
+    q8/q4_0 rows compute w[k] . q8(x) (``quantize_q8``; ``q8`` = (xq, xd) when x's q8 form is
+    already there, else it is made here first), as the CPU kernels do."""
     if w.rows == 0:
         return
+    xq, xd = _q8_in(w, x, q8)
     ids, mask, use = _mask_args(ids, mask)
     _kernel("gather", f"gather_gemv_{_TYPE_NAME[w.qtype]}")(
         _grid_rows(w.rows), (_BLOCK,),
-        (w.data, np.int64(w.row_bytes), np.int32(w.rows), np.int32(w.cols), x, ids, mask, use,
-         np.int32(bool(accumulate)), out))
+        (w.data, np.int64(w.row_bytes), np.int32(w.rows), np.int32(w.cols), x, xq, xd, ids,
+         mask, use, np.int32(bool(accumulate)), out))
 
 
 def ffn_gate_up(gate: DeviceRows, up: DeviceRows, x, coef, counts, act: str, act_thr: float,
-                ids=None, mask=None, glu: bool = False, pred=None) -> None:
+                ids=None, mask=None, glu: bool = False, pred=None, q8=None) -> None:
     """coef[k] = act(gate[k].x) * (up[k].x) where neuron ids[k] is a candidate and the magnitude
     passes (|act| > act_thr, or |act * up| with ``glu``), else 0. Candidates: every row; or
     where ``mask`` (n_ff,) uint8 is set at ids[k]; or, with ``pred`` = (fc2 DeviceRows (n_ff,
     rank), hid (rank,) f32, threshold), where fc2[ids[k]] . hid >= threshold (the predictor
     computed inline). x (cols,) f32, ids (n_rows,) int32, coef (n_rows,) f32, counts (2,) uint64
-    accumulates [candidates, kept]. act "relu" | "silu"; act_thr < 0 computes every row (dense)."""
+    accumulates [candidates, kept]. act "relu" | "silu"; act_thr < 0 computes every row (dense).
+    q8/q4_0 rows read q8(x), as ``gather_gemv``."""
     if gate.rows == 0:
         return
+    xq, xd = _q8_in(gate, x, q8)
     dummy = _dummy()
     fc2, hid, pred_thr, rank, half, fc2_rb = dummy["u8"], dummy["f32"], 0.0, 0, 0, 0
     if pred is not None:
@@ -725,7 +823,7 @@ def ffn_gate_up(gate: DeviceRows, up: DeviceRows, x, coef, counts, act: str, act
     _kernel("gather", f"ffn_gate_up_{_TYPE_NAME[gate.qtype]}")(
         _grid_rows(gate.rows), (_BLOCK,),
         (gate.data, up.data, np.int64(gate.row_bytes), np.int32(gate.rows), np.int32(gate.cols),
-         x, ids, mask, np.int32(cand), fc2, np.int64(fc2_rb), np.int32(rank), np.int32(half),
+         x, xq, xd, ids, mask, np.int32(cand), fc2, np.int64(fc2_rb), np.int32(rank), np.int32(half),
          hid, np.float32(pred_thr), np.int32(act == "silu"), np.int32(bool(glu)),
          np.float32(act_thr), coef, counts))
 
@@ -779,10 +877,16 @@ def dequant(w: DeviceRows, r0: int, n_rows: int, out) -> None:
         (w.data, np.int64(w.row_bytes), np.int32(r0), np.int32(n_rows), np.int32(w.cols), out))
 
 
-def rmsnorm(x, w, eps: float, out) -> None:
-    """out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w. x, out (n_tok, n) f32, w (n,) f32."""
+def rmsnorm(x, w, eps: float, out, q8=None) -> None:
+    """out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w. x, out (n_tok, n) f32, w (n,) f32; with
+    ``q8`` = (xq (n_tok n,) int8, xd (n_tok n / 32,) f32) also out's q8 form (``quantize_q8``;
+    n a multiple of 32)."""
     n_tok, n = x.shape
-    _kernel("attn", "rmsnorm_f32")((n_tok,), (_BLOCK,), (x, w, np.int32(n), np.float32(eps), out))
+    do_q8, xq, xd = _q8_out(q8)
+    if do_q8 and n % 32:
+        raise ValueError(f"q8 activations need a multiple of 32 values, got {n}")
+    _kernel("attn", "rmsnorm_f32")((n_tok,), (_BLOCK,), (x, w, np.int32(n), np.float32(eps), out,
+                                                         np.int32(do_q8), xq, xd))
 
 
 def rope_store(q, k, v, cache_k, cache_v, cos_sin, pos) -> None:
@@ -797,16 +901,22 @@ def rope_store(q, k, v, cache_k, cache_v, cos_sin, pos) -> None:
                                    np.int32(n_kv), np.int32(hd), pos))
 
 
-def attn_decode(q, cache_k, cache_v, pos, out, max_att: int) -> None:
+def attn_decode(q, cache_k, cache_v, pos, out, max_att: int, q8=None) -> None:
     """out (n_head, hd) = causal attention of one query q (n_head, hd) at position pos ((1,)
     int32 on the device) over cache rows <= pos (caches (n_ctx, n_kv, hd) f32), scale
-    1/sqrt(hd). max_att >= pos + 1 sizes the shared memory; <= MAX_DECODE_ATTN_ROWS."""
+    1/sqrt(hd). max_att >= pos + 1 sizes the shared memory; <= MAX_DECODE_ATTN_ROWS. With
+    ``q8`` = (xq, xd) also out's q8 form (``quantize_q8``): in the same launch where hd is a
+    multiple of 32, else by a second one."""
     n_head, hd = q.shape
     n_kv = cache_k.shape[1]
+    fused = q8 is not None and hd % 32 == 0
+    do_q8, xq, xd = _q8_out(q8 if fused else None)
     _kernel("attn", "attn_decode")((n_head,), (_ATTN_BLOCK,),
                                    (q, cache_k, cache_v, pos, np.int32(n_head),
                                     np.int32(n_kv), np.int32(hd), np.float32(1.0 / np.sqrt(hd)),
-                                    out), shared_mem=4 * max_att)
+                                    out, np.int32(do_q8), xq, xd), shared_mem=4 * max_att)
+    if q8 is not None and not fused:
+        quantize_q8(out.reshape(-1), q8)
 
 
 def add(out, a) -> None:

@@ -1,0 +1,203 @@
+#!/usr/bin/env python3
+"""Which warp-per-row quantized GEMV reads a q4_0 / q8_0 matrix fastest on this GPU (issue 10).
+
+Times the engine's ``gather_gemv_{q4_0,q8_0}`` (f32 activation, four 32-bit quant words in flight
+per lane) against variants of the same warp-per-row kernel over the same split-layout rows
+(``pyinfer.device.device_layout``):
+
+- ``f32 uU``: the engine's dot with U words in flight per lane instead of 4;
+- ``q8 uU``: the activation quantized once per vector to int8 per 32-block (``quantize_q8``:
+  d = max|x| / 127, q = rint(x / d): the CPU kernels' ``pi_quantize_q8``, llama.cpp's q8_0), and
+  each quant word dotted with ``__dp4a`` (an exact integer per block, one float multiply-add per
+  word), U words in flight per lane.
+
+Each matrix is replicated so that the timed launches cycle over more bytes than the L2 holds (a
+model's layers never share weights). Reports microseconds per call and GB/s of weight bytes, and
+checks every variant against a float64 reference (the f32 variants against W @ x, the q8 ones
+against W @ dequant(quantized x)).
+
+    python tools/gemv_variants_gpu.py [--reps 50]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pyinfer.ops import cuda  # noqa: E402
+
+VARIANT_SRC = r"""
+extern "C" __global__ void quantize_q8(const float* x, int n, signed char* xq, float* xd) {
+    const int b = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
+    if (32 * b >= n) return;
+    const float v = x[32 * b + lane];
+    float m = fabsf(v);
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    const float d = m / 127.f;
+    const float id = d != 0.f ? 1.f / d : 0.f;
+    xq[32 * b + lane] = (signed char)__float2int_rn(v * id);
+    if (lane == 0) xd[b] = d;
+}
+template <int QB>
+__device__ __forceinline__ int word_i8(unsigned int w, const int* xb, int i) {
+    if (QB == 16) {
+        const int xl = xb[i], xh = xb[4 + i];
+        const int lo = (int)(w & 0x0f0f0f0fu), hi = (int)((w >> 4) & 0x0f0f0f0fu);
+        return __dp4a(lo, xl, __dp4a(hi, xh, 0)) - 8 * __dp4a(0x01010101, xl, __dp4a(0x01010101, xh, 0));
+    }
+    return __dp4a((int)w, xb[i], 0);
+}
+template <int QB, bool AL, int U>
+__device__ __forceinline__ float dot_q8x(const u8* row, int nb, const int* xq, const float* xd, int lane) {
+    const int lpb = QB / 4, step = 32 / lpb;
+    const u8* ds = row + QB * nb;
+    const int i = lane % lpb;
+    float s = 0.f;
+    int b = lane / lpb;
+    for (; b + (U - 1) * step < nb; b += U * step) {
+        unsigned int w[U];
+        float d[U];
+        #pragma unroll
+        for (int u = 0; u < U; ++u) w[u] = ld_w32(row + QB * (b + u * step) + 4 * i, AL);
+        #pragma unroll
+        for (int u = 0; u < U; ++u) d[u] = ld_half(ds + 2 * (b + u * step)) * xd[b + u * step];
+        #pragma unroll
+        for (int u = 0; u < U; ++u) s += d[u] * (float)word_i8<QB>(w[u], xq + 8 * (b + u * step), i);
+    }
+    for (; b < nb; b += step)
+        s += ld_half(ds + 2 * b) * xd[b] * (float)word_i8<QB>(ld_w32(row + QB * b + 4 * i, AL), xq + 8 * b, i);
+    return s;
+}
+template <int QB, bool AL, int U>
+__device__ __forceinline__ float dot_f32x(const u8* row, int nb, const float* x, int lane) {
+    const int lpb = QB / 4, step = 32 / lpb;
+    const u8* ds = row + QB * nb;
+    const int i = lane % lpb;
+    float s = 0.f;
+    int b = lane / lpb;
+    for (; b + (U - 1) * step < nb; b += U * step) {
+        unsigned int w[U];
+        float d[U];
+        #pragma unroll
+        for (int u = 0; u < U; ++u) w[u] = ld_w32(row + QB * (b + u * step) + 4 * i, AL);
+        #pragma unroll
+        for (int u = 0; u < U; ++u) d[u] = ld_half(ds + 2 * (b + u * step));
+        float t = 0.f;
+        #pragma unroll
+        for (int u = 0; u < U; ++u) t += d[u] * word_dot<QB>(w[u], x + 32 * (b + u * step), i);
+        s += t;
+    }
+    for (; b < nb; b += step) s += ld_half(ds + 2 * b) * word_dot<QB>(ld_w32(row + QB * b + 4 * i, AL), x + 32 * b, i);
+    return s;
+}
+#define VARIANTS(QB, NAME, U) \
+extern "C" __global__ void gemv_##NAME##_f32_u##U(const u8* w, long long row_bytes, int n_rows, \
+        int cols, const float* x, float* out) { \
+    const int k = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31; \
+    if (k >= n_rows) return; \
+    const float s = warp_sum(dot_f32x<QB, true, U>(w + k * row_bytes, cols >> 5, x, lane)); \
+    if (lane == 0) out[k] = s; \
+} \
+extern "C" __global__ void gemv_##NAME##_q8_u##U(const u8* w, long long row_bytes, int n_rows, \
+        int cols, const int* xq, const float* xd, float* out) { \
+    const int k = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31; \
+    if (k >= n_rows) return; \
+    const float s = warp_sum(dot_q8x<QB, true, U>(w + k * row_bytes, cols >> 5, xq, xd, lane)); \
+    if (lane == 0) out[k] = s; \
+}
+VARIANTS(16, q4_0, 4) VARIANTS(16, q4_0, 8) VARIANTS(16, q4_0, 16)
+VARIANTS(32, q8_0, 4) VARIANTS(32, q8_0, 8) VARIANTS(32, q8_0, 16)
+"""
+SOURCE = cuda.COMMON_SRC + VARIANT_SRC
+UNROLLS = (4, 8, 16)
+QB = {"q4_0": 16, "q8_0": 32}
+
+
+def random_rows(rng, n_rows, cols, qtype):
+    """Split-layout rows (device_layout) of random quants with f16 scales around 0.01."""
+    nb = cols // 32
+    q = rng.integers(0, 256, (n_rows, QB[qtype] * nb), dtype=np.uint8)
+    d = (rng.uniform(0.5, 1.5, (n_rows, nb)) * 0.01).astype(np.float16).view(np.uint8)
+    return np.ascontiguousarray(np.concatenate([q, d.reshape(n_rows, 2 * nb)], axis=1))
+
+
+def dequant(raw, cols, qtype):
+    nb = cols // 32
+    qb = QB[qtype]
+    d = raw[:, qb * nb:].copy().view(np.float16).astype(np.float64)  # (n, nb)
+    q = raw[:, :qb * nb].reshape(raw.shape[0], nb, qb)
+    if qtype == "q8_0":
+        v = q.view(np.int8).astype(np.float64)
+    else:
+        v = np.concatenate([(q & 15).astype(np.float64) - 8, (q >> 4).astype(np.float64) - 8], axis=2)
+    return (v * d[:, :, None]).reshape(raw.shape[0], cols)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--l2-bytes", type=float, default=512e6, help="bytes cycled over per shape")
+    args = ap.parse_args(argv)
+    cp = cuda.cupy
+    mod = cp.RawModule(code=SOURCE, options=("-std=c++14",))
+    gather = cp.RawModule(code=cuda.GATHER_SRC, options=("-std=c++14",))
+    dummy_i, dummy_u = cp.zeros(1, cp.int32), cp.zeros(1, cp.uint8)
+    rng = np.random.default_rng(0)
+    shapes = [(12288, 4096), (4096, 4096), (11008, 4096), (4096, 11008), (32000, 4096),
+              (15360, 5120), (13824, 5120)]
+    print(f"device: {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
+    for qtype in ("q4_0", "q8_0"):
+        for rows, cols in shapes:
+            raw = random_rows(rng, rows, cols, qtype)
+            x = rng.standard_normal(cols).astype(np.float32)
+            ncopy = max(1, int(args.l2_bytes // raw.nbytes))
+            ws = [cp.asarray(raw) for _ in range(ncopy)]
+            xg = cp.asarray(x)
+            xq = cp.empty(cols, cp.int8)
+            xd = cp.empty(cols // 32, cp.float32)
+            mod.get_function("quantize_q8")(((cols + 255) // 256,), (256,),
+                                            (xg, np.int32(cols), xq, xd))
+            wd = dequant(raw, cols, qtype)
+            ref_f = wd @ x.astype(np.float64)
+            xqd = cp.asnumpy(xq).astype(np.float64) * np.repeat(cp.asnumpy(xd).astype(np.float64), 32)
+            ref_q = wd @ xqd
+            scale = np.abs(wd) @ np.abs(x.astype(np.float64))
+            out = cp.empty(rows, cp.float32)
+            rb = np.int64(raw.shape[1])
+            runs = {"engine f32 u4": (gather.get_function(f"gather_gemv_{qtype}"),
+                                      lambda w: (w, rb, np.int32(rows), np.int32(cols), xg, dummy_i,
+                                                 dummy_u, np.int32(0), np.int32(0), out), ref_f)}
+            for u in UNROLLS:
+                runs[f"f32 u{u}"] = (mod.get_function(f"gemv_{qtype}_f32_u{u}"),
+                                     lambda w: (w, rb, np.int32(rows), np.int32(cols), xg, out), ref_f)
+                runs[f"q8 u{u}"] = (mod.get_function(f"gemv_{qtype}_q8_u{u}"),
+                                    lambda w: (w, rb, np.int32(rows), np.int32(cols), xq, xd, out), ref_q)
+            print(f"\n{qtype} {rows} x {cols}: {raw.nbytes / 1e6:.1f} MB per call, {ncopy} copies cycled")
+            for block in (256, 128):
+                grid = ((rows * 32 + block - 1) // block,)
+                for name, (fn, args_of, ref) in runs.items():
+                    fn(grid, (block,), args_of(ws[0]))
+                    got = cp.asnumpy(out).astype(np.float64)
+                    err = float(np.max(np.abs(got - ref) / scale))
+                    for j in range(5):
+                        fn(grid, (block,), args_of(ws[j % ncopy]))
+                    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+                    e0.record()
+                    for j in range(args.reps):
+                        fn(grid, (block,), args_of(ws[j % ncopy]))
+                    e1.record()
+                    e1.synchronize()
+                    us = cp.cuda.get_elapsed_time(e0, e1) * 1e3 / args.reps
+                    print(f"  block {block:>3} {name:<14} {us:8.1f} us  {raw.nbytes / us / 1e3:7.0f} GB/s"
+                          f"  max err {err:.1e}")
+            del ws
+            cp.get_default_memory_pool().free_all_blocks()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
