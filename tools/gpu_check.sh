@@ -1,0 +1,48 @@
+#!/bin/bash
+# One prepared device run for issue 10 (the device tool's `run`, repository root, wheels for
+# gguf and highspy carried in .whl/ as /work/.library/device/README.md says):
+#
+#   BASE=<commit> bash tools/gpu_check.sh        # $OUT: logs; stdout: the summary
+#
+# Builds this tree and BASE (another commit, for the before/after pair, built beside it in
+# /tmp/base), runs the GPU tests, then tools/bench_gpu.py for 7B q4_0 all on the GPU (base and
+# this tree, same machine, minutes apart), the 7B hybrid at 30% / 50% and 13B at 50% / 100%.
+# Each step has its own timeout so the whole run ends inside ten minutes; what finished is in
+# $OUT even when a later step is cut.
+set -o pipefail
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+if ls .whl/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site
+fi
+export PYTHONUNBUFFERED=1
+L=$OUT/summary.log
+{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; git log --oneline -1; } > "$L" 2>&1
+s=$(date +%s)
+if [ -n "$BASE" ]; then
+    mkdir -p /tmp/base && git archive "$BASE" | tar -x -C /tmp/base
+    (cd /tmp/base && python3 setup.py build_ext --inplace -j 8 > "$OUT/build_base.log" 2>&1) &
+fi
+python3 setup.py build_ext --inplace -j 8 > "$OUT/build.log" 2>&1
+wait
+echo "builds $(( $(date +%s) - s )) s" >> "$L"
+B="--tokens 16 --warmup 3 --threads $(nproc) --qtype q4_0"
+step() {
+    local t=$1 name=$2
+    shift 2
+    local s0=$(date +%s)
+    timeout "$t" "$@" > "$OUT/$name.log" 2>&1
+    echo "$name rc=$? $(( $(date +%s) - s0 )) s" >> "$L"
+}
+step 110 pytest python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_hybrid.py tests/test_cuda_host.py
+[ -n "$BASE" ] && step 100 base7 bash -c "cd /tmp/base && python3 tools/bench_gpu.py $B --shape 7b --budgets 1.0"
+step 100 new7 python3 tools/bench_gpu.py $B --shape 7b --budgets 1.0
+step 140 new7h python3 tools/bench_gpu.py $B --shape 7b --budgets 0.3,0.5
+step 150 new13 python3 tools/bench_gpu.py $B --shape 13b --budgets 0.5,1.0
+cat "$L"
+tail -3 "$OUT/pytest.log"
+for f in base7 new7 new7h new13; do
+    [ -f "$OUT/$f.log" ] && { echo "== $f"; grep -E "^\|" "$OUT/$f.log"; }
+done
