@@ -19,7 +19,7 @@ import contextlib
 import gguf
 import numpy as np
 
-from pyinfer.ops import cuda, reference
+from pyinfer.ops import cuda
 from pyinfer.ops import xp as X
 from pyinfer.ops.cpu import QT, QTensor
 from pyinfer.ops.cuda import DeviceRows
@@ -87,19 +87,16 @@ def as_qtensor(a: np.ndarray) -> QTensor:
 
 def quantize_q8(x: np.ndarray, q8) -> None:
     """NumPy twin of ``pyinfer.ops.cuda.quantize_q8``: q8 = (xq int8, xd f32) <- x (n,) f32 per
-    32-block, d = max|x| / 127, q = rint(x * (1 / d)) (simd.h pi_quantize_q8)."""
+    32-block (``xp.quantize_q8_parts``: d = max|x| / 127, q = rint(x * (1 / d)))."""
     xq, xd = q8
-    xb = np.asarray(x, np.float32).reshape(-1, 32)
-    d = (np.abs(xb).max(axis=1) / np.float32(127.0)).astype(np.float32)
-    with np.errstate(divide="ignore"):
-        inv = np.where(d != 0, np.float32(1.0) / d, np.float32(0.0)).astype(np.float32)
-    xq[:xb.size] = np.rint(xb * inv[:, None]).astype(np.int8).reshape(-1)
-    xd[:d.size] = d
+    q, d = X.quantize_q8_parts(np.asarray(x, np.float32).reshape(-1))
+    xq[:q.size] = q.astype(np.int8).reshape(-1)
+    xd[:d.size] = d.reshape(-1)
 
 
 def _act_for(w: DeviceRows, x: np.ndarray) -> np.ndarray:
     """The activation w's kernels read: q8(x) dequantized for q8_0/q4_0 rows, else x."""
-    return reference.quantize_act_q8(x) if w.qtype in cuda.Q8_TYPES else x
+    return X.quantize_act_q8(x) if w.qtype in cuda.Q8_TYPES else x
 
 
 class NumpyDevice:

@@ -95,13 +95,21 @@ def act(g, silu: bool):
     return xp.maximum(g, xp.float32(0.0))
 
 
-def quantize_act_q8(x):
-    """x (..., n) f32 as the quantized kernels see it, returned dequantized (d * q) in f32: per
-    32-block d = max|x| / 127 (f32), q = rint(x * (1 / d)) (0 where d is 0). The batched form of
-    ``pyinfer.ops.cuda.quantize_q8`` (simd.h pi_quantize_q8; ``reference.quantize_act_q8``)."""
+def quantize_q8_parts(x):
+    """x (..., n) f32 -> (q, d): q (..., n/32, 32) the int8 values (as f32), d (..., n/32, 1) f32
+    the block scales, per 32-block d = max|x| / 127, q = rint(x * (1 / d)) (0 where d is 0): the
+    quantized kernels' activation (simd.h pi_quantize_q8; ``pyinfer.ops.cuda.quantize_q8``)."""
     xp = array_module(x)
     xb = x.reshape(*x.shape[:-1], -1, 32)
     d = (xp.abs(xb).max(axis=-1, keepdims=True) / xp.float32(127.0)).astype(xp.float32)
     safe = xp.where(d != 0, d, xp.float32(1.0))
     inv = xp.where(d != 0, xp.float32(1.0) / safe, xp.float32(0.0)).astype(xp.float32)
-    return (xp.rint(xb * inv) * d).reshape(x.shape).astype(xp.float32)
+    return xp.rint(xb * inv), d
+
+
+def quantize_act_q8(x):
+    """x (..., n) f32 as the quantized kernels see it, dequantized (d * q) in f32
+    (``quantize_q8_parts``; ``reference.quantize_act_q8`` on the CPU side)."""
+    xp = array_module(x)
+    q, d = quantize_q8_parts(x)
+    return (q * d).reshape(x.shape).astype(xp.float32)
