@@ -1,15 +1,16 @@
 #!/usr/bin/env python3
 """Which warp-per-row quantized GEMV reads a q4_0 / q8_0 matrix fastest on this GPU (issue 10).
 
-Times the engine's ``gather_gemv_{q4_0,q8_0}`` (f32 activation, four 32-bit quant words in flight
-per lane) against variants of the same warp-per-row kernel over the same split-layout rows
-(``pyinfer.device.device_layout``):
+Times the engine's ``gather_gemv_{q4_0,q8_0}`` against variants of the same warp-per-row kernel
+over the same split-layout rows (``pyinfer.device.device_layout``), a lane per 32-bit quant word:
 
-- ``f32 uU``: the engine's dot with U words in flight per lane instead of 4;
-- ``q8 uU``: the activation quantized once per vector to int8 per 32-block (``quantize_q8``:
-  d = max|x| / 127, q = rint(x / d): the CPU kernels' ``pi_quantize_q8``, llama.cpp's q8_0), and
-  each quant word dotted with ``__dp4a`` (an exact integer per block, one float multiply-add per
-  word), U words in flight per lane.
+- ``f32 uU``: the dot the engine ran until session 19, against the f32 activation (eight
+  conversions and FMAs per q4_0 word), U words in flight per lane (the engine had 4);
+- ``q8 uU``: the engine's dot since session 19 (``dot_split_t``): the activation quantized once
+  per vector to int8 per 32-block (``warp_quantize_q8``: d = max|x| / 127, q = rint(x / d), the
+  CPU kernels' ``pi_quantize_q8``, llama.cpp's q8_0), each quant word dotted with ``__dp4a`` (an
+  exact integer per word, one float multiply-add), U words in flight per lane (the engine runs
+  q4_0 at 4 and q8_0 at 8: the fastest here on an H200, session 19).
 
 Each matrix is replicated so that the timed launches cycle over more bytes than the L2 holds (a
 model's layers never share weights). Reports microseconds per call and GB/s of weight bytes, and
@@ -33,46 +34,21 @@ from pyinfer.ops import cuda  # noqa: E402
 VARIANT_SRC = r"""
 extern "C" __global__ void quantize_q8(const float* x, int n, signed char* xq, float* xd) {
     const int b = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
-    if (32 * b >= n) return;
-    const float v = x[32 * b + lane];
-    float m = fabsf(v);
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    const float d = m / 127.f;
-    const float id = d != 0.f ? 1.f / d : 0.f;
-    xq[32 * b + lane] = (signed char)__float2int_rn(v * id);
-    if (lane == 0) xd[b] = d;
+    if (32 * b < n) warp_quantize_q8(x[32 * b + lane], lane, xq + 32 * b, xd + b);
 }
+// The f32-activation dot the engine ran before session 19: word w (quant bytes 4i..4i+3) of a
+// block against the block's 32 f32 values xb, eight conversions and FMAs (q4_0) or four (q8_0).
 template <int QB>
-__device__ __forceinline__ int word_i8(unsigned int w, const int* xb, int i) {
+__device__ __forceinline__ float word_f32(unsigned int w, const float* xb, int i) {
     if (QB == 16) {
-        const int xl = xb[i], xh = xb[4 + i];
-        const int lo = (int)(w & 0x0f0f0f0fu), hi = (int)((w >> 4) & 0x0f0f0f0fu);
-        return __dp4a(lo, xl, __dp4a(hi, xh, 0)) - 8 * __dp4a(0x01010101, xl, __dp4a(0x01010101, xh, 0));
+        const float4 lo = ((const float4*)xb)[i], hi = ((const float4*)xb)[4 + i];
+        return nib(w, 0) * lo.x + nib(w, 8) * lo.y + nib(w, 16) * lo.z + nib(w, 24) * lo.w
+             + nib(w, 4) * hi.x + nib(w, 12) * hi.y + nib(w, 20) * hi.z + nib(w, 28) * hi.w;
     }
-    return __dp4a((int)w, xb[i], 0);
+    const float4 a = ((const float4*)xb)[i];
+    return sb(w, 0) * a.x + sb(w, 1) * a.y + sb(w, 2) * a.z + sb(w, 3) * a.w;
 }
-template <int QB, bool AL, int U>
-__device__ __forceinline__ float dot_q8x(const u8* row, int nb, const int* xq, const float* xd, int lane) {
-    const int lpb = QB / 4, step = 32 / lpb;
-    const u8* ds = row + QB * nb;
-    const int i = lane % lpb;
-    float s = 0.f;
-    int b = lane / lpb;
-    for (; b + (U - 1) * step < nb; b += U * step) {
-        unsigned int w[U];
-        float d[U];
-        #pragma unroll
-        for (int u = 0; u < U; ++u) w[u] = ld_w32(row + QB * (b + u * step) + 4 * i, AL);
-        #pragma unroll
-        for (int u = 0; u < U; ++u) d[u] = ld_half(ds + 2 * (b + u * step)) * xd[b + u * step];
-        #pragma unroll
-        for (int u = 0; u < U; ++u) s += d[u] * (float)word_i8<QB>(w[u], xq + 8 * (b + u * step), i);
-    }
-    for (; b < nb; b += step)
-        s += ld_half(ds + 2 * b) * xd[b] * (float)word_i8<QB>(ld_w32(row + QB * b + 4 * i, AL), xq + 8 * b, i);
-    return s;
-}
-template <int QB, bool AL, int U>
+template <int QB, int U>
 __device__ __forceinline__ float dot_f32x(const u8* row, int nb, const float* x, int lane) {
     const int lpb = QB / 4, step = 32 / lpb;
     const u8* ds = row + QB * nb;
@@ -83,30 +59,31 @@ __device__ __forceinline__ float dot_f32x(const u8* row, int nb, const float* x,
         unsigned int w[U];
         float d[U];
         #pragma unroll
-        for (int u = 0; u < U; ++u) w[u] = ld_w32(row + QB * (b + u * step) + 4 * i, AL);
+        for (int u = 0; u < U; ++u) w[u] = *(const unsigned int*)(row + QB * (b + u * step) + 4 * i);
         #pragma unroll
         for (int u = 0; u < U; ++u) d[u] = ld_half(ds + 2 * (b + u * step));
         float t = 0.f;
         #pragma unroll
-        for (int u = 0; u < U; ++u) t += d[u] * word_dot<QB>(w[u], x + 32 * (b + u * step), i);
+        for (int u = 0; u < U; ++u) t += d[u] * word_f32<QB>(w[u], x + 32 * (b + u * step), i);
         s += t;
     }
-    for (; b < nb; b += step) s += ld_half(ds + 2 * b) * word_dot<QB>(ld_w32(row + QB * b + 4 * i, AL), x + 32 * b, i);
+    for (; b < nb; b += step) s += ld_half(ds + 2 * b) * word_f32<QB>(*(const unsigned int*)(row + QB * b + 4 * i), x + 32 * b, i);
     return s;
 }
+// U words in flight: the f32-activation dot above, and the engine's q8 dot (dot_split_t).
 #define VARIANTS(QB, NAME, U) \
 extern "C" __global__ void gemv_##NAME##_f32_u##U(const u8* w, long long row_bytes, int n_rows, \
         int cols, const float* x, float* out) { \
     const int k = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31; \
     if (k >= n_rows) return; \
-    const float s = warp_sum(dot_f32x<QB, true, U>(w + k * row_bytes, cols >> 5, x, lane)); \
+    const float s = warp_sum(dot_f32x<QB, U>(w + k * row_bytes, cols >> 5, x, lane)); \
     if (lane == 0) out[k] = s; \
 } \
 extern "C" __global__ void gemv_##NAME##_q8_u##U(const u8* w, long long row_bytes, int n_rows, \
         int cols, const int* xq, const float* xd, float* out) { \
     const int k = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31; \
     if (k >= n_rows) return; \
-    const float s = warp_sum(dot_q8x<QB, true, U>(w + k * row_bytes, cols >> 5, xq, xd, lane)); \
+    const float s = warp_sum(dot_split_t<QB, true, U>(w + k * row_bytes, cols >> 5, xq, xd, lane)); \
     if (lane == 0) out[k] = s; \
 }
 VARIANTS(16, q4_0, 4) VARIANTS(16, q4_0, 8) VARIANTS(16, q4_0, 16)
@@ -168,9 +145,9 @@ def main(argv=None) -> int:
             scale = np.abs(wd) @ np.abs(x.astype(np.float64))
             out = cp.empty(rows, cp.float32)
             rb = np.int64(raw.shape[1])
-            runs = {"engine f32 u4": (gather.get_function(f"gather_gemv_{qtype}"),
-                                      lambda w: (w, rb, np.int32(rows), np.int32(cols), xg, dummy_i,
-                                                 dummy_u, np.int32(0), np.int32(0), out), ref_f)}
+            runs = {"engine": (gather.get_function(f"gather_gemv_{qtype}"),
+                               lambda w: (w, rb, np.int32(rows), np.int32(cols), xg, xq, xd, dummy_i,
+                                          dummy_u, np.int32(0), np.int32(0), out), ref_q)}
             for u in UNROLLS:
                 runs[f"f32 u{u}"] = (mod.get_function(f"gemv_{qtype}_f32_u{u}"),
                                      lambda w: (w, rb, np.int32(rows), np.int32(cols), xg, out), ref_f)
