@@ -1,6 +1,6 @@
 """GPU kernels for the hot neurons: CuPy RawKernels over CUDA sources kept here as raw strings.
 
-Three sources, one ``cupy.RawModule`` each, compiled once per device on first use (CuPy
+Four sources, one ``cupy.RawModule`` each, compiled once per device on first use (CuPy
 ``examples/gemm``, ``cupyx/scipy/signal/_upfirdn.py``):
 
 - ``PREDICTOR_SRC``: PowerInfer's per-layer predictor, ``mask = fc2 @ relu(fc1 @ x) >= threshold``
@@ -14,8 +14,11 @@ Three sources, one ``cupy.RawModule`` each, compiled once per device on first us
 
 Weights are f32, f16, q8_0 or q4_0 rows of ``row_bytes`` bytes, the GGUF's bytes with each
 quantized row's blocks split into quants then scales (``pyinfer.device.device_layout``: aligned
-128-bit loads), dequantized inside the kernels; activations are f32 and every dot accumulates
-in f32. Sizes and strides are passed explicitly (RawKernel ignores strides). f16 is converted with the PTX ``cvt.f32.f16``
+128-bit loads). Float rows dot the f32 activation; q8_0/q4_0 rows dot its q8 form (int8 per
+32-block and an f32 scale, ``quantize_q8``: the CPU kernels' quantization, bit for bit) with
+``__dp4a``, an exact integer per quant word, and sum in f32 (session 19: 1.3-1.44x the f32
+version's q4_0 GEMV on an H200, ``tools/gemv_variants_gpu.py``). ``ATTN_SRC`` holds the norms,
+RoPE, attention and ``quantize_q8``. Sizes and strides are passed explicitly (RawKernel ignores strides). f16 is converted with the PTX ``cvt.f32.f16``
 instruction so the sources need no header (NVRTC and nvcc both compile them as they are).
 
 Whether a GPU is there is decided once, at import (``available()``); ``PYINFER_DEVICE=cpu`` in the
