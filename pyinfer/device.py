@@ -96,7 +96,7 @@ def quantize_q8(x: np.ndarray, q8) -> None:
 
 def _act_for(w: DeviceRows, x: np.ndarray) -> np.ndarray:
     """The activation w's kernels read: q8(x) dequantized for q8_0/q4_0 rows, else x."""
-    return X.quantize_act_q8(x) if w.qtype in cuda.Q8_TYPES else x
+    return X.quantize_act_q8(x) if cuda.reads_q8(w) else x
 
 
 class NumpyDevice:

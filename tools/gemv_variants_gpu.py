@@ -7,7 +7,7 @@ over the same split-layout rows (``pyinfer.device.device_layout``), a lane per 3
 - ``f32 uU``: the dot the engine ran until session 19, against the f32 activation (eight
   conversions and FMAs per q4_0 word), U words in flight per lane (the engine had 4);
 - ``q8 uU``: the engine's dot since session 19 (``dot_split_t``): the activation quantized once
-  per vector to int8 per 32-block (``warp_quantize_q8``: d = max|x| / 127, q = rint(x / d), the
+  per vector to int8 per 32-block (``cuda.quantize_q8``: d = max|x| / 127, q = rint(x * (1 / d)), the
   CPU kernels' ``pi_quantize_q8``, llama.cpp's q8_0), each quant word dotted with ``__dp4a`` (an
   exact integer per word, one float multiply-add), U words in flight per lane (the engine runs
   q4_0 at 4 and q8_0 at 8: the fastest here on an H200, session 19).
@@ -29,13 +29,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from pyinfer.device import dequantize_rows, gguf_layout  # noqa: E402
 from pyinfer.ops import cuda  # noqa: E402
+from pyinfer.ops.cpu import QT  # noqa: E402
 
 VARIANT_SRC = r"""
-extern "C" __global__ void quantize_q8(const float* x, int n, signed char* xq, float* xd) {
-    const int b = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
-    if (32 * b < n) warp_quantize_q8(x[32 * b + lane], lane, xq + 32 * b, xd + b);
-}
 // The f32-activation dot the engine ran before session 19: word w (quant bytes 4i..4i+3) of a
 // block against the block's 32 f32 values xb, eight conversions and FMAs (q4_0) or four (q8_0).
 template <int QB>
@@ -92,6 +90,7 @@ VARIANTS(32, q8_0, 4) VARIANTS(32, q8_0, 8) VARIANTS(32, q8_0, 16)
 SOURCE = cuda.COMMON_SRC + VARIANT_SRC
 UNROLLS = (4, 8, 16)
 QB = {"q4_0": 16, "q8_0": 32}
+QTYPE = {"q4_0": QT.Q4_0, "q8_0": QT.Q8_0}
 
 
 def random_rows(rng, n_rows, cols, qtype):
@@ -100,18 +99,6 @@ def random_rows(rng, n_rows, cols, qtype):
     q = rng.integers(0, 256, (n_rows, QB[qtype] * nb), dtype=np.uint8)
     d = (rng.uniform(0.5, 1.5, (n_rows, nb)) * 0.01).astype(np.float16).view(np.uint8)
     return np.ascontiguousarray(np.concatenate([q, d.reshape(n_rows, 2 * nb)], axis=1))
-
-
-def dequant(raw, cols, qtype):
-    nb = cols // 32
-    qb = QB[qtype]
-    d = raw[:, qb * nb:].copy().view(np.float16).astype(np.float64)  # (n, nb)
-    q = raw[:, :qb * nb].reshape(raw.shape[0], nb, qb)
-    if qtype == "q8_0":
-        v = q.view(np.int8).astype(np.float64)
-    else:
-        v = np.concatenate([(q & 15).astype(np.float64) - 8, (q >> 4).astype(np.float64) - 8], axis=2)
-    return (v * d[:, :, None]).reshape(raw.shape[0], cols)
 
 
 def main(argv=None) -> int:
@@ -134,11 +121,9 @@ def main(argv=None) -> int:
             ncopy = max(1, int(args.l2_bytes // raw.nbytes))
             ws = [cp.asarray(raw) for _ in range(ncopy)]
             xg = cp.asarray(x)
-            xq = cp.empty(cols, cp.int8)
-            xd = cp.empty(cols // 32, cp.float32)
-            mod.get_function("quantize_q8")(((cols + 255) // 256,), (256,),
-                                            (xg, np.int32(cols), xq, xd))
-            wd = dequant(raw, cols, qtype)
+            xq, xd = cuda.q8_buffers(cols)
+            cuda.quantize_q8(xg, (xq, xd))  # the engine's kernel
+            wd = dequantize_rows(gguf_layout(raw, QTYPE[qtype]), QTYPE[qtype], cols).astype(np.float64)
             ref_f = wd @ x.astype(np.float64)
             xqd = cp.asnumpy(xq).astype(np.float64) * np.repeat(cp.asnumpy(xd).astype(np.float64), 32)
             ref_q = wd @ xqd

@@ -734,13 +734,17 @@ def q8_buffers(n: int):
 
 def quantize_q8(x, q8) -> None:
     """q8 = (xq, xd) <- x (n,) f32 quantized per 32-block as the CPU kernels quantize it
-    (simd.h pi_quantize_q8: d = max|x| / 127, q = rint(x / d)): xq (>= n,) int8, xd (>= n/32,)
-    f32. n must be a multiple of 32."""
+    (simd.h pi_quantize_q8: d = max|x| / 127, q = rint(x * (1 / d))): xq (>= n,) int8, xd
+    (>= n/32,) f32. Raises ValueError unless n is a multiple of 32."""
     n = x.size
-    if n % 32:
-        raise ValueError(f"q8 activations need a multiple of 32 values, got {n}")
+    _check_q8_len(n)
     xq, xd = q8
     _kernel("attn", "quantize_q8")(_grid_rows(n // 32), (_BLOCK,), (x, np.int32(n), xq, xd))
+
+
+def _check_q8_len(n: int) -> None:
+    if n % 32:
+        raise ValueError(f"q8 activations need a multiple of 32 values, got {n}")
 
 
 def _q8_out(q8):
@@ -886,8 +890,8 @@ def rmsnorm(x, w, eps: float, out, q8=None) -> None:
     n a multiple of 32)."""
     n_tok, n = x.shape
     do_q8, xq, xd = _q8_out(q8)
-    if do_q8 and n % 32:
-        raise ValueError(f"q8 activations need a multiple of 32 values, got {n}")
+    if do_q8:
+        _check_q8_len(n)
     _kernel("attn", "rmsnorm_f32")((n_tok,), (_BLOCK,), (x, w, np.int32(n), np.float32(eps), out,
                                                          np.int32(do_q8), xq, xd))
 
