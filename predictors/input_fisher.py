@@ -38,20 +38,22 @@ from pyinfer.ops.reference import dequantize
 
 
 class TorchLlama:
-    """The dense row-layout model of ``eng`` as float32 torch tensors (4 bytes per weight: 540 MB
-    for SmolLM2-135M). ``forward(tokens, hook)``: tokens (T,) int, returns logits (T, n_vocab);
-    ``hook(layer, group_index, x)`` sees each group's input x (T, n_in) and returns what the
-    projection multiplies (``constants.IN_GROUPS`` order)."""
+    """The dense row-layout model of ``eng`` as float32 torch tensors on ``device`` (a
+    ``torch.device``, default the CPU; 4 bytes per weight: 540 MB for SmolLM2-135M).
+    ``forward(tokens, hook)``: tokens (T,) int, returns logits (T, n_vocab); ``hook(layer,
+    group_index, x)`` sees each group's input x (T, n_in) and returns what the projection
+    multiplies (``constants.IN_GROUPS`` order)."""
 
-    def __init__(self, eng, torch):
+    def __init__(self, eng, torch, device=None):
         self.torch, self.cfg = torch, eng.cfg
+        self.device = device = device if device is not None else torch.device("cpu")
         cfg, w = eng.cfg, eng.weights
 
         def t(a):
-            return torch.from_numpy(np.array(dequantize(a), np.float32))
+            return torch.from_numpy(np.array(dequantize(a), np.float32)).to(device)
 
         def v(a):
-            return torch.from_numpy(np.array(a, np.float32))
+            return torch.from_numpy(np.array(a, np.float32)).to(device)
 
         self.layers = []
         for lw in w.layers:
@@ -66,7 +68,7 @@ class TorchLlama:
         self.out_norm = v(w.output_norm)
         hd = cfg.head_dim
         self.inv_freq = 1.0 / cfg.rope_freq_base ** (
-            torch.arange(0, hd, 2, dtype=torch.float64) / hd)  # (hd / 2,)
+            torch.arange(0, hd, 2, dtype=torch.float64, device=device) / hd)  # (hd / 2,)
 
     def _rms(self, x, w):
         return x * self.torch.rsqrt((x * x).mean(-1, keepdim=True) + self.cfg.rms_eps) * w
@@ -81,8 +83,9 @@ class TorchLlama:
         torch, cfg = self.torch, self.cfg
         F = torch.nn.functional
         T, hd = len(tokens), cfg.head_dim
-        ang = torch.outer(torch.arange(T, dtype=torch.float64), self.inv_freq)  # (T, hd / 2)
-        x = self.embd[torch.as_tensor(tokens, dtype=torch.long)]  # (T, n_embd)
+        ang = torch.outer(torch.arange(T, dtype=torch.float64, device=self.device),
+                          self.inv_freq)  # (T, hd / 2)
+        x = self.embd[torch.as_tensor(tokens, dtype=torch.long, device=self.device)]  # (T, n_embd)
         nq, nkv = cfg.n_embd_q, cfg.n_embd_kv
         for i, W in enumerate(self.layers):
             qkv = hook(i, 0, self._rms(x, W["attn_norm"])) @ W["wqkv"].T
@@ -113,24 +116,28 @@ def fisher_pieces(pieces: list[list[int]], n_tokens: int | None) -> list[list[in
 
 
 def fisher_costs(eng, pieces: list[list[int]], thr: np.ndarray, seed: int,
-                 n_threads: int | None = None, scales: list[dict] | None = None) -> np.ndarray:
+                 n_threads: int | None = None, scales: list[dict] | None = None,
+                 device: str = "cpu") -> np.ndarray:
     """cost (n_layer, 4, n_levels) f64 (module docstring) over the calibration ``pieces`` (token
     lists, each from position 0) of the dense row-layout engine ``eng``; thr (n_layer, 4,
     n_levels) f32 the units' thresholds per level (``UnitCurve.thr``; level 0 keeps all, so
     cost[..., 0] = 0) on the score |x_j|, times ``scales[i][group]`` (n_in,) when given (WINA).
-    Non-decreasing in the level only up to the estimate's noise. Deterministic for a seed and
-    thread count. Raises PyinferError without PyTorch.
+    Non-decreasing in the level only up to the estimate's noise. Deterministic for a seed,
+    thread count and ``device`` ("cpu" | "cuda" | "auto": ``train.torch_device``; the sampled
+    targets are drawn on the CPU either way). Raises PyinferError without PyTorch or for a
+    device PyTorch cannot use.
 
     Cost: one float32 forward and backward per piece plus a bucketing pass over every unit's
     inputs; linear in the tokens (``fisher_pieces`` picks fewer: ``input_sparse.FISHER_TOKENS``)."""
-    from predictors.train import _import_torch
+    from predictors.train import _import_torch, torch_device
 
     torch = _import_torch()
+    dev = torch_device(torch, device)
     old = torch.get_num_threads()
     if n_threads:
         torch.set_num_threads(n_threads)
     try:
-        model = TorchLlama(eng, torch)
+        model = TorchLlama(eng, torch, dev)
         L, n_groups, N = thr.shape
         cost = np.zeros((L, n_groups, N))
         gen = torch.Generator().manual_seed(seed)
@@ -148,11 +155,12 @@ def fisher_costs(eng, pieces: list[list[int]], thr: np.ndarray, seed: int,
             with torch.enable_grad():
                 logits = model.forward(piece, hook)
                 with torch.no_grad():
-                    y = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)[:, 0]
+                    y = torch.multinomial(torch.softmax(logits, -1).cpu(), 1, generator=gen)[:, 0]
+                    y = y.to(dev)
                 torch.nn.functional.cross_entropy(logits, y, reduction="sum").backward()
             for (i, gi), xt in store.items():
-                x = xt.detach().numpy()  # (T, n_in) f32
-                gx = xt.grad.numpy() * x  # (T, n_in) f32; bincount sums it in f64
+                x = xt.detach().cpu().numpy()  # (T, n_in) f32
+                gx = xt.grad.cpu().numpy() * x  # (T, n_in) f32; bincount sums it in f64
                 # level k drops the pairs with |x| <= thr[k]: bucket < k (as unit_curve counts)
                 score = np.abs(x)
                 if scales is not None:

@@ -593,14 +593,15 @@ class Calibration:
 def calibrate(eng, seqs: list[list[int]], wina: bool, seed: int, n_threads: int,
               max_sparsity: float = 0.9, alloc: str = "uniform",
               fisher_tokens: int | None = FISHER_TOKENS,
-              lm_head: bool = False) -> tuple[Calibration, list[dict]]:
+              lm_head: bool = False, device: str = "cpu") -> tuple[Calibration, list[dict]]:
     """(Calibration, column norms [n_layer] {group: (n_in,) f32}) from the dense row-layout
     engine ``eng`` over the calibration sequences (steps 1-3: thresholds from every calibration
     token; for ``alloc`` "greedy" the block greedy on the first EVAL_TOKENS of them, up to block
     sparsity ``max_sparsity``; for "fisher" the end-of-model costs over the first
     ``fisher_tokens`` calibration tokens (None: all), which needs PyTorch; with ``lm_head`` the
-    lm head input's curve over every calibration token). Deterministic for a seed. Raises ValueError for an unknown alloc,
-    PyinferError for "fisher" without PyTorch."""
+    lm head input's curve over every calibration token). ``device``: where the Fisher pass runs
+    (``train.torch_device``). Deterministic for a seed (and device). Raises ValueError for an
+    unknown alloc, PyinferError for "fisher" without PyTorch or with a device it cannot use."""
     if alloc not in C.IN_ALLOCS:
         raise ValueError(f"unknown allocation {alloc!r} (one of {', '.join(C.IN_ALLOCS)})")
     from predictors.profile import chunks
@@ -642,7 +643,7 @@ def calibrate(eng, seqs: list[list[int]], wina: bool, seed: int, n_threads: int,
 
         thr = np.array([[c.thr for c in cs] for cs in curves])  # (n_layer, 4, N_LEVELS)
         cost = fisher_costs(eng, fisher_pieces(pieces, fisher_tokens), thr, seed, n_threads,
-                            norms if wina else None)
+                            norms if wina else None, device)
     return Calibration(curves, paths if alloc == "greedy" else None, alloc, cost,
                        head.get("curve"), head.get("norms")), norms
 
@@ -705,7 +706,7 @@ def input_stage(src: str, out: str, outtype: str, opts, eng, seqs, source: str, 
                            f"{cfg.n_vocab})")
     cal, norms = calibrate(eng, seqs, wina, opts.seed, n_threads,
                            max_sparsity=min(0.95, opts.target_sparsity + 0.05),
-                           alloc=opts.input_alloc, lm_head=head)
+                           alloc=opts.input_alloc, lm_head=head, device=opts.train_device)
     secs["calibration"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     weight = opts.fisher_weight if opts.input_alloc == "fisher" else 1.0

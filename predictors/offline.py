@@ -42,6 +42,7 @@ from pyinfer import constants as C
 from pyinfer.errors import PyinferError
 from pyinfer.ops.cpu import default_n_threads
 from pyinfer.options import arg_type
+from predictors.train import TRAIN_DEVICES
 
 DEFAULT_CALIB_TOKENS = 4096  # SmolLM2-135M: about 2 min of generation + 1 min profiling, 1 thread
 # Predictor recall by sparse mode. ReLU: 0.95, the default (the fixture loses 0.9% perplexity
@@ -126,6 +127,9 @@ class OfflineOptions:
     # mode "input": the two-stage head's candidates K (None: DEFAULT_LM_HEAD_CANDIDATES where the
     # head is wider than 4 bits, else 0; 0: output_ib is the exact head in its own type)
     lm_head_candidates: int | None = None
+    # where PyTorch trains the predictors and runs the Fisher pass: "auto" (CUDA where PyTorch
+    # sees a GPU), "cpu" or "cuda" (predictors.train.torch_device)
+    train_device: str = "auto"
     # check(): the allocation fell back to FALLBACK_INPUT_ALLOC for want of PyTorch (said once
     # the mode is known to be "input")
     _alloc_fallback: bool = field(default=False, repr=False, compare=False)
@@ -140,6 +144,13 @@ class OfflineOptions:
             raise PyinferError(f"--vram-budget must be > 0 GiB, got {self.vram_budget_gib}")
         if self.max_epochs < 1:
             raise PyinferError(f"--epochs must be >= 1, got {self.max_epochs}")
+        if self.train_device == "cuda":  # asked for by name: it must be there before any work
+            from predictors.train import _import_torch, torch_device
+
+            torch_device(_import_torch(), self.train_device)
+        elif self.train_device not in TRAIN_DEVICES:
+            raise PyinferError(f"--train-device must be one of {', '.join(TRAIN_DEVICES)}, "
+                               f"got {self.train_device!r}")
         if self.sparse_mode not in (None, C.SPARSE_MODE_INPUT, C.SPARSE_MODE_GLU):
             raise PyinferError(f"--sparse-mode must be input or glu, got {self.sparse_mode!r}")
         if self.input_score not in C.IN_SCORES:
@@ -450,7 +461,8 @@ def _train_layers(prof, cfg, mode: str, opts: OfflineOptions, n_threads: int):
             rows.append(LayerReport(i, sparsity, thr, rank, 1.0, 1.0, 1.0, 0, 0.0))
             continue
         res = train_predictor(x, active, rank, target_recall=opts.target_recall, seed=opts.seed + i,
-                              max_epochs=opts.max_epochs, patience=opts.patience, n_threads=n_threads)
+                              max_epochs=opts.max_epochs, patience=opts.patience, n_threads=n_threads,
+                              device=opts.train_device)
         preds.append((res.fc1, res.fc2, res.threshold))
         rows.append(LayerReport(i, sparsity, thr, res.rank, res.recall, res.precision,
                                 res.predicted_sparsity, res.epochs, res.train_seconds))
@@ -516,6 +528,9 @@ def add_arguments(parser) -> None:
                    help="predictor hidden width: auto (per layer, from sparsity and skew) or K")
     g.add_argument("--epochs", type=int, default=DEFAULT_MAX_EPOCHS,
                    help=f"max predictor training epochs per layer (default {DEFAULT_MAX_EPOCHS})")
+    g.add_argument("--train-device", choices=list(TRAIN_DEVICES), default="auto",
+                   help="where PyTorch trains the predictors and runs the Fisher pass: auto (a CUDA "
+                        "GPU when PyTorch sees one, default), cpu or cuda")
     g.add_argument("-t", "--threads", type=arg_type("threads"), default=None,
                    help="threads for profiling and training (default: the physical cores this process may use)")
 
@@ -528,4 +543,5 @@ def options_from_args(args) -> OfflineOptions:
                           sparse_mode=args.sparse_mode, input_score=args.sparsity_score,
                           input_alloc=args.sparse_alloc, fisher_weight=args.fisher_weight,
                           lm_head_sparsity=args.lm_head_sparsity,
-                          lm_head_candidates=args.lm_head_candidates)
+                          lm_head_candidates=args.lm_head_candidates,
+                          train_device=args.train_device)

@@ -85,6 +85,24 @@ def _import_torch():
     return torch
 
 
+#: where the offline stage's PyTorch work runs (``pyinfer-convert --train-device``)
+TRAIN_DEVICES = ("auto", "cpu", "cuda")
+
+
+def torch_device(torch, device: str = "auto"):
+    """The ``torch.device`` for the offline stage's PyTorch work (predictor training, the Fisher
+    pass): "auto" is CUDA where PyTorch sees a GPU, else the CPU; "cpu" and "cuda" as named.
+    Results depend on the device (float sums in another order), not on anything else.
+    Raises PyinferError for "cuda" where PyTorch sees none, or a name outside TRAIN_DEVICES."""
+    if device not in TRAIN_DEVICES:
+        raise PyinferError(f"unknown training device {device!r} (one of {', '.join(TRAIN_DEVICES)})")
+    has_cuda = bool(torch.cuda.is_available())
+    if device == "cuda" and not has_cuda:
+        raise PyinferError("--train-device cuda: PyTorch sees no CUDA device "
+                           f"(torch {torch.__version__}, built for CUDA {torch.version.cuda})")
+    return torch.device("cuda" if device == "cuda" or (device == "auto" and has_cuda) else "cpu")
+
+
 def _check(x: np.ndarray, active: np.ndarray, rank: int, target_recall: float, holdout: float):
     if x.ndim != 2 or active.ndim != 2 or x.shape[0] != active.shape[0]:
         raise PyinferError(
@@ -143,6 +161,7 @@ def train_predictor(
     patience: int = 6,
     max_pos_weight: float = 20.0,
     n_threads: int | None = None,
+    device: str = "cpu",
 ) -> PredictorResult:
     """Train one layer's predictor ``logits = fc2 @ relu(fc1 @ x)`` and tune its threshold.
 
@@ -166,15 +185,20 @@ def train_predictor(
         holdout: fraction of samples held out (0.1-0.2 recommended).
         max_pos_weight: cap on the per-neuron positive weight.
         n_threads: torch intra-op threads for the call (None: leave torch's setting).
+        device: "cpu" (default) | "cuda" | "auto" (:func:`torch_device`; the offline stage passes
+            ``--train-device``); the split, initialisation and batch order are drawn on the CPU
+            either way, so only the float sums differ between devices.
 
     Returns:
         PredictorResult (fc1 float32 (rank, n_embd), fc2 float32 (n_ff, rank), threshold, ...).
 
     Raises:
         PyinferError: PyTorch missing; shapes that disagree; non-finite x; rank < 1;
-            target_recall outside (0, 1]; too few samples for the holdout; no active neuron.
+            target_recall outside (0, 1]; too few samples for the holdout; no active neuron;
+            a device PyTorch cannot use.
     """
     torch = _import_torch()
+    dev = torch_device(torch, device)
     x = np.asarray(x)
     active = np.asarray(active).astype(bool, copy=False)
     _check(x, active, rank, target_recall, holdout)
@@ -183,14 +207,15 @@ def train_predictor(
     if n_threads is not None:
         torch.set_num_threads(int(n_threads))
     try:
-        return _train(torch, x.astype(np.float32, copy=False), active, int(rank), target_recall, seed,
-                      max_epochs, batch_size, lr, weight_decay, holdout, patience, max_pos_weight, t0)
+        return _train(torch, dev, x.astype(np.float32, copy=False), active, int(rank), target_recall,
+                      seed, max_epochs, batch_size, lr, weight_decay, holdout, patience,
+                      max_pos_weight, t0)
     finally:
         torch.set_num_threads(old_threads)
 
 
-def _train(torch, x, active, rank, target_recall, seed, max_epochs, batch_size, lr, weight_decay,
-           holdout, patience, max_pos_weight, t0) -> PredictorResult:
+def _train(torch, dev, x, active, rank, target_recall, seed, max_epochs, batch_size, lr,
+           weight_decay, holdout, patience, max_pos_weight, t0) -> PredictorResult:
     n, n_embd = x.shape
     n_ff = active.shape[1]
     rng = np.random.default_rng(seed)
@@ -203,16 +228,16 @@ def _train(torch, x, active, rank, target_recall, seed, max_epochs, batch_size, 
     scale = np.maximum(rms, 1e-6 * max(float(rms.mean()), 1e-30)).astype(np.float32)
 
     gen = torch.Generator().manual_seed(int(seed))
-    xt = torch.from_numpy(np.ascontiguousarray(x[tr_idx] / scale))
-    yt = torch.from_numpy(active[tr_idx].astype(np.float32))
-    xv = torch.from_numpy(np.ascontiguousarray(x[val_idx] / scale))
-    yv = torch.from_numpy(active[val_idx].astype(np.float32))
+    xt = torch.from_numpy(np.ascontiguousarray(x[tr_idx] / scale)).to(dev)
+    yt = torch.from_numpy(active[tr_idx].astype(np.float32)).to(dev)
+    xv = torch.from_numpy(np.ascontiguousarray(x[val_idx] / scale)).to(dev)
+    yv = torch.from_numpy(active[val_idx].astype(np.float32)).to(dev)
     p = yt.mean(0).clamp_min(1e-6)
     pos_weight = ((1 - p) / p).clamp(1.0, max_pos_weight)
 
     # Kaiming-uniform-like init, drawn from our generator for determinism.
-    fc1 = torch.empty(rank, n_embd).uniform_(-1, 1, generator=gen) * (3.0 / n_embd) ** 0.5
-    fc2 = torch.empty(n_ff, rank).uniform_(-1, 1, generator=gen) * (3.0 / rank) ** 0.5
+    fc1 = (torch.empty(rank, n_embd).uniform_(-1, 1, generator=gen) * (3.0 / n_embd) ** 0.5).to(dev)
+    fc2 = (torch.empty(n_ff, rank).uniform_(-1, 1, generator=gen) * (3.0 / rank) ** 0.5).to(dev)
     fc1.requires_grad_(True)
     fc2.requires_grad_(True)
     opt = torch.optim.Adam([fc1, fc2], lr=lr, weight_decay=weight_decay)
@@ -228,7 +253,7 @@ def _train(torch, x, active, rank, target_recall, seed, max_epochs, batch_size, 
         epochs = epoch + 1
         order = torch.randperm(xt.shape[0], generator=gen)
         for i in range(0, xt.shape[0], batch_size):
-            b = order[i:i + batch_size]
+            b = order[i:i + batch_size].to(dev)
             opt.zero_grad(set_to_none=True)
             loss = loss_fn(forward(xt[b]), yt[b])
             loss.backward()
@@ -243,8 +268,8 @@ def _train(torch, x, active, rank, target_recall, seed, max_epochs, batch_size, 
             if since_best >= patience:
                 break
 
-    w1 = (best[1].numpy() / scale[None, :]).astype(np.float32)  # fold the input scale into fc1
-    w2 = best[2].numpy().astype(np.float32)
+    w1 = (best[1].cpu().numpy() / scale[None, :]).astype(np.float32)  # fold the input scale into fc1
+    w2 = best[2].cpu().numpy().astype(np.float32)
     logits = predict_logits(w1, w2, x[val_idx])  # numpy, exactly what the runtime computes
     threshold = tune_threshold(logits, active[val_idx], target_recall)
     recall, precision, sparsity = _quality(logits, active[val_idx], threshold)

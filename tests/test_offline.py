@@ -200,6 +200,8 @@ def test_bad_inputs(relu_dir, silu_dir, tmp_path, capsys):
         ([silu_dir, "--outtype", "q5_0", "--lm-head-sparsity", "0.1", *FAST], "needs --sparse-mode input"),
         ([relu_dir, "--predictor-rank", "zero"], "--predictor-rank"),
     ]
+    if not torch.cuda.is_available():  # a GPU asked for by name: refused before any work
+        cases.append(([relu_dir, "--train-device", "cuda"], "no CUDA device"))
     for i, (args, contains) in enumerate(cases):
         sub = d / str(i)
         sub.mkdir()

@@ -15,6 +15,7 @@ from predictors.train import (  # noqa: E402
     choose_rank,
     layer_stats,
     predict_logits,
+    torch_device,
     train_predictor,
     tune_threshold,
 )
@@ -101,6 +102,30 @@ def test_deterministic_by_seed(rule_data):
     np.testing.assert_array_equal(r1.holdout_idx, r2.holdout_idx)
     assert r1.threshold == r2.threshold
     assert not np.array_equal(r1.fc1, r3.fc1)
+
+
+def test_training_device(rule_data):
+    """torch_device resolves the offline stage's --train-device; training on a GPU (where there
+    is one) keeps the CPU's split and reaches the same quality, and a GPU asked for by name where
+    PyTorch sees none is a clear error."""
+    import torch
+
+    (x, a), (xf, af) = rule_data
+    gpu = torch.cuda.is_available()
+    assert torch_device(torch, "cpu").type == "cpu"
+    assert torch_device(torch, "auto").type == ("cuda" if gpu else "cpu")
+    with pytest.raises(PyinferError, match="unknown training device"):
+        torch_device(torch, "tpu")
+    if not gpu:
+        with pytest.raises(PyinferError, match="no CUDA device"):
+            torch_device(torch, "cuda")
+        with pytest.raises(PyinferError, match="no CUDA device"):
+            train_predictor(x, a, 32, n_threads=TORCH_THREADS, device="cuda")
+        return
+    kw = dict(seed=3, max_epochs=8, n_threads=TORCH_THREADS)
+    rc, rg = train_predictor(x, a, 32, **kw), train_predictor(x, a, 32, device="cuda", **kw)
+    np.testing.assert_array_equal(rc.holdout_idx, rg.holdout_idx)
+    assert abs(_fresh_quality(rc, xf, af)[0] - _fresh_quality(rg, xf, af)[0]) < 0.03
 
 
 def test_large_norm_inputs_scale_folded_into_fc1():
