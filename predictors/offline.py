@@ -144,13 +144,13 @@ class OfflineOptions:
             raise PyinferError(f"--vram-budget must be > 0 GiB, got {self.vram_budget_gib}")
         if self.max_epochs < 1:
             raise PyinferError(f"--epochs must be >= 1, got {self.max_epochs}")
+        if self.train_device not in TRAIN_DEVICES:
+            raise PyinferError(f"--train-device must be one of {', '.join(TRAIN_DEVICES)}, "
+                               f"got {self.train_device!r}")
         if self.train_device == "cuda":  # asked for by name: it must be there before any work
             from predictors.train import _import_torch, torch_device
 
             torch_device(_import_torch(), self.train_device)
-        elif self.train_device not in TRAIN_DEVICES:
-            raise PyinferError(f"--train-device must be one of {', '.join(TRAIN_DEVICES)}, "
-                               f"got {self.train_device!r}")
         if self.sparse_mode not in (None, C.SPARSE_MODE_INPUT, C.SPARSE_MODE_GLU):
             raise PyinferError(f"--sparse-mode must be input or glu, got {self.sparse_mode!r}")
         if self.input_score not in C.IN_SCORES:
