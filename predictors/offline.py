@@ -300,8 +300,8 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
             if mode == C.SPARSE_MODE_INPUT:
                 opts.note_alloc_fallback()
                 _log("sparse mode input (the default for a Llama-shaped SwiGLU model in q8_0, q4_0, "
-                     "q4_1 or f16: CPU only; --sparse-mode glu or --vram-budget for the GPU engine's "
-                     "predictors)", opts.progress)
+                     "q4_1 or f16; the GPU engine runs its q8_0/q4_0/f16 files as whole layers; "
+                     "--sparse-mode glu or --vram-budget for its hot-neuron split)", opts.progress)
             elif mode == C.SPARSE_MODE_GLU and opts.vram_budget_gib is None:
                 hint = ("; --outtype q8_0, q4_0, q4_1 or f16 takes sparse mode input, which is faster"
                         if cfg.llama_plain and eng.weights.llama_plain else "")
@@ -316,8 +316,9 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
         if opts.target_recall is None and mode != C.SPARSE_MODE_INPUT:
             opts = dataclasses.replace(opts, target_recall=DEFAULT_TARGET_RECALL[mode])
         if mode == C.SPARSE_MODE_INPUT and opts.vram_budget_gib is not None:
-            raise PyinferError("--vram-budget needs the predictors of --sparse-mode glu: sparse mode "
-                               "input runs on the CPU only")
+            raise PyinferError("--vram-budget solves the hot-neuron split of --sparse-mode glu: sparse "
+                               "mode input has none (the GPU engine places its layers whole at run "
+                               "time: pyinfer-run --vram-budget / -ngl)")
         if mode == C.SPARSE_MODE_GLU and round(cfg.n_ff * (1 - opts.target_sparsity)) < 1:
             raise PyinferError(f"the model is too small for --target-sparsity {opts.target_sparsity}: "
                                f"its {cfg.n_ff} FFN neurons per layer would leave none active")
@@ -492,7 +493,7 @@ def add_arguments(parser) -> None:
                         f"(default {DEFAULT_TARGET_SPARSITY[C.SPARSE_MODE_GLU]}). ReLU models use their exact zeros")
     g.add_argument("--sparse-mode", choices=[C.SPARSE_MODE_INPUT, C.SPARSE_MODE_GLU], default=None,
                    help="SwiGLU models: input (skip small input channels of every projection, "
-                        "TEAL/WINA; CPU only; the default for Llama-shaped models in q8_0, q4_0, f16 "
+                        "TEAL/WINA; the GPU engine places its layers whole; the default for Llama-shaped models in q8_0, q4_0, f16 "
                         "without --vram-budget) or glu (predictors and a GPU split, which the GPU "
                         "engine needs; the default otherwise)")
     g.add_argument("--sparsity-score", choices=list(C.IN_SCORES), default=DEFAULT_INPUT_SCORE,

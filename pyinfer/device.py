@@ -252,6 +252,18 @@ class NumpyDevice:
         if q8 is not None:
             quantize_q8(out.reshape(-1), q8)
 
+    def mask_inputs(self, x, scale, thr: float, kept=None, q8=None) -> None:
+        """x[j] = 0 in place where |x[j]| * scale[j] <= thr (``cpu.mask_inputs``' rule); kept
+        (1,) uint64 += the channels kept; with q8 the masked x's q8 form."""
+        v = x.reshape(-1)
+        s = np.abs(v) if scale is None else np.abs(v) * scale
+        keep = s > np.float32(thr)
+        v[~keep] = 0.0
+        if kept is not None:
+            kept[0] += np.uint64(keep.sum())
+        if q8 is not None:
+            quantize_q8(v, q8)
+
     def add(self, out, a) -> None:
         out += a
 
@@ -394,6 +406,9 @@ class CupyDevice:
                 cuda.quantize_q8(out.reshape(-1), q8)
         else:
             cuda.attn_decode(q, cache_k, cache_v, pos, out, n_att, q8)
+
+    def mask_inputs(self, x, scale, thr: float, kept=None, q8=None) -> None:
+        cuda.mask_inputs(x, scale, thr, kept, q8)
 
     def add(self, out, a) -> None:
         cuda.add(out, a)

@@ -29,6 +29,13 @@ Prefill runs batched: GEMMs through cuBLAS (CuPy ``matmul``) on weights dequanti
 chunks, attention over the cache in query chunks (``pyinfer.ops.xp``); the CPU's cold part loops
 over the batch's tokens with the decode kernels, so prefill and decode compute one function.
 
+Sparse mode "input" (TEAL-style input sparsity, ``pyinfer.input_sparse``) runs whole layers on
+the device: its transposed or input-block matrices are laid out as rows again on upload (the same
+numbers: ``input_layer_rows``), and before each projection a mask kernel zeroes the inputs the
+CPU would skip (``cuda.mask_inputs``, the CPU's rule) and writes the masked activation's q8 form,
+so each GEMV is the CPU's input-block sum of the kept channels (ibsum.h: for q8_0 the GEMV of
+the masked input bit for bit). The GPU reads every row; skipping them is a later step.
+
 Every step is written once over the device interface (``pyinfer.device``): with ``NumpyDevice``
 the whole forward runs with NumPy on a machine without a GPU, which is how the tests check it
 against the CPU ``Model``. Same function on every path: the same sparse rule ("relu"/"cats"/"glu"
@@ -43,12 +50,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pyinfer import constants as C
 from pyinfer.config import ModelConfig
 from pyinfer.device import as_qtensor
 from pyinfer.ffn import FFNStats, SparseFFN
 from pyinfer.model import Model
 from pyinfer.ops import cpu, cuda
 from pyinfer.ops import xp as X
+from pyinfer.ops.cpu import QTensor
 from pyinfer.weights import ModelWeights
 
 #: most rows of a weight dequantized at once for a prefill GEMM: bounds the scratch to
@@ -58,10 +67,48 @@ DEQUANT_CHUNK_ELEMS = 16 << 20
 UBATCH = 256
 
 
+def is_input_layer(lw) -> bool:
+    """True for a layer of sparse mode "input" (transposed / input-block matrices)."""
+    return lw.attn_qkv_t is not None
+
+
+def input_layer_rows(lw) -> dict:
+    """A sparse mode "input" layer's matrices in row layout, as the GPU kernels read them:
+    {"qkv": [wq; wk; wv] (n_embd_q + 2 n_embd_kv, n_embd), "wo": (n_embd, n_embd_q), "gate",
+    "up": (n_ff, n_embd), "down": (n_embd, n_ff)} QTensors holding the same numbers (an
+    input-block matrix's blocks moved back, ``IBTensor.to_rows``; an f32/f16 transposed matrix
+    transposed: exact). New host memory of the layer's size. ValueError for a transposed
+    quantized matrix (its blocks run along the outputs: rows would need a second rounding)."""
+    out = {}
+    for key, t in (("qkv", lw.attn_qkv_t), ("wo", lw.attn_output_t), ("gate_up", lw.ffn_gate_up_t),
+                   ("down", lw.ffn_down_t)):
+        if isinstance(t, cpu.IBTensor):
+            out[key] = t.to_rows()
+        elif t.qtype in (cpu.QT.F32, cpu.QT.F16):
+            out[key] = QTensor(np.ascontiguousarray(np.asarray(t.data).T), t.qtype, t.cols, t.rows)
+        else:
+            raise ValueError(f"a transposed {t.qtype.name} matrix has no row layout for the GPU")
+    gu = out.pop("gate_up")
+    n_ff = gu.rows // 2
+    out["gate"] = QTensor(gu.data[:n_ff], gu.qtype, n_ff, gu.cols)
+    out["up"] = QTensor(gu.data[n_ff:], gu.qtype, n_ff, gu.cols)
+    return out
+
+
+def _input_scale_bytes(lw) -> int:
+    return sum(int(np.asarray(v).nbytes) for v in (lw.in_scale or {}).values())
+
+
 def layer_fixed_bytes(cfg: ModelConfig, lw, n_ctx: int, predictor) -> int:
     """Bytes a resident layer holds on the device before any FFN neuron: norms, q/k/v/o as
-    stored, the KV cache (2 * n_ctx * n_head_kv * head_dim f32) and the predictor (as stored)."""
-    b = 2 * cfg.n_embd * 4 + lw.wq.nbytes + lw.wk.nbytes + lw.wv.nbytes + lw.wo.nbytes
+    stored, the KV cache (2 * n_ctx * n_head_kv * head_dim f32) and the predictor (as stored);
+    for a sparse mode "input" layer the attention matrices (the same bytes in row layout) and
+    the WINA column scales."""
+    b = 2 * cfg.n_embd * 4
+    if is_input_layer(lw):
+        b += lw.attn_qkv_t.nbytes + lw.attn_output_t.nbytes + _input_scale_bytes(lw)
+    else:
+        b += lw.wq.nbytes + lw.wk.nbytes + lw.wv.nbytes + lw.wo.nbytes
     b += 2 * n_ctx * cfg.n_embd_kv * 4
     if predictor is not None:
         b += predictor.fc1.nbytes + predictor.fc2.nbytes
@@ -69,7 +116,10 @@ def layer_fixed_bytes(cfg: ModelConfig, lw, n_ctx: int, predictor) -> int:
 
 
 def neuron_bytes(lw) -> int:
-    """Bytes of one FFN neuron on the device: its ffn_gate, ffn_up and ffn_down_t rows."""
+    """Bytes of one FFN neuron on the device: its ffn_gate, ffn_up and ffn_down_t rows (sparse
+    mode "input": the FFN matrices' bytes over n_ff; its layers go on the device whole)."""
+    if is_input_layer(lw):
+        return (lw.ffn_gate_up_t.nbytes + lw.ffn_down_t.nbytes) // lw.ffn_down_t.rows
     return int(lw.ffn_gate.raw.shape[1] + lw.ffn_up.raw.shape[1] + lw.ffn_down_t.raw.shape[1])
 
 
@@ -77,12 +127,14 @@ def output_bytes(cfg: ModelConfig, weights: ModelWeights) -> int:
     return cfg.n_embd * 4 + weights.output.nbytes
 
 
-def buffer_bytes(cfg: ModelConfig, n_ctx: int, rank: int) -> int:
+def buffer_bytes(cfg: ModelConfig, n_ctx: int, rank: int, input_mode: bool = False) -> int:
     """Bytes of the forward's own device buffers (GpuModel.__init__ allocates exactly these):
-    one-token activations, the prefill dequantization chunk and the RoPE table."""
+    one-token activations, the prefill dequantization chunk and the RoPE table (sparse mode
+    "input": also its four kept-channel counters)."""
     E, F, V = cfg.n_embd, cfg.n_ff, cfg.n_vocab
     decode = 4 * (3 * E + 2 * cfg.n_embd_q + 2 * cfg.n_embd_kv + rank + F + V) + F + 16 + 4
-    nq8 = q8_len(cfg)
+    decode += 8 * len(C.IN_GROUPS) if input_mode else 0
+    nq8 = q8_len(cfg, input_mode)
     decode += nq8 + 4 * max(1, nq8 // 32)  # the q8 form of the quantized rows' activation
     decode += 4 * cuda.axpy_chunks(F) * E  # AXPY partial sums
     cols = max(E, cfg.n_embd_q, F)
@@ -90,10 +142,11 @@ def buffer_bytes(cfg: ModelConfig, n_ctx: int, rank: int) -> int:
     return decode + 4 * min(rows * cols, DEQUANT_CHUNK_ELEMS) + 4 * n_ctx * cfg.head_dim
 
 
-def q8_len(cfg: ModelConfig) -> int:
+def q8_len(cfg: ModelConfig, input_mode: bool = False) -> int:
     """Values of the q8 activation buffer: the widest input of a quantized decode GEMV (n_embd
-    for q/k/v, gate/up and the output, n_head * head_dim for wo), rounded up to 32."""
-    return -(-max(cfg.n_embd, cfg.n_embd_q) // 32) * 32
+    for q/k/v, gate/up and the output, n_head * head_dim for wo; sparse mode "input": n_ff for
+    the down projection's GEMV too), rounded up to 32."""
+    return -(-max(cfg.n_embd, cfg.n_embd_q, cfg.n_ff if input_mode else 0) // 32) * 32
 
 
 def prefill_reserve_bytes(cfg: ModelConfig, n_ctx: int) -> int:
@@ -136,6 +189,10 @@ class _ResidentLayer:
     """One resident layer's device arrays (shapes in comments)."""
 
     def __init__(self, dev, cfg: ModelConfig, lw, n_ctx: int, hot: np.ndarray, predictor):
+        self.in_scale = {}  # sparse mode "input": group -> (n_in,) f32 WINA column scales
+        if is_input_layer(lw):
+            self._init_input(dev, cfg, lw, n_ctx, hot)
+            return
         same = lw.wq.qtype == lw.wk.qtype == lw.wv.qtype
         self.wqkv = dev.rows([lw.wq, lw.wk, lw.wv]) if same else None  # (n_q + 2 n_kv, n_embd)
         self.wq = self.wk = self.wv = None
@@ -164,6 +221,30 @@ class _ResidentLayer:
             self.up = dev.rows([lw.ffn_up], self.hot)
             self.down = dev.rows([lw.ffn_down_t], self.hot)
 
+    def _init_input(self, dev, cfg: ModelConfig, lw, n_ctx: int, hot: np.ndarray) -> None:
+        """A sparse mode "input" layer, whole: its matrices as rows (``input_layer_rows``),
+        ``down`` the (n_embd, n_ff) down projection a GEMV reads (no neuron-major rows)."""
+        if np.asarray(hot).size != cfg.n_ff:
+            raise ValueError("a sparse mode input layer goes on the device whole")
+        r = input_layer_rows(lw)
+        self.wqkv, self.wq, self.wk, self.wv = dev.rows([r["qkv"]]), None, None, None
+        self.wo = dev.rows([r["wo"]])
+        self.attn_norm = dev.array(np.asarray(lw.attn_norm, np.float32))
+        self.ffn_norm = dev.array(np.asarray(lw.ffn_norm, np.float32))
+        shape = (n_ctx, cfg.n_head_kv, cfg.head_dim)
+        self.k = dev.empty(shape, np.float32)
+        self.v = dev.empty(shape, np.float32)
+        self.fc1 = self.fc2 = None
+        self.pred_thr = 0.0
+        self.hot = np.arange(cfg.n_ff, dtype=np.int32)
+        self.n_hot = cfg.n_ff
+        self.cold_ids = np.zeros(0, np.int32)
+        self.ids = dev.array(self.hot)
+        self.gate, self.up = dev.rows([r["gate"]]), dev.rows([r["up"]])
+        self.down = dev.rows([r["down"]])  # (n_embd, n_ff)
+        self.in_scale = {g: dev.array(np.asarray(v, np.float32))
+                         for g, v in (lw.in_scale or {}).items()}
+
 
 class GpuModel:
     """The model of ``pyinfer.model.Model`` (same ``forward``) with the GPU-resident plan.
@@ -178,6 +259,8 @@ class GpuModel:
         self.cfg, self.w, self.n_ctx, self.n_threads = cfg, weights, n_ctx, n_threads
         self.dev, self.plan = dev, plan
         self.cpu_ffn = cpu_ffn
+        # sparse mode "input": masks before every projection (thresholds: cpu_ffn.thr)
+        self.input = bool(getattr(cpu_ffn, "is_input_sparse", False))
         # the CPU model: embeddings, layers past n_resident, logits when the output stays here
         # f32 as the device's cache, so that a layer computes one function wherever it runs
         self.cpu = Model(cfg, weights, n_ctx, n_threads, ffn=cpu_ffn, cache_type="f32")
@@ -208,13 +291,16 @@ class GpuModel:
         self._coef = dev.empty(F, np.float32)  # (n_hot,) act(gate) * up, 0 where inactive
         self._partial = dev.empty(E, np.float32)  # (n_embd,) the CPU's partial FFN output
         self._logits = dev.empty(cfg.n_vocab, np.float32)  # (n_vocab,)
-        nq8 = q8_len(cfg)
+        nq8 = q8_len(cfg, self.input)
         # (n,) int8 and (n / 32,) f32: the q8 form of the activation that q8_0/q4_0 rows read
         # (cuda.quantize_q8), written by the kernel that makes the activation
         self._q8 = (dev.empty(nq8, np.int8), dev.empty(max(1, nq8 // 32), np.float32))
         self._counts = dev.array(np.zeros(2, np.uint64))  # [candidates, active] of hot neurons
         self._pos = dev.array(np.zeros(1, np.int32))  # (1,) position of the decoded token
         self._axpy = dev.empty(cuda.axpy_chunks(F) * E, np.float32)  # AXPY partial sums
+        if self.input:  # (4,) channels kept per group (C.IN_GROUPS order) in resident layers
+            self._kept = dev.array(np.zeros(len(C.IN_GROUPS), np.uint64))
+            self._in_total = 0  # weight elements a dense pass over the resident layers reads
         cols = max(E, cfg.n_embd_q, F)
         rows = max(cfg.n_embd_q + 2 * cfg.n_embd_kv, F, cfg.n_vocab)
         self._deq = dev.empty(min(rows * cols, DEQUANT_CHUNK_ELEMS), np.float32)  # prefill chunk
@@ -237,7 +323,12 @@ class GpuModel:
         self._split_layers: list[int] = []
         self.graph_events = None  # set to a list to time each graph on the device (benchmarks)
         self._host_stats = FFNStats()  # cold neurons of resident layers + totals
-        self.stats = _SumStats([cpu_ffn.stats, self._host_stats], self)
+        if self.input:  # weight reads, as InputSparseFFN counts them; the head is the CPU's
+            self.stats = _InputStats(cpu_ffn, self)
+            self.input_sparse, self.head_stats = cpu_ffn, cpu_ffn.head_stats
+        else:
+            self.stats = _SumStats([cpu_ffn.stats, self._host_stats], self)
+            self.input_sparse = None
         self.profile = Profile()
 
     # ---- the Model interface ----------------------------------------------------------------
@@ -251,7 +342,11 @@ class GpuModel:
 
     @property
     def is_sparse(self) -> bool:
-        return self.sparse
+        return self.sparse or (self.input and self.cpu_ffn.is_sparse)
+
+    @property
+    def is_input_sparse(self) -> bool:
+        return self.input
 
     @property
     def n_hot(self) -> int:
@@ -311,7 +406,11 @@ class GpuModel:
             # attention; the q8 form of an activation is made by the kernel that makes it,
             # where the rows that read it are quantized
             q8 = self._q8_for(*([ly.wqkv] if ly.wqkv is not None else [ly.wq, ly.wk, ly.wv]))
-            dev.rmsnorm(x, ly.attn_norm, cfg.rms_eps, h, q8=q8)
+            if self.input:  # the q8 form of the masked input
+                dev.rmsnorm(x, ly.attn_norm, cfg.rms_eps, h)
+                self._mask_in(i, ly, "attn_qkv", h[0], q8)
+            else:
+                dev.rmsnorm(x, ly.attn_norm, cfg.rms_eps, h, q8=q8)
             if ly.wqkv is not None:
                 dev.gemv(ly.wqkv, h[0], self._qkv, q8=q8)
             else:
@@ -321,7 +420,9 @@ class GpuModel:
             dev.rope_store(q, k, v, ly.k, ly.v, self._cos_sin, self._pos)
             q8 = self._q8_for(ly.wo)
             dev.attn_decode(q, ly.k, ly.v, self._pos, self._attn.reshape(cfg.n_head, hd), max_att,
-                            q8=q8)
+                            q8=None if self.input else q8)
+            if self.input:
+                self._mask_in(i, ly, "attn_output", self._attn, q8)
             dev.gemv(ly.wo, self._attn, x[0], accumulate=True, q8=q8)
             # feed-forward: hot neurons here, cold ones on the CPU meanwhile
             self._ffn_decode(i, ly, x, h)
@@ -331,7 +432,40 @@ class GpuModel:
         else None. With mixed types (q/k/v of different types) the q8 form is made once."""
         return self._q8 if any(w is not None and cuda.reads_q8(w) for w in ws) else None
 
+    def _mask_in(self, i: int, ly: _ResidentLayer, group: str, v, q8) -> None:
+        """Input sparsity in place on the one-token activation v before group's projection of
+        layer i: the CPU's selection (``cpu_ffn.thr``, ``in_scale``), kept channels counted,
+        with q8 the masked v's q8 form."""
+        g = C.IN_GROUPS.index(group)
+        # a captured CUDA graph keeps the threshold it was captured with (the file's)
+        self.dev.mask_inputs(v, ly.in_scale.get(group), float(self.cpu_ffn.thr[group][i]),
+                             self._kept[g:g + 1], q8)
+
+    def _mask_in_batch(self, i: int, ly: _ResidentLayer, group: str, v):
+        """``_mask_in`` of a batch v (n_tok, n_in): the masked copy (``xp.mask_inputs``)."""
+        g = C.IN_GROUPS.index(group)
+        m, kept = X.mask_inputs(v, ly.in_scale.get(group), float(self.cpu_ffn.thr[group][i]))
+        self._kept[g:g + 1] += kept.astype(self._kept.dtype)
+        return m
+
+    def _ffn_decode_input(self, i: int, ly: _ResidentLayer, x, h) -> None:
+        """Sparse mode "input": masked FFN input -> gate/up (every neuron: act(gate) * up) ->
+        masked GLU output -> the down projection's GEMV (+= x): the CPU's ``decode_ffn_in``."""
+        dev = self.dev
+        q8 = self._q8_for(ly.gate)
+        dev.rmsnorm(x, ly.ffn_norm, self.cfg.rms_eps, h)
+        self._mask_in(i, ly, "ffn_gate_up", h[0], q8)
+        dev.ffn_gate_up(ly.gate, ly.up, h[0], self._coef, self._counts, self.cfg.hidden_act, -1.0,
+                        ids=ly.ids, glu=True, q8=q8)
+        q8 = self._q8_for(ly.down)
+        self._mask_in(i, ly, "ffn_down", self._coef, q8)
+        dev.gemv(ly.down, self._coef, x[0], accumulate=True, q8=q8)
+        if not self._capturing:
+            self._in_total += self.cpu_ffn._dense_elems
+
     def _ffn_decode(self, i: int, ly: _ResidentLayer, x, h) -> None:
+        if self.input:
+            return self._ffn_decode_input(i, ly, x, h)
         dev, F, eps = self.dev, self.cfg.n_ff, self.cfg.rms_eps
         use_pred = self.use_pred[i]
         split = ly.n_hot < F
@@ -435,6 +569,8 @@ class GpuModel:
         launch(g[-1])
         dev.synchronize()
         self._host_stats.total += F * len(self.layers)
+        if self.input:
+            self._in_total += self.cpu_ffn._dense_elems * len(self.layers)
         return self._logits_pin.copy()
 
     def _cold(self, i: int, ly: _ResidentLayer, h: np.ndarray, mask, out: np.ndarray) -> None:
@@ -480,6 +616,8 @@ class GpuModel:
         nq, nkv, hd = cfg.n_embd_q, cfg.n_embd_kv, cfg.head_dim
         for i, ly in enumerate(self.layers):
             h = X.rmsnorm(x, ly.attn_norm, cfg.rms_eps)
+            if self.input:
+                h = self._mask_in_batch(i, ly, "attn_qkv", h)
             if ly.wqkv is not None:
                 qkv = self._linear(ly.wqkv, h)
             else:
@@ -490,10 +628,15 @@ class GpuModel:
             X.rope(k, self._cos_sin, n_past)
             ly.k[n_past:n_past + T] = k
             ly.v[n_past:n_past + T] = qkv[:, nq + nkv:].reshape(T, cfg.n_head_kv, hd)
-            attn = X.attention(q, ly.k, ly.v, n_past)
-            x += self._linear(ly.wo, attn.reshape(T, nq))
+            attn = X.attention(q, ly.k, ly.v, n_past).reshape(T, nq)
+            if self.input:
+                attn = self._mask_in_batch(i, ly, "attn_output", attn)
+            x += self._linear(ly.wo, attn)
             h = X.rmsnorm(x, ly.ffn_norm, cfg.rms_eps)
-            self._ffn_prefill(i, ly, x, h)
+            if self.input:
+                self._ffn_prefill_input(i, ly, x, h)
+            else:
+                self._ffn_prefill(i, ly, x, h)
         return self._finish(x, T, n_past, all_logits)
 
     def _ffn_prefill(self, i: int, ly: _ResidentLayer, x, h) -> None:
@@ -528,6 +671,13 @@ class GpuModel:
         if split:
             self._host_part(i, ly, ready, T)
             x += dev.xp.asarray(self._part_pin[:T])
+
+    def _ffn_prefill_input(self, i: int, ly: _ResidentLayer, x, h) -> None:
+        """``_ffn_decode_input`` for a batch: GEMMs over the masked inputs."""
+        hm = self._mask_in_batch(i, ly, "ffn_gate_up", h)
+        c = X.act(self._linear(ly.gate, hm), self.silu) * self._linear(ly.up, hm)
+        x += self._linear(ly.down, self._mask_in_batch(i, ly, "ffn_down", c))
+        self._in_total += x.shape[0] * self.cpu_ffn._dense_elems
 
     def _linear(self, w, a):
         """a (T, cols) @ w.T -> (T, rows) f32: w dequantized in chunks, GEMM (cuBLAS on a GPU).
@@ -571,6 +721,39 @@ class Profile:
     def reset(self):
         self.wall_ms = self.cold_ms = self.wait_ms = 0.0
         self.syncs = self.tokens = 0
+
+
+class _InputStats:
+    """FFNStats-shaped view of sparse mode "input"'s weight reads (``InputSparseFFN.stats``:
+    elements of the projection rows read, of those a dense pass reads): the CPU's layers' counts
+    plus the resident layers' (kept channels per group, read from the device, times the outputs
+    per channel)."""
+
+    def __init__(self, isp, model: GpuModel):
+        self._isp, self._model = isp, model
+
+    @property
+    def total(self) -> int:
+        return self._isp.stats.total + self._model._in_total
+
+    candidates = total
+
+    @property
+    def active(self) -> int:
+        kept = np.zeros(len(C.IN_GROUPS), np.uint64)
+        self._model.dev.to_host(self._model._kept, kept)
+        return self._isp.stats.active + sum(int(k) * n for k, n in zip(kept, self._isp._row_elems))
+
+    @property
+    def sparsity(self) -> float:
+        total = self.total
+        return 1.0 - self.active / total if total else 0.0
+
+    def reset(self):
+        self._isp.stats.reset()
+        self._model._in_total = 0
+        self._model.dev.upload(np.zeros(len(C.IN_GROUPS), np.uint64), self._model._kept)
+        self._model.profile.reset()
 
 
 class _SumStats:

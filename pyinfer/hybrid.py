@@ -12,7 +12,8 @@ Two plans, both measured in the bytes ``pyinfer.gpu_model.GpuModel`` allocates (
 - whole layers (llama.cpp ``-ngl N``, ``--disable-gpu-index``, dense files): the first k layers
   entirely on the device (attention and every FFN neuron), the others on the CPU, k = N or as
   many as the budget holds under the same rules. This is the baseline the hybrid is measured
-  against.
+  against. A file of sparse mode "input" (no predictors, every neuron computed with its
+  inputs masked) takes this plan too; its lm head stays on the CPU where it has input sparsity.
 """
 from __future__ import annotations
 
@@ -26,10 +27,11 @@ from pyinfer.device import GiB, CupyDevice
 from pyinfer.errors import PyinferError
 from pyinfer.ffn import SparseFFN
 from pyinfer.gpu_model import (GpuModel, GpuPlan, buffer_bytes, device_predictors,
-                               layer_fixed_bytes, neuron_bytes, output_bytes, predictor_rank,
-                               prefill_reserve_bytes)
+                               is_input_layer, layer_fixed_bytes, neuron_bytes, output_bytes,
+                               predictor_rank, prefill_reserve_bytes)
 from pyinfer.model import Model
 from pyinfer.ops import cuda
+from pyinfer.ops.cpu import IBTensor
 from pyinfer.weights import ModelWeights
 
 #: Device memory left free when no budget is given: min(1 GiB, 10% of the free memory).
@@ -65,7 +67,10 @@ class _Sizes:
         self.neuron = [neuron_bytes(lw) for lw in weights.layers]
         self.output = output_bytes(cfg, weights)
         rank = predictor_rank(preds)
-        self.buffers = buffer_bytes(cfg, n_ctx, rank)  # allocated by GpuModel
+        input_mode = getattr(cpu_ffn, "is_input_sparse", False)
+        self.buffers = buffer_bytes(cfg, n_ctx, rank, input_mode)  # allocated by GpuModel
+        # the lm head stays on the CPU where sparse mode input skips its inputs (output_ib)
+        self.output_on_device = not (input_mode and head_on_cpu(cpu_ffn, weights))
         self.reserve = prefill_reserve_bytes(cfg, n_ctx)  # kept free for prefill temporaries
         self.n_ff = cfg.n_ff
 
@@ -77,9 +82,16 @@ class _Sizes:
         return self.layer[i] + self.n_ff * self.neuron[i]
 
 
+def head_on_cpu(cpu_ffn, weights: ModelWeights) -> bool:
+    """True where the lm head has input sparsity (sparse mode input's ``output_ib``, maybe a
+    two-stage q4_1 copy): no device kernel computes it, so the logits are the CPU's."""
+    return getattr(cpu_ffn, "lm_head_thr", None) is not None and weights.output_ib is not None
+
+
 def plan_layers(cfg: ModelConfig, sizes: _Sizes, budget: int, n_layers: int | None,
                 dense: bool) -> GpuPlan:
-    """Whole layers: the first k layers entirely on the device (k = n_layers, or as many as fit).
+    """Whole layers: the first k layers entirely on the device (k = n_layers, or as many as fit),
+    the output too where every layer is and it fits (and ``sizes.output_on_device``).
     Raises PyinferError when n_layers layers do not fit."""
     used, k = sizes.buffers + sizes.reserve, 0
     while k < cfg.n_layer:
@@ -95,7 +107,7 @@ def plan_layers(cfg: ModelConfig, sizes: _Sizes, budget: int, n_layers: int | No
         k = n_layers
         used = sizes.buffers + sizes.reserve + sum(sizes.whole_layer(i) + 4 * cfg.n_ff
                                                    for i in range(k))
-    output = k == cfg.n_layer and used + sizes.output <= budget
+    output = k == cfg.n_layer and used + sizes.output <= budget and sizes.output_on_device
     hot = [np.arange(cfg.n_ff, dtype=np.int32) if i < k else np.zeros(0, np.int32)
            for i in range(cfg.n_layer)]
     used += sizes.output if output else 0
@@ -143,17 +155,31 @@ def _stored_split(reader, cfg: ModelConfig, budget: int, vram_budget):
     return stored.gpu_bucket
 
 
-def _types_off_gpu(weights: ModelWeights) -> list[str]:
+def _types_off_gpu(weights: ModelWeights, output: bool = True) -> list[str]:
     """Names of the layer weight types the GPU kernels cannot read (e.g. the K-quants that
-    ``pyinfer-convert --outtype auto`` keeps), sorted; [] when every type is readable."""
+    ``pyinfer-convert --outtype auto`` keeps), sorted; [] when every type is readable. A sparse
+    mode input layer's matrices by the type of their numbers (an input-block matrix's base type;
+    a transposed quantized one as "transposed TYPE": no row layout without a second rounding).
+    output: the output matrix goes on the device too."""
     odd = set()
     for lw in weights.layers:
+        if is_input_layer(lw):
+            for t in (lw.attn_qkv_t, lw.attn_output_t, lw.ffn_gate_up_t, lw.ffn_down_t):
+                if isinstance(t, IBTensor):
+                    name = t.base_qtype.name.lower()
+                elif t.qtype.name.lower() in ("f32", "f16"):
+                    continue
+                else:
+                    name = f"transposed {t.qtype.name.lower()}"
+                if name not in cuda.GPU_TYPES:
+                    odd.add(name)
+            continue
         for name in ("wq", "wk", "wv", "wo", "ffn_gate", "ffn_up", "ffn_down_t", "ffn_down"):
             t = getattr(lw, name, None)
             if t is not None and t.qtype.name.lower() not in cuda.GPU_TYPES:
                 odd.add(t.qtype.name.lower())
     out = getattr(weights, "output", None)
-    if out is not None and out.qtype.name.lower() not in cuda.GPU_TYPES:
+    if output and out is not None and out.qtype.name.lower() not in cuda.GPU_TYPES:
         odd.add(out.qtype.name.lower())
     return sorted(odd)
 
@@ -204,14 +230,8 @@ def place_model(reader, cfg: ModelConfig, weights: ModelWeights, cpu_ffn, n_ctx:
         if vram_budget is not None or n_gpu_layers:
             raise PyinferError("--vram-budget and -ngl need a GPU device (--device cuda or auto)")
         return cpu_model()
-    if getattr(cpu_ffn, "is_input_sparse", False):  # no GPU kernels for sparse mode "input" yet
-        if device == "auto":
-            if not quiet:
-                _notice("sparse mode 'input' runs on the CPU only; running on the CPU")
-            return cpu_model()
-        raise PyinferError("this file's sparse mode 'input' runs on the CPU only; use --device cpu, "
-                           "or convert with --sparse-mode glu for the GPU engine")
-    odd = _types_off_gpu(weights)
+    input_mode = getattr(cpu_ffn, "is_input_sparse", False)
+    odd = _types_off_gpu(weights, output=not (input_mode and head_on_cpu(cpu_ffn, weights)))
     if device != "cpu" and odd:
         msg = (f"the GPU kernels read {', '.join(cuda.GPU_TYPES)} weights, not {', '.join(odd)} "
                "(convert with --outtype f16, q8_0 or q4_0)")

@@ -551,3 +551,107 @@ def test_types_the_gpu_cannot_read(tmp_path, capsys):
     assert not isinstance(m, GpuModel)
     if cuda.available():
         assert "not q4_1" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def input_dir(tmp_path_factory):
+    """A random SwiGLU Llama whose shapes take the input-block layout (outputs multiples of 64,
+    n_vocab too, so q8_0/q4_0 files get an input-sparse lm head)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    return make_random_llama(tmp_path_factory.mktemp("gpu_in"), hidden_act="silu", tokenizer="bpe",
+                             intermediate_size=128, n_layers=2, vocab_size=576, name="silu")
+
+
+def input_engine(input_dir, tmp_path, outtype):
+    """An Engine (CPU, f32 cache: the device's) over ``input_dir`` converted with sparse mode
+    input at 50%."""
+    from convert.cli import main as convert_main
+
+    out = str(tmp_path / f"in.{outtype}.gguf")
+    assert convert_main([input_dir, out, "--outtype", outtype, "--sparse-mode", "input",
+                         "--target-sparsity", "0.5", "--calib-tokens", "128", "-t", "1"]) == 0
+    eng = Engine(out, n_ctx=64, n_threads=2)
+    eng.model.set_cache_type("f32")
+    return eng
+
+
+@pytest.mark.parametrize("backend", DEVICES)
+@pytest.mark.parametrize("outtype", ["f16", "q8_0", "q4_0"])
+def test_input_sparse_file_on_the_device(input_dir, tmp_path, outtype, backend):
+    """Sparse mode input (issue 12) on the device: its matrices laid out as rows again, a mask
+    before every projection. All layers resident, -ngl 1, and all resident with a dense lm head
+    give the CPU model's logits (decode and prefill) with the same input channels kept
+    (NumpyDevice: exactly; a GPU: within 1%); an lm head with input sparsity stays on the CPU,
+    a dense one goes on the device; the plan's bytes are what is allocated."""
+    from pyinfer.input_sparse import InputSparseFFN, thresholds_from_reader
+
+    eng = input_engine(input_dir, tmp_path, outtype)
+    cfg, w = eng.cfg, eng.weights
+    assert eng.model.ffn.lm_head_thr is not None  # n_vocab % 64 == 0: the head is input-sparse
+    tol, exact = (TOL_SAME, True) if backend == "numpy" else (TOL[outtype], False)
+    for ngl, dense_head in ((None, False), (1, False), (None, True)):
+        thr = thresholds_from_reader(eng.reader, cfg)
+        if dense_head:
+            del thr["output"]
+        ref_ffn = InputSparseFFN(cfg, thr)
+        ref = decode_all(Model(cfg, w, 64, 2, ffn=ref_ffn, cache_type="f32"), PROMPT)
+        dev = _device(backend)
+        gm = place_model(eng.reader, cfg, w, InputSparseFFN(cfg, thr), 64, 2, device="cuda",
+                         n_gpu_layers=ngl, backend=dev)
+        assert isinstance(gm, GpuModel) and gm.is_input_sparse and gm.is_sparse
+        assert gm.plan.n_resident == (ngl or cfg.n_layer)
+        assert gm.plan.output == (ngl is None and dense_head)
+        assert gm.device_bytes == gm.plan.planned_bytes
+        if backend == "numpy":
+            assert dev.allocated_bytes == gm.plan.planned_bytes
+        got = decode_all(gm, PROMPT)
+        assert rel_err(got, ref) < tol
+        assert gm.stats.total == ref_ffn.stats.total
+        if exact:
+            assert gm.stats.active == ref_ffn.stats.active
+        else:
+            assert abs(gm.stats.sparsity - ref_ffn.stats.sparsity) < 0.01
+        assert 0.3 < gm.stats.sparsity < 0.7
+        assert (gm.head_stats.total > 0) == (not dense_head)
+        gm.stats.reset()
+        assert gm.stats.total == gm.stats.active == 0
+        pre = gm.forward(PROMPT, 0, all_logits=True)
+        assert rel_err(pre, ref) < tol
+        assert abs(gm.stats.sparsity - ref_ffn.stats.sparsity) < 0.01
+
+
+def test_input_sparse_types_the_gpu_cannot_read(input_dir, tmp_path, capsys):
+    """A q4_1 input file (what --outtype auto makes of SmolLM2) has no GPU kernels: the CPU with
+    a notice under --device auto, a one-line error under --device cuda."""
+    eng = input_engine(input_dir, tmp_path, "q4_1")
+    with pytest.raises(PyinferError, match="not q4_1"):
+        place_model(eng.reader, eng.cfg, eng.weights, eng.model.ffn, 64, 2, device="cuda",
+                    backend=NumpyDevice())
+    m = place_model(eng.reader, eng.cfg, eng.weights, eng.model.ffn, 64, 2, device="auto")
+    assert not isinstance(m, GpuModel)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda.available(), reason=NO_GPU)
+@pytest.mark.parametrize("n,with_scale,do_q8", [(4096, False, True), (4096, True, True),
+                                                (100, True, False)])
+def test_gpu_mask_inputs_is_the_twin(n, with_scale, do_q8):
+    """cuda.mask_inputs (input sparsity's mask, sparse mode input) against NumpyDevice's twin:
+    the same channels zeroed and counted, the masked activation's q8 form bit for bit."""
+    cp = cuda.cupy
+    rng = np.random.default_rng(n)
+    x = (rng.standard_normal(n) * rng.lognormal(0, 1, n)).astype(np.float32)
+    scale = rng.uniform(0.5, 2.0, n).astype(np.float32) if with_scale else None
+    thr = float(np.quantile(np.abs(x), 0.4))
+    want, kept = x.copy(), np.zeros(1, np.uint64)
+    q8 = (np.zeros(n, np.int8), np.zeros(max(1, n // 32), np.float32)) if do_q8 else None
+    NumpyDevice().mask_inputs(want, scale, thr, kept, q8)
+    gx, gk = cp.asarray(x), cp.zeros(1, cp.uint64)
+    gq8 = cuda.q8_buffers(n) if do_q8 else None
+    cuda.mask_inputs(gx, None if scale is None else cp.asarray(scale), thr, gk, gq8)
+    np.testing.assert_array_equal(gx.get(), want)
+    assert int(gk.get()[0]) == int(kept[0]) == int((want != 0).sum())
+    if do_q8:
+        np.testing.assert_array_equal(gq8[0].get(), q8[0])
+        np.testing.assert_array_equal(gq8[1].get(), q8[1])

@@ -238,12 +238,34 @@ def test_bad_allocation_is_refused(silu_dir, tmp_path, capsys):
     assert not (tmp_path / "x.gguf").exists()
 
 
-def test_gpu_device_refused_cpu_fallback(input_file, capsys):
+def test_gpu_model_runs_the_file(input_file):
+    """Each score and allocation runs on the GPU engine (NumpyDevice standing in; WINA's column
+    scales go to the device): its logits and kept channels are the CPU model's. Without a GPU,
+    --device auto runs the CPU and --device cuda is a one-line error."""
+    from pyinfer.device import NumpyDevice
+    from pyinfer.gpu_model import GpuModel
+    from pyinfer.hybrid import place_model
+    from pyinfer.input_sparse import InputSparseFFN, thresholds_from_reader
+    from pyinfer.ops import cuda
+
     path, _ = input_file
-    with pytest.raises(PyinferError, match="CPU only"):
-        Engine(path, n_ctx=32, device="cuda")
-    eng = Engine(path, n_ctx=32, device="auto")
-    assert type(eng.model).__name__ == "Model"
+    eng = Engine(path, n_ctx=32, n_threads=2, device="auto")
+    if not cuda.available():
+        assert type(eng.model).__name__ == "Model"
+        with pytest.raises(PyinferError, match="no CUDA device"):
+            Engine(path, n_ctx=32, device="cuda")
+    cpu_eng = Engine(path, n_ctx=32, n_threads=2, cache_type="f32")  # the device's cache type
+    toks = [1, 17, 42, 7, 99, 3]
+    ref = np.stack([cpu_eng.model.forward([t], i) for i, t in enumerate(toks)])
+    gm = place_model(cpu_eng.reader, cpu_eng.cfg, cpu_eng.weights,
+                     InputSparseFFN(cpu_eng.cfg, thresholds_from_reader(cpu_eng.reader,
+                                                                        cpu_eng.cfg)),
+                     32, 2, device="cuda", backend=NumpyDevice())
+    assert isinstance(gm, GpuModel) and gm.plan.n_resident == cpu_eng.cfg.n_layer
+    got = np.stack([gm.forward([t], i) for i, t in enumerate(toks)])
+    assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()
+    assert gm.stats.active == cpu_eng.model.ffn.stats.active > 0
+    assert gm.stats.total == cpu_eng.model.ffn.stats.total
 
 
 def _layer_inputs(eng, seqs):

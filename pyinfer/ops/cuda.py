@@ -18,7 +18,8 @@ quantized row's blocks split into quants then scales (``pyinfer.device.device_la
 32-block and an f32 scale, ``quantize_q8``: the CPU kernels' quantization, bit for bit) with
 ``__dp4a``, an exact integer per quant word, and sum in f32 (session 19: 1.3-1.44x the f32
 version's q4_0 GEMV on an H200, ``tools/gemv_variants_gpu.py``). ``ATTN_SRC`` holds the norms,
-RoPE, attention and ``quantize_q8``. Sizes and strides are passed explicitly (RawKernel ignores strides). f16 is converted with the PTX ``cvt.f32.f16``
+RoPE, attention, ``quantize_q8`` and ``mask_q8`` (sparse mode input's mask of an activation,
+the CPU's selection rule, with the masked activation's q8 form). Sizes and strides are passed explicitly (RawKernel ignores strides). f16 is converted with the PTX ``cvt.f32.f16``
 instruction so the sources need no header (NVRTC and nvcc both compile them as they are).
 
 Whether a GPU is there is decided once, at import (``available()``); ``PYINFER_DEVICE=cpu`` in the
@@ -520,6 +521,26 @@ extern "C" __global__ void quantize_q8(const float* x, int n, signed char* xq, f
     const int b = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
     if (32 * b < n) warp_quantize_q8(x[32 * b + lane], lane, xq + 32 * b, xd + b);
 }
+// Input sparsity (pyinfer.input_sparse, sparse mode "input"): in place on x (n,) f32, x[j] = 0
+// where |x[j]| * scale[j] <= thr (scale only with has_scale; thr < 0 keeps every channel), the
+// rule of the CPU's mask_inputs / select_inputs; *kept += the channels kept. With do_q8 also the
+// masked x's q8 form (n % 32 == 0): the activation the CPU's input-block sums quantize (ibsum.h).
+// Warp per 32 channels.
+extern "C" __global__ void mask_q8(float* x, int n, const float* scale, int has_scale, float thr,
+                                   u64* kept, int do_q8, signed char* xq, float* xd) {
+    const int b = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
+    const int j = 32 * b + lane;
+    if (32 * b >= n) return;  // the whole warp
+    float v = j < n ? x[j] : 0.f;
+    float s = fabsf(v);
+    if (has_scale && j < n) s = s * scale[j];
+    const bool keep = j < n && s > thr;
+    v = keep ? v : 0.f;
+    if (j < n) x[j] = v;
+    const unsigned int ball = __ballot_sync(0xffffffffu, keep);
+    if (lane == 0 && ball) atomicAdd(kept, (u64)__popc(ball));
+    if (do_q8) warp_quantize_q8(v, lane, xq + 32 * b, xd + b);
+}
 // One token at position pos = *pos_p: NeoX rotary embedding (rotate_half) of q (n_head, hd) in
 // place and of k (n_kv, hd) into cache_k[pos]; v copied to cache_v[pos]. Caches (n_ctx, n_kv, hd)
 // f32. cos_sin (n_ctx, hd/2, 2) f32: cos and sin of pos * base^(-2i/hd), computed once in f64.
@@ -623,7 +644,7 @@ extern "C" __global__ void axpy_sum(const float* partial, int n_chunks, int cols
 #: name -> CUDA source; one RawModule each (tests compile every one with nvcc).
 SOURCES = {"predictor": PREDICTOR_SRC, "gather": GATHER_SRC, "axpy": AXPY_SRC, "attn": ATTN_SRC}
 #: kernels each source must define (the nvcc test counts them)
-N_KERNELS = {"predictor": 4, "gather": 8, "axpy": 9, "attn": 5}
+N_KERNELS = {"predictor": 4, "gather": 8, "axpy": 9, "attn": 6}
 _TYPE_NAME = {QT.F32: "f32", QT.F16: "f16", QT.Q8_0: "q8_0", QT.Q4_0: "q4_0"}
 #: weight types the kernels read (the QT names, lower case)
 GPU_TYPES = tuple(t.name.lower() for t in _TYPE_NAME)
@@ -742,6 +763,22 @@ def quantize_q8(x, q8) -> None:
     _kernel("attn", "quantize_q8")(_grid_rows(n // 32), (_BLOCK,), (x, np.int32(n), xq, xd))
 
 
+def mask_inputs(x, scale, thr: float, kept=None, q8=None) -> None:
+    """Input sparsity's mask in place on x (n,) f32: x[j] = 0 where |x[j]| * scale[j] <= thr
+    (``scale`` (n,) f32 or None for 1; thr < 0 keeps all), the CPU's ``cpu.mask_inputs`` rule;
+    ``kept`` ((1,) uint64 on the device, or None) += the channels kept. With ``q8`` = (xq, xd)
+    also the masked x's q8 form (``quantize_q8``; ValueError unless n is a multiple of 32)."""
+    n = x.size
+    do_q8, xq, xd = _q8_out(q8)
+    if do_q8:
+        _check_q8_len(n)
+    d = _dummy()
+    _kernel("attn", "mask_q8")(_grid_rows(-(-n // 32)), (_BLOCK,),
+                               (x, np.int32(n), d["f32"] if scale is None else scale,
+                                np.int32(scale is not None), np.float32(thr),
+                                d["u64"] if kept is None else kept, np.int32(do_q8), xq, xd))
+
+
 def _check_q8_len(n: int) -> None:
     if n % 32:
         raise ValueError(f"q8 activations need a multiple of 32 values, got {n}")
@@ -782,7 +819,7 @@ def _mask_args(ids, mask):
 @functools.lru_cache(maxsize=None)
 def _dummy_for(device_id: int):
     return {"i32": cupy.zeros(1, cupy.int32), "u8": cupy.zeros(1, cupy.uint8),
-            "f32": cupy.zeros(1, cupy.float32)}
+            "f32": cupy.zeros(1, cupy.float32), "u64": cupy.zeros(1, cupy.uint64)}
 
 
 def _dummy():

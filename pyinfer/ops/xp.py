@@ -113,3 +113,13 @@ def quantize_act_q8(x):
     xp = array_module(x)
     q, d = quantize_q8_parts(x)
     return (q * d).reshape(x.shape).astype(xp.float32)
+
+
+def mask_inputs(x, scale, thr: float):
+    """Input sparsity's mask (sparse mode "input"; ``cpu.mask_inputs``): (x with x[..., j] set to 0
+    where |x[..., j]| * scale[j] <= thr, the number of channels kept (an xp scalar)). x (..., n)
+    f32, scale (n,) f32 or None (1); thr < 0 keeps every channel."""
+    xp = array_module(x)
+    s = xp.abs(x) if scale is None else xp.abs(x) * scale
+    keep = s > xp.float32(thr)
+    return xp.where(keep, x, xp.float32(0.0)).astype(xp.float32), keep.sum()
