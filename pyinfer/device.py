@@ -21,7 +21,7 @@ import numpy as np
 
 from pyinfer.ops import cuda
 from pyinfer.ops import xp as X
-from pyinfer.ops.cpu import QT, QTensor
+from pyinfer.ops.cpu import QT, IBTensor, QTensor
 from pyinfer.ops.cuda import DeviceRows
 
 GiB = 1 << 30
@@ -77,6 +77,27 @@ def gguf_layout(dev_raw: np.ndarray, qtype: QT) -> np.ndarray:
     return np.ascontiguousarray(np.concatenate([d, q], axis=2).reshape(n, rb))
 
 
+def device_ib_layout(t: IBTensor) -> np.ndarray:
+    """An input-block matrix W (n_out, n_in) (sparse mode input's ``IBTensor``: the file's layout,
+    tiles permuted for the CPU's unpacks) -> the layout ``cuda.ib_gemv`` reads, uint8 (n_in / 32,
+    block bytes): per 32-channel block b the f16 scales d[0:n_out, b], for q4_1 the f16 mins
+    m[0:n_out, b], then 32 value rows, one per channel, of the outputs in order: int8 q (q8_0) or
+    unsigned nibbles u (q4_0, q4_1; output o in byte o/2, low nibble for even o). The same
+    numbers and bytes as the file's, moved."""
+    n_out, n_in, base = t.cols, t.rows, t.base_qtype
+    nb = n_in // 32
+    hb = 4 if base == QT.Q4_1 else 2  # scale (and min) bytes
+    blk = t.to_rows().raw.reshape(n_out, nb, -1)  # ggml's blocks, row-major
+    parts = [blk[:, :, o:o + 2].transpose(1, 0, 2).reshape(nb, 2 * n_out) for o in range(0, hb, 2)]
+    if base == QT.Q8_0:
+        v = blk[:, :, hb:].transpose(1, 2, 0).reshape(nb, 32 * n_out)
+    else:
+        qs = blk[:, :, hb:]  # (n_out, nb, 16): value c < 16 in the low nibble, c + 16 the high
+        u = np.concatenate([qs & 15, qs >> 4], axis=2).transpose(1, 2, 0)  # (nb, 32, n_out)
+        v = (u[..., 0::2] | (u[..., 1::2] << 4)).reshape(nb, 16 * n_out)
+    return np.ascontiguousarray(np.concatenate([*parts, v], axis=1))
+
+
 def as_qtensor(a: np.ndarray) -> QTensor:
     """A predictor matrix (f32 or f16 ndarray) as a QTensor of its own type."""
     a = np.ascontiguousarray(a)
@@ -130,6 +151,15 @@ class NumpyDevice:
         data = device_layout(raw, t.qtype)
         self.allocated_bytes += data.nbytes
         return DeviceRows(data, t.qtype, data.shape[0], t.cols, dequantize_rows(raw, t.qtype, t.cols))
+
+    def ib_rows(self, t: IBTensor) -> DeviceRows:
+        """An input-block matrix in the device's layout (``device_ib_layout``); ``f32`` is W^T
+        (n_in, n_out) dequantized (rows = input channels, as ``dequant`` reads them)."""
+        data = device_ib_layout(t)
+        self.allocated_bytes += data.nbytes
+        w = t.to_rows()
+        return DeviceRows(data, t.qtype, t.rows, t.cols,
+                          np.ascontiguousarray(dequantize_rows(w.raw, w.qtype, w.cols).T))
 
     def array(self, a: np.ndarray) -> np.ndarray:
         a = np.array(a, copy=True)
@@ -252,9 +282,10 @@ class NumpyDevice:
         if q8 is not None:
             quantize_q8(out.reshape(-1), q8)
 
-    def mask_inputs(self, x, scale, thr: float, kept=None, q8=None) -> None:
+    def mask_inputs(self, x, scale, thr: float, kept=None, q8=None, kmask=None) -> None:
         """x[j] = 0 in place where |x[j]| * scale[j] <= thr (``cpu.mask_inputs``' rule); kept
-        (1,) uint64 += the channels kept; with q8 the masked x's q8 form."""
+        (1,) uint64 += the channels kept; with q8 the masked x's q8 form (``kmask``, the kept
+        bits the kernel writes for ``ib_gemv``, is not needed by the twins)."""
         v = x.reshape(-1)
         s = np.abs(v) if scale is None else np.abs(v) * scale
         keep = s > np.float32(thr)
@@ -263,6 +294,21 @@ class NumpyDevice:
             kept[0] += np.uint64(keep.sum())
         if q8 is not None:
             quantize_q8(v, q8)
+
+    def glu_mask(self, gu, n: int, act: str, scale, thr: float, out, kept=None, q8=None,
+                 kmask=None) -> None:
+        """out (n,) = act(gu[:n]) * gu[n:2n], masked as ``mask_inputs``."""
+        out[...] = X.act(gu[:n], act == "silu") * gu[n:2 * n]
+        self.mask_inputs(out, scale, thr, kept, q8)
+
+    def ib_gemv(self, w: DeviceRows, x, out, q8=None, kmask=None, accumulate: bool = False,
+                scratch=None) -> None:
+        """out (+)= W x for the masked x, against x's q8 form (the kernel reads q8 and kmask)."""
+        y = (X.quantize_act_q8(x.reshape(-1)) @ w.f32).astype(np.float32)
+        if accumulate:
+            out += y
+        else:
+            out[...] = y
 
     def add(self, out, a) -> None:
         out += a
@@ -309,6 +355,12 @@ class CupyDevice:
             from pyinfer.errors import PyinferError
 
             raise PyinferError(f"out of GPU memory ({e}); lower --vram-budget or -ngl") from None
+
+    def ib_rows(self, t: IBTensor) -> DeviceRows:
+        host = device_ib_layout(t)
+        data = self._alloc(lambda: self.cp.asarray(host))
+        self.allocated_bytes += data.nbytes
+        return DeviceRows(data, t.qtype, t.rows, t.cols)
 
     def rows(self, tensors: list[QTensor], ids: np.ndarray | None = None) -> DeviceRows:
         t = tensors[0]
@@ -390,7 +442,10 @@ class CupyDevice:
         cuda.axpy_rows(w, coef, out, skip_zero, accumulate, scratch)
 
     def dequant(self, w, r0: int, n_rows: int, out) -> None:
-        cuda.dequant(w, r0, n_rows, out)
+        if cuda.is_ib(w):  # rows of W^T: input channels
+            cuda.ib_dequant_t(w, r0, n_rows, out)
+        else:
+            cuda.dequant(w, r0, n_rows, out)
 
     def rmsnorm(self, x, w, eps: float, out, q8=None) -> None:
         cuda.rmsnorm(x.reshape(-1, x.shape[-1]), w, eps, out, q8)
@@ -407,8 +462,16 @@ class CupyDevice:
         else:
             cuda.attn_decode(q, cache_k, cache_v, pos, out, n_att, q8)
 
-    def mask_inputs(self, x, scale, thr: float, kept=None, q8=None) -> None:
-        cuda.mask_inputs(x, scale, thr, kept, q8)
+    def mask_inputs(self, x, scale, thr: float, kept=None, q8=None, kmask=None) -> None:
+        cuda.mask_inputs(x, scale, thr, kept, q8, kmask)
+
+    def glu_mask(self, gu, n: int, act: str, scale, thr: float, out, kept=None, q8=None,
+                 kmask=None) -> None:
+        cuda.glu_mask(gu, n, act, scale, thr, out, kept, q8, kmask)
+
+    def ib_gemv(self, w, x, out, q8=None, kmask=None, accumulate: bool = False,
+                scratch=None) -> None:
+        cuda.ib_gemv(w, out, q8, kmask, accumulate, scratch)
 
     def add(self, out, a) -> None:
         cuda.add(out, a)

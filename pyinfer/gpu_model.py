@@ -30,11 +30,13 @@ chunks, attention over the cache in query chunks (``pyinfer.ops.xp``); the CPU's
 over the batch's tokens with the decode kernels, so prefill and decode compute one function.
 
 Sparse mode "input" (TEAL-style input sparsity, ``pyinfer.input_sparse``) runs whole layers on
-the device: its transposed or input-block matrices are laid out as rows again on upload (the same
-numbers: ``input_layer_rows``), and before each projection a mask kernel zeroes the inputs the
-CPU would skip (``cuda.mask_inputs``, the CPU's rule) and writes the masked activation's q8 form,
-so each GEMV is the CPU's input-block sum of the kept channels (ibsum.h: for q8_0 the GEMV of
-the masked input bit for bit). The GPU reads every row; skipping them is a later step.
+the device. Before each projection a mask kernel zeroes the inputs the CPU would skip
+(``cuda.mask_inputs``, the CPU's rule) and writes the masked activation's q8 form and each
+32-channel block's kept bits; the projection then reads only the kept channels' rows: q8_0, q4_0
+and q4_1 matrices in an input-block layout (``device.device_ib_layout``, ``cuda.ib_gemv``: the
+CPU's input-block sums, ibsum.h), f16/f32 ones transposed through the AXPY kernel, which skips
+zero coefficients (the CPU's transposed sums). So the bytes read shrink with the sparsity, as on
+the CPU.
 
 Every step is written once over the device interface (``pyinfer.device``): with ``NumpyDevice``
 the whole forward runs with NumPy on a machine without a GPU, which is how the tests check it
@@ -72,29 +74,6 @@ def is_input_layer(lw) -> bool:
     return lw.attn_qkv_t is not None
 
 
-def input_layer_rows(lw) -> dict:
-    """A sparse mode "input" layer's matrices in row layout, as the GPU kernels read them:
-    {"qkv": [wq; wk; wv] (n_embd_q + 2 n_embd_kv, n_embd), "wo": (n_embd, n_embd_q), "gate",
-    "up": (n_ff, n_embd), "down": (n_embd, n_ff)} QTensors holding the same numbers (an
-    input-block matrix's blocks moved back, ``IBTensor.to_rows``; an f32/f16 transposed matrix
-    transposed: exact). New host memory of the layer's size. ValueError for a transposed
-    quantized matrix (its blocks run along the outputs: rows would need a second rounding)."""
-    out = {}
-    for key, t in (("qkv", lw.attn_qkv_t), ("wo", lw.attn_output_t), ("gate_up", lw.ffn_gate_up_t),
-                   ("down", lw.ffn_down_t)):
-        if isinstance(t, cpu.IBTensor):
-            out[key] = t.to_rows()
-        elif t.qtype in (cpu.QT.F32, cpu.QT.F16):
-            out[key] = QTensor(np.ascontiguousarray(np.asarray(t.data).T), t.qtype, t.cols, t.rows)
-        else:
-            raise ValueError(f"a transposed {t.qtype.name} matrix has no row layout for the GPU")
-    gu = out.pop("gate_up")
-    n_ff = gu.rows // 2
-    out["gate"] = QTensor(gu.data[:n_ff], gu.qtype, n_ff, gu.cols)
-    out["up"] = QTensor(gu.data[n_ff:], gu.qtype, n_ff, gu.cols)
-    return out
-
-
 def _input_scale_bytes(lw) -> int:
     return sum(int(np.asarray(v).nbytes) for v in (lw.in_scale or {}).values())
 
@@ -102,8 +81,8 @@ def _input_scale_bytes(lw) -> int:
 def layer_fixed_bytes(cfg: ModelConfig, lw, n_ctx: int, predictor) -> int:
     """Bytes a resident layer holds on the device before any FFN neuron: norms, q/k/v/o as
     stored, the KV cache (2 * n_ctx * n_head_kv * head_dim f32) and the predictor (as stored);
-    for a sparse mode "input" layer the attention matrices (the same bytes in row layout) and
-    the WINA column scales."""
+    for a sparse mode "input" layer the attention matrices (the same bytes in the device's
+    input-block or transposed layout) and the WINA column scales."""
     b = 2 * cfg.n_embd * 4
     if is_input_layer(lw):
         b += lw.attn_qkv_t.nbytes + lw.attn_output_t.nbytes + _input_scale_bytes(lw)
@@ -130,16 +109,33 @@ def output_bytes(cfg: ModelConfig, weights: ModelWeights) -> int:
 def buffer_bytes(cfg: ModelConfig, n_ctx: int, rank: int, input_mode: bool = False) -> int:
     """Bytes of the forward's own device buffers (GpuModel.__init__ allocates exactly these):
     one-token activations, the prefill dequantization chunk and the RoPE table (sparse mode
-    "input": also its four kept-channel counters)."""
+    "input": also its kept-channel counters and bits, gate|up, and the partial sums of its
+    projections)."""
     E, F, V = cfg.n_embd, cfg.n_ff, cfg.n_vocab
     decode = 4 * (3 * E + 2 * cfg.n_embd_q + 2 * cfg.n_embd_kv + rank + F + V) + F + 16 + 4
-    decode += 8 * len(C.IN_GROUPS) if input_mode else 0
     nq8 = q8_len(cfg, input_mode)
+    if input_mode:
+        decode += 8 * len(C.IN_GROUPS) + 4 * (nq8 // 32) + 4 * 2 * F + 4 * input_scratch_len(cfg)
     decode += nq8 + 4 * max(1, nq8 // 32)  # the q8 form of the quantized rows' activation
     decode += 4 * cuda.axpy_chunks(F) * E  # AXPY partial sums
-    cols = max(E, cfg.n_embd_q, F)
-    rows = max(cfg.n_embd_q + 2 * cfg.n_embd_kv, F, V)
-    return decode + 4 * min(rows * cols, DEQUANT_CHUNK_ELEMS) + 4 * n_ctx * cfg.head_dim
+    return decode + 4 * deq_len(cfg, input_mode) + 4 * n_ctx * cfg.head_dim
+
+
+def deq_len(cfg: ModelConfig, input_mode: bool = False) -> int:
+    """f32 values of prefill's dequantization chunk: the largest matrix, at most
+    DEQUANT_CHUNK_ELEMS (sparse mode input's gate|up is n_embd x 2 n_ff)."""
+    cols = max(cfg.n_embd, cfg.n_embd_q, cfg.n_ff * (2 if input_mode else 1))
+    rows = max(cfg.n_embd_q + 2 * cfg.n_embd_kv, cfg.n_ff, cfg.n_vocab)
+    return min(rows * cols, DEQUANT_CHUNK_ELEMS)
+
+
+def input_scratch_len(cfg: ModelConfig) -> int:
+    """f32 partial sums a sparse mode input projection needs (``cuda.ib_gemv`` or the AXPY over
+    a transposed f16/f32 matrix), the largest of the four."""
+    from pyinfer.input_sparse import in_sizes
+
+    return max(max(cuda.ib_scratch_len(n_in, n_out), cuda.axpy_chunks(n_in) * n_out)
+               for n_in, n_out in in_sizes(cfg).values())
 
 
 def q8_len(cfg: ModelConfig, input_mode: bool = False) -> int:
@@ -222,13 +218,15 @@ class _ResidentLayer:
             self.down = dev.rows([lw.ffn_down_t], self.hot)
 
     def _init_input(self, dev, cfg: ModelConfig, lw, n_ctx: int, hot: np.ndarray) -> None:
-        """A sparse mode "input" layer, whole: its matrices as rows (``input_layer_rows``),
-        ``down`` the (n_embd, n_ff) down projection a GEMV reads (no neuron-major rows)."""
+        """A sparse mode "input" layer, whole: its four matrices as the device reads them
+        (``_in_matrix``; rows = input channels, cols = outputs), norms, KV cache, WINA scales."""
         if np.asarray(hot).size != cfg.n_ff:
             raise ValueError("a sparse mode input layer goes on the device whole")
-        r = input_layer_rows(lw)
-        self.wqkv, self.wq, self.wk, self.wv = dev.rows([r["qkv"]]), None, None, None
-        self.wo = dev.rows([r["wo"]])
+        self.wqkv = self.wq = self.wk = self.wv = self.wo = None
+        self.wqkv_t = _in_matrix(dev, lw.attn_qkv_t)  # (n_embd -> n_embd_q + 2 n_embd_kv)
+        self.wo_t = _in_matrix(dev, lw.attn_output_t)  # (n_embd_q -> n_embd)
+        self.gate_up_t = _in_matrix(dev, lw.ffn_gate_up_t)  # (n_embd -> 2 n_ff): gate | up
+        self.down_t = _in_matrix(dev, lw.ffn_down_t)  # (n_ff -> n_embd)
         self.attn_norm = dev.array(np.asarray(lw.attn_norm, np.float32))
         self.ffn_norm = dev.array(np.asarray(lw.ffn_norm, np.float32))
         shape = (n_ctx, cfg.n_head_kv, cfg.head_dim)
@@ -239,11 +237,20 @@ class _ResidentLayer:
         self.hot = np.arange(cfg.n_ff, dtype=np.int32)
         self.n_hot = cfg.n_ff
         self.cold_ids = np.zeros(0, np.int32)
-        self.ids = dev.array(self.hot)
-        self.gate, self.up = dev.rows([r["gate"]]), dev.rows([r["up"]])
-        self.down = dev.rows([r["down"]])  # (n_embd, n_ff)
+        self.ids = dev.array(self.hot)  # counted by the whole-layer plan
         self.in_scale = {g: dev.array(np.asarray(v, np.float32))
                          for g, v in (lw.in_scale or {}).items()}
+
+
+def _in_matrix(dev, t):
+    """A sparse mode input matrix on the device: an input-block one (q8_0/q4_0/q4_1) in the
+    device's input-block layout (``dev.ib_rows``), a transposed f16/f32 one as stored (AXPY rows).
+    ValueError for a transposed quantized one (no kernel sums it as the CPU does)."""
+    if isinstance(t, cpu.IBTensor):
+        return dev.ib_rows(t)
+    if t.qtype in (cpu.QT.F32, cpu.QT.F16):
+        return dev.rows([t])
+    raise ValueError(f"no GPU kernel for a transposed {t.qtype.name} matrix")
 
 
 class GpuModel:
@@ -300,10 +307,11 @@ class GpuModel:
         self._axpy = dev.empty(cuda.axpy_chunks(F) * E, np.float32)  # AXPY partial sums
         if self.input:  # (4,) channels kept per group (C.IN_GROUPS order) in resident layers
             self._kept = dev.array(np.zeros(len(C.IN_GROUPS), np.uint64))
+            self._kmask = dev.empty(nq8 // 32, np.uint32)  # kept bits per 32-channel block
+            self._gu = dev.empty(2 * F, np.float32)  # (2 n_ff,) gate | up
+            self._scratch = dev.empty(input_scratch_len(cfg), np.float32)  # partial sums
             self._in_total = 0  # weight elements a dense pass over the resident layers reads
-        cols = max(E, cfg.n_embd_q, F)
-        rows = max(cfg.n_embd_q + 2 * cfg.n_embd_kv, F, cfg.n_vocab)
-        self._deq = dev.empty(min(rows * cols, DEQUANT_CHUNK_ELEMS), np.float32)  # prefill chunk
+        self._deq = dev.empty(deq_len(cfg, self.input), np.float32)  # prefill chunk
         self._cos_sin = dev.array(X.rope_cos_sin(n_ctx, cfg.head_dim, cfg.rope_freq_base))
         self.device_bytes = dev.allocated_bytes - before
         # pinned host buffers for the per-layer transfers
@@ -405,13 +413,12 @@ class GpuModel:
         for i, ly in enumerate(self.layers):
             # attention; the q8 form of an activation is made by the kernel that makes it,
             # where the rows that read it are quantized
+            # (sparse mode input: the mask before the projection makes the q8 form)
             q8 = self._q8_for(*([ly.wqkv] if ly.wqkv is not None else [ly.wq, ly.wk, ly.wv]))
-            if self.input:  # the q8 form of the masked input
-                dev.rmsnorm(x, ly.attn_norm, cfg.rms_eps, h)
-                self._mask_in(i, ly, "attn_qkv", h[0], q8)
-            else:
-                dev.rmsnorm(x, ly.attn_norm, cfg.rms_eps, h, q8=q8)
-            if ly.wqkv is not None:
+            dev.rmsnorm(x, ly.attn_norm, cfg.rms_eps, h, q8=q8)
+            if self.input:
+                self._proj_in(i, ly, "attn_qkv", ly.wqkv_t, h[0], self._qkv)
+            elif ly.wqkv is not None:
                 dev.gemv(ly.wqkv, h[0], self._qkv, q8=q8)
             else:
                 dev.gemv(ly.wq, h[0], self._qkv[:nq], q8=self._q8_for(ly.wq))
@@ -420,10 +427,11 @@ class GpuModel:
             dev.rope_store(q, k, v, ly.k, ly.v, self._cos_sin, self._pos)
             q8 = self._q8_for(ly.wo)
             dev.attn_decode(q, ly.k, ly.v, self._pos, self._attn.reshape(cfg.n_head, hd), max_att,
-                            q8=None if self.input else q8)
+                            q8=q8)
             if self.input:
-                self._mask_in(i, ly, "attn_output", self._attn, q8)
-            dev.gemv(ly.wo, self._attn, x[0], accumulate=True, q8=q8)
+                self._proj_in(i, ly, "attn_output", ly.wo_t, self._attn, x[0], accumulate=True)
+            else:
+                dev.gemv(ly.wo, self._attn, x[0], accumulate=True, q8=q8)
             # feed-forward: hot neurons here, cold ones on the CPU meanwhile
             self._ffn_decode(i, ly, x, h)
 
@@ -432,36 +440,60 @@ class GpuModel:
         else None. With mixed types (q/k/v of different types) the q8 form is made once."""
         return self._q8 if any(w is not None and cuda.reads_q8(w) for w in ws) else None
 
-    def _mask_in(self, i: int, ly: _ResidentLayer, group: str, v, q8) -> None:
-        """Input sparsity in place on the one-token activation v before group's projection of
-        layer i: the CPU's selection (``cpu_ffn.thr``, ``in_scale``), kept channels counted,
-        with q8 the masked v's q8 form."""
+    def _mask_args(self, i: int, ly: _ResidentLayer, group: str):
+        """(scale, threshold, kept counter) of group's mask in layer i: the CPU's selection
+        (``cpu_ffn.thr``, the WINA column scales). A captured CUDA graph keeps the threshold it
+        was captured with (the file's)."""
         g = C.IN_GROUPS.index(group)
-        # a captured CUDA graph keeps the threshold it was captured with (the file's)
-        self.dev.mask_inputs(v, ly.in_scale.get(group), float(self.cpu_ffn.thr[group][i]),
-                             self._kept[g:g + 1], q8)
+        return ly.in_scale.get(group), float(self.cpu_ffn.thr[group][i]), self._kept[g:g + 1]
 
-    def _mask_in_batch(self, i: int, ly: _ResidentLayer, group: str, v):
-        """``_mask_in`` of a batch v (n_tok, n_in): the masked copy (``xp.mask_inputs``)."""
-        g = C.IN_GROUPS.index(group)
-        m, kept = X.mask_inputs(v, ly.in_scale.get(group), float(self.cpu_ffn.thr[group][i]))
-        self._kept[g:g + 1] += kept.astype(self._kept.dtype)
-        return m
+    def _proj_in(self, i: int, ly: _ResidentLayer, group: str, w, v, out,
+                 accumulate: bool = False) -> None:
+        """Sparse mode input, one token: v (n_in,) masked in place by group's rule, then out
+        (n_out,) (+)= W v over the kept channels (``_apply_in``)."""
+        ib = cuda.is_ib(w)
+        self.dev.mask_inputs(v, *self._mask_args(i, ly, group), *self._q8_kmask(ib))
+        self._apply_in(w, v, out, accumulate)
+
+    def _q8_kmask(self, ib: bool):
+        return (self._q8, self._kmask) if ib else (None, None)
+
+    def _apply_in(self, w, v, out, accumulate: bool) -> None:
+        """out (+)= W v for the masked v: an input-block GEMV over the kept channels' rows (their
+        q8 form and bits from the mask), or an AXPY over a transposed float matrix's rows
+        skipping zero coefficients."""
+        if cuda.is_ib(w):
+            self.dev.ib_gemv(w, v, out, self._q8, self._kmask, accumulate, self._scratch)
+        else:
+            self.dev.axpy_rows(w, v, out, skip_zero=True, accumulate=accumulate,
+                               scratch=self._scratch)
 
     def _ffn_decode_input(self, i: int, ly: _ResidentLayer, x, h) -> None:
-        """Sparse mode "input": masked FFN input -> gate/up (every neuron: act(gate) * up) ->
-        masked GLU output -> the down projection's GEMV (+= x): the CPU's ``decode_ffn_in``."""
-        dev = self.dev
-        q8 = self._q8_for(ly.gate)
+        """Sparse mode "input": masked FFN input -> gate|up over its kept channels -> act(gate) *
+        up masked (``glu_mask``) -> the down projection over its kept channels (+= x): the CPU's
+        ``decode_ffn_in``."""
+        dev, F = self.dev, self.cfg.n_ff
         dev.rmsnorm(x, ly.ffn_norm, self.cfg.rms_eps, h)
-        self._mask_in(i, ly, "ffn_gate_up", h[0], q8)
-        dev.ffn_gate_up(ly.gate, ly.up, h[0], self._coef, self._counts, self.cfg.hidden_act, -1.0,
-                        ids=ly.ids, glu=True, q8=q8)
-        q8 = self._q8_for(ly.down)
-        self._mask_in(i, ly, "ffn_down", self._coef, q8)
-        dev.gemv(ly.down, self._coef, x[0], accumulate=True, q8=q8)
+        self._proj_in(i, ly, "ffn_gate_up", ly.gate_up_t, h[0], self._gu)
+        scale, thr, kept = self._mask_args(i, ly, "ffn_down")
+        dev.glu_mask(self._gu, F, self.cfg.hidden_act, scale, thr, self._coef, kept,
+                     *self._q8_kmask(cuda.is_ib(ly.down_t)))
+        self._apply_in(ly.down_t, self._coef, x[0], accumulate=True)
         if not self._capturing:
-            self._in_total += self.cpu_ffn._dense_elems
+            self._in_total += self.cpu_ffn.dense_elems
+
+    def _mask_in_batch(self, i: int, ly: _ResidentLayer, group: str, v):
+        """Group's mask of a batch v (n_tok, n_in): the masked copy (``xp.mask_inputs``)."""
+        scale, thr, kept = self._mask_args(i, ly, group)
+        m, k = X.mask_inputs(v, scale, thr)
+        kept += k.astype(kept.dtype)
+        return m
+
+    def _proj_in_batch(self, i: int, ly: _ResidentLayer, group: str, w, a):
+        """``_proj_in`` for a batch a (n_tok, n_in) -> (n_tok, n_out): a GEMM over the masked
+        inputs (an input-block matrix's against their q8 form, as decode's sums)."""
+        am = self._mask_in_batch(i, ly, group, a)
+        return self._linear_t(w, X.quantize_act_q8(am) if cuda.is_ib(w) else am)
 
     def _ffn_decode(self, i: int, ly: _ResidentLayer, x, h) -> None:
         if self.input:
@@ -570,7 +602,7 @@ class GpuModel:
         dev.synchronize()
         self._host_stats.total += F * len(self.layers)
         if self.input:
-            self._in_total += self.cpu_ffn._dense_elems * len(self.layers)
+            self._in_total += self.cpu_ffn.dense_elems * len(self.layers)
         return self._logits_pin.copy()
 
     def _cold(self, i: int, ly: _ResidentLayer, h: np.ndarray, mask, out: np.ndarray) -> None:
@@ -617,8 +649,8 @@ class GpuModel:
         for i, ly in enumerate(self.layers):
             h = X.rmsnorm(x, ly.attn_norm, cfg.rms_eps)
             if self.input:
-                h = self._mask_in_batch(i, ly, "attn_qkv", h)
-            if ly.wqkv is not None:
+                qkv = self._proj_in_batch(i, ly, "attn_qkv", ly.wqkv_t, h)
+            elif ly.wqkv is not None:
                 qkv = self._linear(ly.wqkv, h)
             else:
                 qkv = xp.concatenate([self._linear(w, h) for w in (ly.wq, ly.wk, ly.wv)], axis=1)
@@ -630,8 +662,9 @@ class GpuModel:
             ly.v[n_past:n_past + T] = qkv[:, nq + nkv:].reshape(T, cfg.n_head_kv, hd)
             attn = X.attention(q, ly.k, ly.v, n_past).reshape(T, nq)
             if self.input:
-                attn = self._mask_in_batch(i, ly, "attn_output", attn)
-            x += self._linear(ly.wo, attn)
+                x += self._proj_in_batch(i, ly, "attn_output", ly.wo_t, attn)
+            else:
+                x += self._linear(ly.wo, attn)
             h = X.rmsnorm(x, ly.ffn_norm, cfg.rms_eps)
             if self.input:
                 self._ffn_prefill_input(i, ly, x, h)
@@ -674,10 +707,11 @@ class GpuModel:
 
     def _ffn_prefill_input(self, i: int, ly: _ResidentLayer, x, h) -> None:
         """``_ffn_decode_input`` for a batch: GEMMs over the masked inputs."""
-        hm = self._mask_in_batch(i, ly, "ffn_gate_up", h)
-        c = X.act(self._linear(ly.gate, hm), self.silu) * self._linear(ly.up, hm)
-        x += self._linear(ly.down, self._mask_in_batch(i, ly, "ffn_down", c))
-        self._in_total += x.shape[0] * self.cpu_ffn._dense_elems
+        F = self.cfg.n_ff
+        gu = self._proj_in_batch(i, ly, "ffn_gate_up", ly.gate_up_t, h)
+        c = X.act(gu[:, :F], self.silu) * gu[:, F:]
+        x += self._proj_in_batch(i, ly, "ffn_down", ly.down_t, c)
+        self._in_total += x.shape[0] * self.cpu_ffn.dense_elems
 
     def _linear(self, w, a):
         """a (T, cols) @ w.T -> (T, rows) f32: w dequantized in chunks, GEMM (cuBLAS on a GPU).
@@ -742,7 +776,7 @@ class _InputStats:
     def active(self) -> int:
         kept = np.zeros(len(C.IN_GROUPS), np.uint64)
         self._model.dev.to_host(self._model._kept, kept)
-        return self._isp.stats.active + sum(int(k) * n for k, n in zip(kept, self._isp._row_elems))
+        return self._isp.stats.active + sum(int(k) * n for k, n in zip(kept, self._isp.row_elems))
 
     @property
     def sparsity(self) -> float:

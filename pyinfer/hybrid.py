@@ -12,8 +12,8 @@ Two plans, both measured in the bytes ``pyinfer.gpu_model.GpuModel`` allocates (
 - whole layers (llama.cpp ``-ngl N``, ``--disable-gpu-index``, dense files): the first k layers
   entirely on the device (attention and every FFN neuron), the others on the CPU, k = N or as
   many as the budget holds under the same rules. This is the baseline the hybrid is measured
-  against. A file of sparse mode "input" (no predictors, every neuron computed with its
-  inputs masked) takes this plan too; its lm head stays on the CPU where it has input sparsity.
+  against. A file of sparse mode "input" (no predictors; every projection reads only its kept
+  input channels) takes this plan too; its lm head stays on the CPU where it has input sparsity.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from pyinfer.gpu_model import (GpuModel, GpuPlan, buffer_bytes, device_predictor
                                predictor_rank, prefill_reserve_bytes)
 from pyinfer.model import Model
 from pyinfer.ops import cuda
-from pyinfer.ops.cpu import IBTensor
+from pyinfer.ops.cpu import QT, IBTensor
 from pyinfer.weights import ModelWeights
 
 #: Device memory left free when no budget is given: min(1 GiB, 10% of the free memory).
@@ -70,7 +70,7 @@ class _Sizes:
         input_mode = getattr(cpu_ffn, "is_input_sparse", False)
         self.buffers = buffer_bytes(cfg, n_ctx, rank, input_mode)  # allocated by GpuModel
         # the lm head stays on the CPU where sparse mode input skips its inputs (output_ib)
-        self.output_on_device = not (input_mode and head_on_cpu(cpu_ffn, weights))
+        self.output_on_device = not head_on_cpu(cpu_ffn, weights)
         self.reserve = prefill_reserve_bytes(cfg, n_ctx)  # kept free for prefill temporaries
         self.n_ff = cfg.n_ff
 
@@ -83,9 +83,12 @@ class _Sizes:
 
 
 def head_on_cpu(cpu_ffn, weights: ModelWeights) -> bool:
-    """True where the lm head has input sparsity (sparse mode input's ``output_ib``, maybe a
-    two-stage q4_1 copy): no device kernel computes it, so the logits are the CPU's."""
-    return getattr(cpu_ffn, "lm_head_thr", None) is not None and weights.output_ib is not None
+    """True where a sparse mode input file's lm head stays on the CPU: it has input sparsity
+    (``output_ib``, maybe a two-stage q4_1 copy), or its type has no GPU GEMV (e.g. q4_1)."""
+    if not getattr(cpu_ffn, "is_input_sparse", False):
+        return False
+    sparse_head = getattr(cpu_ffn, "lm_head_thr", None) is not None and weights.output_ib is not None
+    return sparse_head or weights.output.qtype.name.lower() not in cuda.GPU_TYPES
 
 
 def plan_layers(cfg: ModelConfig, sizes: _Sizes, budget: int, n_layers: int | None,
@@ -158,21 +161,15 @@ def _stored_split(reader, cfg: ModelConfig, budget: int, vram_budget):
 def _types_off_gpu(weights: ModelWeights, output: bool = True) -> list[str]:
     """Names of the layer weight types the GPU kernels cannot read (e.g. the K-quants that
     ``pyinfer-convert --outtype auto`` keeps), sorted; [] when every type is readable. A sparse
-    mode input layer's matrices by the type of their numbers (an input-block matrix's base type;
-    a transposed quantized one as "transposed TYPE": no row layout without a second rounding).
-    output: the output matrix goes on the device too."""
+    mode input layer's matrices are readable in the input-block layout (q8_0, q4_0, q4_1) or
+    transposed in f16/f32; a transposed quantized one (a shape without the input-block layout)
+    is named "transposed TYPE". output: the output matrix goes on the device too."""
     odd = set()
     for lw in weights.layers:
         if is_input_layer(lw):
             for t in (lw.attn_qkv_t, lw.attn_output_t, lw.ffn_gate_up_t, lw.ffn_down_t):
-                if isinstance(t, IBTensor):
-                    name = t.base_qtype.name.lower()
-                elif t.qtype.name.lower() in ("f32", "f16"):
-                    continue
-                else:
-                    name = f"transposed {t.qtype.name.lower()}"
-                if name not in cuda.GPU_TYPES:
-                    odd.add(name)
+                if not isinstance(t, IBTensor) and t.qtype not in (QT.F32, QT.F16):
+                    odd.add(f"transposed {t.qtype.name.lower()}")
             continue
         for name in ("wq", "wk", "wv", "wo", "ffn_gate", "ffn_up", "ffn_down_t", "ffn_down"):
             t = getattr(lw, name, None)
@@ -230,11 +227,13 @@ def place_model(reader, cfg: ModelConfig, weights: ModelWeights, cpu_ffn, n_ctx:
         if vram_budget is not None or n_gpu_layers:
             raise PyinferError("--vram-budget and -ngl need a GPU device (--device cuda or auto)")
         return cpu_model()
-    input_mode = getattr(cpu_ffn, "is_input_sparse", False)
-    odd = _types_off_gpu(weights, output=not (input_mode and head_on_cpu(cpu_ffn, weights)))
+    odd = _types_off_gpu(weights, output=not head_on_cpu(cpu_ffn, weights))
     if device != "cpu" and odd:
         msg = (f"the GPU kernels read {', '.join(cuda.GPU_TYPES)} weights, not {', '.join(odd)} "
                "(convert with --outtype f16, q8_0 or q4_0)")
+        if odd[0].startswith("transposed"):
+            msg = (f"no GPU kernel reads sparse mode input's {', '.join(odd)} matrices (outputs "
+                   "not a multiple of 64: no input-block layout)")
         if device == "auto" and backend is None:
             if not quiet:
                 _notice(msg + "; running on the CPU")

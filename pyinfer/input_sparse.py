@@ -101,9 +101,9 @@ class InputSparseFFN:
         self.silu = cfg.hidden_act == "silu"
         self.is_sparse = not dense
         self.sizes = in_sizes(cfg)
-        # decode_layers' stats per layer: rows a dense pass reads (elements), outputs per row
-        self._dense_elems = sum(n_in * n_out for n_in, n_out in self.sizes.values())
-        self._row_elems = tuple(self.sizes[g][1] for g in C.IN_GROUPS)
+        # stats per layer: elements of the rows a dense pass reads; outputs per row of each group
+        self.dense_elems = sum(n_in * n_out for n_in, n_out in self.sizes.values())
+        self.row_elems = tuple(self.sizes[g][1] for g in C.IN_GROUPS)
         self.stats = FFNStats()
         head = thresholds.get("output")
         #: K of the two-stage head (0: output_ib is the exact head)
@@ -186,8 +186,8 @@ class InputSparseFFN:
                                     None, first, n_threads, logits,
                                     self.lm_head_thr if head else -1.0)
         # as _count counts each group's half-layer calls, layers summed
-        self.stats.total += (cfg.n_layer - first) * self._dense_elems
-        self.stats.active += sum(k * n_out for k, n_out in zip(kept, self._row_elems))
+        self.stats.total += (cfg.n_layer - first) * self.dense_elems
+        self.stats.active += sum(k * n_out for k, n_out in zip(kept, self.row_elems))
         if head:
             self.head_stats.total += cfg.n_embd
             self.head_stats.active += kept[4]

@@ -123,3 +123,100 @@ def test_device_functions_on_the_host(lib, qt, cols):
             acc = np.zeros(cols, np.float32)
             lib.emu_axpy(t, ptr(row), cols, ctypes.c_float(0.7), ptr(acc))
             np.testing.assert_allclose(acc, np.float32(0.7) * f[r], rtol=1e-6, atol=1e-7)
+
+
+IB_SHIM = r"""
+#include <algorithm>
+using std::min;
+struct dim3 { unsigned int x, y, z; };
+static dim3 blockIdx, blockDim, threadIdx;
+#define __global__
+static inline int __ffs(unsigned int v) { return __builtin_ffs((int)v); }
+"""
+IB_DRIVER = r"""
+extern "C" {
+// every thread of the grid (words / 256 blocks x n_chunks), one after another
+void emu_ib(int t, const u8* w, int n_blocks, int n_out, const signed char* xq, const float* xd,
+            const unsigned int* kmask, int bpc, int n_chunks, float* partial) {
+    const int words = n_out / (t == 8 ? 4 : 8);
+    blockDim.x = 256;
+    for (unsigned y = 0; y < (unsigned)n_chunks; ++y)
+        for (unsigned bx = 0; bx * 256 < (unsigned)words; ++bx)
+            for (unsigned tx = 0; tx < 256; ++tx) {
+                blockIdx.x = bx; blockIdx.y = y; threadIdx.x = tx;
+                if (t == 8) ib_gemv_q8_0(w, n_blocks, n_out, xq, xd, kmask, bpc, partial);
+                else if (t == 4) ib_gemv_q4_0(w, n_blocks, n_out, xq, xd, kmask, bpc, partial);
+                else ib_gemv_q4_1(w, n_blocks, n_out, xq, xd, kmask, bpc, partial);
+            }
+}
+void emu_ib_deq(int t, const u8* w, int n_out, int j0, int n_rows, float* out) {
+    blockDim.x = 256;
+    for (long long i = 0; i < (long long)n_rows * n_out; ++i) {
+        blockIdx.x = (unsigned)(i / 256); threadIdx.x = (unsigned)(i % 256);
+        ib_dequant_t(w, t, n_out, j0, n_rows, out);
+    }
+}
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def ib_lib(tmp_path_factory):
+    gxx = shutil.which("g++")
+    if gxx is None or not _f16c():
+        pytest.skip("needs g++ and an F16C CPU")
+    s = cuda.INPUT_SRC
+    body = s[s.index("// A projection W (n_out, n_in)"):]
+    d = tmp_path_factory.mktemp("cudahost_ib")
+    (d / "ib.cpp").write_text(SHIM + IB_SHIM + body + IB_DRIVER)
+    r = subprocess.run([gxx, "-O1", "-mf16c", "-shared", "-fPIC", "-o", str(d / "ib.so"),
+                        str(d / "ib.cpp")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return ctypes.CDLL(str(d / "ib.so"))
+
+
+@pytest.mark.parametrize("qt", [QT.Q8_0, QT.Q4_0, QT.Q4_1])
+@pytest.mark.parametrize("n_out,n_in,n_chunks", [(128, 96, 1), (192, 256, 3), (1024, 4096, 16)])
+def test_input_block_gemv_on_the_host(ib_lib, qt, n_out, n_in, n_chunks):
+    """cuda.ib_gemv's kernel (sparse mode input's GEMV over the kept channels) over
+    device.device_ib_layout, run as host C++: the partial sums of its chunks add up to gguf's
+    dequantized W times the masked activation's q8 form (kept bits: random, one block all dropped,
+    one all kept), and ib_dequant_t gives W^T, the NumPy twin's numbers, exactly."""
+    from pyinfer.device import NumpyDevice, device_ib_layout
+    from pyinfer.ops.cpu import IBTensor
+
+    rng = np.random.default_rng(n_out + n_in)
+    w = QTensor.from_array(rng.normal(size=(n_out, n_in)).astype(np.float32), qt)
+    ib = IBTensor.from_rows(w)
+    dev = device_ib_layout(ib)
+    assert dev.nbytes == ib.raw.nbytes and dev.shape[0] == n_in // 32
+    f = dequantize_rows(np.ascontiguousarray(w.raw), qt, n_in)  # (n_out, n_in), gguf's
+    keep = rng.random(n_in) < 0.55
+    keep[:32] = False
+    keep[32:64] = n_in > 32
+    x = np.where(keep, rng.normal(size=n_in), 0.0).astype(np.float32)
+    xq, xd = np.zeros(n_in, np.int8), np.zeros(n_in // 32, np.float32)
+    quantize_q8(x, (xq, xd))
+    bits = keep.reshape(-1, 32).astype(np.uint64) << np.arange(32, dtype=np.uint64)
+    kmask = bits.sum(axis=1).astype(np.uint32)
+    t = {QT.Q8_0: 8, QT.Q4_0: 4, QT.Q4_1: 5}[qt]
+    nb = n_in // 32
+    bpc = -(-nb // n_chunks)
+    n_chunks = -(-nb // bpc)
+    partial = np.full(n_chunks * n_out, np.nan, np.float32)
+    ptr = lambda a: ctypes.c_void_p(a.ctypes.data)  # noqa: E731
+    ib_lib.emu_ib(t, ptr(dev), nb, n_out, ptr(xq), ptr(xd), ptr(kmask), bpc, n_chunks,
+                  ptr(partial))
+    got = partial.reshape(n_chunks, n_out).sum(axis=0)
+    xdq = ref.quantize_act_q8(x)
+    want = f.astype(np.float64) @ xdq
+    bound = 1e-5 * (np.abs(f) @ np.abs(xdq)) + 1e-30
+    assert np.all(np.abs(got - want) <= bound), np.abs(got - want).max()
+    twin = NumpyDevice().ib_rows(ib)
+    out = np.zeros(n_out, np.float32)
+    NumpyDevice().ib_gemv(twin, x, out)
+    assert np.all(np.abs(out - want) <= bound)
+    deq = np.full(3 * n_out, np.nan, np.float32)
+    ib_lib.emu_ib_deq(t, ptr(dev), n_out, 33, 3, ptr(deq))
+    np.testing.assert_array_equal(deq.reshape(3, n_out), twin.f32[33:36])
+    np.testing.assert_array_equal(twin.f32, f.T)

@@ -1,6 +1,6 @@
 """GPU kernels for the hot neurons: CuPy RawKernels over CUDA sources kept here as raw strings.
 
-Four sources, one ``cupy.RawModule`` each, compiled once per device on first use (CuPy
+Five sources, one ``cupy.RawModule`` each, compiled once per device on first use (CuPy
 ``examples/gemm``, ``cupyx/scipy/signal/_upfirdn.py``):
 
 - ``PREDICTOR_SRC``: PowerInfer's per-layer predictor, ``mask = fc2 @ relu(fc1 @ x) >= threshold``
@@ -18,8 +18,10 @@ quantized row's blocks split into quants then scales (``pyinfer.device.device_la
 32-block and an f32 scale, ``quantize_q8``: the CPU kernels' quantization, bit for bit) with
 ``__dp4a``, an exact integer per quant word, and sum in f32 (session 19: 1.3-1.44x the f32
 version's q4_0 GEMV on an H200, ``tools/gemv_variants_gpu.py``). ``ATTN_SRC`` holds the norms,
-RoPE, attention, ``quantize_q8`` and ``mask_q8`` (sparse mode input's mask of an activation,
-the CPU's selection rule, with the masked activation's q8 form). Sizes and strides are passed explicitly (RawKernel ignores strides). f16 is converted with the PTX ``cvt.f32.f16``
+RoPE, attention and ``quantize_q8``; ``INPUT_SRC`` sparse mode input's kernels: the mask of an
+activation (the CPU's selection rule, with the masked activation's q8 form and kept bits) and a
+GEMV over the kept input channels of a matrix in an input-block layout (``ib_gemv``: TEAL's
+column-skipping GEMV, the CPU's input-block sums). Sizes and strides are passed explicitly (RawKernel ignores strides). f16 is converted with the PTX ``cvt.f32.f16``
 instruction so the sources need no header (NVRTC and nvcc both compile them as they are).
 
 Whether a GPU is there is decided once, at import (``available()``); ``PYINFER_DEVICE=cpu`` in the
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pyinfer.ops import cpu as _cpu
 from pyinfer.ops.cpu import QT
 
 try:  # CuPy is the optional extra ``pyinfer[cuda]``
@@ -521,26 +524,6 @@ extern "C" __global__ void quantize_q8(const float* x, int n, signed char* xq, f
     const int b = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
     if (32 * b < n) warp_quantize_q8(x[32 * b + lane], lane, xq + 32 * b, xd + b);
 }
-// Input sparsity (pyinfer.input_sparse, sparse mode "input"): in place on x (n,) f32, x[j] = 0
-// where |x[j]| * scale[j] <= thr (scale only with has_scale; thr < 0 keeps every channel), the
-// rule of the CPU's mask_inputs / select_inputs; *kept += the channels kept. With do_q8 also the
-// masked x's q8 form (n % 32 == 0): the activation the CPU's input-block sums quantize (ibsum.h).
-// Warp per 32 channels.
-extern "C" __global__ void mask_q8(float* x, int n, const float* scale, int has_scale, float thr,
-                                   u64* kept, int do_q8, signed char* xq, float* xd) {
-    const int b = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
-    const int j = 32 * b + lane;
-    if (32 * b >= n) return;  // the whole warp
-    float v = j < n ? x[j] : 0.f;
-    float s = fabsf(v);
-    if (has_scale && j < n) s = s * scale[j];
-    const bool keep = j < n && s > thr;
-    v = keep ? v : 0.f;
-    if (j < n) x[j] = v;
-    const unsigned int ball = __ballot_sync(0xffffffffu, keep);
-    if (lane == 0 && ball) atomicAdd(kept, (u64)__popc(ball));
-    if (do_q8) warp_quantize_q8(v, lane, xq + 32 * b, xd + b);
-}
 // One token at position pos = *pos_p: NeoX rotary embedding (rotate_half) of q (n_head, hd) in
 // place and of k (n_kv, hd) into cache_k[pos]; v copied to cache_v[pos]. Caches (n_ctx, n_kv, hd)
 // f32. cos_sin (n_ctx, hd/2, 2) f32: cos and sin of pos * base^(-2i/hd), computed once in f64.
@@ -641,10 +624,158 @@ extern "C" __global__ void axpy_sum(const float* partial, int n_chunks, int cols
 }
 """
 
+INPUT_SRC = COMMON_SRC + r"""
+// ---- sparse mode "input" (pyinfer.input_sparse: TEAL-style input sparsity) ----------------------
+// Channel j of warp-block b (lane = j % 32): keep v where |v| * scale[j] > thr (scale only with
+// has_scale; thr < 0 keeps all: the CPU's mask_inputs rule), store it or 0 to out[j], add the
+// kept count to *kept; with do_q8 also the block's q8 form of the masked values (xq, xd: the
+// activation the CPU's input-block sums quantize) and its kept channels as a bit mask kmask[b].
+__device__ __forceinline__ void mask_store(float v, int j, int n, int b, int lane,
+        const float* scale, int has_scale, float thr, float* out, u64* kept, int do_q8,
+        signed char* xq, float* xd, unsigned int* kmask) {
+    float s = fabsf(v);
+    if (has_scale && j < n) s = s * scale[j];
+    const bool keep = j < n && s > thr;
+    v = keep ? v : 0.f;
+    if (j < n) out[j] = v;
+    const unsigned int ball = __ballot_sync(0xffffffffu, keep);
+    if (lane == 0) {
+        if (ball) atomicAdd(kept, (u64)__popc(ball));
+        if (do_q8) kmask[b] = ball;
+    }
+    if (do_q8) warp_quantize_q8(v, lane, xq + 32 * b, xd + b);
+}
+// x (n,) f32 masked in place (mask_store), warp per 32 channels.
+extern "C" __global__ void mask_q8(float* x, int n, const float* scale, int has_scale, float thr,
+        u64* kept, int do_q8, signed char* xq, float* xd, unsigned int* kmask) {
+    const int b = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
+    const int j = 32 * b + lane;
+    if (32 * b >= n) return;  // the whole warp
+    mask_store(j < n ? x[j] : 0.f, j, n, b, lane, scale, has_scale, thr, x, kept, do_q8, xq, xd,
+               kmask);
+}
+// out (n,) = act(gu[0:n]) * gu[n:2n] (act 1: SiLU g / (1 + exp(-g)), 0: ReLU), masked
+// (mask_store): the down projection's input, as the CPU's glu_mask / decode_ffn_in make it.
+extern "C" __global__ void glu_mask_q8(const float* gu, int n, int act, const float* scale,
+        int has_scale, float thr, float* out, u64* kept, int do_q8, signed char* xq, float* xd,
+        unsigned int* kmask) {
+    const int b = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
+    const int j = 32 * b + lane;
+    if (32 * b >= n) return;
+    float v = 0.f;
+    if (j < n) {
+        const float g = gu[j];
+        v = (act ? g / (1.f + expf(-g)) : fmaxf(g, 0.f)) * gu[n + j];
+    }
+    mask_store(v, j, n, b, lane, scale, has_scale, thr, out, kept, do_q8, xq, xd, kmask);
+}
+// A projection W (n_out, n_in) over the kept input channels only, in the device's input-block
+// layout (pyinfer.device.device_ib_layout): per 32-channel block b (bb bytes) the f16 scales
+// d[0:n_out, b], for q4_1 then the f16 mins m[0:n_out, b], then 32 value rows, one per channel,
+// of n_out int8 q (q8_0) or n_out nibbles u (q4_0: q = u - 8; q4_1: w = d u + m; output o in the
+// low nibble of byte o/2 when o is even, the high one when odd). A kept channel is one contiguous
+// row, so the bytes read shrink with the sparsity. Sums as the CPU's (cython/ibsum.h): per block
+// the exact integer acc[o] = sum over kept c of xq[c] q[o, c] (kmask[b]'s bits; xq, xd the masked
+// activation's q8 form), then s[o] += (xd[b] d[o, b]) acc[o] (q4_0: acc - 8 sum(xq); q4_1: plus
+// m[o, b] xd[b] sum(xq)). Thread per 32-bit word of a value row (T 8: q8_0, 4 outputs; 4: q4_0
+// and 5: q4_1, 8 outputs), so a warp reads 128 contiguous bytes of each kept row; grid.y splits
+// the blocks into chunks of bpc, each writing its partial sums (axpy_sum adds them up).
+template <int T>
+__device__ __forceinline__ void ib_gemv_body(const u8* w, int n_blocks, int n_out,
+        const signed char* xq, const float* xd, const unsigned int* kmask, int bpc,
+        float* partial) {
+    const int OPW = T == 8 ? 4 : 8;   // outputs per 32-bit word
+    const int HB = T == 5 ? 4 : 2;    // scale (and min) bytes per output and block
+    const int wi = blockIdx.x * blockDim.x + threadIdx.x;
+    if (wi * OPW >= n_out) return;
+    const long long vrow = T == 8 ? n_out : n_out / 2;
+    const long long bb = (long long)HB * n_out + 32 * vrow;
+    const int b0 = blockIdx.y * bpc, b1 = min(n_blocks, b0 + bpc);
+    float s[OPW];
+    #pragma unroll
+    for (int k = 0; k < OPW; ++k) s[k] = 0.f;
+    for (int b = b0; b < b1; ++b) {
+        unsigned int km = kmask[b];
+        if (!km) continue;
+        const u8* blk = w + b * bb;
+        const u8* vals = blk + (long long)HB * n_out + 4 * wi;
+        const signed char* xb = xq + 32 * b;
+        int acc[OPW];
+        #pragma unroll
+        for (int k = 0; k < OPW; ++k) acc[k] = 0;
+        int xs = 0;
+        while (km) {  // four kept rows' loads in flight before their arithmetic
+            unsigned int v[4];
+            int x[4];
+            #pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                v[u] = 0u;
+                x[u] = 0;
+                if (km) {
+                    const int c = __ffs(km) - 1;
+                    km &= km - 1;
+                    v[u] = *(const unsigned int*)(vals + c * vrow);
+                    x[u] = xb[c];
+                }
+            }
+            #pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                xs += x[u];
+                #pragma unroll
+                for (int k = 0; k < OPW; ++k)
+                    acc[k] += x[u] * (T == 8 ? (int)(signed char)(v[u] >> (8 * k))
+                                             : (int)((v[u] >> (4 * k)) & 15u));
+            }
+        }
+        const float sb = xd[b];
+        const u16* d = (const u16*)blk + OPW * wi;
+        #pragma unroll
+        for (int k = 0; k < OPW; ++k) {
+            const float f = sb * h2f(d[k]);
+            if (T == 8) s[k] += f * (float)acc[k];
+            else if (T == 4) s[k] += f * (float)(acc[k] - 8 * xs);
+            else s[k] += f * (float)acc[k] + h2f(d[n_out + k]) * (sb * (float)xs);
+        }
+    }
+    float* p = partial + (long long)blockIdx.y * n_out + OPW * wi;
+    #pragma unroll
+    for (int k = 0; k < OPW; ++k) p[k] = s[k];
+}
+extern "C" __global__ void ib_gemv_q8_0(const u8* w, int n_blocks, int n_out, const signed char* xq,
+        const float* xd, const unsigned int* kmask, int bpc, float* partial) {
+    ib_gemv_body<8>(w, n_blocks, n_out, xq, xd, kmask, bpc, partial);
+}
+extern "C" __global__ void ib_gemv_q4_0(const u8* w, int n_blocks, int n_out, const signed char* xq,
+        const float* xd, const unsigned int* kmask, int bpc, float* partial) {
+    ib_gemv_body<4>(w, n_blocks, n_out, xq, xd, kmask, bpc, partial);
+}
+extern "C" __global__ void ib_gemv_q4_1(const u8* w, int n_blocks, int n_out, const signed char* xq,
+        const float* xd, const unsigned int* kmask, int bpc, float* partial) {
+    ib_gemv_body<5>(w, n_blocks, n_out, xq, xd, kmask, bpc, partial);
+}
+// Element (j, o) of W^T, dequantized: rows j0 .. j0 + n_rows of out (n_rows, n_out) f32 (prefill's
+// GEMM over the masked batch: the same numbers).
+extern "C" __global__ void ib_dequant_t(const u8* w, int qt, int n_out, int j0, int n_rows,
+                                        float* out) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)n_rows * n_out) return;
+    const int j = j0 + (int)(i / n_out), o = (int)(i % n_out), b = j >> 5, c = j & 31;
+    const int HB = qt == 5 ? 4 : 2;
+    const long long vrow = qt == 8 ? n_out : n_out / 2;
+    const u8* blk = w + (long long)b * ((long long)HB * n_out + 32 * vrow);
+    const float d = h2f(((const u16*)blk)[o]);
+    const u8* row = blk + (long long)HB * n_out + c * vrow;
+    if (qt == 8) { out[i] = d * (float)(signed char)row[o]; return; }
+    const int u = (row[o >> 1] >> (4 * (o & 1))) & 15;
+    out[i] = qt == 4 ? d * (float)(u - 8) : d * (float)u + h2f(((const u16*)blk)[n_out + o]);
+}
+"""
+
 #: name -> CUDA source; one RawModule each (tests compile every one with nvcc).
-SOURCES = {"predictor": PREDICTOR_SRC, "gather": GATHER_SRC, "axpy": AXPY_SRC, "attn": ATTN_SRC}
+SOURCES = {"predictor": PREDICTOR_SRC, "gather": GATHER_SRC, "axpy": AXPY_SRC, "attn": ATTN_SRC,
+           "input": INPUT_SRC}
 #: kernels each source must define (the nvcc test counts them)
-N_KERNELS = {"predictor": 4, "gather": 8, "axpy": 9, "attn": 6}
+N_KERNELS = {"predictor": 4, "gather": 8, "axpy": 9, "attn": 5, "input": 6}
 _TYPE_NAME = {QT.F32: "f32", QT.F16: "f16", QT.Q8_0: "q8_0", QT.Q4_0: "q4_0"}
 #: weight types the kernels read (the QT names, lower case)
 GPU_TYPES = tuple(t.name.lower() for t in _TYPE_NAME)
@@ -763,22 +894,6 @@ def quantize_q8(x, q8) -> None:
     _kernel("attn", "quantize_q8")(_grid_rows(n // 32), (_BLOCK,), (x, np.int32(n), xq, xd))
 
 
-def mask_inputs(x, scale, thr: float, kept=None, q8=None) -> None:
-    """Input sparsity's mask in place on x (n,) f32: x[j] = 0 where |x[j]| * scale[j] <= thr
-    (``scale`` (n,) f32 or None for 1; thr < 0 keeps all), the CPU's ``cpu.mask_inputs`` rule;
-    ``kept`` ((1,) uint64 on the device, or None) += the channels kept. With ``q8`` = (xq, xd)
-    also the masked x's q8 form (``quantize_q8``; ValueError unless n is a multiple of 32)."""
-    n = x.size
-    do_q8, xq, xd = _q8_out(q8)
-    if do_q8:
-        _check_q8_len(n)
-    d = _dummy()
-    _kernel("attn", "mask_q8")(_grid_rows(-(-n // 32)), (_BLOCK,),
-                               (x, np.int32(n), d["f32"] if scale is None else scale,
-                                np.int32(scale is not None), np.float32(thr),
-                                d["u64"] if kept is None else kept, np.int32(do_q8), xq, xd))
-
-
 def _check_q8_len(n: int) -> None:
     if n % 32:
         raise ValueError(f"q8 activations need a multiple of 32 values, got {n}")
@@ -819,7 +934,8 @@ def _mask_args(ids, mask):
 @functools.lru_cache(maxsize=None)
 def _dummy_for(device_id: int):
     return {"i32": cupy.zeros(1, cupy.int32), "u8": cupy.zeros(1, cupy.uint8),
-            "f32": cupy.zeros(1, cupy.float32), "u64": cupy.zeros(1, cupy.uint64)}
+            "f32": cupy.zeros(1, cupy.float32), "u64": cupy.zeros(1, cupy.uint64),
+            "u32": cupy.zeros(1, cupy.uint32)}
 
 
 def _dummy():
@@ -967,3 +1083,93 @@ def add(out, a) -> None:
     """out += a, both (n,) f32 on the device."""
     n = out.size
     _kernel("attn", "add_f32")(_grid(n), (_BLOCK,), (out, a, np.int32(n)))
+
+
+# ---- sparse mode "input" -------------------------------------------------------------------------
+#: input-block type id (pyinfer.ops.cpu) -> (kernel suffix, outputs per 32-bit word, the
+#: kernels' T: 8 q8_0, 4 q4_0, 5 q4_1)
+IB_KERNELS = {_cpu.Q8_0_IB: ("q8_0", 4, 8), _cpu.Q4_0_IB: ("q4_0", 8, 4),
+              _cpu.Q4_1_IB: ("q4_1", 8, 5)}
+#: warps an input-block GEMV aims to keep busy (grid.y chunks of blocks make up for few outputs)
+IB_TARGET_WARPS = 2048
+
+
+def is_ib(w: DeviceRows) -> bool:
+    """True for a matrix in the device's input-block layout (``ib_gemv``): rows = input
+    channels, cols = outputs."""
+    return w.qtype in IB_KERNELS
+
+
+def ib_n_chunks(n_in: int, n_out: int, qtype: int) -> int:
+    """Chunks of input blocks (grid.y) of ``ib_gemv`` over a (n_out, n_in) matrix: enough warps
+    for IB_TARGET_WARPS, at most one per block. The partial sums take n_chunks * n_out floats."""
+    warps = -(-n_out // (32 * IB_KERNELS[qtype][1]))
+    return max(1, min(n_in // 32, -(-IB_TARGET_WARPS // warps)))
+
+
+def ib_scratch_len(n_in: int, n_out: int) -> int:
+    """Floats of partial sums ``ib_gemv`` needs for a (n_out, n_in) matrix of any input-block type."""
+    return max(ib_n_chunks(n_in, n_out, t) for t in IB_KERNELS) * n_out
+
+
+def mask_inputs(x, scale, thr: float, kept=None, q8=None, kmask=None) -> None:
+    """Input sparsity's mask in place on x (n,) f32: x[j] = 0 where |x[j]| * scale[j] <= thr
+    (``scale`` (n,) f32 or None for 1; thr < 0 keeps all), the CPU's ``cpu.mask_inputs`` rule;
+    ``kept`` ((1,) uint64 on the device, or None) += the channels kept. With ``q8`` = (xq, xd) and
+    ``kmask`` ((n / 32,) uint32) also the masked x's q8 form (``quantize_q8``) and each block's
+    kept channels as bits, what ``ib_gemv`` reads. ValueError unless n % 32 == 0 with q8."""
+    _mask_launch("mask_q8", x.size, (x,), scale, thr, kept, q8, kmask)
+
+
+def glu_mask(gu, n: int, act: str, scale, thr: float, out, kept=None, q8=None, kmask=None) -> None:
+    """out (n,) f32 = act(gu[:n]) * gu[n:2n] (act "silu" or "relu"), masked as ``mask_inputs``
+    (the down projection's input in sparse mode input)."""
+    _mask_launch("glu_mask_q8", n, (gu, np.int32(n), np.int32(act == "silu")), scale, thr, kept,
+                 q8, kmask, out)
+
+
+def _mask_launch(fn, n, head, scale, thr, kept, q8, kmask, out=None):
+    do_q8, xq, xd = _q8_out(q8)
+    if do_q8:
+        _check_q8_len(n)
+    d = _dummy()
+    args = head if fn == "glu_mask_q8" else (head[0], np.int32(n))
+    args += (d["f32"] if scale is None else scale, np.int32(scale is not None), np.float32(thr))
+    if out is not None:
+        args += (out,)
+    args += (d["u64"] if kept is None else kept, np.int32(do_q8), xq, xd,
+             d["u32"] if kmask is None else kmask)
+    _kernel("input", fn)(_grid_rows(-(-n // 32)), (_BLOCK,), args)
+
+
+def ib_gemv(w: DeviceRows, out, q8, kmask, accumulate: bool = False, scratch=None) -> None:
+    """out (n_out,) f32 (+)= W xm over the kept channels of the masked activation xm whose q8
+    form ``q8`` = (xq, xd) and kept bits ``kmask`` ``mask_inputs`` wrote; w: a (n_out, n_in)
+    matrix in the device's input-block layout (``is_ib``; rows n_in, cols n_out). scratch: f32
+    device buffer of >= ib_scratch_len(n_in, n_out) (allocated here when None)."""
+    name, opw, _t = IB_KERNELS[w.qtype]
+    n_in, n_out = w.rows, w.cols
+    n_chunks = ib_n_chunks(n_in, n_out, w.qtype)
+    bpc = -(-(n_in // 32) // n_chunks)
+    n_chunks = -(-(n_in // 32) // bpc)
+    if scratch is None:
+        scratch = cupy.empty(n_chunks * n_out, cupy.float32)
+    words = n_out // opw
+    _kernel("input", f"ib_gemv_{name}")(
+        ((words + _BLOCK - 1) // _BLOCK, n_chunks), (_BLOCK,),
+        (w.data, np.int32(n_in // 32), np.int32(n_out), q8[0], q8[1], kmask, np.int32(bpc),
+         scratch))
+    _kernel("axpy", "axpy_sum")(((n_out + 31) // 32,), (32, 8),
+                                (scratch, np.int32(n_chunks), np.int32(n_out),
+                                 np.int32(bool(accumulate)), out))
+
+
+def ib_dequant_t(w: DeviceRows, r0: int, n_rows: int, out) -> None:
+    """out[:n_rows * n_out] = rows r0 .. r0 + n_rows of W^T (input channels) dequantized, f32."""
+    n = n_rows * w.cols
+    if n == 0:
+        return
+    _kernel("input", "ib_dequant_t")(
+        _grid(n), (_BLOCK,),
+        (w.data, np.int32(IB_KERNELS[w.qtype][2]), np.int32(w.cols), np.int32(r0),
+         np.int32(n_rows), out))
