@@ -6,9 +6,11 @@
 #
 # Builds this tree and BASE (another commit, for the before/after pair, built beside it in
 # /tmp/base), runs the GPU tests, then tools/bench_gpu.py for 7B q4_0 all on the GPU (base and
-# this tree, same machine, minutes apart), the 7B hybrid at 30% / 50% and 13B at 50% / 100%.
-# Each step has its own timeout so the whole run ends inside ten minutes; what finished is in
-# $OUT even when a later step is cut.
+# this tree, same machine, minutes apart), tools/bench_gpu_input.py (sparse mode input, 7B q4_0,
+# 25% / 50%, against the same file dense and a dense row-layout file), the 7B hybrid at 30% / 50%
+# and, if time is left, 13B at 50% / 100%. Each step has its own timeout, cut to what is left of
+# LIMIT seconds (default 570), so the whole run ends inside ten minutes; what finished is in $OUT
+# even when a later step is cut or skipped.
 set -o pipefail
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -29,20 +31,26 @@ python3 setup.py build_ext --inplace -j 8 > "$OUT/build.log" 2>&1
 wait
 echo "builds $(( $(date +%s) - s )) s" >> "$L"
 B="--tokens 16 --warmup 3 --threads $(nproc) --qtype q4_0"
+LIMIT=${LIMIT:-570}
 step() {
     local t=$1 name=$2
     shift 2
     local s0=$(date +%s)
+    local left=$(( LIMIT - (s0 - s) ))
+    [ "$left" -lt 30 ] && { echo "$name skipped (${left} s left)" >> "$L"; return; }
+    [ "$t" -gt "$left" ] && t=$left
     timeout "$t" "$@" > "$OUT/$name.log" 2>&1
     echo "$name rc=$? $(( $(date +%s) - s0 )) s" >> "$L"
 }
 step 110 pytest python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_hybrid.py tests/test_cuda_host.py
 [ -n "$BASE" ] && step 100 base7 bash -c "cd /tmp/base && python3 tools/bench_gpu.py $B --shape 7b --budgets 1.0"
 step 100 new7 python3 tools/bench_gpu.py $B --shape 7b --budgets 1.0
+step 150 input7 python3 tools/bench_gpu_input.py --shape 7b --qtype q4_0 --sparsity 0.25 0.5 \
+    --tokens 32 --reps 3 --threads "$(nproc)"
 step 140 new7h python3 tools/bench_gpu.py $B --shape 7b --budgets 0.3,0.5
 step 150 new13 python3 tools/bench_gpu.py $B --shape 13b --budgets 0.5,1.0
 cat "$L"
 tail -3 "$OUT/pytest.log"
-for f in base7 new7 new7h new13; do
+for f in base7 new7 input7 new7h new13; do
     [ -f "$OUT/$f.log" ] && { echo "== $f"; grep -E "^\|" "$OUT/$f.log"; }
 done
