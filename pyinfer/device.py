@@ -310,6 +310,10 @@ class NumpyDevice:
         else:
             out[...] = y
 
+    def copy(self, out, a) -> None:
+        """out = a (device to device, queued)."""
+        out[...] = a
+
     def add(self, out, a) -> None:
         out += a
 
@@ -472,6 +476,10 @@ class CupyDevice:
     def ib_gemv(self, w, x, out, q8=None, kmask=None, accumulate: bool = False,
                 scratch=None) -> None:
         cuda.ib_gemv(w, out, q8, kmask, accumulate, scratch)
+
+    def copy(self, out, a) -> None:
+        assert out.flags.c_contiguous and a.flags.c_contiguous and out.nbytes >= a.nbytes
+        self._memcpy(out.data.ptr, a.data.ptr, a.nbytes, 3)  # cudaMemcpyDeviceToDevice
 
     def add(self, out, a) -> None:
         cuda.add(out, a)

@@ -102,7 +102,20 @@ def neuron_bytes(lw) -> int:
     return int(lw.ffn_gate.raw.shape[1] + lw.ffn_up.raw.shape[1] + lw.ffn_down_t.raw.shape[1])
 
 
-def output_bytes(cfg: ModelConfig, weights: ModelWeights) -> int:
+def ib_head(cpu_ffn, weights: ModelWeights) -> bool:
+    """True where the lm head is sparse mode input's (``output_ib`` with a threshold, maybe the
+    two-stage q4_1 copy): on the device it runs as input-block GEMVs over its kept inputs."""
+    return (getattr(cpu_ffn, "is_input_sparse", False) and cpu_ffn.lm_head_thr is not None
+            and weights.output_ib is not None)
+
+
+def output_bytes(cfg: ModelConfig, weights: ModelWeights, cpu_ffn=None) -> int:
+    """Device bytes of the output norm and matrix (sparse mode input's head: ``output_ib`` and
+    its WINA scales; the two-stage head's exact rows stay on the host)."""
+    if ib_head(cpu_ffn, weights):  # + the partial sums of its GEMVs
+        scale = weights.output_in_scale
+        return (cfg.n_embd * 4 + weights.output_ib.nbytes + 4 * head_scratch_len(weights)
+                + (0 if scale is None else scale.nbytes))
     return cfg.n_embd * 4 + weights.output.nbytes
 
 
@@ -114,8 +127,8 @@ def buffer_bytes(cfg: ModelConfig, n_ctx: int, rank: int, input_mode: bool = Fal
     E, F, V = cfg.n_embd, cfg.n_ff, cfg.n_vocab
     decode = 4 * (3 * E + 2 * cfg.n_embd_q + 2 * cfg.n_embd_kv + rank + F + V) + F + 16 + 4
     nq8 = q8_len(cfg, input_mode)
-    if input_mode:
-        decode += 8 * len(C.IN_GROUPS) + 4 * (nq8 // 32) + 4 * 2 * F + 4 * input_scratch_len(cfg)
+    if input_mode:  # kept counters (groups, head), kept bits, gate|up, masked head input, sums
+        decode += 8 * N_KEPT + 4 * (nq8 // 32) + 4 * 2 * F + 4 * E + 4 * input_scratch_len(cfg)
     decode += nq8 + 4 * max(1, nq8 // 32)  # the q8 form of the quantized rows' activation
     decode += 4 * cuda.axpy_chunks(F) * E  # AXPY partial sums
     return decode + 4 * deq_len(cfg, input_mode) + 4 * n_ctx * cfg.head_dim
@@ -129,6 +142,10 @@ def deq_len(cfg: ModelConfig, input_mode: bool = False) -> int:
     return min(rows * cols, DEQUANT_CHUNK_ELEMS)
 
 
+#: sparse mode input's device counters of kept channels: the four groups (C.IN_GROUPS), the head
+N_KEPT = len(C.IN_GROUPS) + 1
+
+
 def input_scratch_len(cfg: ModelConfig) -> int:
     """f32 partial sums a sparse mode input projection needs (``cuda.ib_gemv`` or the AXPY over
     a transposed f16/f32 matrix), the largest of the four."""
@@ -136,6 +153,11 @@ def input_scratch_len(cfg: ModelConfig) -> int:
 
     return max(max(cuda.ib_scratch_len(n_in, n_out), cuda.axpy_chunks(n_in) * n_out)
                for n_in, n_out in in_sizes(cfg).values())
+
+
+def head_scratch_len(weights: ModelWeights) -> int:
+    """f32 partial sums of sparse mode input's lm head on the device (its largest chunk)."""
+    return max(cuda.ib_scratch_len(t.rows, t.cols) for _c0, t in weights.output_ib.parts)
 
 
 def q8_len(cfg: ModelConfig, input_mode: bool = False) -> int:
@@ -282,10 +304,16 @@ class GpuModel:
         before = dev.allocated_bytes
         self.layers = [_ResidentLayer(dev, cfg, weights.layers[i], n_ctx, plan.hot[i], preds[i])
                        for i in range(plan.n_resident)]
-        self.output_norm = self.output = None
+        self.output_norm = self.output = self.head_parts = self.head_scale = None
         if plan.output:
             self.output_norm = dev.array(np.asarray(weights.output_norm, np.float32))
-            self.output = dev.rows([weights.output])  # (n_vocab, n_embd) as stored
+            if ib_head(cpu_ffn, weights):  # [(c0, chunk of outputs c0..)] input-block GEMVs
+                self.head_parts = [(c0, dev.ib_rows(t)) for c0, t in weights.output_ib.parts]
+                self._head_scratch = dev.empty(head_scratch_len(weights), np.float32)
+                if weights.output_in_scale is not None:
+                    self.head_scale = dev.array(np.asarray(weights.output_in_scale, np.float32))
+            else:
+                self.output = dev.rows([weights.output])  # (n_vocab, n_embd) as stored
         rank = predictor_rank(preds)
         E, F = cfg.n_embd, cfg.n_ff
         # one-token buffers, allocated once (llama2.c RunState)
@@ -305,8 +333,9 @@ class GpuModel:
         self._counts = dev.array(np.zeros(2, np.uint64))  # [candidates, active] of hot neurons
         self._pos = dev.array(np.zeros(1, np.int32))  # (1,) position of the decoded token
         self._axpy = dev.empty(cuda.axpy_chunks(F) * E, np.float32)  # AXPY partial sums
-        if self.input:  # (4,) channels kept per group (C.IN_GROUPS order) in resident layers
-            self._kept = dev.array(np.zeros(len(C.IN_GROUPS), np.uint64))
+        if self.input:  # channels kept per group (C.IN_GROUPS order) in resident layers, head
+            self._kept = dev.array(np.zeros(N_KEPT, np.uint64))
+            self._hm = dev.empty(E, np.float32)  # (n_embd,) the head's masked input
             self._kmask = dev.empty(nq8 // 32, np.uint32)  # kept bits per 32-channel block
             self._gu = dev.empty(2 * F, np.float32)  # (2 n_ff,) gate | up
             self._scratch = dev.empty(input_scratch_len(cfg), np.float32)  # partial sums
@@ -316,6 +345,7 @@ class GpuModel:
         self.device_bytes = dev.allocated_bytes - before
         # pinned host buffers for the per-layer transfers
         self._x_pin = dev.pinned((1, E), np.float32)
+        self._hh_pin = dev.pinned(E, np.float32)  # the output-normed x (two-stage head)
         self._h_pin = dev.pinned((UBATCH, E), np.float32)
         self._mask_pin = dev.pinned((UBATCH, F), np.uint8)
         self._part_pin = dev.pinned((UBATCH, E), np.float32)
@@ -333,7 +363,9 @@ class GpuModel:
         self._host_stats = FFNStats()  # cold neurons of resident layers + totals
         if self.input:  # weight reads, as InputSparseFFN counts them; the head is the CPU's
             self.stats = _InputStats(cpu_ffn, self)
-            self.input_sparse, self.head_stats = cpu_ffn, cpu_ffn.head_stats
+            self.input_sparse = cpu_ffn
+            self.head_stats = _HeadStats(cpu_ffn.head_stats, self)
+            self._head_total = 0  # head inputs of the tokens whose logits the device made
         else:
             self.stats = _SumStats([cpu_ffn.stats, self._host_stats], self)
             self.input_sparse = None
@@ -565,11 +597,7 @@ class GpuModel:
         try:
             stream.begin_capture()
             self._layers_decode(self.n_ctx)
-            cfg, dev = self.cfg, self.dev
-            q8 = self._q8_for(self.output)
-            dev.rmsnorm(self._x, self.output_norm, cfg.rms_eps, self._h, q8=q8)
-            dev.gemv(self.output, self._h[0], self._logits, q8=q8)
-            dev.download(self._logits, self._logits_pin)
+            self._head(self._x)
             self._graphs.append(stream.end_capture())
         except Exception as e:  # a driver or CuPy that cannot capture: stay eager
             try:
@@ -600,10 +628,12 @@ class GpuModel:
             self._host_part(i, self.layers[i], ready)
         launch(g[-1])
         dev.synchronize()
+        logits = self._logits_pin.copy()
+        self._rescore(logits)
         self._host_stats.total += F * len(self.layers)
         if self.input:
             self._in_total += self.cpu_ffn.dense_elems * len(self.layers)
-        return self._logits_pin.copy()
+        return logits
 
     def _cold(self, i: int, ly: _ResidentLayer, h: np.ndarray, mask, out: np.ndarray) -> None:
         """The cold neurons of layer i for one token, with SparseFFN's rule (``cpu.cold_ffn``,
@@ -626,13 +656,64 @@ class GpuModel:
             self.cpu.run_layers(x_host, n_past, self.plan.n_resident)
             return self.cpu.logits(x_host, all_logits)
         if not all_logits:
-            h, q8 = self._h, self._q8_for(self.output)
-            dev.rmsnorm(x[T - 1:T], self.output_norm, cfg.rms_eps, h, q8=q8)
-            dev.gemv(self.output, h[0], self._logits, q8=q8)
-            return dev.to_host(self._logits, self._logits_pin).copy()
+            self._head(x[T - 1:T])
+            dev.synchronize()
+            logits = self._logits_pin.copy()
+            self._rescore(logits)
+            return logits
         hn = X.rmsnorm(x, self.output_norm, cfg.rms_eps)
         logits = np.empty((T, cfg.n_vocab), np.float32)
-        return dev.to_host(self._linear(self.output, hn), logits)
+        if self.head_parts is None:
+            return dev.to_host(self._linear(self.output, hn), logits)
+        # sparse mode input's head: GEMMs over the masked batch, chunk by chunk
+        scale, thr, kept = self.head_scale, self.cpu_ffn.lm_head_thr, self._kept[-1:]
+        hm, k = X.mask_inputs(hn, scale, thr)
+        kept += k.astype(kept.dtype)
+        self._head_total += T * cfg.n_embd
+        q = X.quantize_act_q8(hm)
+        out = dev.xp.empty((T, cfg.n_vocab), dev.xp.float32)
+        for c0, part in self.head_parts:
+            out[:, c0:c0 + part.cols] = self._linear_t(part, q)
+        dev.to_host(out, logits)
+        if self.cpu_ffn.head_candidates:
+            hh = np.empty((T, cfg.n_embd), np.float32)
+            dev.to_host(hn, hh)
+            for t in range(T):
+                self.cpu_ffn._rescore(self.w, hh[t], logits[t], self.n_threads)
+        return logits
+
+    def _head(self, x) -> None:
+        """Queue one token's logits of x (1, n_embd) into the pinned ``_logits_pin``: the output
+        norm and GEMV, or sparse mode input's head (its inputs masked, input-block GEMVs over
+        each chunk of outputs; for the two-stage head the normed x goes down too, for
+        ``_rescore``). Captured in the decode graph."""
+        dev, cfg = self.dev, self.cfg
+        h = self._h
+        if self.head_parts is None:
+            q8 = self._q8_for(self.output)
+            dev.rmsnorm(x, self.output_norm, cfg.rms_eps, h, q8=q8)
+            dev.gemv(self.output, h[0], self._logits, q8=q8)
+        else:
+            dev.rmsnorm(x, self.output_norm, cfg.rms_eps, h)
+            dev.copy(self._hm, h[0])
+            dev.mask_inputs(self._hm, self.head_scale, self.cpu_ffn.lm_head_thr, self._kept[-1:],
+                            self._q8, self._kmask)
+            for c0, part in self.head_parts:
+                dev.ib_gemv(part, self._hm, self._logits[c0:c0 + part.cols], self._q8,
+                            self._kmask, False, self._head_scratch)
+            if self.cpu_ffn.head_candidates:
+                dev.download(h[0], self._hh_pin)
+        dev.download(self._logits, self._logits_pin)
+
+    def _rescore(self, logits: np.ndarray) -> None:
+        """After ``_head`` has landed: sparse mode input's two-stage head on the host (the exact
+        head's rows for the K best of the copy's logits: ``InputSparseFFN._rescore``, the CPU's
+        own step), and the head's input count."""
+        if self.head_parts is None:
+            return
+        self._head_total += self.cfg.n_embd
+        if self.cpu_ffn.head_candidates:
+            self.cpu_ffn._rescore(self.w, self._hh_pin, logits, self.n_threads)
 
     # ---- a batch of tokens (prefill) --------------------------------------------------------
     def _prefill(self, x_host, n_past: int, all_logits: bool):
@@ -788,6 +869,34 @@ class _InputStats:
         self._model._in_total = 0
         self._model.dev.upload(np.zeros(len(C.IN_GROUPS), np.uint64), self._model._kept)
         self._model.profile.reset()
+
+
+class _HeadStats:
+    """FFNStats-shaped view of sparse mode input's lm-head counts: the CPU's (head on the host)
+    plus the device's (inputs of the tokens it made logits for, kept ones read from the device)."""
+
+    def __init__(self, base: FFNStats, model: GpuModel):
+        self._base, self._model = base, model
+
+    @property
+    def total(self) -> int:
+        return self._base.total + self._model._head_total
+
+    @property
+    def active(self) -> int:
+        kept = np.zeros(N_KEPT, np.uint64)
+        self._model.dev.to_host(self._model._kept, kept)
+        return self._base.active + int(kept[-1])
+
+    @property
+    def sparsity(self) -> float:
+        total = self.total
+        return 1.0 - self.active / total if total else 0.0
+
+    def reset(self):
+        self._base.reset()
+        self._model._head_total = 0
+        self._model.dev.upload(np.zeros(1, np.uint64), self._model._kept[-1:])
 
 
 class _SumStats:

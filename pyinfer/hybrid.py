@@ -13,7 +13,7 @@ Two plans, both measured in the bytes ``pyinfer.gpu_model.GpuModel`` allocates (
   entirely on the device (attention and every FFN neuron), the others on the CPU, k = N or as
   many as the budget holds under the same rules. This is the baseline the hybrid is measured
   against. A file of sparse mode "input" (no predictors; every projection reads only its kept
-  input channels) takes this plan too; its lm head stays on the CPU where it has input sparsity.
+  input channels, the lm head's too) takes this plan too.
 """
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ from pyinfer.device import GiB, CupyDevice
 from pyinfer.errors import PyinferError
 from pyinfer.ffn import SparseFFN
 from pyinfer.gpu_model import (GpuModel, GpuPlan, buffer_bytes, device_predictors,
-                               is_input_layer, layer_fixed_bytes, neuron_bytes, output_bytes,
-                               predictor_rank, prefill_reserve_bytes)
+                               ib_head, is_input_layer, layer_fixed_bytes, neuron_bytes,
+                               output_bytes, predictor_rank, prefill_reserve_bytes)
 from pyinfer.model import Model
 from pyinfer.ops import cuda
 from pyinfer.ops.cpu import QT, IBTensor
@@ -65,7 +65,7 @@ class _Sizes:
         self.layer = [layer_fixed_bytes(cfg, lw, n_ctx, preds[i])
                       for i, lw in enumerate(weights.layers)]
         self.neuron = [neuron_bytes(lw) for lw in weights.layers]
-        self.output = output_bytes(cfg, weights)
+        self.output = output_bytes(cfg, weights, cpu_ffn)
         rank = predictor_rank(preds)
         input_mode = getattr(cpu_ffn, "is_input_sparse", False)
         self.buffers = buffer_bytes(cfg, n_ctx, rank, input_mode)  # allocated by GpuModel
@@ -83,12 +83,12 @@ class _Sizes:
 
 
 def head_on_cpu(cpu_ffn, weights: ModelWeights) -> bool:
-    """True where a sparse mode input file's lm head stays on the CPU: it has input sparsity
-    (``output_ib``, maybe a two-stage q4_1 copy), or its type has no GPU GEMV (e.g. q4_1)."""
-    if not getattr(cpu_ffn, "is_input_sparse", False):
+    """True where a sparse mode input file's lm head stays on the CPU: a dense head of a type
+    without a GPU GEMV (e.g. q4_1). An input-sparse head (``output_ib``, maybe the two-stage q4_1
+    copy) runs on the device as input-block GEMVs (``gpu_model.ib_head``)."""
+    if not getattr(cpu_ffn, "is_input_sparse", False) or ib_head(cpu_ffn, weights):
         return False
-    sparse_head = getattr(cpu_ffn, "lm_head_thr", None) is not None and weights.output_ib is not None
-    return sparse_head or weights.output.qtype.name.lower() not in cuda.GPU_TYPES
+    return weights.output.qtype.name.lower() not in cuda.GPU_TYPES
 
 
 def plan_layers(cfg: ModelConfig, sizes: _Sizes, budget: int, n_layers: int | None,
@@ -227,7 +227,9 @@ def place_model(reader, cfg: ModelConfig, weights: ModelWeights, cpu_ffn, n_ctx:
         if vram_budget is not None or n_gpu_layers:
             raise PyinferError("--vram-budget and -ngl need a GPU device (--device cuda or auto)")
         return cpu_model()
-    odd = _types_off_gpu(weights, output=not head_on_cpu(cpu_ffn, weights))
+    # the output matrix itself goes on the device unless the head is the CPU's or input-sparse
+    odd = _types_off_gpu(weights, output=not (head_on_cpu(cpu_ffn, weights)
+                                              or ib_head(cpu_ffn, weights)))
     if device != "cpu" and odd:
         msg = (f"the GPU kernels read {', '.join(cuda.GPU_TYPES)} weights, not {', '.join(odd)} "
                "(convert with --outtype f16, q8_0 or q4_0)")

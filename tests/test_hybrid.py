@@ -581,10 +581,10 @@ def input_engine(input_dir, tmp_path, outtype):
 def test_input_sparse_file_on_the_device(input_dir, tmp_path, outtype, backend):
     """Sparse mode input (issue 12) on the device: a mask before every projection, which reads
     only the kept channels' rows (input-block GEMV, f16 AXPY). All layers resident, -ngl 1, and
-    all resident with a dense lm head (q4_1: on the CPU, no q4_1 GEMV)
-    give the CPU model's logits (decode and prefill) with the same input channels kept
-    (NumpyDevice: exactly; a GPU: within 1%); an lm head with input sparsity stays on the CPU,
-    a dense one goes on the device; the plan's bytes are what is allocated."""
+    all resident with a dense lm head (q4_1: on the CPU, no q4_1 GEMV) give the CPU model's
+    logits (decode and prefill) with the same input channels kept (NumpyDevice: exactly; a GPU:
+    within 1%), the input-sparse lm head's too (two-stage: the copy on the device, the exact
+    candidates on the host); the plan's bytes are what is allocated."""
     from pyinfer.input_sparse import InputSparseFFN, thresholds_from_reader
 
     eng = input_engine(input_dir, tmp_path, outtype)
@@ -602,7 +602,9 @@ def test_input_sparse_file_on_the_device(input_dir, tmp_path, outtype, backend):
                          n_gpu_layers=ngl, backend=dev)
         assert isinstance(gm, GpuModel) and gm.is_input_sparse and gm.is_sparse
         assert gm.plan.n_resident == (ngl or cfg.n_layer)
-        assert gm.plan.output == (ngl is None and dense_head and outtype != "q4_1")
+        # the head on the device: input-sparse (input-block GEMVs), or dense where the GPU reads
+        # its type (not q4_1)
+        assert gm.plan.output == (ngl is None and (not dense_head or outtype != "q4_1"))
         assert gm.device_bytes == gm.plan.planned_bytes
         if backend == "numpy":
             assert dev.allocated_bytes == gm.plan.planned_bytes
@@ -615,6 +617,10 @@ def test_input_sparse_file_on_the_device(input_dir, tmp_path, outtype, backend):
             assert abs(gm.stats.sparsity - ref_ffn.stats.sparsity) < 0.01
         assert 0.3 < gm.stats.sparsity < 0.7
         assert (gm.head_stats.total > 0) == (not dense_head)
+        if not dense_head:
+            assert gm.head_stats.total == ref_ffn.head_stats.total
+            if exact:
+                assert gm.head_stats.active == ref_ffn.head_stats.active
         gm.stats.reset()
         assert gm.stats.total == gm.stats.active == 0
         pre = gm.forward(PROMPT, 0, all_logits=True)
@@ -662,10 +668,12 @@ def test_gpu_mask_inputs_is_the_twin(n, with_scale, do_q8):
         np.testing.assert_array_equal(gq8[1].get(), q8[1])
 
 
-def input_model_in_memory(qt, wina: bool, n_layer: int = 2, seed: int = 0):
+def input_model_in_memory(qt, wina: bool, head=None, n_layer: int = 2, seed: int = 0):
     """A random SwiGLU model of sparse mode input built in memory (no torch, no file): cfg,
     weights (q8_0/q4_0/q4_1 matrices in the input-block layout, f16 ones transposed; WINA column
-    scales with ``wina``), thresholds skipping roughly 30-60% of each group's inputs."""
+    scales with ``wina``), thresholds skipping roughly 30-60% of each group's inputs. head: None
+    (dense), "ib" (input-sparse, the head's own q8_0 numbers in chunks) or "two_stage" (a q4_1
+    copy picks 16 candidates, the exact q8_0 head computes them)."""
     from pyinfer.config import ModelConfig
     from pyinfer.ops.cpu import IBTensor
     from pyinfer.weights import LayerWeights, ModelWeights
@@ -698,20 +706,34 @@ def input_model_in_memory(qt, wina: bool, n_layer: int = 2, seed: int = 0):
     w = ModelWeights(token_embd=emb, output_norm=np.ones(E, np.float32), output=emb,
                      layers=layers)
     thr = {"attn_qkv": 0.5, "attn_output": 0.2, "ffn_gate_up": 0.5, "ffn_down": 0.08}
-    return cfg, w, {g: np.full(n_layer, v, np.float32) for g, v in thr.items()}
+    thr = {g: np.full(n_layer, v, np.float32) for g, v in thr.items()}
+    if head is not None:
+        from pyinfer.ops.cpu import IBChunks, ib_chunked_from_rows, ib_type
+
+        copy = emb if head == "ib" else QTensor.from_array(reference.dequantize(emb), QT.Q4_1)
+        raw = ib_chunked_from_rows(copy.raw, copy.qtype, V, E, 128)  # two chunks
+        w.output_ib = IBChunks.from_raw(raw, ib_type(copy.qtype), E, V, 128)
+        if wina:
+            w.output_in_scale = rng.uniform(0.5, 1.5, E).astype(np.float32)
+        thr["output"] = 0.4
+        if head == "two_stage":
+            thr["output_candidates"] = 16
+    return cfg, w, thr
 
 
 @pytest.mark.parametrize("backend", DEVICES)
-@pytest.mark.parametrize("qt,wina", [(QT.Q8_0, False), (QT.Q4_0, True), (QT.Q4_1, False),
-                                     (QT.F16, True)])
-def test_input_sparse_in_memory_on_the_device(qt, wina, backend):
+@pytest.mark.parametrize("qt,wina,head", [(QT.Q8_0, False, "two_stage"),
+                                          (QT.Q4_0, True, "two_stage"), (QT.Q4_1, False, None),
+                                          (QT.F16, True, None), (QT.Q8_0, True, "ib")])
+def test_input_sparse_in_memory_on_the_device(qt, wina, head, backend):
     """The device's sparse mode input (mask kernels, input-block GEMV, f16 AXPY, WINA scales on
-    the device) against the CPU model on an in-memory model (runs on a GPU image without torch
-    or transformers): decode and prefill logits, the same input channels kept (NumpyDevice:
-    exactly; a GPU: within 1%), -ngl 1 too."""
+    the device, the input-sparse lm head with and without the two-stage rescoring) against the
+    CPU model on an in-memory model (runs on a GPU image without torch or transformers): decode
+    and prefill logits, the same input channels kept (NumpyDevice: exactly; a GPU: within 1%),
+    -ngl 1 too."""
     from pyinfer.input_sparse import InputSparseFFN
 
-    cfg, w, thr = input_model_in_memory(qt, wina)
+    cfg, w, thr = input_model_in_memory(qt, wina, head)
     ref_ffn = InputSparseFFN(cfg, thr)
     ref = decode_all(Model(cfg, w, 64, 2, ffn=ref_ffn, cache_type="f32"), PROMPT)
     want = ref_ffn.stats
@@ -729,7 +751,14 @@ def test_input_sparse_in_memory_on_the_device(qt, wina, backend):
             assert gm.stats.active == want.active
         else:
             assert abs(gm.stats.sparsity - want.sparsity) < 0.01
+        if head is not None:
+            assert gm.head_stats.total == ref_ffn.head_stats.total
+            assert abs(gm.head_stats.sparsity - ref_ffn.head_stats.sparsity) < 0.01
+            assert 0.1 < gm.head_stats.sparsity < 0.9
         gm.stats.reset()
-        # prefill's GEMMs sum in another order: a channel at its threshold may flip
-        assert rel_err(gm.forward(PROMPT, 0, all_logits=True), ref) < max(tol, 1e-3)
+        # prefill's norms and GEMMs round in another order: a channel at its threshold may flip
+        # (a token's logits then move by that channel's share), so most tokens match closely
+        pre = gm.forward(PROMPT, 0, all_logits=True)
+        errs = [rel_err(p, r) for p, r in zip(pre, ref)]
+        assert max(errs) < 3e-2 and sorted(errs)[-3] < max(tol, 1e-3), errs
         assert abs(gm.stats.sparsity - want.sparsity) < 0.01
