@@ -699,6 +699,10 @@ def input_stage(src: str, out: str, outtype: str, opts, eng, seqs, source: str, 
     want = (asked if asked is not None else
             DEFAULT_LM_HEAD_SPARSITY_TWO_STAGE if k_cand else DEFAULT_LM_HEAD_SPARSITY)
     head = want > 0 and (k_cand > 0 or lm_head_supported(jobs, cfg))
+    # the two-stage head's copy: q4_1 for a head wider than 4 bits, else the head's own numbers
+    copy_t = C.QT.Q4_1 if k_cand and lm_head_source(jobs).qtype in _WIDE_HEADS else None
+    if k_cand and copy_t is None and not lm_head_supported(jobs, cfg):
+        copy_t = C.QT.Q4_1  # a 4-bit type without the input-block layout (e.g. q4_k)
     if want > 0 and not head and opts.lm_head_sparsity is not None:
         raise PyinferError("--lm-head-sparsity needs the lm head in q8_0, q4_0 or q4_1, or "
                            "--lm-head-candidates over 0, with a "
@@ -737,7 +741,7 @@ def input_stage(src: str, out: str, outtype: str, opts, eng, seqs, source: str, 
         if k_cand:
             meta.u32(C.K_LM_HEAD_CANDIDATES, k_cand)
         jobs += lm_head_jobs(jobs, cfg, C.LM_HEAD_CHUNK, cal.head_norms if wina else None,
-                             C.QT.Q4_1 if k_cand else None)
+                             copy_t)
     try:
         write_gguf(out, meta, jobs, progress=opts.progress)
     except OSError as e:
@@ -751,7 +755,8 @@ def input_stage(src: str, out: str, outtype: str, opts, eng, seqs, source: str, 
               if head_sparsity is None else
               f"\nlm head: {head_sparsity:.1%} of its input channels skipped on the calibration "
               "tokens (not counted in the target)"
-              + (f"; a q4_1 copy picks {k_cand} candidates, the exact head computes them"
+              + (f"; a {(copy_t or lm_head_source(jobs).qtype).name.lower()} copy picks {k_cand} "
+                 "candidates, the exact head computes them"
                  if k_cand else ""))
     return {"mode": C.SPARSE_MODE_INPUT, "calib_source": source, "seconds": secs,
             "sparsity": sparsity, "loss": loss, "thresholds": thr, "placement": None, "rows": [],

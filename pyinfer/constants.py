@@ -205,7 +205,8 @@ K_IN_SPARSITY = "pyinfer.sparse.input_sparsity.{group}"  # f32[n_layer], calibra
 K_LM_HEAD_THRESHOLD = "pyinfer.sparse.input_threshold.output"  # f32: the lm head's input threshold
 K_LM_HEAD_SPARSITY = "pyinfer.sparse.input_sparsity.output"  # f32: its calibrated fraction skipped
 K_LM_HEAD_CHUNK = "pyinfer.sparse.output_chunk"  # u32: outputs per chunk of OUTPUT_IB
-# u32 K: OUTPUT_IB is a q4_1 copy of the head that picks the K largest logits, which the exact
+# u32 K: OUTPUT_IB is a copy of the head (q4_1 for a head wider than 4 bits, else its own numbers)
+# that picks the K largest logits, which the exact
 # head (``output.weight`` / tied ``token_embd``) then computes (absent or 0: OUTPUT_IB is exact)
 K_LM_HEAD_CANDIDATES = "pyinfer.sparse.output_candidates"
 LM_HEAD_CHUNK = 3072  # SmolLM2: 16 chunks; 6144 and wider left the f32 sums out of L1 (docs/benchmarks.md "lm-head input sparsity")

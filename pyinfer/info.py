@@ -124,18 +124,20 @@ def _per_layer(reader, key: str, n_layer: int, item=float) -> list:
 def _input_sparsity(reader, n_layer: int) -> dict:
     """Sparse mode "input": score, allocation (and Fisher weight), per layer {group: {threshold,
     calibration_sparsity}} in ``C.IN_GROUPS`` order (None where the file has no value), and the
-    lm head's threshold, calibrated sparsity and two-stage candidates (0: its copy is exact;
-    None for a dense head)."""
+    lm head's threshold, calibrated sparsity, two-stage candidates (0: its copy is exact) and
+    the type of its input-block copy (None for a dense head)."""
     thr = {g: _per_layer(reader, C.K_IN_THRESHOLD.format(group=g), n_layer) for g in C.IN_GROUPS}
     sp = {g: _per_layer(reader, C.K_IN_SPARSITY.format(group=g), n_layer) for g in C.IN_GROUPS}
     head_thr = read_field(reader, C.K_LM_HEAD_THRESHOLD, kind=float)
+    ib = next((t for t in reader.tensors if t.name == C.OUTPUT_IB), None)
     return {"score": read_field(reader, C.K_IN_SCORE, kind=str),
             "allocation": read_field(reader, C.K_IN_ALLOC, kind=str),
             "fisher_weight": read_field(reader, C.K_IN_FISHER_WEIGHT, kind=float),
             "lm_head": None if head_thr is None else {
                 "threshold": head_thr,
                 "calibration_sparsity": read_field(reader, C.K_LM_HEAD_SPARSITY, kind=float),
-                "candidates": read_field(reader, C.K_LM_HEAD_CANDIDATES, kind=int) or 0},
+                "candidates": read_field(reader, C.K_LM_HEAD_CANDIDATES, kind=int) or 0,
+                "type": None if ib is None else ib.tensor_type.name.lower()},
             "layers": [{g: {"threshold": thr[g][i], "calibration_sparsity": sp[g][i]}
                         for g in C.IN_GROUPS} for i in range(n_layer)]}
 
@@ -232,7 +234,8 @@ def _render_input(sp: dict, calib: str) -> list[str]:
         alloc += f" (weight {inp['fisher_weight']:g})"
     head = ("dense" if inp["lm_head"] is None else
             f"{_fmt(inp['lm_head']['calibration_sparsity'], '.1%')} of its inputs skipped"
-            + (f", a q4_1 copy picking {inp['lm_head']['candidates']} candidates for the exact head"
+            + (f", a {inp['lm_head']['type']} copy picking {inp['lm_head']['candidates']} "
+               "candidates for the exact head"
                if inp["lm_head"]["candidates"] else ""))
     out = [f"sparse:        mode input, score {inp['score'] or '?'}, allocation {alloc}, target "
            f"sparsity {_fmt(sp['target_sparsity'], '.3g')} of projection weight bytes; lm head {head}",

@@ -93,7 +93,8 @@ def main(argv=None) -> int:
         head = (f"; lm head inputs skipped: {isp.head_stats.sparsity:.1%}"
                 if isp.lm_head_thr is not None else "")
         if isp.head_candidates:
-            head += f" (q4_1 copy, {isp.head_candidates} exact candidates)"
+            copy = eng.weights.output_ib.parts[0][1].base_qtype.name.lower()
+            head += f" ({copy} copy, {isp.head_candidates} exact candidates)"
         print(f"projection weight reads skipped: {1 - frac:.1%}{head}")
     elif eng.is_sparse:
         print(f"ffn neurons computed per token: {frac:.1%} (sparsity {1 - frac:.1%})")
