@@ -56,7 +56,8 @@ def with_down_type(jobs: list, down_type: str) -> list:
 
 def convert(src: str, out: str, outtype: str = OUTTYPE_AUTO, progress: bool | None = None,
             allow_unused: bool = False, gpuidx: str | None = None,
-            down_type: str | None = None, down_rows: bool = False) -> None:
+            down_type: str | None = None, down_rows: bool = False,
+            lm_head_candidates: int | None = None) -> None:
     """Convert ``src`` (HF directory, GGUF file, or upstream PowerInfer file) to the pyinfer GGUF ``out``.
 
     ``gpuidx``: an upstream PowerInfer GPU split file for a PowerInfer ``src`` (default: the
@@ -68,6 +69,9 @@ def convert(src: str, out: str, outtype: str = OUTTYPE_AUTO, progress: bool | No
     ``down_rows``: a dense file: the down projection as ``ffn_down`` (n_embd, n_ff), llama.cpp's
     row layout (``pyinfer.ffn_layout`` "rows"); ignored for an upstream PowerInfer source, whose
     predictors need ``ffn_down_t``.
+    ``lm_head_candidates``: K > 0 adds the two-stage lm head (``predictors.input_sparse.
+    two_stage_head``: a copy picks K candidates, the exact head computes them); None or 0: the
+    exact head alone (a dense file's default).
     Raises PyinferError for anything the user can fix (missing or unsupported input, bad path).
     """
     from .from_gguf import is_gguf_or_powerinfer, plan_gguf
@@ -103,6 +107,14 @@ def convert(src: str, out: str, outtype: str = OUTTYPE_AUTO, progress: bool | No
         raise PyinferError(f"{src} is neither a model directory nor a GGUF file")
     if down_type is not None:
         jobs = with_down_type(jobs, down_type)
+    if lm_head_candidates:
+        from types import SimpleNamespace
+
+        from predictors.input_sparse import lm_head_source, two_stage_head
+
+        n_vocab, n_embd = lm_head_source(jobs).shape
+        jobs, _k = two_stage_head(meta, jobs, SimpleNamespace(n_vocab=n_vocab, n_embd=n_embd),
+                                  lm_head_candidates)
     try:
         write_gguf(out, meta, jobs, progress=progress)
     except OSError as e:
@@ -170,7 +182,8 @@ def _run(args) -> int:
                            "--dense skips (a dense file keeps ffn_down in row layout)")
     if args.dense or is_powerinfer(args.src):  # a PowerInfer file brings its own predictors and split
         convert(args.src, args.out, args.outtype, allow_unused=args.allow_unused_tensors,
-                gpuidx=args.gpuidx, down_type=args.down_type, down_rows=args.dense)
+                gpuidx=args.gpuidx, down_type=args.down_type, down_rows=args.dense,
+                lm_head_candidates=args.lm_head_candidates)
     else:
         from predictors.offline import convert_sparse
 

@@ -535,6 +535,26 @@ def head_candidates(jobs, cfg, asked: int | None) -> int:
     return min(asked, cfg.n_vocab)
 
 
+def head_copy_type(jobs, cfg):
+    """The type of the two-stage head's copy: q4_1 for a head wider than 4 bits (or a 4-bit type
+    without the input-block layout), else None (the head's own numbers)."""
+    src = lm_head_source(jobs).qtype
+    return C.QT.Q4_1 if src in _WIDE_HEADS or not lm_head_supported(jobs, cfg) else None
+
+
+def two_stage_head(meta, jobs, cfg, asked: int | None) -> tuple[list, int]:
+    """A file of another sparse mode (or a dense one) with the two-stage lm head alone (no input
+    sparsity: its copy reads every input): ``jobs`` plus the copy's (``lm_head_jobs``), the chunk
+    and K written to ``meta``. asked: --lm-head-candidates (None: the default where the head is
+    wider than 4 bits, ``head_candidates``). Returns (jobs, K); K 0 leaves both as they are."""
+    k = head_candidates(jobs, cfg, asked)
+    if not k:
+        return list(jobs), 0
+    meta.u32(C.K_LM_HEAD_CHUNK, C.LM_HEAD_CHUNK)
+    meta.u32(C.K_LM_HEAD_CANDIDATES, k)
+    return list(jobs) + lm_head_jobs(jobs, cfg, C.LM_HEAD_CHUNK, None, head_copy_type(jobs, cfg)), k
+
+
 def lm_head_jobs(jobs, cfg, chunk: int, norms: np.ndarray | None, copy_type=None) -> list:
     """The jobs of the lm head under input sparsity: ``output_ib.weight``, the head's own q8_0 /
     q4_0 / q4_1 numbers (those of the dense head, ``lm_head_source``) in ``cpu.IBChunks``' layout
@@ -700,9 +720,7 @@ def input_stage(src: str, out: str, outtype: str, opts, eng, seqs, source: str, 
             DEFAULT_LM_HEAD_SPARSITY_TWO_STAGE if k_cand else DEFAULT_LM_HEAD_SPARSITY)
     head = want > 0 and (k_cand > 0 or lm_head_supported(jobs, cfg))
     # the two-stage head's copy: q4_1 for a head wider than 4 bits, else the head's own numbers
-    copy_t = C.QT.Q4_1 if k_cand and lm_head_source(jobs).qtype in _WIDE_HEADS else None
-    if k_cand and copy_t is None and not lm_head_supported(jobs, cfg):
-        copy_t = C.QT.Q4_1  # a 4-bit type without the input-block layout (e.g. q4_k)
+    copy_t = head_copy_type(jobs, cfg) if k_cand else None
     if want > 0 and not head and opts.lm_head_sparsity is not None:
         raise PyinferError("--lm-head-sparsity needs the lm head in q8_0, q4_0 or q4_1, or "
                            "--lm-head-candidates over 0, with a "

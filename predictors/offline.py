@@ -172,8 +172,6 @@ class OfflineOptions:
         if self.lm_head_candidates is not None:
             if self.lm_head_candidates < 0:
                 raise PyinferError(f"--lm-head-candidates must be >= 0, got {self.lm_head_candidates}")
-            if self.sparse_mode == C.SPARSE_MODE_GLU:
-                raise PyinferError("--lm-head-candidates needs --sparse-mode input")
         if self.fisher_weight is not None:
             if self.input_alloc != "fisher":
                 raise PyinferError("--fisher-weight needs --sparse-alloc fisher")
@@ -290,12 +288,10 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
             mode = C.SPARSE_MODE_INPUT
         elif opts.sparse_mode is None:
             mode = default_mode(cfg, eng.weights, outtype, opts)
-        if mode == C.SPARSE_MODE_GLU and (opts.lm_head_sparsity is not None
-                                          or opts.lm_head_candidates is not None):
-            flag = "--lm-head-sparsity" if opts.lm_head_sparsity is not None else "--lm-head-candidates"
-            raise PyinferError(f"{flag} needs --sparse-mode input (this model takes glu by "
-                               "default: its projections are not all q8_0, q4_0, q4_1 or f16, or "
-                               "--vram-budget was given)")
+        if mode == C.SPARSE_MODE_GLU and opts.lm_head_sparsity is not None:
+            raise PyinferError("--lm-head-sparsity needs --sparse-mode input (this model takes glu "
+                               "by default: its projections are not all q8_0, q4_0, q4_1 or f16, "
+                               "or --vram-budget was given)")
         if opts.sparse_mode is None:  # say which mode the default chose, and what it means
             if mode == C.SPARSE_MODE_INPUT:
                 opts.note_alloc_fallback()
@@ -406,6 +402,10 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
                 if bucket.size:  # GGUF holds no empty tensor: absence means "no GPU neurons"
                     new_jobs.append(TensorJob(C.GPU_BUCKET.format(bid=i), bucket.shape, C.QT.I32,
                                               lambda a=bucket: a))
+        # the two-stage lm head (a q4_1 copy picks the candidates the exact head computes)
+        from predictors.input_sparse import two_stage_head
+
+        jobs, _k = two_stage_head(meta, jobs, cfg, opts.lm_head_candidates)
         try:
             write_gguf(out, meta, list(jobs) + new_jobs, progress=opts.progress)
         except OSError as e:
@@ -518,10 +518,12 @@ def add_arguments(parser) -> None:
                         f"else {DEFAULT_LM_HEAD_SPARSITY:g} where the head is q8_0, q4_0 or q4_1; "
                         "0: the dense head)")
     g.add_argument("--lm-head-candidates", type=int, default=None, metavar="K",
-                   help="sparse mode input: the lm head's input-sparse copy is stored in q4_1 and "
-                        "picks the K largest logits, which the exact head then computes (default "
+                   help="the two-stage lm head: a copy of the head (q4_1 where the head is wider than "
+                        "4 bits, else its own numbers; input-sparse in sparse mode input) picks the "
+                        "K largest logits, which the exact head then computes (default "
                         f"{DEFAULT_LM_HEAD_CANDIDATES} where the head is wider than 4 bits, e.g. "
-                        "q8_0; 0: the copy in the head's own type, exact)")
+                        "q8_0, in every sparse mode; with --dense only when asked for; 0: the "
+                        "exact head, or input mode's copy in the head's own type)")
     g.add_argument("--vram-budget", type=float, default=None, metavar="GiB",
                    help="GiB of GPU memory to store a hot/cold neuron split for (default: no split "
                         "stored; activation counts are always stored so the GPU engine can solve at load)")

@@ -21,7 +21,7 @@ from pyinfer.errors import PyinferError
 from pyinfer.ffn import DenseFFN, Predictor, SparseFFN
 from pyinfer.gguf_check import check_gguf
 from pyinfer.hybrid import place_model
-from pyinfer.input_sparse import InputSparseFFN, thresholds_from_reader
+from pyinfer.input_sparse import InputSparseFFN, head_from_reader, thresholds_from_reader
 from pyinfer.ops import cpu
 from pyinfer.sampler import SamplingParams, sample
 from pyinfer.threads import ThreadGovernor
@@ -117,17 +117,20 @@ class Engine:
             n_threads = cpu.default_n_threads()
         self.n_ctx = n_ctx
         self.n_threads = n_threads
+        lm_head = None
         if read_field(self.reader, C.K_SPARSE_MODE) == C.SPARSE_MODE_INPUT:
             # the file holds only the transposed layout: --dense runs it with every input kept
             ffn = InputSparseFFN(self.cfg, thresholds_from_reader(self.reader, self.cfg), dense)
         else:
             ffn = (None if dense else self._sparse_ffn()) or DenseFFN(self.cfg)
+            # a two-stage lm head (output_ib) in a file of another mode; --dense: the exact head
+            lm_head = head_from_reader(self.reader, self.cfg, self.weights, dense)
         # a CPU Model, or the GPU-resident GpuModel (pyinfer.gpu_model) with its placement
         self.model = place_model(self.reader, self.cfg, self.weights, ffn, n_ctx, n_threads,
                                  device=device, vram_budget=vram_budget,
                                  reset_gpu_index=reset_gpu_index,
                                  disable_gpu_index=disable_gpu_index, n_gpu_layers=n_gpu_layers,
-                                 verbose=verbose, cache_type=cache_type)
+                                 verbose=verbose, cache_type=cache_type, lm_head=lm_head)
         self.tokens: list[int] = []  # tokens whose keys/values are in the cache, in order
         self._dry_breakers: frozenset[int] | None = None  # see dry_breakers
         # fewer threads while other processes hold CPUs (spinning OpenMP waits: pyinfer.threads)
@@ -171,8 +174,9 @@ class Engine:
 
     def reset_stats(self):
         self.model.ffn.stats.reset()
-        if hasattr(self.model.ffn, "head_stats"):  # sparse mode input: the lm head's counts
-            self.model.ffn.head_stats.reset()
+        head_stats = getattr(self.model, "head_stats", None)  # the head over output_ib
+        if head_stats is not None:
+            head_stats.reset()
         self.timings.reset()
 
     # ---- evaluation ------------------------------------------------------------------------

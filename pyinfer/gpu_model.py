@@ -102,20 +102,31 @@ def neuron_bytes(lw) -> int:
     return int(lw.ffn_gate.raw.shape[1] + lw.ffn_up.raw.shape[1] + lw.ffn_down_t.raw.shape[1])
 
 
-def ib_head(cpu_ffn, weights: ModelWeights) -> bool:
-    """True where the lm head is sparse mode input's (``output_ib`` with a threshold, maybe the
-    two-stage q4_1 copy): on the device it runs as input-block GEMVs over its kept inputs."""
-    return (getattr(cpu_ffn, "is_input_sparse", False) and cpu_ffn.lm_head_thr is not None
-            and weights.output_ib is not None)
+def model_head(cpu_ffn, lm_head=None):
+    """The lm head object over ``output_ib`` (``input_sparse.InputSparseHead``): ``lm_head`` when
+    given (a two-stage head of a file of another sparse mode), sparse mode input's FFN, or None."""
+    if lm_head is not None:
+        return lm_head
+    return cpu_ffn if getattr(cpu_ffn, "is_input_sparse", False) else None
 
 
-def output_bytes(cfg: ModelConfig, weights: ModelWeights, cpu_ffn=None) -> int:
-    """Device bytes of the output norm and matrix (sparse mode input's head: ``output_ib`` and
-    its WINA scales; the two-stage head's exact rows stay on the host)."""
-    if ib_head(cpu_ffn, weights):  # + the partial sums of its GEMVs
+def ib_head(head, weights: ModelWeights) -> bool:
+    """True where the lm head is ``output_ib`` (``head``, an InputSparseHead, is on: input
+    sparsity and/or the two-stage copy): on the device it runs as input-block GEMVs over its kept
+    inputs, the two-stage head's K exact candidates rescored on the host."""
+    return head is not None and head.head_on(weights)
+
+
+def output_bytes(cfg: ModelConfig, weights: ModelWeights, head=None,
+                 input_mode: bool = False) -> int:
+    """Device bytes of the output norm and matrix (an ``ib_head``: ``output_ib``, its WINA scales,
+    the partial sums of its GEMVs and, unless sparse mode input's buffers have them, its masked
+    input, kept bits and counters; the two-stage head's exact rows stay on the host)."""
+    if ib_head(head, weights):
         scale = weights.output_in_scale
+        own = 0 if input_mode else (4 * cfg.n_embd + 4 * (q8_len(cfg) // 32) + 8 * N_KEPT)
         return (cfg.n_embd * 4 + weights.output_ib.nbytes + 4 * head_scratch_len(weights)
-                + (0 if scale is None else scale.nbytes))
+                + (0 if scale is None else scale.nbytes) + own)
     return cfg.n_embd * 4 + weights.output.nbytes
 
 
@@ -284,7 +295,7 @@ class GpuModel:
     """
 
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, n_ctx: int, n_threads: int,
-                 cpu_ffn, dev, plan: GpuPlan):
+                 cpu_ffn, dev, plan: GpuPlan, lm_head=None):
         self.cfg, self.w, self.n_ctx, self.n_threads = cfg, weights, n_ctx, n_threads
         self.dev, self.plan = dev, plan
         self.cpu_ffn = cpu_ffn
@@ -292,7 +303,9 @@ class GpuModel:
         self.input = bool(getattr(cpu_ffn, "is_input_sparse", False))
         # the CPU model: embeddings, layers past n_resident, logits when the output stays here
         # f32 as the device's cache, so that a layer computes one function wherever it runs
-        self.cpu = Model(cfg, weights, n_ctx, n_threads, ffn=cpu_ffn, cache_type="f32")
+        self.lm_head = model_head(cpu_ffn, lm_head)  # the head over output_ib, or None
+        self.cpu = Model(cfg, weights, n_ctx, n_threads, ffn=cpu_ffn, cache_type="f32",
+                         lm_head=self.lm_head)
         sparse = isinstance(cpu_ffn, SparseFFN) and not plan.dense
         self.sparse = sparse
         self.glu = sparse and cpu_ffn.glu
@@ -307,7 +320,7 @@ class GpuModel:
         self.output_norm = self.output = self.head_parts = self.head_scale = None
         if plan.output:
             self.output_norm = dev.array(np.asarray(weights.output_norm, np.float32))
-            if ib_head(cpu_ffn, weights):  # [(c0, chunk of outputs c0..)] input-block GEMVs
+            if ib_head(self.lm_head, weights):  # [(c0, chunk c0..)] input-block GEMVs
                 self.head_parts = [(c0, dev.ib_rows(t)) for c0, t in weights.output_ib.parts]
                 self._head_scratch = dev.empty(head_scratch_len(weights), np.float32)
                 if weights.output_in_scale is not None:
@@ -333,10 +346,12 @@ class GpuModel:
         self._counts = dev.array(np.zeros(2, np.uint64))  # [candidates, active] of hot neurons
         self._pos = dev.array(np.zeros(1, np.int32))  # (1,) position of the decoded token
         self._axpy = dev.empty(cuda.axpy_chunks(F) * E, np.float32)  # AXPY partial sums
-        if self.input:  # channels kept per group (C.IN_GROUPS order) in resident layers, head
+        if self.input or self.head_parts is not None:
+            # channels kept per group (C.IN_GROUPS order) in resident layers, and in the head
             self._kept = dev.array(np.zeros(N_KEPT, np.uint64))
             self._hm = dev.empty(E, np.float32)  # (n_embd,) the head's masked input
             self._kmask = dev.empty(nq8 // 32, np.uint32)  # kept bits per 32-channel block
+        if self.input:
             self._gu = dev.empty(2 * F, np.float32)  # (2 n_ff,) gate | up
             self._scratch = dev.empty(input_scratch_len(cfg), np.float32)  # partial sums
             self._in_total = 0  # weight elements a dense pass over the resident layers reads
@@ -361,14 +376,15 @@ class GpuModel:
         self._split_layers: list[int] = []
         self.graph_events = None  # set to a list to time each graph on the device (benchmarks)
         self._host_stats = FFNStats()  # cold neurons of resident layers + totals
-        if self.input:  # weight reads, as InputSparseFFN counts them; the head is the CPU's
+        if self.input:  # weight reads, as InputSparseFFN counts them
             self.stats = _InputStats(cpu_ffn, self)
             self.input_sparse = cpu_ffn
-            self.head_stats = _HeadStats(cpu_ffn.head_stats, self)
-            self._head_total = 0  # head inputs of the tokens whose logits the device made
         else:
             self.stats = _SumStats([cpu_ffn.stats, self._host_stats], self)
             self.input_sparse = None
+        # the head over output_ib: the CPU's counts plus the device's
+        self.head_stats = None if self.lm_head is None else _HeadStats(self.lm_head.head_stats, self)
+        self._head_total = 0  # head inputs of the tokens whose logits the device made
         self.profile = Profile()
 
     # ---- the Model interface ----------------------------------------------------------------
@@ -666,7 +682,7 @@ class GpuModel:
         if self.head_parts is None:
             return dev.to_host(self._linear(self.output, hn), logits)
         # sparse mode input's head: GEMMs over the masked batch, chunk by chunk
-        scale, thr, kept = self.head_scale, self.cpu_ffn.lm_head_thr, self._kept[-1:]
+        scale, thr, kept = self.head_scale, self.lm_head.lm_head_thr, self._kept[-1:]
         hm, k = X.mask_inputs(hn, scale, thr)
         kept += k.astype(kept.dtype)
         self._head_total += T * cfg.n_embd
@@ -675,11 +691,11 @@ class GpuModel:
         for c0, part in self.head_parts:
             out[:, c0:c0 + part.cols] = self._linear_t(part, q)
         dev.to_host(out, logits)
-        if self.cpu_ffn.head_candidates:
+        if self.lm_head.head_candidates:
             hh = np.empty((T, cfg.n_embd), np.float32)
             dev.to_host(hn, hh)
             for t in range(T):
-                self.cpu_ffn._rescore(self.w, hh[t], logits[t], self.n_threads)
+                self.lm_head._rescore(self.w, hh[t], logits[t], self.n_threads)
         return logits
 
     def _head(self, x) -> None:
@@ -696,24 +712,24 @@ class GpuModel:
         else:
             dev.rmsnorm(x, self.output_norm, cfg.rms_eps, h)
             dev.copy(self._hm, h[0])
-            dev.mask_inputs(self._hm, self.head_scale, self.cpu_ffn.lm_head_thr, self._kept[-1:],
+            dev.mask_inputs(self._hm, self.head_scale, self.lm_head.lm_head_thr, self._kept[-1:],
                             self._q8, self._kmask)
             for c0, part in self.head_parts:
                 dev.ib_gemv(part, self._hm, self._logits[c0:c0 + part.cols], self._q8,
                             self._kmask, False, self._head_scratch)
-            if self.cpu_ffn.head_candidates:
+            if self.lm_head.head_candidates:
                 dev.download(h[0], self._hh_pin)
         dev.download(self._logits, self._logits_pin)
 
     def _rescore(self, logits: np.ndarray) -> None:
         """After ``_head`` has landed: sparse mode input's two-stage head on the host (the exact
-        head's rows for the K best of the copy's logits: ``InputSparseFFN._rescore``, the CPU's
+        head's rows for the K best of the copy's logits: ``InputSparseHead._rescore``, the CPU's
         own step), and the head's input count."""
         if self.head_parts is None:
             return
         self._head_total += self.cfg.n_embd
-        if self.cpu_ffn.head_candidates:
-            self.cpu_ffn._rescore(self.w, self._hh_pin, logits, self.n_threads)
+        if self.lm_head.head_candidates:
+            self.lm_head._rescore(self.w, self._hh_pin, logits, self.n_threads)
 
     # ---- a batch of tokens (prefill) --------------------------------------------------------
     def _prefill(self, x_host, n_past: int, all_logits: bool):
@@ -884,6 +900,8 @@ class _HeadStats:
 
     @property
     def active(self) -> int:
+        if not hasattr(self._model, "_kept"):  # the head is the CPU's
+            return self._base.active
         kept = np.zeros(N_KEPT, np.uint64)
         self._model.dev.to_host(self._model._kept, kept)
         return self._base.active + int(kept[-1])
@@ -896,7 +914,8 @@ class _HeadStats:
     def reset(self):
         self._base.reset()
         self._model._head_total = 0
-        self._model.dev.upload(np.zeros(1, np.uint64), self._model._kept[-1:])
+        if hasattr(self._model, "_kept"):
+            self._model.dev.upload(np.zeros(1, np.uint64), self._model._kept[-1:])
 
 
 class _SumStats:

@@ -27,8 +27,9 @@ from pyinfer.device import GiB, CupyDevice
 from pyinfer.errors import PyinferError
 from pyinfer.ffn import SparseFFN
 from pyinfer.gpu_model import (GpuModel, GpuPlan, buffer_bytes, device_predictors,
-                               ib_head, is_input_layer, layer_fixed_bytes, neuron_bytes,
-                               output_bytes, predictor_rank, prefill_reserve_bytes)
+                               ib_head, is_input_layer, layer_fixed_bytes, model_head,
+                               neuron_bytes, output_bytes, predictor_rank,
+                               prefill_reserve_bytes)
 from pyinfer.model import Model
 from pyinfer.ops import cuda
 from pyinfer.ops.cpu import QT, IBTensor
@@ -60,17 +61,18 @@ def resolve_budget(dev, vram_budget: float | None) -> int:
 class _Sizes:
     """Device bytes of each part of the model under the GpuModel layout."""
 
-    def __init__(self, cfg: ModelConfig, weights: ModelWeights, cpu_ffn, n_ctx: int, dense: bool):
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, cpu_ffn, n_ctx: int, dense: bool,
+                 lm_head=None):
         preds = device_predictors(cpu_ffn, cfg.n_layer, dense)
         self.layer = [layer_fixed_bytes(cfg, lw, n_ctx, preds[i])
                       for i, lw in enumerate(weights.layers)]
         self.neuron = [neuron_bytes(lw) for lw in weights.layers]
-        self.output = output_bytes(cfg, weights, cpu_ffn)
-        rank = predictor_rank(preds)
         input_mode = getattr(cpu_ffn, "is_input_sparse", False)
+        self.output = output_bytes(cfg, weights, model_head(cpu_ffn, lm_head), input_mode)
+        rank = predictor_rank(preds)
         self.buffers = buffer_bytes(cfg, n_ctx, rank, input_mode)  # allocated by GpuModel
         # the lm head stays on the CPU where sparse mode input skips its inputs (output_ib)
-        self.output_on_device = not head_on_cpu(cpu_ffn, weights)
+        self.output_on_device = not head_on_cpu(cpu_ffn, weights, lm_head)
         self.reserve = prefill_reserve_bytes(cfg, n_ctx)  # kept free for prefill temporaries
         self.n_ff = cfg.n_ff
 
@@ -82,11 +84,12 @@ class _Sizes:
         return self.layer[i] + self.n_ff * self.neuron[i]
 
 
-def head_on_cpu(cpu_ffn, weights: ModelWeights) -> bool:
+def head_on_cpu(cpu_ffn, weights: ModelWeights, lm_head=None) -> bool:
     """True where a sparse mode input file's lm head stays on the CPU: a dense head of a type
-    without a GPU GEMV (e.g. q4_1). An input-sparse head (``output_ib``, maybe the two-stage q4_1
+    without a GPU GEMV (e.g. q4_1). A head over ``output_ib`` (input sparsity and/or the two-stage
     copy) runs on the device as input-block GEMVs (``gpu_model.ib_head``)."""
-    if not getattr(cpu_ffn, "is_input_sparse", False) or ib_head(cpu_ffn, weights):
+    if not getattr(cpu_ffn, "is_input_sparse", False) or ib_head(model_head(cpu_ffn, lm_head),
+                                                                    weights):
         return False
     return weights.output.qtype.name.lower() not in cuda.GPU_TYPES
 
@@ -185,7 +188,7 @@ def place_model(reader, cfg: ModelConfig, weights: ModelWeights, cpu_ffn, n_ctx:
                 n_threads: int, *, device: str | None = "cpu", vram_budget: float | None = None,
                 reset_gpu_index: bool = False, disable_gpu_index: bool = False,
                 n_gpu_layers: int | None = None, backend=None, verbose: bool = False,
-                cache_type: str = "auto"):
+                cache_type: str = "auto", lm_head=None):
     """The model the engine should run: a CPU ``Model`` or a ``GpuModel`` with the plan.
 
     device: "cpu"; "auto" (GPU when ``pyinfer.ops.cuda.available()``, else the CPU with a
@@ -195,11 +198,13 @@ def place_model(reader, cfg: ModelConfig, weights: ModelWeights, cpu_ffn, n_ctx:
     split. n_gpu_layers: llama.cpp ``-ngl``: the first k layers whole on the device. backend: a
     ``pyinfer.device`` backend instead of CupyDevice (tests pass NumpyDevice). cache_type: the
     KV cache of a CPU ``Model`` (``kv_cache.cache_dtype``; a GpuModel keeps f32, as its device).
-    Raises PyinferError for an unknown device, a budget that is not positive or exceeds the free
+    lm_head: a two-stage head over ``output_ib`` for a file not of sparse mode input
+    (``input_sparse.head_from_reader``), used by the CPU and the device alike. Raises PyinferError for an unknown device, a budget that is not positive or exceeds the free
     memory, -ngl layers that do not fit, or a device out of memory.
     """
     def cpu_model():
-        return Model(cfg, weights, n_ctx, n_threads, ffn=cpu_ffn, cache_type=cache_type)
+        return Model(cfg, weights, n_ctx, n_threads, ffn=cpu_ffn, cache_type=cache_type,
+                     lm_head=lm_head)
 
     quiet = device is None
     device = (device or "auto").lower()
@@ -228,8 +233,9 @@ def place_model(reader, cfg: ModelConfig, weights: ModelWeights, cpu_ffn, n_ctx:
             raise PyinferError("--vram-budget and -ngl need a GPU device (--device cuda or auto)")
         return cpu_model()
     # the output matrix itself goes on the device unless the head is the CPU's or input-sparse
-    odd = _types_off_gpu(weights, output=not (head_on_cpu(cpu_ffn, weights)
-                                              or ib_head(cpu_ffn, weights)))
+    head = model_head(cpu_ffn, lm_head)
+    odd = _types_off_gpu(weights, output=not (head_on_cpu(cpu_ffn, weights, lm_head)
+                                              or ib_head(head, weights)))
     if device != "cpu" and odd:
         msg = (f"the GPU kernels read {', '.join(cuda.GPU_TYPES)} weights, not {', '.join(odd)} "
                "(convert with --outtype f16, q8_0 or q4_0)")
@@ -253,7 +259,7 @@ def place_model(reader, cfg: ModelConfig, weights: ModelWeights, cpu_ffn, n_ctx:
         weights = neuron_major_down(weights)
     budget = resolve_budget(backend, vram_budget)
     sparse = isinstance(cpu_ffn, SparseFFN)
-    sizes = _Sizes(cfg, weights, cpu_ffn, n_ctx, dense=not sparse)
+    sizes = _Sizes(cfg, weights, cpu_ffn, n_ctx, dense=not sparse, lm_head=lm_head)
     if n_gpu_layers is not None or disable_gpu_index or not sparse:
         plan = plan_layers(cfg, sizes, budget, n_gpu_layers, dense=not sparse)
     else:
@@ -271,7 +277,7 @@ def place_model(reader, cfg: ModelConfig, weights: ModelWeights, cpu_ffn, n_ctx:
     if plan.n_resident == 0:
         _notice("no layer fits in the VRAM budget; running on the CPU")
         return cpu_model()
-    model = GpuModel(cfg, weights, n_ctx, n_threads, cpu_ffn, backend, plan)
+    model = GpuModel(cfg, weights, n_ctx, n_threads, cpu_ffn, backend, plan, lm_head=lm_head)
     if verbose:
         n_hot = model.n_hot
         _notice(f"{backend.describe()}: {plan.n_resident}/{cfg.n_layer} layers resident, "

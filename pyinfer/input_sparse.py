@@ -72,7 +72,75 @@ class GroupThresholds(MutableMapping):
         return len(C.IN_GROUPS)
 
 
-class InputSparseFFN:
+class InputSparseHead:
+    """The lm head of a file that stores ``output_ib`` (sparse mode input; or, for any sparse
+    mode, the two-stage head alone): ``lm_head`` computes the logits from ``output_ib``, an
+    input-block copy of the head, skipping the input channels j whose score |h_j| (*
+    ``w.output_in_scale``) is at or below ``lm_head_thr`` (-1: every channel), counted in
+    ``head_stats`` (inputs of the tokens, inputs read). Where the file names K candidates
+    (``C.K_LM_HEAD_CANDIDATES``), ``output_ib`` is a copy (q4_1 for a head wider than 4 bits, else
+    the head's own numbers) whose logits pick the K largest, and those K come from the exact head
+    (``w.output``, a gather-GEMV of K rows: the dense head's bits), the others stay the copy's
+    (``_rescore``).
+
+    thresholds: "output" the head's threshold (float; absent: the dense head, ``lm_head_thr``
+    None), "output_candidates" K. dense=True: the exact head alone (``lm_head_thr`` None), or
+    with an exact copy every input kept."""
+
+    def __init__(self, cfg: ModelConfig, thresholds: dict, dense: bool = False):
+        head = thresholds.get("output")
+        #: K of the two-stage head (0: output_ib is the exact head)
+        self.head_candidates = 0 if head is None else int(thresholds.get("output_candidates", 0))
+        self.lm_head_thr = None if head is None else (-1.0 if dense else float(head))
+        if dense and self.head_candidates:  # --dense: the exact head, not its copy
+            self.lm_head_thr, self.head_candidates = None, 0
+        self._cand = np.empty(max(self.head_candidates, 1), np.int32)
+        self._cval = np.empty(max(self.head_candidates, 1), np.float32)
+        self.head_stats = FFNStats()
+        self._coef = np.empty(cfg.n_embd, np.float32)  # lm_head's kept inputs (one token)
+        self._idx = np.empty(cfg.n_embd, np.int32)
+
+    def head_on(self, w) -> bool:
+        """True where ``lm_head`` computes this file's logits (``w.output_ib`` and a threshold)."""
+        return self.lm_head_thr is not None and w.output_ib is not None
+
+    def lm_head(self, w, h: np.ndarray, out: np.ndarray, n_threads: int) -> np.ndarray:
+        """out (n_tok, n_vocab) f32 = the logits of the output-normed h (n_tok, n_embd) with the
+        head's input channels j of score |h_j| (* ``w.output_in_scale``) <= the threshold
+        skipped: one token sums the kept rows of ``w.output_ib`` (``IBChunks.axpy_rows``), a
+        batch multiplies the masked h (``IBChunks.matmul_t``): for q8_0 both the bits of the
+        dense GEMV of the masked input (cython/ibsum.h)."""
+        thr, scale, ib = self.lm_head_thr, w.output_in_scale, w.output_ib
+        n_tok, n_in = h.shape
+        if n_tok == 1:
+            k = cpu.select_inputs(h[0], scale, thr, self._coef, self._idx)
+            ib.axpy_rows(self._coef[:k], self._idx[:k], out[0], n_threads)
+        else:
+            hm = np.empty_like(h)
+            k = cpu.mask_inputs(h, scale, thr, hm, n_threads)
+            ib.matmul_t(hm, out, n_threads)
+        self.head_stats.total += n_tok * n_in
+        self.head_stats.active += k
+        if self.head_candidates:
+            for t in range(n_tok):
+                self._rescore(w, h[t], out[t], n_threads)
+        return out
+
+    def _rescore(self, w, h: np.ndarray, logits: np.ndarray, n_threads: int) -> None:
+        """The two-stage head's second stage, in place on one token's logits (n_vocab,) f32 of
+        the q4_1 copy: the head_candidates largest (``cpu.topk_indices``: ties to the lower
+        index) replaced by the exact head's, ``w.output``'s rows for them times the output-normed
+        h (n_embd,) f32 (``cpu.gather_matvec``: the dense head's bits for those tokens). Greedy
+        decoding then picks the exact head's argmax wherever it is among the candidates; the
+        other logits keep the copy's values (docs/benchmarks.md, session 18: on SmolLM2 with
+        K = 256 within 0.2% of the exact copy's perplexity)."""
+        m = cpu.topk_indices(logits, self.head_candidates, self._cand)
+        idx = self._cand[:m]
+        cpu.gather_matvec(w.output, h, idx, self._cval[:m], n_threads)
+        logits[idx] = self._cval[:m]
+
+
+class InputSparseFFN(InputSparseHead):
     """The model's FFN (and, through ``Model``, its attention projections) under input sparsity.
 
     thresholds: {group: (n_layer,) f32}, a channel is kept where its score exceeds the threshold
@@ -82,18 +150,15 @@ class InputSparseFFN:
     row length (elements), ``active`` = those read, so ``stats.sparsity`` is the fraction of
     projection weight bytes skipped (the lm head and embeddings are not counted).
 
-    The lm head: where the file stores ``output_ib`` and a threshold (``thresholds["output"]``, a
-    float; absent: the dense head), ``lm_head`` skips its small input channels too, counted in
-    ``head_stats`` the same way. Where the file also names K candidates
-    (``thresholds["output_candidates"]``, ``C.K_LM_HEAD_CANDIDATES``), ``output_ib`` is a q4_1
-    copy of the head: its logits pick the K largest, and those K come from the exact head
-    (``w.output``, a gather-GEMV of K rows: the dense head's bits), the others stay the copy's
-    (``_rescore``). ``dense=True`` then runs the exact head alone.
+    The lm head (``InputSparseHead``): where the file stores ``output_ib`` and a threshold
+    (``thresholds["output"]``), ``lm_head`` skips its small input channels too, counted in
+    ``head_stats``; with ``thresholds["output_candidates"]`` it is the two-stage head.
     """
 
     is_input_sparse = True
 
     def __init__(self, cfg: ModelConfig, thresholds: dict[str, np.ndarray], dense: bool = False):
+        super().__init__(cfg, thresholds, dense)
         self.cfg = cfg
         n = cfg.n_layer
         self.thr = GroupThresholds({g: (np.full(n, -1.0, np.float32) if dense else thresholds[g])
@@ -105,24 +170,13 @@ class InputSparseFFN:
         self.dense_elems = sum(n_in * n_out for n_in, n_out in self.sizes.values())
         self.row_elems = tuple(self.sizes[g][1] for g in C.IN_GROUPS)
         self.stats = FFNStats()
-        head = thresholds.get("output")
-        #: K of the two-stage head (0: output_ib is the exact head)
-        self.head_candidates = 0 if head is None else int(thresholds.get("output_candidates", 0))
-        self.lm_head_thr = None if head is None else (-1.0 if dense else float(head))
-        if dense and self.head_candidates:  # --dense: the exact head, not its q4_1 copy
-            self.lm_head_thr, self.head_candidates = None, 0
-        self._cand = np.empty(max(self.head_candidates, 1), np.int32)
-        self._cval = np.empty(max(self.head_candidates, 1), np.float32)
         self._head_h = np.empty(cfg.n_embd, np.float32)  # decode_layers' output-normed x
-        self.head_stats = FFNStats()
         # decode every layer of a token in one kernel call (decode_layers); False: one call per
         # half-layer (decode_attn, decode), e.g. for a tool that wraps those to record inputs
         self.whole_token = True
         self._plan = None  # cpu.input_decode_plan of the layers last decoded (decode_layers)
         self._plan_layers = None
         self._plan_head = False  # the plan holds the lm head
-        self._coef = np.empty(cfg.n_embd, np.float32)  # lm_head's kept inputs (one token)
-        self._idx = np.empty(cfg.n_embd, np.int32)
 
     def _count(self, group: str, kept: int, n_tok: int = 1) -> None:
         n_in, n_out = self.sizes[group]
@@ -198,7 +252,7 @@ class InputSparseFFN:
     def head_fits(self, w) -> bool:
         """True where ``decode_layers`` can write the logits: the file's lm head is input-sparse
         (``lm_head``'s one-token path)."""
-        return self.lm_head_thr is not None and w.output_ib is not None
+        return self.head_on(w)
 
     # ---- a batch (prefill): dense products over masked inputs ---------------------------------
     def qkv(self, lw, layer: int, h: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray,
@@ -230,42 +284,6 @@ class InputSparseFFN:
         cpu.matmul_t(lw.ffn_down_t, a, out, n_threads)
         return out
 
-    # ---- the lm head -----------------------------------------------------------------------------
-    def lm_head(self, w, h: np.ndarray, out: np.ndarray, n_threads: int) -> np.ndarray:
-        """out (n_tok, n_vocab) f32 = the logits of the output-normed h (n_tok, n_embd) with the
-        head's input channels j of score |h_j| (* ``w.output_in_scale``) <= the threshold
-        skipped: one token sums the kept rows of ``w.output_ib`` (``IBChunks.axpy_rows``), a
-        batch multiplies the masked h (``IBChunks.matmul_t``): for q8_0 both the bits of the
-        dense GEMV of the masked input (cython/ibsum.h)."""
-        thr, scale, ib = self.lm_head_thr, w.output_in_scale, w.output_ib
-        n_tok, n_in = h.shape
-        if n_tok == 1:
-            k = cpu.select_inputs(h[0], scale, thr, self._coef, self._idx)
-            ib.axpy_rows(self._coef[:k], self._idx[:k], out[0], n_threads)
-        else:
-            hm = np.empty_like(h)
-            k = cpu.mask_inputs(h, scale, thr, hm, n_threads)
-            ib.matmul_t(hm, out, n_threads)
-        self.head_stats.total += n_tok * n_in
-        self.head_stats.active += k
-        if self.head_candidates:
-            for t in range(n_tok):
-                self._rescore(w, h[t], out[t], n_threads)
-        return out
-
-    def _rescore(self, w, h: np.ndarray, logits: np.ndarray, n_threads: int) -> None:
-        """The two-stage head's second stage, in place on one token's logits (n_vocab,) f32 of
-        the q4_1 copy: the head_candidates largest (``cpu.topk_indices``: ties to the lower
-        index) replaced by the exact head's, ``w.output``'s rows for them times the output-normed
-        h (n_embd,) f32 (``cpu.gather_matvec``: the dense head's bits for those tokens). Greedy
-        decoding then picks the exact head's argmax wherever it is among the candidates; the
-        other logits keep the copy's values (docs/benchmarks.md, session 18: on SmolLM2 with
-        K = 256 within 0.2% of the exact copy's perplexity)."""
-        m = cpu.topk_indices(logits, self.head_candidates, self._cand)
-        idx = self._cand[:m]
-        cpu.gather_matvec(w.output, h, idx, self._cval[:m], n_threads)
-        logits[idx] = self._cval[:m]
-
 
 def thresholds_from_reader(reader, cfg: ModelConfig) -> dict:
     """{group: (n_layer,) f32} from the file's ``pyinfer.sparse.input_threshold.*`` arrays,
@@ -282,14 +300,35 @@ def thresholds_from_reader(reader, cfg: ModelConfig) -> dict:
         if v is None or len(v) != cfg.n_layer:
             raise PyinferError(f"sparse mode input needs {key} with {cfg.n_layer} entries")
         out[g] = np.asarray(v, np.float32)
+    if read_field(reader, C.K_LM_HEAD_THRESHOLD) is not None:
+        out.update(_head_fields(reader, cfg))
+    return out
+
+
+def _head_fields(reader, cfg: ModelConfig) -> dict:
+    """{"output": the head's threshold (-1.0 where the file has none: every input kept),
+    "output_candidates": K (where given)}. PyinferError for a value of the wrong type."""
+    from pyinfer.config import read_field
+    from pyinfer.errors import PyinferError
+
+    out = {"output": -1.0}
     head = read_field(reader, C.K_LM_HEAD_THRESHOLD)
     if head is not None:
         if not isinstance(head, float):
             raise PyinferError(f"{C.K_LM_HEAD_THRESHOLD} must be a float, got {head!r}")
         out["output"] = head
-        k = read_field(reader, C.K_LM_HEAD_CANDIDATES)
-        if k is not None:
-            if not isinstance(k, int) or k < 0:
-                raise PyinferError(f"{C.K_LM_HEAD_CANDIDATES} must be a count, got {k!r}")
-            out["output_candidates"] = min(k, cfg.n_vocab)
+    k = read_field(reader, C.K_LM_HEAD_CANDIDATES)
+    if k is not None:
+        if not isinstance(k, int) or k < 0:
+            raise PyinferError(f"{C.K_LM_HEAD_CANDIDATES} must be a count, got {k!r}")
+        out["output_candidates"] = min(k, cfg.n_vocab)
     return out
+
+
+def head_from_reader(reader, cfg: ModelConfig, weights, dense: bool = False):
+    """The lm head of a file of another sparse mode (or a dense one) that stores ``output_ib``:
+    an ``InputSparseHead`` (the two-stage head, maybe with input sparsity), or None (no
+    ``output_ib``, or ``dense``: the exact head)."""
+    if weights.output_ib is None or dense:
+        return None
+    return InputSparseHead(cfg, _head_fields(reader, cfg))

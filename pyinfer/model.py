@@ -34,7 +34,7 @@ class Model:
     loop of ``run_layers``."""
 
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, n_ctx: int, n_threads: int = 1,
-                 ffn=None, fused: bool = True, cache_type: str = CACHE_TYPE_AUTO):
+                 ffn=None, fused: bool = True, cache_type: str = CACHE_TYPE_AUTO, lm_head=None):
         self.fused = fused  # one-token steps through the fused half-layer kernels
         self.cfg = cfg
         self.w = weights
@@ -44,10 +44,18 @@ class Model:
         self.ffn = ffn if ffn is not None else DenseFFN(cfg)
         # sparse mode "input" (pyinfer.input_sparse): the FFN object also runs q/k/v/o
         self.input_sparse = self.ffn if getattr(self.ffn, "is_input_sparse", False) else None
+        # the lm head over output_ib (input_sparse.InputSparseHead: sparse mode input's own, or
+        # a two-stage head given for a file of another mode); None: the dense head
+        self.lm_head = lm_head if lm_head is not None else self.input_sparse
         self.llama_plain = cfg.llama_plain and weights.llama_plain  # the fused kernels fit
         if cfg.positions == "learned" and n_ctx > weights.pos_embd.rows:
             raise PyinferError(f"a context of {n_ctx} exceeds the {weights.pos_embd.rows} learned "
                                "positions of this model (-c/--ctx-size)")
+
+    @property
+    def head_stats(self):
+        """The lm head's input counts (``InputSparseHead.head_stats``), or None (dense head)."""
+        return None if self.lm_head is None else self.lm_head.head_stats
 
     def embed(self, tokens, n_past: int) -> np.ndarray:
         """(n_tok, n_embd) f32 embeddings of ``tokens``; ValueError when they do not fit after
@@ -208,9 +216,9 @@ class Model:
         h = np.empty_like(x)
         fam.norm(cfg, x, w.output_norm, w.output_norm_b, h)
         logits = np.empty((h.shape[0], cfg.n_vocab), np.float32)  # (n_tok, n_vocab)
-        isp = self.input_sparse
-        if isp is not None and isp.lm_head_thr is not None and w.output_ib is not None:
-            isp.lm_head(w, h, logits, nt)  # input sparsity in the lm head too
+        head = self.lm_head
+        if head is not None and head.head_on(w):
+            head.lm_head(w, h, logits, nt)  # input sparsity and/or the two-stage head
         else:
             linear(w.output, h, logits, nt)
         if cfg.final_softcap:  # Gemma: cap * tanh(logits / cap)

@@ -88,16 +88,20 @@ def main(argv=None) -> int:
         return 1
     mode = "sparse" if eng.is_sparse else "dense"
     print(f"perplexity: {ppl:.4f} over {n} tokens ({mode}, ctx {args.ctx_size}, {dt:.1f} s)")
-    isp = eng.model.input_sparse if hasattr(eng.model, "input_sparse") else None
-    if isp is not None and eng.is_sparse:  # sparse mode input: weight bytes, not neurons
-        head = (f"; lm head inputs skipped: {isp.head_stats.sparsity:.1%}"
-                if isp.lm_head_thr is not None else "")
-        if isp.head_candidates:
+    isp = getattr(eng.model, "input_sparse", None)
+    lm_head = getattr(eng.model, "lm_head", None)
+    head = ""
+    if lm_head is not None and lm_head.head_on(eng.weights):  # the head over output_ib
+        head = f"lm head inputs skipped: {eng.model.head_stats.sparsity:.1%}"
+        if lm_head.head_candidates:
             copy = eng.weights.output_ib.parts[0][1].base_qtype.name.lower()
-            head += f" ({copy} copy, {isp.head_candidates} exact candidates)"
-        print(f"projection weight reads skipped: {1 - frac:.1%}{head}")
+            head += f" ({copy} copy, {lm_head.head_candidates} exact candidates)"
+    if isp is not None and eng.is_sparse:  # sparse mode input: weight bytes, not neurons
+        print(f"projection weight reads skipped: {1 - frac:.1%}" + (f"; {head}" if head else ""))
     elif eng.is_sparse:
         print(f"ffn neurons computed per token: {frac:.1%} (sparsity {1 - frac:.1%})")
+    if head and isp is None:
+        print(head)
     return 0
 
 

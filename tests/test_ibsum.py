@@ -603,3 +603,73 @@ def test_act_values_equal_select_active():
         got = np.full_like(g, 1.0)
         cpu._k.act_mul(np.concatenate([g, u]), int(silu), got)
         np.testing.assert_array_equal(got, want)  # NaN where want is NaN
+
+
+def test_two_stage_head_in_other_modes(head_dir, tmp_path):
+    """The two-stage head without sparse mode input: a --dense file asked for it
+    (--lm-head-candidates) and a glu file by default store a q4_1 copy of the q8_0 head that reads
+    every input; its K largest logits are the exact head's (the dense GEMV, bit for bit), the
+    rest the copy's, in prefill and decode; --dense at run time runs the exact head; the GPU
+    engine (NumpyDevice) computes the head on the device with the same result."""
+    from pyinfer.device import NumpyDevice
+    from pyinfer.ffn import DenseFFN
+    from pyinfer.hybrid import place_model
+    from pyinfer.model import linear
+
+    out = str(tmp_path / "dense2.gguf")
+    assert convert_main([head_dir, out, "--outtype", "q8_0", "--dense"]) == 0
+    assert C.OUTPUT_IB not in {t.name for t in gguf.GGUFReader(out).tensors}  # asked for only
+    assert convert_main([head_dir, out, "--outtype", "q8_0", "--dense",
+                         "--lm-head-candidates", "32"]) == 0
+    r = gguf.GGUFReader(out)
+    names = {t.name: t for t in r.tensors}
+    assert names[C.OUTPUT_IB].tensor_type == QT.Q4_1 and names[C.TOKEN_EMBD].tensor_type == QT.Q8_0
+    assert read_field(r, C.K_LM_HEAD_CANDIDATES) == 32
+    assert read_field(r, C.K_LM_HEAD_THRESHOLD) is None
+    eng = Engine(out, n_ctx=64, n_threads=2, cache_type="f32")
+    head, cfg, w = eng.model.lm_head, eng.cfg, eng.weights
+    assert head.head_candidates == 32 and head.lm_head_thr == -1.0 and not eng.is_sparse
+    tokens = np.random.default_rng(6).integers(3, cfg.n_vocab, 10).tolist()
+    got = eng.model.forward(tokens, 0, all_logits=True)
+    eng.reset()
+    x = eng.model.embed(tokens, 0)
+    eng.model.run_layers(x, 0)
+    h = np.empty_like(x)
+    cpu.rmsnorm(x, w.output_norm, cfg.rms_eps, h)
+    exact = linear(w.output, h, np.empty_like(got), 2)
+    head.head_candidates = 0
+    approx = head.lm_head(w, h, np.empty_like(got), 2)
+    head.head_candidates = 32
+    assert head.head_stats.active == head.head_stats.total > 0  # every input read
+    for t in range(len(tokens)):
+        cand = np.zeros(cfg.n_vocab, bool)
+        cand[np.argsort(-approx[t], kind="stable")[:32]] = True
+        np.testing.assert_array_equal(got[t][cand], exact[t][cand])
+        np.testing.assert_array_equal(got[t][~cand], approx[t][~cand])
+        assert int(np.argmax(got[t])) == int(np.argmax(exact[t]))
+    eng.reset()
+    steps = np.stack([eng.eval_token(t) for t in tokens])
+    np.testing.assert_allclose(steps, got, rtol=1e-4, atol=1e-4 * np.abs(got).max())
+    d = Engine(out, n_ctx=64, n_threads=2, cache_type="f32", dense=True)
+    assert d.model.lm_head is None
+    np.testing.assert_array_equal(d.model.forward(tokens, 0, all_logits=True), exact)
+    # the GPU engine: the copy on the device, the candidates rescored on the host
+    gm = place_model(eng.reader, cfg, w, DenseFFN(cfg), 64, 2, device="cuda",
+                     backend=NumpyDevice(), lm_head=head)
+    assert gm.plan.output and gm.head_parts is not None
+    assert gm.device_bytes == gm.plan.planned_bytes
+    gm.head_stats.reset()  # the head object is the CPU engine's too
+    dev = np.stack([gm.forward([t], i) for i, t in enumerate(tokens)])
+    # the device's ffn_down is neuron-major, quantized again (hybrid.neuron_major_down)
+    assert np.abs(dev - steps).max() < 6e-2 * np.abs(steps).max()
+    assert (dev.argmax(1) == steps.argmax(1)).mean() >= 0.8
+    assert gm.head_stats.total == len(tokens) * cfg.n_embd == gm.head_stats.active
+    # a glu file takes the two-stage head by default (its head is wider than 4 bits)
+    glu = str(tmp_path / "glu.gguf")
+    fast = ["--calib-tokens", "128", "--epochs", "2", "-t", "1"]
+    assert convert_main([head_dir, glu, "--outtype", "q8_0", "--sparse-mode", "glu", *fast]) == 0
+    g = Engine(glu, n_ctx=64, n_threads=2)
+    assert g.is_sparse and g.model.lm_head is not None and g.model.lm_head.head_candidates == 256
+    assert convert_main([head_dir, glu, "--outtype", "q8_0", "--sparse-mode", "glu",
+                         "--lm-head-candidates", "0", *fast]) == 0
+    assert Engine(glu, n_ctx=64, n_threads=2).model.lm_head is None
