@@ -70,22 +70,27 @@ def _f16c() -> bool:
         return False
 
 
-@pytest.fixture(scope="module")
-def lib(tmp_path_factory):
+def _build(tmp_path_factory, name: str, source: str) -> ctypes.CDLL:
+    """``source`` compiled by g++ as a shared library (skips without g++ or F16C)."""
     gxx = shutil.which("g++")
     if gxx is None or not _f16c():
         pytest.skip("needs g++ and an F16C CPU")
+    d = tmp_path_factory.mktemp(name)
+    (d / f"{name}.cpp").write_text(source)
+    r = subprocess.run([gxx, "-O1", "-mf16c", "-shared", "-fPIC", "-o", str(d / f"{name}.so"),
+                        str(d / f"{name}.cpp")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return ctypes.CDLL(str(d / f"{name}.so"))
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
     c = cuda.COMMON_SRC
     body = c[c.index("// Partial dot of one stored row"):c.index("__device__ __forceinline__ float block_sum(")]
     body += c[c.index("// Element c of one device row"):]
     u = cuda._AXPY_UNITS
     units = u[u.index("struct UnitF32"):u.index("// Stage 1 of out")]
-    d = tmp_path_factory.mktemp("cudahost")
-    (d / "emu.cpp").write_text(SHIM + body + units + DRIVER)
-    r = subprocess.run([gxx, "-O1", "-mf16c", "-shared", "-fPIC", "-o", str(d / "emu.so"),
-                        str(d / "emu.cpp")], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    so = ctypes.CDLL(str(d / "emu.so"))
+    so = _build(tmp_path_factory, "emu", SHIM + body + units + DRIVER)
     so.emu_dot.restype = ctypes.c_float
     so.emu_el.restype = ctypes.c_float
     return so
@@ -162,17 +167,9 @@ void emu_ib_deq(int t, const u8* w, int n_out, int j0, int n_rows, float* out) {
 
 @pytest.fixture(scope="module")
 def ib_lib(tmp_path_factory):
-    gxx = shutil.which("g++")
-    if gxx is None or not _f16c():
-        pytest.skip("needs g++ and an F16C CPU")
     s = cuda.INPUT_SRC
     body = s[s.index("// A projection W (n_out, n_in)"):]
-    d = tmp_path_factory.mktemp("cudahost_ib")
-    (d / "ib.cpp").write_text(SHIM + IB_SHIM + body + IB_DRIVER)
-    r = subprocess.run([gxx, "-O1", "-mf16c", "-shared", "-fPIC", "-o", str(d / "ib.so"),
-                        str(d / "ib.cpp")], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    return ctypes.CDLL(str(d / "ib.so"))
+    return _build(tmp_path_factory, "ib", SHIM + IB_SHIM + body + IB_DRIVER)
 
 
 @pytest.mark.parametrize("qt", [QT.Q8_0, QT.Q4_0, QT.Q4_1])

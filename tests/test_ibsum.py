@@ -416,6 +416,17 @@ def test_topk_indices():
         cpu.topk_indices(np.zeros(10, np.float32), -1, np.empty(4, np.int32))
 
 
+def _final_normed(eng, tokens) -> np.ndarray:
+    """The output-normed final residual (n_tok, n_embd) of ``tokens`` from an empty cache: the
+    lm head's input, by the engine's own layers."""
+    eng.reset()
+    x = eng.model.embed(tokens, 0)
+    eng.model.run_layers(x, 0)
+    h = np.empty_like(x)
+    cpu.rmsnorm(x, eng.weights.output_norm, eng.cfg.rms_eps, h)
+    return h
+
+
 def test_two_stage_lm_head(head_dir, tmp_path, capsys):
     """A q8_0 head converts by default to the two-stage head: a q4_1 input-sparse copy
     (``output_ib``) whose K largest logits are replaced by the exact head's (the dense GEMV of
@@ -439,11 +450,7 @@ def test_two_stage_lm_head(head_dir, tmp_path, capsys):
     tokens = np.random.default_rng(5).integers(3, cfg.n_vocab, 12).tolist()
     got = eng.model.forward(tokens, 0, all_logits=True)
     # the two stages by hand: the final residual, its norm, the copy's and the exact logits
-    eng.reset()
-    x = eng.model.embed(tokens, 0)
-    eng.model.run_layers(x, 0)
-    h = np.empty_like(x)
-    cpu.rmsnorm(x, w.output_norm, cfg.rms_eps, h)
+    h = _final_normed(eng, tokens)
     approx = np.empty_like(got)
     isp.head_candidates = 0
     isp.lm_head(w, h, approx, 2)
@@ -462,11 +469,8 @@ def test_two_stage_lm_head(head_dir, tmp_path, capsys):
     d = Engine(out, n_ctx=64, n_threads=2, cache_type="f32", dense=True)
     assert d.model.ffn.lm_head_thr is None and d.model.ffn.head_candidates == 0
     full = d.model.forward(tokens, 0, all_logits=True)
-    d.reset()
-    xd = d.model.embed(tokens, 0)
-    d.model.run_layers(xd, 0)
-    cpu.rmsnorm(xd, w.output_norm, cfg.rms_eps, h)
-    np.testing.assert_array_equal(full, linear(d.weights.output, h, np.empty_like(full), 2))
+    hd = _final_normed(d, tokens)
+    np.testing.assert_array_equal(full, linear(d.weights.output, hd, np.empty_like(full), 2))
     # K asked for: stored as given; 0: the copy in the head's own type, as before
     assert convert_main(args + ["--lm-head-candidates", "32"]) == 0
     assert read_field(gguf.GGUFReader(out), C.K_LM_HEAD_CANDIDATES) == 32
@@ -631,11 +635,7 @@ def test_two_stage_head_in_other_modes(head_dir, tmp_path):
     assert head.head_candidates == 32 and head.lm_head_thr == -1.0 and not eng.is_sparse
     tokens = np.random.default_rng(6).integers(3, cfg.n_vocab, 10).tolist()
     got = eng.model.forward(tokens, 0, all_logits=True)
-    eng.reset()
-    x = eng.model.embed(tokens, 0)
-    eng.model.run_layers(x, 0)
-    h = np.empty_like(x)
-    cpu.rmsnorm(x, w.output_norm, cfg.rms_eps, h)
+    h = _final_normed(eng, tokens)
     exact = linear(w.output, h, np.empty_like(got), 2)
     head.head_candidates = 0
     approx = head.lm_head(w, h, np.empty_like(got), 2)

@@ -1022,6 +1022,11 @@ def axpy_rows(w: DeviceRows, coef, out, skip_zero: bool = True, accumulate: bool
         grid, (_AXPY_BLOCK,),
         (w.data, np.int64(w.row_bytes), np.int32(w.rows), np.int32(cols), coef,
          np.int32(_ROWS_PER_CHUNK), np.int32(bool(skip_zero)), scratch))
+    _sum_partials(scratch, n_chunks, cols, accumulate, out)
+
+
+def _sum_partials(scratch, n_chunks: int, cols: int, accumulate: bool, out) -> None:
+    """out (cols,) (+)= the sum of the n_chunks rows of partial sums in scratch (``axpy_sum``)."""
     _kernel("axpy", "axpy_sum")(((cols + 31) // 32,), (32, 8),
                                 (scratch, np.int32(n_chunks), np.int32(cols),
                                  np.int32(bool(accumulate)), out))
@@ -1159,9 +1164,7 @@ def ib_gemv(w: DeviceRows, out, q8, kmask, accumulate: bool = False, scratch=Non
         ((words + _BLOCK - 1) // _BLOCK, n_chunks), (_BLOCK,),
         (w.data, np.int32(n_in // 32), np.int32(n_out), q8[0], q8[1], kmask, np.int32(bpc),
          scratch))
-    _kernel("axpy", "axpy_sum")(((n_out + 31) // 32,), (32, 8),
-                                (scratch, np.int32(n_chunks), np.int32(n_out),
-                                 np.int32(bool(accumulate)), out))
+    _sum_partials(scratch, n_chunks, n_out, accumulate, out)
 
 
 def ib_dequant_t(w: DeviceRows, r0: int, n_rows: int, out) -> None:
