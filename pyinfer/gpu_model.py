@@ -59,7 +59,6 @@ from pyinfer.ffn import FFNStats, SparseFFN
 from pyinfer.model import Model
 from pyinfer.ops import cpu, cuda
 from pyinfer.ops import xp as X
-from pyinfer.ops.cpu import QTensor
 from pyinfer.weights import ModelWeights
 
 #: most rows of a weight dequantized at once for a prefill GEMM: bounds the scratch to

@@ -111,6 +111,11 @@ def describe(path: str) -> dict:
         }
         if mode == C.SPARSE_MODE_INPUT:
             info["sparse"]["input"] = _input_sparsity(reader, n_layer or 0)
+    ib = next((t for t in reader.tensors if t.name == C.OUTPUT_IB), None)
+    k = read_field(reader, C.K_LM_HEAD_CANDIDATES, kind=int)
+    # the two-stage lm head of a file of another mode (sparse mode input lists its own head)
+    info["two_stage_head"] = (None if ib is None or not k or mode == C.SPARSE_MODE_INPUT else
+                              {"copy": ib.tensor_type.name.lower(), "candidates": k})
     return info
 
 
@@ -203,6 +208,10 @@ def render(info: dict) -> str:
                f"eos {tk['eos_id']}, chat template {'yes' if tk['chat_template'] else 'no'}")
     if info["split"]:
         out.append(f"split:         part {info['split']['part']} of {info['split']['count']} (gguf-split)")
+    head = info.get("two_stage_head")
+    if head:
+        out.append(f"lm head:       two-stage: a {head['copy']} copy picks {head['candidates']} "
+                   "candidates for the exact head")
     sp = info["sparse"]
     if sp is None:
         out.append("sparse:        no (dense FFN)")
