@@ -268,6 +268,7 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
     staging = temp_path_beside(out, ".dense.tmp")  # unique: never a file of the user's
     secs: dict[str, float] = {}
     eng = None
+    k_cand = 0  # the two-stage lm head's candidates
     try:
         t0 = time.perf_counter()
         convert(src, staging, outtype, progress=opts.progress, allow_unused=allow_unused,
@@ -405,7 +406,7 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
         # the two-stage lm head (a q4_1 copy picks the candidates the exact head computes)
         from predictors.input_sparse import two_stage_head
 
-        jobs, _k = two_stage_head(meta, jobs, cfg, opts.lm_head_candidates)
+        jobs, k_cand = two_stage_head(meta, jobs, cfg, opts.lm_head_candidates)
         try:
             write_gguf(out, meta, list(jobs) + new_jobs, progress=opts.progress)
         except OSError as e:
@@ -417,7 +418,11 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
             os.remove(staging)
         except FileNotFoundError:
             pass
-    _log(format_table(rows, mode, cfg.n_ff), opts.progress)
+    table = format_table(rows, mode, cfg.n_ff)
+    if k_cand:
+        table += (f"\nlm head: two-stage, a 4-bit copy picks {k_cand} candidates, the exact head "
+                  "computes them (--lm-head-candidates 0: the exact head alone)")
+    _log(table, opts.progress)
     _log("offline stage: " + ", ".join(f"{k} {v:.1f} s" for k, v in secs.items())
          + f"; calibration {sum(len(s) for s in seqs)} tokens ({source})", opts.progress)
     return {"rows": rows, "mode": mode, "calib_source": source, "seconds": secs, "placement": placement}
