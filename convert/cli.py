@@ -57,7 +57,7 @@ def with_down_type(jobs: list, down_type: str) -> list:
 def convert(src: str, out: str, outtype: str = OUTTYPE_AUTO, progress: bool | None = None,
             allow_unused: bool = False, gpuidx: str | None = None,
             down_type: str | None = None, down_rows: bool = False,
-            lm_head_candidates: int | None = None) -> None:
+            lm_head_candidates: int | None = 0) -> None:
     """Convert ``src`` (HF directory, GGUF file, or upstream PowerInfer file) to the pyinfer GGUF ``out``.
 
     ``gpuidx``: an upstream PowerInfer GPU split file for a PowerInfer ``src`` (default: the
@@ -70,8 +70,8 @@ def convert(src: str, out: str, outtype: str = OUTTYPE_AUTO, progress: bool | No
     row layout (``pyinfer.ffn_layout`` "rows"); ignored for an upstream PowerInfer source, whose
     predictors need ``ffn_down_t``.
     ``lm_head_candidates``: K > 0 adds the two-stage lm head (``predictors.input_sparse.
-    two_stage_head``: a copy picks K candidates, the exact head computes them); None or 0: the
-    exact head alone (a dense file's default).
+    two_stage_head``: a copy picks K candidates, the exact head computes them); None: its default
+    (K = 256 where the head is wider than 4 bits); 0: the exact head alone (``--dense``'s default).
     Raises PyinferError for anything the user can fix (missing or unsupported input, bad path).
     """
     from .from_gguf import is_gguf_or_powerinfer, plan_gguf
@@ -107,7 +107,7 @@ def convert(src: str, out: str, outtype: str = OUTTYPE_AUTO, progress: bool | No
         raise PyinferError(f"{src} is neither a model directory nor a GGUF file")
     if down_type is not None:
         jobs = with_down_type(jobs, down_type)
-    if lm_head_candidates:
+    if lm_head_candidates != 0:
         from types import SimpleNamespace
 
         from predictors.input_sparse import lm_head_source, two_stage_head
@@ -183,7 +183,7 @@ def _run(args) -> int:
     if args.dense or is_powerinfer(args.src):  # a PowerInfer file brings its own predictors and split
         convert(args.src, args.out, args.outtype, allow_unused=args.allow_unused_tensors,
                 gpuidx=args.gpuidx, down_type=args.down_type, down_rows=args.dense,
-                lm_head_candidates=args.lm_head_candidates)
+                lm_head_candidates=args.lm_head_candidates or 0)
     else:
         from predictors.offline import convert_sparse
 

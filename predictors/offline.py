@@ -200,22 +200,30 @@ class OfflineOptions:
                   "pip install torch)", file=sys.stderr, flush=True)
 
 
+#: default_mode's answer for a SwiGLU model that no sparse mode makes faster: a dense file
+NO_SPARSE_MODE = "dense"
+
+
 def default_mode(cfg, weights, outtype: str, opts: OfflineOptions) -> str:
     """The sparse mode of a run without ``--sparse-mode``: "relu" for a ReLU model; for a
     SwiGLU one "input" where that mode runs faster than glu on the CPU (a Llama-shaped model,
     ``cfg.llama_plain`` and ``weights.llama_plain``, whose projections are all q8_0 / q4_0 / q4_1
     in the input-block layout or f16: ``input_sparse.input_mode_pays``) and no ``--vram-budget`` asks for
-    the GPU split (which needs glu's predictors); "glu" otherwise. ``weights`` are the staging
-    file's (dense, neuron-major), ``outtype`` the conversion's."""
+    the GPU split (which needs glu's predictors); ``NO_SPARSE_MODE`` for a model that is not
+    Llama-shaped without ``--vram-budget`` (the GPU engine runs Llama files only, so glu's
+    predictors would serve no engine, and on the CPU glu decodes no faster than a dense file at
+    a cost in quality: Gemma-3-270M +6-9% perplexity, docs/benchmarks.md session 20); "glu"
+    otherwise. ``weights`` are the staging file's (dense, neuron-major), ``outtype`` the
+    conversion's."""
     from predictors.input_sparse import input_mode_pays
     from predictors.profile import sparse_mode
 
     mode = sparse_mode(cfg)
-    if (mode == C.SPARSE_MODE_GLU and opts.vram_budget_gib is None
-            and cfg.llama_plain and weights.llama_plain
-            and input_mode_pays(weights, cfg, outtype)):
-        return C.SPARSE_MODE_INPUT
-    return mode
+    if mode != C.SPARSE_MODE_GLU or opts.vram_budget_gib is not None:
+        return mode
+    if not (cfg.llama_plain and weights.llama_plain):
+        return NO_SPARSE_MODE
+    return C.SPARSE_MODE_INPUT if input_mode_pays(weights, cfg, outtype) else mode
 
 
 def _plan(src: str, outtype: str, allow_unused: bool = False):
@@ -289,6 +297,21 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
             mode = C.SPARSE_MODE_INPUT
         elif opts.sparse_mode is None:
             mode = default_mode(cfg, eng.weights, outtype, opts)
+        if mode == NO_SPARSE_MODE:  # a dense file (row-layout ffn_down), the two-stage head
+            if opts.lm_head_sparsity is not None:
+                raise PyinferError("--lm-head-sparsity needs --sparse-mode input")
+            _log("no sparse mode for this model by default: it is not Llama-shaped, so the GPU "
+                 "engine does not run it and glu's predictors would serve no engine, and on the "
+                 "CPU glu decodes no faster than a dense file; writing a dense file with the "
+                 "two-stage lm head where the head is wider than 4 bits (--sparse-mode glu for "
+                 "the predictors anyway)", opts.progress)
+            eng = None
+            t0 = time.perf_counter()
+            convert(src, out, outtype, progress=opts.progress, allow_unused=allow_unused,
+                    down_type=down_type, down_rows=True, lm_head_candidates=opts.lm_head_candidates)
+            secs["dense conversion"] += time.perf_counter() - t0
+            return {"rows": [], "mode": None, "calib_source": None, "seconds": secs,
+                    "placement": None}
         if mode == C.SPARSE_MODE_GLU and opts.lm_head_sparsity is not None:
             raise PyinferError("--lm-head-sparsity needs --sparse-mode input (this model takes glu "
                                "by default: its projections are not all q8_0, q4_0, q4_1 or f16, "

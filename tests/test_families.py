@@ -12,6 +12,7 @@ activation as pyinfer-convert reads it.
 import json
 import os
 
+import gguf
 import numpy as np
 import pytest
 
@@ -117,6 +118,35 @@ def test_qwen2(tmp_path, tied, n_kv):
     eng = check(tmp_path, d, ref)
     assert eng.weights.layers[0].bq is not None and eng.weights.layers[0].bo is None
     assert eng.cfg.family == "qwen2"
+
+
+def test_default_conversion_without_a_sparse_mode(tmp_path, capsys):
+    """A SwiGLU model that is not Llama-shaped (Qwen2: q/k/v biases) converts by default to a
+    dense file (ffn_down in row layout, no predictors): the GPU engine does not run it and glu
+    decodes no faster on the CPU; its logits are transformers'; --sparse-mode glu still makes
+    the predictors."""
+    from pyinfer import constants as C
+    from pyinfer.config import read_field
+
+    d, ref = build(tmp_path, "qwen2-default", transformers.Qwen2ForCausalLM,
+                   transformers.Qwen2Config, hidden_size=64, intermediate_size=128,
+                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   rope_theta=10000.0)
+    out = str(tmp_path / "default.gguf")
+    assert convert_main([d, out, "--outtype", "f32", "--calib-tokens", "128", "-t", "1"]) == 0
+    assert "no sparse mode for this model by default" in capsys.readouterr().err
+    r = gguf.GGUFReader(out)
+    assert read_field(r, C.K_SPARSE_MODE) is None
+    assert read_field(r, C.K_FFN_LAYOUT) == C.FFN_LAYOUT_ROWS
+    names = {t.name for t in r.tensors}
+    assert C.FC1.format(bid=0) not in names and C.SRC_FFN_DOWN.format(bid=0) in names
+    eng = Engine(out, n_ctx=64, n_threads=1)
+    assert not eng.is_sparse
+    assert rel_err(eng.model.forward(PROMPT, 0, all_logits=True), ref) < TOL
+    glu = str(tmp_path / "glu.gguf")
+    assert convert_main([d, glu, "--outtype", "f32", "--sparse-mode", "glu", "--calib-tokens",
+                         "128", "--epochs", "2", "-t", "1"]) == 0
+    assert read_field(gguf.GGUFReader(glu), C.K_SPARSE_MODE) == C.SPARSE_MODE_GLU
 
 
 def test_qwen2_sliding_window_layers(tmp_path):
