@@ -71,7 +71,7 @@ class _Sizes:
         self.output = output_bytes(cfg, weights, model_head(cpu_ffn, lm_head), input_mode)
         rank = predictor_rank(preds)
         self.buffers = buffer_bytes(cfg, n_ctx, rank, input_mode)  # allocated by GpuModel
-        # the lm head stays on the CPU where sparse mode input skips its inputs (output_ib)
+        # a sparse mode input file's dense head of a type the GPU GEMV cannot read stays here
         self.output_on_device = not head_on_cpu(cpu_ffn, weights, lm_head)
         self.reserve = prefill_reserve_bytes(cfg, n_ctx)  # kept free for prefill temporaries
         self.n_ff = cfg.n_ff
@@ -199,7 +199,8 @@ def place_model(reader, cfg: ModelConfig, weights: ModelWeights, cpu_ffn, n_ctx:
     ``pyinfer.device`` backend instead of CupyDevice (tests pass NumpyDevice). cache_type: the
     KV cache of a CPU ``Model`` (``kv_cache.cache_dtype``; a GpuModel keeps f32, as its device).
     lm_head: a two-stage head over ``output_ib`` for a file not of sparse mode input
-    (``input_sparse.head_from_reader``), used by the CPU and the device alike. Raises PyinferError for an unknown device, a budget that is not positive or exceeds the free
+    (``input_sparse.head_from_reader``), used by the CPU and the device alike.
+    Raises PyinferError for an unknown device, a budget that is not positive or exceeds the free
     memory, -ngl layers that do not fit, or a device out of memory.
     """
     def cpu_model():
