@@ -65,7 +65,8 @@ def act(name: str, g: np.ndarray, shift: float = 0.0) -> np.ndarray:
         return np.where(g > shift, g, np.float32(0.0)).astype(np.float32)
     if name == "gelu_tanh":  # torch's gelu(approximate="tanh"), Gemma's gelu_pytorch_tanh
         g64 = g.astype(np.float64)
-        inner = np.sqrt(2.0 / np.pi) * (g64 + 0.044715 * g64 ** 3)
+        # g (c + c 0.044715 g^2): products, not ** 3 (NumPy's power: 10x the whole expression)
+        inner = g64 * (np.sqrt(2.0 / np.pi) * (1.0 + 0.044715 * (g64 * g64)))
         return (0.5 * g64 * (1.0 + np.tanh(inner))).astype(np.float32)
     raise ValueError(f"unknown activation {name!r}")
 
