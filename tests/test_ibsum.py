@@ -427,6 +427,17 @@ def _final_normed(eng, tokens) -> np.ndarray:
     return h
 
 
+def _check_two_stage(got, approx, exact, k: int) -> None:
+    """Each token's two-stage logits (n_tok, n_vocab): the k largest of the copy's (ties to the
+    lower index) are the exact head's, the rest the copy's, and the argmax is the exact head's."""
+    for t in range(got.shape[0]):
+        cand = np.zeros(got.shape[1], bool)
+        cand[np.argsort(-approx[t], kind="stable")[:k]] = True
+        np.testing.assert_array_equal(got[t][cand], exact[t][cand])
+        np.testing.assert_array_equal(got[t][~cand], approx[t][~cand])
+        assert int(np.argmax(got[t])) == int(np.argmax(exact[t]))
+
+
 def test_two_stage_lm_head(head_dir, tmp_path, capsys):
     """A q8_0 head converts by default to the two-stage head: a q4_1 input-sparse copy
     (``output_ib``) whose K largest logits are replaced by the exact head's (the dense GEMV of
@@ -456,12 +467,7 @@ def test_two_stage_lm_head(head_dir, tmp_path, capsys):
     isp.lm_head(w, h, approx, 2)
     isp.head_candidates = 256
     exact = linear(w.output, h, np.empty_like(got), 2)
-    for t in range(len(tokens)):
-        cand = np.zeros(cfg.n_vocab, bool)
-        cand[np.argsort(-approx[t], kind="stable")[:256]] = True
-        np.testing.assert_array_equal(got[t][cand], exact[t][cand])
-        np.testing.assert_array_equal(got[t][~cand], approx[t][~cand])
-        assert int(np.argmax(got[t])) == int(np.argmax(exact[t]))
+    _check_two_stage(got, approx, exact, 256)
     eng.reset()
     steps = np.stack([eng.eval_token(t) for t in tokens])  # the whole-token kernel
     np.testing.assert_allclose(steps, got, rtol=1e-4, atol=1e-4 * np.abs(got).max())
@@ -641,12 +647,7 @@ def test_two_stage_head_in_other_modes(head_dir, tmp_path):
     approx = head.lm_head(w, h, np.empty_like(got), 2)
     head.head_candidates = 32
     assert head.head_stats.active == head.head_stats.total > 0  # every input read
-    for t in range(len(tokens)):
-        cand = np.zeros(cfg.n_vocab, bool)
-        cand[np.argsort(-approx[t], kind="stable")[:32]] = True
-        np.testing.assert_array_equal(got[t][cand], exact[t][cand])
-        np.testing.assert_array_equal(got[t][~cand], approx[t][~cand])
-        assert int(np.argmax(got[t])) == int(np.argmax(exact[t]))
+    _check_two_stage(got, approx, exact, 32)
     eng.reset()
     steps = np.stack([eng.eval_token(t) for t in tokens])
     np.testing.assert_allclose(steps, got, rtol=1e-4, atol=1e-4 * np.abs(got).max())
