@@ -1138,6 +1138,8 @@ def _mask_launch(fn, n, head, scale, thr, kept, q8, kmask, out=None):
     if do_q8:
         _check_q8_len(n)
     d = _dummy()
+    if do_q8 and kmask is None:  # the kernel writes a block's kept bits with its q8 form
+        kmask = _kmask_scratch(cupy.cuda.Device().id, n // 32)
     args = head if fn == "glu_mask_q8" else (head[0], np.int32(n))
     args += (d["f32"] if scale is None else scale, np.int32(scale is not None), np.float32(thr))
     if out is not None:
@@ -1145,6 +1147,11 @@ def _mask_launch(fn, n, head, scale, thr, kept, q8, kmask, out=None):
     args += (d["u64"] if kept is None else kept, np.int32(do_q8), xq, xd,
              d["u32"] if kmask is None else kmask)
     _kernel("input", fn)(_grid_rows(-(-n // 32)), (_BLOCK,), args)
+
+
+@functools.lru_cache(maxsize=None)
+def _kmask_scratch(device_id: int, n_blocks: int):
+    return cupy.empty(max(1, n_blocks), cupy.uint32)
 
 
 def ib_gemv(w: DeviceRows, out, q8, kmask, accumulate: bool = False, scratch=None) -> None:
