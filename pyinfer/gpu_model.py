@@ -217,21 +217,30 @@ class _ResidentLayer:
     """One resident layer's device arrays (shapes in comments)."""
 
     def __init__(self, dev, cfg: ModelConfig, lw, n_ctx: int, hot: np.ndarray, predictor):
-        self.in_scale = {}  # sparse mode "input": group -> (n_in,) f32 WINA column scales
-        if is_input_layer(lw):
-            self._init_input(dev, cfg, lw, n_ctx, hot)
-            return
-        same = lw.wq.qtype == lw.wk.qtype == lw.wv.qtype
-        self.wqkv = dev.rows([lw.wq, lw.wk, lw.wv]) if same else None  # (n_q + 2 n_kv, n_embd)
-        self.wq = self.wk = self.wv = None
-        if not same:
-            self.wq, self.wk, self.wv = dev.rows([lw.wq]), dev.rows([lw.wk]), dev.rows([lw.wv])
-        self.wo = dev.rows([lw.wo])  # (n_embd, n_head * head_dim)
+        by_input = is_input_layer(lw)  # sparse mode "input": on the device whole
+        if by_input and np.asarray(hot).size != cfg.n_ff:
+            raise ValueError("a sparse mode input layer goes on the device whole")
+        self.wqkv = self.wq = self.wk = self.wv = self.wo = None
+        if by_input:  # the four matrices as the device reads them (rows = input channels)
+            self.wqkv_t = _in_matrix(dev, lw.attn_qkv_t)  # (n_embd -> n_embd_q + 2 n_embd_kv)
+            self.wo_t = _in_matrix(dev, lw.attn_output_t)  # (n_embd_q -> n_embd)
+            self.gate_up_t = _in_matrix(dev, lw.ffn_gate_up_t)  # (n_embd -> 2 n_ff): gate | up
+            self.down_t = _in_matrix(dev, lw.ffn_down_t)  # (n_ff -> n_embd)
+        else:
+            same = lw.wq.qtype == lw.wk.qtype == lw.wv.qtype
+            if same:
+                self.wqkv = dev.rows([lw.wq, lw.wk, lw.wv])  # (n_q + 2 n_kv, n_embd)
+            else:
+                self.wq, self.wk, self.wv = dev.rows([lw.wq]), dev.rows([lw.wk]), dev.rows([lw.wv])
+            self.wo = dev.rows([lw.wo])  # (n_embd, n_head * head_dim)
         self.attn_norm = dev.array(np.asarray(lw.attn_norm, np.float32))  # (n_embd,)
         self.ffn_norm = dev.array(np.asarray(lw.ffn_norm, np.float32))
         shape = (n_ctx, cfg.n_head_kv, cfg.head_dim)
         self.k = dev.empty(shape, np.float32)  # (n_ctx, n_head_kv, head_dim) KV cache
         self.v = dev.empty(shape, np.float32)
+        # sparse mode "input": group -> (n_in,) f32 WINA column scales
+        self.in_scale = {g: dev.array(np.asarray(v, np.float32))
+                         for g, v in (lw.in_scale or {}).items()}
         self.fc1 = self.fc2 = None
         self.pred_thr = 0.0
         if predictor is not None:
@@ -245,33 +254,10 @@ class _ResidentLayer:
         self.cold_ids = np.flatnonzero(cold).astype(np.int32)  # (n_cold,) the CPU's neurons
         if self.n_hot:
             self.ids = dev.array(self.hot)  # (n_hot,) int32
-            self.gate = dev.rows([lw.ffn_gate], self.hot)  # (n_hot, row_bytes), device layout
-            self.up = dev.rows([lw.ffn_up], self.hot)
-            self.down = dev.rows([lw.ffn_down_t], self.hot)
-
-    def _init_input(self, dev, cfg: ModelConfig, lw, n_ctx: int, hot: np.ndarray) -> None:
-        """A sparse mode "input" layer, whole: its four matrices as the device reads them
-        (``_in_matrix``; rows = input channels, cols = outputs), norms, KV cache, WINA scales."""
-        if np.asarray(hot).size != cfg.n_ff:
-            raise ValueError("a sparse mode input layer goes on the device whole")
-        self.wqkv = self.wq = self.wk = self.wv = self.wo = None
-        self.wqkv_t = _in_matrix(dev, lw.attn_qkv_t)  # (n_embd -> n_embd_q + 2 n_embd_kv)
-        self.wo_t = _in_matrix(dev, lw.attn_output_t)  # (n_embd_q -> n_embd)
-        self.gate_up_t = _in_matrix(dev, lw.ffn_gate_up_t)  # (n_embd -> 2 n_ff): gate | up
-        self.down_t = _in_matrix(dev, lw.ffn_down_t)  # (n_ff -> n_embd)
-        self.attn_norm = dev.array(np.asarray(lw.attn_norm, np.float32))
-        self.ffn_norm = dev.array(np.asarray(lw.ffn_norm, np.float32))
-        shape = (n_ctx, cfg.n_head_kv, cfg.head_dim)
-        self.k = dev.empty(shape, np.float32)
-        self.v = dev.empty(shape, np.float32)
-        self.fc1 = self.fc2 = None
-        self.pred_thr = 0.0
-        self.hot = np.arange(cfg.n_ff, dtype=np.int32)
-        self.n_hot = cfg.n_ff
-        self.cold_ids = np.zeros(0, np.int32)
-        self.ids = dev.array(self.hot)  # counted by the whole-layer plan
-        self.in_scale = {g: dev.array(np.asarray(v, np.float32))
-                         for g, v in (lw.in_scale or {}).items()}
+            if not by_input:
+                self.gate = dev.rows([lw.ffn_gate], self.hot)  # (n_hot, row_bytes), device layout
+                self.up = dev.rows([lw.ffn_up], self.hot)
+                self.down = dev.rows([lw.ffn_down_t], self.hot)
 
 
 def _in_matrix(dev, t):

@@ -68,11 +68,12 @@ class _Sizes:
                       for i, lw in enumerate(weights.layers)]
         self.neuron = [neuron_bytes(lw) for lw in weights.layers]
         input_mode = getattr(cpu_ffn, "is_input_sparse", False)
-        self.output = output_bytes(cfg, weights, model_head(cpu_ffn, lm_head), input_mode)
+        head = model_head(cpu_ffn, lm_head)
+        self.output = output_bytes(cfg, weights, head, input_mode)
         rank = predictor_rank(preds)
         self.buffers = buffer_bytes(cfg, n_ctx, rank, input_mode)  # allocated by GpuModel
         # a sparse mode input file's dense head of a type the GPU GEMV cannot read stays here
-        self.output_on_device = not head_on_cpu(cpu_ffn, weights, lm_head)
+        self.output_on_device = not head_on_cpu(cpu_ffn, weights, head)
         self.reserve = prefill_reserve_bytes(cfg, n_ctx)  # kept free for prefill temporaries
         self.n_ff = cfg.n_ff
 
@@ -84,12 +85,12 @@ class _Sizes:
         return self.layer[i] + self.n_ff * self.neuron[i]
 
 
-def head_on_cpu(cpu_ffn, weights: ModelWeights, lm_head=None) -> bool:
+def head_on_cpu(cpu_ffn, weights: ModelWeights, head=None) -> bool:
     """True where a sparse mode input file's lm head stays on the CPU: a dense head of a type
     without a GPU GEMV (e.g. q4_1). A head over ``output_ib`` (input sparsity and/or the two-stage
-    copy) runs on the device as input-block GEMVs (``gpu_model.ib_head``)."""
-    if not getattr(cpu_ffn, "is_input_sparse", False) or ib_head(model_head(cpu_ffn, lm_head),
-                                                                    weights):
+    copy) runs on the device as input-block GEMVs (``gpu_model.ib_head``). head: the model's
+    head over output_ib (``gpu_model.model_head``)."""
+    if not getattr(cpu_ffn, "is_input_sparse", False) or ib_head(head, weights):
         return False
     return weights.output.qtype.name.lower() not in cuda.GPU_TYPES
 
@@ -235,7 +236,7 @@ def place_model(reader, cfg: ModelConfig, weights: ModelWeights, cpu_ffn, n_ctx:
         return cpu_model()
     # the output matrix itself goes on the device unless the head is the CPU's or input-sparse
     head = model_head(cpu_ffn, lm_head)
-    odd = _types_off_gpu(weights, output=not (head_on_cpu(cpu_ffn, weights, lm_head)
+    odd = _types_off_gpu(weights, output=not (head_on_cpu(cpu_ffn, weights, head)
                                               or ib_head(head, weights)))
     if device != "cpu" and odd:
         msg = (f"the GPU kernels read {', '.join(cuda.GPU_TYPES)} weights, not {', '.join(odd)} "

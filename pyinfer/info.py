@@ -109,9 +109,9 @@ def describe(path: str) -> dict:
             "vram_budget_bytes": read_field(reader, C.K_VRAM_BUDGET, kind=int),
             "layers": _layers(reader, n_layer or 0, info["n_ff"], calib_tokens, names),
         }
-        if mode == C.SPARSE_MODE_INPUT:
-            info["sparse"]["input"] = _input_sparsity(reader, n_layer or 0)
     ib = next((t for t in reader.tensors if t.name == C.OUTPUT_IB), None)
+    if mode == C.SPARSE_MODE_INPUT:
+        info["sparse"]["input"] = _input_sparsity(reader, n_layer or 0, ib)
     k = read_field(reader, C.K_LM_HEAD_CANDIDATES, kind=int)
     # the two-stage lm head of a file of another mode (sparse mode input lists its own head)
     info["two_stage_head"] = (None if ib is None or not k or mode == C.SPARSE_MODE_INPUT else
@@ -126,15 +126,14 @@ def _per_layer(reader, key: str, n_layer: int, item=float) -> list:
     return list(v) if v is not None and len(v) == n_layer else [None] * n_layer
 
 
-def _input_sparsity(reader, n_layer: int) -> dict:
+def _input_sparsity(reader, n_layer: int, ib) -> dict:
     """Sparse mode "input": score, allocation (and Fisher weight), per layer {group: {threshold,
     calibration_sparsity}} in ``C.IN_GROUPS`` order (None where the file has no value), and the
     lm head's threshold, calibrated sparsity, two-stage candidates (0: its copy is exact) and
-    the type of its input-block copy (None for a dense head)."""
+    the type of its input-block copy ``ib`` (the OUTPUT_IB tensor; None for a dense head)."""
     thr = {g: _per_layer(reader, C.K_IN_THRESHOLD.format(group=g), n_layer) for g in C.IN_GROUPS}
     sp = {g: _per_layer(reader, C.K_IN_SPARSITY.format(group=g), n_layer) for g in C.IN_GROUPS}
     head_thr = read_field(reader, C.K_LM_HEAD_THRESHOLD, kind=float)
-    ib = next((t for t in reader.tensors if t.name == C.OUTPUT_IB), None)
     return {"score": read_field(reader, C.K_IN_SCORE, kind=str),
             "allocation": read_field(reader, C.K_IN_ALLOC, kind=str),
             "fisher_weight": read_field(reader, C.K_IN_FISHER_WEIGHT, kind=float),

@@ -128,7 +128,7 @@ class InputSparseHead:
 
     def _rescore(self, w, h: np.ndarray, logits: np.ndarray, n_threads: int) -> None:
         """The two-stage head's second stage, in place on one token's logits (n_vocab,) f32 of
-        the q4_1 copy: the head_candidates largest (``cpu.topk_indices``: ties to the lower
+        the copy: the head_candidates largest (``cpu.topk_indices``: ties to the lower
         index) replaced by the exact head's, ``w.output``'s rows for them times the output-normed
         h (n_embd,) f32 (``cpu.gather_matvec``: the dense head's bits for those tokens). Greedy
         decoding then picks the exact head's argmax wherever it is among the candidates; the
