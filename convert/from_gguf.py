@@ -35,6 +35,7 @@ from pyinfer import __version__
 from pyinfer import constants as C
 from pyinfer.errors import PyinferError
 from pyinfer.gguf_check import check_gguf
+from pyinfer.gguf_reader import GGUFReader
 from pyinfer.ops.cpu import SUPPORTED
 
 from . import warn
@@ -134,7 +135,7 @@ def open_gguf(path: str) -> gguf.GGUFReader:
     cannot make the reader loop or exhaust memory)."""
     check_gguf(path)
     try:
-        reader = gguf.GGUFReader(path, "r")
+        reader = GGUFReader(path, "r")
     except Exception as e:  # the reader raises ValueError/IndexError/... on damaged files
         raise PyinferError(f"{path} is not a valid GGUF file (truncated or damaged: {type(e).__name__})") from None
     size = os.path.getsize(path)

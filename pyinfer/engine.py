@@ -20,6 +20,7 @@ from pyinfer.config import ModelConfig, read_field
 from pyinfer.errors import PyinferError
 from pyinfer.ffn import DenseFFN, Predictor, SparseFFN
 from pyinfer.gguf_check import check_gguf
+from pyinfer.gguf_reader import GGUFReader
 from pyinfer.hybrid import place_model
 from pyinfer.input_sparse import InputSparseFFN, head_from_reader, thresholds_from_reader
 from pyinfer.ops import cpu
@@ -48,7 +49,7 @@ def open_gguf(path: str) -> gguf.GGUFReader:
         raise PyinferError(f"{path} is not a GGUF file (bad magic {magic!r})")
     check_gguf(path)
     try:
-        return gguf.GGUFReader(path, "r")
+        return GGUFReader(path, "r")
     except Exception as e:  # gguf raises ValueError/IndexError/... on a damaged file
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise PyinferError(f"{path} is not a valid GGUF file (truncated or damaged): {msg}") from None
