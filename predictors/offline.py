@@ -531,7 +531,7 @@ def add_arguments(parser) -> None:
                         f"default {DEFAULT_INPUT_SCORE}) or by |x| (magnitude, TEAL)")
     g.add_argument("--sparse-alloc", choices=list(C.IN_ALLOCS), default=None,
                    help="sparse mode input: split the target model-wide by an end-of-model "
-                        f"Fisher estimate (fisher, the default; needs PyTorch, one backward pass "
+                        "Fisher estimate (fisher, the default; needs PyTorch, one backward pass "
                         "over 256 calibration tokens; on SmolLM2 with --fisher-weight 0.5, 4-5%% "
                         "lower perplexity than uniform at 40%%, 1.5%% at 35%%, a tie at 30%%), "
                         "uniformly (uniform, the default without PyTorch: every projection skips "

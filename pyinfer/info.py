@@ -20,7 +20,7 @@ import numpy as np
 
 from pyinfer import constants as C
 from pyinfer.config import read_field
-from pyinfer.errors import PyinferError, exit_code_of
+from pyinfer.errors import exit_code_of
 from pyinfer.options import Parser, add_model, add_version, model_path
 
 #: gguf-split's keys (llama.cpp examples/gguf-split): the part number and how many parts there are
