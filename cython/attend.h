@@ -13,6 +13,12 @@
  * at a time through pi_expf_safe8/4 (rowsum_team.h: the bits of glibc's expf; lanes it cannot
  * vouch for call expf).
  *
+ * Session 21: with AVX-512 and head_dim a multiple of 32 (at most 128), the scores of 8 rows come
+ * at a time (pi_scores8): a KV head's keys converted once for the query heads that share them,
+ * the 8 rows' horizontal sums together (pi_hsum8), and the value pass converts a KV head's values
+ * once for its neighbouring query heads: at 480 cached tokens (SmolLM2, f16 cache, one thread)
+ * the attention of a token's 30 layers took 719 us against 1003 (docs/benchmarks.md, session 21).
+ *
  * Every head's operations and their order are those of _attend_head over the f32 values of the
  * rows (kernels.pyx `attention` converts them once per call): scores pi_dot_f32(q_h, k_j) *
  * scale in f32 (pi_dot_f16 on an f16 cache: the same FMAs); the max; e_j = expf(s_j - max); their sum in
@@ -83,18 +89,78 @@ static inline __attribute__((always_inline)) void pi_attend_v16(
     }
     for (long j = 0; j < n_att; j++) {
         const long o = j * rs;
+        __m512 vv[8];
+        long last = -1; /* heads of one KV head are neighbours: convert its values once */
         for (int g = 0; g < NH; g++) {
             const __m512 p = _mm512_set1_ps(e[(long)g * n_att + j] * inv[g]);
-            for (int c = 0; c < NC; c++) {
-                const long a = o + vh[g] + 16 * c;
-                const __m512 vv = F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)v + a)))
-                                      : _mm512_loadu_ps((const float *)v + a);
-                acc[g][c] = _mm512_fmadd_ps(p, vv, acc[g][c]);
+            if (vh[g] != last) {
+                last = vh[g];
+                for (int c = 0; c < NC; c++) {
+                    const long a = o + vh[g] + 16 * c;
+                    vv[c] = F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)v + a)))
+                                : _mm512_loadu_ps((const float *)v + a);
+                }
             }
+            for (int c = 0; c < NC; c++) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
         }
     }
     for (int g = 0; g < NH; g++)
         for (int c = 0; c < NC; c++) _mm512_storeu_ps(out + (long)g * hd + 16 * c, acc[g][c]);
+}
+#endif
+
+#if PI_SIMD && defined(__AVX512F__)
+/* The sums of 8 dots, each reduced exactly as pi_dot_f16/f32 reduce one: t[r] holds row r's
+ * (s0 + s1) + (s2 + s3) (8 lanes l0..l7), and pi_hsum takes ((l0 + l4) + (l1 + l5)) + ((l2 + l6) +
+ * (l3 + l7)); here the same additions for 8 rows at once (f32 addition commutes, so hadd's operand
+ * order is no change), returned in row order. */
+static inline __m256 pi_hi256(__m512 a) { /* lanes 8-15 (AVX-512F; extractf32x8 is DQ) */
+    return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
+}
+
+static inline __m256 pi_hsum8(const __m256 t[8]) {
+    __m256 p[4];
+    for (int i = 0; i < 4; i++)
+        p[i] = _mm256_add_ps(_mm256_permute2f128_ps(t[2 * i], t[2 * i + 1], 0x20),
+                             _mm256_permute2f128_ps(t[2 * i], t[2 * i + 1], 0x31));
+    /* p[i] = [lo + hi of t[2i] | lo + hi of t[2i+1]]; two hadds leave rows 0 2 4 6 | 1 3 5 7 */
+    const __m256 r = _mm256_hadd_ps(_mm256_hadd_ps(p[0], p[1]), _mm256_hadd_ps(p[2], p[3]));
+    return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* Scores of every head over rows j .. j + 7 (hd a multiple of 32, at most 128): per KV head, each
+ * row's keys converted once and dotted with the NG query heads that read them, each dot as
+ * pi_dot_f16/f32 computes it (lanes 0-7 and 8-15 of A are their s0 and s1, of B s2 and s3: the
+ * same FMAs in the same order, from zero), the 8 rows' reductions of a head together (pi_hsum8)
+ * and one store of its 8 scores. */
+static inline __attribute__((always_inline)) void pi_scores8(
+    const float *q, const void *k, long rs, long j, long n_att, int hd, int n_kv, float scale,
+    float *sc, const int NG, const int F16) {
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (int g = 0; g < n_kv; g++) {
+        const float *qg = q + (long)g * NG * hd;
+        __m256 t[4][8];
+        for (int r = 0; r < 8; r++) {
+            __m512 A[4], B[4];
+            for (int h = 0; h < NG; h++) A[h] = B[h] = _mm512_setzero_ps();
+            const long o = (j + r) * rs + (long)g * hd;
+            for (int i = 0; i < hd; i += 32) {
+                const __m512 k0 = F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)k + o + i)))
+                                      : _mm512_loadu_ps((const float *)k + o + i);
+                const __m512 k1 = F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)k + o + i + 16)))
+                                      : _mm512_loadu_ps((const float *)k + o + i + 16);
+                for (int h = 0; h < NG; h++) {
+                    A[h] = _mm512_fmadd_ps(k0, _mm512_loadu_ps(qg + (long)h * hd + i), A[h]);
+                    B[h] = _mm512_fmadd_ps(k1, _mm512_loadu_ps(qg + (long)h * hd + i + 16), B[h]);
+                }
+            }
+            for (int h = 0; h < NG; h++)
+                t[h][r] = _mm256_add_ps(_mm256_add_ps(_mm512_castps512_ps256(A[h]), pi_hi256(A[h])),
+                                        _mm256_add_ps(_mm512_castps512_ps256(B[h]), pi_hi256(B[h])));
+        }
+        for (int h = 0; h < NG; h++)
+            _mm256_storeu_ps(sc + (long)(g * NG + h) * n_att + j, _mm256_mul_ps(pi_hsum8(t[h]), vscale));
+    }
 }
 #endif
 
@@ -115,7 +181,20 @@ static void pi_attend_team(int t, int T, const float *q, const void *k, const vo
     const int group = n_head / n_kv;
     const long j0 = t == 0 ? 0 : (t * n_att / T) & ~15L;
     const long j1 = t == T - 1 ? n_att : ((t + 1) * n_att / T) & ~15L;
-    for (long j = j0; j < j1; j++) {
+    long j = j0;
+#if PI_SIMD && defined(__AVX512F__)
+    if (hd % 32 == 0 && hd <= 128)
+        for (; j + 8 <= j1 && group <= 4; j += 8) {
+#define PI_S8(NG) (f16 ? pi_scores8(q, k, rs, j, n_att, hd, n_kv, scale, sc, NG, 1) \
+                       : pi_scores8(q, k, rs, j, n_att, hd, n_kv, scale, sc, NG, 0))
+            switch (group) {
+            case 1: PI_S8(1); break; case 2: PI_S8(2); break; case 3: PI_S8(3); break;
+            default: PI_S8(4); break;
+            }
+#undef PI_S8
+        }
+#endif
+    for (; j < j1; j++) {
         if (f16) {
             const uint16_t *kr = (const uint16_t *)k + j * rs;
             for (int h = 0; h < n_head; h++)
