@@ -438,7 +438,9 @@ def test_attention_one_query(n_threads):
     for n_head, n_kv, hd, n_att, spread in [(9, 3, 64, 1, 1), (9, 3, 64, 37, 1), (9, 3, 64, 481, 1),
                                             (4, 4, 128, 100, 4), (8, 2, 32, 16, 30),
                                             (6, 1, 8, 5, 1), (5, 5, 40, 70, 8),
-                                            (4, 2, 128, 99, 2), (8, 2, 32, 17, 1)]:
+                                            (4, 2, 128, 99, 2), (8, 2, 32, 17, 1),
+                                            # GQA groups of 8, 7 and 6 (TinyLlama, Qwen2.5): the per-head scores path
+                                            (16, 2, 64, 41, 1), (14, 2, 64, 30, 1), (12, 2, 128, 25, 2)]:
         n_ctx = n_att + 2
         q = _ro((spread * rng.standard_normal((1, n_head, hd))).astype(np.float32))
         # the f16 cache (the default) and the f32 one (--cache-type f32): both kernels' paths
