@@ -770,8 +770,11 @@ def attention(const float[:, :, ::1] q, const uint16_t[:, :, ::1] k_cache,
     holding the new tokens' K/V, as uint16 (``cpu.kv_pair``): kv_f16 1, f16 values (their rows
     read are copied to f32 once per call, exactly); kv_f16 0, f32 values (the last axis 2
     head_dim uint16). Head h reads kv head h // (n_head // n_head_kv); token t attends to cache
-    rows 0 .. n_past+t; scale 1/sqrt(head_dim); softmax in f32 with max subtraction. (The fused
-    decode half-layers use attend.h instead: ``attend_one``.)"""
+    rows 0 .. n_past+t; scale 1/sqrt(head_dim); softmax in f32 with max subtraction. One token
+    (n_tok 1, the model families' decode) goes through attend.h as the fused decode half-layers
+    and ``attend_one`` do, reading an f16 cache as it is (the copy to f32 of every row read, per
+    layer and token, made a Gemma-3 token at 480 cached tokens 1.5x slower than at 8;
+    docs/benchmarks.md, session 21); set_old_prefill(1) keeps the one-head loop for it."""
     cdef Py_ssize_t n_tok = q.shape[0], n_head = q.shape[1], hd = q.shape[2]
     cdef Py_ssize_t n_kv = k_cache.shape[1], n_ctx = k_cache.shape[0], w = _kv_width(kv_f16)
     if (k_cache.shape[2] != hd * w or v_cache.shape[0] != n_ctx or v_cache.shape[1] != n_kv
@@ -784,6 +787,12 @@ def attention(const float[:, :, ::1] q, const uint16_t[:, :, ::1] k_cache,
     if n_past < 0 or n_past + n_tok > n_ctx:
         raise ValueError(f"attention: positions {n_past}..{n_past + n_tok} exceed n_ctx {n_ctx}")
     if n_tok == 0 or hd == 0:
+        return
+    if n_tok == 1 and not _old_prefill:  # one query: attend.h over the cache as it is stored
+        with nogil:
+            _attend_decode(&q[0, 0, 0], &k_cache[0, 0, 0], &v_cache[0, 0, 0], kv_f16, n_past + 1,
+                           <int> hd, <int> n_head, <int> n_kv, 1.0 / sqrtf(<float> hd),
+                           &out[0, 0, 0], n_threads)
         return
     cdef Py_ssize_t n_keys = n_past + n_tok
     cdef float[:, :, ::1] kf
