@@ -11,7 +11,7 @@ Quantized (q4_0 / q8_0) dot products quantize the activation to 8 bits per 32-bl
 llama.cpp's ggml_vec_dot_q4_0_q8_0 does: relative error about 1e-3 against an f32 dot.
 """
 from cython.parallel cimport prange, parallel
-from libc.stdint cimport uint8_t, uint16_t, int8_t, int32_t, int64_t
+from libc.stdint cimport uint8_t, uint16_t, uint32_t, int8_t, int32_t, int64_t
 from cython cimport view
 from libc.stdlib cimport malloc, free, calloc
 
@@ -70,6 +70,7 @@ cdef extern from "rowsum_team.h" nogil:
     void pi_team_barrier()
     int pi_team_thread()
     int pi_team_size()
+    long pi_axpy_rows_threads(int qtype, const int32_t *idx, size_t stride, long n, int cols)
     void pi_axpy_rows_team(int t, int T, int qtype, const uint8_t *w, size_t stride,
                            const float *coef, const int32_t *idx, long n, float *out, int cols,
                            float *tmp, float *add)
@@ -263,15 +264,19 @@ cdef int _check_ascending(const int32_t[::1] idx, str what) except -1:
 
 
 cdef int _check_idx(const int32_t[::1] idx, Py_ssize_t rows) except -1:
-    cdef Py_ssize_t k
-    cdef int bad = 0
+    """IndexError unless every idx is in [0, rows). The scan is one OR over the whole list (a loop
+    without an exit vectorizes; the hybrid engine checks n_ff / 2 ids per layer and token)."""
+    cdef Py_ssize_t k, n = idx.shape[0]
+    cdef uint32_t bad = 0
+    cdef uint32_t lim = <uint32_t> min(rows, 0x7fffffff)
+    cdef const int32_t *p = &idx[0] if n > 0 else NULL
     with nogil:
-        for k in range(idx.shape[0]):
-            if idx[k] < 0 or idx[k] >= rows:
-                bad = 1
-                break
+        for k in range(n):
+            bad |= <uint32_t> ((<uint32_t> p[k]) >= lim)
     if bad:
-        raise IndexError(f"row index {idx[k]} out of range for {rows} rows")
+        for k in range(n):
+            if idx[k] < 0 or idx[k] >= rows:
+                raise IndexError(f"row index {idx[k]} out of range for {rows} rows")
     return 0
 
 
@@ -1879,6 +1884,51 @@ def decode_layers_in(InputDecodePlan plan, float[::1] x, uint16_t[:, :, :, ::1] 
 
 # ---------------------------------------------------------------- the CPU's part of a split layer
 
+cdef void _cold_team(int t, int T, const uint8_t *wg, int tg, Py_ssize_t sg, const uint8_t *wu,
+                     int tu, Py_ssize_t su, const uint8_t *wd, int td, Py_ssize_t sd_, int cols,
+                     const float *xd, const int8_t *xq, const int32_t *cand, Py_ssize_t n_cand,
+                     int silu, int glu, float thr, Py_ssize_t pd, float *gv, float *uv,
+                     float *coef, int32_t *idx, Py_ssize_t *nk, float *tmp,
+                     float *out) noexcept nogil:
+    """Thread t of T's share of cold_ffn for types of pi_gemv8 in one parallel region (every
+    thread calls it with the same arguments; rowsum_team.h's conventions): the candidates' gate
+    (and, "glu", up) dots eight rows per pass, groups cut by T; thread 0 selects and compacts in
+    neuron order; the kept neurons' up rows (not "glu"); the down rows' sum (rowsum_team.h: split
+    by the row count and length alone). Each dot and the sum are the ones one thread computes,
+    so the result has the same bits at any T. nk: the kept count, shared."""
+    cdef Py_ssize_t ng = (n_cand + 7) // 8, j, j1, k = 0, r
+    cdef float a
+    cdef int nb = cols // 32
+    for j in range(t * ng // T, (t + 1) * ng // T):
+        pi_gemv8(tg, wg, sg, cand, j, n_cand, xd, xq, nb, gv, pd)
+        if glu:
+            pi_gemv8(tu, wu, su, cand, j, n_cand, xd, xq, nb, uv, pd)
+    pi_team_barrier()
+    if t == 0:  # selection and compaction in neuron order: the sum's row order
+        for j in range(n_cand):
+            a = pi_act1(gv[j], silu)
+            if glu:
+                a = a * uv[j]
+            coef[k] = a
+            idx[k] = cand[j]
+            k += (<int> (a > thr)) | (<int> (a < -thr))  # branch-free, as decode_ffn
+        nk[0] = k
+    pi_team_barrier()
+    k = nk[0]
+    if not glu and k > 0:  # the kept neurons' up rows, eight per pass
+        ng = (k + 7) // 8
+        for j in range(t * ng // T, (t + 1) * ng // T):
+            pi_gemv8(tu, wu, su, idx, j, k, xd, xq, nb, uv, pd)
+            j1 = min(8 * j + 8, k)
+            for r in range(8 * j, j1):
+                coef[r] = coef[r] * uv[r]
+        pi_team_barrier()
+    if pi_axpy_rows_threads(td, idx, sd_, k, cols) > 1:
+        pi_axpy_rows_team(t, T, td, wd, sd_, coef, idx, k, out, cols, tmp, NULL)
+    elif t == 0:  # a sum too short to split (as pi_axpy_rows_par: no barrier inside)
+        pi_axpy_rows_team(0, 1, td, wd, sd_, coef, idx, k, out, cols, tmp, NULL)
+
+
 def cold_ffn(const uint8_t[:, ::1] wg, int tg, const uint8_t[:, ::1] wu, int tu,
              const uint8_t[:, ::1] wd, int td, const float[::1] h, const int32_t[::1] ids,
              const uint8_t[::1] mask, int silu, int glu, float thr, float[::1] out,
@@ -1888,9 +1938,11 @@ def cold_ffn(const uint8_t[:, ::1] wg, int tg, const uint8_t[:, ::1] wu, int tu,
     rule: "glu" keeps |act(gate h) * up h| > thr, otherwise |act(gate h)| > thr (up rows read
     only for those kept). out (n_embd,) f32 = their down projection over ffn_down_t rows.
     Returns (n_candidates, n_kept). Same dots, selection and row-ordered AXPY as
-    ``pyinfer.ffn.sparse_step`` on ids[mask[ids] != 0] (equal results), in two parallel regions
-    instead of three plus NumPy temporaries, the up rows prefetched with the gate rows: the hybrid GPU engine calls this once per layer and
-    token while the GPU works on the hot neurons, so fixed costs per call matter (issue 10)."""
+    ``pyinfer.ffn.sparse_step`` on ids[mask[ids] != 0] (equal results), in one parallel region
+    (``_cold_team``, for the types of pi_gemv8; was three, and sparse_step's three plus NumPy
+    temporaries before that), the up rows prefetched with the gate rows: the hybrid GPU engine
+    calls this once per layer and token while the GPU works on the hot neurons, so fixed costs
+    per call matter (issue 10)."""
     cdef int cols = h.shape[0]
     _check_w(wg, tg, cols)
     _check_w(wu, tu, cols)
@@ -1915,6 +1967,12 @@ def cold_ffn(const uint8_t[:, ::1] wg, int tg, const uint8_t[:, ::1] wu, int tu,
     cdef float *gv
     cdef float *uv
     cdef int g8 = pi_gemv8_supported(tg) and pi_gemv8_supported(tu)
+    cdef Py_ssize_t sd_ = wd.shape[1]
+    cdef const uint8_t *pg = &wg[0, 0] if wg.shape[0] > 0 else NULL
+    cdef const uint8_t *pu = &wu[0, 0] if wu.shape[0] > 0 else NULL
+    cdef const uint8_t *pw = &wd[0, 0] if wd.shape[0] > 0 else NULL
+    cdef float *tmp
+    cdef int T
     with nogil:
         coef = <float *> malloc((n + 1) * sizeof(float))
         idx = <int32_t *> malloc((n + 1) * sizeof(int32_t))
@@ -1922,54 +1980,53 @@ def cold_ffn(const uint8_t[:, ::1] wg, int tg, const uint8_t[:, ::1] wu, int tu,
         kept = <uint8_t *> malloc(n + 1)
         gv = <float *> malloc((n + 1) * sizeof(float))
         uv = <float *> malloc((n + 1) * sizeof(float))
-        for j in range(n):  # the candidates, in neuron order
-            cand[n_cand] = ids[j]
-            n_cand += (not has_mask) or mask[ids[j]] != 0
+        if has_mask:  # the candidates, in neuron order (branch-free: the mask is random)
+            for j in range(n):
+                r = ids[j]
+                cand[n_cand] = r
+                n_cand += mask[r] != 0
+        else:
+            memcpy(cand, &ids[0], n * sizeof(int32_t))
+            n_cand = n
         if pi_is_quant(tg) or pi_is_quant(tu):  # h quantized once, as gather_matvec does
             _quantize_x(&h[0], cols, &xd, &xq)
         # rows come from memory, not cache (the cold rows of 32 layers outgrow L3): prefetch
         # the gate and up rows pd candidates ahead, as gather_matvec does. Every neuron's result
         # depends on nothing else, so the thread count cannot change it.
-        if g8:  # eight rows per pass (gemv.h; the same bits as pi_dot_row): gate (and up)
-            for j in prange((n_cand + 7) // 8, schedule='static', num_threads=n_threads):
-                pi_gemv8(tg, &wg[0, 0], sg, cand, j, n_cand, xd, xq, cols // 32, gv, pd)
-                if glu:
-                    pi_gemv8(tu, &wu[0, 0], su, cand, j, n_cand, xd, xq, cols // 32, uv, pd)
-            for j in range(n_cand):
-                a = pi_act1(gv[j], silu)
-                if glu:
-                    a = a * uv[j]
-                kept[j] = a > thr or a < -thr
-                coef[j] = a
+        if g8:  # eight rows per pass (gemv.h; the same bits as pi_dot_row), one region
+            tmp = <float *> malloc((pi_axpy_tmp_floats(n_cand, cols, sd_) + 1) * sizeof(float))
+            T = min(n_threads, max(1, <int> ((n_cand + 7) // 8)))
+            if T <= 1 or n_cand == 0:
+                _cold_team(0, 1, pg, tg, sg, pu, tu, su, pw, td, sd_, cols, xd, xq,
+                           cand, n_cand, silu, glu, thr, pd, gv, uv, coef, idx, &k, tmp, &out[0])
+            else:
+                with parallel(num_threads=T):
+                    _cold_team(pi_team_thread(), pi_team_size(), pg, tg, sg, pu, tu, su, pw, td, sd_, cols, xd, xq, cand, n_cand, silu, glu, thr, pd,
+                               gv, uv, coef, idx, &k, tmp, &out[0])
+            free(tmp)
         else:
             for j in prange(n_cand, schedule='static', num_threads=n_threads):
                 if j + pd < n_cand:
-                    pi_prefetch_l2(&wg[0, 0] + cand[j + pd] * sg, sg)
-                    pi_prefetch_l2(&wu[0, 0] + cand[j + pd] * su, su)
+                    pi_prefetch_l2(pg + cand[j + pd] * sg, sg)
+                    pi_prefetch_l2(pu + cand[j + pd] * su, su)
                 r = cand[j]
-                g = pi_dot_row(tg, &wg[0, 0] + r * sg, &h[0], xd, xq, cols)
+                g = pi_dot_row(tg, pg + r * sg, &h[0], xd, xq, cols)
                 a = pi_act1(g, silu)
                 kept[j] = 0
                 if glu:
-                    a = a * pi_dot_row(tu, &wu[0, 0] + r * su, &h[0], xd, xq, cols)
+                    a = a * pi_dot_row(tu, pu + r * su, &h[0], xd, xq, cols)
                     if a > thr or a < -thr:
                         kept[j] = 1
                 elif a > thr or a < -thr:
                     kept[j] = 1
-                    a = a * pi_dot_row(tu, &wu[0, 0] + r * su, &h[0], xd, xq, cols)
+                    a = a * pi_dot_row(tu, pu + r * su, &h[0], xd, xq, cols)
                 coef[j] = a
-        for j in range(n_cand):  # compaction in neuron order: the AXPY's row order
-            if kept[j]:
-                coef[k] = coef[j]
-                idx[k] = cand[j]
-                k += 1
-        if g8 and not glu and k > 0:  # the kept neurons' up rows, eight per pass
-            for j in prange((k + 7) // 8, schedule='static', num_threads=n_threads):
-                pi_gemv8(tu, &wu[0, 0], su, idx, j, k, xd, xq, cols // 32, uv, pd)
-            for j in range(k):
-                coef[j] = coef[j] * uv[j]
-        _axpy_rows(&wd[0, 0] if wd.shape[0] > 0 else NULL, wd.shape[1], td, cols, coef, idx, k,
-                   &out[0], n_threads)
+            for j in range(n_cand):  # compaction in neuron order: the AXPY's row order
+                if kept[j]:
+                    coef[k] = coef[j]
+                    idx[k] = cand[j]
+                    k += 1
+            _axpy_rows(pw, sd_, td, cols, coef, idx, k, &out[0], n_threads)
         free(coef)
         free(idx)
         free(cand)

@@ -176,14 +176,21 @@ static void pi_axpy_rows_team(int t, int T, int qtype, const uint8_t *w, size_t 
     if (add) pi_add_f32(add + c0, out + c0, c1 - c0);
 }
 
+/* The most threads pi_axpy_rows_team can use on a sum of n rows (1: run it on one thread, as
+ * pi_axpy_rows_team(0, 1, ...), which then meets no barrier when called without add). */
+static inline long pi_axpy_rows_threads(int qtype, const int32_t *idx, size_t stride, long n,
+                                        int cols) {
+    return pi_is_ib(qtype) ? cols / (PI_IB_TILE / 2)
+           : !pi_axpy_col_split(qtype, idx, stride, n) ? pi_axpy_nchunks(n, stride)
+           : n < 2 * PI_AXPY_ALIGN ? 1 : cols / pi_axpyq_unit_cols(qtype);
+}
+
 /* out = sum_k coef[k] w[idx ? idx[k] : k] (overwrites out) on up to n_threads threads; tmp as
  * pi_axpy_rows_team. Same bits at any n_threads. */
 static void pi_axpy_rows_par(int qtype, const uint8_t *w, size_t stride, const float *coef,
                              const int32_t *idx, long n, float *out, int cols, float *tmp,
                              int n_threads) {
-    const long most = pi_is_ib(qtype) ? cols / (PI_IB_TILE / 2)
-                      : !pi_axpy_col_split(qtype, idx, stride, n) ? pi_axpy_nchunks(n, stride)
-                      : n < 2 * PI_AXPY_ALIGN ? 1 : cols / pi_axpyq_unit_cols(qtype);
+    const long most = pi_axpy_rows_threads(qtype, idx, stride, n, cols);
     const int nt = (int)(n_threads < most ? n_threads : (most > 0 ? most : 1));
     if (nt <= 1) {
         pi_axpy_rows_team(0, 1, qtype, w, stride, coef, idx, n, out, cols, tmp, NULL);

@@ -106,7 +106,8 @@ def test_decode_path_equals_batched_masked_path(tmp_path, hidden_act, outtype, m
                                           (True, True, 0.02), (True, True, -1.0)])
 def test_cold_ffn_equals_sparse_step(qt, silu, glu, thr):
     """The hybrid engine's one-call cold path computes sparse_step's function bit for bit
-    (same dots, selection and AXPY order) on the masked candidates, at 1 and 2 threads."""
+    (same dots, selection and AXPY order) on the masked candidates, at 1, 2, 3 and 7 threads
+    (teams with more threads than groups of eight candidates among them), and no candidate."""
     from pyinfer.ffn import sparse_step
     from pyinfer.weights import LayerWeights
 
@@ -117,11 +118,12 @@ def test_cold_ffn_equals_sparse_step(qt, silu, glu, thr):
                       ffn_gate=W[0], ffn_up=W[1], ffn_down_t=W[2])
     h = rng.normal(size=n_embd).astype(np.float32)
     ids = np.sort(rng.choice(n_ff, 170, replace=False)).astype(np.int32)
-    for mask in (None, (rng.random(n_ff) < 0.4).astype(np.uint8)):
+    for mask in (np.zeros(n_ff, np.uint8), (rng.random(n_ff) < 0.1).astype(np.uint8), None,
+                 (rng.random(n_ff) < 0.4).astype(np.uint8)):
         cand = ids if mask is None else ids[mask[ids] != 0]
         want = np.full(n_embd, np.nan, np.float32)
         n_want = sparse_step(lw, h, cand, silu, glu, thr, want, 1)
-        for n_threads in (1, 2):
+        for n_threads in (1, 2, 3, 7):
             got = np.full(n_embd, np.nan, np.float32)
             n_cand, n = cpu.cold_ffn(W[0], W[1], W[2], h, ids, mask, silu, glu, thr, got, n_threads)
             assert (n_cand, n) == (cand.size, n_want)
