@@ -230,7 +230,9 @@ class NumpyDevice:
 
     def ffn_gate_up(self, gate: DeviceRows, up: DeviceRows, x, coef, counts, act: str,
                     act_thr: float, ids=None, mask=None, glu: bool = False, pred=None,
-                    q8=None) -> None:
+                    q8=None, scratch=None) -> None:
+        """The twin of both forms of ``cuda.ffn_gate_up`` (scratch: their candidate list, unused
+        here)."""
         x = _act_for(gate, x)
         if pred is not None:  # the predictor inline: fc2 rows of the neurons ids
             fc2, hid, thr = pred
@@ -438,8 +440,9 @@ class CupyDevice:
         cuda.gather_gemv(w, x, out, ids, mask, accumulate, q8)
 
     def ffn_gate_up(self, gate, up, x, coef, counts, act, act_thr, ids=None, mask=None,
-                    glu: bool = False, pred=None, q8=None) -> None:
-        cuda.ffn_gate_up(gate, up, x, coef, counts, act, act_thr, ids, mask, glu, pred, q8)
+                    glu: bool = False, pred=None, q8=None, scratch=None) -> None:
+        cuda.ffn_gate_up(gate, up, x, coef, counts, act, act_thr, ids, mask, glu, pred, q8,
+                         scratch)
 
     def axpy_rows(self, w, coef, out, skip_zero: bool = True, accumulate: bool = False,
                   scratch=None) -> None:

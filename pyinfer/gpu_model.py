@@ -136,6 +136,7 @@ def buffer_bytes(cfg: ModelConfig, n_ctx: int, rank: int, input_mode: bool = Fal
     projections)."""
     E, F, V = cfg.n_embd, cfg.n_ff, cfg.n_vocab
     decode = 4 * (3 * E + 2 * cfg.n_embd_q + 2 * cfg.n_embd_kv + rank + F + V) + F + 16 + 4
+    decode += 4 * cuda.gate_up_list_len(F)  # the hot neurons' candidate list (two-launch form)
     nq8 = q8_len(cfg, input_mode)
     if input_mode:  # kept counters (groups, head), kept bits, gate|up, masked head input, sums
         decode += 8 * N_KEPT + 4 * (nq8 // 32) + 4 * 2 * F + 4 * E + 4 * input_scratch_len(cfg)
@@ -322,6 +323,7 @@ class GpuModel:
         self._hid = dev.empty(rank, np.float32)  # (rank,) predictor hidden layer
         self._mask = dev.empty(F, np.uint8)  # (n_ff,) predicted candidates
         self._coef = dev.empty(F, np.float32)  # (n_hot,) act(gate) * up, 0 where inactive
+        self._cand = dev.empty(cuda.gate_up_list_len(F), np.int32)  # candidates (cuda.ffn_gate_up)
         self._partial = dev.empty(E, np.float32)  # (n_embd,) the CPU's partial FFN output
         self._logits = dev.empty(cfg.n_vocab, np.float32)  # (n_vocab,)
         nq8 = q8_len(cfg, self.input)
@@ -550,7 +552,8 @@ class GpuModel:
             dev.ffn_gate_up(ly.gate, ly.up, h[0], self._coef[:ly.n_hot], self._counts,
                             self.cfg.hidden_act, float(self.act_thr[i]), ids=ly.ids,
                             glu=self.glu,
-                            pred=(ly.fc2, self._hid, ly.pred_thr) if use_pred else None, q8=q8)
+                            pred=(ly.fc2, self._hid, ly.pred_thr) if use_pred else None, q8=q8,
+                            scratch=self._cand)
             dev.axpy_rows(ly.down, self._coef[:ly.n_hot], x[0], skip_zero=self.sparse,
                           accumulate=True, scratch=self._axpy)
         if self._capturing:

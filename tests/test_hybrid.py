@@ -444,6 +444,54 @@ def test_gpu_kernels_match_numpy_twins(qt, rows, cols):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda.available(), reason=NO_GPU)
+@pytest.mark.parametrize("qt", [QT.F16, QT.Q8_0, QT.Q4_0])
+def test_gpu_gate_up_with_predictor_both_forms(qt):
+    """ffn_gate_up with a predictor, fused (one launch) and listed (hot_candidates, then
+    ffn_gate_up_list_*): the same coefficients bit for bit and the same counts, and the NumPy
+    twin's within float rounding; the list form run twice (its count is zeroed per call)."""
+    from pyinfer.device import CupyDevice
+
+    cp = cuda.cupy
+    rng = np.random.default_rng(int(qt))
+    g, n = CupyDevice(), NumpyDevice()
+    n_ff, rows, cols, rank = 2000, 1500, 512, 40
+    W = {k: QTensor.from_array(rng.normal(size=(n_ff, cols)).astype(np.float32), qt)
+         for k in ("gate", "up")}
+    ids = np.sort(rng.choice(n_ff, rows, replace=False)).astype(np.int32)
+    fc2 = QTensor(rng.normal(size=(n_ff, rank)).astype(np.float16), QT.F16, n_ff, rank)
+    x = rng.normal(size=cols).astype(np.float32)
+    hid = np.maximum(rng.normal(size=rank), 0).astype(np.float32)
+    thr = 1.0  # about a third of the rows are candidates
+    gd = {k: g.rows([w], ids) for k, w in W.items()}
+    nd = {k: n.rows([w], ids) for k, w in W.items()}
+    with g.activate():
+        f2d, hd, xd, idd = g.rows([fc2]), cp.asarray(hid), cp.asarray(x), cp.asarray(ids)
+        for act, act_thr, glu in (("relu", 0.0, False), ("silu", 0.05, False), ("silu", 0.5, True)):
+            got = {}
+            for form in (False, True, True):
+                cuda.set_gate_up_list(form)
+                try:
+                    coef, cnt = cp.full(rows, cp.nan, cp.float32), cp.zeros(2, cp.uint64)
+                    g.ffn_gate_up(gd["gate"], gd["up"], xd, coef, cnt, act, act_thr, idd,
+                                  glu=glu, pred=(f2d, hd, thr))
+                    got.setdefault(form, []).append((coef.get(), cnt.get()))
+                finally:
+                    cuda.set_gate_up_list(False)
+            (c0, n0), (c1, n1), (c2, n2) = got[False][0], got[True][0], got[True][1]
+            np.testing.assert_array_equal(c1, c0)
+            np.testing.assert_array_equal(c2, c0)
+            assert list(n1) == list(n0) == list(n2)
+            want, wcnt = np.empty(rows, np.float32), np.zeros(2, np.uint64)
+            n.ffn_gate_up(nd["gate"], nd["up"], x, want, wcnt, act, act_thr, ids, glu=glu,
+                          pred=(n.rows([fc2]), hid, thr))
+            assert 0 < int(wcnt[0]) < rows and abs(int(n0[0]) - int(wcnt[0])) <= 2
+            scale = np.abs(want).max() or 1.0
+            close = np.abs(c0 - want) <= 1e-3 * scale
+            assert close.mean() > 0.99  # a candidate at the predictor's threshold may differ
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda.available(), reason=NO_GPU)
 def test_gpu_q8_activation_is_the_cpu_kernels():
     """cuda.quantize_q8 and the q8 epilogues of rmsnorm, norm_fc1 and attn_decode (fused where
     head_dim is a multiple of 32, a second launch where not) give, bit for bit, the q8 form the

@@ -200,6 +200,10 @@ def main(argv=None) -> int:
                     help="A/B of the host's cold path: each hybrid budget also runs with the "
                          "cold neurons through ffn.sparse_step (three kernel calls) instead of "
                          "cpu.cold_ffn (one)")
+    ap.add_argument("--gate-up-ab", action="store_true",
+                    help="A/B of the hot neurons' gate/up with a predictor: each hybrid budget "
+                         "also runs with cuda.set_gate_up_list(True) (two launches: the "
+                         "candidates listed, then gate/up over the list only)")
     ap.add_argument("--numpy", action="store_true",
                     help="smoke-test without a GPU: NumpyDevice stands in (timings mean nothing)")
     args = ap.parse_args(argv)
@@ -294,6 +298,13 @@ def main(argv=None) -> int:
         budget = int(sizes_s.fixed() + frac * ffn_bytes) + 4 * F * L
         run("hybrid (hot neurons on GPU)", label, make_sparse(),
             plan_hybrid(cfg, sizes_s, budget, counts))
+        if args.gate_up_ab:
+            cuda.set_gate_up_list(True)
+            try:
+                run("hybrid, gate/up listed", label, make_sparse(),
+                    plan_hybrid(cfg, sizes_s, budget, counts))
+            finally:
+                cuda.set_gate_up_list(False)
         if args.cold_ab:
             GpuModel._cold = _cold_steps
             run("hybrid, cold via sparse_step", label, make_sparse(),

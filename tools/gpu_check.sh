@@ -4,13 +4,18 @@
 #
 #   BASE=<commit> bash tools/gpu_check.sh        # $OUT: logs; stdout: the summary
 #
-# Builds this tree and BASE (another commit, for the before/after pair, built beside it in
-# /tmp/base), runs the GPU tests, then tools/bench_gpu.py for 7B q4_0 all on the GPU (base and
-# this tree, same machine, minutes apart), tools/bench_gpu_input.py (sparse mode input, 7B q4_0,
-# 25% / 50%, against the same file dense and a dense row-layout file), the 7B hybrid at 30% / 50%
-# and, if time is left, 13B at 50% / 100%. Each step has its own timeout, cut to what is left of
-# LIMIT seconds (default 570), so the whole run ends inside ten minutes; what finished is in $OUT
-# even when a later step is cut or skipped.
+# Builds this tree and BASE (another commit, for the before/after pairs, built beside it in
+# /tmp/base), runs the GPU tests, then, in order of what is least known:
+#   cold     tools/bench_cold.py: the host's cold path by thread count, BASE's build against
+#            this one (session 22's one-region cold_ffn, measured on 2 cores only)
+#   new7ab   tools/bench_gpu.py 7B q4_0 at 100% and 50%, with --gate-up-ab: the hot neurons'
+#            gate/up fused (default) against listed (cuda.set_gate_up_list, session 22, never run)
+#   base7h   BASE's 7B hybrid at 50% (the cold path before, for new7ab's fused rows)
+#   input7   tools/bench_gpu_input.py (sparse mode input, 7B q4_0, 25% / 50%)
+#   new13    13B at 50% / 100%
+# Each step has its own timeout, cut to what is left of LIMIT seconds (default 570), so the
+# whole run ends inside ten minutes; what finished is in $OUT even when a later step is cut or
+# skipped.
 set -o pipefail
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -43,14 +48,15 @@ step() {
     echo "$name rc=$? $(( $(date +%s) - s0 )) s" >> "$L"
 }
 step 110 pytest python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_hybrid.py tests/test_cuda_host.py
-[ -n "$BASE" ] && step 100 base7 bash -c "cd /tmp/base && python3 tools/bench_gpu.py $B --shape 7b --budgets 1.0"
-step 100 new7 python3 tools/bench_gpu.py $B --shape 7b --budgets 1.0
+SO=$(ls /tmp/base/pyinfer/ops/_kernels*.so 2>/dev/null | head -1)
+step 90 cold python3 tools/bench_cold.py --threads 1 4 8 $(nproc) --reps 5 ${SO:+--so $SO}
+step 200 new7ab python3 tools/bench_gpu.py $B --shape 7b --budgets 1.0,0.5 --gate-up-ab
+[ -n "$BASE" ] && step 90 base7h bash -c "cd /tmp/base && python3 tools/bench_gpu.py $B --shape 7b --budgets 0.5"
 step 150 input7 python3 tools/bench_gpu_input.py --shape 7b --qtype q4_0 --sparsity 0.25 0.5 \
     --tokens 32 --reps 3 --threads "$(nproc)"
-step 140 new7h python3 tools/bench_gpu.py $B --shape 7b --budgets 0.3,0.5
 step 150 new13 python3 tools/bench_gpu.py $B --shape 13b --budgets 0.5,1.0
 cat "$L"
 tail -3 "$OUT/pytest.log"
-for f in base7 new7 input7 new7h new13; do
+for f in cold new7ab base7h input7 new13; do
     [ -f "$OUT/$f.log" ] && { echo "== $f"; grep -E "^\|" "$OUT/$f.log"; }
 done

@@ -305,6 +305,33 @@ extern "C" __global__ void gather_gemv_@T@(const u8* w, long long row_bytes, int
 // f32) and the hidden layer hid: fc2[ids[k]] . hid >= pred_thr (PowerInfer's predictor, as
 // predictor_fc2 computes it, without a mask round trip). counts[0] += candidates, [1] += kept.
 // Quantized rows read x's q8 form (xq, xd), float rows x.
+// One hot neuron's coefficient, by a whole warp: a = act(gate_row . x) (act 0: relu, 1: silu),
+//   glu 0: kept where |a| > act_thr (up read only then), c = a * (up_row . x)
+//   glu 1: kept where |a * u| > act_thr, c = a * u
+// else c = 0 (pyinfer.ffn.SparseFFN's rules). Every lane returns c; *keep likewise.
+__device__ __forceinline__ float gate_up_one_@T@(const u8* g_row, const u8* u_row, int cols,
+        const float* x, const int* xq, const float* xd, int act, int glu, float act_thr, int lane,
+        bool* keep) {
+    const float g = warp_sum(dotx_@T@(g_row, cols, x, xq, xd, lane));
+    const float a = act ? g / (1.f + expf(-g)) : fmaxf(g, 0.f);
+    float c = 0.f;
+    if (glu) {
+        c = a * warp_sum(dotx_@T@(u_row, cols, x, xq, xd, lane));
+        *keep = fabsf(c) > act_thr;
+        if (!*keep) c = 0.f;
+    } else {
+        *keep = fabsf(a) > act_thr;
+        if (*keep) c = a * warp_sum(dotx_@T@(u_row, cols, x, xq, xd, lane));
+    }
+    return c;
+}
+// The hot neurons of one layer, fused: for row k (neuron ids[k]) that is a candidate, coef[k] =
+// gate_up_one's c, else coef[k] = 0. act_thr < 0 keeps every row (dense). Candidates: cand 0
+// every row; 1 where mask[ids[k]]; 2 where the predictor says so, computed here from neuron
+// ids[k]'s fc2 row (fc2 (n_ff, rank), f16 when fc2_half else f32) and the hidden layer hid:
+// fc2[ids[k]] . hid >= pred_thr (PowerInfer's predictor, as predictor_fc2 computes it, without a
+// mask round trip). counts[0] += candidates, [1] += kept. Quantized rows read x's q8 form (xq,
+// xd), float rows x.
 extern "C" __global__ void ffn_gate_up_@T@(const u8* gate, const u8* up, long long row_bytes,
         int n_rows, int cols, const float* x, const int* xq, const float* xd, const int* ids,
         const u8* mask, int cand,
@@ -325,17 +352,9 @@ extern "C" __global__ void ffn_gate_up_@T@(const u8* gate, const u8* up, long lo
             is_cand = p >= pred_thr;
         }
         if (is_cand) {
-            const float g = warp_sum(dotx_@T@(gate + k * row_bytes, cols, x, xq, xd, lane));
-            const float a = act ? g / (1.f + expf(-g)) : fmaxf(g, 0.f);
             bool keep;
-            if (glu) {
-                c = a * warp_sum(dotx_@T@(up + k * row_bytes, cols, x, xq, xd, lane));
-                keep = fabsf(c) > act_thr;
-                if (!keep) c = 0.f;
-            } else {
-                keep = fabsf(a) > act_thr;
-                if (keep) c = a * warp_sum(dotx_@T@(up + k * row_bytes, cols, x, xq, xd, lane));
-            }
+            c = gate_up_one_@T@(gate + k * row_bytes, up + k * row_bytes, cols, x, xq, xd, act,
+                                glu, act_thr, lane, &keep);
             if (lane == 0) { atomicAdd(&n_cand, 1u); if (keep) atomicAdd(&n_act, 1u); }
         }
         if (lane == 0) coef[k] = c;
@@ -345,6 +364,57 @@ extern "C" __global__ void ffn_gate_up_@T@(const u8* gate, const u8* up, long lo
         atomicAdd(counts, (u64)n_cand);
         atomicAdd(counts + 1, (u64)n_act);
     }
+}
+// The second launch of the two-launch form of ffn_gate_up's predictor case (hot_candidates
+// first): warp i takes the i-th listed candidate k = list[1 + i] (i < list[0]) and writes its
+// coef[k] (the same c as ffn_gate_up computes); counts[1] += kept. Warps beyond the list do
+// nothing, so every warp that reads rows is a candidate's (the fused kernel's candidates are
+// scattered over warps that mostly stop after the predictor's dot).
+extern "C" __global__ void ffn_gate_up_list_@T@(const u8* gate, const u8* up, long long row_bytes,
+        int cols, const float* x, const int* xq, const float* xd, const int* list, int act,
+        int glu, float act_thr, float* coef, u64* counts) {
+    __shared__ unsigned int n_act;
+    if (threadIdx.x == 0) n_act = 0;
+    __syncthreads();
+    const int i = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
+    if (i < list[0]) {  // no early return: the block meets at __syncthreads below
+        const int k = list[1 + i];
+        bool keep;
+        const float c = gate_up_one_@T@(gate + k * row_bytes, up + k * row_bytes, cols, x, xq,
+                                        xd, act, glu, act_thr, lane, &keep);
+        if (lane == 0) { coef[k] = c; if (keep) atomicAdd(&n_act, 1u); }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0 && n_act) atomicAdd(counts + 1, (u64)n_act);
+}
+"""
+
+_HOT_CANDIDATES = r"""
+// The first launch of the two-launch form of ffn_gate_up's predictor case: warp per hot row k,
+// p = fc2[ids[k]] . hid (fc2 f16 when fc2_half else f32, as in ffn_gate_up); rows with p >=
+// pred_thr are appended to list (list[0]: their count, zeroed before this launch; list[1..]: the
+// rows k, in no fixed order: each candidate's coefficient depends on nothing else), coef[k] = 0
+// for every row (ffn_gate_up_list_* then writes the candidates'), counts[0] += candidates.
+extern "C" __global__ void hot_candidates(const int* ids, int n_rows, const u8* fc2,
+        long long fc2_row_bytes, int rank, int fc2_half, const float* hid, float pred_thr,
+        float* coef, int* list, u64* counts) {
+    __shared__ unsigned int n_cand;
+    if (threadIdx.x == 0) n_cand = 0;
+    __syncthreads();
+    const int k = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
+    if (k < n_rows) {  // no early return: the block meets at __syncthreads below
+        const u8* f = fc2 + (long long)ids[k] * fc2_row_bytes;
+        const float p = warp_sum(fc2_half ? dot_f16(f, rank, hid, lane) : dot_f32(f, rank, hid, lane));
+        if (lane == 0) {
+            coef[k] = 0.f;
+            if (p >= pred_thr) {
+                list[1 + atomicAdd(list, 1)] = k;
+                atomicAdd(&n_cand, 1u);
+            }
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0 && n_cand) atomicAdd(counts, (u64)n_cand);
 }
 """
 
@@ -597,7 +667,7 @@ extern "C" __global__ void add_f32(float* out, const float* a, int n) {
 
 _TYPES = ("f32", "f16", "q8_0", "q4_0")
 PREDICTOR_SRC = COMMON_SRC + "".join(_PREDICTOR_TEMPLATE.replace("@T@", t) for t in ("f32", "f16"))
-GATHER_SRC = COMMON_SRC + "".join(_GATHER_TEMPLATE.replace("@T@", t) for t in _TYPES)
+GATHER_SRC = COMMON_SRC + _HOT_CANDIDATES + "".join(_GATHER_TEMPLATE.replace("@T@", t) for t in _TYPES)
 _AXPY_TYPES = {"f32": ("UnitF32", 4), "f16": ("UnitF16", 4), "q8_0": ("UnitQ8_0", 2),
                "q4_0": ("UnitQ4_0", 4)}  # unit, rows in flight per thread
 AXPY_SRC = COMMON_SRC + _AXPY_UNITS + "".join(
@@ -775,7 +845,7 @@ extern "C" __global__ void ib_dequant_t(const u8* w, int qt, int n_out, int j0, 
 SOURCES = {"predictor": PREDICTOR_SRC, "gather": GATHER_SRC, "axpy": AXPY_SRC, "attn": ATTN_SRC,
            "input": INPUT_SRC}
 #: kernels each source must define (the nvcc test counts them)
-N_KERNELS = {"predictor": 4, "gather": 8, "axpy": 9, "attn": 5, "input": 6}
+N_KERNELS = {"predictor": 4, "gather": 13, "axpy": 9, "attn": 5, "input": 6}
 _TYPE_NAME = {QT.F32: "f32", QT.F16: "f16", QT.Q8_0: "q8_0", QT.Q4_0: "q4_0"}
 #: weight types the kernels read (the QT names, lower case)
 GPU_TYPES = tuple(t.name.lower() for t in _TYPE_NAME)
@@ -958,15 +1028,35 @@ def gather_gemv(w: DeviceRows, x, out, ids=None, mask=None, accumulate: bool = F
          mask, use, np.int32(bool(accumulate)), out))
 
 
+#: ffn_gate_up's predictor case in two launches (``hot_candidates`` listing the candidates, then
+#: ``ffn_gate_up_list_*`` over the list only) instead of one; off until measured on a GPU
+#: (``set_gate_up_list``; tools/bench_gpu.py --gate-up-ab times both)
+_GATE_UP_LIST = False
+
+
+def set_gate_up_list(on: bool) -> None:
+    """Choose ffn_gate_up's form when a predictor is given: two launches (True) or the fused one
+    (False, the default). Both compute the same coefficients and counts."""
+    global _GATE_UP_LIST
+    _GATE_UP_LIST = bool(on)
+
+
+def gate_up_list_len(n_rows: int) -> int:
+    """int32 entries of the candidate list ffn_gate_up's two-launch form needs (count + rows)."""
+    return n_rows + 1
+
+
 def ffn_gate_up(gate: DeviceRows, up: DeviceRows, x, coef, counts, act: str, act_thr: float,
-                ids=None, mask=None, glu: bool = False, pred=None, q8=None) -> None:
+                ids=None, mask=None, glu: bool = False, pred=None, q8=None, scratch=None) -> None:
     """coef[k] = act(gate[k].x) * (up[k].x) where neuron ids[k] is a candidate and the magnitude
     passes (|act| > act_thr, or |act * up| with ``glu``), else 0. Candidates: every row; or
     where ``mask`` (n_ff,) uint8 is set at ids[k]; or, with ``pred`` = (fc2 DeviceRows (n_ff,
     rank), hid (rank,) f32, threshold), where fc2[ids[k]] . hid >= threshold (the predictor
-    computed inline). x (cols,) f32, ids (n_rows,) int32, coef (n_rows,) f32, counts (2,) uint64
-    accumulates [candidates, kept]. act "relu" | "silu"; act_thr < 0 computes every row (dense).
-    q8/q4_0 rows read q8(x), as ``gather_gemv``."""
+    computed inline, or, after ``set_gate_up_list(True)``, by a first launch that lists the
+    candidates into ``scratch``: int32 of >= gate_up_list_len(n_rows), allocated here when None).
+    x (cols,) f32, ids (n_rows,) int32, coef (n_rows,) f32, counts (2,) uint64 accumulates
+    [candidates, kept]. act "relu" | "silu"; act_thr < 0 computes every row (dense). q8/q4_0
+    rows read q8(x), as ``gather_gemv``."""
     if gate.rows == 0:
         return
     xq, xd = _q8_in(gate, x, q8)
@@ -976,6 +1066,20 @@ def ffn_gate_up(gate: DeviceRows, up: DeviceRows, x, coef, counts, act: str, act
         f2, hid, pred_thr = pred
         fc2, rank, half, fc2_rb = f2.data, f2.cols, int(f2.qtype == QT.F16), f2.row_bytes
         cand, mask = 2, dummy["u8"]
+        if _GATE_UP_LIST:
+            if scratch is None:
+                scratch = _list_scratch(cupy.cuda.Device().id, gate_up_list_len(gate.rows))
+            scratch[:1].fill(0)
+            _kernel("gather", "hot_candidates")(
+                _grid_rows(gate.rows), (_BLOCK,),
+                (ids, np.int32(gate.rows), fc2, np.int64(fc2_rb), np.int32(rank), np.int32(half),
+                 hid, np.float32(pred_thr), coef, scratch, counts))
+            _kernel("gather", f"ffn_gate_up_list_{_TYPE_NAME[gate.qtype]}")(
+                _grid_rows(gate.rows), (_BLOCK,),
+                (gate.data, up.data, np.int64(gate.row_bytes), np.int32(gate.cols), x, xq, xd,
+                 scratch, np.int32(act == "silu"), np.int32(bool(glu)), np.float32(act_thr),
+                 coef, counts))
+            return
     elif mask is not None:
         cand = 1
     else:
@@ -986,6 +1090,11 @@ def ffn_gate_up(gate: DeviceRows, up: DeviceRows, x, coef, counts, act: str, act
          x, xq, xd, ids, mask, np.int32(cand), fc2, np.int64(fc2_rb), np.int32(rank), np.int32(half),
          hid, np.float32(pred_thr), np.int32(act == "silu"), np.int32(bool(glu)),
          np.float32(act_thr), coef, counts))
+
+
+@functools.lru_cache(maxsize=None)
+def _list_scratch(device_id: int, n: int):
+    return cupy.empty(n, cupy.int32)
 
 
 def axpy_chunks(n_rows: int) -> int:
