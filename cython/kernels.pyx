@@ -653,6 +653,14 @@ cdef void _rmsnorm1(const float *x, const float *weight, float eps, float *out, 
         out[i] = x[i] * scale * weight[i]
 
 
+cdef inline void _add_bias(float *y, const float *b, Py_ssize_t n) noexcept nogil:
+    """y += b over n values (b NULL: nothing), f32 as NumPy's out += b."""
+    cdef Py_ssize_t i
+    if b != NULL:
+        for i in range(n):
+            y[i] += b[i]
+
+
 cdef void _rope_rotate(float *x, int n_heads, int head_dim, int half, const float *cs,
                        const float *sn) noexcept nogil:
     """Rotate dims (i, i + half) of every head by the angle whose cos/sin are cs[i], sn[i]."""
@@ -1080,13 +1088,17 @@ def decode_attn(float[::1] x, const float[::1] attn_norm, float eps,
                 const uint8_t[:, ::1] wq, int tq, const uint8_t[:, ::1] wk, int tk,
                 const uint8_t[:, ::1] wv, int tv, const uint8_t[:, ::1] wo, int to,
                 uint16_t[:, :, ::1] k_cache, uint16_t[:, :, ::1] v_cache, int kv_f16, int n_past,
-                int n_head, double freq_base, int n_threads):
+                int n_head, double freq_base, int n_threads, const float[::1] rope_div=None,
+                const float[::1] bq=None, const float[::1] bk=None, const float[::1] bv=None):
     """The attention half of one layer for one token, in place on the residual x (n_embd,) f32:
-    x += wo @ attention(rope(wq h), cache), h = rmsnorm(x); K and V of the token (rope on K) are
-    written to k_cache/v_cache row n_past ((n_ctx, n_head_kv, head_dim) as ``attention`` takes
-    them; f16 values rounded to nearest even as numpy's astype(float16)). Rope over the whole
-    head (NeoX layout), as ``Model.forward``. Same numerics as rmsnorm, matvec, rope_neox and
-    attention called one by one."""
+    x += wo @ attention(rope(wq h + bq), cache), h = rmsnorm(x); K and V of the token (rope on K)
+    are written to k_cache/v_cache row n_past ((n_ctx, n_head_kv, head_dim) as ``attention``
+    takes them; f16 values rounded to nearest even as numpy's astype(float16)). Rope over the
+    whole head (NeoX layout), as ``Model.forward``; rope_div (head_dim/2,) f32 or None: the
+    frequencies' divisors (llama.cpp's rope_freqs, Llama 3's scaling: theta_i = pos *
+    base^(-2i/d) / rope_div[i], as ``families.rope_scaled``). bq, bk, bv: the projections'
+    biases (Qwen2) or None. Same numerics as rmsnorm, matvec (+ bias), rope and attention called
+    one by one."""
     cdef int n_embd = x.shape[0]
     cdef Py_ssize_t w = _kv_width(kv_f16)
     cdef Py_ssize_t n_ctx = k_cache.shape[0], n_kv = k_cache.shape[1], hd = k_cache.shape[2] // w
@@ -1105,6 +1117,11 @@ def decode_attn(float[::1] x, const float[::1] attn_norm, float eps,
         raise ValueError("decode_attn: cache shapes do not match the heads")
     if n_past < 0 or n_past >= n_ctx:
         raise ValueError(f"decode_attn: position {n_past} outside the cache ({n_ctx})")
+    cdef const float *div = _opt_ptr(rope_div, hd // 2, "decode_attn rope_div")
+    cdef const float *pbq = _opt_ptr(bq, nq, "decode_attn bq")
+    cdef const float *pbk = _opt_ptr(bk, nkv, "decode_attn bk")
+    cdef const float *pbv = _opt_ptr(bv, nkv, "decode_attn bv")
+    cdef double *inv_freq = NULL
     cdef const uint8_t *ws[3]
     cdef int qts[3]
     cdef Py_ssize_t strides[3]
@@ -1142,9 +1159,19 @@ def decode_attn(float[::1] x, const float[::1] attn_norm, float eps,
         outs[1] = kv
         outs[2] = kv + nkv
         _multi_matvec(3, ws, qts, strides, rows, n_embd, h, outs, n_threads)
-        _rope1(q, n_head, hd, n_past, freq_base, hd, att, att + hd // 2)
-        # K turns by the same angles: reuse the cos/sin _rope1 left in att (same bits, half the
-        # libm calls)
+        _add_bias(q, pbq, nq)
+        _add_bias(kv, pbk, nkv)
+        _add_bias(kv + nkv, pbv, nkv)
+        if div == NULL:
+            _rope1(q, n_head, hd, n_past, freq_base, hd, att, att + hd // 2)
+        else:
+            inv_freq = <double *> malloc((hd // 2) * sizeof(double))
+            for i in range(hd // 2):  # families.rope_scaled's frequencies, in double
+                inv_freq[i] = pow(freq_base, -2.0 * i / hd) / <double> div[i]
+            _rope1_tab(q, n_head, hd, n_past, inv_freq, hd, att, att + hd // 2)
+            free(inv_freq)
+        # K turns by the same angles: reuse the cos/sin the rope left in att (same bits, half
+        # the libm calls)
         _rope_rotate(kv, n_kv, hd, hd // 2, att, att + hd // 2)
         _kv_store(kv, &k_cache[0, 0, 0], n_past * nkv, kv_f16, nkv)
         _kv_store(kv + nkv, &v_cache[0, 0, 0], n_past * nkv, kv_f16, nkv)

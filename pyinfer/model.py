@@ -48,6 +48,10 @@ class Model:
         # a two-stage head given for a file of another mode); None: the dense head
         self.lm_head = lm_head if lm_head is not None else self.input_sparse
         self.llama_plain = cfg.llama_plain and weights.llama_plain  # the fused kernels fit
+        # one-token steps through the fused CPU kernels, which also take Llama 3's RoPE divisors
+        # and Qwen2's q/k/v biases (sparse mode input's whole-token path needs llama_plain)
+        self.llama_fused = cfg.llama_plain and weights.llama_fused and (
+            self.input_sparse is None or self.llama_plain)
         if cfg.positions == "learned" and n_ctx > weights.pos_embd.rows:
             raise PyinferError(f"a context of {n_ctx} exceeds the {weights.pos_embd.rows} learned "
                                "positions of this model (-c/--ctx-size)")
@@ -110,7 +114,7 @@ class Model:
         (A GPU model runs its leading layers on the device and hands the rest to this.)"""
         cfg, w, nt = self.cfg, self.w, self.n_threads
         T = x.shape[0]
-        if T == 1 and self.fused and self.llama_plain:
+        if T == 1 and self.fused and self.llama_fused:
             return self._decode_fused(x, n_past, first)
         positions = np.arange(n_past, n_past + T, dtype=np.int32)
         h = np.empty_like(x)  # (n_tok, n_embd) normed input of a sublayer
@@ -196,7 +200,7 @@ class Model:
             if self.input_sparse is None:
                 cpu.decode_attn(xv, lw.attn_norm, cfg.rms_eps, lw.wq, lw.wk, lw.wv, lw.wo,
                                 self.cache.k[i], self.cache.v[i], n_past, cfg.n_head,
-                                cfg.rope_freq_base, nt)
+                                cfg.rope_freq_base, nt, w.rope_freqs, lw.bq, lw.bk, lw.bv)
             else:
                 self.input_sparse.decode_attn(lw, i, xv, self.cache.k[i], self.cache.v[i],
                                               n_past, nt)

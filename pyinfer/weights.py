@@ -92,6 +92,19 @@ class ModelWeights:
                             or (lw.ffn_gate is None and lw.ffn_gate_up_t is None)
                             for lw in self.layers))
 
+    @property
+    def llama_fused(self) -> bool:
+        """True where the fused CPU decode kernels (``cpu.decode_attn`` / ``decode_ffn``) compute
+        these weights: ``llama_plain``'s, or with RoPE frequency divisors (Llama 3's rope_freqs)
+        and q/k/v biases (Qwen2), which those kernels take; other biases and norms still need the
+        kernel-by-kernel loop (and the GPU engine and sparse mode input ``llama_plain``)."""
+        return (self.pos_embd is None and self.output_norm_b is None
+                and not any(lw.has_extra_norms
+                            or any(b is not None for b in (lw.attn_norm_b, lw.ffn_norm_b, lw.bo,
+                                                           lw.ffn_up_b, lw.ffn_down_b))
+                            or (lw.ffn_gate is None and lw.ffn_gate_up_t is None)
+                            for lw in self.layers))
+
     @classmethod
     def from_gguf(cls, reader: gguf.GGUFReader, cfg: ModelConfig,
                   llamacpp: bool = False) -> "ModelWeights":

@@ -118,6 +118,21 @@ def test_qwen2(tmp_path, tied, n_kv):
     eng = check(tmp_path, d, ref)
     assert eng.weights.layers[0].bq is not None and eng.weights.layers[0].bo is None
     assert eng.cfg.family == "qwen2"
+    assert eng.model.llama_fused and not eng.model.llama_plain  # decode: the fused kernels
+    fused_equals_unfused(eng)
+
+
+def fused_equals_unfused(eng):
+    """One-token decode through the fused kernels (cpu.decode_attn with biases / RoPE divisors)
+    gives the kernel-by-kernel loop's logits (same dots; RoPE's angles from another libm)."""
+    steps = {}
+    for fused in (True, False):
+        eng.model.fused = fused
+        eng.model.forward(PROMPT[:3], 0)
+        steps[fused] = [eng.model.forward([t], i + 3) for i, t in enumerate(PROMPT[3:])]
+    eng.model.fused = True
+    for a, b in zip(steps[True], steps[False]):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max())
 
 
 def test_default_conversion_without_a_sparse_mode(tmp_path, capsys):
@@ -156,6 +171,7 @@ def test_qwen2_sliding_window_layers(tmp_path):
                    sliding_window=5, max_window_layers=1)
     eng = check(tmp_path, d, ref)
     assert eng.cfg.window(0) == 0 and eng.cfg.window(1) == 5 and eng.cfg.window(2) == 5
+    assert not eng.model.llama_fused  # windows: the kernel-by-kernel loop
 
 
 @pytest.mark.parametrize("window", [4, None])
@@ -204,6 +220,8 @@ def test_llama3_rope_scaling(tmp_path, form):
                    rope_parameters=dict(LLAMA3_ROPE, rope_theta=10000.0),
                    config_edit=to_v4 if form == "rope_scaling" else None)
     eng = check(tmp_path, d, ref)
+    assert eng.model.llama_fused and not eng.model.llama_plain  # decode: the fused kernels
+    fused_equals_unfused(eng)
     freqs = eng.weights.rope_freqs
     assert freqs is not None and freqs.min() == pytest.approx(1.0) and freqs.max() == pytest.approx(8.0)
     assert 1.0 < np.median(freqs) < 8.0 or np.any((freqs > 1.0) & (freqs < 8.0))  # smoothed band
