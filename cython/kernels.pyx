@@ -1526,14 +1526,18 @@ cdef inline Py_ssize_t _ffn_bufs(float *buf, FfnBufs *b, int n_embd, Py_ssize_t 
 
 
 cdef inline void _rope_table_share(int t, int T, int n_past, double freq_base, int hd,
-                                   float *cs) noexcept nogil:
+                                   float *cs, const float *div) noexcept nogil:
     """Thread t of T's share of the rope's table for position n_past: cs[i] = cos(theta_i),
     cs[hd/2 + i] = sin(theta_i), theta_i = n_past freq_base^(-2i/hd) (_rope1's expressions: the
-    same cos/sin for q and k). The team reads it after a barrier."""
+    same cos/sin for q and k), divided by div[i] where div is not NULL (Llama 3's frequency
+    divisors: decode_attn's expression). The team reads it after a barrier."""
     cdef int i, half = hd // 2
     cdef double theta
     for i in range(t * half // T, (t + 1) * half // T):
-        theta = n_past * pow(freq_base, -2.0 * i / hd)
+        if div == NULL:
+            theta = n_past * pow(freq_base, -2.0 * i / hd)
+        else:
+            theta = n_past * (pow(freq_base, -2.0 * i / hd) / <double> div[i])
         cs[i] = <float> cos(theta)
         cs[half + i] = <float> sin(theta)
 
@@ -1545,13 +1549,15 @@ cdef void _attn_in_team(int t, int T, float *x, const float *attn_norm, float ep
                         const float *sq, float thr_qkv, const float *so, float thr_o,
                         float *qkv, float *att, float *cs, float *sc, float *tmp_qkv,
                         float *tmp_o, float *y, float *priv, Py_ssize_t n_priv,
-                        Py_ssize_t *counts, int rope_ready=0) noexcept nogil:
+                        Py_ssize_t *counts, const float *bqkv, const float *div,
+                        int rope_ready=0) noexcept nogil:
     """Thread t of T's share of decode_attn_in in one parallel region (every thread calls it with
     the same arguments; rowsum_team.h's conventions). rs: values per cache row (n_kv hd); k_cache,
     v_cache: row 0 of the caches (f16 values with f16, else f32); cs: hd floats shared (the rope's cos | sin); sc: n_head
     (n_past + 1) floats shared (the attention scores); priv: T blocks of n_priv floats, one per
     thread (its copy of the output's kept list, its normed input and its copy of the q/k/v
-    inputs' kept list). Each step's split of the
+    inputs' kept list); bqkv: [bq; bk; bv] (nq + 2 nkv) f32 or NULL, added to q, k, v before the
+    rope; div: the rope's frequency divisors or NULL (_rope_table_share). Each step's split of the
     work (heads, chunks, columns) leaves every result the same as one thread computes it, so
     the bits do not depend on T."""
     cdef Py_ssize_t nq = n_head * hd, nkv = n_kv * hd, n_att = n_past + 1, n_mid, n_in, i
@@ -1569,7 +1575,7 @@ cdef void _attn_in_team(int t, int T, float *x, const float *attn_norm, float ep
     _rmsnorm1(x, attn_norm, eps, h, n_embd)
     n_in = _select_inputs(h, sq, thr_qkv, n_embd, cin, iin)
     if not rope_ready:  # (decode_layers_in makes the table once per token: rope_ready 1)
-        _rope_table_share(t, T, n_past, freq_base, hd, cs)
+        _rope_table_share(t, T, n_past, freq_base, hd, cs, div)
     # 2. [q, k, v] = the kept rows of attn_qkv_t (chunks by count, then column slices)
     pi_axpy_rows_team(t, T, tqkv, wqkv, sqkv, cin, iin, n_in, qkv, <int> (nq + 2 * nkv),
                       tmp_qkv, NULL)
@@ -1578,8 +1584,13 @@ cdef void _attn_in_team(int t, int T, float *x, const float *attn_norm, float ep
     h0 = t * (n_head + n_kv) // T
     h1 = (t + 1) * (n_head + n_kv) // T
     for hh in range(h0, h1):
+        if bqkv != NULL:  # (q heads, then k heads: hd values each, in qkv's order)
+            _add_bias(qkv + hh * hd, bqkv + hh * hd, hd)
         _rope_rotate(qkv + hh * hd, 1, hd, half, cs, cs + half)
         if hh >= n_head:
+            if bqkv != NULL:
+                _add_bias(qkv + nq + nkv + (hh - n_head) * hd,
+                          bqkv + nq + nkv + (hh - n_head) * hd, hd)
             _kv_store(qkv + hh * hd, k_cache, n_past * rs + (hh - n_head) * hd, f16, hd)
             _kv_store(qkv + nq + nkv + (hh - n_head) * hd, v_cache,
                       n_past * rs + (hh - n_head) * hd, f16, hd)
@@ -1601,14 +1612,17 @@ def decode_attn_in(float[::1] x, const float[::1] attn_norm, float eps,
                    const uint8_t[:, ::1] wqkv, int tqkv, const uint8_t[:, ::1] wo, int to,
                    uint16_t[:, :, ::1] k_cache, uint16_t[:, :, ::1] v_cache, int kv_f16, int n_past,
                    int n_head, double freq_base, const float[::1] scale_qkv, float thr_qkv,
-                   const float[::1] scale_o, float thr_o, int n_threads):
+                   const float[::1] scale_o, float thr_o, int n_threads,
+                   const float[::1] rope_div=None, const float[::1] bqkv=None):
     """The attention half-layer of one token with input sparsity, in place on x (n_embd,):
     h = rmsnorm(x); [q, k, v] = sum over kept j (|h_j| scale_qkv_j > thr_qkv) of h_j * wqkv[j],
     wqkv = attn_qkv_t (n_embd, n_head*hd + 2 n_head_kv*hd); rope on q and k, K and V to cache row
     n_past; att = attention; x += sum over kept i (|att_i| scale_o_i > thr_o) of att_i * wo[i],
     wo = attn_output_t (n_head*hd, n_embd). One parallel region (_attn_in_team; was three, with
     the selections and rope between them on one thread), three barriers. Returns (qkv rows
-    read, output rows read). The caches as ``decode_attn`` takes them."""
+    read, output rows read). The caches as ``decode_attn`` takes them; rope_div (hd/2,) and bqkv
+    ([bq; bk; bv], n_head*hd + 2 n_head_kv*hd) f32 or None as ``decode_attn``'s rope_div and
+    biases."""
     cdef int n_embd = x.shape[0]
     cdef Py_ssize_t w = _kv_width(kv_f16)
     cdef Py_ssize_t n_ctx = k_cache.shape[0], n_kv = k_cache.shape[1], hd = k_cache.shape[2] // w
@@ -1622,6 +1636,8 @@ def decode_attn_in(float[::1] x, const float[::1] attn_norm, float eps,
         raise ValueError(f"decode_attn_in: position {n_past} outside the cache ({n_ctx})")
     cdef const float *sq = _opt_ptr(scale_qkv, n_embd, "decode_attn_in scale_qkv")
     cdef const float *so = _opt_ptr(scale_o, nq, "decode_attn_in scale_o")
+    cdef const float *div = _opt_ptr(rope_div, hd // 2, "decode_attn_in rope_div")
+    cdef const float *pb = _opt_ptr(bqkv, nq + 2 * nkv, "decode_attn_in bqkv")
     cdef int T = max(n_threads, 1)
     cdef Py_ssize_t n_att = n_past + 1
     # per thread: the output's kept list (idx | coef), h, the q/k/v kept list (coef | idx);
@@ -1644,14 +1660,15 @@ def decode_attn_in(float[::1] x, const float[::1] attn_norm, float eps,
                           tqkv, &wo[0, 0], wo.shape[1], to, &k_cache[0, 0, 0], &v_cache[0, 0, 0],
                           kv_f16, nkv, n_past, n_head, <int> n_kv, <int> hd, freq_base, sq, thr_qkv, so,
                           thr_o, b.qkv, b.att, b.cs, b.sc, b.tmp_qkv, b.tmp_o, b.y, priv, n_priv,
-                          counts)
+                          counts, pb, div)
         else:
             with parallel(num_threads=T):
                 _attn_in_team(pi_team_thread(), pi_team_size(), &x[0], &attn_norm[0], eps,
                               n_embd, &wqkv[0, 0], wqkv.shape[1], tqkv, &wo[0, 0], wo.shape[1],
                               to, &k_cache[0, 0, 0], &v_cache[0, 0, 0], kv_f16, nkv, n_past, n_head,
                               <int> n_kv, <int> hd, freq_base, sq, thr_qkv, so, thr_o, b.qkv,
-                              b.att, b.cs, b.sc, b.tmp_qkv, b.tmp_o, b.y, priv, n_priv, counts)
+                              b.att, b.cs, b.sc, b.tmp_qkv, b.tmp_o, b.y, priv, n_priv, counts,
+                              pb, div)
         free(buf)
         free(priv)
     return counts[0], counts[1]
@@ -1667,11 +1684,14 @@ cdef class InputDecodePlan:
 
     layers: one tuple per layer (attn_norm (n_embd,) f32, attn_qkv_t raw, type, attn_output_t raw,
     type, ffn_norm (n_embd,) f32, ffn_gate_up_t raw, type, ffn_down_t raw, type, scale_qkv,
-    scale_o, scale_gu, scale_d (f32 or None)), the arguments of decode_attn_in / decode_ffn_in.
-    ValueError on shapes that do not fit (the checks of those two functions)."""
+    scale_o, scale_gu, scale_d (f32 or None), bqkv (f32 [bq; bk; bv] or None)), the arguments
+    of decode_attn_in / decode_ffn_in; rope_div (hd/2,) f32 or None: the rope's frequency
+    divisors (decode_attn_in's). ValueError on shapes that do not fit (the checks of those two
+    functions)."""
     cdef readonly int n_layer, n_embd, n_head, n_kv, hd, n_ff
     cdef float eps
     cdef double freq_base
+    cdef const float *div
     cdef int silu
     cdef const uint8_t **w
     cdef size_t *stride
@@ -1683,7 +1703,7 @@ cdef class InputDecodePlan:
     cdef tuple _keep_head
 
     def __cinit__(self, list layers, int n_head, int n_kv, int hd, float eps, double freq_base,
-                  int silu):
+                  int silu, const float[::1] rope_div=None):
         cdef int n = len(layers), i, k
         cdef const uint8_t[:, ::1] wv
         cdef const float[::1] fv
@@ -1696,19 +1716,20 @@ cdef class InputDecodePlan:
             raise ValueError("InputDecodePlan: no layers, or heads that do not fit")
         self.n_layer, self.n_head, self.n_kv, self.hd = n, n_head, n_kv, hd
         self.eps, self.freq_base, self.silu = eps, freq_base, silu
-        self._keep = list(layers)
+        self._keep = [list(layers), rope_div]
+        self.div = _opt_ptr(rope_div, hd // 2, "InputDecodePlan rope_div")
         self.w = <const uint8_t **> malloc(4 * n * sizeof(uint8_t *))
         self.stride = <size_t *> malloc(4 * n * sizeof(size_t))
         self.qtype = <int *> malloc(4 * n * sizeof(int))
-        self.vec = <const float **> malloc(6 * n * sizeof(float *))
+        self.vec = <const float **> malloc(7 * n * sizeof(float *))
         if not (self.w and self.stride and self.qtype and self.vec):
             raise MemoryError()
         cdef Py_ssize_t nq = n_head * hd, nkv = n_kv * hd, n_embd = -1, n_ff = -1, nf
         self.nt_qkv = self.nt_o = self.nt_gu = self.nt_d = 0
         for i in range(n):
             lt = layers[i]
-            if len(lt) != 14:
-                raise ValueError("InputDecodePlan: each layer needs 14 entries")
+            if len(lt) != 15:
+                raise ValueError("InputDecodePlan: each layer needs 15 entries")
             for k in range(4):  # qkv, o, gate_up, down
                 wv = lt[(1, 3, 6, 8)[k]]
                 self.w[4 * i + k] = &wv[0, 0]
@@ -1718,10 +1739,10 @@ cdef class InputDecodePlan:
             if n_embd < 0:
                 n_embd = fv.shape[0]
             _check_len(fv.shape[0], n_embd, "InputDecodePlan attn_norm")
-            self.vec[6 * i] = &fv[0]
+            self.vec[7 * i] = &fv[0]
             fv = lt[5]
             _check_len(fv.shape[0], n_embd, "InputDecodePlan ffn_norm")
-            self.vec[6 * i + 1] = &fv[0]
+            self.vec[7 * i + 1] = &fv[0]
             _check_attn_in(lt[1], self.qtype[4 * i], lt[3], self.qtype[4 * i + 1], n_embd, nq,
                            nkv, "InputDecodePlan")
             nf = _check_ffn_in(lt[6], self.qtype[4 * i + 2], lt[8], self.qtype[4 * i + 3], n_embd,
@@ -1729,10 +1750,11 @@ cdef class InputDecodePlan:
             if n_ff < 0:
                 n_ff = nf
             _check_len(nf, n_ff, "InputDecodePlan down rows")
-            self.vec[6 * i + 2] = _opt_ptr(lt[10], n_embd, "InputDecodePlan scale_qkv")
-            self.vec[6 * i + 3] = _opt_ptr(lt[11], nq, "InputDecodePlan scale_o")
-            self.vec[6 * i + 4] = _opt_ptr(lt[12], n_embd, "InputDecodePlan scale_gu")
-            self.vec[6 * i + 5] = _opt_ptr(lt[13], n_ff, "InputDecodePlan scale_d")
+            self.vec[7 * i + 2] = _opt_ptr(lt[10], n_embd, "InputDecodePlan scale_qkv")
+            self.vec[7 * i + 3] = _opt_ptr(lt[11], nq, "InputDecodePlan scale_o")
+            self.vec[7 * i + 4] = _opt_ptr(lt[12], n_embd, "InputDecodePlan scale_gu")
+            self.vec[7 * i + 5] = _opt_ptr(lt[13], n_ff, "InputDecodePlan scale_d")
+            self.vec[7 * i + 6] = _opt_ptr(lt[14], nq + 2 * nkv, "InputDecodePlan bqkv")
             self.nt_qkv = max(self.nt_qkv, pi_axpy_tmp_floats(n_embd, <int> (nq + 2 * nkv),
                                                               self.stride[4 * i]))
             self.nt_o = max(self.nt_o, pi_axpy_tmp_floats(nq, <int> n_embd, self.stride[4 * i + 1]))
@@ -1775,7 +1797,7 @@ cdef void _layers_in_team(int t, int T, int first, int L, float *x, uint16_t *kc
                           int n_embd, int n_head, int n_kv, int hd, Py_ssize_t n_ff, double fb,
                           int silu, AttnBufs *a, FfnBufs *f, long *cnt, float *priv,
                           Py_ssize_t n_priv, Py_ssize_t *cts, const HeadArgs *hd_,
-                          float *logits) noexcept nogil:
+                          float *logits, const float *div) noexcept nogil:
     """Thread t of T's share of decode_layers_in: layers first .. L - 1, each _attn_in_team then
     _ffn_in_team with a barrier after each (x complete before every thread norms it); then, with
     logits not NULL, the lm head of plan.set_head: every thread the output norm and the kept list
@@ -1789,17 +1811,17 @@ cdef void _layers_in_team(int t, int T, int first, int L, float *x, uint16_t *kc
     cdef int32_t *iin
     # the rope's table once per token (every layer turns by the same angles; layer first's
     # barrier after its q/k/v sums comes before any rope reads it)
-    _rope_table_share(t, T, n_past, fb, hd, a.cs)
+    _rope_table_share(t, T, n_past, fb, hd, a.cs, div)
     for l in range(first, L):
-        _attn_in_team(t, T, x, vec[6 * l], eps, n_embd, w[4 * l], st[4 * l], qt[4 * l],
+        _attn_in_team(t, T, x, vec[7 * l], eps, n_embd, w[4 * l], st[4 * l], qt[4 * l],
                       w[4 * l + 1], st[4 * l + 1], qt[4 * l + 1], kc + l * layer_rows * _kv_width(f16),
-                      vc + l * layer_rows * _kv_width(f16), f16, rs, n_past, n_head, n_kv, hd, fb, vec[6 * l + 2],
-                      thr[l], vec[6 * l + 3], thr[L + l], a.qkv, a.att, a.cs, a.sc, a.tmp_qkv,
-                      a.tmp_o, a.y, priv, n_priv, cts + 4 * l, 1)
+                      vc + l * layer_rows * _kv_width(f16), f16, rs, n_past, n_head, n_kv, hd, fb, vec[7 * l + 2],
+                      thr[l], vec[7 * l + 3], thr[L + l], a.qkv, a.att, a.cs, a.sc, a.tmp_qkv,
+                      a.tmp_o, a.y, priv, n_priv, cts + 4 * l, vec[7 * l + 6], div, 1)
         pi_team_barrier()
-        _ffn_in_team(t, T, x, vec[6 * l + 1], eps, n_embd, w[4 * l + 2], st[4 * l + 2],
+        _ffn_in_team(t, T, x, vec[7 * l + 1], eps, n_embd, w[4 * l + 2], st[4 * l + 2],
                      qt[4 * l + 2], w[4 * l + 3], st[4 * l + 3], qt[4 * l + 3], n_ff,
-                     vec[6 * l + 4], thr[2 * L + l], vec[6 * l + 5], thr[3 * L + l], silu, f.gu,
+                     vec[7 * l + 4], thr[2 * L + l], vec[7 * l + 5], thr[3 * L + l], silu, f.gu,
                      f.y, f.ctmp, f.itmp, f.tmp_gu, f.tmp_d, cnt, priv, n_priv, cts + 4 * l + 2)
         pi_team_barrier()
     if logits == NULL:
@@ -1887,13 +1909,13 @@ def decode_layers_in(InputDecodePlan plan, float[::1] x, uint16_t[:, :, :, ::1] 
         if T == 1:
             _layers_in_team(0, 1, first, L, &x[0], kc, vc, kv_f16, layer_rows, n_past, &thr[0, 0], w, st,
                             qt, vec, eps, n_embd, n_head, n_kv, hd, n_ff, fb, silu, &a, &f, cnt,
-                            priv, n_priv, cts, &ha, lp)
+                            priv, n_priv, cts, &ha, lp, plan.div)
         else:
             with parallel(num_threads=T):
                 _layers_in_team(pi_team_thread(), pi_team_size(), first, L, &x[0], kc, vc, kv_f16,
                                 layer_rows, n_past, &thr[0, 0], w, st, qt, vec, eps, n_embd,
                                 n_head, n_kv, hd, n_ff, fb, silu, &a, &f, cnt, priv, n_priv, cts,
-                                &ha, lp)
+                                &ha, lp, plan.div)
         for t in range(4):
             sums[t] = 0
         for l in range(first, L):

@@ -60,6 +60,10 @@ class TorchLlama:
             self.layers.append(dict(
                 attn_norm=v(lw.attn_norm), ffn_norm=v(lw.ffn_norm),
                 wqkv=torch.cat([t(lw.wq), t(lw.wk), t(lw.wv)]),  # (n_embd_q + 2 n_embd_kv, n_embd)
+                # [bq; bk; bv] (Qwen2) or None
+                bqkv=None if lw.bq is None and lw.bk is None and lw.bv is None else torch.cat(
+                    [v(np.zeros(n, np.float32) if b is None else b) for b, n in (
+                        (lw.bq, cfg.n_embd_q), (lw.bk, cfg.n_embd_kv), (lw.bv, cfg.n_embd_kv))]),
                 wo=t(lw.wo),  # (n_embd, n_embd_q)
                 wgu=torch.cat([t(lw.ffn_gate), t(lw.ffn_up)]),  # (2 n_ff, n_embd)
                 wd=t(lw.ffn_down_t).T.contiguous()))  # (n_embd, n_ff)
@@ -69,6 +73,9 @@ class TorchLlama:
         hd = cfg.head_dim
         self.inv_freq = 1.0 / cfg.rope_freq_base ** (
             torch.arange(0, hd, 2, dtype=torch.float64, device=device) / hd)  # (hd / 2,)
+        if w.rope_freqs is not None:  # Llama 3's frequency divisors (families.rope_scaled)
+            self.inv_freq = self.inv_freq / torch.from_numpy(
+                np.asarray(w.rope_freqs, np.float64)).to(device)
 
     def _rms(self, x, w):
         return x * self.torch.rsqrt((x * x).mean(-1, keepdim=True) + self.cfg.rms_eps) * w
@@ -89,6 +96,8 @@ class TorchLlama:
         nq, nkv = cfg.n_embd_q, cfg.n_embd_kv
         for i, W in enumerate(self.layers):
             qkv = hook(i, 0, self._rms(x, W["attn_norm"])) @ W["wqkv"].T
+            if W["bqkv"] is not None:
+                qkv = qkv + W["bqkv"]
             q = self._rope(qkv[:, :nq].reshape(T, cfg.n_head, hd).transpose(0, 1), ang)
             k = self._rope(qkv[:, nq:nq + nkv].reshape(T, cfg.n_head_kv, hd).transpose(0, 1), ang)
             v = qkv[:, nq + nkv:].reshape(T, cfg.n_head_kv, hd).transpose(0, 1)

@@ -75,6 +75,24 @@ def column_norms(lw) -> dict[str, np.ndarray]:
                                 ).astype(np.float32)}
 
 
+def _rope(x3: np.ndarray, pos: np.ndarray, cfg, rope_freqs) -> None:
+    """RoPE in place on x3 (T, n_heads, head_dim) as the engine turns it: with the file's
+    frequency divisors (Llama 3's rope_freqs) where it has them."""
+    if rope_freqs is None:
+        cpu.rope_neox(x3, pos, cfg.rope_freq_base, cfg.head_dim)
+    else:
+        from pyinfer.ops.families import rope_scaled
+
+        rope_scaled(x3, pos, cfg.rope_freq_base, rope_freqs)
+
+
+def _add(y: np.ndarray, b) -> np.ndarray:
+    """y += b where the projection has a bias (Qwen2's q/k/v); y."""
+    if b is not None:
+        y += b
+    return y
+
+
 def record_inputs(eng, pieces: list[list[int]], n_threads: int, on_layer, on_final=None) -> None:
     """Run ``pieces`` (token lists, each from position 0) through the dense row-layout model of
     ``eng`` layer by layer; after each layer call ``on_layer(i, inputs, energy, xs)`` with inputs
@@ -101,12 +119,12 @@ def record_inputs(eng, pieces: list[list[int]], n_threads: int, on_layer, on_fin
             pos = np.arange(T, dtype=np.int32)
             h = np.empty_like(x)
             cpu.rmsnorm(x, lw.attn_norm, cfg.rms_eps, h)
-            q = linear(lw.wq, h, np.empty((T, cfg.n_embd_q), np.float32), n_threads)
-            k = linear(lw.wk, h, np.empty((T, cfg.n_embd_kv), np.float32), n_threads)
-            v = linear(lw.wv, h, np.empty((T, cfg.n_embd_kv), np.float32), n_threads)
+            q = _add(linear(lw.wq, h, np.empty((T, cfg.n_embd_q), np.float32), n_threads), lw.bq)
+            k = _add(linear(lw.wk, h, np.empty((T, cfg.n_embd_kv), np.float32), n_threads), lw.bk)
+            v = _add(linear(lw.wv, h, np.empty((T, cfg.n_embd_kv), np.float32), n_threads), lw.bv)
             q3, k3 = q.reshape(T, cfg.n_head, hd), k.reshape(T, cfg.n_head_kv, hd)
-            cpu.rope_neox(q3, pos, cfg.rope_freq_base, hd)
-            cpu.rope_neox(k3, pos, cfg.rope_freq_base, hd)
+            _rope(q3, pos, cfg, w.rope_freqs)
+            _rope(k3, pos, cfg, w.rope_freqs)
             att = np.empty((T, cfg.n_head, hd), np.float32)
             cpu.attention(q3, np.ascontiguousarray(k3), v.reshape(T, cfg.n_head_kv, hd), 0, att,
                           n_threads)
@@ -197,9 +215,14 @@ class _Block:
     recomputes stages g.. only (q/k/v: everything; down: one product)."""
 
     def __init__(self, lw, cfg, xs: list[np.ndarray], curves: list[UnitCurve],
-                 norms: dict[str, np.ndarray], wina: bool, n_threads: int):
+                 norms: dict[str, np.ndarray], wina: bool, n_threads: int, rope_freqs=None):
         self.cfg, self.lw, self.xs, self.nt = cfg, lw, xs, n_threads
+        self.rope_freqs = rope_freqs  # the file's RoPE frequency divisors, or None
         self.wqkv = np.concatenate([dequantize(lw.wq), dequantize(lw.wk), dequantize(lw.wv)]).T
+        self.bqkv = None  # [bq; bk; bv] where the layer has q/k/v biases (Qwen2)
+        if lw.bq is not None or lw.bk is not None or lw.bv is not None:
+            self.bqkv = np.concatenate([np.zeros(n, np.float32) if b is None else b for b, n in (
+                (lw.bq, cfg.n_embd_q), (lw.bk, cfg.n_embd_kv), (lw.bv, cfg.n_embd_kv))])
         self.wo = np.ascontiguousarray(dequantize(lw.wo).T)  # (n_embd_q, n_embd)
         self.wgu = np.concatenate([dequantize(lw.ffn_gate), dequantize(lw.ffn_up)]).T
         self.wd = dequantize(lw.ffn_down_t)  # (n_ff, n_embd)
@@ -228,7 +251,7 @@ class _Block:
         cfg, hd = self.cfg, self.cfg.head_dim
         st = list(self.state)
         if first <= 0:  # q/k/v from the masked normed input, then attention per piece
-            qkv = self._mask(0, levels[0], self.h) @ self.wqkv
+            qkv = _add(self._mask(0, levels[0], self.h) @ self.wqkv, self.bqkv)
             att = np.empty((qkv.shape[0], cfg.n_embd_q), np.float32)
             s = 0
             for x in self.xs:
@@ -239,8 +262,8 @@ class _Block:
                                           ).reshape(T, cfg.n_head_kv, hd)
                 v3 = np.ascontiguousarray(qkv[s:s + T, cfg.n_embd_q + cfg.n_embd_kv:]
                                           ).reshape(T, cfg.n_head_kv, hd)
-                cpu.rope_neox(q3, pos, cfg.rope_freq_base, hd)
-                cpu.rope_neox(k3, pos, cfg.rope_freq_base, hd)
+                _rope(q3, pos, cfg, self.rope_freqs)
+                _rope(k3, pos, cfg, self.rope_freqs)
                 a = np.empty((T, cfg.n_head, hd), np.float32)
                 cpu.attention(q3, k3, v3, 0, a, self.nt)
                 att[s:s + T] = a.reshape(T, cfg.n_embd_q)
@@ -646,7 +669,7 @@ def calibrate(eng, seqs: list[list[int]], wina: bool, seed: int, n_threads: int,
         if alloc != "greedy":
             return
         blk = _Block(eng.weights.layers[i], cfg, [x[:n] for x, n in zip(xs, n_eval) if n],
-                     c, norms[i], wina, n_threads)
+                     c, norms[i], wina, n_threads, eng.weights.rope_freqs)
         paths.append(block_path(blk, unit_bytes, max_sparsity))
 
     head = {}

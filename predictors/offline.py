@@ -204,13 +204,21 @@ class OfflineOptions:
 NO_SPARSE_MODE = "dense"
 
 
+def input_mode_model(cfg, weights) -> bool:
+    """True where sparse mode input can run the model: Llama-shaped (``cfg.llama_plain``) with
+    weights the fused CPU kernels take (``weights.llama_fused``: Llama 3's RoPE frequency
+    divisors and Qwen2's q/k/v biases included; the GPU engine runs ``llama_plain`` files only)."""
+    return cfg.llama_plain and weights.llama_fused
+
+
 def default_mode(cfg, weights, outtype: str, opts: OfflineOptions) -> str:
     """The sparse mode of a run without ``--sparse-mode``: "relu" for a ReLU model; for a
     SwiGLU one "input" where that mode runs faster than glu on the CPU (a Llama-shaped model,
-    ``cfg.llama_plain`` and ``weights.llama_plain``, whose projections are all q8_0 / q4_0 / q4_1
+    ``input_mode_model``: Llama 3 and Qwen2 files too, whose projections are all q8_0 / q4_0 / q4_1
     in the input-block layout or f16: ``input_sparse.input_mode_pays``) and no ``--vram-budget`` asks for
     the GPU split (which needs glu's predictors); ``NO_SPARSE_MODE`` for a model that is not
-    Llama-shaped without ``--vram-budget`` (the GPU engine runs Llama files only, so glu's
+    Llama-shaped, or has RoPE divisors or biases and no input mode, without ``--vram-budget``
+    (the GPU engine runs plain Llama files only, so glu's
     predictors would serve no engine, and on the CPU glu decodes no faster than a dense file at
     a cost in quality: Gemma-3-270M +6-9% perplexity, docs/benchmarks.md session 20); "glu"
     otherwise. ``weights`` are the staging file's (dense, neuron-major), ``outtype`` the
@@ -221,9 +229,12 @@ def default_mode(cfg, weights, outtype: str, opts: OfflineOptions) -> str:
     mode = sparse_mode(cfg)
     if mode != C.SPARSE_MODE_GLU or opts.vram_budget_gib is not None:
         return mode
-    if not (cfg.llama_plain and weights.llama_plain):
+    if not input_mode_model(cfg, weights):
         return NO_SPARSE_MODE
-    return C.SPARSE_MODE_INPUT if input_mode_pays(weights, cfg, outtype) else mode
+    if input_mode_pays(weights, cfg, outtype):
+        return C.SPARSE_MODE_INPUT
+    # glu's predictors serve the GPU engine, which runs llama_plain files only
+    return mode if weights.llama_plain else NO_SPARSE_MODE
 
 
 def _plan(src: str, outtype: str, allow_unused: bool = False):
@@ -290,9 +301,9 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
         chunk_len = min(CHUNK_LEN, eng.n_ctx)
         mode = sparse_mode(cfg)
         if opts.sparse_mode == C.SPARSE_MODE_INPUT:
-            if mode != C.SPARSE_MODE_GLU or not (cfg.llama_plain and eng.weights.llama_plain):
+            if mode != C.SPARSE_MODE_GLU or not input_mode_model(cfg, eng.weights):
                 raise PyinferError("--sparse-mode input needs a Llama-shaped SwiGLU model "
-                                   "without biases (this file runs sparse mode "
+                                   "(biases on q/k/v at most; this file runs sparse mode "
                                    f"{mode}{'' if cfg.llama_plain else ' with its own family layers'})")
             mode = C.SPARSE_MODE_INPUT
         elif opts.sparse_mode is None:
@@ -324,7 +335,7 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
                      "--sparse-mode glu or --vram-budget for its hot-neuron split)", opts.progress)
             elif mode == C.SPARSE_MODE_GLU and opts.vram_budget_gib is None:
                 hint = ("; --outtype q8_0, q4_0, q4_1 or f16 takes sparse mode input, which is faster"
-                        if cfg.llama_plain and eng.weights.llama_plain else "")
+                        if input_mode_model(cfg, eng.weights) else "")
                 _log("sparse mode glu (predictors for the GPU engine): on the CPU this file runs "
                      f"no faster than a --dense one (glu reads gate and up in full){hint}",
                      opts.progress)

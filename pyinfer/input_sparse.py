@@ -175,6 +175,9 @@ class InputSparseFFN(InputSparseHead):
         # half-layer (decode_attn, decode), e.g. for a tool that wraps those to record inputs
         self.whole_token = True
         self._plan = None  # cpu.input_decode_plan of the layers last decoded (decode_layers)
+        # the model's RoPE frequency divisors (Llama 3's rope_freqs; Model sets it), None: none
+        self.rope_freqs = None
+        self._bqkv_cache = {}  # id(lw) -> (lw, [bq; bk; bv] f32) for biased q/k/v (Qwen2)
         self._plan_layers = None
         self._plan_head = False  # the plan holds the lm head
 
@@ -195,6 +198,20 @@ class InputSparseFFN(InputSparseHead):
     def _scale(lw, group):
         return None if lw.in_scale is None else lw.in_scale.get(group)
 
+    def _bqkv(self, lw) -> np.ndarray | None:
+        """[bq; bk; bv] (n_embd_q + 2 n_embd_kv,) f32 of a layer with q/k/v biases (a missing one
+        as zeros), made once per layer; None without biases."""
+        if lw.bq is None and lw.bk is None and lw.bv is None:
+            return None
+        hit = self._bqkv_cache.get(id(lw))
+        if hit is None or hit[0] is not lw:
+            cfg = self.cfg
+            parts = [np.zeros(n, np.float32) if b is None else np.asarray(b, np.float32)
+                     for b, n in ((lw.bq, cfg.n_embd_q), (lw.bk, cfg.n_embd_kv),
+                                  (lw.bv, cfg.n_embd_kv))]
+            hit = self._bqkv_cache[id(lw)] = (lw, np.concatenate(parts))
+        return hit[1]
+
     # ---- one token: fused half-layers ----------------------------------------------------------
     def decode_attn(self, lw, layer: int, x: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                     n_past: int, n_threads: int) -> None:
@@ -204,7 +221,7 @@ class InputSparseFFN(InputSparseHead):
             x, lw.attn_norm, cfg.rms_eps, lw.attn_qkv_t, lw.attn_output_t, k_cache, v_cache,
             n_past, cfg.n_head, cfg.rope_freq_base, self._scale(lw, "attn_qkv"),
             self.thr["attn_qkv"][layer], self._scale(lw, "attn_output"),
-            self.thr["attn_output"][layer], n_threads)
+            self.thr["attn_output"][layer], n_threads, self.rope_freqs, self._bqkv(lw))
         self._count("attn_qkv", n_in)
         self._count("attn_output", n_mid)
 
@@ -232,9 +249,11 @@ class InputSparseFFN(InputSparseHead):
         if self._plan is None or self._plan_layers is not layers or (head and not self._plan_head):
             self._plan = cpu.input_decode_plan(
                 [(lw.attn_norm, lw.attn_qkv_t, lw.attn_output_t, lw.ffn_norm, lw.ffn_gate_up_t,
-                  lw.ffn_down_t, *(self._scale(lw, g) for g in C.IN_GROUPS)) for lw in layers],
+                  lw.ffn_down_t, *(self._scale(lw, g) for g in C.IN_GROUPS), self._bqkv(lw))
+                 for lw in layers],
                 cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.rms_eps, cfg.rope_freq_base,
-                self.silu, (w.output_norm, w.output_ib, w.output_in_scale) if head else None)
+                self.silu, (w.output_norm, w.output_ib, w.output_in_scale) if head else None,
+                self.rope_freqs)
             self._plan_layers, self._plan_head = layers, head
         kept = cpu.decode_layers_in(self._plan, x, k_cache, v_cache, n_past, self.thr.stacked,
                                     None, first, n_threads, logits,
@@ -257,10 +276,14 @@ class InputSparseFFN(InputSparseHead):
     # ---- a batch (prefill): dense products over masked inputs ---------------------------------
     def qkv(self, lw, layer: int, h: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray,
             n_threads: int) -> None:
-        """q, k, v (n_tok, n_embd_q / n_embd_kv) from the attention-normed h (n_tok, n_embd)."""
+        """q, k, v (n_tok, n_embd_q / n_embd_kv) from the attention-normed h (n_tok, n_embd), with
+        the layer's q/k/v biases where it has them."""
         cfg = self.cfg
         out = np.empty((h.shape[0], cfg.n_embd_q + 2 * cfg.n_embd_kv), np.float32)
         cpu.matmul_t(lw.attn_qkv_t, self._mask(lw, layer, "attn_qkv", h, n_threads), out, n_threads)
+        b = self._bqkv(lw)
+        if b is not None:  # (Qwen2) the biases, added as decode adds them
+            out += b
         q[...] = out[:, :cfg.n_embd_q]
         k[...] = out[:, cfg.n_embd_q:cfg.n_embd_q + cfg.n_embd_kv]
         v[...] = out[:, cfg.n_embd_q + cfg.n_embd_kv:]

@@ -49,9 +49,10 @@ class Model:
         self.lm_head = lm_head if lm_head is not None else self.input_sparse
         self.llama_plain = cfg.llama_plain and weights.llama_plain  # the fused kernels fit
         # one-token steps through the fused CPU kernels, which also take Llama 3's RoPE divisors
-        # and Qwen2's q/k/v biases (sparse mode input's whole-token path needs llama_plain)
-        self.llama_fused = cfg.llama_plain and weights.llama_fused and (
-            self.input_sparse is None or self.llama_plain)
+        # and Qwen2's q/k/v biases (the GPU engine needs llama_plain)
+        self.llama_fused = cfg.llama_plain and weights.llama_fused
+        if self.input_sparse is not None:
+            self.input_sparse.rope_freqs = weights.rope_freqs
         if cfg.positions == "learned" and n_ctx > weights.pos_embd.rows:
             raise PyinferError(f"a context of {n_ctx} exceeds the {weights.pos_embd.rows} learned "
                                "positions of this model (-c/--ctx-size)")
@@ -106,7 +107,7 @@ class Model:
         call): the fused Llama path of an input-sparse model with ``whole_token`` set and its
         own FFN decode (a tool that wraps the half-layer methods turns it off)."""
         isp = self.input_sparse
-        return (self.fused and self.llama_plain and isp is not None and isp.whole_token
+        return (self.fused and self.llama_fused and isp is not None and isp.whole_token
                 and getattr(self.ffn, "decode", None) == isp.decode)
 
     def run_layers(self, x: np.ndarray, n_past: int, first: int = 0) -> np.ndarray:

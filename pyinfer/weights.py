@@ -226,6 +226,9 @@ class ModelWeights:
                     attn_output_t=in_matrix(i, "attn_output", C.ATTN_OUT_T, cfg.n_embd_q, E),
                     ffn_gate_up_t=in_matrix(i, "ffn_gate_up", C.FFN_GATE_UP_T, E, 2 * F),
                     in_scale=scales or None,
+                    bq=bias(C.ATTN_Q_B.format(bid=i), cfg.n_embd_q),  # Qwen2's q/k/v biases
+                    bk=bias(C.ATTN_K_B.format(bid=i), cfg.n_embd_kv),
+                    bv=bias(C.ATTN_V_B.format(bid=i), cfg.n_embd_kv),
                 ))
                 continue
             layers.append(LayerWeights(

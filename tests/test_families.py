@@ -136,10 +136,10 @@ def fused_equals_unfused(eng):
 
 
 def test_default_conversion_without_a_sparse_mode(tmp_path, capsys):
-    """A SwiGLU model that is not Llama-shaped (Qwen2: q/k/v biases) converts by default to a
-    dense file (ffn_down in row layout, no predictors): the GPU engine does not run it and glu
-    decodes no faster on the CPU; its logits are transformers'; --sparse-mode glu still makes
-    the predictors."""
+    """A SwiGLU model with q/k/v biases (Qwen2) at a type sparse mode input does not take (f32)
+    converts by default to a dense file (ffn_down in row layout, no predictors): the GPU engine
+    does not run it and glu decodes no faster on the CPU; its logits are transformers';
+    --sparse-mode glu still makes the predictors."""
     from pyinfer import constants as C
     from pyinfer.config import read_field
 
@@ -162,6 +162,51 @@ def test_default_conversion_without_a_sparse_mode(tmp_path, capsys):
     assert convert_main([d, glu, "--outtype", "f32", "--sparse-mode", "glu", "--calib-tokens",
                          "128", "--epochs", "2", "-t", "1"]) == 0
     assert read_field(gguf.GGUFReader(glu), C.K_SPARSE_MODE) == C.SPARSE_MODE_GLU
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama3"])
+def test_sparse_mode_input_with_biases_and_rope_divisors(tmp_path, capsys, family):
+    """Qwen2 (q/k/v biases) and Llama 3 (RoPE frequency divisors) files take sparse mode input by
+    default (f16 here): with every input kept their logits are transformers' (within f16
+    weights' rounding; a missing bias or divisor is ~5e-2 off), the decode of one token at a time
+    (one kernel call over the layers, biases and divisors inside it) equals the prefill's
+    logits at the file's thresholds, and inputs were skipped."""
+    from pyinfer import constants as C
+    from pyinfer.config import read_field
+
+    if family == "qwen2":
+        d, ref = build(tmp_path, "qwen2-in", transformers.Qwen2ForCausalLM,
+                       transformers.Qwen2Config, hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       rope_theta=10000.0)
+    else:
+        d, ref = build(tmp_path, "llama3-in", transformers.LlamaForCausalLM,
+                       transformers.LlamaConfig, hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                       max_position_embeddings=256,
+                       rope_parameters=dict(LLAMA3_ROPE, rope_theta=10000.0))
+    out = str(tmp_path / f"{family}-in.gguf")
+    assert convert_main([d, out, "--outtype", "f16", "--calib-tokens", "256", "-t", "1"]) == 0
+    assert "sparse mode input" in capsys.readouterr().err
+    assert read_field(gguf.GGUFReader(out), C.K_SPARSE_MODE) == C.SPARSE_MODE_INPUT
+    every = Engine(out, n_ctx=64, n_threads=2, dense=True)  # thresholds -1: every input kept
+    assert every.model.input_sparse is not None and every.model.llama_fused
+    assert (every.weights.rope_freqs is not None) == (family == "llama3")
+    assert (every.weights.layers[0].bq is not None) == (family == "qwen2")
+    assert rel_err(every.model.forward(PROMPT, 0, all_logits=True), ref) < 1e-2
+    every.model.forward(PROMPT[:3], 0)
+    for i in range(3, len(PROMPT)):
+        assert rel_err(every.model.forward([PROMPT[i]], i), ref[i]) < 1e-2
+    eng = Engine(out, n_ctx=64, n_threads=2)
+    assert eng.model._whole_token_input()
+    prefill = eng.model.forward(PROMPT, 0, all_logits=True)
+    eng.model.cache.k[:] = np.nan  # decode must rewrite every row it reads
+    eng.model.forward(PROMPT[:3], 0)
+    eng.model.ffn.stats.reset()
+    for i in range(3, len(PROMPT)):
+        step = eng.model.forward([PROMPT[i]], i)
+        np.testing.assert_allclose(step, prefill[i], rtol=0, atol=1e-4 * np.abs(prefill[i]).max())
+    assert eng.model.ffn.stats.sparsity > 0.05
 
 
 def test_qwen2_sliding_window_layers(tmp_path):
