@@ -192,8 +192,6 @@ def plan_gguf(path: str, outtype: str, allow_unused: bool = False,
     if scaling not in ("none", "", None):
         raise PyinferError(f"unsupported rope scaling {scaling!r}")
     tensors = {t.name: t for t in reader.tensors}
-    if "rope_freqs.weight" in tensors:
-        raise PyinferError("unsupported rope scaling (rope_freqs.weight)")
     ours = C.K_ROPE_LAYOUT in reader.fields  # written by pyinfer: already neox / neuron-major
     family = _scalar(reader, C.K_FAMILY, "llama")
     if ours and (family != "llama" or any(k in reader.fields for k in (
@@ -339,6 +337,8 @@ def plan_gguf(path: str, outtype: str, allow_unused: bool = False,
                      norm(C.ATTN_K_NORM.format(bid=i), head_dim),
                      norm(C.ATTN_POST_NORM.format(bid=i)), norm(C.FFN_POST_NORM.format(bid=i))]
     jobs.append(norm(C.OUTPUT_NORM))
+    if C.ROPE_FREQS in tensors:  # Llama 3's RoPE frequency divisors, as llama.cpp stores them
+        jobs.append(norm(C.ROPE_FREQS, head_dim // 2))
     if C.OUTPUT in tensors:
         jobs.append(mat(C.OUTPUT, (n_vocab, n_embd)))
     if pwri:

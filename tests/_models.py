@@ -211,6 +211,9 @@ def write_llamacpp_gguf(model_dir: str, out_path: str, qtype: str = "f32",
         ours = os.path.join(tmp, "ours.gguf")
         convert(model_dir, ours, "f32", progress=False)
         reader = gguf.GGUFReader(ours)
+        # Llama 3's RoPE divisors: llama.cpp's convert_hf_to_gguf.py stores them as rope_freqs
+        rope_freqs = next((np.array(t.data, np.float32) for t in reader.tensors
+                           if t.name == C.ROPE_FREQS), None)
         w = gguf.GGUFWriter(out_path, "llama")
         for name, field in reader.fields.items():
             if name.startswith("tokenizer.") or name.startswith("llama."):
@@ -239,6 +242,8 @@ def write_llamacpp_gguf(model_dir: str, out_path: str, qtype: str = "f32",
             w.add_tensor(name, quantize(arr, qt), raw_dtype=qt)
 
     add(C.TOKEN_EMBD, sd["model.embed_tokens.weight"])
+    if rope_freqs is not None:
+        add(C.ROPE_FREQS, rope_freqs)
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         add(C.ATTN_NORM.format(bid=i), sd[p + "input_layernorm.weight"])

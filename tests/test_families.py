@@ -272,6 +272,31 @@ def test_llama3_rope_scaling(tmp_path, form):
     assert 1.0 < np.median(freqs) < 8.0 or np.any((freqs > 1.0) & (freqs < 8.0))  # smoothed band
 
 
+def test_llama3_from_llama_cpp_gguf(tmp_path):
+    """A llama.cpp GGUF of a Llama 3 model (Q/K rows permuted, RoPE divisors in rope_freqs.weight)
+    runs as it is and converts (it was refused): both give transformers' logits, and the
+    conversion decodes through the fused kernels."""
+    from tests._models import write_llamacpp_gguf
+
+    d, ref = build(tmp_path, "llama3-lc", transformers.LlamaForCausalLM,
+                   transformers.LlamaConfig, hidden_size=64, intermediate_size=128,
+                   num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                   max_position_embeddings=256, rope_parameters=dict(LLAMA3_ROPE, rope_theta=10000.0))
+    src = str(tmp_path / "llama3-lc.gguf")
+    write_llamacpp_gguf(d, src, "f32")
+    assert "rope_freqs.weight" in {t.name for t in gguf.GGUFReader(src).tensors}
+    out = str(tmp_path / "llama3-lc-conv.gguf")
+    assert convert_main([src, out, "--outtype", "f32", "--dense"]) == 0
+    for path in (src, out):
+        eng = Engine(path, n_ctx=64, n_threads=2)
+        assert eng.weights.rope_freqs is not None
+        assert rel_err(eng.model.forward(PROMPT, 0, all_logits=True), ref) < TOL
+        eng.model.forward(PROMPT[:3], 0)
+        for i in range(3, len(PROMPT)):
+            assert rel_err(eng.model.forward([PROMPT[i]], i), ref[i]) < TOL
+    assert eng.model.llama_fused
+
+
 def test_rope_scaling_refused(tmp_path):
     d, _ = build(tmp_path, "yarn", transformers.LlamaForCausalLM, transformers.LlamaConfig,
                  hidden_size=64, intermediate_size=128, num_hidden_layers=1,
