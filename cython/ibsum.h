@@ -96,21 +96,43 @@ static inline size_t pi_ib_block_bytes(int t, long n_out) {
     return pi_ib_scale_bytes(t, n_out) + 32 * pi_ib_row_bytes(t, n_out);
 }
 
+/* The outputs a tensor's layout holds, from its block bytes `stride`: n_out, or more where the
+ * file appends zero outputs (pi_ib_pad_outs) so that the value rows are not a multiple of 2 KiB
+ * apart. Every address in a block (the mins row, the value rows and their pitch) follows this
+ * count; the sums run over the first n_out outputs only. */
+static inline long pi_ib_layout_outs(int t, size_t stride) {
+    return (long)(stride / pi_ib_block_bytes(t, 2) * 2);
+}
+
+/* Zero outputs a file appends to a matrix of n_out outputs (python: cpu.ib_pad_outs): 64 where
+ * its value rows would be a multiple of 2 KiB long. The 32 rows of a block are then read side by
+ * side at a stride that maps them all to the same L1 sets (and fewer L2 sets): on the 2-core
+ * Zen 4 box a q8_0 or q4_0 matrix of 4096, 8192 or 16384 outputs ran 1.5-2.1x slower than the
+ * row-major GEMV, one of 16448 at 0.74-0.97x (docs/benchmarks.md, session 22). */
+static inline long pi_ib_pad_outs(int t, long n_out) {
+    return pi_ib_row_bytes(t, n_out) % 2048 == 0 ? 64 : 0;
+}
+
 /* what pi_ib_prep stores in corr per unit of the block's sum(xq): the offset of the unsigned
  * values (q8_0 128, q4_0 8), taken off the integer sums in the flush; q4_1 keeps sum(xq) itself
  * for its min term (its values need no offset) */
 static inline int pi_ib_corr_unit(int t) { return t == PI_Q8_0_IB ? 128 : t == PI_Q4_0_IB ? 8 : 1; }
 
-/* 1 where a stride of `stride` bytes for `cols` outputs is that of an input-block tensor (the
- * row layouts have at most 4 bytes per value) */
+/* 1 where a stride of `stride` bytes for `cols` outputs is that of an input-block tensor,
+ * padded (pi_ib_pad_outs) or not (the row layouts have at most 4 bytes per value) */
 static inline int pi_ib_stride(size_t stride, long cols) {
-    return cols > 0 && (stride == 34 * (size_t)cols || stride == 18 * (size_t)cols ||
-                        stride == 20 * (size_t)cols);
+    if (cols <= 0) return 0;
+    for (int k = 0; k < 3; k++) {
+        const size_t per = k == 0 ? 34 : k == 1 ? 18 : 20;
+        if (stride == per * (size_t)cols || stride == per * (size_t)(cols + 64)) return 1;
+    }
+    return 0;
 }
 
 
 /* Quantize the kept entries k0..k1 of block b (coef[k] at channel idx[k], all in block b) as
- * pi_quantize_q8 quantizes a block, and lay out their rows in groups of four. */
+ * pi_quantize_q8 quantizes a block, and lay out their rows in groups of four (n_out: the
+ * layout's outputs, pi_ib_layout_outs: the value rows' pitch). */
 static inline void pi_ib_prep(int t, long n_out, const float *coef, const int32_t *idx, long k0,
                               long k1, long b, int32_t *off, int32_t *cf, int32_t *ng, float *sb,
                               int32_t *corr) {
@@ -391,12 +413,14 @@ pi_ib_halves_t(const int t, const uint8_t *w, size_t stride, long n_out, long nb
         if (head) memcpy(yh + 16 * k + 8, oh + 16 * k + 8, 8 * sizeof(float));
         if (tail) memcpy(yt + 16 * k, ot + 16 * k, 8 * sizeof(float));
     }
+    (void)n_out;
+    const long lo = pi_ib_layout_outs(t, stride);  /* the layout's outputs (addresses) */
     for (long b = 0; b < nb; b++) {
         const int G = ng[b];
         if (!G) continue;
         const uint8_t *blk = w + stride * (size_t)b;
-        const uint16_t *dsc = (const uint16_t *)blk, *msc = dsc + n_out; /* msc: q4_1's mins */
-        const uint8_t *val = blk + pi_ib_scale_bytes(t, n_out);
+        const uint16_t *dsc = (const uint16_t *)blk, *msc = dsc + lo; /* msc: q4_1's mins */
+        const uint8_t *val = blk + pi_ib_scale_bytes(t, lo);
         const int32_t *o = off + 32 * b, *c = cf + 8 * b;
         long bn = b + 1;
         while (bn < nb && !ng[bn]) bn++;
@@ -408,7 +432,7 @@ pi_ib_halves_t(const int t, const uint8_t *w, size_t stride, long n_out, long nb
         }
 #endif
         const int Nn = bn < nb ? 4 * ng[bn] : 0;
-        const uint8_t *valn = bn < nb ? w + stride * (size_t)bn + pi_ib_scale_bytes(t, n_out) : val;
+        const uint8_t *valn = bn < nb ? w + stride * (size_t)bn + pi_ib_scale_bytes(t, lo) : val;
         const int32_t *on = off + 32 * (bn < nb ? bn : b);
         const float s = sb[b];
         const int32_t cr = corr[b];
@@ -438,8 +462,8 @@ pi_ib_halves_t(const int t, const uint8_t *w, size_t stride, long n_out, long nb
                     _mm_prefetch(dn, PI_IB_PF_HINT);
                     _mm_prefetch(dn + 64, PI_IB_PF_HINT);
                     if (t == PI_Q4_1_IB) {  /* and its mins */
-                        _mm_prefetch(dn + 2 * n_out, PI_IB_PF_HINT);
-                        _mm_prefetch(dn + 2 * n_out + 64, PI_IB_PF_HINT);
+                        _mm_prefetch(dn + 2 * lo, PI_IB_PF_HINT);
+                        _mm_prefetch(dn + 2 * lo + 64, PI_IB_PF_HINT);
                     }
                 }
                 pi_ib_tile512(t, val, o, c, G, dsc, msc, s, cr, u, y);
@@ -528,7 +552,8 @@ static void pi_ib_rows_team(int t, int T, int qtype, const uint8_t *w, size_t st
     for (long b = 0, k = 0; b < nb; b++) {
         long k1 = k;
         while (k1 < n && idx[k1] < 32 * (b + 1)) k1++;
-        pi_ib_prep(qtype, cols, coef, idx, k, k1, b, off, cf, ng, sb, corr);
+        pi_ib_prep(qtype, pi_ib_layout_outs(qtype, stride), coef, idx, k, k1, b, off, cf, ng, sb,
+                   corr);
         k = k1;
     }
     /* 2. this thread's half tiles over every block */
@@ -881,7 +906,8 @@ static void pi_ib_matmul(int qtype, const uint8_t *w, size_t stride, long n_in, 
     if (!cfw) return;
     float *sbt = (float *)(cfw + 8 * nbt);
     int32_t *crt = (int32_t *)(sbt + nbt), *nzt = crt + nbt;
-    const size_t rb = pi_ib_row_bytes(qtype, cols);
+    const long lo = pi_ib_layout_outs(qtype, stride);  /* the layout's outputs (addresses) */
+    const size_t rb = pi_ib_row_bytes(qtype, lo);
     int nt = n_threads < 1 ? 1 : n_threads;
     if (nt > nu) nt = nu > 0 ? (int)nu : 1;
 #ifdef _OPENMP
@@ -912,7 +938,7 @@ static void pi_ib_matmul(int qtype, const uint8_t *w, size_t stride, long n_in, 
         uint8_t *pk = n_tok > PI_IB_NT && u1 > u0
                           ? (uint8_t *)aligned_alloc(64, 2048 * (size_t)nb) : NULL;
 #endif
-        const size_t sbytes = pi_ib_scale_bytes(qtype, cols);  /* the values' offset in a block */
+        const size_t sbytes = pi_ib_scale_bytes(qtype, lo);  /* the values' offset in a block */
         for (long u = u0; u < u1; u++) {
 #if PI_SIMD
             if (pk)
@@ -928,8 +954,8 @@ static void pi_ib_matmul(int qtype, const uint8_t *w, size_t stride, long n_in, 
                         _mm_prefetch(ds, _MM_HINT_T1);
                         _mm_prefetch(ds + 64, _MM_HINT_T1);
                         if (qtype == PI_Q4_1_IB) {  /* and its mins */
-                            _mm_prefetch(ds + 2 * (size_t)cols, _MM_HINT_T1);
-                            _mm_prefetch(ds + 2 * (size_t)cols + 64, _MM_HINT_T1);
+                            _mm_prefetch(ds + 2 * (size_t)lo, _MM_HINT_T1);
+                            _mm_prefetch(ds + 2 * (size_t)lo + 64, _MM_HINT_T1);
                         }
                     }
                 }
@@ -947,14 +973,14 @@ static void pi_ib_matmul(int qtype, const uint8_t *w, size_t stride, long n_in, 
 #if PI_SIMD
                     if (pk) {
                         pi_ib_chunk_pk_any(qtype, n, pk + 2048 * (size_t)b,
-                                           (const uint16_t *)blk, (const uint16_t *)blk + cols, u,
+                                           (const uint16_t *)blk, (const uint16_t *)blk + lo, u,
                                            cfw + 8 * e, sbt + e, crt + e, nzt + e, gm, yb,
                                            PI_IB_TILE);
                         continue;
                     }
 #endif
                     pi_ib_chunk_any(qtype, n, blk + sbytes, rb, (const uint16_t *)blk,
-                                    (const uint16_t *)blk + cols, u, cfw + 8 * e, sbt + e, crt + e,
+                                    (const uint16_t *)blk + lo, u, cfw + 8 * e, sbt + e, crt + e,
                                     nzt + e, gm, yb, PI_IB_TILE);
                 }
                 for (int i = 0; i < n; i++)

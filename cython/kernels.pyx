@@ -218,8 +218,10 @@ cdef inline int _bytes_per_row(int qtype, int cols) except -1:
 
 
 cdef inline int _check_w(const uint8_t[:, ::1] w, int qtype, int cols) except -1:
-    if pi_is_ib(qtype):  # input-block layout (ibsum.h): one row per 32 input channels
-        if cols % PI_IB_TILE or w.shape[1] != <Py_ssize_t> pi_ib_block_bytes(qtype, cols):
+    if pi_is_ib(qtype):  # input-block layout (ibsum.h): one row per 32 input channels, the
+        # outputs' own or with 64 zero outputs appended (pi_ib_pad_outs; files before it: none)
+        if cols % PI_IB_TILE or (w.shape[1] != <Py_ssize_t> pi_ib_block_bytes(qtype, cols) and
+                                 w.shape[1] != <Py_ssize_t> pi_ib_block_bytes(qtype, cols + 64)):
             raise ValueError(f"input-block weight rows have {w.shape[1]} bytes for {cols} "
                              f"outputs (type {qtype}; outputs must be a multiple of {PI_IB_TILE})")
         return 0

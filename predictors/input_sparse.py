@@ -473,9 +473,11 @@ def transposed_jobs(jobs, cfg, outtype: str, scales: list[dict] | None):
             if cpu.ib_supported(qt, n_out, n_in):
                 def ib(load=load, qt=qt, n_out=n_out, n_in=n_in):
                     w = np.ascontiguousarray(load(), np.float32)
-                    return cpu.ib_from_rows(quantize(w, qt).view(np.uint8).reshape(n_out, -1),
-                                            qt, n_out, n_in)
-                out.append(TensorJob(C.IB[g].format(bid=i), (n_in // 32, 32 * n_out), qt, ib,
+                    return cpu.ib_padded_from_rows(
+                        quantize(w, qt).view(np.uint8).reshape(n_out, -1), qt, n_out, n_in)
+                # (zero outputs appended where the value rows would alias: cpu.ib_pad_outs)
+                n_lay = n_out + cpu.ib_pad_outs(qt, n_out)
+                out.append(TensorJob(C.IB[g].format(bid=i), (n_in // 32, 32 * n_lay), qt, ib,
                                      raw=True))
             elif g == "ffn_down":
                 out.append(src["d"])

@@ -151,7 +151,8 @@ class ModelWeights:
                 raise PyinferError(f"tensor {name} is {QT(t.tensor_type).name}; an input-block "
                                    "tensor is Q8_0, Q4_0 or Q4_1") from None
             shape = tuple(int(d) for d in t.shape[::-1])
-            if shape != (n_in // 32, 32 * n_out):
+            # the outputs' own layout, or with 64 zero outputs appended (cpu.ib_pad_outs)
+            if shape not in ((n_in // 32, 32 * n_out), (n_in // 32, 32 * (n_out + 64))):
                 raise PyinferError(f"tensor {name} has shape {shape}, expected "
                                    f"({n_in // 32}, {32 * n_out})")
             try:

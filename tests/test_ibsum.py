@@ -121,6 +121,69 @@ def test_sum_of_kept_channels(qtype, shape):
 
 
 @pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("shape", [(4096, 64), (2048, 96), (3072, 32)])
+def test_padded_layout_has_the_same_bits(qtype, shape):
+    """Where a value row would be a multiple of 2 KiB long (q8_0: n_out bytes; q4_0/q4_1: n_out
+    / 2) a file appends 64 zero outputs (cpu.ib_pad_outs; ibsum.h reads the rows' pitch from the
+    block bytes): the padded layout holds the same numbers, and its kept-channel sums (1, 2, 3
+    threads) and batched products have the unpadded layout's bits; other shapes get none."""
+    rng = np.random.default_rng(int(qtype) + shape[0])
+    w, ib = _pair(rng, qtype, *shape)
+    row = shape[0] if qtype == QT.Q8_0 else shape[0] // 2
+    pad = cpu.ib_pad_outs(qtype, shape[0])
+    assert pad == (64 if row % 2048 == 0 else 0)
+    padded = cpu.IBTensor.from_rows(w, pad=True)
+    assert padded.layout_cols == shape[0] + pad
+    assert padded.raw.shape == (shape[1] // 32, BLOCK_BYTES[qtype] * (shape[0] + pad))
+    np.testing.assert_array_equal(padded.to_rows().raw, w.raw)
+    x = rng.standard_normal(shape[1]).astype(np.float32)
+    for frac in (0.03, 0.5, 1.0):
+        idx, coef = _kept(rng, x, frac)
+        want = cpu.axpy_rows(ib, coef, idx, np.full(shape[0], np.nan, np.float32), 1)
+        for n_threads in (1, 2, 3):
+            got = cpu.axpy_rows(padded, coef, idx, np.full(shape[0], np.nan, np.float32), n_threads)
+            np.testing.assert_array_equal(got, want)
+    a = rng.standard_normal((9, shape[1])).astype(np.float32)
+    a[:, rng.random(shape[1]) < 0.4] = 0.0
+    want = cpu.matmul_t(ib, a, np.empty((9, shape[0]), np.float32), 2)
+    np.testing.assert_array_equal(cpu.matmul_t(padded, a, np.empty((9, shape[0]), np.float32), 2), want)
+
+
+def test_converter_pads_aliasing_rows(tmp_path):
+    """A q8_0 model whose gate/up has 2048 outputs (value rows of 2 KiB) stores that matrix with
+    64 zero outputs appended, the others as they are; its decode (one kernel call a token) has
+    the bits of the same weights unpadded, and its logits follow the masked float64 reference
+    within the quantization error."""
+    d = make_random_llama(tmp_path / "hf", hidden_act="silu", tokenizer="bpe", hidden_size=128,
+                          intermediate_size=1024, n_heads=2, n_kv_heads=1, n_layers=2, name="pad")
+    out = str(tmp_path / "pad.q8_0.gguf")
+    assert convert_main([d, out, "--outtype", "q8_0", "--target-sparsity", "0.3", "--sparse-mode",
+                         "input", "--sparse-alloc", "uniform", "--calib-tokens", "128", "-t", "1"]) == 0
+    shapes = {t.name: tuple(int(v) for v in t.shape[::-1]) for t in gguf.GGUFReader(out).tensors}
+    assert shapes[C.IB["ffn_gate_up"].format(bid=0)] == (128 // 32, 32 * (2048 + 64))
+    assert shapes[C.IB["ffn_down"].format(bid=0)] == (1024 // 32, 32 * 128)
+    eng = Engine(out, n_ctx=64, n_threads=2)
+    gu = eng.weights.layers[0].ffn_gate_up_t
+    assert isinstance(gu, cpu.IBTensor) and (gu.cols, gu.layout_cols) == (2048, 2112)
+    tokens = np.random.default_rng(3).integers(3, eng.cfg.n_vocab, 16).tolist()
+    got = eng.model.forward(tokens, 0, all_logits=True)
+    steps = {}
+    for padded in (True, False):
+        if not padded:  # the same numbers in the unpadded layout
+            for lw in eng.weights.layers:
+                lw.ffn_gate_up_t = cpu.IBTensor.from_rows(lw.ffn_gate_up_t.to_rows())
+                assert lw.ffn_gate_up_t.layout_cols == 2048
+            eng.model.ffn._plan = None  # the whole-token plan holds the tensors' pointers
+        eng.reset()
+        steps[padded] = np.stack([eng.eval_token(t) for t in tokens])
+    np.testing.assert_array_equal(steps[True], steps[False])
+    np.testing.assert_allclose(steps[True][:8], got[:8], rtol=1e-4, atol=1e-4 * np.abs(got).max())
+    want = reference_logits(load_hf_state_dict(d), eng.cfg, tokens, eng.model.ffn.thr, None,
+                            (eng.model.ffn.lm_head_thr, None))
+    assert np.abs(got - want).max() < 0.1 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("qtype", TYPES)
 def test_prefill_equals_decode(qtype):
     """matmul_t over masked rows (dropped channels 0) gives each token decode's bits."""
     rng = np.random.default_rng(3 + int(qtype))

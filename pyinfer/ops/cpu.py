@@ -182,6 +182,28 @@ def ib_supported(qtype, n_out: int, n_in: int) -> bool:
     return QT(qtype) in _BLOCK_BYTES and n_out % IB_TILE == 0 and n_in % 32 == 0 and n_out > 0
 
 
+def ib_pad_outs(qtype, n_out: int) -> int:
+    """Zero outputs a file appends to an input-block matrix of n_out outputs (ibsum.h
+    pi_ib_pad_outs): 64 where its value rows (n_out bytes for q8_0, n_out / 2 for q4_0 / q4_1)
+    would be a multiple of 2 KiB long, else 0. A block's 32 rows are read side by side, and at
+    such a stride they share cache sets: 1.5-2.1x slower than the row-major GEMV for 4096-16384
+    outputs on the 2-core Zen 4 box, 0.74-0.97x with the 64 zero outputs (docs/benchmarks.md,
+    session 22). qtype: ggml Q8_0 / Q4_0 / Q4_1 or an input-block id."""
+    base = _IB_BASE.get(int(qtype), qtype)
+    row = n_out if QT(base) == QT.Q8_0 else n_out // 2
+    return IB_TILE if row % 2048 == 0 else 0
+
+
+def ib_padded_from_rows(raw: np.ndarray, qtype, n_out: int, n_in: int) -> np.ndarray:
+    """``ib_from_rows`` of W (n_out, n_in) with ``ib_pad_outs`` zero outputs appended (their
+    ggml blocks all zero bytes: scale 0, values 0): the layout a file stores."""
+    pad = ib_pad_outs(qtype, n_out)
+    rows = np.asarray(raw, np.uint8).reshape(n_out, -1)
+    if pad:
+        rows = np.concatenate([rows, np.zeros((pad, rows.shape[1]), np.uint8)])
+    return ib_from_rows(rows, qtype, n_out + pad, n_in)
+
+
 def ib_from_rows(raw: np.ndarray, qtype, n_out: int, n_in: int) -> np.ndarray:
     """Row-major q8_0 / q4_0 / q4_1 bytes of W (n_out, n_in) -> the input-block layout, uint8
     (n_in / 32, block bytes): per block of 32 input channels the f16 scales d[:, b] (2 n_out
@@ -251,10 +273,17 @@ class IBTensor:
             raise ValueError(f"no input-block layout for ({self.cols}, {self.rows})")
         bb = _ib_block_bytes(self.qtype, self.cols)
         raw = np.asarray(self.raw)
-        if raw.dtype != np.uint8 or raw.ndim != 2 or raw.shape != (self.rows // 32, bb):
+        padded = (self.rows // 32, _ib_block_bytes(self.qtype, self.cols + IB_TILE))
+        if raw.dtype != np.uint8 or raw.ndim != 2 or raw.shape not in ((self.rows // 32, bb), padded):
             raise ValueError(f"input-block data {raw.shape} {raw.dtype} does not hold "
                              f"({self.rows}, {self.cols}): expected uint8 ({self.rows // 32}, {bb})")
         object.__setattr__(self, "raw", np.ascontiguousarray(raw))
+
+    @property
+    def layout_cols(self) -> int:
+        """Outputs the layout holds: cols, or cols + 64 where zero outputs were appended
+        (``ib_pad_outs``)."""
+        return self.raw.shape[1] // _BLOCK_BYTES[_IB_BASE[self.qtype]]
 
     @property
     def base_qtype(self) -> gguf.GGMLQuantizationType:
@@ -265,14 +294,17 @@ class IBTensor:
     nbytes = QTensor.nbytes
 
     def to_rows(self) -> QTensor:
-        """W (n_out, n_in) as a row-major QTensor (a copy)."""
-        return QTensor(ib_to_rows(self.raw, self.base_qtype, self.cols, self.rows).reshape(self.cols, -1),
-                       self.base_qtype, self.cols, self.rows)
+        """W (n_out, n_in) as a row-major QTensor (a copy; appended zero outputs dropped)."""
+        L = self.layout_cols
+        rows = ib_to_rows(self.raw, self.base_qtype, L, self.rows).reshape(L, -1)
+        return QTensor(np.ascontiguousarray(rows[:self.cols]), self.base_qtype, self.cols, self.rows)
 
     @classmethod
-    def from_rows(cls, w: QTensor) -> "IBTensor":
-        """The input-block layout of a row-major Q8_0 / Q4_0 / Q4_1 QTensor W (n_out, n_in)."""
-        return cls(ib_from_rows(w.raw, w.qtype, w.rows, w.cols), ib_type(w.qtype), w.cols, w.rows)
+    def from_rows(cls, w: QTensor, pad: bool = False) -> "IBTensor":
+        """The input-block layout of a row-major Q8_0 / Q4_0 / Q4_1 QTensor W (n_out, n_in);
+        with ``pad`` the file's (``ib_padded_from_rows``)."""
+        f = ib_padded_from_rows if pad else ib_from_rows
+        return cls(f(w.raw, w.qtype, w.rows, w.cols), ib_type(w.qtype), w.cols, w.rows)
 
 
 @dataclass(frozen=True)
