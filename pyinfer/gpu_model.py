@@ -77,6 +77,12 @@ def _input_scale_bytes(lw) -> int:
     return sum(int(np.asarray(v).nbytes) for v in (lw.in_scale or {}).values())
 
 
+def _dev_bytes(t) -> int:
+    """Bytes of a sparse mode "input" matrix on the device (an input-block one without the zero
+    outputs a file may append: ``cpu.IBTensor.device_nbytes``)."""
+    return getattr(t, "device_nbytes", t.nbytes)
+
+
 def layer_fixed_bytes(cfg: ModelConfig, lw, n_ctx: int, predictor) -> int:
     """Bytes a resident layer holds on the device before any FFN neuron: norms, q/k/v/o as
     stored, the KV cache (2 * n_ctx * n_head_kv * head_dim f32) and the predictor (as stored);
@@ -84,7 +90,7 @@ def layer_fixed_bytes(cfg: ModelConfig, lw, n_ctx: int, predictor) -> int:
     input-block or transposed layout) and the WINA column scales."""
     b = 2 * cfg.n_embd * 4
     if is_input_layer(lw):
-        b += lw.attn_qkv_t.nbytes + lw.attn_output_t.nbytes + _input_scale_bytes(lw)
+        b += _dev_bytes(lw.attn_qkv_t) + _dev_bytes(lw.attn_output_t) + _input_scale_bytes(lw)
     else:
         b += lw.wq.nbytes + lw.wk.nbytes + lw.wv.nbytes + lw.wo.nbytes
     b += 2 * n_ctx * cfg.n_embd_kv * 4
@@ -97,7 +103,7 @@ def neuron_bytes(lw) -> int:
     """Bytes of one FFN neuron on the device: its ffn_gate, ffn_up and ffn_down_t rows (sparse
     mode "input": the FFN matrices' bytes over n_ff; its layers go on the device whole)."""
     if is_input_layer(lw):
-        return (lw.ffn_gate_up_t.nbytes + lw.ffn_down_t.nbytes) // lw.ffn_down_t.rows
+        return (_dev_bytes(lw.ffn_gate_up_t) + _dev_bytes(lw.ffn_down_t)) // lw.ffn_down_t.rows
     return int(lw.ffn_gate.raw.shape[1] + lw.ffn_up.raw.shape[1] + lw.ffn_down_t.raw.shape[1])
 
 

@@ -280,6 +280,12 @@ class IBTensor:
         object.__setattr__(self, "raw", np.ascontiguousarray(raw))
 
     @property
+    def device_nbytes(self) -> int:
+        """Bytes of the layout without appended zero outputs: what ``device.device_ib_layout``
+        puts on a GPU."""
+        return (self.rows // 32) * _ib_block_bytes(self.qtype, self.cols)
+
+    @property
     def layout_cols(self) -> int:
         """Outputs the layout holds: cols, or cols + 64 where zero outputs were appended
         (``ib_pad_outs``)."""
