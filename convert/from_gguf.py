@@ -1,4 +1,4 @@
-"""llama.cpp GGUF (architecture ``llama``) -> pyinfer tensors and metadata.
+"""llama.cpp GGUF (architectures ``llama``, ``gemma3``, ``qwen2``) -> pyinfer tensors and metadata.
 
 A tensor whose output type is its source type (``--outtype auto``, the default, keeps every
 tensor of a quantized file at its type) is copied as stored, row by row: no requantization. The
@@ -22,6 +22,11 @@ not permute them (its RoPE is NeoX-style), and its norm weights already hold Gem
 file does not store comes from llama.cpp's loader (``llama-model.cpp``, ``LLM_ARCH_GEMMA3``):
 every 6th layer global, the others sliding with RoPE base 1e4, scores scaled by head_dim^-0.5
 (n_embd/n_head for the 62-layer 27B), embeddings times sqrt(n_embd); keys present in the file win.
+
+Architecture ``qwen2`` (llama.cpp's Qwen2) keeps Q/K as stored too (llama.cpp runs it with NeoX
+RoPE, ``LLAMA_ROPE_TYPE_NEOX``, and its converter does not permute them) and brings the q/k/v
+biases; like llama.cpp's loader it has no sliding window. A Llama 3 file's ``rope_freqs.weight``
+(its RoPE frequency divisors) is copied.
 """
 from __future__ import annotations
 
@@ -50,7 +55,7 @@ _GENERAL_COPY = ("general.name", "general.organization", "general.basename", "ge
 
 
 #: llama.cpp architectures pyinfer-convert reads
-_GGUF_ARCHS = (C.ARCH, "gemma3")
+_GGUF_ARCHS = (C.ARCH, "gemma3", "qwen2")
 
 
 class _ArchKeys:
@@ -186,7 +191,8 @@ def plan_gguf(path: str, outtype: str, allow_unused: bool = False,
     if arch not in _GGUF_ARCHS:
         raise PyinferError(f"unsupported architecture {arch} (supported: {', '.join(_GGUF_ARCHS)})")
     gemma3 = arch == "gemma3"
-    if gemma3:  # the source's keys carry its architecture's prefix: read them as gemma3.*
+    qwen2 = arch == "qwen2"  # llama.cpp's Qwen2: q/k/v biases, NeoX RoPE (rows unpermuted)
+    if gemma3 or qwen2:  # the source's keys carry its architecture's prefix: read them as llama.*
         reader = _ArchKeys(reader, arch)
     scaling = _scalar(reader, C.K_ROPE_SCALING_TYPE, "none")
     if scaling not in ("none", "", None):
@@ -252,6 +258,8 @@ def plan_gguf(path: str, outtype: str, allow_unused: bool = False,
     meta.string(C.K_SOURCE, _scalar(reader, C.K_SOURCE) if ours else os.path.basename(path))
     if gemma3:
         _gemma3_meta(reader, meta, n_embd, n_head, n_layer, head_dim)
+    if qwen2:  # llama.cpp runs Qwen2 without its sliding window; so does the converted file
+        meta.string(C.K_FAMILY, "qwen2")
     for name, field in reader.fields.items():
         if name.startswith(C.K_TOK_PREFIX) or name.startswith(C.K_CHAT_TEMPLATE_PREFIX) \
                 or name == C.K_HF_TOKENIZER_JSON:
@@ -293,7 +301,7 @@ def plan_gguf(path: str, outtype: str, allow_unused: bool = False,
         return TensorJob(name, shape, qtype, lambda: load(t))
 
     def qk(name: str, shape: tuple[int, int], n: int) -> TensorJob:
-        if ours or gemma3:  # gemma3: llama.cpp stores Q/K unpermuted
+        if ours or gemma3 or qwen2:  # gemma3, qwen2: llama.cpp stores Q/K unpermuted (NeoX)
             return mat(name, shape)
         t = src(name, shape)
         qtype = target(t, shape[1])
@@ -332,6 +340,9 @@ def plan_gguf(path: str, outtype: str, allow_unused: bool = False,
             mat(C.FFN_UP.format(bid=i), (n_ff, n_embd)),
             down(i),
         ]
+        if qwen2:
+            jobs += [norm(C.ATTN_Q_B.format(bid=i), q_dim), norm(C.ATTN_K_B.format(bid=i), kv_dim),
+                     norm(C.ATTN_V_B.format(bid=i), kv_dim)]
         if gemma3:
             jobs += [norm(C.ATTN_Q_NORM.format(bid=i), head_dim),
                      norm(C.ATTN_K_NORM.format(bid=i), head_dim),

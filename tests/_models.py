@@ -171,16 +171,17 @@ def make_random_llama(
 
 
 def load_hf_state_dict(model_dir: str) -> dict:
-    """{name: float32 numpy array} of the weights as transformers loads them (tied heads included)."""
+    """{name: float32 numpy array} of the weights as transformers loads them (tied heads included;
+    the class the config names: Llama, or Qwen2 with its biases)."""
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     return {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
 
 
 def write_llamacpp_gguf(model_dir: str, out_path: str, qtype: str = "f32",
-                        down_qtype: str | None = None, qtype_of=None) -> None:
+                        down_qtype: str | None = None, qtype_of=None, arch: str = "llama") -> None:
     """Write ``model_dir`` (from `make_random_llama`) as llama.cpp's convert_hf_to_gguf.py would.
 
     Q/K rows permuted for llama.cpp's RoPE (its ``LlamaModel.permute``), ``ffn_down`` untransposed,
@@ -189,7 +190,8 @@ def write_llamacpp_gguf(model_dir: str, out_path: str, qtype: str = "f32",
     tokenizer keys are copied from a pyinfer conversion of the same directory, so this needs the
     converter (it is a fixture for testing the converter's GGUF path without llama.cpp).
     ``qtype_of(name, (rows, cols))``, when given, picks the type name of each 2-D tensor (None:
-    the default above), for a per-tensor mix such as the one llama-quantize writes.
+    the default above), for a per-tensor mix such as the one llama-quantize writes. ``arch``
+    "qwen2": llama.cpp's Qwen2 (keys ``qwen2.*``, Q/K rows as in Hugging Face, q/k/v biases).
     """
     import tempfile
 
@@ -214,10 +216,12 @@ def write_llamacpp_gguf(model_dir: str, out_path: str, qtype: str = "f32",
         # Llama 3's RoPE divisors: llama.cpp's convert_hf_to_gguf.py stores them as rope_freqs
         rope_freqs = next((np.array(t.data, np.float32) for t in reader.tensors
                            if t.name == C.ROPE_FREQS), None)
-        w = gguf.GGUFWriter(out_path, "llama")
+        w = gguf.GGUFWriter(out_path, arch)
         for name, field in reader.fields.items():
             if name.startswith("tokenizer.") or name.startswith("llama."):
                 v = field.contents()
+                if name.startswith("llama."):
+                    name = arch + name[len("llama"):]
                 if field.types[0] == gguf.GGUFValueType.ARRAY:
                     w.add_key_value(name, v, field.types[0], field.types[-1])
                 else:
@@ -247,8 +251,12 @@ def write_llamacpp_gguf(model_dir: str, out_path: str, qtype: str = "f32",
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         add(C.ATTN_NORM.format(bid=i), sd[p + "input_layernorm.weight"])
-        add(C.ATTN_Q.format(bid=i), permute(sd[p + "self_attn.q_proj.weight"], n_head))
-        add(C.ATTN_K.format(bid=i), permute(sd[p + "self_attn.k_proj.weight"], n_kv))
+        qw, kw = sd[p + "self_attn.q_proj.weight"], sd[p + "self_attn.k_proj.weight"]
+        add(C.ATTN_Q.format(bid=i), qw if arch == "qwen2" else permute(qw, n_head))
+        add(C.ATTN_K.format(bid=i), kw if arch == "qwen2" else permute(kw, n_kv))
+        if arch == "qwen2":
+            for name, key in ((C.ATTN_Q_B, "q_proj"), (C.ATTN_K_B, "k_proj"), (C.ATTN_V_B, "v_proj")):
+                add(name.format(bid=i), sd[p + f"self_attn.{key}.bias"])
         add(C.ATTN_V.format(bid=i), sd[p + "self_attn.v_proj.weight"])
         add(C.ATTN_OUT.format(bid=i), sd[p + "self_attn.o_proj.weight"])
         add(C.FFN_NORM.format(bid=i), sd[p + "post_attention_layernorm.weight"])

@@ -527,7 +527,7 @@ def test_error_gguf_architecture(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    _expect_error(tmp_path, f, contains="unsupported architecture phi3 (supported: llama, gemma3)")
+    _expect_error(tmp_path, f, contains="unsupported architecture phi3 (supported: llama, gemma3, qwen2)")
 
 
 @pytest.mark.parametrize("frac", [0.001, 0.5, 0.999])

@@ -297,6 +297,37 @@ def test_llama3_from_llama_cpp_gguf(tmp_path):
     assert eng.model.llama_fused
 
 
+def test_qwen2_from_llama_cpp_gguf(tmp_path):
+    """A llama.cpp GGUF of a Qwen2 model (architecture qwen2: qwen2.* keys, Q/K rows as in
+    Hugging Face since llama.cpp runs it with NeoX RoPE, q/k/v biases) converts: dense, its
+    logits are transformers' and its decode takes the fused kernels; by default (f16 here) it
+    becomes a sparse mode input file."""
+    from pyinfer import constants as C
+    from pyinfer.config import read_field
+    from tests._models import write_llamacpp_gguf
+
+    d, ref = build(tmp_path, "qwen2-lc", transformers.Qwen2ForCausalLM, transformers.Qwen2Config,
+                   hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0)
+    src = str(tmp_path / "qwen2-lc.gguf")
+    write_llamacpp_gguf(d, src, "f32", arch="qwen2")
+    assert read_field(gguf.GGUFReader(src), "general.architecture") == "qwen2"
+    out = str(tmp_path / "qwen2-lc-conv.gguf")
+    assert convert_main([src, out, "--outtype", "f32", "--dense"]) == 0
+    eng = Engine(out, n_ctx=64, n_threads=2)
+    assert eng.cfg.family == "qwen2" and eng.weights.layers[1].bv is not None
+    assert rel_err(eng.model.forward(PROMPT, 0, all_logits=True), ref) < TOL
+    eng.model.forward(PROMPT[:3], 0)
+    for i in range(3, len(PROMPT)):
+        assert rel_err(eng.model.forward([PROMPT[i]], i), ref[i]) < TOL
+    assert eng.model.llama_fused
+    sparse = str(tmp_path / "qwen2-lc-in.gguf")
+    assert convert_main([src, sparse, "--outtype", "f16", "--calib-tokens", "256", "-t", "1"]) == 0
+    assert read_field(gguf.GGUFReader(sparse), C.K_SPARSE_MODE) == C.SPARSE_MODE_INPUT
+    every = Engine(sparse, n_ctx=64, n_threads=2, dense=True)
+    assert rel_err(every.model.forward(PROMPT, 0, all_logits=True), ref) < 1e-2
+
+
 def test_rope_scaling_refused(tmp_path):
     d, _ = build(tmp_path, "yarn", transformers.LlamaForCausalLM, transformers.LlamaConfig,
                  hidden_size=64, intermediate_size=128, num_hidden_layers=1,
