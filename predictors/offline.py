@@ -205,9 +205,9 @@ NO_SPARSE_MODE = "dense"
 
 
 def input_mode_model(cfg, weights) -> bool:
-    """True where sparse mode input can run the model: Llama-shaped (``cfg.llama_plain``) with
-    weights the fused CPU kernels take (``weights.llama_fused``: Llama 3's RoPE frequency
-    divisors and Qwen2's q/k/v biases included; the GPU engine runs ``llama_plain`` files only)."""
+    """True where sparse mode input (and the GPU engine) can run the model: Llama-shaped
+    (``cfg.llama_plain``) with weights the fused kernels take (``weights.llama_fused``: Llama 3's
+    RoPE frequency divisors and Qwen2's q/k/v biases included)."""
     return cfg.llama_plain and weights.llama_fused
 
 
@@ -217,8 +217,7 @@ def default_mode(cfg, weights, outtype: str, opts: OfflineOptions) -> str:
     ``input_mode_model``: Llama 3 and Qwen2 files too, whose projections are all q8_0 / q4_0 / q4_1
     in the input-block layout or f16: ``input_sparse.input_mode_pays``) and no ``--vram-budget`` asks for
     the GPU split (which needs glu's predictors); ``NO_SPARSE_MODE`` for a model that is not
-    Llama-shaped, or has RoPE divisors or biases and no input mode, without ``--vram-budget``
-    (the GPU engine runs plain Llama files only, so glu's
+    Llama-shaped without ``--vram-budget`` (the GPU engine runs Llama-shaped files only, so glu's
     predictors would serve no engine, and on the CPU glu decodes no faster than a dense file at
     a cost in quality: Gemma-3-270M +6-9% perplexity, docs/benchmarks.md session 20); "glu"
     otherwise. ``weights`` are the staging file's (dense, neuron-major), ``outtype`` the
@@ -231,10 +230,7 @@ def default_mode(cfg, weights, outtype: str, opts: OfflineOptions) -> str:
         return mode
     if not input_mode_model(cfg, weights):
         return NO_SPARSE_MODE
-    if input_mode_pays(weights, cfg, outtype):
-        return C.SPARSE_MODE_INPUT
-    # glu's predictors serve the GPU engine, which runs llama_plain files only
-    return mode if weights.llama_plain else NO_SPARSE_MODE
+    return C.SPARSE_MODE_INPUT if input_mode_pays(weights, cfg, outtype) else mode
 
 
 def _plan(src: str, outtype: str, allow_unused: bool = False):

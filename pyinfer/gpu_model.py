@@ -77,6 +77,20 @@ def _input_scale_bytes(lw) -> int:
     return sum(int(np.asarray(v).nbytes) for v in (lw.in_scale or {}).values())
 
 
+def _has_qkv_bias(lw) -> bool:
+    return lw.bq is not None or lw.bk is not None or lw.bv is not None
+
+
+def qkv_bias(cfg: ModelConfig, lw) -> np.ndarray | None:
+    """[bq; bk; bv] (n_embd_q + 2 n_embd_kv,) f32 of a layer with q/k/v biases (Qwen2; a missing
+    one as zeros), else None: added to the fused q/k/v projection's output before RoPE."""
+    if not _has_qkv_bias(lw):
+        return None
+    return np.concatenate([np.zeros(n, np.float32) if b is None else np.asarray(b, np.float32)
+                           for b, n in ((lw.bq, cfg.n_embd_q), (lw.bk, cfg.n_embd_kv),
+                                        (lw.bv, cfg.n_embd_kv))])
+
+
 def _dev_bytes(t) -> int:
     """Bytes of a sparse mode "input" matrix on the device (an input-block one without the zero
     outputs a file may append: ``cpu.IBTensor.device_nbytes``)."""
@@ -89,6 +103,8 @@ def layer_fixed_bytes(cfg: ModelConfig, lw, n_ctx: int, predictor) -> int:
     for a sparse mode "input" layer the attention matrices (the same bytes in the device's
     input-block or transposed layout) and the WINA column scales."""
     b = 2 * cfg.n_embd * 4
+    if _has_qkv_bias(lw):  # [bq; bk; bv] f32 (Qwen2)
+        b += 4 * (cfg.n_embd_q + 2 * cfg.n_embd_kv)
     if is_input_layer(lw):
         b += _dev_bytes(lw.attn_qkv_t) + _dev_bytes(lw.attn_output_t) + _input_scale_bytes(lw)
     else:
@@ -241,6 +257,8 @@ class _ResidentLayer:
                 self.wq, self.wk, self.wv = dev.rows([lw.wq]), dev.rows([lw.wk]), dev.rows([lw.wv])
             self.wo = dev.rows([lw.wo])  # (n_embd, n_head * head_dim)
         self.attn_norm = dev.array(np.asarray(lw.attn_norm, np.float32))  # (n_embd,)
+        b = qkv_bias(cfg, lw)  # (n_q + 2 n_kv,) [bq; bk; bv] (Qwen2) or None
+        self.bqkv = None if b is None else dev.array(b)
         self.ffn_norm = dev.array(np.asarray(lw.ffn_norm, np.float32))
         shape = (n_ctx, cfg.n_head_kv, cfg.head_dim)
         self.k = dev.empty(shape, np.float32)  # (n_ctx, n_head_kv, head_dim) KV cache
@@ -349,7 +367,8 @@ class GpuModel:
             self._scratch = dev.empty(input_scratch_len(cfg), np.float32)  # partial sums
             self._in_total = 0  # weight elements a dense pass over the resident layers reads
         self._deq = dev.empty(deq_len(cfg, self.input), np.float32)  # prefill chunk
-        self._cos_sin = dev.array(X.rope_cos_sin(n_ctx, cfg.head_dim, cfg.rope_freq_base))
+        self._cos_sin = dev.array(X.rope_cos_sin(n_ctx, cfg.head_dim, cfg.rope_freq_base,
+                                                 weights.rope_freqs))
         self.device_bytes = dev.allocated_bytes - before
         # pinned host buffers for the per-layer transfers
         self._x_pin = dev.pinned((1, E), np.float32)
@@ -465,6 +484,8 @@ class GpuModel:
                 dev.gemv(ly.wq, h[0], self._qkv[:nq], q8=self._q8_for(ly.wq))
                 dev.gemv(ly.wk, h[0], self._qkv[nq:nq + nkv], q8=self._q8_for(ly.wk))
                 dev.gemv(ly.wv, h[0], self._qkv[nq + nkv:], q8=self._q8_for(ly.wv))
+            if ly.bqkv is not None:  # (Qwen2) the projections' biases, before RoPE
+                dev.add(self._qkv, ly.bqkv)
             dev.rope_store(q, k, v, ly.k, ly.v, self._cos_sin, self._pos)
             q8 = self._q8_for(ly.wo)
             dev.attn_decode(q, ly.k, ly.v, self._pos, self._attn.reshape(cfg.n_head, hd), max_att,
@@ -745,6 +766,8 @@ class GpuModel:
                 qkv = self._linear(ly.wqkv, h)
             else:
                 qkv = xp.concatenate([self._linear(w, h) for w in (ly.wq, ly.wk, ly.wv)], axis=1)
+            if ly.bqkv is not None:
+                qkv += ly.bqkv
             q = xp.ascontiguousarray(qkv[:, :nq]).reshape(T, cfg.n_head, hd)
             k = xp.ascontiguousarray(qkv[:, nq:nq + nkv]).reshape(T, cfg.n_head_kv, hd)
             X.rope(q, self._cos_sin, n_past)

@@ -214,14 +214,15 @@ def place_model(reader, cfg: ModelConfig, weights: ModelWeights, cpu_ffn, n_ctx:
         raise PyinferError(f"unknown device {device!r} (auto, cpu or cuda)")
     if n_gpu_layers is not None and n_gpu_layers < 0:
         raise PyinferError(f"-ngl must be >= 0, got {n_gpu_layers}")
-    if device != "cpu" and not (cfg.llama_plain and weights.llama_plain):
+    if device != "cpu" and not (cfg.llama_plain and weights.llama_fused):
         if device == "auto" and backend is None:  # the CPU runs every family
             if not quiet:
-                _notice(f"the GPU engine runs Llama files only, not {cfg.family} with its "
-                        "extensions; running on the CPU")
+                _notice(f"the GPU engine runs Llama-shaped files only (Llama 3's RoPE and Qwen2's "
+                        f"q/k/v biases included), not {cfg.family} with its extensions; running "
+                        "on the CPU")
             return cpu_model()
-        raise PyinferError(f"the GPU engine runs Llama files only; this {cfg.family} file needs "
-                           "--device cpu")
+        raise PyinferError(f"the GPU engine runs Llama-shaped files only; this {cfg.family} file "
+                           "needs --device cpu")
     rows_file = reader is not None and read_field(reader, C.K_FFN_LAYOUT) == C.FFN_LAYOUT_ROWS
     if device != "cpu" and not rows_file and any(lw.ffn_down_t is None for lw in weights.layers):
         msg = "a llama.cpp GGUF runs on the CPU; pyinfer-convert it for the GPU engine"

@@ -136,17 +136,18 @@ def fused_equals_unfused(eng):
 
 
 def test_default_conversion_without_a_sparse_mode(tmp_path, capsys):
-    """A SwiGLU model with q/k/v biases (Qwen2) at a type sparse mode input does not take (f32)
-    converts by default to a dense file (ffn_down in row layout, no predictors): the GPU engine
-    does not run it and glu decodes no faster on the CPU; its logits are transformers';
-    --sparse-mode glu still makes the predictors."""
+    """A SwiGLU model that is not Llama-shaped (Qwen2 with sliding-window layers) converts by
+    default to a dense file (ffn_down in row layout, no predictors): the GPU engine does not run
+    it and glu decodes no faster on the CPU; its logits are transformers'; --sparse-mode glu still
+    makes the predictors."""
     from pyinfer import constants as C
     from pyinfer.config import read_field
 
     d, ref = build(tmp_path, "qwen2-default", transformers.Qwen2ForCausalLM,
                    transformers.Qwen2Config, hidden_size=64, intermediate_size=128,
                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                   rope_theta=10000.0)
+                   rope_theta=10000.0, use_sliding_window=True, sliding_window=5,
+                   max_window_layers=1)
     out = str(tmp_path / "default.gguf")
     assert convert_main([d, out, "--outtype", "f32", "--calib-tokens", "128", "-t", "1"]) == 0
     assert "no sparse mode for this model by default" in capsys.readouterr().err
@@ -397,6 +398,37 @@ def test_falcon(tmp_path, layout, act):
     assert eng.cfg.n_head_kv == {"7b": 1, "40b": 2, "40b-one-norm": 2, "mha-sequential": 4}[layout]
 
 
+@pytest.mark.parametrize("family", ["qwen2", "llama3"])
+@pytest.mark.parametrize("kind", ["all", "partial"])
+def test_gpu_model_runs_biases_and_rope_divisors(tmp_path, family, kind):
+    """The GPU engine's forward over NumpyDevice (its kernels' twins) on Qwen2 (q/k/v biases
+    added after the fused projection) and Llama 3 (the RoPE table divided by rope_freqs): decode
+    and prefill give the CPU model's logits, every layer on the device or one (the rest on the
+    CPU); place_model takes them."""
+    from pyinfer.device import NumpyDevice
+    from pyinfer.ffn import DenseFFN
+    from pyinfer.hybrid import place_model
+    from tests.test_hybrid import TOL_SAME, compare, plan_for
+
+    if family == "qwen2":
+        d, _ = build(tmp_path, "qwen2-gpu", transformers.Qwen2ForCausalLM,
+                     transformers.Qwen2Config, hidden_size=64, intermediate_size=128,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     rope_theta=10000.0)
+    else:
+        d, _ = build(tmp_path, "llama3-gpu", transformers.LlamaForCausalLM,
+                     transformers.LlamaConfig, hidden_size=64, intermediate_size=128,
+                     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                     max_position_embeddings=256, rope_parameters=dict(LLAMA3_ROPE, rope_theta=10000.0))
+    eng = Engine(convert(d, tmp_path, rows=False), n_ctx=64, n_threads=2)  # ffn_down_t
+    assert eng.model.llama_fused and not eng.model.llama_plain
+    compare(eng, lambda: DenseFFN(eng.cfg), plan_for(kind, eng.cfg, dense=True), "f32",
+            NumpyDevice(), exact_counts=True, tol=TOL_SAME)
+    m = place_model(eng.reader, eng.cfg, eng.weights, DenseFFN(eng.cfg), 64, 2, device="cuda",
+                    backend=NumpyDevice())
+    assert type(m).__name__ == "GpuModel"
+
+
 def test_gpu_engine_refuses_other_families(tmp_path):
     from pyinfer.errors import PyinferError
     from pyinfer.hybrid import place_model
@@ -405,7 +437,7 @@ def test_gpu_engine_refuses_other_families(tmp_path):
                  hidden_size=64, ffn_dim=128, num_hidden_layers=1, num_attention_heads=4,
                  max_position_embeddings=64, word_embed_proj_dim=64)
     eng = Engine(convert(d, tmp_path), n_ctx=32, n_threads=1)
-    with pytest.raises(PyinferError, match="GPU engine runs Llama files only"):
+    with pytest.raises(PyinferError, match="GPU engine runs Llama-shaped files only"):
         place_model(eng.reader, eng.cfg, eng.weights, eng.model.ffn, 32, 1, device="cuda")
 
 

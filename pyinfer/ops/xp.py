@@ -34,11 +34,15 @@ def rmsnorm(x, w, eps: float, out=None):
     return out
 
 
-def rope_cos_sin(n_ctx: int, head_dim: int, freq_base: float) -> np.ndarray:
+def rope_cos_sin(n_ctx: int, head_dim: int, freq_base: float,
+                 divisors: np.ndarray | None = None) -> np.ndarray:
     """(n_ctx, head_dim/2, 2) f32 table of cos and sin of pos * base^(-2i/head_dim), computed in
-    f64 as the CPU kernel does (cython/kernels.pyx ``_rope1``)."""
+    f64 as the CPU kernel does (cython/kernels.pyx ``_rope1``); with ``divisors`` (head_dim/2,)
+    the frequencies divided by them (Llama 3's rope_freqs, ``families.rope_scaled``)."""
     half = head_dim // 2
     inv = float(freq_base) ** (-2.0 * np.arange(half) / head_dim)
+    if divisors is not None:
+        inv = inv / np.asarray(divisors, np.float64)
     theta = np.arange(n_ctx, dtype=np.float64)[:, None] * inv  # (n_ctx, half)
     return np.stack([np.cos(theta), np.sin(theta)], axis=-1).astype(np.float32)
 
