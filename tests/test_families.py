@@ -410,6 +410,16 @@ def test_gpu_model_runs_biases_and_rope_divisors(tmp_path, family, kind):
     from pyinfer.hybrid import place_model
     from tests.test_hybrid import TOL_SAME, compare, plan_for
 
+    eng = _biased_or_scaled(tmp_path, family)
+    compare(eng, lambda: DenseFFN(eng.cfg), plan_for(kind, eng.cfg, dense=True), "f32",
+            NumpyDevice(), exact_counts=True, tol=TOL_SAME)
+    m = place_model(eng.reader, eng.cfg, eng.weights, DenseFFN(eng.cfg), 64, 2, device="cuda",
+                    backend=NumpyDevice())
+    assert type(m).__name__ == "GpuModel"
+
+
+def _biased_or_scaled(tmp_path, family):
+    """An f32 neuron-major Engine of a tiny Qwen2 (q/k/v biases) or Llama 3 (scaled RoPE)."""
     if family == "qwen2":
         d, _ = build(tmp_path, "qwen2-gpu", transformers.Qwen2ForCausalLM,
                      transformers.Qwen2Config, hidden_size=64, intermediate_size=128,
@@ -422,11 +432,25 @@ def test_gpu_model_runs_biases_and_rope_divisors(tmp_path, family, kind):
                      max_position_embeddings=256, rope_parameters=dict(LLAMA3_ROPE, rope_theta=10000.0))
     eng = Engine(convert(d, tmp_path, rows=False), n_ctx=64, n_threads=2)  # ffn_down_t
     assert eng.model.llama_fused and not eng.model.llama_plain
-    compare(eng, lambda: DenseFFN(eng.cfg), plan_for(kind, eng.cfg, dense=True), "f32",
-            NumpyDevice(), exact_counts=True, tol=TOL_SAME)
-    m = place_model(eng.reader, eng.cfg, eng.weights, DenseFFN(eng.cfg), 64, 2, device="cuda",
-                    backend=NumpyDevice())
-    assert type(m).__name__ == "GpuModel"
+    return eng
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen2", "llama3"])
+def test_gpu_device_runs_biases_and_rope_divisors(tmp_path, family):
+    """On a CUDA device: the CupyDevice GpuModel of a Qwen2 / Llama 3 file gives the CPU
+    model's logits (decode through CUDA graphs, prefill), every layer resident."""
+    from pyinfer.ffn import DenseFFN
+    from pyinfer.ops import cuda
+    from tests.test_hybrid import TOL, compare, plan_for
+
+    if not cuda.available():
+        pytest.skip(f"no CUDA device: {cuda.unavailable_reason()}")
+    from pyinfer.device import CupyDevice
+
+    eng = _biased_or_scaled(tmp_path, family)
+    compare(eng, lambda: DenseFFN(eng.cfg), plan_for("all", eng.cfg, dense=True), "f32",
+            CupyDevice(), exact_counts=True, tol=TOL["f32"])
 
 
 def test_gpu_engine_refuses_other_families(tmp_path):

@@ -47,7 +47,7 @@ step() {
     timeout "$t" "$@" > "$OUT/$name.log" 2>&1
     echo "$name rc=$? $(( $(date +%s) - s0 )) s" >> "$L"
 }
-step 110 pytest python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_hybrid.py tests/test_cuda_host.py
+step 120 pytest python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_hybrid.py tests/test_cuda_host.py tests/test_families.py
 SO=$(ls /tmp/base/pyinfer/ops/_kernels*.so 2>/dev/null | head -1)
 step 90 cold python3 tools/bench_cold.py --threads 1 4 8 $(nproc) --reps 5 ${SO:+--so $SO}
 step 200 new7ab python3 tools/bench_gpu.py $B --shape 7b --budgets 1.0,0.5 --gate-up-ab
