@@ -130,12 +130,11 @@ class Model:
             lw = w.layers[i]
             # attention
             fam.norm(cfg, x, lw.attn_norm, lw.attn_norm_b, h)
-            if isp is None and lw.bq is None and lw.bk is None and lw.bv is None:
+            if isp is None:
                 linear_many((lw.wq, lw.wk, lw.wv), h, (q, k, v), nt)  # h quantized once
-            elif isp is None:
-                _linear_b(lw.wq, lw.bq, h, q, nt)
-                _linear_b(lw.wk, lw.bk, h, k, nt)
-                _linear_b(lw.wv, lw.bv, h, v, nt)
+                for proj, b in ((q, lw.bq), (k, lw.bk), (v, lw.bv)):  # Qwen2's biases
+                    if b is not None:
+                        proj += b
             else:  # input sparsity (Llama-shaped files only): q, k, v from the transposed [wq; wk; wv]
                 isp.qkv(lw, i, h, q, k, v, nt)
             q3 = q.reshape(T, cfg.n_head, cfg.head_dim)
