@@ -165,6 +165,19 @@ def test_default_conversion_without_a_sparse_mode(tmp_path, capsys):
     assert read_field(gguf.GGUFReader(glu), C.K_SPARSE_MODE) == C.SPARSE_MODE_GLU
 
 
+def tiny_qwen2_or_llama3(tmp_path, family, tag):
+    """(dir, transformers' logits) of a tiny Qwen2 (q/k/v biases) or Llama 3 (scaled RoPE)."""
+    if family == "qwen2":
+        return build(tmp_path, f"qwen2-{tag}", transformers.Qwen2ForCausalLM,
+                     transformers.Qwen2Config, hidden_size=64, intermediate_size=128,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     rope_theta=10000.0)
+    return build(tmp_path, f"llama3-{tag}", transformers.LlamaForCausalLM,
+                 transformers.LlamaConfig, hidden_size=64, intermediate_size=128,
+                 num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                 max_position_embeddings=256, rope_parameters=dict(LLAMA3_ROPE, rope_theta=10000.0))
+
+
 @pytest.mark.parametrize("family", ["qwen2", "llama3"])
 def test_sparse_mode_input_with_biases_and_rope_divisors(tmp_path, capsys, family):
     """Qwen2 (q/k/v biases) and Llama 3 (RoPE frequency divisors) files take sparse mode input by
@@ -175,17 +188,7 @@ def test_sparse_mode_input_with_biases_and_rope_divisors(tmp_path, capsys, famil
     from pyinfer import constants as C
     from pyinfer.config import read_field
 
-    if family == "qwen2":
-        d, ref = build(tmp_path, "qwen2-in", transformers.Qwen2ForCausalLM,
-                       transformers.Qwen2Config, hidden_size=64, intermediate_size=128,
-                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       rope_theta=10000.0)
-    else:
-        d, ref = build(tmp_path, "llama3-in", transformers.LlamaForCausalLM,
-                       transformers.LlamaConfig, hidden_size=64, intermediate_size=128,
-                       num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                       max_position_embeddings=256,
-                       rope_parameters=dict(LLAMA3_ROPE, rope_theta=10000.0))
+    d, ref = tiny_qwen2_or_llama3(tmp_path, family, "in")
     out = str(tmp_path / f"{family}-in.gguf")
     assert convert_main([d, out, "--outtype", "f16", "--calib-tokens", "256", "-t", "1"]) == 0
     assert "sparse mode input" in capsys.readouterr().err
@@ -420,16 +423,7 @@ def test_gpu_model_runs_biases_and_rope_divisors(tmp_path, family, kind):
 
 def _biased_or_scaled(tmp_path, family):
     """An f32 neuron-major Engine of a tiny Qwen2 (q/k/v biases) or Llama 3 (scaled RoPE)."""
-    if family == "qwen2":
-        d, _ = build(tmp_path, "qwen2-gpu", transformers.Qwen2ForCausalLM,
-                     transformers.Qwen2Config, hidden_size=64, intermediate_size=128,
-                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                     rope_theta=10000.0)
-    else:
-        d, _ = build(tmp_path, "llama3-gpu", transformers.LlamaForCausalLM,
-                     transformers.LlamaConfig, hidden_size=64, intermediate_size=128,
-                     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                     max_position_embeddings=256, rope_parameters=dict(LLAMA3_ROPE, rope_theta=10000.0))
+    d, _ = tiny_qwen2_or_llama3(tmp_path, family, "gpu")
     eng = Engine(convert(d, tmp_path, rows=False), n_ctx=64, n_threads=2)  # ffn_down_t
     assert eng.model.llama_fused and not eng.model.llama_plain
     return eng
