@@ -49,7 +49,7 @@ class Model:
         self.lm_head = lm_head if lm_head is not None else self.input_sparse
         self.llama_plain = cfg.llama_plain and weights.llama_plain  # the fused kernels fit
         # one-token steps through the fused CPU kernels, which also take Llama 3's RoPE divisors
-        # and Qwen2's q/k/v biases (the GPU engine needs llama_plain)
+        # and Qwen2's q/k/v biases (the GPU engine takes them too; sparse mode input likewise)
         self.llama_fused = cfg.llama_plain and weights.llama_fused
         if self.input_sparse is not None:
             self.input_sparse.rope_freqs = weights.rope_freqs
