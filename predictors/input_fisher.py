@@ -61,9 +61,7 @@ class TorchLlama:
                 attn_norm=v(lw.attn_norm), ffn_norm=v(lw.ffn_norm),
                 wqkv=torch.cat([t(lw.wq), t(lw.wk), t(lw.wv)]),  # (n_embd_q + 2 n_embd_kv, n_embd)
                 # [bq; bk; bv] (Qwen2) or None
-                bqkv=None if lw.bq is None and lw.bk is None and lw.bv is None else torch.cat(
-                    [v(np.zeros(n, np.float32) if b is None else b) for b, n in (
-                        (lw.bq, cfg.n_embd_q), (lw.bk, cfg.n_embd_kv), (lw.bv, cfg.n_embd_kv))]),
+                bqkv=v(lw.qkv_bias(cfg)) if lw.has_qkv_bias else None,
                 wo=t(lw.wo),  # (n_embd, n_embd_q)
                 wgu=torch.cat([t(lw.ffn_gate), t(lw.ffn_up)]),  # (2 n_ff, n_embd)
                 wd=t(lw.ffn_down_t).T.contiguous()))  # (n_embd, n_ff)

@@ -219,10 +219,7 @@ class _Block:
         self.cfg, self.lw, self.xs, self.nt = cfg, lw, xs, n_threads
         self.rope_freqs = rope_freqs  # the file's RoPE frequency divisors, or None
         self.wqkv = np.concatenate([dequantize(lw.wq), dequantize(lw.wk), dequantize(lw.wv)]).T
-        self.bqkv = None  # [bq; bk; bv] where the layer has q/k/v biases (Qwen2)
-        if lw.bq is not None or lw.bk is not None or lw.bv is not None:
-            self.bqkv = np.concatenate([np.zeros(n, np.float32) if b is None else b for b, n in (
-                (lw.bq, cfg.n_embd_q), (lw.bk, cfg.n_embd_kv), (lw.bv, cfg.n_embd_kv))])
+        self.bqkv = lw.qkv_bias(cfg)  # [bq; bk; bv] where the layer has q/k/v biases (Qwen2)
         self.wo = np.ascontiguousarray(dequantize(lw.wo).T)  # (n_embd_q, n_embd)
         self.wgu = np.concatenate([dequantize(lw.ffn_gate), dequantize(lw.ffn_up)]).T
         self.wd = dequantize(lw.ffn_down_t)  # (n_ff, n_embd)

@@ -77,20 +77,6 @@ def _input_scale_bytes(lw) -> int:
     return sum(int(np.asarray(v).nbytes) for v in (lw.in_scale or {}).values())
 
 
-def _has_qkv_bias(lw) -> bool:
-    return lw.bq is not None or lw.bk is not None or lw.bv is not None
-
-
-def qkv_bias(cfg: ModelConfig, lw) -> np.ndarray | None:
-    """[bq; bk; bv] (n_embd_q + 2 n_embd_kv,) f32 of a layer with q/k/v biases (Qwen2; a missing
-    one as zeros), else None: added to the fused q/k/v projection's output before RoPE."""
-    if not _has_qkv_bias(lw):
-        return None
-    return np.concatenate([np.zeros(n, np.float32) if b is None else np.asarray(b, np.float32)
-                           for b, n in ((lw.bq, cfg.n_embd_q), (lw.bk, cfg.n_embd_kv),
-                                        (lw.bv, cfg.n_embd_kv))])
-
-
 def _dev_bytes(t) -> int:
     """Bytes of a sparse mode "input" matrix on the device (an input-block one without the zero
     outputs a file may append: ``cpu.IBTensor.device_nbytes``)."""
@@ -103,7 +89,7 @@ def layer_fixed_bytes(cfg: ModelConfig, lw, n_ctx: int, predictor) -> int:
     for a sparse mode "input" layer the attention matrices (the same bytes in the device's
     input-block or transposed layout) and the WINA column scales."""
     b = 2 * cfg.n_embd * 4
-    if _has_qkv_bias(lw):  # [bq; bk; bv] f32 (Qwen2)
+    if lw.has_qkv_bias:  # [bq; bk; bv] f32 (Qwen2)
         b += 4 * (cfg.n_embd_q + 2 * cfg.n_embd_kv)
     if is_input_layer(lw):
         b += _dev_bytes(lw.attn_qkv_t) + _dev_bytes(lw.attn_output_t) + _input_scale_bytes(lw)
@@ -257,7 +243,7 @@ class _ResidentLayer:
                 self.wq, self.wk, self.wv = dev.rows([lw.wq]), dev.rows([lw.wk]), dev.rows([lw.wv])
             self.wo = dev.rows([lw.wo])  # (n_embd, n_head * head_dim)
         self.attn_norm = dev.array(np.asarray(lw.attn_norm, np.float32))  # (n_embd,)
-        b = qkv_bias(cfg, lw)  # (n_q + 2 n_kv,) [bq; bk; bv] (Qwen2) or None
+        b = lw.qkv_bias(cfg)  # (n_q + 2 n_kv,) [bq; bk; bv] (Qwen2) or None
         self.bqkv = None if b is None else dev.array(b)
         self.ffn_norm = dev.array(np.asarray(lw.ffn_norm, np.float32))
         shape = (n_ctx, cfg.n_head_kv, cfg.head_dim)

@@ -201,15 +201,11 @@ class InputSparseFFN(InputSparseHead):
     def _bqkv(self, lw) -> np.ndarray | None:
         """[bq; bk; bv] (n_embd_q + 2 n_embd_kv,) f32 of a layer with q/k/v biases (a missing one
         as zeros), made once per layer; None without biases."""
-        if lw.bq is None and lw.bk is None and lw.bv is None:
+        if not lw.has_qkv_bias:
             return None
         hit = self._bqkv_cache.get(id(lw))
         if hit is None or hit[0] is not lw:
-            cfg = self.cfg
-            parts = [np.zeros(n, np.float32) if b is None else np.asarray(b, np.float32)
-                     for b, n in ((lw.bq, cfg.n_embd_q), (lw.bk, cfg.n_embd_kv),
-                                  (lw.bv, cfg.n_embd_kv))]
-            hit = self._bqkv_cache[id(lw)] = (lw, np.concatenate(parts))
+            hit = self._bqkv_cache[id(lw)] = (lw, lw.qkv_bias(self.cfg))
         return hit[1]
 
     # ---- one token: fused half-layers ----------------------------------------------------------

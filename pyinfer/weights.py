@@ -70,6 +70,19 @@ class LayerWeights:
         return any(b is not None for b in (self.attn_norm_b, self.ffn_norm_b, self.bq, self.bk,
                                            self.bv, self.bo, self.ffn_up_b, self.ffn_down_b))
 
+    @property
+    def has_qkv_bias(self) -> bool:
+        return self.bq is not None or self.bk is not None or self.bv is not None
+
+    def qkv_bias(self, cfg: ModelConfig) -> np.ndarray | None:
+        """[bq; bk; bv] (n_embd_q + 2 n_embd_kv,) f32 where the layer has q/k/v biases (Qwen2; a
+        missing one as zeros), else None: what a fused q/k/v projection's output gets added."""
+        if not self.has_qkv_bias:
+            return None
+        return np.concatenate([np.zeros(n, np.float32) if b is None else np.asarray(b, np.float32)
+                               for b, n in ((self.bq, cfg.n_embd_q), (self.bk, cfg.n_embd_kv),
+                                            (self.bv, cfg.n_embd_kv))])
+
 
 @dataclass
 class ModelWeights:
@@ -86,18 +99,17 @@ class ModelWeights:
 
     @property
     def llama_plain(self) -> bool:
-        """True where nothing in the weights needs more than the fused Llama kernels."""
-        return (self.rope_freqs is None and self.pos_embd is None and self.output_norm_b is None
-                and not any(lw.has_bias or lw.has_extra_norms
-                            or (lw.ffn_gate is None and lw.ffn_gate_up_t is None)
-                            for lw in self.layers))
+        """True where the weights are a plain Llama's: ``llama_fused`` without RoPE frequency
+        divisors or q/k/v biases."""
+        return (self.rope_freqs is None and self.llama_fused
+                and not any(lw.has_qkv_bias for lw in self.layers))
 
     @property
     def llama_fused(self) -> bool:
-        """True where the fused CPU decode kernels (``cpu.decode_attn`` / ``decode_ffn``) compute
-        these weights: ``llama_plain``'s, or with RoPE frequency divisors (Llama 3's rope_freqs)
-        and q/k/v biases (Qwen2), which those kernels take; other biases and norms still need the
-        kernel-by-kernel loop (and the GPU engine and sparse mode input ``llama_plain``)."""
+        """True where the fused kernels (``cpu.decode_attn`` / ``decode_ffn``, sparse mode input,
+        the GPU engine) compute these weights: a plain Llama's, or with RoPE frequency divisors
+        (Llama 3's rope_freqs) and q/k/v biases (Qwen2), which those take; other biases and norms
+        need the kernel-by-kernel loop."""
         return (self.pos_embd is None and self.output_norm_b is None
                 and not any(lw.has_extra_norms
                             or any(b is not None for b in (lw.attn_norm_b, lw.ffn_norm_b, lw.bo,
