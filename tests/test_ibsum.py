@@ -458,15 +458,24 @@ def test_lm_head_sparsity(head_dir, tmp_path, score):
 
 def test_topk_indices():
     """The two-stage head's candidate set against NumPy's sort (value descending, then index
-    ascending): ties, NaNs, k past the non-NaN count, k = 0."""
+    ascending): ties, NaNs, infinities, k past the non-NaN count, k = 0; small vectors (the
+    heap alone) and vocabulary-sized ones (cython/topk.h's bound from group maxima, and its
+    fallback where ties put too many values at the bound)."""
     rng = np.random.default_rng(4)
-    for trial in range(120):
-        n, k = int(rng.integers(1, 3000)), int(rng.integers(0, 300))
+    for trial in range(200):
+        big = trial >= 120
+        n = int(rng.integers(4096, 70000)) if big else int(rng.integers(1, 3000))
+        k = int(rng.integers(0, 300))
         x = rng.standard_normal(n).astype(np.float32)
+        if big and trial % 5 == 1:
+            x = np.sort(x)  # ascending: every value would enter a plain heap
         if trial % 3 == 0:
             x = np.round(x * 2).astype(np.float32)  # many ties at the boundary
         if trial % 4 == 0:
             x[rng.random(n) < 0.2] = np.nan
+        if big and trial % 7 == 0:
+            x[rng.random(n) < 0.01] = np.inf
+            x[rng.random(n) < 0.3] = -np.inf
         out = np.full(max(k, 1), -1, np.int32)
         m = cpu.topk_indices(x, k, out)
         ok = np.flatnonzero(~np.isnan(x))
