@@ -418,18 +418,25 @@ def transposed_jobs(jobs, cfg, outtype: str, scales: list[dict] | None):
     ffn_down replaced by the four matrices of input sparsity (same place in the file), plus the
     WINA column norms ``scales`` (per layer {group: (n_in,) f32}) when given.
 
-    A matrix whose type (``matrix_qtype`` over its n_in inputs) is q8_0, q4_0 or q4_1 and whose outputs
-    are a multiple of 64 takes the input-block layout (``C.IB``, ``cpu.IBTensor``: the row-major
+    A matrix whose type (``matrix_qtype`` over its n_in inputs, then ``ib_qtype``: Q4_K as Q4_1,
+    Q6_K as Q8_0) is q8_0, q4_0 or q4_1 and whose outputs are a multiple of 64 takes the
+    input-block layout (``C.IB``, ``cpu.IBTensor``: the row-major
     quantization regrouped by input channel; decode reads a kept channel's row at the GEMV's
     int8 cost per byte); the others are stored transposed (``attn_qkv_t``, ``attn_output_t``,
     ``ffn_gate_up_t``, ``ffn_down_t``) for the f32 / int16 AXPY of rowsum_team.h. outtype
     ``auto`` (``C.OUTTYPE_AUTO``, the default for a GGUF source) takes each group's type from its
-    source job: wq's for q/k/v, attn_output's, ffn_gate's for gate/up, ffn_down's."""
+    source job: wq's for q/k/v, attn_output's, ffn_gate's for gate/up, ffn_down's. The down
+    projection comes as the plan's ``ffn_down_t`` (n_ff, n_embd) or, with its ``down_rows``,
+    llama.cpp's ``ffn_down`` (n_embd, n_ff), whose stored Q4_K blocks are then regrouped as they
+    are."""
     from convert.writer import TensorJob, job_floats, matrix_qtype
     from pyinfer.ops import cpu
-    from pyinfer.quants import quantize
+    from pyinfer.quants import q4_k_to_q4_1, quantize
 
     by_name = {j.name: j for j in jobs}
+    # the down projection as the plan gives it: llama.cpp's rows (n_embd, n_ff; the plan's
+    # down_rows, which keeps a quantized source's blocks) or ffn_down_t (n_ff, n_embd)
+    rows_down = C.SRC_FFN_DOWN.format(bid=0) in by_name
     drop = set()
     out = []
     n_qkv = cfg.n_embd_q + 2 * cfg.n_embd_kv
@@ -442,7 +449,8 @@ def transposed_jobs(jobs, cfg, outtype: str, scales: list[dict] | None):
         i = int(j.name.split(".")[1])
         name = {key: tmpl.format(bid=i) for key, tmpl in (
             ("q", C.ATTN_Q), ("k", C.ATTN_K), ("v", C.ATTN_V), ("o", C.ATTN_OUT),
-            ("g", C.FFN_GATE), ("u", C.FFN_UP), ("d", C.FFN_DOWN_T))}
+            ("g", C.FFN_GATE), ("u", C.FFN_UP),
+            ("d", C.SRC_FFN_DOWN if rows_down else C.FFN_DOWN_T))}
         src = {key: by_name[n] for key, n in name.items()}
         drop.update(name.values())
 
@@ -456,28 +464,38 @@ def transposed_jobs(jobs, cfg, outtype: str, scales: list[dict] | None):
         def gu(s=src):
             return np.concatenate([job_floats(s["g"]), job_floats(s["u"])])
 
-        def down(s=src):  # the converter's ffn_down_t job is (n_ff, n_embd)
-            return np.ascontiguousarray(job_floats(s["d"]).T)
+        def down(s=src):  # (n_embd, n_ff), from either layout
+            w = job_floats(s["d"])
+            return w if rows_down else np.ascontiguousarray(w.T)
 
-        for g, load, n_out, n_in, t_name in (
-                ("attn_qkv", qkv, n_qkv, cfg.n_embd, C.ATTN_QKV_T),
-                ("attn_output", o, cfg.n_embd, cfg.n_embd_q, C.ATTN_OUT_T),
-                ("ffn_gate_up", gu, 2 * cfg.n_ff, cfg.n_embd, C.FFN_GATE_UP_T),
-                ("ffn_down", down, cfg.n_embd, cfg.n_ff, C.FFN_DOWN_T)):
-            ot = src[{"attn_qkv": "q", "attn_output": "o", "ffn_gate_up": "g",
-                      "ffn_down": "d"}[g]].qtype if outtype == C.OUTTYPE_AUTO else outtype
-            qt = matrix_qtype(n_in, ot)
+        for g, load, n_out, n_in, t_name, members in (
+                ("attn_qkv", qkv, n_qkv, cfg.n_embd, C.ATTN_QKV_T, "qkv"),
+                ("attn_output", o, cfg.n_embd, cfg.n_embd_q, C.ATTN_OUT_T, "o"),
+                ("ffn_gate_up", gu, 2 * cfg.n_ff, cfg.n_embd, C.FFN_GATE_UP_T, "gu"),
+                ("ffn_down", down, cfg.n_embd, cfg.n_ff, C.FFN_DOWN_T, "d")):
+            ot = src[members[0]].qtype if outtype == C.OUTTYPE_AUTO else outtype
+            qt = ib_qtype(matrix_qtype(n_in, ot))
             if cpu.ib_supported(qt, n_out, n_in):
-                def ib(load=load, qt=qt, n_out=n_out, n_in=n_in):
-                    w = np.ascontiguousarray(load(), np.float32)
-                    return cpu.ib_padded_from_rows(
-                        quantize(w, qt).view(np.uint8).reshape(n_out, -1), qt, n_out, n_in)
+                if qt == C.QT.Q4_1 and matrix_qtype(n_in, ot) == C.QT.Q4_K:
+                    def rows(members=members, s=src):  # Q4_K's numbers, regrouped
+                        return q4_k_to_q4_1(np.concatenate([_q4_k_rows(s[m]) for m in members]))
+                else:
+                    def rows(load=load, qt=qt, n_out=n_out):
+                        w = np.ascontiguousarray(load(), np.float32)
+                        return quantize(w, qt).view(np.uint8).reshape(n_out, -1)
+
+                def ib(rows=rows, qt=qt, n_out=n_out, n_in=n_in):
+                    return cpu.ib_padded_from_rows(rows(), qt, n_out, n_in)
                 # (zero outputs appended where the value rows would alias: cpu.ib_pad_outs)
                 n_lay = n_out + cpu.ib_pad_outs(qt, n_out)
                 out.append(TensorJob(C.IB[g].format(bid=i), (n_in // 32, 32 * n_lay), qt, ib,
                                      raw=True))
-            elif g == "ffn_down":
+            elif g == "ffn_down" and not rows_down:
                 out.append(src["d"])
+            elif g == "ffn_down":  # ffn_down_t re-encoded from the rows, as the plan does
+                out.append(TensorJob(C.FFN_DOWN_T.format(bid=i), (n_in, n_out),
+                                     matrix_qtype(n_out, ot),
+                                     lambda load=load: np.ascontiguousarray(load().T)))
             else:
                 out.append(TensorJob(t_name.format(bid=i), (n_in, n_out),
                                      matrix_qtype(n_out, ot),
@@ -491,6 +509,32 @@ def transposed_jobs(jobs, cfg, outtype: str, scales: list[dict] | None):
     return out
 
 
+# Types without an input-block layout whose matrices take one of another type in sparse mode
+# input: Q4_K regrouped as Q4_1 (the same 4-bit numbers, pyinfer.quants.q4_k_to_q4_1; 20 bytes
+# per 32 values against 18), Q6_K requantized to Q8_0 (8.5 bits a value against 6.56: at 25% of
+# the inputs skipped about what the source reads). llama.cpp's Q4_K_M files mix the two (Q6_K
+# for attn_v and ffn_down of some layers). Q5_K (5.5 bits) has none: Q8_0 would read more than
+# the source at the default sparsity. A group takes the type of its first matrix (wq for q/k/v,
+# ffn_gate for gate/up), the others requantized to it, as for every type.
+IB_FROM = {C.QT.Q4_K: C.QT.Q4_1, C.QT.Q6_K: C.QT.Q8_0}
+
+
+def ib_qtype(qt):
+    """The type a group's matrix of type ``qt`` is stored in by ``transposed_jobs`` (IB_FROM)."""
+    return IB_FROM.get(qt, qt)
+
+
+def _q4_k_rows(job) -> np.ndarray:
+    """A job's matrix as Q4_K rows, uint8 (rows, bytes): as stored where the plan copies a Q4_K
+    source (its own blocks), else its floats quantized to Q4_K."""
+    from convert.writer import job_floats
+    from pyinfer.quants import quantize
+
+    if job.raw and job.qtype == C.QT.Q4_K:
+        return np.asarray(job.load(), np.uint8).reshape(job.shape[0], -1)
+    return quantize(job_floats(job), C.QT.Q4_K)
+
+
 def group_qtypes(weights, cfg, outtype: str) -> list:
     """Per layer and group (``C.IN_GROUPS`` order) the type ``transposed_jobs`` gives the group's
     matrix, from the staging file's dense ``weights`` (wq stands for q/k/v, ffn_gate for gate/up,
@@ -501,7 +545,8 @@ def group_qtypes(weights, cfg, outtype: str) -> list:
     out = []
     for lw in weights.layers:
         src = (lw.wq, lw.wo, lw.ffn_gate, lw.ffn_down_t)
-        out.append([matrix_qtype(sizes[g][0], s.qtype if outtype == C.OUTTYPE_AUTO else outtype)
+        out.append([ib_qtype(matrix_qtype(sizes[g][0],
+                                          s.qtype if outtype == C.OUTTYPE_AUTO else outtype))
                     for g, s in zip(C.IN_GROUPS, src)])
     return out
 
@@ -735,7 +780,10 @@ def input_stage(src: str, out: str, outtype: str, opts, eng, seqs, source: str, 
     t0 = time.perf_counter()
     from predictors.offline import DEFAULT_LM_HEAD_SPARSITY, DEFAULT_LM_HEAD_SPARSITY_TWO_STAGE
 
-    meta, jobs = plan(src, outtype, allow_unused)
+    # the down projection's rows as the source stores them (a Q4_K source's blocks are
+    # regrouped, not requantized: ib_qtype); transposed_jobs writes what the run reads
+    meta, jobs = plan(src, outtype, allow_unused, down_rows=True)
+    meta.string(C.K_FFN_LAYOUT, C.FFN_LAYOUT_NEURON_MAJOR)
     asked = opts.lm_head_sparsity
     k_cand = head_candidates(jobs, cfg, opts.lm_head_candidates) if asked != 0 else 0
     want = (asked if asked is not None else

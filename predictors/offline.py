@@ -233,12 +233,15 @@ def default_mode(cfg, weights, outtype: str, opts: OfflineOptions) -> str:
     return C.SPARSE_MODE_INPUT if input_mode_pays(weights, cfg, outtype) else mode
 
 
-def _plan(src: str, outtype: str, allow_unused: bool = False):
-    """The converter's metadata and tensor jobs (convert.cli.convert already checked the paths)."""
+def _plan(src: str, outtype: str, allow_unused: bool = False, down_rows: bool = False):
+    """The converter's metadata and tensor jobs (convert.cli.convert already checked the paths);
+    ``down_rows``: the down projection in llama.cpp's row layout (see plan_gguf / plan_hf)."""
     from convert.from_gguf import plan_gguf
     from convert.hf import plan_hf
 
-    return plan_hf(src, outtype, allow_unused) if os.path.isdir(src) else plan_gguf(src, outtype, allow_unused)
+    if os.path.isdir(src):
+        return plan_hf(src, outtype, allow_unused, down_rows=down_rows)
+    return plan_gguf(src, outtype, allow_unused, down_rows=down_rows)
 
 
 def _have_torch() -> bool:

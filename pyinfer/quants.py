@@ -215,3 +215,46 @@ def quantize_numpy(a: np.ndarray, qtype) -> np.ndarray:
     else:
         blocks = _quantize_q6_k(x)
     return np.ascontiguousarray(blocks.reshape(rows, -1))
+
+
+def q4_k_to_q4_1(raw: np.ndarray) -> np.ndarray:
+    """Q4_K rows -> Q4_1 rows of the same 4-bit values: uint8 (rows, 144 * n / 256) -> uint8
+    (rows, 20 * n / 32), for n values a row.
+
+    A Q4_K super-block (ggml-common.h ``block_q4_K``: f16 d, f16 dmin, 12 bytes of eight 6-bit
+    scales sc_s and mins m_s, 128 bytes of nibbles) decodes its 32-value sub-block s as
+    w = (d sc_s) q - (dmin m_s), q in 0..15 (ggml-quants.c ``dequantize_row_q4_K``): the form of a
+    Q4_1 block, w = d' q + m'. So each sub-block becomes one Q4_1 block with the same nibbles and
+    d' = f16(d sc_s), m' = f16(-dmin m_s): the two f16 roundings (2^-11 of the scale and of the
+    min, relative; less precision below f16's smallest normal, 6.1e-5) are the only change, where
+    requantizing the decoded values to Q4_1 would move them by up to half a step. Q4_1 takes 20
+    bytes per 32 values against Q4_K's 18. Sparse mode input stores Q4_K matrices so
+    (predictors/input_sparse.py ``transposed_jobs``): the input-block kernels read Q4_1.
+    Raises ValueError for rows that are not whole super-blocks, or a scale or min that f16
+    cannot hold."""
+    raw = np.ascontiguousarray(raw, np.uint8)
+    if raw.ndim != 2 or raw.shape[1] % 144:
+        raise ValueError(f"Q4_K rows must be (rows, a multiple of 144 bytes), got {raw.shape}")
+    rows = raw.shape[0]
+    b = raw.reshape(-1, 144)
+    S = b.shape[0]
+    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)  # (S, 1)
+    dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc = b[:, 4:16].astype(np.uint8)
+    ls = np.empty((S, 8), np.uint8)  # the inverse of _pack_k4_scales
+    lm = np.empty((S, 8), np.uint8)
+    ls[:, 0:4], lm[:, 0:4] = sc[:, 0:4] & 63, sc[:, 4:8] & 63
+    ls[:, 4:8] = (sc[:, 8:12] & 0xF) | ((sc[:, 0:4] >> 6) << 4)
+    lm[:, 4:8] = (sc[:, 8:12] >> 4) | ((sc[:, 4:8] >> 6) << 4)
+    qs = b[:, 16:144].reshape(S, 4, 32)  # 64-value chunk c: sub-block 2c low nibbles, 2c + 1 high
+    L = np.stack([qs & 15, qs >> 4], axis=2).reshape(S, 8, 32)  # sub-block s, its values in order
+    with np.errstate(over="ignore"):
+        dd = (d * ls.astype(np.float32)).astype(np.float16)  # (S, 8)
+        mm = (-(dmin * lm.astype(np.float32))).astype(np.float16)
+    if not (np.isfinite(dd).all() and np.isfinite(mm).all()):
+        raise ValueError("a Q4_K scale or min does not fit in f16")
+    out = np.empty((S, 8, 20), np.uint8)
+    out[:, :, 0:2] = dd.view(np.uint8).reshape(S, 8, 2)
+    out[:, :, 2:4] = mm.view(np.uint8).reshape(S, 8, 2)
+    out[:, :, 4:20] = L[:, :, :16] | (L[:, :, 16:] << 4)  # Q4_1: byte i holds values i and i + 16
+    return out.reshape(rows, -1)

@@ -740,3 +740,71 @@ def test_chat_stats_name_weight_reads(input_file):
     s = llm.last_stats
     assert text and s.sparsity_label == "weight reads skipped" and 0.05 < s.ffn_sparsity < 0.9
     assert f"weight reads skipped {100 * s.ffn_sparsity:.1f}%" in format_stats(s)
+
+
+def test_q4_k_to_q4_1_keeps_the_numbers():
+    """Q4_K rows regrouped as Q4_1 decode (gguf.quants) to the Q4_K decoding up to the f16
+    rounding of each sub-block's scale d sc and min dmin m, far inside a quantization step."""
+    from pyinfer.quants import q4_k_to_q4_1, quantize
+
+    rng = np.random.default_rng(7)
+    w = (rng.standard_normal((48, 768)) * 0.05).astype(np.float32)
+    w[5] += 0.3  # an offset row: mins far from 0
+    w[9, :256] = 0.0  # an all-zero super-block
+    k = quantize(w, gguf.GGMLQuantizationType.Q4_K)
+    q = q4_k_to_q4_1(k)
+    assert q.shape == (48, 768 // 32 * 20)
+    a = gguf.quants.dequantize(k, gguf.GGMLQuantizationType.Q4_K).reshape(48, -1)
+    b = gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q4_1).reshape(48, -1)
+    blocks = q.reshape(-1, 20)
+    d = np.abs(blocks[:, 0:2].copy().view(np.float16).astype(np.float32))
+    m = np.abs(blocks[:, 2:4].copy().view(np.float16).astype(np.float32))
+    bound = (2.0 ** -11 * (15 * d + m) + 1e-7).reshape(48, -1, 1)  # per 32-value block
+    err = np.abs(a - b).reshape(48, -1, 32)
+    assert (err <= bound).all()
+    step = np.abs(a - w).max()
+    assert err.max() < 0.05 * step  # requantizing to Q4_1 would move values by up to half a step
+    with pytest.raises(ValueError):
+        q4_k_to_q4_1(np.zeros((2, 100), np.uint8))
+
+
+def test_q4_k_source_takes_input_mode_with_its_own_numbers(tmp_path):
+    """A Q4_K GGUF (every matrix Q4_K: rows of 256) converts to sparse mode input by default;
+    each group's input-block matrix holds the source's Q4_K numbers regrouped as Q4_1 (decoded
+    by gguf.quants: equal up to the f16 rounding of the scales), and the file run with every
+    input kept computes the dense Q4_K file's function (same argmax at every position)."""
+    from pyinfer.ops import cpu
+
+    QT = gguf.GGMLQuantizationType
+    hf = make_random_llama(tmp_path, hidden_size=256, intermediate_size=512, n_layers=2,
+                           n_heads=4, n_kv_heads=2, name="q4k")
+    src, out = str(tmp_path / "q4k.gguf"), str(tmp_path / "in.gguf")
+    assert convert_main([hf, src, "--outtype", "q4_k", "--dense", "-t", "1"]) == 0
+    assert convert_main([src, out, *CALIB]) == 0
+    r_src, r_out = gguf.GGUFReader(src), gguf.GGUFReader(out)
+    assert read_field(r_out, C.K_SPARSE_MODE) == C.SPARSE_MODE_INPUT
+    t_src = {t.name: t for t in r_src.tensors}
+    t_out = {t.name: t for t in r_out.tensors}
+
+    def k_rows(*names):
+        for n in names:
+            assert t_src[n].tensor_type == QT.Q4_K, n
+        return np.concatenate([gguf.quants.dequantize(np.asarray(t_src[n].data), QT.Q4_K)
+                               for n in names])
+
+    groups = {"attn_qkv": ("attn_q", "attn_k", "attn_v"), "attn_output": ("attn_output",),
+              "ffn_gate_up": ("ffn_gate", "ffn_up"), "ffn_down": ("ffn_down",)}
+    for i in range(2):
+        for g, parts in groups.items():
+            t = t_out[C.IB[g].format(bid=i)]
+            assert t.tensor_type == QT.Q4_1, (g, t.tensor_type)
+            want = k_rows(*(f"blk.{i}.{p}.weight" for p in parts))
+            n_out, n_in = want.shape
+            rows = cpu.ib_to_rows(np.asarray(t.data).reshape(-1), QT.Q4_1, n_out, n_in)
+            got = gguf.quants.dequantize(rows, QT.Q4_1).reshape(n_out, n_in)
+            assert np.abs(got - want).max() <= 2.0 ** -10 * np.abs(want).max(), (i, g)
+    ids = list(range(3, 40))
+    a = Engine(src, n_ctx=64, n_threads=1).forward(ids, 0, all_logits=True)
+    b = Engine(out, n_ctx=64, n_threads=1, dense=True).forward(ids, 0, all_logits=True)
+    assert (a.argmax(-1) == b.argmax(-1)).mean() >= 0.95
+    assert np.abs(a - b).max() < 0.05 * np.abs(a).max()
