@@ -768,41 +768,47 @@ def test_q4_k_to_q4_1_keeps_the_numbers():
         q4_k_to_q4_1(np.zeros((2, 100), np.uint8))
 
 
-def test_q4_k_source_takes_input_mode_with_its_own_numbers(tmp_path):
-    """A Q4_K GGUF (every matrix Q4_K: rows of 256) converts to sparse mode input by default;
-    each group's input-block matrix holds the source's Q4_K numbers regrouped as Q4_1 (decoded
-    by gguf.quants: equal up to the f16 rounding of the scales), and the file run with every
-    input kept computes the dense Q4_K file's function (same argmax at every position)."""
+def test_q4_k_m_source_takes_input_mode_with_its_own_numbers(tmp_path):
+    """A llama.cpp Q4_K_M-like GGUF (Q/K rows permuted, ffn_down Q6_K, the other matrices Q4_K:
+    rows of 256) converts to sparse mode input by default; the input-block matrices hold the
+    source's Q4_K numbers regrouped as Q4_1 (decoded by gguf.quants: equal up to the f16
+    rounding of the scales) and the Q6_K down projection requantized to Q8_0, and the file run
+    with every input kept computes the source file's function."""
+    from convert.from_gguf import unpermute_qk
     from pyinfer.ops import cpu
+    from tests._models import write_llamacpp_gguf
 
     QT = gguf.GGMLQuantizationType
     hf = make_random_llama(tmp_path, hidden_size=256, intermediate_size=512, n_layers=2,
-                           n_heads=4, n_kv_heads=2, name="q4k")
-    src, out = str(tmp_path / "q4k.gguf"), str(tmp_path / "in.gguf")
-    assert convert_main([hf, src, "--outtype", "q4_k", "--dense", "-t", "1"]) == 0
+                           n_heads=4, n_kv_heads=2, name="q4km")
+    src, out = str(tmp_path / "q4km.gguf"), str(tmp_path / "in.gguf")
+    write_llamacpp_gguf(hf, src, "q4_k", down_qtype="q6_k")
     assert convert_main([src, out, *CALIB]) == 0
     r_src, r_out = gguf.GGUFReader(src), gguf.GGUFReader(out)
     assert read_field(r_out, C.K_SPARSE_MODE) == C.SPARSE_MODE_INPUT
     t_src = {t.name: t for t in r_src.tensors}
     t_out = {t.name: t for t in r_out.tensors}
 
-    def k_rows(*names):
-        for n in names:
-            assert t_src[n].tensor_type == QT.Q4_K, n
-        return np.concatenate([gguf.quants.dequantize(np.asarray(t_src[n].data), QT.Q4_K)
-                               for n in names])
+    def src_rows(i, part):  # the source's matrix decoded, rows in Hugging Face order
+        t = t_src[f"blk.{i}.{part}.weight"]
+        assert t.tensor_type == (QT.Q6_K if part == "ffn_down" else QT.Q4_K), part
+        w = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
+        return unpermute_qk(w, {"attn_q": 4, "attn_k": 2}[part]) if part in ("attn_q", "attn_k") else w
 
     groups = {"attn_qkv": ("attn_q", "attn_k", "attn_v"), "attn_output": ("attn_output",),
               "ffn_gate_up": ("ffn_gate", "ffn_up"), "ffn_down": ("ffn_down",)}
     for i in range(2):
         for g, parts in groups.items():
             t = t_out[C.IB[g].format(bid=i)]
-            assert t.tensor_type == QT.Q4_1, (g, t.tensor_type)
-            want = k_rows(*(f"blk.{i}.{p}.weight" for p in parts))
+            qt = QT.Q8_0 if g == "ffn_down" else QT.Q4_1
+            assert t.tensor_type == qt, (g, t.tensor_type)
+            want = np.concatenate([src_rows(i, p) for p in parts])
             n_out, n_in = want.shape
-            rows = cpu.ib_to_rows(np.asarray(t.data).reshape(-1), QT.Q4_1, n_out, n_in)
-            got = gguf.quants.dequantize(rows, QT.Q4_1).reshape(n_out, n_in)
-            assert np.abs(got - want).max() <= 2.0 ** -10 * np.abs(want).max(), (i, g)
+            rows = cpu.ib_to_rows(np.asarray(t.data).reshape(-1), qt, n_out, n_in)
+            got = gguf.quants.dequantize(rows, qt).reshape(n_out, n_in)
+            # Q4_1: f16 roundings of the scales only; Q8_0: an 8-bit step of each 32 values
+            tol = 2.0 ** -10 if qt == QT.Q4_1 else 2.0 ** -7
+            assert np.abs(got - want).max() <= tol * np.abs(want).max(), (i, g)
     ids = list(range(3, 40))
     a = Engine(src, n_ctx=64, n_threads=1).forward(ids, 0, all_logits=True)
     b = Engine(out, n_ctx=64, n_threads=1, dense=True).forward(ids, 0, all_logits=True)
