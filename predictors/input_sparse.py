@@ -576,9 +576,10 @@ def lm_head_source(jobs):
 
 
 def lm_head_supported(jobs, cfg) -> bool:
-    """True where the lm head can take input sparsity: its matrix is q8_0, q4_0 or q4_1 with
-    n_vocab a multiple of 64 and n_embd of 32 (``cpu.ib_supported``)."""
-    return cpu.ib_supported(lm_head_source(jobs).qtype, cfg.n_vocab, cfg.n_embd)
+    """True where the lm head can take input sparsity: its matrix is q8_0, q4_0 or q4_1 (or
+    Q4_K / Q6_K, stored as ``ib_qtype`` says) with n_vocab a multiple of 64 and n_embd of 32
+    (``cpu.ib_supported``)."""
+    return cpu.ib_supported(ib_qtype(lm_head_source(jobs).qtype), cfg.n_vocab, cfg.n_embd)
 
 
 #: head types a 4-bit copy pays against: the two-stage head's default (more than 4 bits a weight)
@@ -626,18 +627,24 @@ def two_stage_head(meta, jobs, cfg, asked: int | None) -> tuple[list, int]:
 
 def lm_head_jobs(jobs, cfg, chunk: int, norms: np.ndarray | None, copy_type=None) -> list:
     """The jobs of the lm head under input sparsity: ``output_ib.weight``, the head's own q8_0 /
-    q4_0 / q4_1 numbers (those of the dense head, ``lm_head_source``) in ``cpu.IBChunks``' layout
+    q4_0 / q4_1 numbers (those of the dense head, ``lm_head_source``; a Q4_K head's regrouped as
+    Q4_1, a Q6_K head's requantized to Q8_0: ``ib_qtype``) in ``cpu.IBChunks``' layout
     (``copy_type``, e.g. Q4_1: the two-stage head's copy, requantized from the head's values),
     and for WINA its column norms ``norms`` (n_embd,) f32."""
     from convert.writer import TensorJob, job_floats
-    from pyinfer.quants import quantize
+    from pyinfer.quants import q4_k_to_q4_1, quantize
 
     src = lm_head_source(jobs)
-    qt, n_out, n_in = src.qtype if copy_type is None else copy_type, cfg.n_vocab, cfg.n_embd
+    qt = ib_qtype(src.qtype) if copy_type is None else copy_type
+    n_out, n_in = cfg.n_vocab, cfg.n_embd
 
     def load():
-        raw = (np.asarray(src.load()) if src.raw and src.qtype == qt
-               else quantize(np.ascontiguousarray(job_floats(src), np.float32), qt))
+        if src.qtype == C.QT.Q4_K and qt == C.QT.Q4_1:
+            raw = q4_k_to_q4_1(_q4_k_rows(src))
+        elif src.raw and src.qtype == qt:
+            raw = np.asarray(src.load())
+        else:
+            raw = quantize(np.ascontiguousarray(job_floats(src), np.float32), qt)
         return cpu.ib_chunked_from_rows(raw.view(np.uint8).reshape(n_out, -1), qt, n_out, n_in,
                                         chunk)
 

@@ -780,7 +780,7 @@ def test_q4_k_m_source_takes_input_mode_with_its_own_numbers(tmp_path):
 
     QT = gguf.GGMLQuantizationType
     hf = make_random_llama(tmp_path, hidden_size=256, intermediate_size=512, n_layers=2,
-                           n_heads=4, n_kv_heads=2, name="q4km")
+                           n_heads=4, n_kv_heads=2, vocab_size=576, name="q4km")
     src, out = str(tmp_path / "q4km.gguf"), str(tmp_path / "in.gguf")
     write_llamacpp_gguf(hf, src, "q4_k", down_qtype="q6_k")
     assert convert_main([src, out, *CALIB]) == 0
@@ -809,6 +809,13 @@ def test_q4_k_m_source_takes_input_mode_with_its_own_numbers(tmp_path):
             # Q4_1: f16 roundings of the scales only; Q8_0: an 8-bit step of each 32 values
             tol = 2.0 ** -10 if qt == QT.Q4_1 else 2.0 ** -7
             assert np.abs(got - want).max() <= tol * np.abs(want).max(), (i, g)
+    # the lm head (Q4_K, 576 outputs: one chunk) takes input sparsity with its own numbers
+    t = t_out[C.OUTPUT_IB]
+    assert t.tensor_type == QT.Q4_1 and t_src[C.OUTPUT].tensor_type == QT.Q4_K
+    want = gguf.quants.dequantize(np.asarray(t_src[C.OUTPUT].data), QT.Q4_K)
+    rows = cpu.ib_to_rows(np.asarray(t.data).reshape(-1), QT.Q4_1, 576, 256)
+    got = gguf.quants.dequantize(rows, QT.Q4_1).reshape(576, 256)
+    assert np.abs(got - want).max() <= 2.0 ** -10 * np.abs(want).max()
     ids = list(range(3, 40))
     a = Engine(src, n_ctx=64, n_threads=1).forward(ids, 0, all_logits=True)
     b = Engine(out, n_ctx=64, n_threads=1, dense=True).forward(ids, 0, all_logits=True)
