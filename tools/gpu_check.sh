@@ -4,13 +4,16 @@
 #
 #   BASE=<commit> bash tools/gpu_check.sh        # $OUT: logs; stdout: the summary
 #
-# Builds this tree and BASE (another commit, for the before/after pairs, built beside it in
-# /tmp/base), runs the GPU tests, then, in order of what is least known:
+# Builds this tree and BASE (optional: another commit, for the before/after pairs, built beside
+# it in /tmp/base), runs the GPU tests, then, in order of what is least known:
 #   cold     tools/bench_cold.py: the host's cold path by thread count, BASE's build against
-#            this one (session 22's one-region cold_ffn, measured on 2 cores only)
-#   new7ab   tools/bench_gpu.py 7B q4_0 at 100% and 50%, with --gate-up-ab: the hot neurons'
-#            gate/up fused (default) against listed (cuda.set_gate_up_list, session 22, never run)
-#   base7h   BASE's 7B hybrid at 50% (the cold path before, for new7ab's fused rows)
+#            this one where BASE is given
+#   cold32   the same over 32 distinct layers (session 23: in the hybrid the cold path takes
+#            95-130 us a layer against 50 us in `cold`'s 8 layers: is `cold` partly served
+#            from a large L3?)
+#   new7ab   tools/bench_gpu.py 7B q4_0 at 100% and 50% (GATE_UP_AB=1: with --gate-up-ab, the
+#            listed gate/up; session 23 measured it at 0.98x, the default stays fused)
+#   base7h   BASE's 7B hybrid at 50% (where BASE is given)
 #   input7   tools/bench_gpu_input.py (sparse mode input, 7B q4_0, 25% / 50%)
 #   new13    13B at 50% / 100%
 # Each step has its own timeout, cut to what is left of LIMIT seconds (default 570), so the
@@ -50,13 +53,14 @@ step() {
 step 120 pytest python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_hybrid.py tests/test_cuda_host.py tests/test_families.py
 SO=$(ls /tmp/base/pyinfer/ops/_kernels*.so 2>/dev/null | head -1)
 step 90 cold python3 tools/bench_cold.py --threads 1 4 8 $(nproc) --reps 5 ${SO:+--so $SO}
-step 200 new7ab python3 tools/bench_gpu.py $B --shape 7b --budgets 1.0,0.5 --gate-up-ab
+step 90 cold32 python3 tools/bench_cold.py --threads 8 $(nproc) --layers 32 --reps 5
+step 200 new7ab python3 tools/bench_gpu.py $B --shape 7b --budgets 1.0,0.5 ${GATE_UP_AB:+--gate-up-ab}
 [ -n "$BASE" ] && step 90 base7h bash -c "cd /tmp/base && python3 tools/bench_gpu.py $B --shape 7b --budgets 0.5"
 step 150 input7 python3 tools/bench_gpu_input.py --shape 7b --qtype q4_0 --sparsity 0.25 0.5 \
     --tokens 32 --reps 3 --threads "$(nproc)"
 step 150 new13 python3 tools/bench_gpu.py $B --shape 13b --budgets 0.5,1.0
 cat "$L"
 tail -3 "$OUT/pytest.log"
-for f in cold new7ab base7h input7 new13; do
+for f in cold cold32 new7ab base7h input7 new13; do
     [ -f "$OUT/$f.log" ] && { echo "== $f"; grep -E "^\|" "$OUT/$f.log"; }
 done
