@@ -205,10 +205,11 @@ NO_SPARSE_MODE = "dense"
 
 
 def input_mode_model(cfg, weights) -> bool:
-    """True where sparse mode input (and the GPU engine) can run the model: Llama-shaped
-    (``cfg.llama_plain``) with weights the fused kernels take (``weights.llama_fused``: Llama 3's
-    RoPE frequency divisors and Qwen2's q/k/v biases included)."""
-    return cfg.llama_plain and weights.llama_fused
+    """True where sparse mode input (and the GPU engine) can run the model
+    (``pyinfer.weights.fused_model``)."""
+    from pyinfer.weights import fused_model
+
+    return fused_model(cfg, weights)
 
 
 def default_mode(cfg, weights, outtype: str, opts: OfflineOptions) -> str:

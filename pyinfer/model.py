@@ -14,7 +14,7 @@ from pyinfer.ffn import DenseFFN, linear, linear_many
 from pyinfer.kv_cache import CACHE_TYPE_AUTO, KVCache, cache_dtype
 from pyinfer.ops import cpu
 from pyinfer.ops import families as fam
-from pyinfer.weights import ModelWeights
+from pyinfer.weights import ModelWeights, fused_model
 
 
 def weights_are_f32(weights: ModelWeights) -> bool:
@@ -50,7 +50,7 @@ class Model:
         self.llama_plain = cfg.llama_plain and weights.llama_plain  # the fused kernels fit
         # one-token steps through the fused CPU kernels, which also take Llama 3's RoPE divisors
         # and Qwen2's q/k/v biases (the GPU engine takes them too; sparse mode input likewise)
-        self.llama_fused = cfg.llama_plain and weights.llama_fused
+        self.llama_fused = fused_model(cfg, weights)
         if self.input_sparse is not None:
             self.input_sparse.rope_freqs = weights.rope_freqs
         if cfg.positions == "learned" and n_ctx > weights.pos_embd.rows:

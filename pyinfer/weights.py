@@ -84,6 +84,14 @@ class LayerWeights:
                                             (self.bv, cfg.n_embd_kv))])
 
 
+def fused_model(cfg, weights: "ModelWeights") -> bool:
+    """True where the fused CPU kernels (``cpu.decode_attn`` / ``decode_ffn``), sparse mode input
+    and the GPU engine run the model: Llama-shaped (``cfg.llama_plain``) with weights they take
+    (``weights.llama_fused``: Llama 3's RoPE frequency divisors and Qwen2's q/k/v biases
+    included). The one test the model, the GPU placement and the converter's mode choice share."""
+    return cfg.llama_plain and weights.llama_fused
+
+
 @dataclass
 class ModelWeights:
     token_embd: QTensor  # (n_vocab, n_embd)
