@@ -148,14 +148,13 @@ static inline int64_t pi_topk(const float *x, int64_t n, int64_t k, int32_t *out
         }
     }
     /* c >= k: each of the k groups behind t0 has its maximum among the candidates */
-    int64_t m = pi_tk_fill(x, cand, c, k, hv, hi);
+    pi_tk_fill(x, cand, c, k, hv, hi);  /* k entries: c >= k */
     float rv = hv[0]; int32_t ri = hi[0];  /* the answer's lowest-ranked member */
     int64_t o = 0;
     for (int64_t q = 0; q < c; q++) {
         int32_t i = cand[q];
         if (!pi_tk_less(x[i], i, rv, ri)) out[o++] = i;
     }
-    (void)m;
     return o;
 }
 

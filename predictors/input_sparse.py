@@ -431,7 +431,7 @@ def transposed_jobs(jobs, cfg, outtype: str, scales: list[dict] | None):
     are."""
     from convert.writer import TensorJob, job_floats, matrix_qtype
     from pyinfer.ops import cpu
-    from pyinfer.quants import q4_k_to_q4_1, quantize
+    from pyinfer.quants import quantize
 
     by_name = {j.name: j for j in jobs}
     # the down projection as the plan gives it: llama.cpp's rows (n_embd, n_ff; the plan's
@@ -474,11 +474,12 @@ def transposed_jobs(jobs, cfg, outtype: str, scales: list[dict] | None):
                 ("ffn_gate_up", gu, 2 * cfg.n_ff, cfg.n_embd, C.FFN_GATE_UP_T, "gu"),
                 ("ffn_down", down, cfg.n_embd, cfg.n_ff, C.FFN_DOWN_T, "d")):
             ot = src[members[0]].qtype if outtype == C.OUTTYPE_AUTO else outtype
-            qt = ib_qtype(matrix_qtype(n_in, ot))
+            mt = matrix_qtype(n_in, ot)
+            qt = ib_qtype(mt)
             if cpu.ib_supported(qt, n_out, n_in):
-                if qt == C.QT.Q4_1 and matrix_qtype(n_in, ot) == C.QT.Q4_K:
+                if mt == C.QT.Q4_K:
                     def rows(members=members, s=src):  # Q4_K's numbers, regrouped
-                        return q4_k_to_q4_1(np.concatenate([_q4_k_rows(s[m]) for m in members]))
+                        return _q4_1_from_q4_k([s[m] for m in members])
                 else:
                     def rows(load=load, qt=qt, n_out=n_out):
                         w = np.ascontiguousarray(load(), np.float32)
@@ -492,11 +493,7 @@ def transposed_jobs(jobs, cfg, outtype: str, scales: list[dict] | None):
                                      raw=True))
             elif g == "ffn_down" and not rows_down:
                 out.append(src["d"])
-            elif g == "ffn_down":  # ffn_down_t re-encoded from the rows, as the plan does
-                out.append(TensorJob(C.FFN_DOWN_T.format(bid=i), (n_in, n_out),
-                                     matrix_qtype(n_out, ot),
-                                     lambda load=load: np.ascontiguousarray(load().T)))
-            else:
+            else:  # transposed (from row-layout down rows too: ffn_down_t, as the plan makes it)
                 out.append(TensorJob(t_name.format(bid=i), (n_in, n_out),
                                      matrix_qtype(n_out, ot),
                                      lambda load=load: np.ascontiguousarray(load().T)))
@@ -524,15 +521,16 @@ def ib_qtype(qt):
     return IB_FROM.get(qt, qt)
 
 
-def _q4_k_rows(job) -> np.ndarray:
-    """A job's matrix as Q4_K rows, uint8 (rows, bytes): as stored where the plan copies a Q4_K
-    source (its own blocks), else its floats quantized to Q4_K."""
+def _q4_1_from_q4_k(jobs) -> np.ndarray:
+    """The jobs' matrices, rows stacked, as Q4_1 rows (uint8 (rows, bytes)) holding their Q4_K
+    numbers (``pyinfer.quants.q4_k_to_q4_1``): a job the plan copies from a Q4_K source gives
+    its own blocks, another its floats quantized to Q4_K."""
     from convert.writer import job_floats
-    from pyinfer.quants import quantize
+    from pyinfer.quants import q4_k_to_q4_1, quantize
 
-    if job.raw and job.qtype == C.QT.Q4_K:
-        return np.asarray(job.load(), np.uint8).reshape(job.shape[0], -1)
-    return quantize(job_floats(job), C.QT.Q4_K)
+    return q4_k_to_q4_1(np.concatenate([
+        np.asarray(j.load(), np.uint8).reshape(j.shape[0], -1) if j.raw and j.qtype == C.QT.Q4_K
+        else quantize(job_floats(j), C.QT.Q4_K) for j in jobs]))
 
 
 def group_qtypes(weights, cfg, outtype: str) -> list:
@@ -632,7 +630,7 @@ def lm_head_jobs(jobs, cfg, chunk: int, norms: np.ndarray | None, copy_type=None
     (``copy_type``, e.g. Q4_1: the two-stage head's copy, requantized from the head's values),
     and for WINA its column norms ``norms`` (n_embd,) f32."""
     from convert.writer import TensorJob, job_floats
-    from pyinfer.quants import q4_k_to_q4_1, quantize
+    from pyinfer.quants import quantize
 
     src = lm_head_source(jobs)
     qt = ib_qtype(src.qtype) if copy_type is None else copy_type
@@ -640,7 +638,7 @@ def lm_head_jobs(jobs, cfg, chunk: int, norms: np.ndarray | None, copy_type=None
 
     def load():
         if src.qtype == C.QT.Q4_K and qt == C.QT.Q4_1:
-            raw = q4_k_to_q4_1(_q4_k_rows(src))
+            raw = _q4_1_from_q4_k([src])
         elif src.raw and src.qtype == qt:
             raw = np.asarray(src.load())
         else:
