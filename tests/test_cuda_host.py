@@ -47,6 +47,24 @@ float emu_dot(int t, const u8* row, int cols, const signed char* xq, const float
         s += t == 8 ? dotx_q8_0(row, cols, nullptr, q, xd, lane) : dotx_q4_0(row, cols, nullptr, q, xd, lane);
     return s;
 }
+void emu_dot2(int t, const u8* r0, const u8* r1, int cols, const signed char* xq, const float* xd,
+              float* out) {  // the wide form's two dots (ffn_gate_up's WIDE kernels)
+    const int* q = (const int*)xq;
+    out[0] = out[1] = 0.f;
+    for (int lane = 0; lane < 32; ++lane) {
+        float s0, s1;
+        if (t == 8) dot2x_q8_0(r0, r1, cols, nullptr, q, xd, lane, &s0, &s1);
+        else dot2x_q4_0(r0, r1, cols, nullptr, q, xd, lane, &s0, &s1);
+        out[0] += s0;
+        out[1] += s1;
+    }
+}
+float emu_dot_f16(int wide, const u8* row, int cols, const float* x) {
+    float s = 0.f;
+    for (int lane = 0; lane < 32; ++lane)
+        s += wide ? dot_f16_wide<2>(row, cols, x, lane) : dot_f16(row, cols, x, lane);
+    return s;
+}
 float emu_el(int t, const u8* row, int c, int cols) {
     return t == 8 ? el_q8_0(row, c, cols) : el_q4_0(row, c, cols);
 }
@@ -93,6 +111,7 @@ def lib(tmp_path_factory):
     so = _build(tmp_path_factory, "emu", SHIM + body + units + DRIVER)
     so.emu_dot.restype = ctypes.c_float
     so.emu_el.restype = ctypes.c_float
+    so.emu_dot_f16.restype = ctypes.c_float
     return so
 
 
@@ -123,6 +142,12 @@ def test_device_functions_on_the_host(lib, qt, cols):
             got = lib.emu_dot(t, ptr(row), cols, ptr(xq), ptr(xd))
             want = float(f[r].astype(np.float64) @ xdq)
             assert abs(got - want) <= 1e-5 * float(np.abs(f[r]) @ np.abs(xdq)), (off, r, got, want)
+            r2 = (r + 1) % 3  # the wide form: this row as gate, the next as up
+            two = np.zeros(2, np.float32)
+            lib.emu_dot2(t, ptr(row), ptr(d2[r2]), cols, ptr(xq), ptr(xd), ptr(two))
+            for g, k in zip(two, (r, r2)):
+                w_k = float(f[k].astype(np.float64) @ xdq)
+                assert abs(g - w_k) <= 1e-5 * float(np.abs(f[k]) @ np.abs(xdq)), (off, k, g, w_k)
             el = np.array([lib.emu_el(t, ptr(row), c, cols) for c in range(0, cols, 7)], np.float32)
             np.testing.assert_array_equal(el, f[r, ::7])
             acc = np.zeros(cols, np.float32)
@@ -217,3 +242,24 @@ def test_input_block_gemv_on_the_host(ib_lib, qt, n_out, n_in, n_chunks):
     ib_lib.emu_ib_deq(t, ptr(dev), n_out, 33, 3, ptr(deq))
     np.testing.assert_array_equal(deq.reshape(3, n_out), twin.f32[33:36])
     np.testing.assert_array_equal(twin.f32, f.T)
+
+
+@pytest.mark.parametrize("cols", [96, 264, 512, 600, 1032])
+def test_wide_f16_dot_is_the_gemv_dot(lib, cols):
+    """The predictor's fc2 row in the wide kernels (``dot_f16_wide``: every load of up to 64
+    16-byte units in flight first, more in rounds) sums each lane's units in the order
+    ``dot_f16`` does up to 96 units (rank 768): the same float, so the wide hot-neuron kernel
+    and ``predictor_fc2`` pick the same candidates; past that, the same dot within rounding."""
+    rng = np.random.default_rng(cols)
+    row = rng.normal(size=cols).astype(np.float16)
+    x = rng.normal(size=cols).astype(np.float32)
+    buf = np.zeros(row.nbytes + 32, np.uint8)
+    start = (-buf.ctypes.data) % 16
+    r = buf[start:start + row.nbytes]
+    r[...] = row.view(np.uint8)
+    ptr = lambda a: ctypes.c_void_p(a.ctypes.data)  # noqa: E731
+    wide, old = (lib.emu_dot_f16(w, ptr(r), cols, ptr(x)) for w in (1, 0))
+    want = float(row.astype(np.float64) @ x)
+    assert abs(wide - want) <= 1e-5 * float(np.abs(row.astype(np.float64)) @ np.abs(x))
+    if cols // 8 <= 96:
+        assert wide == old

@@ -448,7 +448,9 @@ def test_gpu_kernels_match_numpy_twins(qt, rows, cols):
 def test_gpu_gate_up_with_predictor_both_forms(qt):
     """ffn_gate_up with a predictor, fused (one launch) and listed (hot_candidates, then
     ffn_gate_up_list_*): the same coefficients bit for bit and the same counts, and the NumPy
-    twin's within float rounding; the list form run twice (its count is zeroed per call)."""
+    twin's within float rounding; the list form run twice (its count is zeroed per call). The
+    wide forms (``set_gate_up_wide``, both launch forms): the same candidates, the same
+    coefficients up to the order of the sums."""
     from pyinfer.device import CupyDevice
 
     cp = cuda.cupy
@@ -468,8 +470,9 @@ def test_gpu_gate_up_with_predictor_both_forms(qt):
         f2d, hd, xd, idd = g.rows([fc2]), cp.asarray(hid), cp.asarray(x), cp.asarray(ids)
         for act, act_thr, glu in (("relu", 0.0, False), ("silu", 0.05, False), ("silu", 0.5, True)):
             got = {}
-            for form in (False, True, True):
-                cuda.set_gate_up_list(form)
+            for form in ((False, False), (True, False), (True, False), (False, True), (True, True)):
+                cuda.set_gate_up_list(form[0])
+                cuda.set_gate_up_wide(form[1])
                 try:
                     coef, cnt = cp.full(rows, cp.nan, cp.float32), cp.zeros(2, cp.uint64)
                     g.ffn_gate_up(gd["gate"], gd["up"], xd, coef, cnt, act, act_thr, idd,
@@ -477,10 +480,15 @@ def test_gpu_gate_up_with_predictor_both_forms(qt):
                     got.setdefault(form, []).append((coef.get(), cnt.get()))
                 finally:
                     cuda.set_gate_up_list(False)
-            (c0, n0), (c1, n1), (c2, n2) = got[False][0], got[True][0], got[True][1]
+                    cuda.set_gate_up_wide(False)
+            (c0, n0), (c1, n1), (c2, n2) = got[False, False][0], *got[True, False]
             np.testing.assert_array_equal(c1, c0)
             np.testing.assert_array_equal(c2, c0)
             assert list(n1) == list(n0) == list(n2)
+            for c_w, n_w in (got[False, True][0], got[True, True][0]):
+                assert n_w[0] == n0[0] and abs(int(n_w[1]) - int(n0[1])) <= 2
+                scale = np.abs(c0).max() or 1.0
+                assert (np.abs(c_w - c0) <= 1e-5 * scale).mean() > 0.99
             want, wcnt = np.empty(rows, np.float32), np.zeros(2, np.uint64)
             n.ffn_gate_up(nd["gate"], nd["up"], x, want, wcnt, act, act_thr, ids, glu=glu,
                           pred=(n.rows([fc2]), hid, thr))

@@ -204,6 +204,10 @@ def main(argv=None) -> int:
                     help="A/B of the hot neurons' gate/up with a predictor: each hybrid budget "
                          "also runs with cuda.set_gate_up_list(True) (two launches: the "
                          "candidates listed, then gate/up over the list only)")
+    ap.add_argument("--wide-ab", action="store_true",
+                    help="A/B of the hot neurons' dots: each hybrid budget also runs with "
+                         "cuda.set_gate_up_wide(True) (a candidate's gate and up loads in flight "
+                         "together), fused and listed")
     ap.add_argument("--numpy", action="store_true",
                     help="smoke-test without a GPU: NumpyDevice stands in (timings mean nothing)")
     args = ap.parse_args(argv)
@@ -305,6 +309,16 @@ def main(argv=None) -> int:
                     plan_hybrid(cfg, sizes_s, budget, counts))
             finally:
                 cuda.set_gate_up_list(False)
+        if args.wide_ab:
+            for listed in (False, True):
+                cuda.set_gate_up_wide(True)
+                cuda.set_gate_up_list(listed)
+                try:
+                    run(f"hybrid, gate/up wide{', listed' if listed else ''}", label,
+                        make_sparse(), plan_hybrid(cfg, sizes_s, budget, counts))
+                finally:
+                    cuda.set_gate_up_wide(False)
+                    cuda.set_gate_up_list(False)
         if args.cold_ab:
             GpuModel._cold = _cold_steps
             run("hybrid, cold via sparse_step", label, make_sparse(),

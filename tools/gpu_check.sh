@@ -6,16 +6,21 @@
 #
 # Builds this tree and BASE (optional: another commit, for the before/after pairs, built beside
 # it in /tmp/base), runs the GPU tests, then, in order of what is least known:
+#   ffnvar   tools/ffn_variants_gpu.py: the sparse FFN's two kernels at a 7B q4_0 layer, the
+#            engine's forms against the wide gate/up dots and other AXPY unrolls/chunks
+#   profile  tools/profile_gpu.py: per-kernel device time of a 7B q4_0 token (8 layers), all on
+#            the GPU sparse and dense
+#   new7ab   tools/bench_gpu.py 7B q4_0 at 100% and 50%, with --wide-ab (the wide gate/up dots,
+#            fused and listed; GATE_UP_AB=1 adds --gate-up-ab, the listed form alone: session
+#            23 measured it at 0.98x, the default stays fused)
+#   cold32   tools/bench_cold.py over 32 distinct layers (session 23: in the hybrid the cold
+#            path takes 95-130 us a layer against 50 us over 8 layers: are 8 layers partly
+#            served from a large L3?)
 #   cold     tools/bench_cold.py: the host's cold path by thread count, BASE's build against
 #            this one where BASE is given
-#   cold32   the same over 32 distinct layers (session 23: in the hybrid the cold path takes
-#            95-130 us a layer against 50 us in `cold`'s 8 layers: is `cold` partly served
-#            from a large L3?)
-#   new7ab   tools/bench_gpu.py 7B q4_0 at 100% and 50% (GATE_UP_AB=1: with --gate-up-ab, the
-#            listed gate/up; session 23 measured it at 0.98x, the default stays fused)
 #   base7h   BASE's 7B hybrid at 50% (where BASE is given)
 #   input7   tools/bench_gpu_input.py (sparse mode input, 7B q4_0, 25% / 50%)
-#   new13    13B at 50% / 100%
+#   new13    13B at 100% / 50%, with --wide-ab
 # Each step has its own timeout, cut to what is left of LIMIT seconds (default 570), so the
 # whole run ends inside ten minutes; what finished is in $OUT even when a later step is cut or
 # skipped.
@@ -51,16 +56,20 @@ step() {
     echo "$name rc=$? $(( $(date +%s) - s0 )) s" >> "$L"
 }
 step 120 pytest python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_hybrid.py tests/test_cuda_host.py tests/test_families.py
+step 90 ffnvar python3 tools/ffn_variants_gpu.py --shape 7b --qtype q4_0
+step 90 profile python3 tools/profile_gpu.py --shape 7b --qtype q4_0 --layers 8 --threads "$(nproc)" \
+    --no-ceilings --only sparse,dense
+step 240 new7ab python3 tools/bench_gpu.py $B --shape 7b --budgets 1.0,0.5 --wide-ab ${GATE_UP_AB:+--gate-up-ab}
+step 90 cold32 python3 tools/bench_cold.py --threads 8 $(nproc) --layers 32 --reps 5
 SO=$(ls /tmp/base/pyinfer/ops/_kernels*.so 2>/dev/null | head -1)
 step 90 cold python3 tools/bench_cold.py --threads 1 4 8 $(nproc) --reps 5 ${SO:+--so $SO}
-step 90 cold32 python3 tools/bench_cold.py --threads 8 $(nproc) --layers 32 --reps 5
-step 200 new7ab python3 tools/bench_gpu.py $B --shape 7b --budgets 1.0,0.5 ${GATE_UP_AB:+--gate-up-ab}
 [ -n "$BASE" ] && step 90 base7h bash -c "cd /tmp/base && python3 tools/bench_gpu.py $B --shape 7b --budgets 0.5"
 step 150 input7 python3 tools/bench_gpu_input.py --shape 7b --qtype q4_0 --sparsity 0.25 0.5 \
     --tokens 32 --reps 3 --threads "$(nproc)"
-step 150 new13 python3 tools/bench_gpu.py $B --shape 13b --budgets 0.5,1.0
+step 150 new13 python3 tools/bench_gpu.py $B --shape 13b --budgets 1.0,0.5 --wide-ab
 cat "$L"
 tail -3 "$OUT/pytest.log"
-for f in cold cold32 new7ab base7h input7 new13; do
+for f in ffnvar new7ab cold32 cold base7h input7 new13; do
     [ -f "$OUT/$f.log" ] && { echo "== $f"; grep -E "^\|" "$OUT/$f.log"; }
 done
+[ -f "$OUT/profile.log" ] && { echo "== profile"; grep -vE "^(built|device)" "$OUT/profile.log" | head -60; }

@@ -37,8 +37,10 @@ from pyinfer.hybrid import _Sizes, plan_hybrid, plan_layers  # noqa: E402
 from pyinfer.ops import cpu, cuda  # noqa: E402
 from pyinfer.ops.cpu import QT, QTensor  # noqa: E402
 
-KERNELS = ("predict", "gemv", "ffn_gate_up", "axpy_rows", "rmsnorm", "rope_store", "attn_decode",
-           "add", "upload", "download", "fused_attn", "norm_gemv")
+#: CupyDevice methods timed (each a kernel launch or two, or a transfer)
+KERNELS = ("predict", "norm_fc1", "predict_fc2", "gemv", "ffn_gate_up", "axpy_rows", "rmsnorm",
+           "rope_store", "attn_decode", "add", "upload", "download", "mask_inputs", "glu_mask",
+           "ib_gemv", "copy")
 
 
 class TimedDevice(CupyDevice):

@@ -215,6 +215,117 @@ __device__ __forceinline__ float dotx_q8_0(const u8* row, int cols, const float*
 __device__ __forceinline__ float dotx_q4_0(const u8* row, int cols, const float* x, const int* xq,
                                            const float* xd, int lane) { return dot_split<16, 4>(row, cols, xq, xd, lane); }
 
+// Wide forms of the dots, for rows that few warps read at once (the hot-neuron kernel's predicted
+// rows: a sparse token's warps mostly stop after the predictor, so each candidate row's latency,
+// not the bandwidth, sets the kernel's time). dot_split_t issues a row's loads U steps at a time:
+// nb / (8 U) memory round trips per q4_0 row (4 for a 4096-wide row), and a candidate reads its
+// gate row, then its up row. dot2_wide_t reads two rows (gate, up) against the same activation
+// with every load of up to 32 MAXB blocks per row in flight before any arithmetic: lane l takes
+// whole blocks l, l + 32, ... (a 16-byte quant load per q4_0 block, two per q8_0 block, and its
+// f16 scale), so one round trip per candidate where 32 MAXB >= nb. Each block's integer sum is
+// one __dp4a chain (word_i8 per word, as dot_split_t), scaled once: (dw * dx) * sum.
+template <int QB, bool AL, int MAXB>
+__device__ __forceinline__ void dot2_wide_t(const u8* r0, const u8* r1, int nb, const int* xq,
+        const float* xd, int lane, float* s0, float* s1) {
+    const int NW = QB / 16;  // 128-bit loads per block's quants
+    const u8* d0 = r0 + QB * nb;
+    const u8* d1 = r1 + QB * nb;
+    float a0 = 0.f, a1 = 0.f;
+    for (int b0 = 0; b0 < nb; b0 += 32 * MAXB) {
+        uint4 w0[MAXB][QB / 16], w1[MAXB][QB / 16];
+        u16 h0[MAXB], h1[MAXB];
+        #pragma unroll
+        for (int u = 0; u < MAXB; ++u) {
+            const int b = b0 + lane + 32 * u;
+            if (b < nb) {
+                #pragma unroll
+                for (int q = 0; q < NW; ++q) {
+                    w0[u][q] = ld_w128(r0 + QB * b + 16 * q, AL);
+                    w1[u][q] = ld_w128(r1 + QB * b + 16 * q, AL);
+                }
+                h0[u] = *(const u16*)(d0 + 2 * b);
+                h1[u] = *(const u16*)(d1 + 2 * b);
+            }
+        }
+        #pragma unroll
+        for (int u = 0; u < MAXB; ++u) {
+            const int b = b0 + lane + 32 * u;
+            if (b < nb) {
+                const int* xb = xq + 8 * b;
+                int i0 = 0, i1 = 0;
+                #pragma unroll
+                for (int q = 0; q < NW; ++q) {
+                    const unsigned int v0[4] = {w0[u][q].x, w0[u][q].y, w0[u][q].z, w0[u][q].w};
+                    const unsigned int v1[4] = {w1[u][q].x, w1[u][q].y, w1[u][q].z, w1[u][q].w};
+                    #pragma unroll
+                    for (int k = 0; k < 4; ++k) {
+                        i0 += word_i8<QB>(v0[k], xb, 4 * q + k);
+                        i1 += word_i8<QB>(v1[k], xb, 4 * q + k);
+                    }
+                }
+                const float dx = xd[b];
+                a0 += h2f(h0[u]) * dx * (float)i0;
+                a1 += h2f(h1[u]) * dx * (float)i1;
+            }
+        }
+    }
+    *s0 = a0;
+    *s1 = a1;
+}
+template <int QB, int MAXB>
+__device__ __forceinline__ void dot2_wide(const u8* r0, const u8* r1, int cols, const int* xq,
+        const float* xd, int lane, float* s0, float* s1) {
+    if ((((u64)r0 | (u64)r1) & 15) == 0)
+        dot2_wide_t<QB, true, MAXB>(r0, r1, cols >> 5, xq, xd, lane, s0, s1);
+    else
+        dot2_wide_t<QB, false, MAXB>(r0, r1, cols >> 5, xq, xd, lane, s0, s1);
+}
+// Two rows . x (lane partials) for every weight type, one signature: quantized rows the wide
+// form (q4_0: 4 blocks a lane in flight, a 4096-wide row in one round trip, 71 registers a thread
+// on sm_90 against the GEMV dot's 56; q8_0: 2), float rows their two dots in turn.
+__device__ __forceinline__ void dot2x_f32(const u8* r0, const u8* r1, int cols, const float* x,
+        const int* xq, const float* xd, int lane, float* s0, float* s1) {
+    *s0 = dot_f32(r0, cols, x, lane);
+    *s1 = dot_f32(r1, cols, x, lane);
+}
+__device__ __forceinline__ void dot2x_f16(const u8* r0, const u8* r1, int cols, const float* x,
+        const int* xq, const float* xd, int lane, float* s0, float* s1) {
+    *s0 = dot_f16(r0, cols, x, lane);
+    *s1 = dot_f16(r1, cols, x, lane);
+}
+__device__ __forceinline__ void dot2x_q8_0(const u8* r0, const u8* r1, int cols, const float* x,
+        const int* xq, const float* xd, int lane, float* s0, float* s1) {
+    dot2_wide<32, 2>(r0, r1, cols, xq, xd, lane, s0, s1);
+}
+__device__ __forceinline__ void dot2x_q4_0(const u8* r0, const u8* r1, int cols, const float* x,
+        const int* xq, const float* xd, int lane, float* s0, float* s1) {
+    dot2_wide<16, 4>(r0, r1, cols, xq, xd, lane, s0, s1);
+}
+// An f16 row . x (cols % 8 == 0: 16-byte rows) with every load of up to 32 MAXU 8-half units in
+// flight before any arithmetic: the predictor's fc2 row (rank <= 256 MAXU) in one round trip.
+template <int MAXU>
+__device__ __forceinline__ float dot_f16_wide(const u8* row, int cols, const float* x, int lane) {
+    if (cols & 7) return dot_f16(row, cols, x, lane);
+    const uint4* r = (const uint4*)row;
+    const float4* x4 = (const float4*)x;
+    const int n8 = cols >> 3;
+    float s = 0.f;
+    for (int i0 = 0; i0 < n8; i0 += 32 * MAXU) {
+        uint4 v[MAXU];
+        #pragma unroll
+        for (int u = 0; u < MAXU; ++u) {
+            const int i = i0 + lane + 32 * u;
+            if (i < n8) v[u] = r[i];
+        }
+        #pragma unroll
+        for (int u = 0; u < MAXU; ++u) {
+            const int i = i0 + lane + 32 * u;
+            if (i < n8) s += dot8_f16(v[u], x4[2 * i], x4[2 * i + 1]);
+        }
+    }
+    return s;
+}
+
 __device__ __forceinline__ float block_sum(float v, float* red) {  // blockDim multiple of 32
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     v = warp_sum(v);
@@ -295,33 +406,36 @@ extern "C" __global__ void gather_gemv_@T@(const u8* w, long long row_bytes, int
     if (!use_mask || mask[ids[k]]) s = warp_sum(dotx_@T@(w + k * row_bytes, cols, x, xq, xd, lane));
     if (lane == 0) out[k] = accumulate ? out[k] + s : s;
 }
-// The hot neurons of one layer, fused: for row k (neuron ids[k]) that is a candidate, a =
-// act(gate[k] . x) (act 0: relu, 1: silu), u = up[k] . x and
-//   glu 0: kept where |a| > act_thr (up read only then), coef[k] = a * u
-//   glu 1: kept where |a * u| > act_thr, coef[k] = a * u
-// else coef[k] = 0: pyinfer.ffn.SparseFFN's rules ("relu"/"cats" and "glu"); act_thr < 0 keeps
-// every row (dense). Candidates: cand 0 every row; 1 where mask[ids[k]]; 2 where the predictor
-// says so, computed here from neuron ids[k]'s fc2 row (fc2 (n_ff, rank), f16 when fc2_half else
-// f32) and the hidden layer hid: fc2[ids[k]] . hid >= pred_thr (PowerInfer's predictor, as
-// predictor_fc2 computes it, without a mask round trip). counts[0] += candidates, [1] += kept.
-// Quantized rows read x's q8 form (xq, xd), float rows x.
 // One hot neuron's coefficient, by a whole warp: a = act(gate_row . x) (act 0: relu, 1: silu),
 //   glu 0: kept where |a| > act_thr (up read only then), c = a * (up_row . x)
 //   glu 1: kept where |a * u| > act_thr, c = a * u
 // else c = 0 (pyinfer.ffn.SparseFFN's rules). Every lane returns c; *keep likewise.
+// WIDE: both rows' loads in flight together (dot2x_@T@: one round trip for a quantized
+// candidate); up is then read where glu 0 drops the neuron too (a predicted candidate is mostly
+// kept). The same c up to the order of the sums.
+template <bool WIDE>
 __device__ __forceinline__ float gate_up_one_@T@(const u8* g_row, const u8* u_row, int cols,
         const float* x, const int* xq, const float* xd, int act, int glu, float act_thr, int lane,
         bool* keep) {
-    const float g = warp_sum(dotx_@T@(g_row, cols, x, xq, xd, lane));
+    float g, u = 0.f;
+    if (WIDE) {
+        float pg, pu;
+        dot2x_@T@(g_row, u_row, cols, x, xq, xd, lane, &pg, &pu);
+        g = warp_sum(pg);
+        u = warp_sum(pu);
+    } else {
+        g = warp_sum(dotx_@T@(g_row, cols, x, xq, xd, lane));
+    }
     const float a = act ? g / (1.f + expf(-g)) : fmaxf(g, 0.f);
     float c = 0.f;
     if (glu) {
-        c = a * warp_sum(dotx_@T@(u_row, cols, x, xq, xd, lane));
+        if (!WIDE) u = warp_sum(dotx_@T@(u_row, cols, x, xq, xd, lane));
+        c = a * u;
         *keep = fabsf(c) > act_thr;
         if (!*keep) c = 0.f;
     } else {
         *keep = fabsf(a) > act_thr;
-        if (*keep) c = a * warp_sum(dotx_@T@(u_row, cols, x, xq, xd, lane));
+        if (*keep) c = a * (WIDE ? u : warp_sum(dotx_@T@(u_row, cols, x, xq, xd, lane)));
     }
     return c;
 }
@@ -331,10 +445,12 @@ __device__ __forceinline__ float gate_up_one_@T@(const u8* g_row, const u8* u_ro
 // ids[k]'s fc2 row (fc2 (n_ff, rank), f16 when fc2_half else f32) and the hidden layer hid:
 // fc2[ids[k]] . hid >= pred_thr (PowerInfer's predictor, as predictor_fc2 computes it, without a
 // mask round trip). counts[0] += candidates, [1] += kept. Quantized rows read x's q8 form (xq,
-// xd), float rows x.
-extern "C" __global__ void ffn_gate_up_@T@(const u8* gate, const u8* up, long long row_bytes,
-        int n_rows, int cols, const float* x, const int* xq, const float* xd, const int* ids,
-        const u8* mask, int cand,
+// xd), float rows x. ffn_gate_up_w_@T@: the WIDE form (gate_up_one, and the fc2 row's loads in
+// flight at once).
+template <bool WIDE>
+__device__ __forceinline__ void ffn_gate_up_body_@T@(const u8* gate, const u8* up,
+        long long row_bytes, int n_rows, int cols, const float* x, const int* xq, const float* xd,
+        const int* ids, const u8* mask, int cand,
         const u8* fc2, long long fc2_row_bytes, int rank, int fc2_half, const float* hid,
         float pred_thr, int act, int glu, float act_thr, float* coef, u64* counts) {
     __shared__ unsigned int n_cand, n_act;
@@ -348,13 +464,15 @@ extern "C" __global__ void ffn_gate_up_@T@(const u8* gate, const u8* up, long lo
             is_cand = mask[ids[k]] != 0;
         } else if (cand == 2) {
             const u8* f = fc2 + (long long)ids[k] * fc2_row_bytes;
-            const float p = warp_sum(fc2_half ? dot_f16(f, rank, hid, lane) : dot_f32(f, rank, hid, lane));
+            const float p = warp_sum(fc2_half ? (WIDE ? dot_f16_wide<2>(f, rank, hid, lane)
+                                                      : dot_f16(f, rank, hid, lane))
+                                              : dot_f32(f, rank, hid, lane));
             is_cand = p >= pred_thr;
         }
         if (is_cand) {
             bool keep;
-            c = gate_up_one_@T@(gate + k * row_bytes, up + k * row_bytes, cols, x, xq, xd, act,
-                                glu, act_thr, lane, &keep);
+            c = gate_up_one_@T@<WIDE>(gate + k * row_bytes, up + k * row_bytes, cols, x, xq, xd,
+                                      act, glu, act_thr, lane, &keep);
             if (lane == 0) { atomicAdd(&n_cand, 1u); if (keep) atomicAdd(&n_act, 1u); }
         }
         if (lane == 0) coef[k] = c;
@@ -365,14 +483,29 @@ extern "C" __global__ void ffn_gate_up_@T@(const u8* gate, const u8* up, long lo
         atomicAdd(counts + 1, (u64)n_act);
     }
 }
+#define PI_GATE_UP_ARGS const u8* gate, const u8* up, long long row_bytes, int n_rows, int cols, \
+        const float* x, const int* xq, const float* xd, const int* ids, const u8* mask, int cand, \
+        const u8* fc2, long long fc2_row_bytes, int rank, int fc2_half, const float* hid, \
+        float pred_thr, int act, int glu, float act_thr, float* coef, u64* counts
+#define PI_GATE_UP_PASS gate, up, row_bytes, n_rows, cols, x, xq, xd, ids, mask, cand, fc2, \
+        fc2_row_bytes, rank, fc2_half, hid, pred_thr, act, glu, act_thr, coef, counts
+extern "C" __global__ void ffn_gate_up_@T@(PI_GATE_UP_ARGS) {
+    ffn_gate_up_body_@T@<false>(PI_GATE_UP_PASS);
+}
+extern "C" __global__ void ffn_gate_up_w_@T@(PI_GATE_UP_ARGS) {
+    ffn_gate_up_body_@T@<true>(PI_GATE_UP_PASS);
+}
+#undef PI_GATE_UP_ARGS
+#undef PI_GATE_UP_PASS
 // The second launch of the two-launch form of ffn_gate_up's predictor case (hot_candidates
 // first): warp i takes the i-th listed candidate k = list[1 + i] (i < list[0]) and writes its
 // coef[k] (the same c as ffn_gate_up computes); counts[1] += kept. Warps beyond the list do
 // nothing, so every warp that reads rows is a candidate's (the fused kernel's candidates are
-// scattered over warps that mostly stop after the predictor's dot).
-extern "C" __global__ void ffn_gate_up_list_@T@(const u8* gate, const u8* up, long long row_bytes,
-        int cols, const float* x, const int* xq, const float* xd, const int* list, int act,
-        int glu, float act_thr, float* coef, u64* counts) {
+// scattered over warps that mostly stop after the predictor's dot). _w: the WIDE form.
+template <bool WIDE>
+__device__ __forceinline__ void ffn_gate_up_list_body_@T@(const u8* gate, const u8* up,
+        long long row_bytes, int cols, const float* x, const int* xq, const float* xd,
+        const int* list, int act, int glu, float act_thr, float* coef, u64* counts) {
     __shared__ unsigned int n_act;
     if (threadIdx.x == 0) n_act = 0;
     __syncthreads();
@@ -380,12 +513,24 @@ extern "C" __global__ void ffn_gate_up_list_@T@(const u8* gate, const u8* up, lo
     if (i < list[0]) {  // no early return: the block meets at __syncthreads below
         const int k = list[1 + i];
         bool keep;
-        const float c = gate_up_one_@T@(gate + k * row_bytes, up + k * row_bytes, cols, x, xq,
-                                        xd, act, glu, act_thr, lane, &keep);
+        const float c = gate_up_one_@T@<WIDE>(gate + k * row_bytes, up + k * row_bytes, cols,
+                                              x, xq, xd, act, glu, act_thr, lane, &keep);
         if (lane == 0) { coef[k] = c; if (keep) atomicAdd(&n_act, 1u); }
     }
     __syncthreads();
     if (threadIdx.x == 0 && n_act) atomicAdd(counts + 1, (u64)n_act);
+}
+extern "C" __global__ void ffn_gate_up_list_@T@(const u8* gate, const u8* up, long long row_bytes,
+        int cols, const float* x, const int* xq, const float* xd, const int* list, int act,
+        int glu, float act_thr, float* coef, u64* counts) {
+    ffn_gate_up_list_body_@T@<false>(gate, up, row_bytes, cols, x, xq, xd, list, act, glu,
+                                     act_thr, coef, counts);
+}
+extern "C" __global__ void ffn_gate_up_list_w_@T@(const u8* gate, const u8* up,
+        long long row_bytes, int cols, const float* x, const int* xq, const float* xd,
+        const int* list, int act, int glu, float act_thr, float* coef, u64* counts) {
+    ffn_gate_up_list_body_@T@<true>(gate, up, row_bytes, cols, x, xq, xd, list, act, glu,
+                                    act_thr, coef, counts);
 }
 """
 
@@ -845,7 +990,7 @@ extern "C" __global__ void ib_dequant_t(const u8* w, int qt, int n_out, int j0, 
 SOURCES = {"predictor": PREDICTOR_SRC, "gather": GATHER_SRC, "axpy": AXPY_SRC, "attn": ATTN_SRC,
            "input": INPUT_SRC}
 #: kernels each source must define (the nvcc test counts them)
-N_KERNELS = {"predictor": 4, "gather": 13, "axpy": 9, "attn": 5, "input": 6}
+N_KERNELS = {"predictor": 4, "gather": 21, "axpy": 9, "attn": 5, "input": 6}
 _TYPE_NAME = {QT.F32: "f32", QT.F16: "f16", QT.Q8_0: "q8_0", QT.Q4_0: "q4_0"}
 #: weight types the kernels read (the QT names, lower case)
 GPU_TYPES = tuple(t.name.lower() for t in _TYPE_NAME)
@@ -1043,6 +1188,30 @@ def set_gate_up_list(on: bool) -> None:
     _GATE_UP_LIST = bool(on)
 
 
+#: ffn_gate_up's WIDE form for quantized rows where rows are candidates (a mask or a predictor):
+#: a candidate's gate and up loads in flight together (``dot2x_*``), one memory round trip a row
+#: instead of about 2 nb / (8 U); off until measured on a GPU (``set_gate_up_wide``;
+#: tools/bench_gpu.py --wide-ab and tools/ffn_variants_gpu.py time both)
+_GATE_UP_WIDE = False
+
+
+def set_gate_up_wide(on: bool) -> None:
+    """Choose the dots of ffn_gate_up's candidate cases (a mask or a predictor; both launch
+    forms) for q8_0/q4_0 rows: the wide form (True: every load of a candidate's gate and up rows
+    in flight before any arithmetic, up read even where a ReLU gate drops the neuron) or the
+    GEMV's dot (False, the default). The same coefficients up to the order of the sums; the
+    dense case (every row) keeps the GEMV's dot either way."""
+    global _GATE_UP_WIDE
+    _GATE_UP_WIDE = bool(on)
+
+
+def _gate_up_kernel(base: str, qtype: QT, cand: int) -> str:
+    """The kernel name of ffn_gate_up's form ``base`` for rows of qtype (``_w`` for the wide
+    form: candidates only, quantized rows only)."""
+    wide = _GATE_UP_WIDE and cand and qtype in Q8_TYPES
+    return f"{base}{'_w' if wide else ''}_{_TYPE_NAME[qtype]}"
+
+
 def gate_up_list_len(n_rows: int) -> int:
     """int32 entries of the candidate list ffn_gate_up's two-launch form needs (count + rows)."""
     return n_rows + 1
@@ -1076,7 +1245,7 @@ def ffn_gate_up(gate: DeviceRows, up: DeviceRows, x, coef, counts, act: str, act
                 _grid_rows(gate.rows), (_BLOCK,),
                 (ids, np.int32(gate.rows), fc2, np.int64(fc2_rb), np.int32(rank), np.int32(half),
                  hid, np.float32(pred_thr), coef, scratch, counts))
-            _kernel("gather", f"ffn_gate_up_list_{_TYPE_NAME[gate.qtype]}")(
+            _kernel("gather", _gate_up_kernel("ffn_gate_up_list", gate.qtype, cand))(
                 _grid_rows(gate.rows), (_BLOCK,),
                 (gate.data, up.data, np.int64(gate.row_bytes), np.int32(gate.cols), x, xq, xd,
                  scratch, np.int32(act == "silu"), np.int32(bool(glu)), np.float32(act_thr),
@@ -1086,7 +1255,7 @@ def ffn_gate_up(gate: DeviceRows, up: DeviceRows, x, coef, counts, act: str, act
         cand = 1
     else:
         cand, ids, mask = 0, dummy["i32"], dummy["u8"]
-    _kernel("gather", f"ffn_gate_up_{_TYPE_NAME[gate.qtype]}")(
+    _kernel("gather", _gate_up_kernel("ffn_gate_up", gate.qtype, cand))(
         _grid_rows(gate.rows), (_BLOCK,),
         (gate.data, up.data, np.int64(gate.row_bytes), np.int32(gate.rows), np.int32(gate.cols),
          x, xq, xd, ids, mask, np.int32(cand), fc2, np.int64(fc2_rb), np.int32(rank), np.int32(half),
