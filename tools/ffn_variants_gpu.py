@@ -17,7 +17,9 @@ A sparse token's FFN on the GPU is two launches (``pyinfer.ops.cuda``):
   dense case.
 
 Weights are random quants in the device layout (``tools/gemv_variants_gpu.random_rows``),
-copied enough times that the timed calls cycle over more bytes than the L2 holds. The predictor
+copied enough times that the timed calls cycle over more bytes than the L2 holds; one pass over
+the copies is captured as a CUDA graph and replayed (the engine decodes from graphs too, so
+Python's launch rate does not time the fast forms). The predictor
 (fc2 (n_ff, rank) f16, a ReLU hidden layer) gets a threshold that makes ``--cand`` of the rows
 candidates. Every form's coefficients are checked against the fused engine form's (the wide dots
 sum in another order: within float rounding), every AXPY against the engine's.
@@ -47,18 +49,29 @@ AXPY_VARIANTS = ((64, 64, 4), (64, 64, 8), (64, 64, 16), (32, 64, 8), (128, 128,
                  (128, 128, 16))
 
 
-def timed(fn, n_calls: int) -> float:
-    """Microseconds per call of fn(j) over n_calls calls (CUDA events), after 3 warm-up calls."""
+def timed(fn, n_copy: int, reps: int) -> float:
+    """Microseconds per call of fn(j): fn(0 .. n_copy-1) captured once as a CUDA graph (so the
+    GPU runs the calls back to back, not at the rate Python launches them), the graph replayed
+    reps times between two events, after warm-up calls (compiles, lookups, caches)."""
     cp = cuda.cupy
-    for j in range(3):
-        fn(j)
-    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-    e0.record()
-    for j in range(n_calls):
-        fn(j)
-    e1.record()
-    e1.synchronize()
-    return cp.cuda.get_elapsed_time(e0, e1) * 1e3 / n_calls
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        for j in range(3):
+            fn(j)
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            for j in range(n_copy):
+                fn(j)
+        finally:
+            graph = stream.end_capture()
+        graph.launch(stream)
+        e0 = stream.record()
+        for _ in range(reps):
+            graph.launch(stream)
+        e1 = stream.record()
+        e1.synchronize()
+    return cp.cuda.get_elapsed_time(e0, e1) * 1e3 / (reps * n_copy)
 
 
 def main(argv=None) -> int:
@@ -126,7 +139,7 @@ def main(argv=None) -> int:
                 ref = c
                 coef_sparse = cp.asarray(c)
             err = float(np.max(np.abs(c - ref)) / (np.abs(ref).max() or 1.0)) if pred else float("nan")
-            us = timed(lambda j: gate_up(j, pred), args.reps * n_copy)
+            us = timed(lambda j: gate_up(j, pred), n_copy, args.reps)
         finally:
             cuda.set_gate_up_list(False)
             cuda.set_gate_up_wide(False)
@@ -152,7 +165,7 @@ def main(argv=None) -> int:
     engine(0, coef_sparse)
     want = cp.asnumpy(out)
     print(f"| engine (64 rows a chunk, UNROLL {cuda._AXPY_TYPES[qn][1]}) | "
-          f"{timed(lambda j: engine(j, coef_sparse), args.reps * n_copy):.1f} | 0 |")
+          f"{timed(lambda j: engine(j, coef_sparse), n_copy, args.reps):.1f} | 0 |")
     for rpc, block, unroll in AXPY_VARIANTS:
         fn = mod.get_function(f"axpy_part_{qn}_u{unroll}")
         n_chunks = -(-F // rpc)
@@ -167,10 +180,10 @@ def main(argv=None) -> int:
 
         var(0, coef_sparse)
         err = float(np.max(np.abs(cp.asnumpy(out) - want)) / (np.abs(want).max() or 1.0))
-        us = timed(lambda j: var(j, coef_sparse), args.reps * n_copy)
+        us = timed(lambda j: var(j, coef_sparse), n_copy, args.reps)
         print(f"| {rpc} rows a chunk, {block} threads, UNROLL {unroll} | {us:.1f} | {err:.1e} |")
     print(f"| engine, dense (every row) | "
-          f"{timed(lambda j: engine(j, coef_dense), args.reps * n_copy):.1f} | - |")
+          f"{timed(lambda j: engine(j, coef_dense), n_copy, args.reps):.1f} | - |")
     return 0
 
 
