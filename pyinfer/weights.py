@@ -13,7 +13,7 @@ import numpy as np
 from pyinfer import constants as C
 from pyinfer.config import ModelConfig, read_field
 from pyinfer.errors import PyinferError
-from pyinfer.ops.cpu import SUPPORTED, IBChunks, IBTensor, QTensor, ib_type
+from pyinfer.ops.cpu import SUPPORTED, IBChunks, IBTensor, QTensor, ib_pad_outs, ib_type
 
 QT = gguf.GGMLQuantizationType
 
@@ -171,10 +171,12 @@ class ModelWeights:
                 raise PyinferError(f"tensor {name} is {QT(t.tensor_type).name}; an input-block "
                                    "tensor is Q8_0, Q4_0 or Q4_1") from None
             shape = tuple(int(d) for d in t.shape[::-1])
-            # the outputs' own layout, or with 64 zero outputs appended (cpu.ib_pad_outs)
-            if shape not in ((n_in // 32, 32 * n_out), (n_in // 32, 32 * (n_out + 64))):
+            # the outputs' own layout, or with the zero outputs a file appends at widths whose
+            # value rows alias in the caches (ib_pad_outs; files before session 22 lack them)
+            padded = n_out + ib_pad_outs(ib, n_out)
+            if shape not in ((n_in // 32, 32 * n_out), (n_in // 32, 32 * padded)):
                 raise PyinferError(f"tensor {name} has shape {shape}, expected "
-                                   f"({n_in // 32}, {32 * n_out})")
+                                   f"({n_in // 32}, {32 * padded})")
             try:
                 return IBTensor(np.asarray(t.data).reshape(n_in // 32, -1), ib, n_in, n_out)
             except ValueError as e:
