@@ -9,7 +9,7 @@
 #   ffnvar   tools/ffn_variants_gpu.py: the sparse FFN's two kernels at a 7B q4_0 layer, the
 #            engine's forms against the wide gate/up dots and other AXPY unrolls/chunks
 #   profile  tools/profile_gpu.py: per-kernel device time of a 7B q4_0 token (8 layers), all on
-#            the GPU sparse and dense
+#            the GPU sparse and dense, and the hybrid at 50% with its host steps in situ
 #   new7ab   tools/bench_gpu.py 7B q4_0 at 100% and 50%, with --wide-ab (the wide gate/up dots,
 #            fused and listed; GATE_UP_AB=1 adds --gate-up-ab, the listed form alone: session
 #            23 measured it at 0.98x, the default stays fused)
@@ -58,7 +58,7 @@ step() {
 step 120 pytest python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_hybrid.py tests/test_cuda_host.py tests/test_families.py
 step 90 ffnvar python3 tools/ffn_variants_gpu.py --shape 7b --qtype q4_0
 step 90 profile python3 tools/profile_gpu.py --shape 7b --qtype q4_0 --layers 8 --threads "$(nproc)" \
-    --no-ceilings --only sparse,dense
+    --no-ceilings --only sparse,dense,hybrid
 step 240 new7ab python3 tools/bench_gpu.py $B --shape 7b --budgets 1.0,0.5 --wide-ab ${GATE_UP_AB:+--gate-up-ab}
 step 90 cold32 python3 tools/bench_cold.py --threads 8 $(nproc) --layers 32 --reps 5
 SO=$(ls /tmp/base/pyinfer/ops/_kernels*.so 2>/dev/null | head -1)
