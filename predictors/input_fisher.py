@@ -38,11 +38,12 @@ from pyinfer.ops.reference import dequantize
 
 
 class TorchLlama:
-    """The dense row-layout model of ``eng`` as float32 torch tensors on ``device`` (a
-    ``torch.device``, default the CPU; 4 bytes per weight: 540 MB for SmolLM2-135M).
-    ``forward(tokens, hook)``: tokens (T,) int, returns logits (T, n_vocab); ``hook(layer,
-    group_index, x)`` sees each group's input x (T, n_in) and returns what the projection
-    multiplies (``constants.IN_GROUPS`` order)."""
+    """The dense model of ``eng`` (its down projection neuron-major or in row layout) as float32
+    torch tensors on ``device`` (a ``torch.device``, default the CPU; 4 bytes per weight: 540 MB
+    for SmolLM2-135M). ``forward(tokens, hook)``: tokens (T,) int, returns logits (T, n_vocab);
+    ``hook(layer, group_index, x)`` sees each group's input x (T, n_in) and returns what the
+    projection multiplies (``constants.IN_GROUPS`` order). ``layers`` holds each layer's tensors
+    by name (wqkv, wo, wgu, wd, norms): a caller may train them (requires_grad)."""
 
     def __init__(self, eng, torch, device=None):
         self.torch, self.cfg = torch, eng.cfg
@@ -64,7 +65,10 @@ class TorchLlama:
                 bqkv=v(lw.qkv_bias(cfg)) if lw.has_qkv_bias else None,
                 wo=t(lw.wo),  # (n_embd, n_embd_q)
                 wgu=torch.cat([t(lw.ffn_gate), t(lw.ffn_up)]),  # (2 n_ff, n_embd)
-                wd=t(lw.ffn_down_t).T.contiguous()))  # (n_embd, n_ff)
+                # (n_embd, n_ff): a neuron-major file's ffn_down_t transposed back, or the
+                # row layout as stored (a llama.cpp file run as it is, a --dense file)
+                wd=(t(lw.ffn_down) if lw.ffn_down_t is None
+                    else t(lw.ffn_down_t).T.contiguous())))
         self.embd = t(w.token_embd)  # (n_vocab, n_embd)
         self.head = self.embd if w.output is w.token_embd else t(w.output)
         self.out_norm = v(w.output_norm)

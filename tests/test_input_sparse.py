@@ -471,16 +471,23 @@ def test_allocate_levels_target_bounds_and_optimum():
         assert got == pytest.approx(_brute_force(small, ub3, need, 8))
 
 
-def test_torch_forward_matches_transformers(silu_dir, tmp_path):
+@pytest.mark.parametrize("layout", ["neuron_major", "rows"])
+def test_torch_forward_matches_transformers(silu_dir, tmp_path, layout):
     """The Fisher pass's torch forward (predictors/input_fisher.py) over the dense file's weights
-    gives transformers' logits for the same model."""
+    gives transformers' logits for the same model, from a neuron-major file (ffn_down_t) and from
+    a ``--dense`` file (ffn_down in row layout, as llama.cpp files hold it)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
+    from convert.cli import convert
     from predictors.input_fisher import TorchLlama
 
     dense_path = str(tmp_path / "dense.gguf")
-    assert convert_neuron_major(silu_dir, dense_path, "f32") == 0
+    if layout == "rows":
+        convert(str(silu_dir), dense_path, "f32", progress=False, down_rows=True)
+    else:
+        assert convert_neuron_major(silu_dir, dense_path, "f32") == 0
     eng = Engine(dense_path, n_ctx=64, n_threads=1, dense=True)
+    assert (eng.weights.layers[0].ffn_down_t is None) == (layout == "rows")
     tokens = np.random.default_rng(4).integers(3, eng.cfg.n_vocab, 20).tolist()
     hf = transformers.AutoModelForCausalLM.from_pretrained(silu_dir, torch_dtype=torch.float32)
     with torch.no_grad():
