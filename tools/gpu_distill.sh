@@ -51,5 +51,5 @@ print(n, "training modules")
 PY
 python3 tools/distill_input.py "$M" --train /tmp/dtext/train.txt \
     --held /tmp/dtext/code.txt /tmp/dtext/prose.txt --sparsity "${S:-0.4}" \
-    --steps "${STEPS:-1500}" --batch "${BATCH:-4}" --ctx 512 --lr "${LR:-1e-4}" \
+    --steps "${STEPS:-1500}" --batch "${BATCH:-4}" --ctx 512 --lr "${LR:-3e-5}" \
     --eval-every "${EVERY:-500}" --eval-chunks 8 --device cuda 2>&1 | tee "$OUT/distill.log"
