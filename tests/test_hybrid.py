@@ -558,6 +558,26 @@ def test_gpu_model_equals_cpu_model(tmp_path, hidden_act, outtype, mode, kind):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda.available(), reason=NO_GPU)
+@pytest.mark.parametrize("hidden_act,outtype,mode", [("relu", "q4_0", "relu"), ("silu", "q8_0", "glu")])
+@pytest.mark.parametrize("listed", [False, True])
+def test_gpu_model_with_wide_gate_up_equals_cpu_model(tmp_path, hidden_act, outtype, mode, listed):
+    """The hot neurons' wide dots (``cuda.set_gate_up_wide``, fused and listed) in the whole GPU
+    model, decode through CUDA graphs included: the CPU model's logits, as the default form."""
+    from pyinfer.device import CupyDevice
+
+    eng = engine_for(tmp_path, hidden_act, outtype)
+    cuda.set_gate_up_wide(True)
+    cuda.set_gate_up_list(listed)
+    try:
+        compare(eng, lambda: sparse_ffn(eng.cfg, hidden_act, mode), plan_for("partial", eng.cfg),
+                outtype, CupyDevice(), exact_counts=False)
+    finally:
+        cuda.set_gate_up_wide(False)
+        cuda.set_gate_up_list(False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda.available(), reason=NO_GPU)
 def test_gpu_memory_pool_holds_the_plan(tmp_path):
     """CuPy's pool grows by exactly the plan's bytes (up to its 512-byte rounding), and stays
     within the budget through a prefill and decode."""
