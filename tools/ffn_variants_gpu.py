@@ -14,7 +14,8 @@ A sparse token's FFN on the GPU is two launches (``pyinfer.ops.cuda``):
   then ``axpy_sum`` adds the chunks' partial sums. Timed: the engine (chunks of 64 rows, the
   type's UNROLL), the same kernel compiled here with other UNROLLs and chunk sizes (the sums per
   column are the engine's in the same order where the chunks are the same: equal bits), and the
-  dense case.
+  dense case;
+- the rest of the layer's kernels (``rest_of_layer``), so the tables add up to a layer.
 
 Weights are random quants in the device layout (``tools/gemv_variants_gpu.random_rows``),
 copied enough times that the timed calls cycle over more bytes than the L2 holds; one pass over
@@ -184,7 +185,60 @@ def main(argv=None) -> int:
         print(f"| {rpc} rows a chunk, {block} threads, UNROLL {unroll} | {us:.1f} | {err:.1e} |")
     print(f"| engine, dense (every row) | "
           f"{timed(lambda j: engine(j, coef_dense), n_copy, args.reps):.1f} | - |")
+    try:
+        rest_of_layer(args, rng, E, qt, qn, q8, hid, x, n_copy)
+    except Exception as e:  # the FFN tables above stand; say what failed here
+        print(f"\nrest of the layer: failed ({type(e).__name__}: {e})")
     return 0
+
+
+def rest_of_layer(args, rng, E, qt, qn, q8, hid, x, n_copy) -> None:
+    """The other kernels of a decode layer, each timed as above (graph-captured over copies of
+    its weights): the attention's RMSNorm (+ q8 form), the fused q/k/v GEMV, RoPE and the cache
+    store, one-query attention at position 32 (+ q8 form), the output GEMV added into x, and
+    norm_fc1 (the predictor's hidden layer with the FFN's RMSNorm and q8 form): with the FFN's
+    two kernels, a whole all-GPU sparse layer (tools/bench_gpu.py's token / n_layer)."""
+    cp = cuda.cupy
+    n_head, hd = 32 if E == 4096 else 40, 128
+    wqkv_raw = random_rows(rng, 3 * E, E, qn)
+    wo_raw = random_rows(rng, E, E, qn)
+    wqkv = [cuda.DeviceRows(cp.asarray(wqkv_raw), qt, 3 * E, E) for _ in range(n_copy)]
+    wo = [cuda.DeviceRows(cp.asarray(wo_raw), qt, E, E) for _ in range(n_copy)]
+    fc1_h = (rng.standard_normal((args.rank, E)) / np.sqrt(E)).astype(np.float16)
+    fc1 = [cuda.DeviceRows(cp.asarray(fc1_h.view(np.uint8).reshape(args.rank, -1)), QT.F16,
+                           args.rank, E) for _ in range(n_copy)]
+    norm_w = cp.ones(E, cp.float32)
+    xr = x.reshape(1, E)
+    h = cp.empty((1, E), cp.float32)
+    qkv = cp.empty(3 * E, cp.float32)
+    q, k, v = (qkv[i * E:(i + 1) * E].reshape(n_head, hd) for i in range(3))
+    n_ctx = 512
+    ck = cp.asarray(rng.standard_normal((n_ctx, n_head, hd)).astype(np.float32))
+    cv = cp.asarray(rng.standard_normal((n_ctx, n_head, hd)).astype(np.float32))
+    ang = np.arange(n_ctx)[:, None] * (1e4 ** (-np.arange(0, hd, 2) / hd))[None, :]
+    cos_sin = cp.asarray(np.stack([np.cos(ang), np.sin(ang)], -1).astype(np.float32))
+    pos = cp.asarray(np.array([32], np.int32))
+    att = cp.empty((n_head, hd), cp.float32)
+    qkv_out = cp.empty(3 * E, cp.float32)
+    h2 = cp.empty(E, cp.float32)
+    steps = [
+        ("rmsnorm (+ q8)", lambda j: cuda.rmsnorm(xr, norm_w, 1e-5, h, q8=q8)),
+        ("q/k/v GEMV", lambda j: cuda.gather_gemv(wqkv[j % n_copy], h[0], qkv_out, q8=q8)),
+        ("rope_store", lambda j: cuda.rope_store(q, k, v, ck, cv, cos_sin, pos)),
+        ("attn_decode at 32 (+ q8)", lambda j: cuda.attn_decode(q, ck, cv, pos, att, n_ctx, q8=q8)),
+        ("output GEMV (+= x)", lambda j: cuda.gather_gemv(wo[j % n_copy], att.reshape(-1), x,
+                                                         accumulate=True, q8=q8)),
+        ("norm_fc1 (+ FFN norm, q8)", lambda j: cuda.norm_fc1(fc1[j % n_copy], x, hid, norm_w,
+                                                              1e-5, h2, q8=q8)),
+    ]
+    print(f"\n| the rest of a layer (n_head {n_head}, head_dim {hd}) | us/call |")
+    print("|---|---|")
+    total = 0.0
+    for name, fn in steps:
+        us = timed(fn, n_copy, args.reps)
+        total += us
+        print(f"| {name} | {us:.1f} |")
+    print(f"| sum | {total:.1f} |")
 
 
 if __name__ == "__main__":
