@@ -5,7 +5,8 @@ masks buy back, given far more text and steps than a 2-core box affords?
 
 The model is ``predictors.input_fisher.TorchLlama`` over a dense file's weights (f32, on the GPU
 where PyTorch sees one): a student whose layer matrices and norms train (the tied embedding and
-head stay), and a frozen dense teacher. Every projection's input is masked as sparse mode input
+head stay; with ``--scales`` only a scale per output channel of every projection, which folds into
+the matrix's rows), and a frozen dense teacher. Every projection's input is masked as sparse mode input
 masks it (``constants.IN_GROUPS``: q/k/v share one mask, gate/up one; channel j kept where |x_j|
 > the site's threshold), with one uniform target for every site: thresholds are the
 ``--sparsity`` quantile of |x| per (layer, site) over calibration tokens (the last
@@ -19,7 +20,10 @@ Reports, per held-out text: the dense model; the masked model before training; t
 every ``--eval-every`` steps; the trained model dense; and, with gguf installed, both models'
 weights rounded through q4_0 (``gguf.quants``) dense and masked. The converter's Fisher
 allocation would spread the same sparsity better than the uniform target here: this measures
-what training buys, not the shipped file's numbers.
+what training buys, not the shipped file's numbers. The masked model is touchy: a change of the
+weights too small to move the dense perplexity (a scale step of 1e-6) moved the masked one by
+-2% and +6% on 128 scored tokens (channels at a threshold flip), so score thousands of tokens
+(8 windows of 512 per text by default) and read differences of a few percent with care.
 
     python tools/distill_input.py MODEL.gguf --train A.txt B.txt ... --held lic.txt code.txt
         [--sparsity 0.4] [--steps 2000] [--batch 4] [--ctx 512] [--lr 1e-4] [--device auto]
@@ -42,7 +46,8 @@ from pyinfer.engine import Engine  # noqa: E402
 from predictors.input_fisher import TorchLlama  # noqa: E402
 from predictors.train import _import_torch, torch_device  # noqa: E402
 
-TRAINED = ("wqkv", "wo", "wgu", "wd", "attn_norm", "ffn_norm")
+MATRICES = ("wqkv", "wo", "wgu", "wd")
+TRAINED = MATRICES + ("attn_norm", "ffn_norm")
 
 
 class Masks:
@@ -115,6 +120,9 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--eval-every", type=int, default=500)
     ap.add_argument("--eval-chunks", type=int, default=8)
+    ap.add_argument("--scales", action="store_true",
+                    help="train only a scale per output channel of every projection (foldable "
+                         "into the rows: free at run time), the weights frozen")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--seed", type=int, default=0)
@@ -144,11 +152,20 @@ def main(argv=None) -> int:
         ap.error(f"--train holds {len(train)} tokens: too few for --ctx {C}")
     student, teacher = TorchLlama(eng, torch, dev), TorchLlama(eng, torch, dev)
     masks = Masks(torch, eng.cfg.n_layer)
-    params = []
+    params, scaled = [], []
     for W in student.layers:
-        for k in TRAINED:
-            W[k] = W[k].clone().requires_grad_(True)
-            params.append(W[k])
+        for k in (MATRICES if args.scales else TRAINED):
+            if args.scales:  # W[k] = s[:, None] * W0[k], s trains (the rows of W0 stay)
+                s0 = torch.ones(W[k].shape[0], device=dev, requires_grad=True)
+                scaled.append((W, k, W[k], s0))
+                params.append(s0)
+            else:
+                W[k] = W[k].clone().requires_grad_(True)
+                params.append(W[k])
+
+    def apply_scales():
+        for W, k, w0, s0 in scaled:
+            W[k] = s0[:, None] * w0
     n_par = sum(p.numel() for p in params)
     print(f"{os.path.basename(args.model)} on {dev}: {len(train)} training tokens "
           f"({n_win} windows of {C}), {args.steps} steps x {args.batch} windows = "
@@ -186,12 +203,15 @@ def main(argv=None) -> int:
                 masks.mode = "dense"
                 target = torch.log_softmax(teacher.forward(w, masks.hook), -1)
             masks.mode = "sparse"
+            apply_scales()
             out = torch.log_softmax(student.forward(w, masks.hook), -1)
             loss = torch.nn.functional.kl_div(out, target, log_target=True,
                                               reduction="batchmean") / args.batch
             loss.backward()
             loss_sum += float(loss.detach())
         opt.step()
+        with torch.no_grad():
+            apply_scales()  # the reports read the scaled matrices
         if (step + 1) % max(1, args.eval_every // 5) == 0:
             print(f"  step {step + 1}: KL {loss_sum:.4f}, {time.perf_counter() - t1:.0f} s",
                   file=sys.stderr, flush=True)

@@ -7,6 +7,7 @@
 #            grep -qx /xfer/ .git/info/exclude || echo /xfer/ >> .git/info/exclude
 #   call 1:  carry ["xfer/sm.aa"], command: mkdir -p /tmp/keep && cp xfer/sm.aa /tmp/keep/
 #   call 2:  carry ["xfer/sm.ab", ".whl"], command: S=0.4 STEPS=1500 OUT=$OUT bash tools/gpu_distill.sh
+#            (SCALES=1: only a scale per output channel trains, lr about 1e-3; LR, BATCH, EVERY)
 #
 # Call 2 joins the halves, builds the kernels (pyinfer's Engine reads the file), writes the
 # texts from the machine's own Python: training = the standard library's modules and their
@@ -52,4 +53,4 @@ PY
 python3 tools/distill_input.py "$M" --train /tmp/dtext/train.txt \
     --held /tmp/dtext/code.txt /tmp/dtext/prose.txt --sparsity "${S:-0.4}" \
     --steps "${STEPS:-1500}" --batch "${BATCH:-4}" --ctx 512 --lr "${LR:-3e-5}" \
-    --eval-every "${EVERY:-500}" --eval-chunks 8 --device cuda 2>&1 | tee "$OUT/distill.log"
+    --eval-every "${EVERY:-500}" --eval-chunks 8 --device cuda ${SCALES:+--scales} 2>&1 | tee "$OUT/distill.log"
