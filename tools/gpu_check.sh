@@ -59,7 +59,7 @@ step 120 pytest python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_hybri
 step 90 ffnvar python3 tools/ffn_variants_gpu.py --shape 7b --qtype q4_0
 step 90 profile python3 tools/profile_gpu.py --shape 7b --qtype q4_0 --layers 8 --threads "$(nproc)" \
     --no-ceilings --only sparse,dense,hybrid
-step 240 new7ab python3 tools/bench_gpu.py $B --shape 7b --budgets 1.0,0.5 --wide-ab ${GATE_UP_AB:+--gate-up-ab}
+step 300 new7ab python3 tools/bench_gpu.py $B --shape 7b --budgets 1.0,0.5 --wide-ab ${GATE_UP_AB:+--gate-up-ab}
 step 90 cold32 python3 tools/bench_cold.py --threads 8 $(nproc) --layers 32 --reps 5
 SO=$(ls /tmp/base/pyinfer/ops/_kernels*.so 2>/dev/null | head -1)
 step 90 cold python3 tools/bench_cold.py --threads 1 4 8 $(nproc) --reps 5 ${SO:+--so $SO}
