@@ -302,23 +302,17 @@ def main(argv=None) -> int:
         budget = int(sizes_s.fixed() + frac * ffn_bytes) + 4 * F * L
         run("hybrid (hot neurons on GPU)", label, make_sparse(),
             plan_hybrid(cfg, sizes_s, budget, counts))
-        if args.gate_up_ab:
-            cuda.set_gate_up_list(True)
+        forms = ([("listed", True, False)] if args.gate_up_ab else []) + (
+            [("wide", False, True), ("wide, listed", True, True)] if args.wide_ab else [])
+        for name, listed, wide in forms:  # the hot neurons' gate/up in another form
+            cuda.set_gate_up_list(listed)
+            cuda.set_gate_up_wide(wide)
             try:
-                run("hybrid, gate/up listed", label, make_sparse(),
+                run(f"hybrid, gate/up {name}", label, make_sparse(),
                     plan_hybrid(cfg, sizes_s, budget, counts))
             finally:
                 cuda.set_gate_up_list(False)
-        if args.wide_ab:
-            for listed in (False, True):
-                cuda.set_gate_up_wide(True)
-                cuda.set_gate_up_list(listed)
-                try:
-                    run(f"hybrid, gate/up wide{', listed' if listed else ''}", label,
-                        make_sparse(), plan_hybrid(cfg, sizes_s, budget, counts))
-                finally:
-                    cuda.set_gate_up_wide(False)
-                    cuda.set_gate_up_list(False)
+                cuda.set_gate_up_wide(False)
         if args.cold_ab:
             GpuModel._cold = _cold_steps
             run("hybrid, cold via sparse_step", label, make_sparse(),

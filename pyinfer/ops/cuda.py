@@ -520,18 +520,19 @@ __device__ __forceinline__ void ffn_gate_up_list_body_@T@(const u8* gate, const 
     __syncthreads();
     if (threadIdx.x == 0 && n_act) atomicAdd(counts + 1, (u64)n_act);
 }
-extern "C" __global__ void ffn_gate_up_list_@T@(const u8* gate, const u8* up, long long row_bytes,
-        int cols, const float* x, const int* xq, const float* xd, const int* list, int act,
-        int glu, float act_thr, float* coef, u64* counts) {
-    ffn_gate_up_list_body_@T@<false>(gate, up, row_bytes, cols, x, xq, xd, list, act, glu,
-                                     act_thr, coef, counts);
+#define PI_GATE_UP_LIST_ARGS const u8* gate, const u8* up, long long row_bytes, int cols, \
+        const float* x, const int* xq, const float* xd, const int* list, int act, int glu, \
+        float act_thr, float* coef, u64* counts
+#define PI_GATE_UP_LIST_PASS gate, up, row_bytes, cols, x, xq, xd, list, act, glu, act_thr, \
+        coef, counts
+extern "C" __global__ void ffn_gate_up_list_@T@(PI_GATE_UP_LIST_ARGS) {
+    ffn_gate_up_list_body_@T@<false>(PI_GATE_UP_LIST_PASS);
 }
-extern "C" __global__ void ffn_gate_up_list_w_@T@(const u8* gate, const u8* up,
-        long long row_bytes, int cols, const float* x, const int* xq, const float* xd,
-        const int* list, int act, int glu, float act_thr, float* coef, u64* counts) {
-    ffn_gate_up_list_body_@T@<true>(gate, up, row_bytes, cols, x, xq, xd, list, act, glu,
-                                    act_thr, coef, counts);
+extern "C" __global__ void ffn_gate_up_list_w_@T@(PI_GATE_UP_LIST_ARGS) {
+    ffn_gate_up_list_body_@T@<true>(PI_GATE_UP_LIST_PASS);
 }
+#undef PI_GATE_UP_LIST_ARGS
+#undef PI_GATE_UP_LIST_PASS
 """
 
 _HOT_CANDIDATES = r"""
