@@ -2,15 +2,17 @@
  *
  *     out[0:n_out] = W xm,   xm = x with the dropped input channels set to 0
  *
- * for a matrix W (n_out, n_in) whose q8_0, q4_0 or q4_1 weights are stored per block of 32 input
- * channels instead of per output row. The numbers are those of the row-major matrix (ggml's
- * blocks: one f16 scale d[i, b] per output i and input block b, for q4_1 also an f16 min m[i, b],
- * and 32 values q[i, 32b + c]), only moved: input block b of the tensor holds
+ * for a matrix W (n_out, n_in) whose q8_0, q4_0, q4_1, q5_0 or q5_1 weights are stored per block
+ * of 32 input channels instead of per output row. The numbers are those of the row-major matrix
+ * (ggml's blocks: one f16 scale d[i, b] per output i and input block b, for q4_1 and q5_1 also an
+ * f16 min m[i, b], and 32 values q[i, 32b + c]), only moved: input block b of the tensor holds
  *
- *     d[0:n_out, b] as f16 (2 n_out bytes), for q4_1 then m[0:n_out, b] (2 n_out bytes), then
- *     the 32 value rows of channels 32b .. 32b + 31, each n_out bytes (q8_0: q ^ 0x80, i.e.
- *     q + 128 as an unsigned byte) or n_out / 2 bytes (q4_0: the unsigned nibble u = q + 8;
- *     q4_1: its nibble u, w = d u + m; two outputs per byte).
+ *     d[0:n_out, b] as f16 (2 n_out bytes), for q4_1 / q5_1 then m[0:n_out, b] (2 n_out bytes),
+ *     then the 32 value rows of channels 32b .. 32b + 31, each n_out bytes (q8_0: q ^ 0x80, i.e.
+ *     q + 128 as an unsigned byte), n_out / 2 bytes (q4_0: the unsigned nibble u = q + 8; q4_1:
+ *     its nibble u, w = d u + m; two outputs per byte) or 5 n_out / 8 bytes (q5_0: u = q + 16 in
+ *     0..31; q5_1: u, w = d u + m; per 64-output tile the 32 bytes of its low nibbles as q4_0's,
+ *     then 8 bytes whose bit p (little-endian) is the fifth bit of position p: 40 bytes a tile).
  *
  * A kept channel j is one contiguous value row, so the bytes read shrink with the sparsity
  * (plus the scale row of each block with a kept channel, 1/17 of a q8_0 block). The products
@@ -22,8 +24,9 @@
  * are exact, and out_i = sum over blocks in order of (s_b d[i, b]) * acc[i, b] (one f32 FMA per
  * block). For q8_0 that is the GEMV of the masked x bit for bit (same quantized activation,
  * same integer sums, same f32 order: tests/test_ibsum.py checks it against cpu.matvec); for
- * q4_0 the integer offset 8 sum(xq) is taken off inside the integer sum (the GEMV subtracts it
- * in f32), so the two differ by f32 rounding. q4_1 adds its min term as the GEMV does (gemv.h:
+ * q4_0 (q5_0) the integer offset 8 sum(xq) (16 sum(xq)) is taken off inside the integer sum (the
+ * GEMV subtracts it in f32), so the two differ by f32 rounding. q4_1 and q5_1 add their min term
+ * as the GEMV does (gemv.h:
  * out_i = fma(m[i, b] / 8, 8 s_b sum(xq), fma(s_b d[i, b], acc[i, b], out_i)) per block, acc over
  * the unsigned nibbles), so it too has the masked GEMV's bits. Error against the exact product, per output i:
  * |err_i| <= sum_b s_b / 2 * sum_{kept j in b} |d[i, b] q[i, j]| (+ f32 rounding): the int8
@@ -37,7 +40,8 @@
  * position p = 16 L + 4 s + m holds output 16 s + 4 L + m (L, s, m in 0..3), which makes lane k
  * of the s-th sum output 16 s + k (and for a 256-bit half h of the tile, lane k of the s-th sum
  * output 16 s + 8 h + k). A q4_0 tile is 32 bytes: byte p's low nibble is position p, its high
- * nibble position 32 + p. Rows of fewer than four kept channels are padded with xq = 0.
+ * nibble position 32 + p; a q5 tile adds the fifth bits as 16 where set (AVX-512BW: one masked
+ * byte move from the 64-bit word). Rows of fewer than four kept channels are padded with xq = 0.
  * Without VNNI (AVX2) the same four-row lanes go through maddubs / madd (q8_0 with the sign
  * trick: |q| x sign(xq, q), at most 2 * 128 * 127 per pair); without SIMD a scalar loop. All
  * three give the same integers and the same f32 operations, so the same bits.
@@ -77,18 +81,34 @@
 #define PI_Q8_0_IB 1008
 #define PI_Q4_0_IB 1002
 #define PI_Q4_1_IB 1003
+#define PI_Q5_0_IB 1006
+#define PI_Q5_1_IB 1007
 #define PI_IB_TILE 64
 
-static inline int pi_is_ib(int t) { return t == PI_Q8_0_IB || t == PI_Q4_0_IB || t == PI_Q4_1_IB; }
-
-/* value bytes of one kept row (n_out outputs) */
-static inline size_t pi_ib_row_bytes(int t, long n_out) {
-    return t == PI_Q8_0_IB ? (size_t)n_out : (size_t)n_out / 2;
+static inline int pi_is_ib(int t) {
+    return t == PI_Q8_0_IB || t == PI_Q4_0_IB || t == PI_Q4_1_IB || t == PI_Q5_0_IB ||
+           t == PI_Q5_1_IB;
 }
 
-/* bytes of a block's scale rows: the f16 scales d, and for q4_1 then the f16 mins m */
+/* 1 for the types with a min per output and block (w = d u + m: q4_1, q5_1) */
+static inline int pi_ib_has_min(int t) { return t == PI_Q4_1_IB || t == PI_Q5_1_IB; }
+
+/* 1 for the 5-bit types (a tile's 32 nibble bytes, then 8 bytes of fifth bits) */
+static inline int pi_ib_is_q5(int t) { return t == PI_Q5_0_IB || t == PI_Q5_1_IB; }
+
+/* value bytes of one kept row (n_out outputs, a multiple of 64) */
+static inline size_t pi_ib_row_bytes(int t, long n_out) {
+    return t == PI_Q8_0_IB ? (size_t)n_out : pi_ib_is_q5(t) ? (size_t)n_out / 8 * 5 : (size_t)n_out / 2;
+}
+
+/* bytes of one tile (64 outputs) of a value row: 64 (q8_0), 32 (q4_0, q4_1), 40 (q5_0, q5_1) */
+static inline size_t pi_ib_tile_bytes(int t) {
+    return t == PI_Q8_0_IB ? 64 : pi_ib_is_q5(t) ? 40 : 32;
+}
+
+/* bytes of a block's scale rows: the f16 scales d, and for q4_1 / q5_1 then the f16 mins m */
 static inline size_t pi_ib_scale_bytes(int t, long n_out) {
-    return (t == PI_Q4_1_IB ? 4 : 2) * (size_t)n_out;
+    return (pi_ib_has_min(t) ? 4 : 2) * (size_t)n_out;
 }
 
 /* bytes of one input block: the scale rows and 32 value rows */
@@ -101,7 +121,7 @@ static inline size_t pi_ib_block_bytes(int t, long n_out) {
  * apart. Every address in a block (the mins row, the value rows and their pitch) follows this
  * count; the sums run over the first n_out outputs only. */
 static inline long pi_ib_layout_outs(int t, size_t stride) {
-    return (long)(stride / pi_ib_block_bytes(t, 2) * 2);
+    return (long)(stride / pi_ib_block_bytes(t, PI_IB_TILE) * PI_IB_TILE);
 }
 
 /* Zero outputs a file appends to a matrix of n_out outputs (python: cpu.ib_pad_outs): 64 where
@@ -114,16 +134,18 @@ static inline long pi_ib_pad_outs(int t, long n_out) {
 }
 
 /* what pi_ib_prep stores in corr per unit of the block's sum(xq): the offset of the unsigned
- * values (q8_0 128, q4_0 8), taken off the integer sums in the flush; q4_1 keeps sum(xq) itself
- * for its min term (its values need no offset) */
-static inline int pi_ib_corr_unit(int t) { return t == PI_Q8_0_IB ? 128 : t == PI_Q4_0_IB ? 8 : 1; }
+ * values (q8_0 128, q4_0 8, q5_0 16), taken off the integer sums in the flush; q4_1 and q5_1
+ * keep sum(xq) itself for their min term (their values need no offset) */
+static inline int pi_ib_corr_unit(int t) {
+    return t == PI_Q8_0_IB ? 128 : t == PI_Q4_0_IB ? 8 : t == PI_Q5_0_IB ? 16 : 1;
+}
 
 /* 1 where a stride of `stride` bytes for `cols` outputs is that of an input-block tensor,
  * padded (pi_ib_pad_outs) or not (the row layouts have at most 4 bytes per value) */
 static inline int pi_ib_stride(size_t stride, long cols) {
     if (cols <= 0) return 0;
-    for (int k = 0; k < 3; k++) {
-        const size_t per = k == 0 ? 34 : k == 1 ? 18 : 20;
+    for (int k = 0; k < 5; k++) {
+        const size_t per = k == 0 ? 34 : k == 1 ? 18 : k == 2 ? 20 : k == 3 ? 22 : 24;
         if (stride == per * (size_t)cols || stride == per * (size_t)(cols + 64)) return 1;
     }
     return 0;
@@ -201,8 +223,9 @@ static inline int pi_ib_pos(int o) { return 16 * ((o & 15) >> 2) + 4 * (o >> 4) 
  * (scalar: value at position p). */
 static inline int pi_ib_val(int t, const uint8_t *row, long u, int p) {
     if (t == PI_Q8_0_IB) return row[64 * u + p];
-    const uint8_t b = row[32 * u + (p & 31)];
-    return p < 32 ? (b & 15) : (b >> 4);
+    const uint8_t *tile = row + pi_ib_tile_bytes(t) * u;
+    const int lo = p < 32 ? (tile[p & 31] & 15) : (tile[p & 31] >> 4);
+    return pi_ib_is_q5(t) ? lo | (((tile[32 + p / 8] >> (p % 8)) & 1) << 4) : lo;
 }
 
 #if PI_SIMD
@@ -212,12 +235,36 @@ static inline int pi_ib_val(int t, const uint8_t *row, long u, int p) {
 #define PI_IB_VNNI512 0
 #endif
 
+/* 16 in byte i of the result where bit i of `bits` is set, else 0 (i in 0..31): a 5-bit
+ * type's fifth bits of half a tile */
+static inline __attribute__((always_inline)) __m256i pi_ib_bit16_256(uint32_t bits) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    return _mm256_maskz_mov_epi8((__mmask32)bits, _mm256_set1_epi8(16));
+#else
+    /* byte i <- byte i / 8 of bits, then keep bit i % 8 of it */
+    const __m256i sel = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                         2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i one = _mm256_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128,
+                                         1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
+    /* shuffle_epi8 works inside 128-bit lanes: the upper lane's indices 2, 3 need bytes 2, 3 of
+     * the broadcast word there too (set1 puts them in every lane) */
+    const __m256i b = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), sel);
+    const __m256i hit = _mm256_cmpeq_epi8(_mm256_and_si256(b, one), one);
+    return _mm256_and_si256(hit, _mm256_set1_epi8(16));
+#endif
+}
+
 /* half h (positions 32h .. 32h + 31) of tile u of row p, unsigned */
 static inline __attribute__((always_inline)) __m256i pi_ib_load256(const int t, const uint8_t *p,
                                                                    long u, int h) {
     if (t == PI_Q8_0_IB) return _mm256_loadu_si256((const __m256i *)(p + 64 * u + 32 * h));
-    const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 32 * u));
-    return _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(15));
+    const uint8_t *tile = p + pi_ib_tile_bytes(t) * u;
+    const __m256i v = _mm256_loadu_si256((const __m256i *)tile);
+    const __m256i lo = _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(15));
+    if (!pi_ib_is_q5(t)) return lo;
+    uint32_t bits;
+    memcpy(&bits, tile + 32 + 4 * h, 4);
+    return _mm256_or_si256(lo, pi_ib_bit16_256(bits));
 }
 
 #if PI_IB_VNNI512
@@ -225,9 +272,14 @@ static inline __attribute__((always_inline)) __m256i pi_ib_load256(const int t, 
 static inline __attribute__((always_inline)) __m512i pi_ib_load512(const int t, const uint8_t *p,
                                                                    long u) {
     if (t == PI_Q8_0_IB) return _mm512_loadu_si512((const void *)(p + 64 * u));
-    const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 32 * u));
+    const uint8_t *tile = p + pi_ib_tile_bytes(t) * u;
+    const __m256i v = _mm256_loadu_si256((const __m256i *)tile);
     const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1);
-    return _mm512_and_si512(w, _mm512_set1_epi8(15));
+    const __m512i lo = _mm512_and_si512(w, _mm512_set1_epi8(15));
+    if (!pi_ib_is_q5(t)) return lo;
+    uint64_t bits;  /* bit p: the fifth bit of position p */
+    memcpy(&bits, tile + 32, 8);
+    return _mm512_or_si512(lo, _mm512_maskz_mov_epi8((__mmask64)bits, _mm512_set1_epi8(16)));
 }
 #else
 /* sum of the four products of each 32-bit lane: unsigned values w (q8_0: q + 128) times the
@@ -253,7 +305,7 @@ static inline __attribute__((always_inline)) void pi_ib_flush256(const int t, co
                                                                  float s, int32_t cr,
                                                                  const __m256i acc[4], float *y) {
     const __m256 vs = _mm256_set1_ps(s);
-    const __m256i vc = _mm256_set1_epi32(t == PI_Q4_1_IB ? 0 : cr);
+    const __m256i vc = _mm256_set1_epi32(pi_ib_has_min(t) ? 0 : cr);
     const __m256 xs = _mm256_set1_ps(8.0f * s * (float)cr);
     for (int k = 0; k < 4; k++) {
         float *yk = y + 16 * k + 8 * h;
@@ -261,7 +313,7 @@ static inline __attribute__((always_inline)) void pi_ib_flush256(const int t, co
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dsc + a)));
         const __m256 f = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc[k], vc));
         __m256 r = _mm256_fmadd_ps(_mm256_mul_ps(vs, d), f, _mm256_loadu_ps(yk));
-        if (t == PI_Q4_1_IB) {
+        if (pi_ib_has_min(t)) {
             const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(msc + a)));
             r = _mm256_fmadd_ps(_mm256_mul_ps(m, _mm256_set1_ps(0.125f)), xs, r);
         }
@@ -323,7 +375,7 @@ static inline __attribute__((always_inline)) void pi_ib_tile512(const int t, con
         a3 = _mm512_dpbusd_epi32(a3, _mm512_unpackhi_epi16(h01, h23), cc);
     }
     const __m512 vs = _mm512_set1_ps(s);
-    const __m512i vc = _mm512_set1_epi32(t == PI_Q4_1_IB ? 0 : cr);
+    const __m512i vc = _mm512_set1_epi32(pi_ib_has_min(t) ? 0 : cr);
     const __m512 xs = _mm512_set1_ps(8.0f * s * (float)cr);  /* q4_1: pi_ib_flush256 */
     const __m512i acc[4] = {a0, a1, a2, a3};
     for (int k = 0; k < 4; k++) {
@@ -331,7 +383,7 @@ static inline __attribute__((always_inline)) void pi_ib_tile512(const int t, con
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dsc + a)));
         const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[k], vc));
         __m512 r = _mm512_fmadd_ps(_mm512_mul_ps(vs, d), f, _mm512_loadu_ps(y + 16 * k));
-        if (t == PI_Q4_1_IB) {
+        if (pi_ib_has_min(t)) {
             const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(msc + a)));
             r = _mm512_fmadd_ps(_mm512_mul_ps(m, _mm512_set1_ps(0.125f)), xs, r);
         }
@@ -355,7 +407,7 @@ static inline void pi_ib_scalar(const int t, const uint8_t *val, const int32_t *
             for (int r = 0; r < 4; r++) acc += q4[r] * pi_ib_val(t, val + o[4 * g + r], u, p);
         }
         const float d = pi_f16_to_f32(dsc[PI_IB_TILE * u + i]);
-        if (t == PI_Q4_1_IB)  /* pi_ib_flush256 */
+        if (pi_ib_has_min(t))  /* pi_ib_flush256 */
             y[i] = fmaf(0.125f * pi_f16_to_f32(msc[PI_IB_TILE * u + i]), 8.0f * s * (float)cr,
                         fmaf(s * d, (float)acc, y[i]));
         else
@@ -384,8 +436,10 @@ static inline void pi_ib_scalar(const int t, const uint8_t *val, const int32_t *
 static inline __attribute__((always_inline)) void pi_ib_pf(const int t, const uint8_t *valn,
                                                            const int32_t *on, int n, long u, int h) {
 #if PI_SIMD
-    const size_t at = t == PI_Q8_0_IB ? 64 * (size_t)u + 32 * (size_t)h : 32 * (size_t)u;
+    const size_t at = t == PI_Q8_0_IB ? 64 * (size_t)u + 32 * (size_t)h : pi_ib_tile_bytes(t) * (size_t)u;
     for (int g = 0; g < n; g++) _mm_prefetch((const char *)(valn + on[g] + at), PI_IB_PF_HINT);
+    if (pi_ib_is_q5(t))  /* a 40-byte tile may end in the next line */
+        for (int g = 0; g < n; g++) _mm_prefetch((const char *)(valn + on[g] + at + 39), PI_IB_PF_HINT);
 #else
     (void)t; (void)valn; (void)on; (void)n; (void)u; (void)h;
 #endif
@@ -461,7 +515,7 @@ pi_ib_halves_t(const int t, const uint8_t *w, size_t stride, long n_out, long nb
                     const char *dn = (const char *)(w + stride * (size_t)bn) + 2 * PI_IB_TILE * u;
                     _mm_prefetch(dn, PI_IB_PF_HINT);
                     _mm_prefetch(dn + 64, PI_IB_PF_HINT);
-                    if (t == PI_Q4_1_IB) {  /* and its mins */
+                    if (pi_ib_has_min(t)) {  /* and its mins */
                         _mm_prefetch(dn + 2 * lo, PI_IB_PF_HINT);
                         _mm_prefetch(dn + 2 * lo + 64, PI_IB_PF_HINT);
                     }
@@ -507,8 +561,12 @@ static void pi_ib_halves(int t, const uint8_t *w, size_t stride, long n_out, lon
         pi_ib_halves_t(PI_Q8_0_IB, w, stride, n_out, nb, off, cf, ng, sb, corr, v0, v1, out, stream);
     else if (t == PI_Q4_0_IB)
         pi_ib_halves_t(PI_Q4_0_IB, w, stride, n_out, nb, off, cf, ng, sb, corr, v0, v1, out, stream);
-    else
+    else if (t == PI_Q4_1_IB)
         pi_ib_halves_t(PI_Q4_1_IB, w, stride, n_out, nb, off, cf, ng, sb, corr, v0, v1, out, stream);
+    else if (t == PI_Q5_0_IB)
+        pi_ib_halves_t(PI_Q5_0_IB, w, stride, n_out, nb, off, cf, ng, sb, corr, v0, v1, out, stream);
+    else
+        pi_ib_halves_t(PI_Q5_1_IB, w, stride, n_out, nb, off, cf, ng, sb, corr, v0, v1, out, stream);
 }
 
 
@@ -667,7 +725,7 @@ pi_ib_chunk_src(const int t, const int NT, const int packed, const uint8_t *val,
 #pragma GCC unroll 8
     for (int i = 0; i < NT; i++)
 #pragma GCC unroll 4
-        for (int k = 0; k < 4; k++) acc[i][k] = _mm512_set1_epi32(t == PI_Q4_1_IB ? 0 : -corr[i]);
+        for (int k = 0; k < 4; k++) acc[i][k] = _mm512_set1_epi32(pi_ib_has_min(t) ? 0 : -corr[i]);
     for (int g = 0; g < 8; g++) {
         if (!((gm >> g) & 1)) continue;
         __m512i v[4];
@@ -692,7 +750,7 @@ pi_ib_chunk_src(const int t, const int NT, const int packed, const uint8_t *val,
     for (int k = 0; k < 4; k++) {
         const __m512 d = _mm512_cvtph_ps(
             _mm256_loadu_si256((const __m256i *)(dsc + PI_IB_TILE * u + 16 * k)));
-        const __m512 m = t == PI_Q4_1_IB ? _mm512_cvtph_ps(_mm256_loadu_si256(
+        const __m512 m = pi_ib_has_min(t) ? _mm512_cvtph_ps(_mm256_loadu_si256(
                                                (const __m256i *)(msc + PI_IB_TILE * u + 16 * k)))
                                          : _mm512_setzero_ps();
 #pragma GCC unroll 8
@@ -701,7 +759,7 @@ pi_ib_chunk_src(const int t, const int NT, const int packed, const uint8_t *val,
             float *yk = y + ldo * i + 16 * k;
             const __m512 f = _mm512_cvtepi32_ps(acc[i][k]);  /* acc - corr */
             __m512 r = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(sb[i]), d), f, _mm512_loadu_ps(yk));
-            if (t == PI_Q4_1_IB)
+            if (pi_ib_has_min(t))
                 r = _mm512_fmadd_ps(_mm512_mul_ps(m, _mm512_set1_ps(0.125f)),
                                     _mm512_set1_ps(8.0f * sb[i] * (float)corr[i]), r);
             _mm512_storeu_ps(yk, r);
@@ -714,7 +772,7 @@ pi_ib_chunk_src(const int t, const int NT, const int packed, const uint8_t *val,
         for (int i = 0; i < NT; i++)
 #pragma GCC unroll 4
             for (int k = 0; k < 4; k++)  /* q8_0 through pi_ib_dot4 is signed: no correction */
-                acc[i][k] = _mm256_set1_epi32(t == PI_Q8_0_IB || t == PI_Q4_1_IB ? 0 : -corr[i]);
+                acc[i][k] = _mm256_set1_epi32(t == PI_Q8_0_IB || pi_ib_has_min(t) ? 0 : -corr[i]);
         for (int g = 0; g < 8; g++) {
             if (!((gm >> g) & 1)) continue;
             __m256i v[4];
@@ -739,7 +797,7 @@ pi_ib_chunk_src(const int t, const int NT, const int packed, const uint8_t *val,
         for (int k = 0; k < 4; k++) {
             const __m256 d = _mm256_cvtph_ps(
                 _mm_loadu_si128((const __m128i *)(dsc + PI_IB_TILE * u + 16 * k + 8 * h)));
-            const __m256 m = t == PI_Q4_1_IB
+            const __m256 m = pi_ib_has_min(t)
                                  ? _mm256_cvtph_ps(_mm_loadu_si128(
                                        (const __m128i *)(msc + PI_IB_TILE * u + 16 * k + 8 * h)))
                                  : _mm256_setzero_ps();
@@ -750,7 +808,7 @@ pi_ib_chunk_src(const int t, const int NT, const int packed, const uint8_t *val,
                 const __m256 f = _mm256_cvtepi32_ps(acc[i][k]);  /* acc - corr */
                 __m256 r = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(sb[i]), d), f,
                                            _mm256_loadu_ps(yk));
-                if (t == PI_Q4_1_IB)
+                if (pi_ib_has_min(t))
                     r = _mm256_fmadd_ps(_mm256_mul_ps(m, _mm256_set1_ps(0.125f)),
                                         _mm256_set1_ps(8.0f * sb[i] * (float)corr[i]), r);
                 _mm256_storeu_ps(yk, r);
@@ -773,7 +831,7 @@ pi_ib_chunk_src(const int t, const int NT, const int packed, const uint8_t *val,
             int32_t a = 0;
             for (int j = 0; j < 32; j++) a += q[j] * w32[j];
             float *yo = y + ldo * i + o;
-            if (t == PI_Q4_1_IB)
+            if (pi_ib_has_min(t))
                 *yo = fmaf(0.125f * pi_f16_to_f32(msc[PI_IB_TILE * u + o]),
                            8.0f * sb[i] * (float)corr[i], fmaf(sb[i] * d, (float)a, *yo));
             else
@@ -801,7 +859,7 @@ pi_ib_chunk_pk(const int t, const int NT, const uint8_t *pk, const uint16_t *dsc
 }
 #endif /* PI_SIMD */
 
-/* A switch over the type (q8_0 / q4_0 / q4_1) and the chunk's token count nt (1 .. PI_IB_NT) that
+/* A switch over the type (q8_0 / q4_0 / q4_1 / q5_0 / q5_1) and the chunk's token count nt (1 .. PI_IB_NT) that
  * calls CALL(T_, N_) with both as constants (the chunk kernels unroll over them). */
 #define PI_IB_CASE(CALL, T_, N_)                                                              \
     case N_:                                                                                  \
@@ -821,11 +879,23 @@ pi_ib_chunk_pk(const int t, const int NT, const uint8_t *pk, const uint16_t *dsc
                 PI_IB_CASE(CALL, PI_Q4_0_IB, 3) PI_IB_CASE(CALL, PI_Q4_0_IB, 4)               \
                 PI_IB_CASE(CALL, PI_Q4_0_IB, 5) PI_IB_CASE(CALL, PI_Q4_0_IB, 6)               \
             }                                                                                 \
-        } else {                                                                              \
+        } else if ((t) == PI_Q4_1_IB) {                                                       \
             switch (nt) {                                                                     \
                 PI_IB_CASE(CALL, PI_Q4_1_IB, 1) PI_IB_CASE(CALL, PI_Q4_1_IB, 2)               \
                 PI_IB_CASE(CALL, PI_Q4_1_IB, 3) PI_IB_CASE(CALL, PI_Q4_1_IB, 4)               \
                 PI_IB_CASE(CALL, PI_Q4_1_IB, 5) PI_IB_CASE(CALL, PI_Q4_1_IB, 6)               \
+            }                                                                                 \
+        } else if ((t) == PI_Q5_0_IB) {                                                       \
+            switch (nt) {                                                                     \
+                PI_IB_CASE(CALL, PI_Q5_0_IB, 1) PI_IB_CASE(CALL, PI_Q5_0_IB, 2)               \
+                PI_IB_CASE(CALL, PI_Q5_0_IB, 3) PI_IB_CASE(CALL, PI_Q5_0_IB, 4)               \
+                PI_IB_CASE(CALL, PI_Q5_0_IB, 5) PI_IB_CASE(CALL, PI_Q5_0_IB, 6)               \
+            }                                                                                 \
+        } else {                                                                              \
+            switch (nt) {                                                                     \
+                PI_IB_CASE(CALL, PI_Q5_1_IB, 1) PI_IB_CASE(CALL, PI_Q5_1_IB, 2)               \
+                PI_IB_CASE(CALL, PI_Q5_1_IB, 3) PI_IB_CASE(CALL, PI_Q5_1_IB, 4)               \
+                PI_IB_CASE(CALL, PI_Q5_1_IB, 5) PI_IB_CASE(CALL, PI_Q5_1_IB, 6)               \
             }                                                                                 \
         }                                                                                     \
     } while (0)
@@ -947,13 +1017,16 @@ static void pi_ib_matmul(int qtype, const uint8_t *w, size_t stride, long n_in, 
                     pi_ib_unpack(qtype, blk + sbytes, rb, u, pk + 2048 * (size_t)b);
                     /* the next tile's rows and scales of this block, into L2 by its turn */
                     if (u + 1 < u1) {
-                        const uint8_t *nx = blk + sbytes + (qtype == PI_Q8_0_IB ? 64 : 32) * (u + 1);
+                        const uint8_t *nx = blk + sbytes + pi_ib_tile_bytes(qtype) * (u + 1);
                         const char *ds = (const char *)(blk + 2 * PI_IB_TILE * (u + 1));
-                        for (int j = 0; j < 32; j++)
+                        for (int j = 0; j < 32; j++) {
                             _mm_prefetch((const char *)(nx + (size_t)j * rb), _MM_HINT_T1);
+                            if (pi_ib_is_q5(qtype))  /* a 40-byte tile's end */
+                                _mm_prefetch((const char *)(nx + (size_t)j * rb + 39), _MM_HINT_T1);
+                        }
                         _mm_prefetch(ds, _MM_HINT_T1);
                         _mm_prefetch(ds + 64, _MM_HINT_T1);
-                        if (qtype == PI_Q4_1_IB) {  /* and its mins */
+                        if (pi_ib_has_min(qtype)) {  /* and its mins */
                             _mm_prefetch(ds + 2 * (size_t)lo, _MM_HINT_T1);
                             _mm_prefetch(ds + 2 * (size_t)lo + 64, _MM_HINT_T1);
                         }

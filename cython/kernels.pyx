@@ -85,6 +85,8 @@ cdef extern from "rowsum_team.h" nogil:
     int PI_Q8_0_IB_ID "PI_Q8_0_IB"
     int PI_Q4_0_IB_ID "PI_Q4_0_IB"
     int PI_Q4_1_IB_ID "PI_Q4_1_IB"
+    int PI_Q5_0_IB_ID "PI_Q5_0_IB"
+    int PI_Q5_1_IB_ID "PI_Q5_1_IB"
     int PI_IB_TILE
     void pi_axpy_rows_par(int qtype, const uint8_t *w, size_t stride, const float *coef,
                           const int32_t *idx, long n, float *out, int cols, float *tmp,
@@ -237,9 +239,9 @@ cdef inline Py_ssize_t _in_rows(const uint8_t[:, ::1] w, int qtype) noexcept:
 
 
 def ib_types():
-    """(q8_0, q4_0, q4_1) type ids of the input-block layout (ibsum.h; pyinfer's own, not
-    ggml's)."""
-    return PI_Q8_0_IB_ID, PI_Q4_0_IB_ID, PI_Q4_1_IB_ID
+    """(q8_0, q4_0, q4_1, q5_0, q5_1) type ids of the input-block layout (ibsum.h; pyinfer's own,
+    not ggml's)."""
+    return PI_Q8_0_IB_ID, PI_Q4_0_IB_ID, PI_Q4_1_IB_ID, PI_Q5_0_IB_ID, PI_Q5_1_IB_ID
 
 
 cdef inline void _quantize_x(const float *x, int cols, float **xd, int8_t **xq) noexcept nogil:

@@ -19,8 +19,9 @@ from tests._models import load_hf_state_dict, make_random_llama
 from tests.test_input_sparse import reference_logits
 
 QT = gguf.GGMLQuantizationType
-TYPES = [QT.Q8_0, QT.Q4_0, QT.Q4_1]
-BLOCK_BYTES = {QT.Q8_0: 34, QT.Q4_0: 18, QT.Q4_1: 20}  # ggml's
+TYPES = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1]
+BLOCK_BYTES = {QT.Q8_0: 34, QT.Q4_0: 18, QT.Q4_1: 20, QT.Q5_0: 22, QT.Q5_1: 24}  # ggml's
+MIN_TYPES = (QT.Q4_1, QT.Q5_1)  # w = d u + m
 SHAPES = [(64, 32), (192, 96), (960, 576), (576, 1536)]  # (n_out, n_in)
 
 
@@ -57,7 +58,7 @@ def test_layout_is_a_permutation_of_the_row_major_blocks(qtype, shape):
     # every byte (or nibble) of the blocks lands somewhere: same multiset of scale words (and of
     # q4_1's min words)
     blocks = w.raw.reshape(n_out, n_in // 32, -1)
-    for o in range(0, 4 if qtype == QT.Q4_1 else 2, 2):
+    for o in range(0, 4 if qtype in MIN_TYPES else 2, 2):
         d_rows = np.sort(blocks[:, :, o:o + 2].copy().view(np.uint16).ravel())
         d_ib = np.sort(ib.raw[:, o * n_out:(o + 2) * n_out].copy().view(np.uint16).ravel())
         np.testing.assert_array_equal(d_rows, d_ib)
@@ -69,7 +70,7 @@ def test_layout_is_a_permutation_of_the_row_major_blocks(qtype, shape):
 def test_layout_refuses_shapes_and_data():
     rng = np.random.default_rng(0)
     w = cpu.QTensor.from_array(rng.standard_normal((96, 64)).astype(np.float32), QT.Q8_0)
-    assert not cpu.ib_supported(QT.Q8_0, 96, 64) and not cpu.ib_supported(QT.Q5_0, 64, 64)
+    assert not cpu.ib_supported(QT.Q8_0, 96, 64) and not cpu.ib_supported(QT.Q5_K, 64, 256)
     assert not cpu.ib_supported(QT.Q4_K, 64, 256) and cpu.ib_supported(QT.Q4_1, 64, 64)
     with pytest.raises(ValueError, match="input-block"):
         cpu.ib_from_rows(w.raw, QT.Q8_0, 96, 64)
@@ -109,7 +110,7 @@ def test_sum_of_kept_channels(qtype, shape):
         slack = 1e-5 * (np.abs(exact).max(initial=0) + 1)
         assert np.all(np.abs(got - exact) <= bound + slack), frac
         gemv = cpu.matvec(w, xm, np.empty(shape[0], np.float32), 1)
-        if qtype in (QT.Q8_0, QT.Q4_1):
+        if qtype in (QT.Q8_0, *MIN_TYPES):
             np.testing.assert_array_equal(outs[0], gemv)
         else:  # q4_0: the offset 8 comes off in the integers here, in f32 in the GEMV
             np.testing.assert_allclose(outs[0], gemv, rtol=1e-5, atol=1e-5 * (np.abs(gemv).max(initial=0) + 1))
@@ -121,15 +122,15 @@ def test_sum_of_kept_channels(qtype, shape):
 
 
 @pytest.mark.parametrize("qtype", TYPES)
-@pytest.mark.parametrize("shape", [(4096, 64), (2048, 96), (3072, 32)])
+@pytest.mark.parametrize("shape", [(4096, 64), (2048, 96), (3072, 32), (16384, 32)])
 def test_padded_layout_has_the_same_bits(qtype, shape):
     """Where a value row would be a multiple of 2 KiB long (q8_0: n_out bytes; q4_0/q4_1: n_out
-    / 2) a file appends 64 zero outputs (cpu.ib_pad_outs; ibsum.h reads the rows' pitch from the
+    / 2; q5_0/q5_1: 5 n_out / 8) a file appends 64 zero outputs (cpu.ib_pad_outs; ibsum.h reads the rows' pitch from the
     block bytes): the padded layout holds the same numbers, and its kept-channel sums (1, 2, 3
     threads) and batched products have the unpadded layout's bits; other shapes get none."""
     rng = np.random.default_rng(int(qtype) + shape[0])
     w, ib = _pair(rng, qtype, *shape)
-    row = shape[0] if qtype == QT.Q8_0 else shape[0] // 2
+    row = {QT.Q8_0: shape[0], QT.Q5_0: shape[0] * 5 // 8, QT.Q5_1: shape[0] * 5 // 8}.get(qtype, shape[0] // 2)
     pad = cpu.ib_pad_outs(qtype, shape[0])
     assert pad == (64 if row % 2048 == 0 else 0)
     padded = cpu.IBTensor.from_rows(w, pad=True)
@@ -376,7 +377,7 @@ def test_chunked_head_is_the_gemv_of_the_masked_input(qtype):
         idx = np.nonzero(x[i])[0].astype(np.int32)
         one = ib.axpy_rows(np.ascontiguousarray(x[i, idx]), idx, np.empty(n_out, np.float32), 2)
         np.testing.assert_array_equal(one, batch[i])
-        if qtype in (QT.Q8_0, QT.Q4_1):
+        if qtype in (QT.Q8_0, *MIN_TYPES):
             np.testing.assert_array_equal(one, cpu.matvec(w, x[i], np.empty(n_out, np.float32)))
         exact, bound = _exact_and_bound(w, x[i])
         assert np.all(np.abs(one - exact) <= bound * 1.01 + 1e-4), np.abs(one - exact).max()
@@ -623,7 +624,7 @@ def _unfused_attn(x, norm, qkv, wo, kc, vc, n_past, n_head, t_in, t_o, n_threads
     return x + y, (n_in, n_mid)
 
 
-@pytest.mark.parametrize("layout,qtype", [("ib", QT.Q8_0), ("ib", QT.Q4_0), ("ib", QT.Q4_1), ("t", QT.Q8_0),
+@pytest.mark.parametrize("layout,qtype", [("ib", QT.Q8_0), ("ib", QT.Q4_0), ("ib", QT.Q4_1), ("ib", QT.Q5_0), ("ib", QT.Q5_1), ("t", QT.Q8_0),
                                           ("t", QT.Q4_0), ("t", QT.F16)])
 def test_fused_halves_equal_unfused_kernels(layout, qtype):
     """decode_ffn_in and decode_attn_in (one parallel region each, issue 12) give the bits of

@@ -138,35 +138,61 @@ class QTensor:
 
 
 #: pyinfer's type ids of the input-block layout (cython/ibsum.h), not ggml's
-Q8_0_IB, Q4_0_IB, Q4_1_IB = _k.ib_types()
+Q8_0_IB, Q4_0_IB, Q4_1_IB, Q5_0_IB, Q5_1_IB = _k.ib_types()
 #: outputs per tile of the input-block layout (the output count must be a multiple)
 IB_TILE = 64
-_IB_BASE = {Q8_0_IB: QT.Q8_0, Q4_0_IB: QT.Q4_0, Q4_1_IB: QT.Q4_1}
+_IB_BASE = {Q8_0_IB: QT.Q8_0, Q4_0_IB: QT.Q4_0, Q4_1_IB: QT.Q4_1, Q5_0_IB: QT.Q5_0,
+            Q5_1_IB: QT.Q5_1}
 #: ggml's block bytes of the types that take the layout: per output and input block, the layout
-#: holds the same bytes (f16 scale, q4_1's f16 min, 32 values)
-_BLOCK_BYTES = {QT.Q8_0: 34, QT.Q4_0: 18, QT.Q4_1: 20}
+#: holds the same bytes (f16 scale, q4_1's / q5_1's f16 min, 32 values, q5's 4 bytes of fifth bits)
+_BLOCK_BYTES = {QT.Q8_0: 34, QT.Q4_0: 18, QT.Q4_1: 20, QT.Q5_0: 22, QT.Q5_1: 24}
+_Q5 = (QT.Q5_0, QT.Q5_1)
 
 
 def _scale_bytes(qtype) -> int:
-    """Bytes of a ggml block of ``qtype`` (Q8_0, Q4_0, Q4_1) before its values: the f16 scale,
-    and Q4_1's f16 min (the 32 values take 32 bytes, or 16 as nibbles)."""
-    return _BLOCK_BYTES[qtype] - (32 if qtype == QT.Q8_0 else 16)
+    """Bytes of a ggml block of ``qtype`` (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) before its values: the
+    f16 scale, and Q4_1's / Q5_1's f16 min (the 32 values take 32 bytes, 16 as nibbles, or 20 as
+    ggml's qh word of fifth bits and 16 bytes of nibbles)."""
+    return _BLOCK_BYTES[qtype] - (32 if qtype == QT.Q8_0 else 20 if qtype in _Q5 else 16)
 
 
 def ib_type(qtype) -> int:
-    """The input-block type id holding the numbers of ggml ``qtype`` (Q8_0, Q4_0 or Q4_1);
-    ValueError for another type."""
+    """The input-block type id holding the numbers of ggml ``qtype`` (Q8_0, Q4_0, Q4_1, Q5_0 or
+    Q5_1); ValueError for another type."""
     for ib, base in _IB_BASE.items():
         if QT(qtype) == base:
             return ib
-    raise ValueError(f"no input-block layout for {QT(qtype).name} (Q8_0, Q4_0 or Q4_1)")
+    raise ValueError(f"no input-block layout for {QT(qtype).name} (Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1)")
 
 
 def _ib_block_bytes(qtype: int, n_out: int) -> int:
     """Bytes of one 32-channel block row of an input-block matrix with n_out outputs (f16 scales,
-    q4_1's f16 mins and 32 value rows: 34 n_out for q8_0, 18 n_out for q4_0, 20 n_out for q4_1);
-    qtype an input-block id."""
+    q4_1's / q5_1's f16 mins and 32 value rows: 34 n_out for q8_0, 18 n_out for q4_0, 20 n_out for
+    q4_1, 22 n_out for q5_0, 24 n_out for q5_1); qtype an input-block id."""
     return _BLOCK_BYTES[_IB_BASE[qtype]] * n_out
+
+
+def _values_of_blocks(blk: np.ndarray, qtype, hb: int) -> np.ndarray:
+    """ggml blocks (n_out, nb, block bytes) of a 4- or 5-bit type -> their unsigned values u
+    (n_out, nb, 32) uint8 (ggml's dequantize_row_q4_0 / q5_0: value c < 16 in the low nibble of
+    qs[c], c + 16 in the high one; q5's fifth bit of value c is bit c of the little-endian qh)."""
+    if qtype not in _Q5:
+        qs = blk[:, :, hb:]
+        return np.concatenate([qs & 15, qs >> 4], axis=2)
+    qh = blk[:, :, hb:hb + 4].copy().view("<u4")  # (n_out, nb, 1)
+    qs = blk[:, :, hb + 4:hb + 20]
+    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+    return np.concatenate([qs & 15, qs >> 4], axis=2) | (high << 4)
+
+
+def _blocks_of_values(u: np.ndarray, qtype) -> np.ndarray:
+    """The inverse of ``_values_of_blocks`` for the value bytes: u (n_out, nb, 32) -> (n_out, nb,
+    16 or 20) (q5: qh then qs)."""
+    qs = (u[:, :, :16] & 15) | ((u[:, :, 16:] & 15) << 4)
+    if qtype not in _Q5:
+        return qs
+    qh = (((u >> 4) & 1).astype(np.uint32) << np.arange(32, dtype=np.uint32)).sum(2, dtype=np.uint32)
+    return np.concatenate([qh[..., None].astype("<u4").view(np.uint8), qs], axis=2)
 
 
 def _ib_tile_perm() -> np.ndarray:
@@ -177,20 +203,20 @@ def _ib_tile_perm() -> np.ndarray:
 
 
 def ib_supported(qtype, n_out: int, n_in: int) -> bool:
-    """True where a matrix of ``qtype`` (Q8_0, Q4_0 or Q4_1) and shape (n_out, n_in) can take the
+    """True where a matrix of ``qtype`` (Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1) and shape (n_out, n_in) can take the
     input-block layout: outputs a multiple of 64, inputs of 32."""
     return QT(qtype) in _BLOCK_BYTES and n_out % IB_TILE == 0 and n_in % 32 == 0 and n_out > 0
 
 
 def ib_pad_outs(qtype, n_out: int) -> int:
     """Zero outputs a file appends to an input-block matrix of n_out outputs (ibsum.h
-    pi_ib_pad_outs): 64 where its value rows (n_out bytes for q8_0, n_out / 2 for q4_0 / q4_1)
-    would be a multiple of 2 KiB long, else 0. A block's 32 rows are read side by side, and at
+    pi_ib_pad_outs): 64 where its value rows (n_out bytes for q8_0, n_out / 2 for q4_0 / q4_1,
+    5 n_out / 8 for q5_0 / q5_1) would be a multiple of 2 KiB long, else 0. A block's 32 rows are read side by side, and at
     such a stride they share cache sets: 1.5-2.1x slower than the row-major GEMV for 4096-16384
     outputs on the 2-core Zen 4 box, 0.74-0.97x with the 64 zero outputs (docs/benchmarks.md,
-    session 22). qtype: ggml Q8_0 / Q4_0 / Q4_1 or an input-block id."""
-    base = _IB_BASE.get(int(qtype), qtype)
-    row = n_out if QT(base) == QT.Q8_0 else n_out // 2
+    session 22). qtype: ggml Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 or an input-block id."""
+    base = QT(_IB_BASE.get(int(qtype), qtype))
+    row = n_out if base == QT.Q8_0 else n_out // 8 * 5 if base in _Q5 else n_out // 2
     return IB_TILE if row % 2048 == 0 else 0
 
 
@@ -205,12 +231,14 @@ def ib_padded_from_rows(raw: np.ndarray, qtype, n_out: int, n_in: int) -> np.nda
 
 
 def ib_from_rows(raw: np.ndarray, qtype, n_out: int, n_in: int) -> np.ndarray:
-    """Row-major q8_0 / q4_0 / q4_1 bytes of W (n_out, n_in) -> the input-block layout, uint8
-    (n_in / 32, block bytes): per block of 32 input channels the f16 scales d[:, b] (2 n_out
-    bytes), for q4_1 then the f16 mins m[:, b] (2 n_out bytes), then 32 value rows of n_out
-    bytes (q8_0: q ^ 0x80) or n_out / 2 (q4_0 / q4_1: nibbles u, position p and 32 + p of each
-    64-output tile in one byte), outputs of each tile in ``_ib_tile_perm`` order. The same
-    numbers, moved (``ib_to_rows`` inverts it). ValueError where ``ib_supported`` is False."""
+    """Row-major q8_0 / q4_0 / q4_1 / q5_0 / q5_1 bytes of W (n_out, n_in) -> the input-block
+    layout, uint8 (n_in / 32, block bytes): per block of 32 input channels the f16 scales d[:, b]
+    (2 n_out bytes), for q4_1 / q5_1 then the f16 mins m[:, b] (2 n_out bytes), then 32 value rows
+    of n_out bytes (q8_0: q ^ 0x80), n_out / 2 (q4_0 / q4_1: nibbles u, position p and 32 + p of
+    each 64-output tile in one byte) or 5 n_out / 8 (q5_0 / q5_1: each tile's 32 nibble bytes as
+    q4's, then 8 bytes whose bit p, little-endian, is position p's fifth bit), outputs of each
+    tile in ``_ib_tile_perm`` order. The same numbers, moved (``ib_to_rows`` inverts it).
+    ValueError where ``ib_supported`` is False."""
     qtype = QT(qtype)
     if not ib_supported(qtype, n_out, n_in):
         raise ValueError(f"no input-block layout for {qtype.name} ({n_out}, {n_in})")
@@ -223,11 +251,12 @@ def ib_from_rows(raw: np.ndarray, qtype, n_out: int, n_in: int) -> np.ndarray:
     if qtype == QT.Q8_0:
         v = blk[:, :, hb:] ^ np.uint8(0x80)  # (n_out, nb, 32)
     else:
-        qs = blk[:, :, hb:]
-        v = np.concatenate([qs & 15, qs >> 4], axis=2)  # ggml: value c < 16 low nibble, c + 16 high
+        v = _values_of_blocks(blk, qtype, hb)
     v = v.transpose(1, 2, 0).reshape(nb, 32, nt, IB_TILE)[..., _ib_tile_perm()]
     if qtype != QT.Q8_0:
-        v = v[..., :32] | (v[..., 32:] << 4)
+        nib = (v[..., :32] & 15) | ((v[..., 32:] & 15) << 4)
+        v = nib if qtype not in _Q5 else np.concatenate(
+            [nib, np.packbits((v >> 4) & 1, axis=-1, bitorder="little")], axis=-1)
     return np.ascontiguousarray(np.concatenate([*scales, v.reshape(nb, -1)], axis=1))
 
 
@@ -241,28 +270,31 @@ def ib_to_rows(ib: np.ndarray, qtype, n_out: int, n_in: int) -> np.ndarray:
               for o in range(0, hb, 2)]
     v = ib[:, hb * n_out:]
     if qtype != QT.Q8_0:
-        v = v.reshape(nb, 32, nt, 32)
-        v = np.concatenate([v & 15, v >> 4], axis=3)
+        v = v.reshape(nb, 32, nt, 40 if qtype in _Q5 else 32)
+        u = np.concatenate([v[..., :32] & 15, v[..., :32] >> 4], axis=3)
+        if qtype in _Q5:
+            u |= np.unpackbits(v[..., 32:], axis=-1, bitorder="little") << 4
+        v = u
     v = v.reshape(nb, 32, nt, IB_TILE)
     inv = np.argsort(_ib_tile_perm())
     v = v[..., inv].reshape(nb, 32, n_out).transpose(2, 0, 1)  # (n_out, nb, 32)
     if qtype == QT.Q8_0:
         vals = v ^ np.uint8(0x80)
     else:
-        vals = v[:, :, :16] | (v[:, :, 16:] << 4)
+        vals = _blocks_of_values(v, qtype)
     return np.ascontiguousarray(np.concatenate([*scales, vals], axis=2).reshape(n_out, -1))
 
 
 @dataclass(frozen=True)
 class IBTensor:
     """A projection W (n_out, n_in) stored for input sparsity in the input-block layout
-    (cython/ibsum.h): the row-major q8_0 / q4_0 / q4_1 numbers regrouped so that input channel j
+    (cython/ibsum.h): the row-major q8_0 / q4_0 / q4_1 / q5_0 / q5_1 numbers regrouped so that input channel j
     is one contiguous row. It stands where the transposed ``*_t`` QTensors stand (rows = n_in input
     channels, cols = n_out), for ``decode_attn_in``, ``decode_ffn_in``, ``axpy_rows`` and
     ``matmul_t``. raw: uint8 (n_in / 32, block bytes), e.g. a view of the GGUF memmap."""
 
     raw: np.ndarray
-    qtype: int  # Q8_0_IB, Q4_0_IB or Q4_1_IB
+    qtype: int  # Q8_0_IB, Q4_0_IB, Q4_1_IB, Q5_0_IB or Q5_1_IB
     rows: int  # n_in
     cols: int  # n_out
 
@@ -293,7 +325,7 @@ class IBTensor:
 
     @property
     def base_qtype(self) -> gguf.GGMLQuantizationType:
-        """The ggml type whose numbers the layout holds (Q8_0, Q4_0 or Q4_1)."""
+        """The ggml type whose numbers the layout holds (Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1)."""
         return _IB_BASE[self.qtype]
 
     shape = QTensor.shape
@@ -307,7 +339,7 @@ class IBTensor:
 
     @classmethod
     def from_rows(cls, w: QTensor, pad: bool = False) -> "IBTensor":
-        """The input-block layout of a row-major Q8_0 / Q4_0 / Q4_1 QTensor W (n_out, n_in);
+        """The input-block layout of a row-major Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 QTensor W (n_out, n_in);
         with ``pad`` the file's (``ib_padded_from_rows``)."""
         f = ib_padded_from_rows if pad else ib_from_rows
         return cls(f(w.raw, w.qtype, w.rows, w.cols), ib_type(w.qtype), w.cols, w.rows)
