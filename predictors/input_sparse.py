@@ -419,7 +419,8 @@ def transposed_jobs(jobs, cfg, outtype: str, scales: list[dict] | None):
     WINA column norms ``scales`` (per layer {group: (n_in,) f32}) when given.
 
     A matrix whose type (``matrix_qtype`` over its n_in inputs, then ``ib_qtype``: Q4_K as Q4_1,
-    Q6_K as Q8_0) is q8_0, q4_0 or q4_1 and whose outputs are a multiple of 64 takes the
+    Q5_K as Q5_1, Q6_K as Q8_0) is q8_0, q4_0, q4_1, q5_0 or q5_1 and whose outputs are a
+    multiple of 64 takes the
     input-block layout (``C.IB``, ``cpu.IBTensor``: the row-major
     quantization regrouped by input channel; decode reads a kept channel's row at the GEMV's
     int8 cost per byte); the others are stored transposed (``attn_qkv_t``, ``attn_output_t``,
@@ -427,8 +428,8 @@ def transposed_jobs(jobs, cfg, outtype: str, scales: list[dict] | None):
     ``auto`` (``C.OUTTYPE_AUTO``, the default for a GGUF source) takes each group's type from its
     source job: wq's for q/k/v, attn_output's, ffn_gate's for gate/up, ffn_down's. The down
     projection comes as the plan's ``ffn_down_t`` (n_ff, n_embd) or, with its ``down_rows``,
-    llama.cpp's ``ffn_down`` (n_embd, n_ff), whose stored Q4_K blocks are then regrouped as they
-    are."""
+    llama.cpp's ``ffn_down`` (n_embd, n_ff), whose stored Q4_K / Q5_K blocks are then regrouped
+    as they are."""
     from convert.writer import TensorJob, job_floats, matrix_qtype
     from pyinfer.ops import cpu
     from pyinfer.quants import quantize
@@ -477,9 +478,9 @@ def transposed_jobs(jobs, cfg, outtype: str, scales: list[dict] | None):
             mt = matrix_qtype(n_in, ot)
             qt = ib_qtype(mt)
             if cpu.ib_supported(qt, n_out, n_in):
-                if mt == C.QT.Q4_K:
-                    def rows(members=members, s=src):  # Q4_K's numbers, regrouped
-                        return _q4_1_from_q4_k([s[m] for m in members])
+                if mt in REGROUPED:
+                    def rows(members=members, s=src, mt=mt):  # Q4_K's / Q5_K's numbers, regrouped
+                        return _regrouped_k([s[m] for m in members], mt)
                 else:
                     def rows(load=load, qt=qt, n_out=n_out):
                         w = np.ascontiguousarray(load(), np.float32)
@@ -507,13 +508,15 @@ def transposed_jobs(jobs, cfg, outtype: str, scales: list[dict] | None):
 
 
 # Types without an input-block layout whose matrices take one of another type in sparse mode
-# input: Q4_K regrouped as Q4_1 (the same 4-bit numbers, pyinfer.quants.q4_k_to_q4_1; 20 bytes
-# per 32 values against 18), Q6_K requantized to Q8_0 (8.5 bits a value against 6.56: at 25% of
-# the inputs skipped about what the source reads). llama.cpp's Q4_K_M files mix the two (Q6_K
-# for attn_v and ffn_down of some layers). Q5_K (5.5 bits) has none: Q8_0 would read more than
-# the source at the default sparsity. A group takes the type of its first matrix (wq for q/k/v,
-# ffn_gate for gate/up), the others requantized to it, as for every type.
-IB_FROM = {C.QT.Q4_K: C.QT.Q4_1, C.QT.Q6_K: C.QT.Q8_0}
+# input: Q4_K regrouped as Q4_1 and Q5_K as Q5_1 (the same 4- and 5-bit numbers,
+# pyinfer.quants.q4_k_to_q4_1 / q5_k_to_q5_1; 20 bytes per 32 values against 18, 24 against 22),
+# Q6_K requantized to Q8_0 (8.5 bits a value against 6.56: at 25% of the inputs skipped about
+# what the source reads). llama.cpp's Q4_K_M and Q5_K_M files mix them with Q6_K (attn_v and
+# ffn_down of some layers). A group takes the type of its first matrix (wq for q/k/v, ffn_gate
+# for gate/up), the others requantized to it, as for every type.
+IB_FROM = {C.QT.Q4_K: C.QT.Q4_1, C.QT.Q5_K: C.QT.Q5_1, C.QT.Q6_K: C.QT.Q8_0}
+#: the K-quants whose blocks are regrouped (not requantized) into their IB_FROM type
+REGROUPED = (C.QT.Q4_K, C.QT.Q5_K)
 
 
 def ib_qtype(qt):
@@ -521,16 +524,18 @@ def ib_qtype(qt):
     return IB_FROM.get(qt, qt)
 
 
-def _q4_1_from_q4_k(jobs) -> np.ndarray:
-    """The jobs' matrices, rows stacked, as Q4_1 rows (uint8 (rows, bytes)) holding their Q4_K
-    numbers (``pyinfer.quants.q4_k_to_q4_1``): a job the plan copies from a Q4_K source gives
-    its own blocks, another its floats quantized to Q4_K."""
+def _regrouped_k(jobs, kt) -> np.ndarray:
+    """The jobs' matrices, rows stacked, as Q4_1 (``kt`` Q4_K) or Q5_1 (Q5_K) rows (uint8 (rows,
+    bytes)) holding their K-quant numbers (``pyinfer.quants.q4_k_to_q4_1`` / ``q5_k_to_q5_1``):
+    a job the plan copies from a ``kt`` source gives its own blocks, another its floats quantized
+    to ``kt``."""
     from convert.writer import job_floats
-    from pyinfer.quants import q4_k_to_q4_1, quantize
+    from pyinfer.quants import q4_k_to_q4_1, q5_k_to_q5_1, quantize
 
-    return q4_k_to_q4_1(np.concatenate([
-        np.asarray(j.load(), np.uint8).reshape(j.shape[0], -1) if j.raw and j.qtype == C.QT.Q4_K
-        else quantize(job_floats(j), C.QT.Q4_K) for j in jobs]))
+    regroup = q4_k_to_q4_1 if kt == C.QT.Q4_K else q5_k_to_q5_1
+    return regroup(np.concatenate([
+        np.asarray(j.load(), np.uint8).reshape(j.shape[0], -1) if j.raw and j.qtype == kt
+        else quantize(job_floats(j), kt) for j in jobs]))
 
 
 def group_qtypes(weights, cfg, outtype: str) -> list:
@@ -574,8 +579,8 @@ def lm_head_source(jobs):
 
 
 def lm_head_supported(jobs, cfg) -> bool:
-    """True where the lm head can take input sparsity: its matrix is q8_0, q4_0 or q4_1 (or
-    Q4_K / Q6_K, stored as ``ib_qtype`` says) with n_vocab a multiple of 64 and n_embd of 32
+    """True where the lm head can take input sparsity: its matrix is q8_0, q4_0, q4_1, q5_0 or
+    q5_1 (or Q4_K / Q5_K / Q6_K, stored as ``ib_qtype`` says) with n_vocab a multiple of 64 and n_embd of 32
     (``cpu.ib_supported``)."""
     return cpu.ib_supported(ib_qtype(lm_head_source(jobs).qtype), cfg.n_vocab, cfg.n_embd)
 
@@ -625,8 +630,8 @@ def two_stage_head(meta, jobs, cfg, asked: int | None) -> tuple[list, int]:
 
 def lm_head_jobs(jobs, cfg, chunk: int, norms: np.ndarray | None, copy_type=None) -> list:
     """The jobs of the lm head under input sparsity: ``output_ib.weight``, the head's own q8_0 /
-    q4_0 / q4_1 numbers (those of the dense head, ``lm_head_source``; a Q4_K head's regrouped as
-    Q4_1, a Q6_K head's requantized to Q8_0: ``ib_qtype``) in ``cpu.IBChunks``' layout
+    q4_0 / q4_1 / q5_0 / q5_1 numbers (those of the dense head, ``lm_head_source``; a Q4_K
+    head's regrouped as Q4_1, a Q5_K head's as Q5_1, a Q6_K head's requantized to Q8_0: ``ib_qtype``) in ``cpu.IBChunks``' layout
     (``copy_type``, e.g. Q4_1: the two-stage head's copy, requantized from the head's values),
     and for WINA its column norms ``norms`` (n_embd,) f32."""
     from convert.writer import TensorJob, job_floats
@@ -637,8 +642,8 @@ def lm_head_jobs(jobs, cfg, chunk: int, norms: np.ndarray | None, copy_type=None
     n_out, n_in = cfg.n_vocab, cfg.n_embd
 
     def load():
-        if src.qtype == C.QT.Q4_K and qt == C.QT.Q4_1:
-            raw = _q4_1_from_q4_k([src])
+        if src.qtype in REGROUPED and qt == ib_qtype(src.qtype):
+            raw = _regrouped_k([src], src.qtype)
         elif src.raw and src.qtype == qt:
             raw = np.asarray(src.load())
         else:
@@ -787,7 +792,7 @@ def input_stage(src: str, out: str, outtype: str, opts, eng, seqs, source: str, 
     t0 = time.perf_counter()
     from predictors.offline import DEFAULT_LM_HEAD_SPARSITY, DEFAULT_LM_HEAD_SPARSITY_TWO_STAGE
 
-    # the down projection's rows as the source stores them (a Q4_K source's blocks are
+    # the down projection's rows as the source stores them (a Q4_K / Q5_K source's blocks are
     # regrouped, not requantized: ib_qtype); transposed_jobs writes what the run reads
     meta, jobs = plan(src, outtype, allow_unused, down_rows=True)
     meta.string(C.K_FFN_LAYOUT, C.FFN_LAYOUT_NEURON_MAJOR)
@@ -799,7 +804,7 @@ def input_stage(src: str, out: str, outtype: str, opts, eng, seqs, source: str, 
     # the two-stage head's copy: q4_1 for a head wider than 4 bits, else the head's own numbers
     copy_t = head_copy_type(jobs, cfg) if k_cand else None
     if want > 0 and not head and opts.lm_head_sparsity is not None:
-        raise PyinferError("--lm-head-sparsity needs the lm head in q8_0, q4_0 or q4_1, or "
+        raise PyinferError("--lm-head-sparsity needs the lm head in q8_0, q4_0, q4_1, q5_0 or q5_1 (or a K-quant), or "
                            "--lm-head-candidates over 0, with a "
                            f"vocabulary that is a multiple of 64 (this one: {lm_head_source(jobs).qtype.name}, "
                            f"{cfg.n_vocab})")
@@ -845,7 +850,7 @@ def input_stage(src: str, out: str, outtype: str, opts, eng, seqs, source: str, 
     table = format_table(sparsity, loss, opts.input_score, opts.target_sparsity,
                          opts.input_alloc if opts.input_alloc != "fisher" else
                          f"fisher (weight {weight:g})")
-    table += ("\nlm head: dense" + (" (needs q8_0 / q4_0 / q4_1 and n_vocab a multiple of 64)"
+    table += ("\nlm head: dense" + (" (needs q8_0 / q4_0 / q4_1 / q5_0 / q5_1 and n_vocab a multiple of 64)"
                                     if want > 0 else "")
               if head_sparsity is None else
               f"\nlm head: {head_sparsity:.1%} of its input channels skipped on the calibration "

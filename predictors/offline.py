@@ -556,7 +556,7 @@ def add_arguments(parser) -> None:
                    help="sparse mode input: fraction of the lm head's input channels skipped, "
                         "calibrated like the projections' and not counted in --target-sparsity "
                         f"(default {DEFAULT_LM_HEAD_SPARSITY_TWO_STAGE:g} with --lm-head-candidates, "
-                        f"else {DEFAULT_LM_HEAD_SPARSITY:g} where the head is q8_0, q4_0 or q4_1; "
+                        f"else {DEFAULT_LM_HEAD_SPARSITY:g} where the head is q8_0, q4_0, q4_1, q5_0 or q5_1; "
                         "0: the dense head)")
     g.add_argument("--lm-head-candidates", type=int, default=None, metavar="K",
                    help="the two-stage lm head: a copy of the head (q4_1 where the head is wider than "

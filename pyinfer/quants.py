@@ -217,6 +217,28 @@ def quantize_numpy(a: np.ndarray, qtype) -> np.ndarray:
     return np.ascontiguousarray(blocks.reshape(rows, -1))
 
 
+def _k_sub_blocks(b: np.ndarray, name: str):
+    """The eight 32-value sub-blocks' f16 scale and min of K-quant super-blocks b (S, bytes)
+    that start as ggml's ``block_q4_K`` / ``block_q5_K`` do (f16 d, f16 dmin, 12 bytes of eight
+    6-bit scales sc_s and mins m_s, ggml-quants.c ``get_scale_min_k4``): (d', m') (S, 8) f16 with
+    w = d' q + m', d' = f16(d sc_s), m' = f16(-dmin m_s). ValueError where f16 cannot hold one."""
+    S = b.shape[0]
+    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)  # (S, 1)
+    dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc = b[:, 4:16].astype(np.uint8)
+    ls = np.empty((S, 8), np.uint8)  # the inverse of _pack_k4_scales
+    lm = np.empty((S, 8), np.uint8)
+    ls[:, 0:4], lm[:, 0:4] = sc[:, 0:4] & 63, sc[:, 4:8] & 63
+    ls[:, 4:8] = (sc[:, 8:12] & 0xF) | ((sc[:, 0:4] >> 6) << 4)
+    lm[:, 4:8] = (sc[:, 8:12] >> 4) | ((sc[:, 4:8] >> 6) << 4)
+    with np.errstate(over="ignore"):
+        dd = (d * ls.astype(np.float32)).astype(np.float16)  # (S, 8)
+        mm = (-(dmin * lm.astype(np.float32))).astype(np.float16)
+    if not (np.isfinite(dd).all() and np.isfinite(mm).all()):
+        raise ValueError(f"a {name} scale or min does not fit in f16")
+    return dd, mm
+
+
 def q4_k_to_q4_1(raw: np.ndarray) -> np.ndarray:
     """Q4_K rows -> Q4_1 rows of the same 4-bit values: uint8 (rows, 144 * n / 256) -> uint8
     (rows, 20 * n / 32), for n values a row.
@@ -238,23 +260,45 @@ def q4_k_to_q4_1(raw: np.ndarray) -> np.ndarray:
     rows = raw.shape[0]
     b = raw.reshape(-1, 144)
     S = b.shape[0]
-    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)  # (S, 1)
-    dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
-    sc = b[:, 4:16].astype(np.uint8)
-    ls = np.empty((S, 8), np.uint8)  # the inverse of _pack_k4_scales
-    lm = np.empty((S, 8), np.uint8)
-    ls[:, 0:4], lm[:, 0:4] = sc[:, 0:4] & 63, sc[:, 4:8] & 63
-    ls[:, 4:8] = (sc[:, 8:12] & 0xF) | ((sc[:, 0:4] >> 6) << 4)
-    lm[:, 4:8] = (sc[:, 8:12] >> 4) | ((sc[:, 4:8] >> 6) << 4)
+    dd, mm = _k_sub_blocks(b, "Q4_K")
     qs = b[:, 16:144].reshape(S, 4, 32)  # 64-value chunk c: sub-block 2c low nibbles, 2c + 1 high
     L = np.stack([qs & 15, qs >> 4], axis=2).reshape(S, 8, 32)  # sub-block s, its values in order
-    with np.errstate(over="ignore"):
-        dd = (d * ls.astype(np.float32)).astype(np.float16)  # (S, 8)
-        mm = (-(dmin * lm.astype(np.float32))).astype(np.float16)
-    if not (np.isfinite(dd).all() and np.isfinite(mm).all()):
-        raise ValueError("a Q4_K scale or min does not fit in f16")
     out = np.empty((S, 8, 20), np.uint8)
     out[:, :, 0:2] = dd.view(np.uint8).reshape(S, 8, 2)
     out[:, :, 2:4] = mm.view(np.uint8).reshape(S, 8, 2)
     out[:, :, 4:20] = L[:, :, :16] | (L[:, :, 16:] << 4)  # Q4_1: byte i holds values i and i + 16
+    return out.reshape(rows, -1)
+
+
+def q5_k_to_q5_1(raw: np.ndarray) -> np.ndarray:
+    """Q5_K rows -> Q5_1 rows of the same 5-bit values: uint8 (rows, 176 * n / 256) -> uint8
+    (rows, 24 * n / 32), for n values a row.
+
+    A Q5_K super-block (ggml-common.h ``block_q5_K``: f16 d, f16 dmin, the 12 scale bytes of
+    Q4_K, 32 bytes qh, 128 bytes of low nibbles ql) decodes value l of sub-block s (64-value
+    chunk c = s / 2: the low nibbles of ql[32 c + l] for even s, the high ones for odd s) as
+    w = (d sc_s) (q + 16 bit_s(qh[l])) - (dmin m_s) (ggml-quants.c ``dequantize_row_q5_K``): a
+    Q5_1 block's form, w = d' u + m' with u in 0..31, so each sub-block becomes one Q5_1 block
+    (f16 d', f16 m', u32 qh with bit l the fifth bit of value l, 16 bytes with values l and l + 16
+    in the low and high nibble of byte l) of the same values; d' and m' as ``q4_k_to_q4_1``'s (the
+    two f16 roundings are the only change). Q5_1 takes 24 bytes per 32 values against Q5_K's 22.
+    Raises ValueError for rows that are not whole super-blocks, or a scale or min that f16
+    cannot hold."""
+    raw = np.ascontiguousarray(raw, np.uint8)
+    if raw.ndim != 2 or raw.shape[1] % 176:
+        raise ValueError(f"Q5_K rows must be (rows, a multiple of 176 bytes), got {raw.shape}")
+    rows = raw.shape[0]
+    b = raw.reshape(-1, 176)
+    S = b.shape[0]
+    dd, mm = _k_sub_blocks(b, "Q5_K")
+    qh = b[:, 16:48]  # (S, 32): bit s of byte l is the fifth bit of value l of sub-block s
+    ql = b[:, 48:176].reshape(S, 4, 32)
+    L = np.stack([ql & 15, ql >> 4], axis=2).reshape(S, 8, 32)  # low 4 bits, sub-block s
+    high = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # (S, 8, 32)
+    qh1 = (high.astype(np.uint32) << np.arange(32, dtype=np.uint32)).sum(2, dtype=np.uint32)
+    out = np.empty((S, 8, 24), np.uint8)
+    out[:, :, 0:2] = dd.view(np.uint8).reshape(S, 8, 2)
+    out[:, :, 2:4] = mm.view(np.uint8).reshape(S, 8, 2)
+    out[:, :, 4:8] = qh1.astype("<u4").view(np.uint8).reshape(S, 8, 4)
+    out[:, :, 8:24] = L[:, :, :16] | (L[:, :, 16:] << 4)
     return out.reshape(rows, -1)

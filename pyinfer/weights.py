@@ -54,7 +54,7 @@ class LayerWeights:
     ffn_down: QTensor | None = None  # (n_embd, n_ff) one row per output channel
 
     # sparse mode "input" (TEAL/WINA): one row per input channel, transposed (QTensor) or in the
-    # input-block layout of q8_0 / q4_0 / q4_1 files (IBTensor, rows = input channels; ffn_down_t too)
+    # input-block layout of q8_0 / q4_0 / q4_1 / q5_0 / q5_1 files (IBTensor, rows = input channels; ffn_down_t too)
     attn_qkv_t: QTensor | None = None  # (n_embd, n_embd_q + 2 n_embd_kv) = [wq; wk; wv]^T
     attn_output_t: QTensor | None = None  # (n_embd_q, n_embd) = wo^T
     ffn_gate_up_t: QTensor | None = None  # (n_embd, 2 n_ff) = [ffn_gate; ffn_up]^T
@@ -169,7 +169,7 @@ class ModelWeights:
                 ib = ib_type(t.tensor_type)
             except ValueError:
                 raise PyinferError(f"tensor {name} is {QT(t.tensor_type).name}; an input-block "
-                                   "tensor is Q8_0, Q4_0 or Q4_1") from None
+                                   "tensor is Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1") from None
             shape = tuple(int(d) for d in t.shape[::-1])
             # the outputs' own layout, or with the zero outputs a file appends at widths whose
             # value rows alias in the caches (ib_pad_outs; files before session 22 lack them)

@@ -576,7 +576,7 @@ def test_lm_head_sparsity_needs_q8_0_or_q4_0(head_dir, tmp_path, capsys):
     capsys.readouterr()
     assert convert_main(args + ["--lm-head-sparsity", "0.2"]) != 0
     err = capsys.readouterr().err
-    assert "--lm-head-sparsity needs the lm head in q8_0, q4_0 or q4_1" in err and "Traceback" not in err
+    assert "--lm-head-sparsity needs the lm head in q8_0, q4_0, q4_1, q5_0 or q5_1" in err and "Traceback" not in err
 
 
 def _unfused_ffn(x, norm, gu, down, t_in, t_d, n_threads):

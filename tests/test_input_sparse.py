@@ -749,38 +749,45 @@ def test_chat_stats_name_weight_reads(input_file):
     assert f"weight reads skipped {100 * s.ffn_sparsity:.1f}%" in format_stats(s)
 
 
-def test_q4_k_to_q4_1_keeps_the_numbers():
-    """Q4_K rows regrouped as Q4_1 decode (gguf.quants) to the Q4_K decoding up to the f16
-    rounding of each sub-block's scale d sc and min dmin m, far inside a quantization step."""
-    from pyinfer.quants import q4_k_to_q4_1, quantize
+@pytest.mark.parametrize("kt,dst,qmax", [("Q4_K", "Q4_1", 15), ("Q5_K", "Q5_1", 31)])
+def test_k_quant_regrouped_keeps_the_numbers(kt, dst, qmax):
+    """Q4_K (Q5_K) rows regrouped as Q4_1 (Q5_1) decode (gguf.quants) to the K-quant decoding up
+    to the f16 rounding of each sub-block's scale d sc and min dmin m, far inside a quantization
+    step."""
+    from pyinfer import quants
 
+    QT = gguf.GGMLQuantizationType
+    kt, dst = QT[kt], QT[dst]
+    regroup = quants.q4_k_to_q4_1 if kt == QT.Q4_K else quants.q5_k_to_q5_1
+    bb = {QT.Q4_1: 20, QT.Q5_1: 24}[dst]
     rng = np.random.default_rng(7)
     w = (rng.standard_normal((48, 768)) * 0.05).astype(np.float32)
     w[5] += 0.3  # an offset row: mins far from 0
     w[9, :256] = 0.0  # an all-zero super-block
-    k = quantize(w, gguf.GGMLQuantizationType.Q4_K)
-    q = q4_k_to_q4_1(k)
-    assert q.shape == (48, 768 // 32 * 20)
-    a = gguf.quants.dequantize(k, gguf.GGMLQuantizationType.Q4_K).reshape(48, -1)
-    b = gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q4_1).reshape(48, -1)
-    blocks = q.reshape(-1, 20)
+    k = quants.quantize(w, kt)
+    q = regroup(k)
+    assert q.shape == (48, 768 // 32 * bb)
+    a = gguf.quants.dequantize(k, kt).reshape(48, -1)
+    b = gguf.quants.dequantize(q, dst).reshape(48, -1)
+    blocks = q.reshape(-1, bb)
     d = np.abs(blocks[:, 0:2].copy().view(np.float16).astype(np.float32))
     m = np.abs(blocks[:, 2:4].copy().view(np.float16).astype(np.float32))
-    bound = (2.0 ** -11 * (15 * d + m) + 1e-7).reshape(48, -1, 1)  # per 32-value block
+    bound = (2.0 ** -11 * (qmax * d + m) + 1e-7).reshape(48, -1, 1)  # per 32-value block
     err = np.abs(a - b).reshape(48, -1, 32)
     assert (err <= bound).all()
     step = np.abs(a - w).max()
-    assert err.max() < 0.05 * step  # requantizing to Q4_1 would move values by up to half a step
+    assert err.max() < 0.05 * step  # requantizing would move values by up to half a step
     with pytest.raises(ValueError):
-        q4_k_to_q4_1(np.zeros((2, 100), np.uint8))
+        regroup(np.zeros((2, 100), np.uint8))
 
 
-def test_q4_k_m_source_takes_input_mode_with_its_own_numbers(tmp_path):
-    """A llama.cpp Q4_K_M-like GGUF (Q/K rows permuted, ffn_down Q6_K, the other matrices Q4_K:
-    rows of 256) converts to sparse mode input by default; the input-block matrices hold the
-    source's Q4_K numbers regrouped as Q4_1 (decoded by gguf.quants: equal up to the f16
-    rounding of the scales) and the Q6_K down projection requantized to Q8_0, and the file run
-    with every input kept computes the source file's function."""
+@pytest.mark.parametrize("kt,dst", [("q4_k", "Q4_1"), ("q5_k", "Q5_1")])
+def test_k_m_source_takes_input_mode_with_its_own_numbers(tmp_path, kt, dst):
+    """A llama.cpp Q4_K_M-like (Q5_K_M-like) GGUF (Q/K rows permuted, ffn_down Q6_K, the other
+    matrices Q4_K (Q5_K): rows of 256) converts to sparse mode input by default; the input-block
+    matrices hold the source's K-quant numbers regrouped as Q4_1 (Q5_1) (decoded by gguf.quants:
+    equal up to the f16 rounding of the scales) and the Q6_K down projection requantized to
+    Q8_0, and the file run with every input kept computes the source file's function."""
     from convert.from_gguf import unpermute_qk
     from pyinfer.ops import cpu
     from tests._models import write_llamacpp_gguf
@@ -789,7 +796,7 @@ def test_q4_k_m_source_takes_input_mode_with_its_own_numbers(tmp_path):
     hf = make_random_llama(tmp_path, hidden_size=256, intermediate_size=512, n_layers=2,
                            n_heads=4, n_kv_heads=2, vocab_size=576, name="q4km")
     src, out = str(tmp_path / "q4km.gguf"), str(tmp_path / "in.gguf")
-    write_llamacpp_gguf(hf, src, "q4_k", down_qtype="q6_k")
+    write_llamacpp_gguf(hf, src, kt, down_qtype="q6_k")
     assert convert_main([src, out, *CALIB]) == 0
     r_src, r_out = gguf.GGUFReader(src), gguf.GGUFReader(out)
     assert read_field(r_out, C.K_SPARSE_MODE) == C.SPARSE_MODE_INPUT
@@ -798,7 +805,7 @@ def test_q4_k_m_source_takes_input_mode_with_its_own_numbers(tmp_path):
 
     def src_rows(i, part):  # the source's matrix decoded, rows in Hugging Face order
         t = t_src[f"blk.{i}.{part}.weight"]
-        assert t.tensor_type == (QT.Q6_K if part == "ffn_down" else QT.Q4_K), part
+        assert t.tensor_type == (QT.Q6_K if part == "ffn_down" else QT[kt.upper()]), part
         w = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
         return unpermute_qk(w, {"attn_q": 4, "attn_k": 2}[part]) if part in ("attn_q", "attn_k") else w
 
@@ -807,22 +814,28 @@ def test_q4_k_m_source_takes_input_mode_with_its_own_numbers(tmp_path):
     for i in range(2):
         for g, parts in groups.items():
             t = t_out[C.IB[g].format(bid=i)]
-            qt = QT.Q8_0 if g == "ffn_down" else QT.Q4_1
+            qt = QT.Q8_0 if g == "ffn_down" else QT[dst]
             assert t.tensor_type == qt, (g, t.tensor_type)
             want = np.concatenate([src_rows(i, p) for p in parts])
             n_out, n_in = want.shape
             rows = cpu.ib_to_rows(np.asarray(t.data).reshape(-1), qt, n_out, n_in)
             got = gguf.quants.dequantize(rows, qt).reshape(n_out, n_in)
-            # Q4_1: f16 roundings of the scales only; Q8_0: an 8-bit step of each 32 values
-            tol = 2.0 ** -10 if qt == QT.Q4_1 else 2.0 ** -7
+            # Q4_1 / Q5_1: f16 roundings of the scales only; Q8_0: an 8-bit step of each 32 values
+            tol = 2.0 ** -7 if qt == QT.Q8_0 else 2.0 ** -10
             assert np.abs(got - want).max() <= tol * np.abs(want).max(), (i, g)
-    # the lm head (Q4_K, 576 outputs: one chunk) takes input sparsity with its own numbers
+    # the lm head (576 outputs: one chunk): a Q4_K one takes input sparsity with its own
+    # numbers; a Q5_K one, wider than 4 bits, the two-stage head (a Q4_1 copy picks candidates)
     t = t_out[C.OUTPUT_IB]
-    assert t.tensor_type == QT.Q4_1 and t_src[C.OUTPUT].tensor_type == QT.Q4_K
-    want = gguf.quants.dequantize(np.asarray(t_src[C.OUTPUT].data), QT.Q4_K)
-    rows = cpu.ib_to_rows(np.asarray(t.data).reshape(-1), QT.Q4_1, 576, 256)
-    got = gguf.quants.dequantize(rows, QT.Q4_1).reshape(576, 256)
-    assert np.abs(got - want).max() <= 2.0 ** -10 * np.abs(want).max()
+    assert t_src[C.OUTPUT].tensor_type == QT[kt.upper()]
+    want = gguf.quants.dequantize(np.asarray(t_src[C.OUTPUT].data), QT[kt.upper()])
+    rows = cpu.ib_to_rows(np.asarray(t.data).reshape(-1), t.tensor_type, 576, 256)
+    got = gguf.quants.dequantize(rows, t.tensor_type).reshape(576, 256)
+    if kt == "q4_k":
+        assert t.tensor_type == QT.Q4_1 and not read_field(r_out, C.K_LM_HEAD_CANDIDATES)
+        assert np.abs(got - want).max() <= 2.0 ** -10 * np.abs(want).max()
+    else:  # requantized to 4 bits: within a Q4_1 step (a sixteenth of a block's range)
+        assert t.tensor_type == QT.Q4_1 and read_field(r_out, C.K_LM_HEAD_CANDIDATES) > 0
+        assert np.abs(got - want).max() <= np.abs(want).max() / 8
     ids = list(range(3, 40))
     a = Engine(src, n_ctx=64, n_threads=1).forward(ids, 0, all_logits=True)
     b = Engine(out, n_ctx=64, n_threads=1, dense=True).forward(ids, 0, all_logits=True)

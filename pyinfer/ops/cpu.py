@@ -406,7 +406,7 @@ def ib_chunks(n_out: int, chunk: int) -> list[tuple[int, int]]:
 
 
 def ib_chunked_from_rows(raw: np.ndarray, qtype, n_out: int, n_in: int, chunk: int) -> np.ndarray:
-    """Row-major q8_0 / q4_0 / q4_1 bytes of W (n_out, n_in) -> ``IBChunks``' bytes: each chunk's
+    """Row-major q8_0 / q4_0 / q4_1 / q5_0 / q5_1 bytes of W (n_out, n_in) -> ``IBChunks``' bytes: each chunk's
     ``ib_from_rows`` in turn, uint8 (n_in / 32, block bytes of all n_out outputs) (the shape of
     one unchunked input-block tensor, the GGUF tensor's). ValueError where ``ib_supported`` is
     False."""
