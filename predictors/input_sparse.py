@@ -556,15 +556,19 @@ def group_qtypes(weights, cfg, outtype: str) -> list:
 
 def input_mode_pays(weights, cfg, outtype: str) -> bool:
     """True where sparse mode input makes this model faster on the CPU than mode glu, in decode
-    and prefill alike: every projection matrix takes the input-block layout (q8_0 / q4_0 / q4_1,
-    outputs a multiple of 64: ``cpu.ib_supported``) or is f16 (the transposed f16 AXPY). Measured
+    and prefill alike: every projection matrix takes the input-block layout (q8_0 / q4_0 / q4_1 /
+    q5_0 / q5_1, outputs a multiple of 64: ``cpu.ib_supported``) or is f16 (the transposed f16
+    AXPY). Measured
     on SmolLM2 at 25%, 2 threads (docs/benchmarks.md, sessions 17-18): q8_0 decode 1.32x /
     prefill 1.26x its dense file against glu's 0.94x / 0.69x; f16 1.05x / 1.96x against 1.00x /
     1.14x; q4_1 (input-block since session 18) 1.42x / 1.02x against 0.85x / 0.63x; q4_k as
     the transposed AXPY 0.77x / 0.55x against 0.83x / 0.69x, so Q4_K and Q6_K now take the
     input-block layout too (``ib_qtype``; session 23, a Llama-3.2-1B shape: decode 1.0-1.1x the
-    Q4_K file, prefill 1.19x). For the other types neither mode pays, and glu, which the GPU
-    engine needs, stays the default. The offline stage's default mode hangs on it."""
+    Q4_K file, prefill 1.19x). Q5_0 / Q5_1 (and Q5_K regrouped as Q5_1) since session 25:
+    decode 1.08-1.26x / 1.30-1.38x / 1.18-1.29x the dense file, prefill 1.19x / 1.40x, where glu
+    reads every gate and up row and stays under 1x. For the other types (f32, bf16) neither mode
+    pays, and glu, which the GPU engine needs, stays the default. The offline stage's default mode
+    hangs on it."""
     sizes = in_sizes(cfg)
     return all(qt == C.QT.F16 or cpu.ib_supported(qt, sizes[g][1], sizes[g][0])
                for types in group_qtypes(weights, cfg, outtype)

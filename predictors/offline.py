@@ -215,8 +215,8 @@ def input_mode_model(cfg, weights) -> bool:
 def default_mode(cfg, weights, outtype: str, opts: OfflineOptions) -> str:
     """The sparse mode of a run without ``--sparse-mode``: "relu" for a ReLU model; for a
     SwiGLU one "input" where that mode runs faster than glu on the CPU (a Llama-shaped model,
-    ``input_mode_model``: Llama 3 and Qwen2 files too, whose projections are all q8_0 / q4_0 / q4_1
-    in the input-block layout or f16: ``input_sparse.input_mode_pays``) and no ``--vram-budget`` asks for
+    ``input_mode_model``: Llama 3 and Qwen2 files too, whose projections are all q8_0 / q4_0 /
+    q4_1 / q5_0 / q5_1 in the input-block layout or f16: ``input_sparse.input_mode_pays``) and no ``--vram-budget`` asks for
     the GPU split (which needs glu's predictors); ``NO_SPARSE_MODE`` for a model that is not
     Llama-shaped without ``--vram-budget`` (the GPU engine runs Llama-shaped files only, so glu's
     predictors would serve no engine, and on the CPU glu decodes no faster than a dense file at
@@ -325,16 +325,18 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
                     "placement": None}
         if mode == C.SPARSE_MODE_GLU and opts.lm_head_sparsity is not None:
             raise PyinferError("--lm-head-sparsity needs --sparse-mode input (this model takes glu "
-                               "by default: its projections are not all q8_0, q4_0, q4_1 or f16, "
+                               "by default: its projections are not all q8_0, q4_0, q4_1, q5_0, q5_1 or f16, "
                                "or --vram-budget was given)")
         if opts.sparse_mode is None:  # say which mode the default chose, and what it means
             if mode == C.SPARSE_MODE_INPUT:
                 opts.note_alloc_fallback()
                 _log("sparse mode input (the default for a Llama-shaped SwiGLU model in q8_0, q4_0, "
-                     "q4_1, f16, q4_k (stored as q4_1) or q6_k (as q8_0); the GPU engine runs it as whole layers; "
+                     "q4_1, q5_0, q5_1, f16, q4_k (stored as q4_1), q5_k (as q5_1) or q6_k (as q8_0); "
+                     "the GPU engine runs it as whole layers, q5 types on the CPU only for now; "
                      "--sparse-mode glu or --vram-budget for its hot-neuron split)", opts.progress)
             elif mode == C.SPARSE_MODE_GLU and opts.vram_budget_gib is None:
-                hint = ("; --outtype q8_0, q4_0, q4_1 or f16 takes sparse mode input, which is faster"
+                hint = ("; --outtype q8_0, q4_0, q4_1, q5_0, q5_1 or f16 takes sparse mode input, "
+                        "which is faster"
                         if input_mode_model(cfg, eng.weights) else "")
                 _log("sparse mode glu (predictors for the GPU engine): on the CPU this file runs "
                      f"no faster than a --dense one (glu reads gate and up in full){hint}",

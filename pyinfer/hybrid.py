@@ -258,6 +258,9 @@ def place_model(reader, cfg: ModelConfig, weights: ModelWeights, cpu_ffn, n_ctx:
         if odd[0].startswith("transposed"):
             msg = (f"no GPU kernel reads sparse mode input's {', '.join(odd)} matrices (outputs "
                    "not a multiple of 64: no input-block layout)")
+        elif odd[0].startswith("input-block"):
+            msg = (f"no GPU kernel reads sparse mode input's {', '.join(odd)} matrices yet "
+                   "(convert with --outtype q8_0, q4_0 or q4_1 for the GPU)")
         if device == "auto" and backend is None:
             if not quiet:
                 _notice(msg + "; running on the CPU")

@@ -719,6 +719,23 @@ def test_input_sparse_types_the_gpu_cannot_read(tmp_path, capsys):
     assert not isinstance(m, GpuModel)
 
 
+@pytest.mark.parametrize("outtype", ["q5_0", "q5_1"])
+def test_input_block_q5_stays_on_the_cpu(input_dir, tmp_path, outtype, capsys):
+    """A q5_0 / q5_1 input file's input-block matrices have no GPU kernel yet: --device auto
+    runs the CPU model with a notice naming them, --device cuda is a one-line error (before any
+    device is touched)."""
+    eng = input_engine(input_dir, tmp_path, outtype)
+    lw = eng.weights.layers[0]
+    assert isinstance(lw.ffn_gate_up_t, cpu.IBTensor) and lw.ffn_gate_up_t.base_qtype == QT[outtype.upper()]
+    with pytest.raises(PyinferError, match=f"input-block {outtype}"):
+        place_model(eng.reader, eng.cfg, eng.weights, eng.model.ffn, 64, 2, device="cuda",
+                    backend=NumpyDevice())
+    capsys.readouterr()
+    m = place_model(eng.reader, eng.cfg, eng.weights, eng.model.ffn, 64, 2, device="auto")
+    assert not isinstance(m, GpuModel)
+    assert f"input-block {outtype} matrices yet" in capsys.readouterr().err
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda.available(), reason=NO_GPU)
 @pytest.mark.parametrize("n,with_scale,do_q8", [(4096, False, True), (4096, True, True),

@@ -196,8 +196,8 @@ def test_bad_inputs(relu_dir, silu_dir, tmp_path, capsys):
         ([relu_dir, "--target-sparsity", "1"], "--target-sparsity"),
         ([silu_dir, "--target-sparsity", "0.999", "--sparse-mode", "glu", *FAST], "too small"),
         ([silu_dir, "--vram-budget", "1", "--sparse-mode", "input", *FAST], "has none"),
-        # a q5_0 SwiGLU model takes glu by default: no lm head sparsity there
-        ([silu_dir, "--outtype", "q5_0", "--lm-head-sparsity", "0.1", *FAST], "needs --sparse-mode input"),
+        # a bf16 SwiGLU model takes glu by default: no lm head sparsity there
+        ([silu_dir, "--outtype", "bf16", "--lm-head-sparsity", "0.1", *FAST], "needs --sparse-mode input"),
         ([relu_dir, "--predictor-rank", "zero"], "--predictor-rank"),
     ]
     if not torch.cuda.is_available():  # a GPU asked for by name: refused before any work
@@ -262,7 +262,7 @@ def test_calib_file_and_fixed_rank(silu_dir, tmp_path):
 
 def test_default_sparse_mode(silu_dir, relu_dir, tmp_path, capsys):
     """Without --sparse-mode a Llama-shaped SwiGLU model takes sparse mode input where all its
-    projections are q8_0 / q4_0 / q4_1 (the input-block kernels) or f16, at the input default target and
+    projections are q8_0 / q4_0 / q4_1 / q5_0 / q5_1 (the input-block kernels) or f16, at the input default target and
     with no predictors; glu where they are another type (and the converter says a glu file runs
     no faster than --dense on the CPU) or a VRAM budget asks for the GPU split; a ReLU model keeps
     relu (``default_mode`` over the staging weights)."""
@@ -284,7 +284,7 @@ def test_default_sparse_mode(silu_dir, relu_dir, tmp_path, capsys):
     assert 0.05 < eng.ffn_sparsity() < 0.6  # weight reads skipped, about the target
 
     out = str(tmp_path / "glu.gguf")
-    assert convert_main([silu_dir, out, "--outtype", "q5_0", *FAST]) == 0
+    assert convert_main([silu_dir, out, "--outtype", "bf16", *FAST]) == 0
     err = capsys.readouterr().err
     assert "sparse mode glu" in err and "no faster than a --dense one" in err
     assert read_field(gguf.GGUFReader(out), C.K_SPARSE_MODE) == C.SPARSE_MODE_GLU
@@ -293,7 +293,9 @@ def test_default_sparse_mode(silu_dir, relu_dir, tmp_path, capsys):
                                        (silu_dir, "q8_0", 0.001, C.SPARSE_MODE_GLU),
                                        (silu_dir, "f16", None, C.SPARSE_MODE_INPUT),
                                        (silu_dir, "q4_1", None, C.SPARSE_MODE_INPUT),
-                                       (silu_dir, "q5_0", None, C.SPARSE_MODE_GLU),
+                                       (silu_dir, "q5_0", None, C.SPARSE_MODE_INPUT),
+                                       (silu_dir, "q5_1", None, C.SPARSE_MODE_INPUT),
+                                       (silu_dir, "bf16", None, C.SPARSE_MODE_GLU),
                                        (relu_dir, "q8_0", None, C.SPARSE_MODE_RELU)):
         staging = str(tmp_path / f"staging-{outtype}-{budget}.gguf")
         convert(src, staging, outtype, progress=False)
