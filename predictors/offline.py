@@ -332,7 +332,7 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
                 opts.note_alloc_fallback()
                 _log("sparse mode input (the default for a Llama-shaped SwiGLU model in q8_0, q4_0, "
                      "q4_1, q5_0, q5_1, f16, q4_k (stored as q4_1), q5_k (as q5_1) or q6_k (as q8_0); "
-                     "the GPU engine runs it as whole layers, q5 types on the CPU only for now; "
+                     "the GPU engine runs it as whole layers; "
                      "--sparse-mode glu or --vram-budget for its hot-neuron split)", opts.progress)
             elif mode == C.SPARSE_MODE_GLU and opts.vram_budget_gib is None:
                 hint = ("; --outtype q8_0, q4_0, q4_1, q5_0, q5_1 or f16 takes sparse mode input, "

@@ -21,7 +21,7 @@ import numpy as np
 
 from pyinfer.ops import cuda
 from pyinfer.ops import xp as X
-from pyinfer.ops.cpu import QT, IBTensor, QTensor
+from pyinfer.ops.cpu import QT, IBTensor, QTensor, block_values
 from pyinfer.ops.cuda import DeviceRows
 
 GiB = 1 << 30
@@ -80,21 +80,24 @@ def gguf_layout(dev_raw: np.ndarray, qtype: QT) -> np.ndarray:
 def device_ib_layout(t: IBTensor) -> np.ndarray:
     """An input-block matrix W (n_out, n_in) (sparse mode input's ``IBTensor``: the file's layout,
     tiles permuted for the CPU's unpacks) -> the layout ``cuda.ib_gemv`` reads, uint8 (n_in / 32,
-    block bytes): per 32-channel block b the f16 scales d[0:n_out, b], for q4_1 the f16 mins
-    m[0:n_out, b], then 32 value rows, one per channel, of the outputs in order: int8 q (q8_0) or
-    unsigned nibbles u (q4_0, q4_1; output o in byte o/2, low nibble for even o). The same
-    numbers and bytes as the file's, moved."""
+    block bytes): per 32-channel block b the f16 scales d[0:n_out, b], for q4_1 / q5_1 the f16
+    mins m[0:n_out, b], then 32 value rows, one per channel, of the outputs in order: int8 q
+    (q8_0) or unsigned nibbles u (q4_0, q4_1; output o in byte o/2, low nibble for even o), for
+    q5_0 / q5_1 the low nibbles so, then n_out / 8 bytes of fifth bits (output o's in bit o % 8 of
+    byte o / 8). The same numbers and bytes as the file's, moved."""
     n_out, n_in, base = t.cols, t.rows, t.base_qtype
     nb = n_in // 32
-    hb = 4 if base == QT.Q4_1 else 2  # scale (and min) bytes
+    hb = 4 if base in (QT.Q4_1, QT.Q5_1) else 2  # scale (and min) bytes
     blk = t.to_rows().raw.reshape(n_out, nb, -1)  # ggml's blocks, row-major
     parts = [blk[:, :, o:o + 2].transpose(1, 0, 2).reshape(nb, 2 * n_out) for o in range(0, hb, 2)]
     if base == QT.Q8_0:
         v = blk[:, :, hb:].transpose(1, 2, 0).reshape(nb, 32 * n_out)
     else:
-        qs = blk[:, :, hb:]  # (n_out, nb, 16): value c < 16 in the low nibble, c + 16 the high
-        u = np.concatenate([qs & 15, qs >> 4], axis=2).transpose(1, 2, 0)  # (nb, 32, n_out)
-        v = (u[..., 0::2] | (u[..., 1::2] << 4)).reshape(nb, 16 * n_out)
+        u = block_values(blk, base, hb).transpose(1, 2, 0)  # (nb, 32, n_out), 0..15 or 0..31
+        v = (u[..., 0::2] & 15) | ((u[..., 1::2] & 15) << 4)  # (nb, 32, n_out / 2)
+        if base in (QT.Q5_0, QT.Q5_1):
+            v = np.concatenate([v, np.packbits(u >> 4, axis=-1, bitorder="little")], axis=-1)
+        v = v.reshape(nb, -1)
     return np.ascontiguousarray(np.concatenate([*parts, v], axis=1))
 
 

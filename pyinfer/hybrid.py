@@ -162,26 +162,17 @@ def _stored_split(reader, cfg: ModelConfig, budget: int, vram_budget):
     return stored.gpu_bucket
 
 
-def _types_off_gpu(weights: ModelWeights, output: bool = True, ib_output: bool = False) -> list[str]:
+def _types_off_gpu(weights: ModelWeights, output: bool = True) -> list[str]:
     """Names of the layer weight types the GPU kernels cannot read (e.g. the K-quants that
     ``pyinfer-convert --outtype auto`` keeps), sorted; [] when every type is readable. A sparse
-    mode input layer's matrices are readable in the input-block layout of q8_0, q4_0 and q4_1
-    (``cuda.IB_KERNELS``; not q5_0 / q5_1: "input-block TYPE") or transposed in f16/f32; a
-    transposed quantized one (a shape without the input-block layout) is named "transposed
-    TYPE". output: the output matrix goes on the device too; ib_output: the input-sparse head
-    (``output_ib``) does."""
+    mode input layer's matrices are readable in the input-block layout (q8_0, q4_0, q4_1) or
+    transposed in f16/f32; a transposed quantized one (a shape without the input-block layout)
+    is named "transposed TYPE". output: the output matrix goes on the device too."""
     odd = set()
-
-    def ib_off(t):
-        if t.qtype not in cuda.IB_KERNELS:
-            odd.add(f"input-block {t.base_qtype.name.lower()}")
-
     for lw in weights.layers:
         if is_input_layer(lw):
             for t in (lw.attn_qkv_t, lw.attn_output_t, lw.ffn_gate_up_t, lw.ffn_down_t):
-                if isinstance(t, IBTensor):
-                    ib_off(t)
-                elif t.qtype not in (QT.F32, QT.F16):
+                if not isinstance(t, IBTensor) and t.qtype not in (QT.F32, QT.F16):
                     odd.add(f"transposed {t.qtype.name.lower()}")
             continue
         for name in ("wq", "wk", "wv", "wo", "ffn_gate", "ffn_up", "ffn_down_t", "ffn_down"):
@@ -191,9 +182,6 @@ def _types_off_gpu(weights: ModelWeights, output: bool = True, ib_output: bool =
     out = getattr(weights, "output", None)
     if output and out is not None and out.qtype.name.lower() not in cuda.GPU_TYPES:
         odd.add(out.qtype.name.lower())
-    if ib_output and weights.output_ib is not None:
-        for _, part in weights.output_ib.parts:
-            ib_off(part)
     return sorted(odd)
 
 
@@ -250,17 +238,13 @@ def place_model(reader, cfg: ModelConfig, weights: ModelWeights, cpu_ffn, n_ctx:
     # the output matrix itself goes on the device unless the head is the CPU's or input-sparse
     head = model_head(cpu_ffn, lm_head)
     odd = _types_off_gpu(weights, output=not (head_on_cpu(cpu_ffn, weights, head)
-                                              or ib_head(head, weights)),
-                         ib_output=ib_head(head, weights))
+                                              or ib_head(head, weights)))
     if device != "cpu" and odd:
         msg = (f"the GPU kernels read {', '.join(cuda.GPU_TYPES)} weights, not {', '.join(odd)} "
                "(convert with --outtype f16, q8_0 or q4_0)")
         if odd[0].startswith("transposed"):
             msg = (f"no GPU kernel reads sparse mode input's {', '.join(odd)} matrices (outputs "
                    "not a multiple of 64: no input-block layout)")
-        elif odd[0].startswith("input-block"):
-            msg = (f"no GPU kernel reads sparse mode input's {', '.join(odd)} matrices yet "
-                   "(convert with --outtype q8_0, q4_0 or q4_1 for the GPU)")
         if device == "auto" and backend is None:
             if not quiet:
                 _notice(msg + "; running on the CPU")

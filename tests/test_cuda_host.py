@@ -176,7 +176,9 @@ void emu_ib(int t, const u8* w, int n_blocks, int n_out, const signed char* xq, 
                 blockIdx.x = bx; blockIdx.y = y; threadIdx.x = tx;
                 if (t == 8) ib_gemv_q8_0(w, n_blocks, n_out, xq, xd, kmask, bpc, partial);
                 else if (t == 4) ib_gemv_q4_0(w, n_blocks, n_out, xq, xd, kmask, bpc, partial);
-                else ib_gemv_q4_1(w, n_blocks, n_out, xq, xd, kmask, bpc, partial);
+                else if (t == 5) ib_gemv_q4_1(w, n_blocks, n_out, xq, xd, kmask, bpc, partial);
+                else if (t == 6) ib_gemv_q5_0(w, n_blocks, n_out, xq, xd, kmask, bpc, partial);
+                else ib_gemv_q5_1(w, n_blocks, n_out, xq, xd, kmask, bpc, partial);
             }
 }
 void emu_ib_deq(int t, const u8* w, int n_out, int j0, int n_rows, float* out) {
@@ -197,7 +199,7 @@ def ib_lib(tmp_path_factory):
     return _build(tmp_path_factory, "ib", SHIM + IB_SHIM + body + IB_DRIVER)
 
 
-@pytest.mark.parametrize("qt", [QT.Q8_0, QT.Q4_0, QT.Q4_1])
+@pytest.mark.parametrize("qt", [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1])
 @pytest.mark.parametrize("n_out,n_in,n_chunks", [(128, 96, 1), (192, 256, 3), (1024, 4096, 16)])
 def test_input_block_gemv_on_the_host(ib_lib, qt, n_out, n_in, n_chunks):
     """cuda.ib_gemv's kernel (sparse mode input's GEMV over the kept channels) over
@@ -221,7 +223,8 @@ def test_input_block_gemv_on_the_host(ib_lib, qt, n_out, n_in, n_chunks):
     quantize_q8(x, (xq, xd))
     bits = keep.reshape(-1, 32).astype(np.uint64) << np.arange(32, dtype=np.uint64)
     kmask = bits.sum(axis=1).astype(np.uint32)
-    t = {QT.Q8_0: 8, QT.Q4_0: 4, QT.Q4_1: 5}[qt]
+    t = {QT.Q8_0: 8, QT.Q4_0: 4, QT.Q4_1: 5, QT.Q5_0: 6, QT.Q5_1: 7}[qt]
+    assert t == cuda.IB_KERNELS[ib.qtype][2]
     nb = n_in // 32
     bpc = -(-nb // n_chunks)
     n_chunks = -(-nb // bpc)

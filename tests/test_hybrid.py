@@ -38,7 +38,7 @@ NO_GPU = f"no CUDA device: {cuda.unavailable_reason()}"
 # float rounding (TOL_SAME); the wider bound is for a device copy of ffn_down quantized again
 # (row-layout files) and for a GPU, whose float rounding of an activation can move one of its
 # quantized values by a step.
-TOL = {"f32": 1e-4, "f16": 1e-4, "q8_0": 6e-2, "q4_0": 6e-2, "q4_1": 6e-2}
+TOL = {"f32": 1e-4, "f16": 1e-4, "q8_0": 6e-2, "q4_0": 6e-2, "q4_1": 6e-2, "q5_0": 6e-2, "q5_1": 6e-2}
 TOL_SAME = 1e-4
 
 
@@ -653,11 +653,11 @@ def input_engine(input_dir, tmp_path, outtype):
 
 
 @pytest.mark.parametrize("backend", DEVICES)
-@pytest.mark.parametrize("outtype", ["f16", "q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("outtype", ["f16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"])
 def test_input_sparse_file_on_the_device(input_dir, tmp_path, outtype, backend):
     """Sparse mode input (issue 12) on the device: a mask before every projection, which reads
     only the kept channels' rows (input-block GEMV, f16 AXPY). All layers resident, -ngl 1, and
-    all resident with a dense lm head (q4_1: on the CPU, no q4_1 GEMV) give the CPU model's
+    all resident with a dense lm head (q4_1, q5_0, q5_1: on the CPU, no GEMV of theirs) give the CPU model's
     logits (decode and prefill) with the same input channels kept (NumpyDevice: exactly; a GPU:
     within 1%), the input-sparse lm head's too (two-stage: the copy on the device, the exact
     candidates on the host); the plan's bytes are what is allocated."""
@@ -679,8 +679,8 @@ def test_input_sparse_file_on_the_device(input_dir, tmp_path, outtype, backend):
         assert isinstance(gm, GpuModel) and gm.is_input_sparse and gm.is_sparse
         assert gm.plan.n_resident == (ngl or cfg.n_layer)
         # the head on the device: input-sparse (input-block GEMVs), or dense where the GPU reads
-        # its type (not q4_1)
-        assert gm.plan.output == (ngl is None and (not dense_head or outtype != "q4_1"))
+        # its type (not q4_1, q5_0, q5_1)
+        assert gm.plan.output == (ngl is None and (not dense_head or outtype in cuda.GPU_TYPES))
         assert gm.device_bytes == gm.plan.planned_bytes
         if backend == "numpy":
             assert dev.allocated_bytes == gm.plan.planned_bytes
@@ -717,23 +717,6 @@ def test_input_sparse_types_the_gpu_cannot_read(tmp_path, capsys):
                     backend=NumpyDevice())
     m = place_model(eng.reader, eng.cfg, eng.weights, eng.model.ffn, 64, 2, device="auto")
     assert not isinstance(m, GpuModel)
-
-
-@pytest.mark.parametrize("outtype", ["q5_0", "q5_1"])
-def test_input_block_q5_stays_on_the_cpu(input_dir, tmp_path, outtype, capsys):
-    """A q5_0 / q5_1 input file's input-block matrices have no GPU kernel yet: --device auto
-    runs the CPU model with a notice naming them, --device cuda is a one-line error (before any
-    device is touched)."""
-    eng = input_engine(input_dir, tmp_path, outtype)
-    lw = eng.weights.layers[0]
-    assert isinstance(lw.ffn_gate_up_t, cpu.IBTensor) and lw.ffn_gate_up_t.base_qtype == QT[outtype.upper()]
-    with pytest.raises(PyinferError, match=f"input-block {outtype}"):
-        place_model(eng.reader, eng.cfg, eng.weights, eng.model.ffn, 64, 2, device="cuda",
-                    backend=NumpyDevice())
-    capsys.readouterr()
-    m = place_model(eng.reader, eng.cfg, eng.weights, eng.model.ffn, 64, 2, device="auto")
-    assert not isinstance(m, GpuModel)
-    assert f"input-block {outtype} matrices yet" in capsys.readouterr().err
 
 
 @pytest.mark.gpu

@@ -172,7 +172,7 @@ def _ib_block_bytes(qtype: int, n_out: int) -> int:
     return _BLOCK_BYTES[_IB_BASE[qtype]] * n_out
 
 
-def _values_of_blocks(blk: np.ndarray, qtype, hb: int) -> np.ndarray:
+def block_values(blk: np.ndarray, qtype, hb: int) -> np.ndarray:
     """ggml blocks (n_out, nb, block bytes) of a 4- or 5-bit type -> their unsigned values u
     (n_out, nb, 32) uint8 (ggml's dequantize_row_q4_0 / q5_0: value c < 16 in the low nibble of
     qs[c], c + 16 in the high one; q5's fifth bit of value c is bit c of the little-endian qh)."""
@@ -186,7 +186,7 @@ def _values_of_blocks(blk: np.ndarray, qtype, hb: int) -> np.ndarray:
 
 
 def _blocks_of_values(u: np.ndarray, qtype) -> np.ndarray:
-    """The inverse of ``_values_of_blocks`` for the value bytes: u (n_out, nb, 32) -> (n_out, nb,
+    """The inverse of ``block_values`` for the value bytes: u (n_out, nb, 32) -> (n_out, nb,
     16 or 20) (q5: qh then qs)."""
     qs = (u[:, :, :16] & 15) | ((u[:, :, 16:] & 15) << 4)
     if qtype not in _Q5:
@@ -251,7 +251,7 @@ def ib_from_rows(raw: np.ndarray, qtype, n_out: int, n_in: int) -> np.ndarray:
     if qtype == QT.Q8_0:
         v = blk[:, :, hb:] ^ np.uint8(0x80)  # (n_out, nb, 32)
     else:
-        v = _values_of_blocks(blk, qtype, hb)
+        v = block_values(blk, qtype, hb)
     v = v.transpose(1, 2, 0).reshape(nb, 32, nt, IB_TILE)[..., _ib_tile_perm()]
     if qtype != QT.Q8_0:
         nib = (v[..., :32] & 15) | ((v[..., 32:] & 15) << 4)

@@ -887,24 +887,28 @@ extern "C" __global__ void glu_mask_q8(const float* gu, int n, int act, const fl
 }
 // A projection W (n_out, n_in) over the kept input channels only, in the device's input-block
 // layout (pyinfer.device.device_ib_layout): per 32-channel block b (bb bytes) the f16 scales
-// d[0:n_out, b], for q4_1 then the f16 mins m[0:n_out, b], then 32 value rows, one per channel,
-// of n_out int8 q (q8_0) or n_out nibbles u (q4_0: q = u - 8; q4_1: w = d u + m; output o in the
-// low nibble of byte o/2 when o is even, the high one when odd). A kept channel is one contiguous
-// row, so the bytes read shrink with the sparsity. Sums as the CPU's (cython/ibsum.h): per block
-// the exact integer acc[o] = sum over kept c of xq[c] q[o, c] (kmask[b]'s bits; xq, xd the masked
-// activation's q8 form), then s[o] += (xd[b] d[o, b]) acc[o] (q4_0: acc - 8 sum(xq); q4_1: plus
-// m[o, b] xd[b] sum(xq)). Thread per 32-bit word of a value row (T 8: q8_0, 4 outputs; 4: q4_0
-// and 5: q4_1, 8 outputs), so a warp reads 128 contiguous bytes of each kept row; grid.y splits
-// the blocks into chunks of bpc, each writing its partial sums (axpy_sum adds them up).
+// d[0:n_out, b], for q4_1 / q5_1 then the f16 mins m[0:n_out, b], then 32 value rows, one per
+// channel, of n_out int8 q (q8_0) or n_out nibbles u (q4_0: q = u - 8; q4_1: w = d u + m; output o
+// in the low nibble of byte o/2 when o is even, the high one when odd), for q5_0 (q = u - 16) and
+// q5_1 (w = d u + m) followed by n_out / 8 bytes of fifth bits (bit o % 8 of byte o / 8: 16 added
+// to u). A kept channel is one contiguous row, so the bytes read shrink with the sparsity. Sums as
+// the CPU's (cython/ibsum.h): per block the exact integer acc[o] = sum over kept c of xq[c] q[o, c]
+// (kmask[b]'s bits; xq, xd the masked activation's q8 form), then s[o] += (xd[b] d[o, b]) acc[o]
+// (q4_0: acc - 8 sum(xq), q5_0: acc - 16 sum(xq); q4_1, q5_1: plus m[o, b] xd[b] sum(xq)). Thread
+// per 32-bit word of a value row (T 8: q8_0, 4 outputs; 4: q4_0, 5: q4_1, 6: q5_0 and 7: q5_1, 8
+// outputs, the q5 ones with their byte of fifth bits), so a warp reads 128 contiguous bytes of each
+// kept row; grid.y splits the blocks into chunks of bpc, each writing its partial sums (axpy_sum
+// adds them up).
 template <int T>
 __device__ __forceinline__ void ib_gemv_body(const u8* w, int n_blocks, int n_out,
         const signed char* xq, const float* xd, const unsigned int* kmask, int bpc,
         float* partial) {
     const int OPW = T == 8 ? 4 : 8;   // outputs per 32-bit word
-    const int HB = T == 5 ? 4 : 2;    // scale (and min) bytes per output and block
+    const bool Q5 = T == 6 || T == 7, MIN = T == 5 || T == 7;
+    const int HB = MIN ? 4 : 2;       // scale (and min) bytes per output and block
     const int wi = blockIdx.x * blockDim.x + threadIdx.x;
     if (wi * OPW >= n_out) return;
-    const long long vrow = T == 8 ? n_out : n_out / 2;
+    const long long vrow = T == 8 ? n_out : Q5 ? (long long)n_out / 8 * 5 : n_out / 2;
     const long long bb = (long long)HB * n_out + 32 * vrow;
     const int b0 = blockIdx.y * bpc, b1 = min(n_blocks, b0 + bpc);
     float s[OPW];
@@ -921,16 +925,17 @@ __device__ __forceinline__ void ib_gemv_body(const u8* w, int n_blocks, int n_ou
         for (int k = 0; k < OPW; ++k) acc[k] = 0;
         int xs = 0;
         while (km) {  // four kept rows' loads in flight before their arithmetic
-            unsigned int v[4];
+            unsigned int v[4], h[4];
             int x[4];
             #pragma unroll
             for (int u = 0; u < 4; ++u) {
-                v[u] = 0u;
+                v[u] = h[u] = 0u;
                 x[u] = 0;
                 if (km) {
                     const int c = __ffs(km) - 1;
                     km &= km - 1;
                     v[u] = *(const unsigned int*)(vals + c * vrow);
+                    if (Q5) h[u] = vals[c * vrow + n_out / 2 - 3 * wi];  // byte n_out / 2 + wi
                     x[u] = xb[c];
                 }
             }
@@ -940,7 +945,7 @@ __device__ __forceinline__ void ib_gemv_body(const u8* w, int n_blocks, int n_ou
                 #pragma unroll
                 for (int k = 0; k < OPW; ++k)
                     acc[k] += x[u] * (T == 8 ? (int)(signed char)(v[u] >> (8 * k))
-                                             : (int)((v[u] >> (4 * k)) & 15u));
+                                             : (int)(((v[u] >> (4 * k)) & 15u) | (((h[u] >> k) & 1u) << 4)));
             }
         }
         const float sb = xd[b];
@@ -950,6 +955,7 @@ __device__ __forceinline__ void ib_gemv_body(const u8* w, int n_blocks, int n_ou
             const float f = sb * h2f(d[k]);
             if (T == 8) s[k] += f * (float)acc[k];
             else if (T == 4) s[k] += f * (float)(acc[k] - 8 * xs);
+            else if (T == 6) s[k] += f * (float)(acc[k] - 16 * xs);
             else s[k] += f * (float)acc[k] + h2f(d[n_out + k]) * (sb * (float)xs);
         }
     }
@@ -969,6 +975,14 @@ extern "C" __global__ void ib_gemv_q4_1(const u8* w, int n_blocks, int n_out, co
         const float* xd, const unsigned int* kmask, int bpc, float* partial) {
     ib_gemv_body<5>(w, n_blocks, n_out, xq, xd, kmask, bpc, partial);
 }
+extern "C" __global__ void ib_gemv_q5_0(const u8* w, int n_blocks, int n_out, const signed char* xq,
+        const float* xd, const unsigned int* kmask, int bpc, float* partial) {
+    ib_gemv_body<6>(w, n_blocks, n_out, xq, xd, kmask, bpc, partial);
+}
+extern "C" __global__ void ib_gemv_q5_1(const u8* w, int n_blocks, int n_out, const signed char* xq,
+        const float* xd, const unsigned int* kmask, int bpc, float* partial) {
+    ib_gemv_body<7>(w, n_blocks, n_out, xq, xd, kmask, bpc, partial);
+}
 // Element (j, o) of W^T, dequantized: rows j0 .. j0 + n_rows of out (n_rows, n_out) f32 (prefill's
 // GEMM over the masked batch: the same numbers).
 extern "C" __global__ void ib_dequant_t(const u8* w, int qt, int n_out, int j0, int n_rows,
@@ -976,14 +990,17 @@ extern "C" __global__ void ib_dequant_t(const u8* w, int qt, int n_out, int j0, 
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)n_rows * n_out) return;
     const int j = j0 + (int)(i / n_out), o = (int)(i % n_out), b = j >> 5, c = j & 31;
-    const int HB = qt == 5 ? 4 : 2;
-    const long long vrow = qt == 8 ? n_out : n_out / 2;
+    const bool q5 = qt == 6 || qt == 7, has_min = qt == 5 || qt == 7;
+    const int HB = has_min ? 4 : 2;
+    const long long vrow = qt == 8 ? n_out : q5 ? (long long)n_out / 8 * 5 : n_out / 2;
     const u8* blk = w + (long long)b * ((long long)HB * n_out + 32 * vrow);
     const float d = h2f(((const u16*)blk)[o]);
     const u8* row = blk + (long long)HB * n_out + c * vrow;
     if (qt == 8) { out[i] = d * (float)(signed char)row[o]; return; }
-    const int u = (row[o >> 1] >> (4 * (o & 1))) & 15;
-    out[i] = qt == 4 ? d * (float)(u - 8) : d * (float)u + h2f(((const u16*)blk)[n_out + o]);
+    int u = (row[o >> 1] >> (4 * (o & 1))) & 15;
+    if (q5) u |= ((row[n_out / 2 + (o >> 3)] >> (o & 7)) & 1) << 4;
+    out[i] = has_min ? d * (float)u + h2f(((const u16*)blk)[n_out + o])
+                     : d * (float)(u - (qt == 4 ? 8 : 16));
 }
 """
 
@@ -991,7 +1008,7 @@ extern "C" __global__ void ib_dequant_t(const u8* w, int qt, int n_out, int j0, 
 SOURCES = {"predictor": PREDICTOR_SRC, "gather": GATHER_SRC, "axpy": AXPY_SRC, "attn": ATTN_SRC,
            "input": INPUT_SRC}
 #: kernels each source must define (the nvcc test counts them)
-N_KERNELS = {"predictor": 4, "gather": 21, "axpy": 9, "attn": 5, "input": 6}
+N_KERNELS = {"predictor": 4, "gather": 21, "axpy": 9, "attn": 5, "input": 8}
 _TYPE_NAME = {QT.F32: "f32", QT.F16: "f16", QT.Q8_0: "q8_0", QT.Q4_0: "q4_0"}
 #: weight types the kernels read (the QT names, lower case)
 GPU_TYPES = tuple(t.name.lower() for t in _TYPE_NAME)
@@ -1373,9 +1390,9 @@ def add(out, a) -> None:
 
 # ---- sparse mode "input" -------------------------------------------------------------------------
 #: input-block type id (pyinfer.ops.cpu) -> (kernel suffix, outputs per 32-bit word, the
-#: kernels' T: 8 q8_0, 4 q4_0, 5 q4_1)
+#: kernels' T: 8 q8_0, 4 q4_0, 5 q4_1, 6 q5_0, 7 q5_1)
 IB_KERNELS = {_cpu.Q8_0_IB: ("q8_0", 4, 8), _cpu.Q4_0_IB: ("q4_0", 8, 4),
-              _cpu.Q4_1_IB: ("q4_1", 8, 5)}
+              _cpu.Q4_1_IB: ("q4_1", 8, 5), _cpu.Q5_0_IB: ("q5_0", 8, 6), _cpu.Q5_1_IB: ("q5_1", 8, 7)}
 #: warps an input-block GEMV aims to keep busy (grid.y chunks of blocks make up for few outputs)
 IB_TARGET_WARPS = 2048
 
