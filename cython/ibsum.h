@@ -865,38 +865,23 @@ pi_ib_chunk_pk(const int t, const int NT, const uint8_t *pk, const uint16_t *dsc
     case N_:                                                                                  \
         if (N_ <= PI_IB_NT) CALL(T_, (N_ <= PI_IB_NT ? N_ : 1));                              \
         break;
+#define PI_IB_NTS(CALL, T_, nt)                                                               \
+    switch (nt) {                                                                             \
+        PI_IB_CASE(CALL, T_, 1) PI_IB_CASE(CALL, T_, 2) PI_IB_CASE(CALL, T_, 3)               \
+        PI_IB_CASE(CALL, T_, 4) PI_IB_CASE(CALL, T_, 5) PI_IB_CASE(CALL, T_, 6)               \
+    }
 #define PI_IB_SWITCH(t, nt, CALL)                                                             \
     do {                                                                                      \
         if ((t) == PI_Q8_0_IB) {                                                              \
-            switch (nt) {                                                                     \
-                PI_IB_CASE(CALL, PI_Q8_0_IB, 1) PI_IB_CASE(CALL, PI_Q8_0_IB, 2)               \
-                PI_IB_CASE(CALL, PI_Q8_0_IB, 3) PI_IB_CASE(CALL, PI_Q8_0_IB, 4)               \
-                PI_IB_CASE(CALL, PI_Q8_0_IB, 5) PI_IB_CASE(CALL, PI_Q8_0_IB, 6)               \
-            }                                                                                 \
+            PI_IB_NTS(CALL, PI_Q8_0_IB, nt)                                                   \
         } else if ((t) == PI_Q4_0_IB) {                                                       \
-            switch (nt) {                                                                     \
-                PI_IB_CASE(CALL, PI_Q4_0_IB, 1) PI_IB_CASE(CALL, PI_Q4_0_IB, 2)               \
-                PI_IB_CASE(CALL, PI_Q4_0_IB, 3) PI_IB_CASE(CALL, PI_Q4_0_IB, 4)               \
-                PI_IB_CASE(CALL, PI_Q4_0_IB, 5) PI_IB_CASE(CALL, PI_Q4_0_IB, 6)               \
-            }                                                                                 \
+            PI_IB_NTS(CALL, PI_Q4_0_IB, nt)                                                   \
         } else if ((t) == PI_Q4_1_IB) {                                                       \
-            switch (nt) {                                                                     \
-                PI_IB_CASE(CALL, PI_Q4_1_IB, 1) PI_IB_CASE(CALL, PI_Q4_1_IB, 2)               \
-                PI_IB_CASE(CALL, PI_Q4_1_IB, 3) PI_IB_CASE(CALL, PI_Q4_1_IB, 4)               \
-                PI_IB_CASE(CALL, PI_Q4_1_IB, 5) PI_IB_CASE(CALL, PI_Q4_1_IB, 6)               \
-            }                                                                                 \
+            PI_IB_NTS(CALL, PI_Q4_1_IB, nt)                                                   \
         } else if ((t) == PI_Q5_0_IB) {                                                       \
-            switch (nt) {                                                                     \
-                PI_IB_CASE(CALL, PI_Q5_0_IB, 1) PI_IB_CASE(CALL, PI_Q5_0_IB, 2)               \
-                PI_IB_CASE(CALL, PI_Q5_0_IB, 3) PI_IB_CASE(CALL, PI_Q5_0_IB, 4)               \
-                PI_IB_CASE(CALL, PI_Q5_0_IB, 5) PI_IB_CASE(CALL, PI_Q5_0_IB, 6)               \
-            }                                                                                 \
+            PI_IB_NTS(CALL, PI_Q5_0_IB, nt)                                                   \
         } else {                                                                              \
-            switch (nt) {                                                                     \
-                PI_IB_CASE(CALL, PI_Q5_1_IB, 1) PI_IB_CASE(CALL, PI_Q5_1_IB, 2)               \
-                PI_IB_CASE(CALL, PI_Q5_1_IB, 3) PI_IB_CASE(CALL, PI_Q5_1_IB, 4)               \
-                PI_IB_CASE(CALL, PI_Q5_1_IB, 5) PI_IB_CASE(CALL, PI_Q5_1_IB, 6)               \
-            }                                                                                 \
+            PI_IB_NTS(CALL, PI_Q5_1_IB, nt)                                                   \
         }                                                                                     \
     } while (0)
 

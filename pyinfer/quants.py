@@ -254,18 +254,8 @@ def q4_k_to_q4_1(raw: np.ndarray) -> np.ndarray:
     (predictors/input_sparse.py ``transposed_jobs``): the input-block kernels read Q4_1.
     Raises ValueError for rows that are not whole super-blocks, or a scale or min that f16
     cannot hold."""
-    raw = np.ascontiguousarray(raw, np.uint8)
-    if raw.ndim != 2 or raw.shape[1] % 144:
-        raise ValueError(f"Q4_K rows must be (rows, a multiple of 144 bytes), got {raw.shape}")
-    rows = raw.shape[0]
-    b = raw.reshape(-1, 144)
-    S = b.shape[0]
-    dd, mm = _k_sub_blocks(b, "Q4_K")
-    qs = b[:, 16:144].reshape(S, 4, 32)  # 64-value chunk c: sub-block 2c low nibbles, 2c + 1 high
-    L = np.stack([qs & 15, qs >> 4], axis=2).reshape(S, 8, 32)  # sub-block s, its values in order
-    out = np.empty((S, 8, 20), np.uint8)
-    out[:, :, 0:2] = dd.view(np.uint8).reshape(S, 8, 2)
-    out[:, :, 2:4] = mm.view(np.uint8).reshape(S, 8, 2)
+    rows, b, out = _k_to_x_1(raw, 144, "Q4_K", 20)
+    L = _k_low_nibbles(b[:, 16:144])
     out[:, :, 4:20] = L[:, :, :16] | (L[:, :, 16:] << 4)  # Q4_1: byte i holds values i and i + 16
     return out.reshape(rows, -1)
 
@@ -284,21 +274,34 @@ def q5_k_to_q5_1(raw: np.ndarray) -> np.ndarray:
     two f16 roundings are the only change). Q5_1 takes 24 bytes per 32 values against Q5_K's 22.
     Raises ValueError for rows that are not whole super-blocks, or a scale or min that f16
     cannot hold."""
-    raw = np.ascontiguousarray(raw, np.uint8)
-    if raw.ndim != 2 or raw.shape[1] % 176:
-        raise ValueError(f"Q5_K rows must be (rows, a multiple of 176 bytes), got {raw.shape}")
-    rows = raw.shape[0]
-    b = raw.reshape(-1, 176)
-    S = b.shape[0]
-    dd, mm = _k_sub_blocks(b, "Q5_K")
-    qh = b[:, 16:48]  # (S, 32): bit s of byte l is the fifth bit of value l of sub-block s
-    ql = b[:, 48:176].reshape(S, 4, 32)
-    L = np.stack([ql & 15, ql >> 4], axis=2).reshape(S, 8, 32)  # low 4 bits, sub-block s
-    high = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # (S, 8, 32)
+    rows, b, out = _k_to_x_1(raw, 176, "Q5_K", 24)
+    L = _k_low_nibbles(b[:, 48:176])
+    high = (b[:, None, 16:48] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # (S, 8, 32):
+    # bit s of qh byte l is the fifth bit of value l of sub-block s
     qh1 = (high.astype(np.uint32) << np.arange(32, dtype=np.uint32)).sum(2, dtype=np.uint32)
-    out = np.empty((S, 8, 24), np.uint8)
-    out[:, :, 0:2] = dd.view(np.uint8).reshape(S, 8, 2)
-    out[:, :, 2:4] = mm.view(np.uint8).reshape(S, 8, 2)
-    out[:, :, 4:8] = qh1.astype("<u4").view(np.uint8).reshape(S, 8, 4)
+    out[:, :, 4:8] = qh1.astype("<u4").view(np.uint8).reshape(-1, 8, 4)
     out[:, :, 8:24] = L[:, :, :16] | (L[:, :, 16:] << 4)
     return out.reshape(rows, -1)
+
+
+def _k_to_x_1(raw: np.ndarray, k_bytes: int, name: str, x_bytes: int):
+    """The common part of ``q4_k_to_q4_1`` / ``q5_k_to_q5_1``: raw K-quant rows checked and cut
+    into super-blocks b (S, k_bytes), and the output blocks (S, 8, x_bytes) uint8 with each
+    sub-block's f16 scale and min (``_k_sub_blocks``) in bytes 0:4. Returns (rows, b, out)."""
+    raw = np.ascontiguousarray(raw, np.uint8)
+    if raw.ndim != 2 or raw.shape[1] % k_bytes:
+        raise ValueError(f"{name} rows must be (rows, a multiple of {k_bytes} bytes), got {raw.shape}")
+    b = raw.reshape(-1, k_bytes)
+    S = b.shape[0]
+    dd, mm = _k_sub_blocks(b, name)
+    out = np.empty((S, 8, x_bytes), np.uint8)
+    out[:, :, 0:2] = dd.view(np.uint8).reshape(S, 8, 2)
+    out[:, :, 2:4] = mm.view(np.uint8).reshape(S, 8, 2)
+    return raw.shape[0], b, out
+
+
+def _k_low_nibbles(q: np.ndarray) -> np.ndarray:
+    """A K-quant super-block's 128 bytes of nibbles (S, 128) -> its values' low 4 bits (S, 8, 32)
+    per sub-block in order (64-value chunk c: sub-block 2c in the low nibbles, 2c + 1 the high)."""
+    q = q.reshape(-1, 4, 32)
+    return np.stack([q & 15, q >> 4], axis=2).reshape(-1, 8, 32)

@@ -963,26 +963,18 @@ __device__ __forceinline__ void ib_gemv_body(const u8* w, int n_blocks, int n_ou
     #pragma unroll
     for (int k = 0; k < OPW; ++k) p[k] = s[k];
 }
-extern "C" __global__ void ib_gemv_q8_0(const u8* w, int n_blocks, int n_out, const signed char* xq,
-        const float* xd, const unsigned int* kmask, int bpc, float* partial) {
-    ib_gemv_body<8>(w, n_blocks, n_out, xq, xd, kmask, bpc, partial);
-}
-extern "C" __global__ void ib_gemv_q4_0(const u8* w, int n_blocks, int n_out, const signed char* xq,
-        const float* xd, const unsigned int* kmask, int bpc, float* partial) {
-    ib_gemv_body<4>(w, n_blocks, n_out, xq, xd, kmask, bpc, partial);
-}
-extern "C" __global__ void ib_gemv_q4_1(const u8* w, int n_blocks, int n_out, const signed char* xq,
-        const float* xd, const unsigned int* kmask, int bpc, float* partial) {
-    ib_gemv_body<5>(w, n_blocks, n_out, xq, xd, kmask, bpc, partial);
-}
-extern "C" __global__ void ib_gemv_q5_0(const u8* w, int n_blocks, int n_out, const signed char* xq,
-        const float* xd, const unsigned int* kmask, int bpc, float* partial) {
-    ib_gemv_body<6>(w, n_blocks, n_out, xq, xd, kmask, bpc, partial);
-}
-extern "C" __global__ void ib_gemv_q5_1(const u8* w, int n_blocks, int n_out, const signed char* xq,
-        const float* xd, const unsigned int* kmask, int bpc, float* partial) {
-    ib_gemv_body<7>(w, n_blocks, n_out, xq, xd, kmask, bpc, partial);
-}
+// The entries, one a type (T as ib_gemv_body's); cuda.IB_KERNELS names them.
+#define PI_IB_GEMV(NAME, T)                                                                    \
+    extern "C" __global__ void ib_gemv_##NAME(const u8* w, int n_blocks, int n_out,           \
+            const signed char* xq, const float* xd, const unsigned int* kmask, int bpc,       \
+            float* partial) {                                                                  \
+        ib_gemv_body<T>(w, n_blocks, n_out, xq, xd, kmask, bpc, partial);                      \
+    }
+PI_IB_GEMV(q8_0, 8)
+PI_IB_GEMV(q4_0, 4)
+PI_IB_GEMV(q4_1, 5)
+PI_IB_GEMV(q5_0, 6)
+PI_IB_GEMV(q5_1, 7)
 // Element (j, o) of W^T, dequantized: rows j0 .. j0 + n_rows of out (n_rows, n_out) f32 (prefill's
 // GEMM over the masked batch: the same numbers).
 extern "C" __global__ void ib_dequant_t(const u8* w, int qt, int n_out, int j0, int n_rows,
