@@ -12,7 +12,8 @@
  *     q + 128 as an unsigned byte), n_out / 2 bytes (q4_0: the unsigned nibble u = q + 8; q4_1:
  *     its nibble u, w = d u + m; two outputs per byte) or 5 n_out / 8 bytes (q5_0: u = q + 16 in
  *     0..31; q5_1: u, w = d u + m; per 64-output tile the 32 bytes of its low nibbles as q4_0's,
- *     then 8 bytes whose bit p (little-endian) is the fifth bit of position p: 40 bytes a tile).
+ *     then a 64-bit little-endian word whose bit 8 (p % 8) + p / 8 is the fifth bit of position
+ *     p: 40 bytes a tile).
  *
  * A kept channel j is one contiguous value row, so the bytes read shrink with the sparsity
  * (plus the scale row of each block with a kept channel, 1/17 of a q8_0 block). The products
@@ -40,8 +41,11 @@
  * position p = 16 L + 4 s + m holds output 16 s + 4 L + m (L, s, m in 0..3), which makes lane k
  * of the s-th sum output 16 s + k (and for a 256-bit half h of the tile, lane k of the s-th sum
  * output 16 s + 8 h + k). A q4_0 tile is 32 bytes: byte p's low nibble is position p, its high
- * nibble position 32 + p; a q5 tile adds the fifth bits as 16 where set (AVX-512BW: one masked
- * byte move from the 64-bit word). Rows of fewer than four kept channels are padded with xq = 0.
+ * nibble position 32 + p; a q5 tile adds the fifth bits as 16 where set. The fifth-bit word is
+ * stored transposed so that, broadcast to every 64-bit lane, byte p % 8 of lane p / 8 holds
+ * position p's bit at bit p / 8: one variable shift per lane (by 4 - p / 8) brings every
+ * position's bit to bit 4 of its own byte, and an and with 16 leaves the value to add (three
+ * operations with the or; AVX-512: the shift, then and-or in one ternary-logic operation). Rows of fewer than four kept channels are padded with xq = 0.
  * Without VNNI (AVX2) the same four-row lanes go through maddubs / madd (q8_0 with the sign
  * trick: |q| x sign(xq, q), at most 2 * 128 * 127 per pair); without SIMD a scalar loop. All
  * three give the same integers and the same f32 operations, so the same bits.
@@ -225,7 +229,7 @@ static inline int pi_ib_val(int t, const uint8_t *row, long u, int p) {
     if (t == PI_Q8_0_IB) return row[64 * u + p];
     const uint8_t *tile = row + pi_ib_tile_bytes(t) * u;
     const int lo = p < 32 ? (tile[p & 31] & 15) : (tile[p & 31] >> 4);
-    return pi_ib_is_q5(t) ? lo | (((tile[32 + p / 8] >> (p % 8)) & 1) << 4) : lo;
+    return pi_ib_is_q5(t) ? lo | (((tile[32 + p % 8] >> (p / 8)) & 1) << 4) : lo;
 }
 
 #if PI_SIMD
@@ -235,25 +239,6 @@ static inline int pi_ib_val(int t, const uint8_t *row, long u, int p) {
 #define PI_IB_VNNI512 0
 #endif
 
-/* 16 in byte i of the result where bit i of `bits` is set, else 0 (i in 0..31): a 5-bit
- * type's fifth bits of half a tile */
-static inline __attribute__((always_inline)) __m256i pi_ib_bit16_256(uint32_t bits) {
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-    return _mm256_maskz_mov_epi8((__mmask32)bits, _mm256_set1_epi8(16));
-#else
-    /* byte i <- byte i / 8 of bits, then keep bit i % 8 of it */
-    const __m256i sel = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                         2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-    const __m256i one = _mm256_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128,
-                                         1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
-    /* shuffle_epi8 works inside 128-bit lanes: the upper lane's indices 2, 3 need bytes 2, 3 of
-     * the broadcast word there too (set1 puts them in every lane) */
-    const __m256i b = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), sel);
-    const __m256i hit = _mm256_cmpeq_epi8(_mm256_and_si256(b, one), one);
-    return _mm256_and_si256(hit, _mm256_set1_epi8(16));
-#endif
-}
-
 /* half h (positions 32h .. 32h + 31) of tile u of row p, unsigned */
 static inline __attribute__((always_inline)) __m256i pi_ib_load256(const int t, const uint8_t *p,
                                                                    long u, int h) {
@@ -262,9 +247,14 @@ static inline __attribute__((always_inline)) __m256i pi_ib_load256(const int t, 
     const __m256i v = _mm256_loadu_si256((const __m256i *)tile);
     const __m256i lo = _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(15));
     if (!pi_ib_is_q5(t)) return lo;
-    uint32_t bits;
-    memcpy(&bits, tile + 32 + 4 * h, 4);
-    return _mm256_or_si256(lo, pi_ib_bit16_256(bits));
+    /* the fifth-bit word in every 64-bit lane; lane q holds positions 32 h + 8 q + (0..7) at bit
+     * 4 h + q of their bytes: to bit 4 by a left shift of 4 - q (h 0) or a right one of q (h 1) */
+    int64_t bits;
+    memcpy(&bits, tile + 32, 8);
+    const __m256i w = _mm256_set1_epi64x(bits);
+    const __m256i at4 = h ? _mm256_srlv_epi64(w, _mm256_setr_epi64x(0, 1, 2, 3))
+                          : _mm256_sllv_epi64(w, _mm256_setr_epi64x(4, 3, 2, 1));
+    return _mm256_or_si256(lo, _mm256_and_si256(at4, _mm256_set1_epi8(16)));
 }
 
 #if PI_IB_VNNI512
@@ -277,9 +267,13 @@ static inline __attribute__((always_inline)) __m512i pi_ib_load512(const int t, 
     const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1);
     const __m512i lo = _mm512_and_si512(w, _mm512_set1_epi8(15));
     if (!pi_ib_is_q5(t)) return lo;
-    uint64_t bits;  /* bit p: the fifth bit of position p */
+    /* lane q (positions 8 q .. 8 q + 7) has their bits at bit q: rotated to bit 4 (no bit that
+     * wraps around reaches a bit 4), then lo | (that & 16) in one ternary-logic operation */
+    int64_t bits;
     memcpy(&bits, tile + 32, 8);
-    return _mm512_or_si512(lo, _mm512_maskz_mov_epi8((__mmask64)bits, _mm512_set1_epi8(16)));
+    const __m512i at4 = _mm512_rolv_epi64(_mm512_set1_epi64(bits),
+                                          _mm512_setr_epi64(4, 3, 2, 1, 0, 63, 62, 61));
+    return _mm512_ternarylogic_epi64(lo, at4, _mm512_set1_epi8(16), 0xf8);  /* a | (b & c) */
 }
 #else
 /* sum of the four products of each 32-bit lane: unsigned values w (q8_0: q + 128) times the

@@ -202,6 +202,13 @@ def _ib_tile_perm() -> np.ndarray:
     return 16 * ((p % 16) // 4) + 4 * (p // 16) + p % 4
 
 
+def _transpose8(bits: np.ndarray) -> np.ndarray:
+    """A q5 tile's 64 fifth bits (last axis) between position order p and the stored word's order
+    8 (p % 8) + p / 8 (cython/ibsum.h: every position's bit reaches bit 4 of its byte with one
+    shift per 64-bit lane); its own inverse."""
+    return bits.reshape(*bits.shape[:-1], 8, 8).swapaxes(-1, -2).reshape(bits.shape)
+
+
 def ib_supported(qtype, n_out: int, n_in: int) -> bool:
     """True where a matrix of ``qtype`` (Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1) and shape (n_out, n_in) can take the
     input-block layout: outputs a multiple of 64, inputs of 32."""
@@ -236,7 +243,8 @@ def ib_from_rows(raw: np.ndarray, qtype, n_out: int, n_in: int) -> np.ndarray:
     (2 n_out bytes), for q4_1 / q5_1 then the f16 mins m[:, b] (2 n_out bytes), then 32 value rows
     of n_out bytes (q8_0: q ^ 0x80), n_out / 2 (q4_0 / q4_1: nibbles u, position p and 32 + p of
     each 64-output tile in one byte) or 5 n_out / 8 (q5_0 / q5_1: each tile's 32 nibble bytes as
-    q4's, then 8 bytes whose bit p, little-endian, is position p's fifth bit), outputs of each
+    q4's, then a little-endian 64-bit word whose bit 8 (p % 8) + p / 8 is position p's fifth
+    bit), outputs of each
     tile in ``_ib_tile_perm`` order. The same numbers, moved (``ib_to_rows`` inverts it).
     ValueError where ``ib_supported`` is False."""
     qtype = QT(qtype)
@@ -256,7 +264,7 @@ def ib_from_rows(raw: np.ndarray, qtype, n_out: int, n_in: int) -> np.ndarray:
     if qtype != QT.Q8_0:
         nib = (v[..., :32] & 15) | ((v[..., 32:] & 15) << 4)
         v = nib if qtype not in _Q5 else np.concatenate(
-            [nib, np.packbits((v >> 4) & 1, axis=-1, bitorder="little")], axis=-1)
+            [nib, np.packbits(_transpose8((v >> 4) & 1), axis=-1, bitorder="little")], axis=-1)
     return np.ascontiguousarray(np.concatenate([*scales, v.reshape(nb, -1)], axis=1))
 
 
@@ -273,7 +281,7 @@ def ib_to_rows(ib: np.ndarray, qtype, n_out: int, n_in: int) -> np.ndarray:
         v = v.reshape(nb, 32, nt, 40 if qtype in _Q5 else 32)
         u = np.concatenate([v[..., :32] & 15, v[..., :32] >> 4], axis=3)
         if qtype in _Q5:
-            u |= np.unpackbits(v[..., 32:], axis=-1, bitorder="little") << 4
+            u |= _transpose8(np.unpackbits(v[..., 32:], axis=-1, bitorder="little")) << 4
         v = u
     v = v.reshape(nb, 32, nt, IB_TILE)
     inv = np.argsort(_ib_tile_perm())
