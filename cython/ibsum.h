@@ -97,6 +97,11 @@ static inline int pi_is_ib(int t) {
 /* 1 for the types with a min per output and block (w = d u + m: q4_1, q5_1) */
 static inline int pi_ib_has_min(int t) { return t == PI_Q4_1_IB || t == PI_Q5_1_IB; }
 
+/* 1 for the 4-bit types. Their products u xq (u <= 15, |xq| <= 127) come in pairs of at most
+ * 2 * 15 * 127 = 3810 from maddubs, so the int16 sums of a block's 8 groups stay under 30480 <
+ * 2^15: the AVX2 path adds them in int16 and widens once a block (the same integers). */
+static inline int pi_ib_is_q4(int t) { return t == PI_Q4_0_IB || t == PI_Q4_1_IB; }
+
 /* 1 for the 5-bit types (a tile's 32 nibble bytes, then 8 bytes of fifth bits) */
 static inline int pi_ib_is_q5(int t) { return t == PI_Q5_0_IB || t == PI_Q5_1_IB; }
 
@@ -336,12 +341,28 @@ static inline __attribute__((always_inline)) void pi_ib_half(const int t, const 
         a2 = _mm256_dpbusd_epi32(a2, _mm256_unpacklo_epi16(h01, h23), cc);
         a3 = _mm256_dpbusd_epi32(a3, _mm256_unpackhi_epi16(h01, h23), cc);
 #else
-        a0 = _mm256_add_epi32(a0, pi_ib_dot4(t, _mm256_unpacklo_epi16(l01, l23), cc));
-        a1 = _mm256_add_epi32(a1, pi_ib_dot4(t, _mm256_unpackhi_epi16(l01, l23), cc));
-        a2 = _mm256_add_epi32(a2, pi_ib_dot4(t, _mm256_unpacklo_epi16(h01, h23), cc));
-        a3 = _mm256_add_epi32(a3, pi_ib_dot4(t, _mm256_unpackhi_epi16(h01, h23), cc));
+        if (pi_ib_is_q4(t)) {  /* int16 sums over the block (pi_ib_is_q4), widened once below */
+            a0 = _mm256_add_epi16(a0, _mm256_maddubs_epi16(_mm256_unpacklo_epi16(l01, l23), cc));
+            a1 = _mm256_add_epi16(a1, _mm256_maddubs_epi16(_mm256_unpackhi_epi16(l01, l23), cc));
+            a2 = _mm256_add_epi16(a2, _mm256_maddubs_epi16(_mm256_unpacklo_epi16(h01, h23), cc));
+            a3 = _mm256_add_epi16(a3, _mm256_maddubs_epi16(_mm256_unpackhi_epi16(h01, h23), cc));
+        } else {
+            a0 = _mm256_add_epi32(a0, pi_ib_dot4(t, _mm256_unpacklo_epi16(l01, l23), cc));
+            a1 = _mm256_add_epi32(a1, pi_ib_dot4(t, _mm256_unpackhi_epi16(l01, l23), cc));
+            a2 = _mm256_add_epi32(a2, pi_ib_dot4(t, _mm256_unpacklo_epi16(h01, h23), cc));
+            a3 = _mm256_add_epi32(a3, pi_ib_dot4(t, _mm256_unpackhi_epi16(h01, h23), cc));
+        }
 #endif
     }
+#if !PI_IB_VNNI512
+    if (pi_ib_is_q4(t)) {
+        const __m256i one = _mm256_set1_epi16(1);
+        a0 = _mm256_madd_epi16(a0, one);
+        a1 = _mm256_madd_epi16(a1, one);
+        a2 = _mm256_madd_epi16(a2, one);
+        a3 = _mm256_madd_epi16(a3, one);
+    }
+#endif
     const __m256i acc[4] = {a0, a1, a2, a3};
     /* q8_0 through pi_ib_dot4 (AVX2) is already signed: no correction */
     pi_ib_flush256(t, dsc, msc, u, h, s, (!PI_IB_VNNI512 && t == PI_Q8_0_IB) ? 0 : cr, acc, y);
@@ -765,8 +786,9 @@ pi_ib_chunk_src(const int t, const int NT, const int packed, const uint8_t *val,
 #pragma GCC unroll 8
         for (int i = 0; i < NT; i++)
 #pragma GCC unroll 4
-            for (int k = 0; k < 4; k++)  /* q8_0 through pi_ib_dot4 is signed: no correction */
-                acc[i][k] = _mm256_set1_epi32(t == PI_Q8_0_IB || pi_ib_has_min(t) ? 0 : -corr[i]);
+            for (int k = 0; k < 4; k++)  /* q8_0 through pi_ib_dot4 is signed: no correction; */
+                acc[i][k] = _mm256_set1_epi32(  /* the 4-bit types' int16 sums start at 0 */
+                    t == PI_Q8_0_IB || pi_ib_has_min(t) || pi_ib_is_q4(t) ? 0 : -corr[i]);
         for (int g = 0; g < 8; g++) {
             if (!((gm >> g) & 1)) continue;
             __m256i v[4];
@@ -781,12 +803,24 @@ pi_ib_chunk_src(const int t, const int NT, const int packed, const uint8_t *val,
 #pragma GCC unroll 8
             for (int i = 0; i < NT; i++) {
                 const __m256i cc = _mm256_set1_epi32(cf[8 * i + g]);
-                acc[i][0] = _mm256_add_epi32(acc[i][0], pi_ib_dot4(t, v[0], cc));
-                acc[i][1] = _mm256_add_epi32(acc[i][1], pi_ib_dot4(t, v[1], cc));
-                acc[i][2] = _mm256_add_epi32(acc[i][2], pi_ib_dot4(t, v[2], cc));
-                acc[i][3] = _mm256_add_epi32(acc[i][3], pi_ib_dot4(t, v[3], cc));
+                if (pi_ib_is_q4(t)) {  /* int16 over the block, as pi_ib_half */
+#pragma GCC unroll 4
+                    for (int k = 0; k < 4; k++)
+                        acc[i][k] = _mm256_add_epi16(acc[i][k], _mm256_maddubs_epi16(v[k], cc));
+                } else {
+#pragma GCC unroll 4
+                    for (int k = 0; k < 4; k++)
+                        acc[i][k] = _mm256_add_epi32(acc[i][k], pi_ib_dot4(t, v[k], cc));
+                }
             }
         }
+        if (pi_ib_is_q4(t))  /* widened, then the correction */
+#pragma GCC unroll 8
+            for (int i = 0; i < NT; i++)
+#pragma GCC unroll 4
+                for (int k = 0; k < 4; k++)
+                    acc[i][k] = _mm256_add_epi32(_mm256_madd_epi16(acc[i][k], _mm256_set1_epi16(1)),
+                                                 _mm256_set1_epi32(pi_ib_has_min(t) ? 0 : -corr[i]));
 #pragma GCC unroll 4
         for (int k = 0; k < 4; k++) {
             const __m256 d = _mm256_cvtph_ps(
