@@ -45,7 +45,8 @@
  * stored transposed so that, broadcast to every 64-bit lane, byte p % 8 of lane p / 8 holds
  * position p's bit at bit p / 8: one variable shift per lane (by 4 - p / 8) brings every
  * position's bit to bit 4 of its own byte, and an and with 16 leaves the value to add (three
- * operations with the or; AVX-512: the shift, then and-or in one ternary-logic operation). Rows of fewer than four kept channels are padded with xq = 0.
+ * operations with the or; AVX-512: the shift, then and-or in one ternary-logic operation).
+ * Rows of fewer than four kept channels are padded with xq = 0.
  * Without VNNI (AVX2) the same four-row lanes go through maddubs / madd (q8_0 with the sign
  * trick: |q| x sign(xq, q), at most 2 * 128 * 127 per pair); without SIMD a scalar loop. All
  * three give the same integers and the same f32 operations, so the same bits.
@@ -107,7 +108,9 @@ static inline int pi_ib_is_q5(int t) { return t == PI_Q5_0_IB || t == PI_Q5_1_IB
 
 /* value bytes of one kept row (n_out outputs, a multiple of 64) */
 static inline size_t pi_ib_row_bytes(int t, long n_out) {
-    return t == PI_Q8_0_IB ? (size_t)n_out : pi_ib_is_q5(t) ? (size_t)n_out / 8 * 5 : (size_t)n_out / 2;
+    return t == PI_Q8_0_IB   ? (size_t)n_out
+           : pi_ib_is_q5(t) ? (size_t)n_out / 8 * 5
+                            : (size_t)n_out / 2;
 }
 
 /* bytes of one tile (64 outputs) of a value row: 64 (q8_0), 32 (q4_0, q4_1), 40 (q5_0, q5_1) */
@@ -887,7 +890,8 @@ pi_ib_chunk_pk(const int t, const int NT, const uint8_t *pk, const uint16_t *dsc
 }
 #endif /* PI_SIMD */
 
-/* A switch over the type (q8_0 / q4_0 / q4_1 / q5_0 / q5_1) and the chunk's token count nt (1 .. PI_IB_NT) that
+/* A switch over the type (q8_0 / q4_0 / q4_1 / q5_0 / q5_1) and the chunk's token count nt
+ * (1 .. PI_IB_NT) that
  * calls CALL(T_, N_) with both as constants (the chunk kernels unroll over them). */
 #define PI_IB_CASE(CALL, T_, N_)                                                              \
     case N_:                                                                                  \

@@ -420,8 +420,7 @@ def transposed_jobs(jobs, cfg, outtype: str, scales: list[dict] | None):
 
     A matrix whose type (``matrix_qtype`` over its n_in inputs, then ``ib_qtype``: Q4_K as Q4_1,
     Q5_K as Q5_1, Q6_K as Q8_0) is q8_0, q4_0, q4_1, q5_0 or q5_1 and whose outputs are a
-    multiple of 64 takes the
-    input-block layout (``C.IB``, ``cpu.IBTensor``: the row-major
+    multiple of 64 takes the input-block layout (``C.IB``, ``cpu.IBTensor``: the row-major
     quantization regrouped by input channel; decode reads a kept channel's row at the GEMV's
     int8 cost per byte); the others are stored transposed (``attn_qkv_t``, ``attn_output_t``,
     ``ffn_gate_up_t``, ``ffn_down_t``) for the f32 / int16 AXPY of rowsum_team.h. outtype
@@ -558,8 +557,7 @@ def input_mode_pays(weights, cfg, outtype: str) -> bool:
     """True where sparse mode input makes this model faster on the CPU than mode glu, in decode
     and prefill alike: every projection matrix takes the input-block layout (q8_0 / q4_0 / q4_1 /
     q5_0 / q5_1, outputs a multiple of 64: ``cpu.ib_supported``) or is f16 (the transposed f16
-    AXPY). Measured
-    on SmolLM2 at 25%, 2 threads (docs/benchmarks.md, sessions 17-18): q8_0 decode 1.32x /
+    AXPY). Measured on SmolLM2 at 25%, 2 threads (docs/benchmarks.md, sessions 17-18): q8_0 decode 1.32x /
     prefill 1.26x its dense file against glu's 0.94x / 0.69x; f16 1.05x / 1.96x against 1.00x /
     1.14x; q4_1 (input-block since session 18) 1.42x / 1.02x against 0.85x / 0.63x; q4_k as
     the transposed AXPY 0.77x / 0.55x against 0.83x / 0.69x, so Q4_K and Q6_K now take the
@@ -584,8 +582,8 @@ def lm_head_source(jobs):
 
 def lm_head_supported(jobs, cfg) -> bool:
     """True where the lm head can take input sparsity: its matrix is q8_0, q4_0, q4_1, q5_0 or
-    q5_1 (or Q4_K / Q5_K / Q6_K, stored as ``ib_qtype`` says) with n_vocab a multiple of 64 and n_embd of 32
-    (``cpu.ib_supported``)."""
+    q5_1 (or Q4_K / Q5_K / Q6_K, stored as ``ib_qtype`` says) with n_vocab a multiple of 64 and
+    n_embd of 32 (``cpu.ib_supported``)."""
     return cpu.ib_supported(ib_qtype(lm_head_source(jobs).qtype), cfg.n_vocab, cfg.n_embd)
 
 
@@ -635,7 +633,8 @@ def two_stage_head(meta, jobs, cfg, asked: int | None) -> tuple[list, int]:
 def lm_head_jobs(jobs, cfg, chunk: int, norms: np.ndarray | None, copy_type=None) -> list:
     """The jobs of the lm head under input sparsity: ``output_ib.weight``, the head's own q8_0 /
     q4_0 / q4_1 / q5_0 / q5_1 numbers (those of the dense head, ``lm_head_source``; a Q4_K
-    head's regrouped as Q4_1, a Q5_K head's as Q5_1, a Q6_K head's requantized to Q8_0: ``ib_qtype``) in ``cpu.IBChunks``' layout
+    head's regrouped as Q4_1, a Q5_K head's as Q5_1, a Q6_K head's requantized to Q8_0:
+    ``ib_qtype``) in ``cpu.IBChunks``' layout
     (``copy_type``, e.g. Q4_1: the two-stage head's copy, requantized from the head's values),
     and for WINA its column norms ``norms`` (n_embd,) f32."""
     from convert.writer import TensorJob, job_floats
@@ -808,7 +807,8 @@ def input_stage(src: str, out: str, outtype: str, opts, eng, seqs, source: str, 
     # the two-stage head's copy: q4_1 for a head wider than 4 bits, else the head's own numbers
     copy_t = head_copy_type(jobs, cfg) if k_cand else None
     if want > 0 and not head and opts.lm_head_sparsity is not None:
-        raise PyinferError("--lm-head-sparsity needs the lm head in q8_0, q4_0, q4_1, q5_0 or q5_1 (or a K-quant), or "
+        raise PyinferError("--lm-head-sparsity needs the lm head in q8_0, q4_0, q4_1, q5_0 or "
+                           "q5_1 (or a K-quant), or "
                            "--lm-head-candidates over 0, with a "
                            f"vocabulary that is a multiple of 64 (this one: {lm_head_source(jobs).qtype.name}, "
                            f"{cfg.n_vocab})")
@@ -854,7 +854,8 @@ def input_stage(src: str, out: str, outtype: str, opts, eng, seqs, source: str, 
     table = format_table(sparsity, loss, opts.input_score, opts.target_sparsity,
                          opts.input_alloc if opts.input_alloc != "fisher" else
                          f"fisher (weight {weight:g})")
-    table += ("\nlm head: dense" + (" (needs q8_0 / q4_0 / q4_1 / q5_0 / q5_1 and n_vocab a multiple of 64)"
+    table += ("\nlm head: dense" + (" (needs q8_0 / q4_0 / q4_1 / q5_0 / q5_1 and n_vocab a "
+                                     "multiple of 64)"
                                     if want > 0 else "")
               if head_sparsity is None else
               f"\nlm head: {head_sparsity:.1%} of its input channels skipped on the calibration "

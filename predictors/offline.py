@@ -216,8 +216,8 @@ def default_mode(cfg, weights, outtype: str, opts: OfflineOptions) -> str:
     """The sparse mode of a run without ``--sparse-mode``: "relu" for a ReLU model; for a
     SwiGLU one "input" where that mode runs faster than glu on the CPU (a Llama-shaped model,
     ``input_mode_model``: Llama 3 and Qwen2 files too, whose projections are all q8_0 / q4_0 /
-    q4_1 / q5_0 / q5_1 in the input-block layout or f16: ``input_sparse.input_mode_pays``) and no ``--vram-budget`` asks for
-    the GPU split (which needs glu's predictors); ``NO_SPARSE_MODE`` for a model that is not
+    q4_1 / q5_0 / q5_1 in the input-block layout or f16: ``input_sparse.input_mode_pays``) and
+    no ``--vram-budget`` asks for the GPU split (which needs glu's predictors); ``NO_SPARSE_MODE`` for a model that is not
     Llama-shaped without ``--vram-budget`` (the GPU engine runs Llama-shaped files only, so glu's
     predictors would serve no engine, and on the CPU glu decodes no faster than a dense file at
     a cost in quality: Gemma-3-270M +6-9% perplexity, docs/benchmarks.md session 20); "glu"
@@ -325,7 +325,8 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
                     "placement": None}
         if mode == C.SPARSE_MODE_GLU and opts.lm_head_sparsity is not None:
             raise PyinferError("--lm-head-sparsity needs --sparse-mode input (this model takes glu "
-                               "by default: its projections are not all q8_0, q4_0, q4_1, q5_0, q5_1 or f16, "
+                               "by default: its projections are not all q8_0, q4_0, q4_1, "
+                               "q5_0, q5_1 or f16, "
                                "or --vram-budget was given)")
         if opts.sparse_mode is None:  # say which mode the default chose, and what it means
             if mode == C.SPARSE_MODE_INPUT:
@@ -558,7 +559,8 @@ def add_arguments(parser) -> None:
                    help="sparse mode input: fraction of the lm head's input channels skipped, "
                         "calibrated like the projections' and not counted in --target-sparsity "
                         f"(default {DEFAULT_LM_HEAD_SPARSITY_TWO_STAGE:g} with --lm-head-candidates, "
-                        f"else {DEFAULT_LM_HEAD_SPARSITY:g} where the head is q8_0, q4_0, q4_1, q5_0 or q5_1; "
+                        f"else {DEFAULT_LM_HEAD_SPARSITY:g} where the head is q8_0, q4_0, q4_1, "
+                        "q5_0 or q5_1; "
                         "0: the dense head)")
     g.add_argument("--lm-head-candidates", type=int, default=None, metavar="K",
                    help="the two-stage lm head: a copy of the head (q4_1 where the head is wider than "

@@ -119,9 +119,10 @@ FFN_GATE_UP_T = "blk.{bid}.ffn_gate_up_t.weight"  # (n_embd, 2 n_ff): [ffn_gate;
 # input channels holding the row-major matrix's scales and values regrouped (pyinfer.ops.cpu.IBTensor)
 IB = {"attn_qkv": "blk.{bid}.attn_qkv_ib.weight", "attn_output": "blk.{bid}.attn_output_ib.weight",
       "ffn_gate_up": "blk.{bid}.ffn_gate_up_ib.weight", "ffn_down": "blk.{bid}.ffn_down_ib.weight"}
-# the lm head under input sparsity (q8_0 / q4_0 / q4_1 / q5_0 / q5_1, n_vocab a multiple of 64): the output matrix in
-# the input-block layout cut into chunks of K_LM_HEAD_CHUNK outputs (pyinfer.ops.cpu.IBChunks), stored
-# as Q8_0 / Q4_0 / Q4_1 of shape (n_embd / 32, 32 n_vocab); token_embd stays for the embedding lookup
+# the lm head under input sparsity (q8_0 / q4_0 / q4_1 / q5_0 / q5_1, n_vocab a multiple of 64):
+# the output matrix in the input-block layout cut into chunks of K_LM_HEAD_CHUNK outputs
+# (pyinfer.ops.cpu.IBChunks), stored as Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 of shape
+# (n_embd / 32, 32 n_vocab); token_embd stays for the embedding lookup
 OUTPUT_IB = "output_ib.weight"
 OUTPUT_IN_SCALE = "output.in_scale"  # (n_embd,) f32 column norms of the lm head (WINA files)
 #: per input channel column norms of each group's matrix (WINA's score |x_j| * ||W[:, j]||), f32

@@ -33,8 +33,8 @@ Sparse mode "input" (TEAL-style input sparsity, ``pyinfer.input_sparse``) runs w
 the device. Before each projection a mask kernel zeroes the inputs the CPU would skip
 (``cuda.mask_inputs``, the CPU's rule) and writes the masked activation's q8 form and each
 32-channel block's kept bits; the projection then reads only the kept channels' rows: q8_0, q4_0,
-q4_1, q5_0 and q5_1 matrices in an input-block layout (``device.device_ib_layout``, ``cuda.ib_gemv``: the
-CPU's input-block sums, ibsum.h), f16/f32 ones transposed through the AXPY kernel, which skips
+q4_1, q5_0 and q5_1 matrices in an input-block layout (``device.device_ib_layout``,
+``cuda.ib_gemv``: the CPU's input-block sums, ibsum.h), f16/f32 ones transposed through the AXPY kernel, which skips
 zero coefficients (the CPU's transposed sums). So the bytes read shrink with the sparsity, as on
 the CPU.
 
@@ -272,8 +272,8 @@ class _ResidentLayer:
 
 
 def _in_matrix(dev, t):
-    """A sparse mode input matrix on the device: an input-block one (q8_0/q4_0/q4_1/q5_0/q5_1) in the
-    device's input-block layout (``dev.ib_rows``), a transposed f16/f32 one as stored (AXPY rows).
+    """A sparse mode input matrix on the device: an input-block one (q8_0/q4_0/q4_1/q5_0/q5_1) in
+    the device's input-block layout (``dev.ib_rows``), a transposed f16/f32 one as stored (AXPY rows).
     ValueError for a transposed quantized one (no kernel sums it as the CPU does)."""
     if isinstance(t, cpu.IBTensor):
         return dev.ib_rows(t)

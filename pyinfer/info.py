@@ -59,8 +59,8 @@ def describe(path: str) -> dict:
     info["layout"] = "pyinfer" if converted else "llama.cpp"
     # "neuron_major" (ffn_down_t) or "rows" (ffn_down, a --dense file); None for a llama.cpp file
     info["ffn_layout"] = ffn_layout if converted else None
-    # sparse mode "input": projections stored one row per input channel (q8_0 / q4_0 / q4_1 / q5_0 / q5_1 in the
-    # input-block layout, others transposed), not as wq ... ffn_down
+    # sparse mode "input": projections stored one row per input channel (q8_0 / q4_0 / q4_1 /
+    # q5_0 / q5_1 in the input-block layout, others transposed), not as wq ... ffn_down
     info["by_input_channel"] = any(t.format(bid=0) in names
                                    for t in (*C.IB.values(), C.ATTN_QKV_T, C.FFN_GATE_UP_T))
     info["pyinfer_version"] = read_field(reader, C.K_PYINFER_VERSION, kind=str)
