@@ -21,8 +21,9 @@ import numpy as np
 
 from pyinfer.ops import cuda
 from pyinfer.ops import xp as X
-from pyinfer.ops.cpu import QT, IBTensor, QTensor, block_values
+from pyinfer.ops.cpu import QT, IBTensor, QTensor
 from pyinfer.ops.cuda import DeviceRows
+from pyinfer.quants import Q5_TYPES, block_values
 
 GiB = 1 << 30
 
@@ -95,7 +96,7 @@ def device_ib_layout(t: IBTensor) -> np.ndarray:
     else:
         u = block_values(blk, base, hb).transpose(1, 2, 0)  # (nb, 32, n_out), 0..15 or 0..31
         v = (u[..., 0::2] & 15) | ((u[..., 1::2] & 15) << 4)  # (nb, 32, n_out / 2)
-        if base in (QT.Q5_0, QT.Q5_1):
+        if base in Q5_TYPES:
             v = np.concatenate([v, np.packbits(u >> 4, axis=-1, bitorder="little")], axis=-1)
         v = v.reshape(nb, -1)
     return np.ascontiguousarray(np.concatenate([*parts, v], axis=1))

@@ -217,6 +217,33 @@ def quantize_numpy(a: np.ndarray, qtype) -> np.ndarray:
     return np.ascontiguousarray(blocks.reshape(rows, -1))
 
 
+#: the 32-value types with a fifth bit per value (ggml's block_q5_0 / block_q5_1: qh, then qs)
+Q5_TYPES = (QT.Q5_0, QT.Q5_1)
+
+
+def block_values(blk: np.ndarray, qtype, hb: int) -> np.ndarray:
+    """ggml blocks (n_out, nb, block bytes) of a 4- or 5-bit type -> their unsigned values u
+    (n_out, nb, 32) uint8 (ggml's dequantize_row_q4_0 / q5_0: value c < 16 in the low nibble of
+    qs[c], c + 16 in the high one; q5's fifth bit of value c is bit c of the little-endian qh)."""
+    if qtype not in Q5_TYPES:
+        qs = blk[:, :, hb:]
+        return np.concatenate([qs & 15, qs >> 4], axis=2)
+    qh = blk[:, :, hb:hb + 4].copy().view("<u4")  # (n_out, nb, 1)
+    qs = blk[:, :, hb + 4:hb + 20]
+    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+    return np.concatenate([qs & 15, qs >> 4], axis=2) | (high << 4)
+
+
+def values_to_blocks(u: np.ndarray, qtype) -> np.ndarray:
+    """The inverse of ``block_values`` for the value bytes: u (n_out, nb, 32) -> (n_out, nb,
+    16 or 20) (q5: qh then qs)."""
+    qs = (u[:, :, :16] & 15) | ((u[:, :, 16:] & 15) << 4)
+    if qtype not in Q5_TYPES:
+        return qs
+    qh = (((u >> 4) & 1).astype(np.uint32) << np.arange(32, dtype=np.uint32)).sum(2, dtype=np.uint32)
+    return np.concatenate([qh[..., None].astype("<u4").view(np.uint8), qs], axis=2)
+
+
 def _k_sub_blocks(b: np.ndarray, name: str):
     """The eight 32-value sub-blocks' f16 scale and min of K-quant super-blocks b (S, bytes)
     that start as ggml's ``block_q4_K`` / ``block_q5_K`` do (f16 d, f16 dmin, 12 bytes of eight
@@ -256,7 +283,7 @@ def q4_k_to_q4_1(raw: np.ndarray) -> np.ndarray:
     cannot hold."""
     rows, b, out = _k_to_x_1(raw, 144, "Q4_K", 20)
     L = _k_low_nibbles(b[:, 16:144])
-    out[:, :, 4:20] = L[:, :, :16] | (L[:, :, 16:] << 4)  # Q4_1: byte i holds values i and i + 16
+    out[:, :, 4:20] = values_to_blocks(L, QT.Q4_1)
     return out.reshape(rows, -1)
 
 
@@ -278,9 +305,7 @@ def q5_k_to_q5_1(raw: np.ndarray) -> np.ndarray:
     L = _k_low_nibbles(b[:, 48:176])
     high = (b[:, None, 16:48] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # (S, 8, 32):
     # bit s of qh byte l is the fifth bit of value l of sub-block s
-    qh1 = (high.astype(np.uint32) << np.arange(32, dtype=np.uint32)).sum(2, dtype=np.uint32)
-    out[:, :, 4:8] = qh1.astype("<u4").view(np.uint8).reshape(-1, 8, 4)
-    out[:, :, 8:24] = L[:, :, :16] | (L[:, :, 16:] << 4)
+    out[:, :, 4:24] = values_to_blocks(L | (high << 4), QT.Q5_1)
     return out.reshape(rows, -1)
 
 

@@ -20,6 +20,7 @@ import gguf
 import numpy as np
 
 from pyinfer.errors import KernelsMissing
+from pyinfer.quants import Q5_TYPES, block_values, values_to_blocks
 
 try:
     from pyinfer.ops import _kernels as _k
@@ -146,14 +147,13 @@ _IB_BASE = {Q8_0_IB: QT.Q8_0, Q4_0_IB: QT.Q4_0, Q4_1_IB: QT.Q4_1, Q5_0_IB: QT.Q5
 #: ggml's block bytes of the types that take the layout: per output and input block, the layout
 #: holds the same bytes (f16 scale, q4_1's / q5_1's f16 min, 32 values, q5's 4 bytes of fifth bits)
 _BLOCK_BYTES = {QT.Q8_0: 34, QT.Q4_0: 18, QT.Q4_1: 20, QT.Q5_0: 22, QT.Q5_1: 24}
-_Q5 = (QT.Q5_0, QT.Q5_1)
 
 
 def _scale_bytes(qtype) -> int:
     """Bytes of a ggml block of ``qtype`` (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) before its values: the
     f16 scale, and Q4_1's / Q5_1's f16 min (the 32 values take 32 bytes, 16 as nibbles, or 20 as
     ggml's qh word of fifth bits and 16 bytes of nibbles)."""
-    return _BLOCK_BYTES[qtype] - (32 if qtype == QT.Q8_0 else 20 if qtype in _Q5 else 16)
+    return _BLOCK_BYTES[qtype] - (32 if qtype == QT.Q8_0 else 20 if qtype in Q5_TYPES else 16)
 
 
 def ib_type(qtype) -> int:
@@ -170,29 +170,6 @@ def _ib_block_bytes(qtype: int, n_out: int) -> int:
     q4_1's / q5_1's f16 mins and 32 value rows: 34 n_out for q8_0, 18 n_out for q4_0, 20 n_out for
     q4_1, 22 n_out for q5_0, 24 n_out for q5_1); qtype an input-block id."""
     return _BLOCK_BYTES[_IB_BASE[qtype]] * n_out
-
-
-def block_values(blk: np.ndarray, qtype, hb: int) -> np.ndarray:
-    """ggml blocks (n_out, nb, block bytes) of a 4- or 5-bit type -> their unsigned values u
-    (n_out, nb, 32) uint8 (ggml's dequantize_row_q4_0 / q5_0: value c < 16 in the low nibble of
-    qs[c], c + 16 in the high one; q5's fifth bit of value c is bit c of the little-endian qh)."""
-    if qtype not in _Q5:
-        qs = blk[:, :, hb:]
-        return np.concatenate([qs & 15, qs >> 4], axis=2)
-    qh = blk[:, :, hb:hb + 4].copy().view("<u4")  # (n_out, nb, 1)
-    qs = blk[:, :, hb + 4:hb + 20]
-    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
-    return np.concatenate([qs & 15, qs >> 4], axis=2) | (high << 4)
-
-
-def _blocks_of_values(u: np.ndarray, qtype) -> np.ndarray:
-    """The inverse of ``block_values`` for the value bytes: u (n_out, nb, 32) -> (n_out, nb,
-    16 or 20) (q5: qh then qs)."""
-    qs = (u[:, :, :16] & 15) | ((u[:, :, 16:] & 15) << 4)
-    if qtype not in _Q5:
-        return qs
-    qh = (((u >> 4) & 1).astype(np.uint32) << np.arange(32, dtype=np.uint32)).sum(2, dtype=np.uint32)
-    return np.concatenate([qh[..., None].astype("<u4").view(np.uint8), qs], axis=2)
 
 
 def _ib_tile_perm() -> np.ndarray:
@@ -223,7 +200,7 @@ def ib_pad_outs(qtype, n_out: int) -> int:
     outputs on the 2-core Zen 4 box, 0.74-0.97x with the 64 zero outputs (docs/benchmarks.md,
     session 22). qtype: ggml Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 or an input-block id."""
     base = QT(_IB_BASE.get(int(qtype), qtype))
-    row = n_out if base == QT.Q8_0 else n_out // 8 * 5 if base in _Q5 else n_out // 2
+    row = n_out if base == QT.Q8_0 else n_out // 8 * 5 if base in Q5_TYPES else n_out // 2
     return IB_TILE if row % 2048 == 0 else 0
 
 
@@ -263,7 +240,7 @@ def ib_from_rows(raw: np.ndarray, qtype, n_out: int, n_in: int) -> np.ndarray:
     v = v.transpose(1, 2, 0).reshape(nb, 32, nt, IB_TILE)[..., _ib_tile_perm()]
     if qtype != QT.Q8_0:
         nib = (v[..., :32] & 15) | ((v[..., 32:] & 15) << 4)
-        v = nib if qtype not in _Q5 else np.concatenate(
+        v = nib if qtype not in Q5_TYPES else np.concatenate(
             [nib, np.packbits(_transpose8((v >> 4) & 1), axis=-1, bitorder="little")], axis=-1)
     return np.ascontiguousarray(np.concatenate([*scales, v.reshape(nb, -1)], axis=1))
 
@@ -278,9 +255,9 @@ def ib_to_rows(ib: np.ndarray, qtype, n_out: int, n_in: int) -> np.ndarray:
               for o in range(0, hb, 2)]
     v = ib[:, hb * n_out:]
     if qtype != QT.Q8_0:
-        v = v.reshape(nb, 32, nt, 40 if qtype in _Q5 else 32)
+        v = v.reshape(nb, 32, nt, 40 if qtype in Q5_TYPES else 32)
         u = np.concatenate([v[..., :32] & 15, v[..., :32] >> 4], axis=3)
-        if qtype in _Q5:
+        if qtype in Q5_TYPES:
             u |= _transpose8(np.unpackbits(v[..., 32:], axis=-1, bitorder="little")) << 4
         v = u
     v = v.reshape(nb, 32, nt, IB_TILE)
@@ -289,7 +266,7 @@ def ib_to_rows(ib: np.ndarray, qtype, n_out: int, n_in: int) -> np.ndarray:
     if qtype == QT.Q8_0:
         vals = v ^ np.uint8(0x80)
     else:
-        vals = _blocks_of_values(v, qtype)
+        vals = values_to_blocks(v, qtype)
     return np.ascontiguousarray(np.concatenate([*scales, vals], axis=2).reshape(n_out, -1))
 
 
