@@ -49,18 +49,31 @@ else:
 
 # SIMD: only what this CPU has (the package is built where it runs; -march=native would
 # emit AVX-512 that other CPUs lack, and -mavx2 -mfma -mf16c measured as fast: FACTS.md).
-if os.environ.get("PYINFER_NO_SIMD") != "1" and {"avx2", "fma", "f16c"} <= _cpu_flags():
+# Two switches build paths this CPU would not take otherwise (the tests build them that way):
+# PYINFER_NO_AVX512=1 the AVX2 paths alone (no AVX-512, no VNNI); PYINFER_AVX2_VNNI=1 the
+# 256-bit paths with the 256-bit VNNI dot of an AVX-VNNI CPU (on a CPU with AVX512-VNNI its
+# EVEX form, without AVX-512 BW, so no 512-bit path).
+_flags = _cpu_flags()
+_no512 = os.environ.get("PYINFER_NO_AVX512") == "1"
+_avx2_vnni = os.environ.get("PYINFER_AVX2_VNNI") == "1"
+if os.environ.get("PYINFER_NO_SIMD") != "1" and {"avx2", "fma", "f16c"} <= _flags:
     if _compiler_accepts(["-mavx2", "-mfma", "-mf16c"]):
         compile_args += ["-mavx2", "-mfma", "-mf16c"]
         # 512-bit AXPY (simd.h pi_axpy4_row_512) where the CPU has AVX-512 F and BW
-        # (PYINFER_NO_AVX512=1 leaves them out: the tests build the 256-bit paths that way)
-        if (os.environ.get("PYINFER_NO_AVX512") != "1" and {"avx512f", "avx512bw"} <= _cpu_flags()
+        if (not (_no512 or _avx2_vnni) and {"avx512f", "avx512bw"} <= _flags
                 and _compiler_accepts(["-mavx512f", "-mavx512bw"])):
             compile_args += ["-mavx512f", "-mavx512bw"]
-        # 256-bit VNNI (u8 x s8 dot products into s32) for the quantized dots, where present
-        if (os.environ.get("PYINFER_NO_AVX512") != "1" and {"avx512_vnni", "avx512vl"} <= _cpu_flags()
-                and _compiler_accepts(["-mavx512vnni", "-mavx512vl"])):
+        # 256-bit VNNI (u8 x s8 dot products into s32, simd.h PI_VNNI256) for the quantized
+        # dots: AVX512-VNNI with VL, else AVX-VNNI (Intel Alder Lake and later, Zen 5)
+        if not _no512 and {"avx512_vnni", "avx512vl"} <= _flags and (
+                not _avx2_vnni or "avx_vnni" not in _flags) and _compiler_accepts(
+                    ["-mavx512vnni", "-mavx512vl"]):
             compile_args += ["-mavx512vnni", "-mavx512vl"]
+        elif not _no512 and "avx_vnni" in _flags and _compiler_accepts(["-mavxvnni"]):
+            compile_args += ["-mavxvnni"]
+        elif _avx2_vnni:
+            print("warning: PYINFER_AVX2_VNNI=1, but this CPU or compiler has no VNNI: "
+                  "building the AVX2 paths", file=sys.stderr)
 
 extensions = [
     Extension(

@@ -39,7 +39,7 @@
 /* s[0:n] = expf(s[0:n] - mx), 8 or 4 lanes at a time (rowsum_team.h pi_expf8/4: expf's bits) */
 static inline void pi_exp_shifted(float *s, long n, float mx) {
     long j = 0;
-#if PI_SIMD && defined(__AVX512F__)
+#if PI_AVX512
     const __m256 m8 = _mm256_set1_ps(mx);
     for (; j + 8 <= n; j += 8)
         _mm256_storeu_ps(s + j, pi_expf8(_mm256_sub_ps(_mm256_loadu_ps(s + j), m8)));
@@ -72,7 +72,7 @@ static inline float pi_max_f32(const float *s, long n, float mx0) {
     return mx;
 }
 
-#if PI_SIMD && defined(__AVX512F__)
+#if PI_AVX512
 /* out_h = sum_j (e_hj inv_h) v_j for the NH heads hp .. hp + NH - 1 (hd = 16 NC; e: their rows of
  * exponentials, n_att apart), j = 0, 1, ... in order, as pi_axpy_f16 row after row computes it
  * (p = e inv rounded to f32, then one FMA per value from 0: the same bits) with the NH NC
@@ -109,7 +109,7 @@ static inline __attribute__((always_inline)) void pi_attend_v16(
 }
 #endif
 
-#if PI_SIMD && defined(__AVX512F__)
+#if PI_AVX512
 /* The sums of 8 dots, each reduced exactly as pi_dot_f16/f32 reduce one: t[r] holds row r's
  * (s0 + s1) + (s2 + s3) (8 lanes l0..l7), and pi_hsum takes ((l0 + l4) + (l1 + l5)) + ((l2 + l6) +
  * (l3 + l7)); here the same additions for 8 rows at once (f32 addition commutes, so hadd's operand
@@ -182,7 +182,7 @@ static void pi_attend_team(int t, int T, const float *q, const void *k, const vo
     const long j0 = t == 0 ? 0 : (t * n_att / T) & ~15L;
     const long j1 = t == T - 1 ? n_att : ((t + 1) * n_att / T) & ~15L;
     long j = j0;
-#if PI_SIMD && defined(__AVX512F__)
+#if PI_AVX512
     if (hd % 32 == 0 && hd <= 128)
         for (; j + 8 <= j1 && group <= 4; j += 8) {
 #define PI_S8(NG) (f16 ? pi_scores8(q, k, rs, j, n_att, hd, n_kv, scale, sc, NG, 1) \
@@ -221,7 +221,7 @@ static void pi_attend_team(int t, int T, const float *q, const void *k, const vo
         for (int g = 0; g < H; g++) ssum[g] = ssum[g] + s0[(long)g * n_att + j];
     float inv[H];
     for (int g = 0; g < H; g++) inv[g] = (float)(1.0 / ssum[g]);
-#if PI_SIMD && defined(__AVX512F__)
+#if PI_AVX512
     if (hd == 64 || hd == 128) {
         const int NC = hd / 16, per = NC == 4 ? 6 : 3; /* heads a pass keeps in 24 registers */
         for (int g0 = 0; g0 < H; g0 += per) {

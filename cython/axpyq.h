@@ -24,9 +24,9 @@
  * (q4_0: -8 a, Q5_0: -16 a) are subtracted as integers from the same quantized coefficients;
  * the others (the mins of Q4_1, Q5_1, Q4_K, Q5_K) are summed in f32 from the exact coefficients.
  * About 8 integer operations per 32 weights plus the per-block scale (as the int8 GEMV dots).
- * With AVX512-VNNI (PI_AXQ_VNNI) four rows' bytes are transposed into each int32 lane instead
+ * With 256-bit VNNI (PI_AXQ_VNNI: simd.h PI_VNNI256) four rows' bytes are transposed into each int32 lane instead
  * and each c16 is split into its bytes, c16 = 256 hi + lo (hi = c16 >> 8 signed, lo = c16 & 255
- * unsigned): one _mm256_dpbusd_epi32 sums lo times four rows' values, another the values times
+ * unsigned): one dpbusd sums lo times four rows' values, another the values times
  * hi (q8_0's signed values enter that one as v + 128, and 128 * sum(hi) is taken off), and the
  * two int32 sums combine as (hi sum << 8) + lo sum: the same integers, so the same bits, as the
  * madd path (|hi sum| <= 16 * 128 * 255, shifted < 2^28).
@@ -46,10 +46,10 @@
 
 #define PI_AXQ_G 16 /* rows per group (two 8-float coefficient vectors) */
 
-/* AVX512-VNNI (with VL, on 256-bit vectors): four rows per instruction with _mm256_dpbusd_epi32
+/* 256-bit VNNI (AVX512-VNNI with VL, or AVX-VNNI: simd.h PI_VNNI256): four rows per dpbusd
  * on each int16 coefficient split into its bytes (see pi_axq_group); the same integer sums, so
  * the same bits, as the madd path of an AVX2 build. */
-#if PI_SIMD && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if PI_VNNI256
 #define PI_AXQ_VNNI 1
 #else
 #define PI_AXQ_VNNI 0
@@ -271,20 +271,20 @@ pi_axq_group(const int t, const uint8_t *const *rows, const float *coef, int ng,
                 const __m256i t0 = _mm256_unpacklo_epi16(a01l, a23l), t1 = _mm256_unpackhi_epi16(a01l, a23l);
                 const __m256i t2 = _mm256_unpacklo_epi16(a01h, a23h), t3 = _mm256_unpackhi_epi16(a01h, a23h);
                 const __m256i cl = _mm256_set1_epi32(qlo[p][b]), ch = _mm256_set1_epi32(qhi[p][b]);
-                acc0 = _mm256_dpbusd_epi32(acc0, cl, t0);
-                acc1 = _mm256_dpbusd_epi32(acc1, cl, t1);
-                acc2 = _mm256_dpbusd_epi32(acc2, cl, t2);
-                acc3 = _mm256_dpbusd_epi32(acc3, cl, t3);
+                acc0 = pi_dpbusd256(acc0, cl, t0);
+                acc1 = pi_dpbusd256(acc1, cl, t1);
+                acc2 = pi_dpbusd256(acc2, cl, t2);
+                acc3 = pi_dpbusd256(acc3, cl, t3);
                 if (t == PI_Q8_0) {
-                    hac0 = _mm256_dpbusd_epi32(hac0, _mm256_xor_si256(t0, flip), ch);
-                    hac1 = _mm256_dpbusd_epi32(hac1, _mm256_xor_si256(t1, flip), ch);
-                    hac2 = _mm256_dpbusd_epi32(hac2, _mm256_xor_si256(t2, flip), ch);
-                    hac3 = _mm256_dpbusd_epi32(hac3, _mm256_xor_si256(t3, flip), ch);
+                    hac0 = pi_dpbusd256(hac0, _mm256_xor_si256(t0, flip), ch);
+                    hac1 = pi_dpbusd256(hac1, _mm256_xor_si256(t1, flip), ch);
+                    hac2 = pi_dpbusd256(hac2, _mm256_xor_si256(t2, flip), ch);
+                    hac3 = pi_dpbusd256(hac3, _mm256_xor_si256(t3, flip), ch);
                 } else {
-                    hac0 = _mm256_dpbusd_epi32(hac0, t0, ch);
-                    hac1 = _mm256_dpbusd_epi32(hac1, t1, ch);
-                    hac2 = _mm256_dpbusd_epi32(hac2, t2, ch);
-                    hac3 = _mm256_dpbusd_epi32(hac3, t3, ch);
+                    hac0 = pi_dpbusd256(hac0, t0, ch);
+                    hac1 = pi_dpbusd256(hac1, t1, ch);
+                    hac2 = pi_dpbusd256(hac2, t2, ch);
+                    hac3 = pi_dpbusd256(hac3, t3, ch);
                 }
             }
             acc0 = _mm256_add_epi32(acc0, _mm256_slli_epi32(hac0, 8));

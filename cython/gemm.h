@@ -139,8 +139,8 @@ static inline __attribute__((always_inline)) void pi_tile8_q8_0(
                 int32_t y4;
                 memcpy(&y4, xq + j * xqs + 32 * b + 4 * k, 4);
                 const __m256i sy = _mm256_sign_epi8(_mm256_set1_epi32(y4), sw);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-                is[j] = _mm256_dpbusd_epi32(is[j], aw, sy);
+#if PI_VNNI256
+                is[j] = pi_dpbusd256(is[j], aw, sy);
 #else
                 is[j] = _mm256_add_epi32(is[j], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sy), ones));
 #endif

@@ -19,7 +19,7 @@
  *
  * the integer sums isum[i] = sum_r c8[r] * (v[r,i] - k) of the tile run in int32 (|isum| <=
  * 32 * 127 * 255 < 2^31), and out[t, i] += s * isum[i] in f32 (an FMA per 8 columns).
- * With AVX512-VNNI (+VL) one _mm256_dpbusd_epi32 sums four rows for 8 columns: the coefficient
+ * With 256-bit VNNI (simd.h PI_VNNI256) one dpbusd sums four rows for 8 columns: the coefficient
  * is the unsigned operand, biased (c8 + 128, 1 .. 255), the weight the signed one (v' = v - k,
  * q8_0's q or q4_0's q - 8), and the bias comes off through 128 * sum_r v'[r, i], a column sum
  * of the tile computed once when the panel is made (it starts the int32 accumulator), so no
@@ -47,11 +47,14 @@
 #define PI_GEMMT_R 32   /* rows per tile: one int8 scale per token, tile and block */
 #define PI_GEMMT_KC 256 /* rows per panel (8 KiB of values, in L1 while every token passes) */
 
-#if PI_SIMD && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if PI_VNNI256
 #define PI_GEMMT_VNNI 1
-#define PI_GEMMT_TN 2 /* tokens per pass: 8 int32 + 8 f32 accumulators (32 ymm registers) */
 #else
 #define PI_GEMMT_VNNI 0
+#endif
+#if PI_VNNI256 && PI_AVX512
+#define PI_GEMMT_TN 2 /* tokens per pass: 8 int32 + 8 f32 accumulators (AVX-512: 32 ymm registers) */
+#else
 #define PI_GEMMT_TN 1 /* 16 ymm registers: one token's 4 + 4 accumulators and the sign work */
 #endif
 
@@ -198,7 +201,7 @@ pi_gemmt_tile(const int t, const __m256i *pan, const __m256i *init, const int32_
         (void)t;
         for (int i = 0; i < TN; i++) {
             const __m256i cb = _mm256_set1_epi32(cq[i * cqs + pos[g]]);
-            for (int v = 0; v < 4; v++) ia[i][v] = _mm256_dpbusd_epi32(ia[i][v], cb, pg[v]);
+            for (int v = 0; v < 4; v++) ia[i][v] = pi_dpbusd256(ia[i][v], cb, pg[v]);
         }
 #else
         const __m256i ones = _mm256_set1_epi16(1);

@@ -576,8 +576,8 @@ static inline __attribute__((always_inline)) float pi_dot1_k_ref(const int t, co
 #if PI_SIMD
 /* 8 int32: sums of 4 products of unsigned bytes u (<= 63) and signed y (|y| <= 127) */
 static inline __attribute__((always_inline)) __m256i pi_dot_u8(__m256i u, __m256i y) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, y);
+#if PI_VNNI256
+    return pi_dpbusd256(_mm256_setzero_si256(), u, y);
 #else
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, y), _mm256_set1_epi16(1));
 #endif

@@ -47,14 +47,16 @@
  * position's bit to bit 4 of its own byte, and an and with 16 leaves the value to add (three
  * operations with the or; AVX-512: the shift, then and-or in one ternary-logic operation).
  * Rows of fewer than four kept channels are padded with xq = 0.
- * Without VNNI (AVX2) the same four-row lanes go through maddubs / madd (q8_0 with the sign
- * trick: |q| x sign(xq, q), at most 2 * 128 * 127 per pair); without SIMD a scalar loop. All
- * three give the same integers and the same f32 operations, so the same bits.
+ * An AVX2 CPU with AVX-VNNI (the VEX form: Intel Alder Lake and later, Zen 5) runs the 256-bit
+ * paths with the same dpbusd (simd.h PI_VNNI256). Without VNNI (AVX2) the same four-row lanes
+ * go through maddubs / madd (q8_0 with the sign trick: |q| x sign(xq, q), at most 2 * 128 * 127
+ * per pair); without SIMD a scalar loop. All give the same integers and the same f32
+ * operations, so the same bits.
  *
  * Threads split the 32-output half tiles (every output's sum runs over the same blocks in the
  * same order: the bits do not depend on the thread count; SmolLM2's 576 outputs are 18 halves,
  * 9/9 on two threads where whole tiles split 5/4); a thread's range may start or end in the
- * middle of a tile, and that lone half goes through the 256-bit path (VNNI: _mm256_dpbusd_epi32
+ * middle of a tile, and that lone half goes through the 256-bit path (VNNI: 256-bit dpbusd
  * on the same four-row lanes; AVX2: its usual half) in a private copy of the tile. Every thread
  * quantizes every block itself (AVX-512: 32 lanes per block) into its own stack arrays, so the
  * team needs no barrier. Block-outer, tile-inner: a block's kept rows stream together. Prefetch (into L2, session 11,
@@ -283,7 +285,8 @@ static inline __attribute__((always_inline)) __m512i pi_ib_load512(const int t, 
                                           _mm512_setr_epi64(4, 3, 2, 1, 0, 63, 62, 61));
     return _mm512_ternarylogic_epi64(lo, at4, _mm512_set1_epi8(16), 0xf8);  /* a | (b & c) */
 }
-#else
+#endif
+#if !PI_VNNI256
 /* sum of the four products of each 32-bit lane: unsigned values w (q8_0: q + 128) times the
  * signed coefficients c, into int32, as dpbusd computes it */
 static inline __attribute__((always_inline)) __m256i pi_ib_dot4(const int t, __m256i w, __m256i c) {
@@ -338,11 +341,11 @@ static inline __attribute__((always_inline)) void pi_ib_half(const int t, const 
         const __m256i l01 = _mm256_unpacklo_epi8(r0, r1), h01 = _mm256_unpackhi_epi8(r0, r1);
         const __m256i l23 = _mm256_unpacklo_epi8(r2, r3), h23 = _mm256_unpackhi_epi8(r2, r3);
         const __m256i cc = _mm256_set1_epi32(c[g]);
-#if PI_IB_VNNI512
-        a0 = _mm256_dpbusd_epi32(a0, _mm256_unpacklo_epi16(l01, l23), cc);
-        a1 = _mm256_dpbusd_epi32(a1, _mm256_unpackhi_epi16(l01, l23), cc);
-        a2 = _mm256_dpbusd_epi32(a2, _mm256_unpacklo_epi16(h01, h23), cc);
-        a3 = _mm256_dpbusd_epi32(a3, _mm256_unpackhi_epi16(h01, h23), cc);
+#if PI_VNNI256
+        a0 = pi_dpbusd256(a0, _mm256_unpacklo_epi16(l01, l23), cc);
+        a1 = pi_dpbusd256(a1, _mm256_unpackhi_epi16(l01, l23), cc);
+        a2 = pi_dpbusd256(a2, _mm256_unpacklo_epi16(h01, h23), cc);
+        a3 = pi_dpbusd256(a3, _mm256_unpackhi_epi16(h01, h23), cc);
 #else
         if (pi_ib_is_q4(t)) {  /* int16 sums over the block (pi_ib_is_q4), widened once below */
             a0 = _mm256_add_epi16(a0, _mm256_maddubs_epi16(_mm256_unpacklo_epi16(l01, l23), cc));
@@ -357,7 +360,7 @@ static inline __attribute__((always_inline)) void pi_ib_half(const int t, const 
         }
 #endif
     }
-#if !PI_IB_VNNI512
+#if !PI_VNNI256
     if (pi_ib_is_q4(t)) {
         const __m256i one = _mm256_set1_epi16(1);
         a0 = _mm256_madd_epi16(a0, one);
@@ -368,7 +371,7 @@ static inline __attribute__((always_inline)) void pi_ib_half(const int t, const 
 #endif
     const __m256i acc[4] = {a0, a1, a2, a3};
     /* q8_0 through pi_ib_dot4 (AVX2) is already signed: no correction */
-    pi_ib_flush256(t, dsc, msc, u, h, s, (!PI_IB_VNNI512 && t == PI_Q8_0_IB) ? 0 : cr, acc, y);
+    pi_ib_flush256(t, dsc, msc, u, h, s, (!PI_VNNI256 && t == PI_Q8_0_IB) ? 0 : cr, acc, y);
 }
 
 #if PI_IB_VNNI512
@@ -791,7 +794,8 @@ pi_ib_chunk_src(const int t, const int NT, const int packed, const uint8_t *val,
 #pragma GCC unroll 4
             for (int k = 0; k < 4; k++)  /* q8_0 through pi_ib_dot4 is signed: no correction; */
                 acc[i][k] = _mm256_set1_epi32(  /* the 4-bit types' int16 sums start at 0 */
-                    t == PI_Q8_0_IB || pi_ib_has_min(t) || pi_ib_is_q4(t) ? 0 : -corr[i]);
+                    (!PI_VNNI256 && (t == PI_Q8_0_IB || pi_ib_is_q4(t))) || pi_ib_has_min(t)
+                        ? 0 : -corr[i]);
         for (int g = 0; g < 8; g++) {
             if (!((gm >> g) & 1)) continue;
             __m256i v[4];
@@ -806,6 +810,10 @@ pi_ib_chunk_src(const int t, const int NT, const int packed, const uint8_t *val,
 #pragma GCC unroll 8
             for (int i = 0; i < NT; i++) {
                 const __m256i cc = _mm256_set1_epi32(cf[8 * i + g]);
+#if PI_VNNI256
+#pragma GCC unroll 4
+                for (int k = 0; k < 4; k++) acc[i][k] = pi_dpbusd256(acc[i][k], v[k], cc);
+#else
                 if (pi_ib_is_q4(t)) {  /* int16 over the block, as pi_ib_half */
 #pragma GCC unroll 4
                     for (int k = 0; k < 4; k++)
@@ -815,9 +823,10 @@ pi_ib_chunk_src(const int t, const int NT, const int packed, const uint8_t *val,
                     for (int k = 0; k < 4; k++)
                         acc[i][k] = _mm256_add_epi32(acc[i][k], pi_ib_dot4(t, v[k], cc));
                 }
+#endif
             }
         }
-        if (pi_ib_is_q4(t))  /* widened, then the correction */
+        if (!PI_VNNI256 && pi_ib_is_q4(t))  /* widened, then the correction */
 #pragma GCC unroll 8
             for (int i = 0; i < NT; i++)
 #pragma GCC unroll 4

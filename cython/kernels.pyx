@@ -23,6 +23,7 @@ from libc.math cimport expf, sqrtf, fabsf, cos, sin, pow
 cdef extern from "simd.h" nogil:
     int pi_openmp_enabled()
     int pi_simd_enabled()
+    int pi_simd_features()
     int pi_is_quant(int qtype)
     size_t pi_col_offset(int qtype, int col)
     int pi_block_elems(int qtype)
@@ -208,6 +209,16 @@ def openmp_enabled():
 def simd_enabled():
     """True when the AVX2/FMA/F16C paths of simd.h were compiled in."""
     return bool(pi_simd_enabled())
+
+
+def simd_features():
+    """The SIMD paths compiled in (simd.h pi_simd_features), as a tuple of names: "AVX2"
+    (AVX2/FMA/F16C), "AVX512" (the 512-bit paths: AVX-512 F and BW), "VNNI256" (the 256-bit
+    u8 x s8 dot of AVX512-VNNI with VL, or of AVX-VNNI), "AVX_VNNI" (that dot in AVX-VNNI's VEX
+    form); () for the portable scalar build."""
+    cdef int f = pi_simd_features()
+    return tuple(n for b, n in ((1, "AVX2"), (2, "AVX512"), (4, "VNNI256"), (8, "AVX_VNNI"))
+                 if f & b)
 
 
 cdef inline int _bytes_per_row(int qtype, int cols) except -1:

@@ -1,6 +1,6 @@
 /* Row kernels for the ggml weight types users hold beyond f32/f16/q8_0/q4_0: Q4_1, Q5_0, Q5_1,
  * Q4_K, Q5_K, Q6_K (integer dots against the per-32-block q8 activation of simd.h) and BF16.
- * Included by simd.h (which defines the type ids, pi_load_d, pi_hsum, pi_mul_sum_i8).
+ * Included by simd.h (which defines the type ids, pi_load_d, pi_hsum).
  *
  * Block layouts (ggml-common.h; every f16 is IEEE half, little endian):
  *   Q4_1 (20 B / 32): f16 d, f16 m, u8 qs[16];  x[j] = d*(qs[j]&15) + m, x[j+16] = d*(qs[j]>>4) + m

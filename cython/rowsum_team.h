@@ -278,7 +278,7 @@ static inline __m128 pi_expf_safe4(__m128 x, int *bad) {
     *bad = ~_mm_movemask_ps(ok) & 15;
     return lo;
 }
-#if defined(__AVX512F__)
+#if PI_AVX512
 /* pi_expf_safe4 over 8 floats (the same operations in 512-bit registers) */
 static inline __m256 pi_expf_safe8(__m256 x, int *bad) {
     const __m512d xd = _mm512_cvtps_pd(x);
@@ -318,7 +318,7 @@ static inline __m128 pi_expf4(__m128 x) {
     }
     return e;
 }
-#if defined(__AVX512F__)
+#if PI_AVX512
 static inline __m256 pi_expf8(__m256 x) {
     int bad;
     __m256 e = pi_expf_safe8(x, &bad);
@@ -346,7 +346,7 @@ static inline void pi_act_values(const float *gu, long n_ff, long j0, long j1, i
         for (; j < j1; j++) out[j - j0] = (gu[j] > 0.0f ? gu[j] : 0.0f) * gu[n_ff + j];
         return;
     }
-#if PI_SIMD && defined(__AVX512F__)
+#if PI_AVX512
     for (; j + 8 <= j1; j += 8) {
         const __m256 g = _mm256_loadu_ps(gu + j);
         const __m256 e = pi_expf8(_mm256_xor_ps(g, _mm256_set1_ps(-0.0f)));
@@ -380,7 +380,7 @@ static inline void pi_act_values(const float *gu, long n_ff, long j0, long j1, i
 static inline long pi_select_kept(const float *x, const float *scale, float thr, long n, long j0,
                                   float *coef, int32_t *idx) {
     long i = 0, k = 0;
-#if PI_SIMD && defined(__AVX512F__)
+#if PI_AVX512
     const __m512 t = _mm512_set1_ps(thr);
     const __m512i step = _mm512_set1_epi32(16);
     __m512i ch = _mm512_add_epi32(_mm512_set1_epi32((int)j0),

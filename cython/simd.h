@@ -28,6 +28,27 @@
 #define PI_SIMD 0
 #endif
 
+/* The 512-bit paths: AVX-512 F and BW (setup.py adds both or neither). */
+#if PI_SIMD && defined(__AVX512F__) && defined(__AVX512BW__)
+#define PI_AVX512 1
+#else
+#define PI_AVX512 0
+#endif
+
+/* The 256-bit VNNI dot, pi_dpbusd256(acc, u, s): acc + the sums of four products of unsigned
+ * bytes u and signed bytes s per 32-bit lane, in int32 (no int16 step). AVX512-VNNI with VL
+ * (its EVEX form), or AVX-VNNI (the VEX form: Intel Alder Lake and later without AVX-512, and
+ * Zen 5). Paths that keep more than 16 ymm registers live test PI_AVX512VL, not this. */
+#if PI_SIMD && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define PI_VNNI256 1
+#define pi_dpbusd256(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+#elif PI_SIMD && defined(__AVXVNNI__)
+#define PI_VNNI256 1
+#define pi_dpbusd256(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#else
+#define PI_VNNI256 0
+#endif
+
 #define PI_F32 0
 #define PI_F16 1
 #define PI_Q4_0 2
@@ -43,6 +64,16 @@
 #define PI_QK_K 256
 
 static inline int pi_simd_enabled(void) { return PI_SIMD; }
+
+/* The SIMD paths compiled in, as bits: 1 AVX2/FMA/F16C, 2 the 512-bit paths (PI_AVX512), 4 the
+ * 256-bit VNNI dot (PI_VNNI256), 8 that dot in AVX-VNNI's VEX form */
+static inline int pi_simd_features(void) {
+    int f = PI_SIMD | 2 * PI_AVX512 | 4 * PI_VNNI256;
+#if PI_VNNI256 && !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
+    f |= 8;
+#endif
+    return f;
+}
 
 static inline int pi_openmp_enabled(void) {
 #ifdef _OPENMP
@@ -177,19 +208,6 @@ static inline float pi_hsum(__m256 v) {
     __m128 s = _mm_add_ps(lo, sh);
     sh = _mm_movehl_ps(sh, s);
     return _mm_cvtss_f32(_mm_add_ss(s, sh));
-}
-
-/* 8 f32 sums of 4 int8 products each; x (weights) and y (activations) signed int8. */
-static inline __m256 pi_mul_sum_i8(__m256i x, __m256i y) {
-    const __m256i ax = _mm256_sign_epi8(x, x);
-    const __m256i sy = _mm256_sign_epi8(y, x);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    /* VNNI: u8 x s8 products summed by fours straight into s32 (no s16 step) */
-    return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), ax, sy));
-#else
-    const __m256i dot = _mm256_maddubs_epi16(ax, sy);
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(dot, _mm256_set1_epi16(1)));
-#endif
 }
 
 #endif
@@ -467,8 +485,7 @@ static inline int pi_prefetch_dist(size_t row_bytes) {
 /* ---- out[0:n] += sum_{r<4} a[r] * row_r[0:n]: four rows per pass, so the accumulator is loaded
  * and stored once per four rows (the down projection's inner loop). ---- */
 
-#if PI_SIMD && defined(__AVX512F__) && defined(__AVX512BW__)
-#define PI_AVX512 1
+#if PI_AVX512
 /* 512-bit versions of the quantized and f16 four-row AXPY: int8 -> f32 conversion is the inner
  * loop's cost, and one 512-bit convert does the work of two 256-bit ones. Returns 0 for a type
  * it does not handle. */
@@ -530,8 +547,6 @@ static inline int pi_axpy4_row_512(int qtype, const float *a, const uint8_t *con
     }
     return 0;
 }
-#else
-#define PI_AVX512 0
 #endif
 
 static inline void pi_axpy4_row(int qtype, const float *a, const uint8_t *r0, const uint8_t *r1,

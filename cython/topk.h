@@ -123,7 +123,7 @@ static inline int64_t pi_topk(const float *x, int64_t n, int64_t k, int32_t *out
     float t0 = pi_kth_largest(gm, G, k);  /* permutes gm */
     if (!(t0 > -INFINITY)) return -1;
     int64_t cap = PI_TOPK_CAND_MULT * k, c = 0, j = 0;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
     __m512 tv = _mm512_set1_ps(t0);
     for (; j + 16 <= n; j += 16) {
         __mmask16 mk = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + j), tv, _CMP_GE_OQ);

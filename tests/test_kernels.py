@@ -559,12 +559,25 @@ def test_f16_rounding():
 
 # ------------------------------------------------------------------ optional builds
 
+def _cpu_has_vnni() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx_vnni" in flags or {"avx512_vnni", "avx512vl"} <= set(flags)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("env", ["PYINFER_NO_OPENMP", "PYINFER_NO_SIMD", "PYINFER_NO_AVX512"])
+@pytest.mark.parametrize("env", ["PYINFER_NO_OPENMP", "PYINFER_NO_SIMD", "PYINFER_NO_AVX512",
+                                 "PYINFER_AVX2_VNNI"])
 def test_build_variants(tmp_path, env):
-    """The package builds and computes right without OpenMP, without SIMD, and with AVX2 alone
-    (the 256-bit AXPY and dot paths, which a CPU with AVX-512 otherwise never runs; about 40 s
-    each)."""
+    """The package builds and computes right without OpenMP, without SIMD, with AVX2 alone (the
+    256-bit AXPY and dot paths, which a CPU with AVX-512 otherwise never runs), and with AVX2 and
+    the 256-bit VNNI dot (what an AVX-VNNI CPU such as Intel's Alder Lake builds; on an AVX-512
+    VNNI CPU its EVEX form without the 512-bit paths). About 40 s each."""
+    if env == "PYINFER_AVX2_VNNI" and not _cpu_has_vnni():
+        pytest.skip("this CPU has no VNNI")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for item in ("setup.py", "pyproject.toml", "cython", "pyinfer"):
         src = os.path.join(root, item)
@@ -639,12 +652,14 @@ def test_build_variants(tmp_path, env):
             "assert np.array_equal(h[~nan], want[~nan]) and np.isnan(h.view(np.float16)[nan]).all()\n"
             "act=np.empty(4099,np.float32); cpu._k.act_mul(ib['gu'], 1, act)\n"
             "assert np.array_equal(act, ib['act'])\n"
-            f"print(cpu.openmp_enabled(), cpu.simd_enabled())\n")
+            f"print(cpu.openmp_enabled(), cpu.simd_enabled(), ','.join(cpu.simd_features()))\n")
     res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=envv, check=True,
                          capture_output=True, text=True)
-    omp, simd = res.stdout.split()
+    omp, simd, feats = (res.stdout.split() + [""])[:3]
     if env == "PYINFER_NO_AVX512":
-        assert simd == "True"
+        assert simd == "True" and feats == "AVX2"
+    elif env == "PYINFER_AVX2_VNNI":  # the 256-bit VNNI paths, no 512-bit one
+        assert feats.split(",")[:2] == ["AVX2", "VNNI256"]
     else:
         assert (omp if env == "PYINFER_NO_OPENMP" else simd) == "False"
 

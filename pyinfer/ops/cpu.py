@@ -47,6 +47,13 @@ def simd_enabled() -> bool:
     return _k.simd_enabled()
 
 
+def simd_features() -> tuple[str, ...]:
+    """The SIMD paths the kernels were built with: any of "AVX2", "AVX512" (the 512-bit paths),
+    "VNNI256" (the 256-bit VNNI dot: AVX512-VNNI with VL, or AVX-VNNI), "AVX_VNNI" (the latter's
+    VEX form, Intel Alder Lake and later). setup.py picks them from this CPU's flags."""
+    return _k.simd_features()
+
+
 def default_n_threads() -> int:
     """Kernel threads when the user gives none: the physical cores this process may run on, as
     llama.cpp picks its default (common.cpp ``cpu_get_num_physical_cores``: one thread per set of
