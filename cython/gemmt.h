@@ -195,13 +195,20 @@ pi_gemmt_tile(const int t, const __m256i *pan, const __m256i *init, const int32_
     __m256i ia[PI_GEMMT_TN][4];
     for (int i = 0; i < TN; i++)
         for (int v = 0; v < 4; v++) ia[i][v] = init[v];
+    /* one token a pass (16 ymm registers): its four dpbusd chains of 8 groups would wait on
+     * dpbusd's latency, so the odd groups sum apart (ib) and join at the end (the same integers) */
+    __m256i ib[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
+                     _mm256_setzero_si256()};
     for (int g = 0; g < PI_GEMMT_R / 4; g++) {
         const __m256i *pg = pan + 4 * g;
 #if PI_GEMMT_VNNI
         (void)t;
         for (int i = 0; i < TN; i++) {
             const __m256i cb = _mm256_set1_epi32(cq[i * cqs + pos[g]]);
-            for (int v = 0; v < 4; v++) ia[i][v] = pi_dpbusd256(ia[i][v], cb, pg[v]);
+            if (PI_GEMMT_TN == 1 && (g & 1))  /* the odd groups' own chains */
+                for (int v = 0; v < 4; v++) ib[v] = pi_dpbusd256(ib[v], cb, pg[v]);
+            else
+                for (int v = 0; v < 4; v++) ia[i][v] = pi_dpbusd256(ia[i][v], cb, pg[v]);
         }
 #else
         const __m256i ones = _mm256_set1_epi16(1);
@@ -217,6 +224,8 @@ pi_gemmt_tile(const int t, const __m256i *pan, const __m256i *init, const int32_
         }
 #endif
     }
+    if (PI_GEMMT_VNNI && PI_GEMMT_TN == 1)
+        for (int v = 0; v < 4; v++) ia[0][v] = _mm256_add_epi32(ia[0][v], ib[v]);
     for (int i = 0; i < TN; i++) {
         const __m256 vs = _mm256_set1_ps(s[i * ss]);
         for (int v = 0; v < 4; v++)

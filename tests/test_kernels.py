@@ -652,7 +652,7 @@ def test_build_variants(tmp_path, env):
             "assert np.array_equal(h[~nan], want[~nan]) and np.isnan(h.view(np.float16)[nan]).all()\n"
             "act=np.empty(4099,np.float32); cpu._k.act_mul(ib['gu'], 1, act)\n"
             "assert np.array_equal(act, ib['act'])\n"
-            f"print(cpu.openmp_enabled(), cpu.simd_enabled(), ','.join(cpu.simd_features()))\n")
+            "print(cpu.openmp_enabled(), cpu.simd_enabled(), ','.join(cpu.simd_features()))\n")
     res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=envv, check=True,
                          capture_output=True, text=True)
     omp, simd, feats = (res.stdout.split() + [""])[:3]
