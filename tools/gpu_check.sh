@@ -21,6 +21,9 @@
 #   base7h   BASE's 7B hybrid at 50% (where BASE is given)
 #   input7   tools/bench_gpu_input.py (sparse mode input, 7B q4_0, 25% / 50%)
 #   new13    13B at 100% / 50%, with --wide-ab
+#   avxvnni  (CPU only, where the host lists avx_vnni) the build variant with AVX-VNNI's VEX dot
+#            (PYINFER_AVX2_VNNI=1: -mavxvnni) computes right on a real AVX-VNNI core (session 26
+#            checked it only as a compile and through the EVEX form)
 # Each step has its own timeout, cut to what is left of LIMIT seconds (default 570), so the
 # whole run ends inside ten minutes; what finished is in $OUT even when a later step is cut or
 # skipped.
@@ -67,8 +70,11 @@ step 90 cold python3 tools/bench_cold.py --threads 1 4 8 $(nproc) --reps 5 ${SO:
 step 150 input7 python3 tools/bench_gpu_input.py --shape 7b --qtype q4_0 --sparsity 0.25 0.5 \
     --tokens 32 --reps 3 --threads "$(nproc)"
 step 150 new13 python3 tools/bench_gpu.py $B --shape 13b --budgets 1.0,0.5 --wide-ab
+grep -qw avx_vnni /proc/cpuinfo && step 120 avxvnni python3 -m pytest -q -p no:cacheprovider \
+    -m slow tests/test_kernels.py -k "build_variants and AVX2_VNNI"
 cat "$L"
 tail -3 "$OUT/pytest.log"
+[ -f "$OUT/avxvnni.log" ] && tail -2 "$OUT/avxvnni.log"
 for f in ffnvar new7ab cold32 cold base7h input7 new13; do
     [ -f "$OUT/$f.log" ] && { echo "== $f"; grep -E "^\|" "$OUT/$f.log"; }
 done
