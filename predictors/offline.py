@@ -204,6 +204,19 @@ class OfflineOptions:
 NO_SPARSE_MODE = "dense"
 
 
+def cpu_note_input() -> str:
+    """A clause for the converter's sparse-mode-input notice where the kernels have no 512-bit
+    path (a CPU without AVX-512, e.g. Intel's desktop cores): there input mode decoded
+    0.93-1.07x a dense file, against 1.2-1.3x with AVX-512 (docs/benchmarks.md, session 26,
+    measured with AVX2 builds on an AVX-512 CPU). "" elsewhere (and for a build without SIMD)."""
+    from pyinfer.ops import cpu
+
+    if not cpu.simd_enabled() or "AVX512" in cpu.simd_features():
+        return ""
+    return ("; on this CPU (no AVX-512) it decodes about as fast as a dense file "
+            "(docs/benchmarks.md, session 26): --dense keeps full quality")
+
+
 def input_mode_model(cfg, weights) -> bool:
     """True where sparse mode input (and the GPU engine) can run the model
     (``pyinfer.weights.fused_model``)."""
@@ -334,7 +347,8 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
                 _log("sparse mode input (the default for a Llama-shaped SwiGLU model in q8_0, q4_0, "
                      "q4_1, q5_0, q5_1, f16, q4_k (stored as q4_1), q5_k (as q5_1) or q6_k (as q8_0); "
                      "the GPU engine runs it as whole layers; "
-                     "--sparse-mode glu or --vram-budget for its hot-neuron split)", opts.progress)
+                     "--sparse-mode glu or --vram-budget for its hot-neuron split)"
+                     + cpu_note_input(), opts.progress)
             elif mode == C.SPARSE_MODE_GLU and opts.vram_budget_gib is None:
                 hint = ("; --outtype q8_0, q4_0, q4_1, q5_0, q5_1 or f16 takes sparse mode input, "
                         "which is faster"

@@ -260,6 +260,22 @@ def test_calib_file_and_fixed_rank(silu_dir, tmp_path):
     assert eng.is_sparse
 
 
+def test_cpu_note_input(monkeypatch):
+    """The input-mode notice adds a clause on a build without the 512-bit paths (where input
+    mode decoded about as fast as a dense file), none with them or without SIMD."""
+    from predictors.offline import cpu_note_input
+    from pyinfer.ops import cpu
+
+    monkeypatch.setattr(cpu, "simd_enabled", lambda: True)
+    for feats, want in ((("AVX2",), True), (("AVX2", "VNNI256", "AVX_VNNI"), True),
+                        (("AVX2", "AVX512", "VNNI256"), False)):
+        monkeypatch.setattr(cpu, "simd_features", lambda f=feats: f)
+        assert ("no AVX-512" in cpu_note_input()) == want, feats
+    monkeypatch.setattr(cpu, "simd_enabled", lambda: False)
+    monkeypatch.setattr(cpu, "simd_features", lambda: ())
+    assert cpu_note_input() == ""
+
+
 def test_default_sparse_mode(silu_dir, relu_dir, tmp_path, capsys):
     """Without --sparse-mode a Llama-shaped SwiGLU model takes sparse mode input where all its
     projections are q8_0 / q4_0 / q4_1 / q5_0 / q5_1 (the input-block kernels) or f16, at the input default target and
