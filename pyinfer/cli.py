@@ -236,6 +236,10 @@ def run(args) -> int:
     else:
         ids = llm.tokenize(prompt)
     llm.check_fits(ids)
+    from pyinfer.ops import cpu
+
+    print(f"system_info: {cpu.system_info(getattr(llm.engine, 'n_threads', args.threads))}",
+          file=sys.stderr)
     if not args.no_display_prompt and not args.chat:
         sys.stdout.write(prompt)
         sys.stdout.flush()

@@ -181,6 +181,13 @@ def test_dash_m_is_the_model(runnable_gguf, tmp_path):
     a = pyinfer_run("-m", runnable_gguf, "-p", "the", "-n", "4", "--temp", "0", "-t", "1")
     b = pyinfer_run(runnable_gguf, "-p", "the", "-n", "4", "--temp", "0", "-t", "1")
     assert a.returncode == 0 and a.stdout == b.stdout and a.stdout.startswith("the")
+    # llama.cpp's system_info line: the threads, then this build's SIMD paths as 0 / 1
+    from pyinfer.ops import cpu
+
+    info = [ln for ln in a.stderr.splitlines() if ln.startswith("system_info: ")]
+    assert len(info) == 1 and info[0].startswith("system_info: n_threads = 1 / "), a.stderr
+    assert f"AVX2 = {int(cpu.simd_enabled())}" in info[0]
+    assert f"OPENMP = {int(cpu.openmp_enabled())}" in info[0]
     assert_user_error(pyinfer_run("-m", runnable_gguf, str(tmp_path / "other.gguf"), "-p", "x"),
                       "two models given")
     text = tmp_path / "t.txt"

@@ -54,6 +54,16 @@ def simd_features() -> tuple[str, ...]:
     return _k.simd_features()
 
 
+def system_info(n_threads: int) -> str:
+    """llama.cpp's ``system_info`` line for this build: the threads asked for against the
+    machine's logical CPUs, then each SIMD path (``simd_features``) and OpenMP as 0 / 1, e.g.
+    "n_threads = 2 / 2 | AVX2 = 1 | AVX512 = 1 | VNNI256 = 1 | AVX_VNNI = 0 | OPENMP = 1"."""
+    feats = simd_features()
+    parts = [f"n_threads = {n_threads} / {os.cpu_count() or 1}"]
+    parts += [f"{n} = {int(n in feats)}" for n in ("AVX2", "AVX512", "VNNI256", "AVX_VNNI")]
+    return " | ".join(parts + [f"OPENMP = {int(openmp_enabled())}"])
+
+
 def default_n_threads() -> int:
     """Kernel threads when the user gives none: the physical cores this process may run on, as
     llama.cpp picks its default (common.cpp ``cpu_get_num_physical_cores``: one thread per set of
