@@ -19,6 +19,10 @@
  * once for its neighbouring query heads: at 480 cached tokens (SmolLM2, f16 cache, one thread)
  * the attention of a token's 30 layers took 719 us against 1003 (docs/benchmarks.md, session 21).
  *
+ * Session 26: the 256-bit builds (CPUs without AVX-512) take the same two steps: pi_scores8_256
+ * (a row's keys converted once per KV head, 8 rows' reductions together) and pi_attend_v8 (a
+ * head's sums in registers over the rows instead of out loaded and stored per row).
+ *
  * Every head's operations and their order are those of _attend_head over the f32 values of the
  * rows (kernels.pyx `attention` converts them once per call): scores pi_dot_f32(q_h, k_j) *
  * scale in f32 (pi_dot_f16 on an f16 cache: the same FMAs); the max; e_j = expf(s_j - max); their sum in
@@ -109,15 +113,11 @@ static inline __attribute__((always_inline)) void pi_attend_v16(
 }
 #endif
 
-#if PI_AVX512
+#if PI_SIMD
 /* The sums of 8 dots, each reduced exactly as pi_dot_f16/f32 reduce one: t[r] holds row r's
  * (s0 + s1) + (s2 + s3) (8 lanes l0..l7), and pi_hsum takes ((l0 + l4) + (l1 + l5)) + ((l2 + l6) +
  * (l3 + l7)); here the same additions for 8 rows at once (f32 addition commutes, so hadd's operand
  * order is no change), returned in row order. */
-static inline __m256 pi_hi256(__m512 a) { /* lanes 8-15 (AVX-512F; extractf32x8 is DQ) */
-    return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
-}
-
 static inline __m256 pi_hsum8(const __m256 t[8]) {
     __m256 p[4];
     for (int i = 0; i < 4; i++)
@@ -127,6 +127,13 @@ static inline __m256 pi_hsum8(const __m256 t[8]) {
     const __m256 r = _mm256_hadd_ps(_mm256_hadd_ps(p[0], p[1]), _mm256_hadd_ps(p[2], p[3]));
     return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
+#endif
+
+#if PI_AVX512
+static inline __m256 pi_hi256(__m512 a) { /* lanes 8-15 (AVX-512F; extractf32x8 is DQ) */
+    return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
+}
+
 
 /* Scores of every head over rows j .. j + 7 (hd a multiple of 32, at most 128): per KV head, each
  * row's keys converted once and dotted with the NG query heads that read them, each dot as
@@ -164,6 +171,79 @@ static inline __attribute__((always_inline)) void pi_scores8(
 }
 #endif
 
+#if PI_SIMD && !PI_AVX512
+/* The 256-bit paths (AVX2 builds) of the same two steps, session 26. */
+
+/* pi_dot_f32's sums before its horizontal one: (s0 + s1) + (s2 + s3), the same FMAs from zero
+ * (a . b for n a multiple of 8) */
+static inline __attribute__((always_inline)) __m256 pi_dot8_f32(const float *a, const float *b,
+                                                                int n) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    int i = 0;
+    for (; i + 32 <= n; i += 32) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+        s2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 16), _mm256_loadu_ps(b + i + 16), s2);
+        s3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 24), _mm256_loadu_ps(b + i + 24), s3);
+    }
+    for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+    return _mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3));
+}
+
+/* Scores of every head over rows j .. j + 7 (hd a multiple of 8, at most 128; n_head / n_kv at
+ * most 8): per row and KV head the keys converted to f32 once (an f16 cache), then dotted with
+ * each query head that reads them as pi_dot_f16/f32 computes the dot (the same FMAs; products
+ * commute), the 8 rows' reductions of a head together (pi_hsum8) and one store of its 8 scores.
+ * The AVX2 path before it converted a KV head's keys once per query head and reduced each dot
+ * alone. */
+static inline void pi_scores8_256(const float *q, const void *k, int f16, long rs, long j,
+                                  long n_att, int hd, int n_kv, int group, float scale, float *sc) {
+    const __m256 vscale = _mm256_set1_ps(scale);
+    float kf[128] __attribute__((aligned(32)));
+    __m256 t[8][8];
+    for (int g = 0; g < n_kv; g++) {
+        for (int r = 0; r < 8; r++) {
+            const long o = (j + r) * rs + (long)g * hd;
+            const float *kr = (const float *)k + o;
+            if (f16) {
+                for (int i = 0; i < hd; i += 8)
+                    _mm256_store_ps(kf + i, _mm256_cvtph_ps(_mm_loadu_si128(
+                                                (const __m128i *)((const uint16_t *)k + o + i))));
+                kr = kf;
+            }
+            for (int h = 0; h < group; h++)
+                t[h][r] = pi_dot8_f32(q + (long)(g * group + h) * hd, kr, hd);
+        }
+        for (int h = 0; h < group; h++)
+            _mm256_storeu_ps(sc + (long)(g * group + h) * n_att + j,
+                             _mm256_mul_ps(pi_hsum8(t[h]), vscale));
+    }
+}
+
+/* out[0 : 8 NC] = sum_j (e_j inv) v_j (e: the head's exponentials; v + vo: its KV head's first
+ * value of the NC vectors), j = 0, 1, ... in order, as pi_axpy_f16/f32 row after row computes
+ * it (p = e inv rounded to f32, then one FMA per value from 0: the same bits), with the NC
+ * (<= 8) accumulators in registers instead of out loaded and stored per row. */
+static inline __attribute__((always_inline)) void pi_attend_v8(const float *e, long n_att,
+                                                               float inv, const void *v, long rs,
+                                                               long vo, float *out, const int NC,
+                                                               const int F16) {
+    __m256 acc[8];
+    for (int c = 0; c < NC; c++) acc[c] = _mm256_setzero_ps();
+    for (long j = 0; j < n_att; j++) {
+        const __m256 p = _mm256_set1_ps(e[j] * inv);
+        const long o = j * rs + vo;
+        for (int c = 0; c < NC; c++) {
+            const __m256 vv = F16 ? _mm256_cvtph_ps(_mm_loadu_si128(
+                                        (const __m128i *)((const uint16_t *)v + o + 8 * c)))
+                                  : _mm256_loadu_ps((const float *)v + o + 8 * c);
+            acc[c] = _mm256_fmadd_ps(p, vv, acc[c]);
+        }
+    }
+    for (int c = 0; c < NC; c++) _mm256_storeu_ps(out + 8 * c, acc[c]);
+}
+#endif
+
 /* Thread t of T's share of one token's attention over every head (call it from every thread of
  * the team with the same arguments: it has one barrier; t = 0, T = 1 runs serially).
  * q (n_head, hd) f32; k, v: cache row 0 (row j at k + j rs, KV head g at + g hd); sc: n_head
@@ -193,6 +273,10 @@ static void pi_attend_team(int t, int T, const float *q, const void *k, const vo
             }
 #undef PI_S8
         }
+#elif PI_SIMD
+    if (hd % 8 == 0 && hd <= 128 && group <= 8)
+        for (; j + 8 <= j1; j += 8)
+            pi_scores8_256(q, k, f16, rs, j, n_att, hd, n_kv, group, scale, sc);
 #endif
     for (; j < j1; j++) {
         if (f16) {
@@ -242,6 +326,26 @@ static void pi_attend_team(int t, int T, const float *q, const void *k, const vo
                 }
             }
 #undef PI_AV
+        }
+        return;
+    }
+#elif PI_SIMD
+    if (hd % 8 == 0 && hd <= 128) {  /* a head at a time, 8 value vectors a pass */
+        for (int g = 0; g < H; g++) {
+            const long vo = (long)((h0 + g) / group) * hd;
+            for (int c0 = 0; c0 < hd / 8; c0 += 8) {
+                const int nc = hd / 8 - c0 < 8 ? hd / 8 - c0 : 8;
+                float *op = out + (long)(h0 + g) * hd + 8 * c0;
+                const float *sp = s0 + (long)g * n_att;
+#define PI_AV8(C) (f16 ? pi_attend_v8(sp, n_att, inv[g], v, rs, vo + 8 * c0, op, C, 1) \
+                       : pi_attend_v8(sp, n_att, inv[g], v, rs, vo + 8 * c0, op, C, 0))
+                switch (nc) {
+                case 1: PI_AV8(1); break; case 2: PI_AV8(2); break; case 3: PI_AV8(3); break;
+                case 4: PI_AV8(4); break; case 5: PI_AV8(5); break; case 6: PI_AV8(6); break;
+                case 7: PI_AV8(7); break; default: PI_AV8(8); break;
+                }
+#undef PI_AV8
+            }
         }
         return;
     }

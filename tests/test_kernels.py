@@ -440,7 +440,9 @@ def test_attention_one_query(n_threads):
                                             (6, 1, 8, 5, 1), (5, 5, 40, 70, 8),
                                             (4, 2, 128, 99, 2), (8, 2, 32, 17, 1),
                                             # GQA groups of 8, 7 and 6 (TinyLlama, Qwen2.5): the per-head scores path
-                                            (16, 2, 64, 41, 1), (14, 2, 64, 30, 1), (12, 2, 128, 25, 2)]:
+                                            (16, 2, 64, 41, 1), (14, 2, 64, 30, 1), (12, 2, 128, 25, 2),
+                                            # a group of 16: past the 256-bit scores' 8
+                                            (16, 1, 32, 23, 1)]:
         n_ctx = n_att + 2
         q = _ro((spread * rng.standard_normal((1, n_head, hd))).astype(np.float32))
         # the f16 cache (the default) and the f32 one (--cache-type f32): both kernels' paths
@@ -652,6 +654,14 @@ def test_build_variants(tmp_path, env):
             "        # (the scalar build's rmsnorm dot sums in another order: rounding apart)\n"
             "        assert (np.array_equal(x, ib[qt.name+'_x1']) if cpu.simd_enabled() else\n"
             "                np.allclose(x, ib[qt.name+'_x1'], rtol=1e-4, atol=1e-4)), (qt, nt)\n"
+            "# one-query attention (attend.h, this build's path) against the one-head loop's bits\n"
+            "for nh,nkv,hd,na,dt in ((9,3,64,37,np.float16),(8,2,128,21,np.float32),(16,2,64,17,np.float16)):\n"
+            "    q=rng.standard_normal((1,nh,hd)).astype(np.float32)\n"
+            "    k=rng.standard_normal((na,nkv,hd)).astype(dt); v=rng.standard_normal((na,nkv,hd)).astype(dt)\n"
+            "    got=np.empty((1,nh,hd),np.float32); cpu._k.attend_one(q[0],*cpu.kv_pair(k,v),na-1,got[0],2)\n"
+            "    old=cpu._k.set_old_prefill(1); want=np.empty((1,nh,hd),np.float32)\n"
+            "    cpu.attention(q,k,v,na-1,want,1); cpu._k.set_old_prefill(old)\n"
+            "    assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (nh, hd)\n"
             "x=np.load('f16.npy'); h=np.empty(x.size,np.uint16); cpu._k.f32_to_f16(x,h)\n"
             "want=x.astype(np.float16).view(np.uint16); nan=np.isnan(x)\n"
             "assert np.array_equal(h[~nan], want[~nan]) and np.isnan(h.view(np.float16)[nan]).all()\n"
