@@ -140,6 +140,7 @@ static inline __attribute__((always_inline)) void pi_tile8_q8_0(
                 memcpy(&y4, xq + j * xqs + 32 * b + 4 * k, 4);
                 const __m256i sy = _mm256_sign_epi8(_mm256_set1_epi32(y4), sw);
 #if PI_VNNI256
+                (void)ones;
                 is[j] = pi_dpbusd256(is[j], aw, sy);
 #else
                 is[j] = _mm256_add_epi32(is[j], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sy), ones));
@@ -222,6 +223,40 @@ static inline __attribute__((always_inline)) void pi_tile8_x(
         const __m256 dw = _mm256_loadu_ps((const float *)o);
         __m256i is[PI_GEMM_RN], is16[PI_GEMM_RN];
         for (int j = 0; j < RN; j++) is[j] = _mm256_setzero_si256();
+#if PI_VNNI256
+        /* dpbusd sums the four products of each lane straight into int32: the same integer
+         * sums as the maddubs chunks below, with no int16 step to widen */
+        if (t == PI_Q6_K) {
+            for (int h = 0; h < 2; h++) {
+                for (int j = 0; j < RN; j++) is[j] = _mm256_setzero_si256();
+                for (int k = 4 * h; k < 4 * h + 4; k++) {
+                    const __m256i aw = _mm256_loadu_si256((const __m256i *)(o + 32 + 32 * k));
+                    const __m256i sw = _mm256_loadu_si256((const __m256i *)(o + 288 + 32 * k));
+                    for (int j = 0; j < RN; j++) {
+                        int32_t y4;
+                        memcpy(&y4, xq + j * xqs + 32 * b + 4 * k, 4);
+                        is[j] = pi_dpbusd256(is[j], aw, _mm256_sign_epi8(_mm256_set1_epi32(y4), sw));
+                    }
+                }
+                const __m256 dh = h ? _mm256_loadu_ps((const float *)(o + 544)) : dw;
+                for (int j = 0; j < RN; j++)
+                    acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dh, _mm256_set1_ps(xd[j * xds + b])),
+                                             _mm256_cvtepi32_ps(is[j]), acc[j]);
+            }
+            continue;
+        }
+        (void)five;
+        (void)is16;
+        (void)ones;
+        for (int k = 0; k < 8; k++) {
+            const __m256i u = _mm256_loadu_si256((const __m256i *)(o + 32 + 32 * k));
+            for (int j = 0; j < RN; j++) {
+                int32_t y4;
+                memcpy(&y4, xq + j * xqs + 32 * b + 4 * k, 4);
+                is[j] = pi_dpbusd256(is[j], u, _mm256_set1_epi32(y4));
+            }
+        }
+#else
         if (t == PI_Q6_K) {
             for (int h = 0; h < 2; h++) {
                 for (int j = 0; j < RN; j++) is16[j] = _mm256_setzero_si256();
@@ -255,6 +290,7 @@ static inline __attribute__((always_inline)) void pi_tile8_x(
             }
             for (int j = 0; j < RN; j++) is[j] = _mm256_add_epi32(is[j], _mm256_madd_epi16(is16[j], ones));
         }
+#endif
         const __m256 offv = _mm256_loadu_ps((const float *)(o + 288));
         for (int j = 0; j < RN; j++) {
             const float *dx = xd + j * xds;
