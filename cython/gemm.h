@@ -207,9 +207,10 @@ static inline __attribute__((always_inline)) void pi_gemm_pack_x(const int t, co
 /* One packed row group of pi_gemm_pack_x x RN tokens: acc[j] lane i = row i . token j. Per
  * block the integer dots are exact: unsigned values by maddubs into 16 bits (nibbles: a pair
  * sum is at most 2 * 15 * 127, 8 chunks stay under 2^15; five-bit values: 4 chunks, then widened;
- * Q6_K |v| <= 32 against sign(y, v): 4 chunks per half). Then, in block order,
- * s = fma(a dx, isum, s) and s = fma(off / 8, s_x, s) (Q6_K: s = fma(a_0 dx, isum_0, s),
- * s = fma(a_1 dx, isum_1, s)), one f32 accumulator per (row, token). */
+ * Q6_K |v| <= 32 against sign(y, v): 4 chunks per half), or with the 256-bit VNNI dot by dpbusd
+ * straight into int32 (the same integers, no int16 step: one pass over the block). Then, in
+ * block order, s = fma(a dx, isum, s) and s = fma(off / 8, s_x, s) (Q6_K: s = fma(a_0 dx,
+ * isum_0, s), s = fma(a_1 dx, isum_1, s)), one f32 accumulator per (row, token). */
 static inline __attribute__((always_inline)) void pi_tile8_x(
     const int t, const uint8_t *buf, const float *xd, long xds, const int8_t *xq, long xqs,
     int nb, float *out, long ldo, int rm, const int RN) {
@@ -218,79 +219,52 @@ static inline __attribute__((always_inline)) void pi_tile8_x(
     const int five = t == PI_Q5_0 || t == PI_Q5_1 || t == PI_Q5_K;
     __m256 acc[PI_GEMM_RN];
     for (int j = 0; j < RN; j++) acc[j] = _mm256_setzero_ps();
+    /* the partial sums ip: int16 chunks (AVX2, widened by madd) or int32 (VNNI) */
+#if PI_VNNI256
+#define PI_X_ADD(ip, u, y) pi_dpbusd256(ip, u, y)
+#define PI_X_WIDE(ip) (ip)
+#else
+#define PI_X_ADD(ip, u, y) _mm256_add_epi16(ip, _mm256_maddubs_epi16(u, y))
+#define PI_X_WIDE(ip) _mm256_madd_epi16(ip, ones)
+#endif
+    (void)ones;
     for (int b = 0; b < nb; b++) {
         const uint8_t *o = buf + (size_t)b * bstride;
         const __m256 dw = _mm256_loadu_ps((const float *)o);
-        __m256i is[PI_GEMM_RN], is16[PI_GEMM_RN];
+        __m256i is[PI_GEMM_RN], ip[PI_GEMM_RN];
         for (int j = 0; j < RN; j++) is[j] = _mm256_setzero_si256();
-#if PI_VNNI256
-        /* dpbusd sums the four products of each lane straight into int32: the same integer
-         * sums as the maddubs chunks below, with no int16 step to widen */
         if (t == PI_Q6_K) {
             for (int h = 0; h < 2; h++) {
-                for (int j = 0; j < RN; j++) is[j] = _mm256_setzero_si256();
+                for (int j = 0; j < RN; j++) ip[j] = _mm256_setzero_si256();
                 for (int k = 4 * h; k < 4 * h + 4; k++) {
                     const __m256i aw = _mm256_loadu_si256((const __m256i *)(o + 32 + 32 * k));
                     const __m256i sw = _mm256_loadu_si256((const __m256i *)(o + 288 + 32 * k));
                     for (int j = 0; j < RN; j++) {
                         int32_t y4;
                         memcpy(&y4, xq + j * xqs + 32 * b + 4 * k, 4);
-                        is[j] = pi_dpbusd256(is[j], aw, _mm256_sign_epi8(_mm256_set1_epi32(y4), sw));
+                        ip[j] = PI_X_ADD(ip[j], aw, _mm256_sign_epi8(_mm256_set1_epi32(y4), sw));
                     }
                 }
                 const __m256 dh = h ? _mm256_loadu_ps((const float *)(o + 544)) : dw;
                 for (int j = 0; j < RN; j++)
                     acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dh, _mm256_set1_ps(xd[j * xds + b])),
-                                             _mm256_cvtepi32_ps(is[j]), acc[j]);
+                                             _mm256_cvtepi32_ps(PI_X_WIDE(ip[j])), acc[j]);
             }
             continue;
         }
-        (void)five;
-        (void)is16;
-        (void)ones;
-        for (int k = 0; k < 8; k++) {
-            const __m256i u = _mm256_loadu_si256((const __m256i *)(o + 32 + 32 * k));
-            for (int j = 0; j < RN; j++) {
-                int32_t y4;
-                memcpy(&y4, xq + j * xqs + 32 * b + 4 * k, 4);
-                is[j] = pi_dpbusd256(is[j], u, _mm256_set1_epi32(y4));
-            }
-        }
-#else
-        if (t == PI_Q6_K) {
-            for (int h = 0; h < 2; h++) {
-                for (int j = 0; j < RN; j++) is16[j] = _mm256_setzero_si256();
-                for (int k = 4 * h; k < 4 * h + 4; k++) {
-                    const __m256i aw = _mm256_loadu_si256((const __m256i *)(o + 32 + 32 * k));
-                    const __m256i sw = _mm256_loadu_si256((const __m256i *)(o + 288 + 32 * k));
-                    for (int j = 0; j < RN; j++) {
-                        int32_t y4;
-                        memcpy(&y4, xq + j * xqs + 32 * b + 4 * k, 4);
-                        is16[j] = _mm256_add_epi16(
-                            is16[j], _mm256_maddubs_epi16(aw, _mm256_sign_epi8(_mm256_set1_epi32(y4), sw)));
-                    }
-                }
-                const __m256 dh = h ? _mm256_loadu_ps((const float *)(o + 544)) : dw;
-                for (int j = 0; j < RN; j++)
-                    acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(dh, _mm256_set1_ps(xd[j * xds + b])),
-                                             _mm256_cvtepi32_ps(_mm256_madd_epi16(is16[j], ones)),
-                                             acc[j]);
-            }
-            continue;
-        }
-        for (int h = 0; h < (five ? 2 : 1); h++) {
-            for (int j = 0; j < RN; j++) is16[j] = _mm256_setzero_si256();
-            for (int k = (five ? 4 * h : 0); k < (five ? 4 * h + 4 : 8); k++) {
+        const int halves = five && !PI_VNNI256 ? 2 : 1;  /* int16 room: 4 five-bit chunks */
+        for (int h = 0; h < halves; h++) {
+            for (int j = 0; j < RN; j++) ip[j] = _mm256_setzero_si256();
+            for (int k = 8 / halves * h; k < 8 / halves * (h + 1); k++) {
                 const __m256i u = _mm256_loadu_si256((const __m256i *)(o + 32 + 32 * k));
                 for (int j = 0; j < RN; j++) {
                     int32_t y4;
                     memcpy(&y4, xq + j * xqs + 32 * b + 4 * k, 4);
-                    is16[j] = _mm256_add_epi16(is16[j], _mm256_maddubs_epi16(u, _mm256_set1_epi32(y4)));
+                    ip[j] = PI_X_ADD(ip[j], u, _mm256_set1_epi32(y4));
                 }
             }
-            for (int j = 0; j < RN; j++) is[j] = _mm256_add_epi32(is[j], _mm256_madd_epi16(is16[j], ones));
+            for (int j = 0; j < RN; j++) is[j] = _mm256_add_epi32(is[j], PI_X_WIDE(ip[j]));
         }
-#endif
         const __m256 offv = _mm256_loadu_ps((const float *)(o + 288));
         for (int j = 0; j < RN; j++) {
             const float *dx = xd + j * xds;
@@ -299,6 +273,8 @@ static inline __attribute__((always_inline)) void pi_tile8_x(
             acc[j] = _mm256_fmadd_ps(offv, _mm256_set1_ps(dx[nb + b]), acc[j]);
         }
     }
+#undef PI_X_ADD
+#undef PI_X_WIDE
     pi_tile8_store(acc, RN, out, ldo, rm);
 }
 
