@@ -38,7 +38,8 @@
 /* The 256-bit VNNI dot, pi_dpbusd256(acc, u, s): acc + the sums of four products of unsigned
  * bytes u and signed bytes s per 32-bit lane, in int32 (no int16 step). AVX512-VNNI with VL
  * (its EVEX form), or AVX-VNNI (the VEX form: Intel Alder Lake and later without AVX-512, and
- * Zen 5). Paths that keep more than 16 ymm registers live test PI_AVX512VL, not this. */
+ * Zen 5). AVX-VNNI has 16 ymm registers, so a path that keeps more live also tests PI_AVX512
+ * (gemmt.h PI_GEMMT_TN). */
 #if PI_SIMD && defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define PI_VNNI256 1
 #define pi_dpbusd256(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
