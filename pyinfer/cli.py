@@ -236,10 +236,6 @@ def run(args) -> int:
     else:
         ids = llm.tokenize(prompt)
     llm.check_fits(ids)
-    from pyinfer.ops import cpu
-
-    print(f"system_info: {cpu.system_info(getattr(llm.engine, 'n_threads', args.threads))}",
-          file=sys.stderr)
     if not args.no_display_prompt and not args.chat:
         sys.stdout.write(prompt)
         sys.stdout.flush()
@@ -254,6 +250,11 @@ def run(args) -> int:
     sys.stdout.write("\n")
     sys.stdout.flush()
     print(file=sys.stderr)
+    # llama.cpp's system_info line, with the summary (so that an error stays one line)
+    from pyinfer.ops import cpu
+
+    print(f"system_info: {cpu.system_info(getattr(llm.engine, 'n_threads', args.threads))}",
+          file=sys.stderr)
     print_timings(llm.engine.timings)
     return 0
 
