@@ -173,9 +173,19 @@ static inline __attribute__((always_inline)) __m256i pi_isum8_leg(const int t,
             lo = _mm256_or_si256(lo, pi_bit4_pair(ha, hb, 1));
             hi = _mm256_or_si256(hi, pi_bit4_pair(ha, hb, 0));
         }
+#if PI_VNNI256
+        /* int32 lanes: 8 products each, four sums a row */
+        v[i] = pi_dpbusd256(pi_dpbusd256(_mm256_setzero_si256(), lo, ylo), hi, yhi);
+#else
         /* 16-bit lanes: 4 products each (<= 4 * 31 * 127) */
         v[i] = _mm256_add_epi16(_mm256_maddubs_epi16(lo, ylo), _mm256_maddubs_epi16(hi, yhi));
+#endif
     }
+#if PI_VNNI256
+    /* lanes (row i, row i + 4) of v[i] -> [r0 r1 r2 r3 | r4 r5 r6 r7]: the same integers */
+    (void)ones;
+    return _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+#endif
     if (t == PI_Q4_0 || t == PI_Q4_1) {
         /* 4-bit: 16 products (<= 16 * 15 * 127 < 2^15) in 16 bits, then widened once */
         const __m256i h = _mm256_hadd_epi16(_mm256_hadd_epi16(v[0], v[1]),
