@@ -174,26 +174,10 @@ static inline __attribute__((always_inline)) void pi_scores8(
 #if PI_SIMD && !PI_AVX512
 /* The 256-bit paths (AVX2 builds) of the same two steps, session 26. */
 
-/* pi_dot_f32's sums before its horizontal one: (s0 + s1) + (s2 + s3), the same FMAs from zero
- * (a . b for n a multiple of 8) */
-static inline __attribute__((always_inline)) __m256 pi_dot8_f32(const float *a, const float *b,
-                                                                int n) {
-    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-    int i = 0;
-    for (; i + 32 <= n; i += 32) {
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
-        s2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 16), _mm256_loadu_ps(b + i + 16), s2);
-        s3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 24), _mm256_loadu_ps(b + i + 24), s3);
-    }
-    for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-    return _mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3));
-}
-
 /* Scores of every head over rows j .. j + 7 (hd a multiple of 8, at most 128; n_head / n_kv at
  * most 8): per row and KV head the keys converted to f32 once (an f16 cache), then dotted with
- * each query head that reads them as pi_dot_f16/f32 computes the dot (the same FMAs; products
- * commute), the 8 rows' reductions of a head together (pi_hsum8) and one store of its 8 scores.
+ * each query head that reads them as pi_dot_f16/f32 computes the dot (simd.h pi_dot8_f32: the
+ * same FMAs; products commute), the 8 rows' reductions of a head together (pi_hsum8) and one store of its 8 scores.
  * The AVX2 path before it converted a KV head's keys once per query head and reduced each dot
  * alone. */
 static inline void pi_scores8_256(const float *q, const void *k, int f16, long rs, long j,
@@ -333,10 +317,10 @@ static void pi_attend_team(int t, int T, const float *q, const void *k, const vo
     if (hd % 8 == 0 && hd <= 128) {  /* a head at a time, 8 value vectors a pass */
         for (int g = 0; g < H; g++) {
             const long vo = (long)((h0 + g) / group) * hd;
+            const float *sp = s0 + (long)g * n_att;
             for (int c0 = 0; c0 < hd / 8; c0 += 8) {
                 const int nc = hd / 8 - c0 < 8 ? hd / 8 - c0 : 8;
                 float *op = out + (long)(h0 + g) * hd + 8 * c0;
-                const float *sp = s0 + (long)g * n_att;
 #define PI_AV8(C) (f16 ? pi_attend_v8(sp, n_att, inv[g], v, rs, vo + 8 * c0, op, C, 1) \
                        : pi_attend_v8(sp, n_att, inv[g], v, rs, vo + 8 * c0, op, C, 0))
                 switch (nc) {

@@ -185,7 +185,7 @@ static inline __attribute__((always_inline)) __m256i pi_isum8_leg(const int t,
     /* lanes (row i, row i + 4) of v[i] -> [r0 r1 r2 r3 | r4 r5 r6 r7]: the same integers */
     (void)ones;
     return _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-#endif
+#else
     if (t == PI_Q4_0 || t == PI_Q4_1) {
         /* 4-bit: 16 products (<= 16 * 15 * 127 < 2^15) in 16 bits, then widened once */
         const __m256i h = _mm256_hadd_epi16(_mm256_hadd_epi16(v[0], v[1]),
@@ -196,6 +196,7 @@ static inline __attribute__((always_inline)) __m256i pi_isum8_leg(const int t,
     const __m256i a = _mm256_madd_epi16(_mm256_hadd_epi16(v[0], v[1]), ones);
     const __m256i b = _mm256_madd_epi16(_mm256_hadd_epi16(v[2], v[3]), ones);
     return _mm256_hadd_epi32(a, b);
+#endif
 }
 
 /* 8 f16 at rw[i] + off -> f32 lanes */

@@ -215,21 +215,31 @@ static inline float pi_hsum(__m256 v) {
 
 /* ---- f32 / f16 dots ---- */
 
-static inline float pi_dot_f32(const float *a, const float *b, int n) {
-    int i = 0;
-    float s = 0.0f;
 #if PI_SIMD
-    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-    __m256 s2 = _mm256_setzero_ps(), s3 = _mm256_setzero_ps();
+/* pi_dot_f32's sums before its horizontal one, over the first n (a multiple of 8) values:
+ * (s0 + s1) + (s2 + s3), four FMA chains from zero (attend.h's batched scores reduce 8 of them
+ * together and get pi_dot_f32's bits) */
+static inline __attribute__((always_inline)) __m256 pi_dot8_f32(const float *a, const float *b,
+                                                                int n) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    int i = 0;
     for (; i + 32 <= n; i += 32) {
         s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
         s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
         s2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 16), _mm256_loadu_ps(b + i + 16), s2);
         s3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 24), _mm256_loadu_ps(b + i + 24), s3);
     }
-    for (; i + 8 <= n; i += 8)
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-    s = pi_hsum(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+    for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+    return _mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3));
+}
+#endif
+
+static inline float pi_dot_f32(const float *a, const float *b, int n) {
+    int i = 0;
+    float s = 0.0f;
+#if PI_SIMD
+    i = n & ~7;
+    s = pi_hsum(pi_dot8_f32(a, b, i));
 #endif
     for (; i < n; i++) s += a[i] * b[i];
     return s;
