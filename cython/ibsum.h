@@ -46,7 +46,11 @@
  * position p's bit at bit p / 8: one variable shift per lane (by 4 - p / 8) brings every
  * position's bit to bit 4 of its own byte, and an and with 16 leaves the value to add (three
  * operations with the or; AVX-512: the shift, then and-or in one ternary-logic operation).
- * Rows of fewer than four kept channels are padded with xq = 0.
+ * Rows of fewer than four kept channels are padded with xq = 0. The 4-bit types (q4_0, q4_1)
+ * interleave a row's packed bytes instead of its values: byte p holds positions p and 32 + p,
+ * so one interleave serves both halves (low nibbles, and high ones entering dpbusd as 16 u and
+ * shifted back once a block), and the AVX-512 build takes two tiles' 64 bytes a load
+ * (pi_ib_tile_q4, pi_ib_tile2_q4: the same integers).
  * An AVX2 CPU with AVX-VNNI (the VEX form: Intel Alder Lake and later, Zen 5) runs the 256-bit
  * paths with the same dpbusd (simd.h PI_VNNI256). Without VNNI (AVX2) the same four-row lanes
  * go through maddubs / madd (q8_0 with the sign trick: |q| x sign(xq, q), at most 2 * 128 * 127
@@ -331,7 +335,8 @@ static inline __attribute__((always_inline)) void pi_ib_flush256(const int t, co
  * offsets and coefficient once, and a 4-bit row's 32 bytes (both halves' nibbles) once: 3-10%
  * faster input-sparse decode halves on the 256-bit paths for q4_0 (session 26; q8_0 on AVX2
  * alone ran 1.01-1.03x slower, the sign trick's registers, so pi_ib_halves_t keeps its halves
- * apart there). */
+ * apart there). Whole tiles of the 4-bit types now take pi_ib_tile_q4 (fewer operations); this
+ * serves the q5 and q8_0 tiles and every lone half. */
 static inline __attribute__((always_inline)) void pi_ib_span256(const int t, const uint8_t *val,
                                                                 const int32_t *o, const int32_t *c,
                                                                 int G, const uint16_t *dsc,
@@ -371,6 +376,58 @@ static inline __attribute__((always_inline)) void pi_ib_span256(const int t, con
 #endif
         /* q8_0 through pi_ib_dot4 (AVX2) is already signed: no correction */
         pi_ib_flush256(t, dsc, msc, u, h, s, (!PI_VNNI256 && t == PI_Q8_0_IB) ? 0 : cr, a[h], y);
+    }
+}
+
+/* Both halves of tile u of a 4-bit type (q4_0, q4_1) in one pass over its packed bytes: the four
+ * rows' 32 bytes are interleaved once (byte p of a row holds position p in its low nibble and
+ * position 32 + p in its high one, so the interleaved bytes put both halves' values in the lanes
+ * pi_ib_span256 gives them), then the low nibbles go to half 0 and the high ones to half 1. VNNI:
+ * the high nibble enters as it lies (16 u; at most 4 * 240 * 128 a lane and group, 8 groups a
+ * block: far inside int32) and the sum is shifted right by 4 before the flush, exact since every
+ * term is a multiple of 16. AVX2: its maddubs pairs would pass int16 with 16 u, so the high
+ * nibble is shifted down first. Same integers as pi_ib_span256, so the same bits, in 28 vector
+ * operations a group of four rows against 41 (VNNI: 8 byte unpacks instead of 16, no shifts). */
+static inline __attribute__((always_inline)) void pi_ib_tile_q4(const int t, const uint8_t *val,
+                                                                const int32_t *o, const int32_t *c,
+                                                                int G, const uint16_t *dsc,
+                                                                const uint16_t *msc, float s,
+                                                                int32_t cr, long u, float *y) {
+    __m256i a[2][4];
+    for (int h = 0; h < 2; h++)
+        for (int k = 0; k < 4; k++) a[h][k] = _mm256_setzero_si256();
+    const __m256i lo4 = _mm256_set1_epi8(15);
+    for (int g = 0; g < G; g++) {
+        const size_t at = 32 * (size_t)u;
+        const __m256i r0 = _mm256_loadu_si256((const __m256i *)(val + o[4 * g] + at));
+        const __m256i r1 = _mm256_loadu_si256((const __m256i *)(val + o[4 * g + 1] + at));
+        const __m256i r2 = _mm256_loadu_si256((const __m256i *)(val + o[4 * g + 2] + at));
+        const __m256i r3 = _mm256_loadu_si256((const __m256i *)(val + o[4 * g + 3] + at));
+        const __m256i l01 = _mm256_unpacklo_epi8(r0, r1), h01 = _mm256_unpackhi_epi8(r0, r1);
+        const __m256i l23 = _mm256_unpacklo_epi8(r2, r3), h23 = _mm256_unpackhi_epi8(r2, r3);
+        const __m256i v[4] = {_mm256_unpacklo_epi16(l01, l23), _mm256_unpackhi_epi16(l01, l23),
+                              _mm256_unpacklo_epi16(h01, h23), _mm256_unpackhi_epi16(h01, h23)};
+        const __m256i cc = _mm256_set1_epi32(c[g]);
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) {
+#if PI_VNNI256
+            a[0][k] = pi_dpbusd256(a[0][k], _mm256_and_si256(v[k], lo4), cc);
+            a[1][k] = pi_dpbusd256(a[1][k], _mm256_andnot_si256(lo4, v[k]), cc);
+#else
+            a[0][k] = _mm256_add_epi16(a[0][k], _mm256_maddubs_epi16(_mm256_and_si256(v[k], lo4), cc));
+            a[1][k] = _mm256_add_epi16(
+                a[1][k], _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v[k], 4), lo4), cc));
+#endif
+        }
+    }
+    for (int h = 0; h < 2; h++) {
+        for (int k = 0; k < 4; k++)
+#if PI_VNNI256
+            if (h) a[h][k] = _mm256_srai_epi32(a[h][k], 4);
+#else
+            a[h][k] = _mm256_madd_epi16(a[h][k], _mm256_set1_epi16(1));
+#endif
+        pi_ib_flush256(t, dsc, msc, u, h, s, cr, a[h], y);
     }
 }
 
@@ -420,6 +477,50 @@ static inline __attribute__((always_inline)) void pi_ib_tile512(const int t, con
         _mm512_storeu_ps(y + 16 * k, r);
     }
 }
+/* Tiles u and u + 1 of a 4-bit type (pi_ib_tile_q4 at 512 bits): a row's 64 packed bytes of the
+ * two tiles are interleaved once, in 128-bit lanes, so that lanes 0-1 hold tile u's bytes as
+ * pi_ib_tile_q4's 256-bit vectors do and lanes 2-3 tile u + 1's; low nibbles to half 0, high ones
+ * (as 16 u, shifted back before the flush) to half 1. 28 operations a group of four rows for 128
+ * outputs, where two pi_ib_tile512 take 56. Same integers, same flush, so the same bits. */
+static inline __attribute__((always_inline)) void pi_ib_tile2_q4(const int t, const uint8_t *val,
+                                                                 const int32_t *o, const int32_t *c,
+                                                                 int G, const uint16_t *dsc,
+                                                                 const uint16_t *msc, float s,
+                                                                 int32_t cr, long u, float *y) {
+    __m512i a0[4], a1[4];
+    for (int k = 0; k < 4; k++) a0[k] = a1[k] = _mm512_setzero_si512();
+    const __m512i lo4 = _mm512_set1_epi8(15);
+    const size_t at = 32 * (size_t)u;
+    for (int g = 0; g < G; g++) {
+        const __m512i r0 = _mm512_loadu_si512((const void *)(val + o[4 * g] + at));
+        const __m512i r1 = _mm512_loadu_si512((const void *)(val + o[4 * g + 1] + at));
+        const __m512i r2 = _mm512_loadu_si512((const void *)(val + o[4 * g + 2] + at));
+        const __m512i r3 = _mm512_loadu_si512((const void *)(val + o[4 * g + 3] + at));
+        const __m512i l01 = _mm512_unpacklo_epi8(r0, r1), h01 = _mm512_unpackhi_epi8(r0, r1);
+        const __m512i l23 = _mm512_unpacklo_epi8(r2, r3), h23 = _mm512_unpackhi_epi8(r2, r3);
+        const __m512i v[4] = {_mm512_unpacklo_epi16(l01, l23), _mm512_unpackhi_epi16(l01, l23),
+                              _mm512_unpacklo_epi16(h01, h23), _mm512_unpackhi_epi16(h01, h23)};
+        const __m512i cc = _mm512_set1_epi32(c[g]);
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) {
+            a0[k] = _mm512_dpbusd_epi32(a0[k], _mm512_and_si512(v[k], lo4), cc);
+            a1[k] = _mm512_dpbusd_epi32(a1[k], _mm512_andnot_si512(lo4, v[k]), cc);
+        }
+    }
+    for (int j = 0; j < 2; j++) {
+        __m256i h0[4], h1[4];
+        for (int k = 0; k < 4; k++) {
+            h0[k] = _mm512_extracti64x4_epi64(a0[k], 0);
+            h1[k] = _mm256_srai_epi32(_mm512_extracti64x4_epi64(a1[k], 0), 4);
+            if (j) {
+                h0[k] = _mm512_extracti64x4_epi64(a0[k], 1);
+                h1[k] = _mm256_srai_epi32(_mm512_extracti64x4_epi64(a1[k], 1), 4);
+            }
+        }
+        pi_ib_flush256(t, dsc, msc, u + j, 0, s, cr, h0, y + PI_IB_TILE * j);
+        pi_ib_flush256(t, dsc, msc, u + j, 1, s, cr, h1, y + PI_IB_TILE * j);
+    }
+}
 #endif
 #else
 /* halves h0..h1-1 of tile u, one output at a time (output i is in half (i >> 3) & 1) */
@@ -448,6 +549,15 @@ static inline void pi_ib_scalar(const int t, const uint8_t *val, const int32_t *
 
 /* Prefetch (PI_IB_PF_HINT, into L2) the line of half h of tile u of the n kept rows o[0..n) of
  * the value rows valn */
+/* 4-bit tiles from one interleave of their packed bytes (session 27; 0: the older paths, for A/B
+ * builds): the AVX-512 build two whole tiles at a time (pi_ib_tile2_q4), the 256-bit builds both
+ * halves of a tile (pi_ib_tile_q4) */
+#ifndef PI_IB_Q4_PAIR
+#define PI_IB_Q4_PAIR 1
+#endif
+#ifndef PI_IB_Q4_256
+#define PI_IB_Q4_256 1
+#endif
 #ifndef PI_IB_PF_HINT
 #define PI_IB_PF_HINT _MM_HINT_T1
 #endif
@@ -531,9 +641,11 @@ pi_ib_halves_t(const int t, const uint8_t *w, size_t stride, long n_out, long nb
              * half a line */
             const int pf = t == PI_Q8_0_IB || !(u & 1) || u == ua || PI_IB_PF_LINES == 2;
 #if PI_IB_VNNI512
-            if (stream) {
+            /* two tiles of a 4-bit type at once where both are whole (pi_ib_tile2_q4) */
+            const int pair = PI_IB_Q4_PAIR && pi_ib_is_q4(t) && u + 1 < ub;
+            for (long up = u; stream && up <= u + pair; up++) {  /* each tile's prefetches */
                 /* D tiles ahead in the thread's (block, tile) order; at most one block ahead */
-                const long ud = u + (PI_IB_PF_DIST < ub - ua ? PI_IB_PF_DIST : ub - ua);
+                const long ud = up + (PI_IB_PF_DIST < ub - ua ? PI_IB_PF_DIST : ub - ua);
                 if (ud < ub) {
                     pi_ib_pf(t, val, o, 4 * G, ud, 0);
                     if (PI_IB_PF_LINES == 2 && t == PI_Q8_0_IB) pi_ib_pf(t, val, o, 4 * G, ud, 1);
@@ -541,8 +653,8 @@ pi_ib_halves_t(const int t, const uint8_t *w, size_t stride, long n_out, long nb
                     pi_ib_pf(t, valn, on, Nn, ua + ud - ub, 0);
                     if (PI_IB_PF_LINES == 2 && t == PI_Q8_0_IB) pi_ib_pf(t, valn, on, Nn, ua + ud - ub, 1);
                 }
-                if (PI_IB_PF_SCALES && bn < nb) {  /* the next block's 64 f16 scales of tile u */
-                    const char *dn = (const char *)(w + stride * (size_t)bn) + 2 * PI_IB_TILE * u;
+                if (PI_IB_PF_SCALES && bn < nb) {  /* the next block's 64 f16 scales of the tile */
+                    const char *dn = (const char *)(w + stride * (size_t)bn) + 2 * PI_IB_TILE * up;
                     _mm_prefetch(dn, PI_IB_PF_HINT);
                     _mm_prefetch(dn + 64, PI_IB_PF_HINT);
                     if (pi_ib_has_min(t)) {  /* and its mins */
@@ -550,16 +662,22 @@ pi_ib_halves_t(const int t, const uint8_t *w, size_t stride, long n_out, long nb
                         _mm_prefetch(dn + 2 * lo + 64, PI_IB_PF_HINT);
                     }
                 }
-                pi_ib_tile512(t, val, o, c, G, dsc, msc, s, cr, u, y);
-            } else {  /* a0af1f5's: the next block's rows, same tile, once per tile */
-                pi_ib_tile512(t, val, o, c, G, dsc, msc, s, cr, u, y);
-                pi_ib_pf(t, valn, on, Nn, u, 0);
             }
+            if (pair) pi_ib_tile2_q4(t, val, o, c, G, dsc, msc, s, cr, u, y);
+            else pi_ib_tile512(t, val, o, c, G, dsc, msc, s, cr, u, y);
+            if (!stream) {  /* a0af1f5's: the next block's rows, same tile, once per tile */
+                pi_ib_pf(t, valn, on, Nn, u, 0);
+                if (pair) pi_ib_pf(t, valn, on, Nn, u + 1, 0);
+            }
+            u += pair;
             (void)pf;
 #else
             /* AVX2: a0af1f5's prefetch (two per line measured 0.87-1.10x from memory and up to
              * 1.17x slower from cache on this build) */
-            if (PI_VNNI256 || t != PI_Q8_0_IB) {  /* both halves in one pass */
+            if (pi_ib_is_q4(t) && PI_IB_Q4_256) {  /* both halves from one interleave */
+                pi_ib_tile_q4(t, val, o, c, G, dsc, msc, s, cr, u, y);
+                pi_ib_pf(t, valn, on, Nn, u, 0);
+            } else if (PI_VNNI256 || t != PI_Q8_0_IB) {  /* both halves in one pass */
                 pi_ib_span256(t, val, o, c, G, dsc, msc, s, cr, u, 0, 2, y);
                 pi_ib_pf(t, valn, on, Nn, u, 0);
             } else {
