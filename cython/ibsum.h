@@ -545,8 +545,13 @@ static inline __attribute__((always_inline)) void pi_ib_tile2_q4(const int t, co
                                                                  int G, const uint16_t *dsc,
                                                                  const uint16_t *msc, float s,
                                                                  int32_t cr, long u, float *y) {
+    /* the correction enters at the start (half 1's as 16 corr: shifted back with the sums) */
+    const int32_t c0 = pi_ib_has_min(t) ? 0 : cr;
     __m512i a0[4], a1[4];
-    for (int k = 0; k < 4; k++) a0[k] = a1[k] = _mm512_setzero_si512();
+    for (int k = 0; k < 4; k++) {
+        a0[k] = _mm512_set1_epi32(-c0);
+        a1[k] = _mm512_set1_epi32(-16 * c0);
+    }
     const __m512i lo4 = _mm512_set1_epi8(15);
     const size_t at = 32 * (size_t)u;
     for (int g = 0; g < G; g++) {
@@ -565,18 +570,26 @@ static inline __attribute__((always_inline)) void pi_ib_tile2_q4(const int t, co
             a1[k] = _mm512_dpbusd_epi32(a1[k], _mm512_andnot_si512(lo4, v[k]), cc);
         }
     }
-    for (int j = 0; j < 2; j++) {
-        __m256i h0[4], h1[4];
-        for (int k = 0; k < 4; k++) {
-            h0[k] = _mm512_extracti64x4_epi64(a0[k], 0);
-            h1[k] = _mm256_srai_epi32(_mm512_extracti64x4_epi64(a1[k], 0), 4);
-            if (j) {
-                h0[k] = _mm512_extracti64x4_epi64(a0[k], 1);
-                h1[k] = _mm256_srai_epi32(_mm512_extracti64x4_epi64(a1[k], 1), 4);
+    /* pi_ib_tile512's flush per tile: outputs 16 k .. 16 k + 15 of tile u + j are half 0's lanes
+     * of sum k, then half 1's: 128-bit lanes 2 j, 2 j + 1 of a0[k] and of a1[k] >> 4 */
+    const __m512 vs = _mm512_set1_ps(s);
+    const __m512 xs = _mm512_set1_ps(8.0f * s * (float)cr);  /* q4_1: pi_ib_flush256 */
+    for (int k = 0; k < 4; k++) {
+        const __m512i hi = _mm512_srai_epi32(a1[k], 4);
+        for (int j = 0; j < 2; j++) {
+            const __m512i acc = j ? _mm512_shuffle_i64x2(a0[k], hi, 0xee)
+                                  : _mm512_shuffle_i64x2(a0[k], hi, 0x44);
+            const long a = PI_IB_TILE * (u + j) + 16 * k;
+            float *yk = y + PI_IB_TILE * j + 16 * k;
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dsc + a)));
+            __m512 r = _mm512_fmadd_ps(_mm512_mul_ps(vs, d), _mm512_cvtepi32_ps(acc),
+                                       _mm512_loadu_ps(yk));
+            if (pi_ib_has_min(t)) {
+                const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(msc + a)));
+                r = _mm512_fmadd_ps(_mm512_mul_ps(m, _mm512_set1_ps(0.125f)), xs, r);
             }
+            _mm512_storeu_ps(yk, r);
         }
-        pi_ib_flush256(t, dsc, msc, u + j, 0, s, cr, h0, y + PI_IB_TILE * j);
-        pi_ib_flush256(t, dsc, msc, u + j, 1, s, cr, h1, y + PI_IB_TILE * j);
     }
 }
 #endif
