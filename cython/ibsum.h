@@ -499,6 +499,22 @@ static inline __attribute__((always_inline)) void pi_ib_half(const int t, const 
 }
 
 #if PI_IB_VNNI512
+/* y[0..15] += (s d) * float(acc) for the 16 outputs at a (= 64 u + 16 k) of a block (acc: the
+ * integer sums with the correction taken off; vs = s, xs = 8 s sum(xq)): pi_ib_flush256's
+ * operations, 16 lanes at a time (q4_1 / q5_1: then the min term) */
+static inline __attribute__((always_inline)) void pi_ib_flush512(const int t, const uint16_t *dsc,
+                                                                 const uint16_t *msc, long a,
+                                                                 __m512 vs, __m512 xs,
+                                                                 __m512i acc, float *yk) {
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dsc + a)));
+    __m512 r = _mm512_fmadd_ps(_mm512_mul_ps(vs, d), _mm512_cvtepi32_ps(acc), _mm512_loadu_ps(yk));
+    if (pi_ib_has_min(t)) {
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(msc + a)));
+        r = _mm512_fmadd_ps(_mm512_mul_ps(m, _mm512_set1_ps(0.125f)), xs, r);
+    }
+    _mm512_storeu_ps(yk, r);
+}
+
 /* the whole tile u (both halves in one 512-bit pass) */
 static inline __attribute__((always_inline)) void pi_ib_tile512(const int t, const uint8_t *val,
                                                                 const int32_t *o, const int32_t *c,
@@ -521,19 +537,11 @@ static inline __attribute__((always_inline)) void pi_ib_tile512(const int t, con
     }
     const __m512 vs = _mm512_set1_ps(s);
     const __m512i vc = _mm512_set1_epi32(pi_ib_has_min(t) ? 0 : cr);
-    const __m512 xs = _mm512_set1_ps(8.0f * s * (float)cr);  /* q4_1: pi_ib_flush256 */
+    const __m512 xs = _mm512_set1_ps(8.0f * s * (float)cr);
     const __m512i acc[4] = {a0, a1, a2, a3};
-    for (int k = 0; k < 4; k++) {
-        const long a = PI_IB_TILE * u + 16 * k;
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dsc + a)));
-        const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[k], vc));
-        __m512 r = _mm512_fmadd_ps(_mm512_mul_ps(vs, d), f, _mm512_loadu_ps(y + 16 * k));
-        if (pi_ib_has_min(t)) {
-            const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(msc + a)));
-            r = _mm512_fmadd_ps(_mm512_mul_ps(m, _mm512_set1_ps(0.125f)), xs, r);
-        }
-        _mm512_storeu_ps(y + 16 * k, r);
-    }
+    for (int k = 0; k < 4; k++)
+        pi_ib_flush512(t, dsc, msc, PI_IB_TILE * u + 16 * k, vs, xs, _mm512_sub_epi32(acc[k], vc),
+                       y + 16 * k);
 }
 /* Tiles u and u + 1 of a 4-bit type (pi_ib_tile_q4 at 512 bits): a row's 64 packed bytes of the
  * two tiles are interleaved once, in 128-bit lanes, so that lanes 0-1 hold tile u's bytes as
@@ -570,26 +578,16 @@ static inline __attribute__((always_inline)) void pi_ib_tile2_q4(const int t, co
             a1[k] = _mm512_dpbusd_epi32(a1[k], _mm512_andnot_si512(lo4, v[k]), cc);
         }
     }
-    /* pi_ib_tile512's flush per tile: outputs 16 k .. 16 k + 15 of tile u + j are half 0's lanes
-     * of sum k, then half 1's: 128-bit lanes 2 j, 2 j + 1 of a0[k] and of a1[k] >> 4 */
+    /* the flush per tile: outputs 16 k .. 16 k + 15 of tile u + j are half 0's lanes of sum k,
+     * then half 1's: 128-bit lanes 2 j, 2 j + 1 of a0[k] and of a1[k] >> 4 */
     const __m512 vs = _mm512_set1_ps(s);
-    const __m512 xs = _mm512_set1_ps(8.0f * s * (float)cr);  /* q4_1: pi_ib_flush256 */
+    const __m512 xs = _mm512_set1_ps(8.0f * s * (float)cr);
     for (int k = 0; k < 4; k++) {
         const __m512i hi = _mm512_srai_epi32(a1[k], 4);
-        for (int j = 0; j < 2; j++) {
-            const __m512i acc = j ? _mm512_shuffle_i64x2(a0[k], hi, 0xee)
-                                  : _mm512_shuffle_i64x2(a0[k], hi, 0x44);
-            const long a = PI_IB_TILE * (u + j) + 16 * k;
-            float *yk = y + PI_IB_TILE * j + 16 * k;
-            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dsc + a)));
-            __m512 r = _mm512_fmadd_ps(_mm512_mul_ps(vs, d), _mm512_cvtepi32_ps(acc),
-                                       _mm512_loadu_ps(yk));
-            if (pi_ib_has_min(t)) {
-                const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(msc + a)));
-                r = _mm512_fmadd_ps(_mm512_mul_ps(m, _mm512_set1_ps(0.125f)), xs, r);
-            }
-            _mm512_storeu_ps(yk, r);
-        }
+        pi_ib_flush512(t, dsc, msc, PI_IB_TILE * u + 16 * k, vs, xs,
+                       _mm512_shuffle_i64x2(a0[k], hi, 0x44), y + 16 * k);
+        pi_ib_flush512(t, dsc, msc, PI_IB_TILE * (u + 1) + 16 * k, vs, xs,
+                       _mm512_shuffle_i64x2(a0[k], hi, 0xee), y + PI_IB_TILE + 16 * k);
     }
 }
 #endif
