@@ -616,8 +616,6 @@ static inline void pi_ib_scalar(const int t, const uint8_t *val, const int32_t *
 }
 #endif /* PI_SIMD */
 
-/* Prefetch (PI_IB_PF_HINT, into L2) the line of half h of tile u of the n kept rows o[0..n) of
- * the value rows valn */
 /* 4-bit tiles from one interleave of their packed bytes (session 27; 0: the older paths, for A/B
  * builds): the AVX-512 build two whole tiles at a time (pi_ib_tile2_q4), the 256-bit builds both
  * halves of a tile (pi_ib_tile_q4) */
@@ -627,6 +625,9 @@ static inline void pi_ib_scalar(const int t, const uint8_t *val, const int32_t *
 #ifndef PI_IB_Q4_256
 #define PI_IB_Q4_256 1
 #endif
+
+/* Prefetch (PI_IB_PF_HINT, into L2) the line of half h of tile u of the n kept rows o[0..n) of
+ * the value rows valn */
 #ifndef PI_IB_PF_HINT
 #define PI_IB_PF_HINT _MM_HINT_T1
 #endif
