@@ -3,6 +3,9 @@ against a NumPy forward over the transformers weights with the same masks, 0% ag
 calibration that does not depend on the thread count."""
 from __future__ import annotations
 
+import os
+import sys
+
 import gguf
 import numpy as np
 import pytest
@@ -841,3 +844,22 @@ def test_k_m_source_takes_input_mode_with_its_own_numbers(tmp_path, kt, dst):
     b = Engine(out, n_ctx=64, n_threads=1, dense=True).forward(ids, 0, all_logits=True)
     assert (a.argmax(-1) == b.argmax(-1)).mean() >= 0.95
     assert np.abs(a - b).max() < 0.05 * np.abs(a).max()
+
+
+def test_kept_curve_tool(input_file, dense_f32, capsys):
+    """tools/kept_curve.py: scale 0 keeps every projection byte, "none" none, and the bytes kept
+    fall as the file's thresholds grow; a file without sparse mode input is refused in one line."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    "tools"))
+    import kept_curve
+
+    path, _ = input_file
+    assert kept_curve.main([path, "-t", "1", "--depth", "4", "--rounds", "1", "--n-gen", "2",
+                            "--scales", "0", "1", "3", "none"]) == 0
+    rows = [ln.split("|") for ln in capsys.readouterr().out.splitlines() if ln.startswith("| ")]
+    kept = {r[1].strip(): float(r[2]) for r in rows[1:]}
+    assert kept["every input"] == 1.0 and kept["none"] == 0.0
+    assert 1.0 > kept["x1"] >= kept["x3"] > 0.0
+    assert kept_curve.main([dense_f32]) == 1
+    err = capsys.readouterr().err
+    assert "no sparse mode input" in err and len(err.strip().splitlines()) == 1
