@@ -521,7 +521,8 @@ static inline __attribute__((always_inline)) void pi_ib_tile512(const int t, con
                                                                 int G, const uint16_t *dsc,
                                                                 const uint16_t *msc, float s,
                                                                 int32_t cr, long u, float *y) {
-    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+    /* the correction enters at the start: the same integers as subtracting it at the end */
+    __m512i a0 = _mm512_set1_epi32(pi_ib_has_min(t) ? 0 : -cr), a1 = a0, a2 = a0, a3 = a0;
     for (int g = 0; g < G; g++) {
         const __m512i r0 = pi_ib_load512(t, val + o[4 * g], u);
         const __m512i r1 = pi_ib_load512(t, val + o[4 * g + 1], u);
@@ -536,12 +537,10 @@ static inline __attribute__((always_inline)) void pi_ib_tile512(const int t, con
         a3 = _mm512_dpbusd_epi32(a3, _mm512_unpackhi_epi16(h01, h23), cc);
     }
     const __m512 vs = _mm512_set1_ps(s);
-    const __m512i vc = _mm512_set1_epi32(pi_ib_has_min(t) ? 0 : cr);
     const __m512 xs = _mm512_set1_ps(8.0f * s * (float)cr);
     const __m512i acc[4] = {a0, a1, a2, a3};
     for (int k = 0; k < 4; k++)
-        pi_ib_flush512(t, dsc, msc, PI_IB_TILE * u + 16 * k, vs, xs, _mm512_sub_epi32(acc[k], vc),
-                       y + 16 * k);
+        pi_ib_flush512(t, dsc, msc, PI_IB_TILE * u + 16 * k, vs, xs, acc[k], y + 16 * k);
 }
 /* Tiles u and u + 1 of a 4-bit type (pi_ib_tile_q4 at 512 bits): a row's 64 packed bytes of the
  * two tiles are interleaved once, in 128-bit lanes, so that lanes 0-1 hold tile u's bytes as
