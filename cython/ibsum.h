@@ -812,6 +812,55 @@ static void pi_ib_halves_span(long v0, long v1, float *out, float *add) {
     }
 }
 
+#ifndef PI_IB_PF_START
+#define PI_IB_PF_START 1
+#endif
+#ifndef PI_IB_PF_EARLY
+#define PI_IB_PF_EARLY 1
+#endif
+/* Prefetch (into L2) this thread's first tiles (those pi_ib_halves' own prefetch, PI_IB_PF_DIST
+ * tiles ahead of the tile it sums, never reaches) of block b's rows: the rows of channels
+ * idx[k0 ..] while they fall in block b (idx NULL: all 32 rows), and their f16 scales (and
+ * mins). Half tiles v0 .. v1 - 1 as pi_ib_rows_team splits them.
+ * always_inline: an out-of-line function that only prefetches is "pure" to GCC's IPA (a
+ * prefetch is no side effect to it), and a call to it whose result is unused is deleted. */
+static inline __attribute__((always_inline)) void
+pi_ib_pf_rows(int t, const uint8_t *w, size_t stride, const int32_t *idx, long k0, long n,
+              long b, long v0, long v1) {
+#if PI_SIMD
+    const long lo = pi_ib_layout_outs(t, stride), ua = v0 / 2, ue = (v1 + 1) / 2;
+    const long ub = ue - ua > PI_IB_PF_DIST ? ua + PI_IB_PF_DIST : ue;
+    const size_t rb = pi_ib_row_bytes(t, lo), tb = pi_ib_tile_bytes(t);
+    const uint8_t *blk = w + stride * (size_t)b;
+    const uint8_t *val = blk + pi_ib_scale_bytes(t, lo);
+    const size_t a0 = tb * (size_t)ua & ~(size_t)63, a1 = tb * (size_t)ub;
+    for (long k = k0; k < n; k++) {
+        const long r = idx ? idx[k] - 32 * b : k;
+        if (r >= 32) break;
+        const uint8_t *row = val + rb * (size_t)r;
+        for (size_t a = a0; a < a1; a += 64) _mm_prefetch((const char *)(row + a), PI_IB_PF_HINT);
+    }
+    for (int m = 0; m <= pi_ib_has_min(t); m++) {  /* the scales (then the mins) of those tiles */
+        const uint8_t *sc = blk + 2 * (size_t)lo * (size_t)m;
+        const size_t s0 = 2 * PI_IB_TILE * (size_t)ua & ~(size_t)63, s1 = 2 * PI_IB_TILE * (size_t)ub;
+        for (size_t a = s0; a < s1; a += 64) _mm_prefetch((const char *)(sc + a), PI_IB_PF_HINT);
+    }
+#else
+    (void)t; (void)w; (void)stride; (void)idx; (void)k0; (void)n; (void)b; (void)v0; (void)v1;
+#endif
+}
+
+/* Thread t of T's first tiles of block 0's 32 rows of an input-block matrix (qtype, w, stride,
+ * cols outputs as pi_ib_rows_team takes them; any other type: nothing), whichever channels will
+ * be kept: called by a decode a step before the projection (while it norms, selects or attends,
+ * the memory is otherwise idle), so that its sums do not start on a cold block. */
+static inline __attribute__((always_inline)) void
+pi_ib_pf_first(int t, int T, int qtype, const uint8_t *w, size_t stride, int cols) {
+    if (!PI_IB_PF_EARLY || !pi_is_ib(qtype)) return;
+    const long nv = cols / (PI_IB_TILE / 2), v0 = t * nv / T, v1 = (t + 1) * nv / T;
+    if (v1 > v0) pi_ib_pf_rows(qtype, w, stride, NULL, 0, 32, 0, v0, v1);
+}
+
 /* Thread t of T's share of out = W xm (overwrites out), xm holding coef[k] at channel idx[k]
  * (idx ascending, n entries) and 0 elsewhere; then, if add is not NULL, add += out. w: the
  * input blocks, `stride` bytes each. Every thread quantizes every block itself into its own
@@ -828,6 +877,8 @@ static void pi_ib_rows_team(int t, int T, int qtype, const uint8_t *w, size_t st
     if (v1 <= v0) return;
     int32_t off[32 * nb + 1], cf[8 * nb + 1], ng[nb + 1], corr[nb + 1];
     float sb[nb + 1];
+    /* the first kept block's first tiles, fetched while every block is quantized (step 1) */
+    if (PI_IB_PF_START && n > 0) pi_ib_pf_rows(qtype, w, stride, idx, 0, n, idx[0] / 32, v0, v1);
     /* 1. the kept channels of every block, quantized per block */
     for (long b = 0, k = 0; b < nb; b++) {
         long k1 = k;

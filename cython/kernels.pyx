@@ -80,6 +80,7 @@ cdef extern from "rowsum_team.h" nogil:
     long pi_axpy_split_cols_bytes
     size_t pi_axpy_tmp_floats(long n, int cols, size_t stride)
     int pi_is_ib(int qtype)
+    void pi_ib_pf_first(int t, int T, int qtype, const uint8_t *w, size_t stride, int cols)
     size_t pi_ib_block_bytes(int qtype, long n_out)
     void pi_ib_matmul(int qtype, const uint8_t *w, size_t stride, long n_in, const float *a,
                       long lda, long n_tok, float *out, long ldo, int cols, int n_threads)
@@ -1390,6 +1391,7 @@ cdef void _ffn_in_team(int t, int T, float *x, const float *ffn_norm, float eps,
     cdef long j0, j1
     # 1. every thread its own norm and kept list of the gate/up inputs (no barrier, and no line
     # of them written by another core)
+    pi_ib_pf_first(t, T, tgu, wgu, sgu, <int> (2 * n_ff))  # (while this step runs)
     _rmsnorm1(x, ffn_norm, eps, h, n_embd)
     n_in = _select_inputs(h, scale_gu, thr_gu, n_embd, cin, iin)
     # 2. [g, u] = the kept rows of ffn_gate_up_t (summing g and u as two spans, so that a
@@ -1398,6 +1400,7 @@ cdef void _ffn_in_team(int t, int T, float *x, const float *ffn_norm, float eps,
     pi_axpy_rows_team(t, T, tgu, wgu, sgu, cin, iin, n_in, gu, <int> (2 * n_ff), tmp_gu, NULL)
     pi_team_barrier()
     # 3. a = act(g) u over this thread's span, its kept ones compacted at the span's start
+    pi_ib_pf_first(t, T, td, wd, sd_, n_embd)  # (while this step runs)
     pi_act_span(t, T, n_ff, &j0, &j1)
     cnt[t] = pi_act_select(gu, n_ff, j0, j1, silu, scale_d, thr_d, ctmp + j0, itmp + j0)
     pi_team_barrier()
@@ -1587,6 +1590,7 @@ cdef void _attn_in_team(int t, int T, float *x, const float *attn_norm, float ep
     # 1. every thread its own norm and kept list of the q/k/v inputs (no barrier: the kept list
     # was thread 0's, the others waiting), and its share of the rope's table for this position
     # (_rope1's expressions: the same cos/sin for q and k; read after step 2's barrier)
+    pi_ib_pf_first(t, T, tqkv, wqkv, sqkv, <int> (nq + 2 * nkv))  # (while this step runs)
     _rmsnorm1(x, attn_norm, eps, h, n_embd)
     n_in = _select_inputs(h, sq, thr_qkv, n_embd, cin, iin)
     if not rope_ready:  # (decode_layers_in makes the table once per token: rope_ready 1)
@@ -1596,6 +1600,7 @@ cdef void _attn_in_team(int t, int T, float *x, const float *attn_norm, float ep
                       tmp_qkv, NULL)
     pi_team_barrier()
     # 3. rope on this thread's share of the q and k heads; its k heads' K and V to the cache
+    pi_ib_pf_first(t, T, to, wo, so_, n_embd)  # (while steps 3 and 4 run)
     h0 = t * (n_head + n_kv) // T
     h1 = (t + 1) * (n_head + n_kv) // T
     for hh in range(h0, h1):
