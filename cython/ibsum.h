@@ -822,8 +822,7 @@ static void pi_ib_halves_span(long v0, long v1, float *out, float *add) {
  * tiles ahead of the tile it sums, never reaches) of block b's rows: the rows of channels
  * idx[k0 ..] while they fall in block b (idx NULL: all 32 rows), and their f16 scales (and
  * mins). Half tiles v0 .. v1 - 1 as pi_ib_rows_team splits them.
- * always_inline: an out-of-line function that only prefetches is "pure" to GCC's IPA (a
- * prefetch is no side effect to it), and a call to it whose result is unused is deleted. */
+ * always_inline: as simd.h's pi_prefetch_l2 (GCC deletes a call to a prefetch-only function). */
 static inline __attribute__((always_inline)) void
 pi_ib_pf_rows(int t, const uint8_t *w, size_t stride, const int32_t *idx, long k0, long n,
               long b, long v0, long v1) {

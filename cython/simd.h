@@ -462,8 +462,11 @@ static inline void pi_axpy_row(int qtype, float a, const uint8_t *row, float *ou
  * (measured on the 2-core EPYC box, docs/benchmarks.md): rows far ahead go to L2 (hint T1: the L2
  * has more miss buffers than the L1, so more lines are in flight), the next rows to L1 (T0).
  * Prefetching from p itself instead of its line start missed a row's last line about half the
- * time, and each missed line stalled the row on a full DRAM latency. */
-static inline void pi_prefetch_l1(const uint8_t *p, size_t nbytes) {
+ * time, and each missed line stalled the row on a full DRAM latency.
+ * always_inline: to GCC's IPA a function that only prefetches is "pure" (a prefetch is no side
+ * effect to it), and where such a call is not inlined early it is deleted as unused (session 28
+ * found pi_axq_range's call gone from the build that way). */
+static inline __attribute__((always_inline)) void pi_prefetch_l1(const uint8_t *p, size_t nbytes) {
 #if PI_SIMD
     const uint8_t *a = (const uint8_t *)((uintptr_t)p & ~(uintptr_t)63);
     for (; a < p + nbytes; a += 64) _mm_prefetch((const char *)a, _MM_HINT_T0);
@@ -473,7 +476,7 @@ static inline void pi_prefetch_l1(const uint8_t *p, size_t nbytes) {
 #endif
 }
 
-static inline void pi_prefetch_l2(const uint8_t *p, size_t nbytes) {
+static inline __attribute__((always_inline)) void pi_prefetch_l2(const uint8_t *p, size_t nbytes) {
 #if PI_SIMD
     const uint8_t *a = (const uint8_t *)((uintptr_t)p & ~(uintptr_t)63);
     for (; a < p + nbytes; a += 64) _mm_prefetch((const char *)a, _MM_HINT_T1);
