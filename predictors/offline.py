@@ -204,17 +204,29 @@ class OfflineOptions:
 NO_SPARSE_MODE = "dense"
 
 
-def cpu_note_input() -> str:
+def cpu_note_input(weights) -> str:
     """A clause for the converter's sparse-mode-input notice where the kernels have no 512-bit
-    path (a CPU without AVX-512, e.g. Intel's desktop cores): there input mode decoded
-    0.93-1.07x a dense file, against 1.2-1.3x with AVX-512 (docs/benchmarks.md, session 26,
-    measured with AVX2 builds on an AVX-512 CPU). "" elsewhere (and for a build without SIMD)."""
+    path (a CPU without AVX-512, e.g. Intel's desktop cores) and ``weights`` (ModelWeights, the
+    staging file's) hold a 5-bit projection (Q5_0, Q5_1, or Q5_K, stored as q5_1): their input
+    files decoded 0.94-1.09x their dense files on an AVX2 build. Input files of the 4- and 8-bit
+    types decode 1.14-1.26x there (docs/benchmarks.md, session 28; session 26 had measured
+    0.93-1.07x before the 256-bit sums were made faster), so they get no clause; nor does a
+    build with AVX-512 or without SIMD. Measured with AVX2 builds on an AVX-512 CPU."""
+    import gguf
+
     from pyinfer.ops import cpu
 
     if not cpu.simd_enabled() or "AVX512" in cpu.simd_features():
         return ""
-    return ("; on this CPU (no AVX-512) it decodes about as fast as a dense file "
-            "(docs/benchmarks.md, session 26): --dense keeps full quality")
+    lw = weights.layers[0]
+    five_bit = {gguf.GGMLQuantizationType.Q5_0, gguf.GGMLQuantizationType.Q5_1,
+                gguf.GGMLQuantizationType.Q5_K}
+    projections = (lw.wq, lw.wk, lw.wv, lw.wo, lw.ffn_gate, lw.ffn_up, lw.ffn_down_t,
+                   lw.ffn_down)
+    if not any(w is not None and w.qtype in five_bit for w in projections):
+        return ""
+    return ("; on this CPU (no AVX-512) a 5-bit input file decodes about as fast as a dense file "
+            "(docs/benchmarks.md, session 28): --dense keeps full quality")
 
 
 def input_mode_model(cfg, weights) -> bool:
@@ -348,7 +360,7 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
                      "q4_1, q5_0, q5_1, f16, q4_k (stored as q4_1), q5_k (as q5_1) or q6_k (as q8_0); "
                      "the GPU engine runs it as whole layers; "
                      "--sparse-mode glu or --vram-budget for its hot-neuron split)"
-                     + cpu_note_input(), opts.progress)
+                     + cpu_note_input(eng.weights), opts.progress)
             elif mode == C.SPARSE_MODE_GLU and opts.vram_budget_gib is None:
                 hint = ("; --outtype q8_0, q4_0, q4_1, q5_0, q5_1 or f16 takes sparse mode input, "
                         "which is faster"

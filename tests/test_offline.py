@@ -261,19 +261,35 @@ def test_calib_file_and_fixed_rank(silu_dir, tmp_path):
 
 
 def test_cpu_note_input(monkeypatch):
-    """The input-mode notice adds a clause on a build without the 512-bit paths (where input
-    mode decoded about as fast as a dense file), none with them or without SIMD."""
+    """The input-mode notice adds a clause on a build without the 512-bit paths for a model with
+    5-bit projections (whose input files decode about as fast as dense ones there), none for
+    the 4- and 8-bit types, none with the 512-bit paths or without SIMD."""
+    from types import SimpleNamespace
+
+    import gguf
+
     from predictors.offline import cpu_note_input
     from pyinfer.ops import cpu
 
+    Q = gguf.GGMLQuantizationType
+
+    def weights(qtype, down=None):
+        w = SimpleNamespace(qtype=qtype)
+        lw = SimpleNamespace(wq=w, wk=w, wv=w, wo=w, ffn_gate=w, ffn_up=w,
+                             ffn_down_t=SimpleNamespace(qtype=down or qtype), ffn_down=None)
+        return SimpleNamespace(layers=[lw])
+
     monkeypatch.setattr(cpu, "simd_enabled", lambda: True)
-    for feats, want in ((("AVX2",), True), (("AVX2", "VNNI256", "AVX_VNNI"), True),
-                        (("AVX2", "AVX512", "VNNI256"), False)):
+    for feats, qtype, down, want in (
+            (("AVX2",), Q.Q5_1, None, True), (("AVX2", "VNNI256", "AVX_VNNI"), Q.Q5_0, None, True),
+            (("AVX2",), Q.Q4_K, Q.Q5_K, True), (("AVX2",), Q.Q4_0, None, False),
+            (("AVX2",), Q.Q8_0, None, False), (("AVX2", "VNNI256"), Q.Q4_1, None, False),
+            (("AVX2", "AVX512", "VNNI256"), Q.Q5_1, None, False)):
         monkeypatch.setattr(cpu, "simd_features", lambda f=feats: f)
-        assert ("no AVX-512" in cpu_note_input()) == want, feats
+        assert ("no AVX-512" in cpu_note_input(weights(qtype, down))) == want, (feats, qtype)
     monkeypatch.setattr(cpu, "simd_enabled", lambda: False)
     monkeypatch.setattr(cpu, "simd_features", lambda: ())
-    assert cpu_note_input() == ""
+    assert cpu_note_input(weights(Q.Q5_1)) == ""
 
 
 def test_default_sparse_mode(silu_dir, relu_dir, tmp_path, capsys):
