@@ -300,10 +300,13 @@ def main(argv=None) -> int:
     for frac in (float(f) for f in args.budgets.split(",")):
         label = f"{frac:.0%}"
         budget = int(sizes_s.fixed() + frac * ffn_bytes) + 4 * F * L
+        wide0 = cuda.gate_up_wide()  # the engine's default dots (wide since session 28)
         run("hybrid (hot neurons on GPU)", label, make_sparse(),
             plan_hybrid(cfg, sizes_s, budget, counts))
-        forms = ([("listed", True, False)] if args.gate_up_ab else []) + (
-            [("wide", False, True), ("wide, listed", True, True)] if args.wide_ab else [])
+        other = "GEMV dots" if wide0 else "wide"
+        forms = ([("listed", True, wide0)] if args.gate_up_ab else []) + (
+            [(other, False, not wide0), (f"{other}, listed", True, not wide0)]
+            if args.wide_ab else [])
         for name, listed, wide in forms:  # the hot neurons' gate/up in another form
             cuda.set_gate_up_list(listed)
             cuda.set_gate_up_wide(wide)
@@ -312,7 +315,7 @@ def main(argv=None) -> int:
                     plan_hybrid(cfg, sizes_s, budget, counts))
             finally:
                 cuda.set_gate_up_list(False)
-                cuda.set_gate_up_wide(False)
+                cuda.set_gate_up_wide(wide0)
         if args.cold_ab:
             GpuModel._cold = _cold_steps
             run("hybrid, cold via sparse_step", label, make_sparse(),

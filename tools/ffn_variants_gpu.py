@@ -125,7 +125,8 @@ def main(argv=None) -> int:
     print("| ffn_gate_up form | us/call | candidates | kept | max diff vs fused (of max coef) |")
     print("|---|---|---|---|---|")
     ref = None
-    forms = [("fused (engine default)", False, False, True), ("listed", True, False, True),
+    wide0 = cuda.gate_up_wide()  # the engine's default (wide since session 28)
+    forms = [("fused, GEMV dots", False, False, True), ("listed", True, False, True),
              ("fused, wide", False, True, True), ("listed, wide", True, True, True),
              ("dense (every row)", False, False, False)]
     for label, listed, wide, pred in forms:
@@ -143,7 +144,7 @@ def main(argv=None) -> int:
             us = timed(lambda j: gate_up(j, pred), n_copy, args.reps)
         finally:
             cuda.set_gate_up_list(False)
-            cuda.set_gate_up_wide(False)
+            cuda.set_gate_up_wide(wide0)
         print(f"| {label} | {us:.1f} | {int(n[0])} | {int(n[1])} | {err:.1e} |")
 
     # the down projection over the fused form's coefficients (the kept neurons' rows)

@@ -1200,16 +1200,23 @@ def set_gate_up_list(on: bool) -> None:
 
 #: ffn_gate_up's WIDE form for quantized rows where rows are candidates (a mask or a predictor):
 #: a candidate's gate and up loads in flight together (``dot2x_*``), one memory round trip a row
-#: instead of about 2 nb / (8 U); off until measured on a GPU (``set_gate_up_wide``;
-#: tools/bench_gpu.py --wide-ab and tools/ffn_variants_gpu.py time both)
-_GATE_UP_WIDE = False
+#: instead of about 2 nb / (8 U). On by default since an H200 measured it (docs/benchmarks.md,
+#: session 28: 7B / 13B q4_0 with every neuron on the GPU 1.09x / 1.10x tokens/s, at 50% of the
+#: FFN 1.03x / 1.01x); ``set_gate_up_wide``; tools/bench_gpu.py --wide-ab and
+#: tools/ffn_variants_gpu.py time both
+_GATE_UP_WIDE = True
+
+
+def gate_up_wide() -> bool:
+    """Whether ffn_gate_up's candidate cases take the wide dots (``set_gate_up_wide``)."""
+    return _GATE_UP_WIDE
 
 
 def set_gate_up_wide(on: bool) -> None:
     """Choose the dots of ffn_gate_up's candidate cases (a mask or a predictor; both launch
     forms) for q8_0/q4_0 rows: the wide form (True: every load of a candidate's gate and up rows
-    in flight before any arithmetic, up read even where a ReLU gate drops the neuron) or the
-    GEMV's dot (False, the default). The same coefficients up to the order of the sums; the
+    in flight before any arithmetic, up read even where a ReLU gate drops the neuron; the
+    default) or the GEMV's dot (False). The same coefficients up to the order of the sums; the
     dense case (every row) keeps the GEMV's dot either way."""
     global _GATE_UP_WIDE
     _GATE_UP_WIDE = bool(on)
