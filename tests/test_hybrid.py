@@ -470,6 +470,7 @@ def test_gpu_gate_up_with_predictor_both_forms(qt):
         f2d, hd, xd, idd = g.rows([fc2]), cp.asarray(hid), cp.asarray(x), cp.asarray(ids)
         for act, act_thr, glu in (("relu", 0.0, False), ("silu", 0.05, False), ("silu", 0.5, True)):
             got = {}
+            wide0 = cuda.gate_up_wide()
             for form in ((False, False), (True, False), (True, False), (False, True), (True, True)):
                 cuda.set_gate_up_list(form[0])
                 cuda.set_gate_up_wide(form[1])
@@ -480,7 +481,7 @@ def test_gpu_gate_up_with_predictor_both_forms(qt):
                     got.setdefault(form, []).append((coef.get(), cnt.get()))
                 finally:
                     cuda.set_gate_up_list(False)
-                    cuda.set_gate_up_wide(False)
+                    cuda.set_gate_up_wide(wide0)
             (c0, n0), (c1, n1), (c2, n2) = got[False, False][0], *got[True, False]
             np.testing.assert_array_equal(c1, c0)
             np.testing.assert_array_equal(c2, c0)
@@ -560,19 +561,22 @@ def test_gpu_model_equals_cpu_model(tmp_path, hidden_act, outtype, mode, kind):
 @pytest.mark.skipif(not cuda.available(), reason=NO_GPU)
 @pytest.mark.parametrize("hidden_act,outtype,mode", [("relu", "q4_0", "relu"), ("silu", "q8_0", "glu")])
 @pytest.mark.parametrize("listed", [False, True])
-def test_gpu_model_with_wide_gate_up_equals_cpu_model(tmp_path, hidden_act, outtype, mode, listed):
-    """The hot neurons' wide dots (``cuda.set_gate_up_wide``, fused and listed) in the whole GPU
-    model, decode through CUDA graphs included: the CPU model's logits, as the default form."""
+def test_gpu_model_with_other_gate_up_dots_equals_cpu_model(tmp_path, hidden_act, outtype, mode,
+                                                            listed):
+    """The hot neurons' gate/up dots other than the default (``cuda.set_gate_up_wide``: the
+    GEMV's dots, since the wide ones are the default), fused and listed, in the whole GPU model,
+    decode through CUDA graphs included: the CPU model's logits, as the default form."""
     from pyinfer.device import CupyDevice
 
     eng = engine_for(tmp_path, hidden_act, outtype)
-    cuda.set_gate_up_wide(True)
+    wide0 = cuda.gate_up_wide()
+    cuda.set_gate_up_wide(not wide0)
     cuda.set_gate_up_list(listed)
     try:
         compare(eng, lambda: sparse_ffn(eng.cfg, hidden_act, mode), plan_for("partial", eng.cfg),
                 outtype, CupyDevice(), exact_counts=False)
     finally:
-        cuda.set_gate_up_wide(False)
+        cuda.set_gate_up_wide(wide0)
         cuda.set_gate_up_list(False)
 
 
