@@ -10,8 +10,9 @@
 #            engine's forms against the wide gate/up dots and other AXPY unrolls/chunks
 #   profile  tools/profile_gpu.py: per-kernel device time of a 7B q4_0 token (8 layers), all on
 #            the GPU sparse and dense, and the hybrid at 50% with its host steps in situ
-#   new7ab   tools/bench_gpu.py 7B q4_0 at 100% and 50%, with --wide-ab (the wide gate/up dots,
-#            fused and listed; GATE_UP_AB=1 adds --gate-up-ab, the listed form alone: session
+#   new7ab   tools/bench_gpu.py 7B q4_0 at 100% and 50%, with --wide-ab (the gate/up dots other
+#            than the default, fused and listed: the GEMV dots since session 28 made the wide
+#            ones the default; GATE_UP_AB=1 adds --gate-up-ab, the listed form alone: session
 #            23 measured it at 0.98x, the default stays fused)
 #   cold32   tools/bench_cold.py over 32 distinct layers (session 23: in the hybrid the cold
 #            path takes 95-130 us a layer against 50 us over 8 layers: are 8 layers partly
