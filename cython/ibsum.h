@@ -818,14 +818,22 @@ static void pi_ib_halves_span(long v0, long v1, float *out, float *add) {
 #ifndef PI_IB_PF_EARLY
 #define PI_IB_PF_EARLY 1
 #endif
+/* Thread t of T's half tiles v0 .. v1 - 1 of a matrix of cols outputs: pi_ib_rows_team's split,
+ * which the decode's prefetches (pi_ib_pf_first) follow */
+static inline void pi_ib_team_halves(int t, int T, int cols, long *v0, long *v1) {
+    const long nv = cols / (PI_IB_TILE / 2);
+    *v0 = t * nv / T;
+    *v1 = (t + 1) * nv / T;
+}
+
 /* Prefetch (into L2) this thread's first tiles (those pi_ib_halves' own prefetch, PI_IB_PF_DIST
  * tiles ahead of the tile it sums, never reaches) of block b's rows: the rows of channels
- * idx[k0 ..] while they fall in block b (idx NULL: all 32 rows), and their f16 scales (and
- * mins). Half tiles v0 .. v1 - 1 as pi_ib_rows_team splits them.
+ * idx[0 ..] while they fall in block b (idx NULL: all 32 rows), and their f16 scales (and
+ * mins). Half tiles v0 .. v1 - 1 (pi_ib_team_halves).
  * always_inline: as simd.h's pi_prefetch_l2 (GCC deletes a call to a prefetch-only function). */
 static inline __attribute__((always_inline)) void
-pi_ib_pf_rows(int t, const uint8_t *w, size_t stride, const int32_t *idx, long k0, long n,
-              long b, long v0, long v1) {
+pi_ib_pf_rows(int t, const uint8_t *w, size_t stride, const int32_t *idx, long n, long b,
+              long v0, long v1) {
 #if PI_SIMD
     const long lo = pi_ib_layout_outs(t, stride), ua = v0 / 2, ue = (v1 + 1) / 2;
     const long ub = ue - ua > PI_IB_PF_DIST ? ua + PI_IB_PF_DIST : ue;
@@ -833,7 +841,7 @@ pi_ib_pf_rows(int t, const uint8_t *w, size_t stride, const int32_t *idx, long k
     const uint8_t *blk = w + stride * (size_t)b;
     const uint8_t *val = blk + pi_ib_scale_bytes(t, lo);
     const size_t a0 = tb * (size_t)ua & ~(size_t)63, a1 = tb * (size_t)ub;
-    for (long k = k0; k < n; k++) {
+    for (long k = 0; k < n; k++) {
         const long r = idx ? idx[k] - 32 * b : k;
         if (r >= 32) break;
         const uint8_t *row = val + rb * (size_t)r;
@@ -845,7 +853,7 @@ pi_ib_pf_rows(int t, const uint8_t *w, size_t stride, const int32_t *idx, long k
         for (size_t a = s0; a < s1; a += 64) _mm_prefetch((const char *)(sc + a), PI_IB_PF_HINT);
     }
 #else
-    (void)t; (void)w; (void)stride; (void)idx; (void)k0; (void)n; (void)b; (void)v0; (void)v1;
+    (void)t; (void)w; (void)stride; (void)idx; (void)n; (void)b; (void)v0; (void)v1;
 #endif
 }
 
@@ -856,8 +864,9 @@ pi_ib_pf_rows(int t, const uint8_t *w, size_t stride, const int32_t *idx, long k
 static inline __attribute__((always_inline)) void
 pi_ib_pf_first(int t, int T, int qtype, const uint8_t *w, size_t stride, int cols) {
     if (!PI_IB_PF_EARLY || !pi_is_ib(qtype)) return;
-    const long nv = cols / (PI_IB_TILE / 2), v0 = t * nv / T, v1 = (t + 1) * nv / T;
-    if (v1 > v0) pi_ib_pf_rows(qtype, w, stride, NULL, 0, 32, 0, v0, v1);
+    long v0, v1;
+    pi_ib_team_halves(t, T, cols, &v0, &v1);
+    if (v1 > v0) pi_ib_pf_rows(qtype, w, stride, NULL, 32, 0, v0, v1);
 }
 
 /* Thread t of T's share of out = W xm (overwrites out), xm holding coef[k] at channel idx[k]
@@ -872,12 +881,13 @@ static void pi_ib_rows_team(int t, int T, int qtype, const uint8_t *w, size_t st
                             const float *coef, const int32_t *idx, long n, float *out, int cols,
                             float *add) {
     const long nb = n > 0 ? idx[n - 1] / 32 + 1 : 0;
-    const long nv = cols / (PI_IB_TILE / 2), v0 = t * nv / T, v1 = (t + 1) * nv / T;
+    long v0, v1;
+    pi_ib_team_halves(t, T, cols, &v0, &v1);
     if (v1 <= v0) return;
     int32_t off[32 * nb + 1], cf[8 * nb + 1], ng[nb + 1], corr[nb + 1];
     float sb[nb + 1];
     /* the first kept block's first tiles, fetched while every block is quantized (step 1) */
-    if (PI_IB_PF_START && n > 0) pi_ib_pf_rows(qtype, w, stride, idx, 0, n, idx[0] / 32, v0, v1);
+    if (PI_IB_PF_START && n > 0) pi_ib_pf_rows(qtype, w, stride, idx, n, idx[0] / 32, v0, v1);
     /* 1. the kept channels of every block, quantized per block */
     for (long b = 0, k = 0; b < nb; b++) {
         long k1 = k;

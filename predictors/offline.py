@@ -212,15 +212,14 @@ def cpu_note_input(weights) -> str:
     types decode 1.14-1.26x there (docs/benchmarks.md, session 28; session 26 had measured
     0.93-1.07x before the 256-bit sums were made faster), so they get no clause; nor does a
     build with AVX-512 or without SIMD. Measured with AVX2 builds on an AVX-512 CPU."""
-    import gguf
-
     from pyinfer.ops import cpu
+    from pyinfer.ops.cpu import QT
+    from pyinfer.quants import Q5_TYPES
 
     if not cpu.simd_enabled() or "AVX512" in cpu.simd_features():
         return ""
     lw = weights.layers[0]
-    five_bit = {gguf.GGMLQuantizationType.Q5_0, gguf.GGMLQuantizationType.Q5_1,
-                gguf.GGMLQuantizationType.Q5_K}
+    five_bit = Q5_TYPES + (QT.Q5_K,)
     projections = (lw.wq, lw.wk, lw.wv, lw.wo, lw.ffn_gate, lw.ffn_up, lw.ffn_down_t,
                    lw.ffn_down)
     if not any(w is not None and w.qtype in five_bit for w in projections):
