@@ -1,6 +1,7 @@
 """The CUDA kernels' per-block arithmetic, checked on the host: the device functions of
 ``pyinfer.ops.cuda`` that read quantized rows in the device layout (``dotx_q8_0``/``dotx_q4_0``
-against the activation's q8 form through ``__dp4a``, the AXPY units, ``el_*``) compiled as plain
+against the activation's q8 form through ``__dp4a``, the wide one- and two-row forms, the AXPY
+units, ``el_*``) compiled as plain
 C++ with g++ (a warp emulated by a loop over its 32 lanes, ``__dp4a`` by its definition: four
 signed byte products added to an int), against ``gguf``'s dequantization of the same rows and
 the q8 activation of ``pyinfer.ops.reference.quantize_act_q8``. CI has no GPU; this is what catches
@@ -40,11 +41,15 @@ static inline int __float2int_rn(float v) { return (int)__builtin_rintf(v); }
 """
 DRIVER = r"""
 extern "C" {
-float emu_dot(int t, const u8* row, int cols, const signed char* xq, const float* xd) {
+float emu_dot(int t, int wide, const u8* row, int cols, const signed char* xq, const float* xd) {
     float s = 0.f;  // the warp's 32 lanes, summed (warp_sum's order does not matter here)
     const int* q = (const int*)xq;
-    for (int lane = 0; lane < 32; ++lane)
-        s += t == 8 ? dotx_q8_0(row, cols, nullptr, q, xd, lane) : dotx_q4_0(row, cols, nullptr, q, xd, lane);
+    for (int lane = 0; lane < 32; ++lane) {
+        if (wide)  // gather_gemv_w_*'s one-row wide dot
+            s += t == 8 ? dot1x_q8_0(row, cols, nullptr, q, xd, lane) : dot1x_q4_0(row, cols, nullptr, q, xd, lane);
+        else
+            s += t == 8 ? dotx_q8_0(row, cols, nullptr, q, xd, lane) : dotx_q4_0(row, cols, nullptr, q, xd, lane);
+    }
     return s;
 }
 void emu_dot2(int t, const u8* r0, const u8* r1, int cols, const signed char* xq, const float* xd,
@@ -139,9 +144,10 @@ def test_device_functions_on_the_host(lib, qt, cols):
         d2[...] = dev
         for r in range(3):
             row = d2[r]
-            got = lib.emu_dot(t, ptr(row), cols, ptr(xq), ptr(xd))
             want = float(f[r].astype(np.float64) @ xdq)
-            assert abs(got - want) <= 1e-5 * float(np.abs(f[r]) @ np.abs(xdq)), (off, r, got, want)
+            for wide in (0, 1):
+                got = lib.emu_dot(t, wide, ptr(row), cols, ptr(xq), ptr(xd))
+                assert abs(got - want) <= 1e-5 * float(np.abs(f[r]) @ np.abs(xdq)), (off, r, wide)
             r2 = (r + 1) % 3  # the wide form: this row as gate, the next as up
             two = np.zeros(2, np.float32)
             lib.emu_dot2(t, ptr(row), ptr(d2[r2]), cols, ptr(xq), ptr(xd), ptr(two))

@@ -350,14 +350,59 @@ def test_cuda_source_compiles_with_nvcc(tmp_path, name):
     assert ptx.count(".entry") == cuda.N_KERNELS[name]
 
 
+def _nvrtc_check():
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    "tools"))
+    import nvrtc_check
+
+    if nvrtc_check.find_nvrtc() is None:
+        pytest.skip("libnvrtc not found (the test extra's nvidia-cuda-nvrtc-cu12, x86-64 Linux)")
+    return nvrtc_check
+
+
+@pytest.mark.parametrize("arch", ["sm_75", "sm_86", "sm_90"])
+@pytest.mark.parametrize("name", sorted(cuda.SOURCES))
+def test_cuda_source_compiles_with_nvrtc(name, arch):
+    """Every CUDA source compiles with NVRTC, the compiler CuPy runs on a device, with CuPy's
+    options as pyinfer passes them, through ptxas for Turing, consumer Ampere and Hopper: the
+    kernel count the module declares, no spills, and the 1024-thread RMSNorm kernels
+    (``__launch_bounds__(1024)``) within 64 registers."""
+    nv = _nvrtc_check()
+    kernels = {k.name: k for k in nv.compile_source(cuda.SOURCES[name], f"{name}.cu", arch)}
+    assert len(kernels) == cuda.N_KERNELS[name], sorted(kernels)
+    assert [k for k in kernels.values() if k.spill_stores or k.spill_loads] == []
+    for k in kernels.values():
+        if k.name == "rmsnorm_f32" or k.name.startswith("norm_fc1_"):
+            assert 0 < k.registers <= 64, k
+
+
+def test_nvrtc_check_reports_a_compile_error():
+    """A source with an error raises CompileError with NVRTC's message (the check above cannot
+    pass a source NVRTC rejects)."""
+    nv = _nvrtc_check()
+    with pytest.raises(nv.CompileError, match="undefined"):
+        nv.compile_source(cuda.COMMON_SRC + "__global__ void k(float* x) { x[0] = nope; }")
+
+
 # ---- on a CUDA device ---------------------------------------------------------------------------
+
+
+#: the kernel forms other than the defaults that are not yet the default (session 29: the wide
+#: one-row GEMV dots and RMSNorm in registers), for the GPU tests to run both ways
+OTHER_FORMS = {"gemv_wide": True, "norm_vec": True}
 
 
 @pytest.mark.parametrize("qt", [QT.F32, QT.F16, QT.Q8_0, QT.Q4_0])
 @pytest.mark.parametrize("rows,cols", [(300, 256), (77, 96), (1000, 4096)])
+@pytest.mark.parametrize("forms", [{}, OTHER_FORMS], ids=["default", "other_forms"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda.available(), reason=NO_GPU)
-def test_gpu_kernels_match_numpy_twins(qt, rows, cols):
+def test_gpu_kernels_match_numpy_twins(qt, rows, cols, forms):
+    with cuda.kernel_forms(**forms):
+        _gpu_kernels_match_numpy_twins(qt, rows, cols)
+
+
+def _gpu_kernels_match_numpy_twins(qt, rows, cols):
     from pyinfer.device import CupyDevice
 
     cp = cuda.cupy
@@ -501,10 +546,18 @@ def test_gpu_gate_up_with_predictor_both_forms(qt):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda.available(), reason=NO_GPU)
-def test_gpu_q8_activation_is_the_cpu_kernels():
-    """cuda.quantize_q8 and the q8 epilogues of rmsnorm, norm_fc1 and attn_decode (fused where
-    head_dim is a multiple of 32, a second launch where not) give, bit for bit, the q8 form the
-    CPU kernels' quantization (simd.h pi_quantize_q8, its NumPy twin) gives the same f32 values."""
+@pytest.mark.parametrize("norm_vec", [False, True])
+def test_gpu_q8_activation_is_the_cpu_kernels(norm_vec):
+    """cuda.quantize_q8 and the q8 epilogues of rmsnorm, norm_fc1 (both RMSNorm forms:
+    ``set_norm_vec``) and attn_decode (fused where head_dim is a multiple of 32, a second launch
+    where not) give, bit for bit, the q8 form the CPU kernels' quantization (simd.h
+    pi_quantize_q8, its NumPy twin) gives the same f32 values; the norms' values are
+    X.rmsnorm's within float rounding."""
+    with cuda.kernel_forms(norm_vec=norm_vec):
+        _gpu_q8_activation_is_the_cpu_kernels()
+
+
+def _gpu_q8_activation_is_the_cpu_kernels():
     from pyinfer.device import CupyDevice, quantize_q8
 
     cp = cuda.cupy
@@ -527,15 +580,28 @@ def test_gpu_q8_activation_is_the_cpu_kernels():
         xd = cp.asarray(x)
         cuda.quantize_q8(xd, q8)
         check(xd, q8)
-        wn = cp.asarray(rng.normal(size=n).astype(np.float32))
+        wn_h = rng.normal(size=n).astype(np.float32)
+        wn = cp.asarray(wn_h)
         h = cp.full((1, n), cp.nan, cp.float32)
         g.rmsnorm(xd.reshape(1, n), wn, 1e-5, h, q8=q8)
         check(h, q8)
+        np.testing.assert_allclose(h.get(), X.rmsnorm(x.reshape(1, n), wn_h, 1e-5), rtol=1e-5,
+                                   atol=1e-6)
         fc1 = g.rows([QTensor(rng.normal(size=(16, n)).astype(np.float16), QT.F16, 16, n)])
         h2 = cp.full(n, cp.nan, cp.float32)
-        g.norm_fc1(fc1, cp.asarray(rng.normal(size=n).astype(np.float32)),
-                   cp.empty(16, cp.float32), wn, 1e-5, h2, q8=q8)
+        x2 = rng.normal(size=n).astype(np.float32)
+        g.norm_fc1(fc1, cp.asarray(x2), cp.empty(16, cp.float32), wn, 1e-5, h2, q8=q8)
         check(h2, q8)
+        np.testing.assert_allclose(h2.get(), X.rmsnorm(x2.reshape(1, n), wn_h, 1e-5)[0],
+                                   rtol=1e-5, atol=1e-6)
+        for rows_, m in ((3, 576), (2, 5120)):  # a row under a block's float4s, one over
+            xs = rng.normal(size=(rows_, m)).astype(np.float32)
+            wm = rng.normal(size=m).astype(np.float32)
+            hq8 = cuda.q8_buffers(rows_ * m)
+            hs = cp.full((rows_, m), cp.nan, cp.float32)
+            g.rmsnorm(cp.asarray(xs), cp.asarray(wm), 1e-5, hs, q8=hq8)
+            check(hs, hq8)
+            np.testing.assert_allclose(hs.get(), X.rmsnorm(xs, wm, 1e-5), rtol=1e-5, atol=1e-6)
         for n_head, hd in ((8, 64), (8, 48)):
             ck, cv = (cp.asarray(rng.normal(size=(20, 2, hd)).astype(np.float32)) for _ in range(2))
             q = cp.asarray(rng.normal(size=(n_head, hd)).astype(np.float32))
@@ -578,6 +644,22 @@ def test_gpu_model_with_other_gate_up_dots_equals_cpu_model(tmp_path, hidden_act
     finally:
         cuda.set_gate_up_wide(wide0)
         cuda.set_gate_up_list(False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda.available(), reason=NO_GPU)
+@pytest.mark.parametrize("hidden_act,outtype,mode", [("relu", "q4_0", "relu"), ("silu", "q8_0", "glu")])
+@pytest.mark.parametrize("kind", ["all", "partial"])
+def test_gpu_model_with_other_forms_equals_cpu_model(tmp_path, hidden_act, outtype, mode, kind):
+    """The kernel forms not yet the default (``OTHER_FORMS``: the wide one-row GEMV dots, RMSNorm
+    in registers) in the whole GPU model, decode through CUDA graphs and prefill included: the
+    CPU model's logits, as the default forms."""
+    from pyinfer.device import CupyDevice
+
+    eng = engine_for(tmp_path, hidden_act, outtype)
+    with cuda.kernel_forms(**OTHER_FORMS):
+        compare(eng, lambda: sparse_ffn(eng.cfg, hidden_act, mode), plan_for(kind, eng.cfg),
+                outtype, CupyDevice(), exact_counts=False)
 
 
 @pytest.mark.gpu

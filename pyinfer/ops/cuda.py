@@ -29,6 +29,7 @@ environment forces the CPU path (tests). Every kernel has a NumPy twin: ``pyinfe
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from dataclasses import dataclass
@@ -219,32 +220,33 @@ __device__ __forceinline__ float dotx_q4_0(const u8* row, int cols, const float*
 // rows: a sparse token's warps mostly stop after the predictor, so each candidate row's latency,
 // not the bandwidth, sets the kernel's time). dot_split_t issues a row's loads U steps at a time:
 // nb / (8 U) memory round trips per q4_0 row (4 for a 4096-wide row), and a candidate reads its
-// gate row, then its up row. dot2_wide_t reads two rows (gate, up) against the same activation
-// with every load of up to 32 MAXB blocks per row in flight before any arithmetic: lane l takes
-// whole blocks l, l + 32, ... (a 16-byte quant load per q4_0 block, two per q8_0 block, and its
-// f16 scale), so one round trip per candidate where 32 MAXB >= nb. Each block's integer sum is
-// one __dp4a chain (word_i8 per word, as dot_split_t), scaled once: (dw * dx) * sum.
-template <int QB, bool AL, int MAXB>
-__device__ __forceinline__ void dot2_wide_t(const u8* r0, const u8* r1, int nb, const int* xq,
-        const float* xd, int lane, float* s0, float* s1) {
+// gate row, then its up row. dot_wide_t reads NR rows (gate and up: 2; a GEMV's row: 1) against
+// the same activation with every load of up to 32 MAXB blocks per row in flight before any
+// arithmetic: lane l takes whole blocks l, l + 32, ... (a 16-byte quant load per q4_0 block, two
+// per q8_0 block, and its f16 scale), so one round trip per row where 32 MAXB >= nb. Each
+// block's integer sum is one __dp4a chain (word_i8 per word, as dot_split_t), scaled once:
+// (dw * dx) * sum. s[k] = lane's partial of row r[k].
+template <int QB, bool AL, int MAXB, int NR>
+__device__ __forceinline__ void dot_wide_t(const u8* const* r, int nb, const int* xq,
+        const float* xd, int lane, float* s) {
     const int NW = QB / 16;  // 128-bit loads per block's quants
-    const u8* d0 = r0 + QB * nb;
-    const u8* d1 = r1 + QB * nb;
-    float a0 = 0.f, a1 = 0.f;
+    float a[NR];
+    #pragma unroll
+    for (int k = 0; k < NR; ++k) a[k] = 0.f;
     for (int b0 = 0; b0 < nb; b0 += 32 * MAXB) {
-        uint4 w0[MAXB][QB / 16], w1[MAXB][QB / 16];
-        u16 h0[MAXB], h1[MAXB];
+        uint4 w[MAXB][QB / 16][NR];
+        u16 h[MAXB][NR];
         #pragma unroll
         for (int u = 0; u < MAXB; ++u) {
             const int b = b0 + lane + 32 * u;
             if (b < nb) {
                 #pragma unroll
                 for (int q = 0; q < NW; ++q) {
-                    w0[u][q] = ld_w128(r0 + QB * b + 16 * q, AL);
-                    w1[u][q] = ld_w128(r1 + QB * b + 16 * q, AL);
+                    #pragma unroll
+                    for (int k = 0; k < NR; ++k) w[u][q][k] = ld_w128(r[k] + QB * b + 16 * q, AL);
                 }
-                h0[u] = *(const u16*)(d0 + 2 * b);
-                h1[u] = *(const u16*)(d1 + 2 * b);
+                #pragma unroll
+                for (int k = 0; k < NR; ++k) h[u][k] = *(const u16*)(r[k] + QB * nb + 2 * b);
             }
         }
         #pragma unroll
@@ -252,33 +254,40 @@ __device__ __forceinline__ void dot2_wide_t(const u8* r0, const u8* r1, int nb, 
             const int b = b0 + lane + 32 * u;
             if (b < nb) {
                 const int* xb = xq + 8 * b;
-                int i0 = 0, i1 = 0;
+                int i[NR];
+                #pragma unroll
+                for (int k = 0; k < NR; ++k) i[k] = 0;
                 #pragma unroll
                 for (int q = 0; q < NW; ++q) {
-                    const unsigned int v0[4] = {w0[u][q].x, w0[u][q].y, w0[u][q].z, w0[u][q].w};
-                    const unsigned int v1[4] = {w1[u][q].x, w1[u][q].y, w1[u][q].z, w1[u][q].w};
                     #pragma unroll
-                    for (int k = 0; k < 4; ++k) {
-                        i0 += word_i8<QB>(v0[k], xb, 4 * q + k);
-                        i1 += word_i8<QB>(v1[k], xb, 4 * q + k);
+                    for (int c = 0; c < 4; ++c) {
+                        #pragma unroll
+                        for (int k = 0; k < NR; ++k) {
+                            const uint4 v = w[u][q][k];
+                            i[k] += word_i8<QB>(c == 0 ? v.x : c == 1 ? v.y : c == 2 ? v.z : v.w,
+                                                xb, 4 * q + c);
+                        }
                     }
                 }
                 const float dx = xd[b];
-                a0 += h2f(h0[u]) * dx * (float)i0;
-                a1 += h2f(h1[u]) * dx * (float)i1;
+                #pragma unroll
+                for (int k = 0; k < NR; ++k) a[k] += h2f(h[u][k]) * dx * (float)i[k];
             }
         }
     }
-    *s0 = a0;
-    *s1 = a1;
+    #pragma unroll
+    for (int k = 0; k < NR; ++k) s[k] = a[k];
 }
-template <int QB, int MAXB>
-__device__ __forceinline__ void dot2_wide(const u8* r0, const u8* r1, int cols, const int* xq,
-        const float* xd, int lane, float* s0, float* s1) {
-    if ((((u64)r0 | (u64)r1) & 15) == 0)
-        dot2_wide_t<QB, true, MAXB>(r0, r1, cols >> 5, xq, xd, lane, s0, s1);
+template <int QB, int MAXB, int NR>
+__device__ __forceinline__ void dot_wide(const u8* const* r, int cols, const int* xq,
+        const float* xd, int lane, float* s) {
+    u64 any = 0;
+    #pragma unroll
+    for (int k = 0; k < NR; ++k) any |= (u64)r[k];
+    if ((any & 15) == 0)
+        dot_wide_t<QB, true, MAXB, NR>(r, cols >> 5, xq, xd, lane, s);
     else
-        dot2_wide_t<QB, false, MAXB>(r0, r1, cols >> 5, xq, xd, lane, s0, s1);
+        dot_wide_t<QB, false, MAXB, NR>(r, cols >> 5, xq, xd, lane, s);
 }
 // Two rows . x (lane partials) for every weight type, one signature: quantized rows the wide
 // form (q4_0: 4 blocks a lane in flight, a 4096-wide row in one round trip, 71 registers a thread
@@ -293,6 +302,15 @@ __device__ __forceinline__ void dot2x_f16(const u8* r0, const u8* r1, int cols, 
     *s0 = dot_f16(r0, cols, x, lane);
     *s1 = dot_f16(r1, cols, x, lane);
 }
+template <int QB, int MAXB>
+__device__ __forceinline__ void dot2_wide(const u8* r0, const u8* r1, int cols, const int* xq,
+        const float* xd, int lane, float* s0, float* s1) {
+    const u8* r[2] = {r0, r1};
+    float s[2];
+    dot_wide<QB, MAXB, 2>(r, cols, xq, xd, lane, s);
+    *s0 = s[0];
+    *s1 = s[1];
+}
 __device__ __forceinline__ void dot2x_q8_0(const u8* r0, const u8* r1, int cols, const float* x,
         const int* xq, const float* xd, int lane, float* s0, float* s1) {
     dot2_wide<32, 2>(r0, r1, cols, xq, xd, lane, s0, s1);
@@ -300,6 +318,33 @@ __device__ __forceinline__ void dot2x_q8_0(const u8* r0, const u8* r1, int cols,
 __device__ __forceinline__ void dot2x_q4_0(const u8* r0, const u8* r1, int cols, const float* x,
         const int* xq, const float* xd, int lane, float* s0, float* s1) {
     dot2_wide<16, 4>(r0, r1, cols, xq, xd, lane, s0, s1);
+}
+// One row . x, the wide form for quantized rows (a dense GEMV's rows, gather_gemv_w_*: a lane's
+// MAXB blocks as 16-byte loads, a 4096-wide q4_0 row in one round trip; q8_0 MAXB 4, 2048
+// columns a round trip), the GEMV's dot for float rows.
+template <int QB, int MAXB>
+__device__ __forceinline__ float dot1_wide(const u8* row, int cols, const int* xq, const float* xd,
+                                           int lane) {
+    const u8* r[1] = {row};
+    float s[1];
+    dot_wide<QB, MAXB, 1>(r, cols, xq, xd, lane, s);
+    return s[0];
+}
+__device__ __forceinline__ float dot1x_f32(const u8* row, int cols, const float* x,
+        const int* xq, const float* xd, int lane) {
+    return dot_f32(row, cols, x, lane);
+}
+__device__ __forceinline__ float dot1x_f16(const u8* row, int cols, const float* x,
+        const int* xq, const float* xd, int lane) {
+    return dot_f16(row, cols, x, lane);
+}
+__device__ __forceinline__ float dot1x_q8_0(const u8* row, int cols, const float* x,
+        const int* xq, const float* xd, int lane) {
+    return dot1_wide<32, 4>(row, cols, xq, xd, lane);
+}
+__device__ __forceinline__ float dot1x_q4_0(const u8* row, int cols, const float* x,
+        const int* xq, const float* xd, int lane) {
+    return dot1_wide<16, 4>(row, cols, xq, xd, lane);
 }
 // An f16 row . x (cols % 8 == 0: 16-byte rows) with every load of up to 32 MAXU 8-half units in
 // flight before any arithmetic: the predictor's fc2 row (rank <= 256 MAXU) in one round trip.
@@ -351,6 +396,56 @@ __device__ __forceinline__ void block_quantize_q8(const float* h, int n, signed 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     for (int b = warp; b < (n >> 5); b += nw) warp_quantize_q8(h[32 * b + lane], lane, xq + 32 * b, xd + b);
 }
+// block_rmsnorm (and with do_q8 block_quantize_q8 after it) with each value loaded once: thread
+// t keeps float4s t, t + blockDim, ... (at most MAXV) of x and of w in registers, so a row costs
+// one round of loads, one block reduction and the stores (block_rmsnorm reads x twice and the
+// q8 epilogue reads the output back, each thread looping over n / blockDim values: about 10 us a
+// 4096-value row on an H200, session 28). n % 4 == 0, n <= 4 MAXV blockDim; x, w, out (and oq)
+// 16-byte aligned. The q8 form comes from the registers: a 32-block is the float4s of 8
+// neighbouring threads of one warp (blockDim a multiple of 32), its max |h| by three shuffles,
+// then warp_quantize_q8's rule (d = max / 127, q = rint(h * (1 / d))).
+template <int MAXV>
+__device__ __forceinline__ void block_rmsnorm_vec(const float* x, const float* w, int n, float eps,
+        float* out, int do_q8, signed char* oq, float* od, float* red) {
+    const int n4 = n >> 2;
+    float4 v[MAXV], g[MAXV];
+    #pragma unroll
+    for (int u = 0; u < MAXV; ++u) {
+        const int i = threadIdx.x + u * blockDim.x;
+        v[u] = g[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (i < n4) {
+            v[u] = ((const float4*)x)[i];
+            g[u] = ((const float4*)w)[i];
+        }
+    }
+    float s = 0.f;
+    #pragma unroll
+    for (int u = 0; u < MAXV; ++u)
+        s += v[u].x * v[u].x + v[u].y * v[u].y + v[u].z * v[u].z + v[u].w * v[u].w;
+    const float scale = rsqrtf(block_sum(s, red) / n + eps);
+    #pragma unroll
+    for (int u = 0; u < MAXV; ++u) {
+        const int i = threadIdx.x + u * blockDim.x;
+        const float4 o = make_float4(v[u].x * scale * g[u].x, v[u].y * scale * g[u].y,
+                                     v[u].z * scale * g[u].z, v[u].w * scale * g[u].w);
+        if (i < n4) ((float4*)out)[i] = o;
+        if (do_q8) {  // every lane shuffles; a 32-block's 8 threads are all in or all out
+            float m = fmaxf(fmaxf(fabsf(o.x), fabsf(o.y)), fmaxf(fabsf(o.z), fabsf(o.w)));
+            for (int k = 1; k < 8; k <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, k));
+            const float db = m / 127.f;
+            const float id = db != 0.f ? 1.f / db : 0.f;
+            if (i < n4) {
+                const unsigned int q = (unsigned int)(__float2int_rn(o.x * id) & 255)
+                                     | (unsigned int)(__float2int_rn(o.y * id) & 255) << 8
+                                     | (unsigned int)(__float2int_rn(o.z * id) & 255) << 16
+                                     | (unsigned int)(__float2int_rn(o.w * id) & 255) << 24;
+                ((unsigned int*)oq)[i] = q;
+                if ((i & 7) == 0) od[i >> 3] = db;
+            }
+        }
+    }
+}
+#define PI_NORM_VEC 4  // MAXV of the kernels' block_rmsnorm_vec (1024 threads: n <= 16384)
 // Element c of one device row of cols columns, dequantized (quantized rows: split layout).
 __device__ __forceinline__ float el_f32(const u8* row, int c, int cols) { return ((const float*)row)[c]; }
 __device__ __forceinline__ float el_f16(const u8* row, int c, int cols) { return h2f(((const u16*)row)[c]); }
@@ -367,14 +462,19 @@ _PREDICTOR_TEMPLATE = r"""
 // hid[r] = relu(fc1[r] . x), warp per row; fc1 (rank, n_embd) @T@, rows of row_bytes bytes.
 // Fused with the FFN's RMSNorm, which reads the same x: with do_norm, the last block (beyond
 // the fc1 rows) writes h = rmsnorm(x) * norm_w, and with do_q8 also h's q8 form (hq, hd) for
-// the quantized rows that read h. One launch instead of two or three per layer.
-extern "C" __global__ void norm_fc1_@T@(const u8* fc1, long long row_bytes, int rank,
-        int n_embd, const float* x, float* hid, int do_norm, const float* norm_w, float eps,
-        float* h, int do_q8, signed char* hq, float* hd) {
+// the quantized rows that read h. One launch instead of two or three per layer. vec: the norm
+// block in registers (block_rmsnorm_vec; n_embd <= 4 PI_NORM_VEC blockDim, aligned rows).
+extern "C" __global__ void __launch_bounds__(1024) norm_fc1_@T@(const u8* fc1,
+        long long row_bytes, int rank, int n_embd, const float* x, float* hid, int do_norm,
+        const float* norm_w, float eps, float* h, int do_q8, signed char* hq, float* hd, int vec) {
     __shared__ float red[32];
     if (do_norm && blockIdx.x == gridDim.x - 1) {
-        block_rmsnorm(x, norm_w, n_embd, eps, h, red);
-        if (do_q8) block_quantize_q8(h, n_embd, hq, hd);
+        if (vec) {
+            block_rmsnorm_vec<PI_NORM_VEC>(x, norm_w, n_embd, eps, h, do_q8, hq, hd, red);
+        } else {
+            block_rmsnorm(x, norm_w, n_embd, eps, h, red);
+            if (do_q8) block_quantize_q8(h, n_embd, hq, hd);
+        }
         return;
     }
     const int r = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
@@ -397,15 +497,33 @@ _GATHER_TEMPLATE = r"""
 // warp per row; where use_mask, rows whose neuron ids[k] is not in the prediction mask are
 // skipped (0 added). accumulate=1 adds a projection into the residual stream in place.
 // Quantized rows read x's q8 form (xq, xd; see warp_quantize_q8), float rows x itself.
-extern "C" __global__ void gather_gemv_@T@(const u8* w, long long row_bytes, int n_rows, int cols,
-        const float* x, const int* xq, const float* xd, const int* ids, const u8* mask,
-        int use_mask, int accumulate, float* out) {
+// gather_gemv_w_@T@: the wide dot (dot1x_@T@: a row's loads in flight at once).
+template <bool WIDE>
+__device__ __forceinline__ void gather_gemv_body_@T@(const u8* w, long long row_bytes,
+        int n_rows, int cols, const float* x, const int* xq, const float* xd, const int* ids,
+        const u8* mask, int use_mask, int accumulate, float* out) {
     const int k = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
     if (k >= n_rows) return;
     float s = 0.f;
-    if (!use_mask || mask[ids[k]]) s = warp_sum(dotx_@T@(w + k * row_bytes, cols, x, xq, xd, lane));
+    if (!use_mask || mask[ids[k]]) {
+        const u8* row = w + k * row_bytes;
+        s = warp_sum(WIDE ? dot1x_@T@(row, cols, x, xq, xd, lane)
+                          : dotx_@T@(row, cols, x, xq, xd, lane));
+    }
     if (lane == 0) out[k] = accumulate ? out[k] + s : s;
 }
+#define PI_GATHER_ARGS const u8* w, long long row_bytes, int n_rows, int cols, const float* x, \
+        const int* xq, const float* xd, const int* ids, const u8* mask, int use_mask, \
+        int accumulate, float* out
+#define PI_GATHER_PASS w, row_bytes, n_rows, cols, x, xq, xd, ids, mask, use_mask, accumulate, out
+extern "C" __global__ void gather_gemv_@T@(PI_GATHER_ARGS) {
+    gather_gemv_body_@T@<false>(PI_GATHER_PASS);
+}
+extern "C" __global__ void gather_gemv_w_@T@(PI_GATHER_ARGS) {
+    gather_gemv_body_@T@<true>(PI_GATHER_PASS);
+}
+#undef PI_GATHER_ARGS
+#undef PI_GATHER_PASS
 // One hot neuron's coefficient, by a whole warp: a = act(gate_row . x) (act 0: relu, 1: silu),
 //   glu 0: kept where |a| > act_thr (up read only then), c = a * (up_row . x)
 //   glu 1: kept where |a * u| > act_thr, c = a * u
@@ -727,11 +845,17 @@ __device__ __forceinline__ float block_max(float v, float* red) {
     return m;
 }
 // out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w, block per row t; with do_q8 also out[t]'s q8
-// form (oq + t n, od + t n / 32) for the quantized rows that read it.
-extern "C" __global__ void rmsnorm_f32(const float* x, const float* w, int n, float eps, float* out,
-                                       int do_q8, signed char* oq, float* od) {
+// form (oq + t n, od + t n / 32) for the quantized rows that read it. vec: block_rmsnorm_vec
+// (n <= 4 PI_NORM_VEC blockDim, n % 4 == 0, aligned rows).
+extern "C" __global__ void __launch_bounds__(1024) rmsnorm_f32(const float* x, const float* w,
+        int n, float eps, float* out, int do_q8, signed char* oq, float* od, int vec) {
     __shared__ float red[32];
     const long long t = blockIdx.x;
+    if (vec) {
+        block_rmsnorm_vec<PI_NORM_VEC>(x + t * n, w, n, eps, out + t * n, do_q8, oq + t * n,
+                                       od + t * (n >> 5), red);
+        return;
+    }
     block_rmsnorm(x + t * n, w, n, eps, out + t * n, red);
     if (do_q8) block_quantize_q8(out + t * n, n, oq + t * n, od + t * (n >> 5));
 }
@@ -1000,7 +1124,7 @@ extern "C" __global__ void ib_dequant_t(const u8* w, int qt, int n_out, int j0, 
 SOURCES = {"predictor": PREDICTOR_SRC, "gather": GATHER_SRC, "axpy": AXPY_SRC, "attn": ATTN_SRC,
            "input": INPUT_SRC}
 #: kernels each source must define (the nvcc test counts them)
-N_KERNELS = {"predictor": 4, "gather": 21, "axpy": 9, "attn": 5, "input": 8}
+N_KERNELS = {"predictor": 4, "gather": 25, "axpy": 9, "attn": 5, "input": 8}
 _TYPE_NAME = {QT.F32: "f32", QT.F16: "f16", QT.Q8_0: "q8_0", QT.Q4_0: "q4_0"}
 #: weight types the kernels read (the QT names, lower case)
 GPU_TYPES = tuple(t.name.lower() for t in _TYPE_NAME)
@@ -1068,14 +1192,16 @@ def norm_fc1(fc1: DeviceRows, x, hid, norm_w=None, eps: float = 0.0, h=None, q8=
     fc1 (rank, n_embd) f32 or f16; x, h, norm_w (n_embd,) f32."""
     t = _TYPE_NAME[fc1.qtype]
     do_norm = norm_w is not None
-    grid = _grid_rows(fc1.rows)[0] + do_norm
+    vec = do_norm and _norm_vec_ok(fc1.cols, x, norm_w, h)
+    block = _norm_vec_block(fc1.cols) if vec else _BLOCK
+    grid = _grid(32 * fc1.rows, block)[0] + do_norm
     f32 = _dummy()["f32"]
     do_q8, hq, hd = _q8_out(q8)
     _kernel("predictor", f"norm_fc1_{t}")(
-        (grid,), (_BLOCK,),
+        (grid,), (block,),
         (fc1.data, np.int64(fc1.row_bytes), np.int32(fc1.rows), np.int32(fc1.cols), x, hid,
          np.int32(do_norm), norm_w if do_norm else f32, np.float32(eps), h if do_norm else f32,
-         np.int32(do_q8 and do_norm), hq, hd))
+         np.int32(do_q8 and do_norm), hq, hd, np.int32(vec)))
 
 
 def predictor_fc2(fc2: DeviceRows, hid, mask, threshold: float) -> None:
@@ -1177,7 +1303,8 @@ def gather_gemv(w: DeviceRows, x, out, ids=None, mask=None, accumulate: bool = F
         return
     xq, xd = _q8_in(w, x, q8)
     ids, mask, use = _mask_args(ids, mask)
-    _kernel("gather", f"gather_gemv_{_TYPE_NAME[w.qtype]}")(
+    wide = "_w" if _GEMV_WIDE and w.qtype in Q8_TYPES else ""
+    _kernel("gather", f"gather_gemv{wide}_{_TYPE_NAME[w.qtype]}")(
         _grid_rows(w.rows), (_BLOCK,),
         (w.data, np.int64(w.row_bytes), np.int32(w.rows), np.int32(w.cols), x, xq, xd, ids,
          mask, use, np.int32(bool(accumulate)), out))
@@ -1217,15 +1344,90 @@ def set_gate_up_wide(on: bool) -> None:
     forms) for q8_0/q4_0 rows: the wide form (True: every load of a candidate's gate and up rows
     in flight before any arithmetic, up read even where a ReLU gate drops the neuron; the
     default) or the GEMV's dot (False). The same coefficients up to the order of the sums; the
-    dense case (every row) keeps the GEMV's dot either way."""
+    dense case (every row) takes the GEMV's form (``set_gemv_wide``)."""
     global _GATE_UP_WIDE
     _GATE_UP_WIDE = bool(on)
 
 
+#: the dense GEMVs' dot for q8_0/q4_0 rows (``gather_gemv``: q/k/v, the attention output, the
+#: logits; ``ffn_gate_up`` with every row): the wide one-row form (``dot1x_*``: a lane's blocks
+#: as 16-byte loads, a row's loads in flight at once) instead of the GEMV's (a lane per 32-bit
+#: word, U steps in flight). Written in session 29 without a GPU: off until measured
+#: (``set_gemv_wide``; tools/ffn_variants_gpu.py and tools/bench_gpu.py --forms-ab time both)
+_GEMV_WIDE = False
+#: RMSNorm (``rmsnorm``, ``norm_fc1``'s norm block) in registers (``block_rmsnorm_vec``: one
+#: load of each value, the q8 form from registers, up to 1024 threads a row) instead of three
+#: passes over memory by 256 threads. Written in session 29 without a GPU: off until measured
+#: (``set_norm_vec``)
+_NORM_VEC = False
+#: float4s a thread holds in block_rmsnorm_vec (PI_NORM_VEC in the source) and its most threads
+_NORM_VEC_PER, _NORM_VEC_THREADS = 4, 1024
+
+
+def gemv_wide() -> bool:
+    """Whether the dense GEMVs take the wide one-row dot (``set_gemv_wide``)."""
+    return _GEMV_WIDE
+
+
+def set_gemv_wide(on: bool) -> None:
+    """Choose the dot of the dense GEMVs over q8_0/q4_0 rows (``gather_gemv``, and
+    ``ffn_gate_up`` without candidates): the wide one-row form (True) or the GEMV's (False, the
+    default). The same values up to the order of the sums."""
+    global _GEMV_WIDE
+    _GEMV_WIDE = bool(on)
+
+
+def norm_vec() -> bool:
+    """Whether RMSNorm runs in registers (``set_norm_vec``)."""
+    return _NORM_VEC
+
+
+def set_norm_vec(on: bool) -> None:
+    """Choose RMSNorm's form (``rmsnorm``, ``norm_fc1``): in registers (True; rows of at most
+    16384 values, a multiple of 4, on 16-byte aligned arrays, else the other form) or three
+    passes over memory (False, the default). The same values up to the order of the sum of
+    squares; the q8 form is the same function of them."""
+    global _NORM_VEC
+    _NORM_VEC = bool(on)
+
+
+@contextlib.contextmanager
+def kernel_forms(**forms):
+    """Within the block, the kernel forms given (``gate_up_list``, ``gate_up_wide``,
+    ``gemv_wide``, ``norm_vec``: True or False), each set back afterwards. For tests and
+    benchmarks; raises TypeError for another name."""
+    names = {"gate_up_list": "_GATE_UP_LIST", "gate_up_wide": "_GATE_UP_WIDE",
+             "gemv_wide": "_GEMV_WIDE", "norm_vec": "_NORM_VEC"}
+    bad = sorted(set(forms) - set(names))
+    if bad:
+        raise TypeError(f"unknown kernel form(s): {', '.join(bad)}")
+    g = globals()
+    old = {k: g[names[k]] for k in forms}
+    try:
+        for k, v in forms.items():
+            g[names[k]] = bool(v)
+        yield
+    finally:
+        for k, v in old.items():
+            g[names[k]] = v
+
+
+def _norm_vec_ok(n: int, *arrays) -> bool:
+    """Whether RMSNorm of rows of n values over ``arrays`` runs in registers."""
+    return (_NORM_VEC and n % 4 == 0 and n <= _NORM_VEC_PER * _NORM_VEC_THREADS
+            and all(a.data.ptr % 16 == 0 for a in arrays))
+
+
+def _norm_vec_block(n: int) -> int:
+    """Threads of a block_rmsnorm_vec row: a float4 each where that fits, a multiple of 32."""
+    return min(_NORM_VEC_THREADS, 32 * -(-n // 128))
+
+
 def _gate_up_kernel(base: str, qtype: QT, cand: int) -> str:
     """The kernel name of ffn_gate_up's form ``base`` for rows of qtype (``_w`` for the wide
-    form: candidates only, quantized rows only)."""
-    wide = _GATE_UP_WIDE and cand and qtype in Q8_TYPES
+    form: quantized rows only; with candidates where ``gate_up_wide()``, for every row where
+    ``gemv_wide()``)."""
+    wide = (_GATE_UP_WIDE if cand else _GEMV_WIDE) and qtype in Q8_TYPES
     return f"{base}{'_w' if wide else ''}_{_TYPE_NAME[qtype]}"
 
 
@@ -1347,8 +1549,10 @@ def rmsnorm(x, w, eps: float, out, q8=None) -> None:
     do_q8, xq, xd = _q8_out(q8)
     if do_q8:
         _check_q8_len(n)
-    _kernel("attn", "rmsnorm_f32")((n_tok,), (_BLOCK,), (x, w, np.int32(n), np.float32(eps), out,
-                                                         np.int32(do_q8), xq, xd))
+    vec = _norm_vec_ok(n, x, w, out)
+    _kernel("attn", "rmsnorm_f32")((n_tok,), (_norm_vec_block(n) if vec else _BLOCK,),
+                                   (x, w, np.int32(n), np.float32(eps), out, np.int32(do_q8), xq,
+                                    xd, np.int32(vec)))
 
 
 def rope_store(q, k, v, cache_k, cache_v, cos_sin, pos) -> None:
