@@ -376,6 +376,25 @@ def test_cuda_source_compiles_with_nvrtc(name, arch):
             assert 0 < k.registers <= 64, k
 
 
+def test_kernel_forms_switch_and_restore():
+    """cuda.kernel_forms sets the forms for its block only (also when the block raises), rejects
+    an unknown name, and RMSNorm's register form is sized as its source says (PI_NORM_VEC float4s
+    a thread, at most 1024 threads, a multiple of 32: every row it takes fits)."""
+    before = (cuda.gemv_wide(), cuda.norm_vec(), cuda.gate_up_wide())
+    with pytest.raises(KeyError):
+        with cuda.kernel_forms(gemv_wide=not before[0], norm_vec=not before[1]):
+            assert (cuda.gemv_wide(), cuda.norm_vec()) == (not before[0], not before[1])
+            raise KeyError
+    assert (cuda.gemv_wide(), cuda.norm_vec(), cuda.gate_up_wide()) == before
+    with pytest.raises(TypeError, match="unknown kernel form"):
+        with cuda.kernel_forms(gemv_wider=True):
+            pass
+    assert f"#define PI_NORM_VEC {cuda._NORM_VEC_PER} " in cuda.ATTN_SRC
+    for n in (32, 96, 576, 4096, 5120, 8192, 16384):
+        t = cuda._norm_vec_block(n)
+        assert t % 32 == 0 and t <= 1024 and cuda._NORM_VEC_PER * 4 * t >= n, (n, t)
+
+
 def test_nvrtc_check_reports_a_compile_error():
     """A source with an error raises CompileError with NVRTC's message (the check above cannot
     pass a source NVRTC rejects)."""

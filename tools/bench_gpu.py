@@ -63,6 +63,8 @@ SHAPES = {  # n_embd, n_ff, n_head, n_layer (Llama-2)
     "13b": (5120, 13824, 40, 40),
 }
 N_VOCAB = 32000
+#: session 29's kernel forms, written without a GPU, timed by --forms-ab
+FORMS_AB = {"gemv_wide": True, "norm_vec": True}
 
 
 def phi_inv(p: np.ndarray) -> np.ndarray:
@@ -208,6 +210,10 @@ def main(argv=None) -> int:
                     help="A/B of the hot neurons' dots: each hybrid budget also runs with "
                          "cuda.set_gate_up_wide(True) (a candidate's gate and up loads in flight "
                          "together), fused and listed")
+    ap.add_argument("--forms-ab", action="store_true",
+                    help="A/B of session 29's kernel forms (not yet the default): each budget's "
+                         "hybrid and -ngl runs also run with cuda.kernel_forms(gemv_wide=True, "
+                         "norm_vec=True) (the dense GEMVs' wide dots, RMSNorm in registers)")
     ap.add_argument("--numpy", action="store_true",
                     help="smoke-test without a GPU: NumpyDevice stands in (timings mean nothing)")
     args = ap.parse_args(argv)
@@ -321,8 +327,16 @@ def main(argv=None) -> int:
             run("hybrid, cold via sparse_step", label, make_sparse(),
                 plan_hybrid(cfg, sizes_s, budget, counts))
             GpuModel._cold = _cold_fused
+        if args.forms_ab:
+            with cuda.kernel_forms(**FORMS_AB):
+                run("hybrid, wide GEMV dots + norm in registers", label, make_sparse(),
+                    plan_hybrid(cfg, sizes_s, budget, counts))
         plan = plan_layers(cfg, sizes_d, budget, None, dense=True)
         run(f"offload -ngl {plan.n_resident} (dense)", label, DenseFFN(cfg), plan)
+        if args.forms_ab:
+            with cuda.kernel_forms(**FORMS_AB):
+                run(f"offload -ngl {plan.n_resident} (dense), wide GEMV dots + norm in registers",
+                    label, DenseFFN(cfg), plan)
 
     print(f"\nDecode, Llama-2-{args.shape} shape x{L} layers, {args.qtype}, ReLU at "
           f"{1 - args.density:.0%} target sparsity (power law alpha={args.alpha}), "

@@ -128,10 +128,12 @@ def main(argv=None) -> int:
     wide0 = cuda.gate_up_wide()  # the engine's default (wide since session 28)
     forms = [("fused, GEMV dots", False, False, True), ("listed", True, False, True),
              ("fused, wide", False, True, True), ("listed, wide", True, True, True),
-             ("dense (every row)", False, False, False)]
+             ("dense (every row)", False, False, False),
+             ("dense (every row), wide dots (gemv_wide)", False, None, False)]
     for label, listed, wide, pred in forms:
         cuda.set_gate_up_list(listed)
-        cuda.set_gate_up_wide(wide)
+        cuda.set_gate_up_wide(wide0 if wide is None else wide)
+        cuda.set_gemv_wide(wide is None)
         try:
             counts.fill(0)
             gate_up(0, pred)
@@ -145,6 +147,7 @@ def main(argv=None) -> int:
         finally:
             cuda.set_gate_up_list(False)
             cuda.set_gate_up_wide(wide0)
+            cuda.set_gemv_wide(False)
         print(f"| {label} | {us:.1f} | {int(n[0])} | {int(n[1])} | {err:.1e} |")
 
     # the down projection over the fused form's coefficients (the kept neurons' rows)
@@ -198,7 +201,10 @@ def rest_of_layer(args, rng, E, qt, qn, q8, hid, x, n_copy) -> None:
     its weights): the attention's RMSNorm (+ q8 form), the fused q/k/v GEMV, RoPE and the cache
     store, one-query attention at position 32 (+ q8 form), the output GEMV added into x, and
     norm_fc1 (the predictor's hidden layer with the FFN's RMSNorm and q8 form): with the FFN's
-    two kernels, a whole all-GPU sparse layer (tools/bench_gpu.py's token / n_layer)."""
+    two kernels, a whole all-GPU sparse layer (tools/bench_gpu.py's token / n_layer). Each step
+    that has another form (session 29's, not yet the default: ``cuda.set_norm_vec``, RMSNorm in
+    registers; ``cuda.set_gemv_wide``, the GEMVs' wide dots) is timed in it too, its output
+    checked against the default form's (max difference of the output, of its max)."""
     cp = cuda.cupy
     n_head, hd = 32 if E == 4096 else 40, 128
     wqkv_raw = random_rows(rng, 3 * E, E, qn)
@@ -222,24 +228,49 @@ def rest_of_layer(args, rng, E, qt, qn, q8, hid, x, n_copy) -> None:
     att = cp.empty((n_head, hd), cp.float32)
     qkv_out = cp.empty(3 * E, cp.float32)
     h2 = cp.empty(E, cp.float32)
+    o_out = cp.empty(E, cp.float32)
+    # (name, call, output to compare, the other form or None)
     steps = [
-        ("rmsnorm (+ q8)", lambda j: cuda.rmsnorm(xr, norm_w, 1e-5, h, q8=q8)),
-        ("q/k/v GEMV", lambda j: cuda.gather_gemv(wqkv[j % n_copy], h[0], qkv_out, q8=q8)),
-        ("rope_store", lambda j: cuda.rope_store(q, k, v, ck, cv, cos_sin, pos)),
-        ("attn_decode at 32 (+ q8)", lambda j: cuda.attn_decode(q, ck, cv, pos, att, n_ctx, q8=q8)),
+        ("rmsnorm (+ q8)", lambda j: cuda.rmsnorm(xr, norm_w, 1e-5, h, q8=q8), h, "norm_vec"),
+        ("q/k/v GEMV", lambda j: cuda.gather_gemv(wqkv[j % n_copy], h[0], qkv_out, q8=q8),
+         qkv_out, "gemv_wide"),
+        ("rope_store", lambda j: cuda.rope_store(q, k, v, ck, cv, cos_sin, pos), None, None),
+        ("attn_decode at 32 (+ q8)", lambda j: cuda.attn_decode(q, ck, cv, pos, att, n_ctx, q8=q8),
+         None, None),
         ("output GEMV (+= x)", lambda j: cuda.gather_gemv(wo[j % n_copy], att.reshape(-1), x,
-                                                         accumulate=True, q8=q8)),
+                                                         accumulate=True, q8=q8), None, "gemv_wide"),
+        ("output GEMV (into a buffer, for the check)",
+         lambda j: cuda.gather_gemv(wo[j % n_copy], att.reshape(-1), o_out, q8=q8), o_out,
+         "gemv_wide"),
         ("norm_fc1 (+ FFN norm, q8)", lambda j: cuda.norm_fc1(fc1[j % n_copy], x, hid, norm_w,
-                                                              1e-5, h2, q8=q8)),
+                                                              1e-5, h2, q8=q8), h2, "norm_vec"),
     ]
-    print(f"\n| the rest of a layer (n_head {n_head}, head_dim {hd}) | us/call |")
-    print("|---|---|")
-    total = 0.0
-    for name, fn in steps:
+    print(f"\n| the rest of a layer (n_head {n_head}, head_dim {hd}) | us/call | other form | "
+          f"us/call | other / default | max diff (of max) |")
+    print("|---|---|---|---|---|---|")
+    total = total_other = 0.0
+    for name, fn, out, form in steps:
+        if out is not None:
+            fn(0)
+            want = cp.asnumpy(out)
         us = timed(fn, n_copy, args.reps)
-        total += us
-        print(f"| {name} | {us:.1f} |")
-    print(f"| sum | {total:.1f} |")
+        if "for the check" not in name:
+            total += us
+        if form is None:
+            total_other += us
+            print(f"| {name} | {us:.1f} | - | - | - | - |")
+            continue
+        with cuda.kernel_forms(**{form: True}):
+            err = "-"
+            if out is not None:
+                fn(0)
+                got = cp.asnumpy(out)
+                err = f"{float(np.max(np.abs(got - want)) / (np.abs(want).max() or 1.0)):.1e}"
+            us2 = timed(fn, n_copy, args.reps)
+        if "for the check" not in name:
+            total_other += us2
+        print(f"| {name} | {us:.1f} | {form} | {us2:.1f} | {us2 / us:.2f}x | {err} |")
+    print(f"| sum | {total:.1f} | both | {total_other:.1f} | {total_other / total:.2f}x | - |")
 
 
 if __name__ == "__main__":

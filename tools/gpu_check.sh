@@ -5,26 +5,26 @@
 #   BASE=<commit> bash tools/gpu_check.sh        # $OUT: logs; stdout: the summary
 #
 # Builds this tree and BASE (optional: another commit, for the before/after pairs, built beside
-# it in /tmp/base), runs the GPU tests, then, in order of what is least known:
+# it in /tmp/base), runs the GPU tests (session 29's kernel forms, not yet the default, included:
+# test_hybrid's OTHER_FORMS), then, in order of what is least known:
 #   ffnvar   tools/ffn_variants_gpu.py: the sparse FFN's two kernels at a 7B q4_0 layer, the
-#            engine's forms against the wide gate/up dots and other AXPY unrolls/chunks
+#            engine's forms against the other gate/up dots and AXPY unrolls/chunks, and the rest
+#            of the layer with session 29's forms (RMSNorm in registers, the GEMVs' wide dots)
+#   new7ab   tools/bench_gpu.py 7B q4_0 at 100% and 50%, with --forms-ab (session 29's forms,
+#            hybrid and -ngl; WIDE_AB=1 adds --wide-ab, the gate/up dots other than the
+#            default, measured in session 28; GATE_UP_AB=1 --gate-up-ab, the listed form)
+#   new13    13B at 100% / 50%, with --forms-ab
 #   profile  tools/profile_gpu.py: per-kernel device time of a 7B q4_0 token (8 layers), all on
 #            the GPU sparse and dense, and the hybrid at 50% with its host steps in situ
-#   new7ab   tools/bench_gpu.py 7B q4_0 at 100% and 50%, with --wide-ab (the gate/up dots other
-#            than the default, fused and listed: the GEMV dots since session 28 made the wide
-#            ones the default; GATE_UP_AB=1 adds --gate-up-ab, the listed form alone: session
-#            23 measured it at 0.98x, the default stays fused)
-#   cold32   tools/bench_cold.py over 32 distinct layers (session 23: in the hybrid the cold
-#            path takes 95-130 us a layer against 50 us over 8 layers: are 8 layers partly
-#            served from a large L3?)
+# and with ALL=1 the measurements sessions 23-28 made and nothing since has changed:
+#   cold32   tools/bench_cold.py over 32 distinct layers
 #   cold     tools/bench_cold.py: the host's cold path by thread count, BASE's build against
 #            this one where BASE is given
 #   base7h   BASE's 7B hybrid at 50% (where BASE is given)
 #   input7   tools/bench_gpu_input.py (sparse mode input, 7B q4_0, 25% / 50%)
-#   new13    13B at 100% / 50%, with --wide-ab
 #   avxvnni  (CPU only, where the host lists avx_vnni) the build variant with AVX-VNNI's VEX dot
-#            (PYINFER_AVX2_VNNI=1: -mavxvnni) computes right on a real AVX-VNNI core (session 26
-#            checked it only as a compile and through the EVEX form)
+#            (PYINFER_AVX2_VNNI=1: -mavxvnni) computes right on a real AVX-VNNI core (passed
+#            in session 28)
 # Each step has its own timeout, cut to what is left of LIMIT seconds (default 570), so the
 # whole run ends inside ten minutes; what finished is in $OUT even when a later step is cut or
 # skipped.
@@ -61,18 +61,21 @@ step() {
 }
 step 120 pytest python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_hybrid.py tests/test_cuda_host.py tests/test_families.py
 step 90 ffnvar python3 tools/ffn_variants_gpu.py --shape 7b --qtype q4_0
+AB="--forms-ab ${WIDE_AB:+--wide-ab} ${GATE_UP_AB:+--gate-up-ab}"
+step 240 new7ab python3 tools/bench_gpu.py $B --shape 7b --budgets 1.0,0.5 $AB
+step 150 new13 python3 tools/bench_gpu.py $B --shape 13b --budgets 1.0,0.5 $AB
 step 90 profile python3 tools/profile_gpu.py --shape 7b --qtype q4_0 --layers 8 --threads "$(nproc)" \
     --no-ceilings --only sparse,dense,hybrid
-step 300 new7ab python3 tools/bench_gpu.py $B --shape 7b --budgets 1.0,0.5 --wide-ab ${GATE_UP_AB:+--gate-up-ab}
-step 90 cold32 python3 tools/bench_cold.py --threads 8 $(nproc) --layers 32 --reps 5
-SO=$(ls /tmp/base/pyinfer/ops/_kernels*.so 2>/dev/null | head -1)
-step 90 cold python3 tools/bench_cold.py --threads 1 4 8 $(nproc) --reps 5 ${SO:+--so $SO}
-[ -n "$BASE" ] && step 90 base7h bash -c "cd /tmp/base && python3 tools/bench_gpu.py $B --shape 7b --budgets 0.5"
-step 150 input7 python3 tools/bench_gpu_input.py --shape 7b --qtype q4_0 --sparsity 0.25 0.5 \
-    --tokens 32 --reps 3 --threads "$(nproc)"
-step 150 new13 python3 tools/bench_gpu.py $B --shape 13b --budgets 1.0,0.5 --wide-ab
-grep -qw avx_vnni /proc/cpuinfo && step 120 avxvnni python3 -m pytest -q -p no:cacheprovider \
-    -m slow tests/test_kernels.py -k "build_variants and AVX2_VNNI"
+if [ -n "$ALL" ]; then
+    step 90 cold32 python3 tools/bench_cold.py --threads 8 $(nproc) --layers 32 --reps 5
+    SO=$(ls /tmp/base/pyinfer/ops/_kernels*.so 2>/dev/null | head -1)
+    step 90 cold python3 tools/bench_cold.py --threads 1 4 8 $(nproc) --reps 5 ${SO:+--so $SO}
+    [ -n "$BASE" ] && step 90 base7h bash -c "cd /tmp/base && python3 tools/bench_gpu.py $B --shape 7b --budgets 0.5"
+    step 150 input7 python3 tools/bench_gpu_input.py --shape 7b --qtype q4_0 --sparsity 0.25 0.5 \
+        --tokens 32 --reps 3 --threads "$(nproc)"
+    grep -qw avx_vnni /proc/cpuinfo && step 120 avxvnni python3 -m pytest -q -p no:cacheprovider \
+        -m slow tests/test_kernels.py -k "build_variants and AVX2_VNNI"
+fi
 cat "$L"
 tail -3 "$OUT/pytest.log"
 [ -f "$OUT/avxvnni.log" ] && tail -2 "$OUT/avxvnni.log"
