@@ -4,8 +4,12 @@
 Times the engine's ``gather_gemv_{q4_0,q8_0}`` against variants of the same warp-per-row kernel
 over the same split-layout rows (``pyinfer.device.device_layout``), a lane per 32-bit quant word:
 
-- ``f32 uU``: the dot the engine ran until session 19, against the f32 activation (eight
+- ``f32 uU`` (``--f32``): the dot the engine ran until session 19, against the f32 activation (eight
   conversions and FMAs per q4_0 word), U words in flight per lane (the engine had 4);
+- ``engine, wide``: the engine's wide one-row dot (``gather_gemv_w_*``, session 29, off by
+  default: ``cuda.set_gemv_wide``); ``wideN mM``: the same dot (``dot_wide_t``) with M blocks a
+  lane in flight and N rows a warp; ``wide1 mM, x sums`` (q4_0): with the activation's block sums
+  given, two ``__dp4a`` a quant word instead of four;
 - ``q8 uU``: the engine's dot since session 19 (``dot_split_t``): the activation quantized once
   per vector to int8 per 32-block (``cuda.quantize_q8``: d = max|x| / 127, q = rint(x * (1 / d)), the
   CPU kernels' ``pi_quantize_q8``, llama.cpp's q8_0), each quant word dotted with ``__dp4a`` (an
@@ -86,7 +90,75 @@ extern "C" __global__ void gemv_##NAME##_q8_u##U(const u8* w, long long row_byte
 }
 VARIANTS(16, q4_0, 4) VARIANTS(16, q4_0, 8) VARIANTS(16, q4_0, 16)
 VARIANTS(32, q8_0, 4) VARIANTS(32, q8_0, 8) VARIANTS(32, q8_0, 16)
+// The wide dots (dot_wide_t, session 29): a lane's whole blocks as 16-byte loads, MAXB blocks a
+// lane in flight; NR rows a warp (rows NR k .. NR k + NR - 1), their loads in flight together.
+#define WIDE(QB, NAME, MAXB, NR) \
+extern "C" __global__ void gemv_##NAME##_wide##NR##_m##MAXB(const u8* w, long long row_bytes, \
+        int n_rows, int cols, const int* xq, const float* xd, float* out) { \
+    const int k = NR * ((blockIdx.x * blockDim.x + threadIdx.x) >> 5), lane = threadIdx.x & 31; \
+    if (k >= n_rows) return; \
+    const u8* r[NR]; \
+    float s[NR]; \
+    for (int j = 0; j < NR; ++j) r[j] = w + (k + j < n_rows ? k + j : k) * row_bytes; \
+    dot_wide_t<QB, true, MAXB, NR>(r, cols >> 5, xq, xd, lane, s); \
+    for (int j = 0; j < NR; ++j) { \
+        const float t = warp_sum(s[j]); \
+        if (lane == 0 && k + j < n_rows) out[k + j] = t; \
+    } \
+}
+WIDE(16, q4_0, 1, 1) WIDE(16, q4_0, 2, 1) WIDE(16, q4_0, 4, 1) WIDE(16, q4_0, 8, 1)
+WIDE(16, q4_0, 2, 2) WIDE(16, q4_0, 4, 2)
+WIDE(32, q8_0, 1, 1) WIDE(32, q8_0, 2, 1) WIDE(32, q8_0, 4, 1) WIDE(32, q8_0, 8, 1)
+WIDE(32, q8_0, 2, 2) WIDE(32, q8_0, 4, 2)
+// q4_0's wide one-row dot with the activation's block sums given (xs[b] = sum of block b's 32
+// int8): a word's integer is two __dp4a (its low and high nibbles against x's two halves), and
+// the "- 8" offset is applied once a block as 8 xs[b], where word_i8 spends two more __dp4a a
+// word summing x. The same integers.
+template <int MAXB>
+__device__ __forceinline__ float dot_q4_sx(const u8* row, int nb, const int* xq, const float* xd,
+                                           const int* xs, int lane) {
+    float a = 0.f;
+    for (int b0 = 0; b0 < nb; b0 += 32 * MAXB) {
+        uint4 w[MAXB];
+        u16 h[MAXB];
+        #pragma unroll
+        for (int u = 0; u < MAXB; ++u) {
+            const int b = b0 + lane + 32 * u;
+            if (b < nb) {
+                w[u] = *(const uint4*)(row + 16 * b);
+                h[u] = *(const u16*)(row + 16 * nb + 2 * b);
+            }
+        }
+        #pragma unroll
+        for (int u = 0; u < MAXB; ++u) {
+            const int b = b0 + lane + 32 * u;
+            if (b < nb) {
+                const int* xb = xq + 8 * b;
+                const unsigned int v[4] = {w[u].x, w[u].y, w[u].z, w[u].w};
+                int i = -8 * xs[b];
+                #pragma unroll
+                for (int c = 0; c < 4; ++c)
+                    i = __dp4a((int)(v[c] & 0x0f0f0f0fu), xb[c], __dp4a((int)((v[c] >> 4) & 0x0f0f0f0fu), xb[4 + c], i));
+                a += h2f(h[u]) * xd[b] * (float)i;
+            }
+        }
+    }
+    return a;
+}
+#define WIDE_SX(MAXB) \
+extern "C" __global__ void gemv_q4_0_sx_m##MAXB(const u8* w, long long row_bytes, int n_rows, \
+        int cols, const int* xq, const float* xd, const int* xs, float* out) { \
+    const int k = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31; \
+    if (k >= n_rows) return; \
+    const float s = warp_sum(dot_q4_sx<MAXB>(w + k * row_bytes, cols >> 5, xq, xd, xs, lane)); \
+    if (lane == 0) out[k] = s; \
+}
+WIDE_SX(2) WIDE_SX(4)
 """
+#: MAXB of the q4_0 variants with the activation's block sums given
+SX_VARIANTS = (2, 4)
+#: (MAXB, rows a warp) of the wide variants compiled above
+WIDE_VARIANTS = ((1, 1), (2, 1), (4, 1), (8, 1), (2, 2), (4, 2))
 SOURCE = cuda.COMMON_SRC + VARIANT_SRC
 UNROLLS = (4, 8, 16)
 QB = {"q4_0": 16, "q8_0": 32}
@@ -105,6 +177,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--l2-bytes", type=float, default=512e6, help="bytes cycled over per shape")
+    ap.add_argument("--f32", action="store_true",
+                    help="also the f32-activation dots (session 19: 1.2-1.44x slower than q8)")
     args = ap.parse_args(argv)
     cp = cuda.cupy
     mod = cp.RawModule(code=SOURCE, options=("-std=c++14",))
@@ -133,15 +207,29 @@ def main(argv=None) -> int:
             runs = {"engine": (gather.get_function(f"gather_gemv_{qtype}"),
                                lambda w: (w, rb, np.int32(rows), np.int32(cols), xg, xq, xd, dummy_i,
                                           dummy_u, np.int32(0), np.int32(0), out), ref_q)}
+            runs["engine, wide"] = (gather.get_function(f"gather_gemv_w_{qtype}"),
+                                    runs["engine"][1], ref_q)
             for u in UNROLLS:
-                runs[f"f32 u{u}"] = (mod.get_function(f"gemv_{qtype}_f32_u{u}"),
-                                     lambda w: (w, rb, np.int32(rows), np.int32(cols), xg, out), ref_f)
+                if args.f32:
+                    runs[f"f32 u{u}"] = (mod.get_function(f"gemv_{qtype}_f32_u{u}"),
+                                         lambda w: (w, rb, np.int32(rows), np.int32(cols), xg, out), ref_f)
                 runs[f"q8 u{u}"] = (mod.get_function(f"gemv_{qtype}_q8_u{u}"),
                                     lambda w: (w, rb, np.int32(rows), np.int32(cols), xq, xd, out), ref_q)
+            if qtype == "q4_0":
+                xs = cp.asarray(cp.asnumpy(xq).reshape(-1, 32).astype(np.int32).sum(axis=1))
+                for m in SX_VARIANTS:
+                    runs[f"wide1 m{m}, x sums"] = (
+                        mod.get_function(f"gemv_q4_0_sx_m{m}"),
+                        lambda w: (w, rb, np.int32(rows), np.int32(cols), xq, xd, xs, out), ref_q)
+            for m, nr in WIDE_VARIANTS:
+                runs[f"wide{nr} m{m}"] = (mod.get_function(f"gemv_{qtype}_wide{nr}_m{m}"),
+                                          lambda w: (w, rb, np.int32(rows), np.int32(cols), xq, xd, out),
+                                          ref_q, nr)
             print(f"\n{qtype} {rows} x {cols}: {raw.nbytes / 1e6:.1f} MB per call, {ncopy} copies cycled")
             for block in (256, 128):
-                grid = ((rows * 32 + block - 1) // block,)
-                for name, (fn, args_of, ref) in runs.items():
+                for name, (fn, args_of, ref, *nr) in runs.items():
+                    warps = -(-rows // (nr[0] if nr else 1))
+                    grid = ((warps * 32 + block - 1) // block,)
                     fn(grid, (block,), args_of(ws[0]))
                     got = cp.asnumpy(out).astype(np.float64)
                     err = float(np.max(np.abs(got - ref) / scale))

@@ -13,6 +13,9 @@
 #   new7ab   tools/bench_gpu.py 7B q4_0 at 100% and 50%, with --forms-ab (session 29's forms,
 #            hybrid and -ngl; WIDE_AB=1 adds --wide-ab, the gate/up dots other than the
 #            default, measured in session 28; GATE_UP_AB=1 --gate-up-ab, the listed form)
+#   gemvvar  tools/gemv_variants_gpu.py: the q4_0 / q8_0 GEMV's dots in isolation (the engine's,
+#            its wide form, wide with 1-8 blocks a lane and 1-2 rows a warp, q4_0 with the
+#            activation's block sums given), the 7B / 13B shapes
 #   new13    13B at 100% / 50%, with --forms-ab
 #   profile  tools/profile_gpu.py: per-kernel device time of a 7B q4_0 token (8 layers), all on
 #            the GPU sparse and dense, and the hybrid at 50% with its host steps in situ
@@ -63,6 +66,7 @@ step 120 pytest python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_hybri
 step 90 ffnvar python3 tools/ffn_variants_gpu.py --shape 7b --qtype q4_0
 AB="--forms-ab ${WIDE_AB:+--wide-ab} ${GATE_UP_AB:+--gate-up-ab}"
 step 240 new7ab python3 tools/bench_gpu.py $B --shape 7b --budgets 1.0,0.5 $AB
+step 120 gemvvar python3 tools/gemv_variants_gpu.py --reps 30
 step 150 new13 python3 tools/bench_gpu.py $B --shape 13b --budgets 1.0,0.5 $AB
 step 90 profile python3 tools/profile_gpu.py --shape 7b --qtype q4_0 --layers 8 --threads "$(nproc)" \
     --no-ceilings --only sparse,dense,hybrid
@@ -82,4 +86,5 @@ tail -3 "$OUT/pytest.log"
 for f in ffnvar new7ab cold32 cold base7h input7 new13; do
     [ -f "$OUT/$f.log" ] && { echo "== $f"; grep -E "^\|" "$OUT/$f.log"; }
 done
+[ -f "$OUT/gemvvar.log" ] && { echo "== gemvvar (block 256)"; grep -E "^(q|  block 256)" "$OUT/gemvvar.log"; }
 [ -f "$OUT/profile.log" ] && { echo "== profile"; grep -vE "^(built|device)" "$OUT/profile.log" | head -60; }
