@@ -448,13 +448,17 @@ def _gpu_kernels_match_numpy_twins(qt, rows, cols):
                 g.gemv(gd["gate"], xd, out, idd if use_mask else None, md if use_mask else None, acc)
                 n.gemv(nd["gate"], x, want, ids if use_mask else None, mask if use_mask else None, acc)
                 np.testing.assert_allclose(out.get(), want, rtol=rtol, atol=rtol * np.abs(want).max())
-        for act, thr, glu in (("relu", 0.0, False), ("silu", 0.05, False), ("relu", -1.0, False),
-                              ("silu", 0.5, True)):
+        # (the last case: every row a candidate, no mask: the dense FFN's form, gemv_wide's)
+        for act, thr, glu, use_mask in (("relu", 0.0, False, True), ("silu", 0.05, False, True),
+                                        ("relu", -1.0, False, True), ("silu", 0.5, True, True),
+                                        ("silu", -1.0, False, False)):
             coef = cp.full(rows, cp.nan, cp.float32)
             cnt = cp.zeros(2, cp.uint64)
             want, wcnt = np.empty(rows, np.float32), np.zeros(2, np.uint64)
-            g.ffn_gate_up(gd["gate"], gd["up"], xd, coef, cnt, act, thr, idd, md, glu)
-            n.ffn_gate_up(nd["gate"], nd["up"], x, want, wcnt, act, thr, ids, mask, glu)
+            g.ffn_gate_up(gd["gate"], gd["up"], xd, coef, cnt, act, thr, idd,
+                          md if use_mask else None, glu)
+            n.ffn_gate_up(nd["gate"], nd["up"], x, want, wcnt, act, thr, ids,
+                          mask if use_mask else None, glu)
             scale = np.abs(want).max() or 1.0
             np.testing.assert_allclose(coef.get(), want, rtol=1e-3, atol=1e-3 * scale)
             assert abs(int(cnt.get()[1]) - int(wcnt[1])) <= 1 and int(cnt.get()[0]) == int(wcnt[0])
