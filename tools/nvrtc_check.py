@@ -53,11 +53,8 @@ class CompileError(RuntimeError):
     """NVRTC rejected a source; the message is its log."""
 
 
-def compile_source(src: str, name: str = "src.cu", arch: str = "sm_90", lib: str | None = None,
-                   options: tuple[str, ...] = ("-std=c++14",)) -> list[Kernel]:
-    """Compile ``src`` with NVRTC for ``arch`` (with CuPy's options as pyinfer passes them) and
-    return its entry points as ptxas reports them. Raises CompileError with NVRTC's log when the
-    source does not compile, OSError when no libnvrtc is found."""
+def _nvrtc(src: str, name: str, opts: list[str], lib: str | None) -> tuple[str, str]:
+    """(log, PTX) of NVRTC compiling src with opts; raises CompileError, OSError as compile_source."""
     path = lib or find_nvrtc()
     if path is None:
         raise OSError("libnvrtc not found (pip install nvidia-cuda-nvrtc-cu12)")
@@ -67,18 +64,53 @@ def compile_source(src: str, name: str = "src.cu", arch: str = "sm_90", lib: str
     if rc:
         raise CompileError(f"nvrtcCreateProgram returned {rc}")
     try:
-        opts = [o.encode() for o in options] + [f"--gpu-architecture={arch}".encode(),
-                                                 b"-Xptxas", b"-v"]
-        rc = nv.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+        b = [o.encode() for o in opts]
+        rc = nv.nvrtcCompileProgram(prog, len(b), (ctypes.c_char_p * len(b))(*b))
         size = ctypes.c_size_t()
         nv.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
         buf = ctypes.create_string_buffer(size.value)
         nv.nvrtcGetProgramLog(prog, buf)
         log = buf.value.decode(errors="replace")
+        ptx = ""
+        if rc == 0:
+            nv.nvrtcGetPTXSize(prog, ctypes.byref(size))
+            buf = ctypes.create_string_buffer(size.value)
+            nv.nvrtcGetPTX(prog, buf)
+            ptx = buf.value.decode(errors="replace")
     finally:
         nv.nvrtcDestroyProgram(ctypes.byref(prog))
     if rc:
         raise CompileError(log)
+    return log, ptx
+
+
+@dataclass
+class Signature:
+    """One entry point's parameters as PTX declares them (``u32``: an int, ``f32``: a float,
+    ``u64``: a pointer or a long long, ...) and its launch bound (``.maxntid``; 0: none)."""
+    params: list[str]
+    max_threads: int
+
+
+def ptx_signatures(src: str, name: str = "src.cu", lib: str | None = None,
+                   options: tuple[str, ...] = ("-std=c++14",)) -> dict[str, Signature]:
+    """Every entry point of ``src`` (compiled by NVRTC to PTX for compute_90): its parameter
+    types and launch bound. Raises CompileError, OSError as compile_source."""
+    _log, ptx = _nvrtc(src, name, list(options) + ["--gpu-architecture=compute_90"], lib)
+    out = {}
+    for fn, params, tail in re.findall(r"\.entry (\w+)\(\s*(.*?)\)(.*?)\{", ptx, re.S):
+        nt = re.search(r"\.maxntid (\d+)", tail)
+        out[fn] = Signature(re.findall(r"\.param \.(\w+)", params), int(nt.group(1)) if nt else 0)
+    return out
+
+
+def compile_source(src: str, name: str = "src.cu", arch: str = "sm_90", lib: str | None = None,
+                   options: tuple[str, ...] = ("-std=c++14",)) -> list[Kernel]:
+    """Compile ``src`` with NVRTC for ``arch`` (with CuPy's options as pyinfer passes them) and
+    return its entry points as ptxas reports them. Raises CompileError with NVRTC's log when the
+    source does not compile, OSError when no libnvrtc is found."""
+    log, _ptx = _nvrtc(src, name, list(options) + [f"--gpu-architecture={arch}", "-Xptxas", "-v"],
+                       lib)
     out = []
     for fn, body in re.findall(r"Compiling entry function '(\w+)'(.*?)(?=Compiling entry|\Z)",
                                log, re.S):

@@ -1414,7 +1414,7 @@ def kernel_forms(**forms):
 
 def _norm_vec_ok(n: int, *arrays) -> bool:
     """Whether RMSNorm of rows of n values over ``arrays`` runs in registers."""
-    return (_NORM_VEC and n % 4 == 0 and n <= _NORM_VEC_PER * _NORM_VEC_THREADS
+    return (_NORM_VEC and n % 4 == 0 and n <= 4 * _NORM_VEC_PER * _NORM_VEC_THREADS
             and all(a.data.ptr % 16 == 0 for a in arrays))
 
 

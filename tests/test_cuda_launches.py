@@ -1,0 +1,275 @@
+"""Every GPU wrapper of ``pyinfer.ops.cuda`` launches a kernel that exists with the arguments that
+kernel takes, checked without a GPU. CuPy is replaced by a stand-in: its modules' kernels are the
+entry points NVRTC finds in the real sources (``tools/nvrtc_check.ptx_signatures``: each entry's
+PTX parameter list and ``.maxntid`` launch bound), its arrays are NumPy's. A launch fails here
+when it names a kernel the source lacks, passes a different count of arguments, passes anything
+but a NumPy int32 where the kernel takes a 32-bit int (CuPy would pass a Python int as 64 bits),
+anything but a float32 for a float, anything but an array or a 64-bit int for a pointer or long
+long, or a block larger than 1024 threads or than the kernel's launch bound. The kernels do not
+run, so no value is checked here: the GPU tests (``-m gpu``) do that on a device. Skipped where
+NVRTC is not installed (the test extra's ``nvidia-cuda-nvrtc-cu12``, x86-64 Linux)."""
+import os
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from pyinfer.ops import cuda
+from pyinfer.ops.cpu import QT
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "tools"))
+import nvrtc_check  # noqa: E402
+
+pytestmark = pytest.mark.skipif(nvrtc_check.find_nvrtc() is None,
+                                reason="libnvrtc not found (nvidia-cuda-nvrtc-cu12, x86-64 Linux)")
+
+
+class Arr(np.ndarray):
+    """A NumPy array standing in for a CuPy one (``.data.ptr`` as CuPy's)."""
+
+    @property
+    def data(self):
+        return SimpleNamespace(ptr=self.__array_interface__["data"][0])
+
+
+def arr(a) -> Arr:
+    return np.ascontiguousarray(a).view(Arr)
+
+
+_SCALARS = {"u32": (np.int32, np.uint32), "s32": (np.int32, np.uint32), "f32": (np.float32,),
+            "u64": (np.int64, np.uint64), "s64": (np.int64, np.uint64), "f64": (np.float64,)}
+
+
+class FakeKernel:
+    def __init__(self, name, sig, launches):
+        self.name, self.sig, self.launches = name, sig, launches
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        assert isinstance(grid, tuple) and 1 <= len(grid) <= 3 and all(
+            isinstance(g, int) and g >= 1 for g in grid), (self.name, grid)
+        assert isinstance(block, tuple) and 1 <= len(block) <= 3, (self.name, block)
+        threads = int(np.prod(block))
+        assert 1 <= threads <= 1024, (self.name, block)
+        assert not self.sig.max_threads or threads <= self.sig.max_threads, (self.name, block)
+        assert 0 <= shared_mem <= 48 * 1024, (self.name, shared_mem)
+        assert len(args) == len(self.sig.params), (self.name, len(args), self.sig.params)
+        for i, (a, p) in enumerate(zip(args, self.sig.params)):
+            if isinstance(a, np.ndarray):
+                assert p in ("u64", "s64"), (self.name, i, p, "an array for a scalar")
+                assert isinstance(a, Arr), (self.name, i, "a host array passed to a kernel")
+            else:
+                assert type(a) in _SCALARS[p], (self.name, i, p, type(a))
+        self.launches.append(SimpleNamespace(name=self.name, grid=grid, block=block,
+                                             args=args))
+
+
+_SIGS: dict = {}  # source -> its signatures (NVRTC runs once per source in the session)
+
+
+class FakeCupy:
+    """What pyinfer.ops.cuda's wrappers use of CuPy, over NumPy, with NVRTC's signatures."""
+
+    int8, uint8, int32, uint32, uint64, float32 = (np.int8, np.uint8, np.int32, np.uint32,
+                                                    np.uint64, np.float32)
+
+    def __init__(self):
+        self.launches = []
+        cp = self
+
+        class Device:
+            id = 0
+
+            def __init__(self, i=0):
+                pass
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return False
+
+        class RawModule:
+            def __init__(self, code, options=()):
+                if code not in _SIGS:
+                    _SIGS[code] = nvrtc_check.ptx_signatures(code, options=tuple(options))
+                self.sigs = _SIGS[code]
+
+            def get_function(self, name):
+                assert name in self.sigs, f"no kernel {name} in the source"
+                return FakeKernel(name, self.sigs[name], cp.launches)
+
+        self.cuda = SimpleNamespace(Device=Device)
+        self.RawModule = RawModule
+
+    def empty(self, shape, dtype):
+        return arr(np.zeros(shape, dtype))
+
+    zeros = empty
+
+
+@pytest.fixture
+def cp(monkeypatch):
+    fake = FakeCupy()
+    caches = (cuda._module, cuda._function, cuda._dummy_for, cuda._q8_scratch,
+              cuda._list_scratch, cuda._kmask_scratch)
+    for c in caches:
+        c.cache_clear()
+    monkeypatch.setattr(cuda, "cupy", fake)
+    yield fake
+    for c in caches:
+        c.cache_clear()
+
+
+ROW_BYTES = {QT.F32: lambda c: 4 * c, QT.F16: lambda c: 2 * c, QT.Q8_0: lambda c: 34 * c // 32,
+             QT.Q4_0: lambda c: 18 * c // 32}
+
+
+def rows(qt, n, cols) -> cuda.DeviceRows:
+    return cuda.DeviceRows(arr(np.zeros((n, ROW_BYTES[qt](cols)), np.uint8)), qt, n, cols)
+
+
+def f32(*shape):
+    return arr(np.zeros(shape, np.float32))
+
+
+def names(cp):
+    out = [launch.name for launch in cp.launches]
+    cp.launches.clear()
+    return out
+
+
+@pytest.mark.parametrize("forms", [{}, {"gemv_wide": True, "norm_vec": True}],
+                         ids=["default", "other_forms"])
+@pytest.mark.parametrize("qt", [QT.F32, QT.F16, QT.Q8_0, QT.Q4_0])
+def test_dense_and_hot_neuron_kernels_launch_as_declared(cp, qt, forms):
+    t = qt.name.lower()
+    n_ff, cols, rank = 96, 256, 24
+    gate, up, down = rows(qt, n_ff, cols), rows(qt, n_ff, cols), rows(qt, n_ff, cols)
+    x, out, coef = f32(cols), f32(n_ff), f32(n_ff)
+    ids = arr(np.arange(n_ff, dtype=np.int32))
+    mask = arr(np.ones(2 * n_ff, np.uint8))
+    counts = arr(np.zeros(2, np.uint64))
+    q8 = cuda.q8_buffers(cols)
+    wide = "_w" if forms and qt in cuda.Q8_TYPES else ""
+    with cuda.kernel_forms(**forms):
+        cuda.gather_gemv(gate, x, out)
+        cuda.gather_gemv(gate, x, out, ids, mask, accumulate=True, q8=q8)
+        got = names(cp)
+        gemv = f"gather_gemv{wide}_{t}"
+        assert got == ([gemv, gemv] if qt not in cuda.Q8_TYPES else ["quantize_q8", gemv, gemv])
+        fc2 = rows(QT.F16, n_ff, rank)
+        hid = f32(rank)
+        for listed in (False, True):
+            with cuda.kernel_forms(gate_up_list=listed):
+                cuda.ffn_gate_up(gate, up, x, coef, counts, "relu", -1.0, q8=q8)
+                cuda.ffn_gate_up(gate, up, x, coef, counts, "silu", 0.1, ids, mask, glu=True,
+                                 q8=q8)
+                cuda.ffn_gate_up(gate, up, x, coef, counts, "relu", 0.0, ids, pred=(fc2, hid, 0.5),
+                                 q8=q8, scratch=arr(np.zeros(cuda.gate_up_list_len(n_ff),
+                                                             np.int32)))
+            w_cand = "_w" if cuda.gate_up_wide() and qt in cuda.Q8_TYPES else ""
+            assert names(cp) == [f"ffn_gate_up{wide}_{t}", f"ffn_gate_up{w_cand}_{t}"] + (
+                ["hot_candidates", f"ffn_gate_up_list{w_cand}_{t}"] if listed
+                else [f"ffn_gate_up{w_cand}_{t}"])
+        cuda.axpy_rows(down, coef, x, skip_zero=True, accumulate=True)
+        cuda.dequant(down, 3, 5, f32(5 * cols))
+        assert names(cp) == [f"axpy_part_{t}", "axpy_sum", f"dequant_{t}"]
+
+
+@pytest.mark.parametrize("norm_vec", [False, True])
+@pytest.mark.parametrize("n_embd", [96, 576, 4096, 5120, 20480])
+def test_norm_and_attention_kernels_launch_as_declared(cp, n_embd, norm_vec):
+    """The RMSNorm kernels in both forms (the register form takes rows up to 16384 values in up
+    to 1024 threads; a longer row keeps the other form), norm_fc1 with and without the norm and
+    its q8 form, the predictor, RoPE, attention (head_dim a multiple of 32 or not), add."""
+    rank = 24
+    x, w, h = f32(2, n_embd), f32(n_embd), f32(2, n_embd)
+    q8 = cuda.q8_buffers(2 * n_embd)
+    with cuda.kernel_forms(norm_vec=norm_vec):
+        cuda.rmsnorm(x, w, 1e-5, h)
+        cuda.rmsnorm(x, w, 1e-5, h, q8=q8)
+        for fc1_t in (QT.F32, QT.F16):
+            fc1 = rows(fc1_t, rank, n_embd)
+            cuda.norm_fc1(fc1, x[0], f32(rank), w, 1e-5, h[0], q8=q8)
+            cuda.norm_fc1(fc1, x[0], f32(rank))
+            cuda.predictor_fc2(rows(fc1_t, 64, rank), f32(rank), arr(np.zeros(64, np.uint8)), 0.5)
+    vec = norm_vec and n_embd <= 16384
+    # rmsnorm twice, then per fc1 type: norm_fc1 with the norm, without it, predictor_fc2
+    assert names(cp)[:2] == ["rmsnorm_f32"] * 2
+    with cuda.kernel_forms(norm_vec=norm_vec):
+        cuda.rmsnorm(x, w, 1e-5, h, q8=q8)
+        fc1 = rows(QT.F16, rank, n_embd)
+        cuda.norm_fc1(fc1, x[0], f32(rank), w, 1e-5, h[0], q8=q8)
+        cuda.norm_fc1(fc1, x[0], f32(rank))
+    (norm, with_norm, without) = cp.launches
+    assert [norm.args[-1], with_norm.args[-1], without.args[-1]] == [vec, vec, 0]
+    assert without.block == (256,) and without.grid == (-(-rank * 32 // 256),)
+    for launch in (norm, with_norm):
+        threads = launch.block[0]
+        if vec:  # every float4 of a row held by a thread, at most 4 a thread
+            assert threads == min(1024, 32 * -(-n_embd // 128)) and 4 * 4 * threads >= n_embd
+        else:
+            assert threads == 256
+    assert with_norm.grid == (-(-rank * 32 // with_norm.block[0]) + 1,)  # fc1's warps, the norm
+    cp.launches.clear()
+    for n_head, hd in ((8, 64), (4, 48)):
+        n_ctx = 16
+        q, kv = f32(n_head, hd), f32(2, hd)
+        ck, cv = f32(n_ctx, 2, hd), f32(n_ctx, 2, hd)
+        pos = arr(np.array([5], np.int32))
+        cuda.rope_store(q, kv, kv, ck, cv, f32(n_ctx, hd // 2, 2), pos)
+        q8a = cuda.q8_buffers(n_head * hd)
+        cuda.attn_decode(q, ck, cv, pos, f32(n_head, hd), n_ctx, q8=q8a)
+    cuda.add(f32(64), f32(64))
+    assert names(cp) == ["rope_store", "attn_decode", "rope_store", "attn_decode", "quantize_q8",
+                         "add_f32"]
+
+
+def test_unaligned_rows_keep_the_other_norm(cp):
+    """RMSNorm's register form needs 16-byte aligned rows: an array 4 bytes off keeps the other
+    form, as does a row length not a multiple of 4."""
+    base = f32(4096 + 4)
+    x = base[1:4097].reshape(1, 4096)
+    with cuda.kernel_forms(norm_vec=True):
+        cuda.rmsnorm(x, f32(4096), 1e-5, f32(1, 4096))
+        cuda.rmsnorm(f32(1, 4098), f32(4098), 1e-5, f32(1, 4098))
+        cuda.rmsnorm(f32(1, 4096), f32(4096), 1e-5, f32(1, 4096))
+    assert [launch.args[-1] for launch in cp.launches] == [0, 0, 1]
+
+
+@pytest.mark.parametrize("ib", sorted(cuda.IB_KERNELS))
+def test_input_sparse_kernels_launch_as_declared(cp, ib):
+    """Sparse mode input's mask kernels (with and without the q8 form, scale and counter) and the
+    input-block GEMV and dequantization of every input-block type."""
+    n_in, n_out = 256, 128
+    x = f32(n_in)
+    q8 = cuda.q8_buffers(n_in)
+    kmask = arr(np.zeros(n_in // 32, np.uint32))
+    kept = arr(np.zeros(1, np.uint64))
+    cuda.mask_inputs(x, None, 0.1)
+    cuda.mask_inputs(x, f32(n_in), 0.1, kept, q8, kmask)
+    cuda.glu_mask(f32(2 * n_in), n_in, "silu", f32(n_in), 0.1, f32(n_in), kept, q8, kmask)
+    w = cuda.DeviceRows(arr(np.zeros((n_in, n_out), np.uint8)), ib, n_in, n_out)
+    cuda.ib_gemv(w, f32(n_out), q8, kmask, accumulate=True)
+    cuda.ib_dequant_t(w, 32, 64, f32(64 * n_out))
+    name = cuda.IB_KERNELS[ib][0]
+    assert names(cp) == ["mask_q8", "mask_q8", "glu_mask_q8", f"ib_gemv_{name}", "axpy_sum",
+                         "ib_dequant_t"]
+
+
+def test_a_wrong_launch_fails_here(cp):
+    """The stand-in catches what it is for: a Python int where a kernel takes an int32, a
+    missing argument, a kernel the source lacks, a block over the launch bound."""
+    fn = cuda._kernel("attn", "add_f32")
+    with pytest.raises(AssertionError):
+        fn((1,), (256,), (f32(8), f32(8), 8))
+    with pytest.raises(AssertionError):
+        fn((1,), (256,), (f32(8), f32(8)))
+    with pytest.raises(AssertionError, match="no kernel"):
+        cuda._kernel("attn", "add_f16")
+    with pytest.raises(AssertionError):
+        cuda._kernel("attn", "rmsnorm_f32")((1,), (2048,), ())
+    fn((1,), (256,), (f32(8), f32(8), np.int32(8)))
+    assert names(cp) == ["add_f32"]
