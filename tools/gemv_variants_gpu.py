@@ -266,7 +266,7 @@ def main(argv=None) -> int:
                     e1.record()
                     e1.synchronize()
                     us = cp.cuda.get_elapsed_time(e0, e1) * 1e3 / args.reps
-                    print(f"  block {block:>3} {name:<14} {us:8.1f} us  {raw.nbytes / us / 1e3:7.0f} GB/s"
+                    print(f"  block {block:>3} {name:<26} {us:8.1f} us  {raw.nbytes / us / 1e3:7.0f} GB/s"
                           f"  max err {err:.1e}")
             del ws
             cp.get_default_memory_pool().free_all_blocks()
