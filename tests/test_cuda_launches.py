@@ -8,6 +8,7 @@ anything but a float32 for a float, anything but an array or a 64-bit int for a 
 long, or a block larger than 1024 threads or than the kernel's launch bound. The kernels do not
 run, so no value is checked here: the GPU tests (``-m gpu``) do that on a device. Skipped where
 NVRTC is not installed (the test extra's ``nvidia-cuda-nvrtc-cu12``, x86-64 Linux)."""
+import ctypes
 import os
 import sys
 from types import SimpleNamespace
@@ -27,15 +28,26 @@ pytestmark = pytest.mark.skipif(nvrtc_check.find_nvrtc() is None,
 
 
 class Arr(np.ndarray):
-    """A NumPy array standing in for a CuPy one (``.data.ptr`` as CuPy's)."""
+    """A NumPy array standing in for a CuPy one (``.data.ptr`` and ``.get()`` as CuPy's)."""
 
     @property
     def data(self):
         return SimpleNamespace(ptr=self.__array_interface__["data"][0])
 
+    def get(self):
+        return np.array(self)
+
+
+class Pinned(np.ndarray):
+    """A host array from the stand-in's ``cupyx.empty_pinned``: never a kernel argument."""
+
 
 def arr(a) -> Arr:
     return np.ascontiguousarray(a).view(Arr)
+
+
+def _dev(r):
+    return r.view(Arr) if isinstance(r, np.ndarray) and not isinstance(r, Arr) else r
 
 
 _SCALARS = {"u32": (np.int32, np.uint32), "s32": (np.int32, np.uint32), "f32": (np.float32,),
@@ -58,7 +70,7 @@ class FakeKernel:
         for i, (a, p) in enumerate(zip(args, self.sig.params)):
             if isinstance(a, np.ndarray):
                 assert p in ("u64", "s64"), (self.name, i, p, "an array for a scalar")
-                assert isinstance(a, Arr), (self.name, i, "a host array passed to a kernel")
+                assert not isinstance(a, Pinned), (self.name, i, "a host array passed to a kernel")
             else:
                 assert type(a) in _SCALARS[p], (self.name, i, p, type(a))
         self.launches.append(SimpleNamespace(name=self.name, grid=grid, block=block,
@@ -68,15 +80,62 @@ class FakeKernel:
 _SIGS: dict = {}  # source -> its signatures (NVRTC runs once per source in the session)
 
 
-class FakeCupy:
-    """What pyinfer.ops.cuda's wrappers use of CuPy, over NumPy, with NVRTC's signatures."""
+class _Event:
+    def record(self, stream=None):
+        return self
 
-    int8, uint8, int32, uint32, uint64, float32 = (np.int8, np.uint8, np.int32, np.uint32,
-                                                    np.uint64, np.float32)
+    def synchronize(self):
+        pass
+
+
+class _Graph:
+    def __init__(self, n):
+        self.n = n  # launches captured
+
+    def launch(self, stream=None):
+        pass
+
+
+class FakeCupy:
+    """What pyinfer.ops.cuda's wrappers, pyinfer.device.CupyDevice and pyinfer.gpu_model use of
+    CuPy, over NumPy, with NVRTC's signatures: streams, events and CUDA graphs that do nothing
+    (a captured graph counts its launches), copies by memmove, NumPy's functions for the rest
+    (their arrays standing in for device arrays)."""
 
     def __init__(self):
         self.launches = []
         cp = self
+
+        class Stream:
+            ptr = 0
+
+            def __init__(self, non_blocking=False):
+                self.capturing = None
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return False
+
+            def synchronize(self):
+                pass
+
+            def record(self):
+                return _Event()
+
+            def begin_capture(self):
+                self.capturing = len(cp.launches)
+
+            def end_capture(self):
+                g, self.capturing = _Graph(len(cp.launches) - self.capturing), None
+                return g
+
+            def is_capturing(self):
+                return self.capturing is not None
+
+        def memcpy_async(dst, src, nbytes, kind, stream):
+            ctypes.memmove(dst, src, nbytes)
 
         class Device:
             id = 0
@@ -100,13 +159,37 @@ class FakeCupy:
                 assert name in self.sigs, f"no kernel {name} in the source"
                 return FakeKernel(name, self.sigs[name], cp.launches)
 
-        self.cuda = SimpleNamespace(Device=Device)
+        self.cuda = SimpleNamespace(
+            Device=Device, Stream=Stream, Event=_Event, is_available=lambda: True,
+            get_elapsed_time=lambda a, b: 0.0,
+            memory=SimpleNamespace(OutOfMemoryError=MemoryError),
+            runtime=SimpleNamespace(memGetInfo=lambda: (64 << 30, 80 << 30),
+                                    memcpyAsync=memcpy_async,
+                                    getDeviceProperties=lambda i: {"name": b"stand-in"}))
         self.RawModule = RawModule
 
     def empty(self, shape, dtype):
         return arr(np.zeros(shape, dtype))
 
     zeros = empty
+
+    def asarray(self, a, dtype=None):
+        return arr(np.asarray(a, dtype))
+
+    @staticmethod
+    def asnumpy(a):
+        return np.array(a)
+
+    @staticmethod
+    def get_default_memory_pool():
+        return SimpleNamespace(free_bytes=lambda: 0, used_bytes=lambda: 0,
+                               free_all_blocks=lambda: None)
+
+    def __getattr__(self, name):  # the rest of NumPy, its arrays as device arrays
+        fn = getattr(np, name)
+        if not callable(fn) or isinstance(fn, type):
+            return fn
+        return lambda *a, **k: _dev(fn(*a, **k))
 
 
 @pytest.fixture
@@ -117,6 +200,9 @@ def cp(monkeypatch):
     for c in caches:
         c.cache_clear()
     monkeypatch.setattr(cuda, "cupy", fake)
+    monkeypatch.setattr(cuda, "_AVAILABLE", True)
+    monkeypatch.setitem(sys.modules, "cupyx", SimpleNamespace(
+        empty_pinned=lambda shape, dtype: np.zeros(shape, dtype).view(Pinned)))
     yield fake
     for c in caches:
         c.cache_clear()
@@ -273,3 +359,76 @@ def test_a_wrong_launch_fails_here(cp):
         cuda._kernel("attn", "rmsnorm_f32")((1,), (2048,), ())
     fn((1,), (256,), (f32(8), f32(8), np.int32(8)))
     assert names(cp) == ["add_f32"]
+
+
+@pytest.mark.parametrize("forms", [{}, {"gemv_wide": True, "norm_vec": True}],
+                         ids=["default", "other_forms"])
+@pytest.mark.parametrize("hidden_act,outtype,mode,kind", [
+    ("relu", "q4_0", "relu", "all"), ("relu", "q4_0", "relu", "random"),
+    ("silu", "q8_0", "glu", "partial"), ("silu", "f16", "glu", "random"),
+    ("relu", "f32", "relu", "layers")])
+def test_gpu_model_launches_as_declared(cp, tmp_path, hidden_act, outtype, mode, kind, forms):
+    """The whole GPU model on CupyDevice over the stand-in (prefill, the first decode token eager,
+    the next ones captured as CUDA graphs and replayed; hot neurons on the device and cold ones
+    on the host, whole layers, the CPU's layers after the device's): every launch as declared."""
+    from pyinfer.device import CupyDevice
+    from pyinfer.gpu_model import GpuModel
+    from tests.test_hybrid import PROMPT, engine_for, plan_for, sparse_ffn
+
+    eng = engine_for(tmp_path, hidden_act, outtype)
+    cfg = eng.cfg
+    with cuda.kernel_forms(**forms):
+        gm = GpuModel(cfg, eng.weights, eng.n_ctx, 2, sparse_ffn(cfg, hidden_act, mode),
+                      CupyDevice(), plan_for(kind, cfg))
+        gm.forward(PROMPT, 0, all_logits=True)
+        n_prefill = len(cp.launches)
+        for i, t in enumerate(PROMPT[:4]):
+            gm.forward([t], len(PROMPT) + i)
+    got = {launch.name for launch in cp.launches[n_prefill:]}
+    assert "rmsnorm_f32" in got and "rope_store" in got and "attn_decode" in got
+    quantized = outtype in ("q4_0", "q8_0")
+    wide = "_w" if forms and quantized else ""
+    assert f"gather_gemv{wide}_{outtype}" in got
+    if kind in ("all", "random"):
+        assert any(n.startswith("ffn_gate_up") for n in got) and f"axpy_part_{outtype}" in got
+    if gm.plan.n_resident == cfg.n_layer and gm.plan.output:  # decode as CUDA graphs
+        assert gm._graphs is not None and sum(g.n for g in gm._graphs) > 0
+    vecs = [launch.args[-1] for launch in cp.launches
+            if launch.name == "rmsnorm_f32" or launch.name.startswith("norm_fc1")]
+    assert vecs and set(vecs) == {np.int32(bool(forms))}
+
+
+@pytest.mark.parametrize("outtype", ["q4_0", "q8_0", "f16"])
+def test_input_sparse_gpu_model_launches_as_declared(cp, tmp_path, outtype):
+    """Sparse mode input's GPU model over the stand-in (masks, the input-block GEMVs or the AXPY
+    over a float file's rows, the input-sparse head), prefill and decode through graphs."""
+    from convert.cli import main as convert_main
+    from pyinfer.device import CupyDevice
+    from pyinfer.engine import Engine
+    from pyinfer.gpu_model import GpuModel
+    from pyinfer.hybrid import place_model
+    from pyinfer.input_sparse import InputSparseFFN, thresholds_from_reader
+    from tests._models import make_random_llama
+
+    src = make_random_llama(tmp_path / "hf", hidden_act="silu", tokenizer="bpe",
+                            intermediate_size=128, n_layers=2, name="silu")
+    out = str(tmp_path / "in.gguf")
+    assert convert_main([str(src), out, "--outtype", outtype, "--target-sparsity", "0.5",
+                         "--sparse-mode", "input", "--sparse-alloc", "uniform",
+                         "--calib-tokens", "128", "-t", "1"]) == 0
+    eng = Engine(out, n_ctx=32, n_threads=2, cache_type="f32")
+    cfg = eng.cfg
+    gm = place_model(eng.reader, cfg, eng.weights,
+                     InputSparseFFN(cfg, thresholds_from_reader(eng.reader, cfg)), 32, 2,
+                     device="cuda", backend=CupyDevice())
+    assert isinstance(gm, GpuModel) and gm.plan.n_resident == cfg.n_layer
+    toks = [1, 17, 42, 7, 99, 3]
+    gm.forward(toks, 0, all_logits=True)
+    for i, t in enumerate(toks):
+        gm.forward([t], len(toks) + i)
+    got = {launch.name for launch in cp.launches}
+    assert {"mask_q8", "glu_mask_q8", "rmsnorm_f32", "attn_decode"} <= got
+    if outtype == "f16":
+        assert "axpy_part_f16" in got
+    else:
+        assert f"ib_gemv_{outtype}" in got
