@@ -161,7 +161,7 @@ class FakeCupy:
 
         self.cuda = SimpleNamespace(
             Device=Device, Stream=Stream, Event=_Event, is_available=lambda: True,
-            get_elapsed_time=lambda a, b: 0.0,
+            get_elapsed_time=lambda a, b: 1.0,
             memory=SimpleNamespace(OutOfMemoryError=MemoryError),
             runtime=SimpleNamespace(memGetInfo=lambda: (64 << 30, 80 << 30),
                                     memcpyAsync=memcpy_async,
