@@ -1192,11 +1192,11 @@ def norm_fc1(fc1: DeviceRows, x, hid, norm_w=None, eps: float = 0.0, h=None, q8=
     fc1 (rank, n_embd) f32 or f16; x, h, norm_w (n_embd,) f32."""
     t = _TYPE_NAME[fc1.qtype]
     do_norm = norm_w is not None
-    vec = do_norm and _norm_vec_ok(fc1.cols, x, norm_w, h)
+    do_q8, hq, hd = _q8_out(q8)
+    vec = do_norm and _norm_vec_ok(fc1.cols, x, norm_w, h, *((hq,) if do_q8 else ()))
     block = _norm_vec_block(fc1.cols) if vec else _BLOCK
     grid = _grid(32 * fc1.rows, block)[0] + do_norm
     f32 = _dummy()["f32"]
-    do_q8, hq, hd = _q8_out(q8)
     _kernel("predictor", f"norm_fc1_{t}")(
         (grid,), (block,),
         (fc1.data, np.int64(fc1.row_bytes), np.int32(fc1.rows), np.int32(fc1.cols), x, hid,
@@ -1413,7 +1413,8 @@ def kernel_forms(**forms):
 
 
 def _norm_vec_ok(n: int, *arrays) -> bool:
-    """Whether RMSNorm of rows of n values over ``arrays`` runs in registers."""
+    """Whether RMSNorm of rows of n values over ``arrays`` (x, w, out and the q8 values it
+    writes as 32-bit words) runs in registers."""
     return (_NORM_VEC and n % 4 == 0 and n <= 4 * _NORM_VEC_PER * _NORM_VEC_THREADS
             and all(a.data.ptr % 16 == 0 for a in arrays))
 
@@ -1549,7 +1550,7 @@ def rmsnorm(x, w, eps: float, out, q8=None) -> None:
     do_q8, xq, xd = _q8_out(q8)
     if do_q8:
         _check_q8_len(n)
-    vec = _norm_vec_ok(n, x, w, out)
+    vec = _norm_vec_ok(n, x, w, out, *((xq,) if do_q8 else ()))
     _kernel("attn", "rmsnorm_f32")((n_tok,), (_norm_vec_block(n) if vec else _BLOCK,),
                                    (x, w, np.int32(n), np.float32(eps), out, np.int32(do_q8), xq,
                                     xd, np.int32(vec)))
