@@ -1,7 +1,7 @@
 """The CUDA kernels' per-block arithmetic, checked on the host: the device functions of
 ``pyinfer.ops.cuda`` that read quantized rows in the device layout (``dotx_q8_0``/``dotx_q4_0``
-against the activation's q8 form through ``__dp4a``, the wide one- and two-row forms, the AXPY
-units, ``el_*``) compiled as plain
+against the activation's q8 form through ``__dp4a``, the wide one- and two-row forms, q4_0's
+with x's block sums, the AXPY units, ``el_*``) compiled as plain
 C++ with g++ (a warp emulated by a loop over its 32 lanes, ``__dp4a`` by its definition: four
 signed byte products added to an int), against ``gguf``'s dequantization of the same rows and
 the q8 activation of ``pyinfer.ops.reference.quantize_act_q8``. CI has no GPU; this is what catches
@@ -64,6 +64,15 @@ void emu_dot2(int t, const u8* r0, const u8* r1, int cols, const signed char* xq
         out[1] += s1;
     }
 }
+float emu_dot_sums(const u8* row, int cols, const signed char* xq, const float* xd,
+                   const int* xs) {  // gather_gemv_ws_q4_0's dot, x's block sums given
+    float s = 0.f;
+    const bool al = ((u64)row & 15) == 0;
+    for (int lane = 0; lane < 32; ++lane)
+        s += al ? dot_q4_sums<true, 4>(row, cols >> 5, (const int*)xq, xd, xs, lane)
+                : dot_q4_sums<false, 4>(row, cols >> 5, (const int*)xq, xd, xs, lane);
+    return s;
+}
 float emu_dot_f16(int wide, const u8* row, int cols, const float* x) {
     float s = 0.f;
     for (int lane = 0; lane < 32; ++lane)
@@ -117,6 +126,7 @@ def lib(tmp_path_factory):
     so.emu_dot.restype = ctypes.c_float
     so.emu_el.restype = ctypes.c_float
     so.emu_dot_f16.restype = ctypes.c_float
+    so.emu_dot_sums.restype = ctypes.c_float
     return so
 
 
@@ -136,6 +146,7 @@ def test_device_functions_on_the_host(lib, qt, cols):
     quantize_q8(x, (xq, xd))  # the kernels' q8 activation (NumPy twin of cuda.quantize_q8)
     xdq = ref.quantize_act_q8(x)
     np.testing.assert_array_equal(xq.astype(np.float32) * np.repeat(xd, 32), xdq)
+    xs = xq.reshape(-1, 32).astype(np.int32).sum(axis=1).astype(np.int32)  # x's block sums
     ptr = lambda a: ctypes.c_void_p(a.ctypes.data)  # noqa: E731
     for off in (0, 2, 4, 8):
         buf = np.zeros(dev.nbytes + 64, np.uint8)
@@ -148,6 +159,9 @@ def test_device_functions_on_the_host(lib, qt, cols):
             for wide in (0, 1):
                 got = lib.emu_dot(t, wide, ptr(row), cols, ptr(xq), ptr(xd))
                 assert abs(got - want) <= 1e-5 * float(np.abs(f[r]) @ np.abs(xdq)), (off, r, wide)
+            if qt == QT.Q4_0:
+                got = lib.emu_dot_sums(ptr(row), cols, ptr(xq), ptr(xd), ptr(xs))
+                assert abs(got - want) <= 1e-5 * float(np.abs(f[r]) @ np.abs(xdq)), (off, r)
             r2 = (r + 1) % 3  # the wide form: this row as gate, the next as up
             two = np.zeros(2, np.float32)
             lib.emu_dot2(t, ptr(row), ptr(d2[r2]), cols, ptr(xq), ptr(xd), ptr(two))

@@ -226,8 +226,18 @@ def names(cp):
     return out
 
 
-@pytest.mark.parametrize("forms", [{}, {"gemv_wide": True, "norm_vec": True}],
-                         ids=["default", "other_forms"])
+FORMS = [{}, {"gemv_wide": True, "norm_vec": True}, {"gemv_sums": True}]
+FORM_IDS = ["default", "wide_norm_vec", "gemv_sums"]
+
+
+def gemv_suffix(qt, forms) -> str:
+    """The dense GEMV kernel's suffix under ``forms``."""
+    if forms.get("gemv_sums") and qt == QT.Q4_0:
+        return "_ws"
+    return "_w" if forms.get("gemv_wide") and qt in cuda.Q8_TYPES else ""
+
+
+@pytest.mark.parametrize("forms", FORMS, ids=FORM_IDS)
 @pytest.mark.parametrize("qt", [QT.F32, QT.F16, QT.Q8_0, QT.Q4_0])
 def test_dense_and_hot_neuron_kernels_launch_as_declared(cp, qt, forms):
     t = qt.name.lower()
@@ -238,12 +248,12 @@ def test_dense_and_hot_neuron_kernels_launch_as_declared(cp, qt, forms):
     mask = arr(np.ones(2 * n_ff, np.uint8))
     counts = arr(np.zeros(2, np.uint64))
     q8 = cuda.q8_buffers(cols)
-    wide = "_w" if forms and qt in cuda.Q8_TYPES else ""
+    wide = "_w" if forms.get("gemv_wide") and qt in cuda.Q8_TYPES else ""
     with cuda.kernel_forms(**forms):
         cuda.gather_gemv(gate, x, out)
         cuda.gather_gemv(gate, x, out, ids, mask, accumulate=True, q8=q8)
         got = names(cp)
-        gemv = f"gather_gemv{wide}_{t}"
+        gemv = f"gather_gemv{gemv_suffix(qt, forms)}_{t}"
         assert got == ([gemv, gemv] if qt not in cuda.Q8_TYPES else ["quantize_q8", gemv, gemv])
         fc2 = rows(QT.F16, n_ff, rank)
         hid = f32(rank)
@@ -361,8 +371,7 @@ def test_a_wrong_launch_fails_here(cp):
     assert names(cp) == ["add_f32"]
 
 
-@pytest.mark.parametrize("forms", [{}, {"gemv_wide": True, "norm_vec": True}],
-                         ids=["default", "other_forms"])
+@pytest.mark.parametrize("forms", FORMS, ids=FORM_IDS)
 @pytest.mark.parametrize("hidden_act,outtype,mode,kind", [
     ("relu", "q4_0", "relu", "all"), ("relu", "q4_0", "relu", "random"),
     ("silu", "q8_0", "glu", "partial"), ("silu", "f16", "glu", "random"),
@@ -386,16 +395,14 @@ def test_gpu_model_launches_as_declared(cp, tmp_path, hidden_act, outtype, mode,
             gm.forward([t], len(PROMPT) + i)
     got = {launch.name for launch in cp.launches[n_prefill:]}
     assert "rmsnorm_f32" in got and "rope_store" in got and "attn_decode" in got
-    quantized = outtype in ("q4_0", "q8_0")
-    wide = "_w" if forms and quantized else ""
-    assert f"gather_gemv{wide}_{outtype}" in got
+    assert f"gather_gemv{gemv_suffix(QT[outtype.upper()], forms)}_{outtype}" in got
     if kind in ("all", "random"):
         assert any(n.startswith("ffn_gate_up") for n in got) and f"axpy_part_{outtype}" in got
     if gm.plan.n_resident == cfg.n_layer and gm.plan.output:  # decode as CUDA graphs
         assert gm._graphs is not None and sum(g.n for g in gm._graphs) > 0
     vecs = [launch.args[-1] for launch in cp.launches
             if launch.name == "rmsnorm_f32" or launch.name.startswith("norm_fc1")]
-    assert vecs and set(vecs) == {np.int32(bool(forms))}
+    assert vecs and set(vecs) == {np.int32(bool(forms.get("norm_vec")))}
 
 
 @pytest.mark.parametrize("outtype", ["q4_0", "q8_0", "f16"])

@@ -407,13 +407,16 @@ def test_nvrtc_check_reports_a_compile_error():
 
 
 #: the kernel forms other than the defaults that are not yet the default (session 29: the wide
-#: one-row GEMV dots and RMSNorm in registers), for the GPU tests to run both ways
+#: one-row GEMV dots and RMSNorm in registers; q4_0's GEMV with x's block sums), for the GPU
+#: tests to run every way
 OTHER_FORMS = {"gemv_wide": True, "norm_vec": True}
+SUMS_FORMS = {"gemv_sums": True}
 
 
 @pytest.mark.parametrize("qt", [QT.F32, QT.F16, QT.Q8_0, QT.Q4_0])
 @pytest.mark.parametrize("rows,cols", [(300, 256), (77, 96), (1000, 4096)])
-@pytest.mark.parametrize("forms", [{}, OTHER_FORMS], ids=["default", "other_forms"])
+@pytest.mark.parametrize("forms", [{}, OTHER_FORMS, SUMS_FORMS],
+                         ids=["default", "other_forms", "gemv_sums"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda.available(), reason=NO_GPU)
 def test_gpu_kernels_match_numpy_twins(qt, rows, cols, forms):
@@ -673,14 +676,16 @@ def test_gpu_model_with_other_gate_up_dots_equals_cpu_model(tmp_path, hidden_act
 @pytest.mark.skipif(not cuda.available(), reason=NO_GPU)
 @pytest.mark.parametrize("hidden_act,outtype,mode", [("relu", "q4_0", "relu"), ("silu", "q8_0", "glu")])
 @pytest.mark.parametrize("kind", ["all", "partial"])
-def test_gpu_model_with_other_forms_equals_cpu_model(tmp_path, hidden_act, outtype, mode, kind):
+@pytest.mark.parametrize("forms", [OTHER_FORMS, SUMS_FORMS], ids=["other_forms", "gemv_sums"])
+def test_gpu_model_with_other_forms_equals_cpu_model(tmp_path, hidden_act, outtype, mode, kind,
+                                                     forms):
     """The kernel forms not yet the default (``OTHER_FORMS``: the wide one-row GEMV dots, RMSNorm
-    in registers) in the whole GPU model, decode through CUDA graphs and prefill included: the
+    in registers; ``SUMS_FORMS``: q4_0's GEMV with x's block sums) in the whole GPU model, decode through CUDA graphs and prefill included: the
     CPU model's logits, as the default forms."""
     from pyinfer.device import CupyDevice
 
     eng = engine_for(tmp_path, hidden_act, outtype)
-    with cuda.kernel_forms(**OTHER_FORMS):
+    with cuda.kernel_forms(**forms):
         compare(eng, lambda: sparse_ffn(eng.cfg, hidden_act, mode), plan_for(kind, eng.cfg),
                 outtype, CupyDevice(), exact_counts=False)
 

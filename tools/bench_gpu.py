@@ -63,8 +63,9 @@ SHAPES = {  # n_embd, n_ff, n_head, n_layer (Llama-2)
     "13b": (5120, 13824, 40, 40),
 }
 N_VOCAB = 32000
-#: session 29's kernel forms, written without a GPU, timed by --forms-ab
-FORMS_AB = {"gemv_wide": True, "norm_vec": True}
+#: session 29's kernel forms, written without a GPU, timed by --forms-ab: (label, forms)
+FORMS_AB = (("wide GEMV dots + norm in registers", {"gemv_wide": True, "norm_vec": True}),
+            ("q4_0 GEMV with x sums + norm in registers", {"gemv_sums": True, "norm_vec": True}))
 
 
 def phi_inv(p: np.ndarray) -> np.ndarray:
@@ -213,7 +214,8 @@ def main(argv=None) -> int:
     ap.add_argument("--forms-ab", action="store_true",
                     help="A/B of session 29's kernel forms (not yet the default): each budget's "
                          "hybrid and -ngl runs also run with cuda.kernel_forms(gemv_wide=True, "
-                         "norm_vec=True) (the dense GEMVs' wide dots, RMSNorm in registers)")
+                         "norm_vec=True) (the dense GEMVs' wide dots, RMSNorm in registers) and "
+                         "with gemv_sums=True, norm_vec=True (q4_0's GEMVs with x's block sums)")
     ap.add_argument("--numpy", action="store_true",
                     help="smoke-test without a GPU: NumpyDevice stands in (timings mean nothing)")
     args = ap.parse_args(argv)
@@ -329,12 +331,11 @@ def main(argv=None) -> int:
             GpuModel._cold = _cold_fused
         plan = plan_layers(cfg, sizes_d, budget, None, dense=True)
         run(f"offload -ngl {plan.n_resident} (dense)", label, DenseFFN(cfg), plan)
-        if args.forms_ab:  # after the defaults: a failing new kernel costs no default row
-            with cuda.kernel_forms(**FORMS_AB):
-                run("hybrid, wide GEMV dots + norm in registers", label, make_sparse(),
-                    plan_hybrid(cfg, sizes_s, budget, counts))
-                run(f"offload -ngl {plan.n_resident} (dense), wide GEMV dots + norm in registers",
-                    label, DenseFFN(cfg), plan)
+        for name, forms in FORMS_AB if args.forms_ab else ():  # after the defaults: a
+            with cuda.kernel_forms(**forms):  # failing new kernel costs no default row
+                run(f"hybrid, {name}", label, make_sparse(), plan_hybrid(cfg, sizes_s, budget,
+                                                                         counts))
+                run(f"offload -ngl {plan.n_resident} (dense), {name}", label, DenseFFN(cfg), plan)
 
     print(f"\nDecode, Llama-2-{args.shape} shape x{L} layers, {args.qtype}, ReLU at "
           f"{1 - args.density:.0%} target sparsity (power law alpha={args.alpha}), "

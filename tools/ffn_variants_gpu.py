@@ -229,7 +229,7 @@ def rest_of_layer(args, rng, E, qt, qn, q8, hid, x, n_copy) -> None:
     qkv_out = cp.empty(3 * E, cp.float32)
     h2 = cp.empty(E, cp.float32)
     o_out = cp.empty(E, cp.float32)
-    # (name, call, output to compare, the other form or None)
+    # (name, call, output to compare, the other form or None); q4_0's GEMVs also with x's sums
     steps = [
         ("rmsnorm (+ q8)", lambda j: cuda.rmsnorm(xr, norm_w, 1e-5, h, q8=q8), h, "norm_vec"),
         ("q/k/v GEMV", lambda j: cuda.gather_gemv(wqkv[j % n_copy], h[0], qkv_out, q8=q8),
@@ -242,6 +242,13 @@ def rest_of_layer(args, rng, E, qt, qn, q8, hid, x, n_copy) -> None:
         ("output GEMV (into a buffer, for the check)",
          lambda j: cuda.gather_gemv(wo[j % n_copy], att.reshape(-1), o_out, q8=q8), o_out,
          "gemv_wide"),
+    ] + ([
+        ("q/k/v GEMV, another form (for the check)",
+         lambda j: cuda.gather_gemv(wqkv[j % n_copy], h[0], qkv_out, q8=q8), qkv_out, "gemv_sums"),
+        ("output GEMV, another form (for the check)",
+         lambda j: cuda.gather_gemv(wo[j % n_copy], att.reshape(-1), o_out, q8=q8), o_out,
+         "gemv_sums"),
+    ] if qn == "q4_0" else []) + [
         ("norm_fc1 (+ FFN norm, q8)", lambda j: cuda.norm_fc1(fc1[j % n_copy], x, hid, norm_w,
                                                               1e-5, h2, q8=q8), h2, "norm_vec"),
     ]
@@ -270,7 +277,8 @@ def rest_of_layer(args, rng, E, qt, qn, q8, hid, x, n_copy) -> None:
         if "for the check" not in name:
             total_other += us2
         print(f"| {name} | {us:.1f} | {form} | {us2:.1f} | {us2 / us:.2f}x | {err} |")
-    print(f"| sum | {total:.1f} | both | {total_other:.1f} | {total_other / total:.2f}x | - |")
+    print(f"| sum | {total:.1f} | norm_vec + gemv_wide | {total_other:.1f} | "
+          f"{total_other / total:.2f}x | - |")
 
 
 if __name__ == "__main__":

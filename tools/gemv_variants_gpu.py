@@ -7,7 +7,8 @@ over the same split-layout rows (``pyinfer.device.device_layout``), a lane per 3
 - ``f32 uU`` (``--f32``): the dot the engine ran until session 19, against the f32 activation (eight
   conversions and FMAs per q4_0 word), U words in flight per lane (the engine had 4);
 - ``engine, wide``: the engine's wide one-row dot (``gather_gemv_w_*``, session 29, off by
-  default: ``cuda.set_gemv_wide``); ``wideN mM``: the same dot (``dot_wide_t``) with M blocks a
+  default: ``cuda.set_gemv_wide``); ``engine, wide + x sums`` (q4_0): with x's block sums made
+  per thread block (``gather_gemv_ws_q4_0``, off by default: ``kernel_forms(gemv_sums=True)``); ``wideN mM``: the same dot (``dot_wide_t``) with M blocks a
   lane in flight and N rows a warp; ``wide1 mM, x sums`` (q4_0): with the activation's block sums
   given, two ``__dp4a`` a quant word instead of four; ``x sums smem``: the sums made by the
   kernel, once per thread block into shared memory (no other kernel changes);
@@ -111,47 +112,14 @@ WIDE(16, q4_0, 1, 1) WIDE(16, q4_0, 2, 1) WIDE(16, q4_0, 4, 1) WIDE(16, q4_0, 8,
 WIDE(16, q4_0, 2, 2) WIDE(16, q4_0, 4, 2)
 WIDE(32, q8_0, 1, 1) WIDE(32, q8_0, 2, 1) WIDE(32, q8_0, 4, 1) WIDE(32, q8_0, 8, 1)
 WIDE(32, q8_0, 2, 2) WIDE(32, q8_0, 4, 2)
-// q4_0's wide one-row dot with the activation's block sums given (xs[b] = sum of block b's 32
-// int8): a word's integer is two __dp4a (its low and high nibbles against x's two halves), and
-// the "- 8" offset is applied once a block as 8 xs[b], where word_i8 spends two more __dp4a a
-// word summing x. The same integers.
-template <int MAXB>
-__device__ __forceinline__ float dot_q4_sx(const u8* row, int nb, const int* xq, const float* xd,
-                                           const int* xs, int lane) {
-    float a = 0.f;
-    for (int b0 = 0; b0 < nb; b0 += 32 * MAXB) {
-        uint4 w[MAXB];
-        u16 h[MAXB];
-        #pragma unroll
-        for (int u = 0; u < MAXB; ++u) {
-            const int b = b0 + lane + 32 * u;
-            if (b < nb) {
-                w[u] = *(const uint4*)(row + 16 * b);
-                h[u] = *(const u16*)(row + 16 * nb + 2 * b);
-            }
-        }
-        #pragma unroll
-        for (int u = 0; u < MAXB; ++u) {
-            const int b = b0 + lane + 32 * u;
-            if (b < nb) {
-                const int* xb = xq + 8 * b;
-                const unsigned int v[4] = {w[u].x, w[u].y, w[u].z, w[u].w};
-                int i = -8 * xs[b];
-                #pragma unroll
-                for (int c = 0; c < 4; ++c)
-                    i = __dp4a((int)(v[c] & 0x0f0f0f0fu), xb[c], __dp4a((int)((v[c] >> 4) & 0x0f0f0f0fu), xb[4 + c], i));
-                a += h2f(h[u]) * xd[b] * (float)i;
-            }
-        }
-    }
-    return a;
-}
+// q4_0 with the activation's block sums (the engine's dot_q4_sums): given in memory (xs), or
+// made by the kernel once per thread block into shared memory (gather_gemv_ws_q4_0's way).
 #define WIDE_SX(MAXB) \
 extern "C" __global__ void gemv_q4_0_sx_m##MAXB(const u8* w, long long row_bytes, int n_rows, \
         int cols, const int* xq, const float* xd, const int* xs, float* out) { \
     const int k = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31; \
     if (k >= n_rows) return; \
-    const float s = warp_sum(dot_q4_sx<MAXB>(w + k * row_bytes, cols >> 5, xq, xd, xs, lane)); \
+    const float s = warp_sum(dot_q4_sums<true, MAXB>(w + k * row_bytes, cols >> 5, xq, xd, xs, lane)); \
     if (lane == 0) out[k] = s; \
 }
 WIDE_SX(2) WIDE_SX(4)
@@ -171,7 +139,7 @@ extern "C" __global__ void gemv_q4_0_sxs_m##MAXB(const u8* w, long long row_byte
     __syncthreads(); \
     const int k = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31; \
     if (k >= n_rows) return; \
-    const float s = warp_sum(dot_q4_sx<MAXB>(w + k * row_bytes, nb, xq, xd, xs, lane)); \
+    const float s = warp_sum(dot_q4_sums<true, MAXB>(w + k * row_bytes, nb, xq, xd, xs, lane)); \
     if (lane == 0) out[k] = s; \
 }
 WIDE_SXS(2) WIDE_SXS(4)
@@ -230,6 +198,9 @@ def main(argv=None) -> int:
                                           dummy_u, np.int32(0), np.int32(0), out), ref_q)}
             runs["engine, wide"] = (gather.get_function(f"gather_gemv_w_{qtype}"),
                                     runs["engine"][1], ref_q)
+            if qtype == "q4_0":
+                runs["engine, wide + x sums"] = (gather.get_function("gather_gemv_ws_q4_0"),
+                                                 runs["engine"][1], ref_q)
             for u in UNROLLS:
                 if args.f32:
                     runs[f"f32 u{u}"] = (mod.get_function(f"gemv_{qtype}_f32_u{u}"),

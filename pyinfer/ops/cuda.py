@@ -346,6 +346,42 @@ __device__ __forceinline__ float dot1x_q4_0(const u8* row, int cols, const float
         const int* xq, const float* xd, int lane) {
     return dot1_wide<16, 4>(row, cols, xq, xd, lane);
 }
+// q4_0's wide one-row dot (AL: 16-byte aligned row) with x's block sums given (xs[b] = the sum
+// of block b's 32 int8): a quant word's integer is two __dp4a (its low and high nibbles against
+// x's two halves) and the "- 8" offset comes off once a block as 8 xs[b], where word_i8 spends
+// two more __dp4a a word summing x. The same integers as dot1_wide<16, MAXB>.
+template <bool AL, int MAXB>
+__device__ __forceinline__ float dot_q4_sums(const u8* row, int nb, const int* xq, const float* xd,
+                                             const int* xs, int lane) {
+    float a = 0.f;
+    for (int b0 = 0; b0 < nb; b0 += 32 * MAXB) {
+        uint4 w[MAXB];
+        u16 h[MAXB];
+        #pragma unroll
+        for (int u = 0; u < MAXB; ++u) {
+            const int b = b0 + lane + 32 * u;
+            if (b < nb) {
+                w[u] = ld_w128(row + 16 * b, AL);
+                h[u] = *(const u16*)(row + 16 * nb + 2 * b);
+            }
+        }
+        #pragma unroll
+        for (int u = 0; u < MAXB; ++u) {
+            const int b = b0 + lane + 32 * u;
+            if (b < nb) {
+                const int* xb = xq + 8 * b;
+                const unsigned int v[4] = {w[u].x, w[u].y, w[u].z, w[u].w};
+                int i = -8 * xs[b];
+                #pragma unroll
+                for (int c = 0; c < 4; ++c)
+                    i = __dp4a((int)(v[c] & 0x0f0f0f0fu), xb[c],
+                               __dp4a((int)((v[c] >> 4) & 0x0f0f0f0fu), xb[4 + c], i));
+                a += h2f(h[u]) * xd[b] * (float)i;
+            }
+        }
+    }
+    return a;
+}
 // An f16 row . x (cols % 8 == 0: 16-byte rows) with every load of up to 32 MAXU 8-half units in
 // flight before any arithmetic: the predictor's fc2 row (rank <= 256 MAXU) in one round trip.
 template <int MAXU>
@@ -937,7 +973,35 @@ extern "C" __global__ void add_f32(float* out, const float* a, int n) {
 
 _TYPES = ("f32", "f16", "q8_0", "q4_0")
 PREDICTOR_SRC = COMMON_SRC + "".join(_PREDICTOR_TEMPLATE.replace("@T@", t) for t in ("f32", "f16"))
-GATHER_SRC = COMMON_SRC + _HOT_CANDIDATES + "".join(_GATHER_TEMPLATE.replace("@T@", t) for t in _TYPES)
+_GATHER_SUMS = r"""
+// gather_gemv over q4_0 rows with the wide dot and x's block sums (dot_q4_sums): each thread
+// block first sums x's int8 per 32-block into shared memory (nb <= 512: 16384 columns), once for
+// its 8 rows, then warp per row as gather_gemv.
+extern "C" __global__ void gather_gemv_ws_q4_0(const u8* w, long long row_bytes, int n_rows,
+        int cols, const float* x, const int* xq, const float* xd, const int* ids, const u8* mask,
+        int use_mask, int accumulate, float* out) {
+    __shared__ int xs[512];
+    const int nb = cols >> 5;
+    for (int b = threadIdx.x; b < nb; b += blockDim.x) {
+        int t = 0;
+        #pragma unroll
+        for (int c = 0; c < 8; ++c) t = __dp4a(0x01010101, xq[8 * b + c], t);
+        xs[b] = t;
+    }
+    __syncthreads();
+    const int k = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
+    if (k >= n_rows) return;
+    float s = 0.f;
+    if (!use_mask || mask[ids[k]]) {
+        const u8* row = w + k * row_bytes;
+        s = warp_sum(((u64)row & 15) == 0 ? dot_q4_sums<true, 4>(row, nb, xq, xd, xs, lane)
+                                          : dot_q4_sums<false, 4>(row, nb, xq, xd, xs, lane));
+    }
+    if (lane == 0) out[k] = accumulate ? out[k] + s : s;
+}
+"""
+GATHER_SRC = (COMMON_SRC + _HOT_CANDIDATES
+              + "".join(_GATHER_TEMPLATE.replace("@T@", t) for t in _TYPES) + _GATHER_SUMS)
 _AXPY_TYPES = {"f32": ("UnitF32", 4), "f16": ("UnitF16", 4), "q8_0": ("UnitQ8_0", 2),
                "q4_0": ("UnitQ4_0", 4)}  # unit, rows in flight per thread
 AXPY_SRC = COMMON_SRC + _AXPY_UNITS + "".join(
@@ -1124,7 +1188,7 @@ extern "C" __global__ void ib_dequant_t(const u8* w, int qt, int n_out, int j0, 
 SOURCES = {"predictor": PREDICTOR_SRC, "gather": GATHER_SRC, "axpy": AXPY_SRC, "attn": ATTN_SRC,
            "input": INPUT_SRC}
 #: kernels each source must define (the nvcc test counts them)
-N_KERNELS = {"predictor": 4, "gather": 25, "axpy": 9, "attn": 5, "input": 8}
+N_KERNELS = {"predictor": 4, "gather": 26, "axpy": 9, "attn": 5, "input": 8}
 _TYPE_NAME = {QT.F32: "f32", QT.F16: "f16", QT.Q8_0: "q8_0", QT.Q4_0: "q4_0"}
 #: weight types the kernels read (the QT names, lower case)
 GPU_TYPES = tuple(t.name.lower() for t in _TYPE_NAME)
@@ -1304,6 +1368,8 @@ def gather_gemv(w: DeviceRows, x, out, ids=None, mask=None, accumulate: bool = F
     xq, xd = _q8_in(w, x, q8)
     ids, mask, use = _mask_args(ids, mask)
     wide = "_w" if _GEMV_WIDE and w.qtype in Q8_TYPES else ""
+    if _GEMV_SUMS and w.qtype == QT.Q4_0 and w.cols <= 32 * _GEMV_SUMS_BLOCKS:
+        wide = "_ws"
     _kernel("gather", f"gather_gemv{wide}_{_TYPE_NAME[w.qtype]}")(
         _grid_rows(w.rows), (_BLOCK,),
         (w.data, np.int64(w.row_bytes), np.int32(w.rows), np.int32(w.cols), x, xq, xd, ids,
@@ -1355,6 +1421,12 @@ def set_gate_up_wide(on: bool) -> None:
 #: word, U steps in flight). Written in session 29 without a GPU: off until measured
 #: (``set_gemv_wide``; tools/ffn_variants_gpu.py and tools/bench_gpu.py --forms-ab time both)
 _GEMV_WIDE = False
+#: q4_0's dense GEMVs (``gather_gemv``) with the wide dot and x's block sums made once per thread
+#: block in shared memory (``gather_gemv_ws_q4_0``: two ``__dp4a`` a quant word instead of four;
+#: rows of at most 32 _GEMV_SUMS_BLOCKS columns). Written in session 29 without a GPU: off until
+#: measured (``kernel_forms(gemv_sums=True)``; tools/gemv_variants_gpu.py "x sums smem")
+_GEMV_SUMS = False
+_GEMV_SUMS_BLOCKS = 512  # the kernel's shared array
 #: RMSNorm (``rmsnorm``, ``norm_fc1``'s norm block) in registers (``block_rmsnorm_vec``: one
 #: load of each value, the q8 form from registers, up to 1024 threads a row) instead of three
 #: passes over memory by 256 threads. Written in session 29 without a GPU: off until measured
@@ -1394,10 +1466,10 @@ def set_norm_vec(on: bool) -> None:
 @contextlib.contextmanager
 def kernel_forms(**forms):
     """Within the block, the kernel forms given (``gate_up_list``, ``gate_up_wide``,
-    ``gemv_wide``, ``norm_vec``: True or False), each set back afterwards. For tests and
+    ``gemv_wide``, ``gemv_sums``, ``norm_vec``: True or False), each set back afterwards. For tests and
     benchmarks; raises TypeError for another name."""
     names = {"gate_up_list": "_GATE_UP_LIST", "gate_up_wide": "_GATE_UP_WIDE",
-             "gemv_wide": "_GEMV_WIDE", "norm_vec": "_NORM_VEC"}
+             "gemv_wide": "_GEMV_WIDE", "gemv_sums": "_GEMV_SUMS", "norm_vec": "_NORM_VEC"}
     bad = sorted(set(forms) - set(names))
     if bad:
         raise TypeError(f"unknown kernel form(s): {', '.join(bad)}")
