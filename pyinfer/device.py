@@ -220,6 +220,10 @@ class NumpyDevice:
     def predict_fc2(self, fc2: DeviceRows, hid, threshold: float, mask) -> None:
         mask[...] = (fc2.f32 @ hid[:fc2.cols] >= threshold).astype(np.uint8)
 
+    def quantize_q8(self, x, q8) -> None:
+        """The twin of ``cuda.quantize_q8``: q8 = (xq, xd) <- x (n,) f32."""
+        quantize_q8(x, q8)
+
     def gemv(self, w: DeviceRows, x, out, ids=None, mask=None, accumulate: bool = False,
              q8=None) -> None:
         """out (+)= w @ x; quantized rows read q8(x), as the kernels (``q8`` is not needed:
@@ -439,6 +443,9 @@ class CupyDevice:
 
     def predict_fc2(self, fc2, hid, threshold: float, mask) -> None:
         cuda.predictor_fc2(fc2, hid, mask, threshold)
+
+    def quantize_q8(self, x, q8) -> None:
+        cuda.quantize_q8(x, q8)
 
     def gemv(self, w, x, out, ids=None, mask=None, accumulate: bool = False, q8=None) -> None:
         cuda.gather_gemv(w, x, out, ids, mask, accumulate, q8)

@@ -103,10 +103,21 @@ def layer_fixed_bytes(cfg: ModelConfig, lw, n_ctx: int, predictor) -> int:
 
 def neuron_bytes(lw) -> int:
     """Bytes of one FFN neuron on the device: its ffn_gate, ffn_up and ffn_down_t rows (sparse
-    mode "input": the FFN matrices' bytes over n_ff; its layers go on the device whole)."""
+    mode "input": the FFN matrices' bytes over n_ff; its layers go on the device whole; a
+    row-layout ffn_down, dense only: its bytes over n_ff, the same as the ffn_down_t rows')."""
     if is_input_layer(lw):
         return (_dev_bytes(lw.ffn_gate_up_t) + _dev_bytes(lw.ffn_down_t)) // lw.ffn_down_t.rows
-    return int(lw.ffn_gate.raw.shape[1] + lw.ffn_up.raw.shape[1] + lw.ffn_down_t.raw.shape[1])
+    down = (lw.ffn_down_t.raw.shape[1] if lw.ffn_down_t is not None
+            else lw.ffn_down.raw.nbytes // lw.ffn_gate.rows)
+    return int(lw.ffn_gate.raw.shape[1] + lw.ffn_up.raw.shape[1] + down)
+
+
+def rows_down(weights: ModelWeights) -> bool:
+    """True where the layers hold ffn_down in row layout only (a ``pyinfer-convert --dense``
+    file): the device's dense layers then run it as a GEMV (``_ResidentLayer.down_rows``), as the
+    CPU and llama.cpp do, instead of the AXPY over neuron-major rows. Sparse plans need
+    ffn_down_t (``hybrid.neuron_major_down``)."""
+    return any(lw.ffn_down_t is None and lw.ffn_down is not None for lw in weights.layers)
 
 
 def model_head(cpu_ffn, lm_head=None):
@@ -137,15 +148,16 @@ def output_bytes(cfg: ModelConfig, weights: ModelWeights, head=None,
     return cfg.n_embd * 4 + weights.output.nbytes
 
 
-def buffer_bytes(cfg: ModelConfig, n_ctx: int, rank: int, input_mode: bool = False) -> int:
+def buffer_bytes(cfg: ModelConfig, n_ctx: int, rank: int, input_mode: bool = False,
+                 down_rows: bool = False) -> int:
     """Bytes of the forward's own device buffers (GpuModel.__init__ allocates exactly these):
     one-token activations, the prefill dequantization chunk and the RoPE table (sparse mode
     "input": also its kept-channel counters and bits, gate|up, and the partial sums of its
-    projections)."""
+    projections; ``down_rows`` (``rows_down``): the q8 buffer holds the down GEMV's input)."""
     E, F, V = cfg.n_embd, cfg.n_ff, cfg.n_vocab
     decode = 4 * (3 * E + 2 * cfg.n_embd_q + 2 * cfg.n_embd_kv + rank + F + V) + F + 16 + 4
     decode += 4 * cuda.gate_up_list_len(F)  # the hot neurons' candidate list (two-launch form)
-    nq8 = q8_len(cfg, input_mode)
+    nq8 = q8_len(cfg, input_mode or down_rows)
     if input_mode:  # kept counters (groups, head), kept bits, gate|up, masked head input, sums
         decode += 8 * N_KEPT + 4 * (nq8 // 32) + 4 * 2 * F + 4 * E + 4 * input_scratch_len(cfg)
     decode += nq8 + 4 * max(1, nq8 // 32)  # the q8 form of the quantized rows' activation
@@ -181,8 +193,9 @@ def head_scratch_len(weights: ModelWeights) -> int:
 
 def q8_len(cfg: ModelConfig, input_mode: bool = False) -> int:
     """Values of the q8 activation buffer: the widest input of a quantized decode GEMV (n_embd
-    for q/k/v, gate/up and the output, n_head * head_dim for wo; sparse mode "input": n_ff for
-    the down projection's GEMV too), rounded up to 32."""
+    for q/k/v, gate/up and the output, n_head * head_dim for wo; sparse mode "input", or a
+    row-layout ffn_down (``rows_down``): n_ff for the down projection's GEMV too), rounded up
+    to 32."""
     return -(-max(cfg.n_embd, cfg.n_embd_q, cfg.n_ff if input_mode else 0) // 32) * 32
 
 
@@ -260,6 +273,7 @@ class _ResidentLayer:
             self.pred_thr = predictor.threshold
         self.hot = np.asarray(hot, np.int32)  # (n_hot,) sorted neuron ids on the device
         self.n_hot = int(self.hot.size)
+        self.down = self.down_rows = None
         cold = np.ones(cfg.n_ff, bool)
         cold[self.hot] = False
         self.cold_ids = np.flatnonzero(cold).astype(np.int32)  # (n_cold,) the CPU's neurons
@@ -268,7 +282,12 @@ class _ResidentLayer:
             if not by_input:
                 self.gate = dev.rows([lw.ffn_gate], self.hot)  # (n_hot, row_bytes), device layout
                 self.up = dev.rows([lw.ffn_up], self.hot)
-                self.down = dev.rows([lw.ffn_down_t], self.hot)
+                if lw.ffn_down_t is not None:
+                    self.down = dev.rows([lw.ffn_down_t], self.hot)  # (n_hot, n_embd)
+                elif self.n_hot == cfg.n_ff:  # a --dense file: the GEMV over the rows as stored
+                    self.down_rows = dev.rows([lw.ffn_down])  # (n_embd, n_ff)
+                else:
+                    raise ValueError("a row-layout ffn_down goes on the device whole (dense)")
 
 
 def _in_matrix(dev, t):
@@ -336,7 +355,7 @@ class GpuModel:
         self._cand = dev.empty(cuda.gate_up_list_len(F), np.int32)  # candidates (cuda.ffn_gate_up)
         self._partial = dev.empty(E, np.float32)  # (n_embd,) the CPU's partial FFN output
         self._logits = dev.empty(cfg.n_vocab, np.float32)  # (n_vocab,)
-        nq8 = q8_len(cfg, self.input)
+        nq8 = q8_len(cfg, self.input or rows_down(weights))
         # (n,) int8 and (n / 32,) f32: the q8 form of the activation that q8_0/q4_0 rows read
         # (cuda.quantize_q8), written by the kernel that makes the activation
         self._q8 = (dev.empty(nq8, np.int8), dev.empty(max(1, nq8 // 32), np.float32))
@@ -567,8 +586,14 @@ class GpuModel:
                             glu=self.glu,
                             pred=(ly.fc2, self._hid, ly.pred_thr) if use_pred else None, q8=q8,
                             scratch=self._cand)
-            dev.axpy_rows(ly.down, self._coef[:ly.n_hot], x[0], skip_zero=self.sparse,
-                          accumulate=True, scratch=self._axpy)
+            if ly.down_rows is not None:  # dense, row layout: x += ffn_down @ coef
+                q8d = self._q8 if cuda.reads_q8(ly.down_rows) else None
+                if q8d is not None:
+                    dev.quantize_q8(self._coef, q8d)
+                dev.gemv(ly.down_rows, self._coef, x[0], accumulate=True, q8=q8d)
+            else:
+                dev.axpy_rows(ly.down, self._coef[:ly.n_hot], x[0], skip_zero=self.sparse,
+                              accumulate=True, scratch=self._axpy)
         if self._capturing:
             if split:
                 self._segment_end()
@@ -799,7 +824,8 @@ class GpuModel:
             else:
                 self._counts[0] += xp.uint64(T * ly.n_hot)
             self._counts[1] += keep.sum().astype(xp.uint64)
-            x += self._linear_t(ly.down, xp.where(keep, c, xp.float32(0.0)).astype(xp.float32))
+            c = xp.where(keep, c, xp.float32(0.0)).astype(xp.float32)
+            x += self._linear(ly.down_rows, c) if ly.down_rows is not None else self._linear_t(ly.down, c)
         self._host_stats.total += T * F
         if split:
             self._host_part(i, ly, ready, T)

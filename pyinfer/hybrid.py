@@ -29,7 +29,7 @@ from pyinfer.ffn import SparseFFN
 from pyinfer.gpu_model import (GpuModel, GpuPlan, buffer_bytes, device_predictors,
                                ib_head, is_input_layer, layer_fixed_bytes, model_head,
                                neuron_bytes, output_bytes, predictor_rank,
-                               prefill_reserve_bytes)
+                               prefill_reserve_bytes, rows_down)
 from pyinfer.model import Model
 from pyinfer.ops import cuda
 from pyinfer.ops.cpu import QT, IBTensor
@@ -71,7 +71,8 @@ class _Sizes:
         head = model_head(cpu_ffn, lm_head)
         self.output = output_bytes(cfg, weights, head, input_mode)
         rank = predictor_rank(preds)
-        self.buffers = buffer_bytes(cfg, n_ctx, rank, input_mode)  # allocated by GpuModel
+        self.buffers = buffer_bytes(cfg, n_ctx, rank, input_mode,  # allocated by GpuModel
+                                    rows_down(weights))
         # a sparse mode input file's dense head of a type the GPU GEMV cannot read stays here
         self.output_on_device = not head_on_cpu(cpu_ffn, weights, head)
         self.reserve = prefill_reserve_bytes(cfg, n_ctx)  # kept free for prefill temporaries
@@ -258,10 +259,10 @@ def place_model(reader, cfg: ModelConfig, weights: ModelWeights, cpu_ffn, n_ctx:
                 return cpu_model()
             raise PyinferError(f"--device cuda: no CUDA device ({cuda.unavailable_reason()})")
         backend = CupyDevice()
-    if any(lw.ffn_down_t is None for lw in weights.layers):  # a --dense file (rows_file)
+    sparse = isinstance(cpu_ffn, SparseFFN)
+    if sparse and rows_down(weights):  # a --dense file run sparse: neuron rows for the AXPY
         weights = neuron_major_down(weights)
     budget = resolve_budget(backend, vram_budget)
-    sparse = isinstance(cpu_ffn, SparseFFN)
     sizes = _Sizes(cfg, weights, cpu_ffn, n_ctx, dense=not sparse, lm_head=lm_head)
     if n_gpu_layers is not None or disable_gpu_index or not sparse:
         plan = plan_layers(cfg, sizes, budget, n_gpu_layers, dense=not sparse)

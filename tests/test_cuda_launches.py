@@ -439,3 +439,30 @@ def test_input_sparse_gpu_model_launches_as_declared(cp, tmp_path, outtype):
         assert "axpy_part_f16" in got
     else:
         assert f"ib_gemv_{outtype}" in got
+
+
+@pytest.mark.parametrize("outtype", ["q4_0", "f16"])
+def test_dense_rows_file_launches_as_declared(cp, tmp_path, outtype):
+    """A --dense file (ffn_down in row layout) on CupyDevice over the stand-in: the dense layers'
+    down projection is the GEMV over the rows (the q8 form of its input made first for block
+    types), in prefill and decode."""
+    from pyinfer.device import CupyDevice
+    from pyinfer.ffn import DenseFFN
+    from pyinfer.hybrid import place_model
+    from tests.test_hybrid import PROMPT, engine_for
+
+    eng = engine_for(tmp_path, "silu", outtype, rows=True)
+    cfg = eng.cfg
+    gm = place_model(eng.reader, cfg, eng.weights, DenseFFN(cfg), 64, 2, device="cuda",
+                     disable_gpu_index=True, backend=CupyDevice())
+    gm.forward(PROMPT, 0, all_logits=True)
+    cp.launches.clear()
+    gm.forward([5], len(PROMPT))  # the first decode token: eager
+    got = list(cp.launches)
+    rows = [launch for launch in got if launch.name == f"gather_gemv_{outtype}"
+            and launch.args[2] == np.int32(cfg.n_embd) and launch.args[3] == np.int32(cfg.n_ff)]
+    assert len(rows) == cfg.n_layer  # one down GEMV a layer, n_ff columns into n_embd rows
+    assert not any(launch.name.startswith("axpy_part") for launch in got)
+    n_quant = sum(launch.name == "quantize_q8" and launch.args[1] == np.int32(cfg.n_ff)
+                  for launch in got)
+    assert n_quant == (cfg.n_layer if outtype == "q4_0" else 0)

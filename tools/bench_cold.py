@@ -54,8 +54,8 @@ def main(argv=None) -> int:
         ap.error("--budget must be in [0, 1)")
     qtype = QT.F16 if args.qtype == "f16" else QT.Q4_0
     t0 = time.perf_counter()
-    cfg, weights, preds, counts = build_model(args.shape, qtype, args.layers, args.density, 1.0,
-                                              128, 0.05)
+    cfg, weights, preds, counts, _rows = build_model(args.shape, qtype, args.layers,
+                                                     args.density, 1.0, 128, 0.05)
     E, F, L = cfg.n_embd, cfg.n_ff, cfg.n_layer
     print(f"built {args.shape} x{L} layers {args.qtype} in {time.perf_counter() - t0:.0f} s",
           file=sys.stderr)

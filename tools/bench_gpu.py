@@ -21,7 +21,11 @@ GPU needs) it times decode (``--tokens`` after a ``--prompt``-token prefill; tok
 
 - hybrid:  GpuModel, PowerInfer's placement (attention, KV, predictors, output, then hot neurons)
 - offload: llama.cpp -ngl at the same budget: whole layers (attention + dense FFN) on the GPU,
-           the rest dense on the CPU
+           the rest dense on the CPU. Since session 29 its ffn_down is in row layout, as a
+           ``pyinfer-convert --dense`` file (and llama.cpp) stores it, and the GPU runs it as a
+           GEMV; one matrix serves every layer's copy (its values do not follow the layers'
+           permuted neurons: only speed is compared). ``--ngl-axpy`` also times the dense
+           baseline of sessions 3-28: the AXPY over neuron-major ffn_down_t rows.
 - at 100%: all on the GPU, sparse (= hybrid) and dense.
 
 A second, profiled pass per configuration brackets each CUDA graph of a token with events to
@@ -29,7 +33,7 @@ split its time: GPU work (kernels and copies, per token), CPU cold neurons, host
 per-layer syncs, GPU busy fraction and the GPU idle time per layer (wall - GPU work, over n_layer:
 what launches, transfers and syncs cost). Configurations that run eagerly (layers on the CPU:
 no graphs) report only their host-side figures. Each configuration's logits are
-checked against the first one of the same FFN rule (sparse or dense) before timing.
+checked against the first one of the same FFN rule (sparse or dense) and weights before timing.
 
     python tools/bench_gpu.py --shape 7b --qtype f16 [--layers 32] [--tokens 24] [--threads 16]
     python tools/bench_gpu.py --numpy --n-embd 256 --n-ff 688 --layers 2   # smoke test, no GPU
@@ -121,6 +125,7 @@ def build_model(shape: str, qtype: QT, n_layers: int, density: float, alpha: flo
     down = rng.standard_normal((F, E), dtype=f32) * 1e-3
     down[:, 0] = 0.0
     base = {"gate": q(gate, qtype), "up": q(up, qtype), "down": q(down, qtype)}
+    down_rows = q(np.ascontiguousarray(down.T), qtype)  # (n_embd, n_ff): a --dense file's
     del gate, up, down
     att = {}
     for name in ("wq", "wk", "wv", "wo"):
@@ -147,7 +152,16 @@ def build_model(shape: str, qtype: QT, n_layers: int, density: float, alpha: flo
         preds.append(Predictor(fc1, fc2, -margin))
         counts.append(np.round(p[perm] * 1e6))
     weights = ModelWeights(token_embd=token_embd, output_norm=ones, output=token_embd, layers=layers)
-    return cfg, weights, preds, counts
+    return cfg, weights, preds, counts, down_rows
+
+
+def with_rows_down(weights: ModelWeights, down_rows) -> ModelWeights:
+    """``weights`` as a --dense file holds them: every layer's ffn_down in row layout
+    (``down_rows``), no ffn_down_t."""
+    import dataclasses
+
+    return dataclasses.replace(weights, layers=[
+        dataclasses.replace(lw, ffn_down=down_rows, ffn_down_t=None) for lw in weights.layers])
 
 
 _cold_fused = GpuModel._cold
@@ -211,6 +225,9 @@ def main(argv=None) -> int:
                     help="A/B of the hot neurons' dots: each hybrid budget also runs with "
                          "cuda.set_gate_up_wide(True) (a candidate's gate and up loads in flight "
                          "together), fused and listed")
+    ap.add_argument("--ngl-axpy", action="store_true",
+                    help="also the dense baseline of sessions 3-28: ffn_down_t rows summed by the "
+                         "AXPY kernel (now: ffn_down in row layout, a GEMV)")
     ap.add_argument("--forms-ab", action="store_true",
                     help="A/B of session 29's kernel forms (not yet the default): each budget's "
                          "hybrid and -ngl runs also run with cuda.kernel_forms(gemv_wide=True, "
@@ -225,9 +242,9 @@ def main(argv=None) -> int:
         return 2
     qtype = QT.F16 if args.qtype == "f16" else QT.Q4_0
     t0 = time.perf_counter()
-    cfg, weights, preds, counts = build_model(args.shape, qtype, args.layers, args.density,
-                                              args.alpha, args.rank, args.margin,
-                                              n_embd=args.n_embd, n_ff=args.n_ff)
+    cfg, weights, preds, counts, down_rows = build_model(
+        args.shape, qtype, args.layers, args.density, args.alpha, args.rank, args.margin,
+        n_embd=args.n_embd, n_ff=args.n_ff)
     L, F = cfg.n_layer, cfg.n_ff
     print(f"built {args.shape} x{L} layers {args.qtype} in {time.perf_counter() - t0:.0f} s",
           file=sys.stderr)
@@ -247,25 +264,28 @@ def main(argv=None) -> int:
     dev0 = new_dev()
     prompt = [(11 * i + 5) % N_VOCAB for i in range(args.prompt)]
     sizes_s = _Sizes(cfg, weights, make_sparse(), args.n_ctx, dense=False)
-    sizes_d = _Sizes(cfg, weights, DenseFFN(cfg), args.n_ctx, dense=True)
+    weights_d = with_rows_down(weights, down_rows)  # the dense baseline's
+    sizes_d = _Sizes(cfg, weights_d, DenseFFN(cfg), args.n_ctx, dense=True)
+    sizes_t = _Sizes(cfg, weights, DenseFFN(cfg), args.n_ctx, dense=True)  # --ngl-axpy
     ffn_bytes = F * sum(sizes_s.neuron)
     refs = {}
     rows = []
 
-    def run(label, budget_frac, ffn, plan):
+    def run(label, budget_frac, ffn, plan, w=None):
         kind = "dense" if isinstance(ffn, DenseFFN) else "sparse"
+        w = weights_d if w is None and kind == "dense" else (w or weights)
         gc.collect()
         if not args.numpy:
             cuda.cupy.get_default_memory_pool().free_all_blocks()
         dev = new_dev()
-        model = (Model(cfg, weights, args.n_ctx, args.threads, ffn=ffn) if plan is None
-                 else GpuModel(cfg, weights, args.n_ctx, args.threads, ffn, dev, plan))
+        model = (Model(cfg, w, args.n_ctx, args.threads, ffn=ffn) if plan is None
+                 else GpuModel(cfg, w, args.n_ctx, args.threads, ffn, dev, plan))
         logits = model.forward(prompt, 0)
-        if kind in refs:
-            ref = refs[kind]
+        if (kind, id(w)) in refs:  # the first run of the same FFN rule and weights
+            ref = refs[kind, id(w)]
             err = float(np.max(np.abs(logits - ref)) / np.max(np.abs(ref)))
         else:
-            refs[kind], err = logits, 0.0
+            refs[kind, id(w)], err = logits, 0.0
         times = decode_run(model, prompt, args.tokens, args.warmup)
         med = statistics.median(times)
         prof = {}
@@ -331,6 +351,10 @@ def main(argv=None) -> int:
             GpuModel._cold = _cold_fused
         plan = plan_layers(cfg, sizes_d, budget, None, dense=True)
         run(f"offload -ngl {plan.n_resident} (dense)", label, DenseFFN(cfg), plan)
+        if args.ngl_axpy:  # the dense baseline of sessions 3-28
+            plan_t = plan_layers(cfg, sizes_t, budget, None, dense=True)
+            run(f"offload -ngl {plan_t.n_resident} (dense, down by AXPY over ffn_down_t)", label,
+                DenseFFN(cfg), plan_t, w=weights)
         for name, forms in FORMS_AB if args.forms_ab else ():  # after the defaults: a
             with cuda.kernel_forms(**forms):  # failing new kernel costs no default row
                 run(f"hybrid, {name}", label, make_sparse(), plan_hybrid(cfg, sizes_s, budget,

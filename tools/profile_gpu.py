@@ -29,7 +29,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_gpu import N_VOCAB, build_model  # noqa: E402
+from bench_gpu import N_VOCAB, build_model, with_rows_down  # noqa: E402
 from pyinfer.device import CupyDevice  # noqa: E402
 from pyinfer.ffn import DenseFFN, SparseFFN  # noqa: E402
 from pyinfer.gpu_model import GpuModel  # noqa: E402
@@ -40,7 +40,7 @@ from pyinfer.ops.cpu import QT, QTensor  # noqa: E402
 #: CupyDevice methods timed (each a kernel launch or two, or a transfer)
 KERNELS = ("predict", "norm_fc1", "predict_fc2", "gemv", "ffn_gate_up", "axpy_rows", "rmsnorm",
            "rope_store", "attn_decode", "add", "upload", "download", "mask_inputs", "glu_mask",
-           "ib_gemv", "copy")
+           "ib_gemv", "copy", "quantize_q8")
 
 
 class TimedDevice(CupyDevice):
@@ -172,7 +172,9 @@ def main(argv=None) -> int:
         print(f"profile_gpu: needs a CUDA device ({cuda.unavailable_reason()})", file=sys.stderr)
         return 2
     qtype = QT.F16 if args.qtype == "f16" else QT.Q4_0
-    cfg, weights, preds, counts = build_model(args.shape, qtype, args.layers, 0.10, 1.0, 128, 0.05)
+    cfg, weights, preds, counts, down_rows = build_model(args.shape, qtype, args.layers, 0.10, 1.0,
+                                                         128, 0.05)
+    weights_d = with_rows_down(weights, down_rows)  # dense: ffn_down in row layout (bench_gpu)
     L, F, E = cfg.n_layer, cfg.n_ff, cfg.n_embd
     print(f"{args.shape} x{L} {args.qtype}, wait policy {os.environ.get('OMP_WAIT_POLICY')}, "
           f"{args.threads} threads")
@@ -182,7 +184,7 @@ def main(argv=None) -> int:
     n_ctx = 512
     prompt = [(11 * i + 5) % N_VOCAB for i in range(16)]
     sizes_s = _Sizes(cfg, weights, SparseFFN(cfg, preds, zero, "relu"), n_ctx, dense=False)
-    sizes_d = _Sizes(cfg, weights, DenseFFN(cfg), n_ctx, dense=True)
+    sizes_d = _Sizes(cfg, weights_d, DenseFFN(cfg), n_ctx, dense=True)
     ffn_bytes = F * sum(sizes_s.neuron)
     for what in args.only.split(","):
         dev = TimedDevice()
@@ -194,7 +196,8 @@ def main(argv=None) -> int:
             frac = 1.0 if what == "sparse" else args.hybrid_frac
             budget = int(sizes_s.fixed() + frac * ffn_bytes) + 4 * F * L
             plan = plan_hybrid(cfg, sizes_s, budget, counts)
-        model = GpuModel(cfg, weights, n_ctx, args.threads, ffn, dev, plan)
+        model = GpuModel(cfg, weights_d if what == "dense" else weights, n_ctx, args.threads,
+                         ffn, dev, plan)
         model.forward(prompt, 0)
         for i in range(3):
             model.forward([(7 * i + 3) % N_VOCAB], len(prompt) + i)
