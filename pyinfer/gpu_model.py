@@ -366,7 +366,8 @@ class GpuModel:
             # channels kept per group (C.IN_GROUPS order) in resident layers, and in the head
             self._kept = dev.array(np.zeros(N_KEPT, np.uint64))
             self._hm = dev.empty(E, np.float32)  # (n_embd,) the head's masked input
-            self._kmask = dev.empty(nq8 // 32, np.uint32)  # kept bits per 32-channel block
+            # kept bits per 32-channel block (of the masked inputs: not the down rows' GEMV's)
+            self._kmask = dev.empty(q8_len(cfg, self.input) // 32, np.uint32)
         if self.input:
             self._gu = dev.empty(2 * F, np.float32)  # (2 n_ff,) gate | up
             self._scratch = dev.empty(input_scratch_len(cfg), np.float32)  # partial sums

@@ -734,9 +734,9 @@ def test_two_stage_head_in_other_modes(head_dir, tmp_path):
     assert gm.device_bytes == gm.plan.planned_bytes
     gm.head_stats.reset()  # the head object is the CPU engine's too
     dev = np.stack([gm.forward([t], i) for i, t in enumerate(tokens)])
-    # the device's ffn_down is neuron-major, quantized again (hybrid.neuron_major_down)
-    assert np.abs(dev - steps).max() < 6e-2 * np.abs(steps).max()
-    assert (dev.argmax(1) == steps.argmax(1)).mean() >= 0.8
+    # the device's dense layers read ffn_down in row layout as stored: the CPU's function
+    assert np.abs(dev - steps).max() < 1e-4 * np.abs(steps).max()
+    assert (dev.argmax(1) == steps.argmax(1)).all()
     assert gm.head_stats.total == len(tokens) * cfg.n_embd == gm.head_stats.active
     # a glu file takes the two-stage head by default (its head is wider than 4 bits)
     glu = str(tmp_path / "glu.gguf")
