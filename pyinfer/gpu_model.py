@@ -826,7 +826,8 @@ class GpuModel:
                 self._counts[0] += xp.uint64(T * ly.n_hot)
             self._counts[1] += keep.sum().astype(xp.uint64)
             c = xp.where(keep, c, xp.float32(0.0)).astype(xp.float32)
-            x += self._linear(ly.down_rows, c) if ly.down_rows is not None else self._linear_t(ly.down, c)
+            x += (self._linear(ly.down_rows, c) if ly.down_rows is not None
+                  else self._linear_t(ly.down, c))
         self._host_stats.total += T * F
         if split:
             self._host_part(i, ly, ready, T)
