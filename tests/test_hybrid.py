@@ -683,9 +683,10 @@ def test_gpu_model_with_other_gate_up_dots_equals_cpu_model(tmp_path, hidden_act
 @pytest.mark.parametrize("forms", [OTHER_FORMS, SUMS_FORMS], ids=["other_forms", "gemv_sums"])
 def test_gpu_model_with_other_forms_equals_cpu_model(tmp_path, hidden_act, outtype, mode, kind,
                                                      forms):
-    """The kernel forms not yet the default (``OTHER_FORMS``: the wide one-row GEMV dots, RMSNorm
-    in registers; ``SUMS_FORMS``: q4_0's GEMV with x's block sums) in the whole GPU model, decode through CUDA graphs and prefill included: the
-    CPU model's logits, as the default forms."""
+    """The kernel forms not yet the default (``OTHER_FORMS``: the wide one-row GEMV dots,
+    RMSNorm in registers; ``SUMS_FORMS``: q4_0's GEMV with x's block sums) in the whole GPU
+    model, decode through CUDA graphs and prefill included: the CPU model's logits, as the
+    default forms."""
     from pyinfer.device import CupyDevice
 
     eng = engine_for(tmp_path, hidden_act, outtype)

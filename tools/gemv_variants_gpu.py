@@ -8,10 +8,11 @@ over the same split-layout rows (``pyinfer.device.device_layout``), a lane per 3
   conversions and FMAs per q4_0 word), U words in flight per lane (the engine had 4);
 - ``engine, wide``: the engine's wide one-row dot (``gather_gemv_w_*``, session 29, off by
   default: ``cuda.set_gemv_wide``); ``engine, wide + x sums`` (q4_0): with x's block sums made
-  per thread block (``gather_gemv_ws_q4_0``, off by default: ``kernel_forms(gemv_sums=True)``); ``wideN mM``: the same dot (``dot_wide_t``) with M blocks a
-  lane in flight and N rows a warp; ``wide1 mM, x sums`` (q4_0): with the activation's block sums
-  given, two ``__dp4a`` a quant word instead of four; ``x sums smem``: the sums made by the
-  kernel, once per thread block into shared memory (no other kernel changes);
+  per thread block (``gather_gemv_ws_q4_0``, off by default: ``kernel_forms(gemv_sums=True)``);
+  ``wideN mM``: the same dot (``dot_wide_t``) with M blocks a lane in flight and N rows a warp;
+  ``wide1 mM, x sums`` (q4_0): with the activation's block sums given, two ``__dp4a`` a quant
+  word instead of four; ``x sums smem``: the sums made by the kernel, once per thread block
+  into shared memory (no other kernel changes);
 - ``q8 uU``: the engine's dot since session 19 (``dot_split_t``): the activation quantized once
   per vector to int8 per 32-block (``cuda.quantize_q8``: d = max|x| / 127, q = rint(x * (1 / d)), the
   CPU kernels' ``pi_quantize_q8``, llama.cpp's q8_0), each quant word dotted with ``__dp4a`` (an

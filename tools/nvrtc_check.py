@@ -54,7 +54,7 @@ class CompileError(RuntimeError):
 
 
 def _nvrtc(src: str, name: str, opts: list[str], lib: str | None) -> tuple[str, str]:
-    """(log, PTX) of NVRTC compiling src with opts; raises CompileError, OSError as compile_source."""
+    """(log, PTX) of NVRTC compiling src with opts; raises as compile_source."""
     path = lib or find_nvrtc()
     if path is None:
         raise OSError("libnvrtc not found (pip install nvidia-cuda-nvrtc-cu12)")
@@ -125,12 +125,14 @@ def main(argv=None) -> int:
     from pyinfer.ops import cuda
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--arch", default="sm_90", help="a real architecture (ptxas runs): sm_80, sm_89, sm_90")
+    ap.add_argument("--arch", default="sm_90",
+                    help="a real architecture (ptxas runs): sm_80, sm_89, sm_90")
     ap.add_argument("--source", action="append", choices=sorted(cuda.SOURCES),
                     help="only these sources (default: all)")
     args = ap.parse_args(argv)
     if find_nvrtc() is None:
-        print("nvrtc_check: libnvrtc not found (pip install nvidia-cuda-nvrtc-cu12)", file=sys.stderr)
+        print("nvrtc_check: libnvrtc not found (pip install nvidia-cuda-nvrtc-cu12)",
+              file=sys.stderr)
         return 2
     bad = 0
     print("| source | kernel | registers | spill stores / loads (bytes) |")

@@ -1466,8 +1466,8 @@ def set_norm_vec(on: bool) -> None:
 @contextlib.contextmanager
 def kernel_forms(**forms):
     """Within the block, the kernel forms given (``gate_up_list``, ``gate_up_wide``,
-    ``gemv_wide``, ``gemv_sums``, ``norm_vec``: True or False), each set back afterwards. For tests and
-    benchmarks; raises TypeError for another name."""
+    ``gemv_wide``, ``gemv_sums``, ``norm_vec``: True or False), each set back afterwards. For
+    tests and benchmarks; raises TypeError for another name."""
     names = {"gate_up_list": "_GATE_UP_LIST", "gate_up_wide": "_GATE_UP_WIDE",
              "gemv_wide": "_GEMV_WIDE", "gemv_sums": "_GEMV_SUMS", "norm_vec": "_NORM_VEC"}
     bad = sorted(set(forms) - set(names))
