@@ -62,7 +62,7 @@ step() {
     timeout "$t" "$@" > "$OUT/$name.log" 2>&1
     echo "$name rc=$? $(( $(date +%s) - s0 )) s" >> "$L"
 }
-step 120 pytest python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_hybrid.py tests/test_cuda_host.py tests/test_families.py
+step 180 pytest python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_hybrid.py tests/test_cuda_host.py tests/test_families.py
 step 90 ffnvar python3 tools/ffn_variants_gpu.py --shape 7b --qtype q4_0
 AB="--forms-ab --ngl-axpy ${WIDE_AB:+--wide-ab} ${GATE_UP_AB:+--gate-up-ab}"
 step 240 new7ab python3 tools/bench_gpu.py $B --shape 7b --budgets 1.0,0.5 $AB
