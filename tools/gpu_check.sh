@@ -16,7 +16,7 @@
 #   gemvvar  tools/gemv_variants_gpu.py: the q4_0 / q8_0 GEMV's dots in isolation (the engine's,
 #            its wide form, wide with 1-8 blocks a lane and 1-2 rows a warp, q4_0 with the
 #            activation's block sums given), the 7B / 13B shapes
-#   new13    13B at 100% / 50%, with --forms-ab
+#   new13    13B at 100% (all on the GPU: the sparse / dense ratio), with --forms-ab --ngl-axpy
 #   profile  tools/profile_gpu.py: per-kernel device time of a 7B q4_0 token (8 layers), all on
 #            the GPU sparse and dense, and the hybrid at 50% with its host steps in situ
 # and with ALL=1 the measurements sessions 23-28 made and nothing since has changed:
@@ -67,7 +67,7 @@ step 90 ffnvar python3 tools/ffn_variants_gpu.py --shape 7b --qtype q4_0
 AB="--forms-ab --ngl-axpy ${WIDE_AB:+--wide-ab} ${GATE_UP_AB:+--gate-up-ab}"
 step 240 new7ab python3 tools/bench_gpu.py $B --shape 7b --budgets 1.0,0.5 $AB
 step 120 gemvvar python3 tools/gemv_variants_gpu.py --reps 30
-step 150 new13 python3 tools/bench_gpu.py $B --shape 13b --budgets 1.0,0.5 $AB
+step 150 new13 python3 tools/bench_gpu.py $B --shape 13b --budgets 1.0 $AB
 step 90 profile python3 tools/profile_gpu.py --shape 7b --qtype q4_0 --layers 8 --threads "$(nproc)" \
     --no-ceilings --only sparse,dense,hybrid
 if [ -n "$ALL" ]; then
