@@ -588,7 +588,7 @@ class GpuModel:
                             pred=(ly.fc2, self._hid, ly.pred_thr) if use_pred else None, q8=q8,
                             scratch=self._cand)
             if ly.down_rows is not None:  # dense, row layout: x += ffn_down @ coef
-                q8d = self._q8 if cuda.reads_q8(ly.down_rows) else None
+                q8d = self._q8_for(ly.down_rows)
                 if q8d is not None:
                     dev.quantize_q8(self._coef, q8d)
                 dev.gemv(ly.down_rows, self._coef, x[0], accumulate=True, q8=q8d)

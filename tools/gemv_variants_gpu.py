@@ -11,8 +11,7 @@ over the same split-layout rows (``pyinfer.device.device_layout``), a lane per 3
   per thread block (``gather_gemv_ws_q4_0``, off by default: ``kernel_forms(gemv_sums=True)``);
   ``wideN mM``: the same dot (``dot_wide_t``) with M blocks a lane in flight and N rows a warp;
   ``wide1 mM, x sums`` (q4_0): with the activation's block sums given, two ``__dp4a`` a quant
-  word instead of four; ``x sums smem``: the sums made by the kernel, once per thread block
-  into shared memory (no other kernel changes);
+  word instead of four (against the engine's form, what making the sums in the kernel costs);
 - ``q8 uU``: the engine's dot since session 19 (``dot_split_t``): the activation quantized once
   per vector to int8 per 32-block (``cuda.quantize_q8``: d = max|x| / 127, q = rint(x * (1 / d)), the
   CPU kernels' ``pi_quantize_q8``, llama.cpp's q8_0), each quant word dotted with ``__dp4a`` (an
@@ -113,8 +112,8 @@ WIDE(16, q4_0, 1, 1) WIDE(16, q4_0, 2, 1) WIDE(16, q4_0, 4, 1) WIDE(16, q4_0, 8,
 WIDE(16, q4_0, 2, 2) WIDE(16, q4_0, 4, 2)
 WIDE(32, q8_0, 1, 1) WIDE(32, q8_0, 2, 1) WIDE(32, q8_0, 4, 1) WIDE(32, q8_0, 8, 1)
 WIDE(32, q8_0, 2, 2) WIDE(32, q8_0, 4, 2)
-// q4_0 with the activation's block sums (the engine's dot_q4_sums): given in memory (xs), or
-// made by the kernel once per thread block into shared memory (gather_gemv_ws_q4_0's way).
+// q4_0 with the activation's block sums given in memory (the engine's dot_q4_sums; the engine's
+// gather_gemv_ws_q4_0 makes them per thread block in shared memory: "engine, wide + x sums").
 #define WIDE_SX(MAXB) \
 extern "C" __global__ void gemv_q4_0_sx_m##MAXB(const u8* w, long long row_bytes, int n_rows, \
         int cols, const int* xq, const float* xd, const int* xs, float* out) { \
@@ -124,26 +123,6 @@ extern "C" __global__ void gemv_q4_0_sx_m##MAXB(const u8* w, long long row_bytes
     if (lane == 0) out[k] = s; \
 }
 WIDE_SX(2) WIDE_SX(4)
-// The same with the block sums made by the kernel itself, once per thread block into shared
-// memory (every warp of the block reads them: 8 rows share one pass over x's int8), so no
-// other kernel has to write them. nb <= 512 (16384 columns).
-#define WIDE_SXS(MAXB) \
-extern "C" __global__ void gemv_q4_0_sxs_m##MAXB(const u8* w, long long row_bytes, int n_rows, \
-        int cols, const int* xq, const float* xd, float* out) { \
-    __shared__ int xs[512]; \
-    const int nb = cols >> 5; \
-    for (int b = threadIdx.x; b < nb; b += blockDim.x) { \
-        int t = 0; \
-        for (int c = 0; c < 8; ++c) t = __dp4a(0x01010101, xq[8 * b + c], t); \
-        xs[b] = t; \
-    } \
-    __syncthreads(); \
-    const int k = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31; \
-    if (k >= n_rows) return; \
-    const float s = warp_sum(dot_q4_sums<true, MAXB>(w + k * row_bytes, nb, xq, xd, xs, lane)); \
-    if (lane == 0) out[k] = s; \
-}
-WIDE_SXS(2) WIDE_SXS(4)
 """
 #: MAXB of the q4_0 variants with the activation's block sums given
 SX_VARIANTS = (2, 4)
@@ -214,9 +193,6 @@ def main(argv=None) -> int:
                     runs[f"wide1 m{m}, x sums"] = (
                         mod.get_function(f"gemv_q4_0_sx_m{m}"),
                         lambda w: (w, rb, np.int32(rows), np.int32(cols), xq, xd, xs, out), ref_q)
-                    runs[f"wide1 m{m}, x sums smem"] = (
-                        mod.get_function(f"gemv_q4_0_sxs_m{m}"),
-                        lambda w: (w, rb, np.int32(rows), np.int32(cols), xq, xd, out), ref_q)
             for m, nr in WIDE_VARIANTS:
                 runs[f"wide{nr} m{m}"] = (mod.get_function(f"gemv_{qtype}_wide{nr}_m{m}"),
                                           lambda w: (w, rb, np.int32(rows), np.int32(cols), xq, xd, out),

@@ -225,10 +225,13 @@ __device__ __forceinline__ float dotx_q4_0(const u8* row, int cols, const float*
 // arithmetic: lane l takes whole blocks l, l + 32, ... (a 16-byte quant load per q4_0 block, two
 // per q8_0 block, and its f16 scale), so one round trip per row where 32 MAXB >= nb. Each
 // block's integer sum is one __dp4a chain (word_i8 per word, as dot_split_t), scaled once:
-// (dw * dx) * sum. s[k] = lane's partial of row r[k].
-template <int QB, bool AL, int MAXB, int NR>
+// (dw * dx) * sum. s[k] = lane's partial of row r[k]. XS (q4_0): x's block sums given (xs[b] =
+// the sum of block b's 32 int8), a quant word's integer is two __dp4a (its low and high nibbles
+// against x's two halves) and the "- 8" offset comes off once a block as 8 xs[b], where
+// word_i8 spends two more __dp4a a word summing x. The same integers.
+template <int QB, bool AL, int MAXB, int NR, bool XS = false>
 __device__ __forceinline__ void dot_wide_t(const u8* const* r, int nb, const int* xq,
-        const float* xd, int lane, float* s) {
+        const float* xd, int lane, float* s, const int* xs = nullptr) {
     const int NW = QB / 16;  // 128-bit loads per block's quants
     float a[NR];
     #pragma unroll
@@ -256,7 +259,7 @@ __device__ __forceinline__ void dot_wide_t(const u8* const* r, int nb, const int
                 const int* xb = xq + 8 * b;
                 int i[NR];
                 #pragma unroll
-                for (int k = 0; k < NR; ++k) i[k] = 0;
+                for (int k = 0; k < NR; ++k) i[k] = XS ? -8 * xs[b] : 0;
                 #pragma unroll
                 for (int q = 0; q < NW; ++q) {
                     #pragma unroll
@@ -264,8 +267,15 @@ __device__ __forceinline__ void dot_wide_t(const u8* const* r, int nb, const int
                         #pragma unroll
                         for (int k = 0; k < NR; ++k) {
                             const uint4 v = w[u][q][k];
-                            i[k] += word_i8<QB>(c == 0 ? v.x : c == 1 ? v.y : c == 2 ? v.z : v.w,
-                                                xb, 4 * q + c);
+                            const unsigned int wd = c == 0 ? v.x : c == 1 ? v.y
+                                                  : c == 2 ? v.z : v.w;
+                            if (XS) {
+                                const int lo = (int)(wd & 0x0f0f0f0fu);
+                                const int hi = (int)((wd >> 4) & 0x0f0f0f0fu);
+                                i[k] = __dp4a(lo, xb[c], __dp4a(hi, xb[4 + c], i[k]));
+                            } else {
+                                i[k] += word_i8<QB>(wd, xb, 4 * q + c);
+                            }
                         }
                     }
                 }
@@ -346,41 +356,15 @@ __device__ __forceinline__ float dot1x_q4_0(const u8* row, int cols, const float
         const int* xq, const float* xd, int lane) {
     return dot1_wide<16, 4>(row, cols, xq, xd, lane);
 }
-// q4_0's wide one-row dot (AL: 16-byte aligned row) with x's block sums given (xs[b] = the sum
-// of block b's 32 int8): a quant word's integer is two __dp4a (its low and high nibbles against
-// x's two halves) and the "- 8" offset comes off once a block as 8 xs[b], where word_i8 spends
-// two more __dp4a a word summing x. The same integers as dot1_wide<16, MAXB>.
+// q4_0's wide one-row dot (AL: 16-byte aligned row) with x's block sums xs given
+// (dot_wide_t's XS form): the same integers as dot1_wide<16, MAXB>, two __dp4a a quant word.
 template <bool AL, int MAXB>
 __device__ __forceinline__ float dot_q4_sums(const u8* row, int nb, const int* xq, const float* xd,
                                              const int* xs, int lane) {
-    float a = 0.f;
-    for (int b0 = 0; b0 < nb; b0 += 32 * MAXB) {
-        uint4 w[MAXB];
-        u16 h[MAXB];
-        #pragma unroll
-        for (int u = 0; u < MAXB; ++u) {
-            const int b = b0 + lane + 32 * u;
-            if (b < nb) {
-                w[u] = ld_w128(row + 16 * b, AL);
-                h[u] = *(const u16*)(row + 16 * nb + 2 * b);
-            }
-        }
-        #pragma unroll
-        for (int u = 0; u < MAXB; ++u) {
-            const int b = b0 + lane + 32 * u;
-            if (b < nb) {
-                const int* xb = xq + 8 * b;
-                const unsigned int v[4] = {w[u].x, w[u].y, w[u].z, w[u].w};
-                int i = -8 * xs[b];
-                #pragma unroll
-                for (int c = 0; c < 4; ++c)
-                    i = __dp4a((int)(v[c] & 0x0f0f0f0fu), xb[c],
-                               __dp4a((int)((v[c] >> 4) & 0x0f0f0f0fu), xb[4 + c], i));
-                a += h2f(h[u]) * xd[b] * (float)i;
-            }
-        }
-    }
-    return a;
+    const u8* r[1] = {row};
+    float s[1];
+    dot_wide_t<16, AL, MAXB, 1, true>(r, nb, xq, xd, lane, s, xs);
+    return s[0];
 }
 // An f16 row . x (cols % 8 == 0: 16-byte rows) with every load of up to 32 MAXU 8-half units in
 // flight before any arithmetic: the predictor's fc2 row (rank <= 256 MAXU) in one round trip.
@@ -1187,7 +1171,7 @@ extern "C" __global__ void ib_dequant_t(const u8* w, int qt, int n_out, int j0, 
 #: name -> CUDA source; one RawModule each (tests compile every one with nvcc).
 SOURCES = {"predictor": PREDICTOR_SRC, "gather": GATHER_SRC, "axpy": AXPY_SRC, "attn": ATTN_SRC,
            "input": INPUT_SRC}
-#: kernels each source must define (the nvcc test counts them)
+#: kernels each source must define (the nvcc and NVRTC tests count them)
 N_KERNELS = {"predictor": 4, "gather": 26, "axpy": 9, "attn": 5, "input": 8}
 _TYPE_NAME = {QT.F32: "f32", QT.F16: "f16", QT.Q8_0: "q8_0", QT.Q4_0: "q4_0"}
 #: weight types the kernels read (the QT names, lower case)
