@@ -383,7 +383,8 @@ def test_cuda_source_compiles_with_nvrtc(name, arch):
 def test_kernel_forms_switch_and_restore():
     """cuda.kernel_forms sets the forms for its block only (also when the block raises), rejects
     an unknown name, and RMSNorm's register form is sized as its source says (PI_NORM_VEC float4s
-    a thread, at most 1024 threads, a multiple of 32: every row it takes fits)."""
+    a thread, at most 1024 threads, a multiple of 32: every row it takes fits), as is the
+    block-sum GEMV's shared array."""
     before = (cuda.gemv_wide(), cuda.norm_vec(), cuda.gate_up_wide())
     with pytest.raises(KeyError):
         with cuda.kernel_forms(gemv_wide=not before[0], norm_vec=not before[1]):
@@ -394,6 +395,7 @@ def test_kernel_forms_switch_and_restore():
         with cuda.kernel_forms(gemv_wider=True):
             pass
     assert f"#define PI_NORM_VEC {cuda._NORM_VEC_PER} " in cuda.ATTN_SRC
+    assert f"__shared__ int xs[{cuda._GEMV_SUMS_BLOCKS}];" in cuda.GATHER_SRC
     for n in (32, 96, 576, 4096, 5120, 8192, 16384):
         t = cuda._norm_vec_block(n)
         assert t % 32 == 0 and t <= 1024 and cuda._NORM_VEC_PER * 4 * t >= n, (n, t)

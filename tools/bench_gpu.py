@@ -273,7 +273,8 @@ def main(argv=None) -> int:
 
     def run(label, budget_frac, ffn, plan, w=None):
         kind = "dense" if isinstance(ffn, DenseFFN) else "sparse"
-        w = weights_d if w is None and kind == "dense" else (w or weights)
+        if w is None:  # the dense baseline reads ffn_down in row layout
+            w = weights_d if kind == "dense" else weights
         gc.collect()
         if not args.numpy:
             cuda.cupy.get_default_memory_pool().free_all_blocks()
