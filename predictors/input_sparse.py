@@ -413,7 +413,8 @@ def blend_levels(fisher: np.ndarray, unit_bytes: np.ndarray, target: float,
     return level.reshape(L, n_g)
 
 
-def transposed_jobs(jobs, cfg, outtype: str, scales: list[dict] | None):
+def transposed_jobs(jobs, cfg, outtype: str, scales: list[dict] | None,
+                    imatrix: list[dict] | None = None):
     """The converter's jobs with each layer's wq/wk/wv, attn_output, ffn_gate, ffn_up and
     ffn_down replaced by the four matrices of input sparsity (same place in the file), plus the
     WINA column norms ``scales`` (per layer {group: (n_in,) f32}) when given.
@@ -428,10 +429,12 @@ def transposed_jobs(jobs, cfg, outtype: str, scales: list[dict] | None):
     source job: wq's for q/k/v, attn_output's, ffn_gate's for gate/up, ffn_down's. The down
     projection comes as the plan's ``ffn_down_t`` (n_ff, n_embd) or, with its ``down_rows``,
     llama.cpp's ``ffn_down`` (n_embd, n_ff), whose stored Q4_K / Q5_K blocks are then regrouped
-    as they are."""
+    as they are. With ``imatrix`` (per layer {group: (n_in,) E[x_j^2]}, ``Calibration.imatrix``)
+    the q4_0 / q5_0 matrices quantized here take ``quants.quantize_weighted``'s scales instead
+    of round-to-nearest."""
     from convert.writer import TensorJob, job_floats, matrix_qtype
     from pyinfer.ops import cpu
-    from pyinfer.quants import quantize
+    from pyinfer.quants import WEIGHTED_TYPES, quantize, quantize_weighted
 
     by_name = {j.name: j for j in jobs}
     # the down projection as the plan gives it: llama.cpp's rows (n_embd, n_ff; the plan's
@@ -481,9 +484,13 @@ def transposed_jobs(jobs, cfg, outtype: str, scales: list[dict] | None):
                     def rows(members=members, s=src, mt=mt):  # Q4_K's / Q5_K's numbers, regrouped
                         return _regrouped_k([s[m] for m in members], mt)
                 else:
-                    def rows(load=load, qt=qt, n_out=n_out):
+                    im = (imatrix[i][g] if imatrix is not None and qt in WEIGHTED_TYPES
+                          else None)
+
+                    def rows(load=load, qt=qt, n_out=n_out, im=im):
                         w = np.ascontiguousarray(load(), np.float32)
-                        return quantize(w, qt).view(np.uint8).reshape(n_out, -1)
+                        q = quantize(w, qt) if im is None else quantize_weighted(w, qt, im)
+                        return q.view(np.uint8).reshape(n_out, -1)
 
                 def ib(rows=rows, qt=qt, n_out=n_out, n_in=n_in):
                     return cpu.ib_padded_from_rows(rows(), qt, n_out, n_in)
@@ -690,6 +697,9 @@ class Calibration:
     cost: np.ndarray | None = None  # "fisher": (n_layer, 4, N_LEVELS) input_fisher.fisher_costs
     head: UnitCurve | None = None  # the lm head's input (``calibrate(lm_head=True)``)
     head_norms: np.ndarray | None = None  # (n_embd,) f32 the lm head's column norms
+    # per layer {group: (n_in,) f64 E[x_j^2]} of each group's input over every calibration
+    # token: the importance matrix of quants.quantize_weighted
+    imatrix: list[dict] | None = None
 
 
 def calibrate(eng, seqs: list[list[int]], wina: bool, seed: int, n_threads: int,
@@ -722,9 +732,13 @@ def calibrate(eng, seqs: list[list[int]], wina: bool, seed: int, n_threads: int,
         n_eval[j] = min(len(p), left)
         left -= n_eval[j]
 
+    imatrix: list[dict] = []
+
     def on_layer(i, rec, en, xs):
         c = [unit_curve(rec[g], norms[i][g], wina, rng) for g in C.IN_GROUPS]
         curves.append(c)
+        imatrix.append({g: np.einsum("ij,ij->j", rec[g], rec[g], dtype=np.float64) / len(rec[g])
+                        for g in C.IN_GROUPS})
         if alloc != "greedy":
             return
         blk = _Block(eng.weights.layers[i], cfg, [x[:n] for x, n in zip(xs, n_eval) if n],
@@ -747,7 +761,7 @@ def calibrate(eng, seqs: list[list[int]], wina: bool, seed: int, n_threads: int,
         cost = fisher_costs(eng, fisher_pieces(pieces, fisher_tokens), thr, seed, n_threads,
                             norms if wina else None, device)
     return Calibration(curves, paths if alloc == "greedy" else None, alloc, cost,
-                       head.get("curve"), head.get("norms")), norms
+                       head.get("curve"), head.get("norms"), imatrix), norms
 
 
 def thresholds_for(cal: Calibration, cfg, target: float, fisher_weight: float = 1.0):
@@ -834,7 +848,8 @@ def input_stage(src: str, out: str, outtype: str, opts, eng, seqs, source: str, 
     meta.string(C.K_CALIB_SOURCE, source)
     meta.u32(C.K_CALIB_TOKENS, sum(len(s) for s in seqs))
     meta.u32(C.K_CALIB_SEED, opts.seed)
-    jobs = transposed_jobs(jobs, cfg, outtype, norms if wina else None)
+    jobs = transposed_jobs(jobs, cfg, outtype, norms if wina else None,
+                           cal.imatrix if opts.imatrix else None)
     head_sparsity = None
     if head:
         level = min(int(round(want * N_LEVELS)), N_LEVELS - 1)

@@ -130,6 +130,9 @@ class OfflineOptions:
     # where PyTorch trains the predictors and runs the Fisher pass: "auto" (CUDA where PyTorch
     # sees a GPU), "cpu" or "cuda" (predictors.train.torch_device)
     train_device: str = "auto"
+    # mode "input": quantize q4_0 / q5_0 projections with importance-weighted scales from the
+    # calibration inputs (quants.quantize_weighted); False: round-to-nearest, as gguf does
+    imatrix: bool = True
     # check(): the allocation fell back to FALLBACK_INPUT_ALLOC for want of PyTorch (said once
     # the mode is known to be "input")
     _alloc_fallback: bool = field(default=False, repr=False, compare=False)
@@ -594,6 +597,11 @@ def add_arguments(parser) -> None:
                         f"{DEFAULT_LM_HEAD_CANDIDATES} where the head is wider than 4 bits, e.g. "
                         "q8_0, in every sparse mode; with --dense only when asked for; 0: the "
                         "exact head, or input mode's copy in the head's own type)")
+    g.add_argument("--no-imatrix", dest="imatrix", action="store_false",
+                   help="sparse mode input: quantize q4_0 / q5_0 projections by round-to-nearest "
+                        "(as gguf and llama-quantize without an importance matrix do) instead of "
+                        "the default's scales weighted by the calibration inputs' mean squares "
+                        "(SmolLM2 q4_0: 6-13%% lower perplexity)")
     g.add_argument("--vram-budget", type=float, default=None, metavar="GiB",
                    help="GiB of GPU memory to store a hot/cold neuron split for (default: no split "
                         "stored; activation counts are always stored so the GPU engine can solve at load)")
@@ -617,4 +625,4 @@ def options_from_args(args) -> OfflineOptions:
                           input_alloc=args.sparse_alloc, fisher_weight=args.fisher_weight,
                           lm_head_sparsity=args.lm_head_sparsity,
                           lm_head_candidates=args.lm_head_candidates,
-                          train_device=args.train_device)
+                          train_device=args.train_device, imatrix=args.imatrix)

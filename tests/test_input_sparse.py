@@ -863,3 +863,45 @@ def test_kept_curve_tool(input_file, dense_f32, capsys):
     assert kept_curve.main([dense_f32]) == 1
     err = capsys.readouterr().err
     assert "no sparse mode input" in err and len(err.strip().splitlines()) == 1
+
+
+def test_imatrix_scales_bring_q4_0_closer_to_the_float_model(silu_dir, dense_f32, tmp_path):
+    """A q4_0 input file's projections take importance-weighted scales (quants.quantize_weighted,
+    the calibration inputs' mean squares as the importance matrix) by default, round-to-nearest
+    with --no-imatrix. Each stored matrix (decoded by gguf) against the f32 model's, on the
+    inputs the f32 model gives each projection for text no calibration saw (the model's own
+    samples, as the calibration's, from other seeds): the default file's output error is lower
+    in every projection of every layer, and by at least 8% on average (measured: 6-16%)."""
+    import gguf as _gguf
+
+    from predictors.calibrate import generate_tokens
+    from predictors.input_sparse import record_inputs
+    from pyinfer.ops.reference import dequantize
+
+    files = {}
+    for name, extra in (("imatrix", []), ("rtn", ["--no-imatrix"])):
+        files[name] = str(tmp_path / f"{name}.gguf")
+        assert convert_main([silu_dir, files[name], "--outtype", "q4_0", "--target-sparsity", "0.25",
+                             "--sparse-mode", "input", "--sparse-alloc", "uniform", *extra,
+                             "--calib-tokens", "512", "-t", "1"]) == 0
+    ref = Engine(dense_f32, n_ctx=64, n_threads=1, dense=True)
+    held = {}
+    record_inputs(ref, generate_tokens(ref, 192, seed=5, max_len=64, progress=False), 1,
+                  lambda i, rec, en, xs: held.__setitem__(i, rec))
+    engs = {name: Engine(p, n_ctx=64, n_threads=1) for name, p in files.items()}
+    ratios = []
+    for i, lw in enumerate(ref.weights.layers):
+        want = {"attn_qkv": np.concatenate([dequantize(lw.wq), dequantize(lw.wk), dequantize(lw.wv)]),
+                "attn_output": dequantize(lw.wo),
+                "ffn_gate_up": np.concatenate([dequantize(lw.ffn_gate), dequantize(lw.ffn_up)]),
+                "ffn_down": dequantize(lw.ffn_down_t).T}
+        for g, w in want.items():
+            x = held[i][g]
+            err = {}
+            for name, eng in engs.items():
+                t = getattr(eng.weights.layers[i], g + "_t").to_rows()  # the IBTensor
+                got = _gguf.quants.dequantize(t.raw, t.qtype).reshape(w.shape)
+                err[name] = float(((x @ (got - w).T) ** 2).mean())
+            assert err["imatrix"] < err["rtn"], (i, g, err)
+            ratios.append(err["imatrix"] / err["rtn"])
+    assert np.mean(ratios) < 0.92, ratios
