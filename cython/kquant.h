@@ -371,4 +371,90 @@ static void kq_quantize_q6_k(const float *x, uint8_t *out) {
     memcpy(out + 208, &d16, 2);
 }
 
+/* ---- importance-weighted scales for the symmetric 32-value types (pyinfer.quants.
+ * quantize_weighted's C twin): q4_0 (nmax 8, 18-byte blocks) and q5_0 (nmax 16, 22 bytes).
+ * x: the block's 32 values, w: their weights, ref: gguf's round-to-nearest block of x (the
+ * baseline, kept unless a candidate has a smaller weighted error), out: the block written.
+ * Candidates: d = m / div for the divisors -(nmax + 1) .. -(nmax - 1.5) and nmax - 1.5 ..
+ * nmax + 0.5 in steps of 0.25 (m the first value of largest magnitude), then the least-squares
+ * scale for those values, rounded to f16, and the values again at that scale. ---- */
+
+/* value k (0..31) of a q4_0 / q5_0 block, unsigned (0 .. 2 nmax - 1) */
+static inline int kq_w32_value(const uint8_t *blk, int nmax, int k) {
+    const uint8_t *qs = blk + (nmax == 16 ? 6 : 2);
+    int u = k < 16 ? (qs[k] & 15) : (qs[k - 16] >> 4);
+    if (nmax == 16) {
+        uint32_t qh;
+        memcpy(&qh, blk + 2, 4);
+        u |= (int)((qh >> k) & 1u) << 4;
+    }
+    return u;
+}
+
+static inline float kq_w32_err(const float *x, const float *w, float d, const int *q) {
+    float e = 0.0f;
+    for (int k = 0; k < 32; k++) {
+        const float r = d * (float)q[k] - x[k];
+        e += w[k] * r * r;
+    }
+    return e;
+}
+
+static inline void kq_w32_round(const float *x, float d, int nmax, int *q) {
+    const float inv = d != 0.0f ? 1.0f / d : 0.0f;
+    for (int k = 0; k < 32; k++) q[k] = kq_clamp((int)rintf(x[k] * inv), -nmax, nmax - 1);
+}
+
+static void kq_quantize_w32(const float *x, const float *w, int nmax, const uint8_t *ref,
+                            uint8_t *out) {
+    const int bytes = nmax == 16 ? 22 : 18;
+    int q[32];
+    uint16_t h;
+    memcpy(&h, ref, 2);
+    const float dref = pi_f16_to_f32(h);
+    for (int k = 0; k < 32; k++) q[k] = kq_w32_value(ref, nmax, k) - nmax;
+    float best = kq_w32_err(x, w, dref, q);
+    int found = 0;
+    uint16_t best16 = 0;
+    int imax = 0;
+    for (int k = 1; k < 32; k++)
+        if (fabsf(x[k]) > fabsf(x[imax])) imax = k;
+    const float m = x[imax];
+    for (int c = 0; c < 20; c++) {
+        const float div = c < 11 ? -(float)(nmax + 1) + 0.25f * (float)c
+                                 : (float)nmax - 1.5f + 0.25f * (float)(c - 11);
+        kq_w32_round(x, m / div, nmax, q);
+        float num = 0.0f, den = 0.0f;
+        for (int k = 0; k < 32; k++) {
+            num += w[k] * (float)q[k] * x[k];
+            den += w[k] * (float)q[k] * (float)q[k];
+        }
+        const uint16_t d16 = kq_f32_to_f16(den > 0.0f ? num / den : 0.0f);
+        const float d = pi_f16_to_f32(d16);
+        if (!isfinite(d)) continue;
+        kq_w32_round(x, d, nmax, q);
+        const float e = kq_w32_err(x, w, d, q);
+        if (e < best) {
+            best = e;
+            best16 = d16;
+            found = 1;
+        }
+    }
+    if (!found) {
+        memcpy(out, ref, (size_t)bytes);
+        return;
+    }
+    kq_w32_round(x, pi_f16_to_f32(best16), nmax, q);
+    memcpy(out, &best16, 2);
+    uint8_t *qs = out + (nmax == 16 ? 6 : 2);
+    uint32_t qh = 0;
+    for (int k = 0; k < 16; k++) {
+        const int lo = q[k] + nmax, hi = q[k + 16] + nmax;
+        qs[k] = (uint8_t)((lo & 15) | ((hi & 15) << 4));
+        qh |= (uint32_t)(lo >> 4) << k;
+        qh |= (uint32_t)(hi >> 4) << (k + 16);
+    }
+    if (nmax == 16) memcpy(out + 2, &qh, 4);
+}
+
 #endif

@@ -231,7 +231,7 @@ _WEIGHTED_DIVS = {n: np.concatenate([np.arange(-(n + 1.0), -(n - 1.5) + 1e-6, 0.
 
 
 def quantize_weighted(a: np.ndarray, qtype, imatrix: np.ndarray,
-                      chunk: int = 1 << 16) -> np.ndarray:
+                      n_threads: int | None = None) -> np.ndarray:
     """float32 (rows, cols) -> ``qtype`` blocks (uint8 (rows, bytes_per_row), ggml's layout, what
     ``quantize`` returns) whose scales minimise the importance-weighted squared error of each
     32-value block, sum_j w_j (a_j - d q_j)^2, instead of round-to-nearest at d = m / -nmax.
@@ -245,8 +245,11 @@ def quantize_weighted(a: np.ndarray, qtype, imatrix: np.ndarray,
     then the least-squares scale for those q, rounded to f16, and q again at that scale; the block
     keeps the candidate of least weighted error, or gguf's own round-to-nearest block
     (``gguf.quants.quantize``) where that is no worse, so no block's weighted error exceeds
-    round-to-nearest's. SmolLM2 q4_0: perplexity -6 to -13% against round-to-nearest on two
-    held-out texts (docs/benchmarks.md, session 30).
+    round-to-nearest's. SmolLM2 q4_0: perplexity -10 to -14% against round-to-nearest on two
+    held-out texts (docs/benchmarks.md, session 30). The search runs in C (cython/kquant.h
+    ``kq_quantize_w32``, ``n_threads`` threads, default the physical cores) where the compiled
+    module is there, else in NumPy (``quantize_weighted_numpy``; the two can differ in a block
+    where two candidates tie to float rounding).
 
     Raises ValueError for another type, a row length that is not a multiple of 32, or an imatrix
     of the wrong length or with negative or non-finite values."""
@@ -264,12 +267,33 @@ def quantize_weighted(a: np.ndarray, qtype, imatrix: np.ndarray,
         raise ValueError(f"imatrix has {im.shape[0]} values for a row of {cols}")
     if not np.isfinite(im).all() or (im < 0).any():
         raise ValueError("imatrix values must be finite and >= 0")
-    f = np.float32
     mean = float(im.mean())
-    w_row = (im / mean if mean > 0 else np.ones(cols)) + 1e-3
-    w_blk = w_row.astype(f).reshape(-1, 32)  # (cols / 32, 32): block b of every row
+    w_row = ((im / mean if mean > 0 else np.ones(cols)) + 1e-3).astype(np.float32)
     nb = cols // 32
     ref = np.asarray(gguf.quants.quantize(a, qtype), np.uint8).reshape(rows * nb, -1)
+    if _kq is None or not hasattr(_kq, "quantize_weighted"):
+        return quantize_weighted_numpy(a, qtype, w_row, ref)
+    if n_threads is None:
+        from pyinfer.ops.cpu import default_n_threads
+
+        n_threads = default_n_threads()
+    out = np.empty_like(ref)
+    _kq.quantize_weighted(a.reshape(-1, 32), w_row, ref, int(qtype), out, n_threads)
+    return out.reshape(rows, -1)
+
+
+def quantize_weighted_numpy(a: np.ndarray, qtype, w_row: np.ndarray, ref: np.ndarray,
+                            chunk: int = 1 << 16) -> np.ndarray:
+    """``quantize_weighted`` in NumPy: a (rows, cols) f32, w_row (cols,) f32 the weights (not the
+    imatrix), ref gguf's round-to-nearest blocks of a (rows * cols / 32 blocks, any 2-D shape).
+    Returns uint8 (rows, bytes_per_row)."""
+    f = np.float32
+    qtype = QT(qtype)
+    nmax = WEIGHTED_TYPES[qtype]
+    rows, cols = a.shape
+    nb = cols // 32
+    w_blk = np.asarray(w_row, f).reshape(-1, 32)  # (cols / 32, 32): block b of every row
+    ref = np.asarray(ref, np.uint8).reshape(rows * nb, -1)
     ref_x = np.asarray(gguf.quants.dequantize(ref, qtype), f).reshape(rows * nb, 32)
     x_all = a.reshape(rows * nb, 32)
     hb = 2  # the f16 scale, then (q5) qh and qs

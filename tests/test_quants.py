@@ -136,8 +136,19 @@ def _inputs(rng, n_tok, scale):
     return (rng.standard_normal((n_tok, scale.shape[0])) * scale).astype(np.float32)
 
 
+def _weighted(a, qtype, im, impl):
+    """quants.quantize_weighted through the C search or its NumPy twin."""
+    if impl == "c":
+        if quants._kq is None:
+            pytest.skip("pyinfer.ops._quantize is not built")
+        return quants.quantize_weighted(a, qtype, im)
+    w = (im / im.mean() + 1e-3).astype(np.float32)
+    return quants.quantize_weighted_numpy(a, qtype, w, gguf.quants.quantize(a, qtype))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q5_0])
-def test_weighted_scales_beat_round_to_nearest(qtype):
+def test_weighted_scales_beat_round_to_nearest(qtype, impl):
     """Valid blocks of the type (gguf decodes them), no block with a larger importance-weighted
     error than gguf's round-to-nearest block, and on held-out inputs of the calibration's
     distribution a clearly smaller output error, E[(x . (W_q - W))^2], than gguf's
@@ -146,7 +157,7 @@ def test_weighted_scales_beat_round_to_nearest(qtype):
     a = _data(rng, 24, 768)
     scale = np.exp(1.2 * rng.standard_normal(768))
     im = (_inputs(rng, 2048, scale).astype(np.float64) ** 2).mean(0)
-    blocks = quants.quantize_weighted(a, qtype, im)
+    blocks = _weighted(a, qtype, im, impl)
     ref = gguf.quants.quantize(a, qtype)
     assert blocks.dtype == np.uint8 and blocks.shape == ref.shape
     got = gguf.quants.dequantize(blocks, qtype).reshape(a.shape)
@@ -162,12 +173,13 @@ def test_weighted_scales_beat_round_to_nearest(qtype):
     assert ratio.mean() < 0.8 and ratio.max() < 1.05, ratio
 
 
-def test_weighted_scales_uniform_importance():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_weighted_scales_uniform_importance(impl):
     """A flat imatrix weighs every channel alike: the search still never loses to
     round-to-nearest on the plain squared error of any block."""
     rng = np.random.default_rng(3)
     a = _data(rng, 8, 256)
-    got = gguf.quants.dequantize(quants.quantize_weighted(a, QT.Q4_0, np.ones(256)), QT.Q4_0)
+    got = gguf.quants.dequantize(_weighted(a, QT.Q4_0, np.ones(256), impl), QT.Q4_0)
     want = gguf.quants.dequantize(gguf.quants.quantize(a, QT.Q4_0), QT.Q4_0)
     e = lambda q: ((q.reshape(a.shape) - a) ** 2).reshape(8, -1, 32).sum(-1)  # noqa: E731
     assert np.all(e(got) <= e(want) * (1 + 1e-5) + 1e-30)
@@ -182,3 +194,20 @@ def test_weighted_scales_uniform_importance():
 def test_weighted_scales_errors(args, match):
     with pytest.raises(ValueError, match=match):
         quants.quantize_weighted(*args)
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q5_0])
+def test_weighted_scales_c_matches_numpy(qtype):
+    """The C search and its NumPy twin pick the same blocks (but where two candidates tie to
+    float rounding), at any thread count."""
+    if quants._kq is None:
+        pytest.skip("pyinfer.ops._quantize is not built")
+    rng = np.random.default_rng(11)
+    a = _data(rng, 64, 512)
+    im = (_inputs(rng, 512, np.exp(rng.standard_normal(512))).astype(np.float64) ** 2).mean(0)
+    c = [quants.quantize_weighted(a, qtype, im, n_threads=t) for t in (1, 3)]
+    np.testing.assert_array_equal(c[0], c[1])
+    n = _weighted(a, qtype, im, "numpy")
+    nb = gguf.GGML_QUANT_SIZES[qtype][1]
+    same = (c[0].reshape(-1, nb) == n.reshape(-1, nb)).all(1)
+    assert same.mean() >= 0.995, same.mean()
