@@ -257,7 +257,6 @@ def quantize_weighted(a: np.ndarray, qtype, imatrix: np.ndarray,
     if qtype not in WEIGHTED_TYPES:
         raise ValueError(f"quantize_weighted: {qtype.name} is not one of "
                          f"{', '.join(t.name for t in WEIGHTED_TYPES)}")
-    nmax = WEIGHTED_TYPES[qtype]
     a = np.ascontiguousarray(a, dtype=np.float32)
     rows, cols = a.shape
     if cols % 32:
