@@ -587,6 +587,28 @@ def lm_head_source(jobs):
     return by_name.get(C.OUTPUT) or by_name[C.TOKEN_EMBD]
 
 
+def weighted_head_jobs(jobs, head_imatrix: np.ndarray | None) -> list:
+    """``jobs`` with the lm head's matrix (``lm_head_source``: ``output.weight``, or the tied
+    ``token_embd.weight``) quantized by ``quants.quantize_weighted`` with the head input's mean
+    squares ``head_imatrix`` (n_embd,) where the converter quantizes it to q4_0 / q5_0 from floats
+    (a job copied as stored, or of another type, stays as it is). The job becomes one of encoded
+    bytes, so the input-block copy of the head (``lm_head_jobs``) and the two-stage head's exact
+    rows hold the same numbers. A tied matrix serves the embedding lookup with those numbers too
+    (SmolLM2 q4_0: 2% lower perplexity in all, docs/benchmarks.md, session 30)."""
+    from convert.writer import TensorJob
+    from pyinfer.quants import WEIGHTED_TYPES, quantize_weighted
+
+    src = lm_head_source(jobs)
+    if head_imatrix is None or src.raw or src.qtype not in WEIGHTED_TYPES:
+        return list(jobs)
+
+    def load(src=src):
+        w = np.ascontiguousarray(src.load(), np.float32)
+        return quantize_weighted(w, src.qtype, head_imatrix)
+    new = TensorJob(src.name, src.shape, src.qtype, load, raw=True)
+    return [new if j is src else j for j in jobs]
+
+
 def lm_head_supported(jobs, cfg) -> bool:
     """True where the lm head can take input sparsity: its matrix is q8_0, q4_0, q4_1, q5_0 or
     q5_1 (or Q4_K / Q5_K / Q6_K, stored as ``ib_qtype`` says) with n_vocab a multiple of 64 and
@@ -700,6 +722,7 @@ class Calibration:
     # per layer {group: (n_in,) f64 E[x_j^2]} of each group's input over every calibration
     # token: the importance matrix of quants.quantize_weighted
     imatrix: list[dict] | None = None
+    head_imatrix: np.ndarray | None = None  # (n_embd,) f64 the same for the lm head's input
 
 
 def calibrate(eng, seqs: list[list[int]], wina: bool, seed: int, n_threads: int,
@@ -748,11 +771,14 @@ def calibrate(eng, seqs: list[list[int]], wina: bool, seed: int, n_threads: int,
     head = {}
 
     def on_final(h):
+        head["imatrix"] = np.einsum("ij,ij->j", h, h, dtype=np.float64) / len(h)
+        if not lm_head:
+            return
         w = dequantize(eng.weights.output)
         head["norms"] = np.sqrt(np.einsum("ij,ij->j", w, w, dtype=np.float64)).astype(np.float32)
         head["curve"] = unit_curve(h, head["norms"], wina, rng)
 
-    record_inputs(eng, pieces, n_threads, on_layer, on_final if lm_head else None)
+    record_inputs(eng, pieces, n_threads, on_layer, on_final)
     cost = None
     if alloc == "fisher":
         from predictors.input_fisher import fisher_costs, fisher_pieces
@@ -761,7 +787,7 @@ def calibrate(eng, seqs: list[list[int]], wina: bool, seed: int, n_threads: int,
         cost = fisher_costs(eng, fisher_pieces(pieces, fisher_tokens), thr, seed, n_threads,
                             norms if wina else None, device)
     return Calibration(curves, paths if alloc == "greedy" else None, alloc, cost,
-                       head.get("curve"), head.get("norms"), imatrix), norms
+                       head.get("curve"), head.get("norms"), imatrix, head.get("imatrix")), norms
 
 
 def thresholds_for(cal: Calibration, cfg, target: float, fisher_weight: float = 1.0):
@@ -850,6 +876,8 @@ def input_stage(src: str, out: str, outtype: str, opts, eng, seqs, source: str, 
     meta.u32(C.K_CALIB_SEED, opts.seed)
     jobs = transposed_jobs(jobs, cfg, outtype, norms if wina else None,
                            cal.imatrix if opts.imatrix else None)
+    if opts.imatrix:
+        jobs = weighted_head_jobs(jobs, cal.head_imatrix)
     head_sparsity = None
     if head:
         level = min(int(round(want * N_LEVELS)), N_LEVELS - 1)
