@@ -57,7 +57,7 @@ def with_down_type(jobs: list, down_type: str) -> list:
 def convert(src: str, out: str, outtype: str = OUTTYPE_AUTO, progress: bool | None = None,
             allow_unused: bool = False, gpuidx: str | None = None,
             down_type: str | None = None, down_rows: bool = False,
-            lm_head_candidates: int | None = 0) -> None:
+            lm_head_candidates: int | None = 0, imatrix=None) -> None:
     """Convert ``src`` (HF directory, GGUF file, or upstream PowerInfer file) to the pyinfer GGUF ``out``.
 
     ``gpuidx``: an upstream PowerInfer GPU split file for a PowerInfer ``src`` (default: the
@@ -72,6 +72,9 @@ def convert(src: str, out: str, outtype: str = OUTTYPE_AUTO, progress: bool | No
     ``lm_head_candidates``: K > 0 adds the two-stage lm head (``predictors.input_sparse.
     two_stage_head``: a copy picks K candidates, the exact head computes them); None: its default
     (K = 256 where the head is wider than 4 bits); 0: the exact head alone (``--dense``'s default).
+    ``imatrix``: (per layer {group: E[x_j^2]}, the lm head input's) from
+    ``predictors.input_sparse.importance``: q4_0 / q5_0 projections and head quantized from
+    floats take ``quants.quantize_weighted``'s scales (``input_sparse.weighted_jobs``).
     Raises PyinferError for anything the user can fix (missing or unsupported input, bad path).
     """
     from .from_gguf import is_gguf_or_powerinfer, plan_gguf
@@ -107,6 +110,10 @@ def convert(src: str, out: str, outtype: str = OUTTYPE_AUTO, progress: bool | No
         raise PyinferError(f"{src} is neither a model directory nor a GGUF file")
     if down_type is not None:
         jobs = with_down_type(jobs, down_type)
+    if imatrix is not None:
+        from predictors.input_sparse import weighted_jobs
+
+        jobs = weighted_jobs(jobs, *imatrix)
     if lm_head_candidates != 0:
         from types import SimpleNamespace
 
@@ -119,6 +126,11 @@ def convert(src: str, out: str, outtype: str = OUTTYPE_AUTO, progress: bool | No
         write_gguf(out, meta, jobs, progress=progress)
     except OSError as e:
         raise PyinferError(f"cannot write {out}: {e.strerror or e}") from None
+
+
+#: --outtype values whose matrices a --dense conversion quantizes with importance-weighted
+#: scales (an importance matrix from a calibration pass first; --no-imatrix skips it)
+WEIGHTED_OUTTYPES = ("q4_0", "q5_0")
 
 
 def _interrupt(signum, frame):  # noqa: ARG001 - signal handler signature
@@ -181,9 +193,16 @@ def _run(args) -> int:
         raise PyinferError(f"--sparse-mode {args.sparse_mode} needs the offline stage, which "
                            "--dense skips (a dense file keeps ffn_down in row layout)")
     if args.dense or is_powerinfer(args.src):  # a PowerInfer file brings its own predictors and split
+        imatrix = None
+        if args.dense and args.imatrix and args.outtype in WEIGHTED_OUTTYPES:
+            from predictors.offline import dense_importance
+
+            imatrix = dense_importance(args.src, args.out, args.outtype, options_from_args(args),
+                                       allow_unused=args.allow_unused_tensors,
+                                       down_type=args.down_type)
         convert(args.src, args.out, args.outtype, allow_unused=args.allow_unused_tensors,
                 gpuidx=args.gpuidx, down_type=args.down_type, down_rows=args.dense,
-                lm_head_candidates=args.lm_head_candidates or 0)
+                lm_head_candidates=args.lm_head_candidates or 0, imatrix=imatrix)
     else:
         from predictors.offline import convert_sparse
 

@@ -609,6 +609,54 @@ def weighted_head_jobs(jobs, head_imatrix: np.ndarray | None) -> list:
     return [new if j is src else j for j in jobs]
 
 
+#: the dense file's projections (row-major matrices, inputs along rows) and the input group
+#: whose mean squares weigh each: the job name template -> ``constants.IN_GROUPS`` entry
+_DENSE_GROUPS = {C.ATTN_Q: "attn_qkv", C.ATTN_K: "attn_qkv", C.ATTN_V: "attn_qkv",
+                 C.ATTN_OUT: "attn_output", C.FFN_GATE: "ffn_gate_up", C.FFN_UP: "ffn_gate_up",
+                 C.SRC_FFN_DOWN: "ffn_down"}
+
+
+def importance(eng, seqs: list[list[int]], n_threads: int) -> tuple[list[dict], np.ndarray]:
+    """The importance matrices of a dense row-layout engine ``eng`` over the calibration
+    sequences: per layer {group: (n_in,) f64 E[x_j^2]} of each ``constants.IN_GROUPS`` input
+    (``record_inputs``) and (n_embd,) f64 the same for the lm head's input."""
+    from predictors.profile import chunks
+
+    per_layer: list[dict] = []
+    head: dict = {}
+    record_inputs(eng, chunks(seqs, min(512, eng.n_ctx)), n_threads,
+                  lambda i, rec, en, xs: per_layer.append(
+                      {g: np.einsum("ij,ij->j", rec[g], rec[g], dtype=np.float64) / len(rec[g])
+                       for g in C.IN_GROUPS}),
+                  lambda h: head.__setitem__("h", np.einsum("ij,ij->j", h, h, dtype=np.float64)
+                                             / len(h)))
+    return per_layer, head["h"]
+
+
+def weighted_jobs(jobs, imatrix: list[dict], head_imatrix: np.ndarray) -> list:
+    """A dense file's ``jobs`` with each q4_0 / q5_0 projection quantized from floats (attn_q/k/v,
+    attn_output, ffn_gate/up, the row-layout ffn_down) and the lm head's matrix
+    (``weighted_head_jobs``) taking ``quants.quantize_weighted``'s scales, weighted by
+    ``importance``'s mean squares of the matrix's input; the other jobs as they are."""
+    from convert.writer import TensorJob
+    from pyinfer.quants import WEIGHTED_TYPES, quantize_weighted
+
+    names = {tmpl.format(bid=i): (i, g) for tmpl, g in _DENSE_GROUPS.items()
+             for i in range(len(imatrix))}
+    out = []
+    for j in jobs:
+        key = names.get(j.name)
+        if key is None or j.raw or j.qtype not in WEIGHTED_TYPES:
+            out.append(j)
+            continue
+        im = imatrix[key[0]][key[1]]
+
+        def load(j=j, im=im):
+            return quantize_weighted(np.ascontiguousarray(j.load(), np.float32), j.qtype, im)
+        out.append(TensorJob(j.name, j.shape, j.qtype, load, raw=True))
+    return weighted_head_jobs(out, head_imatrix)
+
+
 def lm_head_supported(jobs, cfg) -> bool:
     """True where the lm head can take input sparsity: its matrix is q8_0, q4_0, q4_1, q5_0 or
     q5_1 (or Q4_K / Q5_K / Q6_K, stored as ``ib_qtype`` says) with n_vocab a multiple of 64 and

@@ -493,6 +493,50 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
     return {"rows": rows, "mode": mode, "calib_source": source, "seconds": secs, "placement": placement}
 
 
+def dense_importance(src: str, out: str, outtype: str, opts: OfflineOptions | None = None,
+                     allow_unused: bool = False, down_type: str | None = None):
+    """The importance matrices a ``--dense`` conversion to q4_0 / q5_0 weighs its scales by
+    (``predictors.input_sparse.importance``): ``src`` converted round-to-nearest to a staging
+    file beside ``out`` (removed after), the calibration text (``--calib`` files or the model's
+    own, ``opts.calib_tokens`` or DEFAULT_INPUT_CALIB_TOKENS tokens) run through it. Returns
+    (per layer {group: (n_in,) E[x_j^2]}, (n_embd,) the lm head input's), or None for a model
+    whose layers the calibration pass does not run (not Llama-shaped: it says so and the file
+    is quantized round-to-nearest). Raises PyinferError as the conversion does."""
+    from convert.cli import convert
+    from convert.writer import temp_path_beside
+    from pyinfer.engine import Engine
+    from predictors.calibrate import calibration_tokens, read_calib_files
+    from predictors.input_sparse import importance
+
+    opts = opts or OfflineOptions()
+    calib_text = read_calib_files(opts.calib_files) if opts.calib_files else None
+    staging = temp_path_beside(out, ".dense.tmp")
+    t0 = time.perf_counter()
+    try:
+        convert(src, staging, outtype, progress=opts.progress, allow_unused=allow_unused,
+                down_type=down_type)
+        n_threads = opts.n_threads or default_n_threads()
+        eng = Engine(staging, n_ctx=None, n_threads=n_threads, dense=True, cache_type="f32")
+        if not input_mode_model(eng.cfg, eng.weights):
+            _log(f"{outtype} scales by round-to-nearest: the importance matrix's calibration pass "
+                 "runs Llama-shaped models only", opts.progress)
+            return None
+        n_tok = opts.calib_tokens or DEFAULT_INPUT_CALIB_TOKENS
+        seqs, source = calibration_tokens(eng, opts.calib_files, n_tok, opts.seed,
+                                          min(CHUNK_LEN, eng.n_ctx), opts.progress, text=calib_text)
+        im = importance(eng, seqs, n_threads)
+        eng = None
+    finally:
+        try:
+            os.remove(staging)
+        except FileNotFoundError:
+            pass
+    _log(f"importance matrix for the {outtype} scales: {sum(len(q) for q in seqs)} calibration "
+         f"tokens ({source}) in {time.perf_counter() - t0:.1f} s (--no-imatrix: round-to-nearest)",
+         opts.progress)
+    return im
+
+
 def predictor_pays(mode: str, skipped: float, predictor_bytes: int, row_bytes: int, n_ff: int) -> bool:
     """Whether running a layer's predictor on the CPU reads less than not running it.
 
@@ -598,10 +642,11 @@ def add_arguments(parser) -> None:
                         "q8_0, in every sparse mode; with --dense only when asked for; 0: the "
                         "exact head, or input mode's copy in the head's own type)")
     g.add_argument("--no-imatrix", dest="imatrix", action="store_false",
-                   help="sparse mode input: quantize q4_0 / q5_0 projections by round-to-nearest "
-                        "(as gguf and llama-quantize without an importance matrix do) instead of "
-                        "the default's scales weighted by the calibration inputs' mean squares "
-                        "(SmolLM2 q4_0: 6-13%% lower perplexity)")
+                   help="quantize q4_0 / q5_0 projections and lm head by round-to-nearest (as "
+                        "gguf and llama-quantize without an importance matrix do) instead of the "
+                        "default's scales weighted by the calibration inputs' mean squares "
+                        "(SmolLM2 q4_0: 12-17%% lower perplexity; a --dense conversion then runs "
+                        "no calibration pass)")
     g.add_argument("--vram-budget", type=float, default=None, metavar="GiB",
                    help="GiB of GPU memory to store a hot/cold neuron split for (default: no split "
                         "stored; activation counts are always stored so the GPU engine can solve at load)")

@@ -865,25 +865,44 @@ def test_kept_curve_tool(input_file, dense_f32, capsys):
     assert "no sparse mode input" in err and len(err.strip().splitlines()) == 1
 
 
-def test_imatrix_scales_bring_q4_0_closer_to_the_float_model(silu_dir, dense_f32, tmp_path):
-    """A q4_0 input file's projections take importance-weighted scales (quants.quantize_weighted,
-    the calibration inputs' mean squares as the importance matrix) by default, round-to-nearest
-    with --no-imatrix. Each stored matrix (decoded by gguf) against the f32 model's, on the
-    inputs the f32 model gives each projection for text no calibration saw (the model's own
-    samples, as the calibration's, from other seeds): the default file's output error is lower
-    in every projection of every layer, and by at least 8% on average (measured: 6-16%); the
-    lm head likewise, weighted by its own input's mean squares."""
+def _stored(eng, i: int, g: str) -> np.ndarray:
+    """Layer i's matrix of input group g (n_out, n_in) f32 as a file stores it, decoded by
+    gguf: an input file's input-block tensor, or a dense file's row-major matrices."""
+    import gguf as _gguf
+
+    lw = eng.weights.layers[i]
+    t = getattr(lw, g + "_t", None)
+    if t is not None and hasattr(t, "to_rows"):
+        ts = [t.to_rows()]
+    else:
+        ts = {"attn_qkv": [lw.wq, lw.wk, lw.wv], "attn_output": [lw.wo],
+              "ffn_gate_up": [lw.ffn_gate, lw.ffn_up], "ffn_down": [lw.ffn_down]}[g]
+    return np.concatenate([_gguf.quants.dequantize(t.raw, t.qtype).reshape(t.rows, t.cols)
+                           for t in ts])
+
+
+@pytest.mark.parametrize("dense", [False, True], ids=["input", "dense"])
+def test_imatrix_scales_bring_q4_0_closer_to_the_float_model(silu_dir, dense_f32, tmp_path, dense):
+    """q4_0 projections and lm head take importance-weighted scales (quants.quantize_weighted,
+    the calibration inputs' mean squares as the importance matrix) by default, in an input file
+    and in a --dense one, and round-to-nearest with --no-imatrix: gguf's own quantization, byte
+    for byte. Each stored matrix (decoded by gguf) against the f32 model's, on the inputs the f32
+    model gives each projection for text no calibration saw (the model's own samples, as the
+    calibration's, from other seeds): the default file's output error is lower in every
+    projection of every layer, and by at least 8% on average (measured: 6-16%); the lm head
+    likewise, weighted by its own input's mean squares."""
     import gguf as _gguf
 
     from predictors.calibrate import generate_tokens
     from predictors.input_sparse import record_inputs
     from pyinfer.ops.reference import dequantize
 
+    mode = ["--dense"] if dense else ["--target-sparsity", "0.25", "--sparse-mode", "input",
+                                      "--sparse-alloc", "uniform"]
     files = {}
     for name, extra in (("imatrix", []), ("rtn", ["--no-imatrix"])):
         files[name] = str(tmp_path / f"{name}.gguf")
-        assert convert_main([silu_dir, files[name], "--outtype", "q4_0", "--target-sparsity", "0.25",
-                             "--sparse-mode", "input", "--sparse-alloc", "uniform", *extra,
+        assert convert_main([silu_dir, files[name], "--outtype", "q4_0", *mode, *extra,
                              "--calib-tokens", "512", "-t", "1"]) == 0
     ref = Engine(dense_f32, n_ctx=64, n_threads=1, dense=True)
     held = {}
@@ -899,16 +918,17 @@ def test_imatrix_scales_bring_q4_0_closer_to_the_float_model(silu_dir, dense_f32
                 "ffn_down": dequantize(lw.ffn_down_t).T}
         for g, w in want.items():
             x = held[i][g]
-            err = {}
-            for name, eng in engs.items():
-                t = getattr(eng.weights.layers[i], g + "_t").to_rows()  # the IBTensor
-                got = _gguf.quants.dequantize(t.raw, t.qtype).reshape(w.shape)
-                err[name] = float(((x @ (got - w).T) ** 2).mean())
+            got = {name: _stored(eng, i, g) for name, eng in engs.items()}
+            if dense:  # round-to-nearest is gguf's quantizer (an input file regroups its blocks)
+                rtn = _gguf.quants.dequantize(_gguf.quants.quantize(np.asarray(w, np.float32),
+                                                                    _gguf.GGMLQuantizationType.Q4_0),
+                                              _gguf.GGMLQuantizationType.Q4_0).reshape(w.shape)
+                np.testing.assert_array_equal(got["rtn"], rtn)
+            err = {name: float(((x @ (q - w).T) ** 2).mean()) for name, q in got.items()}
             assert err["imatrix"] < err["rtn"], (i, g, err)
             ratios.append(err["imatrix"] / err["rtn"])
     assert np.mean(ratios) < 0.92, ratios
-    # the lm head (output.weight, q4_0 here): round-to-nearest is gguf's own quantization; the
-    # default's, weighted by the head input's mean squares, gives logits closer to the f32 head's
+    # the lm head (output.weight, q4_0 here)
     emb = np.asarray(ref.weights.output.data, np.float32)
     heads = {name: eng.weights.output for name, eng in engs.items()}
     assert all(t.qtype == _gguf.GGMLQuantizationType.Q4_0 for t in heads.values())
