@@ -484,8 +484,11 @@ def transposed_jobs(jobs, cfg, outtype: str, scales: list[dict] | None,
                     def rows(members=members, s=src, mt=mt):  # Q4_K's / Q5_K's numbers, regrouped
                         return _regrouped_k([s[m] for m in members], mt)
                 else:
+                    # a source already of this type (e.g. a q4_0 GGUF under auto) keeps its
+                    # blocks: round-to-nearest gives them back exactly, no search beats that
+                    kept = all(src[m].raw and src[m].qtype == qt for m in members)
                     im = (imatrix[i][g] if imatrix is not None and qt in WEIGHTED_TYPES
-                          else None)
+                          and not kept else None)
 
                     def rows(load=load, qt=qt, n_out=n_out, im=im):
                         w = np.ascontiguousarray(load(), np.float32)
