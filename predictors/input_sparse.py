@@ -99,7 +99,8 @@ def record_inputs(eng, pieces: list[list[int]], n_threads: int, on_layer, on_fin
     {group: (n_tok, n_in) f32} over all pieces, energy {"resid_attn", "attn", "resid_ffn",
     "ffn": mean squared norm per token} (residual before each block, block output) and xs the
     layer's input, one (len(piece), n_embd) f32 array per piece; at the end
-    ``on_final(h)``, h (n_tok, n_embd) f32 the lm head's input (the output-normed last residual)."""
+    ``on_final(h)``, h (n_tok, n_embd) f32 the lm head's input (the output-normed last residual).
+    Llama-shaped models (``cfg.llama_plain``): SwiGLU, or ReGLU where ``hidden_act`` is "relu"."""
     cfg, w = eng.cfg, eng.weights
     E, hd = cfg.n_embd, cfg.head_dim
     xs = []
@@ -138,7 +139,7 @@ def record_inputs(eng, pieces: list[list[int]], n_threads: int, on_layer, on_fin
             cpu.rmsnorm(x, lw.ffn_norm, cfg.rms_eps, h)
             g = linear(lw.ffn_gate, h, np.empty((T, cfg.n_ff), np.float32), n_threads)
             u = linear(lw.ffn_up, h, np.empty((T, cfg.n_ff), np.float32), n_threads)
-            cpu.silu_mul(g, u, g)
+            (cpu.relu_mul if cfg.hidden_act == "relu" else cpu.silu_mul)(g, u, g)
             f = linear_t(lw.ffn_down_t, g, np.empty((T, E), np.float32), n_threads)
             rec["ffn_gate_up"][s:s + T] = h
             rec["ffn_down"][s:s + T] = g

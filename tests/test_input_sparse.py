@@ -937,3 +937,27 @@ def test_imatrix_scales_bring_q4_0_closer_to_the_float_model(silu_dir, dense_f32
     err = {name: float(((h @ (_gguf.quants.dequantize(t.raw, t.qtype).reshape(emb.shape) - emb).T)
                         ** 2).mean()) for name, t in heads.items()}
     assert err["imatrix"] < 0.95 * err["rtn"], err
+
+
+@pytest.mark.parametrize("act", ["silu", "relu"])
+def test_record_inputs_applies_the_models_activation(tmp_path, act):
+    """record_inputs (the calibration pass of sparse mode input and of the importance matrix)
+    hands the down projection act(gate h) * up h with the model's own activation, h being the
+    FFN input it records (checked in NumPy from the f32 weights): ReGLU models (PowerInfer's)
+    are Llama-shaped too."""
+    from predictors.input_sparse import record_inputs
+    from pyinfer.ops.reference import dequantize
+
+    d = make_random_llama(tmp_path / "m", hidden_act=act, tokenizer="bpe", intermediate_size=128,
+                          n_layers=2, name=act)
+    path = str(tmp_path / "f32.gguf")
+    assert convert_neuron_major(d, path, "f32") == 0
+    eng = Engine(path, n_ctx=64, n_threads=1, dense=True)
+    rec = {}
+    record_inputs(eng, [np.random.default_rng(3).integers(3, 200, 40).tolist()], 1,
+                  lambda i, r, en, xs: rec.__setitem__(i, r))
+    for i, lw in enumerate(eng.weights.layers):
+        h = rec[i]["ffn_gate_up"].astype(np.float64)
+        g, u = h @ dequantize(lw.ffn_gate).T, h @ dequantize(lw.ffn_up).T
+        a = np.maximum(g, 0.0) if act == "relu" else g / (1.0 + np.exp(-g))
+        np.testing.assert_allclose(rec[i]["ffn_down"], a * u, rtol=1e-3, atol=1e-5 * np.abs(a * u).max())
