@@ -501,14 +501,23 @@ def dense_importance(src: str, out: str, outtype: str, opts: OfflineOptions | No
     own, ``opts.calib_tokens`` or DEFAULT_INPUT_CALIB_TOKENS tokens) run through it. Returns
     (per layer {group: (n_in,) E[x_j^2]}, (n_embd,) the lm head input's), or None for a model
     whose layers the calibration pass does not run (not Llama-shaped: it says so and the file
-    is quantized round-to-nearest). Raises PyinferError as the conversion does."""
+    is quantized round-to-nearest) or where no tensor is quantized to q4_0 / q5_0 from floats
+    (a source of that type is copied as stored: no pass). Raises PyinferError as the
+    conversion does."""
     from convert.cli import convert
     from convert.writer import temp_path_beside
     from pyinfer.engine import Engine
     from predictors.calibrate import calibration_tokens, read_calib_files
     from predictors.input_sparse import importance
 
+    from pyinfer.quants import WEIGHTED_TYPES
+
     opts = opts or OfflineOptions()
+    if not os.path.exists(src):
+        raise PyinferError(f"{src} does not exist")
+    _meta, jobs = _plan(src, outtype, allow_unused, down_rows=True)
+    if not any(j.qtype in WEIGHTED_TYPES and not j.raw for j in jobs):
+        return None  # nothing quantized from floats (a q4_0 source's blocks are copied)
     calib_text = read_calib_files(opts.calib_files) if opts.calib_files else None
     staging = temp_path_beside(out, ".dense.tmp")
     t0 = time.perf_counter()

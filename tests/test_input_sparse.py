@@ -882,7 +882,8 @@ def _stored(eng, i: int, g: str) -> np.ndarray:
 
 
 @pytest.mark.parametrize("dense", [False, True], ids=["input", "dense"])
-def test_imatrix_scales_bring_q4_0_closer_to_the_float_model(silu_dir, dense_f32, tmp_path, dense):
+def test_imatrix_scales_bring_q4_0_closer_to_the_float_model(silu_dir, dense_f32, tmp_path, dense,
+                                                            capsys):
     """q4_0 projections and lm head take importance-weighted scales (quants.quantize_weighted,
     the calibration inputs' mean squares as the importance matrix) by default, in an input file
     and in a --dense one, and round-to-nearest with --no-imatrix: gguf's own quantization, byte
@@ -902,8 +903,11 @@ def test_imatrix_scales_bring_q4_0_closer_to_the_float_model(silu_dir, dense_f32
     files = {}
     for name, extra in (("imatrix", []), ("rtn", ["--no-imatrix"])):
         files[name] = str(tmp_path / f"{name}.gguf")
+        capsys.readouterr()
         assert convert_main([silu_dir, files[name], "--outtype", "q4_0", *mode, *extra,
                              "--calib-tokens", "512", "-t", "1"]) == 0
+        if dense:  # the pass runs for the default only, and says so
+            assert ("importance matrix" in capsys.readouterr().err) == (name == "imatrix")
     ref = Engine(dense_f32, n_ctx=64, n_threads=1, dense=True)
     held = {}
     record_inputs(ref, generate_tokens(ref, 192, seed=5, max_len=64, progress=False), 1,
@@ -937,6 +941,16 @@ def test_imatrix_scales_bring_q4_0_closer_to_the_float_model(silu_dir, dense_f32
     err = {name: float(((h @ (_gguf.quants.dequantize(t.raw, t.qtype).reshape(emb.shape) - emb).T)
                         ** 2).mean()) for name, t in heads.items()}
     assert err["imatrix"] < 0.95 * err["rtn"], err
+    if dense:  # converted again: the q4_0 source's blocks are copied as stored, no pass runs
+        again = str(tmp_path / "again.gguf")
+        capsys.readouterr()
+        assert convert_main([files["imatrix"], again, "--outtype", "q4_0", "--dense"]) == 0
+        assert "importance matrix" not in capsys.readouterr().err
+        want = {t.name: np.asarray(t.data) for t in _gguf.GGUFReader(files["imatrix"]).tensors}
+        got = {t.name: np.asarray(t.data) for t in _gguf.GGUFReader(again).tensors}
+        assert got.keys() == want.keys()
+        for name, a in want.items():
+            np.testing.assert_array_equal(got[name], a, err_msg=name)
 
 
 @pytest.mark.parametrize("act", ["silu", "relu"])
