@@ -130,8 +130,9 @@ class OfflineOptions:
     # where PyTorch trains the predictors and runs the Fisher pass: "auto" (CUDA where PyTorch
     # sees a GPU), "cpu" or "cuda" (predictors.train.torch_device)
     train_device: str = "auto"
-    # mode "input": quantize q4_0 / q5_0 projections with importance-weighted scales from the
-    # calibration inputs (quants.quantize_weighted); False: round-to-nearest, as gguf does
+    # mode "input" and --dense: quantize q4_0 / q5_0 projections and lm head with importance-
+    # weighted scales from the calibration inputs (quants.quantize_weighted); False: round-to-
+    # nearest, as gguf does
     imatrix: bool = True
     # check(): the allocation fell back to FALLBACK_INPUT_ALLOC for want of PyTorch (said once
     # the mode is known to be "input")
@@ -507,10 +508,9 @@ def dense_importance(src: str, out: str, outtype: str, opts: OfflineOptions | No
     from convert.cli import convert
     from convert.writer import temp_path_beside
     from pyinfer.engine import Engine
+    from pyinfer.quants import WEIGHTED_TYPES
     from predictors.calibrate import calibration_tokens, read_calib_files
     from predictors.input_sparse import importance
-
-    from pyinfer.quants import WEIGHTED_TYPES
 
     opts = opts or OfflineOptions()
     if not os.path.exists(src):
