@@ -128,11 +128,6 @@ def convert(src: str, out: str, outtype: str = OUTTYPE_AUTO, progress: bool | No
         raise PyinferError(f"cannot write {out}: {e.strerror or e}") from None
 
 
-#: --outtype values whose matrices a --dense conversion quantizes with importance-weighted
-#: scales (an importance matrix from a calibration pass first; --no-imatrix skips it)
-WEIGHTED_OUTTYPES = ("q4_0", "q5_0")
-
-
 def _interrupt(signum, frame):  # noqa: ARG001 - signal handler signature
     raise KeyboardInterrupt
 
@@ -194,6 +189,8 @@ def _run(args) -> int:
                            "--dense skips (a dense file keeps ffn_down in row layout)")
     if args.dense or is_powerinfer(args.src):  # a PowerInfer file brings its own predictors and split
         imatrix = None
+        from predictors.offline import WEIGHTED_OUTTYPES
+
         if args.dense and args.imatrix and args.outtype in WEIGHTED_OUTTYPES:
             from predictors.offline import dense_importance
 

@@ -262,6 +262,11 @@ def default_mode(cfg, weights, outtype: str, opts: OfflineOptions) -> str:
     return C.SPARSE_MODE_INPUT if input_mode_pays(weights, cfg, outtype) else mode
 
 
+#: --outtype values whose q4_0 / q5_0 matrices take importance-weighted scales
+#: (quants.quantize_weighted) unless --no-imatrix
+WEIGHTED_OUTTYPES = ("q4_0", "q5_0")
+
+
 def _plan(src: str, outtype: str, allow_unused: bool = False, down_rows: bool = False):
     """The converter's metadata and tensor jobs (convert.cli.convert already checked the paths);
     ``down_rows``: the down projection in llama.cpp's row layout (see plan_gguf / plan_hf)."""
@@ -437,11 +442,24 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
             for r, b in zip(rows, placement.gpu_bucket):
                 r.gpu = int(b.size)
             secs["placement"] = time.perf_counter() - t0
+        # the importance matrix for q4_0 / q5_0 scales (input_sparse.weighted_jobs): the rows
+        # whose inputs lie along them; ffn_down_t's blocks run along outputs, where it is flat
+        imatrix = None
+        if opts.imatrix and outtype in WEIGHTED_OUTTYPES and input_mode_model(cfg, eng.weights):
+            from predictors.input_sparse import importance
+
+            t0 = time.perf_counter()
+            imatrix = importance(eng, seqs, n_threads)
+            secs["importance matrix"] = time.perf_counter() - t0
         eng = None  # drop the staging memmap before the final write
 
         # 5. the final file
         t0 = time.perf_counter()
         meta, jobs = _plan(src, outtype, allow_unused)
+        if imatrix is not None:
+            from predictors.input_sparse import weighted_jobs
+
+            jobs = weighted_jobs(jobs, *imatrix)
         meta.string(C.K_SPARSE_MODE, mode)
         meta.array(C.K_ACT_THRESHOLD, [float(t) for t in act_thr], VT.FLOAT32)
         meta.array(C.K_PRED_THRESHOLD, [float(p[2]) for p in preds], VT.FLOAT32)
