@@ -189,9 +189,7 @@ def _run(args) -> int:
                            "--dense skips (a dense file keeps ffn_down in row layout)")
     if args.dense or is_powerinfer(args.src):  # a PowerInfer file brings its own predictors and split
         imatrix = None
-        from predictors.offline import WEIGHTED_OUTTYPES
-
-        if args.dense and args.imatrix and args.outtype in WEIGHTED_OUTTYPES:
+        if args.dense and args.imatrix and not is_powerinfer(args.src):
             from predictors.offline import dense_importance
 
             imatrix = dense_importance(args.src, args.out, args.outtype, options_from_args(args),

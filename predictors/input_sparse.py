@@ -591,6 +591,36 @@ def lm_head_source(jobs):
     return by_name.get(C.OUTPUT) or by_name[C.TOKEN_EMBD]
 
 
+def mean_squares(x: np.ndarray) -> np.ndarray:
+    """(n_tok, n) f32 -> (n,) f64 E[x_j^2] over the tokens: the importance matrix of one input
+    (``quants.quantize_weighted``)."""
+    return np.einsum("ij,ij->j", x, x, dtype=np.float64) / len(x)
+
+
+def _weighable(job) -> bool:
+    """True where the converter quantizes ``job`` to q4_0 / q5_0 from floats (a job copied as
+    stored keeps its blocks)."""
+    from pyinfer.quants import WEIGHTED_TYPES
+
+    return not job.raw and job.qtype in WEIGHTED_TYPES
+
+
+def _weighted_job(job, imatrix: np.ndarray):
+    """``job`` as encoded bytes with ``quants.quantize_weighted``'s scales, the search run once
+    however often the job is loaded (the lm head's input-block copy loads its source again)."""
+    from convert.writer import TensorJob
+    from pyinfer.quants import quantize_weighted
+
+    done = []
+
+    def load():
+        if not done:
+            done.append(quantize_weighted(np.ascontiguousarray(job.load(), np.float32), job.qtype,
+                                          imatrix))
+        return done[0]
+    return TensorJob(job.name, job.shape, job.qtype, load, raw=True)
+
+
 def weighted_head_jobs(jobs, head_imatrix: np.ndarray | None) -> list:
     """``jobs`` with the lm head's matrix (``lm_head_source``: ``output.weight``, or the tied
     ``token_embd.weight``) quantized by ``quants.quantize_weighted`` with the head input's mean
@@ -599,25 +629,34 @@ def weighted_head_jobs(jobs, head_imatrix: np.ndarray | None) -> list:
     bytes, so the input-block copy of the head (``lm_head_jobs``) and the two-stage head's exact
     rows hold the same numbers. A tied matrix serves the embedding lookup with those numbers too
     (SmolLM2 q4_0: 2% lower perplexity in all, docs/benchmarks.md, session 30)."""
-    from convert.writer import TensorJob
-    from pyinfer.quants import WEIGHTED_TYPES, quantize_weighted
-
     src = lm_head_source(jobs)
-    if head_imatrix is None or src.raw or src.qtype not in WEIGHTED_TYPES:
+    if head_imatrix is None or not _weighable(src):
         return list(jobs)
-
-    def load(src=src):
-        w = np.ascontiguousarray(src.load(), np.float32)
-        return quantize_weighted(w, src.qtype, head_imatrix)
-    new = TensorJob(src.name, src.shape, src.qtype, load, raw=True)
+    new = _weighted_job(src, head_imatrix)
     return [new if j is src else j for j in jobs]
 
 
 #: the dense file's projections (row-major matrices, inputs along rows) and the input group
-#: whose mean squares weigh each: the job name template -> ``constants.IN_GROUPS`` entry
-_DENSE_GROUPS = {C.ATTN_Q: "attn_qkv", C.ATTN_K: "attn_qkv", C.ATTN_V: "attn_qkv",
-                 C.ATTN_OUT: "attn_output", C.FFN_GATE: "ffn_gate_up", C.FFN_UP: "ffn_gate_up",
-                 C.SRC_FFN_DOWN: "ffn_down"}
+#: whose mean squares weigh each: the name after "blk.N." -> ``constants.IN_GROUPS`` entry
+_DENSE_GROUPS = {t.split("}.", 1)[1]: g for t, g in (
+    (C.ATTN_Q, "attn_qkv"), (C.ATTN_K, "attn_qkv"), (C.ATTN_V, "attn_qkv"),
+    (C.ATTN_OUT, "attn_output"), (C.FFN_GATE, "ffn_gate_up"), (C.FFN_UP, "ffn_gate_up"),
+    (C.SRC_FFN_DOWN, "ffn_down"))}
+
+
+def _dense_group(name: str) -> tuple[int, str] | None:
+    """(layer, input group) of a dense file's projection job name, else None."""
+    part = name.split(".", 2)
+    if len(part) < 3 or part[0] != "blk" or part[2] not in _DENSE_GROUPS:
+        return None
+    return int(part[1]), _DENSE_GROUPS[part[2]]
+
+
+def takes_weighted_scales(jobs) -> bool:
+    """True where ``weighted_jobs`` would change a job: a projection or the lm head quantized to
+    q4_0 / q5_0 from floats (so an importance pass is worth running)."""
+    head = lm_head_source(jobs)
+    return any(_weighable(j) and (j is head or _dense_group(j.name) is not None) for j in jobs)
 
 
 def importance(eng, seqs: list[list[int]], n_threads: int) -> tuple[list[dict], np.ndarray]:
@@ -630,10 +669,8 @@ def importance(eng, seqs: list[list[int]], n_threads: int) -> tuple[list[dict], 
     head: dict = {}
     record_inputs(eng, chunks(seqs, min(512, eng.n_ctx)), n_threads,
                   lambda i, rec, en, xs: per_layer.append(
-                      {g: np.einsum("ij,ij->j", rec[g], rec[g], dtype=np.float64) / len(rec[g])
-                       for g in C.IN_GROUPS}),
-                  lambda h: head.__setitem__("h", np.einsum("ij,ij->j", h, h, dtype=np.float64)
-                                             / len(h)))
+                      {g: mean_squares(rec[g]) for g in C.IN_GROUPS}),
+                  lambda h: head.__setitem__("h", mean_squares(h)))
     return per_layer, head["h"]
 
 
@@ -642,22 +679,11 @@ def weighted_jobs(jobs, imatrix: list[dict], head_imatrix: np.ndarray) -> list:
     attn_output, ffn_gate/up, the row-layout ffn_down) and the lm head's matrix
     (``weighted_head_jobs``) taking ``quants.quantize_weighted``'s scales, weighted by
     ``importance``'s mean squares of the matrix's input; the other jobs as they are."""
-    from convert.writer import TensorJob
-    from pyinfer.quants import WEIGHTED_TYPES, quantize_weighted
-
-    names = {tmpl.format(bid=i): (i, g) for tmpl, g in _DENSE_GROUPS.items()
-             for i in range(len(imatrix))}
     out = []
     for j in jobs:
-        key = names.get(j.name)
-        if key is None or j.raw or j.qtype not in WEIGHTED_TYPES:
-            out.append(j)
-            continue
-        im = imatrix[key[0]][key[1]]
-
-        def load(j=j, im=im):
-            return quantize_weighted(np.ascontiguousarray(j.load(), np.float32), j.qtype, im)
-        out.append(TensorJob(j.name, j.shape, j.qtype, load, raw=True))
+        key = _dense_group(j.name)
+        out.append(_weighted_job(j, imatrix[key[0]][key[1]])
+                   if key is not None and _weighable(j) else j)
     return weighted_head_jobs(out, head_imatrix)
 
 
@@ -812,8 +838,7 @@ def calibrate(eng, seqs: list[list[int]], wina: bool, seed: int, n_threads: int,
     def on_layer(i, rec, en, xs):
         c = [unit_curve(rec[g], norms[i][g], wina, rng) for g in C.IN_GROUPS]
         curves.append(c)
-        imatrix.append({g: np.einsum("ij,ij->j", rec[g], rec[g], dtype=np.float64) / len(rec[g])
-                        for g in C.IN_GROUPS})
+        imatrix.append({g: mean_squares(rec[g]) for g in C.IN_GROUPS})
         if alloc != "greedy":
             return
         blk = _Block(eng.weights.layers[i], cfg, [x[:n] for x, n in zip(xs, n_eval) if n],
@@ -823,7 +848,7 @@ def calibrate(eng, seqs: list[list[int]], wina: bool, seed: int, n_threads: int,
     head = {}
 
     def on_final(h):
-        head["imatrix"] = np.einsum("ij,ij->j", h, h, dtype=np.float64) / len(h)
+        head["imatrix"] = mean_squares(h)
         if not lm_head:
             return
         w = dequantize(eng.weights.output)

@@ -262,11 +262,6 @@ def default_mode(cfg, weights, outtype: str, opts: OfflineOptions) -> str:
     return C.SPARSE_MODE_INPUT if input_mode_pays(weights, cfg, outtype) else mode
 
 
-#: --outtype values whose q4_0 / q5_0 matrices take importance-weighted scales
-#: (quants.quantize_weighted) unless --no-imatrix
-WEIGHTED_OUTTYPES = ("q4_0", "q5_0")
-
-
 def _plan(src: str, outtype: str, allow_unused: bool = False, down_rows: bool = False):
     """The converter's metadata and tensor jobs (convert.cli.convert already checked the paths);
     ``down_rows``: the down projection in llama.cpp's row layout (see plan_gguf / plan_hf)."""
@@ -444,22 +439,18 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
             secs["placement"] = time.perf_counter() - t0
         # the importance matrix for q4_0 / q5_0 scales (input_sparse.weighted_jobs): the rows
         # whose inputs lie along them; ffn_down_t's blocks run along outputs, where it is flat
-        imatrix = None
-        if opts.imatrix and outtype in WEIGHTED_OUTTYPES and input_mode_model(cfg, eng.weights):
-            from predictors.input_sparse import importance
+        meta, jobs = _plan(src, outtype, allow_unused)
+        if opts.imatrix and input_mode_model(cfg, eng.weights):
+            from predictors.input_sparse import importance, takes_weighted_scales, weighted_jobs
 
-            t0 = time.perf_counter()
-            imatrix = importance(eng, seqs, n_threads)
-            secs["importance matrix"] = time.perf_counter() - t0
+            if takes_weighted_scales(jobs):
+                t0 = time.perf_counter()
+                jobs = weighted_jobs(jobs, *importance(eng, seqs, n_threads))
+                secs["importance matrix"] = time.perf_counter() - t0
         eng = None  # drop the staging memmap before the final write
 
         # 5. the final file
         t0 = time.perf_counter()
-        meta, jobs = _plan(src, outtype, allow_unused)
-        if imatrix is not None:
-            from predictors.input_sparse import weighted_jobs
-
-            jobs = weighted_jobs(jobs, *imatrix)
         meta.string(C.K_SPARSE_MODE, mode)
         meta.array(C.K_ACT_THRESHOLD, [float(t) for t in act_thr], VT.FLOAT32)
         meta.array(C.K_PRED_THRESHOLD, [float(p[2]) for p in preds], VT.FLOAT32)
@@ -514,7 +505,7 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
 
 def dense_importance(src: str, out: str, outtype: str, opts: OfflineOptions | None = None,
                      allow_unused: bool = False, down_type: str | None = None):
-    """The importance matrices a ``--dense`` conversion to q4_0 / q5_0 weighs its scales by
+    """The importance matrices a ``--dense`` conversion weighs its q4_0 / q5_0 scales by
     (``predictors.input_sparse.importance``): ``src`` converted round-to-nearest to a staging
     file beside ``out`` (removed after), the calibration text (``--calib`` files or the model's
     own, ``opts.calib_tokens`` or DEFAULT_INPUT_CALIB_TOKENS tokens) run through it. Returns
@@ -526,16 +517,19 @@ def dense_importance(src: str, out: str, outtype: str, opts: OfflineOptions | No
     from convert.cli import convert
     from convert.writer import temp_path_beside
     from pyinfer.engine import Engine
-    from pyinfer.quants import WEIGHTED_TYPES
     from predictors.calibrate import calibration_tokens, read_calib_files
-    from predictors.input_sparse import importance
+    from predictors.input_sparse import importance, takes_weighted_scales
 
     opts = opts or OfflineOptions()
     if not os.path.exists(src):
         raise PyinferError(f"{src} does not exist")
-    _meta, jobs = _plan(src, outtype, allow_unused, down_rows=True)
-    if not any(j.qtype in WEIGHTED_TYPES and not j.raw for j in jobs):
-        return None  # nothing quantized from floats (a q4_0 source's blocks are copied)
+    jobs = _plan(src, outtype, allow_unused, down_rows=True)[1]
+    if down_type is not None:
+        from convert.cli import with_down_type
+
+        jobs = with_down_type(jobs, down_type)
+    if not takes_weighted_scales(jobs):
+        return None  # nothing quantized to q4_0 / q5_0 from floats (e.g. a q4_0 source's blocks)
     calib_text = read_calib_files(opts.calib_files) if opts.calib_files else None
     staging = temp_path_beside(out, ".dense.tmp")
     t0 = time.perf_counter()
