@@ -520,9 +520,11 @@ def dense_importance(src: str, out: str, outtype: str, opts: OfflineOptions | No
     from predictors.calibrate import calibration_tokens, read_calib_files
     from predictors.input_sparse import importance, takes_weighted_scales
 
+    from convert.from_gguf import is_gguf_or_powerinfer
+
     opts = opts or OfflineOptions()
-    if not os.path.exists(src):
-        raise PyinferError(f"{src} does not exist")
+    if not (os.path.isdir(src) or (os.path.isfile(src) and is_gguf_or_powerinfer(src))):
+        return None  # the conversion itself says what is wrong with the source
     jobs = _plan(src, outtype, allow_unused, down_rows=True)[1]
     if down_type is not None:
         from convert.cli import with_down_type
