@@ -153,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
                              "q5_k->q5_1, q6_k->q8_0)")
     parser.add_argument("--down-type", choices=list(OUTTYPES), default=None, metavar="TYPE",
                         help="type of the down projection (ffn_down_t, re-encoded whatever "
-                             "its type; with --dense ffn_down in row layout): " + ", ".join(OUTTYPES) + ". Default: as "
+                             "its type; with --dense ffn_down in row layout; in sparse mode "
+                             "input ffn_down_ib, where a K-quant is stored as sparse mode input "
+                             "stores K-quants): " + ", ".join(OUTTYPES) + ". Default: as "
                              "--outtype (auto: the source's own ffn_down type, so a Q4_K_M "
                              "file keeps its Q6_K). q8_0 is more accurate for a source held at "
                              "one 4-bit type, at about +12%% file size on SmolLM2 "

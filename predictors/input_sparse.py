@@ -415,7 +415,7 @@ def blend_levels(fisher: np.ndarray, unit_bytes: np.ndarray, target: float,
 
 
 def transposed_jobs(jobs, cfg, outtype: str, scales: list[dict] | None,
-                    imatrix: list[dict] | None = None):
+                    imatrix: list[dict] | None = None, down_type: str | None = None):
     """The converter's jobs with each layer's wq/wk/wv, attn_output, ffn_gate, ffn_up and
     ffn_down replaced by the four matrices of input sparsity (same place in the file), plus the
     WINA column norms ``scales`` (per layer {group: (n_in,) f32}) when given.
@@ -432,7 +432,8 @@ def transposed_jobs(jobs, cfg, outtype: str, scales: list[dict] | None,
     llama.cpp's ``ffn_down`` (n_embd, n_ff), whose stored Q4_K / Q5_K blocks are then regrouped
     as they are. With ``imatrix`` (per layer {group: (n_in,) E[x_j^2]}, ``Calibration.imatrix``)
     the q4_0 / q5_0 matrices quantized here take ``quants.quantize_weighted``'s scales instead
-    of round-to-nearest."""
+    of round-to-nearest. ``down_type`` (``--down-type``, a name of OUTTYPES) sets the down
+    projection's type whatever ``outtype`` says (``group_type``)."""
     from convert.writer import TensorJob, job_floats, matrix_qtype
     from pyinfer.ops import cpu
     from pyinfer.quants import WEIGHTED_TYPES, quantize, quantize_weighted
@@ -477,7 +478,7 @@ def transposed_jobs(jobs, cfg, outtype: str, scales: list[dict] | None,
                 ("attn_output", o, cfg.n_embd, cfg.n_embd_q, C.ATTN_OUT_T, "o"),
                 ("ffn_gate_up", gu, 2 * cfg.n_ff, cfg.n_embd, C.FFN_GATE_UP_T, "gu"),
                 ("ffn_down", down, cfg.n_embd, cfg.n_ff, C.FFN_DOWN_T, "d")):
-            ot = src[members[0]].qtype if outtype == C.OUTTYPE_AUTO else outtype
+            ot = group_type(g, src[members[0]].qtype, outtype, down_type)
             mt = matrix_qtype(n_in, ot)
             qt = ib_qtype(mt)
             if cpu.ib_supported(qt, n_out, n_in):
@@ -548,23 +549,32 @@ def _regrouped_k(jobs, kt) -> np.ndarray:
         else quantize(job_floats(j), kt) for j in jobs]))
 
 
-def group_qtypes(weights, cfg, outtype: str) -> list:
+def group_qtypes(weights, cfg, outtype: str, down_type: str | None = None) -> list:
     """Per layer and group (``C.IN_GROUPS`` order) the type ``transposed_jobs`` gives the group's
     matrix, from the staging file's dense ``weights`` (wq stands for q/k/v, ffn_gate for gate/up,
-    as there): a list of n_layer lists of four ``QT``."""
+    as there) and the conversion's ``outtype`` and ``--down-type`` ``down_type`` (None: as
+    outtype): a list of n_layer lists of four ``QT``."""
     from convert.writer import matrix_qtype
 
     sizes = in_sizes(cfg)
     out = []
     for lw in weights.layers:
         src = (lw.wq, lw.wo, lw.ffn_gate, lw.ffn_down_t)
-        out.append([ib_qtype(matrix_qtype(sizes[g][0],
-                                          s.qtype if outtype == C.OUTTYPE_AUTO else outtype))
+        out.append([ib_qtype(matrix_qtype(sizes[g][0], group_type(g, s.qtype, outtype, down_type)))
                     for g, s in zip(C.IN_GROUPS, src)])
     return out
 
 
-def input_mode_pays(weights, cfg, outtype: str) -> bool:
+def group_type(group: str, source_qtype, outtype: str, down_type: str | None):
+    """The type (a ``QT``, or a name of OUTTYPES for ``matrix_qtype``) a group's matrix is asked
+    for: ``down_type`` for ffn_down where given, else ``outtype``, or under ``auto`` the source
+    job's own ``source_qtype``."""
+    if group == "ffn_down" and down_type is not None:
+        return down_type
+    return source_qtype if outtype == C.OUTTYPE_AUTO else outtype
+
+
+def input_mode_pays(weights, cfg, outtype: str, down_type: str | None = None) -> bool:
     """True where sparse mode input makes this model faster on the CPU than mode glu, in decode
     and prefill alike: every projection matrix takes the input-block layout (q8_0 / q4_0 / q4_1 /
     q5_0 / q5_1, outputs a multiple of 64: ``cpu.ib_supported``) or is f16 (the transposed f16
@@ -580,7 +590,7 @@ def input_mode_pays(weights, cfg, outtype: str) -> bool:
     hangs on it."""
     sizes = in_sizes(cfg)
     return all(qt == C.QT.F16 or cpu.ib_supported(qt, sizes[g][1], sizes[g][0])
-               for types in group_qtypes(weights, cfg, outtype)
+               for types in group_qtypes(weights, cfg, outtype, down_type)
                for g, qt in zip(C.IN_GROUPS, types))
 
 
@@ -901,9 +911,10 @@ def thresholds_for(cal: Calibration, cfg, target: float, fisher_weight: float = 
 
 
 def input_stage(src: str, out: str, outtype: str, opts, eng, seqs, source: str, secs: dict,
-                allow_unused: bool, plan, n_threads: int) -> dict:
+                allow_unused: bool, plan, n_threads: int, down_type: str | None = None) -> dict:
     """Steps 1-4 of the module docstring over the dense staging engine ``eng`` and calibration
-    sequences ``seqs``; writes ``out``. Returns the summary dict of ``convert_sparse``."""
+    sequences ``seqs``; writes ``out`` (its down projection at ``down_type``, ``--down-type``,
+    where given). Returns the summary dict of ``convert_sparse``."""
     from convert.writer import VT, write_gguf
     from pyinfer.errors import PyinferError
 
@@ -914,7 +925,7 @@ def input_stage(src: str, out: str, outtype: str, opts, eng, seqs, source: str, 
 
     # the down projection's rows as the source stores them (a Q4_K / Q5_K source's blocks are
     # regrouped, not requantized: ib_qtype); transposed_jobs writes what the run reads
-    meta, jobs = plan(src, outtype, allow_unused, down_rows=True)
+    meta, jobs = plan(src, outtype, allow_unused, down_rows=True, down_type=down_type)
     meta.string(C.K_FFN_LAYOUT, C.FFN_LAYOUT_NEURON_MAJOR)
     asked = opts.lm_head_sparsity
     k_cand = head_candidates(jobs, cfg, opts.lm_head_candidates) if asked != 0 else 0
@@ -952,7 +963,7 @@ def input_stage(src: str, out: str, outtype: str, opts, eng, seqs, source: str, 
     meta.u32(C.K_CALIB_TOKENS, sum(len(s) for s in seqs))
     meta.u32(C.K_CALIB_SEED, opts.seed)
     jobs = transposed_jobs(jobs, cfg, outtype, norms if wina else None,
-                           cal.imatrix if opts.imatrix else None)
+                           cal.imatrix if opts.imatrix else None, down_type)
     if opts.imatrix:
         jobs = weighted_head_jobs(jobs, cal.head_imatrix)
     head_sparsity = None

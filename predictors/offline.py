@@ -240,7 +240,8 @@ def input_mode_model(cfg, weights) -> bool:
     return fused_model(cfg, weights)
 
 
-def default_mode(cfg, weights, outtype: str, opts: OfflineOptions) -> str:
+def default_mode(cfg, weights, outtype: str, opts: OfflineOptions,
+                 down_type: str | None = None) -> str:
     """The sparse mode of a run without ``--sparse-mode``: "relu" for a ReLU model; for a
     SwiGLU one "input" where that mode runs faster than glu on the CPU (a Llama-shaped model,
     ``input_mode_model``: Llama 3 and Qwen2 files too, whose projections are all q8_0 / q4_0 /
@@ -250,7 +251,7 @@ def default_mode(cfg, weights, outtype: str, opts: OfflineOptions) -> str:
     predictors would serve no engine, and on the CPU glu decodes no faster than a dense file at
     a cost in quality: Gemma-3-270M +6-9% perplexity, docs/benchmarks.md session 20); "glu"
     otherwise. ``weights`` are the staging file's (dense, neuron-major), ``outtype`` the
-    conversion's."""
+    conversion's, ``down_type`` its ``--down-type``."""
     from predictors.input_sparse import input_mode_pays
     from predictors.profile import sparse_mode
 
@@ -259,18 +260,26 @@ def default_mode(cfg, weights, outtype: str, opts: OfflineOptions) -> str:
         return mode
     if not input_mode_model(cfg, weights):
         return NO_SPARSE_MODE
-    return C.SPARSE_MODE_INPUT if input_mode_pays(weights, cfg, outtype) else mode
+    return C.SPARSE_MODE_INPUT if input_mode_pays(weights, cfg, outtype, down_type) else mode
 
 
-def _plan(src: str, outtype: str, allow_unused: bool = False, down_rows: bool = False):
+def _plan(src: str, outtype: str, allow_unused: bool = False, down_rows: bool = False,
+          down_type: str | None = None):
     """The converter's metadata and tensor jobs (convert.cli.convert already checked the paths);
-    ``down_rows``: the down projection in llama.cpp's row layout (see plan_gguf / plan_hf)."""
+    ``down_rows``: the down projection in llama.cpp's row layout (see plan_gguf / plan_hf);
+    ``down_type``: ``--down-type``, the down projection's type (``convert.cli.with_down_type``)."""
     from convert.from_gguf import plan_gguf
     from convert.hf import plan_hf
 
     if os.path.isdir(src):
-        return plan_hf(src, outtype, allow_unused, down_rows=down_rows)
-    return plan_gguf(src, outtype, allow_unused, down_rows=down_rows)
+        meta, jobs = plan_hf(src, outtype, allow_unused, down_rows=down_rows)
+    else:
+        meta, jobs = plan_gguf(src, outtype, allow_unused, down_rows=down_rows)
+    if down_type is not None:
+        from convert.cli import with_down_type
+
+        jobs = with_down_type(jobs, down_type)
+    return meta, jobs
 
 
 def _have_torch() -> bool:
@@ -335,7 +344,7 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
                                    f"{mode}{'' if cfg.llama_plain else ' with its own family layers'})")
             mode = C.SPARSE_MODE_INPUT
         elif opts.sparse_mode is None:
-            mode = default_mode(cfg, eng.weights, outtype, opts)
+            mode = default_mode(cfg, eng.weights, outtype, opts, down_type)
         if mode == NO_SPARSE_MODE:  # a dense file (row-layout ffn_down), the two-stage head
             if opts.lm_head_sparsity is not None:
                 raise PyinferError("--lm-head-sparsity needs --sparse-mode input")
@@ -403,7 +412,7 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
             from predictors.input_sparse import input_stage
 
             summary = input_stage(src, out, outtype, opts, eng, seqs, source, secs, allow_unused,
-                                  _plan, n_threads)
+                                  _plan, n_threads, down_type=down_type)
             _log(summary["table"], opts.progress)
             _log("offline stage: " + ", ".join(f"{k} {v:.1f} s" for k, v in secs.items())
                  + f"; calibration {sum(len(s) for s in seqs)} tokens ({source})", opts.progress)
@@ -439,7 +448,7 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
             secs["placement"] = time.perf_counter() - t0
         # the importance matrix for q4_0 / q5_0 scales (input_sparse.weighted_jobs): the rows
         # whose inputs lie along them; ffn_down_t's blocks run along outputs, where it is flat
-        meta, jobs = _plan(src, outtype, allow_unused)
+        meta, jobs = _plan(src, outtype, allow_unused, down_type=down_type)
         if opts.imatrix and input_mode_model(cfg, eng.weights):
             from predictors.input_sparse import importance, takes_weighted_scales, weighted_jobs
 
@@ -525,11 +534,7 @@ def dense_importance(src: str, out: str, outtype: str, opts: OfflineOptions | No
     opts = opts or OfflineOptions()
     if not (os.path.isdir(src) or (os.path.isfile(src) and is_gguf_or_powerinfer(src))):
         return None  # the conversion itself says what is wrong with the source
-    jobs = _plan(src, outtype, allow_unused, down_rows=True)[1]
-    if down_type is not None:
-        from convert.cli import with_down_type
-
-        jobs = with_down_type(jobs, down_type)
+    jobs = _plan(src, outtype, allow_unused, down_rows=True, down_type=down_type)[1]
     if not takes_weighted_scales(jobs):
         return None  # nothing quantized to q4_0 / q5_0 from floats (e.g. a q4_0 source's blocks)
     calib_text = read_calib_files(opts.calib_files) if opts.calib_files else None

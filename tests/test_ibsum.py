@@ -315,6 +315,37 @@ def test_gguf_source_with_auto_outtype(wide_dir, tmp_path):
             np.testing.assert_array_equal(got[name].data, want[name].data)
 
 
+@pytest.mark.parametrize("mode", ["input", "glu"])
+def test_down_type_in_sparse_modes(wide_dir, tmp_path, mode):
+    """``--down-type q8_0`` beside ``--outtype q4_0`` reaches the down projection of a sparse
+    file (until session 31 only the staging file took it: sparse mode input stored ffn_down_ib
+    at q4_0, glu ffn_down_t): the down projection is q8_0, its bytes those of the same
+    conversion at ``--outtype q8_0`` (round-to-nearest from the same floats), every other
+    projection q4_0; the file runs."""
+    args = ["--target-sparsity", "0.4", "--sparse-mode", mode, "--calib-tokens", "128", "-t", "1",
+            *(["--sparse-alloc", "uniform"] if mode == "input" else [])]
+    out = str(tmp_path / "d8.gguf")
+    assert convert_main([wide_dir, out, "--outtype", "q4_0", "--down-type", "q8_0", *args]) == 0
+    ref8 = str(tmp_path / "q8.gguf")
+    assert convert_main([wide_dir, ref8, "--outtype", "q8_0", *args]) == 0
+    got = {t.name: t for t in gguf.GGUFReader(out).tensors}
+    want = {t.name: t for t in gguf.GGUFReader(ref8).tensors}
+    QT = gguf.GGMLQuantizationType
+    for i in range(2):
+        if mode == "input":
+            down = C.IB["ffn_down"].format(bid=i)
+            rest = [C.IB[g].format(bid=i) for g in C.IN_GROUPS if g != "ffn_down"]
+        else:
+            down = C.FFN_DOWN_T.format(bid=i)
+            rest = [t.format(bid=i) for t in (C.ATTN_Q, C.ATTN_K, C.ATTN_V, C.ATTN_OUT,
+                                              C.FFN_GATE, C.FFN_UP)]
+        assert got[down].tensor_type == QT.Q8_0
+        np.testing.assert_array_equal(got[down].data, want[down].data)
+        assert {got[n].tensor_type for n in rest} == {QT.Q4_0}
+    eng = Engine(out, n_ctx=32, n_threads=1)
+    assert np.isfinite(eng.model.forward([3, 4, 5], 0)).all()
+
+
 @pytest.mark.parametrize("outtype", ["q8_0", "q4_0", "q4_1"])
 def test_converter_writes_the_layout(wide_dir, tmp_path, outtype):
     """A q8_0 / q4_0 / q4_1 input-sparse file stores the four matrices in the input-block layout (and

@@ -333,6 +333,12 @@ def test_default_sparse_mode(silu_dir, relu_dir, tmp_path, capsys):
         convert(src, staging, outtype, progress=False)
         e = Engine(staging, n_ctx=64, n_threads=1, dense=True)
         assert default_mode(e.cfg, e.weights, outtype, OfflineOptions(vram_budget_gib=budget)) == mode
+    # --down-type counts: a bf16 down projection (no input-block layout) leaves glu the default
+    staging = str(tmp_path / "staging-q4_0-down-bf16.gguf")
+    convert(silu_dir, staging, "q4_0", progress=False, down_type="bf16")
+    e = Engine(staging, n_ctx=64, n_threads=1, dense=True)
+    assert default_mode(e.cfg, e.weights, "q4_0", OfflineOptions(), "bf16") == C.SPARSE_MODE_GLU
+    assert default_mode(e.cfg, e.weights, "q4_0", OfflineOptions(), "q8_0") == C.SPARSE_MODE_INPUT
 
 
 def test_calibration_is_reproducible(relu_dir, tmp_path):
