@@ -48,10 +48,15 @@ class GenerationStats:
     # what ``ffn_sparsity`` counts: FFN neurons, or in sparse mode "input" projection weight bytes
     sparsity_label: str = "FFN sparsity"
 
+    # decode passes (tokens run through the model after the prompt; the first generated token
+    # comes from the prompt's own logits), what llama.cpp's "eval time" counts as runs
+    eval_runs: int = 0
+
     @property
     def tokens_per_second(self) -> float:
-        """Decode speed: generated tokens per second of model evaluation."""
-        return 1e3 * self.completion_tokens / self.eval_ms if self.eval_ms > 0 else 0.0
+        """Decode speed: ``eval_runs`` per second of their evaluation (``eval_ms``), the rate of
+        llama.cpp's "eval time" line; 0.0 where no token was decoded."""
+        return 1e3 * self.eval_runs / self.eval_ms if self.eval_ms > 0 and self.eval_runs else 0.0
 
     @property
     def ffn_sparsity(self) -> float:
@@ -115,6 +120,11 @@ class LLM:
         options.check_optional("vram_budget", vram_budget, "vram_budget")
         options.check_optional("n_gpu_layers", n_gpu_layers, "n_gpu_layers")
         seed = options.seed_or_none(seed)
+        from pyinfer.kv_cache import CACHE_TYPE_AUTO, CACHE_TYPES
+
+        if cache_type not in (CACHE_TYPE_AUTO, *CACHE_TYPES):
+            raise PyinferError(f"cache_type {cache_type!r}: expected one of "
+                               f"{', '.join([CACHE_TYPE_AUTO, *CACHE_TYPES])}")
 
         # device None: the GPU when there is one, quietly (generation); "cpu" / "cuda" choose.
         extra: dict[str, Any] = dict(device=device, vram_budget=vram_budget,
@@ -300,6 +310,7 @@ class LLM:
             stats.prompt_evaluated = after.prompt_n - before.prompt_n
             stats.prompt_ms = after.prompt_ms - before.prompt_ms
             stats.eval_ms = after.eval_ms - before.eval_ms
+            stats.eval_runs = after.eval_n - before.eval_n
             stats.neurons_computed = after.computed - before.computed
             stats.neurons_total = after.total - before.total
 

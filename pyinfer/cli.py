@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pyinfer.errors import PyinferError, exit_code_of
+from pyinfer.errors import EXIT_INTERRUPTED, PyinferError, exit_code_of
 from pyinfer.options import Parser as _Parser
 from pyinfer.options import (add_engine_flags, add_model, add_version, arg_type, prompt_file_limit,
                              read_text_file)
@@ -90,7 +90,8 @@ def build_parser(prog: str = "pyinfer-run", chat: bool = False) -> argparse.Argu
     add_engine_flags(p)
     p.add_argument("--verbose", action="store_true",
                    help="print speed and FFN sparsity after every answer" if chat else
-                   "in a chat, print speed and FFN sparsity after every answer")
+                   "print the FFN sparsity after the timings (in a chat: speed and sparsity "
+                   "after every answer)")
     return p
 
 
@@ -183,6 +184,24 @@ def warn_ignored_gpu_flags(args) -> None:
               "running on the CPU", file=sys.stderr)
 
 
+def show_prompt_progress(engine, file=None) -> None:
+    """Report a long prompt's evaluation (more than ``engine.PROMPT_BATCH`` new tokens) with
+    ``pyinfer.progress.progress_bar`` on ``file`` (default stderr): a bar on a terminal, else a
+    line now and then; it is gone when the prompt is evaluated."""
+    from pyinfer.progress import progress_bar
+
+    bar = []
+
+    def report(done: int, total: int) -> None:
+        if not bar:
+            bar.append(progress_bar(total=total, desc="prompt", unit="tok", file=file))
+        bar[0].update(done - bar[0].n)
+        if done >= total:
+            bar.pop().close()
+
+    engine.prompt_progress = report
+
+
 def load(args, model_path: str):
     """``LLM`` for the parsed run/chat/serve flags (a notice first when GPU flags are ignored)."""
     from pyinfer.api import LLM
@@ -207,6 +226,7 @@ def run_chat(args) -> int:
     if n == 0:
         raise PyinferError("-n 0 leaves no room for an answer")
     llm = load(args, model_path)
+    show_prompt_progress(llm.engine)
     session = ChatSession(llm, system=args.system, max_tokens=None if n < 0 else n,
                           **sampling_kwargs(args, chat=True))
     print(f"pyinfer chat: {llm.model_name}, context {llm.n_ctx} tokens. "
@@ -218,7 +238,15 @@ def run_chat(args) -> int:
 def run(args) -> int:
     model_path = check_args(args)
     if args.interactive:
+        one_shot = [f for f, on in (("--chat", args.chat), ("--ignore-eos", args.ignore_eos),
+                                    ("--no-display-prompt", args.no_display_prompt)) if on]
+        if one_shot:
+            raise PyinferError(f"{', '.join(one_shot)} go{'es' if len(one_shot) == 1 else ''} "
+                               "with a one-shot prompt (-p/-f), not -i (the chat always "
+                               "renders its template and stops at the end of a turn)")
         return run_chat(args)
+    if args.system is not None and not args.chat:
+        raise PyinferError("--system needs --chat or -i (a raw -p/-f prompt has no system turn)")
     if args.file:
         prompt = read_text_file(args.file, prompt_file_limit(args.ctx_size), "prompt file")
     else:
@@ -229,8 +257,10 @@ def run(args) -> int:
     sampling = sampling_kwargs(args)  # a bad grammar is reported before the model loads
 
     llm = load(args, model_path)
+    show_prompt_progress(llm.engine)
     if args.chat:
-        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        messages = ([{"role": "system", "content": args.system}] if args.system is not None
+                    else [])
         messages.append({"role": "user", "content": prompt})
         ids = llm.chat_tokens(messages)
     else:
@@ -239,16 +269,23 @@ def run(args) -> int:
     if not args.no_display_prompt and not args.chat:
         sys.stdout.write(prompt)
         sys.stdout.flush()
+    status = 0
     if n_predict != 0:
         try:
             for piece in llm.stream_text(ids, max_tokens=None if n_predict < 0 else n_predict,
                                          ignore_eos=args.ignore_eos, **sampling):
                 sys.stdout.write(piece)
                 sys.stdout.flush()
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:  # the text so far and the timings stay, as in llama.cpp
             print("\n[interrupted]", file=sys.stderr)
+            status = EXIT_INTERRUPTED
     sys.stdout.write("\n")
     sys.stdout.flush()
+    s = llm.last_stats
+    if n_predict != 0 and status == 0 and s is not None and s.finish_reason == "length" and (
+            n_predict < 0 or s.completion_tokens < n_predict):
+        print(f"[generation stopped after {s.completion_tokens} tokens: the context "
+              f"({llm.n_ctx} tokens) is full; raise -c]", file=sys.stderr)
     print(file=sys.stderr)
     # llama.cpp's system_info line, with the summary (so that an error stays one line)
     from pyinfer.ops import cpu
@@ -256,7 +293,10 @@ def run(args) -> int:
     print(f"system_info: {cpu.system_info(getattr(llm.engine, 'n_threads', args.threads))}",
           file=sys.stderr)
     print_timings(llm.engine.timings)
-    return 0
+    if args.verbose and n_predict != 0 and s is not None:
+        print(f"pyinfer_perf: {s.sparsity_label:>16} = {100 * s.ffn_sparsity:.1f}%",
+              file=sys.stderr)
+    return status
 
 
 def main(argv=None) -> int:

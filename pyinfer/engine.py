@@ -27,6 +27,11 @@ from pyinfer.ops import cpu
 from pyinfer.sampler import SamplingParams, sample
 from pyinfer.threads import ThreadGovernor
 from pyinfer.tokenizer import Tokenizer
+
+#: a prompt is evaluated in batches of at most this many tokens (llama.cpp's n_ubatch 512):
+#: activation memory bounded whatever the prompt's length, and a point between two batches
+#: where ``Engine.prompt_progress`` reports
+PROMPT_BATCH = 512
 from pyinfer.weights import ModelWeights
 
 DEFAULT_N_CTX = 4096
@@ -137,6 +142,9 @@ class Engine:
         # fewer threads while other processes hold CPUs (spinning OpenMP waits: pyinfer.threads)
         self.governor = ThreadGovernor(n_threads)
         self.timings = Timings(load_ms=(time.perf_counter() - t0) * 1e3, n_threads=n_threads)
+        # called as prompt_progress(evaluated, total) after each batch of a prompt longer than
+        # PROMPT_BATCH new tokens (a CLI's progress bar), or None
+        self.prompt_progress = None
         self.verbose = verbose
 
     def _sparse_ffn(self):
@@ -206,10 +214,17 @@ class Engine:
         n_keep = min(n_keep, len(tokens) - 1)
         new = tokens[n_keep:]
         t0 = time.perf_counter()
-        self.tokens = list(tokens[:n_keep])  # what the cache holds if the forward fails
-        logits = self.forward(new, n_keep)
-        self.timings.prompt_ms += (time.perf_counter() - t0) * 1e3
-        self.timings.prompt_n += len(new)
+        self.tokens = list(tokens[:n_keep])  # what the cache holds if a forward fails
+        try:
+            for s in range(0, len(new), PROMPT_BATCH):  # batches of PROMPT_BATCH tokens
+                part = new[s:s + PROMPT_BATCH]
+                logits = self.forward(part, n_keep + s)
+                self.tokens.extend(part)
+                if self.prompt_progress is not None and len(new) > PROMPT_BATCH:
+                    self.prompt_progress(s + len(part), len(new))
+        finally:
+            self.timings.prompt_ms += (time.perf_counter() - t0) * 1e3
+            self.timings.prompt_n += len(self.tokens) - n_keep
         self._check_finite(logits, len(tokens) - 1)
         self.tokens = list(tokens)
         return logits

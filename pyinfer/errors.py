@@ -13,10 +13,18 @@ class KernelsMissing(PyinferError, ImportError):
     An ImportError too, so code that guards an optional import still catches it."""
 
 
+#: exit status after Ctrl-C (128 + SIGINT, as a shell reports it and llama.cpp exits)
+EXIT_INTERRUPTED = 130
+#: exit status when the reader of stdout went away (``| head``): 128 + SIGPIPE, as Unix tools
+EXIT_BROKEN_PIPE = 141
+
+
 def exit_code_of(fn, *args) -> int:
-    """Run a CLI body ``fn(*args)``; turn a PyinferError, Ctrl-C or MemoryError into
-    ``error: ...`` on stderr and exit status 1 (never a traceback for a user mistake). Returns
-    fn's status otherwise."""
+    """Run a CLI body ``fn(*args)``; turn a PyinferError or MemoryError into ``error: ...`` on
+    stderr and exit status 1 (never a traceback for a user mistake), Ctrl-C into ``error:
+    interrupted`` and EXIT_INTERRUPTED, and a closed stdout (``pyinfer-run ... | head``) into a
+    quiet EXIT_BROKEN_PIPE. Returns fn's status otherwise."""
+    import os
     import sys
 
     try:
@@ -26,7 +34,16 @@ def exit_code_of(fn, *args) -> int:
         return 1
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
-        return 1
+        return EXIT_INTERRUPTED
     except MemoryError:
         print("error: out of memory", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        # Python flushes stdout again at exit: point it at /dev/null so that no second
+        # BrokenPipeError is printed (the Python documentation's recipe, signal module notes)
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass
+        return EXIT_BROKEN_PIPE

@@ -50,7 +50,7 @@ class ChatSession:
     def reset(self) -> None:
         """Forget the conversation. The KV cache is kept: the next prompt reuses the shared
         prefix (template header, system message) and overwrites the rest."""
-        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        self.messages = [{"role": "system", "content": self.system}] if self.system is not None else []
 
     def _reserve(self) -> int:
         """Tokens kept free for the answer when fitting the prompt."""

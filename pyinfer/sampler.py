@@ -45,7 +45,12 @@ def apply_repeat_penalty(logits: np.ndarray, recent, penalty: float) -> np.ndarr
     if penalty != 1.0 and len(recent):
         ids = np.unique(np.asarray(recent, dtype=np.int64))
         vals = out[ids]
-        out[ids] = np.where(vals > 0, vals / penalty, vals * penalty)
+        # an extreme penalty (1e-300 rounds to 0 in f32, 1e300 to inf) saturates at the largest
+        # f32 instead of making inf logits, whose differences are NaN probabilities
+        with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+            new = np.where(vals > 0, vals / penalty, vals * penalty)
+        f32_max = np.finfo(np.float32).max
+        out[ids] = np.where(np.isnan(vals), vals, np.clip(new, -f32_max, f32_max))
     return out
 
 
@@ -147,8 +152,13 @@ def distribution(logits: np.ndarray, params: SamplingParams, recent=(),
         keep = min(keep, int(np.searchsorted(np.cumsum(p), params.top_p) + 1))
     if params.min_p > 0.0:
         keep = min(keep, max(1, int(np.count_nonzero(p[:keep] >= params.min_p * p[0]))))
-    cz = cz[:keep] / params.temperature
-    p = np.exp(cz - cz[0])
+    kept = cz[:keep]
+    with np.errstate(over="ignore", invalid="ignore"):
+        cz = kept / params.temperature
+        if np.isfinite(cz).all():
+            p = np.exp(cz - cz[0])
+        else:  # a temperature so small that logit / temperature overflows: the limit, greedy
+            p = np.exp((kept - kept[0]) / params.temperature)
     return cand[:keep].astype(np.int64), p / p.sum()
 
 

@@ -362,11 +362,14 @@ def create_app(llm, max_queue: int = 4, api_key: str | None = None):
             raise BadRequest("request body is nested too deeply") from None
         return body
 
-    def check_room(prompt_ids: list[int], max_tokens: int | None) -> None:
+    def check_room(prompt_ids: list[int], max_tokens: int | None, field: str) -> None:
+        """BadRequest naming ``field`` (the request's prompt field: "prompt" or "messages")
+        where the prompt leaves no room in the context, or "max_tokens" where it and the
+        prompt do not fit together."""
         n_ctx = llm.n_ctx
         if len(prompt_ids) >= n_ctx:
             raise BadRequest(f"the prompt is {len(prompt_ids)} tokens; this model's context is "
-                             f"{n_ctx} tokens", "messages")
+                             f"{n_ctx} tokens", field)
         if max_tokens is not None and len(prompt_ids) + max_tokens > n_ctx:
             raise BadRequest(f"this model's context is {n_ctx} tokens, but {len(prompt_ids)} prompt "
                              f"tokens + max_tokens {max_tokens} = {len(prompt_ids) + max_tokens}",
@@ -466,7 +469,7 @@ def create_app(llm, max_queue: int = 4, api_key: str | None = None):
             ids = await run_in_threadpool(llm.tokenize, prompt) if isinstance(prompt, str) else prompt
             if isinstance(prompt, list) and any(not 0 <= t < llm.tokenizer.n_vocab for t in prompt):
                 raise BadRequest("'prompt' has a token id outside the vocabulary", "prompt")
-            check_room(ids, opts["max_tokens"])
+            check_room(ids, opts["max_tokens"], "prompt")
         except BadRequest as e:
             return error(e.status, str(e), e.param)
         return await run_job(request, lambda stop: llm.create_completion(ids, should_stop=stop, **opts),
@@ -488,7 +491,7 @@ def create_app(llm, max_queue: int = 4, api_key: str | None = None):
                 ids = await run_in_threadpool(llm.chat_tokens, messages)
             except PyinferError as e:
                 raise BadRequest(str(e), "messages") from None
-            check_room(ids, opts["max_tokens"])
+            check_room(ids, opts["max_tokens"], "messages")
         except BadRequest as e:
             return error(e.status, str(e), e.param)
         return await run_job(request, lambda stop: llm.create_chat_completion(messages, should_stop=stop,

@@ -178,12 +178,30 @@ def test_top_p_zero_is_greedy_and_seed_minus_one_is_random():
     (dict(vram_budget=float("nan")), "vram_budget must be a finite number > 0"),
     (dict(n_gpu_layers=-1), "n_gpu_layers must be an integer in 0.."),
     (dict(seed=-5), "seed must be an integer"),
+    (dict(cache_type="q8"), "cache_type 'q8': expected one of auto, f16, f32"),
 ])
 def test_constructor_errors(tmp_path, kw, message):
     # the values are refused before the file is even opened
     with pytest.raises(PyinferError) as e:
         LLM(str(tmp_path / "none.gguf"), **kw)
     assert message in str(e.value)
+
+
+def test_decode_rate_counts_decode_runs(tmp_path):
+    """``tokens_per_second`` is llama.cpp's eval rate: decode passes over their time. The first
+    generated token comes from the prompt's logits, so an answer of one token ran no decode pass
+    (the rate is 0.0, not 1 token over no time) and one of five ran four."""
+    from tests._tiny_gguf import write_tiny_gguf
+
+    llm = LLM(write_tiny_gguf(str(tmp_path / "tiny.gguf")), n_threads=1, device="cpu")
+    ids = llm.tokenize("the")
+    for n, runs in ((1, 0), (5, 4)):
+        before = llm.engine.timings.eval_n
+        list(llm.stream_text(ids, max_tokens=n, ignore_eos=True, temperature=0))
+        s = llm.last_stats
+        assert s.completion_tokens == n and s.eval_runs == runs
+        assert llm.engine.timings.eval_n - before == runs
+        assert s.tokens_per_second == (pytest.approx(1e3 * runs / s.eval_ms) if runs else 0.0)
 
 
 def test_constructor_missing_file(tmp_path):

@@ -208,6 +208,57 @@ def test_gpu_flags_without_a_gpu_say_they_are_ignored(runnable_gguf):
     assert len(notices) == 1 and "--vram-budget, -ngl ignored" in notices[0], r.stderr
 
 
+def test_closed_stdout_ends_quietly(runnable_gguf):
+    """``pyinfer-run ... | head -c 20``: the reader is gone before the first byte; the run
+    ends with 128 + SIGPIPE and no traceback (was BrokenPipeError's, exit 1)."""
+    from pyinfer.errors import EXIT_BROKEN_PIPE
+
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        p = subprocess.run([sys.executable, "-m", "pyinfer.cli", runnable_gguf, "-p", "the", "-n",
+                            "8", "-t", "1"], stdout=w, stderr=subprocess.PIPE, text=True,
+                           timeout=120, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    finally:
+        os.close(w)
+    assert p.returncode == EXIT_BROKEN_PIPE and p.stderr == "", p.stderr
+
+
+def test_a_full_context_is_said(runnable_gguf):
+    """Generation that stops because the context is full (the tiny model's 64 tokens) says so
+    on stderr; one that stops at -n does not."""
+    r = pyinfer_run(runnable_gguf, "-p", "the", "-n", "500", "--ignore-eos", "-t", "1", "--temp", "0")
+    assert r.returncode == 0, r.stderr
+    assert "the context (64 tokens) is full; raise -c]" in r.stderr
+    r = pyinfer_run(runnable_gguf, "-p", "the", "-n", "5", "--ignore-eos", "-t", "1", "--temp", "0",
+                    "--verbose")
+    assert r.returncode == 0 and "is full" not in r.stderr, r.stderr
+    # --verbose adds the sparsity to the one-shot summary (the tiny file has predictors)
+    assert "pyinfer_perf:     FFN sparsity = " in r.stderr, r.stderr
+
+
+def test_long_prompt_shows_progress(runnable_gguf):
+    """A prompt of more than one batch (engine.PROMPT_BATCH new tokens) reports its evaluation
+    on stderr (lines, stderr being a pipe here): the last one at 100%."""
+    from pyinfer.engine import PROMPT_BATCH
+
+    words = " ".join(["the"] * (PROMPT_BATCH // 2 + 50))  # two tokens a word here
+    r = pyinfer_run(runnable_gguf, "-p", words, "-n", "1", "-c", str(2 * PROMPT_BATCH), "-t", "1",
+                    "--no-display-prompt")
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("prompt:")]
+    assert lines and "100%" in lines[-1], r.stderr
+
+
+def test_flags_that_would_do_nothing_are_refused(runnable_gguf):
+    assert_user_error(pyinfer_run(runnable_gguf, "-p", "the", "--system", "be brief"),
+                      "--system needs --chat or -i")
+    for flag in ("--chat", "--ignore-eos", "--no-display-prompt"):
+        assert_user_error(pyinfer_run(runnable_gguf, "-i", flag), flag, "not -i")
+    assert_user_error(pyinfer_run(runnable_gguf, "-i", "--chat", "--ignore-eos"),
+                      "--chat, --ignore-eos go with a one-shot prompt")
+
+
 def test_convert_takes_the_source_as_dash_m(tmp_path):
     r = run_module("convert.cli", "-m", str(tmp_path / "nope"), str(tmp_path / "out.gguf"))
     assert_user_error(r, "nope does not exist")

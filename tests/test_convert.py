@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from pyinfer import constants as C
+from pyinfer.errors import EXIT_INTERRUPTED
 
 from tests._models import (BPE_SPECIALS, BPE_USER_TOKEN, CHATML_TEMPLATE, SPM_TEMPLATE,
                            load_hf_state_dict, make_random_llama, write_llamacpp_gguf)
@@ -620,7 +621,7 @@ def test_signal_mid_write_leaves_nothing(tmp_path, sig):
     p.send_signal(getattr(signal, sig))
     _, err = p.communicate(timeout=60)
     # stderr is a pipe: progress lines (pyinfer/progress.py) come first, then the one-line error
-    assert p.returncode == 1 and err.strip().splitlines()[-1] == "error: interrupted", err
+    assert p.returncode == EXIT_INTERRUPTED and err.strip().splitlines()[-1] == "error: interrupted", err
     assert "Traceback" not in err
     assert os.listdir(tmp_path) == []
 

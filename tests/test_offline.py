@@ -20,6 +20,7 @@ import torch  # noqa: E402
 from convert.cli import main as convert_main  # noqa: E402
 from pyinfer import constants as C  # noqa: E402
 from pyinfer.config import ModelConfig, read_field  # noqa: E402
+from pyinfer.errors import EXIT_INTERRUPTED  # noqa: E402
 from pyinfer.engine import Engine  # noqa: E402
 from tests._models import make_random_llama  # noqa: E402
 
@@ -219,7 +220,7 @@ def test_interrupted_conversion_leaves_nothing(relu_dir, tmp_path, monkeypatch, 
 
     monkeypatch.setattr(importlib.import_module(mod), name, boom)
     out = tmp_path / "m.gguf"
-    assert convert_main([relu_dir, str(out), "--outtype", "f32", *FAST]) == 1
+    assert convert_main([relu_dir, str(out), "--outtype", "f32", *FAST]) == EXIT_INTERRUPTED
     assert "error: interrupted" in capsys.readouterr().err
     assert os.listdir(tmp_path) == []
 
@@ -236,7 +237,7 @@ def test_interrupted_final_write_leaves_nothing(relu_dir, tmp_path, monkeypatch,
 
     monkeypatch.setattr(writer, "encode", encode)
     out = tmp_path / "m.gguf"
-    assert convert_main([relu_dir, str(out), "--outtype", "f32", *FAST]) == 1
+    assert convert_main([relu_dir, str(out), "--outtype", "f32", *FAST]) == EXIT_INTERRUPTED
     assert os.listdir(tmp_path) == []
 
 

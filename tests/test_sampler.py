@@ -63,6 +63,38 @@ def test_repeat_penalty_is_ctrl_rule():
     assert sample(z, SamplingParams(temperature=0, repeat_penalty=1.5), None, recent=[1]) == 0
 
 
+@pytest.mark.parametrize("temp", [1e-320, 1e-300, 1e-40])
+def test_a_vanishing_temperature_is_greedy(temp):
+    """A temperature the option check accepts but whose logit / temperature overflows (1e-320
+    is a float64 subnormal) draws the argmax, the limit of the softmax, instead of NaN
+    probabilities (a server request with it answered 500 before session 31)."""
+    rng = np.random.default_rng(5)
+    for _ in range(10):
+        z = (rng.normal(size=300) * 4).astype(np.float32)
+        assert sample(z, SamplingParams(temperature=temp), rng) == int(np.argmax(z))
+
+
+@pytest.mark.parametrize("penalty", [1e-300, 1e300, 1e-45])
+def test_an_extreme_repeat_penalty_stays_finite(penalty):
+    """A penalty whose f32 quotient overflows (or rounds to 0) saturates at the largest f32
+    with the CTRL rule's sign, so sampling still works, without a floating-point warning."""
+    import warnings
+
+    z = np.array([2.0, -2.0, 1.0, 0.5], np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = apply_repeat_penalty(z, [0, 1], penalty)
+        tok = sample(z, SamplingParams(temperature=0.8, repeat_penalty=penalty),
+                     np.random.default_rng(0), recent=[0, 1])
+    assert np.isfinite(out).all() and out[2] == 1.0 and out[3] == 0.5
+    big = np.finfo(np.float32).max
+    if penalty < 1:  # a seen positive logit grows, a seen negative one shrinks towards 0
+        assert out[0] == big and -1e-30 < out[1] <= 0
+    else:  # the reverse
+        assert 0 <= out[0] < 1e-30 and out[1] == -big
+    assert 0 <= tok < 4
+
+
 @pytest.mark.parametrize("bad", [dict(repeat_penalty=0), dict(top_p=0), dict(min_p=1.5)])
 def test_bad_params_rejected(bad):
     with pytest.raises(ValueError):
