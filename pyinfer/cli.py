@@ -212,6 +212,10 @@ def load(args, model_path: str):
               dense=args.dense, reset_gpu_index=args.reset_gpu_index,
               disable_gpu_index=args.disable_gpu_index, n_gpu_layers=args.n_gpu_layers,
               cache_type=getattr(args, "cache_type", "auto"))
+    n_train = llm.engine.cfg.n_ctx_train
+    if llm.n_ctx > n_train:  # as llama.cpp warns: positions past training are extrapolated
+        print(f"pyinfer: -c {llm.n_ctx} is more than the {n_train} tokens the model was trained "
+              "on; text past that may degrade", file=sys.stderr)
     return llm
 
 

@@ -43,8 +43,15 @@ class KVCache:
             raise ValueError(f"a KV cache is float16 or float32, not {np.dtype(dtype)}")
         self.n_ctx = n_ctx
         shape = (cfg.n_layer, n_ctx, cfg.n_head_kv, cfg.head_dim)
-        self.k = np.zeros(shape, dtype=dtype)  # (n_layer, n_ctx, n_head_kv, head_dim)
-        self.v = np.zeros(shape, dtype=dtype)  # (n_layer, n_ctx, n_head_kv, head_dim)
+        try:
+            self.k = np.zeros(shape, dtype=dtype)  # (n_layer, n_ctx, n_head_kv, head_dim)
+            self.v = np.zeros(shape, dtype=dtype)  # (n_layer, n_ctx, n_head_kv, head_dim)
+        except MemoryError:
+            from pyinfer.errors import PyinferError
+
+            need = 2 * int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+            raise PyinferError(f"out of memory for the KV cache of {n_ctx} tokens "
+                               f"({need / 2**30:.1f} GiB); lower -c/--ctx-size") from None
 
     @property
     def dtype(self) -> np.dtype:
