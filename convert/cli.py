@@ -54,6 +54,22 @@ def with_down_type(jobs: list, down_type: str) -> list:
     return out
 
 
+def check_paths(src: str, out: str) -> None:
+    """Raise PyinferError unless ``src`` exists and ``out`` can be written as a new file: its
+    directory exists, it is not a directory, and it is not the source itself (by path or, where
+    both exist, by inode: a link to the source). Every conversion runs it before any work."""
+    if not os.path.exists(src):
+        raise PyinferError(f"{src} does not exist")
+    out_dir = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(out_dir):
+        raise PyinferError(f"output directory {out_dir} does not exist")
+    if os.path.isdir(out):
+        raise PyinferError(f"{out} is a directory")
+    if os.path.abspath(src) == os.path.abspath(out) or (
+            os.path.isfile(out) and os.path.samefile(src, out)):
+        raise PyinferError("the output would overwrite the source file")
+
+
 def convert(src: str, out: str, outtype: str = OUTTYPE_AUTO, progress: bool | None = None,
             allow_unused: bool = False, gpuidx: str | None = None,
             down_type: str | None = None, down_rows: bool = False,
@@ -81,18 +97,12 @@ def convert(src: str, out: str, outtype: str = OUTTYPE_AUTO, progress: bool | No
     from .hf import plan_hf
     from .writer import write_gguf
 
+    check_paths(src, out)
     if outtype != OUTTYPE_AUTO and outtype not in OUTTYPES:
         raise PyinferError(f"unknown outtype {outtype!r} (choose from {OUTTYPE_AUTO}, "
                            f"{', '.join(OUTTYPES)})")
     if down_type is not None and down_type not in OUTTYPES:
         raise PyinferError(f"unknown down type {down_type!r} (choose from {', '.join(OUTTYPES)})")
-    if not os.path.exists(src):
-        raise PyinferError(f"{src} does not exist")
-    out_dir = os.path.dirname(os.path.abspath(out))
-    if not os.path.isdir(out_dir):
-        raise PyinferError(f"output directory {out_dir} does not exist")
-    if os.path.isdir(out):
-        raise PyinferError(f"{out} is a directory")
     if gpuidx is not None and not os.path.isfile(gpuidx):
         raise PyinferError(f"{gpuidx} does not exist")
     if os.path.isdir(src):
@@ -100,8 +110,6 @@ def convert(src: str, out: str, outtype: str = OUTTYPE_AUTO, progress: bool | No
             raise PyinferError("--gpuidx goes only with an upstream PowerInfer model file")
         meta, jobs = plan_hf(src, outtype, allow_unused, down_rows=down_rows)
     elif is_gguf_or_powerinfer(src):
-        if os.path.abspath(src) == os.path.abspath(out):
-            raise PyinferError("the output would overwrite the source file")
         from .powerinfer import is_powerinfer
 
         meta, jobs = plan_gguf(src, outtype, allow_unused, gpuidx=gpuidx,
@@ -169,7 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     from predictors.offline import add_arguments
 
     add_arguments(parser)  # the offline stage's flags (--dense skips it)
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # SRC OUT may follow the options
+    from predictors.offline import given_flags
+
+    args.given = given_flags(parser, args)
     if args.model_opt is not None:  # -m SRC OUT: the one positional given is OUT
         if args.out is not None:
             parser.error("give the source once: pyinfer-convert -m SRC OUT or pyinfer-convert SRC OUT")
@@ -186,15 +197,23 @@ def _run(args) -> int:
     from .powerinfer import is_powerinfer
 
     t0 = time.perf_counter()
+    check_paths(args.src, args.out)
     if args.dense and args.sparse_mode is not None:
         raise PyinferError(f"--sparse-mode {args.sparse_mode} needs the offline stage, which "
                            "--dense skips (a dense file keeps ffn_down in row layout)")
+    opts = options_from_args(args)
+    if args.dense:
+        opts.check_flags(None)
+        opts.check()
+    elif is_powerinfer(args.src):
+        opts.check_flags(None, "the offline stage, which an upstream PowerInfer file skips (it "
+                               "brings its own predictors)")
     if args.dense or is_powerinfer(args.src):  # a PowerInfer file brings its own predictors and split
         imatrix = None
         if args.dense and args.imatrix and not is_powerinfer(args.src):
             from predictors.offline import dense_importance
 
-            imatrix = dense_importance(args.src, args.out, args.outtype, options_from_args(args),
+            imatrix = dense_importance(args.src, args.out, args.outtype, opts,
                                        allow_unused=args.allow_unused_tensors,
                                        down_type=args.down_type)
         convert(args.src, args.out, args.outtype, allow_unused=args.allow_unused_tensors,
@@ -205,7 +224,7 @@ def _run(args) -> int:
 
         if args.gpuidx is not None:
             raise PyinferError("--gpuidx goes only with an upstream PowerInfer model file")
-        convert_sparse(args.src, args.out, args.outtype, options_from_args(args),
+        convert_sparse(args.src, args.out, args.outtype, opts,
                        allow_unused=args.allow_unused_tensors, down_type=args.down_type)
     size = os.path.getsize(args.out) / 2**20
     print(f"wrote {args.out} ({args.outtype}, {size:.1f} MiB) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)

@@ -205,6 +205,10 @@ def plan_gguf(path: str, outtype: str, allow_unused: bool = False,
             C.K_ACT_SHIFT, C.K_SLIDING_WINDOW)) or any(".bias" in n for n in tensors)):
         raise PyinferError(f"re-converting a pyinfer {family} file is not supported (only Llama "
                            "files); convert from the Hugging Face directory instead")
+    if ours and _scalar(reader, C.K_SPARSE_MODE, None) == C.SPARSE_MODE_INPUT:
+        raise PyinferError("re-converting a sparse mode input file is not supported (its "
+                           "projections are stored by input channel); convert the model it was "
+                           "made from instead")
     # llama: SwiGLU; PowerInfer's sparse llama: ReLU (its llama.cpp, build_llama -> LLM_FFN_RELU)
     act = _scalar(reader, C.K_HIDDEN_ACT, "gelu_tanh" if gemma3 else "relu" if pwri else "silu")
     if act not in C.HIDDEN_ACTS:

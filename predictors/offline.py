@@ -134,12 +134,36 @@ class OfflineOptions:
     # weighted scales from the calibration inputs (quants.quantize_weighted); False: round-to-
     # nearest, as gguf does
     imatrix: bool = True
+    # the flags the user gave (``given_flags``: names as OFFLINE_FLAGS spells them), for
+    # check_flags; empty for options built in code
+    given: frozenset = frozenset()
     # check(): the allocation fell back to FALLBACK_INPUT_ALLOC for want of PyTorch (said once
     # the mode is known to be "input")
     _alloc_fallback: bool = field(default=False, repr=False, compare=False)
 
+    def check_flags(self, mode: str | None, why_none: str | None = None) -> None:
+        """Raise PyinferError for a flag in ``given`` that the conversion's sparse ``mode``
+        would ignore (None: no offline stage, ``--dense`` or a model without a default sparse
+        mode): the predictor flags outside glu / relu, the input-sparsity flags outside input,
+        and under ``--dense`` all but the calibration flags its importance matrix reads
+        (``why_none``: what the message says such a flag needs, for mode None)."""
+        if mode is None:
+            unused = [f for f in self.given if f not in DENSE_FLAGS]
+            why = why_none or "the offline stage, which --dense skips"
+        elif mode == C.SPARSE_MODE_INPUT:
+            unused = [f for f in self.given if f in PREDICTOR_FLAGS]
+            why = "predictors (--sparse-mode glu, or a ReLU model), which sparse mode input has none of"
+        else:
+            unused = [f for f in self.given if f in INPUT_FLAGS]
+            why = "--sparse-mode input (this conversion makes predictors: mode " + mode + ")"
+        if unused:
+            names = sorted(unused)
+            raise PyinferError(f"{', '.join(names)} need{'s' if len(names) == 1 else ''} {why}")
+
     def check(self) -> None:
         """Raise PyinferError for a setting outside its range (before any work is done)."""
+        if not 0 <= self.seed < 2**32:
+            raise PyinferError(f"--calib-seed must be an integer in 0..{2**32 - 1}, got {self.seed}")
         if self.target_recall is not None and not 0.0 < self.target_recall < 1.0:
             raise PyinferError(f"--target-recall must be in (0, 1), got {self.target_recall}")
         if self.target_sparsity is not None and not 0.0 < self.target_sparsity < 1.0:
@@ -316,7 +340,12 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
     if is_powerinfer(src):
         raise PyinferError(f"{src} is an upstream PowerInfer file: it brings its own predictors, "
                            "convert it without the offline stage (convert.cli.convert)")
+    from convert.cli import check_paths
+
+    check_paths(src, out)
     opts = opts or OfflineOptions()
+    if opts.sparse_mode is not None:  # the mode is known: its unused flags before any work
+        opts.check_flags(opts.sparse_mode)
     opts.check()
     calib_text = read_calib_files(opts.calib_files) if opts.calib_files else None
     from convert.writer import temp_path_beside
@@ -345,6 +374,11 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
             mode = C.SPARSE_MODE_INPUT
         elif opts.sparse_mode is None:
             mode = default_mode(cfg, eng.weights, outtype, opts, down_type)
+        if mode == NO_SPARSE_MODE:
+            opts.check_flags(None, "a sparse mode, which this model takes none of by default "
+                                   "(--sparse-mode glu)")
+        else:
+            opts.check_flags(mode)
         if mode == NO_SPARSE_MODE:  # a dense file (row-layout ffn_down), the two-stage head
             if opts.lm_head_sparsity is not None:
                 raise PyinferError("--lm-head-sparsity needs --sparse-mode input")
@@ -689,8 +723,32 @@ def add_arguments(parser) -> None:
                    help="threads for profiling and training (default: the physical cores this process may use)")
 
 
+#: the offline stage's flags by argparse dest (add_arguments), as a user spells them
+OFFLINE_FLAGS = {"calib": "--calib", "calib_tokens": "--calib-tokens", "calib_seed": "--calib-seed",
+                 "target_recall": "--target-recall", "target_sparsity": "--target-sparsity",
+                 "sparsity_score": "--sparsity-score", "sparse_alloc": "--sparse-alloc",
+                 "fisher_weight": "--fisher-weight", "lm_head_sparsity": "--lm-head-sparsity",
+                 "lm_head_candidates": "--lm-head-candidates", "imatrix": "--no-imatrix",
+                 "vram_budget": "--vram-budget", "predictor_rank": "--predictor-rank",
+                 "epochs": "--epochs", "train_device": "--train-device"}
+#: what a --dense conversion reads: the importance matrix's calibration, the two-stage head
+DENSE_FLAGS = frozenset({"--calib", "--calib-tokens", "--calib-seed", "--no-imatrix",
+                         "--lm-head-candidates"})
+#: read only where predictors are trained (modes glu, relu)
+PREDICTOR_FLAGS = frozenset({"--target-recall", "--predictor-rank", "--epochs"})
+#: read only by sparse mode input
+INPUT_FLAGS = frozenset({"--sparsity-score", "--sparse-alloc", "--fisher-weight",
+                         "--lm-head-sparsity"})
+
+
+def given_flags(parser, args) -> frozenset:
+    """The OFFLINE_FLAGS the command line set to something other than their defaults."""
+    return frozenset(flag for dest, flag in OFFLINE_FLAGS.items()
+                     if getattr(args, dest) != parser.get_default(dest))
+
+
 def options_from_args(args) -> OfflineOptions:
-    return OfflineOptions(calib_files=list(args.calib), calib_tokens=args.calib_tokens, seed=args.calib_seed,
+    return OfflineOptions(given=getattr(args, "given", frozenset()),calib_files=list(args.calib), calib_tokens=args.calib_tokens, seed=args.calib_seed,
                           target_recall=args.target_recall, target_sparsity=args.target_sparsity,
                           vram_budget_gib=args.vram_budget, predictor_rank=args.predictor_rank,
                           n_threads=args.threads, max_epochs=args.epochs,

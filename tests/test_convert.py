@@ -543,6 +543,50 @@ def test_error_out_dir_missing(converted, tmp_path):
     _expect_error(tmp_path, converted, out=str(tmp_path / "nodir" / "out.gguf"), contains="does not exist")
 
 
+def test_output_is_never_the_source(converted, tmp_path):
+    """Every mode refuses to write over its source before any work (the default offline stage
+    replaced the source file until session 31: its check saw only the staging path), by path
+    or through a link, and refuses a directory as OUT at once."""
+    import shutil
+
+    src = str(tmp_path / "src.gguf")
+    shutil.copy(converted, src)
+    before = open(src, "rb").read()
+    os.symlink(src, str(tmp_path / "link.gguf"))
+    for out, extra in ((src, []), (src, ["--dense"]), (str(tmp_path / "link.gguf"), []),
+                       (src, ["--sparse-mode", "glu"])):
+        p = run_cli(src, out, "--outtype", "f32", *extra)
+        assert p.returncode == 1 and p.stderr.strip() == "error: the output would overwrite the source file", p.stderr
+    p = run_cli(src, str(tmp_path), "--outtype", "f32")
+    assert p.returncode == 1 and p.stderr.strip() == f"error: {tmp_path} is a directory", p.stderr
+    assert open(src, "rb").read() == before
+    assert sorted(os.listdir(tmp_path)) == ["link.gguf", "src.gguf"]
+
+
+def test_offline_flags_the_conversion_would_ignore_are_refused(converted, tmp_path):
+    """A flag of the offline stage that the chosen path would not read is a one-line error
+    before any work, not a file made without it (--epochs in sparse mode input, --sparse-alloc
+    in glu, any but the calibration flags with --dense); a calibration seed outside the
+    metadata's u32 is refused up front (was a traceback after the offline stage); SRC OUT may
+    come after the options."""
+    out = str(tmp_path / "o.gguf")
+    for args, words in (
+            (["--dense", "--target-sparsity", "5"], "--target-sparsity needs the offline stage"),
+            (["--dense", "--epochs", "2", "--sparse-alloc", "greedy"],
+             "--epochs, --sparse-alloc need the offline stage"),
+            (["--sparse-mode", "input", "--predictor-rank", "3"], "--predictor-rank needs predictors"),
+            (["--sparse-mode", "glu", "--sparsity-score", "wina"], "--sparsity-score needs --sparse-mode input"),
+            (["--calib-seed", "-1"], "--calib-seed must be an integer in 0..4294967295"),
+            (["--calib-seed", str(2**32)], "--calib-seed must be an integer in 0..4294967295"),
+            (["--dense", "--outtype", "q4_0", "--calib-tokens", "-5"], "--calib-tokens must be at least")):
+        p = run_cli(converted, out, *args)
+        assert p.returncode == 1 and p.stderr.startswith("error: ") and words in p.stderr, (args, p.stderr)
+        assert "Traceback" not in p.stderr and not os.path.exists(out)
+    p = run_cli(converted, "--outtype", "f32", "--dense", "--calib-seed", "7", out)
+    assert p.returncode == 0, p.stderr
+    assert os.path.exists(out)
+
+
 def test_interrupt_leaves_nothing(models, tmp_path, monkeypatch):
     """A KeyboardInterrupt in the middle of the tensors removes OUT.tmp and never creates OUT."""
     from convert import writer

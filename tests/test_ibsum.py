@@ -9,10 +9,12 @@ import gguf
 import numpy as np
 import pytest
 
+from convert.cli import convert
 from convert.cli import main as convert_main
 from pyinfer import constants as C
 from pyinfer.config import read_field
 from pyinfer.engine import Engine
+from pyinfer.errors import PyinferError
 from pyinfer.ops import cpu
 from pyinfer.ops import reference as ref
 from tests._models import load_hf_state_dict, make_random_llama
@@ -344,6 +346,9 @@ def test_down_type_in_sparse_modes(wide_dir, tmp_path, mode):
         assert {got[n].tensor_type for n in rest} == {QT.Q4_0}
     eng = Engine(out, n_ctx=32, n_threads=1)
     assert np.isfinite(eng.model.forward([3, 4, 5], 0)).all()
+    if mode == "input":  # an input-mode file is not a source (its rows are by input channel)
+        with pytest.raises(PyinferError, match="re-converting a sparse mode input file"):
+            convert(out, str(tmp_path / "again.gguf"), "q8_0", progress=False)
 
 
 @pytest.mark.parametrize("outtype", ["q8_0", "q4_0", "q4_1"])

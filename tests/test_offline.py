@@ -25,6 +25,7 @@ from pyinfer.engine import Engine  # noqa: E402
 from tests._models import make_random_llama  # noqa: E402
 
 FAST = ["--calib-tokens", "256", "--epochs", "3", "-t", "1"]
+FAST_INPUT = ["--calib-tokens", "256", "-t", "1"]  # sparse mode input trains no predictors
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "relu-llama")
 
 
@@ -303,7 +304,11 @@ def test_default_sparse_mode(silu_dir, relu_dir, tmp_path, capsys):
     from predictors.offline import DEFAULT_TARGET_SPARSITY, OfflineOptions, default_mode
 
     out = str(tmp_path / "m.gguf")
-    assert convert_main([silu_dir, out, "--outtype", "q8_0", *FAST]) == 0
+    # --epochs trains predictors, which the input default has none of: refused once the mode
+    # is known (a flag the conversion would ignore), nothing written
+    assert convert_main([silu_dir, out, "--outtype", "q8_0", *FAST]) == 1
+    assert "--epochs needs predictors" in capsys.readouterr().err and not os.path.exists(out)
+    assert convert_main([silu_dir, out, "--outtype", "q8_0", *FAST_INPUT]) == 0
     assert "sparse mode input (the default" in capsys.readouterr().err
     r = gguf.GGUFReader(out)
     assert read_field(r, C.K_SPARSE_MODE) == C.SPARSE_MODE_INPUT
