@@ -27,14 +27,13 @@ from pyinfer.ops import cpu
 from pyinfer.sampler import SamplingParams, sample
 from pyinfer.threads import ThreadGovernor
 from pyinfer.tokenizer import Tokenizer
+from pyinfer.weights import ModelWeights
 
+DEFAULT_N_CTX = 4096
 #: a prompt is evaluated in batches of at most this many tokens (llama.cpp's n_ubatch 512):
 #: activation memory bounded whatever the prompt's length, and a point between two batches
 #: where ``Engine.prompt_progress`` reports
 PROMPT_BATCH = 512
-from pyinfer.weights import ModelWeights
-
-DEFAULT_N_CTX = 4096
 #: llama.cpp's default DRY sequence breakers (common/common.h dry_sequence_breakers), as bytes
 DRY_BREAKERS = (b"\n", b":", b'"', b"*")
 
