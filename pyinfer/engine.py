@@ -224,7 +224,11 @@ class Engine:
         finally:
             self.timings.prompt_ms += (time.perf_counter() - t0) * 1e3
             self.timings.prompt_n += len(self.tokens) - n_keep
-        self._check_finite(logits, len(tokens) - 1)
+        try:
+            self._check_finite(logits, len(tokens) - 1)
+        except PyinferError:  # the batches' keys and values are not claimed either
+            self.tokens = list(tokens[:n_keep])
+            raise
         self.tokens = list(tokens)
         return logits
 
