@@ -374,12 +374,9 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
             mode = C.SPARSE_MODE_INPUT
         elif opts.sparse_mode is None:
             mode = default_mode(cfg, eng.weights, outtype, opts, down_type)
-        if mode == NO_SPARSE_MODE:
+        if mode == NO_SPARSE_MODE:  # a dense file (row-layout ffn_down), the two-stage head
             opts.check_flags(None, "a sparse mode, which this model takes none of by default "
                                    "(--sparse-mode glu)")
-        else:
-            opts.check_flags(mode)
-        if mode == NO_SPARSE_MODE:  # a dense file (row-layout ffn_down), the two-stage head
             if opts.lm_head_sparsity is not None:
                 raise PyinferError("--lm-head-sparsity needs --sparse-mode input")
             _log("no sparse mode for this model by default: it is not Llama-shaped, so the GPU "
@@ -394,6 +391,7 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
             secs["dense conversion"] += time.perf_counter() - t0
             return {"rows": [], "mode": None, "calib_source": None, "seconds": secs,
                     "placement": None}
+        opts.check_flags(mode)
         if mode == C.SPARSE_MODE_GLU and opts.lm_head_sparsity is not None:
             raise PyinferError("--lm-head-sparsity needs --sparse-mode input (this model takes glu "
                                "by default: its projections are not all q8_0, q4_0, q4_1, "
@@ -748,7 +746,8 @@ def given_flags(parser, args) -> frozenset:
 
 
 def options_from_args(args) -> OfflineOptions:
-    return OfflineOptions(given=getattr(args, "given", frozenset()),calib_files=list(args.calib), calib_tokens=args.calib_tokens, seed=args.calib_seed,
+    return OfflineOptions(given=getattr(args, "given", frozenset()),
+                          calib_files=list(args.calib), calib_tokens=args.calib_tokens, seed=args.calib_seed,
                           target_recall=args.target_recall, target_sparsity=args.target_sparsity,
                           vram_budget_gib=args.vram_budget, predictor_rank=args.predictor_rank,
                           n_threads=args.threads, max_epochs=args.epochs,

@@ -50,7 +50,7 @@ def apply_repeat_penalty(logits: np.ndarray, recent, penalty: float) -> np.ndarr
         with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
             new = np.where(vals > 0, vals / penalty, vals * penalty)
         f32_max = np.finfo(np.float32).max
-        out[ids] = np.where(np.isnan(vals), vals, np.clip(new, -f32_max, f32_max))
+        out[ids] = np.clip(new, -f32_max, f32_max)
     return out
 
 
