@@ -70,6 +70,34 @@ def check_paths(src: str, out: str) -> None:
         raise PyinferError("the output would overwrite the source file")
 
 
+def plan(src: str, outtype: str, allow_unused: bool = False, gpuidx: str | None = None,
+         down_type: str | None = None, down_rows: bool = False):
+    """(metadata, tensor jobs) of converting ``src`` (an HF directory, a GGUF or an upstream
+    PowerInfer file) at ``outtype`` (already checked); the other arguments as ``convert``'s.
+    The one place that picks the source's planner: ``convert`` and the offline stage
+    (predictors/offline.py) both plan through it. Raises PyinferError for a source that is
+    neither, or a ``gpuidx`` that is missing or given for another kind of source."""
+    from .from_gguf import is_gguf_or_powerinfer, plan_gguf
+    from .hf import plan_hf
+
+    if gpuidx is not None and not os.path.isfile(gpuidx):
+        raise PyinferError(f"{gpuidx} does not exist")
+    if os.path.isdir(src):
+        if gpuidx is not None:
+            raise PyinferError("--gpuidx goes only with an upstream PowerInfer model file")
+        meta, jobs = plan_hf(src, outtype, allow_unused, down_rows=down_rows)
+    elif is_gguf_or_powerinfer(src):
+        from .powerinfer import is_powerinfer
+
+        meta, jobs = plan_gguf(src, outtype, allow_unused, gpuidx=gpuidx,
+                               down_rows=down_rows and not is_powerinfer(src))
+    else:
+        raise PyinferError(f"{src} is neither a model directory nor a GGUF file")
+    if down_type is not None:
+        jobs = with_down_type(jobs, down_type)
+    return meta, jobs
+
+
 def convert(src: str, out: str, outtype: str = OUTTYPE_AUTO, progress: bool | None = None,
             allow_unused: bool = False, gpuidx: str | None = None,
             down_type: str | None = None, down_rows: bool = False,
@@ -93,8 +121,6 @@ def convert(src: str, out: str, outtype: str = OUTTYPE_AUTO, progress: bool | No
     floats take ``quants.quantize_weighted``'s scales (``input_sparse.weighted_jobs``).
     Raises PyinferError for anything the user can fix (missing or unsupported input, bad path).
     """
-    from .from_gguf import is_gguf_or_powerinfer, plan_gguf
-    from .hf import plan_hf
     from .writer import write_gguf
 
     check_paths(src, out)
@@ -103,21 +129,7 @@ def convert(src: str, out: str, outtype: str = OUTTYPE_AUTO, progress: bool | No
                            f"{', '.join(OUTTYPES)})")
     if down_type is not None and down_type not in OUTTYPES:
         raise PyinferError(f"unknown down type {down_type!r} (choose from {', '.join(OUTTYPES)})")
-    if gpuidx is not None and not os.path.isfile(gpuidx):
-        raise PyinferError(f"{gpuidx} does not exist")
-    if os.path.isdir(src):
-        if gpuidx is not None:
-            raise PyinferError("--gpuidx goes only with an upstream PowerInfer model file")
-        meta, jobs = plan_hf(src, outtype, allow_unused, down_rows=down_rows)
-    elif is_gguf_or_powerinfer(src):
-        from .powerinfer import is_powerinfer
-
-        meta, jobs = plan_gguf(src, outtype, allow_unused, gpuidx=gpuidx,
-                               down_rows=down_rows and not is_powerinfer(src))
-    else:
-        raise PyinferError(f"{src} is neither a model directory nor a GGUF file")
-    if down_type is not None:
-        jobs = with_down_type(jobs, down_type)
+    meta, jobs = plan(src, outtype, allow_unused, gpuidx, down_type, down_rows)
     if imatrix is not None:
         from predictors.input_sparse import weighted_jobs
 

@@ -287,25 +287,6 @@ def default_mode(cfg, weights, outtype: str, opts: OfflineOptions,
     return C.SPARSE_MODE_INPUT if input_mode_pays(weights, cfg, outtype, down_type) else mode
 
 
-def _plan(src: str, outtype: str, allow_unused: bool = False, down_rows: bool = False,
-          down_type: str | None = None):
-    """The converter's metadata and tensor jobs (convert.cli.convert already checked the paths);
-    ``down_rows``: the down projection in llama.cpp's row layout (see plan_gguf / plan_hf);
-    ``down_type``: ``--down-type``, the down projection's type (``convert.cli.with_down_type``)."""
-    from convert.from_gguf import plan_gguf
-    from convert.hf import plan_hf
-
-    if os.path.isdir(src):
-        meta, jobs = plan_hf(src, outtype, allow_unused, down_rows=down_rows)
-    else:
-        meta, jobs = plan_gguf(src, outtype, allow_unused, down_rows=down_rows)
-    if down_type is not None:
-        from convert.cli import with_down_type
-
-        jobs = with_down_type(jobs, down_type)
-    return meta, jobs
-
-
 def _have_torch() -> bool:
     """True when PyTorch can be imported (found without importing it: it takes seconds)."""
     import importlib.util
@@ -326,7 +307,7 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
     ``seconds`` per step. Raises PyinferError for user errors (see OfflineOptions.check, calibration
     files, budget, a model too small for the sparsity); nothing is left at ``out`` on failure.
     """
-    from convert.cli import convert
+    from convert.cli import convert, plan
     from convert.writer import VT, TensorJob, write_gguf
     from pyinfer.engine import Engine
     from pyinfer.placement import model_gpu_bytes, solve, tensor_sizes
@@ -444,7 +425,7 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
             from predictors.input_sparse import input_stage
 
             summary = input_stage(src, out, outtype, opts, eng, seqs, source, secs, allow_unused,
-                                  _plan, n_threads, down_type=down_type)
+                                  plan, n_threads, down_type=down_type)
             _log(summary["table"], opts.progress)
             _log("offline stage: " + ", ".join(f"{k} {v:.1f} s" for k, v in secs.items())
                  + f"; calibration {sum(len(s) for s in seqs)} tokens ({source})", opts.progress)
@@ -480,7 +461,7 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
             secs["placement"] = time.perf_counter() - t0
         # the importance matrix for q4_0 / q5_0 scales (input_sparse.weighted_jobs): the rows
         # whose inputs lie along them; ffn_down_t's blocks run along outputs, where it is flat
-        meta, jobs = _plan(src, outtype, allow_unused, down_type=down_type)
+        meta, jobs = plan(src, outtype, allow_unused, down_type=down_type)
         if opts.imatrix and input_mode_model(cfg, eng.weights):
             from predictors.input_sparse import importance, takes_weighted_scales, weighted_jobs
 
@@ -555,7 +536,7 @@ def dense_importance(src: str, out: str, outtype: str, opts: OfflineOptions | No
     is quantized round-to-nearest) or where no tensor is quantized to q4_0 / q5_0 from floats
     (a source of that type is copied as stored: no pass). Raises PyinferError as the
     conversion does."""
-    from convert.cli import convert
+    from convert.cli import convert, plan
     from convert.writer import temp_path_beside
     from pyinfer.engine import Engine
     from predictors.calibrate import calibration_tokens, read_calib_files
@@ -566,7 +547,7 @@ def dense_importance(src: str, out: str, outtype: str, opts: OfflineOptions | No
     opts = opts or OfflineOptions()
     if not (os.path.isdir(src) or (os.path.isfile(src) and is_gguf_or_powerinfer(src))):
         return None  # the conversion itself says what is wrong with the source
-    jobs = _plan(src, outtype, allow_unused, down_rows=True, down_type=down_type)[1]
+    jobs = plan(src, outtype, allow_unused, down_type=down_type, down_rows=True)[1]
     if not takes_weighted_scales(jobs):
         return None  # nothing quantized to q4_0 / q5_0 from floats (e.g. a q4_0 source's blocks)
     calib_text = read_calib_files(opts.calib_files) if opts.calib_files else None
