@@ -166,8 +166,9 @@ def main(argv=None):
     n_gen = 0 if args.no_decode else args.n_gen
     n_ctx = max(512, max(args.n_prompt) + n_gen + 8)
     pp_cols = " | ".join(f"prefill tokens/s ({n} tokens)" for n in args.n_prompt)
-    print(f"| engine | threads | {pp_cols} | decode tokens/s | decode vs first |")
-    print("|---|---|" + "---|" * len(args.n_prompt) + "---|---|")
+    tg_cols = "" if args.no_decode else " decode tokens/s | decode vs first |"
+    print(f"| engine | threads | {pp_cols} |{tg_cols}")
+    print("|---|---|" + "---|" * len(args.n_prompt) + ("" if args.no_decode else "---|---|"))
     for t in args.threads:
         runners = []
         for m in args.models:
@@ -178,7 +179,8 @@ def main(argv=None):
             try:
                 runners.append(LlamaCppRunner(args.llama_cpp, t, n_ctx))
             except ImportError:
-                print(f"| llama.cpp | {t} | not installed | | |")
+                print(f"| llama.cpp | {t} | not installed |" + " |" * (len(args.n_prompt) - 1)
+                      + ("" if args.no_decode else " | |"))
         if args.llama_bench:
             runners += [LlamaBenchRunner(args.llama_bench, m, t) for m in args.llama_bench_model]
         res = run(runners, args.n_prompt, n_gen, args.reps)
@@ -186,7 +188,8 @@ def main(argv=None):
         for r in runners:
             pps, tg = res[r]
             pp = " | ".join(f"{v:.1f}" for v in pps)
-            print(f"| {r.name} | {t} | {pp} | {tg:.1f} | {tg / base:.2f}x |", flush=True)
+            tg_cells = "" if args.no_decode else f" {tg:.1f} | {tg / base:.2f}x |"
+            print(f"| {r.name} | {t} | {pp} |{tg_cells}", flush=True)
 
 
 if __name__ == "__main__":
