@@ -961,6 +961,38 @@ def test_imatrix_scales_bring_q4_0_closer_to_the_float_model(silu_dir, dense_f32
             np.testing.assert_array_equal(got[name], a, err_msg=name)
 
 
+def test_input_file_keeps_a_q4_0_sources_blocks(silu_dir, tmp_path):
+    """A q4_0 source converted to sparse mode input keeps its blocks as stored, regrouped by
+    input channel (decoded back to rows: the source's bytes). The source here is a --dense q4_0
+    file with importance-weighted scales, a fifth of whose blocks round-to-nearest would not
+    give back (their scale is not m / -8; llama.cpp's importance-matrix files are alike):
+    requantizing them cost SmolLM2 5% perplexity."""
+    import gguf as _gguf
+
+    src = str(tmp_path / "dense.gguf")
+    out = str(tmp_path / "input.gguf")
+    assert convert_main([silu_dir, src, "--outtype", "q4_0", "--dense", "--calib-tokens", "512",
+                         "-t", "1"]) == 0
+    assert convert_main([src, out, "--sparse-mode", "input", "--target-sparsity", "0.25",
+                         "--sparse-alloc", "uniform", "--calib-tokens", "512", "-t", "1"]) == 0
+    dense, inp = Engine(src, n_ctx=64, n_threads=1), Engine(out, n_ctx=64, n_threads=1)
+    q4 = _gguf.GGMLQuantizationType.Q4_0
+    moved = []
+    for ld, li in zip(dense.weights.layers, inp.weights.layers):
+        for g, ts in (("attn_qkv", [ld.wq, ld.wk, ld.wv]), ("attn_output", [ld.wo]),
+                      ("ffn_gate_up", [ld.ffn_gate, ld.ffn_up]), ("ffn_down", [ld.ffn_down])):
+            want = np.concatenate([np.asarray(t.raw, np.uint8).reshape(t.rows, -1) for t in ts])
+            assert all(t.qtype == q4 for t in ts)
+            got = getattr(li, g + "_t").to_rows()
+            assert got.qtype == q4
+            np.testing.assert_array_equal(np.asarray(got.raw, np.uint8).reshape(want.shape), want,
+                                          err_msg=g)
+            rtn = np.asarray(_gguf.quants.quantize(_gguf.quants.dequantize(want, q4).reshape(
+                want.shape[0], -1), q4), np.uint8).reshape(want.shape)
+            moved.append(float((rtn != want).reshape(-1, 18).any(1).mean()))
+    assert np.mean(moved) > 0.05, moved  # the source is one that round-to-nearest would change
+
+
 @pytest.mark.parametrize("act", ["silu", "relu"])
 def test_record_inputs_applies_the_models_activation(tmp_path, act):
     """record_inputs (the calibration pass of sparse mode input and of the importance matrix)
