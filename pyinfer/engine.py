@@ -79,6 +79,20 @@ class Timings:
         self.passes = self.passes_reduced = 0
 
 
+def prompt_batches(n: int, size: int | None = None) -> list[tuple[int, int]]:
+    """[start, end) of the batches a prompt of n new tokens is evaluated in: ``size``
+    (default ``PROMPT_BATCH``, llama.cpp's n_ubatch) tokens each, the last one the rest, except
+    that a last batch of one token takes a second from the batch before it (a one-token forward
+    is a decode step: ``Engine.eval_prompt``). n = 1 is one batch of one."""
+    size = PROMPT_BATCH if size is None else size
+    if size < 3:  # (the batch before a lone last token keeps two or more)
+        raise ValueError(f"prompt batches of {size} tokens: at least 3")
+    bounds = list(range(0, n, size)) + [n]
+    if n > 1 and bounds[-1] - bounds[-2] == 1:
+        bounds[-2] -= 1
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
 class Engine:
     """A loaded model ready to generate.
 
@@ -195,8 +209,13 @@ class Engine:
     def eval_prompt(self, tokens: list[int]) -> np.ndarray:
         """Make the cache hold exactly ``tokens`` and return the last token's logits (n_vocab,).
 
-        Reuses the longest common prefix with what the cache already holds; at least the last
-        token is evaluated so its logits exist. Raises PyinferError if the prompt does not fit,
+        Reuses the longest common prefix with what the cache already holds, but evaluates at
+        least the last two tokens of a prompt of two or more, and never a batch of one: a
+        one-token forward runs the decode kernels, whose logits differ from the batched
+        path's by the quantized activations' rounding (up to ~1 in logits of ~27 on SmolLM2),
+        so a prompt's logits are those of a fresh batched evaluation whatever the cache held
+        (the same greedy text on a second call; a batched evaluation gives each position the
+        same bits however the batch is split). Raises PyinferError if the prompt does not fit,
         holds an id outside the model's vocabulary, or the model produces NaN/Inf logits.
         """
         if not tokens:
@@ -210,17 +229,17 @@ class Engine:
             if a != b:
                 break
             n_keep += 1
-        n_keep = min(n_keep, len(tokens) - 1)
+        n_keep = min(n_keep, max(len(tokens) - 2, 0))
         new = tokens[n_keep:]
         t0 = time.perf_counter()
         self.tokens = list(tokens[:n_keep])  # what the cache holds if a forward fails
         try:
-            for s in range(0, len(new), PROMPT_BATCH):  # batches of PROMPT_BATCH tokens
-                part = new[s:s + PROMPT_BATCH]
+            for s, e in prompt_batches(len(new)):
+                part = new[s:e]
                 logits = self.forward(part, n_keep + s)
                 self.tokens.extend(part)
                 if self.prompt_progress is not None and len(new) > PROMPT_BATCH:
-                    self.prompt_progress(s + len(part), len(new))
+                    self.prompt_progress(e, len(new))
         finally:
             self.timings.prompt_ms += (time.perf_counter() - t0) * 1e3
             self.timings.prompt_n += len(self.tokens) - n_keep

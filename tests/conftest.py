@@ -3,7 +3,8 @@
 ``smollm2_q8`` converts SmolLM2-135M-Instruct (tests/_paths.py finds the llama.cpp GGUF) to a
 pyinfer GGUF with q8_0 weights, once per session, and returns its path; tests that use it skip with
 the reason when the source file is absent. ``smollm2_llm`` is a ``pyinfer.LLM`` over it, shared by
-the API tests (greedy results do not depend on what ran before: the cache only reuses a prefix).
+the API tests (greedy results do not depend on what ran before: the cache only reuses a prefix,
+and a prompt's last two tokens are always evaluated as a batch: Engine.eval_prompt).
 """
 from __future__ import annotations
 

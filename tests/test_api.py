@@ -230,6 +230,35 @@ def fresh(llm):
 
 
 @pytest.mark.slow
+def test_a_prompt_gets_the_same_logits_whatever_the_cache_holds(smollm2_llm):
+    """Engine.eval_prompt evaluates at least a prompt's last two tokens, never a batch of one: a
+    prompt the cache already holds (a repeated request), one that extends the cache by a token,
+    and a fresh one get the same last-token logits bit for bit, so one greedy request asked twice
+    of one LLM gives the same text (a lone last token went through the decode kernels, whose
+    logits on SmolLM2 q8_0 differ by up to ~1, and the second answer differed)."""
+    from pyinfer.engine import prompt_batches
+
+    llm, eng = smollm2_llm, smollm2_llm.engine
+    ids = llm.tokenize("The capital of France is")
+    eng.reset()
+    want = eng.eval_prompt(ids).copy()
+    eng.eval_token(int(np.argmax(want)))
+    np.testing.assert_array_equal(eng.eval_prompt(ids), want)  # whole prompt cached
+    eng.reset()
+    eng.eval_prompt(ids[:-1])
+    np.testing.assert_array_equal(eng.eval_prompt(ids), want)  # one token more than cached
+    # the decode step alone rounds otherwise: what the repeated prompt used to get
+    eng.reset()
+    eng.eval_prompt(ids[:-1])
+    assert not np.array_equal(eng.eval_token(ids[-1]), want)
+    a = fresh(llm).create_completion("The capital of France is", max_tokens=16, temperature=0)
+    b = llm.create_completion("The capital of France is", max_tokens=16, temperature=0)
+    assert a["choices"][0]["text"] == b["choices"][0]["text"]
+    assert llm.last_stats.prompt_evaluated == 2
+    assert prompt_batches(513) == [(0, 511), (511, 513)] and prompt_batches(1) == [(0, 1)]
+
+
+@pytest.mark.slow
 def test_stream_and_non_stream_agree_token_for_token(smollm2_llm):
     llm = smollm2_llm
     prompt = "The three primary colors are"
