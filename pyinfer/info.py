@@ -20,7 +20,8 @@ import numpy as np
 
 from pyinfer import constants as C
 from pyinfer.config import read_field
-from pyinfer.errors import exit_code_of
+from pyinfer.errors import PyinferError, exit_code_of
+from pyinfer.gguf_check import MAX_TENSORS
 from pyinfer.options import Parser, add_model, add_version, model_path
 
 #: gguf-split's keys (llama.cpp examples/gguf-split): the part number and how many parts there are
@@ -40,6 +41,9 @@ def describe(path: str) -> dict:
     reader = open_gguf(path)
     arch = read_field(reader, C.K_ARCH, kind=str)
     n_layer = _arch_field(reader, arch, "block_count") if arch else None
+    if n_layer is not None and not 0 <= n_layer <= MAX_TENSORS:  # per-layer lists are built
+        raise PyinferError(f"{path} is not a valid GGUF file: {arch}.block_count is {n_layer} "
+                           f"(0 to {MAX_TENSORS} allowed)")
     info: dict = {
         "file": path, "bytes": os.path.getsize(path),
         "gguf_version": int(reader.fields["GGUF.version"].contents()) if "GGUF.version" in reader.fields else None,

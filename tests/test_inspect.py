@@ -110,6 +110,23 @@ def test_bad_input_is_one_line(tmp_path):
         assert r.stderr.startswith("error: ") and "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("count, kind", [(2 ** 31, "uint32"), (-5, "int32")])
+def test_a_layer_count_out_of_range_is_refused(tmp_path, count, kind):
+    """A 160-byte file claiming 2^31 layers (and a sparse mode, whose per-layer tables inspect
+    builds) grew past 10 GB; a negative count printed "-5 layers". Both are one-line errors now."""
+    path = str(tmp_path / "huge.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    getattr(w, "add_" + kind)("llama.block_count", count)
+    w.add_string(C.K_SPARSE_MODE, "glu")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    r = inspect(path)
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert f"block_count is {count}" in r.stderr
+
+
 def test_an_input_sparse_file(tmp_path):
     """A tiny SwiGLU model converted to q8_0 by the offline stage's default (sparse mode input):
     the per-group thresholds and calibrated sparsities equal the file's fields as gguf reads them,
