@@ -12,7 +12,7 @@ import sys
 from pyinfer.errors import EXIT_INTERRUPTED, PyinferError, exit_code_of
 from pyinfer.options import Parser as _Parser
 from pyinfer.options import (add_engine_flags, add_model, add_version, arg_type, prompt_file_limit,
-                             read_text_file)
+                             read_text_file, warn_past_training)
 from pyinfer.options import model_path as _model_path
 
 
@@ -212,10 +212,7 @@ def load(args, model_path: str):
               dense=args.dense, reset_gpu_index=args.reset_gpu_index,
               disable_gpu_index=args.disable_gpu_index, n_gpu_layers=args.n_gpu_layers,
               cache_type=getattr(args, "cache_type", "auto"))
-    n_train = llm.engine.cfg.n_ctx_train
-    if llm.n_ctx > n_train:  # as llama.cpp warns: positions past training are extrapolated
-        print(f"pyinfer: -c {llm.n_ctx} is more than the {n_train} tokens the model was trained "
-              "on; text past that may degrade", file=sys.stderr)
+    warn_past_training(llm.n_ctx, llm.engine.cfg.n_ctx_train)
     return llm
 
 

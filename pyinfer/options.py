@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from dataclasses import dataclass
 
 from pyinfer.errors import PyinferError
@@ -215,3 +216,11 @@ def model_path(args, usage: str) -> str:
     if not (pos or opt):
         raise PyinferError(f"no model given: {usage}")
     return opt or pos
+
+
+def warn_past_training(n_ctx: int, n_train: int) -> None:
+    """The notice llama.cpp gives for a context longer than the model's training context
+    (positions past it are extrapolated), on stderr; nothing otherwise."""
+    if n_ctx > n_train:
+        print(f"pyinfer: -c {n_ctx} is more than the {n_train} tokens the model was trained "
+              "on; text past that may degrade", file=sys.stderr)

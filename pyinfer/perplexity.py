@@ -14,17 +14,21 @@ import time
 
 import numpy as np
 
-from pyinfer.errors import PyinferError
+from pyinfer.errors import PyinferError, exit_code_of
 from pyinfer.options import (MAX_TEXT_FILE_BYTES, Parser, add_model, add_version, arg_type, model_path,
-                             read_text_file)
+                             read_text_file, warn_past_training)
 
 
-def log_softmax_at(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
-    """log p(target) per row: logits (n, n_vocab) f32, targets (n,) int -> (n,) f64."""
-    z = logits.astype(np.float64)
-    m = z.max(axis=1, keepdims=True)
-    lse = m[:, 0] + np.log(np.exp(z - m).sum(axis=1))
-    return z[np.arange(z.shape[0]), targets] - lse
+def log_softmax_at(logits: np.ndarray, targets: np.ndarray, rows: int = 64) -> np.ndarray:
+    """log p(target) per row: logits (n, n_vocab) f32, targets (n,) int -> (n,) f64, computed
+    in f64 ``rows`` rows at a time (the f64 copies stay small whatever n)."""
+    out = np.empty(logits.shape[0], np.float64)
+    for s in range(0, logits.shape[0], rows):
+        z = logits[s:s + rows].astype(np.float64)
+        m = z.max(axis=1, keepdims=True)
+        lse = m[:, 0] + np.log(np.exp(z - m).sum(axis=1))
+        out[s:s + rows] = z[np.arange(z.shape[0]), targets[s:s + rows]] - lse
+    return out
 
 
 def perplexity(engine, tokens: list[int], n_ctx: int, max_chunks: int = 0, progress=True):
@@ -38,6 +42,7 @@ def perplexity(engine, tokens: list[int], n_ctx: int, max_chunks: int = 0, progr
     if n_chunks == 0:
         raise PyinferError(f"the text has {len(tokens)} tokens, fewer than one chunk of {n_ctx}; "
                            "use a longer text or a smaller -c")
+    from pyinfer.engine import prompt_batches
     from pyinfer.progress import progress_bar
 
     engine.reset_stats()
@@ -50,44 +55,53 @@ def perplexity(engine, tokens: list[int], n_ctx: int, max_chunks: int = 0, progr
         if bos is not None:
             chunk[0] = bos
         engine.reset()
-        logits = engine.forward(chunk, 0, all_logits=True)  # (n_ctx, n_vocab)
-        lp = log_softmax_at(logits[first:n_ctx - 1], np.asarray(chunk[first + 1:n_ctx]))
-        nll -= lp.sum()
-        count += lp.shape[0]
+        # in the prompt's batches (engine.prompt_batches: at most PROMPT_BATCH positions' logits
+        # held at once), scoring positions first .. n_ctx - 2 as their batch comes
+        for s, e in prompt_batches(n_ctx):
+            logits = engine.forward(chunk[s:e], s, all_logits=True)  # (e - s, n_vocab)
+            a, b = max(s, first), min(e, n_ctx - 1)
+            if a < b:
+                lp = log_softmax_at(logits[a - s:b - s], np.asarray(chunk[a + 1:b + 1]))
+                nll -= lp.sum()
+                count += lp.shape[0]
         bar.set_postfix(ppl=f"{math.exp(nll / count):.4f}")
     return math.exp(nll / count), count, 1.0 - engine.ffn_sparsity()
 
 
 def main(argv=None) -> int:
+    return exit_code_of(_main, argv)
+
+
+def _main(argv) -> int:
     ap = Parser(prog="pyinfer-perplexity", description=__doc__.splitlines()[0])
     add_version(ap)
     add_model(ap)
     ap.add_argument("-f", "--file", required=True, help="text file to score")
-    ap.add_argument("-c", "--ctx-size", type=arg_type("ctx_size"), default=512, help="chunk size in tokens")
+    ap.add_argument("-c", "--ctx-size", type=arg_type("ctx_size"), default=512,
+                    help="chunk size in tokens (0: the model's default context, as pyinfer-run)")
     ap.add_argument("-t", "--threads", type=arg_type("threads"), default=None)
     ap.add_argument("--chunks", type=arg_type("chunks"), default=0, help="score at most this many chunks")
     ap.add_argument("--dense", action="store_true", help="compute every FFN neuron")
     ap.add_argument("-ctk", "--cache-type", choices=["auto", "f16", "f32"], default="auto",
                     help="KV cache type (auto: f32 for an f32 file, else f16)")
     args = ap.parse_args(argv)
-    try:
-        from pyinfer.engine import Engine
+    from pyinfer.engine import Engine
 
-        path = model_path(args, "pyinfer-perplexity MODEL.gguf -f TEXT (or -m MODEL.gguf)")
-        text = read_text_file(args.file, MAX_TEXT_FILE_BYTES, "text file", hint="score a part of it")
-        if args.ctx_size < 8:
-            raise PyinferError("-c/--ctx-size must be at least 8")
-        eng = Engine(path, n_ctx=args.ctx_size, n_threads=args.threads, dense=args.dense,
-                     cache_type=args.cache_type)
-        tokens = eng.tokenizer.encode(text, add_bos=False)
-        t0 = time.perf_counter()
-        ppl, n, frac = perplexity(eng, tokens, args.ctx_size, args.chunks)
-        dt = time.perf_counter() - t0
-    except PyinferError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    path = model_path(args, "pyinfer-perplexity MODEL.gguf -f TEXT (or -m MODEL.gguf)")
+    text = read_text_file(args.file, MAX_TEXT_FILE_BYTES, "text file", hint="score a part of it")
+    if 0 < args.ctx_size < 8:
+        raise PyinferError("-c/--ctx-size must be 0 or at least 8")
+    eng = Engine(path, n_ctx=args.ctx_size or None, n_threads=args.threads, dense=args.dense,
+                 cache_type=args.cache_type)
+    n_ctx = eng.n_ctx
+    warn_past_training(n_ctx, eng.cfg.n_ctx_train)
+    # control-token text (<|im_end|>) is scored as plain text, as llama.cpp's perplexity does
+    tokens = eng.tokenizer.encode(text, add_bos=False, parse_special=False)
+    t0 = time.perf_counter()
+    ppl, n, frac = perplexity(eng, tokens, n_ctx, args.chunks)
+    dt = time.perf_counter() - t0
     mode = "sparse" if eng.is_sparse else "dense"
-    print(f"perplexity: {ppl:.4f} over {n} tokens ({mode}, ctx {args.ctx_size}, {dt:.1f} s)")
+    print(f"perplexity: {ppl:.4f} over {n} tokens ({mode}, ctx {n_ctx}, {dt:.1f} s)")
     isp = getattr(eng.model, "input_sparse", None)
     lm_head = getattr(eng.model, "lm_head", None)
     head = ""

@@ -250,6 +250,59 @@ def test_long_prompt_shows_progress(runnable_gguf):
     assert lines and "100%" in lines[-1], r.stderr
 
 
+def perplexity_run(*args, **kw) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, "-m", "pyinfer.perplexity", *args], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT, env=env, **kw)
+
+
+def test_perplexity_context_flags(runnable_gguf, tmp_path):
+    """-c 0 takes the model's default context (pyinfer-run's: the tiny model's 64 training
+    tokens), a -c past the training context warns as pyinfer-run does, -c 1..7 is refused, and
+    a closed stdout ends quietly with status 141 (the tool runs through errors.exit_code_of)."""
+    text = tmp_path / "t.txt"
+    text.write_text(" ".join(["the cat sat on the mat"] * 60))
+    r = perplexity_run(runnable_gguf, "-f", str(text), "-c", "0", "-t", "1")
+    assert r.returncode == 0 and "ctx 64," in r.stdout and "trained" not in r.stderr, r.stderr
+    r = perplexity_run(runnable_gguf, "-f", str(text), "-c", "96", "-t", "1")
+    assert r.returncode == 0 and "-c 96 is more than the 64 tokens" in r.stderr, r.stderr
+    assert_user_error(perplexity_run(runnable_gguf, "-f", str(text), "-c", "3"), "0 or at least 8")
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    p = subprocess.Popen([sys.executable, "-m", "pyinfer.perplexity", runnable_gguf, "-f", str(text),
+                          "-t", "1", "-c", "16"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         cwd=ROOT, env=env)
+    p.stdout.close()
+    err = p.communicate(timeout=120)[1].decode()
+    assert p.returncode == 141 and "Traceback" not in err, err
+
+
+def test_perplexity_in_batches_scores_what_one_forward_does(runnable_gguf, monkeypatch):
+    """perplexity() evaluates a chunk in the prompt's batches (engine.prompt_batches), scoring
+    each batch's positions as it comes, so that no more than a batch of logits is held: the
+    result is the one-forward computation's (every position's log-probability of the next token
+    over the chunk's second half, llama.cpp's method), here with batches of 5 over chunks of 24."""
+    import math
+
+    from pyinfer import engine as E
+    from pyinfer.perplexity import log_softmax_at, perplexity
+
+    eng = E.Engine(runnable_gguf, n_ctx=24, n_threads=1)
+    toks = eng.tokenizer.encode(" ".join(["the cat sat on the mat"] * 30), add_bos=False)
+    want_nll, want_n = 0.0, 0
+    for c in range(2):
+        chunk = list(toks[c * 24:(c + 1) * 24])
+        if eng.tokenizer.add_bos:
+            chunk[0] = eng.tokenizer.bos_id
+        eng.reset()
+        lp = log_softmax_at(eng.forward(chunk, 0, all_logits=True)[12:23], np.asarray(chunk[13:24]))
+        want_nll -= lp.sum()
+        want_n += len(lp)
+    monkeypatch.setattr(E, "PROMPT_BATCH", 5)
+    ppl, n, _ = perplexity(eng, toks, 24, 2, progress=False)
+    assert n == want_n == 22
+    assert math.isclose(ppl, math.exp(want_nll / want_n), rel_tol=1e-6)
+
+
 def test_flags_that_would_do_nothing_are_refused(runnable_gguf):
     assert_user_error(pyinfer_run(runnable_gguf, "-p", "the", "--system", "be brief"),
                       "--system needs --chat or -i")
