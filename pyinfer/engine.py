@@ -151,6 +151,7 @@ class Engine:
                                  disable_gpu_index=disable_gpu_index, n_gpu_layers=n_gpu_layers,
                                  verbose=verbose, cache_type=cache_type, lm_head=lm_head)
         self.tokens: list[int] = []  # tokens whose keys/values are in the cache, in order
+        self._epoch = 0  # bumped by whatever replaces the cache's contents (generate checks it)
         self._dry_breakers: frozenset[int] | None = None  # see dry_breakers
         # fewer threads while other processes hold CPUs (spinning OpenMP waits: pyinfer.threads)
         self.governor = ThreadGovernor(n_threads)
@@ -205,6 +206,7 @@ class Engine:
     def reset(self):
         """Forget the cached tokens (the cache memory is reused)."""
         self.tokens = []
+        self._epoch += 1
 
     def eval_prompt(self, tokens: list[int]) -> np.ndarray:
         """Make the cache hold exactly ``tokens`` and return the last token's logits (n_vocab,).
@@ -221,6 +223,7 @@ class Engine:
         if not tokens:
             raise PyinferError("empty prompt")
         self._check_ids(tokens)
+        self._epoch += 1  # an open generation's cache is no longer its own (generate)
         if len(tokens) > self.n_ctx:
             raise PyinferError(f"prompt is {len(tokens)} tokens, longer than the context "
                                f"({self.n_ctx}); raise -c/--ctx-size or shorten the prompt")
@@ -308,6 +311,7 @@ class Engine:
         stops = set(self.tokenizer.stop_ids if stop_ids is None else stop_ids)
         rng = np.random.default_rng(seed)
         logits = self.eval_prompt(list(prompt_tokens))
+        epoch = self._epoch
         n = 0
         while max_tokens < 0 or n < max_tokens:
             t0 = time.perf_counter()
@@ -329,6 +333,10 @@ class Engine:
                 return
             if constraint is not None and constraint.done:
                 return
+            if self._epoch != epoch:  # resumed after another call took the cache
+                raise PyinferError("this generation was interrupted: another prompt, reset or "
+                                   "embedding ran on the same model meanwhile (one generation "
+                                   "at a time); start it again")
             logits = self.eval_token(tok)
 
     def dry_breakers(self) -> frozenset[int]:
@@ -356,6 +364,7 @@ class Engine:
             raise PyinferError(f"the input is {len(tokens)} tokens; it must be 1..{self.n_ctx}")
         self._check_ids(tokens)
         self.tokens = []
+        self._epoch += 1
         x = model.embed(tokens, 0)
         model.run_layers(x, 0, 0)
         h = np.empty_like(x)  # (n_tok, n_embd)

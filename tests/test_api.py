@@ -259,6 +259,26 @@ def test_a_prompt_gets_the_same_logits_whatever_the_cache_holds(smollm2_llm):
 
 
 @pytest.mark.slow
+def test_a_stream_interrupted_by_another_call_says_so(smollm2_llm):
+    """Two streams read side by side on one LLM shared one KV cache and both went on with wrong
+    text; a stream resumed after another call now raises PyinferError, and the call that took
+    the cache gives what it gives alone."""
+    from pyinfer.errors import PyinferError
+
+    llm = smollm2_llm
+    want = fresh(llm).create_completion("My favourite fruit is", max_tokens=8, temperature=0)
+    a = fresh(llm).create_completion("The capital of France is", max_tokens=8, temperature=0,
+                                     stream=True)
+    next(a)
+    next(a)
+    b = llm.create_completion("My favourite fruit is", max_tokens=8, temperature=0, stream=True)
+    assert "".join(c["choices"][0]["text"] for c in b) == want["choices"][0]["text"]
+    with pytest.raises(PyinferError, match="interrupted"):
+        for _ in a:
+            pass
+
+
+@pytest.mark.slow
 def test_stream_and_non_stream_agree_token_for_token(smollm2_llm):
     llm = smollm2_llm
     prompt = "The three primary colors are"
