@@ -87,6 +87,20 @@ def stop_holdback(text: str, stops: Iterable[str]) -> int:
     return len(text)
 
 
+
+def token_ids(ids, what: str = "tokens") -> list[int]:
+    """``ids`` (an iterable of integers: ints, NumPy integers) as a list of int; PyinferError
+    naming ``what`` for anything else (a str, None, floats, bools, nested lists)."""
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+        raise PyinferError(f"{what} must be a list of token ids, not {type(ids).__name__}")
+    out = []
+    for t in ids:
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+            raise PyinferError(f"{what} must be a list of token ids: {t!r} is not an integer")
+        out.append(int(t))
+    return out
+
+
 class LLM:
     """A model loaded for generation.
 
@@ -130,6 +144,8 @@ class LLM:
         extra: dict[str, Any] = dict(device=device, vram_budget=vram_budget,
                                      reset_gpu_index=reset_gpu_index,
                                      disable_gpu_index=disable_gpu_index, n_gpu_layers=n_gpu_layers)
+        if not isinstance(model_path, (str, os.PathLike)):
+            raise PyinferError(f"model_path must be a path, not {type(model_path).__name__}")
         self.model_path = model_path
         self.engine = Engine(model_path, n_ctx=n_ctx or None, n_threads=n_threads, verbose=verbose,
                              dense=dense, cache_type=cache_type, **extra)
@@ -156,8 +172,11 @@ class LLM:
         return self.tokenizer.encode(text, add_bos=add_bos, parse_special=special)
 
     def detokenize(self, tokens: Iterable[int], skip_special: bool = False) -> str:
-        """Text of ``tokens``. (llama-cpp-python returns bytes; this returns str.)"""
-        return self.tokenizer.decode(list(tokens), skip_special=skip_special)
+        """Text of ``tokens``. (llama-cpp-python returns bytes; this returns str.) PyinferError
+        for anything but token ids of the model's vocabulary."""
+        ids = token_ids(tokens)
+        self.engine._check_ids(ids)
+        return self.tokenizer.decode(ids, skip_special=skip_special)
 
     def reset(self) -> None:
         """Forget the KV cache (the next prompt is evaluated from its first token)."""
@@ -201,7 +220,9 @@ class LLM:
         DRY repetition penalty (``pyinfer.sampler.apply_dry``; multiplier 0, the default, is off).
         Raises PyinferError when ``tokens`` is empty or does not leave room for one token.
         """
-        tokens = list(tokens)
+        tokens = token_ids(tokens)
+        if stop_ids is not None:
+            stop_ids = token_ids(stop_ids, "stop_ids")
         self.check_fits(tokens)
         self._check_request(max_tokens, None, seed)
         params = self._params(temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
@@ -251,7 +272,7 @@ class LLM:
         log-probability. ``dry``: the ``dry_*`` options of ``generate``. Raises PyinferError for
         a grammar that does not compile.
         """
-        stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
+        stops = [s for s in ([stop] if isinstance(stop, str) else stop or []) if s]  # "" stops nothing
         stats = self.last_stats = GenerationStats(prompt_tokens=len(prompt_tokens))
         if getattr(getattr(getattr(self.engine, "model", None), "ffn", None), "is_input_sparse", False):
             stats.sparsity_label = "weight reads skipped"
@@ -265,6 +286,7 @@ class LLM:
                             constraint=constraint,
                             on_token=None if logprobs is None else logprobs.on_token, **dry)
         pending = ""  # decoded text not yet yielded (could be the start of a stop string)
+        sent = 0  # characters yielded
         finish = None
         try:
             for tok in gen:
@@ -277,11 +299,14 @@ class LLM:
                     if cut >= 0:
                         pending = pending[:cut]
                         finish = "stop"
+                        if logprobs is not None:
+                            logprobs.trim(sent + cut)
                         break
                     safe = stop_holdback(pending, stops)
                 else:
                     safe = len(pending)
                 if safe:
+                    sent += safe
                     yield pending[:safe]
                     pending = pending[safe:]
                 if should_stop is not None and should_stop():
@@ -295,6 +320,8 @@ class LLM:
                     if cut >= 0:
                         pending = pending[:cut]
                         finish = "stop"
+                        if logprobs is not None:
+                            logprobs.trim(sent + cut)
             if pending:
                 yield pending
         finally:
@@ -344,7 +371,8 @@ class LLM:
         grammar (before any chunk is produced). ``dry_*``: the DRY repetition penalty, as in
         ``generate`` (off by default, as llama.cpp's server).
         """
-        ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        ids = (self.tokenize(prompt) if isinstance(prompt, (str, bytes))
+               else token_ids(prompt, "prompt"))
         self.check_fits(ids)
         dry = dict(dry_multiplier=dry_multiplier, dry_base=dry_base,
                    dry_allowed_length=dry_allowed_length, dry_penalty_last_n=dry_penalty_last_n)
@@ -487,7 +515,7 @@ class LLM:
             raise PyinferError("input must be a string, a list of strings or a list of token ids")
         data, n_tokens = [], 0
         for i, item in enumerate(input):
-            ids = self.tokenize(item) if isinstance(item, str) else [int(t) for t in item]
+            ids = self.tokenize(item) if isinstance(item, str) else token_ids(item, f"input[{i}]")
             if not ids:
                 raise PyinferError(f"input[{i}] is empty")
             h = self.engine.embeddings(ids).astype(np.float64).mean(axis=0)  # (n_embd,)

@@ -51,6 +51,15 @@ class LogprobRecorder:
         self._taken = len(self.entries)
         return out
 
+    def trim(self, n_chars: int) -> None:
+        """Drop the last entries not yet taken while the committed tokens' text is longer than
+        ``n_chars``, the answer's length after a stop string cut it: the stop string's tokens get
+        no log-probabilities (llama.cpp's server trims them too), so the tokens' text is the
+        answer's (or, where a token straddles the cut, a prefix of it)."""
+        total = sum(len(self._text(t)) for t, _, _ in self.entries)
+        while len(self.entries) > self._taken and total > n_chars:
+            total -= len(self._text(self.entries.pop()[0]))
+
     # ---- OpenAI shapes ----------------------------------------------------------------------
     def _text(self, t: int) -> str:
         return self.tok.token_to_piece(t)

@@ -198,6 +198,9 @@ def repl(session: ChatSession, verbose: bool = False, out=sys.stdout, err=sys.st
         except KeyboardInterrupt:  # Ctrl-C at the prompt clears the line, as a shell does
             print("^C", file=out)
             continue
+        except UnicodeDecodeError:  # a strict stdin decoder met bytes that are not UTF-8
+            print("error: the message is not valid UTF-8", file=err)
+            continue
         cmd = text.strip()
         if not cmd:
             continue

@@ -307,7 +307,22 @@ class Tokenizer:
         parse_special: match control tokens written in the text (``<|im_start|>``) as one id each, as
         llama.cpp's ``parse_special`` does; with False they are tokenized as plain text (user-defined
         tokens are matched either way, like llama.cpp).
+
+        Raises PyinferError for a ``text`` that is not a str, or one holding lone surrogates
+        (undecodable bytes kept by Python's surrogateescape, e.g. a terminal sending Latin-1):
+        text that is not valid UTF-8 has no tokens.
         """
+        if not isinstance(text, str):
+            raise PyinferError(f"text to tokenize must be a str, not {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            bad = text[e.start:e.end]
+            try:  # the bytes a surrogateescape decoder kept, else the lone surrogates themselves
+                what = f"bytes {bad.encode('utf-8', 'surrogateescape')!r}"
+            except UnicodeEncodeError:
+                what = f"lone surrogates {ascii(bad)}"
+            raise PyinferError(f"the text is not valid UTF-8 ({what})") from None
         if add_bos is None:
             add_bos = self.add_bos
         if self._sp is not None:

@@ -279,6 +279,60 @@ def test_a_stream_interrupted_by_another_call_says_so(smollm2_llm):
 
 
 @pytest.mark.slow
+def test_logprobs_end_where_a_stop_string_cuts_the_text(smollm2_llm):
+    """The tokens of a stop string cut from the text get no log-probabilities (llama.cpp's server
+    trims them; OpenAI's logprobs cover the returned text): the tokens join to the text, in a
+    completion, a stream and a chat (there a prefix of it: the token " Berlin" straddles the
+    cut and goes with the stop string); an empty stop string stops nothing (it ended every answer
+    at once, empty)."""
+    llm = smollm2_llm
+    prompt = "The capital of France is"
+    full = fresh(llm).create_completion(prompt, max_tokens=12, temperature=0, logprobs=1)
+    text = full["choices"][0]["text"]
+    assert "".join(full["choices"][0]["logprobs"]["tokens"]) == text and "." in text
+    for stop in (["."], [" of"], "\n"):
+        out = fresh(llm).create_completion(prompt, max_tokens=12, temperature=0, logprobs=1, stop=stop)
+        c = out["choices"][0]
+        assert c["finish_reason"] == "stop" and text.startswith(c["text"]) and c["text"] != text
+        assert "".join(c["logprobs"]["tokens"]) == c["text"], (stop, c)
+        chunks = list(fresh(llm).create_completion(prompt, max_tokens=12, temperature=0, logprobs=1,
+                                                   stop=stop, stream=True))
+        assert "".join(t for ch in chunks for t in ch["choices"][0]["logprobs"]["tokens"]) == c["text"]
+    chat = fresh(llm).create_chat_completion(GERMANY, temperature=0, max_tokens=24, logprobs=True,
+                                             stop=["Berlin"])
+    msg = chat["choices"][0]["message"]["content"]  # "... is ": the stop cut " Berlin" in two
+    joined = "".join(t["token"] for t in chat["choices"][0]["logprobs"]["content"])
+    assert msg.startswith(joined) and msg[len(joined):] == " " and "Berlin" not in joined
+    for empty in ("", [""]):
+        out = fresh(llm).create_completion(prompt, max_tokens=12, temperature=0, stop=empty)
+        assert out["choices"][0]["text"] == text and out["choices"][0]["finish_reason"] == "length"
+
+
+def test_arguments_of_the_wrong_type_raise_pyinfer_error(smollm2_llm, tmp_path):
+    """Token ids that are not integers, text that is not a str or not valid UTF-8, and a model
+    path that is not a path raise PyinferError (they raised TypeError, ValueError or
+    OverflowError); bytes prompts are UTF-8 text, as tokenize reads them (they were taken as
+    token ids)."""
+    from pyinfer import LLM
+    from pyinfer.errors import PyinferError
+
+    llm = smollm2_llm
+    for call in (lambda: llm.create_completion(None), lambda: llm.create_completion(["a"]),
+                 lambda: llm.create_completion([1.5]), lambda: llm.tokenize(None),
+                 lambda: llm.tokenize(5), lambda: llm.tokenize("a\ud800b"),
+                 lambda: llm.create_completion("a\ud800b"), lambda: llm.detokenize([-1]),
+                 lambda: llm.detokenize(["a"]), lambda: llm.detokenize([10 ** 6]),
+                 lambda: list(llm.generate(llm.tokenize("hi"), stop_ids=5)),
+                 lambda: llm.create_embedding(["a", 5]), lambda: LLM(None)):
+        with pytest.raises(PyinferError):
+            call()
+    a = fresh(llm).create_completion(b"The capital of France is", max_tokens=4, temperature=0)
+    b = fresh(llm).create_completion("The capital of France is", max_tokens=4, temperature=0)
+    assert a["choices"][0]["text"] == b["choices"][0]["text"]
+    assert a["usage"] == b["usage"]
+
+
+@pytest.mark.slow
 def test_stream_and_non_stream_agree_token_for_token(smollm2_llm):
     llm = smollm2_llm
     prompt = "The three primary colors are"

@@ -288,6 +288,25 @@ def test_chat_shows_its_defaults_and_says_when_an_answer_is_cut(tiny_model):
     assert child.exitstatus == 0
 
 
+@pytest.mark.parametrize("encoding", ["utf-8:surrogateescape", "utf-8:strict"])
+def test_a_message_that_is_not_utf8_is_refused_and_the_chat_goes_on(tiny_model, encoding):
+    """Bytes that are not UTF-8 on stdin (Latin-1 from a terminal) ended the chat with a
+    traceback, the conversation lost: kept as lone surrogates by a surrogateescape decoder (the
+    C.UTF-8 locale's), they failed in the tokenizer; a strict decoder failed in input(). Either
+    way: a one-line error, and the chat goes on (with the strict decoder the pipe's bytes after
+    the bad ones go with them: the next message is answered where it came in a later read)."""
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONIOENCODING=encoding)
+    r = subprocess.run([sys.executable, "-m", "pyinfer.repl", tiny_model, "-t", "1", "-n", "3"],
+                       input=b"caf\xe9\nthe\n", capture_output=True, cwd=ROOT, env=env, timeout=120)
+    err = r.stderr.decode("utf-8", "replace")
+    assert r.returncode == 0 and "Traceback" not in err, err
+    assert "not valid UTF-8" in err, err
+    if encoding.endswith("surrogateescape"):
+        assert "[answer cut at 3 tokens" in err, err
+
+
 # ---- text typed while an answer streams (a scripted slow model, tests/_slow_chat.py) ------------
 def _spawn_slow():
     pexpect = pytest.importorskip("pexpect")
