@@ -46,6 +46,12 @@ class ChatSession:
         self.messages: list[dict] = []
         self.last_dropped = 0
         self.reset()
+        if system is not None:  # a system message that leaves no room for any message
+            n = len(llm.chat_tokens(self.messages + [{"role": "user", "content": ""}]))
+            if n >= llm.n_ctx:
+                raise PyinferError(f"the system message is {n} tokens with the template, more "
+                                   f"than the context ({llm.n_ctx}); raise -c/--ctx-size or "
+                                   "shorten it")
 
     def reset(self) -> None:
         """Forget the conversation. The KV cache is kept: the next prompt reuses the shared
@@ -72,7 +78,8 @@ class ChatSession:
             if len(messages) - n_sys <= 1:
                 if len(ids) < self.llm.n_ctx:  # no room for a full answer, but some
                     return ids, dropped
-                raise PyinferError(f"the message is {len(ids)} tokens with the template, more than "
+                what = "the system message and the message are" if n_sys else "the message is"
+                raise PyinferError(f"{what} {len(ids)} tokens with the template, more than "
                                    f"the context ({self.llm.n_ctx}); raise -c/--ctx-size")
             # drop the oldest turn: a user message and the assistant answers after it
             del messages[n_sys]

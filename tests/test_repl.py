@@ -61,6 +61,15 @@ def test_session_refuses_a_message_longer_than_the_context():
     assert s.messages == []  # unchanged: the REPL goes on
 
 
+def test_a_system_message_longer_than_the_context_is_refused_at_once():
+    """It used to fail every turn as 'the message is N tokens', the chat unusable."""
+    with pytest.raises(PyinferError, match="the system message is 51 tokens"):
+        ChatSession(FakeLLM(n_ctx=32), system="rule " * 40)
+    s = ChatSession(FakeLLM(n_ctx=32), system="rule " * 10, max_tokens=8)
+    with pytest.raises(PyinferError, match="the system message and the message are"):
+        s.ask("word " * 20)
+
+
 def test_reset_keeps_the_system_message():
     s = ChatSession(FakeLLM(), system="sys")
     s.ask("hi")
