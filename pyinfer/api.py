@@ -147,7 +147,7 @@ class LLM:
         if not isinstance(model_path, (str, os.PathLike)):
             raise PyinferError(f"model_path must be a path, not {type(model_path).__name__}")
         self.model_path = model_path
-        self.engine = Engine(model_path, n_ctx=n_ctx or None, n_threads=n_threads, verbose=verbose,
+        self._engine = Engine(model_path, n_ctx=n_ctx or None, n_threads=n_threads, verbose=verbose,
                              dense=dense, cache_type=cache_type, **extra)
         self.tokenizer = self.engine.tokenizer
         self.verbose = verbose
@@ -158,6 +158,25 @@ class LLM:
         self.bos_token = tok.token_to_piece(tok.bos_id) if tok.bos_id is not None else ""
         self.eos_token = tok.token_to_piece(tok.eos_id) if tok.eos_id is not None else ""
         self.chat_template = tok.chat_template
+
+    @property
+    def engine(self):
+        """The ``pyinfer.engine.Engine`` this LLM runs; PyinferError once ``close`` was called."""
+        if self._engine is None:
+            raise PyinferError("this LLM is closed")
+        return self._engine
+
+    def close(self) -> None:
+        """Release the model: its file mapping, weights and KV cache go with the engine (once
+        nothing else holds them), as llama-cpp-python's ``Llama.close``. Calls after it raise
+        PyinferError; closing twice does nothing. ``with LLM(path) as llm:`` closes at the end."""
+        self._engine = None
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ---- tokens --------------------------------------------------------------------------------
     @property

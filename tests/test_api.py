@@ -60,7 +60,7 @@ class _Engine:
 
 def scripted(pieces, n_ctx=64) -> LLM:
     llm = LLM.__new__(LLM)
-    llm.engine = _Engine(list(range(len(pieces))), n_ctx)
+    llm._engine = _Engine(list(range(len(pieces))), n_ctx)
     llm.tokenizer = _Tokenizer(pieces)
     llm.model_name = "scripted"
     llm.model_path = "scripted.gguf"
@@ -330,6 +330,23 @@ def test_arguments_of_the_wrong_type_raise_pyinfer_error(smollm2_llm, tmp_path):
     b = fresh(llm).create_completion("The capital of France is", max_tokens=4, temperature=0)
     assert a["choices"][0]["text"] == b["choices"][0]["text"]
     assert a["usage"] == b["usage"]
+
+
+def test_close_and_the_with_block(smollm2_q8):
+    """LLM.close() (llama-cpp-python's Llama has one) releases the engine; later calls raise
+    PyinferError; ``with LLM(...)`` closes at the end."""
+    import weakref
+
+    from pyinfer import LLM
+    from pyinfer.errors import PyinferError
+
+    with LLM(smollm2_q8, n_ctx=64) as llm:
+        assert llm.create_completion("Hi", max_tokens=2, temperature=0)["usage"]["completion_tokens"] == 2
+        eng = weakref.ref(llm.engine)
+    assert eng() is None  # nothing else held it
+    with pytest.raises(PyinferError, match="closed"):
+        llm.create_completion("Hi", max_tokens=2)
+    llm.close()
 
 
 @pytest.mark.slow
