@@ -101,6 +101,33 @@ def token_ids(ids, what: str = "tokens") -> list[int]:
     return out
 
 
+
+def text_messages(messages) -> list:
+    """``messages`` with each content given as OpenAI's parts (``[{"type": "text", "text":
+    ...}, ...]``) joined into one string (as the server's ``chat_messages`` joins them); other
+    messages as they are (the template checks them). PyinferError for an empty list or a part
+    that is not text."""
+    if isinstance(messages, list) and not messages:
+        raise PyinferError("messages is empty: a chat needs at least one message")
+    if not isinstance(messages, list):
+        return messages
+    out = []
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not (isinstance(part, dict) and part.get("type") == "text"
+                        and isinstance(part.get("text"), str)):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise PyinferError(f"messages[{i}]: content part of type {kind!r}: only text "
+                                       "parts are supported")
+                texts.append(part["text"])
+            m = dict(m, content="".join(texts))
+        out.append(m)
+    return out
+
+
 class LLM:
     """A model loaded for generation.
 
@@ -441,10 +468,13 @@ class LLM:
 
     # ---- chat ----------------------------------------------------------------------------------
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Prompt text for ``messages`` with the GGUF's chat template (sandboxed Jinja2)."""
+        """Prompt text for ``messages`` with the GGUF's chat template (sandboxed Jinja2).
+        A message's content may be OpenAI's list of text parts (``text_messages``). Raises
+        PyinferError for no messages, or a part that is not text."""
         from pyinfer.chat import render_chat
 
-        return render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+        return render_chat(self.chat_template, text_messages(messages),
+                           add_generation_prompt=add_generation_prompt,
                            bos_token=self.bos_token, eos_token=self.eos_token)
 
     def chat_tokens(self, messages: list[dict]) -> list[int]:

@@ -332,6 +332,21 @@ def test_arguments_of_the_wrong_type_raise_pyinfer_error(smollm2_llm, tmp_path):
     assert a["usage"] == b["usage"]
 
 
+def test_chat_content_parts_and_no_messages(smollm2_llm):
+    """OpenAI's content parts (a list of text parts) render as their joined text, as the server
+    takes them (they were a template TypeError); no messages at all is refused (OpenAI does)."""
+    from pyinfer.errors import PyinferError
+
+    llm = smollm2_llm
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital "},
+                                          {"type": "text", "text": "of Germany?"}]}]
+    plain = [{"role": "user", "content": "What is the capital of Germany?"}]
+    assert llm.chat_tokens(parts) == llm.chat_tokens(plain)
+    for bad in ([], [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]):
+        with pytest.raises(PyinferError):
+            llm.create_chat_completion(bad, max_tokens=2)
+
+
 def test_close_and_the_with_block(smollm2_q8):
     """LLM.close() (llama-cpp-python's Llama has one) releases the engine; later calls raise
     PyinferError; ``with LLM(...)`` closes at the end."""
