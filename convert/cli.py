@@ -56,8 +56,10 @@ def with_down_type(jobs: list, down_type: str) -> list:
 
 def check_paths(src: str, out: str) -> None:
     """Raise PyinferError unless ``src`` exists and ``out`` can be written as a new file: its
-    directory exists, it is not a directory, and it is not the source itself (by path or, where
-    both exist, by inode: a link to the source). Every conversion runs it before any work."""
+    directory exists, it is not a directory, it is not the source itself (by path or, where
+    both exist, by inode: a link to the source), and for a source directory it is not one of
+    its existing files other than a .gguf (model.safetensors, config.json, tokenizer.json ...
+    were replaced by the output). Every conversion runs it before any work."""
     if not os.path.exists(src):
         raise PyinferError(f"{src} does not exist")
     out_dir = os.path.dirname(os.path.abspath(out))
@@ -68,6 +70,11 @@ def check_paths(src: str, out: str) -> None:
     if os.path.abspath(src) == os.path.abspath(out) or (
             os.path.isfile(out) and os.path.samefile(src, out)):
         raise PyinferError("the output would overwrite the source file")
+    if os.path.isdir(src) and os.path.isfile(out) and not out.lower().endswith(".gguf"):
+        inside = os.path.commonpath([os.path.realpath(src), os.path.realpath(out)])
+        if inside == os.path.realpath(src):  # weights, config, tokenizer: what the source is
+            raise PyinferError(f"the output would overwrite {out}, a file of the source "
+                               "directory; name a new file (e.g. ending in .gguf)")
 
 
 def plan(src: str, outtype: str, allow_unused: bool = False, gpuidx: str | None = None,

@@ -126,8 +126,17 @@ def tensor_nbytes(shape: Sequence[int], qtype: gguf.GGMLQuantizationType) -> int
     return n // block * block_bytes
 
 
+class F16RangeError(ValueError):
+    """A finite value too large for f16 (|x| > 65504): ``value`` is the largest one."""
+
+    def __init__(self, value: float):
+        super().__init__(f"values beyond f16's range (largest |value| {value:.4g} > 65504)")
+        self.value = value
+
+
 def encode(arr: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
     """float32 array -> the array GGUFWriter stores for ``qtype`` (f32, f16, or uint8 blocks).
+    Raises F16RangeError where a finite value would become infinite in f16.
 
     I32 tensors take an integer array as it is (never through float32, which would round
     counts above 2**24)."""
@@ -137,7 +146,12 @@ def encode(arr: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
     if qtype == QT.F32:
         return arr
     if qtype == QT.F16:
-        return arr.astype(np.float16)
+        with np.errstate(over="ignore"):
+            out = arr.astype(np.float16)
+        over = np.isinf(out) & np.isfinite(arr)
+        if over.any():
+            raise F16RangeError(float(np.abs(arr[over]).max()))
+        return out
     from pyinfer.quants import quantize  # gguf's quantizers plus ggml's reference K-quants
 
     return np.ascontiguousarray(quantize(arr, qtype))
@@ -200,7 +214,11 @@ def write_gguf(out_path: str, meta: Metadata, jobs: Sequence[TensorJob], progres
                 continue
             if tuple(arr.shape) != tuple(job.shape):
                 raise AssertionError(f"{job.name}: produced shape {arr.shape}, declared {job.shape}")
-            data = encode(arr, job.qtype)
+            try:
+                data = encode(arr, job.qtype)
+            except F16RangeError as e:
+                raise PyinferError(f"{job.name} has {e}: convert with --outtype bf16 or f32, "
+                                   "which hold it") from None
             del arr
             writer.write_tensor_data(data)
         bar.close()

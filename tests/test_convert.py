@@ -563,6 +563,51 @@ def test_output_is_never_the_source(converted, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["link.gguf", "src.gguf"]
 
 
+def test_output_is_never_a_file_of_the_source_directory(models, tmp_path):
+    """OUT naming one of an HF directory's own files (the weights, config.json, the tokenizer)
+    was written over it, rc 0, the checkpoint lost (QA): refused before any work in every mode;
+    a new .gguf inside the directory is fine."""
+    import shutil
+
+    src = str(tmp_path / "hf")
+    shutil.copytree(models["bpe"], src)
+    files = {f: open(os.path.join(src, f), "rb").read() for f in os.listdir(src)}
+    victims = [f for f in files if f.endswith((".safetensors", ".json"))]
+    assert "config.json" in victims and any(f.endswith(".safetensors") for f in victims)
+    for f in victims:
+        for extra in ([], ["--dense"]):
+            p = run_cli(src, os.path.join(src, f), "--outtype", "f32", *extra)
+            assert p.returncode == 1 and "a file of the source directory" in p.stderr, p.stderr
+    assert {f: open(os.path.join(src, f), "rb").read() for f in os.listdir(src)} == files
+    p = run_cli(src, os.path.join(src, "model.gguf"), "--outtype", "f32", "--dense")
+    assert p.returncode == 0, p.stderr
+
+
+def test_values_beyond_f16_are_an_error_naming_the_tensor(tmp_path):
+    """A weight above 65504 became inf in an f16 output (rc 0, then NaN logits when run, or a
+    'NaN logits at token 48' from the offline stage): a one-line error naming the tensor and the
+    way out; bf16 holds it."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    src = make_random_llama(tmp_path, "silu", False, 2, "bpe", name="big")
+    st = next(f for f in os.listdir(src) if f.endswith(".safetensors"))
+    w = load_file(os.path.join(src, st))
+    key = next(k for k in w if k.endswith("layers.0.mlp.up_proj.weight"))
+    w[key][5, 7] = 1e5
+    save_file(w, os.path.join(src, st), metadata={"format": "pt"})
+    assert json.load(open(os.path.join(src, "config.json")))
+    for extra in (["--dense"], []):
+        p = run_cli(src, str(tmp_path / "o.gguf"), "--outtype", "f16", *extra)
+        assert p.returncode == 1 and "blk.0.ffn_up" in p.stderr and "--outtype bf16" in p.stderr, p.stderr
+        last = p.stderr.strip().splitlines()[-1]  # (after the progress lines)
+        assert last.startswith("error: ") and "blk.0.ffn_up" in last, p.stderr
+        assert "RuntimeWarning" not in p.stderr and "Traceback" not in p.stderr, p.stderr
+        assert not os.path.exists(tmp_path / "o.gguf")
+    assert run_cli(src, str(tmp_path / "o.gguf"), "--outtype", "bf16", "--dense").returncode == 0
+
+
 def test_offline_flags_the_conversion_would_ignore_are_refused(converted, tmp_path):
     """A flag of the offline stage that the chosen path would not read is a one-line error
     before any work, not a file made without it (--epochs in sparse mode input, --sparse-alloc
