@@ -277,10 +277,33 @@ def _tokenizer_metadata(model_dir: str, n_vocab: int, tcfg: dict[str, Any], tj: 
         tokens = []
     if tj_text is not None:
         meta.string(C.K_HF_TOKENIZER_JSON, tj_text)
-    _special_ids(meta, model_dir, tcfg, tj, tokens, kind)
+    # the special ids from the token texts: the stored vocabulary's, else tokenizer.json's own
+    # (a SentencePiece-style tokenizer.json alone, as transformers 5 saves Llama / Mistral ones,
+    # had no eos id: generation never stopped)
+    _special_ids(meta, model_dir, tcfg, tj, tokens or _json_texts(tj), kind)
     for name, tmpl in _chat_templates(model_dir, tcfg).items():
         meta.string(C.K_CHAT_TEMPLATE + (f".{name}" if name else ""), tmpl)
     return meta
+
+
+def _json_texts(tj: dict[str, Any] | None) -> list[str]:
+    """Token texts by id from tokenizer.json (model.vocab as a text -> id map, BPE / WordPiece
+    / WordLevel, or Unigram's [text, score] list, then added_tokens); ids with no text are "".
+    Empty without a tokenizer.json."""
+    if not tj:
+        return []
+    by_id: dict[int, str] = {}
+    vocab = (tj.get("model") or {}).get("vocab")
+    if isinstance(vocab, dict):
+        by_id.update((i, t) for t, i in vocab.items() if isinstance(i, int) and i >= 0)
+    elif isinstance(vocab, list):
+        by_id.update((i, e[0]) for i, e in enumerate(vocab)
+                     if isinstance(e, (list, tuple)) and e and isinstance(e[0], str))
+    by_id.update((t["id"], t["content"]) for t in tj.get("added_tokens", []))
+    out = [""] * (max(by_id) + 1 if by_id else 0)
+    for i, t in by_id.items():
+        out[i] = t
+    return out
 
 
 def add_eot_id(meta: Metadata, tokens: list[str]) -> None:

@@ -95,6 +95,8 @@ def describe(path: str) -> dict:
         "bos_id": read_field(reader, C.K_TOK_BOS, kind=int),
         "eos_id": read_field(reader, C.K_TOK_EOS, kind=int),
         "chat_template": C.K_CHAT_TEMPLATE in reader.fields,
+        # Hugging Face's tokenizer.json stored as it is (no ggml token list)
+        "hf_json": C.K_HF_TOKENIZER_JSON in reader.fields,
     }
     split_count = read_field(reader, K_SPLIT_COUNT, kind=int)
     info["split"] = None if not split_count else {"part": read_field(reader, K_SPLIT_NO, kind=int),
@@ -207,7 +209,9 @@ def render(info: dict) -> str:
     types = ", ".join(f"{k} {v['tensors']} ({v['bytes'] / mib:.1f} MiB)" for k, v in info["types"].items())
     out.append(f"types:         {types}")
     tk = info["tokenizer"]
-    out.append(f"tokenizer:     {tk['model']} (pre {tk['pre']}), {tk['n_tokens']} tokens, bos {tk['bos_id']}, "
+    kind = (f"{tk['model']} (pre {tk['pre']}), {tk['n_tokens']} tokens" if tk["n_tokens"] is not None
+            else "Hugging Face tokenizer.json" if tk["hf_json"] else "none")
+    out.append(f"tokenizer:     {kind}, bos {tk['bos_id']}, "
                f"eos {tk['eos_id']}, chat template {'yes' if tk['chat_template'] else 'no'}")
     if info["split"]:
         out.append(f"split:         part {info['split']['part']} of {info['split']['count']} (gguf-split)")

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from pyinfer import constants as C
+from pyinfer.config import read_field
 from pyinfer.errors import EXIT_INTERRUPTED
 
 from tests._models import (BPE_SPECIALS, BPE_USER_TOKEN, CHATML_TEMPLATE, SPM_TEMPLATE,
@@ -606,6 +607,31 @@ def test_values_beyond_f16_are_an_error_naming_the_tensor(tmp_path):
         assert "RuntimeWarning" not in p.stderr and "Traceback" not in p.stderr, p.stderr
         assert not os.path.exists(tmp_path / "o.gguf")
     assert run_cli(src, str(tmp_path / "o.gguf"), "--outtype", "bf16", "--dense").returncode == 0
+
+
+def test_a_sentencepiece_tokenizer_json_alone_keeps_its_special_ids(models, tmp_path):
+    """A directory whose only tokenizer is a SentencePiece-style tokenizer.json (Metaspace BPE,
+    what transformers 5 saves for Llama / Mistral) stored no bos / eos ids: generation never
+    stopped at </s> (QA). They come from tokenizer_config.json's texts through tokenizer.json's
+    own vocabulary, the ids transformers' tokenizer gives them."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    src = str(tmp_path / "spm_json")
+    shutil.copytree(models["spm"], src)
+    os.remove(os.path.join(src, "tokenizer.model"))
+    ref = AutoTokenizer.from_pretrained(src)
+    out = str(tmp_path / "o.gguf")
+    p = run_cli(src, out, "--outtype", "f32", "--dense")
+    assert p.returncode == 0, p.stderr
+    r = gguf.GGUFReader(out)
+    assert C.K_HF_TOKENIZER_JSON in r.fields and C.K_TOK_LIST not in r.fields
+    assert read_field(r, C.K_TOK_EOS) == ref.eos_token_id is not None
+    assert read_field(r, C.K_TOK_BOS) == ref.bos_token_id is not None
+    from pyinfer.engine import Engine
+
+    assert ref.eos_token_id in Engine(out, n_ctx=32, n_threads=1).tokenizer.stop_ids
 
 
 def test_offline_flags_the_conversion_would_ignore_are_refused(converted, tmp_path):
