@@ -287,6 +287,34 @@ def default_mode(cfg, weights, outtype: str, opts: OfflineOptions,
     return C.SPARSE_MODE_INPUT if input_mode_pays(weights, cfg, outtype, down_type) else mode
 
 
+def _has_tokenizer(path: str) -> bool:
+    """True when the GGUF at ``path`` opens with a tokenizer."""
+    from pyinfer.engine import open_gguf
+    from pyinfer.tokenizer import NoTokenizerError, Tokenizer
+
+    try:
+        Tokenizer.from_gguf(open_gguf(path))
+    except NoTokenizerError:
+        return False
+    return True
+
+
+def _staging_engine(staging: str, src: str, n_threads: int):
+    """The dense engine over the staging file ``staging`` (f32 keys and values: the calibration
+    records the model's own activations). PyinferError naming the source ``src`` where it has no
+    tokenizer: the calibration text is made of tokens (the staging file's own error named a file
+    the user never gave)."""
+    from pyinfer.engine import Engine
+    from pyinfer.tokenizer import NoTokenizerError
+
+    try:
+        return Engine(staging, n_ctx=None, n_threads=n_threads, dense=True, cache_type="f32")
+    except NoTokenizerError:
+        raise PyinferError(f"{src} has no tokenizer (tokenizer.json or tokenizer.model): the "
+                           "offline stage makes its calibration tokens with it; --dense converts "
+                           "without one") from None
+
+
 def _have_torch() -> bool:
     """True when PyTorch can be imported (found without importing it: it takes seconds)."""
     import importlib.util
@@ -309,7 +337,6 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
     """
     from convert.cli import convert, plan
     from convert.writer import VT, TensorJob, write_gguf
-    from pyinfer.engine import Engine
     from pyinfer.placement import model_gpu_bytes, solve, tensor_sizes
     from predictors.calibrate import calibration_tokens, read_calib_files
     from predictors.profile import profile, sparse_mode
@@ -343,7 +370,7 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
         n_threads = opts.n_threads or default_n_threads()
         # f32 keys and values: the calibration records the model's own activations (and the
         # files it writes do not depend on the run's --cache-type)
-        eng = Engine(staging, n_ctx=None, n_threads=n_threads, dense=True, cache_type="f32")
+        eng = _staging_engine(staging, src, n_threads)
         cfg = eng.cfg
         chunk_len = min(CHUNK_LEN, eng.n_ctx)
         mode = sparse_mode(cfg)
@@ -538,7 +565,6 @@ def dense_importance(src: str, out: str, outtype: str, opts: OfflineOptions | No
     conversion does."""
     from convert.cli import convert, plan
     from convert.writer import temp_path_beside
-    from pyinfer.engine import Engine
     from predictors.calibrate import calibration_tokens, read_calib_files
     from predictors.input_sparse import importance, takes_weighted_scales
 
@@ -557,7 +583,11 @@ def dense_importance(src: str, out: str, outtype: str, opts: OfflineOptions | No
         convert(src, staging, outtype, progress=opts.progress, allow_unused=allow_unused,
                 down_type=down_type)
         n_threads = opts.n_threads or default_n_threads()
-        eng = Engine(staging, n_ctx=None, n_threads=n_threads, dense=True, cache_type="f32")
+        if not _has_tokenizer(staging):
+            _log(f"{outtype} scales by round-to-nearest: {src} has no tokenizer for the "
+                 "importance matrix's calibration pass", opts.progress)
+            return None
+        eng = _staging_engine(staging, src, n_threads)
         if not input_mode_model(eng.cfg, eng.weights):
             _log(f"{outtype} scales by round-to-nearest: the importance matrix's calibration pass "
                  "runs Llama-shaped models only", opts.progress)

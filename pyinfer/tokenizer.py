@@ -142,6 +142,10 @@ _SPM_SPACE = "\u2581"  # "▁", SentencePiece's escaped space
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
+class NoTokenizerError(PyinferError):
+    """A GGUF file without a tokenizer (a conversion of a directory that had none)."""
+
+
 class Tokenizer:
     """Encode text to token ids and decode ids to text for one model.
 
@@ -212,7 +216,7 @@ class Tokenizer:
         hf_json = _field(C.K_HF_TOKENIZER_JSON, kind=str)
         tokens = _field(C.K_TOK_LIST, kind=list, item=str)
         if tokens is None and hf_json is None:
-            raise PyinferError("the GGUF file has no tokenizer (no tokenizer.ggml.tokens)")
+            raise NoTokenizerError("the GGUF file has no tokenizer (no tokenizer.ggml.tokens)")
         types = _field(C.K_TOK_TYPE, kind=list, item=int)
         if tokens is None:
             tokens = []

@@ -231,12 +231,21 @@ def test_spm_tokenizer(models, tmp_path):
 
 
 def test_no_tokenizer_warns(models, tmp_path):
+    """A directory without a tokenizer converts with --dense (one warning, not one per plan of
+    the source; q4_0 falls back to round-to-nearest scales, its calibration pass needing tokens),
+    and the offline stage says the directory has none (it blamed 'the GGUF file', its own
+    staging file; QA)."""
     out = str(tmp_path / "m.gguf")
-    p = run_cli(models["notok"], out, "--outtype", "q8_0", "--dense")
-    assert p.returncode == 0, p.stderr
-    assert "warning: no tokenizer" in p.stderr
-    r = gguf.GGUFReader(out)
-    assert not [k for k in r.fields if k.startswith("tokenizer.") or k == C.K_HF_TOKENIZER_JSON]
+    for outtype in ("q8_0", "q4_0"):
+        p = run_cli(models["notok"], out, "--outtype", outtype, "--dense")
+        assert p.returncode == 0, p.stderr
+        assert p.stderr.count("warning: no tokenizer") == 1, p.stderr
+        r = gguf.GGUFReader(out)
+        assert not [k for k in r.fields if k.startswith("tokenizer.") or k == C.K_HF_TOKENIZER_JSON]
+    assert "round-to-nearest" in p.stderr
+    p = run_cli(models["notok"], str(tmp_path / "s.gguf"), "--outtype", "q8_0")
+    assert p.returncode == 1 and f"{models['notok']} has no tokenizer" in p.stderr, p.stderr
+    assert not os.path.exists(tmp_path / "s.gguf")
 
 
 # ---------------------------------------------------------------- GGUF sources
