@@ -54,6 +54,18 @@ def with_down_type(jobs: list, down_type: str) -> list:
     return out
 
 
+def written_types(path: str) -> str:
+    """The weight types of the GGUF at ``path``, largest share of bytes first ("q8_0", "q4_0 +
+    q8_0"), for the success line (``auto`` resolves per tensor); 1-D tensors (norms) left out."""
+    import gguf
+
+    by = {}
+    for t in gguf.GGUFReader(path).tensors:
+        if len(t.shape) > 1:
+            by[t.tensor_type.name.lower()] = by.get(t.tensor_type.name.lower(), 0) + int(t.n_bytes)
+    return " + ".join(sorted(by, key=by.get, reverse=True)) or "no weights"
+
+
 def check_paths(src: str, out: str) -> None:
     """Raise PyinferError unless ``src`` exists and ``out`` can be written as a new file: its
     directory exists, it is not a directory, it is not the source itself (by path or, where
@@ -246,7 +258,8 @@ def _run(args) -> int:
         convert_sparse(args.src, args.out, args.outtype, opts,
                        allow_unused=args.allow_unused_tensors, down_type=args.down_type)
     size = os.path.getsize(args.out) / 2**20
-    print(f"wrote {args.out} ({args.outtype}, {size:.1f} MiB) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    print(f"wrote {args.out} ({written_types(args.out)}, {size:.1f} MiB) in "
+          f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return 0
 
 

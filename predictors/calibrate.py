@@ -107,20 +107,23 @@ def generate_tokens(engine, n_tokens: int, seed: int, max_len: int, progress: bo
     total = 0
     bar = progress_bar(total=n_tokens, desc="calibration text", unit="tok", enabled=progress)
     i = 0
-    while total < n_tokens:
-        prompt = _prompt_tokens(engine, SEED_PROMPTS[order[i % len(order)]])[: max_len - 1]
-        room = min(MAX_SAMPLE_TOKENS, max_len - len(prompt), n_tokens - total - len(prompt))
-        seq = list(prompt)
-        if room > 0:
-            engine.reset()
-            seq += list(engine.generate(prompt, params, max_tokens=room,
-                                        seed=int(np.random.default_rng([seed, i]).integers(2**31))))
-        seq = seq[: n_tokens - total]
-        seqs.append(seq)
-        total += len(seq)
-        bar.update(len(seq))
-        i += 1
-    bar.close()
+    try:
+        while total < n_tokens:
+            prompt = _prompt_tokens(engine, SEED_PROMPTS[order[i % len(order)]])[: max_len - 1]
+            room = min(MAX_SAMPLE_TOKENS, max_len - len(prompt), n_tokens - total - len(prompt))
+            seq = list(prompt)
+            if room > 0:
+                engine.reset()
+                seq += list(engine.generate(
+                    prompt, params, max_tokens=room,
+                    seed=int(np.random.default_rng([seed, i]).integers(2**31))))
+            seq = seq[: n_tokens - total]
+            seqs.append(seq)
+            total += len(seq)
+            bar.update(len(seq))
+            i += 1
+    finally:  # an interrupted bar is not drawn again after the error line
+        bar.close()
     engine.reset()
     return seqs
 

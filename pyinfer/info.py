@@ -56,6 +56,9 @@ def describe(path: str) -> dict:
         "n_ctx_train": _arch_field(reader, arch, "context_length"),
         "rope_freq_base": _arch_field(reader, arch, "rope.freq_base", float),
         "hidden_act": read_field(reader, C.K_HIDDEN_ACT, kind=str),
+        # the Hugging Face family a converted file came from (gemma3, qwen2, mistral, llama ...)
+        "family": read_field(reader, C.K_FAMILY, kind=str),
+        "sliding_window": read_field(reader, C.K_SLIDING_WINDOW, kind=int),
     }
     names = {t.name for t in reader.tensors}
     ffn_layout = read_field(reader, C.K_FFN_LAYOUT, kind=str)
@@ -194,7 +197,9 @@ def render(info: dict) -> str:
                f"{info['n_layer']} layers, n_embd {info['n_embd']}, n_ff {info['n_ff']}, "
                f"{info['n_head']} heads, {info['n_head_kv']} KV heads, context {info['n_ctx_train']}, "
                f"rope base {_fmt(info['rope_freq_base'], 'g')}"
-               + (f", {info['hidden_act']}" if info["hidden_act"] else ""))
+               + (f", {info['hidden_act']}" if info["hidden_act"] else "")
+               + (f"; family {info['family']}" if info["family"] else "")
+               + (f", sliding window {info['sliding_window']}" if info["sliding_window"] else ""))
     out.append(f"parameters:    {info['parameters'] / 1e6:.1f} M"
                + (" (tied embeddings)" if info["tied_embeddings"] else ""))
     if info["layout"] == "pyinfer":

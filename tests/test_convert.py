@@ -591,6 +591,9 @@ def test_output_is_never_a_file_of_the_source_directory(models, tmp_path):
     assert {f: open(os.path.join(src, f), "rb").read() for f in os.listdir(src)} == files
     p = run_cli(src, os.path.join(src, "model.gguf"), "--outtype", "f32", "--dense")
     assert p.returncode == 0, p.stderr
+    # the success line names the types written (it printed the flag's value, "auto")
+    p = run_cli(src, str(tmp_path / "a.gguf"), "--dense", "--down-type", "q8_0", "--outtype", "f16")
+    assert p.returncode == 0 and "(f16 + q8_0, " in p.stderr.splitlines()[-1], p.stderr
 
 
 def test_values_beyond_f16_are_an_error_naming_the_tensor(tmp_path):

@@ -101,6 +101,19 @@ def test_a_llama_cpp_file_and_a_dense_one(tmp_path):
     assert "split:         part 0 of 3" in r.stdout
 
 
+def test_the_family_and_its_window(tmp_path):
+    """Converted Mistral / Qwen2 / Gemma 3 files are GGUF architecture "llama": the family they
+    came from and the sliding window are shown (text and JSON), which say why the GPU engine
+    refuses such a file."""
+    path = str(tmp_path / "m.gguf")
+    T.write_tiny_gguf(path, overrides={C.K_FAMILY: ("mistral", VT.STRING, None),
+                                       C.K_SLIDING_WINDOW: (4, VT.UINT32, None)})
+    r = inspect(path)
+    assert r.returncode == 0 and "; family mistral, sliding window 4" in r.stdout, r.stdout
+    facts = json.loads(inspect(path, "--json").stdout)
+    assert facts["family"] == "mistral" and facts["sliding_window"] == 4
+
+
 def test_bad_input_is_one_line(tmp_path):
     bad = tmp_path / "x.gguf"
     bad.write_bytes(b"GGUF" + b"\xff" * 20)
