@@ -28,7 +28,9 @@ def exit_code_of(fn, *args) -> int:
     import sys
 
     try:
-        return fn(*args)
+        status = fn(*args)
+        sys.stdout.flush()  # a closed pipe shows here, not as "Exception ignored" at exit
+        return status
     except PyinferError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
