@@ -87,7 +87,6 @@ def stop_holdback(text: str, stops: Iterable[str]) -> int:
     return len(text)
 
 
-
 def token_ids(ids, what: str = "tokens") -> list[int]:
     """``ids`` (an iterable of integers: ints, NumPy integers) as a list of int; PyinferError
     naming ``what`` for anything else (a str, None, floats, bools, nested lists)."""
@@ -99,7 +98,6 @@ def token_ids(ids, what: str = "tokens") -> list[int]:
             raise PyinferError(f"{what} must be a list of token ids: {t!r} is not an integer")
         out.append(int(t))
     return out
-
 
 
 def text_messages(messages) -> list:
@@ -174,8 +172,8 @@ class LLM:
         if not isinstance(model_path, (str, os.PathLike)):
             raise PyinferError(f"model_path must be a path, not {type(model_path).__name__}")
         self.model_path = model_path
-        self._engine = Engine(model_path, n_ctx=n_ctx or None, n_threads=n_threads, verbose=verbose,
-                             dense=dense, cache_type=cache_type, **extra)
+        self._engine = Engine(model_path, n_ctx=n_ctx or None, n_threads=n_threads,
+                              verbose=verbose, dense=dense, cache_type=cache_type, **extra)
         self.tokenizer = self.engine.tokenizer
         self.verbose = verbose
         self.model_name = os.path.basename(model_path)
