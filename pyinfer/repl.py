@@ -179,12 +179,16 @@ def _keep_typeahead(stream=None):
 
 
 def _read_message(prompt: str) -> str:
-    """One message from the terminal; a line ending with a backslash continues on the next."""
+    """One message from the terminal; a line ending with a backslash continues on the next (end
+    of input there ends the message: it is not dropped)."""
     lines = []
     line = input(prompt)
     while line.endswith("\\"):
         lines.append(line[:-1])
-        line = input("")
+        try:
+            line = input("")
+        except EOFError:
+            return "\n".join(lines)
     lines.append(line)
     return "\n".join(lines)
 

@@ -93,6 +93,23 @@ def test_repl_commands(monkeypatch):
     assert next(lines) == "never"  # /exit stopped reading
 
 
+def test_a_continued_line_cut_by_end_of_input_is_still_sent(monkeypatch):
+    """'abc\\' as the last line, then end of input: the message was dropped silently; it is
+    answered, and the REPL ends on the next read."""
+    lines = iter(["abc\\"])
+
+    def read(prompt=""):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+    monkeypatch.setattr("builtins.input", read)
+    s = ChatSession(FakeLLM())
+    out = io.StringIO()
+    assert repl(s, out=out, err=io.StringIO()) == 0
+    assert s.messages[0] == {"role": "user", "content": "abc"} and "ok then" in out.getvalue()
+
+
 def test_repl_ends_on_eof(monkeypatch):
     def eof(prompt=""):
         raise EOFError
