@@ -287,32 +287,20 @@ def default_mode(cfg, weights, outtype: str, opts: OfflineOptions,
     return C.SPARSE_MODE_INPUT if input_mode_pays(weights, cfg, outtype, down_type) else mode
 
 
-def _has_tokenizer(path: str) -> bool:
-    """True when the GGUF at ``path`` opens with a tokenizer."""
-    from pyinfer.engine import open_gguf
-    from pyinfer.tokenizer import NoTokenizerError, Tokenizer
-
-    try:
-        Tokenizer.from_gguf(open_gguf(path))
-    except NoTokenizerError:
-        return False
-    return True
-
-
 def _staging_engine(staging: str, src: str, n_threads: int):
     """The dense engine over the staging file ``staging`` (f32 keys and values: the calibration
-    records the model's own activations). PyinferError naming the source ``src`` where it has no
-    tokenizer: the calibration text is made of tokens (the staging file's own error named a file
-    the user never gave)."""
+    records the model's own activations). NoTokenizerError naming the source ``src`` where it
+    has no tokenizer: the calibration text is made of tokens (the staging file's own error named
+    a file the user never gave)."""
     from pyinfer.engine import Engine
     from pyinfer.tokenizer import NoTokenizerError
 
     try:
         return Engine(staging, n_ctx=None, n_threads=n_threads, dense=True, cache_type="f32")
     except NoTokenizerError:
-        raise PyinferError(f"{src} has no tokenizer (tokenizer.json or tokenizer.model): the "
-                           "offline stage makes its calibration tokens with it; --dense converts "
-                           "without one") from None
+        raise NoTokenizerError(f"{src} has no tokenizer (tokenizer.json or tokenizer.model): the "
+                               "offline stage makes its calibration tokens with it; --dense "
+                               "converts without one") from None
 
 
 def _have_torch() -> bool:
@@ -565,6 +553,7 @@ def dense_importance(src: str, out: str, outtype: str, opts: OfflineOptions | No
     conversion does."""
     from convert.cli import convert, plan
     from convert.writer import temp_path_beside
+    from pyinfer.tokenizer import NoTokenizerError
     from predictors.calibrate import calibration_tokens, read_calib_files
     from predictors.input_sparse import importance, takes_weighted_scales
 
@@ -583,11 +572,12 @@ def dense_importance(src: str, out: str, outtype: str, opts: OfflineOptions | No
         convert(src, staging, outtype, progress=opts.progress, allow_unused=allow_unused,
                 down_type=down_type)
         n_threads = opts.n_threads or default_n_threads()
-        if not _has_tokenizer(staging):
+        try:
+            eng = _staging_engine(staging, src, n_threads)
+        except NoTokenizerError:
             _log(f"{outtype} scales by round-to-nearest: {src} has no tokenizer for the "
                  "importance matrix's calibration pass", opts.progress)
             return None
-        eng = _staging_engine(staging, src, n_threads)
         if not input_mode_model(eng.cfg, eng.weights):
             _log(f"{outtype} scales by round-to-nearest: the importance matrix's calibration pass "
                  "runs Llama-shaped models only", opts.progress)
