@@ -100,30 +100,27 @@ def token_ids(ids, what: str = "tokens") -> list[int]:
     return out
 
 
+def text_of_parts(parts: list, where: str) -> str:
+    """A message content given as OpenAI's parts (``[{"type": "text", "text": ...}, ...]``)
+    as one string, the texts joined; PyinferError naming ``where`` for a part that is not text
+    (the API's ``text_messages`` and the server's ``chat_messages`` both read parts so)."""
+    if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+               for p in parts):
+        raise PyinferError(f"{where}: only text parts are supported")
+    return "".join(p["text"] for p in parts)
+
+
 def text_messages(messages) -> list:
-    """``messages`` with each content given as OpenAI's parts (``[{"type": "text", "text":
-    ...}, ...]``) joined into one string (as the server's ``chat_messages`` joins them); other
-    messages as they are (the template checks them). PyinferError for an empty list or a part
-    that is not text."""
+    """``messages`` with each content given as OpenAI's parts joined into one string
+    (``text_of_parts``); other messages as they are (the template checks them). PyinferError for
+    an empty list or a part that is not text."""
     if isinstance(messages, list) and not messages:
         raise PyinferError("messages is empty: a chat needs at least one message")
     if not isinstance(messages, list):
         return messages
-    out = []
-    for i, m in enumerate(messages):
-        content = m.get("content") if isinstance(m, dict) else None
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if not (isinstance(part, dict) and part.get("type") == "text"
-                        and isinstance(part.get("text"), str)):
-                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    raise PyinferError(f"messages[{i}]: content part of type {kind!r}: only text "
-                                       "parts are supported")
-                texts.append(part["text"])
-            m = dict(m, content="".join(texts))
-        out.append(m)
-    return out
+    return [dict(m, content=text_of_parts(m["content"], f"messages[{i}].content"))
+            if isinstance(m, dict) and isinstance(m.get("content"), list) else m
+            for i, m in enumerate(messages)]
 
 
 class LLM:

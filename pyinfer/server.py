@@ -32,6 +32,7 @@ import time
 from typing import Any, Callable
 
 from pyinfer import options
+from pyinfer.api import text_of_parts
 from pyinfer.errors import PyinferError
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more than any prompt that fits a context
@@ -198,10 +199,10 @@ def chat_messages(body: dict) -> list[dict]:
         if role not in _ROLES:
             raise BadRequest(f"messages[{i}].role must be one of {', '.join(_ROLES)}", "messages")
         if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise BadRequest(f"messages[{i}].content: only text parts are supported", "messages")
-            content = "".join(p["text"] for p in content)
+            try:
+                content = text_of_parts(content, f"messages[{i}].content")
+            except PyinferError as e:
+                raise BadRequest(str(e), "messages") from None
         if content is None and role == "assistant":
             content = ""
         if not isinstance(content, str):
