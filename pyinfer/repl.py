@@ -23,7 +23,8 @@ HELP = """commands:
   /reset   start a new conversation (the system message stays)
   /stats   speed and sparsity of the last answer
   /exit    leave (or Ctrl-D)
-Ctrl-C stops the current answer. End a line with \\ to continue it on the next line."""
+Ctrl-C stops the current answer. End a line with \\ to continue it on the next line;
+start it with // to send a message that begins with /."""
 PROMPT = "> "
 
 
@@ -215,7 +216,9 @@ def repl(session: ChatSession, verbose: bool = False, out=sys.stdout, err=sys.st
         cmd = text.strip()
         if not cmd:
             continue
-        if cmd.startswith("/"):
+        if cmd.startswith("//"):  # an escaped slash: the message itself begins with "/"
+            text = text.lstrip()[1:]
+        elif cmd.startswith("/"):
             name = cmd.split()[0]
             if name in ("/exit", "/quit"):
                 return 0
@@ -227,7 +230,8 @@ def repl(session: ChatSession, verbose: bool = False, out=sys.stdout, err=sys.st
             elif name == "/stats":
                 print(format_stats(last) if last else "[no answer yet]", file=err)
             else:
-                print(f"[unknown command {name}; /help lists them]", file=err)
+                print(f"[unknown command {name}; /help lists them; start a message with // to "
+                      "send text that begins with /]", file=err)
             continue
         stop, generating = [False], [False]
 

@@ -110,6 +110,20 @@ def test_a_continued_line_cut_by_end_of_input_is_still_sent(monkeypatch):
     assert s.messages[0] == {"role": "user", "content": "abc"} and "ok then" in out.getvalue()
 
 
+def test_a_message_beginning_with_a_slash_is_sent_after_a_second_slash(monkeypatch):
+    """'/usr/bin is on PATH?' was an unknown command and could not be sent at all; '//' escapes
+    the slash (the message keeps one)."""
+    lines = iter(["//usr/bin is on PATH?", "  //etc"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    s = ChatSession(FakeLLM())
+    err = io.StringIO()
+    with pytest.raises(StopIteration):
+        repl(s, out=io.StringIO(), err=err)
+    assert [m["content"] for m in s.messages if m["role"] == "user"] == ["/usr/bin is on PATH?",
+                                                                          "/etc"]
+    assert "unknown command" not in err.getvalue()
+
+
 def test_repl_ends_on_eof(monkeypatch):
     def eof(prompt=""):
         raise EOFError
