@@ -99,12 +99,10 @@ class ChatSession:
         """
         messages = self.messages + [{"role": "user", "content": text}]
         ids, dropped = self.fit(messages)
-        limit = self.llm.n_ctx - len(ids) - 1
-        max_tokens = min(self.max_tokens, limit) if self.max_tokens else limit
         parts = []
-        try:
-            for piece in self.llm.stream_text(ids, max_tokens=max_tokens, should_stop=should_stop,
-                                              **self.sampling):
+        try:  # the answer ends at -n or where the context is full, as pyinfer-run's does
+            for piece in self.llm.stream_text(ids, max_tokens=self.max_tokens,
+                                              should_stop=should_stop, **self.sampling):
                 parts.append(piece)
                 on_text(piece)
         finally:

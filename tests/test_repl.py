@@ -406,3 +406,26 @@ def test_a_whole_line_typed_ahead_is_the_next_message():
     finally:
         child.close(force=True)
     assert child.exitstatus == 0
+
+
+def test_an_answer_fills_what_the_context_has_left(smollm2_q8):
+    """A message that leaves two free positions got a 1-token answer (the REPL capped answers one
+    short of the context); like pyinfer-run's, the answer now runs until the context is full: the
+    engine evaluates up to n_ctx tokens and samples one more (Engine.generate)."""
+    from pyinfer import LLM
+
+    llm = LLM(smollm2_q8, n_ctx=64, seed=0)
+    words = 1
+    while True:  # the longest message that leaves at least two positions
+        n = len(llm.chat_tokens([{"role": "user", "content": "hello " * (words + 1)}]))
+        if n > llm.n_ctx - 2:
+            break
+        words += 1
+    text = "hello " * words
+    free = llm.n_ctx - len(llm.chat_tokens([{"role": "user", "content": text}]))
+    assert free >= 2
+    s = ChatSession(llm, temperature=0.0, ignore_eos=True)
+    stats = s.ask(text)
+    assert stats.completion_tokens == free + 1
+    assert stats.finish_reason == "length"
+    assert len(llm.engine.tokens) == llm.n_ctx
