@@ -430,13 +430,9 @@ class LLM:
                   min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, ignore_eos=ignore_eos,
                   should_stop=should_stop, grammar=gram, logprobs=rec, **dry)
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        offset = [0]
 
         def chunk(text, finish):
-            lp = None
-            if rec is not None:
-                lp = rec.completion(rec.take(), offset[0])
-                offset[0] += sum(len(t) for t in lp["tokens"])
+            lp = None if rec is None else rec.completion(rec.take())
             return {"id": cid, "object": "text_completion", "created": created, "model": self.model_name,
                     "choices": [{"text": text, "index": 0, "logprobs": lp, "finish_reason": finish}]}
 

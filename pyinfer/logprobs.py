@@ -16,8 +16,20 @@ from pyinfer.sampler import log_softmax
 MAX_TOP_LOGPROBS = 20
 
 
+def token_text(tokenizer, token: int) -> str:
+    """A token's text for the ``token`` fields: its UTF-8 text, or, where its bytes are not
+    whole UTF-8 characters (one byte of an emoji), ``"bytes:\\xf0\\x9f"`` (OpenAI's form for
+    such tokens; the ``bytes`` fields hold the numbers)."""
+    b = tokenizer.token_to_bytes(token)
+    try:
+        return b.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{c:02x}" for c in b)
+
+
 class LogprobRecorder:
-    """Collects (token, logprob, [(alt token, alt logprob)] best first) per generated token.
+    """Collects (token, logprob, [(alt token, alt logprob)] best first) per generated token, and
+    where each token's text lies in the answer.
 
     Args:
         tokenizer: the model's ``pyinfer.tokenizer.Tokenizer`` (for token text and bytes).
@@ -29,6 +41,11 @@ class LogprobRecorder:
         self.n_top = int(n_top)
         self._last = None
         self.entries: list[tuple[int, float, list[tuple[int, float]]]] = []
+        # characters of the answer before and after each entry's token, from the decoder that
+        # makes the answer's text (a split character counts where its last byte arrives)
+        self.spans: list[tuple[int, int]] = []
+        self._dec = tokenizer.stream_decoder(skip_special=True)
+        self._chars = 0
         self._taken = 0
 
     def on_token(self, logits: np.ndarray, token: int) -> None:
@@ -43,48 +60,50 @@ class LogprobRecorder:
     def commit(self) -> None:
         if self._last is not None:
             self.entries.append(self._last)
+            start = self._chars
+            self._chars += len(self._dec.feed(self._last[0]))
+            self.spans.append((start, self._chars))
             self._last = None
 
     def take(self) -> list:
-        """Entries committed since the previous ``take``."""
-        out = self.entries[self._taken:]
+        """Entries committed since the previous ``take``, each with its (start, end) span."""
+        out = list(zip(self.entries[self._taken:], self.spans[self._taken:]))
         self._taken = len(self.entries)
         return out
 
     def trim(self, n_chars: int) -> None:
-        """Drop the last entries not yet taken while the committed tokens' text is longer than
-        ``n_chars``, the answer's length after a stop string cut it: the stop string's tokens get
-        no log-probabilities (llama.cpp's server trims them too), so the tokens' text is the
-        answer's (or, where a token straddles the cut, a prefix of it)."""
-        total = sum(len(self._text(t)) for t, _, _ in self.entries)
-        while len(self.entries) > self._taken and total > n_chars:
-            total -= len(self._text(self.entries.pop()[0]))
+        """Drop the last entries not yet taken whose text does not lie within the first
+        ``n_chars`` characters, the answer's length after a stop string cut it: the stop string's
+        tokens get no log-probabilities (llama.cpp's server trims them too), so the tokens' text is
+        the answer's (or, where a token straddles the cut, a prefix of it)."""
+        while len(self.entries) > self._taken and (self.spans[-1][1] > n_chars
+                                                   or self.spans[-1][0] >= n_chars):
+            self.entries.pop()
+            self.spans.pop()
 
     # ---- OpenAI shapes ----------------------------------------------------------------------
     def _text(self, t: int) -> str:
-        return self.tok.token_to_piece(t)
+        return token_text(self.tok, t)
 
-    def chat_content(self, entries) -> list[dict]:
-        """Chat completions' ``logprobs.content``: ``[{"token", "logprob", "bytes",
-        "top_logprobs": [{"token", "logprob", "bytes"}]}]``."""
+    def chat_content(self, taken) -> list[dict]:
+        """Chat completions' ``logprobs.content`` of ``take()``'s entries: ``[{"token",
+        "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]``."""
         def one(t, lp):
             return {"token": self._text(t), "logprob": lp, "bytes": list(self.tok.token_to_bytes(t))}
 
-        return [dict(one(t, lp), top_logprobs=[one(a, alp) for a, alp in top]) for t, lp, top in entries]
+        return [dict(one(t, lp), top_logprobs=[one(a, alp) for a, alp in top])
+                for (t, lp, top), _ in taken]
 
-    def completion(self, entries, text_offset: int = 0) -> dict:
-        """Completions' (legacy) ``logprobs``: ``{"tokens", "token_logprobs", "top_logprobs",
-        "text_offset"}``; offsets count characters from ``text_offset``."""
-        tokens = [self._text(t) for t, _, _ in entries]
-        offsets, pos = [], text_offset
-        for piece in tokens:
-            offsets.append(pos)
-            pos += len(piece)
+    def completion(self, taken) -> dict:
+        """Completions' (legacy) ``logprobs`` of ``take()``'s entries: ``{"tokens",
+        "token_logprobs", "top_logprobs", "text_offset"}``; an offset is the character of the
+        answer where the token's text begins (the tokens of a split character share one)."""
         top = []
-        for _, _, alts in entries:  # best first; tokens that print alike keep the best one's value
+        for (_, _, alts), _ in taken:  # best first; tokens that print alike keep the best one's
             d: dict[str, float] = {}
             for a, alp in alts:
                 d.setdefault(self._text(a), alp)
             top.append(d)
-        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
-                "top_logprobs": top, "text_offset": offsets}
+        return {"tokens": [self._text(t) for (t, _, _), _ in taken],
+                "token_logprobs": [lp for (_, lp, _), _ in taken],
+                "top_logprobs": top, "text_offset": [start for _, (start, _) in taken]}

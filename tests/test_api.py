@@ -308,6 +308,47 @@ def test_logprobs_end_where_a_stop_string_cuts_the_text(smollm2_llm):
         assert out["choices"][0]["text"] == text and out["choices"][0]["finish_reason"] == "length"
 
 
+@pytest.mark.slow
+def test_logprobs_of_tokens_that_split_a_character(smollm2_llm):
+    """Japanese text comes one byte token at a time (each kana split in two tokens). Every such
+    token showed as U+FFFD, so its ``text_offset`` counted one character per token and pointed
+    past the text. Now a split token shows as OpenAI's ``bytes:\\xNN`` form, its bytes are the
+    tokenizer's, and each offset is where the token's text begins in the answer, streamed or
+    not, including an answer that ends inside a character (its tail shows as U+FFFD)."""
+    llm = smollm2_llm
+    out = fresh(llm).create_completion("日本の首都は", max_tokens=12, temperature=0, logprobs=2)
+    c = out["choices"][0]
+    text, lp = c["text"], c["logprobs"]
+    split = [t for t in lp["tokens"] if t.startswith("bytes:")]
+    assert split, lp["tokens"]  # the case under test: some token is part of a character
+    raw = b""
+    for tok, off in zip(lp["tokens"], lp["text_offset"]):
+        if tok.startswith("bytes:"):
+            b = bytes(int(h, 16) for h in tok[len("bytes:"):].split("\\x")[1:])
+            with pytest.raises(UnicodeDecodeError):
+                b.decode("utf-8")
+        else:
+            b = tok.encode("utf-8")
+            assert text[off:].startswith(tok)
+        assert text[:off] == raw.decode("utf-8", errors="ignore")[:off]
+        assert 0 <= off <= len(text)
+        raw += b
+    assert raw.decode("utf-8", errors="replace") == text  # the bytes make the answer
+    assert lp["text_offset"] == sorted(lp["text_offset"])
+    chunks = list(fresh(llm).create_completion("日本の首都は", max_tokens=12, temperature=0,
+                                               logprobs=2, stream=True))
+    streamed = [ch["choices"][0]["logprobs"] for ch in chunks]
+    assert [t for s in streamed for t in s["tokens"]] == lp["tokens"]
+    assert [o for s in streamed for o in s["text_offset"]] == lp["text_offset"]
+    chat = fresh(llm).create_chat_completion([{"role": "user", "content": "日本語で挨拶して"}],
+                                             temperature=0, max_tokens=12, logprobs=True)
+    content = chat["choices"][0]["logprobs"]["content"]
+    joined = b"".join(bytes(e["bytes"]) for e in content)
+    assert joined.decode("utf-8", errors="replace") == chat["choices"][0]["message"]["content"]
+    assert all(e["token"].startswith("bytes:") or e["token"] == bytes(e["bytes"]).decode("utf-8")
+               for e in content)
+
+
 def test_arguments_of_the_wrong_type_raise_pyinfer_error(smollm2_llm, tmp_path):
     """Token ids that are not integers, text that is not a str or not valid UTF-8, and a model
     path that is not a path raise PyinferError (they raised TypeError, ValueError or
