@@ -234,7 +234,8 @@ def place_model(reader, cfg: ModelConfig, weights: ModelWeights, cpu_ffn, n_ctx:
         raise PyinferError(msg)
     if device == "cpu" and backend is None:
         if vram_budget is not None or n_gpu_layers:
-            raise PyinferError("--vram-budget and -ngl need a GPU device (--device cuda or auto)")
+            raise PyinferError("a VRAM budget (--vram-budget, vram_budget=) or GPU layers (-ngl, "
+                               "n_gpu_layers=) need a GPU device (--device / device= cuda or auto)")
         return cpu_model()
     # the output matrix itself goes on the device unless the head is the CPU's or input-sparse
     head = model_head(cpu_ffn, lm_head)

@@ -187,6 +187,13 @@ def test_constructor_errors(tmp_path, kw, message):
     assert message in str(e.value)
 
 
+@pytest.mark.parametrize("kw", [dict(vram_budget=1.0), dict(n_gpu_layers=2)])
+def test_gpu_options_on_the_cpu_name_the_api_arguments(smollm2_q8, kw):
+    """The message named only the command-line flags (--vram-budget, -ngl) to API callers."""
+    with pytest.raises(PyinferError, match=r"vram_budget=.*n_gpu_layers=.*need a GPU device"):
+        LLM(smollm2_q8, device="cpu", **kw)
+
+
 def test_decode_rate_counts_decode_runs(tmp_path):
     """``tokens_per_second`` is llama.cpp's eval rate: decode passes over their time. The first
     generated token comes from the prompt's logits, so an answer of one token ran no decode pass
