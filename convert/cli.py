@@ -161,10 +161,7 @@ def convert(src: str, out: str, outtype: str = OUTTYPE_AUTO, progress: bool | No
         n_vocab, n_embd = lm_head_source(jobs).shape
         jobs, _k = two_stage_head(meta, jobs, SimpleNamespace(n_vocab=n_vocab, n_embd=n_embd),
                                   lm_head_candidates)
-    try:
-        write_gguf(out, meta, jobs, progress=progress)
-    except OSError as e:
-        raise PyinferError(f"cannot write {out}: {e.strerror or e}") from None
+    write_gguf(out, meta, jobs, progress=progress)
 
 
 def _interrupt(signum, frame):  # noqa: ARG001 - signal handler signature

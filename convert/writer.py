@@ -12,6 +12,7 @@ file is removed.
 """
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from dataclasses import dataclass
@@ -174,13 +175,40 @@ def temp_path_beside(path: str, suffix: str = ".tmp") -> str:
     return tmp
 
 
+class WriteError(PyinferError):
+    """A file could not be written: ``path`` (as the user named it) and the OS's ``reason``."""
+
+    def __init__(self, path: str, reason: str):
+        super().__init__(f"cannot write {path}: {reason}")
+        self.path, self.reason = path, reason
+
+
+def _write_reason(e: OSError, tmp_path: str, size: int) -> str:
+    """The OS's words for a failed write. NumPy's ``tofile`` reports a short write as "N requested
+    and M written" with no errno: one more byte appended to the file then gets the errno the
+    short write stopped at (ENOSPC, EFBIG, EDQUOT). A full disk also says how much the file needs
+    (``size`` bytes of tensors)."""
+    code, reason = e.errno, e.strerror or str(e)
+    if code is None and "requested and" in reason:
+        try:
+            with open(tmp_path, "ab") as f:
+                f.write(b"\0")
+                f.flush()
+        except OSError as probe:
+            code, reason = probe.errno, probe.strerror or reason
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        reason += f" (the file needs {size / 2**20:.1f} MiB)"
+    return reason
+
+
 def write_gguf(out_path: str, meta: Metadata, jobs: Sequence[TensorJob], progress: bool | None = None) -> None:
     """Write ``meta`` and the tensors of ``jobs`` to ``out_path`` via a unique temporary file in
     the same directory (``temp_path_beside``), renamed over ``out_path`` when complete.
 
     ``progress``: progress over tensors on stderr (``pyinfer.progress``; False: none).
-    Raises whatever a job's ``load`` raises; the temporary file is removed and ``out_path`` is
-    left untouched in that case.
+    Raises WriteError (a PyinferError naming ``out_path``) for an OSError on the way (disk full,
+    file too large, a source that cannot be read), and whatever else a job's ``load`` raises;
+    the temporary file is removed and ``out_path`` is left untouched in every case.
     """
     from pyinfer.progress import progress_bar
 
@@ -224,10 +252,19 @@ def write_gguf(out_path: str, meta: Metadata, jobs: Sequence[TensorJob], progres
         bar.close()
         writer.close()
         os.replace(tmp_path, out_path)
-    except BaseException:
-        writer.close()
+    except BaseException as e:
+        reason = None
+        if isinstance(e, OSError):
+            size = sum(tensor_nbytes(j.shape, j.qtype) for j in jobs)
+            reason = _write_reason(e, tmp_path, size)
+        try:
+            writer.close()
+        except OSError:
+            pass
         try:
             os.remove(tmp_path)
         except FileNotFoundError:
             pass
+        if reason is not None:
+            raise WriteError(out_path, reason) from None
         raise

@@ -983,10 +983,7 @@ def input_stage(src: str, out: str, outtype: str, opts, eng, seqs, source: str, 
             meta.u32(C.K_LM_HEAD_CANDIDATES, k_cand)
         jobs += lm_head_jobs(jobs, cfg, C.LM_HEAD_CHUNK, cal.head_norms if wina else None,
                              copy_t)
-    try:
-        write_gguf(out, meta, jobs, progress=opts.progress)
-    except OSError as e:
-        raise PyinferError(f"cannot write {out}: {e.strerror or e}") from None
+    write_gguf(out, meta, jobs, progress=opts.progress)
     secs["final write"] = time.perf_counter() - t0
     table = format_table(sparsity, loss, opts.input_score, opts.target_sparsity,
                          opts.input_alloc if opts.input_alloc != "fisher" else

@@ -287,6 +287,21 @@ def default_mode(cfg, weights, outtype: str, opts: OfflineOptions,
     return C.SPARSE_MODE_INPUT if input_mode_pays(weights, cfg, outtype, down_type) else mode
 
 
+def _stage(src: str, staging: str, out: str, outtype: str, progress, allow_unused: bool,
+           down_type: str | None) -> None:
+    """The dense conversion of ``src`` to the staging file; a failed write names ``out`` (the
+    staging file is a hidden file beside it the user never asked for)."""
+    from convert.cli import convert
+    from convert.writer import WriteError
+
+    try:
+        convert(src, staging, outtype, progress=progress, allow_unused=allow_unused,
+                down_type=down_type)
+    except WriteError as e:
+        raise WriteError(out, f"{e.reason}, writing its dense staging copy "
+                              f"{os.path.basename(staging)} beside it") from None
+
+
 def _staging_engine(staging: str, src: str, n_threads: int):
     """The dense engine over the staging file ``staging`` (f32 keys and values: the calibration
     records the model's own activations). NoTokenizerError naming the source ``src`` where it
@@ -352,8 +367,7 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
     k_cand = 0  # the two-stage lm head's candidates
     try:
         t0 = time.perf_counter()
-        convert(src, staging, outtype, progress=opts.progress, allow_unused=allow_unused,
-                down_type=down_type)
+        _stage(src, staging, out, outtype, opts.progress, allow_unused, down_type)
         secs["dense conversion"] = time.perf_counter() - t0
         n_threads = opts.n_threads or default_n_threads()
         # f32 keys and values: the calibration records the model's own activations (and the
@@ -519,10 +533,7 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
         from predictors.input_sparse import two_stage_head
 
         jobs, k_cand = two_stage_head(meta, jobs, cfg, opts.lm_head_candidates)
-        try:
-            write_gguf(out, meta, list(jobs) + new_jobs, progress=opts.progress)
-        except OSError as e:
-            raise PyinferError(f"cannot write {out}: {e.strerror or e}") from None
+        write_gguf(out, meta, list(jobs) + new_jobs, progress=opts.progress)
         secs["final write"] = time.perf_counter() - t0
     finally:
         eng = None
@@ -551,7 +562,7 @@ def dense_importance(src: str, out: str, outtype: str, opts: OfflineOptions | No
     is quantized round-to-nearest) or where no tensor is quantized to q4_0 / q5_0 from floats
     (a source of that type is copied as stored: no pass). Raises PyinferError as the
     conversion does."""
-    from convert.cli import convert, plan
+    from convert.cli import plan
     from convert.writer import temp_path_beside
     from pyinfer.tokenizer import NoTokenizerError
     from predictors.calibrate import calibration_tokens, read_calib_files
@@ -569,8 +580,7 @@ def dense_importance(src: str, out: str, outtype: str, opts: OfflineOptions | No
     staging = temp_path_beside(out, ".dense.tmp")
     t0 = time.perf_counter()
     try:
-        convert(src, staging, outtype, progress=opts.progress, allow_unused=allow_unused,
-                down_type=down_type)
+        _stage(src, staging, out, outtype, opts.progress, allow_unused, down_type)
         n_threads = opts.n_threads or default_n_threads()
         try:
             eng = _staging_engine(staging, src, n_threads)

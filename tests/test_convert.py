@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -693,6 +694,32 @@ def test_existing_output_survives_failure(models, converted, tmp_path):
     d = _copy_with_config(models, tmp_path, hidden_act="gelu")
     p = run_cli(d, str(out), "--dense")
     assert p.returncode == 1 and out.read_bytes() == b"old"
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGXFSZ"), reason="needs POSIX file-size limits")
+@pytest.mark.parametrize("mode", [["--dense"], []])
+def test_a_short_write_names_the_output_and_the_cause(models, converted, tmp_path, mode):
+    """A full disk (here: a file-size limit, RLIMIT_FSIZE) stopped NumPy's write of a tensor
+    with "N requested and M written"; the default mode named its hidden staging file. Now the
+    OS's reason and OUT are named, and nothing is left behind."""
+    import resource
+
+    limit = os.path.getsize(converted) // 2  # inside a tensor's data
+
+    def small_files():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    out = tmp_path / "out.gguf"
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-m", "convert.cli", models["bpe"], str(out), "--outtype",
+                        "f32", *mode], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=120, preexec_fn=small_files)
+    err = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 1 and err.startswith(f"error: cannot write {out}: File too large"), err
+    assert "requested" not in err and "Traceback" not in p.stderr
+    if not mode:
+        assert "dense staging copy" in err
+    assert os.listdir(tmp_path) == []
 
 
 # ---------------------------------------------------------------- the real model
