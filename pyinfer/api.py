@@ -318,7 +318,7 @@ class LLM:
         if getattr(getattr(getattr(self.engine, "model", None), "ffn", None), "is_input_sparse", False):
             stats.sparsity_label = "weight reads skipped"
         before = self._snapshot()
-        dec = self.tokenizer.stream_decoder(skip_special=True)
+        dec = self.tokenizer.stream_decoder(skip_special=True, continuation=True)
         limit = None if max_tokens is None or max_tokens <= 0 else int(max_tokens)
         constraint = None if grammar is None else grammar.matcher(self.tokenizer)
         gen = self.generate(prompt_tokens, max_tokens=limit, temperature=temperature, top_k=top_k,

@@ -44,7 +44,7 @@ class LogprobRecorder:
         # characters of the answer before and after each entry's token, from the decoder that
         # makes the answer's text (a split character counts where its last byte arrives)
         self.spans: list[tuple[int, int]] = []
-        self._dec = tokenizer.stream_decoder(skip_special=True)
+        self._dec = tokenizer.stream_decoder(skip_special=True, continuation=True)
         self._chars = 0
         self._taken = 0
 

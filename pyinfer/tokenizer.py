@@ -259,9 +259,7 @@ class Tokenizer:
             with _tokenizers_errors(C.K_HF_TOKENIZER_JSON):
                 hf = tokenizers.Tokenizer.from_str(hf_json)
             if not tokens:
-                n = hf.get_vocab_size(with_added_tokens=True)
-                common["tokens"] = [hf.id_to_token(i) or "" for i in range(n)]
-                common["token_types"] = np.full(n, TT_NORMAL, dtype=np.int32)
+                common["tokens"], common["token_types"] = _hf_tokens_and_types(hf, hf_json)
             return cls(kind="huggingface", hf=hf, **common)
         if model == "gpt2":
             merges = _field(C.K_TOK_MERGES, kind=list, item=str)
@@ -408,8 +406,36 @@ class Tokenizer:
         """Human-readable text of one token (a partial UTF-8 sequence shows as U+FFFD)."""
         return self.token_to_bytes(token_id).decode("utf-8", errors="replace")
 
-    def stream_decoder(self, skip_special: bool = True) -> "StreamDecoder":
-        return StreamDecoder(self, skip_special=skip_special)
+    def stream_decoder(self, skip_special: bool = True, continuation: bool = False) -> "StreamDecoder":
+        """A ``StreamDecoder``; ``continuation``: the ids continue a sequence under way (generated
+        text after a prompt), see there."""
+        return StreamDecoder(self, skip_special=skip_special, continuation=continuation)
+
+
+def _hf_tokens_and_types(hf, hf_json: str) -> tuple[list[str], np.ndarray]:
+    """Token texts and llama.cpp token types of a tokenizer.json stored without a token list (a
+    SentencePiece-style tokenizer.json alone, as transformers 5 saves Llama / Mistral ones):
+    added tokens marked ``special`` are CONTROL, other added tokens USER_DEFINED, and ``<0xNN>``
+    pieces of a model with ``byte_fallback`` BYTE (what tokenizers' ByteFallback decoder turns into
+    bytes). Without the types, byte tokens streamed as the text "<0xF0>" and control tokens were
+    printed."""
+    import json
+
+    n = hf.get_vocab_size(with_added_tokens=True)
+    tokens = [hf.id_to_token(i) or "" for i in range(n)]
+    types = np.full(n, TT_NORMAL, dtype=np.int32)
+    try:
+        byte_fallback = bool((json.loads(hf_json).get("model") or {}).get("byte_fallback"))
+    except (ValueError, AttributeError, RecursionError):
+        byte_fallback = False
+    if byte_fallback:
+        for i, t in enumerate(tokens):
+            if len(t) == 6 and _BYTE_PIECE.fullmatch(t):
+                types[i] = TT_BYTE
+    for i, added in hf.get_added_tokens_decoder().items():
+        if 0 <= i < n:
+            types[i] = TT_CONTROL if added.special else TT_USER_DEFINED
+    return tokens, types
 
 
 @contextlib.contextmanager
@@ -533,14 +559,21 @@ class StreamDecoder:
     last byte arrives. ``flush()`` returns whatever is left (an incomplete tail as U+FFFD). The
     concatenated output equals ``tokenizer.decode(ids, skip_special)`` for valid UTF-8.
     Special tokens are dropped when ``skip_special`` (the default, as llama.cpp prints its output).
+
+    ``continuation``: the ids continue a sequence already under way (a completion after its
+    prompt), so the first piece keeps its leading space: SentencePiece's dummy-prefix space is
+    removed only at the start of a text, and "▁the" after "Once upon a time," is " the"
+    (llama.cpp's ``token_to_piece``; llama-cpp-python's ``detokenize`` with the prompt as context).
+    Without it, completions of SentencePiece models lost their first space.
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special: bool = True):
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = True, continuation: bool = False):
         self._tok = tokenizer
         self._skip = skip_special
         self._pending = b""
         # SentencePiece's dummy-prefix space of a fragment's first piece is not part of the text.
-        self._strip_space = tokenizer._sp is not None and tokenizer.add_space_prefix
+        self._strip_space = (not continuation and tokenizer._sp is not None
+                             and tokenizer.add_space_prefix)
 
     def feed(self, token_id: int) -> str:
         tok = self._tok

@@ -32,7 +32,7 @@ class _Tokenizer:
         self.chat_template = None
         self.n_vocab = len(pieces)
 
-    def stream_decoder(self, skip_special=True):
+    def stream_decoder(self, skip_special=True, continuation=False):
         return _Decoder(self.pieces)
 
     def decode(self, ids, skip_special=False):

@@ -480,6 +480,26 @@ def test_spm_stream_decoder(spm_source):
     assert "".join(out) == "🦜" and all(o in ("", "🦜") for o in out) and out[-1] == "🦜"
 
 
+def test_spm_continuation_keeps_its_first_space(spm_source):
+    """Generated text continues its prompt: SentencePiece's dummy-prefix space is stripped only at
+    the start of a text, so the continuation of "Once upon a time," is " the world ..." (the
+    completions of every SentencePiece model lost that space). Reference: sentencepiece's decode
+    of the whole sequence, less its decode of the prompt."""
+    _, sp, path, _ = spm_source
+    tok = _load(path)
+    for prompt, rest in [("Once upon a time,", " the world is 🦜 big"), ("x", "\n\n  two"),
+                         ("café", " naïve 中文")]:
+        p, full = tok.encode(prompt, add_bos=False), tok.encode(prompt + rest, add_bos=False)
+        assert full[:len(p)] == p
+        want = sp.decode(full)[len(sp.decode(p)):]
+        d = tok.stream_decoder(continuation=True)
+        assert "".join(d.feed(i) for i in full[len(p):]) + d.flush() == want == rest
+    ids = tok.encode("the", add_bos=False)  # from the start of a text the prefix space goes
+    d = tok.stream_decoder()
+    assert tok.token_to_bytes(ids[0]).startswith(b" ")
+    assert "".join(d.feed(i) for i in ids) == sp.decode(ids) == "the"
+
+
 # ---- SmolLM2 (real model) ---------------------------------------------------------------------
 SMOLLM2 = smollm2_gguf_path()
 needs_smollm2 = pytest.mark.skipif(
@@ -533,3 +553,74 @@ def test_smollm2_matches_transformers_gguf_tokenizer(smollm2_reader):
     ours, theirs = tok.encode(" ½"), ref.encode(" ½", add_special_tokens=False)
     assert ours == [216, 16738] and theirs == [3351, 138]  # "Ġ", "½" vs "ĠÂ", "½" continuation byte
     assert ref.chat_template == tok.chat_template
+
+
+# ---- the trained relu-llama fixture, converted with one tokenizer file or the other -----------
+FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "relu-llama")
+
+
+@pytest.fixture(scope="module")
+def fixture_files(tmp_path_factory):
+    """{"spm": GGUF converted with tokenizer.model only (tokenizer.ggml.model llama, the path of
+    every llama.cpp Llama-2 / Mistral file), "json": with tokenizer.json only (stored as it is,
+    as for a transformers-5 Llama tokenizer)}."""
+    import shutil
+
+    from convert.cli import convert
+
+    out = {}
+    for kind, drop in (("spm", "tokenizer.json"), ("json", "tokenizer.model")):
+        d = tmp_path_factory.mktemp(kind)
+        for name in os.listdir(FIXTURE):
+            if name != drop:
+                shutil.copy(os.path.join(FIXTURE, name), d / name)
+        out[kind] = str(d / "model.gguf")
+        convert(str(d), out[kind], "f32", progress=False, down_rows=True)
+    return out
+
+
+def test_a_tokenizer_json_alone_knows_its_byte_and_control_tokens(fixture_files):
+    """Stored without a token list, every token was NORMAL: an emoji streamed as the text
+    "<0xF0><0x9F>..." and "</s>" was printed. Reference: ``tokenizers`` over the same
+    tokenizer.json (its decode of the whole sequence, less its decode of the prompt)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    ref = tokenizers.Tokenizer.from_file(os.path.join(FIXTURE, "tokenizer.json"))
+    tok = _load(fixture_files["json"])
+    assert tok.kind == "huggingface"
+    assert tok.is_special(tok.eos_id) and tok.is_special(tok.bos_id)
+    b = ref.token_to_id("<0xF0>")
+    assert tok.token_to_bytes(b) == b"\xf0"
+    for prompt, rest in [("Once upon a time,", " a 🦜 said 中文</s>"), ("a", " b\n\nc")]:
+        p = tok.encode(prompt, add_bos=False)
+        full = tok.encode(prompt + rest, add_bos=False)
+        assert full == ref.encode(prompt + rest, add_special_tokens=False).ids
+        want = ref.decode(full, skip_special_tokens=True)[len(ref.decode(p)):]
+        d = tok.stream_decoder(continuation=True)
+        got = "".join(d.feed(i) for i in full[len(p):]) + d.flush()
+        assert got == want and "<0x" not in got and "</s>" not in got
+    assert tok.decode(tok.encode("🦜 x", add_bos=False)) == ref.decode(ref.encode("🦜 x").ids)
+
+
+@pytest.mark.parametrize("kind", ["spm", "json"])
+def test_completions_keep_their_first_space(fixture_files, kind):
+    """A completion of a SentencePiece model ("Once upon a time," -> "the world ...") lost its
+    first space; the same weights with tokenizer.json kept it. Reference: the source
+    tokenizer (sentencepiece / tokenizers) decoding prompt + completion, less the prompt."""
+    from pyinfer import LLM
+
+    llm = LLM(fixture_files[kind], n_ctx=128, seed=0)
+    if kind == "spm":
+        import sentencepiece as spm
+
+        sp = spm.SentencePieceProcessor(model_file=os.path.join(FIXTURE, "tokenizer.model"))
+        decode = sp.decode
+    else:
+        tokenizers = pytest.importorskip("tokenizers")
+        ref = tokenizers.Tokenizer.from_file(os.path.join(FIXTURE, "tokenizer.json"))
+        decode = lambda ids: ref.decode(ids, skip_special_tokens=True)  # noqa: E731
+    prompt = llm.tokenize("Once upon a time,")
+    gen = list(llm.generate(prompt, max_tokens=8, temperature=0, ignore_eos=True))
+    llm.reset()
+    text = llm.create_completion(prompt, max_tokens=8, temperature=0, ignore_eos=True)
+    want = decode(prompt + gen)[len(decode(prompt)):]
+    assert text["choices"][0]["text"] == want and want.startswith(" ")
