@@ -25,6 +25,7 @@ from datetime import datetime
 from functools import lru_cache
 
 import jinja2
+import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
 
@@ -180,8 +181,21 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
 
 
 @lru_cache(maxsize=8)
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` renders its body: the tag transformers' chat
+    templates use to mark the assistant's tokens for training masks (its AssistantTracker);
+    without it such a template did not compile and the model could not chat."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
 def _compile(template: str) -> jinja2.Template:
-    env = _BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = _BoundedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                              extensions=["jinja2.ext.loopcontrols", _GenerationTag])
     env.filters = {name: _bounded_filter(f) for name, f in env.filters.items()}
     env.filters["tojson"] = _bounded_filter(_tojson)
     env.globals.pop("lipsum", None)  # lorem ipsum generator: no template needs it, lipsum(n=10**7) costs
@@ -266,7 +280,12 @@ def render_chat(
     """
     if not template:
         template = CHATML_TEMPLATE
+    # as transformers' apply_chat_template: keys set to None are left out of a message (a
+    # "content": None renders as nothing, not "None"), and tools / documents are always defined
+    messages = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m
+                for m in messages]
     max_out = limits.output_base + limits.output_per_input * _text_size([messages, extra])
+    extra = {"tools": None, "documents": None, **extra}
     try:
         tmpl = _compile(template)
         return _render_bounded(

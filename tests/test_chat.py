@@ -76,6 +76,32 @@ def test_matches_transformers(hf_tokenizer, template, chat, gen):
     assert render_chat(template, messages, add_generation_prompt=gen, bos_token="<s>", eos_token="</s>") == expected
 
 
+# tools / documents tests, message keys, and the {% generation %} tag of training templates
+TOOLS_TEMPLATE = (
+    "{% if tools is not none %}[TOOLS {{ tools | length }}]{% endif %}"
+    "{% if documents is defined %}[DOCS {{ documents is none }}]{% endif %}"
+    "{% for m in messages %}{{ m.role }}: {{ m.content }} {{ m | list | sort }}"
+    "{% if m.role == 'assistant' %}{% generation %}<{{ m.content }}>{% endgeneration %}{% endif %}\n"
+    "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+@pytest.mark.parametrize("tools", [None, [{"type": "function", "function": {"name": "f"}}]])
+def test_none_values_tools_and_the_generation_tag_match_transformers(hf_tokenizer, tools):
+    """transformers leaves a message's None-valued keys out ("content": None rendered "None"
+    here), always defines tools and documents (None: "tools is not none" was true here), and
+    renders {% generation %} blocks (the template did not compile here)."""
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": None},
+                {"role": "user", "content": "again"}]
+    hf_tokenizer.chat_template = TOOLS_TEMPLATE
+    expected = hf_tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                add_generation_prompt=True)
+    extra = {} if tools is None else {"tools": tools}
+    assert render_chat(TOOLS_TEMPLATE, messages, **extra) == expected
+    assert messages[1]["content"] is None  # the caller's messages are not changed
+
+
 def test_smollm2_template_literal():
     out = render_chat(SMOLLM2_TEMPLATE, CHATS[0])
     assert out == (
