@@ -26,6 +26,8 @@ from pyinfer.errors import PyinferError
 from pyinfer.logprobs import LogprobRecorder
 from pyinfer.sampler import SamplingParams
 
+#: Most inputs one embeddings call takes (OpenAI's limit for /v1/embeddings).
+MAX_EMBEDDING_INPUTS = 2048
 
 
 @dataclass
@@ -421,7 +423,7 @@ class LLM:
         self._check_request(max_tokens, stop, seed)
         gram = grammar_of(response_format, grammar, json_schema)
         if gram is not None:
-            gram.llguidance_grammar()  # a bad grammar fails here, before a stream starts
+            gram.check(self.tokenizer)  # a bad grammar fails here, before a stream starts
         rec = None
         if logprobs is not None:
             options.check("top_logprobs", logprobs, "logprobs")
@@ -431,8 +433,11 @@ class LLM:
                   should_stop=should_stop, grammar=gram, logprobs=rec, **dry)
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
+        sent = [0]  # characters streamed: a chunk's logprobs cover only tokens whose text it sent
+
         def chunk(text, finish):
-            lp = None if rec is None else rec.completion(rec.take())
+            sent[0] += len(text)
+            lp = None if rec is None else rec.completion(rec.take(None if finish else sent[0]))
             return {"id": cid, "object": "text_completion", "created": created, "model": self.model_name,
                     "choices": [{"text": text, "index": 0, "logprobs": lp, "finish_reason": finish}]}
 
@@ -512,7 +517,7 @@ class LLM:
                 raise PyinferError("top_logprobs needs logprobs set to true")
         gram = grammar_of(response_format, grammar, json_schema)
         if gram is not None:
-            gram.llguidance_grammar()
+            gram.check(self.tokenizer)
         rec = LogprobRecorder(self.tokenizer, top_logprobs or 0) if logprobs else None
         ids = self.chat_tokens(messages)
         self.check_fits(ids)
@@ -521,13 +526,19 @@ class LLM:
                   grammar=gram, logprobs=rec, **dry)
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
-        def lp():
-            return None if rec is None else {"content": rec.chat_content(rec.take()), "refusal": None}
+        sent = [0]  # characters streamed: a chunk's logprobs cover only tokens whose text it sent
+
+        def lp(upto=None):
+            return None if rec is None else {"content": rec.chat_content(rec.take(upto)),
+                                             "refusal": None}
 
         def chunk(delta, finish):
+            sent[0] += len(delta.get("content", ""))
             return {"id": cid, "object": "chat.completion.chunk", "created": created,
                     "model": self.model_name,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": lp(), "finish_reason": finish}]}
+                    "choices": [{"index": 0, "delta": delta,
+                                 "logprobs": lp(None if finish else sent[0]),
+                                 "finish_reason": finish}]}
 
         if stream:
             def chunks():
@@ -542,19 +553,28 @@ class LLM:
                              "logprobs": lp(), "finish_reason": self.last_stats.finish_reason}],
                 "usage": self.usage()}
 
-    def create_embedding(self, input: str | list, model: str | None = None) -> dict:  # noqa: A002
+    def create_embedding(self, input: str | list, model: str | None = None,  # noqa: A002
+                         should_stop=None) -> dict:
         """OpenAI ``/v1/embeddings``: for each input (a string, a list of strings, or token ids),
         the mean over its tokens of the final hidden states after the output norm, scaled to unit
         L2 norm (llama.cpp's server: mean pooling, ``embd_normalize`` 2). Returns
         ``{"object": "list", "data": [{"object": "embedding", "index", "embedding": [n_embd floats]}],
-        "model", "usage": {"prompt_tokens", "total_tokens"}}``. Raises PyinferError for an empty
-        input or one longer than the context. ``model`` is accepted and ignored (one model)."""
+        "model", "usage": {"prompt_tokens", "total_tokens"}}``. ``should_stop``: a callable
+        checked before each input; when it returns True the call ends with PyinferError
+        ("interrupted"). Raises PyinferError for an empty input, one longer than the context, or
+        more than MAX_EMBEDDING_INPUTS inputs (OpenAI's limit). ``model`` is accepted and ignored
+        (one model)."""
         if isinstance(input, str) or (isinstance(input, list) and input and isinstance(input[0], int)):
             input = [input]
         if not isinstance(input, list) or not input:
             raise PyinferError("input must be a string, a list of strings or a list of token ids")
+        if len(input) > MAX_EMBEDDING_INPUTS:
+            raise PyinferError(f"input has {len(input)} items, more than {MAX_EMBEDDING_INPUTS} "
+                               "(OpenAI's limit): send them in several requests")
         data, n_tokens = [], 0
         for i, item in enumerate(input):
+            if should_stop is not None and should_stop():
+                raise PyinferError(f"the embeddings were interrupted after {i} of {len(input)} inputs")
             ids = self.tokenize(item) if isinstance(item, str) else token_ids(item, f"input[{i}]")
             if not ids:
                 raise PyinferError(f"input[{i}] is empty")
@@ -571,7 +591,8 @@ def grammar_of(response_format: dict | None, grammar: str | None, json_schema=No
     """The ``pyinfer.grammar.Grammar`` a request asks for, or None.
 
     ``response_format``: OpenAI's ``{"type": "text"}``, ``{"type": "json_object"}`` or
-    ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``; ``grammar``: GBNF or
+    ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`` (and llama.cpp's
+    ``{"type": "json_object", "schema": {...}}``, the schema applied); ``grammar``: GBNF or
     Lark text (llama.cpp's ``grammar``); ``json_schema``: a schema dict (llama.cpp's
     ``json_schema``). Raises PyinferError for a malformed value or more than one of them.
     """
@@ -584,7 +605,9 @@ def grammar_of(response_format: dict | None, grammar: str | None, json_schema=No
             raise PyinferError("response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} "
                                "or {\"type\": \"json_schema\", \"json_schema\": {\"schema\": ...}}")
         kind = response_format["type"]
-        if kind == "json_object":
+        if kind == "json_object" and response_format.get("schema") is not None:
+            given.append(Grammar.json_schema(response_format["schema"]))  # llama.cpp's form
+        elif kind == "json_object":
             given.append(Grammar("json_object"))
         elif kind == "json_schema":
             spec = response_format.get("json_schema")

@@ -12,6 +12,7 @@ cached (building it walks the whole vocabulary). Install with ``pip install pyin
 """
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 
@@ -25,6 +26,11 @@ ANY_OBJECT_SCHEMA = {"type": "object"}
 #: llguidance's JSON layout options (its docs/json_schema.md, "Whitespace handling"): JSON on one
 #: line as Python's json.dumps writes it.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+#: Most rules ("::=") a GBNF grammar may have. llguidance's GBNF conversion grows with the square
+#: of a chain of rules (each naming the next: 1,000 rules 0.6-1.3 s, 2,000 6.4 s, 15,000 minutes
+#: on the 2-core box) and cannot be interrupted; real grammars have tens (llama.cpp's json.gbnf
+#: 9). Lark text has no such cost.
+MAX_GBNF_RULES = 1000
 
 
 def _llguidance():
@@ -64,23 +70,49 @@ class Grammar:
         return cls("json_schema", json.dumps(schema))
 
     def llguidance_grammar(self) -> str:
-        """The grammar in llguidance's own format. Raises PyinferError when it does not parse."""
+        """The grammar in llguidance's own format (converted once: the last few are cached).
+        Raises PyinferError when it does not parse, or for a GBNF grammar of more than
+        MAX_GBNF_RULES rules."""
+        return _converted(self.kind, self.text)
+
+    def check(self, tokenizer=None) -> None:
+        """Raise PyinferError unless the grammar converts and llguidance accepts it (an
+        unsatisfiable schema, an unknown ``$ref`` ...), as ``matcher`` would; with ``tokenizer``
+        it is also checked against the vocabulary. Cheap after the first call (cached)."""
+        grammar = self.llguidance_grammar()
         llg = _llguidance()
-        try:
-            if self.kind in ("json_object", "json_schema"):
-                schema = ANY_OBJECT_SCHEMA if self.kind == "json_object" else json.loads(self.text)
-                if "x-guidance" not in schema:  # one line, one space after ':' and ',' (a small
-                    # model given free whitespace can emit newlines until the token limit)
-                    schema = dict(schema, **{"x-guidance": JSON_LAYOUT})
-                return llg.grammar_from("json_schema", json.dumps(schema))
-            return llg.grammar_from(self.kind, self.text)
-        except (ValueError, RuntimeError, TypeError) as e:
-            raise PyinferError(f"bad {self.kind.replace('_', ' ')}: {_first_line(e)}") from None
+        err = (llg.LLMatcher.validate_grammar(grammar) if tokenizer is None
+               else llg.LLMatcher.validate_grammar(grammar, lltokenizer(tokenizer)))
+        if err:
+            raise PyinferError(f"bad grammar: {_first_line(Exception(err))}")
 
     def matcher(self, tokenizer) -> "Constraint":
         """A fresh ``Constraint`` for one generation with ``tokenizer`` (pyinfer.tokenizer.Tokenizer).
         Raises PyinferError when the grammar is invalid."""
         return Constraint(lltokenizer(tokenizer), self.llguidance_grammar(), tokenizer.n_vocab)
+
+
+@functools.lru_cache(maxsize=8)
+def _converted(kind: str, text: str) -> str:
+    """``Grammar.llguidance_grammar``'s work: a request's grammar is checked by the server, then
+    used by the API and the matcher; converting it three times tripled a slow conversion."""
+    llg = _llguidance()
+    if kind == "gbnf":
+        n_rules = text.count("::=")
+        if n_rules > MAX_GBNF_RULES:
+            raise PyinferError(f"the GBNF grammar has {n_rules} rules, more than {MAX_GBNF_RULES} "
+                               "(its conversion would take minutes); write it in Lark, or with "
+                               "fewer rules")
+    try:
+        if kind in ("json_object", "json_schema"):
+            schema = ANY_OBJECT_SCHEMA if kind == "json_object" else json.loads(text)
+            if "x-guidance" not in schema:  # one line, one space after ':' and ',' (a small
+                # model given free whitespace can emit newlines until the token limit)
+                schema = dict(schema, **{"x-guidance": JSON_LAYOUT})
+            return llg.grammar_from("json_schema", json.dumps(schema))
+        return llg.grammar_from(kind, text)
+    except (ValueError, RuntimeError, TypeError) as e:
+        raise PyinferError(f"bad {kind.replace('_', ' ')}: {_first_line(e)}") from None
 
 
 def _first_line(e: Exception) -> str:

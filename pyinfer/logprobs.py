@@ -65,10 +65,18 @@ class LogprobRecorder:
             self.spans.append((start, self._chars))
             self._last = None
 
-    def take(self) -> list:
-        """Entries committed since the previous ``take``, each with its (start, end) span."""
-        out = list(zip(self.entries[self._taken:], self.spans[self._taken:]))
-        self._taken = len(self.entries)
+    def take(self, upto: int | None = None) -> list:
+        """Entries committed since the previous ``take``, each with its (start, end) span; with
+        ``upto`` (characters of the answer sent so far) only those whose text ends within it: a
+        stream must not hand out a token whose text is still held back (it may be cut by a stop
+        string, and ``trim`` then drops it)."""
+        end = len(self.entries)
+        if upto is not None:
+            end = self._taken
+            while end < len(self.entries) and self.spans[end][1] <= upto:
+                end += 1
+        out = list(zip(self.entries[self._taken:end], self.spans[self._taken:end]))
+        self._taken = end
         return out
 
     def trim(self, n_chars: int) -> None:

@@ -114,17 +114,8 @@ def sampling_options(body: dict, max_tokens_default: int | None) -> dict:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be a boolean", "stream")
-    grammar_fields = dict(response_format=body.get("response_format"), grammar=body.get("grammar"),
-                          json_schema=body.get("json_schema"))
-    try:
-        from pyinfer.api import grammar_of
-
-        g = grammar_of(**grammar_fields)
-        if g is not None:
-            g.llguidance_grammar()  # a grammar that does not parse is the request's fault: 400
-    except PyinferError as e:
-        given = [k for k, v in grammar_fields.items() if v is not None]
-        raise BadRequest(str(e), given[0] if given else None) from None
+    grammar_fields = _grammar_fields(body)
+    request_grammar(body)  # its shape; check_grammar converts it, off the event loop
     opts = dict(
         max_tokens=_number(body, "max_tokens", max_tokens_default, "max_tokens"),
         # llama.cpp server's defaults, not OpenAI's (temperature 1, no filters): kinder to small models
@@ -144,6 +135,40 @@ def sampling_options(body: dict, max_tokens_default: int | None) -> dict:
         **{k: v for k, v in grammar_fields.items() if v is not None},
     )
     return opts
+
+
+def _grammar_fields(body: dict) -> dict:
+    return dict(response_format=body.get("response_format"), grammar=body.get("grammar"),
+                json_schema=body.get("json_schema"))
+
+
+def request_grammar(body: dict):
+    """The ``pyinfer.grammar.Grammar`` the body asks for, or None. Raises BadRequest naming the
+    field for a malformed one."""
+    from pyinfer.api import grammar_of
+
+    fields = _grammar_fields(body)
+    try:
+        return grammar_of(**fields)
+    except PyinferError as e:
+        given = [k for k, v in fields.items() if v is not None]
+        raise BadRequest(str(e), given[0] if given else None) from None
+
+
+def check_grammar(body: dict, tokenizer) -> None:
+    """BadRequest naming the field when the body's grammar does not convert or llguidance
+    refuses it with ``tokenizer`` (an unsatisfiable schema, an unknown $ref, too many GBNF
+    rules): the request's fault, answered 400 before it waits in the queue. Converting a GBNF
+    grammar can take a second: call it off the event loop. The conversion is cached for the
+    engine's use."""
+    g = request_grammar(body)
+    if g is None:
+        return
+    try:
+        g.check(tokenizer)
+    except PyinferError as e:
+        given = [k for k, v in _grammar_fields(body).items() if v is not None]
+        raise BadRequest(str(e), given[0]) from None
 
 
 def encode_embeddings(result: dict, fmt: str) -> dict:
@@ -183,6 +208,8 @@ def include_usage(body: dict) -> bool:
         return False
     if not isinstance(so, dict) or not isinstance(so.get("include_usage", False), bool):
         raise BadRequest("'stream_options' must be an object with a boolean 'include_usage'", "stream_options")
+    if body.get("stream") is not True:  # OpenAI's rule
+        raise BadRequest("'stream_options' is only allowed when 'stream' is true", "stream_options")
     return so.get("include_usage", False)
 
 
@@ -398,6 +425,8 @@ def create_app(llm, max_queue: int = 4, api_key: str | None = None):
                     if cancel.is_set():
                         result.close()
                         break
+                    if usage:  # OpenAI: "usage": null on every chunk before the last
+                        chunk = dict(chunk, usage=None)
                     loop.call_soon_threadsafe(out.put_nowait, chunk)
                 else:
                     if usage and chunk is not None:
@@ -466,6 +495,7 @@ def create_app(llm, max_queue: int = 4, api_key: str | None = None):
             opts = sampling_options(body, max_tokens_default=16)
             opts.update(logprob_options(body, chat=False))
             usage = include_usage(body)
+            await run_in_threadpool(check_grammar, body, llm.tokenizer)
             # tokenizing up to 1 MiB takes a while: off the event loop, which keeps serving
             ids = await run_in_threadpool(llm.tokenize, prompt) if isinstance(prompt, str) else prompt
             if isinstance(prompt, list) and any(not 0 <= t < llm.tokenizer.n_vocab for t in prompt):
@@ -484,6 +514,7 @@ def create_app(llm, max_queue: int = 4, api_key: str | None = None):
             opts = sampling_options(body, max_tokens_default=None)
             opts.update(logprob_options(body, chat=True))
             usage = include_usage(body)
+            await run_in_threadpool(check_grammar, body, llm.tokenizer)
             if body.get("max_completion_tokens") is not None and body.get("max_tokens") is None:
                 opts["max_tokens"] = _number(body, "max_completion_tokens", None, "max_tokens")
             try:
@@ -511,6 +542,11 @@ def create_app(llm, max_queue: int = 4, api_key: str | None = None):
                        for x in inp)))
             if not ok:
                 raise BadRequest("'input' must be a string, a list of strings or token ids", "input")
+            from pyinfer.api import MAX_EMBEDDING_INPUTS
+
+            if isinstance(inp, list) and not isinstance(inp[0], int) and len(inp) > MAX_EMBEDDING_INPUTS:
+                raise BadRequest(f"'input' has {len(inp)} items, more than {MAX_EMBEDDING_INPUTS}",
+                                 "input")
             if not hasattr(llm.engine.model, "run_layers"):
                 return error(501, "embeddings are computed by the CPU model only: start pyinfer-serve "
                              "with --device cpu", kind="not_implemented")
@@ -523,8 +559,8 @@ def create_app(llm, max_queue: int = 4, api_key: str | None = None):
                                  "dimensions")
         except BadRequest as e:
             return error(e.status, str(e), e.param)
-        return await run_job(request, lambda stop: encode_embeddings(llm.create_embedding(inp), fmt),
-                             stream=False)
+        return await run_job(request, lambda stop: encode_embeddings(
+            llm.create_embedding(inp, should_stop=stop), fmt), stream=False)
 
     async def models(request: Request):
         return JSONResponse({"object": "list", "data": [

@@ -316,6 +316,47 @@ def test_logprobs_end_where_a_stop_string_cuts_the_text(smollm2_llm):
 
 
 @pytest.mark.slow
+def test_streamed_logprobs_leave_out_a_token_the_stop_string_cuts(smollm2_llm):
+    """A stream handed out each token's logprobs as soon as the token came, also a token whose
+    text was still held back as a possible stop string; when the stop matched, the stream had
+    sent it and the non-streamed answer had not. Stop strings that begin inside a token."""
+    llm = smollm2_llm
+    prompt = "Once upon a time"
+    full = fresh(llm).create_completion(prompt, max_tokens=24, temperature=0, logprobs=1)
+    text, lp = full["choices"][0]["text"], full["choices"][0]["logprobs"]
+    ends = lp["text_offset"][1:] + [len(text)]
+    cases = 0
+    for k in range(1, len(lp["tokens"]) - 1):
+        start, end = lp["text_offset"][k], ends[k]
+        stop = text[start + 1:ends[k + 1]]
+        if end - start < 2 or text.find(stop) != start + 1:
+            continue
+        cases += 1
+        for chat in (False, True):
+            if chat:
+                msgs = [{"role": "user", "content": prompt}]
+                a = fresh(llm).create_chat_completion(msgs, max_tokens=24, temperature=0,
+                                                      logprobs=True, stop=stop)
+                b = list(fresh(llm).create_chat_completion(msgs, max_tokens=24, temperature=0,
+                                                           logprobs=True, stop=stop, stream=True))
+                want = [e["token"] for e in a["choices"][0]["logprobs"]["content"]]
+                got = [e["token"] for c in b for e in (c["choices"][0]["logprobs"] or {}).get(
+                    "content", [])]
+            else:
+                a = fresh(llm).create_completion(prompt, max_tokens=24, temperature=0, logprobs=1,
+                                                 stop=stop)
+                b = list(fresh(llm).create_completion(prompt, max_tokens=24, temperature=0,
+                                                      logprobs=1, stop=stop, stream=True))
+                want = a["choices"][0]["logprobs"]["tokens"]
+                got = [t for c in b for t in c["choices"][0]["logprobs"]["tokens"]]
+                assert want == lp["tokens"][:k]  # the straddling token went with the stop
+            assert got == want, (stop, chat)
+        if cases == 2:
+            break
+    assert cases == 2
+
+
+@pytest.mark.slow
 def test_logprobs_of_tokens_that_split_a_character(smollm2_llm):
     """Japanese text comes one byte token at a time (each kana split in two tokens). Every such
     token showed as U+FFFD, so its ``text_offset`` counted one character per token and pointed

@@ -173,6 +173,17 @@ def app_client(tiny_llm):
     ("/v1/embeddings", {"input": "the", "encoding_format": "hex"}, "encoding_format"),
     ("/v1/embeddings", {"input": 5}, "input"),
     ("/v1/embeddings", {"input": "the", "dimensions": 7}, "dimensions"),
+    # found only when the matcher was built: answered with "param": null after the queue
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "json_schema": {"type": "string", "minLength": 5, "maxLength": 2}},
+     "json_schema"),
+    ("/v1/completions", {"prompt": "the", "response_format": {
+        "type": "json_schema", "json_schema": {"schema": {"$ref": "#/$defs/none"}}}}, "response_format"),
+    ("/v1/completions", {"prompt": "the", "grammar": "root ::= r0\n" + "".join(
+        f'r{i} ::= "a" r{i + 1} | "b"\n' for i in range(1200)) + 'r1200 ::= "z"\n'}, "grammar"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/embeddings", {"input": ["a"] * 2049}, "input"),
 ])
 def test_unsupported_fields_and_values_are_refused(app_client, path, body, param):
     r = app_client.post(path, json=body)
@@ -194,6 +205,62 @@ def test_server_embeddings_and_neutral_fields(app_client, tiny_llm):
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     assert choice["text"] == "ab" and len(choice["logprobs"]["tokens"]) >= 1
+
+
+def test_a_grammar_is_converted_once_per_request(app_client, monkeypatch):
+    """The server checked a GBNF grammar on its event loop, then the API and the matcher converted
+    it again (three times a conversion that takes seconds for a long chain of rules)."""
+    import llguidance
+
+    from pyinfer import grammar
+
+    calls = []
+    real = llguidance.grammar_from
+    monkeypatch.setattr(llguidance, "grammar_from", lambda *a: calls.append(a[0]) or real(*a))
+    grammar._converted.cache_clear()
+    r = app_client.post("/v1/completions", json={"prompt": "the", "max_tokens": 4, "temperature": 0,
+                                                 "grammar": 'root ::= "a" ("b" | "c")'})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("ab", "ac"), r.text
+    assert calls == ["gbnf"]
+
+
+def test_json_object_with_a_schema_applies_it(tiny_llm):
+    """llama.cpp's {"type": "json_object", "schema": {...}} was read as any JSON object."""
+    out = tiny_llm.create_completion("the", max_tokens=40, temperature=0, response_format={
+        "type": "json_object", "schema": {"type": "array", "items": {"type": "integer"},
+                                          "minItems": 1, "maxItems": 3}})
+    c = out["choices"][0]
+    if c["finish_reason"] == "stop":  # a complete answer (else cut by max_tokens)
+        value = json.loads(c["text"])
+        assert isinstance(value, list) and 1 <= len(value) <= 3
+        assert all(isinstance(v, int) for v in value)
+    else:
+        assert c["text"].startswith("[")
+
+
+def test_stream_chunks_carry_usage_null_before_the_last(app_client):
+    """OpenAI: with include_usage every chunk has "usage", null until the last one."""
+    r = app_client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "stream": True,
+        "stream_options": {"include_usage": True}})
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines()
+              if line.startswith("data: {")]
+    assert len(chunks) >= 3 and all(c["usage"] is None for c in chunks[:-1])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] >= 1
+
+
+def test_embeddings_stop_when_asked(tiny_llm):
+    """The server's embeddings job ran on after its client had gone (one 20,000-input request
+    held the engine for minutes); it now checks should_stop before each input."""
+    seen = []
+
+    def stop():
+        seen.append(1)
+        return len(seen) > 2
+    with pytest.raises(PyinferError, match="interrupted after 2 of 5 inputs"):
+        tiny_llm.create_embedding(["the"] * 5, should_stop=stop)
+    with pytest.raises(PyinferError, match="more than 2048"):
+        tiny_llm.create_embedding(["the"] * 2049)
 
 
 # ---- the CLI: --grammar-file, -j ---------------------------------------------------------------------
