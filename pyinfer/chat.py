@@ -180,7 +180,6 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
         return _check_value(super().call(__context, __obj, *args, **kwargs))
 
 
-@lru_cache(maxsize=8)
 class _GenerationTag(jinja2.ext.Extension):
     """``{% generation %}...{% endgeneration %}`` renders its body: the tag transformers' chat
     templates use to mark the assistant's tokens for training masks (its AssistantTracker);
@@ -193,6 +192,7 @@ class _GenerationTag(jinja2.ext.Extension):
         return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
 
+@lru_cache(maxsize=8)
 def _compile(template: str) -> jinja2.Template:
     env = _BoundedEnvironment(trim_blocks=True, lstrip_blocks=True,
                               extensions=["jinja2.ext.loopcontrols", _GenerationTag])
