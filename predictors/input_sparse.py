@@ -721,16 +721,24 @@ def head_candidates(jobs, cfg, asked: int | None) -> int:
     than 4 bits (``_WIDE_HEADS``), else 0; at most n_vocab. The q4_1 copy needs n_vocab a
     multiple of 64 and n_embd of 32: otherwise 0 (PyinferError where K was asked for)."""
     from predictors.offline import DEFAULT_LM_HEAD_CANDIDATES
-    from pyinfer.errors import PyinferError
 
     fits = cpu.ib_supported(C.QT.Q4_1, cfg.n_vocab, cfg.n_embd)
     if asked is None:
         wide = lm_head_source(jobs).qtype in _WIDE_HEADS
         return min(DEFAULT_LM_HEAD_CANDIDATES, cfg.n_vocab) if wide and fits else 0
-    if asked and not fits:
+    check_candidates(cfg, asked)
+    return min(asked, cfg.n_vocab)
+
+
+def check_candidates(cfg, asked: int | None) -> None:
+    """PyinferError where --lm-head-candidates K > 0 was asked of a model whose head cannot
+    have the copy (n_vocab not a multiple of 64 or n_embd of 32): the offline stage calls it as
+    soon as the model is known, before calibration."""
+    from pyinfer.errors import PyinferError
+
+    if asked and not cpu.ib_supported(C.QT.Q4_1, cfg.n_vocab, cfg.n_embd):
         raise PyinferError("--lm-head-candidates needs a vocabulary that is a multiple of 64 and "
                            f"n_embd of 32 (this one: {cfg.n_vocab}, {cfg.n_embd})")
-    return min(asked, cfg.n_vocab)
 
 
 def head_copy_type(jobs, cfg):

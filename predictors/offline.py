@@ -168,8 +168,9 @@ class OfflineOptions:
             raise PyinferError(f"--target-recall must be in (0, 1), got {self.target_recall}")
         if self.target_sparsity is not None and not 0.0 < self.target_sparsity < 1.0:
             raise PyinferError(f"--target-sparsity must be in (0, 1), got {self.target_sparsity}")
-        if self.vram_budget_gib is not None and not self.vram_budget_gib > 0:
-            raise PyinferError(f"--vram-budget must be > 0 GiB, got {self.vram_budget_gib}")
+        if self.vram_budget_gib is not None and not 0 < self.vram_budget_gib < float("inf"):
+            raise PyinferError(f"--vram-budget must be a finite number > 0 GiB, got "
+                               f"{self.vram_budget_gib}")
         if self.max_epochs < 1:
             raise PyinferError(f"--epochs must be >= 1, got {self.max_epochs}")
         if self.train_device not in TRAIN_DEVICES:
@@ -340,7 +341,7 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
     """
     from convert.cli import convert, plan
     from convert.writer import VT, TensorJob, write_gguf
-    from pyinfer.placement import model_gpu_bytes, solve, tensor_sizes
+    from pyinfer.placement import budget_bytes, model_gpu_bytes, placement_ctx, solve, tensor_sizes
     from predictors.calibrate import calibration_tokens, read_calib_files
     from predictors.profile import profile, sparse_mode
     from predictors.report import format_table
@@ -374,6 +375,9 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
         # files it writes do not depend on the run's --cache-type)
         eng = _staging_engine(staging, src, n_threads)
         cfg = eng.cfg
+        from predictors.input_sparse import check_candidates
+
+        check_candidates(cfg, opts.lm_head_candidates)  # before calibration, not at the final write
         chunk_len = min(CHUNK_LEN, eng.n_ctx)
         mode = sparse_mode(cfg)
         if opts.sparse_mode == C.SPARSE_MODE_INPUT:
@@ -384,6 +388,13 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
             mode = C.SPARSE_MODE_INPUT
         elif opts.sparse_mode is None:
             mode = default_mode(cfg, eng.weights, outtype, opts, down_type)
+        elif opts.sparse_mode == C.SPARSE_MODE_GLU and mode == C.SPARSE_MODE_RELU:
+            raise PyinferError(f"--sparse-mode glu needs a gated model (SwiGLU); this one's FFN is "
+                               f"{cfg.hidden_act}: it takes sparse mode relu, its own (leave "
+                               "--sparse-mode out)")
+        if mode == C.SPARSE_MODE_RELU and opts.target_sparsity is not None:
+            raise PyinferError("--target-sparsity sets the sparsity of sparse modes glu and input; "
+                               f"a {cfg.hidden_act} model's zeros are its own (leave it out)")
         if mode == NO_SPARSE_MODE:  # a dense file (row-layout ffn_down), the two-stage head
             opts.check_flags(None, "a sparse mode, which this model takes none of by default "
                                    "(--sparse-mode glu)")
@@ -437,13 +448,7 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
             raise PyinferError(f"the model is too small for --target-sparsity {opts.target_sparsity}: "
                                f"its {cfg.n_ff} FFN neurons per layer would leave none active")
         sizes = tensor_sizes(eng.reader)
-        budget_bytes = None
-        if opts.vram_budget_gib is not None:
-            budget_bytes = int(round(opts.vram_budget_gib * 2**30))
-            total = model_gpu_bytes(sizes, cfg)
-            if budget_bytes > total:
-                raise PyinferError(f"--vram-budget {opts.vram_budget_gib} GiB is larger than the whole "
-                                   f"model ({total / 2**30:.3f} GiB with its KV cache); no split is needed")
+        budget = None if opts.vram_budget_gib is None else budget_bytes(opts.vram_budget_gib)
 
         # 1. calibration text, 2. profile
         t0 = time.perf_counter()
@@ -479,14 +484,20 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
 
         # 4. placement (fixed bytes include the predictors about to be written)
         placement = None
-        if budget_bytes is not None:
+        if budget is not None:
             t0 = time.perf_counter()
             for i, (fc1, fc2, _) in enumerate(preds):
                 sizes[C.FC1.format(bid=i)] = fc1.size * pred_elt
                 sizes[C.FC2.format(bid=i)] = fc2.size * pred_elt
-            placement = solve(counts, sizes, cfg, budget_bytes, group_size=DEFAULT_GROUP_SIZE)
+            rank = max(int(fc1.shape[0]) for fc1, _, _ in preds)
+            placement = solve(counts, sizes, cfg, budget, group_size=DEFAULT_GROUP_SIZE, rank=rank)
             for r, b in zip(rows, placement.gpu_bucket):
                 r.gpu = int(b.size)
+            total = model_gpu_bytes(sizes, cfg, rank=rank)
+            if budget >= total:
+                _log(f"--vram-budget {opts.vram_budget_gib:g} GiB holds the whole model with the "
+                     f"GPU engine's buffers ({total / 2**30:.4g} GiB at a {placement_ctx(cfg)}-token "
+                     "context): every neuron is placed on the GPU", opts.progress)
             secs["placement"] = time.perf_counter() - t0
         # the importance matrix for q4_0 / q5_0 scales (input_sparse.weighted_jobs): the rows
         # whose inputs lie along them; ffn_down_t's blocks run along outputs, where it is flat
@@ -522,7 +533,7 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
             new_jobs.append(TensorJob(C.ACT_COUNT.format(bid=i), counts[i].shape, C.QT.I32,
                                       lambda a=counts[i]: a))
         if placement is not None:
-            meta.set(C.K_VRAM_BUDGET, int(budget_bytes), VT.UINT64)
+            meta.set(C.K_VRAM_BUDGET, int(budget), VT.UINT64)
             meta.u32(C.K_GROUP_SIZE, DEFAULT_GROUP_SIZE)
             for i, (mask, bucket) in enumerate(zip(placement.gpu_idx, placement.gpu_bucket)):
                 new_jobs.append(TensorJob(C.GPU_IDX.format(bid=i), mask.shape, C.QT.I32, lambda a=mask: a))

@@ -49,7 +49,9 @@ def resolve_budget(dev, vram_budget: float | None) -> int:
     free = int(dev.free_bytes())
     if vram_budget is None:
         return max(0, free - min(DEFAULT_MARGIN_BYTES, free // 10))
-    budget = int(float(vram_budget) * GiB)
+    from pyinfer.placement import budget_bytes
+
+    budget = budget_bytes(vram_budget)  # as the converter stored it (the same rounding)
     if not budget > 0:
         raise PyinferError(f"--vram-budget must be > 0 GiB, got {vram_budget}")
     if budget > free:

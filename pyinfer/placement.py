@@ -12,9 +12,15 @@ The budget the user gives is for the whole GPU. What the FFN neurons may use is
                     + the KV cache for n_ctx tokens: 2 * n_layer * n_ctx * n_head_kv * head_dim * 4
                       bytes (f32, as pyinfer's cache holds it), n_ctx = min(4096, training context)
                       (the engine's default context)
+                    + the GPU engine's own memory at that context (``runtime_gpu_bytes``: the
+                      forward's buffers and the prefill reserve, as ``pyinfer.hybrid`` counts
+                      them), so that the split a file stores fits when the engine runs it under
+                      the same budget
 
 and one neuron costs the bytes of its ffn_gate + ffn_up + ffn_down_t rows at the file's weight
-type (a row-layout ffn_down: its bytes / n_ff, one column's share). A budget below fixed_gpu_bytes leaves every neuron on the CPU.
+type (a row-layout ffn_down: its bytes / n_ff, one column's share) plus its int32 id on the
+device. A budget below fixed_gpu_bytes leaves every neuron on the CPU. Budgets in GiB become
+bytes by ``budget_bytes`` on both sides (the file's key and the engine's comparison).
 
 File form (written by ``pyinfer-convert``'s offline stage): ``blk.N.act_count`` (I32, n_ff) always;
 with a budget also ``blk.N.gpu_idx`` (I32 0/1 mask, n_ff) for every layer and ``blk.N.gpu_bucket``
@@ -31,6 +37,30 @@ from pyinfer.errors import PyinferError
 
 KV_BYTES_PER_ELEMENT = 4  # pyinfer's KV cache is f32
 DEFAULT_PLACEMENT_CTX = 4096  # the engine's default context (engine.DEFAULT_N_CTX)
+NEURON_ID_BYTES = 4  # a hot neuron's int32 id on the device (hybrid.plan_hybrid counts it)
+
+
+def budget_bytes(gib: float) -> int:
+    """Bytes of a VRAM budget given in GiB, rounded to the nearest byte: the converter stores
+    this and the engine compares its own budget with it (0.7 GiB is 751,619,277 bytes on both
+    sides; the engine truncated, so a stored split was refused at the same budget)."""
+    return int(round(float(gib) * 2**30))
+
+
+def placement_ctx(cfg: ModelConfig, n_ctx: int | None = None) -> int:
+    """The context the placement plans for: ``n_ctx``, or min(4096, training context)."""
+    return min(DEFAULT_PLACEMENT_CTX, cfg.n_ctx_train) if n_ctx is None else n_ctx
+
+
+def runtime_gpu_bytes(cfg: ModelConfig, n_ctx: int | None = None, rank: int = 1) -> int:
+    """The GPU engine's own device memory besides weights and KV cache at context ``n_ctx``: the
+    forward's buffers (``gpu_model.buffer_bytes``; ``rank``: the largest predictor's) and the
+    memory kept free for prefill (``gpu_model.prefill_reserve_bytes``), what ``hybrid._Sizes``
+    counts before any neuron."""
+    from pyinfer.gpu_model import buffer_bytes, prefill_reserve_bytes
+
+    ctx = placement_ctx(cfg, n_ctx)
+    return buffer_bytes(cfg, ctx, max(1, int(rank))) + prefill_reserve_bytes(cfg, ctx)
 
 
 def tensor_sizes(reader) -> dict[str, int]:
@@ -44,14 +74,15 @@ def _is_ffn(name: str) -> bool:
 
 
 def kv_cache_bytes(cfg: ModelConfig, n_ctx: int | None = None) -> int:
-    n_ctx = min(DEFAULT_PLACEMENT_CTX, cfg.n_ctx_train) if n_ctx is None else n_ctx
-    return 2 * cfg.n_layer * n_ctx * cfg.n_embd_kv * KV_BYTES_PER_ELEMENT
+    return 2 * cfg.n_layer * placement_ctx(cfg, n_ctx) * cfg.n_embd_kv * KV_BYTES_PER_ELEMENT
 
 
-def fixed_gpu_bytes(sizes: dict[str, int], cfg: ModelConfig, n_ctx: int | None = None) -> int:
+def fixed_gpu_bytes(sizes: dict[str, int], cfg: ModelConfig, n_ctx: int | None = None,
+                    rank: int = 1) -> int:
     """Bytes that go to the GPU before any FFN neuron (module docstring formula).
 
-    sizes: tensor name -> bytes (:func:`tensor_sizes`, plus any tensor about to be written)."""
+    sizes: tensor name -> bytes (:func:`tensor_sizes`, plus any tensor about to be written);
+    rank: the largest predictor's rank (the engine's hidden buffer)."""
     fixed = 0
     for name, nbytes in sizes.items():
         if _is_ffn(name) or name.endswith((".gpu_idx", ".gpu_bucket", ".act_count")):
@@ -59,32 +90,46 @@ def fixed_gpu_bytes(sizes: dict[str, int], cfg: ModelConfig, n_ctx: int | None =
         if name == C.TOKEN_EMBD and not cfg.tied_embeddings:
             continue
         fixed += nbytes
-    return fixed + kv_cache_bytes(cfg, n_ctx)
+    return fixed + kv_cache_bytes(cfg, n_ctx) + runtime_gpu_bytes(cfg, n_ctx, rank)
 
 
 def ffn_bytes_per_neuron(sizes: dict[str, int], cfg: ModelConfig) -> list[int]:
-    """Per layer, bytes of one neuron's ffn_gate + ffn_up + ffn_down_t rows (n_ff rows each; a
-    file in row layout has ffn_down (n_embd, n_ff) instead, whose bytes / n_ff are one neuron's)."""
+    """Per layer, the device bytes of one hot neuron: its ffn_gate + ffn_up + ffn_down_t rows
+    (n_ff rows each; a file in row layout has ffn_down (n_embd, n_ff) instead, whose bytes / n_ff
+    are one neuron's) and its int32 id."""
     out = []
     for i in range(cfg.n_layer):
         down = C.FFN_DOWN_T.format(bid=i)
         down = down if down in sizes else C.SRC_FFN_DOWN.format(bid=i)
         b = sum(sizes[t.format(bid=i)] for t in (C.FFN_GATE, C.FFN_UP)) + sizes[down]
-        out.append(b // cfg.n_ff)
+        out.append(b // cfg.n_ff + NEURON_ID_BYTES)
     return out
 
 
-def model_gpu_bytes(sizes: dict[str, int], cfg: ModelConfig, n_ctx: int | None = None) -> int:
+def model_gpu_bytes(sizes: dict[str, int], cfg: ModelConfig, n_ctx: int | None = None,
+                    rank: int = 1) -> int:
     """Everything the GPU would hold if the whole model fit: fixed bytes + all FFN neurons."""
-    return fixed_gpu_bytes(sizes, cfg, n_ctx) + sum(n for k, n in sizes.items() if _is_ffn(k))
+    return (fixed_gpu_bytes(sizes, cfg, n_ctx, rank)
+            + sum(b * cfg.n_ff for b in ffn_bytes_per_neuron(sizes, cfg)))
+
+
+def predictor_rank_of(sizes: dict[str, int], reader=None) -> int:
+    """The largest predictor rank of a file (rows of ``blk.N.fc1``), 1 without predictors."""
+    if reader is None:
+        return 1
+    ranks = [int(t.shape[1]) if len(t.shape) > 1 else 1 for t in reader.tensors
+             if t.name.endswith(".fc1.weight")]
+    return max(ranks or [1])
 
 
 def solve(counts: list[np.ndarray], sizes: dict[str, int], cfg: ModelConfig, vram_budget_bytes: int,
-          group_size: int | None = None, n_ctx: int | None = None, time_limit: float | None = None):
-    """``predictors.solver.solve_placement`` for a whole-GPU budget (module docstring formula)."""
+          group_size: int | None = None, n_ctx: int | None = None, time_limit: float | None = None,
+          rank: int = 1):
+    """``predictors.solver.solve_placement`` for a whole-GPU budget (module docstring formula;
+    ``rank``: the largest predictor's)."""
     from predictors.solver import DEFAULT_GROUP_SIZE, DEFAULT_TIME_LIMIT_S, solve_placement
 
-    budget = max(0, int(vram_budget_bytes) - fixed_gpu_bytes(sizes, cfg, n_ctx))
+    budget = max(0, int(vram_budget_bytes) - fixed_gpu_bytes(sizes, cfg, n_ctx, rank))
     p = solve_placement(counts, ffn_bytes_per_neuron(sizes, cfg), budget,
                         group_size=group_size or DEFAULT_GROUP_SIZE,
                         time_limit=DEFAULT_TIME_LIMIT_S if time_limit is None else time_limit)
@@ -121,6 +166,9 @@ def stored_placement(reader, cfg: ModelConfig):
         if t is None:
             raise PyinferError(f"{C.GPU_IDX.format(bid=i)} is missing although the file has a GPU split")
         mask = np.asarray(t.data).reshape(-1).astype(np.int32)
+        if mask.size != cfg.n_ff:
+            raise PyinferError(f"{C.GPU_IDX.format(bid=i)} has {mask.size} entries, expected "
+                               f"{cfg.n_ff} (a damaged file)")
         b = by_name.get(C.GPU_BUCKET.format(bid=i))
         bucket = (np.asarray(b.data).reshape(-1).astype(np.int32) if b is not None
                   else np.zeros(0, np.int32))  # absent = no GPU neurons in this layer
@@ -158,5 +206,7 @@ def placement_from_gguf(reader, cfg: ModelConfig, vram_budget_bytes: int | None 
         raise PyinferError("this file has no activation counts (blk.N.act_count); "
                            "convert it with the offline stage (pyinfer-convert without --dense)")
     group = read_field(reader, C.K_GROUP_SIZE)
-    return solve(counts, tensor_sizes(reader), cfg, int(vram_budget_bytes),
-                 group_size=int(group) if group is not None else None, n_ctx=n_ctx)
+    sizes = tensor_sizes(reader)
+    return solve(counts, sizes, cfg, int(vram_budget_bytes),
+                 group_size=int(group) if group is not None else None, n_ctx=n_ctx,
+                 rank=predictor_rank_of(sizes, reader))

@@ -116,7 +116,7 @@ def test_placement_counts_ffn_down_as_ffn(tmp_path):
                        P.model_gpu_bytes(s, e.cfg))
     assert sizes[nm] == sizes[rows]
     q4_0_row = T.N_EMBD // 32 * 18  # gate and up are Q4_0 in the tiny model, down f16
-    assert sizes[rows][1][0] == 2 * q4_0_row + T.N_EMBD * 2
+    assert sizes[rows][1][0] == 2 * q4_0_row + T.N_EMBD * 2 + P.NEURON_ID_BYTES  # and its id
 
 
 def test_inspect_names_the_layout(tmp_path):
