@@ -389,9 +389,9 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
         elif opts.sparse_mode is None:
             mode = default_mode(cfg, eng.weights, outtype, opts, down_type)
         elif opts.sparse_mode == C.SPARSE_MODE_GLU and mode == C.SPARSE_MODE_RELU:
-            raise PyinferError(f"--sparse-mode glu needs a gated model (SwiGLU); this one's FFN is "
-                               f"{cfg.hidden_act}: it takes sparse mode relu, its own (leave "
-                               "--sparse-mode out)")
+            raise PyinferError(f"--sparse-mode glu is for SwiGLU models; this one's activation is "
+                               f"{cfg.hidden_act}, with exact zeros: it takes sparse mode relu "
+                               "(leave --sparse-mode out)")
         if mode == C.SPARSE_MODE_RELU and opts.target_sparsity is not None:
             raise PyinferError("--target-sparsity sets the sparsity of sparse modes glu and input; "
                                f"a {cfg.hidden_act} model's zeros are its own (leave it out)")

@@ -216,7 +216,7 @@ def test_bad_inputs(relu_dir, silu_dir, tmp_path, capsys):
         ([relu_dir, "--vram-budget", "0"], "--vram-budget"),
         ([relu_dir, "--vram-budget", "-1"], "--vram-budget"),
         ([relu_dir, "--vram-budget", "inf"], "finite number"),
-        ([relu_dir, "--sparse-mode", "glu", *FAST], "needs a gated model"),
+        ([relu_dir, "--sparse-mode", "glu", *FAST], "is for SwiGLU models"),
         ([relu_dir, "--target-sparsity", "0.5", *FAST], "zeros are its own"),
         ([relu_dir, "--lm-head-candidates", "256", *FAST], "multiple of 64"),
         ([relu_dir, "--target-recall", "1.5"], "--target-recall"),
