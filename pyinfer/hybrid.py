@@ -165,6 +165,20 @@ def _stored_split(reader, cfg: ModelConfig, budget: int, vram_budget):
     return stored.gpu_bucket
 
 
+def _mixed_gate_up(weights: ModelWeights) -> str | None:
+    """Where a layer's ffn_gate and ffn_up differ in type (a llama.cpp mix converted with
+    ``--outtype auto`` can), the words for it, else None: the device's gate/up kernel reads both
+    rows with the gate's type and row size (``cuda.ffn_gate_up``), so such a layer would decode
+    wrong numbers."""
+    for i, lw in enumerate(weights.layers):
+        if is_input_layer(lw) or lw.ffn_gate is None or lw.ffn_up is None:
+            continue
+        if lw.ffn_gate.qtype != lw.ffn_up.qtype:
+            return (f"layer {i}'s are {lw.ffn_gate.qtype.name.lower()} and "
+                    f"{lw.ffn_up.qtype.name.lower()}")
+    return None
+
+
 def _types_off_gpu(weights: ModelWeights, output: bool = True) -> list[str]:
     """Names of the layer weight types the GPU kernels cannot read (e.g. the K-quants that
     ``pyinfer-convert --outtype auto`` keeps), sorted; [] when every type is readable. A sparse
@@ -243,12 +257,17 @@ def place_model(reader, cfg: ModelConfig, weights: ModelWeights, cpu_ffn, n_ctx:
     head = model_head(cpu_ffn, lm_head)
     odd = _types_off_gpu(weights, output=not (head_on_cpu(cpu_ffn, weights, head)
                                               or ib_head(head, weights)))
-    if device != "cpu" and odd:
-        msg = (f"the GPU kernels read {', '.join(cuda.GPU_TYPES)} weights, not {', '.join(odd)} "
-               "(convert with --outtype f16, q8_0 or q4_0)")
-        if odd[0].startswith("transposed"):
-            msg = (f"no GPU kernel reads sparse mode input's {', '.join(odd)} matrices (outputs "
-                   "not a multiple of 64: no input-block layout)")
+    mixed = _mixed_gate_up(weights)
+    if device != "cpu" and (odd or mixed):
+        if odd:
+            msg = (f"the GPU kernels read {', '.join(cuda.GPU_TYPES)} weights, not {', '.join(odd)} "
+                   "(convert with --outtype f16, q8_0 or q4_0)")
+            if odd[0].startswith("transposed"):
+                msg = (f"no GPU kernel reads sparse mode input's {', '.join(odd)} matrices (outputs "
+                       "not a multiple of 64: no input-block layout)")
+        else:
+            msg = (f"the GPU kernels read a layer's ffn_gate and ffn_up rows as one type; {mixed} "
+                   "(convert with one --outtype: f16, q8_0 or q4_0)")
         if device == "auto" and backend is None:
             if not quiet:
                 _notice(msg + "; running on the CPU")

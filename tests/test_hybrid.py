@@ -332,6 +332,24 @@ def test_place_model_options(tmp_path, capsys):
     assert gm.plan.n_resident == cfg.n_layer and gm.n_hot == cfg.n_ff * cfg.n_layer
 
 
+def test_a_layer_with_gate_and_up_of_two_types_stays_off_the_gpu(tmp_path, capsys):
+    """The device's gate/up kernel reads both rows with the gate's type and row size; a file
+    whose ffn_up has another type (a llama.cpp mix under --outtype auto) decoded wrong numbers
+    on the GPU. Such a file is refused (--device cuda) or runs on the CPU (auto)."""
+    import dataclasses
+
+    eng = engine_for(tmp_path, "relu", "q4_0")
+    cfg, w = eng.cfg, eng.weights
+    lw = w.layers[1]
+    mixed = dataclasses.replace(w, layers=[*w.layers[:1], dataclasses.replace(
+        lw, ffn_up=QTensor.from_array(reference.dequantize(lw.ffn_up), QT.Q8_0)), *w.layers[2:]])
+    ffn = sparse_ffn(cfg, "relu")
+    with pytest.raises(PyinferError, match="layer 1's are q4_0 and q8_0"):
+        place_model(eng.reader, cfg, mixed, ffn, 64, 2, device="cuda", backend=NumpyDevice())
+    assert type(place_model(eng.reader, cfg, w, ffn, 64, 2, device="cuda",
+                            backend=NumpyDevice())) is not Model  # one type: on the device
+
+
 def test_device_env_override():
     code = "from pyinfer.ops import cuda; print(cuda.available(), cuda.unavailable_reason())"
     env = dict(os.environ, PYINFER_DEVICE="cpu")

@@ -1506,6 +1506,9 @@ def ffn_gate_up(gate: DeviceRows, up: DeviceRows, x, coef, counts, act: str, act
     rows read q8(x), as ``gather_gemv``."""
     if gate.rows == 0:
         return
+    if up.qtype != gate.qtype or up.row_bytes != gate.row_bytes:  # one kernel reads both
+        raise ValueError(f"ffn_gate_up: gate {gate.qtype.name} and up {up.qtype.name} rows differ "
+                         "(hybrid.place_model refuses such a file)")
     xq, xd = _q8_in(gate, x, q8)
     dummy = _dummy()
     fc2, hid, pred_thr, rank, half, fc2_rb = dummy["u8"], dummy["f32"], 0.0, 0, 0, 0
