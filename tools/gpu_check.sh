@@ -2,7 +2,8 @@
 # One prepared device run for issue 10 (the device tool's `run`, repository root, wheels for
 # gguf and highspy carried in .whl/ as /work/.library/device/README.md says):
 #
-#   BASE=<commit> bash tools/gpu_check.sh        # $OUT: logs; stdout: the summary
+#   BASE=<commit> ALL=1 bash tools/gpu_check.sh  # $OUT: summary.log and logs.tar.gz (every
+#                                                # step's log); stdout: the tables, summary last
 #
 # Builds this tree and BASE (optional: another commit, for the before/after pairs, built beside
 # it in /tmp/base), runs the GPU tests (session 29's kernel forms, not yet the default, included:
@@ -43,7 +44,7 @@ export PYTHONUNBUFFERED=1
 L=$OUT/summary.log
 { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; git log --oneline -1; } > "$L" 2>&1
 s=$(date +%s)
-if [ -n "$BASE" ]; then
+if [ -n "$BASE" ] && [ -n "$ALL" ]; then  # only ALL's steps use BASE's build
     mkdir -p /tmp/base && git archive "$BASE" | tar -x -C /tmp/base
     (cd /tmp/base && python3 setup.py build_ext --inplace -j 8 > "$OUT/build_base.log" 2>&1) &
 fi
@@ -80,11 +81,15 @@ if [ -n "$ALL" ]; then
     grep -qw avx_vnni /proc/cpuinfo && step 120 avxvnni python3 -m pytest -q -p no:cacheprovider \
         -m slow tests/test_kernels.py -k "build_variants and AVX2_VNNI"
 fi
-cat "$L"
-tail -3 "$OUT/pytest.log"
-[ -f "$OUT/avxvnni.log" ] && tail -2 "$OUT/avxvnni.log"
+# stdout keeps only its last 12,000 characters: the long tables first, the summary last
+[ -f "$OUT/gemvvar.log" ] && { echo "== gemvvar (block 256)"; grep -E "^(q|  block 256)" "$OUT/gemvvar.log"; }
+[ -f "$OUT/profile.log" ] && { echo "== profile"; grep -vE "^(built|device)" "$OUT/profile.log" | head -60; }
 for f in ffnvar new7ab cold32 cold base7h input7 new13; do
     [ -f "$OUT/$f.log" ] && { echo "== $f"; grep -E "^\|" "$OUT/$f.log"; }
 done
-[ -f "$OUT/gemvvar.log" ] && { echo "== gemvvar (block 256)"; grep -E "^(q|  block 256)" "$OUT/gemvvar.log"; }
-[ -f "$OUT/profile.log" ] && { echo "== profile"; grep -vE "^(built|device)" "$OUT/profile.log" | head -60; }
+tail -3 "$OUT/pytest.log"
+[ -f "$OUT/avxvnni.log" ] && tail -2 "$OUT/avxvnni.log"
+cat "$L"
+# the device tool brings back a few files: every log in one archive, the summary beside it
+(cd "$OUT" && tar -czf logs.tar.gz --exclude=logs.tar.gz --exclude=summary.log ./*.log \
+    && find . -name '*.log' ! -name summary.log -delete)
