@@ -201,7 +201,7 @@ pi_axq_group(const int t, const uint8_t *const *rows, const float *coef, int ng,
         for (int b = 0; b < nbv; b += 8) {
             __m256 mx = _mm256_setzero_ps();
             for (int j = 0; j < PI_AXQ_G; j++)
-                mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_load_ps(&cf[j][b])));
+                mx = pi_absmax8(mx, _mm256_andnot_ps(sign, _mm256_load_ps(&cf[j][b])));  /* NaN stays */
             const __m256 pos = _mm256_cmp_ps(mx, _mm256_setzero_ps(), _CMP_GT_OQ);
             const __m256 inv = _mm256_and_ps(pos, _mm256_div_ps(_mm256_set1_ps(32767.0f), mx));
             _mm256_store_ps(sc + b, _mm256_mul_ps(mx, _mm256_set1_ps(1.0f / 32767.0f)));

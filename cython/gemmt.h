@@ -153,17 +153,17 @@ pi_gemmt_coef(const float *a, const float *dp, int n, int nt, int biased, int32_
         for (int i = 0; i < 4; i++)
             c[i] = _mm256_andnot_ps(sgn, _mm256_mul_ps(_mm256_loadu_ps(a + 32 * k + 8 * i),
                                                        _mm256_load_ps(dp + 32 * k + 8 * i)));
-        m[k] = _mm256_max_ps(_mm256_max_ps(c[0], c[1]), _mm256_max_ps(c[2], c[3]));
+        m[k] = pi_absmax8(pi_absmax8(c[0], c[1]), pi_absmax8(c[2], c[3]));
     }
-    /* eight horizontal maxima at once: lane k of mx = max of m[k] */
-    const __m256 a01 = _mm256_max_ps(_mm256_unpacklo_ps(m[0], m[1]), _mm256_unpackhi_ps(m[0], m[1]));
-    const __m256 a23 = _mm256_max_ps(_mm256_unpacklo_ps(m[2], m[3]), _mm256_unpackhi_ps(m[2], m[3]));
-    const __m256 a45 = _mm256_max_ps(_mm256_unpacklo_ps(m[4], m[5]), _mm256_unpackhi_ps(m[4], m[5]));
-    const __m256 a67 = _mm256_max_ps(_mm256_unpacklo_ps(m[6], m[7]), _mm256_unpackhi_ps(m[6], m[7]));
-    const __m256 b0 = _mm256_max_ps(_mm256_shuffle_ps(a01, a23, 0x44), _mm256_shuffle_ps(a01, a23, 0xee));
-    const __m256 b1 = _mm256_max_ps(_mm256_shuffle_ps(a45, a67, 0x44), _mm256_shuffle_ps(a45, a67, 0xee));
-    const __m256 mx = _mm256_max_ps(_mm256_permute2f128_ps(b0, b1, 0x20),
-                                    _mm256_permute2f128_ps(b0, b1, 0x31));
+    /* eight horizontal maxima at once: lane k of mx = max of m[k] (pi_absmax8: a NaN stays) */
+    const __m256 a01 = pi_absmax8(_mm256_unpacklo_ps(m[0], m[1]), _mm256_unpackhi_ps(m[0], m[1]));
+    const __m256 a23 = pi_absmax8(_mm256_unpacklo_ps(m[2], m[3]), _mm256_unpackhi_ps(m[2], m[3]));
+    const __m256 a45 = pi_absmax8(_mm256_unpacklo_ps(m[4], m[5]), _mm256_unpackhi_ps(m[4], m[5]));
+    const __m256 a67 = pi_absmax8(_mm256_unpacklo_ps(m[6], m[7]), _mm256_unpackhi_ps(m[6], m[7]));
+    const __m256 b0 = pi_absmax8(_mm256_shuffle_ps(a01, a23, 0x44), _mm256_shuffle_ps(a01, a23, 0xee));
+    const __m256 b1 = pi_absmax8(_mm256_shuffle_ps(a45, a67, 0x44), _mm256_shuffle_ps(a45, a67, 0xee));
+    const __m256 mx = pi_absmax8(_mm256_permute2f128_ps(b0, b1, 0x20),
+                                 _mm256_permute2f128_ps(b0, b1, 0x31));
     const __m256 v127 = _mm256_set1_ps(127.0f);
     _mm256_storeu_ps(s, _mm256_div_ps(mx, v127));
     /* 127 / max, 0 for an all-zero tile (a NaN max gives 0 too: its s carries the NaN) */

@@ -187,7 +187,11 @@ static inline void pi_ib_prep(int t, long n_out, const float *coef, const int32_
         const __mmask16 m0 = (__mmask16)m, m1 = (__mmask16)(m >> 16);
         const __m512 x0 = _mm512_maskz_loadu_ps(m0, coef + k0);
         const __m512 x1 = _mm512_maskz_loadu_ps(m1, coef + k0 + 16);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+        /* max |x| as int32 bit patterns: a NaN stays (simd.h pi_absmax8) */
+        const int amax_bits = _mm512_reduce_max_epi32(_mm512_max_epi32(
+            _mm512_castps_si512(_mm512_abs_ps(x0)), _mm512_castps_si512(_mm512_abs_ps(x1))));
+        float amax;
+        memcpy(&amax, &amax_bits, sizeof amax);
         const float d = amax / 127.0f;
         const __m512 id = _mm512_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
         const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, id));
@@ -223,11 +227,11 @@ static inline void pi_ib_prep(int t, long n_out, const float *coef, const int32_
         for (int r = 0; r < 4; r++) {
             m[r] = _mm256_cmpgt_epi32(vn, _mm256_add_epi32(lane, _mm256_set1_epi32(8 * r)));
             x[r] = _mm256_maskload_ps(coef + k0 + 8 * r, m[r]);
-            amax = _mm256_max_ps(amax, _mm256_andnot_ps(nz, x[r]));
+            amax = pi_absmax8(amax, _mm256_andnot_ps(nz, x[r]));
         }
-        __m128 a4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-        a4 = _mm_max_ps(a4, _mm_movehl_ps(a4, a4));
-        a4 = _mm_max_ss(a4, _mm_movehdup_ps(a4));
+        __m128 a4 = pi_absmax4(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        a4 = pi_absmax4(a4, _mm_movehl_ps(a4, a4));
+        a4 = pi_absmax4(a4, _mm_movehdup_ps(a4));
         const float d = _mm_cvtss_f32(a4) / 127.0f;
         const __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
         __m256i q[4], sum = _mm256_setzero_si256();
@@ -252,10 +256,7 @@ static inline void pi_ib_prep(int t, long n_out, const float *coef, const int32_
     }
 #endif
     float amax = 0.0f;
-    for (long k = k0; k < k1; k++) {
-        const float a = fabsf(coef[k]);
-        amax = a > amax ? a : amax;
-    }
+    for (long k = k0; k < k1; k++) amax = pi_absmax1(amax, fabsf(coef[k]));
     const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
     int8_t q[32];
     int s = 0, n = (int)(k1 - k0);

@@ -275,17 +275,35 @@ static inline float pi_dot_f16(const uint16_t *w, const float *x, int n) {
  * of q. The SIMD path gives the scalar loop's numbers, 8 lanes at a time: max |x| in any order,
  * one f32 product per value, and cvtps rounds to nearest-even as lrintf does in the default
  * rounding mode. (Also ibsum.h's per-token quantization of a prefill.) */
+/* Maxima of absolute values (sign bits clear) that keep a NaN: such floats' bit patterns order
+ * as int32 and a NaN's lies above +inf's, so an integer max returns NaN wherever one is there.
+ * max_ps keeps a NaN only when it is the second operand: a block's NaN was dropped and the
+ * block quantized into finite garbage (about 1e8) that Engine._check_finite could not see.
+ * For finite values it is the same maximum, bit for bit. */
+#if PI_SIMD
+static inline __m256 pi_absmax8(__m256 a, __m256 b) {
+    return _mm256_castsi256_ps(_mm256_max_epi32(_mm256_castps_si256(a), _mm256_castps_si256(b)));
+}
+static inline __m128 pi_absmax4(__m128 a, __m128 b) {
+    return _mm_castsi128_ps(_mm_max_epi32(_mm_castps_si128(a), _mm_castps_si128(b)));
+}
+#endif
+/* the scalar form: a NaN |v| (or one already in amax) wins */
+static inline float pi_absmax1(float amax, float v) {
+    return (v > amax || v != v) ? v : amax;
+}
+
 static inline int pi_quantize_q8_block(const float *xb, int8_t *q, float *d) {
 #if PI_SIMD
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256 v[4];
     for (int k = 0; k < 4; k++) v[k] = _mm256_loadu_ps(xb + 8 * k);
-    const __m256 m = _mm256_max_ps(
-        _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-        _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const __m256 m = pi_absmax8(
+        pi_absmax8(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+        pi_absmax8(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    __m128 m4 = pi_absmax4(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = pi_absmax4(m4, _mm_movehl_ps(m4, m4));
+    m4 = pi_absmax4(m4, _mm_movehdup_ps(m4));
     const float amax = _mm_cvtss_f32(m4);
     const float db = amax / 127.0f;
     const __m256 id = _mm256_set1_ps(db != 0.0f ? 1.0f / db : 0.0f);
@@ -305,10 +323,7 @@ static inline int pi_quantize_q8_block(const float *xb, int8_t *q, float *d) {
     return _mm_cvtsi128_si32(s4);
 #else
     float amax = 0.0f;
-    for (int j = 0; j < PI_QK; j++) {
-        float v = fabsf(xb[j]);
-        amax = v > amax ? v : amax;
-    }
+    for (int j = 0; j < PI_QK; j++) amax = pi_absmax1(amax, fabsf(xb[j]));
     const float db = amax / 127.0f;
     const float id = db != 0.0f ? 1.0f / db : 0.0f;
     int sum = 0;

@@ -891,3 +891,40 @@ def test_decode_attn_in(qtype, with_scale):
                 assert np.isnan(kg[n_past + 1:]).all()
                 outs.append(got_x)
             np.testing.assert_array_equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_a_nan_input_gives_nan_outputs(qtype):
+    """A NaN activation (or AXPY coefficient) anywhere but a block's last place came out of the
+    quantized kernels as finite garbage (about 1e8): the 8-bit quantizer's max |x| (max_ps)
+    dropped it, so Engine._check_finite could not see a broken model. NumPy's float products,
+    and the f32/f16 kernels, give NaN; now every type does, and a prefill's other tokens keep
+    their own numbers."""
+    rng = np.random.default_rng(11)
+    cols = 2 * _block(qtype) if qtype in QUANT else 64
+    w = _weight(rng, qtype, rows=24, cols=cols)
+    x = _rand(rng, 5, cols)
+    clean = cpu.matmul(w, x, _nan((5, 24)), 1)
+    for pos in (0, 3, 8, cols - 1):
+        xn = np.array(x)
+        xn[2, pos] = np.nan
+        assert np.isnan(cpu.matvec(w, xn[2], _nan(24), 1)).all(), pos
+        got = cpu.matmul(w, _ro(xn), _nan((5, 24)), 2)
+        assert np.isnan(got[2]).all(), pos
+        np.testing.assert_array_equal(np.delete(got, 2, 0), np.delete(clean, 2, 0))
+        idx = np.array([1, 5, 7], np.int32)
+        assert np.isnan(cpu.gather_matvec(w, xn[2], idx, _nan(3), 1)).all(), pos
+    coef = np.ones(24, np.float32)
+    coef[4] = np.nan
+    idx = np.arange(24, dtype=np.int32)
+    assert np.isnan(cpu.axpy_rows(w, coef, idx, _nan(cols), 1)).all()
+    assert np.isnan(cpu.matvec_t(w, coef, _nan(cols), 1)).all()
+    a = np.ones((3, 24), np.float32)
+    a[1, 4] = np.nan
+    got = cpu.matmul_t(w, a, _nan((3, cols)), 1)
+    assert np.isnan(got[1]).all() and np.isfinite(got[[0, 2]]).all()
+    if cpu.ib_supported(qtype, 64, 64):  # sparse mode input's layout (rows = input channels)
+        ib = cpu.IBTensor.from_rows(_weight(rng, qtype, rows=64, cols=64))
+        c = np.ones(64, np.float32)
+        c[5] = np.nan
+        assert np.isnan(cpu.axpy_rows(ib, c, np.arange(64, dtype=np.int32), _nan(64), 1)).all()
