@@ -98,6 +98,8 @@ class Model:
             logits = np.empty(self.cfg.n_vocab, np.float32)
             isp.decode_layers(self.w.layers, x[0], self.cache.k, self.cache.v, n_past, 0,
                               self.n_threads, self.w, logits)
+            if not np.isfinite(x[0].sum()):  # see logits(): a broken hidden state says so
+                logits.fill(np.nan)
             return logits
         self.run_layers(x, n_past, 0)
         return self.logits(x, all_logits)
@@ -213,12 +215,16 @@ class Model:
         return x
 
     def logits(self, x: np.ndarray, all_logits: bool = False) -> np.ndarray:
-        """Final norm and output projection: (n_vocab,) of the last row, or (n_tok, n_vocab)."""
+        """Final norm and output projection: (n_vocab,) of the last row, or (n_tok, n_vocab).
+        A row whose hidden state holds NaN or inf gets NaN logits, for Engine._check_finite to
+        report: an input-sparse head skips NaN channels (|x| > threshold is false for NaN), and
+        its logits came out finite (all zeros without the two-stage head's exact rows)."""
         cfg, w, nt = self.cfg, self.w, self.n_threads
         if not all_logits:
             x = x[-1:]
         h = np.empty_like(x)
         fam.norm(cfg, x, w.output_norm, w.output_norm_b, h)
+        broken = ~np.isfinite(h.sum(axis=1))  # (n_tok,) a NaN anywhere in x spreads over h
         logits = np.empty((h.shape[0], cfg.n_vocab), np.float32)  # (n_tok, n_vocab)
         head = self.lm_head
         if head is not None and head.head_on(w):
@@ -227,6 +233,8 @@ class Model:
             linear(w.output, h, logits, nt)
         if cfg.final_softcap:  # Gemma: cap * tanh(logits / cap)
             fam.softcap(logits, cfg.final_softcap)
+        if broken.any():
+            logits[broken] = np.nan
         return logits if all_logits else logits[0]
 
 

@@ -1015,3 +1015,27 @@ def test_record_inputs_applies_the_models_activation(tmp_path, act):
         g, u = h @ dequantize(lw.ffn_gate).T, h @ dequantize(lw.ffn_up).T
         a = np.maximum(g, 0.0) if act == "relu" else g / (1.0 + np.exp(-g))
         np.testing.assert_allclose(rec[i]["ffn_down"], a * u, rtol=1e-3, atol=1e-5 * np.abs(a * u).max())
+
+
+def test_a_nan_hidden_state_is_reported_through_an_input_sparse_head(tmp_path):
+    """An input-sparse lm head keeps the channels with |h| * s > threshold, which NaN never
+    passes: a NaN hidden state (here from a NaN embedding row) gave all-zero, finite logits
+    with no error, in prefill and in the one-call decode. Now the engine says so."""
+    from pyinfer.ops.cpu import QTensor
+    from pyinfer.ops.reference import dequantize
+
+    d = make_random_llama(tmp_path / "hf", hidden_act="silu", tokenizer="bpe",
+                          intermediate_size=128, n_layers=2, name="silu", vocab_size=576)
+    out = str(tmp_path / "m.gguf")
+    assert convert_main([str(d), out, "--outtype", "q8_0", "--sparse-mode", "input",
+                         "--lm-head-candidates", "0", *CALIB]) == 0
+    e = Engine(out, n_ctx=64, n_threads=1)
+    assert e.model.lm_head.head_on(e.model.w)  # the head reads kept channels only
+    emb = dequantize(e.model.w.token_embd).copy()
+    emb[7] = np.nan
+    e.model.w.token_embd = QTensor.from_array(emb, C.QT.F32)  # the file is read-only
+    with pytest.raises(PyinferError, match="NaN logits at token 2"):
+        e.eval_prompt([3, 4, 7])
+    e.eval_prompt([3, 4])
+    with pytest.raises(PyinferError, match="NaN logits at token 2"):
+        e.eval_token(7)
