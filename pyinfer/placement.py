@@ -113,12 +113,11 @@ def model_gpu_bytes(sizes: dict[str, int], cfg: ModelConfig, n_ctx: int | None =
             + sum(b * cfg.n_ff for b in ffn_bytes_per_neuron(sizes, cfg)))
 
 
-def predictor_rank_of(sizes: dict[str, int], reader=None) -> int:
-    """The largest predictor rank of a file (rows of ``blk.N.fc1``), 1 without predictors."""
-    if reader is None:
-        return 1
-    ranks = [int(t.shape[1]) if len(t.shape) > 1 else 1 for t in reader.tensors
-             if t.name.endswith(".fc1.weight")]
+def predictor_rank_of(reader) -> int:
+    """The largest predictor rank of a file (rows of ``blk.N.fc1``: GGUF's shape lists them
+    second), 1 without predictors."""
+    ranks = [int(t.shape[1]) for t in reader.tensors
+             if t.name.endswith(".fc1.weight") and len(t.shape) > 1]
     return max(ranks or [1])
 
 
@@ -209,4 +208,4 @@ def placement_from_gguf(reader, cfg: ModelConfig, vram_budget_bytes: int | None 
     sizes = tensor_sizes(reader)
     return solve(counts, sizes, cfg, int(vram_budget_bytes),
                  group_size=int(group) if group is not None else None, n_ctx=n_ctx,
-                 rank=predictor_rank_of(sizes, reader))
+                 rank=predictor_rank_of(reader))
