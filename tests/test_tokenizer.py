@@ -26,7 +26,7 @@ from tests._paths import smollm2_gguf_path
 
 from pyinfer import constants as C
 from pyinfer.errors import PyinferError
-from pyinfer.tokenizer import StreamDecoder, Tokenizer, _complete_prefix_len
+from pyinfer.tokenizer import Tokenizer, _complete_prefix_len
 
 TEXTS = [
     "Hello world, it's 2024!",
