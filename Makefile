@@ -20,10 +20,14 @@ $(BIN)/python:
 # editable_mode=compat: the install is a path in a .pth file, so a folder named `pyinfer` beside a
 # user's script (a clone, say) cannot shadow the package as an empty namespace package, which it
 # does with setuptools' default finder-based editable install ("cannot import name 'LLM'").
-# torch==2.13.0 first: that exact version is the CPU wheel (a bare `torch` pulls a CUDA build).
+# torch==2.13.0 first, the version the project is tested with. Which wheel pip takes is the
+# machine's: a pip configured with a wheel mirror (the project's machines) takes its CPU wheel;
+# PyPI alone gives Linux x86-64 the CUDA build (several GB of NVIDIA libraries). For the CPU wheel
+# from PyTorch's own index: make install TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 # The offline stage of pyinfer-convert trains predictors with PyTorch (the `train` extra).
+TORCH_PIP_ARGS ?=
 install: $(BIN)/python
-	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet torch==2.13.0 $(TORCH_PIP_ARGS)
 	$(BIN)/pip install --quiet -e ".[train]" --config-settings editable_mode=compat
 
 # Run-only: pyinfer-run/-chat/-serve/-inspect/-perplexity and `pyinfer-convert --dense`; no PyTorch
@@ -33,7 +37,7 @@ install-run: $(BIN)/python
 	$(BIN)/pip install --quiet -e . --config-settings editable_mode=compat
 
 install-test: $(BIN)/python
-	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet torch==2.13.0 $(TORCH_PIP_ARGS)
 	$(BIN)/pip install --quiet -e ".[test,train]" --config-settings editable_mode=compat
 
 $(SRC_GGUF):

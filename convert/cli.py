@@ -16,7 +16,6 @@ touched. User errors print ``error: <message>`` and exit 1.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import sys
@@ -169,10 +168,11 @@ def _interrupt(signum, frame):  # noqa: ARG001 - signal handler signature
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    from pyinfer.options import Parser, add_version
+
+    parser = Parser(  # a bad flag: one "error:" line and status 1, as the other commands
         prog="pyinfer-convert",
         description="Convert a Hugging Face Llama directory or a llama.cpp GGUF to a pyinfer GGUF.")
-    from pyinfer.options import add_version
 
     add_version(parser)
     parser.add_argument("src", nargs="?", help="Hugging Face model directory or llama.cpp .gguf file")

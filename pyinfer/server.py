@@ -15,7 +15,7 @@ sends stops the server: bodies are bounded before they are read, chat templates 
 thread under a time and size bound (pyinfer/chat.py), and a client that leaves stops its answer.
 ``--api-key KEY`` asks every request but ``/health`` for ``Authorization: Bearer KEY`` (as
 llama.cpp's server and the OpenAI client do); a non-loopback ``--host`` needs it (or ``--no-api-key``).
-Install with ``pip install pyinfer[server]``.
+Install with ``pip install -e '.[server]'`` in the checkout.
 """
 from __future__ import annotations
 
@@ -622,7 +622,7 @@ def main(argv=None) -> int:
         try:
             import uvicorn
         except ImportError:
-            raise PyinferError("the server needs Starlette and uvicorn: pip install 'pyinfer[server]'") from None
+            raise PyinferError("the server needs Starlette and uvicorn: pip install -e '.[server]' in the pyinfer checkout") from None
         if args.api_key is not None and (not args.api_key or any(c.isspace() for c in args.api_key)):
             raise PyinferError("--api-key must be a non-empty key without spaces")
         if not is_loopback(args.host) and not args.api_key and not args.no_api_key:

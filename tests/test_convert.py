@@ -412,10 +412,12 @@ def test_down_type(tmp_path):
             assert t.tensor_type == QT.Q8_0
             base = deq(auto[name])
             assert np.sqrt(np.mean((deq(t) - base) ** 2) / np.mean(base ** 2)) < 0.01
-    # the command line: listed in --help, a type it does not know is a usage error (exit 2)
+    # the command line: listed in --help, a type it does not know is one error line, status 1
+    # (argparse's usage block and status 2 before; every other pyinfer command says one line)
     assert "--down-type" in run_cli("--help").stdout
     p = run_cli(src, str(tmp_path / "bad.gguf"), "--dense", "--down-type", "q3_k")
-    assert p.returncode == 2 and "--down-type" in p.stderr
+    assert p.returncode == 1 and "--down-type" in p.stderr
+    assert p.stderr.strip().count("\n") == 0 and p.stderr.startswith("error: ")
     assert not os.path.exists(tmp_path / "bad.gguf")
     # --dense keeps ffn_down in row layout: its Q6_K blocks copied as stored, or at --down-type
     p = run_cli(src, str(tmp_path / "cli.gguf"), "--dense", "--down-type", "q8_0")
