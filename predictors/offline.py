@@ -690,10 +690,11 @@ def add_arguments(parser) -> None:
     g.add_argument("--sparse-mode", choices=[C.SPARSE_MODE_INPUT, C.SPARSE_MODE_GLU], default=None,
                    help="SwiGLU models: input (skip small input channels of every projection, "
                         "TEAL/WINA; the GPU engine places its layers whole; the default for "
-                        "Llama-shaped models in q8_0, q4_0, q4_1, f16 without --vram-budget) or glu "
-                        "(predictors and a GPU split; the default for other Llama-shaped models "
-                        "or with --vram-budget). A model that is not Llama-shaped converts by "
-                        "default to a dense file with the two-stage lm head")
+                        "Llama-shaped models in q8_0, q4_0, q4_1, q5_0, q5_1, f16, q4_k, q5_k "
+                        "or q6_k without --vram-budget) or glu (predictors and a GPU split; the "
+                        "default for Llama-shaped models in f32 or bf16, or with --vram-budget). "
+                        "A model that is not Llama-shaped converts by default to a dense file "
+                        "with the two-stage lm head; a ReLU model takes relu, its own")
     g.add_argument("--sparsity-score", choices=list(C.IN_SCORES), default=DEFAULT_INPUT_SCORE,
                    help="sparse mode input: rank input channels by |x| * column norm (wina, "
                         f"default {DEFAULT_INPUT_SCORE}) or by |x| (magnitude, TEAL)")

@@ -204,7 +204,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("-ngl", "--n-gpu-layers", type=arg_type("n_gpu_layers"), default=None,
                    help="llama.cpp-style baseline: the first N layers' FFNs dense on the GPU")
     p.add_argument("--dense", action="store_true",
-                   help="compute every FFN neuron (ignore the file's predictors)")
+                   help="no sparsity: every FFN neuron (the file's predictors unused) and, in a "
+                        "sparse mode input file, every input channel of every projection and "
+                        "of the lm head")
 
 
 def model_path(args, usage: str) -> str:
