@@ -574,7 +574,8 @@ class LLM:
         data, n_tokens = [], 0
         for i, item in enumerate(input):
             if should_stop is not None and should_stop():
-                raise PyinferError(f"the embeddings were interrupted after {i} of {len(input)} inputs")
+                raise PyinferError(f"the embeddings were interrupted after {i} of {len(input)} "
+                                   "inputs")
             ids = self.tokenize(item) if isinstance(item, str) else token_ids(item, f"input[{i}]")
             if not ids:
                 raise PyinferError(f"input[{i}] is empty")

@@ -8,7 +8,8 @@ end-of-text token is allowed, so generation stops there.
 
 ``Grammar`` is what a request asks for (a kind and its text); ``Grammar.matcher(tokenizer)`` makes
 a fresh ``Constraint`` for one generation. The per-tokenizer ``LLTokenizer`` is built once and
-cached (building it walks the whole vocabulary). Install with ``pip install -e '.[structured]'`` in the checkout.
+cached (building it walks the whole vocabulary). Install with ``pip install -e '.[structured]'``
+in the checkout.
 """
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ def _llguidance():
     try:
         import llguidance
     except ImportError:
-        raise PyinferError("structured output needs llguidance: pip install -e '.[structured]' in the pyinfer checkout") from None
+        raise PyinferError("structured output needs llguidance: pip install -e '.[structured]' "
+                           "in the pyinfer checkout") from None
     return llguidance
 
 

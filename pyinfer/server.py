@@ -544,8 +544,9 @@ def create_app(llm, max_queue: int = 4, api_key: str | None = None):
                 raise BadRequest("'input' must be a string, a list of strings or token ids", "input")
             from pyinfer.api import MAX_EMBEDDING_INPUTS
 
-            if isinstance(inp, list) and not isinstance(inp[0], int) and len(inp) > MAX_EMBEDDING_INPUTS:
-                raise BadRequest(f"'input' has {len(inp)} items, more than {MAX_EMBEDDING_INPUTS}",
+            n_inputs = len(inp) if isinstance(inp, list) and not isinstance(inp[0], int) else 1
+            if n_inputs > MAX_EMBEDDING_INPUTS:
+                raise BadRequest(f"'input' has {n_inputs} items, more than {MAX_EMBEDDING_INPUTS}",
                                  "input")
             if not hasattr(llm.engine.model, "run_layers"):
                 return error(501, "embeddings are computed by the CPU model only: start pyinfer-serve "
@@ -622,7 +623,8 @@ def main(argv=None) -> int:
         try:
             import uvicorn
         except ImportError:
-            raise PyinferError("the server needs Starlette and uvicorn: pip install -e '.[server]' in the pyinfer checkout") from None
+            raise PyinferError("the server needs Starlette and uvicorn: pip install -e '.[server]' "
+                               "in the pyinfer checkout") from None
         if args.api_key is not None and (not args.api_key or any(c.isspace() for c in args.api_key)):
             raise PyinferError("--api-key must be a non-empty key without spaces")
         if not is_loopback(args.host) and not args.api_key and not args.no_api_key:

@@ -406,7 +406,8 @@ class Tokenizer:
         """Human-readable text of one token (a partial UTF-8 sequence shows as U+FFFD)."""
         return self.token_to_bytes(token_id).decode("utf-8", errors="replace")
 
-    def stream_decoder(self, skip_special: bool = True, continuation: bool = False) -> "StreamDecoder":
+    def stream_decoder(self, skip_special: bool = True,
+                       continuation: bool = False) -> "StreamDecoder":
         """A ``StreamDecoder``; ``continuation``: the ids continue a sequence under way (generated
         text after a prompt), see there."""
         return StreamDecoder(self, skip_special=skip_special, continuation=continuation)

@@ -52,7 +52,8 @@ def _probe() -> tuple[bool, str]:
     if os.environ.get("PYINFER_DEVICE", "").strip().lower() == "cpu":
         return False, "PYINFER_DEVICE=cpu"
     if cupy is None:
-        return False, f"CuPy is not installed (pip install -e '.[cuda]' in the pyinfer checkout; {_IMPORT_ERROR})"
+        return False, (f"CuPy is not installed (pip install -e '.[cuda]' in the pyinfer checkout; "
+                       f"{_IMPORT_ERROR})")
     try:
         if not cupy.cuda.is_available():
             return False, "CuPy sees no CUDA device"
