@@ -334,9 +334,10 @@ class LLM:
         try:
             for tok in gen:
                 stats.completion_tokens += 1
+                piece = dec.feed(tok)
                 if logprobs is not None:
-                    logprobs.commit()
-                pending += dec.feed(tok)
+                    logprobs.commit(len(piece))
+                pending += piece
                 if stops:
                     cut = min((i for i in (pending.find(s) for s in stops) if i >= 0), default=-1)
                     if cut >= 0:

@@ -41,10 +41,10 @@ class LogprobRecorder:
         self.n_top = int(n_top)
         self._last = None
         self.entries: list[tuple[int, float, list[tuple[int, float]]]] = []
-        # characters of the answer before and after each entry's token, from the decoder that
-        # makes the answer's text (a split character counts where its last byte arrives)
+        # characters of the answer before and after each entry's token, as the decoder that
+        # makes the answer's text gave them (a split character counts where its last byte
+        # arrives)
         self.spans: list[tuple[int, int]] = []
-        self._dec = tokenizer.stream_decoder(skip_special=True, continuation=True)
         self._chars = 0
         self._taken = 0
 
@@ -57,12 +57,13 @@ class LogprobRecorder:
             top = [(int(i), float(lp[i])) for i in ids]
         self._last = (int(token), float(lp[token]), top)
 
-    def commit(self) -> None:
+    def commit(self, n_chars: int) -> None:
+        """Keep the entry of the token just yielded; ``n_chars``: the characters of answer text
+        its decoding gave (``StreamDecoder.feed``, 0 for part of a character)."""
         if self._last is not None:
             self.entries.append(self._last)
-            start = self._chars
-            self._chars += len(self._dec.feed(self._last[0]))
-            self.spans.append((start, self._chars))
+            self.spans.append((self._chars, self._chars + n_chars))
+            self._chars += n_chars
             self._last = None
 
     def take(self, upto: int | None = None) -> list:
