@@ -142,17 +142,21 @@ def _grammar_fields(body: dict) -> dict:
                 json_schema=body.get("json_schema"))
 
 
+def _grammar_error(body: dict, e: PyinferError) -> BadRequest:
+    """A grammar's PyinferError as a 400 naming the field that gave it (the first one set)."""
+    given = [k for k, v in _grammar_fields(body).items() if v is not None]
+    return BadRequest(str(e), given[0] if given else None)
+
+
 def request_grammar(body: dict):
     """The ``pyinfer.grammar.Grammar`` the body asks for, or None. Raises BadRequest naming the
     field for a malformed one."""
     from pyinfer.api import grammar_of
 
-    fields = _grammar_fields(body)
     try:
-        return grammar_of(**fields)
+        return grammar_of(**_grammar_fields(body))
     except PyinferError as e:
-        given = [k for k, v in fields.items() if v is not None]
-        raise BadRequest(str(e), given[0] if given else None) from None
+        raise _grammar_error(body, e) from None
 
 
 def check_grammar(body: dict, tokenizer) -> None:
@@ -167,8 +171,7 @@ def check_grammar(body: dict, tokenizer) -> None:
     try:
         g.check(tokenizer)
     except PyinferError as e:
-        given = [k for k, v in _grammar_fields(body).items() if v is not None]
-        raise BadRequest(str(e), given[0]) from None
+        raise _grammar_error(body, e) from None
 
 
 def encode_embeddings(result: dict, fmt: str) -> dict:
