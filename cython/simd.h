@@ -271,10 +271,6 @@ static inline float pi_dot_f16(const uint16_t *w, const float *x, int n) {
  * dot multiplies the unsigned nibbles (0..15) directly and subtracts the offset 8 once per block
  * through s_b, which saves the sign tricks and the subtraction (2nb floats needed in d). */
 
-/* One block of 32: d = max |x| / 127, q[j] = rint(x[j] / d) (0 where d is 0); returns the sum
- * of q. The SIMD path gives the scalar loop's numbers, 8 lanes at a time: max |x| in any order,
- * one f32 product per value, and cvtps rounds to nearest-even as lrintf does in the default
- * rounding mode. (Also ibsum.h's per-token quantization of a prefill.) */
 /* Maxima of absolute values (sign bits clear) that keep a NaN: such floats' bit patterns order
  * as int32 and a NaN's lies above +inf's, so an integer max returns NaN wherever one is there.
  * max_ps keeps a NaN only when it is the second operand: a block's NaN was dropped and the
@@ -293,6 +289,10 @@ static inline float pi_absmax1(float amax, float v) {
     return (v > amax || v != v) ? v : amax;
 }
 
+/* One block of 32: d = max |x| / 127, q[j] = rint(x[j] / d) (0 where d is 0); returns the sum
+ * of q. The SIMD path gives the scalar loop's numbers, 8 lanes at a time: max |x| in any order,
+ * one f32 product per value, and cvtps rounds to nearest-even as lrintf does in the default
+ * rounding mode. (Also ibsum.h's per-token quantization of a prefill.) */
 static inline int pi_quantize_q8_block(const float *xb, int8_t *q, float *d) {
 #if PI_SIMD
     const __m256 sign = _mm256_set1_ps(-0.0f);
