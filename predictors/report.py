@@ -30,8 +30,9 @@ def format_table(rows: list[LayerReport], mode: str, n_ff: int) -> str:
     head = (f"{'layer':>5} {'sparsity':>8} {'act_thr':>8} {'rank':>5} {'recall':>7} {'precision':>9} "
             f"{'skipped':>8} {'cpu':>4} {'epochs':>6} {'train_s':>7}" + (f" {'gpu':>6}" if has_gpu else ""))
     lines = [f"offline stage summary (sparse mode {mode}; 'skipped' = neurons the predictor skips "
-             "on held-out calibration tokens; 'recall' is on the held-out tokens its threshold "
-             "was tuned on, so it meets the target: text no calibration saw gives a little less; "
+             "on held-out calibration tokens; 'recall' is cross-fitted on those tokens (each half "
+             "scored with a threshold tuned on the other half): text unlike the calibration "
+             "text gives less; "
              "'cpu' = CPU decode runs the predictor, where it saves more bytes than it reads)",
              head, "-" * len(head)]
     for r in rows:

@@ -63,8 +63,11 @@ def _fresh_quality(res, x, active):
 def test_reaches_target_recall_on_fresh_samples(rule_data, target):
     (x, a), (xf, af) = rule_data
     res = train_predictor(x, a, 128, target_recall=target, seed=0, max_epochs=30, n_threads=TORCH_THREADS)
-    assert res.recall >= target
+    assert res.tuned_recall >= target
     recall, precision = _fresh_quality(res, xf, af)
+    # The reported recall is cross-fitted, not the target by construction: it estimates the
+    # recall on samples the threshold never saw.
+    assert abs(res.recall - recall) < (0.01 if target < 0.99 else 0.005), (res.recall, recall)
     # The threshold is a quantile estimated on ~600 held-out samples: allow its sampling error.
     assert recall >= target - (0.01 if target < 0.99 else 0.005), recall
     assert precision > 0.3, precision
@@ -86,9 +89,23 @@ def test_shapes_dtypes_and_numpy_reproduces_reported_recall(rule_data):
     act = a[hold]
     recall = np.count_nonzero(pred & act) / np.count_nonzero(act)
     precision = np.count_nonzero(pred & act) / np.count_nonzero(pred)
-    assert recall == pytest.approx(res.recall, abs=1e-3)
-    assert precision == pytest.approx(res.precision, abs=1e-3)
-    assert 1 - pred.mean() == pytest.approx(res.predicted_sparsity, abs=1e-3)
+    assert recall == pytest.approx(res.tuned_recall, abs=1e-3)
+    # The reported figures: two halves of the held-out samples, each scored with the threshold
+    # tuned on the other half (the same pooled counts, recomputed here sample by sample).
+    logits = np.stack([res.fc2 @ np.maximum(res.fc1 @ x[i], 0) for i in hold])
+    perm = np.random.default_rng(3).permutation(hold.size)
+    halves = (np.sort(perm[: hold.size // 2]), np.sort(perm[hold.size // 2:]))
+    tp = n_pred = 0
+    for fit, score in (halves, halves[::-1]):
+        pos = np.sort(logits[fit][act[fit]])[::-1]
+        thr = pos[int(np.ceil(0.95 * pos.size - 1e-9)) - 1]
+        p = logits[score] >= thr
+        tp += np.count_nonzero(p & act[score])
+        n_pred += np.count_nonzero(p)
+    assert tp / np.count_nonzero(act) == pytest.approx(res.recall, abs=1e-3)
+    assert tp / n_pred == pytest.approx(res.precision, abs=1e-3)
+    assert 1 - n_pred / logits.size == pytest.approx(res.predicted_sparsity, abs=1e-3)
+    assert res.recall < res.tuned_recall  # scoring on unseen halves costs a little recall here
 
 
 def test_deterministic_by_seed(rule_data):
