@@ -1031,7 +1031,7 @@ def select_active(const float[::1] g, const float[::1] u, const int32_t[::1] ids
                 a = a * u[j]
             coef[k] = a  # branch-free compaction (see decode_ffn)
             idx[k] = ids[j] if has_ids else <int32_t> j
-            k += (<int> (a > thr)) | (<int> (a < -thr))
+            k += <int> (not (fabsf(a) <= thr))
     return k
 
 
@@ -1257,7 +1257,7 @@ def decode_ffn(float[::1] x, const float[::1] ffn_norm, float eps,
             else:  # branch-free compaction: a kept/dropped branch mispredicts half the time
                 coef[n] = a
                 idx[n] = <int32_t> j
-                n += (<int> (a > thr)) | (<int> (a < -thr))
+                n += <int> (not (fabsf(a) <= thr))  # NaN kept
         if mode == 0:
             n = n_ff
             _axpy_rows(&wd[0, 0], wd.shape[1], td, n_embd, coef, NULL, n_ff, y, n_threads)
@@ -1980,7 +1980,7 @@ cdef void _cold_team(int t, int T, const uint8_t *wg, int tg, Py_ssize_t sg, con
                 a = a * uv[j]
             coef[k] = a
             idx[k] = cand[j]
-            k += (<int> (a > thr)) | (<int> (a < -thr))  # branch-free, as decode_ffn
+            k += <int> (not (fabsf(a) <= thr))  # branch-free, as decode_ffn
         nk[0] = k
     pi_team_barrier()
     k = nk[0]
@@ -2084,9 +2084,9 @@ def cold_ffn(const uint8_t[:, ::1] wg, int tg, const uint8_t[:, ::1] wu, int tu,
                 kept[j] = 0
                 if glu:
                     a = a * pi_dot_row(tu, pu + r * su, &h[0], xd, xq, cols)
-                    if a > thr or a < -thr:
+                    if not (fabsf(a) <= thr):  # NaN kept
                         kept[j] = 1
-                elif a > thr or a < -thr:
+                elif not (fabsf(a) <= thr):
                     kept[j] = 1
                     a = a * pi_dot_row(tu, pu + r * su, &h[0], xd, xq, cols)
                 coef[j] = a
@@ -2153,7 +2153,7 @@ cdef inline long _mask_row(const float *x, int glu, int silu, const float *sp, f
         s = fabsf(v)
         if sp != NULL:
             s = s * sp[j]
-        keep = s > thr
+        keep = not (s <= thr)  # NaN kept
         out[j] = v if keep else 0.0
         k += keep
     return k

@@ -371,8 +371,9 @@ static inline void pi_act_values(const float *gu, long n_ff, long j0, long j1, i
     }
 }
 
-/* The kept channels of x[0:n]: x[i] where |x[i]| * scale[i] > thr (scale NULL: |x[i]| > thr; a
- * NaN score is dropped), written in order to coef[0:k] and their channels j0 + i to idx[0:k];
+/* The kept channels of x[0:n]: x[i] where not |x[i]| * scale[i] <= thr (scale NULL: |x[i]|),
+ * i.e. above thr or NaN (a NaN is kept, so it reaches the output and the engine's NaN check
+ * instead of vanishing from the sum), written in order to coef[0:k] and their channels j0 + i to idx[0:k];
  * returns k. coef may be x itself (compaction in place). AVX-512: 16 channels a step, the kept
  * ones packed by vcompressps / vpcompressd in registers and written with a masked store (the
  * memory form is microcoded on AMD Zen 4); otherwise branch-free scalar compaction (kept or
@@ -390,7 +391,7 @@ static inline long pi_select_kept(const float *x, const float *scale, float thr,
         const __m512 v = _mm512_loadu_ps(x + i);
         __m512 s = _mm512_abs_ps(v);
         if (scale) s = _mm512_mul_ps(s, _mm512_loadu_ps(scale + i));
-        const __mmask16 m = _mm512_cmp_ps_mask(s, t, _CMP_GT_OQ);
+        const __mmask16 m = _mm512_cmp_ps_mask(s, t, _CMP_NLE_UQ);
         const int c = __builtin_popcount((unsigned)m);
         const __mmask16 w = (__mmask16)((1u << c) - 1u);
         _mm512_mask_storeu_ps(coef + k, w, _mm512_maskz_compress_ps(m, v));
@@ -404,7 +405,7 @@ static inline long pi_select_kept(const float *x, const float *scale, float thr,
         if (scale) s = s * scale[i];
         coef[k] = a;
         idx[k] = (int32_t)(j0 + i);
-        k += s > thr;
+        k += !(s <= thr);
     }
     return k;
 }

@@ -241,7 +241,7 @@ class _Block:
         s = np.abs(v)
         if self.scale[gi] is not None:
             s *= self.scale[gi]
-        return np.where(s > self.curves[gi].thr[level], v, np.float32(0.0))
+        return np.where(s <= self.curves[gi].thr[level], np.float32(0.0), v)
 
     def run(self, levels, first: int) -> np.ndarray:
         """The block output (n_tok, n_embd) f32 for ``levels``, from stage ``first`` on (the

@@ -250,10 +250,10 @@ class NumpyDevice:
         a = X.act(gate.f32[cand] @ x, act == "silu")
         if glu:
             c = a * (up.f32[cand] @ x)
-            keep = np.abs(c) > act_thr
+            keep = ~(np.abs(c) <= act_thr)  # NaN kept
             c = np.where(keep, c, 0.0)
         else:
-            keep = np.abs(a) > act_thr
+            keep = ~(np.abs(a) <= act_thr)
             c = np.zeros(int(cand.sum()), np.float32)
             c[keep] = a[keep] * (up.f32[cand][keep] @ x)
         coef[...] = 0.0

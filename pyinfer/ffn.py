@@ -129,10 +129,10 @@ def sparse_step_general(cfg: ModelConfig, lw: LayerWeights, h: np.ndarray, ids: 
         if cfg.ffn_up_act == "relu":
             np.maximum(u, 0.0, out=u)
         val = a * u
-        keep = np.abs(val) > threshold
+        keep = ~(np.abs(val) <= threshold)  # NaN kept
         coef, idx = val[keep], cand[keep]
     else:
-        keep = np.abs(a) > threshold
+        keep = ~(np.abs(a) <= threshold)
         coef, idx = a[keep], np.ascontiguousarray(cand[keep])
         if gated:
             u = np.empty(idx.shape[0], np.float32)
@@ -372,7 +372,7 @@ class SparseFFN:
         a, coef = ffn_coef(self.cfg, lw, h, n_threads)
         if self.glu:
             a = coef
-        mask = np.abs(a) > self.act_threshold[layer]
+        mask = ~(np.abs(a) <= self.act_threshold[layer])  # NaN kept
         if self.use_predictor[layer]:
             cand = self.predictors[layer].mask(x, n_threads)
             mask &= cand

@@ -817,7 +817,7 @@ class GpuModel:
             a = X.act(g, self.silu)
             u = self._linear(ly.up, h)
             c = a * u
-            keep = xp.abs(c if self.glu else a) > xp.float32(self.act_thr[i])
+            keep = ~(xp.abs(c if self.glu else a) <= xp.float32(self.act_thr[i]))  # NaN kept
             if cand is not None:
                 mine = cand[:, ly.ids]
                 keep &= mine

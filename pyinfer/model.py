@@ -217,8 +217,8 @@ class Model:
     def logits(self, x: np.ndarray, all_logits: bool = False) -> np.ndarray:
         """Final norm and output projection: (n_vocab,) of the last row, or (n_tok, n_vocab).
         A row whose hidden state holds NaN or inf gets NaN logits, for Engine._check_finite to
-        report: an input-sparse head skips NaN channels (|x| > threshold is false for NaN), and
-        its logits came out finite (all zeros without the two-stage head's exact rows)."""
+        report, whatever the head makes of it (an input-sparse head keeps NaN channels, but a
+        two-stage head's candidate pick among NaN logits is arbitrary)."""
         cfg, w, nt = self.cfg, self.w, self.n_threads
         if not all_logits:
             x = x[-1:]

@@ -276,16 +276,19 @@ def test_nan_logits(tmp_path, temperature):
     assert e.tokens == []  # nothing the cache holds is claimed
 
 
-def test_a_nan_inside_a_layer_is_reported_not_laundered(tmp_path):
+@pytest.mark.parametrize("dense", [True, False])
+def test_a_nan_inside_a_layer_is_reported_not_laundered(tmp_path, dense):
     """One NaN in layer 0's FFN norm makes one NaN channel in the q4_0 gate/up projections'
     input: their 8-bit quantizer dropped it (max |x| by max_ps) and turned the block into
-    finite garbage, so the model answered garbage instead of saying it is broken. (Run dense:
-    a sparse run's neuron selection still drops NaN, |a| > threshold being false.)"""
+    finite garbage, so the model answered garbage instead of saying it is broken. The sparse
+    (cats) run's neuron selection dropped the NaN neurons too (|a| > threshold is false for
+    NaN): they are kept now."""
     w = np.ones(N_EMBD, np.float32)
     w[3] = np.nan
     bad = write_tiny_gguf(str(tmp_path / "nan.gguf"), tensors={
         C.FFN_NORM.format(bid=0): (w, QT.F32)})
-    e = Engine(bad, device="cpu", n_threads=1, dense=True)
+    e = Engine(bad, device="cpu", n_threads=1, dense=dense)
+    assert type(e.model.ffn).__name__ == ("DenseFFN" if dense else "SparseFFN")
     one_line_error(lambda: e.eval_prompt([1, 5, 9]), "the model produced NaN logits at token 2")
     assert e.tokens == []  # the cache claims nothing
 

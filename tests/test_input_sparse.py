@@ -1039,3 +1039,18 @@ def test_a_nan_hidden_state_is_reported_through_an_input_sparse_head(tmp_path):
     e.eval_prompt([3, 4])
     with pytest.raises(PyinferError, match="NaN logits at token 2"):
         e.eval_token(7)
+
+    # A NaN that appears inside a layer only (one channel of layer 0's FFN norm): the input
+    # selection of gate/up kept |h| * s > threshold, which NaN never passes, so the channel
+    # vanished from the sums and the logits came out finite. NaN channels are kept now.
+    e = Engine(out, n_ctx=64, n_threads=1)
+    e.model.w.layers[0].ffn_norm = e.model.w.layers[0].ffn_norm.copy()
+    e.model.w.layers[0].ffn_norm[5] = np.nan
+    with pytest.raises(PyinferError, match="NaN logits at token 1"):
+        e.eval_prompt([3, 4])
+    e = Engine(out, n_ctx=64, n_threads=1)
+    norm = e.model.w.layers[0].ffn_norm = e.model.w.layers[0].ffn_norm.copy()
+    e.eval_prompt([3])
+    norm[5] = np.nan  # in place: the one-call decode holds the array's address
+    with pytest.raises(PyinferError, match="NaN logits at token 1"):
+        e.eval_token(4)

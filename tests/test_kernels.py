@@ -502,11 +502,28 @@ def test_select_active(silu, with_up, with_ids):
                                  np.zeros(100, np.int32)) < 100
 
 
+@pytest.mark.parametrize("silu", [True, False])
+def test_select_active_keeps_nan(silu):
+    """A NaN activation is kept (|a| > thr is false for NaN, so it used to vanish from the FFN's
+    sum and the token came out finite), in the C selection and its NumPy twin alike."""
+    rng = np.random.default_rng(8)
+    g, up = _rand(rng, 40) * 3, _rand(rng, 40).copy()  # writable (_rand's are read-only)
+    up[[3, 17]] = np.nan
+    if silu:
+        g[29] = np.nan
+    for kernel in (cpu.select_active, ref.select_active):
+        coef, idx = _nan((40,)), np.full(40, -7, np.int32)
+        k = kernel(g, up, None, silu, 0.3, coef, idx)
+        want = [3, 17, 29] if silu else [3, 17]
+        assert set(want) <= set(idx[:k].tolist()), kernel
+        assert np.isnan(coef[:k]).sum() == len(want)
+
+
 def test_select_inputs_matches_numpy():
     """``select_inputs`` (the decode's input selection; AVX-512: 16 channels a step packed by
-    compress instructions, a scalar tail) keeps exactly NumPy's |x| * scale > thr, in order, with
-    their values: NaN scores dropped, -0 and ties at the threshold dropped, every length around
-    the 16-lane steps."""
+    compress instructions, a scalar tail) keeps exactly NumPy's not |x| * scale <= thr, in order,
+    with their values: NaN scores kept (a NaN must reach the output, not vanish from the sum),
+    -0 and ties at the threshold dropped, every length around the 16-lane steps."""
     rng = np.random.default_rng(17)
     for n in (0, 1, 15, 16, 17, 33, 576, 1539):
         x = rng.standard_normal(n).astype(np.float32)
@@ -516,7 +533,8 @@ def test_select_inputs_matches_numpy():
         for scale, thr in ((None, 0.5), (rng.uniform(0, 2, n).astype(np.float32), 0.7),
                            (None, -1.0), (None, 1e9)):
             s = np.abs(x) if scale is None else np.abs(x) * scale
-            keep = np.flatnonzero(s > np.float32(thr))
+            keep = np.flatnonzero(~(s <= np.float32(thr)))
+            assert np.isnan(x[keep]).sum() == np.isnan(x).sum()
             coef, idx = _nan((n,)), np.full(n, -7, np.int32)
             k = cpu.select_inputs(x, scale, thr, coef, idx)
             assert k == keep.size, (n, thr)

@@ -570,10 +570,10 @@ __device__ __forceinline__ float gate_up_one_@T@(const u8* g_row, const u8* u_ro
     if (glu) {
         if (!WIDE) u = warp_sum(dotx_@T@(u_row, cols, x, xq, xd, lane));
         c = a * u;
-        *keep = fabsf(c) > act_thr;
+        *keep = !(fabsf(c) <= act_thr);  // NaN kept, as the CPU
         if (!*keep) c = 0.f;
     } else {
-        *keep = fabsf(a) > act_thr;
+        *keep = !(fabsf(a) <= act_thr);
         if (*keep) c = a * (WIDE ? u : warp_sum(dotx_@T@(u_row, cols, x, xq, xd, lane)));
     }
     return c;
@@ -1024,7 +1024,7 @@ __device__ __forceinline__ void mask_store(float v, int j, int n, int b, int lan
         signed char* xq, float* xd, unsigned int* kmask) {
     float s = fabsf(v);
     if (has_scale && j < n) s = s * scale[j];
-    const bool keep = j < n && s > thr;
+    const bool keep = j < n && !(s <= thr);  // NaN kept
     v = keep ? v : 0.f;
     if (j < n) out[j] = v;
     const unsigned int ball = __ballot_sync(0xffffffffu, keep);

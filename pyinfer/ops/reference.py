@@ -174,7 +174,7 @@ def select_active(g, up, ids, silu, threshold, coef, idx):
     a = _act(g, silu)
     if up is not None:
         a = a * up
-    keep = np.flatnonzero(np.abs(a) > np.float32(threshold))
+    keep = np.flatnonzero(~(np.abs(a) <= np.float32(threshold)))  # NaN kept
     n = keep.size
     coef[:n] = a[keep]
     idx[:n] = keep if ids is None else np.asarray(ids)[keep]
@@ -209,7 +209,7 @@ def decode_ffn(x, ffn_norm, eps, gate, up, down_t, mode, silu, threshold, n_thre
     a = _act(dequantize(gate) @ _dot_input(gate, h), silu)
     if mode != 2:
         a = a * (dequantize(up) @ _dot_input(up, h))
-    keep = np.ones(n_ff, bool) if mode == 0 else np.abs(a) > np.float32(threshold)
+    keep = np.ones(n_ff, bool) if mode == 0 else ~(np.abs(a) <= np.float32(threshold))
     if mode == 2:
         a[keep] *= dequantize(up)[keep] @ _dot_input(up, h)
     x += (a[keep] @ dequantize(down_t)[keep]).astype(np.float32)
@@ -227,7 +227,7 @@ def select_inputs(x, scale, threshold, coef, idx):
     s = np.abs(np.asarray(x, np.float32))
     if scale is not None:
         s = s * np.asarray(scale, np.float32)
-    keep = np.flatnonzero(s > np.float32(threshold))
+    keep = np.flatnonzero(~(s <= np.float32(threshold)))
     coef[:keep.size] = np.asarray(x, np.float32)[keep]
     idx[:keep.size] = keep
     return keep.size
@@ -235,7 +235,7 @@ def select_inputs(x, scale, threshold, coef, idx):
 
 def _keep(x, scale, thr):
     s = np.abs(x) if scale is None else np.abs(x) * np.asarray(scale, np.float32)
-    return s > np.float32(thr)
+    return ~(s <= np.float32(thr))  # NaN kept, as the kernels
 
 
 def decode_ffn_in(x, ffn_norm, eps, gate_up_t, down_t, scale_gu, thr_gu, scale_d, thr_d, silu,
