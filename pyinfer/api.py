@@ -282,8 +282,10 @@ class LLM:
         if not tokens:
             raise PyinferError("empty prompt")
         if len(tokens) >= self.n_ctx:
-            raise PyinferError(f"prompt is {len(tokens)} tokens, longer than the context "
-                               f"({self.n_ctx}); raise n_ctx (-c/--ctx-size) or shorten the prompt")
+            what = "longer than" if len(tokens) > self.n_ctx else "as long as"
+            raise PyinferError(f"prompt is {len(tokens)} tokens, {what} the context ({self.n_ctx}), "
+                               "which leaves no room for an answer; raise n_ctx (-c/--ctx-size) or "
+                               "shorten the prompt")
 
     def _snapshot(self) -> _Snapshot:
         t = self.engine.timings
@@ -372,10 +374,8 @@ class LLM:
             gen.close()
             if finish is None and constraint is not None and constraint.done:
                 finish = "stop"  # the grammar is complete: the natural end of this answer
-            if finish is None:
-                hit_limit = limit is not None and stats.completion_tokens >= limit
-                full = len(self.engine.tokens) >= self.n_ctx
-                finish = "length" if hit_limit or full else "stop"
+            if finish is None:  # the generation ended by itself: the engine says why
+                finish = self.engine.finish_reason or "stop"
             stats.finish_reason = finish
             after = self._snapshot()
             stats.prompt_evaluated = after.prompt_n - before.prompt_n

@@ -256,6 +256,8 @@ def run(args) -> int:
         raise PyinferError("no prompt given: use -p PROMPT, -f FILE or -i")
     n_predict = RUN_N_PREDICT if args.n_predict is None else args.n_predict
     sampling = sampling_kwargs(args)  # a bad grammar is reported before the model loads
+    if args.seed != -1:  # the request's seed, as llama.cpp's -s and the API's / server's seed
+        sampling["seed"] = args.seed
 
     llm = load(args, model_path)
     show_prompt_progress(llm.engine)

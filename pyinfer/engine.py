@@ -151,6 +151,14 @@ class Engine:
                                  disable_gpu_index=disable_gpu_index, n_gpu_layers=n_gpu_layers,
                                  verbose=verbose, cache_type=cache_type, lm_head=lm_head)
         self.tokens: list[int] = []  # tokens whose keys/values are in the cache, in order
+        # how many of them a batched forward wrote (the rest: one-token decode steps)
+        self._n_batched = 0
+        # eval_prompt reuses decode-written rows too (the chat REPL: latency over bit-exact
+        # replay of a conversation)
+        self.reuse_decoded_rows = False
+        # why the last generation ended: "stop" (a stop id, the grammar complete) or "length"
+        # (max_tokens, a full context); None while one runs or when its consumer left early
+        self.finish_reason: str | None = None
         self._epoch = 0  # bumped by whatever replaces the cache's contents (generate checks it)
         self._dry_breakers: frozenset[int] | None = None  # see dry_breakers
         # fewer threads while other processes hold CPUs (spinning OpenMP waits: pyinfer.threads)
@@ -206,18 +214,22 @@ class Engine:
     def reset(self):
         """Forget the cached tokens (the cache memory is reused)."""
         self.tokens = []
+        self._n_batched = 0
         self._epoch += 1
 
     def eval_prompt(self, tokens: list[int]) -> np.ndarray:
         """Make the cache hold exactly ``tokens`` and return the last token's logits (n_vocab,).
 
-        Reuses the longest common prefix with what the cache already holds, but evaluates at
-        least the last two tokens of a prompt of two or more, and never a batch of one: a
-        one-token forward runs the decode kernels, whose logits differ from the batched
-        path's by the quantized activations' rounding (up to ~1 in logits of ~27 on SmolLM2),
-        so a prompt's logits are those of a fresh batched evaluation whatever the cache held
-        (the same greedy text on a second call; a batched evaluation gives each position the
-        same bits however the batch is split). Raises PyinferError if the prompt does not fit,
+        Reuses the longest common prefix with what the cache already holds, as far as batched
+        forwards wrote it, but evaluates at least the last two tokens of a prompt of two or
+        more, and never a batch of one: a one-token forward runs the decode kernels, whose
+        keys, values and logits differ from the batched path's by the quantized activations'
+        rounding (up to ~1 in logits of ~27 on SmolLM2). So a generated answer's rows are
+        evaluated again, batched, when the next prompt holds them (a chat's next turn), and a
+        prompt's logits are those of a fresh batched evaluation whatever the cache held (the
+        same greedy text on a second call and after any other request; a batched evaluation
+        gives each position the same bits however the batch is split). With
+        ``reuse_decoded_rows`` set (the chat REPL) the answer's rows are reused as they are. Raises PyinferError if the prompt does not fit,
         holds an id outside the model's vocabulary, or the model produces NaN/Inf logits.
         """
         if not tokens:
@@ -232,10 +244,13 @@ class Engine:
             if a != b:
                 break
             n_keep += 1
+        if not self.reuse_decoded_rows:
+            n_keep = min(n_keep, self._n_batched)
         n_keep = min(n_keep, max(len(tokens) - 2, 0))
         new = tokens[n_keep:]
         t0 = time.perf_counter()
         self.tokens = list(tokens[:n_keep])  # what the cache holds if a forward fails
+        self._n_batched = n_keep
         try:
             for s, e in prompt_batches(len(new)):
                 part = new[s:e]
@@ -252,6 +267,8 @@ class Engine:
             self.tokens = list(tokens[:n_keep])
             raise
         self.tokens = list(tokens)
+        if len(new) > 1:  # (a one-token prompt ran the decode kernels)
+            self._n_batched = len(tokens)
         return logits
 
     def eval_token(self, token: int) -> np.ndarray:
@@ -307,12 +324,17 @@ class Engine:
         ``constraint``: a ``pyinfer.grammar.Constraint``; only tokens it allows are drawn, and
         generation ends when its grammar is complete. ``on_token(logits, token)``: called with the
         (n_vocab,) logits each token was drawn from (for log-probabilities), stop token included.
+        Sets ``finish_reason`` when it ends by itself: "stop" for a stop id (even one drawn at the
+        context's last position) or a complete grammar, "length" for max_tokens or a full context.
         """
+        self.finish_reason = None
         stops = set(self.tokenizer.stop_ids if stop_ids is None else stop_ids)
         rng = np.random.default_rng(seed)
         logits = self.eval_prompt(list(prompt_tokens))
         epoch = self._epoch
         n = 0
+        if max_tokens == 0:
+            self.finish_reason = "length"
         while max_tokens < 0 or n < max_tokens:
             t0 = time.perf_counter()
             recent = self.tokens[-params.repeat_last_n:] if params.repeat_last_n > 0 else ()
@@ -324,14 +346,17 @@ class Engine:
             if on_token is not None:
                 on_token(logits, tok)
             if tok in stops and not ignore_eos:
+                self.finish_reason = "stop"
                 return
             if constraint is not None:
                 constraint.advance(tok)
             yield tok
             n += 1
             if len(self.tokens) >= self.n_ctx or (max_tokens >= 0 and n >= max_tokens):
+                self.finish_reason = "length"
                 return
             if constraint is not None and constraint.done:
+                self.finish_reason = "stop"
                 return
             if self._epoch != epoch:  # resumed after another call took the cache
                 raise PyinferError("this generation was interrupted: another prompt, reset or "
@@ -364,6 +389,7 @@ class Engine:
             raise PyinferError(f"the input is {len(tokens)} tokens; it must be 1..{self.n_ctx}")
         self._check_ids(tokens)
         self.tokens = []
+        self._n_batched = 0
         self._epoch += 1
         x = model.embed(tokens, 0)
         model.run_layers(x, 0, 0)

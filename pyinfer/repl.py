@@ -1,7 +1,9 @@
 """pyinfer-chat (``pyinfer-run -i``): an interactive chat in the terminal.
 
 Each turn renders the whole conversation with the GGUF's chat template; the engine keeps the
-previous turns in its KV cache and evaluates only the new tokens. Answers stream as they are
+previous turns in its KV cache and evaluates only the new tokens (the previous answer's rows as
+the decode kernels wrote them: a replay of the same conversation through the API, which
+evaluates them again batched, can answer differently). Answers stream as they are
 generated and end at the model's end-of-turn token. Ctrl-C stops an answer (and clears a half-typed
 line), Ctrl-D or /exit leaves; readline gives line editing and history. When the conversation
 outgrows the context the oldest turns are dropped (the system message stays). Text typed while
@@ -41,6 +43,9 @@ class ChatSession:
     def __init__(self, llm: LLM, system: str | None = None, max_tokens: int | None = None,
                  **sampling):
         self.llm = llm
+        # a turn reuses the previous answer's cache rows as the decode kernels wrote them: the
+        # next answer starts sooner, but may differ from a fresh replay of the conversation
+        llm.engine.reuse_decoded_rows = True
         self.system = system
         self.max_tokens = max_tokens
         self.sampling = sampling

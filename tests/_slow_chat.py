@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
+import types
 
 from pyinfer.api import GenerationStats
 from pyinfer.repl import ChatSession, repl
@@ -18,6 +19,7 @@ class SlowLLM:
 
     def __init__(self):
         self.last_stats = GenerationStats()
+        self.engine = types.SimpleNamespace(reuse_decoded_rows=False)
 
     def chat_tokens(self, messages):
         return [0] * 10

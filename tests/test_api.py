@@ -51,11 +51,14 @@ class _Engine:
     def generate(self, prompt, params, *, max_tokens=-1, seed=None, ignore_eos=False, stop_ids=None):
         self.tokens = list(prompt)
         self.timings.prompt_n += len(prompt)
+        self.finish_reason = None
         for n, t in enumerate(self.script):
             yield t
             self.tokens.append(t)
             if n + 1 == max_tokens or len(self.tokens) >= self.n_ctx:
+                self.finish_reason = "length"
                 return
+        self.finish_reason = "stop"  # the script's end: a stop id
 
 
 def scripted(pieces, n_ctx=64) -> LLM:
@@ -125,8 +128,11 @@ def test_should_stop_interrupts():
 
 def test_prompt_must_fit():
     llm = scripted(["a"], n_ctx=4)
-    with pytest.raises(PyinferError, match="longer than the context"):
+    with pytest.raises(PyinferError, match=r"4 tokens, as long as the context \(4\), which leaves "
+                                           "no room for an answer"):
         llm.create_completion([1, 2, 3, 4])
+    with pytest.raises(PyinferError, match=r"5 tokens, longer than the context \(4\)"):
+        llm.create_completion([1, 2, 3, 4, 5])
     with pytest.raises(PyinferError, match="empty prompt"):
         llm.create_completion([])
 
@@ -263,6 +269,53 @@ def test_a_prompt_gets_the_same_logits_whatever_the_cache_holds(smollm2_llm):
     assert a["choices"][0]["text"] == b["choices"][0]["text"]
     assert llm.last_stats.prompt_evaluated == 2
     assert prompt_batches(513) == [(0, 511), (511, 513)] and prompt_batches(1) == [(0, 1)]
+
+
+@pytest.mark.slow
+def test_generated_rows_are_evaluated_again_when_a_prompt_holds_them(smollm2_llm):
+    """A chat's next turn holds the answer the decode kernels wrote into the cache: reusing those
+    rows gave other logits than a fresh evaluation (up to ~0.8 on SmolLM2), so turn 2 after turn
+    1 answered other text than the same messages sent to a fresh LLM. Only rows a batched
+    forward wrote are reused now; a one-token prompt's row (a decode step) neither."""
+    llm, eng = smollm2_llm, smollm2_llm.engine
+    ids = llm.tokenize("Once upon a time, in a land far away, there lived a")
+    eng.reset()
+    logits = eng.eval_prompt(ids)
+    for _ in range(12):  # a greedy answer, through the decode kernels
+        logits = eng.eval_token(int(np.argmax(logits)))
+    turn2 = eng.tokens + llm.tokenize(" The end. Tell me more:")
+    got = eng.eval_prompt(turn2).copy()
+    eng.reset()
+    want = eng.eval_prompt(turn2).copy()
+    np.testing.assert_array_equal(got, want)
+    eng.reset()
+    eng.eval_prompt(turn2[:1])  # a one-token prompt: a decode step
+    np.testing.assert_array_equal(eng.eval_prompt(turn2), want)
+    msgs = [{"role": "user", "content": "Write a short story about a fox."}]
+    llm.reset()
+    r1 = llm.create_chat_completion(msgs, temperature=0, max_tokens=24)["choices"][0]["message"]
+    msgs2 = msgs + [r1, {"role": "user", "content": "Now make it sadder."}]
+    a = llm.create_chat_completion(msgs2, temperature=0, max_tokens=24)["choices"][0]["message"]
+    assert 0 < llm.last_stats.prompt_evaluated < llm.last_stats.prompt_tokens  # the prefix reused
+    b = fresh(llm).create_chat_completion(msgs2, temperature=0, max_tokens=24)
+    assert a["content"] == b["choices"][0]["message"]["content"]
+
+
+@pytest.mark.slow
+def test_an_end_of_turn_at_the_last_position_is_a_stop(smollm2_q8, smollm2_llm):
+    """The end-of-turn token drawn from the context's last position ended the answer by itself,
+    but finish_reason was worked out afterwards from a full cache: "length" (and pyinfer-run /
+    the REPL said the context was full). The engine now says why a generation ended."""
+    msgs = [{"role": "user", "content": "Hi"}]
+    n_prompt = len(smollm2_llm.chat_tokens(msgs))
+    free = smollm2_llm.create_chat_completion(msgs, temperature=0, max_tokens=64)
+    assert free["choices"][0]["finish_reason"] == "stop"
+    k = free["usage"]["completion_tokens"]
+    assert k < 64
+    for n_ctx, reason in ((n_prompt + k, "stop"), (n_prompt + k - 1, "length")):
+        out = LLM(smollm2_q8, n_ctx=n_ctx).create_chat_completion(msgs, temperature=0)
+        assert out["choices"][0]["message"] == free["choices"][0]["message"]
+        assert out["choices"][0]["finish_reason"] == reason, n_ctx
 
 
 @pytest.mark.slow
@@ -504,7 +557,7 @@ def test_stop_strings_on_the_model(smollm2_llm):
 
 
 @pytest.mark.slow
-def test_next_turn_evaluates_only_new_tokens(smollm2_llm):
+def test_next_turn_reuses_the_previous_prompt(smollm2_llm):
     llm = smollm2_llm
     first = llm.create_chat_completion(GERMANY, temperature=0, max_tokens=24)
     answer = first["choices"][0]["message"]
@@ -512,7 +565,10 @@ def test_next_turn_evaluates_only_new_tokens(smollm2_llm):
     messages = GERMANY + [answer, {"role": "user", "content": "And of France?"}]
     ids = llm.chat_tokens(messages)
     common = next((i for i, (a, b) in enumerate(zip(cached, ids)) if a != b), min(len(cached), len(ids)))
-    assert common > len(llm.chat_tokens(GERMANY))  # the first answer is part of the reused prefix
+    n_first = len(llm.chat_tokens(GERMANY))
+    assert common > n_first  # the first answer is part of the common prefix
     llm.create_chat_completion(messages, temperature=0, max_tokens=4)
     assert llm.last_stats.prompt_tokens == len(ids)
-    assert llm.last_stats.prompt_evaluated == len(ids) - common
+    # the first prompt's rows are reused; the answer's (written by the decode kernels, which
+    # round otherwise) are evaluated again, batched, with the new message
+    assert llm.last_stats.prompt_evaluated == len(ids) - n_first

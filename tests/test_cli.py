@@ -143,6 +143,20 @@ def test_greedy_chat_answers_berlin(smollm2_q8):
     assert "pyinfer_perf:        eval time" in r.stderr  # llama.cpp-style timing summary
 
 
+@pytest.mark.slow
+def test_seed_is_the_requests_seed(smollm2_q8, smollm2_llm):
+    """``-s 42`` samples as ``create_completion(seed=42)`` and a server request with
+    ``"seed": 42`` do (llama.cpp's -s); it seeded the stream the per-call seeds are drawn from,
+    so the same seed gave other text on the command line than through the API."""
+    prompt = "My favourite animal is the"
+    want = smollm2_llm.create_completion(prompt, max_tokens=12, temperature=1.0, seed=42,
+                                         top_k=0, top_p=1.0, min_p=0.0)["choices"][0]["text"]
+    r = pyinfer_run(smollm2_q8, "-p", prompt, "-n", "12", "-s", "42", "--temp", "1.0",
+                    "--top-k", "0", "--top-p", "1.0", "--min-p", "0.0", "-c", "256", timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == prompt + want + "\n"
+
+
 # ---- --version and -m/--model on every command (issue 13) --------------------------------------
 COMMANDS = {"pyinfer-run": "pyinfer.cli", "pyinfer-chat": "pyinfer.repl", "pyinfer-serve": "pyinfer.server",
             "pyinfer-perplexity": "pyinfer.perplexity", "pyinfer-convert": "convert.cli",

@@ -232,6 +232,14 @@ def test_mistral(tmp_path, window):
     eng = check(tmp_path, d, ref)
     assert eng.cfg.sliding_window == (window or 0)
     assert eng.model.llama_plain == (window is None)  # without a window: the fused Llama path
+    # A batched prompt gives each position the same bits however it is split (whatever the
+    # cache held): a batch starting at window - 1 ran its lone full-window query through the
+    # one-query (decode) path, whose bits differ.
+    want = eng.eval_prompt(PROMPT).copy()
+    for k in range(2, len(PROMPT) - 1):
+        eng.reset()
+        eng.eval_prompt(PROMPT[:k])
+        np.testing.assert_array_equal(eng.eval_prompt(PROMPT), want, err_msg=f"cache held {k}")
 
 
 def test_mistral_window_changes_the_output(tmp_path):

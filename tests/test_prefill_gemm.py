@@ -240,6 +240,24 @@ def test_batched_attention(n_threads):
         np.testing.assert_allclose(new, want, rtol=1e-5, atol=1e-5)
 
 
+def test_windowed_attention_gives_the_same_bits_however_a_batch_is_split():
+    """Sliding-window attention (Gemma 3, Mistral) over a batch starting anywhere gives each
+    position the bits of the whole batch: a batch starting at window - 1 has one query whose
+    window still reaches row 0, and that lone query went through the one-query (decode) path,
+    whose bits differ (Gemma-3-270M's shapes: 4 heads, 1 KV head, head_dim 256)."""
+    from pyinfer.ops.families import attention_window
+
+    rng = np.random.default_rng(5)
+    window, n_tok, n_head, hd = 12, 30, 4, 256
+    q = _ro(rng.standard_normal((n_tok, n_head, hd)).astype(np.float32))
+    k = _ro(rng.standard_normal((n_tok, 1, hd)).astype(np.float16))
+    v = _ro(rng.standard_normal((n_tok, 1, hd)).astype(np.float16))
+    whole = attention_window(q, k, v, 0, window, _nan(q.shape))
+    for start in range(1, n_tok - 1):
+        part = attention_window(q[start:], k, v, start, window, _nan(q[start:].shape))
+        np.testing.assert_array_equal(part, whole[start:], err_msg=f"batch from {start}")
+
+
 @pytest.mark.parametrize("n_threads", [1, 2])
 def test_matmul_multi_equals_matmul(n_threads):
     """q, k and v from one call (x quantized once, one parallel region): the same bits as three

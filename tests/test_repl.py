@@ -8,6 +8,7 @@ import re
 import shutil
 import sys
 import time
+import types
 
 import pytest
 
@@ -27,6 +28,7 @@ class FakeLLM:
         self.prompts = []
         self.last_stats = GenerationStats()
         self.model_name = "fake"
+        self.engine = types.SimpleNamespace(reuse_decoded_rows=False)
 
     def chat_tokens(self, messages):
         n = sum(4 + len(m["content"].split()) for m in messages) + 3

@@ -115,10 +115,16 @@ def attention_window(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, n_
 
     q (n_tok, n_head, head_dim); caches (n_ctx, n_head_kv, head_dim); out like q. Queries whose
     window reaches back to 0 go through one ``cpu.attention`` call; the rest one token each over
-    their window's cache rows."""
+    their window's cache rows. A batch's lone such query runs as the first of two (the second's
+    row thrown away): a one-query call takes the decode path, whose bits differ, and a batch
+    must give each position the same bits however it is split (``Engine.eval_prompt``)."""
     T = q.shape[0]
     full = max(0, min(T, window - n_past))  # tokens whose window still starts at row 0
-    if full:
+    if full == 1 and T > 1:
+        two = np.empty_like(out[:2])
+        cpu.attention(q[:2], k_cache, v_cache, n_past, two, n_threads)
+        out[0] = two[0]
+    elif full:
         cpu.attention(q[:full], k_cache, v_cache, n_past, out[:full], n_threads)
     for t in range(full, T):
         p = n_past + t
