@@ -105,6 +105,7 @@ def print_timings(t, file=None):
         print(f"pyinfer_perf: {label:>16} = {ms:10.2f} ms / {n:5d} {unit:6} "
               f"({per:8.2f} ms per token, {tps:8.2f} tokens per second)", file=file)
     print(f"pyinfer_perf: {'load time':>16} = {t.load_ms:10.2f} ms", file=file)
+    line("sampling time", t.sample_ms, t.sample_n, "runs")  # llama_perf_sampler_print
     line("prompt eval time", t.prompt_ms, t.prompt_n, "tokens")
     line("eval time", t.eval_ms, t.eval_n, "runs")
     if getattr(t, "passes_reduced", 0):  # the thread governor (pyinfer.threads) stepped in

@@ -69,6 +69,7 @@ class Timings:
     eval_n: int = 0
     eval_ms: float = 0.0
     sample_ms: float = 0.0
+    sample_n: int = 0  # tokens drawn (the stop token included)
     n_threads: int = 1  # -t: the most threads a forward pass may use
     passes: int = 0  # forward passes (a prompt, or one token)
     passes_reduced: int = 0  # of them, run on fewer threads: other processes held CPUs
@@ -76,6 +77,7 @@ class Timings:
     def reset(self):
         self.prompt_n = self.eval_n = 0
         self.prompt_ms = self.eval_ms = self.sample_ms = 0.0
+        self.sample_n = 0
         self.passes = self.passes_reduced = 0
 
 
@@ -343,6 +345,7 @@ class Engine:
             tok = sample(logits, params, rng, recent, allowed, self.tokens if dry else (),
                          self.dry_breakers() if dry else frozenset())
             self.timings.sample_ms += (time.perf_counter() - t0) * 1e3
+            self.timings.sample_n += 1
             if on_token is not None:
                 on_token(logits, tok)
             if tok in stops and not ignore_eos:

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pyinfer.ops import cpu
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -125,8 +127,12 @@ def distribution(logits: np.ndarray, params: SamplingParams, recent=(),
     far), ``breakers``: DRY's sequence-breaker ids. Raises ValueError for a mask that allows no
     token.
     """
-    z = apply_repeat_penalty(logits, recent, params.repeat_penalty)
-    apply_dry(z, history, params, breakers)
+    if allowed is None and (params.repeat_penalty == 1.0 or not len(recent)) and (
+            params.dry_multiplier <= 0 or params.dry_penalty_last_n == 0 or len(history) < 2):
+        z = np.asarray(logits, np.float32)  # nothing changes them: no copy (only read below)
+    else:
+        z = apply_repeat_penalty(logits, recent, params.repeat_penalty)
+        apply_dry(z, history, params, breakers)
     if allowed is not None:
         if not allowed.any():
             raise ValueError("the grammar allows no token")
@@ -137,7 +143,12 @@ def distribution(logits: np.ndarray, params: SamplingParams, recent=(),
     # Candidates sorted by logit, best first; the filters only ever cut the tail.
     n_ok = z.shape[0] if allowed is None else int(np.count_nonzero(allowed))
     if 0 < params.top_k < n_ok:
-        cand = np.argpartition(-z, params.top_k - 1)[:params.top_k]
+        # the compiled top-k (ascending ids, ties at the boundary to the lower index): NumPy's
+        # argpartition over the vocabulary took 0.7 ms a token on SmolLM2 (49,152), 4-6 ms on
+        # Gemma 3 (262,144)
+        cand = np.empty(params.top_k, np.int32)
+        m = cpu.topk_indices(np.ascontiguousarray(z, np.float32), params.top_k, cand)
+        cand = cand[:m].astype(np.int64)
     elif allowed is not None:
         cand = np.flatnonzero(allowed)
     else:

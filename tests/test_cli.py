@@ -3,6 +3,7 @@ and a greedy ``--chat`` answer on SmolLM2."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -141,6 +142,10 @@ def test_greedy_chat_answers_berlin(smollm2_q8):
     assert "Berlin" in r.stdout
     assert "What is the capital" not in r.stdout  # --chat does not echo the prompt
     assert "pyinfer_perf:        eval time" in r.stderr  # llama.cpp-style timing summary
+    # every token drawn is counted, the end-of-turn one included (llama_perf_sampler_print)
+    evals = int(re.search(r"eval time = +[\d.]+ ms / +(\d+) runs", r.stderr).group(1))
+    draws = int(re.search(r"sampling time = +[\d.]+ ms / +(\d+) runs", r.stderr).group(1))
+    assert draws == evals + 1, r.stderr
 
 
 @pytest.mark.slow
