@@ -66,13 +66,20 @@ def written_types(path: str) -> str:
 
 
 def check_paths(src: str, out: str) -> None:
-    """Raise PyinferError unless ``src`` exists and ``out`` can be written as a new file: its
-    directory exists, it is not a directory, it is not the source itself (by path or, where
+    """Raise PyinferError unless ``src`` exists and ``out`` can be written as a new file: it names
+    a file, its directory exists, it is not a directory nor an existing device, FIFO or socket
+    (or a link to one), it is not the source itself (by path or, where
     both exist, by inode: a link to the source), and for a source directory it is not one of
     its existing files other than a .gguf (model.safetensors, config.json, tokenizer.json ...
     were replaced by the output). Every conversion runs it before any work."""
     if not os.path.exists(src):
         raise PyinferError(f"{src} does not exist")
+    if not out or out.endswith((os.sep, os.altsep or os.sep)):
+        raise PyinferError(f"the output {out!r} does not name a file")
+    if os.path.lexists(out) and not os.path.isdir(out) and not os.path.isfile(out):
+        # a device (/dev/null), FIFO or socket, or a link to one: the finished file would
+        # replace it (os.replace), which for /dev/null as root breaks the whole system
+        raise PyinferError(f"{out} exists and is not a regular file; name a new file")
     out_dir = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(out_dir):
         raise PyinferError(f"output directory {out_dir} does not exist")

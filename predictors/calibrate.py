@@ -39,19 +39,28 @@ SELF_SOURCE = "self-generated:v1"
 MAX_SAMPLE_TOKENS = 256  # generated tokens per seed prompt before moving to the next one
 
 
+#: Most bytes read from one --calib file (a calibration takes thousands of tokens, tens of KiB
+#: of text; /dev/zero or a FIFO never ends).
+MAX_CALIB_FILE_BYTES = 64 << 20
+
+
 def read_calib_files(paths: list[str]) -> str:
     """The text of the ``--calib`` files, joined by blank lines.
 
-    Raises PyinferError for a missing or unreadable file, an empty one, or one that is not text
-    (contains NUL bytes or is not valid UTF-8).
+    Raises PyinferError for a missing or unreadable file, one larger than MAX_CALIB_FILE_BYTES,
+    an empty one, or one that is not text (contains NUL bytes or is not valid UTF-8).
     """
     parts = []
     for p in paths:
         try:
             with open(p, "rb") as f:
-                raw = f.read()
+                raw = f.read(MAX_CALIB_FILE_BYTES + 1)
         except OSError as e:
             raise PyinferError(f"cannot read calibration file {p}: {e.strerror or e}") from None
+        if len(raw) > MAX_CALIB_FILE_BYTES:
+            raise PyinferError(f"calibration file {p} is larger than {MAX_CALIB_FILE_BYTES >> 20} "
+                               "MiB; the calibration reads only --calib-tokens tokens of it: "
+                               "give an excerpt")
         if b"\0" in raw:
             raise PyinferError(f"calibration file {p} is binary (contains NUL bytes), not text")
         try:
@@ -67,8 +76,15 @@ def read_calib_files(paths: list[str]) -> str:
 def file_tokens(engine, text: str, n_tokens: int, source: str) -> list[list[int]]:
     """The first ``n_tokens`` tokens of ``text`` as one sequence (profile.py cuts it into chunks).
 
+    Only a prefix of the text is tokenized, grown until it holds ``n_tokens`` and a margin
+    (tokenization is local, so the first ``n_tokens`` are those of the whole text).
     Raises PyinferError when the text is shorter than ``n_tokens`` tokens."""
-    toks = engine.tokenizer.encode(text, add_bos=False)
+    n_chars = max(4096, 8 * n_tokens)
+    while True:
+        toks = engine.tokenizer.encode(text[:n_chars], add_bos=False)
+        if n_chars >= len(text) or len(toks) >= n_tokens + 64:
+            break
+        n_chars *= 4
     if len(toks) < n_tokens:
         raise PyinferError(f"calibration text {source} is too short: {len(toks)} tokens, fewer than "
                            f"--calib-tokens {n_tokens}; give more text or lower --calib-tokens")

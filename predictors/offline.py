@@ -41,7 +41,7 @@ import numpy as np
 from pyinfer import constants as C
 from pyinfer.errors import PyinferError
 from pyinfer.ops.cpu import default_n_threads
-from pyinfer.options import arg_type
+from pyinfer.options import arg_type, check_optional
 from predictors.train import TRAIN_DEVICES
 
 DEFAULT_CALIB_TOKENS = 4096  # SmolLM2-135M: about 2 min of generation + 1 min profiling, 1 thread
@@ -168,9 +168,10 @@ class OfflineOptions:
             raise PyinferError(f"--target-recall must be in (0, 1), got {self.target_recall}")
         if self.target_sparsity is not None and not 0.0 < self.target_sparsity < 1.0:
             raise PyinferError(f"--target-sparsity must be in (0, 1), got {self.target_sparsity}")
-        if self.vram_budget_gib is not None and not 0 < self.vram_budget_gib < float("inf"):
-            raise PyinferError(f"--vram-budget must be a finite number > 0 GiB, got "
-                               f"{self.vram_budget_gib}")
+        check_optional("vram_budget", self.vram_budget_gib, "--vram-budget")  # GiB
+        for p in self.calib_files or ():  # read later (if at all: --dense f16 reads none), but a
+            if not os.path.exists(p):     # missing one is a mistake to say now
+                raise PyinferError(f"cannot read calibration file {p}: No such file or directory")
         if self.max_epochs < 1:
             raise PyinferError(f"--epochs must be >= 1, got {self.max_epochs}")
         if self.train_device not in TRAIN_DEVICES:
@@ -378,6 +379,10 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
         from predictors.input_sparse import check_candidates
 
         check_candidates(cfg, opts.lm_head_candidates)  # before calibration, not at the final write
+        if opts.predictor_rank != "auto" and int(opts.predictor_rank) > cfg.n_embd:
+            # fc1 (rank, n_embd): a wider hidden layer than its input only costs bytes
+            raise PyinferError(f"--predictor-rank {opts.predictor_rank} is wider than the "
+                               f"model's n_embd ({cfg.n_embd}); give at most {cfg.n_embd}")
         chunk_len = min(CHUNK_LEN, eng.n_ctx)
         mode = sparse_mode(cfg)
         if opts.sparse_mode == C.SPARSE_MODE_INPUT:
@@ -730,7 +735,7 @@ def add_arguments(parser) -> None:
                         "default's scales weighted by the calibration inputs' mean squares "
                         "(SmolLM2 q4_0: 12-17%% lower perplexity; a --dense conversion then runs "
                         "no calibration pass)")
-    g.add_argument("--vram-budget", type=float, default=None, metavar="GiB",
+    g.add_argument("--vram-budget", type=arg_type("vram_budget"), default=None, metavar="GiB",
                    help="GiB of GPU memory to store a hot/cold neuron split for (default: no split "
                         "stored; activation counts are always stored so the GPU engine can solve at load)")
     g.add_argument("--predictor-rank", default="auto", metavar="auto|K",

@@ -88,7 +88,7 @@ OPTIONS: dict[str, Range] = {
     "seed": Range(integer=True, lo=0, hi=MAX_SEED, extra=(-1,)),  # -1: random, as llama.cpp
     "vram_budget": Range(integer=False, lo=0.0, lo_open=True, hi=1 << 20),  # GiB
     "n_gpu_layers": Range(integer=True, lo=0, hi=1 << 20),
-    "chunks": Range(integer=True, lo=0, hi=1 << 31),
+    "chunks": Range(integer=True, lo=-1, hi=1 << 31),  # -1, 0: all (llama.cpp's -1)
     "top_logprobs": Range(integer=True, lo=0, hi=20),  # OpenAI's bound
 }
 

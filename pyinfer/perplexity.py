@@ -1,16 +1,19 @@
 """pyinfer-perplexity: perplexity of a model on a text file, llama.cpp's method.
 
-The text is tokenized once and cut into chunks of the context size; each chunk is evaluated from
-an empty cache (its first token replaced by BOS when the tokenizer adds one) and only the second
-half of each chunk is scored, so every scored token sees at least n_ctx/2 tokens of context
-(llama.cpp ``examples/perplexity/perplexity.cpp``). In sparse mode it also prints the mean
-fraction of FFN neurons computed per token.
+The text is tokenized once (with BOS in front where the tokenizer adds one) and cut into chunks
+of the context size; each chunk is evaluated from an empty cache (its first token replaced by BOS
+when the tokenizer adds one) and only the second half of each chunk is scored, so every scored
+token sees at least n_ctx/2 tokens of context (llama.cpp ``examples/perplexity/perplexity.cpp``,
+which also gives the final estimate's +/- error: the standard error of the mean per-token
+negative log-likelihood, times the perplexity). In sparse mode it also prints the mean fraction
+of FFN neurons computed per token.
 """
 from __future__ import annotations
 
 import math
 import sys
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -31,11 +34,32 @@ def log_softmax_at(logits: np.ndarray, targets: np.ndarray, rows: int = 64) -> n
     return out
 
 
-def perplexity(engine, tokens: list[int], n_ctx: int, max_chunks: int = 0, progress=True):
-    """Returns (ppl, n_scored, fraction_of_ffn_neurons_computed).
+class Estimate(NamedTuple):
+    """``ppl`` +/- ``error`` over ``n_scored`` tokens; ``computed``: fraction of FFN neurons
+    computed per token (1.0 dense)."""
 
-    tokens: the whole text's ids; n_ctx: chunk size (<= engine.n_ctx). Raises PyinferError when
-    the text is shorter than one chunk."""
+    ppl: float
+    n_scored: int
+    computed: float
+    error: float
+
+
+def text_tokens(engine, text: str) -> list[int]:
+    """The ids perplexity scores: the whole text with BOS in front where the tokenizer adds one
+    (llama.cpp's ``common_tokenize(ctx, text, true)``); control-token text (<|im_end|>) is plain
+    text, as llama.cpp's perplexity scores it."""
+    return engine.tokenizer.encode(text, add_bos=engine.tokenizer.add_bos, parse_special=False)
+
+
+def perplexity(engine, tokens: list[int], n_ctx: int, max_chunks: int = 0, progress=True):
+    """Returns (ppl, n_scored, fraction_of_ffn_neurons_computed): ``estimate``'s first three."""
+    return tuple(estimate(engine, tokens, n_ctx, max_chunks, progress)[:3])
+
+
+def estimate(engine, tokens: list[int], n_ctx: int, max_chunks: int = 0, progress=True) -> Estimate:
+    """Perplexity of ``tokens`` (the whole text's ids, :func:`text_tokens`) in chunks of ``n_ctx``
+    (<= engine.n_ctx), at most ``max_chunks`` (0 or -1: all), with llama.cpp's error estimate.
+    Raises PyinferError when the text is shorter than one chunk."""
     n_chunks = len(tokens) // n_ctx
     if max_chunks > 0:
         n_chunks = min(n_chunks, max_chunks)
@@ -48,7 +72,7 @@ def perplexity(engine, tokens: list[int], n_ctx: int, max_chunks: int = 0, progr
     engine.reset_stats()
     bos = engine.tokenizer.bos_id if engine.tokenizer.add_bos else None
     first = n_ctx // 2
-    nll, count = 0.0, 0
+    nll, nll2, count = 0.0, 0.0, 0
     bar = progress_bar(range(n_chunks), desc="perplexity", unit="chunk", enabled=progress)
     for c in bar:
         chunk = list(tokens[c * n_ctx:(c + 1) * n_ctx])
@@ -63,9 +87,13 @@ def perplexity(engine, tokens: list[int], n_ctx: int, max_chunks: int = 0, progr
             if a < b:
                 lp = log_softmax_at(logits[a - s:b - s], np.asarray(chunk[a + 1:b + 1]))
                 nll -= lp.sum()
+                nll2 += float(np.dot(lp, lp))
                 count += lp.shape[0]
         bar.set_postfix(ppl=f"{math.exp(nll / count):.4f}")
-    return math.exp(nll / count), count, 1.0 - engine.ffn_sparsity()
+    ppl = math.exp(nll / count)
+    var = nll2 / count - (nll / count) ** 2  # of the per-token nll
+    err = math.sqrt(var / (count - 1)) * ppl if count > 1 and var > 0 else 0.0
+    return Estimate(ppl, count, 1.0 - engine.ffn_sparsity(), err)
 
 
 def main(argv=None) -> int:
@@ -80,7 +108,8 @@ def _main(argv) -> int:
     ap.add_argument("-c", "--ctx-size", type=arg_type("ctx_size"), default=512,
                     help="chunk size in tokens (0: the model's default context, as pyinfer-run)")
     ap.add_argument("-t", "--threads", type=arg_type("threads"), default=None)
-    ap.add_argument("--chunks", type=arg_type("chunks"), default=0, help="score at most this many chunks")
+    ap.add_argument("--chunks", type=arg_type("chunks"), default=-1,
+                    help="score at most this many chunks (-1 or 0: all)")
     ap.add_argument("--dense", action="store_true", help="compute every FFN neuron")
     ap.add_argument("-ctk", "--cache-type", choices=["auto", "f16", "f32"], default="auto",
                     help="KV cache type (auto: f32 for an f32 file, else f16)")
@@ -95,13 +124,13 @@ def _main(argv) -> int:
                  cache_type=args.cache_type)
     n_ctx = eng.n_ctx
     warn_past_training(n_ctx, eng.cfg.n_ctx_train)
-    # control-token text (<|im_end|>) is scored as plain text, as llama.cpp's perplexity does
-    tokens = eng.tokenizer.encode(text, add_bos=False, parse_special=False)
+    tokens = text_tokens(eng, text)
     t0 = time.perf_counter()
-    ppl, n, frac = perplexity(eng, tokens, n_ctx, args.chunks)
+    ppl, n, frac, err = estimate(eng, tokens, n_ctx, args.chunks)
     dt = time.perf_counter() - t0
     mode = "sparse" if eng.is_sparse else "dense"
     print(f"perplexity: {ppl:.4f} over {n} tokens ({mode}, ctx {n_ctx}, {dt:.1f} s)")
+    print(f"Final estimate: PPL = {ppl:.4f} +/- {err:.5f}")
     isp = getattr(eng.model, "input_sparse", None)
     lm_head = getattr(eng.model, "lm_head", None)
     head = ""

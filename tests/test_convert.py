@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 
@@ -576,6 +577,23 @@ def test_output_is_never_the_source(converted, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["link.gguf", "src.gguf"]
 
 
+def test_output_must_name_a_regular_file(converted, tmp_path):
+    """An existing OUT that is a device, FIFO or socket was replaced by the finished file (as
+    root, ``pyinfer-convert SRC /dev/null`` left /dev/null a regular file: a broken system); an
+    empty OUT or one ending in a separator failed only at the final write, after the offline
+    stage. All refused before any work, in every mode, the node left as it was."""
+    fifo = str(tmp_path / "pipe")
+    os.mkfifo(fifo)
+    for out, what in ((fifo, "exists and is not a regular file"),
+                      ("", "does not name a file"), (str(tmp_path / "sub") + os.sep, "does not name a file")):
+        for extra in ([], ["--dense"]):
+            p = run_cli(converted, out, "--outtype", "f32", *extra)
+            assert p.returncode == 1 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+            assert what in p.stderr, p.stderr
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    assert os.listdir(tmp_path) == ["pipe"]
+
+
 def test_output_is_never_a_file_of_the_source_directory(models, tmp_path):
     """OUT naming one of an HF directory's own files (the weights, config.json, the tokenizer)
     was written over it, rc 0, the checkpoint lost (QA): refused before any work in every mode;
@@ -954,3 +972,42 @@ def test_gguf_with_layers_beyond_block_count_is_refused(converted, tmp_path):
     w.write_tensors_to_file()
     w.close()
     _expect_error(tmp_path, path, contains="tensor(s) of layers beyond its block_count 1 (blk.1.")
+
+
+def test_perplexity_tokenizes_as_llama_cpp_does(models, tmp_path):
+    """pyinfer-perplexity of a model that adds BOS (SentencePiece, Llama-2 style): llama.cpp
+    tokenizes the text with BOS in front and cuts chunks from that; pyinfer tokenized without
+    it and put BOS over each chunk's first token, so the text's first token was lost and every
+    chunk boundary moved by one. The result is an independent computation's, with llama.cpp's
+    "Final estimate: PPL = x +/- err" (err: the standard error of the mean per-token nll, times
+    the perplexity), and --chunks -1 (llama.cpp's default) means all."""
+    import math
+
+    from pyinfer.engine import Engine
+
+    out = str(tmp_path / "spm.gguf")
+    convert(models["spm"], out, "f32")
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog and runs far away. " * 12)
+    eng = Engine(out, n_ctx=32, n_threads=1)
+    tok = eng.tokenizer
+    assert tok.add_bos and tok.bos_id is not None
+    ids = [tok.bos_id] + tok.encode(text.read_text(), add_bos=False, parse_special=False)
+    nll = []
+    for c in range(len(ids) // 32):
+        chunk = ids[c * 32:(c + 1) * 32]
+        chunk[0] = tok.bos_id
+        eng.reset()
+        z = eng.forward(chunk, 0, all_logits=True).astype(np.float64)[16:31]
+        lse = z.max(1) + np.log(np.exp(z - z.max(1, keepdims=True)).sum(1))
+        nll += list(lse - z[np.arange(15), chunk[17:32]])
+    nll = np.asarray(nll)
+    ppl = math.exp(nll.mean())
+    err = nll.std() / math.sqrt(len(nll) - 1) * ppl  # llama.cpp: sqrt((E[nll^2] - E[nll]^2) / (n - 1))
+    r = subprocess.run([sys.executable, "-m", "pyinfer.perplexity", out, "-f", str(text), "-c", "32",
+                        "-t", "1", "--chunks", "-1"], capture_output=True, text=True, timeout=300,
+                       cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert r.returncode == 0, r.stderr
+    got = r.stdout.splitlines()
+    assert got[0].startswith(f"perplexity: {ppl:.4f} over {len(nll)} tokens"), (got, ppl)
+    assert got[1] == f"Final estimate: PPL = {ppl:.4f} +/- {err:.5f}", (got, err)

@@ -186,7 +186,11 @@ def test_profiler_matches_transformers(act, relu_dir, silu_dir, tmp_path):
 def _expect_error(tmp_path, args, contains, capsys):
     out = str(tmp_path / "o.gguf")
     capsys.readouterr()
-    assert convert_main([*args[:1], out, *args[1:]]) == 1
+    try:
+        code = convert_main([*args[:1], out, *args[1:]])
+    except SystemExit as e:  # a flag argparse refuses (options.Parser: one line, status 1)
+        code = e.code
+    assert code == 1
     err = capsys.readouterr().err
     # stderr is not a terminal here: progress lines (pyinfer/progress.py, "desc: pct%|...") may
     # come before the one-line error
@@ -216,6 +220,12 @@ def test_bad_inputs(relu_dir, silu_dir, tmp_path, capsys):
         ([relu_dir, "--vram-budget", "0"], "--vram-budget"),
         ([relu_dir, "--vram-budget", "-1"], "--vram-budget"),
         ([relu_dir, "--vram-budget", "inf"], "finite number"),
+        # past a UINT64 byte count (a traceback at the final write) or float range
+        ([relu_dir, "--vram-budget", "1e11"], "<= 1048576"),
+        ([relu_dir, "--vram-budget", "1e300"], "<= 1048576"),
+        ([relu_dir, "--predictor-rank", "100000", *FAST], "wider than the model's n_embd"),
+        # a missing --calib file under --dense f32 (no calibration pass) was never looked at
+        ([relu_dir, "--dense", "--calib", str(tmp_path / "missing.txt")], "No such file"),
         ([relu_dir, "--sparse-mode", "glu", *FAST], "is for SwiGLU models"),
         ([relu_dir, "--target-sparsity", "0.5", *FAST], "zeros are its own"),
         ([relu_dir, "--lm-head-candidates", "256", *FAST], "multiple of 64"),

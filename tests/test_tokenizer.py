@@ -555,6 +555,26 @@ def test_smollm2_matches_transformers_gguf_tokenizer(smollm2_reader):
     assert ref.chat_template == tok.chat_template
 
 
+@pytest.mark.slow
+@needs_smollm2
+def test_calibration_tokenizes_a_prefix_only(smollm2_reader):
+    """The offline stage's --calib text: only a prefix is tokenized (a 50 MB file took 93 s and
+    6.9 GB to tokenize whole for 64 tokens), and the tokens are the whole text's first ones."""
+    import types
+
+    from predictors.calibrate import file_tokens
+
+    eng = types.SimpleNamespace(tokenizer=Tokenizer.from_gguf(smollm2_reader))
+    text = "\n\n".join(_corpus()) * 3
+    whole = eng.tokenizer.encode(text, add_bos=False)
+    seen = []
+    real = eng.tokenizer.encode
+    eng.tokenizer.encode = lambda t, **kw: seen.append(len(t)) or real(t, **kw)
+    for n in (64, 1000, 5000):
+        assert file_tokens(eng, text, n, "t") == [whole[:n]]
+    assert max(seen) < len(text) // 4, (seen, len(text))
+
+
 # ---- the trained relu-llama fixture, converted with one tokenizer file or the other -----------
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "relu-llama")
 
