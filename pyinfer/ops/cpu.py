@@ -507,6 +507,13 @@ def get_rows(w: QTensor, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
     return out
 
 
+def f32_to_f16(x: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """out (n,) uint16 = the f16 bits of x (n,) f32, rounded to nearest even (F16C; numpy's
+    astype(float16) bits for every non-NaN value). Both C-contiguous. Returns out."""
+    _k.f32_to_f16(x, out)
+    return out
+
+
 def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray) -> np.ndarray:
     """out = x / sqrt(mean(x^2, axis=-1) + eps) * weight; x, out (n_tok, n) or (n,)."""
     if x.ndim == 1:

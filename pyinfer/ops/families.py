@@ -73,12 +73,42 @@ def act(name: str, g: np.ndarray, shift: float = 0.0) -> np.ndarray:
 
 def head_rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """RMSNorm of every head in place: x (n_tok, n_heads, head_dim) f32, weight (head_dim,) f32
-    (Gemma 3's q_norm / k_norm, with its +1 in the weight)."""
+    (Gemma 3's q_norm / k_norm, with its +1 in the weight). (The kernel reads a row's sum of
+    squares before writing it, so out may be x.)"""
     flat = x.reshape(-1, x.shape[-1])
-    out = np.empty_like(flat)
-    cpu.rmsnorm(flat, weight, eps, out)
-    flat[...] = out
+    cpu.rmsnorm(flat, weight, eps, flat)
     return x
+
+
+_GELU_CHUNK = 16384  # f64 values per pass of gelu_tanh_inplace: 128 KiB buffers stay in L2
+
+
+def gelu_tanh_inplace(g: np.ndarray) -> np.ndarray:
+    """``act("gelu_tanh", g)`` written over g (C-contiguous f32), the same f64 operations in the
+    same order, chunk by chunk through two small f64 buffers (no (n_tok, n_ff) f64 temporaries):
+    the same bits."""
+    flat = g.reshape(-1)
+    n = flat.shape[0]
+    ch = min(n, _GELU_CHUNK)
+    xb = np.empty(ch, np.float64)
+    tb = np.empty(ch, np.float64)
+    c = np.sqrt(2.0 / np.pi)
+    for s in range(0, n, ch):
+        gs = flat[s:s + ch]
+        m = gs.shape[0]
+        x, t = xb[:m], tb[:m]
+        x[...] = gs
+        np.multiply(x, x, out=t)  # g64 * g64
+        t *= 0.044715
+        t += 1.0
+        t *= c
+        t *= x  # inner = g64 (c (1 + 0.044715 g64^2))
+        np.tanh(t, out=t)
+        t += 1.0
+        x *= 0.5
+        t *= x  # (0.5 g64) (1 + tanh(inner))
+        gs[...] = t
+    return g
 
 
 def softcap(x: np.ndarray, cap: float) -> np.ndarray:
