@@ -231,8 +231,9 @@ class Engine:
         prompt's logits are those of a fresh batched evaluation whatever the cache held (the
         same greedy text on a second call and after any other request; a batched evaluation
         gives each position the same bits however the batch is split). With
-        ``reuse_decoded_rows`` set (the chat REPL) the answer's rows are reused as they are. Raises PyinferError if the prompt does not fit,
-        holds an id outside the model's vocabulary, or the model produces NaN/Inf logits.
+        ``reuse_decoded_rows`` set (the chat REPL) the answer's rows are reused as they are.
+        Raises PyinferError if the prompt does not fit, holds an id outside the model's
+        vocabulary, or the model produces NaN/Inf logits.
         """
         if not tokens:
             raise PyinferError("empty prompt")
