@@ -76,7 +76,7 @@ def check_paths(src: str, out: str) -> None:
         raise PyinferError(f"{src} does not exist")
     if not out or out.endswith((os.sep, os.altsep or os.sep)):
         raise PyinferError(f"the output {out!r} does not name a file")
-    if os.path.lexists(out) and not os.path.isdir(out) and not os.path.isfile(out):
+    if os.path.exists(out) and not os.path.isdir(out) and not os.path.isfile(out):
         # a device (/dev/null), FIFO or socket, or a link to one: the finished file would
         # replace it (os.replace), which for /dev/null as root breaks the whole system
         raise PyinferError(f"{out} exists and is not a regular file; name a new file")

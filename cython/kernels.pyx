@@ -1011,7 +1011,7 @@ def act_mul(const float[::1] gu, int silu, float[::1] out):
 def select_active(const float[::1] g, const float[::1] u, const int32_t[::1] ids, int silu,
                   float thr, float[::1] coef, int32_t[::1] idx):
     """The sparse FFN's neuron selection, one pass: a = act(g[j]) (* u[j] when u is given),
-    kept where |a| > thr. Writes the kept a into coef[:n] and their neuron ids (ids[j], or j when
+    kept where |a| > thr or a is NaN. Writes the kept a into coef[:n] and their neuron ids (ids[j], or j when
     ids is None) into idx[:n]; returns n (entries from n on are scratch). g, u (n_cand,) f32;
     coef, idx (n_cand,) f32 / int32;
     act = silu (g / (1 + exp(-g))) if silu else relu."""
@@ -1209,7 +1209,7 @@ def decode_ffn(float[::1] x, const float[::1] ffn_norm, float eps,
     """The FFN half of one layer for one token, in place on the residual x (n_embd,) f32:
     x += down_t^T a, h = rmsnorm(x), g = gate h, u = up h (one row per neuron, (n_ff, n_embd)).
     mode 0 (dense): a = act(g) * u over every neuron. mode 1 ("glu" without a predictor): a =
-    act(g) * u kept where |a| > thr. mode 2 ("relu"/"cats" without a predictor): neurons with
+    act(g) * u kept where |a| > thr or NaN. mode 2 ("relu"/"cats" without a predictor): neurons with
     |act(g)| > thr, whose up rows alone are then read. act = silu if silu else relu. In modes 1
     and 2, when more than dense_above * n_ff neurons are kept, the down projection streams every
     row with the dropped neurons' coefficients at 0 (the same sums: in a model, a stream reads
@@ -1343,7 +1343,7 @@ def decode_ffn_rows(float[::1] x, const float[::1] ffn_norm, float eps,
 
 cdef inline Py_ssize_t _select_inputs(const float *x, const float *scale, float thr, Py_ssize_t n,
                                       float *coef, int32_t *idx) noexcept nogil:
-    """Keep channel j where |x[j]| * scale[j] > thr (scale NULL: 1): writes x[j] into coef[:k]
+    """Keep channel j where |x[j]| * scale[j] > thr or is NaN (scale NULL: 1): writes x[j] into coef[:k]
     and j into idx[:k], returns k. thr < 0 keeps every channel (rowsum_team.h pi_select_kept)."""
     return pi_select_kept(x, scale, thr, n, 0, coef, idx)
 
@@ -1357,7 +1357,7 @@ cdef inline const float *_opt_ptr(const float[::1] a, Py_ssize_t n, str what) ex
 
 def select_inputs(const float[::1] x, const float[::1] scale, float thr, float[::1] coef,
                   int32_t[::1] idx):
-    """Input channels kept: |x[j]| * scale[j] > thr (scale None: 1). Writes x[j] of the kept
+    """Input channels kept: |x[j]| * scale[j] > thr or NaN (scale None: 1). Writes x[j] of the kept
     channels into coef[:k] and j into idx[:k] (both (n,)); returns k."""
     cdef Py_ssize_t n = x.shape[0], k
     cdef const float *sp = _opt_ptr(scale, n, "select_inputs scale")

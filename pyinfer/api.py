@@ -325,6 +325,7 @@ class LLM:
         dec = self.tokenizer.stream_decoder(skip_special=True, continuation=True)
         limit = None if max_tokens is None or max_tokens <= 0 else int(max_tokens)
         constraint = None if grammar is None else grammar.matcher(self.tokenizer)
+        self.engine.finish_reason = None  # not the last generation's, should this one fail early
         gen = self.generate(prompt_tokens, max_tokens=limit, temperature=temperature, top_k=top_k,
                             top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
                             repeat_last_n=repeat_last_n, seed=seed, ignore_eos=ignore_eos,

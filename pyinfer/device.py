@@ -298,7 +298,7 @@ class NumpyDevice:
         bits the kernel writes for ``ib_gemv``, is not needed by the twins)."""
         v = x.reshape(-1)
         s = np.abs(v) if scale is None else np.abs(v) * scale
-        keep = s > np.float32(thr)
+        keep = ~(s <= np.float32(thr))  # NaN kept, as the kernels
         v[~keep] = 0.0
         if kept is not None:
             kept[0] += np.uint64(keep.sum())

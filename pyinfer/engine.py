@@ -253,7 +253,8 @@ class Engine:
         new = tokens[n_keep:]
         t0 = time.perf_counter()
         self.tokens = list(tokens[:n_keep])  # what the cache holds if a forward fails
-        self._n_batched = n_keep
+        # the batched prefix of what is kept (reuse_decoded_rows may keep decode-written rows)
+        self._n_batched = batched = min(n_keep, self._n_batched)
         try:
             for s, e in prompt_batches(len(new)):
                 part = new[s:e]
@@ -270,7 +271,7 @@ class Engine:
             self.tokens = list(tokens[:n_keep])
             raise
         self.tokens = list(tokens)
-        if len(new) > 1:  # (a one-token prompt ran the decode kernels)
+        if len(new) > 1 and batched == n_keep:  # (a one-token prompt ran the decode kernels)
             self._n_batched = len(tokens)
         return logits
 

@@ -116,7 +116,7 @@ def sparse_step_general(cfg: ModelConfig, lw: LayerWeights, h: np.ndarray, ids: 
                         glu: bool, threshold: float, out: np.ndarray, n_threads: int) -> int:
     """``sparse_step`` for the families ``cpu.select_active`` does not cover (see the module
     docstring): the selecting rows (gate, or up + its bias for a non-gated FFN) of the candidates
-    ``ids`` (sorted int32, None for all) are read; a neuron is kept where |a| > threshold
+    ``ids`` (sorted int32, None for all) are read; a neuron is kept where |a| > threshold (or NaN)
     (|coef| with ``glu``), then only kept neurons' up rows (gated) and down rows are read.
     h (n_embd,) f32; writes (n_embd,) f32 into out; returns the number kept."""
     gated = lw.ffn_gate is not None

@@ -43,9 +43,6 @@ class ChatSession:
     def __init__(self, llm: LLM, system: str | None = None, max_tokens: int | None = None,
                  **sampling):
         self.llm = llm
-        # a turn reuses the previous answer's cache rows as the decode kernels wrote them: the
-        # next answer starts sooner, but may differ from a fresh replay of the conversation
-        llm.engine.reuse_decoded_rows = True
         self.system = system
         self.max_tokens = max_tokens
         self.sampling = sampling
@@ -105,12 +102,18 @@ class ChatSession:
         messages = self.messages + [{"role": "user", "content": text}]
         ids, dropped = self.fit(messages)
         parts = []
+        # the turn reuses the previous answer's cache rows as the decode kernels wrote them: the
+        # answer starts sooner, but may differ from a fresh replay of the conversation (the
+        # LLM's other callers keep the exact rule)
+        engine = self.llm.engine
+        engine.reuse_decoded_rows = True
         try:  # the answer ends at -n or where the context is full, as pyinfer-run's does
             for piece in self.llm.stream_text(ids, max_tokens=self.max_tokens,
                                               should_stop=should_stop, **self.sampling):
                 parts.append(piece)
                 on_text(piece)
         finally:
+            engine.reuse_decoded_rows = False
             # Kept even when interrupted, so the conversation matches what the user saw.
             messages.append({"role": "assistant", "content": "".join(parts)})
             self.messages = messages

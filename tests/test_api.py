@@ -299,6 +299,19 @@ def test_generated_rows_are_evaluated_again_when_a_prompt_holds_them(smollm2_llm
     assert 0 < llm.last_stats.prompt_evaluated < llm.last_stats.prompt_tokens  # the prefix reused
     b = fresh(llm).create_chat_completion(msgs2, temperature=0, max_tokens=24)
     assert a["content"] == b["choices"][0]["message"]["content"]
+    # the chat REPL reuses its answers' rows for latency, only while it answers: the API keeps
+    # the exact rule after a ChatSession has run on the same LLM
+    from pyinfer.repl import ChatSession
+
+    llm.reset()
+    chat = ChatSession(llm, max_tokens=12, temperature=0)
+    chat.ask("Hi!")
+    chat.ask("Tell me a joke.")
+    assert not eng.reuse_decoded_rows
+    turn = eng.tokens + llm.tokenize(" More:")
+    got = eng.eval_prompt(turn).copy()
+    eng.reset()
+    np.testing.assert_array_equal(got, eng.eval_prompt(turn))
 
 
 @pytest.mark.slow

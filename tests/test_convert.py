@@ -592,6 +592,10 @@ def test_output_must_name_a_regular_file(converted, tmp_path):
             assert what in p.stderr, p.stderr
     assert stat.S_ISFIFO(os.stat(fifo).st_mode)
     assert os.listdir(tmp_path) == ["pipe"]
+    from convert.cli import check_paths
+
+    os.symlink(str(tmp_path / "nowhere.gguf"), str(tmp_path / "dangling.gguf"))
+    check_paths(converted, str(tmp_path / "dangling.gguf"))  # a dangling link is a new file
 
 
 def test_output_is_never_a_file_of_the_source_directory(models, tmp_path):

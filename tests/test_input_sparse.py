@@ -671,6 +671,29 @@ def test_default_allocation_is_fisher_with_torch_and_uniform_without(monkeypatch
     assert "PyTorch is not installed" in capsys.readouterr().err
 
 
+def test_every_mask_keeps_nan():
+    """The input masks keep a NaN channel wherever they run: the C prefill mask and decode
+    selection, the array-module mask the GPU model's prefill runs (``xp.mask_inputs``) and the
+    GPU kernels' NumPy twin (``NumpyDevice.mask_inputs``). The last two still dropped it after
+    the kernels were changed."""
+    from pyinfer.device import NumpyDevice
+    from pyinfer.ops import cpu, xp
+
+    x = np.array([[0.5, np.nan, 0.05, -2.0, 0.0, np.nan]], np.float32)
+    want = [0, 1, 3, 5]
+    m = np.empty_like(x)
+    assert cpu.mask_inputs(x, None, 0.1, m, 1) == 4
+    assert np.flatnonzero(~(m[0] == 0)).tolist() == want
+    idx = np.empty(6, np.int32)
+    assert cpu.select_inputs(x[0].copy(), None, 0.1, np.empty(6, np.float32), idx) == 4
+    assert idx[:4].tolist() == want
+    got, n = xp.mask_inputs(x, None, 0.1)
+    assert int(n) == 4 and np.flatnonzero(~(got[0] == 0)).tolist() == want
+    v, kept = x[0].copy(), np.zeros(1, np.uint64)
+    NumpyDevice().mask_inputs(v, None, 0.1, kept)
+    assert int(kept[0]) == 4 and np.flatnonzero(~(v == 0)).tolist() == want
+
+
 @pytest.mark.parametrize("silu", [True, False])
 def test_batch_masks_are_decode_selection(silu):
     """Prefill's masks (``mask_inputs``, ``glu_mask``): each row keeps exactly the channels

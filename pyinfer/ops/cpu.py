@@ -614,7 +614,7 @@ def decode_ffn_rows(x: np.ndarray, ffn_norm: np.ndarray, eps: float, gate: QTens
 
 def select_active(g: np.ndarray, up: np.ndarray | None, ids: np.ndarray | None, silu: bool,
                   threshold: float, coef: np.ndarray, idx: np.ndarray) -> int:
-    """One pass of the sparse FFN's selection: a = act(g) (* up), kept where |a| > threshold.
+    """One pass of the sparse FFN's selection: a = act(g) (* up), kept where |a| > threshold or NaN.
 
     g, up (n_cand,) f32; ids (n_cand,) int32 neuron ids of the candidates, or None for 0..n-1;
     act = silu if ``silu`` else relu. Writes kept a into coef[:n] (f32) and their neuron ids into
@@ -638,7 +638,7 @@ def relu_mul(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> np.ndarray:
 def select_inputs(x: np.ndarray, scale: np.ndarray | None, threshold: float, coef: np.ndarray,
                   idx: np.ndarray) -> int:
     """Input sparsity's selection (TEAL, Liu et al. 2024; WINA 2025 with ``scale``): channel j is
-    kept where |x[j]| * scale[j] > threshold (scale None: 1; threshold < 0 keeps all). x (n,) f32;
+    kept where |x[j]| * scale[j] > threshold or NaN (scale None: 1; threshold < 0 keeps all). x (n,) f32;
     writes the kept x[j] into coef[:k] (f32) and j into idx[:k] (int32), both (n,); returns k."""
     return _k.select_inputs(x, scale, float(threshold), coef, idx)
 

@@ -1015,7 +1015,7 @@ extern "C" __global__ void axpy_sum(const float* partial, int n_chunks, int cols
 
 INPUT_SRC = COMMON_SRC + r"""
 // ---- sparse mode "input" (pyinfer.input_sparse: TEAL-style input sparsity) ----------------------
-// Channel j of warp-block b (lane = j % 32): keep v where |v| * scale[j] > thr (scale only with
+// Channel j of warp-block b (lane = j % 32): keep v where |v| * scale[j] > thr or NaN (scale only with
 // has_scale; thr < 0 keeps all: the CPU's mask_inputs rule), store it or 0 to out[j], add the
 // kept count to *kept; with do_q8 also the block's q8 form of the masked values (xq, xd: the
 // activation the CPU's input-block sums quantize) and its kept channels as a bit mask kmask[b].

@@ -89,6 +89,8 @@ def gelu_tanh_inplace(g: np.ndarray) -> np.ndarray:
     the same bits."""
     flat = g.reshape(-1)
     n = flat.shape[0]
+    if n == 0:
+        return g
     ch = min(n, _GELU_CHUNK)
     xb = np.empty(ch, np.float64)
     tb = np.empty(ch, np.float64)

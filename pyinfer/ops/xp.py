@@ -121,9 +121,9 @@ def quantize_act_q8(x):
 
 def mask_inputs(x, scale, thr: float):
     """Input sparsity's mask (sparse mode "input"; ``cpu.mask_inputs``): (x with x[..., j] set to 0
-    where |x[..., j]| * scale[j] <= thr, the number of channels kept (an xp scalar)). x (..., n)
+    where |x[..., j]| * scale[j] <= thr (a NaN is kept), the number of channels kept (an xp scalar)). x (..., n)
     f32, scale (n,) f32 or None (1); thr < 0 keeps every channel."""
     xp = array_module(x)
     s = xp.abs(x) if scale is None else xp.abs(x) * scale
-    keep = s > xp.float32(thr)
+    keep = ~(s <= xp.float32(thr))  # NaN kept, as the kernels
     return xp.where(keep, x, xp.float32(0.0)).astype(xp.float32), keep.sum()
