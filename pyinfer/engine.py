@@ -337,8 +337,6 @@ class Engine:
         logits = self.eval_prompt(list(prompt_tokens))
         epoch = self._epoch
         n = 0
-        if max_tokens == 0:
-            self.finish_reason = "length"
         while max_tokens < 0 or n < max_tokens:
             t0 = time.perf_counter()
             recent = self.tokens[-params.repeat_last_n:] if params.repeat_last_n > 0 else ()
@@ -368,6 +366,7 @@ class Engine:
                                    "embedding ran on the same model meanwhile (one generation "
                                    "at a time); start it again")
             logits = self.eval_token(tok)
+        self.finish_reason = "length"  # max_tokens 0: nothing drawn
 
     def dry_breakers(self) -> frozenset[int]:
         """DRY's sequence breakers as token ids: every token whose text holds one of llama.cpp's

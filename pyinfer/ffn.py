@@ -85,10 +85,7 @@ def ffn_coef(cfg: ModelConfig, lw: LayerWeights, h: np.ndarray,
         return a, a
     gate = np.empty((n_tok, n_ff), np.float32)  # (n_tok, n_ff)
     linear(lw.ffn_gate, h, gate, n_threads)
-    if cfg.hidden_act == "gelu_tanh":  # in place, chunked (fam.gelu_tanh_inplace: same bits)
-        a = fam.gelu_tanh_inplace(gate)
-    else:
-        a = fam.act(cfg.hidden_act, gate, cfg.act_shift)
+    a = fam.act(cfg.hidden_act, gate, cfg.act_shift)
     if cfg.ffn_up_act == "relu":
         np.maximum(up, 0.0, out=up)
     up *= a  # coef = a * up, in place (f32 products commute: the same bits)

@@ -39,12 +39,20 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1] and min_p in [0, 1]")
 
 
+def _penalty_applies(recent, penalty: float) -> bool:
+    return penalty != 1.0 and len(recent) > 0
+
+
+def _dry_applies(history, params: SamplingParams) -> bool:
+    return params.dry_multiplier > 0 and params.dry_penalty_last_n != 0 and len(history) >= 2
+
+
 def apply_repeat_penalty(logits: np.ndarray, recent, penalty: float) -> np.ndarray:
     """CTRL-style penalty (Keskar et al. 2019, as llama.cpp applies it): for each token seen in
     ``recent``, a positive logit is divided by ``penalty`` and a negative one multiplied by it.
     Returns a new array; ``logits`` (n_vocab,) float32 is not modified."""
     out = np.array(logits, dtype=np.float32, copy=True)
-    if penalty != 1.0 and len(recent):
+    if _penalty_applies(recent, penalty):
         ids = np.unique(np.asarray(recent, dtype=np.int64))
         vals = out[ids]
         # an extreme penalty (1e-300 rounds to 0 in f32, 1e300 to inf) saturates at the largest
@@ -101,7 +109,7 @@ def apply_dry(logits: np.ndarray, history, params: SamplingParams,
     -1) is at least ``dry_allowed_length`` loses ``dry_multiplier * dry_base ** (n -
     dry_allowed_length)`` (the formula of p-e-w's DRY, as llama.cpp applies it). A multiplier of
     0 or a window of 0 does nothing. The exponent is capped so the penalty stays finite in f32."""
-    if params.dry_multiplier <= 0 or params.dry_penalty_last_n == 0 or len(history) < 2:
+    if not _dry_applies(history, params):
         return logits
     if params.dry_penalty_last_n > 0:
         history = history[-params.dry_penalty_last_n:]
@@ -127,8 +135,8 @@ def distribution(logits: np.ndarray, params: SamplingParams, recent=(),
     far), ``breakers``: DRY's sequence-breaker ids. Raises ValueError for a mask that allows no
     token.
     """
-    if allowed is None and (params.repeat_penalty == 1.0 or not len(recent)) and (
-            params.dry_multiplier <= 0 or params.dry_penalty_last_n == 0 or len(history) < 2):
+    if allowed is None and not _penalty_applies(recent, params.repeat_penalty) and not _dry_applies(
+            history, params):
         z = np.asarray(logits, np.float32)  # nothing changes them: no copy (only read below)
     else:
         z = apply_repeat_penalty(logits, recent, params.repeat_penalty)
