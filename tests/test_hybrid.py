@@ -607,6 +607,40 @@ def test_gpu_q8_activation_is_the_cpu_kernels(norm_vec):
         _gpu_q8_activation_is_the_cpu_kernels()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda.available(), reason=NO_GPU)
+@pytest.mark.parametrize("norm_vec", [False, True])
+def test_gpu_q8_activation_keeps_nan(norm_vec):
+    """A NaN in a 32-block gives that block's q8 scale NaN (its dots NaN), as the CPU kernels'
+    NaN-keeping maximum (simd.h) and the NumPy twin do, in cuda.quantize_q8 and in the RMSNorm
+    q8 epilogue (a NaN norm weight makes one output NaN); the other blocks are the twin's."""
+    from pyinfer.device import CupyDevice, quantize_q8
+
+    cp = cuda.cupy
+    rng = np.random.default_rng(6)
+    n = 4096
+    x = rng.normal(size=n).astype(np.float32)
+    x[40] = np.nan  # block 1
+    twin_q, twin_d = np.zeros(n, np.int8), np.zeros(n // 32, np.float32)
+    quantize_q8(x, (twin_q, twin_d))
+    assert np.isnan(twin_d[1])
+    g = CupyDevice()
+    with cuda.kernel_forms(norm_vec=norm_vec), g.activate():
+        q8 = cuda.q8_buffers(n)
+        cuda.quantize_q8(cp.asarray(x), q8)
+        d = q8[1].get()[:n // 32]
+        assert np.isnan(d[1]) and np.isfinite(np.delete(d, 1)).all()
+        np.testing.assert_array_equal(np.delete(d, 1), np.delete(twin_d, 1))
+        wn = rng.normal(size=n).astype(np.float32)
+        wn[40] = np.nan
+        xf = rng.normal(size=n).astype(np.float32)
+        h = cp.full((1, n), cp.nan, cp.float32)
+        hq8 = cuda.q8_buffers(n)
+        g.rmsnorm(cp.asarray(xf).reshape(1, n), cp.asarray(wn), 1e-5, h, q8=hq8)
+        hd = hq8[1].get()[:n // 32]
+        assert np.isnan(hd[1]) and np.isfinite(np.delete(hd, 1)).all()
+
+
 def _gpu_q8_activation_is_the_cpu_kernels():
     from pyinfer.device import CupyDevice, quantize_q8
 

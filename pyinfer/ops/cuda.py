@@ -154,10 +154,13 @@ __device__ __forceinline__ float nib(unsigned int w, int sh) { return (float)((i
 // and q = rint(x * (1 / d)) as int8 (0 where d is 0): simd.h pi_quantize_q8, llama.cpp's q8_0,
 // so the GPU's quantized dots see the CPU kernels' activation bit for bit. Lane `lane` of a warp
 // holds value v = x[32 b + lane] of block b; q, d point at the block's 32 int8 and its scale.
+// The block's max|x| compares fabsf's bits as unsigned integers: for non-negative floats the
+// order of the values, and a NaN's bits lie above inf's, so a NaN in the block gives d = NaN and
+// NaN dots, as simd.h's NaN-keeping maximum does (fmaxf drops a NaN: the dots were finite garbage).
 __device__ __forceinline__ void warp_quantize_q8(float v, int lane, signed char* q, float* d) {
-    float m = fabsf(v);
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    const float db = m / 127.f;
+    unsigned int m = __float_as_uint(fabsf(v));
+    for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+    const float db = __uint_as_float(m) / 127.f;
     const float id = db != 0.f ? 1.f / db : 0.f;
     q[lane] = (signed char)__float2int_rn(v * id);
     if (lane == 0) *d = db;
@@ -451,9 +454,10 @@ __device__ __forceinline__ void block_rmsnorm_vec(const float* x, const float* w
                                      v[u].z * scale * g[u].z, v[u].w * scale * g[u].w);
         if (i < n4) ((float4*)out)[i] = o;
         if (do_q8) {  // every lane shuffles; a 32-block's 8 threads are all in or all out
-            float m = fmaxf(fmaxf(fabsf(o.x), fabsf(o.y)), fmaxf(fabsf(o.z), fabsf(o.w)));
-            for (int k = 1; k < 8; k <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, k));
-            const float db = m / 127.f;
+            unsigned int m = max(max(__float_as_uint(fabsf(o.x)), __float_as_uint(fabsf(o.y))),
+                                 max(__float_as_uint(fabsf(o.z)), __float_as_uint(fabsf(o.w))));
+            for (int k = 1; k < 8; k <<= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, k));
+            const float db = __uint_as_float(m) / 127.f;  // NaN kept, as warp_quantize_q8
             const float id = db != 0.f ? 1.f / db : 0.f;
             if (i < n4) {
                 const unsigned int q = (unsigned int)(__float2int_rn(o.x * id) & 255)
