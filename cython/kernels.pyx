@@ -1105,7 +1105,9 @@ def decode_attn(float[::1] x, const float[::1] attn_norm, float eps,
                 const uint8_t[:, ::1] wv, int tv, const uint8_t[:, ::1] wo, int to,
                 uint16_t[:, :, ::1] k_cache, uint16_t[:, :, ::1] v_cache, int kv_f16, int n_past,
                 int n_head, double freq_base, int n_threads, const float[::1] rope_div=None,
-                const float[::1] bq=None, const float[::1] bk=None, const float[::1] bv=None):
+                const float[::1] bq=None, const float[::1] bk=None, const float[::1] bv=None,
+                const float[::1] q_norm=None, const float[::1] k_norm=None, float q_scale=1.0,
+                int window=0, const float[::1] post_norm=None):
     """The attention half of one layer for one token, in place on the residual x (n_embd,) f32:
     x += wo @ attention(rope(wq h + bq), cache), h = rmsnorm(x); K and V of the token (rope on K)
     are written to k_cache/v_cache row n_past ((n_ctx, n_head_kv, head_dim) as ``attention``
@@ -1113,8 +1115,12 @@ def decode_attn(float[::1] x, const float[::1] attn_norm, float eps,
     whole head (NeoX layout), as ``Model.forward``; rope_div (head_dim/2,) f32 or None: the
     frequencies' divisors (llama.cpp's rope_freqs, Llama 3's scaling: theta_i = pos *
     base^(-2i/d) / rope_div[i], as ``families.rope_scaled``). bq, bk, bv: the projections'
-    biases (Qwen2) or None. Same numerics as rmsnorm, matvec (+ bias), rope and attention called
-    one by one."""
+    biases (Qwen2) or None. Gemma 3's departures (``Model.run_layers``): q_norm / k_norm
+    (head_dim,) the per-head RMSNorm of Q and K before rope; q_scale multiplies Q after rope
+    (1: not at all); window W > 0: the query sees the last W cache rows only; post_norm (n_embd,)
+    the RMSNorm of the output before the residual add. Same numerics as rmsnorm, matvec
+    (+ bias), the head norms, rope, the scale, attention (over the window's rows) and rmsnorm
+    called one by one."""
     cdef int n_embd = x.shape[0]
     cdef Py_ssize_t w = _kv_width(kv_f16)
     cdef Py_ssize_t n_ctx = k_cache.shape[0], n_kv = k_cache.shape[1], hd = k_cache.shape[2] // w
@@ -1137,6 +1143,13 @@ def decode_attn(float[::1] x, const float[::1] attn_norm, float eps,
     cdef const float *pbq = _opt_ptr(bq, nq, "decode_attn bq")
     cdef const float *pbk = _opt_ptr(bk, nkv, "decode_attn bk")
     cdef const float *pbv = _opt_ptr(bv, nkv, "decode_attn bv")
+    cdef const float *pqn = _opt_ptr(q_norm, hd, "decode_attn q_norm")
+    cdef const float *pkn = _opt_ptr(k_norm, hd, "decode_attn k_norm")
+    cdef const float *ppost = _opt_ptr(post_norm, n_embd, "decode_attn post_norm")
+    if window < 0:
+        raise ValueError(f"decode_attn: window {window} < 0")
+    # the rows the query sees: 0..n_past, or the window's last ones (families.attention_window)
+    cdef Py_ssize_t first_row = n_past + 1 - window if 0 < window <= n_past else 0
     cdef double *inv_freq = NULL
     cdef const uint8_t *ws[3]
     cdef int qts[3]
@@ -1149,7 +1162,7 @@ def decode_attn(float[::1] x, const float[::1] attn_norm, float eps,
     cdef float *att
     cdef float *y
     cdef float *kv
-    cdef Py_ssize_t i, n_att = n_past + 1
+    cdef Py_ssize_t i, n_att = n_past + 1 - first_row
     cdef float scale = 1.0 / sqrtf(<float> hd)
     with nogil:
         buf = <float *> malloc((2 * n_embd + 2 * nq + hd + 2 * nkv) * sizeof(float))
@@ -1178,6 +1191,12 @@ def decode_attn(float[::1] x, const float[::1] attn_norm, float eps,
         _add_bias(q, pbq, nq)
         _add_bias(kv, pbk, nkv)
         _add_bias(kv + nkv, pbv, nkv)
+        if pqn != NULL:
+            for i in range(n_head):
+                _rmsnorm1(q + i * hd, pqn, eps, q + i * hd, <int> hd)
+        if pkn != NULL:
+            for i in range(n_kv):
+                _rmsnorm1(kv + i * hd, pkn, eps, kv + i * hd, <int> hd)
         if div == NULL:
             _rope1(q, n_head, hd, n_past, freq_base, hd, att, att + hd // 2)
         else:
@@ -1189,14 +1208,19 @@ def decode_attn(float[::1] x, const float[::1] attn_norm, float eps,
         # K turns by the same angles: reuse the cos/sin the rope left in att (same bits, half
         # the libm calls)
         _rope_rotate(kv, n_kv, hd, hd // 2, att, att + hd // 2)
+        if q_scale != 1.0:
+            for i in range(nq):
+                q[i] *= q_scale
         _kv_store(kv, &k_cache[0, 0, 0], n_past * nkv, kv_f16, nkv)
         _kv_store(kv + nkv, &v_cache[0, 0, 0], n_past * nkv, kv_f16, nkv)
     # one pass over the cache rows for the scores, then each thread's heads (attend.h)
     with nogil:
-        _attend_decode(q, &k_cache[0, 0, 0], &v_cache[0, 0, 0], kv_f16, n_att, <int> hd, n_head,
-                       <int> n_kv, scale, att, n_threads)
+        _attend_decode(q, &k_cache[first_row, 0, 0], &v_cache[first_row, 0, 0], kv_f16, n_att,
+                       <int> hd, n_head, <int> n_kv, scale, att, n_threads)
     with nogil:
         _matvec1(&wo[0, 0], to, wo.shape[1], n_embd, nq, att, y, n_threads)
+        if ppost != NULL:
+            _rmsnorm1(y, ppost, eps, y, n_embd)
         for i in range(n_embd):
             x[i] += y[i]
         free(buf)

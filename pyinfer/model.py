@@ -31,7 +31,8 @@ class Model:
     Llama files run the compiled Llama kernels (fused per half-layer when decoding); the other
     families (``ModelConfig`` fields after ``name``: LayerNorm, biases, learned positions, scaled
     RoPE, sliding windows, parallel blocks, Gemma 3's extra norms and scales) run the kernel-by-kernel
-    loop of ``run_layers``."""
+    loop of ``run_layers``, where one token's attention half is one kernel call too wherever
+    ``attn_fusable`` says so (Gemma 3, Mistral's and Qwen2's sliding windows)."""
 
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, n_ctx: int, n_threads: int = 1,
                  ffn=None, fused: bool = True, cache_type: str = CACHE_TYPE_AUTO, lm_head=None):
@@ -51,6 +52,9 @@ class Model:
         # one-token steps through the fused CPU kernels, which also take Llama 3's RoPE divisors
         # and Qwen2's q/k/v biases (the GPU engine takes them too; sparse mode input likewise)
         self.llama_fused = fused_model(cfg, weights)
+        # the other families' one-token attention half in one kernel call (Gemma 3's norms,
+        # scale and window included); their FFN half stays the loop's
+        self.attn_fused = not self.llama_fused and attn_fusable(cfg, weights)
         if self.input_sparse is not None:
             self.input_sparse.rope_freqs = weights.rope_freqs
         if cfg.positions == "learned" and n_ctx > weights.pos_embd.rows:
@@ -128,47 +132,20 @@ class Model:
         y = np.empty_like(x)  # (n_tok, n_embd) sublayer output
         y2 = np.empty_like(x) if cfg.parallel_block else None  # (n_tok, n_embd) parallel FFN
         isp = self.input_sparse
+        one = T == 1 and self.fused and self.attn_fused and isp is None
         for i in range(first, cfg.n_layer):
             lw = w.layers[i]
-            # attention
-            fam.norm(cfg, x, lw.attn_norm, lw.attn_norm_b, h)
-            if isp is None:
-                linear_many((lw.wq, lw.wk, lw.wv), h, (q, k, v), nt)  # h quantized once
-                for proj, b in ((q, lw.bq), (k, lw.bk), (v, lw.bv)):  # Qwen2's biases
-                    if b is not None:
-                        proj += b
-            else:  # input sparsity (Llama-shaped files only): q, k, v from the transposed [wq; wk; wv]
-                isp.qkv(lw, i, h, q, k, v, nt)
-            q3 = q.reshape(T, cfg.n_head, cfg.head_dim)
-            k3 = k.reshape(T, cfg.n_head_kv, cfg.head_dim)
-            if lw.attn_q_norm is not None:  # Gemma 3: per-head RMSNorm of Q and K before RoPE
-                fam.head_rmsnorm(q3, lw.attn_q_norm, cfg.rms_eps)
-                fam.head_rmsnorm(k3, lw.attn_k_norm, cfg.rms_eps)
-            if cfg.positions == "rope":
-                self._rope(q3, positions, cfg.rope_base(i))
-                self._rope(k3, positions, cfg.rope_base(i))
-            if cfg.attn_scale:  # the kernels scale scores by head_dim^-0.5: fold the rest into Q
-                q3 *= np.float32(cfg.attn_scale * np.sqrt(cfg.head_dim))
-            _kv_store(self.cache.k[i, n_past:n_past + T], k3)  # k3: what the norm and RoPE wrote
-            _kv_store(self.cache.v[i, n_past:n_past + T], v)
-            window = cfg.window(i)
-            if window and n_past + T > window:
-                fam.attention_window(q3, self.cache.k[i], self.cache.v[i], n_past, window, attn, nt)
+            if one:  # the attention half in one kernel call, x += its output
+                self._decode_attn(lw, i, x[0], n_past)
             else:
-                cpu.attention(q3, self.cache.k[i], self.cache.v[i], n_past, attn, nt)
-            if isp is None:
-                _linear_b(lw.wo, lw.bo, attn.reshape(T, cfg.n_embd_q), y, nt)
-            else:
-                isp.attn_out(lw, i, attn.reshape(T, cfg.n_embd_q), y, nt)
-            if lw.attn_post_norm is not None:  # Gemma 3: the sublayer's output is normed too
-                _rmsnorm_inplace(y, lw.attn_post_norm, cfg.rms_eps)
-            if cfg.parallel_block:  # Falcon: the FFN reads the layer's input too
-                fam.norm(cfg, x, lw.ffn_norm, lw.ffn_norm_b, h)
-                self.ffn(lw, i, x, h, y2, nt)
+                self._attention(lw, i, x, h, q, k, v, attn, y, positions, n_past)
+                if cfg.parallel_block:  # Falcon: the FFN reads the layer's input too
+                    fam.norm(cfg, x, lw.ffn_norm, lw.ffn_norm_b, h)
+                    self.ffn(lw, i, x, h, y2, nt)
+                    x += y
+                    x += y2
+                    continue
                 x += y
-                x += y2
-                continue
-            x += y
             # feed-forward
             fam.norm(cfg, x, lw.ffn_norm, lw.ffn_norm_b, h)
             self.ffn(lw, i, x, h, y, nt)
@@ -176,6 +153,56 @@ class Model:
                 _rmsnorm_inplace(y, lw.ffn_post_norm, cfg.rms_eps)
             x += y
         return x
+
+    def _attention(self, lw, i: int, x: np.ndarray, h: np.ndarray, q: np.ndarray, k: np.ndarray,
+                   v: np.ndarray, attn: np.ndarray, y: np.ndarray, positions: np.ndarray,
+                   n_past: int) -> None:
+        """Layer i's attention half kernel by kernel: y (n_tok, n_embd) = its output for the
+        residual x (n_tok, n_embd), the tokens' K/V written to the cache; h, q, k, v, attn are
+        (n_tok, ...) scratch as ``run_layers`` allocates them."""
+        cfg, nt, isp = self.cfg, self.n_threads, self.input_sparse
+        T = x.shape[0]
+        fam.norm(cfg, x, lw.attn_norm, lw.attn_norm_b, h)
+        if isp is None:
+            linear_many((lw.wq, lw.wk, lw.wv), h, (q, k, v), nt)  # h quantized once
+            for proj, b in ((q, lw.bq), (k, lw.bk), (v, lw.bv)):  # Qwen2's biases
+                if b is not None:
+                    proj += b
+        else:  # input sparsity (Llama-shaped files only): q, k, v from the transposed [wq; wk; wv]
+            isp.qkv(lw, i, h, q, k, v, nt)
+        q3 = q.reshape(T, cfg.n_head, cfg.head_dim)
+        k3 = k.reshape(T, cfg.n_head_kv, cfg.head_dim)
+        if lw.attn_q_norm is not None:  # Gemma 3: per-head RMSNorm of Q and K before RoPE
+            fam.head_rmsnorm(q3, lw.attn_q_norm, cfg.rms_eps)
+            fam.head_rmsnorm(k3, lw.attn_k_norm, cfg.rms_eps)
+        if cfg.positions == "rope":
+            self._rope(q3, positions, cfg.rope_base(i))
+            self._rope(k3, positions, cfg.rope_base(i))
+        if cfg.attn_scale:  # the kernels scale scores by head_dim^-0.5: fold the rest into Q
+            q3 *= np.float32(cfg.attn_scale * np.sqrt(cfg.head_dim))
+        _kv_store(self.cache.k[i, n_past:n_past + T], k3)  # k3: what the norm and RoPE wrote
+        _kv_store(self.cache.v[i, n_past:n_past + T], v)
+        window = cfg.window(i)
+        if window and n_past + T > window:
+            fam.attention_window(q3, self.cache.k[i], self.cache.v[i], n_past, window, attn, nt)
+        else:
+            cpu.attention(q3, self.cache.k[i], self.cache.v[i], n_past, attn, nt)
+        if isp is None:
+            _linear_b(lw.wo, lw.bo, attn.reshape(T, cfg.n_embd_q), y, nt)
+        else:
+            isp.attn_out(lw, i, attn.reshape(T, cfg.n_embd_q), y, nt)
+        if lw.attn_post_norm is not None:  # Gemma 3: the sublayer's output is normed too
+            _rmsnorm_inplace(y, lw.attn_post_norm, cfg.rms_eps)
+
+    def _decode_attn(self, lw, i: int, xv: np.ndarray, n_past: int) -> None:
+        """Layer i's attention half for one token in one kernel call (``cpu.decode_attn``), in
+        place on the residual xv (n_embd,): the same bits as ``_attention`` and ``x += y``."""
+        cfg = self.cfg
+        q_scale = np.float32(cfg.attn_scale * np.sqrt(cfg.head_dim)) if cfg.attn_scale else 1.0
+        cpu.decode_attn(xv, lw.attn_norm, cfg.rms_eps, lw.wq, lw.wk, lw.wv, lw.wo,
+                        self.cache.k[i], self.cache.v[i], n_past, cfg.n_head, cfg.rope_base(i),
+                        self.n_threads, self.w.rope_freqs, lw.bq, lw.bk, lw.bv, lw.attn_q_norm,
+                        lw.attn_k_norm, q_scale, cfg.window(i), lw.attn_post_norm)
 
     def _rope(self, x: np.ndarray, positions: np.ndarray, base: float) -> None:
         """RoPE in place on x (n_tok, n_heads, head_dim) with frequency base ``base`` and the
@@ -200,9 +227,7 @@ class Model:
         for i in range(first, cfg.n_layer):
             lw = w.layers[i]
             if self.input_sparse is None:
-                cpu.decode_attn(xv, lw.attn_norm, cfg.rms_eps, lw.wq, lw.wk, lw.wv, lw.wo,
-                                self.cache.k[i], self.cache.v[i], n_past, cfg.n_head,
-                                cfg.rope_freq_base, nt, w.rope_freqs, lw.bq, lw.bk, lw.bv)
+                self._decode_attn(lw, i, xv, n_past)
             else:
                 self.input_sparse.decode_attn(lw, i, xv, self.cache.k[i], self.cache.v[i],
                                               n_past, nt)
@@ -236,6 +261,18 @@ class Model:
         if broken.any():
             logits[broken] = np.nan
         return logits if all_logits else logits[0]
+
+
+def attn_fusable(cfg: ModelConfig, weights: ModelWeights) -> bool:
+    """True where ``cpu.decode_attn`` computes every layer's attention half of one token as
+    ``Model._attention`` does: RMSNorm, RoPE, a sequential block, separate q/k/v/o matrices
+    without an output bias (Gemma 3's head norms, score scale, sliding window and post-norm, and
+    Qwen2's q/k/v biases, are the kernel's own)."""
+    return (cfg.norm == "rms" and cfg.positions == "rope" and not cfg.parallel_block
+            and all(lw.wq is not None and lw.wk is not None and lw.wv is not None
+                    and lw.wo is not None and lw.attn_norm_b is None and lw.bo is None
+                    and (lw.attn_q_norm is None) == (lw.attn_k_norm is None)
+                    for lw in weights.layers))
 
 
 def _rmsnorm_inplace(y: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:

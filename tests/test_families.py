@@ -122,9 +122,10 @@ def test_qwen2(tmp_path, tied, n_kv):
     fused_equals_unfused(eng)
 
 
-def fused_equals_unfused(eng):
+def fused_equals_unfused(eng, exact=False):
     """One-token decode through the fused kernels (cpu.decode_attn with biases / RoPE divisors)
-    gives the kernel-by-kernel loop's logits (same dots; RoPE's angles from another libm)."""
+    gives the kernel-by-kernel loop's logits (same dots; RoPE's angles from another libm).
+    exact: bit for bit (no RoPE divisors: the same kernels in the same order)."""
     steps = {}
     for fused in (True, False):
         eng.model.fused = fused
@@ -132,7 +133,10 @@ def fused_equals_unfused(eng):
         steps[fused] = [eng.model.forward([t], i + 3) for i, t in enumerate(PROMPT[3:])]
     eng.model.fused = True
     for a, b in zip(steps[True], steps[False]):
-        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max())
+        if exact:
+            np.testing.assert_array_equal(a, b)
+        else:
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max())
 
 
 def test_default_conversion_without_a_sparse_mode(tmp_path, capsys):
@@ -220,7 +224,9 @@ def test_qwen2_sliding_window_layers(tmp_path):
                    sliding_window=5, max_window_layers=1)
     eng = check(tmp_path, d, ref)
     assert eng.cfg.window(0) == 0 and eng.cfg.window(1) == 5 and eng.cfg.window(2) == 5
-    assert not eng.model.llama_fused  # windows: the kernel-by-kernel loop
+    assert not eng.model.llama_fused  # windows: the attention half fused, the FFN half not
+    assert eng.model.attn_fused
+    fused_equals_unfused(eng, exact=True)
 
 
 @pytest.mark.parametrize("window", [4, None])
@@ -232,6 +238,9 @@ def test_mistral(tmp_path, window):
     eng = check(tmp_path, d, ref)
     assert eng.cfg.sliding_window == (window or 0)
     assert eng.model.llama_plain == (window is None)  # without a window: the fused Llama path
+    if window is not None:  # the attention half alone fused
+        assert eng.model.attn_fused
+        fused_equals_unfused(eng, exact=True)
     # A batched prompt gives each position the same bits however it is split (whatever the
     # cache held): a batch starting at window - 1 ran its lone full-window query through the
     # one-query (decode) path, whose bits differ.
@@ -543,6 +552,10 @@ def test_gemma3(tmp_path, case):
     eng = check(tmp_path, d, ref)
     cfg = eng.cfg
     assert cfg.family == "gemma3" and cfg.hidden_act == "gelu_tanh" and not eng.model.llama_plain
+    # one-token decode: the attention half (head norms, scale, window, post-norm) in one kernel
+    # call, bit for bit the kernel-by-kernel loop (check above: both against transformers)
+    assert eng.model.attn_fused
+    fused_equals_unfused(eng, exact=True)
     assert cfg.embd_scale == pytest.approx(8.0) and eng.weights.layers[0].attn_q_norm is not None
     windows = [cfg.window(i) for i in range(cfg.n_layer)]
     assert windows == {"tied-gqa-softcap": [5, 0, 5], "untied-mqa-v4": [4, 4, 0],

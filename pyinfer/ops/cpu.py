@@ -562,18 +562,24 @@ def decode_attn(x: np.ndarray, attn_norm: np.ndarray, eps: float, wq: QTensor, w
                 wv: QTensor, wo: QTensor, k_cache: np.ndarray, v_cache: np.ndarray, n_past: int,
                 n_head: int, freq_base: float, n_threads: int = 1, rope_div: np.ndarray | None = None,
                 bq: np.ndarray | None = None, bk: np.ndarray | None = None,
-                bv: np.ndarray | None = None) -> np.ndarray:
+                bv: np.ndarray | None = None, q_norm: np.ndarray | None = None,
+                k_norm: np.ndarray | None = None, q_scale: float = 1.0, window: int = 0,
+                post_norm: np.ndarray | None = None) -> np.ndarray:
     """One token's attention half-layer in one call, in place: x += wo @ attn(rope(wq rmsnorm(x)
     + bq), cache), the token's K (roped) and V written to cache row n_past. x (n_embd,) f32; caches
     (n_ctx, n_head_kv, head_dim) float16 (the row rounded to nearest even, as numpy's astype) or
     float32. rope_div (head_dim/2,) f32: RoPE's frequency divisors (``families.rope_scaled``,
-    Llama 3); bq/bk/bv: the projections' f32 biases (Qwen2); None: none. Equals rmsnorm, matvec
-    (+ bias), rope, attention, matvec called one by one. Raises ValueError on shapes that do not
-    fit."""
+    Llama 3); bq/bk/bv: the projections' f32 biases (Qwen2); None: none. Gemma 3: q_norm /
+    k_norm (head_dim,) f32 per-head RMSNorm of Q and K before rope, q_scale (f32) on Q after it,
+    window W > 0 (the last W cache rows seen), post_norm (n_embd,) f32 RMSNorm of the output
+    before it is added. Equals rmsnorm, matvec (+ bias), the head norms, rope, the scale,
+    attention and rmsnorm called one by one (``Model.run_layers``). Raises ValueError on shapes
+    that do not fit."""
     _k.decode_attn(x, attn_norm, float(eps), wq.raw, int(wq.qtype), wk.raw, int(wk.qtype), wv.raw,
                    int(wv.qtype), wo.raw, int(wo.qtype), *kv_pair(k_cache, v_cache), int(n_past),
                    int(n_head), float(freq_base), n_threads, _f32_or_none(rope_div),
-                   _f32_or_none(bq), _f32_or_none(bk), _f32_or_none(bv))
+                   _f32_or_none(bq), _f32_or_none(bk), _f32_or_none(bv), _f32_or_none(q_norm),
+                   _f32_or_none(k_norm), float(q_scale), int(window), _f32_or_none(post_norm))
     return x
 
 
