@@ -747,32 +747,47 @@ def rmsnorm(const float[:, ::1] x, const float[::1] weight, float eps, float[:, 
             _rmsnorm1(&x[t, 0], &weight[0], eps, &out[t, 0], n)
 
 
-def rope_neox(float[:, :, ::1] x, const int32_t[::1] positions, double freq_base, int n_rot,
-              int n_threads=1):
-    """Rotate the first n_rot dims of each head in place, Hugging Face rotate_half (NeoX) style:
-    theta_i = pos * freq_base^(-2i/n_rot), (x[i], x[i+n_rot/2]) -> (x[i]cos - x[i+h]sin,
-    x[i+h]cos + x[i]sin). x (n_tok, n_heads, head_dim), positions (n_tok,) int32."""
-    cdef Py_ssize_t n_tok = x.shape[0], n_heads = x.shape[1], head_dim = x.shape[2]
-    cdef Py_ssize_t t, half = n_rot // 2
-    _check_len(positions.shape[0], n_tok, "rope_neox positions")
-    if n_rot % 2 or n_rot > head_dim or n_rot < 0:
-        raise ValueError(f"rope_neox: n_rot {n_rot} must be even and <= head_dim {head_dim}")
-    cdef float *cs
+def rope_table(const int32_t[::1] positions, double freq_base, int n_rot, float[:, ::1] out):
+    """RoPE's angles once for every layer of a forward: out (n_tok, n_rot) f32 = per token
+    [cos theta_i | sin theta_i], i < n_rot/2, theta_i = pos * freq_base^(-2i/n_rot) in double,
+    each rounded to f32 (the values ``_rope1`` computes per call, the same bits)."""
+    cdef Py_ssize_t n_tok = positions.shape[0], t, i, half = n_rot // 2
+    if n_rot % 2 or n_rot < 0:
+        raise ValueError(f"rope_table: n_rot {n_rot} must be even and >= 0")
+    _check_len(out.shape[0], n_tok, "rope_table out rows")
+    _check_len(out.shape[1], n_rot, "rope_table out columns")
     if half == 0 or n_tok == 0:
         return
     cdef double *inv_freq
-    cdef Py_ssize_t i
+    cdef double theta
     with nogil:
         inv_freq = <double *> malloc(half * sizeof(double))
         for i in range(half):
             inv_freq[i] = pow(freq_base, -2.0 * i / n_rot)  # as _rope1 computes it
-        with parallel(num_threads=n_threads if n_tok >= 8 else 1):
-            cs = <float *> malloc(2 * half * sizeof(float))
-            for t in prange(n_tok, schedule='static'):
-                _rope1_tab(&x[t, 0, 0], n_heads, head_dim, positions[t], inv_freq, n_rot, cs,
-                           cs + half)
-            free(cs)
+        for t in range(n_tok):
+            for i in range(half):
+                theta = positions[t] * inv_freq[i]
+                out[t, i] = <float> cos(theta)
+                out[t, half + i] = <float> sin(theta)
         free(inv_freq)
+
+
+def rope_apply(float[:, :, ::1] x, const float[:, ::1] table, int n_threads=1):
+    """Rotate the first n_rot dims of each head in place, Hugging Face rotate_half (NeoX) style,
+    by the angles of ``rope_table`` (n_tok, n_rot): (x[i], x[i+n_rot/2]) -> (x[i]cos -
+    x[i+h]sin, x[i+h]cos + x[i]sin). x (n_tok, n_heads, head_dim) f32; tokens split over
+    n_threads (the same bits at any count)."""
+    cdef Py_ssize_t n_tok = x.shape[0], n_heads = x.shape[1], head_dim = x.shape[2]
+    cdef Py_ssize_t t, n_rot = table.shape[1], half = table.shape[1] // 2
+    _check_len(table.shape[0], n_tok, "rope_apply table rows")
+    if n_rot % 2 or n_rot > head_dim:
+        raise ValueError(f"rope_apply: n_rot {n_rot} must be even and <= head_dim {head_dim}")
+    if half == 0 or n_tok == 0:
+        return
+    with nogil:
+        for t in prange(n_tok, schedule='static', num_threads=n_threads if n_tok >= 8 else 1):
+            _rope_rotate(&x[t, 0, 0], <int> n_heads, <int> head_dim, <int> half, &table[t, 0],
+                         &table[t, half])
 
 
 cdef inline Py_ssize_t _kv_width(int kv_f16) noexcept nogil:

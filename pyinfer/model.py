@@ -131,6 +131,7 @@ class Model:
         attn = np.empty((T, cfg.n_head, cfg.head_dim), np.float32)
         y = np.empty_like(x)  # (n_tok, n_embd) sublayer output
         y2 = np.empty_like(x) if cfg.parallel_block else None  # (n_tok, n_embd) parallel FFN
+        angles = {}  # RoPE base -> rope_table of the positions: computed once for every layer
         isp = self.input_sparse
         one = T == 1 and self.fused and self.attn_fused and isp is None
         for i in range(first, cfg.n_layer):
@@ -138,7 +139,7 @@ class Model:
             if one:  # the attention half in one kernel call, x += its output
                 self._decode_attn(lw, i, x[0], n_past)
             else:
-                self._attention(lw, i, x, h, q, k, v, attn, y, positions, n_past)
+                self._attention(lw, i, x, h, q, k, v, attn, y, positions, angles, n_past)
                 if cfg.parallel_block:  # Falcon: the FFN reads the layer's input too
                     fam.norm(cfg, x, lw.ffn_norm, lw.ffn_norm_b, h)
                     self.ffn(lw, i, x, h, y2, nt)
@@ -156,10 +157,10 @@ class Model:
 
     def _attention(self, lw, i: int, x: np.ndarray, h: np.ndarray, q: np.ndarray, k: np.ndarray,
                    v: np.ndarray, attn: np.ndarray, y: np.ndarray, positions: np.ndarray,
-                   n_past: int) -> None:
+                   angles: dict, n_past: int) -> None:
         """Layer i's attention half kernel by kernel: y (n_tok, n_embd) = its output for the
         residual x (n_tok, n_embd), the tokens' K/V written to the cache; h, q, k, v, attn are
-        (n_tok, ...) scratch as ``run_layers`` allocates them."""
+        (n_tok, ...) scratch as ``run_layers`` allocates them, angles its RoPE tables."""
         cfg, nt, isp = self.cfg, self.n_threads, self.input_sparse
         T = x.shape[0]
         fam.norm(cfg, x, lw.attn_norm, lw.attn_norm_b, h)
@@ -176,8 +177,8 @@ class Model:
             fam.head_rmsnorm(q3, lw.attn_q_norm, cfg.rms_eps)
             fam.head_rmsnorm(k3, lw.attn_k_norm, cfg.rms_eps)
         if cfg.positions == "rope":
-            self._rope(q3, positions, cfg.rope_base(i))
-            self._rope(k3, positions, cfg.rope_base(i))
+            self._rope(q3, positions, cfg.rope_base(i), angles)
+            self._rope(k3, positions, cfg.rope_base(i), angles)
         if cfg.attn_scale:  # the kernels scale scores by head_dim^-0.5: fold the rest into Q
             q3 *= np.float32(cfg.attn_scale * np.sqrt(cfg.head_dim))
         _kv_store(self.cache.k[i, n_past:n_past + T], k3)  # k3: what the norm and RoPE wrote
@@ -204,11 +205,15 @@ class Model:
                         self.n_threads, self.w.rope_freqs, lw.bq, lw.bk, lw.bv, lw.attn_q_norm,
                         lw.attn_k_norm, q_scale, cfg.window(i), lw.attn_post_norm)
 
-    def _rope(self, x: np.ndarray, positions: np.ndarray, base: float) -> None:
+    def _rope(self, x: np.ndarray, positions: np.ndarray, base: float, angles: dict) -> None:
         """RoPE in place on x (n_tok, n_heads, head_dim) with frequency base ``base`` and the
-        file's frequency divisors."""
+        file's frequency divisors; angles: base -> ``cpu.rope_table`` of the positions, filled
+        here (the bits of ``cpu.rope_neox``, the cosines and sines once a forward)."""
         if self.w.rope_freqs is None:
-            cpu.rope_neox(x, positions, base, self.cfg.head_dim, self.n_threads)
+            table = angles.get(base)
+            if table is None:
+                table = angles[base] = cpu.rope_table(positions, base, self.cfg.head_dim)
+            cpu.rope_apply(x, table, self.n_threads)
         else:
             fam.rope_scaled(x, positions, base, self.w.rope_freqs)
 

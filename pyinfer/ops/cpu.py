@@ -528,9 +528,25 @@ def rope_neox(x: np.ndarray, positions, freq_base: float, n_rot: int,
     """Rotary embedding in place, Hugging Face rotate_half (NeoX) layout, on the first n_rot dims.
 
     x (n_tok, n_heads, head_dim) f32; positions (n_tok,) ints. theta_i = pos * base^(-2i/n_rot).
-    Tokens are split over n_threads (the same bits at any count)."""
+    Tokens are split over n_threads (the same bits at any count). ``rope_apply`` of
+    ``rope_table``."""
+    return rope_apply(x, rope_table(positions, freq_base, n_rot), n_threads)
+
+
+def rope_table(positions, freq_base: float, n_rot: int) -> np.ndarray:
+    """(n_tok, n_rot) f32: per token [cos theta_i | sin theta_i], theta_i = pos *
+    base^(-2i/n_rot) in double (i < n_rot/2), for ``rope_apply``: a forward's layers share one
+    table per RoPE base. positions (n_tok,) ints. ValueError for an odd n_rot."""
     pos = np.ascontiguousarray(positions, dtype=np.int32)
-    _k.rope_neox(x, pos, float(freq_base), int(n_rot), n_threads)
+    out = np.empty((pos.shape[0], int(n_rot)), np.float32)
+    _k.rope_table(pos, float(freq_base), int(n_rot), out)
+    return out
+
+
+def rope_apply(x: np.ndarray, table: np.ndarray, n_threads: int = 1) -> np.ndarray:
+    """RoPE in place by ``rope_table``'s angles (n_tok, n_rot) on x (n_tok, n_heads, head_dim)
+    f32, rotate_half layout over the first n_rot dims; the bits of ``rope_neox``."""
+    _k.rope_apply(x, table, n_threads)
     return x
 
 
