@@ -214,6 +214,8 @@ def load(args, model_path: str):
               disable_gpu_index=args.disable_gpu_index, n_gpu_layers=args.n_gpu_layers,
               cache_type=getattr(args, "cache_type", "auto"))
     warn_past_training(llm.n_ctx, llm.engine.cfg.n_ctx_train)
+    if not getattr(args, "no_warmup", False):  # llama.cpp's warm-up pass
+        llm.engine.warmup()
     return llm
 
 

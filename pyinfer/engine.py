@@ -212,6 +212,25 @@ class Engine:
             head_stats.reset()
         self.timings.reset()
 
+    def warmup(self) -> None:
+        """llama.cpp's warm-up at load (``common_init_from_params``): a two-token batch (bos and
+        eos where the vocabulary names them, else token 0) and one decode step, then an empty
+        cache and zeroed counters. The first forward pays the memory map's page faults (every
+        weight read once) and the thread team's start: without it the first prompt's timing
+        is 2-9x the steady state (docs/benchmarks.md, session 35). Its time is added to
+        ``timings.load_ms``; a context under 3 tokens skips it."""
+        if self.n_ctx < 3:
+            return
+        t0 = time.perf_counter()
+        tok = self.tokenizer
+        first = tok.bos_id if tok.bos_id is not None else 0
+        last = tok.eos_id if tok.eos_id is not None else 0
+        self.forward([first, last], 0)
+        self.forward([last], 2)
+        self.reset()
+        self.reset_stats()
+        self.timings.load_ms += (time.perf_counter() - t0) * 1e3
+
     # ---- evaluation ------------------------------------------------------------------------
     def reset(self):
         """Forget the cached tokens (the cache memory is reused)."""

@@ -217,6 +217,27 @@ def test_decode_rate_counts_decode_runs(tmp_path):
         assert s.tokens_per_second == (pytest.approx(1e3 * runs / s.eval_ms) if runs else 0.0)
 
 
+def test_warmup_leaves_no_trace_but_its_load_time(smollm2_q8):
+    """Engine.warmup (llama.cpp's warm-up pass, what the CLIs run at load) leaves an empty cache
+    and zeroed counters: the next prompt and decode steps give the bits of an engine that never
+    warmed up, and only load_ms grew."""
+    ids = [1, 504, 3458, 282, 4649, 314, 253, 2]
+    runs = {}
+    for warm in (False, True):
+        eng = LLM(smollm2_q8, n_ctx=64, n_threads=2, device="cpu").engine
+        load_ms = eng.timings.load_ms
+        if warm:
+            eng.warmup()
+            t = eng.timings
+            assert not eng.tokens and t.load_ms > load_ms
+            assert (t.prompt_n, t.eval_n, t.passes, eng.model.ffn.stats.total) == (0, 0, 0, 0)
+        first = eng.eval_prompt(ids[:5]).copy()
+        runs[warm] = [first] + [eng.eval_token(i).copy() for i in ids[5:]]
+        assert eng.timings.prompt_n == 5 and eng.timings.eval_n == 3
+    for a, b in zip(runs[False], runs[True]):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_constructor_missing_file(tmp_path):
     with pytest.raises(PyinferError, match="not found"):
         LLM(str(tmp_path / "none.gguf"), device="cpu")
