@@ -180,7 +180,7 @@ class Model:
             self._rope(q3, positions, cfg.rope_base(i), angles)
             self._rope(k3, positions, cfg.rope_base(i), angles)
         if cfg.attn_scale:  # the kernels scale scores by head_dim^-0.5: fold the rest into Q
-            q3 *= np.float32(cfg.attn_scale * np.sqrt(cfg.head_dim))
+            q3 *= _q_scale(cfg)
         _kv_store(self.cache.k[i, n_past:n_past + T], k3)  # k3: what the norm and RoPE wrote
         _kv_store(self.cache.v[i, n_past:n_past + T], v)
         window = cfg.window(i)
@@ -197,9 +197,11 @@ class Model:
 
     def _decode_attn(self, lw, i: int, xv: np.ndarray, n_past: int) -> None:
         """Layer i's attention half for one token in one kernel call (``cpu.decode_attn``), in
-        place on the residual xv (n_embd,): the same bits as ``_attention`` and ``x += y``."""
+        place on the residual xv (n_embd,): the same bits as ``_attention`` and ``x += y``
+        (with RoPE divisors, Llama 3's, its angles come from C's libm, not NumPy's: within
+        float rounding)."""
         cfg = self.cfg
-        q_scale = np.float32(cfg.attn_scale * np.sqrt(cfg.head_dim)) if cfg.attn_scale else 1.0
+        q_scale = _q_scale(cfg) if cfg.attn_scale else 1.0
         cpu.decode_attn(xv, lw.attn_norm, cfg.rms_eps, lw.wq, lw.wk, lw.wv, lw.wo,
                         self.cache.k[i], self.cache.v[i], n_past, cfg.n_head, cfg.rope_base(i),
                         self.n_threads, self.w.rope_freqs, lw.bq, lw.bk, lw.bv, lw.attn_q_norm,
@@ -266,6 +268,12 @@ class Model:
         if broken.any():
             logits[broken] = np.nan
         return logits if all_logits else logits[0]
+
+
+def _q_scale(cfg: ModelConfig) -> np.float32:
+    """The factor folded into Q where the family's score scale (``cfg.attn_scale``, Gemma 3's
+    query_pre_attn_scalar^-0.5) differs from the kernels' head_dim^-0.5."""
+    return np.float32(cfg.attn_scale * np.sqrt(cfg.head_dim))
 
 
 def attn_fusable(cfg: ModelConfig, weights: ModelWeights) -> bool:
