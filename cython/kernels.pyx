@@ -68,6 +68,7 @@ cdef extern from "simd.h" nogil:
                             const int32_t *idx, long n, float *out, int c0, int c1)
 
 cdef extern from "rowsum_team.h" nogil:
+    void pi_gelu_tanh(const float *g, float *out, long n)
     void pi_team_barrier()
     int pi_team_thread()
     int pi_team_size()
@@ -975,6 +976,23 @@ cdef void _attention_blocks(const float[:, :, ::1] q, const float[:, :, ::1] k_c
     free(kt)
 
 
+def gelu_tanh(const float[::1] g, float[::1] out, int n_threads=1):
+    """out = GELU-tanh(g) elementwise (flat f32 arrays; out may be g): 0.5 g (1 + tanh(sqrt(2/pi)
+    (g + 0.044715 g^3))), torch's gelu(approximate="tanh"), as g * sigmoid(2t) in f32
+    (rowsum_team.h pi_gelu_tanh), in 4096-value pieces over n_threads. A value's bits depend on
+    the value alone (position, length, threads, SIMD width, build)."""
+    cdef Py_ssize_t n = g.shape[0], c, n_ch = (n + 4095) // 4096
+    _check_len(out.shape[0], n, "gelu_tanh out")
+    if n == 0:
+        return
+    with nogil:
+        if n_threads <= 1 or n_ch < 2:
+            pi_gelu_tanh(&g[0], &out[0], n)
+        else:
+            for c in prange(n_ch, num_threads=n_threads, schedule='static'):
+                pi_gelu_tanh(&g[c * 4096], &out[c * 4096], min(4096, n - c * 4096))
+
+
 def silu_mul(const float[::1] gate, const float[::1] up, float[::1] out):
     """out = silu(gate) * up = gate / (1 + exp(-gate)) * up, elementwise (flat f32 arrays)."""
     cdef Py_ssize_t n = gate.shape[0], i
@@ -1122,7 +1140,7 @@ def decode_attn(float[::1] x, const float[::1] attn_norm, float eps,
                 int n_head, double freq_base, int n_threads, const float[::1] rope_div=None,
                 const float[::1] bq=None, const float[::1] bk=None, const float[::1] bv=None,
                 const float[::1] q_norm=None, const float[::1] k_norm=None, float q_scale=1.0,
-                int window=0, const float[::1] post_norm=None):
+                Py_ssize_t window=0, const float[::1] post_norm=None):
     """The attention half of one layer for one token, in place on the residual x (n_embd,) f32:
     x += wo @ attention(rope(wq h + bq), cache), h = rmsnorm(x); K and V of the token (rope on K)
     are written to k_cache/v_cache row n_past ((n_ctx, n_head_kv, head_dim) as ``attention``

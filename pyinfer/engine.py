@@ -214,7 +214,7 @@ class Engine:
 
     def warmup(self) -> None:
         """llama.cpp's warm-up at load (``common_init_from_params``): a two-token batch (bos and
-        eos where the vocabulary names them, else token 0) and one decode step, then an empty
+        eos where the vocabulary names them within the model's rows, else token 0) and one decode step, then an empty
         cache and zeroed counters. The first forward pays the memory map's page faults (every
         weight read once) and the thread team's start: without it the first prompt's timing
         is 2-9x the steady state (docs/benchmarks.md, session 35). Its time is added to
@@ -222,9 +222,10 @@ class Engine:
         if self.n_ctx < 3:
             return
         t0 = time.perf_counter()
-        tok = self.tokenizer
-        first = tok.bos_id if tok.bos_id is not None else 0
-        last = tok.eos_id if tok.eos_id is not None else 0
+        tok, n_vocab = self.tokenizer, self.cfg.n_vocab
+        # a llama.cpp file's tokenizer may name ids past its embedding rows: token 0 then
+        first, last = (i if i is not None and 0 <= i < n_vocab else 0
+                       for i in (tok.bos_id, tok.eos_id))
         self.forward([first, last], 0)
         self.forward([last], 2)
         self.reset()
@@ -274,13 +275,16 @@ class Engine:
         self.tokens = list(tokens[:n_keep])  # what the cache holds if a forward fails
         # the batched prefix of what is kept (reuse_decoded_rows may keep decode-written rows)
         self._n_batched = batched = min(n_keep, self._n_batched)
+        report = self.prompt_progress if len(new) > PROMPT_BATCH else None
+        if report is not None:
+            report(0, len(new))  # the bar's clock starts with the first batch, not after it
         try:
             for s, e in prompt_batches(len(new)):
                 part = new[s:e]
                 logits = self.forward(part, n_keep + s)
                 self.tokens.extend(part)
-                if self.prompt_progress is not None and len(new) > PROMPT_BATCH:
-                    self.prompt_progress(e, len(new))
+                if report is not None:
+                    report(e, len(new))
         finally:
             self.timings.prompt_ms += (time.perf_counter() - t0) * 1e3
             self.timings.prompt_n += len(self.tokens) - n_keep

@@ -81,11 +81,11 @@ def ffn_coef(cfg: ModelConfig, lw: LayerWeights, h: np.ndarray,
     if lw.ffn_up_b is not None:
         up += lw.ffn_up_b
     if lw.ffn_gate is None:
-        a = fam.act(cfg.hidden_act, up, cfg.act_shift)
+        a = fam.act(cfg.hidden_act, up, cfg.act_shift, n_threads)
         return a, a
     gate = np.empty((n_tok, n_ff), np.float32)  # (n_tok, n_ff)
     linear(lw.ffn_gate, h, gate, n_threads)
-    a = fam.act(cfg.hidden_act, gate, cfg.act_shift)
+    a = fam.act(cfg.hidden_act, gate, cfg.act_shift, n_threads)
     if cfg.ffn_up_act == "relu":
         np.maximum(up, 0.0, out=up)
     up *= a  # coef = a * up, in place (f32 products commute: the same bits)
@@ -122,7 +122,7 @@ def sparse_step_general(cfg: ModelConfig, lw: LayerWeights, h: np.ndarray, ids: 
     _dot_rows(lw.ffn_gate if gated else lw.ffn_up, h, ids, g, n_threads)
     if not gated and lw.ffn_up_b is not None:
         g += lw.ffn_up_b if ids is None else lw.ffn_up_b[ids]
-    a = fam.act(cfg.hidden_act, g, cfg.act_shift)
+    a = fam.act(cfg.hidden_act, g, cfg.act_shift, n_threads)
     cand = np.arange(n_cand, dtype=np.int32) if ids is None else ids
     if gated and glu:
         u = np.empty(n_cand, np.float32)

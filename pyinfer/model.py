@@ -278,7 +278,7 @@ def _q_scale(cfg: ModelConfig) -> np.float32:
 
 def attn_fusable(cfg: ModelConfig, weights: ModelWeights) -> bool:
     """True where ``cpu.decode_attn`` computes every layer's attention half of one token as
-    ``Model._attention`` does: RMSNorm, RoPE, a sequential block, separate q/k/v/o matrices
+    ``Model._attention`` does (bit for bit without RoPE divisors): RMSNorm, RoPE, a sequential block, separate q/k/v/o matrices
     without an output bias (Gemma 3's head norms, score scale, sliding window and post-norm, and
     Qwen2's q/k/v biases, are the kernel's own)."""
     return (cfg.norm == "rms" and cfg.positions == "rope" and not cfg.parallel_block

@@ -238,6 +238,37 @@ def test_warmup_leaves_no_trace_but_its_load_time(smollm2_q8):
         np.testing.assert_array_equal(a, b)
 
 
+def test_warmup_with_special_ids_past_the_embedding(tmp_path):
+    """A llama.cpp file's tokenizer may list more tokens than token_embd has rows, its eos among
+    them: the warm-up feeds token 0 there (an IndexError at load before) and leaves the engine
+    clean."""
+    from tests._tiny_gguf import write_tiny_gguf
+
+    eng = LLM(write_tiny_gguf(str(tmp_path / "tiny.gguf")), n_threads=1, device="cpu").engine
+    eng.tokenizer._eos = eng.cfg.n_vocab + 5
+    eng.tokenizer._bos = None
+    eng.warmup()
+    assert not eng.tokens and eng.timings.passes == 0
+
+
+def test_prompt_progress_starts_before_the_first_batch(tmp_path):
+    """A long prompt reports (0, n) before its first batch, then after each batch: a progress
+    bar's clock (and so its tokens/s) includes the first batch (it read 7x fast without)."""
+    from pyinfer.engine import PROMPT_BATCH
+    from tests._tiny_gguf import write_tiny_gguf
+
+    eng = LLM(write_tiny_gguf(str(tmp_path / "tiny.gguf")), n_ctx=2 * PROMPT_BATCH + 64,
+              n_threads=1, device="cpu").engine
+    calls = []
+    eng.prompt_progress = lambda done, total: calls.append((done, total))
+    n = PROMPT_BATCH + 40
+    eng.eval_prompt([i % eng.cfg.n_vocab for i in range(n)])
+    assert calls == [(0, n), (PROMPT_BATCH, n), (n, n)]
+    calls.clear()
+    eng.eval_prompt(list(range(10)))  # a short prompt reports nothing
+    assert calls == []
+
+
 def test_constructor_missing_file(tmp_path):
     with pytest.raises(PyinferError, match="not found"):
         LLM(str(tmp_path / "none.gguf"), device="cpu")

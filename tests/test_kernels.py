@@ -638,6 +638,7 @@ def test_build_variants(tmp_path, env):
     act = np.empty(4099, np.float32)
     cpu._k.act_mul(g_u, 1, act)
     ib_want["gu"], ib_want["act"] = g_u, act
+    ib_want["gelu"] = cpu.gelu_tanh(g_u, np.empty_like(g_u))  # this build's GELU, 8/4/1 lanes
     np.savez(tmp_path / "ib.npz", **ib_want)
     np.save(tmp_path / "f16.npy", _f16_cases())  # the KV cache's rounding in this build
     code = ("import numpy as np, gguf; from pyinfer.ops import cpu, reference as ref\n"
@@ -685,6 +686,7 @@ def test_build_variants(tmp_path, env):
             "assert np.array_equal(h[~nan], want[~nan]) and np.isnan(h.view(np.float16)[nan]).all()\n"
             "act=np.empty(4099,np.float32); cpu._k.act_mul(ib['gu'], 1, act)\n"
             "assert np.array_equal(act, ib['act'])\n"
+            "assert np.array_equal(cpu.gelu_tanh(ib['gu'], np.empty(8198, np.float32), 2), ib['gelu'])\n"
             "print(cpu.openmp_enabled(), cpu.simd_enabled(), ','.join(cpu.simd_features()))\n")
     res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=envv, check=True,
                          capture_output=True, text=True)
@@ -737,6 +739,35 @@ def test_decode_attn(qtype, n_threads):
     assert np.isnan(k1[n_past + 1:]).all()
     with pytest.raises(ValueError):
         cpu.decode_attn(x0.copy(), norm, 1e-5, *ws, k1, v1, n_ctx, n_head, 1e4, n_threads)
+
+
+def test_decode_attn_window():
+    """A sliding window reads the last W cache rows only: bit for bit the window's rows as a
+    cache of their own; a window the position has not reached, however large (a file may store
+    up to 2^32 - 1), is no window."""
+    rng = np.random.default_rng(3)
+    n_embd, n_head, n_kv, hd, n_ctx, n_past, w = 64, 4, 2, 16, 12, 9, 4
+    ws = [_weight(rng, QT.F32, r, c) for r, c in ((n_head * hd, n_embd), (n_kv * hd, n_embd),
+                                                  (n_kv * hd, n_embd), (n_embd, n_head * hd))]
+    norm = _ro(rng.uniform(0.5, 1.5, n_embd).astype(np.float32))
+    x0 = rng.standard_normal(n_embd).astype(np.float32)
+    k, v = (rng.standard_normal((n_ctx, n_kv, hd)).astype(np.float16) for _ in range(2))
+
+    def run(window, kc, vc, pos):
+        kc, vc = kc.copy(), vc.copy()
+        return cpu.decode_attn(x0.copy(), norm, 1e-5, *ws, kc, vc, pos, n_head, 1e4, 1,
+                               window=window)
+
+    # RoPE turns by the position: the window's rows as their own cache, at the same position,
+    # need a cache that long; pad in front with rows the window must never read (NaN)
+    k2, v2 = np.full_like(k, np.nan), np.full_like(v, np.nan)
+    k2[n_past + 1 - w:n_past] = k[n_past + 1 - w:n_past]
+    v2[n_past + 1 - w:n_past] = v[n_past + 1 - w:n_past]
+    got = run(w, k, v, n_past)
+    np.testing.assert_array_equal(got, run(w, k2, v2, n_past))
+    assert np.isfinite(got).all() and not np.array_equal(got, run(0, k, v, n_past))
+    for big in (n_past + 1, n_ctx, 2**31 + 5, 2**32 - 1):
+        np.testing.assert_array_equal(run(big, k, v, n_past), run(0, k, v, n_past))
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
@@ -946,3 +977,31 @@ def test_a_nan_input_gives_nan_outputs(qtype):
         c = np.ones(64, np.float32)
         c[5] = np.nan
         assert np.isnan(cpu.axpy_rows(ib, c, np.arange(64, dtype=np.int32), _nan(64), 1)).all()
+
+
+def test_gelu_tanh_against_torch():
+    """cpu.gelu_tanh (Gemma's GeGLU activation, f32 as g * sigmoid(2t)) against torch's
+    gelu(approximate="tanh") in f64: within 2e-6 relative where |GELU| > 1e-6 (torch's own f32
+    form is 7e-2 off near g = -5, where 1 + tanh t cancels), 1e-11 absolute below; torch's
+    values at 0, +-inf, NaN and huge magnitudes; a value's bits do not depend on where it sits
+    or on the threads (test_build_variants: nor on the build)."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.normal(size=20000) * 3, rng.normal(size=1000) * 30,
+                        np.linspace(-60, 60, 20001)]).astype(np.float32)
+    got = cpu.gelu_tanh(x, np.empty_like(x)).astype(np.float64)
+    want = torch.nn.functional.gelu(torch.from_numpy(x.astype(np.float64)),
+                                    approximate="tanh").numpy()
+    big = np.abs(want) > 1e-6
+    assert (np.abs(got - want)[big] / np.abs(want[big])).max() < 2e-6
+    assert np.abs(got - want)[~big].max() < 1e-11
+    special = np.array([0.0, -0.0, 1e-30, -1e-30, 1e30, -1e30, 3e38, -3e38, np.inf, -np.inf,
+                        np.nan], np.float32)
+    want_s = torch.nn.functional.gelu(torch.from_numpy(special), approximate="tanh").numpy()
+    np.testing.assert_array_equal(cpu.gelu_tanh(special, np.empty_like(special)), want_s)
+    for n, off in ((1, 0), (7, 3), (9, 5), (2049, 1)):
+        seg = x[off:off + n].copy()
+        np.testing.assert_array_equal(cpu.gelu_tanh(seg, seg), got[off:off + n].astype(np.float32))
+    for n_threads in (2, 3):  # 4096-value pieces over threads
+        np.testing.assert_array_equal(cpu.gelu_tanh(x, np.empty_like(x), n_threads),
+                                      got.astype(np.float32))

@@ -645,6 +645,15 @@ def select_active(g: np.ndarray, up: np.ndarray | None, ids: np.ndarray | None, 
     return _k.select_active(g, up, ids, int(silu), float(threshold), coef, idx)
 
 
+def gelu_tanh(g: np.ndarray, out: np.ndarray, n_threads: int = 1) -> np.ndarray:
+    """out = GELU-tanh(g) elementwise (torch's gelu(approximate="tanh")): any shape, f32,
+    C-contiguous, out may be g. In f32 as g * sigmoid(2t), t = sqrt(2/pi) (g + 0.044715 g^3)
+    (cython/rowsum_team.h pi_gelu_tanh: expf's bits in every lane and build); NaN stays NaN.
+    The same bits at any n_threads."""
+    _k.gelu_tanh(_flat(g), _flat(out), n_threads)
+    return out
+
+
 def silu_mul(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> np.ndarray:
     """out = silu(gate) * up elementwise (any shape, f32, C-contiguous; out may alias gate)."""
     _k.silu_mul(_flat(gate), _flat(up), _flat(out))

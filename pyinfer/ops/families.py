@@ -49,11 +49,11 @@ def erf(x: np.ndarray) -> np.ndarray:
     return s * (1.0 - poly * np.exp(-a * a))
 
 
-def act(name: str, g: np.ndarray, shift: float = 0.0) -> np.ndarray:
+def act(name: str, g: np.ndarray, shift: float = 0.0, n_threads: int = 1) -> np.ndarray:
     """The FFN activation by its config name, as f32: silu, relu, gelu (exact: 0.5 g (1 +
     erf(g / sqrt 2)), torch.nn.GELU()) or fatrelu (g where g > shift, else 0; ProSparse, as vLLM's
     FatreluAndMul uses torch's F.threshold) or gelu_tanh (0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715
-    g^3))), torch.nn.GELU(approximate="tanh"))."""
+    g^3))), torch.nn.GELU(approximate="tanh"), in C over n_threads: ``cpu.gelu_tanh``)."""
     g = np.asarray(g, np.float32)
     if name == "silu":
         return g / (np.float32(1.0) + np.exp(-g))
@@ -64,7 +64,7 @@ def act(name: str, g: np.ndarray, shift: float = 0.0) -> np.ndarray:
     if name == "fatrelu":
         return np.where(g > shift, g, np.float32(0.0)).astype(np.float32)
     if name == "gelu_tanh":  # torch's gelu(approximate="tanh"), Gemma's gelu_pytorch_tanh
-        return _gelu_tanh(g, np.empty(g.shape, np.float32))
+        return cpu.gelu_tanh(np.ascontiguousarray(g), np.empty(g.shape, np.float32), n_threads)
     raise ValueError(f"unknown activation {name!r}")
 
 
@@ -75,40 +75,6 @@ def head_rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     flat = x.reshape(-1, x.shape[-1])
     cpu.rmsnorm(flat, weight, eps, flat)
     return x
-
-
-_GELU_CHUNK = 16384  # f64 values per pass of _gelu_tanh: 128 KiB buffers stay in L2
-
-
-def _gelu_tanh(g: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """out (C-contiguous f32, g's shape) = GELU-tanh of g f32, in f64: 0.5 g (1 + tanh(g (c +
-    c 0.044715 g^2))), c = sqrt(2/pi) (products, not ** 3: NumPy's power costs 10x the whole
-    expression), chunk by chunk through two small f64 buffers: no (n_tok, n_ff) f64
-    temporaries (23% of a Gemma-3 prompt's time when the expression ran over whole arrays)."""
-    src, flat = g.reshape(-1), out.reshape(-1)
-    n = flat.shape[0]
-    if n == 0:
-        return out
-    ch = min(n, _GELU_CHUNK)
-    xb = np.empty(ch, np.float64)
-    tb = np.empty(ch, np.float64)
-    c = np.sqrt(2.0 / np.pi)
-    for s in range(0, n, ch):
-        gs = src[s:s + ch]
-        m = gs.shape[0]
-        x, t = xb[:m], tb[:m]
-        x[...] = gs
-        np.multiply(x, x, out=t)  # g64 * g64
-        t *= 0.044715
-        t += 1.0
-        t *= c
-        t *= x  # inner = g64 (c (1 + 0.044715 g64^2))
-        np.tanh(t, out=t)
-        t += 1.0
-        x *= 0.5
-        t *= x  # (0.5 g64) (1 + tanh(inner))
-        flat[s:s + m] = t
-    return out
 
 
 def softcap(x: np.ndarray, cap: float) -> np.ndarray:
