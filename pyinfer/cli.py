@@ -194,6 +194,8 @@ def show_prompt_progress(engine, file=None) -> None:
     bar = []
 
     def report(done: int, total: int) -> None:
+        if done == 0 and bar:  # a new prompt: the last one's bar was left by an interrupt
+            bar.pop().close()
         if not bar:
             bar.append(progress_bar(total=total, desc="prompt", unit="tok", file=file))
         bar[0].update(done - bar[0].n)

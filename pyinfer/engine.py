@@ -166,8 +166,9 @@ class Engine:
         # fewer threads while other processes hold CPUs (spinning OpenMP waits: pyinfer.threads)
         self.governor = ThreadGovernor(n_threads)
         self.timings = Timings(load_ms=(time.perf_counter() - t0) * 1e3, n_threads=n_threads)
-        # called as prompt_progress(evaluated, total) after each batch of a prompt longer than
-        # PROMPT_BATCH new tokens (a CLI's progress bar), or None
+        # called as prompt_progress(evaluated, total) with 0 before the first batch and after
+        # each batch of a prompt longer than PROMPT_BATCH new tokens (a CLI's progress bar), or
+        # None
         self.prompt_progress = None
         self.verbose = verbose
 
@@ -214,11 +215,11 @@ class Engine:
 
     def warmup(self) -> None:
         """llama.cpp's warm-up at load (``common_init_from_params``): a two-token batch (bos and
-        eos where the vocabulary names them within the model's rows, else token 0) and one decode step, then an empty
-        cache and zeroed counters. The first forward pays the memory map's page faults (every
-        weight read once) and the thread team's start: without it the first prompt's timing
-        is 2-9x the steady state (docs/benchmarks.md, session 35). Its time is added to
-        ``timings.load_ms``; a context under 3 tokens skips it."""
+        eos where the vocabulary names them within the model's rows, else token 0) and one
+        decode step, then an empty cache and zeroed counters. The first forward pays the memory
+        map's page faults (of the weights it reads) and the thread team's start: without it the
+        first prompt's timing is 2-9x the steady state (docs/benchmarks.md, session 35). Its
+        time is added to ``timings.load_ms``; a context under 3 tokens skips it."""
         if self.n_ctx < 3:
             return
         t0 = time.perf_counter()

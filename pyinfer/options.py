@@ -205,7 +205,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="llama.cpp-style baseline: the first N layers' FFNs dense on the GPU")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the warm-up pass at load (llama.cpp's flag: without it the first "
-                        "prompt's timing includes reading every weight page)")
+                        "prompt's timing includes the memory map's page faults)")
     p.add_argument("--dense", action="store_true",
                    help="no sparsity: every FFN neuron (the file's predictors unused) and, in a "
                         "sparse mode input file, every input channel of every projection and "

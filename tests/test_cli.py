@@ -364,3 +364,39 @@ def test_package_imports_beside_a_folder_named_pyinfer(tmp_path):
     r = subprocess.run([sys.executable, "example.py"], capture_output=True, text=True, timeout=120,
                        cwd=tmp_path, env=env)
     assert r.returncode == 0 and r.stdout.strip() == "LLM", r.stderr
+
+
+def test_prompt_bar_after_an_interrupted_prompt(tmp_path):
+    """Ctrl-C inside a long prompt (the chat REPL goes on) leaves its progress bar open; the
+    next long prompt closes it and counts from 0 against its own total, and nothing stays open
+    once that prompt is evaluated."""
+    import io
+
+    from pyinfer import LLM
+    from pyinfer.cli import show_prompt_progress
+    from pyinfer.engine import PROMPT_BATCH
+    from tests._tiny_gguf import write_tiny_gguf
+
+    eng = LLM(write_tiny_gguf(str(tmp_path / "tiny.gguf")), n_ctx=4 * PROMPT_BATCH, n_threads=1,
+              device="cpu").engine
+    show_prompt_progress(eng, file=io.StringIO())
+    bars = eng.prompt_progress.__closure__[0].cell_contents
+    forward, calls = eng.forward, []
+
+    def interrupted(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:  # Ctrl-C in the second batch
+            raise KeyboardInterrupt
+        return forward(*a, **kw)
+
+    eng.forward = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        eng.eval_prompt([5 + i % 200 for i in range(3 * PROMPT_BATCH + 10)])
+    eng.reset()
+    assert len(bars) == 1 and bars[0].total == 3 * PROMPT_BATCH + 10  # left open
+    seen = []
+    eng.prompt_progress = (lambda report: lambda done, total: (
+        report(done, total), seen.append((bars[0].n, bars[0].total) if bars else None)))(
+        eng.prompt_progress)
+    eng.eval_prompt([5 + i % 200 for i in range(PROMPT_BATCH + 40)])
+    assert seen[0] == (0, PROMPT_BATCH + 40) and not bars

@@ -36,6 +36,10 @@ static inline int __dp4a(int a, int b, int c) {
 }
 // compiled, never called on the host (warp_quantize_q8 needs a real warp)
 static inline float __shfl_xor_sync(unsigned, float v, int) { return v; }
+static inline unsigned __shfl_xor_sync(unsigned, unsigned v, int) { return v; }
+static inline unsigned __float_as_uint(float v) { unsigned u; __builtin_memcpy(&u, &v, 4); return u; }
+static inline float __uint_as_float(unsigned u) { float v; __builtin_memcpy(&v, &u, 4); return v; }
+static inline unsigned max(unsigned a, unsigned b) { return a > b ? a : b; }
 static inline int __float2int_rn(float v) { return (int)__builtin_rintf(v); }
 #include <cmath>
 """

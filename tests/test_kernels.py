@@ -766,6 +766,9 @@ def test_decode_attn_window():
     got = run(w, k, v, n_past)
     np.testing.assert_array_equal(got, run(w, k2, v2, n_past))
     assert np.isfinite(got).all() and not np.array_equal(got, run(0, k, v, n_past))
+    k3 = k.copy()
+    k3[n_past + 1 - w] = np.nan  # the window's first row is read (a window one short passes above)
+    assert np.isnan(run(w, k3, v, n_past)).all()
     for big in (n_past + 1, n_ctx, 2**31 + 5, 2**32 - 1):
         np.testing.assert_array_equal(run(big, k, v, n_past), run(0, k, v, n_past))
 
