@@ -702,17 +702,23 @@ cdef void _rope1(float *x, int n_heads, int head_dim, int pos, double freq_base,
     _rope_rotate(x, n_heads, head_dim, half, cs, sn)
 
 
-cdef void _rope1_tab(float *x, int n_heads, int head_dim, int pos, const double *inv_freq,
-                     int n_rot, float *cs, float *sn) noexcept nogil:
-    """_rope1 with the frequencies freq_base^(-2i/n_rot) computed once per call (inv_freq,
-    n_rot/2 doubles): the same theta = pos * inv_freq[i] in double, so the same bits."""
-    cdef int i, half = n_rot // 2
+cdef inline void _rope_angles(int pos, const double *inv_freq, int half, float *cs,
+                              float *sn) noexcept nogil:
+    """cs[i], sn[i] = cos, sin of theta = pos * inv_freq[i] in double, rounded to f32, i < half."""
+    cdef int i
     cdef double theta
     for i in range(half):
         theta = pos * inv_freq[i]
         cs[i] = <float> cos(theta)
         sn[i] = <float> sin(theta)
-    _rope_rotate(x, n_heads, head_dim, half, cs, sn)
+
+
+cdef void _rope1_tab(float *x, int n_heads, int head_dim, int pos, const double *inv_freq,
+                     int n_rot, float *cs, float *sn) noexcept nogil:
+    """_rope1 with the frequencies freq_base^(-2i/n_rot) computed once per call (inv_freq,
+    n_rot/2 doubles): the same theta = pos * inv_freq[i] in double, so the same bits."""
+    _rope_angles(pos, inv_freq, n_rot // 2, cs, sn)
+    _rope_rotate(x, n_heads, head_dim, n_rot // 2, cs, sn)
 
 
 cdef void _attend_head(const float *q, const float *k, const float *v, Py_ssize_t row_stride,
@@ -760,16 +766,12 @@ def rope_table(const int32_t[::1] positions, double freq_base, int n_rot, float[
     if half == 0 or n_tok == 0:
         return
     cdef double *inv_freq
-    cdef double theta
     with nogil:
         inv_freq = <double *> malloc(half * sizeof(double))
         for i in range(half):
             inv_freq[i] = pow(freq_base, -2.0 * i / n_rot)  # as _rope1 computes it
         for t in range(n_tok):
-            for i in range(half):
-                theta = positions[t] * inv_freq[i]
-                out[t, i] = <float> cos(theta)
-                out[t, half + i] = <float> sin(theta)
+            _rope_angles(positions[t], inv_freq, <int> half, &out[t, 0], &out[t, half])
         free(inv_freq)
 
 

@@ -55,6 +55,10 @@ class Model:
         # the other families' one-token attention half in one kernel call (Gemma 3's norms,
         # scale and window included); their FFN half stays the loop's
         self.attn_fused = not self.llama_fused and attn_fusable(cfg, weights)
+        # the factor folded into Q where the family's score scale (Gemma 3's
+        # query_pre_attn_scalar^-0.5) differs from the kernels' head_dim^-0.5; 1: none
+        self.q_scale = (np.float32(cfg.attn_scale * np.sqrt(cfg.head_dim)) if cfg.attn_scale
+                        else np.float32(1.0))
         if self.input_sparse is not None:
             self.input_sparse.rope_freqs = weights.rope_freqs
         if cfg.positions == "learned" and n_ctx > weights.pos_embd.rows:
@@ -180,7 +184,7 @@ class Model:
             self._rope(q3, positions, cfg.rope_base(i), angles)
             self._rope(k3, positions, cfg.rope_base(i), angles)
         if cfg.attn_scale:  # the kernels scale scores by head_dim^-0.5: fold the rest into Q
-            q3 *= _q_scale(cfg)
+            q3 *= self.q_scale
         _kv_store(self.cache.k[i, n_past:n_past + T], k3)  # k3: what the norm and RoPE wrote
         _kv_store(self.cache.v[i, n_past:n_past + T], v)
         window = cfg.window(i)
@@ -201,11 +205,10 @@ class Model:
         (with RoPE divisors, Llama 3's, its angles come from C's libm, not NumPy's: within
         float rounding)."""
         cfg = self.cfg
-        q_scale = _q_scale(cfg) if cfg.attn_scale else 1.0
         cpu.decode_attn(xv, lw.attn_norm, cfg.rms_eps, lw.wq, lw.wk, lw.wv, lw.wo,
                         self.cache.k[i], self.cache.v[i], n_past, cfg.n_head, cfg.rope_base(i),
                         self.n_threads, self.w.rope_freqs, lw.bq, lw.bk, lw.bv, lw.attn_q_norm,
-                        lw.attn_k_norm, q_scale, cfg.window(i), lw.attn_post_norm)
+                        lw.attn_k_norm, self.q_scale, cfg.window(i), lw.attn_post_norm)
 
     def _rope(self, x: np.ndarray, positions: np.ndarray, base: float, angles: dict) -> None:
         """RoPE in place on x (n_tok, n_heads, head_dim) with frequency base ``base`` and the
@@ -268,12 +271,6 @@ class Model:
         if broken.any():
             logits[broken] = np.nan
         return logits if all_logits else logits[0]
-
-
-def _q_scale(cfg: ModelConfig) -> np.float32:
-    """The factor folded into Q where the family's score scale (``cfg.attn_scale``, Gemma 3's
-    query_pre_attn_scalar^-0.5) differs from the kernels' head_dim^-0.5."""
-    return np.float32(cfg.attn_scale * np.sqrt(cfg.head_dim))
 
 
 def attn_fusable(cfg: ModelConfig, weights: ModelWeights) -> bool:
