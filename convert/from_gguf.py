@@ -55,7 +55,7 @@ _GENERAL_COPY = ("general.name", "general.organization", "general.basename", "ge
 
 
 #: llama.cpp architectures pyinfer-convert reads
-_GGUF_ARCHS = (C.ARCH, "gemma3", "qwen2")
+_GGUF_ARCHS = (C.ARCH, "gemma3", "qwen2", "qwen3")
 
 
 class _ArchKeys:
@@ -192,7 +192,8 @@ def plan_gguf(path: str, outtype: str, allow_unused: bool = False,
         raise PyinferError(f"unsupported architecture {arch} (supported: {', '.join(_GGUF_ARCHS)})")
     gemma3 = arch == "gemma3"
     qwen2 = arch == "qwen2"  # llama.cpp's Qwen2: q/k/v biases, NeoX RoPE (rows unpermuted)
-    if gemma3 or qwen2:  # the source's keys carry its architecture's prefix: read them as llama.*
+    qwen3 = arch == "qwen3"  # llama.cpp's Qwen3: per-head Q/K norms, NeoX RoPE (rows unpermuted)
+    if gemma3 or qwen2 or qwen3:  # the source's keys carry its architecture's prefix: read as llama.*
         reader = _ArchKeys(reader, arch)
     scaling = _scalar(reader, C.K_ROPE_SCALING_TYPE, "none")
     if scaling not in ("none", "", None):
@@ -262,8 +263,8 @@ def plan_gguf(path: str, outtype: str, allow_unused: bool = False,
     meta.string(C.K_SOURCE, _scalar(reader, C.K_SOURCE) if ours else os.path.basename(path))
     if gemma3:
         _gemma3_meta(reader, meta, n_embd, n_head, n_layer, head_dim)
-    if qwen2:  # llama.cpp runs Qwen2 without its sliding window; so does the converted file
-        meta.string(C.K_FAMILY, "qwen2")
+    if qwen2 or qwen3:  # llama.cpp runs Qwen2 without its sliding window; so does the converted file
+        meta.string(C.K_FAMILY, arch)
     for name, field in reader.fields.items():
         if name.startswith(C.K_TOK_PREFIX) or name.startswith(C.K_CHAT_TEMPLATE_PREFIX) \
                 or name == C.K_HF_TOKENIZER_JSON:
@@ -305,7 +306,7 @@ def plan_gguf(path: str, outtype: str, allow_unused: bool = False,
         return TensorJob(name, shape, qtype, lambda: load(t))
 
     def qk(name: str, shape: tuple[int, int], n: int) -> TensorJob:
-        if ours or gemma3 or qwen2:  # gemma3, qwen2: llama.cpp stores Q/K unpermuted (NeoX)
+        if ours or gemma3 or qwen2 or qwen3:  # llama.cpp stores these Q/K unpermuted (NeoX)
             return mat(name, shape)
         t = src(name, shape)
         qtype = target(t, shape[1])
@@ -347,10 +348,11 @@ def plan_gguf(path: str, outtype: str, allow_unused: bool = False,
         if qwen2:
             jobs += [norm(C.ATTN_Q_B.format(bid=i), q_dim), norm(C.ATTN_K_B.format(bid=i), kv_dim),
                      norm(C.ATTN_V_B.format(bid=i), kv_dim)]
-        if gemma3:
+        if gemma3 or qwen3:
             jobs += [norm(C.ATTN_Q_NORM.format(bid=i), head_dim),
-                     norm(C.ATTN_K_NORM.format(bid=i), head_dim),
-                     norm(C.ATTN_POST_NORM.format(bid=i)), norm(C.FFN_POST_NORM.format(bid=i))]
+                     norm(C.ATTN_K_NORM.format(bid=i), head_dim)]
+        if gemma3:
+            jobs += [norm(C.ATTN_POST_NORM.format(bid=i)), norm(C.FFN_POST_NORM.format(bid=i))]
     jobs.append(norm(C.OUTPUT_NORM))
     if C.ROPE_FREQS in tensors:  # Llama 3's RoPE frequency divisors, as llama.cpp stores them
         jobs.append(norm(C.ROPE_FREQS, head_dim // 2))

@@ -202,12 +202,14 @@ def _rope_theta(cfg: dict[str, Any], head_dim: int) -> tuple[float, np.ndarray |
 
 def _layer_windows(cfg: dict[str, Any], family: str, n_layer: int) -> tuple[int, tuple[bool, ...]]:
     """(sliding_window, per-layer flags): Mistral slides every layer when ``sliding_window`` is
-    set; Qwen2 where ``use_sliding_window`` and the layer index >= ``max_window_layers``; a
-    ``layer_types`` list (transformers 5) wins. (0, ()) for full attention everywhere."""
-    if family not in ("mistral", "qwen2"):
+    set; Qwen2 and Qwen3 where ``use_sliding_window`` and the layer index >=
+    ``max_window_layers``; a ``layer_types`` list (transformers 5) wins. (0, ()) for full
+    attention everywhere."""
+    if family not in ("mistral", "qwen2", "qwen3"):
         return 0, ()
+    qwen = family in ("qwen2", "qwen3")
     window = cfg.get("sliding_window")
-    if family == "qwen2" and not cfg.get("use_sliding_window", False):
+    if qwen and not cfg.get("use_sliding_window", False):
         window = None
     if window is None:
         return 0, ()
@@ -215,7 +217,7 @@ def _layer_windows(cfg: dict[str, Any], family: str, n_layer: int) -> tuple[int,
     types = cfg.get("layer_types")
     if isinstance(types, list) and len(types) == n_layer:
         flags = tuple(t == "sliding_attention" for t in types)
-    elif family == "qwen2":
+    elif qwen:
         first = _cfg_int(cfg, "max_window_layers", 28, lo=0)
         flags = tuple(i >= first for i in range(n_layer))
     else:
@@ -321,7 +323,9 @@ class LlamaHParams(FamilyTraits):
                 raise PyinferError(f"config.json: hidden_act_param must be a number >= 0, got {shift!r}")
         if cfg.get("mlp_bias"):
             raise PyinferError("unsupported: MLP biases in a gated FFN (mlp_bias)")
-        attn_bias = _cfg_bool(cfg, "attention_bias", False) if family == "llama" else False
+        # Llama, Qwen3: attention_bias puts biases on q, k, v and o (Qwen2: q/k/v ones always)
+        attn_bias = (_cfg_bool(cfg, "attention_bias", False) if family in ("llama", "qwen3")
+                     else False)
         n_embd = _cfg_int(cfg, "hidden_size")
         n_head = _cfg_int(cfg, "num_attention_heads")
         head_dim = _cfg_int(cfg, "head_dim", None)
@@ -532,7 +536,7 @@ _NAMES = {
 def plan_hf(model_dir: str, outtype: str, allow_unused: bool = False,
             down_rows: bool = False) -> tuple[Metadata, list[TensorJob]]:
     """Metadata and tensor jobs for a Hugging Face directory of a supported architecture
-    (``C.HF_ARCHITECTURES``: Llama, Mistral, Qwen2, OPT, Falcon, Gemma 3).
+    (``C.HF_ARCHITECTURES``: Llama, Mistral, Qwen2, Qwen3, OPT, Falcon, Gemma 3).
 
     ``down_rows``: write the down projection as ``ffn_down`` (n_embd, n_ff), the checkpoint's own
     layout (``pyinfer.ffn_layout`` "rows", for a dense file), instead of ``ffn_down_t``.
@@ -669,9 +673,10 @@ def plan_hf(model_dir: str, outtype: str, allow_unused: bool = False,
             jobs.append(mat(C.ATTN_OUT.format(bid=i), p + "self_attn.o_proj.weight", (hp.n_embd, q_dim)))
             if hp.attn_out_bias:
                 jobs.append(vec(C.ATTN_OUT_B.format(bid=i), p + "self_attn.o_proj.bias", hp.n_embd))
-            if hp.family == "gemma3":
+            if hp.family in ("gemma3", "qwen3"):  # per-head RMSNorms of Q and K before RoPE
                 jobs += norm(C.ATTN_Q_NORM.format(bid=i), p + "self_attn.q_norm", hp.head_dim)
                 jobs += norm(C.ATTN_K_NORM.format(bid=i), p + "self_attn.k_norm", hp.head_dim)
+            if hp.family == "gemma3":
                 jobs += norm(C.ATTN_POST_NORM.format(bid=i), p + "post_attention_layernorm")
                 jobs += norm(C.FFN_NORM.format(bid=i), p + "pre_feedforward_layernorm")
                 jobs += norm(C.FFN_POST_NORM.format(bid=i), p + "post_feedforward_layernorm")

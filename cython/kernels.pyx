@@ -1627,14 +1627,16 @@ cdef void _attn_in_team(int t, int T, float *x, const float *attn_norm, float ep
                         float *qkv, float *att, float *cs, float *sc, float *tmp_qkv,
                         float *tmp_o, float *y, float *priv, Py_ssize_t n_priv,
                         Py_ssize_t *counts, const float *bqkv, const float *div,
-                        int rope_ready=0) noexcept nogil:
+                        int rope_ready=0, const float *qn=NULL,
+                        const float *kn=NULL) noexcept nogil:
     """Thread t of T's share of decode_attn_in in one parallel region (every thread calls it with
     the same arguments; rowsum_team.h's conventions). rs: values per cache row (n_kv hd); k_cache,
     v_cache: row 0 of the caches (f16 values with f16, else f32); cs: hd floats shared (the rope's cos | sin); sc: n_head
     (n_past + 1) floats shared (the attention scores); priv: T blocks of n_priv floats, one per
     thread (its copy of the output's kept list, its normed input and its copy of the q/k/v
     inputs' kept list); bqkv: [bq; bk; bv] (nq + 2 nkv) f32 or NULL, added to q, k, v before the
-    rope; div: the rope's frequency divisors or NULL (_rope_table_share). Each step's split of the
+    rope; div: the rope's frequency divisors or NULL (_rope_table_share); qn, kn: (hd,) f32 or
+    NULL, the per-head RMSNorms of Q and K between the biases and the rope (Qwen3). Each step's split of the
     work (heads, chunks, columns) leaves every result the same as one thread computes it, so
     the bits do not depend on T."""
     cdef Py_ssize_t nq = n_head * hd, nkv = n_kv * hd, n_att = n_past + 1, n_mid, n_in, i
@@ -1665,6 +1667,8 @@ cdef void _attn_in_team(int t, int T, float *x, const float *attn_norm, float ep
     for hh in range(h0, h1):
         if bqkv != NULL:  # (q heads, then k heads: hd values each, in qkv's order)
             _add_bias(qkv + hh * hd, bqkv + hh * hd, hd)
+        if qn != NULL:  # (decode_attn's head norms: _rmsnorm1 over each head)
+            _rmsnorm1(qkv + hh * hd, qn if hh < n_head else kn, eps, qkv + hh * hd, hd)
         _rope_rotate(qkv + hh * hd, 1, hd, half, cs, cs + half)
         if hh >= n_head:
             if bqkv != NULL:
@@ -1692,7 +1696,8 @@ def decode_attn_in(float[::1] x, const float[::1] attn_norm, float eps,
                    uint16_t[:, :, ::1] k_cache, uint16_t[:, :, ::1] v_cache, int kv_f16, int n_past,
                    int n_head, double freq_base, const float[::1] scale_qkv, float thr_qkv,
                    const float[::1] scale_o, float thr_o, int n_threads,
-                   const float[::1] rope_div=None, const float[::1] bqkv=None):
+                   const float[::1] rope_div=None, const float[::1] bqkv=None,
+                   const float[::1] q_norm=None, const float[::1] k_norm=None):
     """The attention half-layer of one token with input sparsity, in place on x (n_embd,):
     h = rmsnorm(x); [q, k, v] = sum over kept j (|h_j| scale_qkv_j > thr_qkv) of h_j * wqkv[j],
     wqkv = attn_qkv_t (n_embd, n_head*hd + 2 n_head_kv*hd); rope on q and k, K and V to cache row
@@ -1701,7 +1706,7 @@ def decode_attn_in(float[::1] x, const float[::1] attn_norm, float eps,
     the selections and rope between them on one thread), three barriers. Returns (qkv rows
     read, output rows read). The caches as ``decode_attn`` takes them; rope_div (hd/2,) and bqkv
     ([bq; bk; bv], n_head*hd + 2 n_head_kv*hd) f32 or None as ``decode_attn``'s rope_div and
-    biases."""
+    biases; q_norm, k_norm (hd,) f32 or None (both or neither) as its head norms (Qwen3)."""
     cdef int n_embd = x.shape[0]
     cdef Py_ssize_t w = _kv_width(kv_f16)
     cdef Py_ssize_t n_ctx = k_cache.shape[0], n_kv = k_cache.shape[1], hd = k_cache.shape[2] // w
@@ -1717,6 +1722,10 @@ def decode_attn_in(float[::1] x, const float[::1] attn_norm, float eps,
     cdef const float *so = _opt_ptr(scale_o, nq, "decode_attn_in scale_o")
     cdef const float *div = _opt_ptr(rope_div, hd // 2, "decode_attn_in rope_div")
     cdef const float *pb = _opt_ptr(bqkv, nq + 2 * nkv, "decode_attn_in bqkv")
+    cdef const float *pqn = _opt_ptr(q_norm, hd, "decode_attn_in q_norm")
+    cdef const float *pkn = _opt_ptr(k_norm, hd, "decode_attn_in k_norm")
+    if (pqn == NULL) != (pkn == NULL):
+        raise ValueError("decode_attn_in: q_norm and k_norm go together")
     cdef int T = max(n_threads, 1)
     cdef Py_ssize_t n_att = n_past + 1
     # per thread: the output's kept list (idx | coef), h, the q/k/v kept list (coef | idx);
@@ -1739,7 +1748,7 @@ def decode_attn_in(float[::1] x, const float[::1] attn_norm, float eps,
                           tqkv, &wo[0, 0], wo.shape[1], to, &k_cache[0, 0, 0], &v_cache[0, 0, 0],
                           kv_f16, nkv, n_past, n_head, <int> n_kv, <int> hd, freq_base, sq, thr_qkv, so,
                           thr_o, b.qkv, b.att, b.cs, b.sc, b.tmp_qkv, b.tmp_o, b.y, priv, n_priv,
-                          counts, pb, div)
+                          counts, pb, div, 0, pqn, pkn)
         else:
             with parallel(num_threads=T):
                 _attn_in_team(pi_team_thread(), pi_team_size(), &x[0], &attn_norm[0], eps,
@@ -1747,13 +1756,18 @@ def decode_attn_in(float[::1] x, const float[::1] attn_norm, float eps,
                               to, &k_cache[0, 0, 0], &v_cache[0, 0, 0], kv_f16, nkv, n_past, n_head,
                               <int> n_kv, <int> hd, freq_base, sq, thr_qkv, so, thr_o, b.qkv,
                               b.att, b.cs, b.sc, b.tmp_qkv, b.tmp_o, b.y, priv, n_priv, counts,
-                              pb, div)
+                              pb, div, 0, pqn, pkn)
         free(buf)
         free(priv)
     return counts[0], counts[1]
 
 
 # ---------------------------------------------------------------- input-sparse decode, whole token
+
+#: f32 vectors an InputDecodePlan holds per layer: attn_norm, ffn_norm, the four groups' channel
+#: scales, bqkv, q_norm, k_norm
+DEF PLAN_VECS = 9
+
 
 cdef class InputDecodePlan:
     """The per-layer weights of an input-sparse model as raw pointers, checked once, for
@@ -1763,8 +1777,8 @@ cdef class InputDecodePlan:
 
     layers: one tuple per layer (attn_norm (n_embd,) f32, attn_qkv_t raw, type, attn_output_t raw,
     type, ffn_norm (n_embd,) f32, ffn_gate_up_t raw, type, ffn_down_t raw, type, scale_qkv,
-    scale_o, scale_gu, scale_d (f32 or None), bqkv (f32 [bq; bk; bv] or None)), the arguments
-    of decode_attn_in / decode_ffn_in; rope_div (hd/2,) f32 or None: the rope's frequency
+    scale_o, scale_gu, scale_d (f32 or None), bqkv (f32 [bq; bk; bv] or None), q_norm, k_norm
+    ((head_dim,) f32 or None, both or neither)), the arguments of decode_attn_in / decode_ffn_in; rope_div (hd/2,) f32 or None: the rope's frequency
     divisors (decode_attn_in's). ValueError on shapes that do not fit (the checks of those two
     functions)."""
     cdef readonly int n_layer, n_embd, n_head, n_kv, hd, n_ff
@@ -1800,15 +1814,15 @@ cdef class InputDecodePlan:
         self.w = <const uint8_t **> malloc(4 * n * sizeof(uint8_t *))
         self.stride = <size_t *> malloc(4 * n * sizeof(size_t))
         self.qtype = <int *> malloc(4 * n * sizeof(int))
-        self.vec = <const float **> malloc(7 * n * sizeof(float *))
+        self.vec = <const float **> malloc(PLAN_VECS * n * sizeof(float *))
         if not (self.w and self.stride and self.qtype and self.vec):
             raise MemoryError()
         cdef Py_ssize_t nq = n_head * hd, nkv = n_kv * hd, n_embd = -1, n_ff = -1, nf
         self.nt_qkv = self.nt_o = self.nt_gu = self.nt_d = 0
         for i in range(n):
             lt = layers[i]
-            if len(lt) != 15:
-                raise ValueError("InputDecodePlan: each layer needs 15 entries")
+            if len(lt) != 17:
+                raise ValueError("InputDecodePlan: each layer needs 17 entries")
             for k in range(4):  # qkv, o, gate_up, down
                 wv = lt[(1, 3, 6, 8)[k]]
                 self.w[4 * i + k] = &wv[0, 0]
@@ -1818,10 +1832,10 @@ cdef class InputDecodePlan:
             if n_embd < 0:
                 n_embd = fv.shape[0]
             _check_len(fv.shape[0], n_embd, "InputDecodePlan attn_norm")
-            self.vec[7 * i] = &fv[0]
+            self.vec[PLAN_VECS * i] = &fv[0]
             fv = lt[5]
             _check_len(fv.shape[0], n_embd, "InputDecodePlan ffn_norm")
-            self.vec[7 * i + 1] = &fv[0]
+            self.vec[PLAN_VECS * i + 1] = &fv[0]
             _check_attn_in(lt[1], self.qtype[4 * i], lt[3], self.qtype[4 * i + 1], n_embd, nq,
                            nkv, "InputDecodePlan")
             nf = _check_ffn_in(lt[6], self.qtype[4 * i + 2], lt[8], self.qtype[4 * i + 3], n_embd,
@@ -1829,11 +1843,15 @@ cdef class InputDecodePlan:
             if n_ff < 0:
                 n_ff = nf
             _check_len(nf, n_ff, "InputDecodePlan down rows")
-            self.vec[7 * i + 2] = _opt_ptr(lt[10], n_embd, "InputDecodePlan scale_qkv")
-            self.vec[7 * i + 3] = _opt_ptr(lt[11], nq, "InputDecodePlan scale_o")
-            self.vec[7 * i + 4] = _opt_ptr(lt[12], n_embd, "InputDecodePlan scale_gu")
-            self.vec[7 * i + 5] = _opt_ptr(lt[13], n_ff, "InputDecodePlan scale_d")
-            self.vec[7 * i + 6] = _opt_ptr(lt[14], nq + 2 * nkv, "InputDecodePlan bqkv")
+            self.vec[PLAN_VECS * i + 2] = _opt_ptr(lt[10], n_embd, "InputDecodePlan scale_qkv")
+            self.vec[PLAN_VECS * i + 3] = _opt_ptr(lt[11], nq, "InputDecodePlan scale_o")
+            self.vec[PLAN_VECS * i + 4] = _opt_ptr(lt[12], n_embd, "InputDecodePlan scale_gu")
+            self.vec[PLAN_VECS * i + 5] = _opt_ptr(lt[13], n_ff, "InputDecodePlan scale_d")
+            self.vec[PLAN_VECS * i + 6] = _opt_ptr(lt[14], nq + 2 * nkv, "InputDecodePlan bqkv")
+            self.vec[PLAN_VECS * i + 7] = _opt_ptr(lt[15], hd, "InputDecodePlan q_norm")
+            self.vec[PLAN_VECS * i + 8] = _opt_ptr(lt[16], hd, "InputDecodePlan k_norm")
+            if (self.vec[PLAN_VECS * i + 7] == NULL) != (self.vec[PLAN_VECS * i + 8] == NULL):
+                raise ValueError("InputDecodePlan: q_norm and k_norm go together")
             self.nt_qkv = max(self.nt_qkv, pi_axpy_tmp_floats(n_embd, <int> (nq + 2 * nkv),
                                                               self.stride[4 * i]))
             self.nt_o = max(self.nt_o, pi_axpy_tmp_floats(nq, <int> n_embd, self.stride[4 * i + 1]))
@@ -1892,15 +1910,16 @@ cdef void _layers_in_team(int t, int T, int first, int L, float *x, uint16_t *kc
     # barrier after its q/k/v sums comes before any rope reads it)
     _rope_table_share(t, T, n_past, fb, hd, a.cs, div)
     for l in range(first, L):
-        _attn_in_team(t, T, x, vec[7 * l], eps, n_embd, w[4 * l], st[4 * l], qt[4 * l],
+        _attn_in_team(t, T, x, vec[PLAN_VECS * l], eps, n_embd, w[4 * l], st[4 * l], qt[4 * l],
                       w[4 * l + 1], st[4 * l + 1], qt[4 * l + 1], kc + l * layer_rows * _kv_width(f16),
-                      vc + l * layer_rows * _kv_width(f16), f16, rs, n_past, n_head, n_kv, hd, fb, vec[7 * l + 2],
-                      thr[l], vec[7 * l + 3], thr[L + l], a.qkv, a.att, a.cs, a.sc, a.tmp_qkv,
-                      a.tmp_o, a.y, priv, n_priv, cts + 4 * l, vec[7 * l + 6], div, 1)
+                      vc + l * layer_rows * _kv_width(f16), f16, rs, n_past, n_head, n_kv, hd, fb, vec[PLAN_VECS * l + 2],
+                      thr[l], vec[PLAN_VECS * l + 3], thr[L + l], a.qkv, a.att, a.cs, a.sc, a.tmp_qkv,
+                      a.tmp_o, a.y, priv, n_priv, cts + 4 * l, vec[PLAN_VECS * l + 6], div, 1,
+                      vec[PLAN_VECS * l + 7], vec[PLAN_VECS * l + 8])
         pi_team_barrier()
-        _ffn_in_team(t, T, x, vec[7 * l + 1], eps, n_embd, w[4 * l + 2], st[4 * l + 2],
+        _ffn_in_team(t, T, x, vec[PLAN_VECS * l + 1], eps, n_embd, w[4 * l + 2], st[4 * l + 2],
                      qt[4 * l + 2], w[4 * l + 3], st[4 * l + 3], qt[4 * l + 3], n_ff,
-                     vec[7 * l + 4], thr[2 * L + l], vec[7 * l + 5], thr[3 * L + l], silu, f.gu,
+                     vec[PLAN_VECS * l + 4], thr[2 * L + l], vec[PLAN_VECS * l + 5], thr[3 * L + l], silu, f.gu,
                      f.y, f.ctmp, f.itmp, f.tmp_gu, f.tmp_d, cnt, priv, n_priv, cts + 4 * l + 2)
         pi_team_barrier()
     if logits == NULL:

@@ -63,6 +63,9 @@ class TorchLlama:
                 wqkv=torch.cat([t(lw.wq), t(lw.wk), t(lw.wv)]),  # (n_embd_q + 2 n_embd_kv, n_embd)
                 # [bq; bk; bv] (Qwen2) or None
                 bqkv=v(lw.qkv_bias(cfg)) if lw.has_qkv_bias else None,
+                # (head_dim,) per-head RMSNorms of Q and K before RoPE (Qwen3) or None
+                qn=v(lw.attn_q_norm) if lw.attn_q_norm is not None else None,
+                kn=v(lw.attn_k_norm) if lw.attn_k_norm is not None else None,
                 wo=t(lw.wo),  # (n_embd, n_embd_q)
                 wgu=torch.cat([t(lw.ffn_gate), t(lw.ffn_up)]),  # (2 n_ff, n_embd)
                 # (n_embd, n_ff): a neuron-major file's ffn_down_t transposed back, or the
@@ -100,8 +103,12 @@ class TorchLlama:
             qkv = hook(i, 0, self._rms(x, W["attn_norm"])) @ W["wqkv"].T
             if W["bqkv"] is not None:
                 qkv = qkv + W["bqkv"]
-            q = self._rope(qkv[:, :nq].reshape(T, cfg.n_head, hd).transpose(0, 1), ang)
-            k = self._rope(qkv[:, nq:nq + nkv].reshape(T, cfg.n_head_kv, hd).transpose(0, 1), ang)
+            q = qkv[:, :nq].reshape(T, cfg.n_head, hd)
+            k = qkv[:, nq:nq + nkv].reshape(T, cfg.n_head_kv, hd)
+            if W["qn"] is not None:
+                q, k = self._rms(q, W["qn"]), self._rms(k, W["kn"])
+            q = self._rope(q.transpose(0, 1), ang)
+            k = self._rope(k.transpose(0, 1), ang)
             v = qkv[:, nq + nkv:].reshape(T, cfg.n_head_kv, hd).transpose(0, 1)
             k, v = k.repeat_interleave(cfg.n_gqa, 0), v.repeat_interleave(cfg.n_gqa, 0)
             att = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(0, 1)

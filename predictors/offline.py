@@ -259,7 +259,7 @@ def cpu_note_input(weights) -> str:
 
 
 def input_mode_model(cfg, weights) -> bool:
-    """True where sparse mode input (and the GPU engine) can run the model
+    """True where sparse mode input (and, without head norms, the GPU engine) can run the model
     (``pyinfer.weights.fused_model``)."""
     from pyinfer.weights import fused_model
 

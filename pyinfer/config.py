@@ -188,7 +188,8 @@ class ModelConfig(FamilyTraits):
         """
         arch = read_field(reader, C.K_ARCH)
         if arch != C.ARCH:
-            hint = ("; pyinfer-convert SRC out.gguf converts it" if arch == "gemma3" else "")
+            hint = ("; pyinfer-convert SRC out.gguf converts it"
+                    if arch in ("gemma3", "qwen2", "qwen3") else "")
             raise PyinferError(f"unsupported architecture {arch!r} (pyinfer runs '{C.ARCH}' files, "
                                f"llama.cpp's as they are{hint})")
         layout = read_field(reader, C.K_FFN_LAYOUT)

@@ -14,7 +14,8 @@ ARCH = "llama"  # the only GGUF architecture pyinfer writes and reads
 #: Every family is written as GGUF architecture ``llama`` (pyinfer's own neuron-major layout) with
 #: the keys and tensors below describing where it departs from Llama.
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                    "Qwen2ForCausalLM": "qwen2", "OPTForCausalLM": "opt",
+                    "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                    "OPTForCausalLM": "opt",
                     "FalconForCausalLM": "falcon", "Gemma3ForCausalLM": "gemma3"}
 #: FFN activations: silu (SwiGLU), relu (ReGLU; also dReLU with K_FFN_UP_ACT), gelu (exact, erf),
 #: fatrelu (ProSparse's shifted ReLU: g if g > K_ACT_SHIFT else 0), gelu_tanh (GeGLU with the

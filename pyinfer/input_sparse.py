@@ -217,7 +217,8 @@ class InputSparseFFN(InputSparseHead):
             x, lw.attn_norm, cfg.rms_eps, lw.attn_qkv_t, lw.attn_output_t, k_cache, v_cache,
             n_past, cfg.n_head, cfg.rope_freq_base, self._scale(lw, "attn_qkv"),
             self.thr["attn_qkv"][layer], self._scale(lw, "attn_output"),
-            self.thr["attn_output"][layer], n_threads, self.rope_freqs, self._bqkv(lw))
+            self.thr["attn_output"][layer], n_threads, self.rope_freqs, self._bqkv(lw),
+            lw.attn_q_norm, lw.attn_k_norm)
         self._count("attn_qkv", n_in)
         self._count("attn_output", n_mid)
 
@@ -245,7 +246,8 @@ class InputSparseFFN(InputSparseHead):
         if self._plan is None or self._plan_layers is not layers or (head and not self._plan_head):
             self._plan = cpu.input_decode_plan(
                 [(lw.attn_norm, lw.attn_qkv_t, lw.attn_output_t, lw.ffn_norm, lw.ffn_gate_up_t,
-                  lw.ffn_down_t, *(self._scale(lw, g) for g in C.IN_GROUPS), self._bqkv(lw))
+                  lw.ffn_down_t, *(self._scale(lw, g) for g in C.IN_GROUPS), self._bqkv(lw),
+                  lw.attn_q_norm, lw.attn_k_norm)
                  for lw in layers],
                 cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.rms_eps, cfg.rope_freq_base,
                 self.silu, (w.output_norm, w.output_ib, w.output_in_scale) if head else None,

@@ -61,9 +61,14 @@ class LayerWeights:
     in_scale: dict | None = None  # group -> (n_in,) f32 column norms (WINA files)
 
     @property
+    def has_head_norms(self) -> bool:
+        """True where Q and K get per-head RMSNorms before RoPE (Qwen3, Gemma 3)."""
+        return self.attn_q_norm is not None or self.attn_k_norm is not None
+
+    @property
     def has_extra_norms(self) -> bool:
-        return any(n is not None for n in (self.attn_q_norm, self.attn_k_norm,
-                                           self.attn_post_norm, self.ffn_post_norm))
+        return self.has_head_norms or any(n is not None for n in (self.attn_post_norm,
+                                                                  self.ffn_post_norm))
 
     @property
     def has_bias(self) -> bool:
@@ -85,11 +90,18 @@ class LayerWeights:
 
 
 def fused_model(cfg, weights: "ModelWeights") -> bool:
-    """True where the fused CPU kernels (``cpu.decode_attn`` / ``decode_ffn``), sparse mode input
-    and the GPU engine run the model: Llama-shaped (``cfg.llama_plain``) with weights they take
-    (``weights.llama_fused``: Llama 3's RoPE frequency divisors and Qwen2's q/k/v biases
-    included). The one test the model, the GPU placement and the converter's mode choice share."""
+    """True where the fused CPU kernels (``cpu.decode_attn`` / ``decode_ffn``) and sparse mode
+    input run the model: Llama-shaped (``cfg.llama_plain``) with weights they take
+    (``weights.llama_fused``: Llama 3's RoPE frequency divisors, Qwen2's q/k/v biases and
+    Qwen3's head norms included). The one test the model and the converter's mode choice share;
+    the GPU engine's is ``gpu_fused``."""
     return cfg.llama_plain and weights.llama_fused
+
+
+def gpu_fused(cfg, weights: "ModelWeights") -> bool:
+    """True where the GPU engine runs the model: ``fused_model`` without per-head Q/K norms
+    (Qwen3's), which its CUDA kernels do not take."""
+    return fused_model(cfg, weights) and not any(lw.has_head_norms for lw in weights.layers)
 
 
 @dataclass
@@ -108,18 +120,20 @@ class ModelWeights:
     @property
     def llama_plain(self) -> bool:
         """True where the weights are a plain Llama's: ``llama_fused`` without RoPE frequency
-        divisors or q/k/v biases."""
+        divisors, q/k/v biases or head norms."""
         return (self.rope_freqs is None and self.llama_fused
-                and not any(lw.has_qkv_bias for lw in self.layers))
+                and not any(lw.has_qkv_bias or lw.has_head_norms for lw in self.layers))
 
     @property
     def llama_fused(self) -> bool:
-        """True where the fused kernels (``cpu.decode_attn`` / ``decode_ffn``, sparse mode input,
-        the GPU engine) compute these weights: a plain Llama's, or with RoPE frequency divisors
-        (Llama 3's rope_freqs) and q/k/v biases (Qwen2), which those take; other biases and norms
-        need the kernel-by-kernel loop."""
+        """True where the fused CPU kernels (``cpu.decode_attn`` / ``decode_ffn``, sparse mode
+        input) compute these weights: a plain Llama's, or with RoPE frequency divisors (Llama 3's
+        rope_freqs), q/k/v biases (Qwen2) and per-head Q/K norms (Qwen3), which those take; other
+        biases and norms need the kernel-by-kernel loop. (The GPU engine takes no head norms:
+        ``gpu_fused``.)"""
         return (self.pos_embd is None and self.output_norm_b is None
-                and not any(lw.has_extra_norms
+                and not any(lw.attn_post_norm is not None or lw.ffn_post_norm is not None
+                            or (lw.attn_q_norm is None) != (lw.attn_k_norm is None)
                             or any(b is not None for b in (lw.attn_norm_b, lw.ffn_norm_b, lw.bo,
                                                            lw.ffn_up_b, lw.ffn_down_b))
                             or (lw.ffn_gate is None and lw.ffn_gate_up_t is None)
@@ -252,6 +266,8 @@ class ModelWeights:
                     bq=bias(C.ATTN_Q_B.format(bid=i), cfg.n_embd_q),  # Qwen2's q/k/v biases
                     bk=bias(C.ATTN_K_B.format(bid=i), cfg.n_embd_kv),
                     bv=bias(C.ATTN_V_B.format(bid=i), cfg.n_embd_kv),
+                    attn_q_norm=bias(C.ATTN_Q_NORM.format(bid=i), cfg.head_dim),  # Qwen3's
+                    attn_k_norm=bias(C.ATTN_K_NORM.format(bid=i), cfg.head_dim),
                 ))
                 continue
             layers.append(LayerWeights(

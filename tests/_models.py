@@ -191,7 +191,9 @@ def write_llamacpp_gguf(model_dir: str, out_path: str, qtype: str = "f32",
     converter (it is a fixture for testing the converter's GGUF path without llama.cpp).
     ``qtype_of(name, (rows, cols))``, when given, picks the type name of each 2-D tensor (None:
     the default above), for a per-tensor mix such as the one llama-quantize writes. ``arch``
-    "qwen2": llama.cpp's Qwen2 (keys ``qwen2.*``, Q/K rows as in Hugging Face, q/k/v biases).
+    "qwen2": llama.cpp's Qwen2 (keys ``qwen2.*``, Q/K rows as in Hugging Face, q/k/v biases);
+    "qwen3": llama.cpp's Qwen3 (keys ``qwen3.*``, Q/K rows as in Hugging Face, attn_q_norm /
+    attn_k_norm).
     """
     import tempfile
 
@@ -252,8 +254,12 @@ def write_llamacpp_gguf(model_dir: str, out_path: str, qtype: str = "f32",
         p = f"model.layers.{i}."
         add(C.ATTN_NORM.format(bid=i), sd[p + "input_layernorm.weight"])
         qw, kw = sd[p + "self_attn.q_proj.weight"], sd[p + "self_attn.k_proj.weight"]
-        add(C.ATTN_Q.format(bid=i), qw if arch == "qwen2" else permute(qw, n_head))
-        add(C.ATTN_K.format(bid=i), kw if arch == "qwen2" else permute(kw, n_kv))
+        neox = arch in ("qwen2", "qwen3")  # llama.cpp's NeoX RoPE: rows as in Hugging Face
+        add(C.ATTN_Q.format(bid=i), qw if neox else permute(qw, n_head))
+        add(C.ATTN_K.format(bid=i), kw if neox else permute(kw, n_kv))
+        if arch == "qwen3":
+            add(C.ATTN_Q_NORM.format(bid=i), sd[p + "self_attn.q_norm.weight"])
+            add(C.ATTN_K_NORM.format(bid=i), sd[p + "self_attn.k_norm.weight"])
         if arch == "qwen2":
             for name, key in ((C.ATTN_Q_B, "q_proj"), (C.ATTN_K_B, "k_proj"), (C.ATTN_V_B, "v_proj")):
                 add(name.format(bid=i), sd[p + f"self_attn.{key}.bias"])

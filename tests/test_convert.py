@@ -515,7 +515,8 @@ def test_error_no_weights(models, tmp_path):
 def test_error_architecture(models, tmp_path):
     d = _copy_with_config(models, tmp_path, architectures=["GPT2LMHeadModel"])
     _expect_error(tmp_path, d, contains="unsupported architecture GPT2LMHeadModel (supported: "
-                                        "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM")
+                                        "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
+                                        "Qwen3ForCausalLM")
 
 
 def test_error_hidden_act(models, tmp_path):
@@ -542,7 +543,7 @@ def test_error_gguf_architecture(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    _expect_error(tmp_path, f, contains="unsupported architecture phi3 (supported: llama, gemma3, qwen2)")
+    _expect_error(tmp_path, f, contains="unsupported architecture phi3 (supported: llama, gemma3, qwen2, qwen3)")
 
 
 @pytest.mark.parametrize("frac", [0.001, 0.5, 0.999])

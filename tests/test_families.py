@@ -22,6 +22,7 @@ transformers = pytest.importorskip("transformers")
 from convert.cli import main as convert_main  # noqa: E402
 from pyinfer.engine import Engine  # noqa: E402
 from pyinfer.ffn import SparseFFN  # noqa: E402
+from pyinfer.weights import gpu_fused  # noqa: E402
 from tests._models import convert_neuron_major, make_bpe_tokenizer  # noqa: E402
 
 PROMPT = [1, 17, 42, 7, 99, 3, 64, 5, 120, 33, 8, 250, 11, 300, 77, 21]
@@ -122,6 +123,34 @@ def test_qwen2(tmp_path, tied, n_kv):
     fused_equals_unfused(eng)
 
 
+@pytest.mark.parametrize("tied,n_kv,head_dim,bias,window", [
+    (True, 2, 32, False, None), (False, 1, 16, True, None), (False, 2, 16, False, 5)])
+def test_qwen3(tmp_path, tied, n_kv, head_dim, bias, window):
+    """Qwen3: per-head RMSNorms of Q and K before RoPE (transformers' Qwen3Attention), a head_dim
+    of its own (n_head * head_dim != n_embd), attention_bias on q, k, v and o, sliding-window
+    layers from max_window_layers on (as Qwen2's)."""
+    swa = dict(use_sliding_window=True, sliding_window=window, max_window_layers=1) if window else {}
+    d, ref = build(tmp_path, f"qwen3-{tied}-{n_kv}-{window}", transformers.Qwen3ForCausalLM,
+                   transformers.Qwen3Config, hidden_size=64, intermediate_size=128,
+                   num_hidden_layers=3 if window else 2, num_attention_heads=4,
+                   num_key_value_heads=n_kv, head_dim=head_dim, tie_word_embeddings=tied,
+                   rope_theta=10000.0, attention_bias=bias, **swa)
+    eng = check(tmp_path, d, ref)
+    lw = eng.weights.layers[0]
+    assert eng.cfg.family == "qwen3" and eng.cfg.head_dim == head_dim
+    assert lw.attn_q_norm is not None and lw.attn_k_norm is not None
+    assert (lw.bq is not None) == bias and (lw.bo is not None) == bias
+    assert [eng.cfg.window(i) for i in range(eng.cfg.n_layer)] == ([0, 5, 5] if window else [0, 0])
+    # decode through the fused kernels (head norms inside cpu.decode_attn) unless o_proj has a
+    # bias or layers slide (then the attention half alone is fused); never on the GPU engine,
+    # whose kernels take no head norms
+    fused = not bias and not window
+    assert eng.model.llama_fused == fused and not eng.model.llama_plain
+    assert eng.model.attn_fused == bool(window)
+    assert not gpu_fused(eng.cfg, eng.weights)
+    fused_equals_unfused(eng, exact=not fused)  # (the fused FFN half sums in its own order)
+
+
 def fused_equals_unfused(eng, exact=False):
     """One-token decode through the fused kernels (cpu.decode_attn with biases / RoPE divisors)
     gives the kernel-by-kernel loop's logits (same dots; RoPE's angles from another libm).
@@ -170,7 +199,13 @@ def test_default_conversion_without_a_sparse_mode(tmp_path, capsys):
 
 
 def tiny_qwen2_or_llama3(tmp_path, family, tag):
-    """(dir, transformers' logits) of a tiny Qwen2 (q/k/v biases) or Llama 3 (scaled RoPE)."""
+    """(dir, transformers' logits) of a tiny Qwen2 (q/k/v biases), Qwen3 (per-head Q/K norms, a
+    head_dim of its own) or Llama 3 (scaled RoPE)."""
+    if family == "qwen3":
+        return build(tmp_path, f"qwen3-{tag}", transformers.Qwen3ForCausalLM,
+                     transformers.Qwen3Config, hidden_size=64, intermediate_size=128,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=32, rope_theta=10000.0)
     if family == "qwen2":
         return build(tmp_path, f"qwen2-{tag}", transformers.Qwen2ForCausalLM,
                      transformers.Qwen2Config, hidden_size=64, intermediate_size=128,
@@ -182,13 +217,14 @@ def tiny_qwen2_or_llama3(tmp_path, family, tag):
                  max_position_embeddings=256, rope_parameters=dict(LLAMA3_ROPE, rope_theta=10000.0))
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama3"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama3"])
 def test_sparse_mode_input_with_biases_and_rope_divisors(tmp_path, capsys, family):
-    """Qwen2 (q/k/v biases) and Llama 3 (RoPE frequency divisors) files take sparse mode input by
-    default (f16 here): with every input kept their logits are transformers' (within f16
-    weights' rounding; a missing bias or divisor is ~5e-2 off), the decode of one token at a time
-    (one kernel call over the layers, biases and divisors inside it) equals the prefill's
-    logits at the file's thresholds, and inputs were skipped."""
+    """Qwen2 (q/k/v biases), Qwen3 (head norms) and Llama 3 (RoPE frequency divisors) files take
+    sparse mode input by default (f16 here): with every input kept their logits are
+    transformers' (within f16 weights' rounding; a missing bias or divisor is ~5e-2 off), the
+    decode of one token at a time (one kernel call over the layers, biases, head norms and
+    divisors inside it) equals the prefill's logits at the file's thresholds, and inputs were
+    skipped."""
     from pyinfer import constants as C
     from pyinfer.config import read_field
 
@@ -201,6 +237,7 @@ def test_sparse_mode_input_with_biases_and_rope_divisors(tmp_path, capsys, famil
     assert every.model.input_sparse is not None and every.model.llama_fused
     assert (every.weights.rope_freqs is not None) == (family == "llama3")
     assert (every.weights.layers[0].bq is not None) == (family == "qwen2")
+    assert (every.weights.layers[0].attn_q_norm is not None) == (family == "qwen3")
     assert rel_err(every.model.forward(PROMPT, 0, all_logits=True), ref) < 1e-2
     every.model.forward(PROMPT[:3], 0)
     for i in range(3, len(PROMPT)):
@@ -318,31 +355,32 @@ def test_llama3_from_llama_cpp_gguf(tmp_path):
     assert eng.model.llama_fused
 
 
-def test_qwen2_from_llama_cpp_gguf(tmp_path):
-    """A llama.cpp GGUF of a Qwen2 model (architecture qwen2: qwen2.* keys, Q/K rows as in
-    Hugging Face since llama.cpp runs it with NeoX RoPE, q/k/v biases) converts: dense, its
-    logits are transformers' and its decode takes the fused kernels; by default (f16 here) it
-    becomes a sparse mode input file."""
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_qwen_from_llama_cpp_gguf(tmp_path, family):
+    """A llama.cpp GGUF of a Qwen2 / Qwen3 model (architecture qwen2 / qwen3: their own keys, Q/K
+    rows as in Hugging Face since llama.cpp runs them with NeoX RoPE; Qwen2's q/k/v biases,
+    Qwen3's attn_q_norm / attn_k_norm) converts: dense, its logits are transformers' and its
+    decode takes the fused kernels; by default (f16 here) it becomes a sparse mode input file."""
     from pyinfer import constants as C
     from pyinfer.config import read_field
     from tests._models import write_llamacpp_gguf
 
-    d, ref = build(tmp_path, "qwen2-lc", transformers.Qwen2ForCausalLM, transformers.Qwen2Config,
-                   hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0)
-    src = str(tmp_path / "qwen2-lc.gguf")
-    write_llamacpp_gguf(d, src, "f32", arch="qwen2")
-    assert read_field(gguf.GGUFReader(src), "general.architecture") == "qwen2"
-    out = str(tmp_path / "qwen2-lc-conv.gguf")
+    d, ref = tiny_qwen2_or_llama3(tmp_path, family, "lc")
+    src = str(tmp_path / f"{family}-lc.gguf")
+    write_llamacpp_gguf(d, src, "f32", arch=family)
+    assert read_field(gguf.GGUFReader(src), "general.architecture") == family
+    out = str(tmp_path / f"{family}-lc-conv.gguf")
     assert convert_main([src, out, "--outtype", "f32", "--dense"]) == 0
     eng = Engine(out, n_ctx=64, n_threads=2)
-    assert eng.cfg.family == "qwen2" and eng.weights.layers[1].bv is not None
+    assert eng.cfg.family == family
+    assert (eng.weights.layers[1].bv is not None) == (family == "qwen2")
+    assert (eng.weights.layers[1].attn_k_norm is not None) == (family == "qwen3")
     assert rel_err(eng.model.forward(PROMPT, 0, all_logits=True), ref) < TOL
     eng.model.forward(PROMPT[:3], 0)
     for i in range(3, len(PROMPT)):
         assert rel_err(eng.model.forward([PROMPT[i]], i), ref[i]) < TOL
     assert eng.model.llama_fused
-    sparse = str(tmp_path / "qwen2-lc-in.gguf")
+    sparse = str(tmp_path / f"{family}-lc-in.gguf")
     assert convert_main([src, sparse, "--outtype", "f16", "--calib-tokens", "256", "-t", "1"]) == 0
     assert read_field(gguf.GGUFReader(sparse), C.K_SPARSE_MODE) == C.SPARSE_MODE_INPUT
     every = Engine(sparse, n_ctx=64, n_threads=2, dense=True)
@@ -474,6 +512,14 @@ def test_gpu_engine_refuses_other_families(tmp_path):
     eng = Engine(convert(d, tmp_path), n_ctx=32, n_threads=1)
     with pytest.raises(PyinferError, match="GPU engine runs Llama-shaped files only"):
         place_model(eng.reader, eng.cfg, eng.weights, eng.model.ffn, 32, 1, device="cuda")
+    # Qwen3 runs the fused CPU kernels, but the GPU's take no head norms: auto falls back
+    d, _ = tiny_qwen2_or_llama3(tmp_path, "qwen3", "gpu")
+    eng = Engine(convert(d, tmp_path), n_ctx=32, n_threads=1)
+    assert eng.model.llama_fused
+    with pytest.raises(PyinferError, match="GPU engine runs Llama-shaped files only"):
+        place_model(eng.reader, eng.cfg, eng.weights, eng.model.ffn, 32, 1, device="cuda")
+    m = place_model(eng.reader, eng.cfg, eng.weights, eng.model.ffn, 32, 1, device="auto")
+    assert type(m).__name__ == "Model"
 
 
 @pytest.mark.parametrize("family", ["opt", "falcon"])

@@ -715,32 +715,36 @@ def decode_attn_in(x: np.ndarray, attn_norm: np.ndarray, eps: float, qkv_t: QTen
                    k_cache: np.ndarray, v_cache: np.ndarray, n_past: int, n_head: int,
                    freq_base: float, scale_qkv: np.ndarray | None, thr_qkv: float,
                    scale_o: np.ndarray | None, thr_o: float, n_threads: int = 1,
-                   rope_div: np.ndarray | None = None,
-                   bqkv: np.ndarray | None = None) -> tuple[int, int]:
+                   rope_div: np.ndarray | None = None, bqkv: np.ndarray | None = None,
+                   q_norm: np.ndarray | None = None,
+                   k_norm: np.ndarray | None = None) -> tuple[int, int]:
     """One token's attention half-layer with input sparsity, in place on x (n_embd,) f32, as
     ``decode_attn`` but [q, k, v] = qkv_t^T over the kept channels of h = rmsnorm(x) (+ bqkv,
     the f32 [bq; bk; bv] or None) and the output projection over the kept channels of the
     attention output. qkv_t (n_embd, n_embd_q + 2 n_embd_kv) = [wq; wk; wv] transposed; o_t
-    (n_embd_q, n_embd) = wo transposed; rope_div as ``decode_attn``'s. Returns (qkv rows read,
-    output rows read); caches float16 as ``decode_attn``'s. ValueError on shapes that do not
-    fit."""
+    (n_embd_q, n_embd) = wo transposed; rope_div, q_norm and k_norm (Qwen3's per-head norms,
+    both or neither) as ``decode_attn``'s. Returns (qkv rows read, output rows read); caches
+    float16 as ``decode_attn``'s. ValueError on shapes that do not fit."""
     return _k.decode_attn_in(x, attn_norm, float(eps), qkv_t.raw, int(qkv_t.qtype), o_t.raw,
                              int(o_t.qtype), *kv_pair(k_cache, v_cache), int(n_past), int(n_head),
                              float(freq_base), scale_qkv, float(thr_qkv), scale_o, float(thr_o),
-                             n_threads, _f32_or_none(rope_div), _f32_or_none(bqkv))
+                             n_threads, _f32_or_none(rope_div), _f32_or_none(bqkv),
+                             _f32_or_none(q_norm), _f32_or_none(k_norm))
 
 
 def input_decode_plan(layers, n_head: int, n_head_kv: int, head_dim: int, eps: float,
                       freq_base: float, silu: bool, head=None, rope_div: np.ndarray | None = None):
     """The raw pointers of an input-sparse model's layers, checked once, for ``decode_layers_in``.
     layers: per layer (attn_norm, attn_qkv_t, attn_output_t, ffn_norm, ffn_gate_up_t, ffn_down_t,
-    scale_qkv, scale_o, scale_gu, scale_d[, bqkv]), the QTensors and (n,) f32 vectors (scales and
-    bqkv may be None) of ``decode_attn_in`` / ``decode_ffn_in``. head: None, or (output_norm
+    scale_qkv, scale_o, scale_gu, scale_d[, bqkv[, q_norm, k_norm]]), the QTensors and (n,) f32
+    vectors (scales, bqkv and the head norms may be None) of ``decode_attn_in`` /
+    ``decode_ffn_in``. head: None, or (output_norm
     (n_embd,) f32, the lm head's IBChunks, its channel scale (n_embd,) f32 or None) for the logits
     of ``decode_layers_in``; rope_div as ``decode_attn_in``'s. ValueError on shapes that do not
     fit."""
     rows = [(an, qkv.raw, int(qkv.qtype), o.raw, int(o.qtype), fn, gu.raw, int(gu.qtype), d.raw,
-             int(d.qtype), sq, so, sgu, sd, _f32_or_none(rest[0]) if rest else None)
+             int(d.qtype), sq, so, sgu, sd,
+             *(_f32_or_none(v) for v in (list(rest) + [None] * 3)[:3]))
             for an, qkv, o, fn, gu, d, sq, so, sgu, sd, *rest in layers]
     plan = _k.InputDecodePlan(rows, int(n_head), int(n_head_kv), int(head_dim), float(eps),
                               float(freq_base), int(silu), _f32_or_none(rope_div))
