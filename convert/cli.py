@@ -222,8 +222,12 @@ def main(argv: list[str] | None = None) -> int:
         args.src, args.out = args.model_opt, args.src
     if args.src is None or args.out is None:
         parser.error("the source and the output are required: pyinfer-convert SRC OUT")
-    signal.signal(signal.SIGTERM, _interrupt)  # `kill` cleans up the temporary file like Ctrl-C
-    return exit_code_of(_run, args)
+    # `kill` cleans up the temporary file like Ctrl-C, while this runs (the caller's handler after)
+    old = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return exit_code_of(_run, args)
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def _run(args) -> int:

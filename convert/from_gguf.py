@@ -41,6 +41,7 @@ from pyinfer import constants as C
 from pyinfer.errors import PyinferError
 from pyinfer.gguf_check import check_gguf
 from pyinfer.gguf_reader import GGUFReader
+from pyinfer.llamacpp import ArchKeys
 from pyinfer.ops.cpu import SUPPORTED
 
 from . import warn
@@ -56,17 +57,6 @@ _GENERAL_COPY = ("general.name", "general.organization", "general.basename", "ge
 
 #: llama.cpp architectures pyinfer-convert reads
 _GGUF_ARCHS = (C.ARCH, "gemma3", "qwen2", "qwen3")
-
-
-class _ArchKeys:
-    """A GGUFReader whose ``fields`` answer pyinfer's ``llama.*`` key names with the source
-    architecture's (``gemma3.context_length`` for ``llama.context_length``)."""
-
-    def __init__(self, reader: gguf.GGUFReader, arch: str):
-        self.tensors = reader.tensors
-        prefix = arch + "."
-        self.fields = {(C.ARCH + "." + k[len(prefix):] if k.startswith(prefix) else k): f
-                       for k, f in reader.fields.items()}
 
 
 def _gemma3_meta(reader, meta: Metadata, n_embd: int, n_head: int, n_layer: int,
@@ -194,7 +184,7 @@ def plan_gguf(path: str, outtype: str, allow_unused: bool = False,
     qwen2 = arch == "qwen2"  # llama.cpp's Qwen2: q/k/v biases, NeoX RoPE (rows unpermuted)
     qwen3 = arch == "qwen3"  # llama.cpp's Qwen3: per-head Q/K norms, NeoX RoPE (rows unpermuted)
     if gemma3 or qwen2 or qwen3:  # the source's keys carry its architecture's prefix: read as llama.*
-        reader = _ArchKeys(reader, arch)
+        reader = ArchKeys(reader, arch)
     scaling = _scalar(reader, C.K_ROPE_SCALING_TYPE, "none")
     if scaling not in ("none", "", None):
         raise PyinferError(f"unsupported rope scaling {scaling!r}")

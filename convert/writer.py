@@ -8,7 +8,8 @@ tensor, plus its encoded copy, is in memory at any time.
 The file goes to a temporary file of a unique name next to ``out`` (``.<name>.<random>.tmp``, made
 by `tempfile.mkstemp`, so a user's own ``out.tmp`` is never touched) and is renamed over ``out``
 with `os.replace` only when complete; on any exception (KeyboardInterrupt included) the temporary
-file is removed.
+file is removed. An ``out`` that is a symbolic link is written through, as llama.cpp's tools do: the
+file it points to is replaced and the link stays.
 """
 from __future__ import annotations
 
@@ -203,7 +204,8 @@ def _write_reason(e: OSError, tmp_path: str, size: int) -> str:
 
 def write_gguf(out_path: str, meta: Metadata, jobs: Sequence[TensorJob], progress: bool | None = None) -> None:
     """Write ``meta`` and the tensors of ``jobs`` to ``out_path`` via a unique temporary file in
-    the same directory (``temp_path_beside``), renamed over ``out_path`` when complete.
+    the same directory (``temp_path_beside``), renamed over ``out_path`` when complete (over the
+    file a symbolic link ``out_path`` points to, the link kept).
 
     ``progress``: progress over tensors on stderr (``pyinfer.progress``; False: none).
     Raises WriteError (a PyinferError naming ``out_path``) for an OSError on the way (disk full,
@@ -212,7 +214,8 @@ def write_gguf(out_path: str, meta: Metadata, jobs: Sequence[TensorJob], progres
     """
     from pyinfer.progress import progress_bar
 
-    tmp_path = temp_path_beside(out_path)
+    target = os.path.realpath(out_path) if os.path.islink(out_path) else out_path
+    tmp_path = temp_path_beside(target)
     try:
         writer = gguf.GGUFWriter(tmp_path, ARCH)
     except BaseException:
@@ -251,7 +254,7 @@ def write_gguf(out_path: str, meta: Metadata, jobs: Sequence[TensorJob], progres
             writer.write_tensor_data(data)
         bar.close()
         writer.close()
-        os.replace(tmp_path, out_path)
+        os.replace(tmp_path, target)
     except BaseException as e:
         reason = None
         if isinstance(e, OSError):

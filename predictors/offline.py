@@ -275,18 +275,24 @@ def default_mode(cfg, weights, outtype: str, opts: OfflineOptions,
     no ``--vram-budget`` asks for the GPU split (which needs glu's predictors); ``NO_SPARSE_MODE`` for a model that is not
     Llama-shaped without ``--vram-budget`` (the GPU engine runs Llama-shaped files only, so glu's
     predictors would serve no engine, and on the CPU glu decodes no faster than a dense file at
-    a cost in quality: Gemma-3-270M +6-9% perplexity, docs/benchmarks.md session 20); "glu"
-    otherwise. ``weights`` are the staging file's (dense, neuron-major), ``outtype`` the
+    a cost in quality: Gemma-3-270M +6-9% perplexity, docs/benchmarks.md session 20), and so for
+    a Llama-shaped model the GPU engine does not run (Qwen3: ``weights.gpu_fused``) where input
+    does not pay; "glu" otherwise. ``weights`` are the staging file's (dense, neuron-major), ``outtype`` the
     conversion's, ``down_type`` its ``--down-type``."""
     from predictors.input_sparse import input_mode_pays
     from predictors.profile import sparse_mode
+
+    from pyinfer.weights import gpu_fused
 
     mode = sparse_mode(cfg)
     if mode != C.SPARSE_MODE_GLU or opts.vram_budget_gib is not None:
         return mode
     if not input_mode_model(cfg, weights):
         return NO_SPARSE_MODE
-    return C.SPARSE_MODE_INPUT if input_mode_pays(weights, cfg, outtype, down_type) else mode
+    if input_mode_pays(weights, cfg, outtype, down_type):
+        return C.SPARSE_MODE_INPUT
+    # glu's predictors serve the GPU engine only (Qwen3 runs on the CPU alone: a dense file)
+    return mode if gpu_fused(cfg, weights) else NO_SPARSE_MODE
 
 
 def _stage(src: str, staging: str, out: str, outtype: str, progress, allow_unused: bool,
@@ -384,6 +390,12 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
             raise PyinferError(f"--predictor-rank {opts.predictor_rank} is wider than the "
                                f"model's n_embd ({cfg.n_embd}); give at most {cfg.n_embd}")
         chunk_len = min(CHUNK_LEN, eng.n_ctx)
+        from pyinfer.weights import gpu_fused
+
+        if opts.vram_budget_gib is not None and not gpu_fused(cfg, eng.weights):
+            raise PyinferError(f"--vram-budget places neurons for the GPU engine, which does not "
+                               f"run this {cfg.family} model (Llama-shaped files only, no head "
+                               "norms); leave it out")
         mode = sparse_mode(cfg)
         if opts.sparse_mode == C.SPARSE_MODE_INPUT:
             if mode != C.SPARSE_MODE_GLU or not input_mode_model(cfg, eng.weights):
@@ -426,11 +438,12 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
         if opts.sparse_mode is None:  # say which mode the default chose, and what it means
             if mode == C.SPARSE_MODE_INPUT:
                 opts.note_alloc_fallback()
+                gpu = ("the GPU engine runs it as whole layers; --sparse-mode glu or --vram-budget "
+                       "for its hot-neuron split" if gpu_fused(cfg, eng.weights) else
+                       "CPU only: the GPU engine does not run this model")
                 _log("sparse mode input (the default for a Llama-shaped SwiGLU model in q8_0, q4_0, "
                      "q4_1, q5_0, q5_1, f16, q4_k (stored as q4_1), q5_k (as q5_1) or q6_k (as q8_0); "
-                     "the GPU engine runs it as whole layers; "
-                     "--sparse-mode glu or --vram-budget for its hot-neuron split)"
-                     + cpu_note_input(eng.weights), opts.progress)
+                     f"{gpu})" + cpu_note_input(eng.weights), opts.progress)
             elif mode == C.SPARSE_MODE_GLU and opts.vram_budget_gib is None:
                 hint = ("; --outtype q8_0, q4_0, q4_1, q5_0, q5_1 or f16 takes sparse mode input, "
                         "which is faster"

@@ -182,6 +182,9 @@ class LLM:
         self.bos_token = tok.token_to_piece(tok.bos_id) if tok.bos_id is not None else ""
         self.eos_token = tok.token_to_piece(tok.eos_id) if tok.eos_id is not None else ""
         self.chat_template = tok.chat_template
+        #: extra chat-template variables of every chat (``chat.template_kwargs``; the CLIs'
+        #: --chat-template-kwargs), under a call's own ``chat_template_kwargs``
+        self.chat_template_kwargs: dict = {}
 
     @property
     def engine(self):
@@ -465,20 +468,25 @@ class LLM:
         return self.create_completion(prompt, **kw)
 
     # ---- chat ----------------------------------------------------------------------------------
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    template_kwargs: dict | None = None) -> str:
         """Prompt text for ``messages`` with the GGUF's chat template (sandboxed Jinja2).
-        A message's content may be OpenAI's list of text parts (``text_messages``). Raises
-        PyinferError for no messages, or a part that is not text."""
-        from pyinfer.chat import render_chat
+        A message's content may be OpenAI's list of text parts (``text_messages``).
+        ``template_kwargs``: more template variables (``chat.template_kwargs``), over
+        ``self.chat_template_kwargs``. Raises PyinferError for no messages, a part that is not
+        text, or template variables that ``chat.template_kwargs`` refuses."""
+        from pyinfer.chat import render_chat, template_kwargs as check_kwargs
 
+        extra = {**self.chat_template_kwargs, **check_kwargs(template_kwargs)}
         return render_chat(self.chat_template, text_messages(messages),
                            add_generation_prompt=add_generation_prompt,
-                           bos_token=self.bos_token, eos_token=self.eos_token)
+                           bos_token=self.bos_token, eos_token=self.eos_token, **extra)
 
-    def chat_tokens(self, messages: list[dict]) -> list[int]:
+    def chat_tokens(self, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
         """Token ids of ``messages`` rendered with a generation prompt (the start of an assistant
-        turn). BOS is added only when the model wants it and the template did not write it."""
-        text = self.render_chat(messages)
+        turn; ``template_kwargs`` as ``render_chat``'s). BOS is added only when the model wants
+        it and the template did not write it."""
+        text = self.render_chat(messages, template_kwargs=template_kwargs)
         add_bos = False if self.bos_token and text.startswith(self.bos_token) else None
         return self.tokenize(text, add_bos=add_bos, special=True)
 
@@ -490,7 +498,8 @@ class LLM:
                                top_logprobs: int | None = None, response_format: dict | None = None,
                                grammar: str | None = None, json_schema=None,
                                dry_multiplier: float = 0.0, dry_base: float = 1.75,
-                               dry_allowed_length: int = 2, dry_penalty_last_n: int = -1):
+                               dry_allowed_length: int = 2, dry_penalty_last_n: int = -1,
+                               chat_template_kwargs: dict | None = None):
         """Answer a conversation. ``messages``: ``[{"role": "system"|"user"|"assistant",
         "content": str}, ...]``. Returns an OpenAI ``chat.completion`` dict::
 
@@ -506,6 +515,8 @@ class LLM:
         log-probability in OpenAI's ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}``
         with ``top_logprobs`` (0..20) alternatives. ``response_format``, ``grammar``,
         ``json_schema``: constrain the answer as in ``create_completion``; ``dry_*`` as there.
+        ``chat_template_kwargs``: more chat-template variables (e.g. Qwen3's
+        ``{"enable_thinking": False}``), as ``render_chat``'s ``template_kwargs``.
         """
         dry = dict(dry_multiplier=dry_multiplier, dry_base=dry_base,
                    dry_allowed_length=dry_allowed_length, dry_penalty_last_n=dry_penalty_last_n)
@@ -521,7 +532,7 @@ class LLM:
         if gram is not None:
             gram.check(self.tokenizer)
         rec = LogprobRecorder(self.tokenizer, top_logprobs or 0) if logprobs else None
-        ids = self.chat_tokens(messages)
+        ids = self.chat_tokens(messages, chat_template_kwargs)
         self.check_fits(ids)
         kw = dict(max_tokens=max_tokens, stop=stop, temperature=temperature, top_k=top_k, top_p=top_p,
                   min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, should_stop=should_stop,

@@ -259,6 +259,39 @@ def _render_bounded(tmpl: jinja2.Template, limits: RenderLimits, max_out: int, *
         sys.settrace(old)
 
 
+#: Names the renderer defines itself (the template's inputs and the sandbox's functions): a
+#: ``chat_template_kwargs`` key may not be one of them.
+RENDER_NAMES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools",
+                          "documents", "raise_exception", "strftime_now", "range", "namespace"})
+
+
+def template_kwargs(value, name: str = "chat_template_kwargs") -> dict:
+    """The extra variables of a chat template (llama.cpp's and vLLM's ``chat_template_kwargs``,
+    e.g. Qwen3's ``{"enable_thinking": false}``) checked: None gives {}; otherwise a dict whose
+    keys are identifiers other than ``RENDER_NAMES``. Returns a copy. Raises PyinferError (one
+    line, naming ``name``) for anything else."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise PyinferError(f"{name} must be a JSON object, e.g. '{{\"enable_thinking\": false}}'")
+    for k in value:
+        if not isinstance(k, str) or not k.isidentifier():
+            raise PyinferError(f"{name}: {k!r} is not a template variable name")
+        if k in RENDER_NAMES:
+            raise PyinferError(f"{name}: {k!r} is set by the renderer itself")
+    return dict(value)
+
+
+def parse_template_kwargs(text: str, name: str = "--chat-template-kwargs") -> dict:
+    """``template_kwargs`` of a JSON object given as text (a command-line flag). Raises
+    PyinferError (one line) for text that is not JSON or not such an object."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise PyinferError(f"{name} is not valid JSON ({e})") from None
+    return template_kwargs(value, name)
+
+
 def render_chat(
     template: str | None,
     messages: list[dict],

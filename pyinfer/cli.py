@@ -87,6 +87,7 @@ def build_parser(prog: str = "pyinfer-run", chat: bool = False) -> argparse.Argu
         p.add_argument("--no-display-prompt", action="store_true", help="do not echo the prompt")
     p.add_argument("--system", default=None,
                    help="system message of the conversation" if chat else "system message for --chat and -i")
+    add_template_kwargs_flag(p)
     add_engine_flags(p)
     p.add_argument("--verbose", action="store_true",
                    help="print speed and FFN sparsity after every answer" if chat else
@@ -205,16 +206,29 @@ def show_prompt_progress(engine, file=None) -> None:
     engine.prompt_progress = report
 
 
-def load(args, model_path: str):
-    """``LLM`` for the parsed run/chat/serve flags (a notice first when GPU flags are ignored)."""
-    from pyinfer.api import LLM
+def add_template_kwargs_flag(p) -> None:
+    """llama.cpp's --chat-template-kwargs (pyinfer-run, -chat, -serve)."""
+    p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                   help="more chat-template variables, a JSON object, e.g. "
+                        "'{\"enable_thinking\": false}' (Qwen3)")
 
+
+def load(args, model_path: str):
+    """``LLM`` for the parsed run/chat/serve flags (a notice first when GPU flags are ignored).
+    Raises PyinferError for a --chat-template-kwargs that is not a JSON object of variables
+    (before the model loads)."""
+    from pyinfer.api import LLM
+    from pyinfer.chat import parse_template_kwargs
+
+    text = getattr(args, "chat_template_kwargs", None)
+    template_kwargs = parse_template_kwargs(text) if text is not None else {}
     warn_ignored_gpu_flags(args)
     llm = LLM(model_path, n_ctx=args.ctx_size or None, n_threads=args.threads, device=args.device,
               vram_budget=args.vram_budget, seed=None if args.seed == -1 else args.seed,
               dense=args.dense, reset_gpu_index=args.reset_gpu_index,
               disable_gpu_index=args.disable_gpu_index, n_gpu_layers=args.n_gpu_layers,
               cache_type=getattr(args, "cache_type", "auto"))
+    llm.chat_template_kwargs = template_kwargs
     warn_past_training(llm.n_ctx, llm.engine.cfg.n_ctx_train)
     if not getattr(args, "no_warmup", False):  # llama.cpp's warm-up pass
         llm.engine.warmup()
@@ -253,6 +267,9 @@ def run(args) -> int:
         return run_chat(args)
     if args.system is not None and not args.chat:
         raise PyinferError("--system needs --chat or -i (a raw -p/-f prompt has no system turn)")
+    if args.chat_template_kwargs is not None and not args.chat:
+        raise PyinferError("--chat-template-kwargs needs --chat or -i (a raw -p/-f prompt "
+                           "renders no template)")
     if args.file:
         prompt = read_text_file(args.file, prompt_file_limit(args.ctx_size), "prompt file")
     else:

@@ -187,11 +187,10 @@ class ModelConfig(FamilyTraits):
         key, or, without ``llamacpp``, a llama.cpp file).
         """
         arch = read_field(reader, C.K_ARCH)
-        if arch != C.ARCH:
-            hint = ("; pyinfer-convert SRC out.gguf converts it"
-                    if arch in ("gemma3", "qwen2", "qwen3") else "")
+        if arch != C.ARCH and not (llamacpp and arch in ("qwen2", "qwen3")):
+            hint = "; pyinfer-convert SRC out.gguf converts it" if arch == "gemma3" else ""
             raise PyinferError(f"unsupported architecture {arch!r} (pyinfer runs '{C.ARCH}' files, "
-                               f"llama.cpp's as they are{hint})")
+                               f"llama.cpp's llama, qwen2 and qwen3 ones as they are{hint})")
         layout = read_field(reader, C.K_FFN_LAYOUT)
         if not llamacpp and layout not in C.FFN_LAYOUTS:
             raise PyinferError("this GGUF was not written by pyinfer-convert "

@@ -55,11 +55,12 @@ import numpy as np
 from pyinfer import constants as C
 from pyinfer.config import ModelConfig
 from pyinfer.device import as_qtensor
+from pyinfer.errors import PyinferError
 from pyinfer.ffn import FFNStats, SparseFFN
 from pyinfer.model import Model
 from pyinfer.ops import cpu, cuda
 from pyinfer.ops import xp as X
-from pyinfer.weights import ModelWeights
+from pyinfer.weights import ModelWeights, gpu_fused
 
 #: most rows of a weight dequantized at once for a prefill GEMM: bounds the scratch to
 #: DEQUANT_CHUNK_ELEMS * 4 bytes (64 MiB)
@@ -306,11 +307,15 @@ class GpuModel:
 
     cfg, weights: the model. cpu_ffn: the CPU FFN (SparseFFN or DenseFFN) that defines the
     function and computes the cold neurons. dev: a ``pyinfer.device`` backend. plan: GpuPlan.
-    Raises PyinferError when the device runs out of memory.
+    Raises PyinferError for a model its kernels do not compute (``weights.gpu_fused``: Qwen3's
+    head norms, the other families' layers) or when the device runs out of memory.
     """
 
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, n_ctx: int, n_threads: int,
                  cpu_ffn, dev, plan: GpuPlan, lm_head=None):
+        if not gpu_fused(cfg, weights):  # (place_model falls back to the CPU before this)
+            raise PyinferError(f"the GPU engine runs Llama-shaped files only; this {cfg.family} "
+                               "file needs --device cpu")
         self.cfg, self.w, self.n_ctx, self.n_threads = cfg, weights, n_ctx, n_threads
         self.dev, self.plan = dev, plan
         self.cpu_ffn = cpu_ffn

@@ -1,7 +1,11 @@
-"""Run a llama.cpp GGUF (architecture ``llama``) as it is: dense, on the CPU, no conversion.
+"""Run a llama.cpp GGUF (architecture ``llama``, ``qwen2`` or ``qwen3``) as it is: dense, on the
+CPU, no conversion.
 
 A file ``pyinfer-convert`` wrote stores PowerInfer's layout (design.md); a llama.cpp file differs
-in two places, both handled at load without copying the memory map:
+in two places, both handled at load without copying the memory map (and a ``qwen2`` / ``qwen3``
+file's keys carry its architecture's name, read through ``ArchKeys``; their Q/K rows are stored
+unpermuted, as llama.cpp runs them with NeoX RoPE; Qwen2's q/k/v biases and Qwen3's
+``attn_q_norm`` / ``attn_k_norm`` have the names pyinfer's files use):
 
 - Q and K rows: llama.cpp's ``convert_hf_to_gguf.py`` (``LlamaModel.permute``) reorders them for
   its interleaved RoPE, ``w.reshape(n, 2, rows/n/2, cols).swapaxes(1, 2)``. pyinfer's kernels
@@ -34,11 +38,29 @@ from pyinfer.weights import ModelWeights
 
 _noticed: set[str] = set()  # paths whose notice was printed (once per process)
 
+#: llama.cpp architectures run as they are; the Qwen ones store Q/K rows unpermuted (NeoX RoPE)
+RUN_ARCHS = (C.ARCH, "qwen2", "qwen3")
+#: the tensors each layer of those must have beyond Llama's (llama.cpp's loader requires them)
+_ARCH_TENSORS = {"qwen2": (C.ATTN_Q_B, C.ATTN_K_B, C.ATTN_V_B),
+                 "qwen3": (C.ATTN_Q_NORM, C.ATTN_K_NORM)}
+
+
+class ArchKeys:
+    """A GGUFReader whose ``fields`` answer pyinfer's ``llama.*`` key names with the source
+    architecture's (``qwen3.context_length`` for ``llama.context_length``); ``tensors`` as the
+    reader's."""
+
+    def __init__(self, reader: gguf.GGUFReader, arch: str):
+        self.tensors = reader.tensors
+        prefix = arch + "."
+        self.fields = {(C.ARCH + "." + k[len(prefix):] if k.startswith(prefix) else k): f
+                       for k, f in reader.fields.items()}
+
 
 def is_llamacpp(reader: gguf.GGUFReader) -> bool:
-    """True for a GGUF of architecture ``llama`` that pyinfer did not write (no
+    """True for a GGUF of an architecture in ``RUN_ARCHS`` that pyinfer did not write (no
     ``pyinfer.ffn_layout`` key) and that stores llama.cpp's ``blk.0.ffn_down.weight``."""
-    if read_field(reader, C.K_ARCH) != C.ARCH or C.K_FFN_LAYOUT in reader.fields:
+    if read_field(reader, C.K_ARCH) not in RUN_ARCHS or C.K_FFN_LAYOUT in reader.fields:
         return False
     return any(t.name == C.SRC_FFN_DOWN.format(bid=0) for t in reader.tensors)
 
@@ -69,10 +91,21 @@ def load(reader: gguf.GGUFReader, path: str = "") -> tuple[ModelConfig, ModelWei
     than frequency factors (``rope_freqs.weight``), partial rotary (rope dimension_count !=
     head_dim), a value length != key length, or a tensor missing or of an unsupported type.
     """
+    arch = read_field(reader, C.K_ARCH)
+    if arch != C.ARCH:  # qwen2 / qwen3: their keys read as llama.*, the family theirs
+        reader = ArchKeys(reader, arch)
     scaling = read_field(reader, C.K_ROPE_SCALING_TYPE, "none", kind=str)
     if scaling not in ("none", ""):
         raise PyinferError(f"unsupported rope scaling {scaling!r} in this llama.cpp file")
     cfg = ModelConfig.from_gguf(reader, llamacpp=True)
+    if arch != C.ARCH:  # (llama.cpp runs Qwen2 without its sliding window: so does pyinfer)
+        cfg = dataclasses.replace(cfg, family=arch)
+        names = {t.name for t in reader.tensors}
+        for i in range(cfg.n_layer):
+            for tmpl in _ARCH_TENSORS[arch]:
+                if tmpl.format(bid=i) not in names:
+                    raise PyinferError(f"this llama.cpp {arch} file has no tensor "
+                                       f"{tmpl.format(bid=i)}")
     key_len = read_field(reader, C.K_KEY_LENGTH, kind=int)
     if key_len is not None and key_len != cfg.head_dim:
         rot = read_field(reader, C.K_ROPE_DIM, kind=int)
@@ -83,11 +116,12 @@ def load(reader: gguf.GGUFReader, path: str = "") -> tuple[ModelConfig, ModelWei
     val_len = read_field(reader, C.K_VALUE_LENGTH, kind=int)
     if val_len is not None and val_len != cfg.head_dim:
         raise PyinferError(f"value length {val_len} differs from key length {cfg.head_dim}")
-    weights = ModelWeights.from_gguf(reader, cfg, llamacpp=True)
+    weights = ModelWeights.from_gguf(reader, cfg, llamacpp=True, qk_permuted=arch == C.ARCH)
     if path and path not in _noticed:
         _noticed.add(path)
         name = os.path.basename(path)
-        print(f"pyinfer: {name} is a llama.cpp GGUF: running it dense on the CPU (Q/K rows "
-              f"reordered at load, ffn_down read as stored); `pyinfer-convert {name} out.gguf` "
-              "adds sparse decoding and the GPU split", file=sys.stderr)
+        rows = "Q/K rows reordered at load, " if arch == C.ARCH else ""
+        print(f"pyinfer: {name} is a llama.cpp GGUF: running it dense on the CPU ({rows}ffn_down "
+              f"read as stored); `pyinfer-convert {name} out.gguf` adds sparse decoding and the "
+              "GPU split", file=sys.stderr)
     return cfg, weights

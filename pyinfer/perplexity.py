@@ -36,12 +36,14 @@ def log_softmax_at(logits: np.ndarray, targets: np.ndarray, rows: int = 64) -> n
 
 class Estimate(NamedTuple):
     """``ppl`` +/- ``error`` over ``n_scored`` tokens; ``computed``: fraction of FFN neurons
-    computed per token (1.0 dense)."""
+    computed per token (1.0 dense); ``running``: the perplexity over the chunks so far after each
+    chunk (llama.cpp's ``[1]x,[2]y,...`` values; the last is ``ppl``)."""
 
     ppl: float
     n_scored: int
     computed: float
     error: float
+    running: tuple = ()
 
 
 def text_tokens(engine, text: str) -> list[int]:
@@ -73,6 +75,7 @@ def estimate(engine, tokens: list[int], n_ctx: int, max_chunks: int = 0, progres
     bos = engine.tokenizer.bos_id if engine.tokenizer.add_bos else None
     first = n_ctx // 2
     nll, nll2, count = 0.0, 0.0, 0
+    running = []
     bar = progress_bar(range(n_chunks), desc="perplexity", unit="chunk", enabled=progress)
     for c in bar:
         chunk = list(tokens[c * n_ctx:(c + 1) * n_ctx])
@@ -89,11 +92,12 @@ def estimate(engine, tokens: list[int], n_ctx: int, max_chunks: int = 0, progres
                 nll -= lp.sum()
                 nll2 += float(np.dot(lp, lp))
                 count += lp.shape[0]
-        bar.set_postfix(ppl=f"{math.exp(nll / count):.4f}")
+        running.append(math.exp(nll / count))
+        bar.set_postfix(ppl=f"{running[-1]:.4f}")
     ppl = math.exp(nll / count)
     var = nll2 / count - (nll / count) ** 2  # of the per-token nll
     err = math.sqrt(var / (count - 1)) * ppl if count > 1 and var > 0 else 0.0
-    return Estimate(ppl, count, 1.0 - engine.ffn_sparsity(), err)
+    return Estimate(ppl, count, 1.0 - engine.ffn_sparsity(), err, tuple(running))
 
 
 def main(argv=None) -> int:
@@ -126,10 +130,12 @@ def _main(argv) -> int:
     warn_past_training(n_ctx, eng.cfg.n_ctx_train)
     tokens = text_tokens(eng, text)
     t0 = time.perf_counter()
-    ppl, n, frac, err = estimate(eng, tokens, n_ctx, args.chunks)
+    ppl, n, frac, err, running = estimate(eng, tokens, n_ctx, args.chunks)
     dt = time.perf_counter() - t0
     mode = "sparse" if eng.is_sparse else "dense"
     print(f"perplexity: {ppl:.4f} over {n} tokens ({mode}, ctx {n_ctx}, {dt:.1f} s)")
+    # llama.cpp's running estimate after each chunk, in its format ([chunk]ppl,)
+    print("".join(f"[{i}]{p:.4f}," for i, p in enumerate(running, 1)))
     print(f"Final estimate: PPL = {ppl:.4f} +/- {err:.5f}")
     isp = getattr(eng.model, "input_sparse", None)
     lm_head = getattr(eng.model, "lm_head", None)

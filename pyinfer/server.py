@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 from pyinfer import options
 from pyinfer.api import text_of_parts
+from pyinfer.chat import template_kwargs
 from pyinfer.errors import PyinferError
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more than any prompt that fits a context
@@ -63,7 +64,8 @@ _COMMON = {"model", "user", "metadata", "store", "service_tier",  # informationa
 FIELDS = {
     "/v1/completions": _COMMON | {"prompt", "echo", "best_of", "suffix"},
     "/v1/chat/completions": _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools",
-                                       "tool_choice", "parallel_tool_calls"},
+                                       "tool_choice", "parallel_tool_calls",
+                                       "chat_template_kwargs"},
     "/v1/embeddings": {"model", "user", "input", "encoding_format", "dimensions"},
 }
 #: Fields accepted only at the value that asks for nothing (OpenAI's defaults).
@@ -520,10 +522,14 @@ def create_app(llm, max_queue: int = 4, api_key: str | None = None):
             await run_in_threadpool(check_grammar, body, llm.tokenizer)
             if body.get("max_completion_tokens") is not None and body.get("max_tokens") is None:
                 opts["max_tokens"] = _number(body, "max_completion_tokens", None, "max_tokens")
+            try:  # (llama.cpp's and vLLM's field: more template variables, over --chat-template-kwargs)
+                opts["chat_template_kwargs"] = template_kwargs(body.get("chat_template_kwargs"))
+            except PyinferError as e:
+                raise BadRequest(str(e), "chat_template_kwargs") from None
             try:
                 # the template is the model file's code: rendered in a worker thread (bounded in
                 # time and size by pyinfer/chat.py), so a slow one never blocks other requests
-                ids = await run_in_threadpool(llm.chat_tokens, messages)
+                ids = await run_in_threadpool(llm.chat_tokens, messages, opts["chat_template_kwargs"])
             except PyinferError as e:
                 raise BadRequest(str(e), "messages") from None
             check_room(ids, opts["max_tokens"], "messages")
@@ -616,6 +622,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests that may wait behind the running one before 503 (default 4)")
     add_engine_flags(p)
     p.add_argument("-s", "--seed", type=arg_type("seed"), default=-1, help="RNG seed (-1: random)")
+    from pyinfer.cli import add_template_kwargs_flag
+
+    add_template_kwargs_flag(p)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
 

@@ -141,11 +141,12 @@ class ModelWeights:
 
     @classmethod
     def from_gguf(cls, reader: gguf.GGUFReader, cfg: ModelConfig,
-                  llamacpp: bool = False) -> "ModelWeights":
+                  llamacpp: bool = False, qk_permuted: bool = True) -> "ModelWeights":
         """Map every tensor of ``reader`` by name (layers by number, never by sorted name).
 
-        ``llamacpp``: a llama.cpp file (``pyinfer.llamacpp``): its permuted Q/K rows are gathered
-        back into Hugging Face order (a copy of those two matrices only) and ``ffn_down``
+        ``llamacpp``: a llama.cpp file (``pyinfer.llamacpp``): its permuted Q/K rows (unless
+        ``qk_permuted`` is False: llama.cpp's Qwen2 / Qwen3, NeoX RoPE) are gathered back into
+        Hugging Face order (a copy of those two matrices only) and ``ffn_down``
         (n_embd, n_ff) is mapped as stored in ``LayerWeights.ffn_down`` (``ffn_down_t`` None).
         A pyinfer file of ``pyinfer.ffn_layout`` "rows" (``pyinfer-convert --dense``) maps its
         ``ffn_down`` the same way; the others map ``ffn_down_t`` (n_ff, n_embd).
@@ -235,7 +236,7 @@ class ModelWeights:
             return a
 
         def qk(w, n_head):
-            if not llamacpp:
+            if not (llamacpp and qk_permuted):
                 return w
             from pyinfer.llamacpp import unpermute_qk_rows
 
@@ -296,6 +297,12 @@ class ModelWeights:
                 attn_post_norm=bias(C.ATTN_POST_NORM.format(bid=i), E),
                 ffn_post_norm=bias(C.FFN_POST_NORM.format(bid=i), E),
             ))
+        for i, lw in enumerate(layers):  # the kernels normalise Q and K heads together
+            if (lw.attn_q_norm is None) != (lw.attn_k_norm is None):
+                lone, other = ((C.ATTN_Q_NORM, C.ATTN_K_NORM) if lw.attn_k_norm is None
+                               else (C.ATTN_K_NORM, C.ATTN_Q_NORM))
+                raise PyinferError(f"layer {i} has {lone.format(bid=i)} but no "
+                                   f"{other.format(bid=i)}")
         token_embd = tensor(C.TOKEN_EMBD, cfg.n_vocab, E)
         output = token_embd if cfg.tied_embeddings else tensor(C.OUTPUT, cfg.n_vocab, E)
         pos_embd = None

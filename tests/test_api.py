@@ -72,7 +72,23 @@ def scripted(pieces, n_ctx=64) -> LLM:
     llm.last_stats = GenerationStats()
     llm.bos_token = llm.eos_token = ""
     llm.chat_template = None
+    llm.chat_template_kwargs = {}
     return llm
+
+
+def test_chat_template_kwargs_defaults_and_per_call():
+    """LLM.chat_template_kwargs (the CLIs' --chat-template-kwargs) reach every rendering; a
+    call's own chat_template_kwargs win over them; bad ones are PyinferErrors."""
+    llm = scripted(["a", "b"])
+    llm.chat_template = ("{% for m in messages %}{{ m.content }}{% endfor %}"
+                         "{% if enable_thinking is defined and not enable_thinking %}[no think]{% endif %}")
+    msgs = [{"role": "user", "content": "q"}]
+    assert llm.render_chat(msgs) == "q"
+    llm.chat_template_kwargs = {"enable_thinking": False}
+    assert llm.render_chat(msgs) == "q[no think]"
+    assert llm.render_chat(msgs, template_kwargs={"enable_thinking": True}) == "q"
+    with pytest.raises(PyinferError, match="set by the renderer itself"):
+        llm.render_chat(msgs, template_kwargs={"bos_token": "x"})
 
 
 def test_stop_holdback():

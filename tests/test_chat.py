@@ -102,6 +102,39 @@ def test_none_values_tools_and_the_generation_tag_match_transformers(hf_tokenize
     assert messages[1]["content"] is None  # the caller's messages are not changed
 
 
+THINK_TEMPLATE = (
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% if enable_thinking is defined and "
+    "enable_thinking is false %} <think></think>{% endif %}{% endif %}{{ extra | default('') }}"
+)
+
+
+@pytest.mark.parametrize("kw", [{}, {"enable_thinking": False}, {"enable_thinking": True},
+                                {"extra": ["x", 1]}])
+def test_template_kwargs_match_transformers(hf_tokenizer, kw):
+    """Extra template variables (Qwen3's enable_thinking; llama.cpp's chat_template_kwargs)
+    render as transformers' apply_chat_template renders its extra keyword arguments."""
+    from pyinfer.chat import template_kwargs
+
+    messages = [{"role": "user", "content": "hi"}]
+    hf_tokenizer.chat_template = THINK_TEMPLATE
+    expected = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                **kw)
+    assert render_chat(THINK_TEMPLATE, messages, **template_kwargs(kw)) == expected
+
+
+@pytest.mark.parametrize("value,message", [
+    ("x", "must be a JSON object"), ({"add_generation_prompt": False}, "set by the renderer"),
+    ({"1a": 0}, "not a template variable name"), ({"raise_exception": 0}, "set by the renderer")])
+def test_bad_template_kwargs(value, message):
+    from pyinfer.chat import parse_template_kwargs, template_kwargs
+
+    with pytest.raises(PyinferError, match=message):
+        template_kwargs(value)
+    with pytest.raises(PyinferError, match="not valid JSON"):
+        parse_template_kwargs("{enable_thinking: false}")
+
+
 def test_smollm2_template_literal():
     out = render_chat(SMOLLM2_TEMPLATE, CHATS[0])
     assert out == (

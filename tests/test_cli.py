@@ -322,6 +322,37 @@ def test_perplexity_in_batches_scores_what_one_forward_does(runnable_gguf, monke
     assert math.isclose(ppl, math.exp(want_nll / want_n), rel_tol=1e-6)
 
 
+def test_perplexity_prints_the_running_estimate_per_chunk(runnable_gguf, tmp_path):
+    """pyinfer-perplexity prints llama.cpp's line of running estimates, [k]ppl of chunks 1..k
+    after chunk k: each is the final estimate of a run over the first k chunks alone."""
+    import re
+
+    text = tmp_path / "t.txt"
+    text.write_text(" ".join(["the cat sat on the mat", "a dog ran"] * 40))
+    final = {}
+    for k in (1, 2, 3):
+        r = perplexity_run(runnable_gguf, "-f", str(text), "-c", "16", "-t", "1", "--chunks", str(k))
+        assert r.returncode == 0, r.stderr
+        line = next(ln for ln in r.stdout.splitlines() if ln.startswith("[1]"))
+        running = re.fullmatch(r"((\[\d+\][0-9.]+,)+)", line) and re.findall(r"\[(\d+)\]([0-9.]+),", line)
+        assert [int(i) for i, _ in running] == list(range(1, k + 1)), line
+        final[k] = re.search(r"Final estimate: PPL = ([0-9.]+)", r.stdout).group(1)
+        assert running[-1][1] == final[k]
+        assert [v for _, v in running] == [final[i] for i in range(1, k + 1)]
+
+
+def test_chat_template_kwargs_flag(runnable_gguf):
+    """--chat-template-kwargs: a JSON object of template variables, for --chat / -i; bad JSON
+    and a raw prompt are one-line errors before the model loads."""
+    r = pyinfer_run(runnable_gguf, "-p", "the", "--chat", "-n", "2", "-t", "1",
+                    "--chat-template-kwargs", '{"enable_thinking": false}')
+    assert r.returncode == 0, r.stderr
+    assert_user_error(pyinfer_run(runnable_gguf, "-p", "the", "--chat",
+                                  "--chat-template-kwargs", "{oops"), "--chat-template-kwargs", "JSON")
+    assert_user_error(pyinfer_run(runnable_gguf, "-p", "the", "--chat-template-kwargs", "{}"),
+                      "--chat-template-kwargs needs --chat or -i")
+
+
 def test_flags_that_would_do_nothing_are_refused(runnable_gguf):
     assert_user_error(pyinfer_run(runnable_gguf, "-p", "the", "--system", "be brief"),
                       "--system needs --chat or -i")

@@ -599,6 +599,23 @@ def test_output_must_name_a_regular_file(converted, tmp_path):
     check_paths(converted, str(tmp_path / "dangling.gguf"))  # a dangling link is a new file
 
 
+def test_a_linked_output_is_written_through(converted, tmp_path):
+    """OUT a symbolic link (an existing file's, or a dangling one's): the file it points to gets
+    the conversion and the link stays a link, as llama.cpp's tools write through it (pyinfer
+    replaced the link by the file until session 36)."""
+    d = tmp_path / "store"
+    d.mkdir()
+    old = d / "model.gguf"
+    old.write_bytes(b"old")
+    for target, link in ((old, tmp_path / "link.gguf"), (d / "new.gguf", tmp_path / "dangling.gguf")):
+        os.symlink(str(target), str(link))
+        p = run_cli(converted, str(link), "--outtype", "f32", "--dense")
+        assert p.returncode == 0, p.stderr
+        assert os.path.islink(link) and os.readlink(link) == str(target)
+        assert gguf.GGUFReader(str(target)).tensors  # a whole GGUF, read through gguf
+    assert sorted(os.listdir(d)) == ["model.gguf", "new.gguf"]  # no temporary file left
+
+
 def test_output_is_never_a_file_of_the_source_directory(models, tmp_path):
     """OUT naming one of an HF directory's own files (the weights, config.json, the tokenizer)
     was written over it, rc 0, the checkpoint lost (QA): refused before any work in every mode;
@@ -803,6 +820,26 @@ def test_signal_mid_write_leaves_nothing(tmp_path, sig):
     assert p.returncode == EXIT_INTERRUPTED and err.strip().splitlines()[-1] == "error: interrupted", err
     assert "Traceback" not in err
     assert os.listdir(tmp_path) == []
+
+
+def test_main_restores_the_callers_sigterm_handler(converted, tmp_path):
+    """convert.cli.main installs its SIGTERM handler (cleanup, like Ctrl-C) only while it runs:
+    a program that calls it keeps its own handler afterwards, after a success or an error."""
+    import signal
+
+    from convert.cli import main
+
+    def mine(signum, frame):
+        pass
+
+    old = signal.signal(signal.SIGTERM, mine)
+    try:
+        assert main([converted, str(tmp_path / "a.gguf"), "--outtype", "f32", "--dense"]) == 0
+        assert signal.getsignal(signal.SIGTERM) is mine
+        assert main([converted, converted, "--dense"]) == 1  # refused: its own source
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 # ---------------------------------------------------------------- hostile inputs (issue 9)
@@ -1015,4 +1052,7 @@ def test_perplexity_tokenizes_as_llama_cpp_does(models, tmp_path):
     assert r.returncode == 0, r.stderr
     got = r.stdout.splitlines()
     assert got[0].startswith(f"perplexity: {ppl:.4f} over {len(nll)} tokens"), (got, ppl)
-    assert got[1] == f"Final estimate: PPL = {ppl:.4f} +/- {err:.5f}", (got, err)
+    # llama.cpp's running estimate after each chunk, then its final line
+    assert got[1] == "".join(f"[{k}]{math.exp(nll[:15 * k].mean()):.4f},"
+                             for k in range(1, len(nll) // 15 + 1)), got[1]
+    assert got[2] == f"Final estimate: PPL = {ppl:.4f} +/- {err:.5f}", (got, err)

@@ -360,7 +360,8 @@ def test_qwen_from_llama_cpp_gguf(tmp_path, family):
     """A llama.cpp GGUF of a Qwen2 / Qwen3 model (architecture qwen2 / qwen3: their own keys, Q/K
     rows as in Hugging Face since llama.cpp runs them with NeoX RoPE; Qwen2's q/k/v biases,
     Qwen3's attn_q_norm / attn_k_norm) converts: dense, its logits are transformers' and its
-    decode takes the fused kernels; by default (f16 here) it becomes a sparse mode input file."""
+    decode takes the fused kernels; by default (f16 here) it becomes a sparse mode input file;
+    pyinfer also runs it as it is, with transformers' logits."""
     from pyinfer import constants as C
     from pyinfer.config import read_field
     from tests._models import write_llamacpp_gguf
@@ -385,6 +386,13 @@ def test_qwen_from_llama_cpp_gguf(tmp_path, family):
     assert read_field(gguf.GGUFReader(sparse), C.K_SPARSE_MODE) == C.SPARSE_MODE_INPUT
     every = Engine(sparse, n_ctx=64, n_threads=2, dense=True)
     assert rel_err(every.model.forward(PROMPT, 0, all_logits=True), ref) < 1e-2
+    # run as it is (pyinfer.llamacpp): the same logits, decode through the fused kernels
+    direct = Engine(src, n_ctx=64, n_threads=2)
+    assert direct.llamacpp and direct.cfg.family == family and direct.model.llama_fused
+    assert rel_err(direct.model.forward(PROMPT, 0, all_logits=True), ref) < TOL
+    direct.model.forward(PROMPT[:3], 0)
+    for i in range(3, len(PROMPT)):
+        assert rel_err(direct.model.forward([PROMPT[i]], i), ref[i]) < TOL
 
 
 def test_rope_scaling_refused(tmp_path):
@@ -520,6 +528,51 @@ def test_gpu_engine_refuses_other_families(tmp_path):
         place_model(eng.reader, eng.cfg, eng.weights, eng.model.ffn, 32, 1, device="cuda")
     m = place_model(eng.reader, eng.cfg, eng.weights, eng.model.ffn, 32, 1, device="auto")
     assert type(m).__name__ == "Model"
+    from pyinfer.device import NumpyDevice  # a GpuModel on any backend refuses it too
+
+    with pytest.raises(PyinferError, match="GPU engine runs Llama-shaped files only"):
+        place_model(eng.reader, eng.cfg, eng.weights, eng.model.ffn, 32, 1, device="cpu",
+                    backend=NumpyDevice())
+
+
+def test_qwen3_conversions_the_gpu_engine_would_not_run(tmp_path, capsys):
+    """Where sparse mode input does not pay (f32 here), a Qwen3 converts to a dense file, not to
+    glu's predictors "for the GPU engine", which does not run it; --vram-budget is refused.
+    A Llama 3 of the same kind still takes glu."""
+    from predictors.offline import NO_SPARSE_MODE, OfflineOptions, default_mode
+    from pyinfer import constants as C
+
+    for family, mode in (("qwen3", NO_SPARSE_MODE), ("llama3", C.SPARSE_MODE_GLU)):
+        d, _ = tiny_qwen2_or_llama3(tmp_path, family, "modes")
+        eng = Engine(convert(d, tmp_path, rows=False), n_ctx=32, n_threads=1, dense=True)
+        assert default_mode(eng.cfg, eng.weights, "f32", OfflineOptions()) == mode
+    capsys.readouterr()
+    assert convert_main([d.replace("llama3", "qwen3"), str(tmp_path / "x.gguf"), "--outtype", "f32",
+                         "--vram-budget", "1", "--calib-tokens", "64", "-t", "1"]) == 1
+    assert "--vram-budget places neurons for the GPU engine" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "x.gguf")
+
+
+@pytest.mark.parametrize("drop", [("attn_k_norm",), ("attn_q_norm", "attn_k_norm")])
+def test_llama_cpp_qwen3_file_without_its_head_norms(tmp_path, monkeypatch, drop):
+    """A llama.cpp qwen3 file lacking a head norm is refused at load with the tensor's name (it
+    ran as a plain Llama, or failed at the first token with a traceback)."""
+    from pyinfer.errors import PyinferError
+    from tests._models import write_llamacpp_gguf
+
+    d, _ = tiny_qwen2_or_llama3(tmp_path, "qwen3", "drop")
+    orig = gguf.GGUFWriter.add_tensor
+
+    def add(self, name, *a, **k):
+        if not any(x in name for x in drop):
+            orig(self, name, *a, **k)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", add)
+    src = str(tmp_path / "lc-drop.gguf")
+    write_llamacpp_gguf(d, src, "f32", arch="qwen3")
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", orig)
+    with pytest.raises(PyinferError, match=f"has no tensor blk.0.{drop[0]}.weight"):
+        Engine(src, n_ctx=32, n_threads=1)
 
 
 @pytest.mark.parametrize("family", ["opt", "falcon"])

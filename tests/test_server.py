@@ -257,7 +257,7 @@ class FakeLLM:
         text.encode("utf-8")  # as the real tokenizer: a lone surrogate would raise here
         return [1] * len(text)
 
-    def chat_tokens(self, messages):
+    def chat_tokens(self, messages, template_kwargs=None):
         return [1] * sum(len(m["content"]) for m in messages)
 
     def usage(self):
@@ -308,6 +308,23 @@ def test_seed_minus_one_means_random():
     r = _client(llm).post("/v1/chat/completions", json={"messages": GERMANY, "seed": -1})
     assert r.status_code == 200, r.text
     assert llm.calls[-1]["seed"] == -1  # LLM turns -1 into a fresh seed (tests/test_api.py)
+
+
+def test_chat_template_kwargs_reach_the_template_or_get_400():
+    """llama.cpp's / vLLM's chat_template_kwargs: passed on to the chat (the rendering and the
+    answer); anything but an object of template variable names is a 400 naming the field."""
+    llm = FakeLLM()
+    r = _client(llm).post("/v1/chat/completions",
+                          json={"messages": GERMANY, "chat_template_kwargs": {"enable_thinking": False}})
+    assert r.status_code == 200, r.text
+    assert llm.calls[-1]["chat_template_kwargs"] == {"enable_thinking": False}
+    for bad, words in (([1], "must be a JSON object"), ({"messages": []}, "set by the renderer"),
+                       ({"no-name": 1}, "not a template variable name")):
+        r = _client(llm).post("/v1/chat/completions",
+                              json={"messages": GERMANY, "chat_template_kwargs": bad})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "chat_template_kwargs" and words in err["message"], err
 
 
 def test_body_over_the_limit_is_refused_from_content_length():
@@ -432,7 +449,7 @@ from tests.test_server import FakeLLM
 
 # two seconds of template work (the render time bound) per chat request
 SLOW = "{% macro f(n) %}{{ f(n - 1) ~ f(n - 1) if n else 'x' }}{% endmacro %}{{ f(60) }}"
-llm = FakeLLM(chat_tokens=lambda messages: [1] * len(render_chat(SLOW, messages)))
+llm = FakeLLM(chat_tokens=lambda messages, kw=None: [1] * len(render_chat(SLOW, messages)))
 uvicorn.run(create_app(llm), host="127.0.0.1", port=int(sys.argv[1]), log_level="warning",
             timeout_graceful_shutdown=5)
 """
