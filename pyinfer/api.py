@@ -24,6 +24,7 @@ import numpy as np
 from pyinfer import options
 from pyinfer.errors import PyinferError
 from pyinfer.logprobs import LogprobRecorder
+from pyinfer.reasoning import REASONING_FORMATS, ReasoningSplitter, opens_thinking, split_reasoning
 from pyinfer.sampler import SamplingParams
 
 #: Most inputs one embeddings call takes (OpenAI's limit for /v1/embeddings).
@@ -499,7 +500,8 @@ class LLM:
                                grammar: str | None = None, json_schema=None,
                                dry_multiplier: float = 0.0, dry_base: float = 1.75,
                                dry_allowed_length: int = 2, dry_penalty_last_n: int = -1,
-                               chat_template_kwargs: dict | None = None):
+                               chat_template_kwargs: dict | None = None,
+                               reasoning_format: str = "none"):
         """Answer a conversation. ``messages``: ``[{"role": "system"|"user"|"assistant",
         "content": str}, ...]``. Returns an OpenAI ``chat.completion`` dict::
 
@@ -517,6 +519,10 @@ class LLM:
         ``json_schema``: constrain the answer as in ``create_completion``; ``dry_*`` as there.
         ``chat_template_kwargs``: more chat-template variables (e.g. Qwen3's
         ``{"enable_thinking": False}``), as ``render_chat``'s ``template_kwargs``.
+        ``reasoning_format``: "none" (the text as written) or, as llama.cpp's server, "deepseek" /
+        "auto": a ``<think>...</think>`` block (opened in the answer or by the prompt) goes to
+        ``message.reasoning_content`` (streamed: ``delta.reasoning_content``), the rest to
+        ``content`` (``pyinfer.reasoning``); a message without one has no such key.
         """
         dry = dict(dry_multiplier=dry_multiplier, dry_base=dry_base,
                    dry_allowed_length=dry_allowed_length, dry_penalty_last_n=dry_penalty_last_n)
@@ -524,6 +530,9 @@ class LLM:
         self._check_request(max_tokens, stop, seed)
         if not isinstance(logprobs, bool):
             raise PyinferError("logprobs must be true or false")
+        if reasoning_format not in REASONING_FORMATS:
+            raise PyinferError(f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}, "
+                               f"got {reasoning_format!r}")
         if top_logprobs is not None:
             options.check("top_logprobs", top_logprobs, "top_logprobs")
             if not logprobs:
@@ -539,30 +548,46 @@ class LLM:
                   grammar=gram, logprobs=rec, **dry)
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
-        sent = [0]  # characters streamed: a chunk's logprobs cover only tokens whose text it sent
+        # the answer's thinking block apart (reasoning_format), or None: the text as written
+        thinking = reasoning_format != "none" and opens_thinking(
+            self.tokenizer.decode(ids[-8:], skip_special=False))  # the prompt opened the block
+        split = None if reasoning_format == "none" else ReasoningSplitter(thinking)
+        sent = [0]  # characters decided: a chunk's logprobs cover only tokens whose text it sent
 
         def lp(upto=None):
             return None if rec is None else {"content": rec.chat_content(rec.take(upto)),
                                              "refusal": None}
 
         def chunk(delta, finish):
-            sent[0] += len(delta.get("content", ""))
+            sent[0] = split.consumed if split else sent[0] + len(delta.get("content", ""))
             return {"id": cid, "object": "chat.completion.chunk", "created": created,
                     "model": self.model_name,
                     "choices": [{"index": 0, "delta": delta,
                                  "logprobs": lp(None if finish else sent[0]),
                                  "finish_reason": finish}]}
 
+        def deltas(parts):  # (kind, text) pieces of the splitter as chunk deltas
+            return [{"reasoning_content" if kind == "reasoning" else "content": text}
+                    for kind, text in parts]
+
         if stream:
             def chunks():
                 yield chunk({"role": "assistant", "content": ""}, None)
                 for piece in self.stream_text(ids, **kw):
-                    yield chunk({"content": piece}, None)
+                    for delta in deltas(split.feed(piece)) if split else [{"content": piece}]:
+                        yield chunk(delta, None)
+                for delta in deltas(split.flush()) if split else []:
+                    yield chunk(delta, None)
                 yield chunk({}, self.last_stats.finish_reason)
             return chunks()
         text = "".join(self.stream_text(ids, **kw))
+        message = {"role": "assistant", "content": text}
+        if split:
+            thoughts, message["content"] = split_reasoning(text, thinking)
+            if thoughts:
+                message["reasoning_content"] = thoughts
         return {"id": cid, "object": "chat.completion", "created": created, "model": self.model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                "choices": [{"index": 0, "message": message,
                              "logprobs": lp(), "finish_reason": self.last_stats.finish_reason}],
                 "usage": self.usage()}
 

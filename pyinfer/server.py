@@ -34,6 +34,7 @@ from typing import Any, Callable
 from pyinfer import options
 from pyinfer.api import text_of_parts
 from pyinfer.chat import template_kwargs
+from pyinfer.reasoning import REASONING_FORMATS
 from pyinfer.errors import PyinferError
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more than any prompt that fits a context
@@ -65,7 +66,7 @@ FIELDS = {
     "/v1/completions": _COMMON | {"prompt", "echo", "best_of", "suffix"},
     "/v1/chat/completions": _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools",
                                        "tool_choice", "parallel_tool_calls",
-                                       "chat_template_kwargs"},
+                                       "chat_template_kwargs", "reasoning_format"},
     "/v1/embeddings": {"model", "user", "input", "encoding_format", "dimensions"},
 }
 #: Fields accepted only at the value that asks for nothing (OpenAI's defaults).
@@ -347,8 +348,11 @@ async def _until_disconnect(receive) -> None:
         pass
 
 
-def create_app(llm, max_queue: int = 4, api_key: str | None = None):
-    """The Starlette app serving ``llm`` (a ``pyinfer.LLM``); ``api_key``: see ApiKeyMiddleware."""
+def create_app(llm, max_queue: int = 4, api_key: str | None = None,
+               reasoning_format: str = "auto"):
+    """The Starlette app serving ``llm`` (a ``pyinfer.LLM``); ``api_key``: see ApiKeyMiddleware;
+    ``reasoning_format``: a chat request's default (``pyinfer.reasoning``; llama.cpp's server
+    splits a thinking block into ``reasoning_content`` by default too)."""
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
     from starlette.middleware import Middleware
@@ -526,6 +530,11 @@ def create_app(llm, max_queue: int = 4, api_key: str | None = None):
                 opts["chat_template_kwargs"] = template_kwargs(body.get("chat_template_kwargs"))
             except PyinferError as e:
                 raise BadRequest(str(e), "chat_template_kwargs") from None
+            fmt = body.get("reasoning_format", reasoning_format)
+            if fmt not in REASONING_FORMATS:
+                raise BadRequest(f"'reasoning_format' must be one of {', '.join(REASONING_FORMATS)}",
+                                 "reasoning_format")
+            opts["reasoning_format"] = fmt
             try:
                 # the template is the model file's code: rendered in a worker thread (bounded in
                 # time and size by pyinfer/chat.py), so a slow one never blocks other requests
@@ -625,6 +634,10 @@ def build_parser() -> argparse.ArgumentParser:
     from pyinfer.cli import add_template_kwargs_flag
 
     add_template_kwargs_flag(p)
+    p.add_argument("--reasoning-format", choices=REASONING_FORMATS, default="auto",
+                   help="where a chat answer's <think>...</think> block goes: auto / deepseek "
+                        "(the default, as llama.cpp's server): message.reasoning_content; none: "
+                        "left in content")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
 
@@ -649,7 +662,8 @@ def main(argv=None) -> int:
         from pyinfer.cli import load
 
         llm = load(args, options.model_path(args, "pyinfer-serve MODEL.gguf (or -m MODEL.gguf)"))
-        app = create_app(llm, max_queue=args.queue_size, api_key=args.api_key)
+        app = create_app(llm, max_queue=args.queue_size, api_key=args.api_key,
+                         reasoning_format=args.reasoning_format)
     except PyinferError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

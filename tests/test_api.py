@@ -76,6 +76,39 @@ def scripted(pieces, n_ctx=64) -> LLM:
     return llm
 
 
+def _thinking_llm(pieces, prompt_piece):
+    """A scripted LLM answering ``pieces`` to a chat whose prompt decodes to prompt_piece."""
+    llm = scripted(pieces + [prompt_piece])
+    llm._engine.script = list(range(len(pieces)))
+    llm.chat_tokens = lambda messages, template_kwargs=None: [len(pieces)]
+    return llm
+
+
+def test_reasoning_content_as_llama_cpp_server():
+    """reasoning_format "auto" / "deepseek": the <think> block goes to reasoning_content, whole
+    and streamed alike (the parts of the stream add up to the same); "none": as written; a block
+    the prompt opened (DeepSeek-R1's template) ends at the answer's </think>."""
+    msgs = [{"role": "user", "content": "capital of Germany?"}]
+    pieces = ["<think>", "\nThe capital", " is Berlin.\n", "</thi", "nk>\n\n", "Berlin", "."]
+    for fmt in ("auto", "deepseek"):
+        out = _thinking_llm(pieces, "Q").create_chat_completion(msgs, reasoning_format=fmt)
+        assert out["choices"][0]["message"] == {"role": "assistant", "content": "Berlin.",
+                                                "reasoning_content": "The capital is Berlin."}
+        chunks = list(_thinking_llm(pieces, "Q").create_chat_completion(
+            msgs, reasoning_format=fmt, stream=True))
+        deltas = [c["choices"][0]["delta"] for c in chunks[1:-1]]
+        assert "".join(d.get("reasoning_content", "") for d in deltas) == "The capital is Berlin."
+        assert "".join(d.get("content", "") for d in deltas) == "Berlin."
+        assert all(len(d) == 1 and next(iter(d.values())) for d in deltas)
+    out = _thinking_llm(pieces, "Q").create_chat_completion(msgs)  # the API's default: none
+    assert out["choices"][0]["message"] == {"role": "assistant", "content": "".join(pieces)}
+    forced = _thinking_llm(["Hmm.", "\n</think>\n\n", "Berlin."], "<think>\n")
+    msg = forced.create_chat_completion(msgs, reasoning_format="auto")["choices"][0]["message"]
+    assert (msg["reasoning_content"], msg["content"]) == ("Hmm.", "Berlin.")
+    with pytest.raises(PyinferError, match="reasoning_format must be one of"):
+        _thinking_llm(pieces, "Q").create_chat_completion(msgs, reasoning_format="think")
+
+
 def test_chat_template_kwargs_defaults_and_per_call():
     """LLM.chat_template_kwargs (the CLIs' --chat-template-kwargs) reach every rendering; a
     call's own chat_template_kwargs win over them; bad ones are PyinferErrors."""

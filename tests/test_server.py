@@ -327,6 +327,25 @@ def test_chat_template_kwargs_reach_the_template_or_get_400():
         assert err["param"] == "chat_template_kwargs" and words in err["message"], err
 
 
+def test_reasoning_format_default_and_per_request():
+    """The server splits thinking blocks by default (llama.cpp's "auto"; --reasoning-format
+    sets the default), a request's reasoning_format wins, anything else is a 400."""
+    from pyinfer.server import create_app
+
+    llm = FakeLLM()
+    assert _client(llm).post("/v1/chat/completions", json={"messages": GERMANY}).status_code == 200
+    assert llm.calls[-1]["reasoning_format"] == "auto"
+    r = _client(llm).post("/v1/chat/completions", json={"messages": GERMANY, "reasoning_format": "none"})
+    assert r.status_code == 200 and llm.calls[-1]["reasoning_format"] == "none"
+    r = _client(llm).post("/v1/chat/completions", json={"messages": GERMANY, "reasoning_format": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_format", r.text
+    from starlette.testclient import TestClient
+
+    c = TestClient(create_app(llm, reasoning_format="none"))
+    assert c.post("/v1/chat/completions", json={"messages": GERMANY}).status_code == 200
+    assert llm.calls[-1]["reasoning_format"] == "none"
+
+
 def test_body_over_the_limit_is_refused_from_content_length():
     from pyinfer.server import MAX_BODY_BYTES
 
