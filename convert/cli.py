@@ -16,6 +16,7 @@ touched. User errors print ``error: <message>`` and exit 1.
 """
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
@@ -71,11 +72,20 @@ def check_paths(src: str, out: str) -> None:
     (or a link to one), it is not the source itself (by path or, where
     both exist, by inode: a link to the source), and for a source directory it is not one of
     its existing files other than a .gguf (model.safetensors, config.json, tokenizer.json ...
-    were replaced by the output). Every conversion runs it before any work."""
+    were replaced by the output). A symbolic link OUT is judged by what it points to (the
+    output is written through it); a loop of links is refused. Every conversion runs it before
+    any work."""
     if not os.path.exists(src):
         raise PyinferError(f"{src} does not exist")
     if not out or out.endswith((os.sep, os.altsep or os.sep)):
         raise PyinferError(f"the output {out!r} does not name a file")
+    try:
+        os.stat(out)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise PyinferError(f"{out} is a loop of symbolic links") from None
+    # a symbolic link OUT is written through (convert/writer.py): what it names is the output
+    real_out = os.path.realpath(out)
     if os.path.exists(out) and not os.path.isdir(out) and not os.path.isfile(out):
         # a device (/dev/null), FIFO or socket, or a link to one: the finished file would
         # replace it (os.replace), which for /dev/null as root breaks the whole system
@@ -88,8 +98,8 @@ def check_paths(src: str, out: str) -> None:
     if os.path.abspath(src) == os.path.abspath(out) or (
             os.path.isfile(out) and os.path.samefile(src, out)):
         raise PyinferError("the output would overwrite the source file")
-    if os.path.isdir(src) and os.path.isfile(out) and not out.lower().endswith(".gguf"):
-        inside = os.path.commonpath([os.path.realpath(src), os.path.realpath(out)])
+    if os.path.isdir(src) and os.path.isfile(out) and not real_out.lower().endswith(".gguf"):
+        inside = os.path.commonpath([os.path.realpath(src), real_out])
         if inside == os.path.realpath(src):  # weights, config, tokenizer: what the source is
             raise PyinferError(f"the output would overwrite {out}, a file of the source "
                                "directory; name a new file (e.g. ending in .gguf)")

@@ -417,9 +417,11 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
                                    "(--sparse-mode glu)")
             if opts.lm_head_sparsity is not None:
                 raise PyinferError("--lm-head-sparsity needs --sparse-mode input")
-            _log("no sparse mode for this model by default: it is not Llama-shaped, so the GPU "
-                 "engine does not run it and glu's predictors would serve no engine, and on the "
-                 "CPU glu decodes no faster than a dense file; writing a dense file with the "
+            _log("no sparse mode for this model by default: the GPU engine does not run it (not "
+                 "Llama-shaped, or Qwen3's head norms), so glu's predictors would serve no "
+                 "engine, and on the CPU glu decodes no faster than a dense file (sparse mode "
+                 "input takes q8_0, q4_0, q4_1, q5_0, q5_1 or f16 Llama-shaped models); writing "
+                 "a dense file with the "
                  "two-stage lm head where the head is wider than 4 bits (--sparse-mode glu for "
                  "the predictors anyway)", opts.progress)
             eng = None

@@ -478,10 +478,11 @@ class LLM:
         text, or template variables that ``chat.template_kwargs`` refuses."""
         from pyinfer.chat import render_chat, template_kwargs as check_kwargs
 
-        extra = {**self.chat_template_kwargs, **check_kwargs(template_kwargs)}
+        variables = {**check_kwargs(self.chat_template_kwargs, "LLM.chat_template_kwargs"),
+                     **check_kwargs(template_kwargs)}
         return render_chat(self.chat_template, text_messages(messages),
                            add_generation_prompt=add_generation_prompt,
-                           bos_token=self.bos_token, eos_token=self.eos_token, **extra)
+                           bos_token=self.bos_token, eos_token=self.eos_token, variables=variables)
 
     def chat_tokens(self, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
         """Token ids of ``messages`` rendered with a generation prompt (the start of an assistant

@@ -241,13 +241,14 @@ def _text_size(x) -> int:
     return 8
 
 
-def _render_bounded(tmpl: jinja2.Template, limits: RenderLimits, max_out: int, **variables) -> str:
+def _render_bounded(tmpl: jinja2.Template, limits: RenderLimits, max_out: int,
+                    variables: dict) -> str:
     budget = _Budget(limits)
     old = sys.gettrace()
     sys.settrace(budget.global_trace)
     try:
         parts, n = [], 0
-        for piece in tmpl.generate(**variables):
+        for piece in tmpl.generate(variables):  # (a dict: any name is a template variable)
             n += len(piece)
             if n > max_out:
                 raise _TemplateLimit(f"an output of more than {max_out} characters")
@@ -262,7 +263,8 @@ def _render_bounded(tmpl: jinja2.Template, limits: RenderLimits, max_out: int, *
 #: Names the renderer defines itself (the template's inputs and the sandbox's functions): a
 #: ``chat_template_kwargs`` key may not be one of them.
 RENDER_NAMES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools",
-                          "documents", "raise_exception", "strftime_now", "range", "namespace"})
+                          "documents", "raise_exception", "strftime_now", "range", "namespace",
+                          "self"})  # (Jinja's own name for the template)
 
 
 def template_kwargs(value, name: str = "chat_template_kwargs") -> dict:
@@ -282,11 +284,16 @@ def template_kwargs(value, name: str = "chat_template_kwargs") -> dict:
     return dict(value)
 
 
+def _not_json(constant: str):
+    raise ValueError(f"{constant} is not JSON")
+
+
 def parse_template_kwargs(text: str, name: str = "--chat-template-kwargs") -> dict:
     """``template_kwargs`` of a JSON object given as text (a command-line flag). Raises
-    PyinferError (one line) for text that is not JSON or not such an object."""
+    PyinferError (one line) for text that is not JSON (NaN and Infinity included) or not such an
+    object."""
     try:
-        value = json.loads(text)
+        value = json.loads(text, parse_constant=_not_json)
     except ValueError as e:
         raise PyinferError(f"{name} is not valid JSON ({e})") from None
     return template_kwargs(value, name)
@@ -299,6 +306,7 @@ def render_chat(
     bos_token: str = "",
     eos_token: str = "",
     limits: RenderLimits = RenderLimits(),
+    variables: dict | None = None,
     **extra,
 ) -> str:
     """Prompt text for ``messages`` (``[{"role": "user", "content": "hi"}, ...]``).
@@ -306,7 +314,9 @@ def render_chat(
     template: Jinja2 source; None or "" uses ``CHATML_TEMPLATE``.
     add_generation_prompt: end with the header of an assistant turn.
     bos_token / eos_token: the strings templates may insert (``{{ bos_token }}``).
-    extra: more template variables (e.g. ``tools``), passed through.
+    extra, variables: more template variables (e.g. ``tools``), passed through; ``variables``
+    (a dict, ``template_kwargs``'s) may also hold names this function's arguments have
+    (``limits``, ``template``).
     limits: the step, time and output budget (RenderLimits).
     Raises PyinferError (one line) on a syntax error, a sandbox violation, ``raise_exception``, or a
     template that goes over a limit (too slow, too much output, a huge number or string).
@@ -317,18 +327,14 @@ def render_chat(
     # "content": None renders as nothing, not "None"), and tools / documents are always defined
     messages = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m
                 for m in messages]
+    extra = {**extra, **(variables or {})}
     max_out = limits.output_base + limits.output_per_input * _text_size([messages, extra])
-    extra = {"tools": None, "documents": None, **extra}
     try:
         tmpl = _compile(template)
-        return _render_bounded(
-            tmpl, limits, max_out,
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=bos_token,
-            eos_token=eos_token,
-            **extra,
-        )
+        return _render_bounded(tmpl, limits, max_out, {
+            "tools": None, "documents": None, **extra,
+            "messages": messages, "add_generation_prompt": add_generation_prompt,
+            "bos_token": bos_token, "eos_token": eos_token})
     except _TemplateLimit as e:
         raise PyinferError(f"chat template refused: it needs {e} (a hostile or broken template)") from None
     except RecursionError:

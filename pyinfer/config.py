@@ -187,7 +187,7 @@ class ModelConfig(FamilyTraits):
         key, or, without ``llamacpp``, a llama.cpp file).
         """
         arch = read_field(reader, C.K_ARCH)
-        if arch != C.ARCH and not (llamacpp and arch in ("qwen2", "qwen3")):
+        if arch != C.ARCH and not (llamacpp and arch in C.LLAMACPP_RUN_ARCHS):
             hint = "; pyinfer-convert SRC out.gguf converts it" if arch == "gemma3" else ""
             raise PyinferError(f"unsupported architecture {arch!r} (pyinfer runs '{C.ARCH}' files, "
                                f"llama.cpp's llama, qwen2 and qwen3 ones as they are{hint})")

@@ -17,6 +17,8 @@ HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral"
                     "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                     "OPTForCausalLM": "opt",
                     "FalconForCausalLM": "falcon", "Gemma3ForCausalLM": "gemma3"}
+#: llama.cpp architectures besides ``llama`` that pyinfer runs as they are (pyinfer.llamacpp)
+LLAMACPP_RUN_ARCHS = ("qwen2", "qwen3")
 #: FFN activations: silu (SwiGLU), relu (ReGLU; also dReLU with K_FFN_UP_ACT), gelu (exact, erf),
 #: fatrelu (ProSparse's shifted ReLU: g if g > K_ACT_SHIFT else 0), gelu_tanh (GeGLU with the
 #: tanh approximation, Gemma's gelu_pytorch_tanh).

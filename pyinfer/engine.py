@@ -100,7 +100,7 @@ class Engine:
 
     Args:
         model_path: a GGUF written by ``pyinfer-convert``, or a llama.cpp GGUF of architecture
-            llama, run dense on the CPU (``pyinfer.llamacpp``).
+            llama, qwen2 or qwen3, run dense on the CPU (``pyinfer.llamacpp``).
         n_ctx: context size in tokens (default min(4096, the model's training context)).
         n_threads: kernel threads (default: the physical cores, ``cpu.default_n_threads``).
         dense: compute every FFN neuron even when the file has predictors (for comparison).

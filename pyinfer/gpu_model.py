@@ -314,8 +314,8 @@ class GpuModel:
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, n_ctx: int, n_threads: int,
                  cpu_ffn, dev, plan: GpuPlan, lm_head=None):
         if not gpu_fused(cfg, weights):  # (place_model falls back to the CPU before this)
-            raise PyinferError(f"the GPU engine runs Llama-shaped files only; this {cfg.family} "
-                               "file needs --device cpu")
+            raise PyinferError(f"the GPU engine runs Llama-shaped files only (no per-head Q/K "
+                               f"norms); this {cfg.family} file needs --device cpu")
         self.cfg, self.w, self.n_ctx, self.n_threads = cfg, weights, n_ctx, n_threads
         self.dev, self.plan = dev, plan
         self.cpu_ffn = cpu_ffn

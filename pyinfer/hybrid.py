@@ -238,8 +238,8 @@ def place_model(reader, cfg: ModelConfig, weights: ModelWeights, cpu_ffn, n_ctx:
                         f"q/k/v biases included), not {cfg.family} with its extensions (Qwen3's "
                         "head norms among them); running on the CPU")
             return cpu_model()
-        raise PyinferError(f"the GPU engine runs Llama-shaped files only; this {cfg.family} file "
-                           "needs --device cpu")
+        raise PyinferError(f"the GPU engine runs Llama-shaped files only (no per-head Q/K "
+                           f"norms); this {cfg.family} file needs --device cpu")
     rows_file = reader is not None and read_field(reader, C.K_FFN_LAYOUT) == C.FFN_LAYOUT_ROWS
     if device != "cpu" and not rows_file and any(lw.ffn_down_t is None for lw in weights.layers):
         msg = "a llama.cpp GGUF runs on the CPU; pyinfer-convert it for the GPU engine"

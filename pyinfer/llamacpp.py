@@ -39,10 +39,10 @@ from pyinfer.weights import ModelWeights
 _noticed: set[str] = set()  # paths whose notice was printed (once per process)
 
 #: llama.cpp architectures run as they are; the Qwen ones store Q/K rows unpermuted (NeoX RoPE)
-RUN_ARCHS = (C.ARCH, "qwen2", "qwen3")
-#: the tensors each layer of those must have beyond Llama's (llama.cpp's loader requires them)
-_ARCH_TENSORS = {"qwen2": (C.ATTN_Q_B, C.ATTN_K_B, C.ATTN_V_B),
-                 "qwen3": (C.ATTN_Q_NORM, C.ATTN_K_NORM)}
+RUN_ARCHS = (C.ARCH, *C.LLAMACPP_RUN_ARCHS)
+#: the tensors each layer of those must have beyond Llama's (llama.cpp's loader requires them;
+#: Qwen3's head norms: ModelWeights.from_gguf, for every qwen3 file)
+_ARCH_TENSORS = {"qwen2": (C.ATTN_Q_B, C.ATTN_K_B, C.ATTN_V_B)}
 
 
 class ArchKeys:
@@ -102,7 +102,7 @@ def load(reader: gguf.GGUFReader, path: str = "") -> tuple[ModelConfig, ModelWei
         cfg = dataclasses.replace(cfg, family=arch)
         names = {t.name for t in reader.tensors}
         for i in range(cfg.n_layer):
-            for tmpl in _ARCH_TENSORS[arch]:
+            for tmpl in _ARCH_TENSORS.get(arch, ()):
                 if tmpl.format(bid=i) not in names:
                     raise PyinferError(f"this llama.cpp {arch} file has no tensor "
                                        f"{tmpl.format(bid=i)}")
@@ -121,7 +121,8 @@ def load(reader: gguf.GGUFReader, path: str = "") -> tuple[ModelConfig, ModelWei
         _noticed.add(path)
         name = os.path.basename(path)
         rows = "Q/K rows reordered at load, " if arch == C.ARCH else ""
+        gpu = "" if arch == "qwen3" else " and the GPU split"  # (no head norms on the GPU)
         print(f"pyinfer: {name} is a llama.cpp GGUF: running it dense on the CPU ({rows}ffn_down "
-              f"read as stored); `pyinfer-convert {name} out.gguf` adds sparse decoding and the "
-              "GPU split", file=sys.stderr)
+              f"read as stored); `pyinfer-convert {name} out.gguf` adds sparse decoding{gpu}",
+              file=sys.stderr)
     return cfg, weights

@@ -298,6 +298,9 @@ class ModelWeights:
                 ffn_post_norm=bias(C.FFN_POST_NORM.format(bid=i), E),
             ))
         for i, lw in enumerate(layers):  # the kernels normalise Q and K heads together
+            for name, norm in ((C.ATTN_Q_NORM, lw.attn_q_norm), (C.ATTN_K_NORM, lw.attn_k_norm)):
+                if cfg.family == "qwen3" and norm is None:  # (it would run as a plain Llama)
+                    raise PyinferError(f"this qwen3 file has no tensor {name.format(bid=i)}")
             if (lw.attn_q_norm is None) != (lw.attn_k_norm is None):
                 lone, other = ((C.ATTN_Q_NORM, C.ATTN_K_NORM) if lw.attn_k_norm is None
                                else (C.ATTN_K_NORM, C.ATTN_Q_NORM))

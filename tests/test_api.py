@@ -122,6 +122,9 @@ def test_chat_template_kwargs_defaults_and_per_call():
     assert llm.render_chat(msgs, template_kwargs={"enable_thinking": True}) == "q"
     with pytest.raises(PyinferError, match="set by the renderer itself"):
         llm.render_chat(msgs, template_kwargs={"bos_token": "x"})
+    llm.chat_template_kwargs = {"messages": 1}  # set by hand: checked too
+    with pytest.raises(PyinferError, match="LLM.chat_template_kwargs: 'messages'"):
+        llm.render_chat(msgs)
 
 
 def test_stop_holdback():

@@ -106,21 +106,23 @@ THINK_TEMPLATE = (
     "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% if enable_thinking is defined and "
     "enable_thinking is false %} <think></think>{% endif %}{% endif %}{{ extra | default('') }}"
+    "{{ limits | default('') }}{{ template | default('') }}"
 )
 
 
 @pytest.mark.parametrize("kw", [{}, {"enable_thinking": False}, {"enable_thinking": True},
-                                {"extra": ["x", 1]}])
+                                {"extra": ["x", 1]}, {"limits": 1, "template": "x"}])
 def test_template_kwargs_match_transformers(hf_tokenizer, kw):
     """Extra template variables (Qwen3's enable_thinking; llama.cpp's chat_template_kwargs)
-    render as transformers' apply_chat_template renders its extra keyword arguments."""
+    render as transformers' apply_chat_template renders its extra keyword arguments (names of
+    render_chat's own arguments too: they crashed the renderer)."""
     from pyinfer.chat import template_kwargs
 
     messages = [{"role": "user", "content": "hi"}]
     hf_tokenizer.chat_template = THINK_TEMPLATE
     expected = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                                 **kw)
-    assert render_chat(THINK_TEMPLATE, messages, **template_kwargs(kw)) == expected
+    assert render_chat(THINK_TEMPLATE, messages, variables=template_kwargs(kw)) == expected
 
 
 @pytest.mark.parametrize("value,message", [
@@ -131,8 +133,9 @@ def test_bad_template_kwargs(value, message):
 
     with pytest.raises(PyinferError, match=message):
         template_kwargs(value)
-    with pytest.raises(PyinferError, match="not valid JSON"):
-        parse_template_kwargs("{enable_thinking: false}")
+    for text in ("{enable_thinking: false}", '{"x": NaN}'):
+        with pytest.raises(PyinferError, match="not valid JSON"):
+            parse_template_kwargs(text)
 
 
 def test_smollm2_template_literal():

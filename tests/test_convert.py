@@ -615,6 +615,24 @@ def test_a_linked_output_is_written_through(converted, tmp_path):
         assert gguf.GGUFReader(str(target)).tensors  # a whole GGUF, read through gguf
     assert sorted(os.listdir(d)) == ["model.gguf", "new.gguf"]  # no temporary file left
 
+def test_a_linked_output_never_writes_over_the_source_directory(models, tmp_path):
+    """A .gguf-named link to a file of the source directory (its weights, its config) was
+    written through, the checkpoint lost (QA): the link is judged by its target, refused before
+    any work; a loop of links is refused too."""
+    d = _copy_with_config(models, tmp_path)
+    for name in ("model.safetensors", "config.json"):
+        link = tmp_path / f"to-{name}.gguf"
+        os.symlink(os.path.join(d, name), str(link))
+        before = open(os.path.join(d, name), "rb").read()
+        p = run_cli(d, str(link), "--outtype", "f32", "--dense")
+        assert p.returncode == 1 and "a file of the source directory" in p.stderr, p.stderr
+        assert open(os.path.join(d, name), "rb").read() == before
+    os.symlink(str(tmp_path / "b.gguf"), str(tmp_path / "a.gguf"))
+    os.symlink(str(tmp_path / "a.gguf"), str(tmp_path / "b.gguf"))
+    p = run_cli(d, str(tmp_path / "a.gguf"), "--outtype", "f32", "--dense")
+    assert p.returncode == 1 and "loop of symbolic links" in p.stderr, p.stderr
+    assert os.path.islink(tmp_path / "a.gguf")
+
 
 def test_output_is_never_a_file_of_the_source_directory(models, tmp_path):
     """OUT naming one of an HF directory's own files (the weights, config.json, the tokenizer)

@@ -554,6 +554,27 @@ def test_qwen3_conversions_the_gpu_engine_would_not_run(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("drop", [("attn_k_norm",), ("attn_q_norm", "attn_k_norm")])
+def test_qwen3_file_without_its_head_norms(tmp_path, monkeypatch, drop):
+    """A pyinfer file of family qwen3 lacking its head norms is refused at load (without both it
+    ran as a plain Llama: other logits, no word)."""
+    import convert.cli as cli
+    from pyinfer.errors import PyinferError
+
+    d, _ = tiny_qwen2_or_llama3(tmp_path, "qwen3", "nonorm")
+    plan = cli.plan
+
+    def without(*a, **k):
+        meta, jobs = plan(*a, **k)
+        return meta, [j for j in jobs if not any(x in j.name for x in drop)]
+
+    monkeypatch.setattr(cli, "plan", without)
+    out = str(tmp_path / "nonorm.gguf")
+    assert convert_main([d, out, "--outtype", "f32", "--dense"]) == 0
+    with pytest.raises(PyinferError, match=f"qwen3 file has no tensor blk.0.{drop[0]}.weight"):
+        Engine(out, n_ctx=32, n_threads=1)
+
+
+@pytest.mark.parametrize("drop", [("attn_k_norm",), ("attn_q_norm", "attn_k_norm")])
 def test_llama_cpp_qwen3_file_without_its_head_norms(tmp_path, monkeypatch, drop):
     """A llama.cpp qwen3 file lacking a head norm is refused at load with the tensor's name (it
     ran as a plain Llama, or failed at the first token with a traceback)."""
