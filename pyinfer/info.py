@@ -53,6 +53,7 @@ def describe(path: str) -> dict:
         "n_ff": _arch_field(reader, arch, "feed_forward_length"),
         "n_head": _arch_field(reader, arch, "attention.head_count"),
         "n_head_kv": _arch_field(reader, arch, "attention.head_count_kv"),
+        "head_dim": _arch_field(reader, arch, "attention.key_length"),
         "n_ctx_train": _arch_field(reader, arch, "context_length"),
         "rope_freq_base": _arch_field(reader, arch, "rope.freq_base", float),
         "hidden_act": read_field(reader, C.K_HIDDEN_ACT, kind=str),
@@ -63,6 +64,10 @@ def describe(path: str) -> dict:
     names = {t.name for t in reader.tensors}
     ffn_layout = read_field(reader, C.K_FFN_LAYOUT, kind=str)
     converted = ffn_layout in C.FFN_LAYOUTS
+    if not converted and arch != C.ARCH:  # a llama.cpp qwen2 / qwen3 / gemma3 file: its own
+        info["family"] = arch
+    # per-head RMSNorms of Q and K before RoPE (Qwen3, Gemma 3)
+    info["head_norms"] = C.ATTN_Q_NORM.format(bid=0) in names
     info["layout"] = "pyinfer" if converted else "llama.cpp"
     # "neuron_major" (ffn_down_t) or "rows" (ffn_down, a --dense file); None for a llama.cpp file
     info["ffn_layout"] = ffn_layout if converted else None
@@ -195,7 +200,10 @@ def render(info: dict) -> str:
            f"{info['n_tensors']} tensors)"]
     out.append(f"architecture:  {info['architecture']} ({info['name'] or 'no name'}): "
                f"{info['n_layer']} layers, n_embd {info['n_embd']}, n_ff {info['n_ff']}, "
-               f"{info['n_head']} heads, {info['n_head_kv']} KV heads, context {info['n_ctx_train']}, "
+               f"{info['n_head']} heads, {info['n_head_kv']} KV heads"
+               + (f" of {info['head_dim']}" if info["head_dim"] else "")
+               + (" (Q/K head norms)" if info["head_norms"] else "")
+               + f", context {info['n_ctx_train']}, "
                f"rope base {_fmt(info['rope_freq_base'], 'g')}"
                + (f", {info['hidden_act']}" if info["hidden_act"] else "")
                + (f"; family {info['family']}" if info["family"] else "")

@@ -387,12 +387,24 @@ def test_qwen_from_llama_cpp_gguf(tmp_path, family):
     every = Engine(sparse, n_ctx=64, n_threads=2, dense=True)
     assert rel_err(every.model.forward(PROMPT, 0, all_logits=True), ref) < 1e-2
     # run as it is (pyinfer.llamacpp): the same logits, decode through the fused kernels
+    from pyinfer.info import describe
+
+    info = describe(src)  # pyinfer-inspect of the llama.cpp file: its family, Qwen3's norms
+    assert info["family"] == family and info["head_norms"] == (family == "qwen3")
+    assert info["head_dim"] == direct_head_dim(d)
     direct = Engine(src, n_ctx=64, n_threads=2)
     assert direct.llamacpp and direct.cfg.family == family and direct.model.llama_fused
     assert rel_err(direct.model.forward(PROMPT, 0, all_logits=True), ref) < TOL
     direct.model.forward(PROMPT[:3], 0)
     for i in range(3, len(PROMPT)):
         assert rel_err(direct.model.forward([PROMPT[i]], i), ref[i]) < TOL
+
+
+def direct_head_dim(d):
+    """head_dim of a saved transformers model directory (its config, or hidden / heads)."""
+    with open(os.path.join(d, "config.json")) as f:
+        c = json.load(f)
+    return c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
 
 
 def test_rope_scaling_refused(tmp_path):
