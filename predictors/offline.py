@@ -258,6 +258,29 @@ def cpu_note_input(weights) -> str:
             "(docs/benchmarks.md, session 28): --dense keeps full quality")
 
 
+#: families the GPU engine never runs, whatever their weights (``weights.gpu_fused`` says so
+#: after the staging conversion; this list lets --vram-budget be refused before it)
+_NOT_GPU_FAMILIES = ("opt", "falcon", "gemma3", "qwen3")
+
+
+def _refuse_budget_early(src: str, outtype: str, allow_unused: bool,
+                         down_type: str | None) -> None:
+    """PyinferError for --vram-budget on a source the GPU engine cannot run, as far as its plan
+    (the metadata, no weights read) tells: a family in ``_NOT_GPU_FAMILIES`` or sliding-window
+    layers. The full check after the staging conversion (``weights.gpu_fused``) catches the
+    rest."""
+    from convert.cli import plan
+
+    meta, _ = plan(src, outtype, allow_unused, None, down_type)
+    family = meta.get(C.K_FAMILY, "llama")
+    if family in _NOT_GPU_FAMILIES or C.K_SLIDING_WINDOW in meta:
+        raise PyinferError(_BUDGET_REFUSAL.format(family=family))
+
+
+_BUDGET_REFUSAL = ("--vram-budget places neurons for the GPU engine, which does not run this "
+                   "{family} model (Llama-shaped files only, no head norms); leave it out")
+
+
 def input_mode_model(cfg, weights) -> bool:
     """True where sparse mode input (and, without head norms, the GPU engine) can run the model
     (``pyinfer.weights.fused_model``)."""
@@ -366,6 +389,8 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
     if opts.sparse_mode is not None:  # the mode is known: its unused flags before any work
         opts.check_flags(opts.sparse_mode)
     opts.check()
+    if opts.vram_budget_gib is not None:  # before the staging conversion (minutes on a model)
+        _refuse_budget_early(src, outtype, allow_unused, down_type)
     calib_text = read_calib_files(opts.calib_files) if opts.calib_files else None
     from convert.writer import temp_path_beside
 
@@ -393,9 +418,7 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
         from pyinfer.weights import gpu_fused
 
         if opts.vram_budget_gib is not None and not gpu_fused(cfg, eng.weights):
-            raise PyinferError(f"--vram-budget places neurons for the GPU engine, which does not "
-                               f"run this {cfg.family} model (Llama-shaped files only, no head "
-                               "norms); leave it out")
+            raise PyinferError(_BUDGET_REFUSAL.format(family=cfg.family))
         mode = sparse_mode(cfg)
         if opts.sparse_mode == C.SPARSE_MODE_INPUT:
             if mode != C.SPARSE_MODE_GLU or not input_mode_model(cfg, eng.weights):

@@ -547,10 +547,11 @@ def test_gpu_engine_refuses_other_families(tmp_path):
                     backend=NumpyDevice())
 
 
-def test_qwen3_conversions_the_gpu_engine_would_not_run(tmp_path, capsys):
+def test_qwen3_conversions_the_gpu_engine_would_not_run(tmp_path, capsys, monkeypatch):
     """Where sparse mode input does not pay (f32 here), a Qwen3 converts to a dense file, not to
-    glu's predictors "for the GPU engine", which does not run it; --vram-budget is refused.
-    A Llama 3 of the same kind still takes glu."""
+    glu's predictors "for the GPU engine", which does not run it; --vram-budget is refused
+    before the staging conversion. A Llama 3 of the same kind still takes glu."""
+    import predictors.offline as offline
     from predictors.offline import NO_SPARSE_MODE, OfflineOptions, default_mode
     from pyinfer import constants as C
 
@@ -559,6 +560,11 @@ def test_qwen3_conversions_the_gpu_engine_would_not_run(tmp_path, capsys):
         eng = Engine(convert(d, tmp_path, rows=False), n_ctx=32, n_threads=1, dense=True)
         assert default_mode(eng.cfg, eng.weights, "f32", OfflineOptions()) == mode
     capsys.readouterr()
+
+    def no_staging(*a, **k):
+        raise AssertionError("staged before refusing --vram-budget")
+
+    monkeypatch.setattr(offline, "_stage", no_staging)
     assert convert_main([d.replace("llama3", "qwen3"), str(tmp_path / "x.gguf"), "--outtype", "f32",
                          "--vram-budget", "1", "--calib-tokens", "64", "-t", "1"]) == 1
     assert "--vram-budget places neurons for the GPU engine" in capsys.readouterr().err
