@@ -48,6 +48,8 @@ class ReasoningSplitter:
         self.consumed = 0
         self.think_started = False  # a non-space character of the reasoning was given out
         self.content_started = False  # (after the block) a non-space character of the content
+        self.ws_only = True  # buf is only whitespace: more whitespace decides nothing
+        self.ws_run: list[str] = []  # whitespace pieces after buf, joined when something comes
 
     def _take(self, n: int) -> str:
         out, self.buf = self.buf[:n], self.buf[n:]
@@ -55,7 +57,11 @@ class ReasoningSplitter:
         return out
 
     def feed(self, piece: str) -> list[tuple[str, str]]:
-        self.buf += piece
+        if self.ws_only and self.state != "content" and (not piece or piece.isspace()):
+            self.ws_run.append(piece)  # (held, not scanned again: a long run stays linear)
+            return []
+        self.buf += "".join(self.ws_run) + piece
+        self.ws_run = []
         out: list[tuple[str, str]] = []
         while self.buf:
             if self.state == "start":  # before the answer's first non-space character
@@ -95,11 +101,16 @@ class ReasoningSplitter:
                         break
                     self.content_started = True
                 out.append(("content", self._take(len(self.buf))))
+        # (what is held after a piece with other characters is short: a cut tag, the piece's
+        # trailing whitespace)
+        self.ws_only = not self.buf or self.buf.isspace()
         return out
 
     def flush(self) -> list[tuple[str, str]]:
         """What is left at the end of the answer: held-back text as written ("start": the
         answer was only spaces or the start of a tag), the rest of an unclosed block."""
+        self.buf += "".join(self.ws_run)
+        self.ws_run = []
         rest = self._take(len(self.buf))
         if self.state == "think":
             text = rest.rstrip() if self.think_started else rest.strip()

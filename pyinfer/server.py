@@ -353,6 +353,9 @@ def create_app(llm, max_queue: int = 4, api_key: str | None = None,
     """The Starlette app serving ``llm`` (a ``pyinfer.LLM``); ``api_key``: see ApiKeyMiddleware;
     ``reasoning_format``: a chat request's default (``pyinfer.reasoning``; llama.cpp's server
     splits a thinking block into ``reasoning_content`` by default too)."""
+    if reasoning_format not in REASONING_FORMATS:
+        raise PyinferError(f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}, "
+                           f"got {reasoning_format!r}")
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
     from starlette.middleware import Middleware
@@ -530,7 +533,9 @@ def create_app(llm, max_queue: int = 4, api_key: str | None = None,
                 opts["chat_template_kwargs"] = template_kwargs(body.get("chat_template_kwargs"))
             except PyinferError as e:
                 raise BadRequest(str(e), "chat_template_kwargs") from None
-            fmt = body.get("reasoning_format", reasoning_format)
+            fmt = body.get("reasoning_format")
+            if fmt is None:  # (null: not given, as every field here)
+                fmt = reasoning_format
             if fmt not in REASONING_FORMATS:
                 raise BadRequest(f"'reasoning_format' must be one of {', '.join(REASONING_FORMATS)}",
                                  "reasoning_format")

@@ -53,6 +53,25 @@ def test_reasoning_streams_before_the_block_closes():
     assert sp.feed("ink>\n\nThree.") == [("content", "Three.")]
 
 
+@pytest.mark.parametrize("start,want", [("<think>a", ("a  b", "c")), ("", ("", "  b</think>c")),
+                                        (None, ("a  b", "c"))])
+def test_long_whitespace_runs(start, want):
+    """Whitespace one character at a time (a looping small model) is held without rescanning
+    (it took quadratic time) and comes out as the one-piece split gives it."""
+    sp = ReasoningSplitter(in_thinking=start is None)
+    text = (start or "") + ("a" if start is None else "") + " " * 20000 + "b</think>c"
+    parts = sp.feed(text[:len(text) - 20010])
+    for ch in text[len(text) - 20010:]:
+        parts += sp.feed(ch)
+    parts += sp.flush()
+    got = ("".join(t for k, t in parts if k == "reasoning"),
+           "".join(t for k, t in parts if k == "content"))
+    assert got == split_reasoning(text, start is None)
+    assert got[0].replace(" " * 20000, "  ") == want[0]
+    assert got[1].replace(" " * 20000, "  ") == want[1]
+    assert sp.consumed == len(text)
+
+
 def test_a_block_the_prompt_opened():
     """DeepSeek-R1's template ends the generation prompt with "<think>\\n": the answer holds
     only the closing tag."""

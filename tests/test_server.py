@@ -339,6 +339,12 @@ def test_reasoning_format_default_and_per_request():
     assert r.status_code == 200 and llm.calls[-1]["reasoning_format"] == "none"
     r = _client(llm).post("/v1/chat/completions", json={"messages": GERMANY, "reasoning_format": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_format", r.text
+    r = _client(llm).post("/v1/chat/completions", json={"messages": GERMANY, "reasoning_format": None})
+    assert r.status_code == 200 and llm.calls[-1]["reasoning_format"] == "auto"  # null: not given
+    from pyinfer.errors import PyinferError
+
+    with pytest.raises(PyinferError, match="reasoning_format must be one of"):
+        create_app(llm, reasoning_format="think")
     from starlette.testclient import TestClient
 
     c = TestClient(create_app(llm, reasoning_format="none"))
