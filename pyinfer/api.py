@@ -131,7 +131,7 @@ class LLM:
 
     Args:
         model_path: a GGUF written by ``pyinfer-convert``, or a llama.cpp GGUF (architecture
-            llama) run dense on the CPU (``pyinfer.llamacpp``).
+            llama, qwen2 or qwen3) run dense on the CPU (``pyinfer.llamacpp``).
         n_ctx: context size in tokens (None or 0: min(4096, the model's training context)).
         n_threads: kernel threads (None: the physical cores this process may run on, as llama.cpp picks them).
         device: "cpu", "cuda", "auto" or None (None and "auto": the GPU when CuPy sees one, else

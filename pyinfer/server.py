@@ -220,7 +220,10 @@ def include_usage(body: dict) -> bool:
 
 
 def chat_messages(body: dict) -> list[dict]:
-    """``messages`` of a chat request as ``[{"role", "content": str}]``; text parts are joined."""
+    """``messages`` of a chat request as ``[{"role", "content": str}]``; text parts are joined;
+    an assistant message's ``reasoning_content`` (a string: the thinking block this server gave
+    out, sent back) is kept for the template, as llama.cpp's server keeps it (Qwen3's template
+    renders it for the turns after the last user message)."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise BadRequest("'messages' must be a non-empty list", "messages")
@@ -240,7 +243,13 @@ def chat_messages(body: dict) -> list[dict]:
             content = ""
         if not isinstance(content, str):
             raise BadRequest(f"messages[{i}].content must be a string", "messages")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        msg = {"role": "system" if role == "developer" else role, "content": content}
+        thoughts = m.get("reasoning_content")
+        if thoughts is not None and role == "assistant":
+            if not isinstance(thoughts, str):
+                raise BadRequest(f"messages[{i}].reasoning_content must be a string", "messages")
+            msg["reasoning_content"] = thoughts
+        out.append(msg)
     return out
 
 

@@ -327,6 +327,22 @@ def test_chat_template_kwargs_reach_the_template_or_get_400():
         assert err["param"] == "chat_template_kwargs" and words in err["message"], err
 
 
+def test_reasoning_content_sent_back_reaches_the_template():
+    """An assistant message's reasoning_content (what the server gave out) is kept for the chat
+    template, as llama.cpp's server keeps it; not a string: 400."""
+    from pyinfer.server import BadRequest, chat_messages
+
+    msgs = [{"role": "user", "content": "q"},
+            {"role": "assistant", "content": "a", "reasoning_content": "r"},
+            {"role": "user", "content": "q2", "reasoning_content": "ignored"}]
+    assert chat_messages({"messages": msgs}) == [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a", "reasoning_content": "r"},
+        {"role": "user", "content": "q2"}]
+    with pytest.raises(BadRequest, match="reasoning_content must be a string"):
+        chat_messages({"messages": [{"role": "assistant", "content": "a", "reasoning_content": 1}]})
+
+
 def test_reasoning_format_default_and_per_request():
     """The server splits thinking blocks by default (llama.cpp's "auto"; --reasoning-format
     sets the default), a request's reasoning_format wins, anything else is a 400."""
