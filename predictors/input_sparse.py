@@ -43,7 +43,7 @@ from pyinfer import constants as C
 from pyinfer.ffn import linear, linear_t
 from pyinfer.input_sparse import in_sizes
 from pyinfer.ops import cpu
-from pyinfer.ops.families import head_rmsnorm
+from pyinfer.ops.families import head_norms
 from pyinfer.ops.reference import dequantize
 
 N_LEVELS = 100  # sparsity levels per unit: k / N_LEVELS, k = 0 .. N_LEVELS - 1
@@ -94,14 +94,6 @@ def _add(y: np.ndarray, b) -> np.ndarray:
     return y
 
 
-def _head_norms(q3: np.ndarray, k3: np.ndarray, lw, cfg) -> None:
-    """Qwen3's per-head RMSNorms of Q (n_tok, n_head, head_dim) and K (n_tok, n_head_kv,
-    head_dim) in place, before RoPE, where layer ``lw`` has them (``Model._attention``'s)."""
-    if lw.attn_q_norm is not None:
-        head_rmsnorm(q3, lw.attn_q_norm, cfg.rms_eps)
-        head_rmsnorm(k3, lw.attn_k_norm, cfg.rms_eps)
-
-
 def record_inputs(eng, pieces: list[list[int]], n_threads: int, on_layer, on_final=None) -> None:
     """Run ``pieces`` (token lists, each from position 0) through the dense row-layout model of
     ``eng`` layer by layer; after each layer call ``on_layer(i, inputs, energy, xs)`` with inputs
@@ -133,7 +125,7 @@ def record_inputs(eng, pieces: list[list[int]], n_threads: int, on_layer, on_fin
             k = _add(linear(lw.wk, h, np.empty((T, cfg.n_embd_kv), np.float32), n_threads), lw.bk)
             v = _add(linear(lw.wv, h, np.empty((T, cfg.n_embd_kv), np.float32), n_threads), lw.bv)
             q3, k3 = q.reshape(T, cfg.n_head, hd), k.reshape(T, cfg.n_head_kv, hd)
-            _head_norms(q3, k3, lw, cfg)
+            head_norms(q3, k3, lw, cfg.rms_eps)
             _rope(q3, pos, cfg, w.rope_freqs)
             _rope(k3, pos, cfg, w.rope_freqs)
             att = np.empty((T, cfg.n_head, hd), np.float32)
@@ -270,7 +262,7 @@ class _Block:
                                           ).reshape(T, cfg.n_head_kv, hd)
                 v3 = np.ascontiguousarray(qkv[s:s + T, cfg.n_embd_q + cfg.n_embd_kv:]
                                           ).reshape(T, cfg.n_head_kv, hd)
-                _head_norms(q3, k3, self.lw, cfg)
+                head_norms(q3, k3, self.lw, cfg.rms_eps)
                 _rope(q3, pos, cfg, self.rope_freqs)
                 _rope(k3, pos, cfg, self.rope_freqs)
                 a = np.empty((T, cfg.n_head, hd), np.float32)

@@ -24,7 +24,7 @@ import numpy as np
 from pyinfer import options
 from pyinfer.errors import PyinferError
 from pyinfer.logprobs import LogprobRecorder
-from pyinfer.reasoning import REASONING_FORMATS, ReasoningSplitter, opens_thinking, split_reasoning
+from pyinfer.reasoning import ReasoningSplitter, check_format, opens_thinking, split_reasoning
 from pyinfer.sampler import SamplingParams
 
 #: Most inputs one embeddings call takes (OpenAI's limit for /v1/embeddings).
@@ -531,9 +531,7 @@ class LLM:
         self._check_request(max_tokens, stop, seed)
         if not isinstance(logprobs, bool):
             raise PyinferError("logprobs must be true or false")
-        if reasoning_format not in REASONING_FORMATS:
-            raise PyinferError(f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}, "
-                               f"got {reasoning_format!r}")
+        check_format(reasoning_format)
         if top_logprobs is not None:
             options.check("top_logprobs", top_logprobs, "top_logprobs")
             if not logprobs:

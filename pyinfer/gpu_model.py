@@ -302,6 +302,12 @@ def _in_matrix(dev, t):
     raise ValueError(f"no GPU kernel for a transposed {t.qtype.name} matrix")
 
 
+def gpu_refusal(cfg: ModelConfig) -> str:
+    """The one-line error for a model the GPU engine does not run (``weights.gpu_fused``)."""
+    return (f"the GPU engine runs Llama-shaped files only (no per-head Q/K norms); this "
+            f"{cfg.family} file needs --device cpu")
+
+
 class GpuModel:
     """The model of ``pyinfer.model.Model`` (same ``forward``) with the GPU-resident plan.
 
@@ -314,8 +320,7 @@ class GpuModel:
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, n_ctx: int, n_threads: int,
                  cpu_ffn, dev, plan: GpuPlan, lm_head=None):
         if not gpu_fused(cfg, weights):  # (place_model falls back to the CPU before this)
-            raise PyinferError(f"the GPU engine runs Llama-shaped files only (no per-head Q/K "
-                               f"norms); this {cfg.family} file needs --device cpu")
+            raise PyinferError(gpu_refusal(cfg))
         self.cfg, self.w, self.n_ctx, self.n_threads = cfg, weights, n_ctx, n_threads
         self.dev, self.plan = dev, plan
         self.cpu_ffn = cpu_ffn

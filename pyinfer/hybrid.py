@@ -26,7 +26,7 @@ from pyinfer.config import ModelConfig, read_field
 from pyinfer.device import GiB, CupyDevice
 from pyinfer.errors import PyinferError
 from pyinfer.ffn import SparseFFN
-from pyinfer.gpu_model import (GpuModel, GpuPlan, buffer_bytes, device_predictors,
+from pyinfer.gpu_model import (GpuModel, GpuPlan, buffer_bytes, device_predictors, gpu_refusal,
                                ib_head, is_input_layer, layer_fixed_bytes, model_head,
                                neuron_bytes, output_bytes, predictor_rank,
                                prefill_reserve_bytes, rows_down)
@@ -238,8 +238,7 @@ def place_model(reader, cfg: ModelConfig, weights: ModelWeights, cpu_ffn, n_ctx:
                         f"q/k/v biases included), not {cfg.family} with its extensions (Qwen3's "
                         "head norms among them); running on the CPU")
             return cpu_model()
-        raise PyinferError(f"the GPU engine runs Llama-shaped files only (no per-head Q/K "
-                           f"norms); this {cfg.family} file needs --device cpu")
+        raise PyinferError(gpu_refusal(cfg))
     rows_file = reader is not None and read_field(reader, C.K_FFN_LAYOUT) == C.FFN_LAYOUT_ROWS
     if device != "cpu" and not rows_file and any(lw.ffn_down_t is None for lw in weights.layers):
         msg = "a llama.cpp GGUF runs on the CPU; pyinfer-convert it for the GPU engine"

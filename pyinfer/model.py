@@ -177,9 +177,7 @@ class Model:
             isp.qkv(lw, i, h, q, k, v, nt)
         q3 = q.reshape(T, cfg.n_head, cfg.head_dim)
         k3 = k.reshape(T, cfg.n_head_kv, cfg.head_dim)
-        if lw.attn_q_norm is not None:  # Gemma 3: per-head RMSNorm of Q and K before RoPE
-            fam.head_rmsnorm(q3, lw.attn_q_norm, cfg.rms_eps)
-            fam.head_rmsnorm(k3, lw.attn_k_norm, cfg.rms_eps)
+        fam.head_norms(q3, k3, lw, cfg.rms_eps)  # Gemma 3, Qwen3: per head, before RoPE
         if cfg.positions == "rope":
             self._rope(q3, positions, cfg.rope_base(i), angles)
             self._rope(k3, positions, cfg.rope_base(i), angles)
@@ -275,9 +273,9 @@ class Model:
 
 def attn_fusable(cfg: ModelConfig, weights: ModelWeights) -> bool:
     """True where ``cpu.decode_attn`` computes every layer's attention half of one token as
-    ``Model._attention`` does (bit for bit without RoPE divisors): RMSNorm, RoPE, a sequential block, separate q/k/v/o matrices
-    without an output bias (Gemma 3's head norms, score scale, sliding window and post-norm, and
-    Qwen2's q/k/v biases, are the kernel's own)."""
+    ``Model._attention`` does (bit for bit without RoPE divisors): RMSNorm, RoPE, a sequential
+    block, separate q/k/v/o matrices without an output bias (Gemma 3's head norms, score
+    scale, sliding window and post-norm, and Qwen2's q/k/v biases, are the kernel's own)."""
     return (cfg.norm == "rms" and cfg.positions == "rope" and not cfg.parallel_block
             and all(lw.wq is not None and lw.wk is not None and lw.wv is not None
                     and lw.wo is not None and lw.attn_norm_b is None and lw.bo is None

@@ -14,10 +14,20 @@ written.
 """
 from __future__ import annotations
 
+from pyinfer.errors import PyinferError
+
 OPEN, CLOSE = "<think>", "</think>"
 #: --reasoning-format / ``reasoning_format`` values (llama.cpp's names): "none" leaves the text
 #: as it is, "deepseek" and "auto" split the thinking block off
 REASONING_FORMATS = ("none", "deepseek", "auto")
+
+
+def check_format(value) -> str:
+    """``value`` if it is one of REASONING_FORMATS; PyinferError (one line) otherwise."""
+    if value not in REASONING_FORMATS:
+        raise PyinferError(f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}, "
+                           f"got {value!r}")
+    return value
 
 
 def opens_thinking(prompt_text: str) -> bool:

@@ -34,7 +34,7 @@ from typing import Any, Callable
 from pyinfer import options
 from pyinfer.api import text_of_parts
 from pyinfer.chat import template_kwargs
-from pyinfer.reasoning import REASONING_FORMATS
+from pyinfer.reasoning import REASONING_FORMATS, check_format
 from pyinfer.errors import PyinferError
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more than any prompt that fits a context
@@ -362,9 +362,7 @@ def create_app(llm, max_queue: int = 4, api_key: str | None = None,
     """The Starlette app serving ``llm`` (a ``pyinfer.LLM``); ``api_key``: see ApiKeyMiddleware;
     ``reasoning_format``: a chat request's default (``pyinfer.reasoning``; llama.cpp's server
     splits a thinking block into ``reasoning_content`` by default too)."""
-    if reasoning_format not in REASONING_FORMATS:
-        raise PyinferError(f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}, "
-                           f"got {reasoning_format!r}")
+    check_format(reasoning_format)
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
     from starlette.middleware import Middleware
@@ -543,12 +541,10 @@ def create_app(llm, max_queue: int = 4, api_key: str | None = None,
             except PyinferError as e:
                 raise BadRequest(str(e), "chat_template_kwargs") from None
             fmt = body.get("reasoning_format")
-            if fmt is None:  # (null: not given, as every field here)
-                fmt = reasoning_format
-            if fmt not in REASONING_FORMATS:
-                raise BadRequest(f"'reasoning_format' must be one of {', '.join(REASONING_FORMATS)}",
-                                 "reasoning_format")
-            opts["reasoning_format"] = fmt
+            try:  # (null: not given, as every field here)
+                opts["reasoning_format"] = check_format(reasoning_format if fmt is None else fmt)
+            except PyinferError as e:
+                raise BadRequest(str(e), "reasoning_format") from None
             try:
                 # the template is the model file's code: rendered in a worker thread (bounded in
                 # time and size by pyinfer/chat.py), so a slow one never blocks other requests

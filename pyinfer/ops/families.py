@@ -77,6 +77,14 @@ def head_rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return x
 
 
+def head_norms(q3: np.ndarray, k3: np.ndarray, lw, eps: float) -> None:
+    """Layer ``lw``'s per-head RMSNorms of Q (n_tok, n_head, head_dim) and K (n_tok, n_head_kv,
+    head_dim) in place, before RoPE, where it has them (Gemma 3, Qwen3); nothing otherwise."""
+    if lw.attn_q_norm is not None:
+        head_rmsnorm(q3, lw.attn_q_norm, eps)
+        head_rmsnorm(k3, lw.attn_k_norm, eps)
+
+
 def softcap(x: np.ndarray, cap: float) -> np.ndarray:
     """cap * tanh(x / cap) in place on f32 x (Gemma's final_logit_softcapping)."""
     np.tanh(x / np.float32(cap), out=x)
