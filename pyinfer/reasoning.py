@@ -17,6 +17,9 @@ from __future__ import annotations
 from pyinfer.errors import PyinferError
 
 OPEN, CLOSE = "<think>", "</think>"
+#: the whitespace trimmed around the tags: ASCII's, as llama.cpp's parser (``std::isspace`` over
+#: UTF-8 bytes) trims it; Python's ``str.strip()`` would drop U+3000, U+00A0 ... too
+_WS = " \t\n\v\f\r"
 #: --reasoning-format / ``reasoning_format`` values (llama.cpp's names): "none" leaves the text
 #: as it is, "deepseek" and "auto" split the thinking block off
 REASONING_FORMATS = ("none", "deepseek", "auto")
@@ -33,7 +36,7 @@ def check_format(value) -> str:
 def opens_thinking(prompt_text: str) -> bool:
     """True where a rendered prompt ends inside an open thinking block (its generation prompt
     ends with ``<think>`` and whitespace, as DeepSeek-R1's template writes it)."""
-    return prompt_text.rstrip().endswith(OPEN)
+    return prompt_text.rstrip(_WS).endswith(OPEN)
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -67,7 +70,7 @@ class ReasoningSplitter:
         return out
 
     def feed(self, piece: str) -> list[tuple[str, str]]:
-        if self.ws_only and self.state != "content" and (not piece or piece.isspace()):
+        if self.ws_only and self.state != "content" and not piece.strip(_WS):
             self.ws_run.append(piece)  # (held, not scanned again: a long run stays linear)
             return []
         self.buf += "".join(self.ws_run) + piece
@@ -75,7 +78,7 @@ class ReasoningSplitter:
         out: list[tuple[str, str]] = []
         while self.buf:
             if self.state == "start":  # before the answer's first non-space character
-                s = self.buf.lstrip()
+                s = self.buf.lstrip(_WS)
                 if not s or (len(s) < len(OPEN) and OPEN.startswith(s)):
                     break  # could still be "<think>"
                 if s.startswith(OPEN):
@@ -87,17 +90,17 @@ class ReasoningSplitter:
             elif self.state == "think":
                 i = self.buf.find(CLOSE)
                 if i >= 0:
-                    text = self._take(i).rstrip()
+                    text = self._take(i).rstrip(_WS)
                     self._take(len(CLOSE))
                     self.state = "content"
                 else:  # all but a possible cut tag, and the whitespace a tag may follow
                     keep = _partial_suffix(self.buf, CLOSE)
                     body = self.buf[:len(self.buf) - keep]
-                    text = self._take(len(body.rstrip()))
+                    text = self._take(len(body.rstrip(_WS)))
                     if not text:
                         break
                 if not self.think_started:
-                    text = text.lstrip()
+                    text = text.lstrip(_WS)
                     self.think_started = bool(text)
                 if text:
                     out.append(("reasoning", text))
@@ -105,7 +108,7 @@ class ReasoningSplitter:
                     break
             else:
                 if not self.content_started:  # whitespace after the block is trimmed
-                    s = self.buf.lstrip()
+                    s = self.buf.lstrip(_WS)
                     self._take(len(self.buf) - len(s))
                     if not s:
                         break
@@ -113,7 +116,7 @@ class ReasoningSplitter:
                 out.append(("content", self._take(len(self.buf))))
         # (what is held after a piece with other characters is short: a cut tag, the piece's
         # trailing whitespace)
-        self.ws_only = not self.buf or self.buf.isspace()
+        self.ws_only = not self.buf.strip(_WS)
         return out
 
     def flush(self) -> list[tuple[str, str]]:
@@ -123,7 +126,7 @@ class ReasoningSplitter:
         self.ws_run = []
         rest = self._take(len(self.buf))
         if self.state == "think":
-            text = rest.rstrip() if self.think_started else rest.strip()
+            text = rest.rstrip(_WS) if self.think_started else rest.strip(_WS)
             return [("reasoning", text)] if text else []
         if self.state == "start":
             return [("content", rest)] if rest else []

@@ -20,6 +20,10 @@ CASES = {
     "<thi": ("", "<thi"),
     "\n<think>a  b\n\nc</think>d": ("a  b\n\nc", "d"),
     "<think>\nunfinished  ": ("unfinished", ""),  # cut by max_tokens: all reasoning
+    # llama.cpp trims ASCII whitespace only (std::isspace over UTF-8 bytes): an ideographic or
+    # no-break space the model wrote stays
+    "<think>\u3000\u601d\u8003\u3000\n</think>\n\u00a0\u7b54": ("\u3000\u601d\u8003\u3000", "\u00a0\u7b54"),
+    "\u3000<think>x</think>y": ("", "\u3000<think>x</think>y"),
 }
 
 
