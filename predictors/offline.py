@@ -258,16 +258,16 @@ def cpu_note_input(weights) -> str:
             "(docs/benchmarks.md, session 28): --dense keeps full quality")
 
 
-#: families the GPU engine never runs, whatever their weights (``weights.gpu_fused`` says so
+#: families the GPU engine never runs, whatever their weights (``weights.fused_model`` says so
 #: after the staging conversion; this list lets --vram-budget be refused before it)
-_NOT_GPU_FAMILIES = ("opt", "falcon", "gemma3", "qwen3")
+_NOT_GPU_FAMILIES = ("opt", "falcon", "gemma3")
 
 
 def _refuse_budget_early(src: str, outtype: str, allow_unused: bool,
                          down_type: str | None) -> None:
     """PyinferError for --vram-budget on a source the GPU engine cannot run, as far as its plan
     (the metadata, no weights read) tells: a family in ``_NOT_GPU_FAMILIES`` or sliding-window
-    layers. The full check after the staging conversion (``weights.gpu_fused``) catches the
+    layers. The full check after the staging conversion (``weights.fused_model``) catches the
     rest."""
     from convert.cli import plan
 
@@ -278,11 +278,11 @@ def _refuse_budget_early(src: str, outtype: str, allow_unused: bool,
 
 
 _BUDGET_REFUSAL = ("--vram-budget places neurons for the GPU engine, which does not run this "
-                   "{family} model (Llama-shaped files only, no head norms); leave it out")
+                   "{family} model (Llama-shaped files only); leave it out")
 
 
 def input_mode_model(cfg, weights) -> bool:
-    """True where sparse mode input (and, without head norms, the GPU engine) can run the model
+    """True where sparse mode input (and the GPU engine) can run the model
     (``pyinfer.weights.fused_model``)."""
     from pyinfer.weights import fused_model
 
@@ -293,19 +293,16 @@ def default_mode(cfg, weights, outtype: str, opts: OfflineOptions,
                  down_type: str | None = None) -> str:
     """The sparse mode of a run without ``--sparse-mode``: "relu" for a ReLU model; for a
     SwiGLU one "input" where that mode runs faster than glu on the CPU (a Llama-shaped model,
-    ``input_mode_model``: Llama 3 and Qwen2 files too, whose projections are all q8_0 / q4_0 /
+    ``input_mode_model``: Llama 3, Qwen2 and Qwen3 files too, whose projections are all q8_0 / q4_0 /
     q4_1 / q5_0 / q5_1 in the input-block layout or f16: ``input_sparse.input_mode_pays``) and
     no ``--vram-budget`` asks for the GPU split (which needs glu's predictors); ``NO_SPARSE_MODE`` for a model that is not
     Llama-shaped without ``--vram-budget`` (the GPU engine runs Llama-shaped files only, so glu's
     predictors would serve no engine, and on the CPU glu decodes no faster than a dense file at
-    a cost in quality: Gemma-3-270M +6-9% perplexity, docs/benchmarks.md session 20), and so for
-    a Llama-shaped model the GPU engine does not run (Qwen3: ``weights.gpu_fused``) where input
-    does not pay; "glu" otherwise. ``weights`` are the staging file's (dense, neuron-major), ``outtype`` the
+    a cost in quality: Gemma-3-270M +6-9% perplexity, docs/benchmarks.md session 20); "glu"
+    otherwise. ``weights`` are the staging file's (dense, neuron-major), ``outtype`` the
     conversion's, ``down_type`` its ``--down-type``."""
     from predictors.input_sparse import input_mode_pays
     from predictors.profile import sparse_mode
-
-    from pyinfer.weights import gpu_fused
 
     mode = sparse_mode(cfg)
     if mode != C.SPARSE_MODE_GLU or opts.vram_budget_gib is not None:
@@ -314,8 +311,7 @@ def default_mode(cfg, weights, outtype: str, opts: OfflineOptions,
         return NO_SPARSE_MODE
     if input_mode_pays(weights, cfg, outtype, down_type):
         return C.SPARSE_MODE_INPUT
-    # glu's predictors serve the GPU engine only (Qwen3 runs on the CPU alone: a dense file)
-    return mode if gpu_fused(cfg, weights) else NO_SPARSE_MODE
+    return mode
 
 
 def _stage(src: str, staging: str, out: str, outtype: str, progress, allow_unused: bool,
@@ -415,9 +411,7 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
             raise PyinferError(f"--predictor-rank {opts.predictor_rank} is wider than the "
                                f"model's n_embd ({cfg.n_embd}); give at most {cfg.n_embd}")
         chunk_len = min(CHUNK_LEN, eng.n_ctx)
-        from pyinfer.weights import gpu_fused
-
-        if opts.vram_budget_gib is not None and not gpu_fused(cfg, eng.weights):
+        if opts.vram_budget_gib is not None and not input_mode_model(cfg, eng.weights):
             raise PyinferError(_BUDGET_REFUSAL.format(family=cfg.family))
         mode = sparse_mode(cfg)
         if opts.sparse_mode == C.SPARSE_MODE_INPUT:
@@ -441,7 +435,7 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
             if opts.lm_head_sparsity is not None:
                 raise PyinferError("--lm-head-sparsity needs --sparse-mode input")
             _log("no sparse mode for this model by default: the GPU engine does not run it (not "
-                 "Llama-shaped, or Qwen3's head norms), so glu's predictors would serve no "
+                 "Llama-shaped), so glu's predictors would serve no "
                  "engine, and on the CPU glu decodes no faster than a dense file (sparse mode "
                  "input takes q8_0, q4_0, q4_1, q5_0, q5_1 or f16 Llama-shaped models); writing "
                  "a dense file with the "
@@ -463,12 +457,10 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
         if opts.sparse_mode is None:  # say which mode the default chose, and what it means
             if mode == C.SPARSE_MODE_INPUT:
                 opts.note_alloc_fallback()
-                gpu = ("the GPU engine runs it as whole layers; --sparse-mode glu or --vram-budget "
-                       "for its hot-neuron split" if gpu_fused(cfg, eng.weights) else
-                       "CPU only: the GPU engine does not run this model")
                 _log("sparse mode input (the default for a Llama-shaped SwiGLU model in q8_0, q4_0, "
                      "q4_1, q5_0, q5_1, f16, q4_k (stored as q4_1), q5_k (as q5_1) or q6_k (as q8_0); "
-                     f"{gpu})" + cpu_note_input(eng.weights), opts.progress)
+                     "the GPU engine runs it as whole layers; --sparse-mode glu or --vram-budget "
+                     "for its hot-neuron split)" + cpu_note_input(eng.weights), opts.progress)
             elif mode == C.SPARSE_MODE_GLU and opts.vram_budget_gib is None:
                 hint = ("; --outtype q8_0, q4_0, q4_1, q5_0, q5_1 or f16 takes sparse mode input, "
                         "which is faster"

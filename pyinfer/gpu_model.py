@@ -60,7 +60,7 @@ from pyinfer.ffn import FFNStats, SparseFFN
 from pyinfer.model import Model
 from pyinfer.ops import cpu, cuda
 from pyinfer.ops import xp as X
-from pyinfer.weights import ModelWeights, gpu_fused
+from pyinfer.weights import ModelWeights, fused_model
 
 #: most rows of a weight dequantized at once for a prefill GEMM: bounds the scratch to
 #: DEQUANT_CHUNK_ELEMS * 4 bytes (64 MiB)
@@ -85,13 +85,16 @@ def _dev_bytes(t) -> int:
 
 
 def layer_fixed_bytes(cfg: ModelConfig, lw, n_ctx: int, predictor) -> int:
-    """Bytes a resident layer holds on the device before any FFN neuron: norms, q/k/v/o as
-    stored, the KV cache (2 * n_ctx * n_head_kv * head_dim f32) and the predictor (as stored);
+    """Bytes a resident layer holds on the device before any FFN neuron: norms (Qwen3's head
+    norms too), q/k/v/o as stored, the KV cache (2 * n_ctx * n_head_kv * head_dim f32) and the
+    predictor (as stored);
     for a sparse mode "input" layer the attention matrices (the same bytes in the device's
     input-block or transposed layout) and the WINA column scales."""
     b = 2 * cfg.n_embd * 4
     if lw.has_qkv_bias:  # [bq; bk; bv] f32 (Qwen2)
         b += 4 * (cfg.n_embd_q + 2 * cfg.n_embd_kv)
+    if lw.has_head_norms:  # attn_q_norm, attn_k_norm (head_dim,) f32 (Qwen3)
+        b += 2 * cfg.head_dim * 4
     if is_input_layer(lw):
         b += _dev_bytes(lw.attn_qkv_t) + _dev_bytes(lw.attn_output_t) + _input_scale_bytes(lw)
     else:
@@ -259,6 +262,9 @@ class _ResidentLayer:
         self.attn_norm = dev.array(np.asarray(lw.attn_norm, np.float32))  # (n_embd,)
         b = lw.qkv_bias(cfg)  # (n_q + 2 n_kv,) [bq; bk; bv] (Qwen2) or None
         self.bqkv = None if b is None else dev.array(b)
+        # (head_dim,) per-head RMSNorm weights of Q and K, before RoPE (Qwen3), or None
+        self.q_norm, self.k_norm = (None if n is None else dev.array(np.asarray(n, np.float32))
+                                    for n in (lw.attn_q_norm, lw.attn_k_norm))
         self.ffn_norm = dev.array(np.asarray(lw.ffn_norm, np.float32))
         shape = (n_ctx, cfg.n_head_kv, cfg.head_dim)
         self.k = dev.empty(shape, np.float32)  # (n_ctx, n_head_kv, head_dim) KV cache
@@ -303,9 +309,9 @@ def _in_matrix(dev, t):
 
 
 def gpu_refusal(cfg: ModelConfig) -> str:
-    """The one-line error for a model the GPU engine does not run (``weights.gpu_fused``)."""
-    return (f"the GPU engine runs Llama-shaped files only (no per-head Q/K norms); this "
-            f"{cfg.family} file needs --device cpu")
+    """The one-line error for a model the GPU engine does not run (``weights.fused_model``)."""
+    return (f"the GPU engine runs Llama-shaped files only (Llama, Llama 3, Mistral without "
+            f"sliding windows, Qwen2, Qwen3); this {cfg.family} file needs --device cpu")
 
 
 class GpuModel:
@@ -313,13 +319,13 @@ class GpuModel:
 
     cfg, weights: the model. cpu_ffn: the CPU FFN (SparseFFN or DenseFFN) that defines the
     function and computes the cold neurons. dev: a ``pyinfer.device`` backend. plan: GpuPlan.
-    Raises PyinferError for a model its kernels do not compute (``weights.gpu_fused``: Qwen3's
-    head norms, the other families' layers) or when the device runs out of memory.
+    Raises PyinferError for a model its kernels do not compute (``weights.fused_model``: the
+    other families' layers) or when the device runs out of memory.
     """
 
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, n_ctx: int, n_threads: int,
                  cpu_ffn, dev, plan: GpuPlan, lm_head=None):
-        if not gpu_fused(cfg, weights):  # (place_model falls back to the CPU before this)
+        if not fused_model(cfg, weights):  # (place_model falls back to the CPU before this)
             raise PyinferError(gpu_refusal(cfg))
         self.cfg, self.w, self.n_ctx, self.n_threads = cfg, weights, n_ctx, n_threads
         self.dev, self.plan = dev, plan
@@ -502,6 +508,9 @@ class GpuModel:
                 dev.gemv(ly.wv, h[0], self._qkv[nq + nkv:], q8=self._q8_for(ly.wv))
             if ly.bqkv is not None:  # (Qwen2) the projections' biases, before RoPE
                 dev.add(self._qkv, ly.bqkv)
+            if ly.q_norm is not None:  # (Qwen3) each head's RMSNorm, in place, before RoPE
+                dev.rmsnorm(q, ly.q_norm, cfg.rms_eps, q)
+                dev.rmsnorm(k, ly.k_norm, cfg.rms_eps, k)
             dev.rope_store(q, k, v, ly.k, ly.v, self._cos_sin, self._pos)
             q8 = self._q8_for(ly.wo)
             dev.attn_decode(q, ly.k, ly.v, self._pos, self._attn.reshape(cfg.n_head, hd), max_att,
@@ -792,6 +801,9 @@ class GpuModel:
                 qkv += ly.bqkv
             q = xp.ascontiguousarray(qkv[:, :nq]).reshape(T, cfg.n_head, hd)
             k = xp.ascontiguousarray(qkv[:, nq:nq + nkv]).reshape(T, cfg.n_head_kv, hd)
+            if ly.q_norm is not None:  # (Qwen3) each head's RMSNorm before RoPE
+                X.rmsnorm(q, ly.q_norm, cfg.rms_eps, q)
+                X.rmsnorm(k, ly.k_norm, cfg.rms_eps, k)
             X.rope(q, self._cos_sin, n_past)
             X.rope(k, self._cos_sin, n_past)
             ly.k[n_past:n_past + T] = k

@@ -33,7 +33,7 @@ from pyinfer.gpu_model import (GpuModel, GpuPlan, buffer_bytes, device_predictor
 from pyinfer.model import Model
 from pyinfer.ops import cuda
 from pyinfer.ops.cpu import QT, IBTensor
-from pyinfer.weights import ModelWeights, gpu_fused
+from pyinfer.weights import ModelWeights, fused_model
 
 #: Device memory left free when no budget is given: min(1 GiB, 10% of the free memory).
 DEFAULT_MARGIN_BYTES = 1 * GiB
@@ -231,12 +231,12 @@ def place_model(reader, cfg: ModelConfig, weights: ModelWeights, cpu_ffn, n_ctx:
         raise PyinferError(f"unknown device {device!r} (auto, cpu or cuda)")
     if n_gpu_layers is not None and n_gpu_layers < 0:
         raise PyinferError(f"-ngl must be >= 0, got {n_gpu_layers}")
-    if device != "cpu" and not gpu_fused(cfg, weights):
+    if device != "cpu" and not fused_model(cfg, weights):
         if device == "auto" and backend is None:  # the CPU runs every family
             if not quiet:
-                _notice(f"the GPU engine runs Llama-shaped files only (Llama 3's RoPE and Qwen2's "
-                        f"q/k/v biases included), not {cfg.family} with its extensions (Qwen3's "
-                        "head norms among them); running on the CPU")
+                _notice(f"the GPU engine runs Llama-shaped files only (Llama 3's RoPE, Qwen2's "
+                        f"q/k/v biases and Qwen3's head norms included; no sliding windows), "
+                        f"not this {cfg.family} model's layers; running on the CPU")
             return cpu_model()
         raise PyinferError(gpu_refusal(cfg))
     rows_file = reader is not None and read_field(reader, C.K_FFN_LAYOUT) == C.FFN_LAYOUT_ROWS

@@ -121,8 +121,7 @@ def load(reader: gguf.GGUFReader, path: str = "") -> tuple[ModelConfig, ModelWei
         _noticed.add(path)
         name = os.path.basename(path)
         rows = "Q/K rows reordered at load, " if arch == C.ARCH else ""
-        gpu = "" if arch == "qwen3" else " and the GPU split"  # (no head norms on the GPU)
         print(f"pyinfer: {name} is a llama.cpp GGUF: running it dense on the CPU ({rows}ffn_down "
-              f"read as stored); `pyinfer-convert {name} out.gguf` adds sparse decoding{gpu}",
+              f"read as stored); `pyinfer-convert {name} out.gguf` adds sparse decoding and the GPU split",
               file=sys.stderr)
     return cfg, weights

@@ -93,15 +93,9 @@ def fused_model(cfg, weights: "ModelWeights") -> bool:
     """True where the fused CPU kernels (``cpu.decode_attn`` / ``decode_ffn``) and sparse mode
     input run the model: Llama-shaped (``cfg.llama_plain``) with weights they take
     (``weights.llama_fused``: Llama 3's RoPE frequency divisors, Qwen2's q/k/v biases and
-    Qwen3's head norms included). The one test the model and the converter's mode choice share;
-    the GPU engine's is ``gpu_fused``."""
+    Qwen3's head norms included). The one test the model, the converter's mode choice and the
+    GPU engine share."""
     return cfg.llama_plain and weights.llama_fused
-
-
-def gpu_fused(cfg, weights: "ModelWeights") -> bool:
-    """True where the GPU engine runs the model: ``fused_model`` without per-head Q/K norms
-    (Qwen3's), which its CUDA kernels do not take."""
-    return fused_model(cfg, weights) and not any(lw.has_head_norms for lw in weights.layers)
 
 
 @dataclass
@@ -129,8 +123,7 @@ class ModelWeights:
         """True where the fused CPU kernels (``cpu.decode_attn`` / ``decode_ffn``, sparse mode
         input) compute these weights: a plain Llama's, or with RoPE frequency divisors (Llama 3's
         rope_freqs), q/k/v biases (Qwen2) and per-head Q/K norms (Qwen3), which those take; other
-        biases and norms need the kernel-by-kernel loop. (The GPU engine takes no head norms:
-        ``gpu_fused``.)"""
+        biases and norms need the kernel-by-kernel loop."""
         return (self.pos_embd is None and self.output_norm_b is None
                 and not any(lw.attn_post_norm is not None or lw.ffn_post_norm is not None
                             or (lw.attn_q_norm is None) != (lw.attn_k_norm is None)

@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 from convert.cli import main as convert_main  # noqa: E402
 from pyinfer.engine import Engine  # noqa: E402
 from pyinfer.ffn import SparseFFN  # noqa: E402
-from pyinfer.weights import gpu_fused  # noqa: E402
+from pyinfer.weights import fused_model  # noqa: E402
 from tests._models import convert_neuron_major, make_bpe_tokenizer  # noqa: E402
 
 PROMPT = [1, 17, 42, 7, 99, 3, 64, 5, 120, 33, 8, 250, 11, 300, 77, 21]
@@ -142,12 +142,12 @@ def test_qwen3(tmp_path, tied, n_kv, head_dim, bias, window):
     assert (lw.bq is not None) == bias and (lw.bo is not None) == bias
     assert [eng.cfg.window(i) for i in range(eng.cfg.n_layer)] == ([0, 5, 5] if window else [0, 0])
     # decode through the fused kernels (head norms inside cpu.decode_attn) unless o_proj has a
-    # bias or layers slide (then the attention half alone is fused); never on the GPU engine,
-    # whose kernels take no head norms
+    # bias or layers slide (then the attention half alone is fused); the GPU engine takes the
+    # same models (its head norms: test_gpu_model_runs_biases_rope_divisors_and_head_norms)
     fused = not bias and not window
     assert eng.model.llama_fused == fused and not eng.model.llama_plain
     assert eng.model.attn_fused == bool(window)
-    assert not gpu_fused(eng.cfg, eng.weights)
+    assert fused_model(eng.cfg, eng.weights) == fused
     fused_equals_unfused(eng, exact=not fused)  # (the fused FFN half sums in its own order)
 
 
@@ -252,6 +252,23 @@ def test_sparse_mode_input_with_biases_and_rope_divisors(tmp_path, capsys, famil
         step = eng.model.forward([PROMPT[i]], i)
         np.testing.assert_allclose(step, prefill[i], rtol=0, atol=1e-4 * np.abs(prefill[i]).max())
     assert eng.model.ffn.stats.sparsity > 0.05
+    # the GPU engine over NumpyDevice (its kernels' twins) runs the file as whole input-sparse
+    # layers: the CPU's logits, decode and prefill, with the same channels kept
+    from pyinfer.device import NumpyDevice
+    from pyinfer.hybrid import place_model
+    from pyinfer.input_sparse import InputSparseFFN, thresholds_from_reader
+    from pyinfer.model import Model
+    from tests.test_hybrid import TOL_SAME, decode_all
+
+    thr = thresholds_from_reader(eng.reader, eng.cfg)
+    ref_ffn = InputSparseFFN(eng.cfg, thr)
+    ref = decode_all(Model(eng.cfg, eng.weights, 64, 2, ffn=ref_ffn, cache_type="f32"), PROMPT)
+    gm = place_model(eng.reader, eng.cfg, eng.weights, InputSparseFFN(eng.cfg, thr), 64, 2,
+                     device="cuda", backend=NumpyDevice())
+    assert type(gm).__name__ == "GpuModel" and gm.is_input_sparse
+    assert rel_err(decode_all(gm, PROMPT), ref) < TOL_SAME
+    assert gm.stats.active == ref_ffn.stats.active
+    assert rel_err(gm.forward(PROMPT, 0, all_logits=True), ref) < TOL_SAME
 
 
 def test_qwen2_sliding_window_layers(tmp_path):
@@ -476,13 +493,13 @@ def test_falcon(tmp_path, layout, act):
     assert eng.cfg.n_head_kv == {"7b": 1, "40b": 2, "40b-one-norm": 2, "mha-sequential": 4}[layout]
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama3"])
+@pytest.mark.parametrize("family", ["qwen2", "llama3", "qwen3"])
 @pytest.mark.parametrize("kind", ["all", "partial"])
-def test_gpu_model_runs_biases_and_rope_divisors(tmp_path, family, kind):
+def test_gpu_model_runs_biases_rope_divisors_and_head_norms(tmp_path, family, kind):
     """The GPU engine's forward over NumpyDevice (its kernels' twins) on Qwen2 (q/k/v biases
-    added after the fused projection) and Llama 3 (the RoPE table divided by rope_freqs): decode
-    and prefill give the CPU model's logits, every layer on the device or one (the rest on the
-    CPU); place_model takes them."""
+    added after the fused projection), Llama 3 (the RoPE table divided by rope_freqs) and Qwen3
+    (each head's RMSNorm of Q and K before RoPE): decode and prefill give the CPU model's
+    logits, every layer on the device or one (the rest on the CPU); place_model takes them."""
     from pyinfer.device import NumpyDevice
     from pyinfer.ffn import DenseFFN
     from pyinfer.hybrid import place_model
@@ -497,7 +514,8 @@ def test_gpu_model_runs_biases_and_rope_divisors(tmp_path, family, kind):
 
 
 def _biased_or_scaled(tmp_path, family):
-    """An f32 neuron-major Engine of a tiny Qwen2 (q/k/v biases) or Llama 3 (scaled RoPE)."""
+    """An f32 neuron-major Engine of a tiny Qwen2 (q/k/v biases), Llama 3 (scaled RoPE) or Qwen3
+    (head norms)."""
     d, _ = tiny_qwen2_or_llama3(tmp_path, family, "gpu")
     eng = Engine(convert(d, tmp_path, rows=False), n_ctx=64, n_threads=2)  # ffn_down_t
     assert eng.model.llama_fused and not eng.model.llama_plain
@@ -505,9 +523,9 @@ def _biased_or_scaled(tmp_path, family):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["qwen2", "llama3"])
-def test_gpu_device_runs_biases_and_rope_divisors(tmp_path, family):
-    """On a CUDA device: the CupyDevice GpuModel of a Qwen2 / Llama 3 file gives the CPU
+@pytest.mark.parametrize("family", ["qwen2", "llama3", "qwen3"])
+def test_gpu_device_runs_biases_rope_divisors_and_head_norms(tmp_path, family):
+    """On a CUDA device: the CupyDevice GpuModel of a Qwen2 / Llama 3 / Qwen3 file gives the CPU
     model's logits (decode through CUDA graphs, prefill), every layer resident."""
     from pyinfer.ffn import DenseFFN
     from pyinfer.ops import cuda
@@ -532,40 +550,37 @@ def test_gpu_engine_refuses_other_families(tmp_path):
     eng = Engine(convert(d, tmp_path), n_ctx=32, n_threads=1)
     with pytest.raises(PyinferError, match="GPU engine runs Llama-shaped files only"):
         place_model(eng.reader, eng.cfg, eng.weights, eng.model.ffn, 32, 1, device="cuda")
-    # Qwen3 runs the fused CPU kernels, but the GPU's take no head norms: auto falls back
-    d, _ = tiny_qwen2_or_llama3(tmp_path, "qwen3", "gpu")
-    eng = Engine(convert(d, tmp_path), n_ctx=32, n_threads=1)
-    assert eng.model.llama_fused
-    with pytest.raises(PyinferError, match="GPU engine runs Llama-shaped files only"):
-        place_model(eng.reader, eng.cfg, eng.weights, eng.model.ffn, 32, 1, device="cuda")
     m = place_model(eng.reader, eng.cfg, eng.weights, eng.model.ffn, 32, 1, device="auto")
-    assert type(m).__name__ == "Model"
+    assert type(m).__name__ == "Model"  # auto falls back to the CPU
     from pyinfer.device import NumpyDevice  # a GpuModel on any backend refuses it too
+    from pyinfer.gpu_model import GpuModel
 
     with pytest.raises(PyinferError, match="GPU engine runs Llama-shaped files only"):
-        place_model(eng.reader, eng.cfg, eng.weights, eng.model.ffn, 32, 1, device="cpu",
-                    backend=NumpyDevice())
+        GpuModel(eng.cfg, eng.weights, 32, 1, eng.model.ffn, NumpyDevice(), plan=None)
 
 
-def test_qwen3_conversions_the_gpu_engine_would_not_run(tmp_path, capsys, monkeypatch):
-    """Where sparse mode input does not pay (f32 here), a Qwen3 converts to a dense file, not to
-    glu's predictors "for the GPU engine", which does not run it; --vram-budget is refused
-    before the staging conversion. A Llama 3 of the same kind still takes glu."""
+def test_conversions_for_the_gpu_engine(tmp_path, capsys, monkeypatch):
+    """Where sparse mode input does not pay (f32 here), a Qwen3 converts to glu's predictors for
+    the GPU engine as a Llama 3 does (the engine takes its head norms); --vram-budget for a
+    family the GPU engine does not run (OPT) is refused before the staging conversion."""
     import predictors.offline as offline
-    from predictors.offline import NO_SPARSE_MODE, OfflineOptions, default_mode
+    from predictors.offline import OfflineOptions, default_mode
     from pyinfer import constants as C
 
-    for family, mode in (("qwen3", NO_SPARSE_MODE), ("llama3", C.SPARSE_MODE_GLU)):
+    for family in ("qwen3", "llama3"):
         d, _ = tiny_qwen2_or_llama3(tmp_path, family, "modes")
         eng = Engine(convert(d, tmp_path, rows=False), n_ctx=32, n_threads=1, dense=True)
-        assert default_mode(eng.cfg, eng.weights, "f32", OfflineOptions()) == mode
+        assert default_mode(eng.cfg, eng.weights, "f32", OfflineOptions()) == C.SPARSE_MODE_GLU
+    d, _ = build(tmp_path, "opt-budget", transformers.OPTForCausalLM, transformers.OPTConfig,
+                 hidden_size=64, ffn_dim=128, num_hidden_layers=1, num_attention_heads=4,
+                 max_position_embeddings=64, word_embed_proj_dim=64)
     capsys.readouterr()
 
     def no_staging(*a, **k):
         raise AssertionError("staged before refusing --vram-budget")
 
     monkeypatch.setattr(offline, "_stage", no_staging)
-    assert convert_main([d.replace("llama3", "qwen3"), str(tmp_path / "x.gguf"), "--outtype", "f32",
+    assert convert_main([d, str(tmp_path / "x.gguf"), "--outtype", "f32",
                          "--vram-budget", "1", "--calib-tokens", "64", "-t", "1"]) == 1
     assert "--vram-budget places neurons for the GPU engine" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "x.gguf")
