@@ -31,6 +31,30 @@ TT_NORMAL, TT_UNKNOWN, TT_CONTROL, TT_USER_DEFINED, TT_UNUSED, TT_BYTE = 1, 2, 3
 
 # End-of-turn token names, tried in order when the file names no eot id.
 _EOT_NAMES = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")
+# Tokens that end generation by their text, whatever ids the file names: llama.cpp's
+# end-of-generation set (llama_vocab::impl::load, special_eog_ids), so that e.g. Qwen2.5's
+# <|endoftext|> and Llama 3.1's <|eom_id|> stop an answer as they do there (and in transformers,
+# whose generation_config.json lists them); the last three are Qwen's FIM tokens, which llama.cpp
+# takes as its fim_pad / fim_rep / fim_sep and ends generation at too.
+_EOG_NAMES = frozenset(("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>",
+                        "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<|end_of_text|>", "<EOT>",
+                        "_<EOT>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"))
+
+# GGUF ids that end generation too (llama.cpp: end of message, Llama 3.1's <|eom_id|>; its FIM
+# pad / repo / file-separator tokens)
+_EOG_KEYS = (C.K_TOK_EOM, C.K_TOK_FIM_PAD, C.K_TOK_FIM_REP, C.K_TOK_FIM_SEP)
+
+
+def _eog_ids(tokens: list[str], named: tuple) -> frozenset[int]:
+    """The end-of-generation ids: ``named`` (eos, eot ... ; None skipped) and the first id of
+    each token whose text is in ``_EOG_NAMES`` (llama.cpp's first-id-wins text map), without
+    <|end|> where <|return|> and <|call|> are there too (llama.cpp's rule for gpt-oss' vocabulary,
+    whose <|end|> ends a message, not the answer)."""
+    found = _EOG_NAMES.intersection(tokens)
+    if {"<|return|>", "<|call|>"} <= found:
+        found.discard("<|end|>")
+    return frozenset({i for i in named if i is not None} | {tokens.index(t) for t in found})
+
 
 # ---- byte-level BPE pre-tokenizer regexes ---------------------------------------------------
 # Copied from llama.cpp src/llama-vocab.cpp (llm_tokenizer_bpe constructor). llama.cpp applies the
@@ -168,8 +192,10 @@ class Tokenizer:
         hf=None,
         sp=None,
         chat_template: str | None = None,
+        eog_ids: tuple[int, ...] = (),
     ):
-        for what, i in (("bos", bos_id), ("eos", eos_id), ("eot", eot_id)):
+        for what, i in (("bos", bos_id), ("eos", eos_id), ("eot", eot_id),
+                        *(("end-of-generation", i) for i in eog_ids)):
             if i is not None and not 0 <= i < len(tokens):
                 raise PyinferError(f"the {what} token id {i} is outside the vocabulary "
                                    f"({len(tokens)} tokens)")
@@ -177,6 +203,7 @@ class Tokenizer:
         self._tokens = tokens
         self._types = token_types  # (n_vocab,) int32, llama.cpp token types
         self._bos, self._eos, self._eot = bos_id, eos_id, eot_id
+        self._stop = _eog_ids(tokens, (eos_id, eot_id, *eog_ids))
         self.add_bos = add_bos
         self.add_space_prefix = add_space_prefix
         self._hf = hf  # tokenizers.Tokenizer (paths 1 and 2)
@@ -231,6 +258,7 @@ class Tokenizer:
         bos = _field(C.K_TOK_BOS, kind=int)
         eos = _field(C.K_TOK_EOS, kind=int)
         eot = _field(C.K_TOK_EOT, kind=int)
+        eog = tuple(int(i) for i in (_field(k, kind=int) for k in _EOG_KEYS) if i is not None)
         if eot is None:
             index = {t: i for i, t in ((int(i), tokens[i]) for i in np.nonzero(types != TT_NORMAL)[0])}
             eot = next((index[n] for n in _EOT_NAMES if n in index), None)
@@ -252,6 +280,7 @@ class Tokenizer:
             add_bos=bool(add_bos),
             add_space_prefix=bool(add_space_prefix),
             chat_template=_field(C.K_CHAT_TEMPLATE, kind=str),
+            eog_ids=eog,
         )
         if hf_json is not None:
             import tokenizers
@@ -294,8 +323,9 @@ class Tokenizer:
 
     @property
     def stop_ids(self) -> frozenset[int]:
-        """Ids that end generation (eos and end-of-turn)."""
-        return frozenset(i for i in (self._eos, self._eot) if i is not None)
+        """Ids that end generation, as llama.cpp's end-of-generation set: eos, end-of-turn, the
+        file's eom / FIM ids and the tokens named in ``_EOG_NAMES``."""
+        return self._stop
 
     def is_special(self, token_id: int) -> bool:
         """Control or user-defined token (``<|im_start|>``, ``<s>`` ...)."""

@@ -123,3 +123,43 @@ def test_fused_decode_equals_step_by_step(tmp_path, hidden_act, outtype, layout)
         runs[fused] = np.stack([eng.model.forward([t], i) for i, t in enumerate(PROMPT)])
     assert rel_err(runs[True], runs[False]) < 1e-5
     assert rel_err(runs[True], ref) < TOLERANCES[outtype]
+
+
+def test_generation_stops_where_transformers_stops(tmp_path):
+    """A model whose generation_config.json lists two end ids ([<|im_end|>, <|endoftext|>], as
+    Qwen2.5-Instruct ships it; Llama 3.1 lists <|eom_id|> too) stops on the second as
+    transformers' generate does: pyinfer's end-of-generation set is llama.cpp's (eos, eot and
+    those tokens by their text), not the file's eos id alone. The lm head's <|endoftext|> row is
+    made to win greedily at the 4th step."""
+    import json
+
+    d = make_random_llama(str(tmp_path), tokenizer="bpe", name="eog", tied=False)
+    model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(d)
+    end = tok.convert_tokens_to_ids("<|endoftext|>")
+    assert end != tok.eos_token_id
+    ids = torch.tensor([tok("The capital of France is").input_ids])
+
+    def greedy(**kw):
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=end, **kw)
+        return out[0, ids.shape[1]:].tolist()
+
+    free = greedy(eos_token_id=None)
+    with torch.no_grad():
+        model.lm_head.weight[end] = 1.05 * model.lm_head.weight[free[3]]
+    assert greedy(eos_token_id=None)[3] == end
+    model.generation_config.eos_token_id = [tok.eos_token_id, end]
+    model.save_pretrained(d)
+    want = greedy()
+    assert want[-1] == end and len(want) == 4  # transformers stops on the listed id
+    out = str(tmp_path / "eog.gguf")
+    assert convert_main([d, out, "--dense", "--outtype", "f32", "-t", "1"]) == 0
+    from pyinfer import LLM
+
+    llm = LLM(out, n_ctx=64, n_threads=1)
+    assert {tok.eos_token_id, end} <= llm.engine.tokenizer.stop_ids
+    got = list(llm.generate(llm.tokenize("The capital of France is"), max_tokens=8, temperature=0))
+    assert got == want[:-1]  # (generate yields the text's tokens, not the end token)
+    assert json.loads(open(f"{d}/generation_config.json").read())["eos_token_id"] == [
+        tok.eos_token_id, end]
