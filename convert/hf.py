@@ -328,7 +328,8 @@ class LlamaHParams(FamilyTraits):
                      else False)
         n_embd = _cfg_int(cfg, "hidden_size")
         n_head = _cfg_int(cfg, "num_attention_heads")
-        head_dim = _cfg_int(cfg, "head_dim", None)
+        # absent: Qwen3Config's default 128; LlamaConfig / MistralConfig / Qwen2Config derive it
+        head_dim = _cfg_int(cfg, "head_dim", 128 if family == "qwen3" else None)
         if head_dim is None:
             if n_embd % n_head:
                 raise PyinferError(f"config.json: hidden_size {n_embd} is not a multiple of "
@@ -391,7 +392,9 @@ class LlamaHParams(FamilyTraits):
         head_dim = _cfg_int(cfg, "head_dim", 256)
         n_layer = _cfg_int(cfg, "num_hidden_layers")
         theta, theta_swa = _gemma3_rope(cfg)
-        window = _cfg_int(cfg, "sliding_window", 0, lo=0)
+        # transformers' Gemma3TextConfig default: without the key the local layers still slide
+        # (and take the local RoPE base)
+        window = _cfg_int(cfg, "sliding_window", 4096, lo=0)
         types = cfg.get("layer_types")
         if types is not None:
             if not (isinstance(types, list) and len(types) == n_layer and all(

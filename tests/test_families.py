@@ -799,3 +799,35 @@ def test_gemma3_from_llama_cpp_gguf(tmp_path):
     m.forward(PROMPT[:3], 0)
     for i in range(3, len(PROMPT)):
         assert rel_err(m.forward([PROMPT[i]], i), ref[i]) < TOL
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen3"])
+def test_config_keys_left_to_transformers_defaults(tmp_path, family):
+    """A config.json without a key whose transformers default is not derived from the others
+    converts to the model transformers loads: Gemma 3 without sliding_window (Gemma3TextConfig's
+    4096: its local layers keep their own RoPE base; a window of 0 gave every layer the global
+    base, logits 0.5 off) and Qwen3 without head_dim (Qwen3Config's 128, not hidden_size /
+    num_attention_heads)."""
+    if family == "gemma3":
+        d, ref = build(tmp_path, "gemma3-defaults", transformers.Gemma3ForCausalLM,
+                       transformers.Gemma3TextConfig, hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=16, query_pre_attn_scalar=16,
+                       layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+                       rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                        "sliding_attention": {"rope_type": "default",
+                                                              "rope_theta": 1e4}},
+                       config_edit=lambda c: c.pop("sliding_window"))
+    else:
+        d, ref = build(tmp_path, "qwen3-defaults", transformers.Qwen3ForCausalLM,
+                       transformers.Qwen3Config, hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=128, rope_theta=10000.0, config_edit=lambda c: c.pop("head_dim"))
+    loaded = transformers.AutoConfig.from_pretrained(d)  # what transformers reads back
+    assert (loaded.sliding_window, loaded.head_dim) == ((4096, 16) if family == "gemma3"
+                                                        else (None, 128))
+    eng = check(tmp_path, d, ref)
+    if family == "gemma3":
+        assert [eng.cfg.rope_base(i) for i in range(3)] == [1e6, 1e4, 1e4]
+    else:
+        assert eng.cfg.head_dim == 128
