@@ -164,8 +164,14 @@ def _keep_typeahead(stream=None):
     without it the terminal flushes pending input on SIGINT, POSIX termios). It waits in the
     terminal's queue, and readline reads it as the start of the next message. The settings are
     restored with ``TCSADRAIN``, which keeps pending input (``TCSAFLUSH`` would drop it). Does
-    nothing when ``stream`` (default stdin) is not a terminal or termios is missing (Windows)."""
+    nothing when ``stream`` (default stdin) is not a terminal or termios is missing (Windows).
+
+    Yields ``eof``, a one-item list set to True at the end where the user typed end of input
+    (Ctrl-D on an empty line) meanwhile: in this (canonical) mode that is no character but a
+    read that returns nothing, which the terminal forgets once readline changes its mode, so it
+    is taken here (``_eof_pending``) for the caller to end the chat after the answer."""
     stream = sys.stdin if stream is None else stream
+    eof = [False]
     try:
         import termios
 
@@ -174,15 +180,36 @@ def _keep_typeahead(stream=None):
             raise OSError
         old = termios.tcgetattr(fd)
     except (ImportError, OSError, ValueError, AttributeError):  # io.UnsupportedOperation too
-        yield
+        yield eof
         return
     new = list(old)
     new[3] = (new[3] & ~termios.ECHO) | termios.NOFLSH  # lflag
     termios.tcsetattr(fd, termios.TCSADRAIN, new)
     try:
-        yield
+        yield eof
     finally:
-        termios.tcsetattr(fd, termios.TCSADRAIN, old)
+        try:
+            eof[0] = _eof_pending(fd)
+        finally:
+            termios.tcsetattr(fd, termios.TCSADRAIN, old)
+
+
+def _eof_pending(fd: int) -> bool:
+    """True (and the end of input consumed) where the terminal, in canonical mode, holds an end of
+    input and nothing before it: ``fd`` is readable (select) with no byte queued (FIONREAD 0).
+    Typed text, a whole line or a part ended by Ctrl-D, stays for readline."""
+    import fcntl
+    import select
+    import struct
+    import termios
+
+    try:
+        if not select.select([fd], [], [], 0)[0]:
+            return False
+        queued = struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+        return queued == 0 and os.read(fd, 1) == b""
+    except OSError:
+        return False
 
 
 def _read_message(prompt: str) -> str:
@@ -249,7 +276,7 @@ def repl(session: ChatSession, verbose: bool = False, out=sys.stdout, err=sys.st
             generating[0] = True
             return stop[0]
         try:
-            with _sigint_sets_flag(stop, generating), _keep_typeahead():
+            with _sigint_sets_flag(stop, generating), _keep_typeahead() as typed_eof:
                 last = session.ask(text, show, should_stop=should_stop)
         except PyinferError as e:
             print(f"error: {e}", file=err)
@@ -268,6 +295,8 @@ def repl(session: ChatSession, verbose: bool = False, out=sys.stdout, err=sys.st
             print(cut_notice(session, last), file=err)
         if verbose:
             print(format_stats(last), file=err)
+        if typed_eof[0]:  # Ctrl-D typed while the answer streamed: end, as at the prompt
+            return 0
 
 
 def describe_settings(session: ChatSession) -> str:

@@ -413,6 +413,23 @@ def test_a_whole_line_typed_ahead_is_the_next_message():
     assert child.exitstatus == 0
 
 
+def test_ctrl_d_typed_while_an_answer_streams_ends_the_chat_after_it():
+    """End of input (Ctrl-D on an empty line) typed during an answer ends the chat once the
+    answer is complete, as it does at the prompt (it was lost: the chat waited for input)."""
+    pexpect = pytest.importorskip("pexpect")
+    child = _spawn_slow()
+    try:
+        child.expect("> ")
+        child.sendline("first")
+        child.expect("w3 ")
+        child.sendeof()
+        child.expect("w19 ")
+        child.expect(pexpect.EOF, timeout=10)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0
+
+
 def test_an_answer_fills_what_the_context_has_left(smollm2_q8):
     """A message that leaves two free positions got a 1-token answer (the REPL capped answers one
     short of the context); like pyinfer-run's, the answer now runs until the context is full: the
