@@ -145,8 +145,9 @@ MAX_GRAMMAR_BYTES = 1 << 20
 
 
 def grammar_of_args(args):
-    """The ``pyinfer.grammar.Grammar`` of --grammar/--grammar-file/-j/-jf, or None; compiled once
-    here so a bad one is an error before the model loads."""
+    """The ``pyinfer.grammar.Grammar`` of --grammar/--grammar-file/-j/-jf, or None; compiled and
+    checked by llguidance here (an unknown type or ``$ref``, an unsatisfiable schema) so a bad one
+    is an error before the model loads."""
     from pyinfer.grammar import Grammar
 
     if getattr(args, "grammar_file", None):
@@ -160,7 +161,7 @@ def grammar_of_args(args):
         g = Grammar.json_schema(args.json_schema)
     else:
         return None
-    g.llguidance_grammar()
+    g.check()
     return g
 
 

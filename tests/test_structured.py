@@ -281,10 +281,14 @@ def test_cli_grammar_file_and_errors(tiny_llm, tmp_path):
     assert r.returncode == 0, r.stderr
     assert re.fullmatch(r"x[0-9]{3};", r.stdout.strip()), r.stdout
     for args, msg in ((["--grammar", "root ::= ("], "bad gbnf"), (["-j", "[1, 2]"], "JSON schema must be"),
-                      (["--grammar-file", str(tmp_path / "none")], "cannot read grammar file")):
+                      (["--grammar-file", str(tmp_path / "none")], "cannot read grammar file"),
+                      # converts, but llguidance refuses it: before the model loads too (the
+                      # prompt was echoed first)
+                      (["-j", '{"type": "nonsense"}'], "bad grammar: Invalid type")):
         r = _run(tiny_llm.model_path, "-p", "the", *args)
         assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert r.stderr.startswith("error: ") and msg in r.stderr, r.stderr
+        assert r.stdout == ""
 
 
 @pytest.mark.slow
