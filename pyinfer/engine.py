@@ -354,9 +354,12 @@ class Engine:
         (n_vocab,) logits each token was drawn from (for log-probabilities), stop token included.
         Sets ``finish_reason`` when it ends by itself: "stop" for a stop id (even one drawn at the
         context's last position) or a complete grammar, "length" for max_tokens or a full context.
+        ``ignore_eos``: the stop ids are never drawn (their logits -inf, as llama.cpp's
+        --ignore-eos biases its end-of-generation tokens).
         """
         self.finish_reason = None
         stops = set(self.tokenizer.stop_ids if stop_ids is None else stop_ids)
+        banned = np.fromiter(stops, np.int64) if ignore_eos and stops else None
         rng = np.random.default_rng(seed)
         logits = self.eval_prompt(list(prompt_tokens))
         epoch = self._epoch
@@ -365,6 +368,9 @@ class Engine:
             t0 = time.perf_counter()
             recent = self.tokens[-params.repeat_last_n:] if params.repeat_last_n > 0 else ()
             allowed = None if constraint is None else constraint.allowed()
+            if banned is not None:
+                logits = logits.copy()  # (the model's array may be a cached prompt's)
+                logits[banned] = -np.inf
             dry = params.dry_multiplier > 0
             tok = sample(logits, params, rng, recent, allowed, self.tokens if dry else (),
                          self.dry_breakers() if dry else frozenset())

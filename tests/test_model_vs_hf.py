@@ -161,5 +161,9 @@ def test_generation_stops_where_transformers_stops(tmp_path):
     assert {tok.eos_token_id, end} <= llm.engine.tokenizer.stop_ids
     got = list(llm.generate(llm.tokenize("The capital of France is"), max_tokens=8, temperature=0))
     assert got == want[:-1]  # (generate yields the text's tokens, not the end token)
+    # ignore_eos: the end tokens are never drawn (llama.cpp's --ignore-eos), the runner-up instead
+    free = list(llm.generate(llm.tokenize("The capital of France is"), max_tokens=8,
+                             temperature=0, ignore_eos=True))
+    assert len(free) == 8 and free[:3] == got and not set(free) & llm.engine.tokenizer.stop_ids
     assert json.loads(open(f"{d}/generation_config.json").read())["eos_token_id"] == [
         tok.eos_token_id, end]
