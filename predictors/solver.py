@@ -34,6 +34,8 @@ budget from the stored ``act_count`` tensors (about 0.1-0.3 s for a 7B shape, se
 """
 from __future__ import annotations
 
+import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -262,7 +264,7 @@ def _ilp(gr: _Groups, budget: int, start: np.ndarray, time_limit: float, mip_rel
     lp.a_matrix_.value_ = np.concatenate([x_value] + y_value)
     lp.integrality_ = [highspy.HighsVarType.kInteger] * n_col
 
-    h = highspy.Highs()
+    h = _quiet_highs(highspy)
     h.setOptionValue("output_flag", False)
     # FACTS.md: HiGHS presolve does nothing useful on this knapsack and ignores the time limit.
     h.setOptionValue("presolve", "off")
@@ -386,3 +388,30 @@ def solve_placement(
         solve_seconds=time.perf_counter() - t0,
         budget_bytes=budget,
     )
+
+
+def _quiet_highs(highspy):
+    """``highspy.Highs()`` with the C-level stdout (fd 1) sent to /dev/null meanwhile: the first
+    one a process makes prints HiGHS's banner there, before any option can turn output off, and
+    stdout carries a run's generated text (usage.md). C's buffers are flushed before fd 1 comes
+    back, so nothing printed meanwhile reaches the terminal later."""
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # no fd 1 (a daemon): nothing to protect
+        return highspy.Highs()
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 1)
+        h = highspy.Highs()
+        try:
+            import ctypes
+
+            ctypes.CDLL(None).fflush(None)
+        except (OSError, AttributeError, TypeError):  # no C library handle (Windows)
+            pass
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(null)
+    return h

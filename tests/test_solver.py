@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import itertools
 
+import os
+
 import numpy as np
 import pytest
 
@@ -195,3 +197,21 @@ def test_seven_b_greedy_close_to_ilp(frac, min_neurons):
     _check_valid(greedy, counts, bpn, budget, min_neurons)
     assert ilp.objective >= greedy.objective
     assert greedy.objective >= ilp.objective * (1 - 5e-3)
+
+
+def test_the_solver_writes_nothing_on_stdout():
+    """The first highspy.Highs() of a process prints HiGHS's banner on the C stdout, before any
+    option can silence it; stdout carries the generated text (a run that re-solves its split at
+    load printed the banner ahead of it). A fresh process, as that banner comes once."""
+    import subprocess
+    import sys
+
+    code = ("from predictors.solver import solve_placement\n"
+            "p = solve_placement([[60, 60], [50, 50, 50, 50]], [1, 1], 4, group_size=2,\n"
+            "                    min_neurons_per_layer=4, mip_rel_gap=0.0)\n"
+            "assert p.solver == 'ilp' and p.objective == 200\n"
+            "print('placed', flush=True)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "placed\n"
