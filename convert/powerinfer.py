@@ -63,9 +63,10 @@ class PowerInferReader(gguf.GGUFReader):
         return arr
 
 
-def open_powerinfer(path: str) -> gguf.GGUFReader:
-    """A reader over a PowerInfer file; PyinferError (one line) for a damaged or truncated one."""
-    check_gguf(path, magic=PWRI_MAGIC)
+def open_powerinfer(path: str, allow_empty: bool = False) -> gguf.GGUFReader:
+    """A reader over a PowerInfer file; PyinferError (one line) for a damaged or truncated one.
+    allow_empty: tensors of 0 elements pass (``check_gguf``), as in a GPU split file."""
+    check_gguf(path, magic=PWRI_MAGIC, allow_empty=allow_empty)
     try:
         reader = PowerInferReader(path, "r")
     except Exception as e:  # gguf-py raises ValueError/IndexError/... on damaged files
@@ -93,7 +94,8 @@ def read_gpuidx(path: str, n_layer: int, n_ff: int) -> tuple[int, list[np.ndarra
     from a ``.generated.gpuidx`` file. Raises PyinferError for a damaged file, a layer count or
     n_ff that does not fit the model, a mask that is not 0/1, or a bucket that is not the mask's
     sorted hot ids."""
-    reader = open_powerinfer(path) if is_powerinfer(path) else None
+    # (upstream's export_split writes every layer's gpu_bucket, empty where no neuron is hot)
+    reader = open_powerinfer(path, allow_empty=True) if is_powerinfer(path) else None
     if reader is None:
         raise PyinferError(f"{path} is not a PowerInfer GPU split file (no PWRI magic)")
     cap = reader.fields.get(K_SPLIT_VRAM_CAPACITY)

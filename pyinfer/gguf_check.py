@@ -49,8 +49,9 @@ _MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8  # empty name, n_dims, one dim, type,
 class _Scanner:
     """A cursor over the file's bytes; every read checks that the bytes are there."""
 
-    def __init__(self, buf, size: int, path: str, magic: bytes = b"GGUF"):
+    def __init__(self, buf, size: int, path: str, magic: bytes = b"GGUF", allow_empty: bool = False):
         self.buf, self.size, self.path, self.magic = buf, size, path, magic
+        self.allow_empty = allow_empty
         self.pos = 0
         self.order = "<"
         self.n_values = 0
@@ -218,7 +219,7 @@ class _Scanner:
         dims = [self.u64(f"dimension {d} of {what}") for d in range(n_dims)]
         n_elements = 1
         for d in dims:
-            if d == 0:
+            if d == 0 and not self.allow_empty:
                 self.fail(f"{what} has a dimension of 0 {tuple(dims)}")
             n_elements *= d
         if n_elements > _INT64_MAX:
@@ -239,11 +240,13 @@ class _Scanner:
         return offset, n_elements // block * type_bytes
 
 
-def check_gguf(path: str, magic: bytes = b"GGUF") -> None:
+def check_gguf(path: str, magic: bytes = b"GGUF", allow_empty: bool = False) -> None:
     """Raise PyinferError unless ``path`` is a structurally sound GGUF file.
 
     ``magic``: the 4 bytes the file must start with (upstream PowerInfer's files carry ``PWRI``
     in place of ``GGUF`` and are GGUF in every other byte: convert/powerinfer.py).
+    ``allow_empty``: tensors of 0 elements pass (upstream's GPU split files write an empty
+    ``gpu_bucket`` for a layer without GPU neurons; ggml reads them).
 
     Checks, each against the bytes the file really has: magic and version; key/value and tensor
     counts; every key (UTF-8, unique), value type (known, no nested arrays), string length and
@@ -259,4 +262,4 @@ def check_gguf(path: str, magic: bytes = b"GGUF") -> None:
         if size == 0:
             raise PyinferError(f"{path} is not a valid GGUF file: the file is empty")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            _Scanner(buf, size, path, magic).run()
+            _Scanner(buf, size, path, magic, allow_empty).run()

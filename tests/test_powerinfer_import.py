@@ -109,7 +109,9 @@ def write_powerinfer(model_dir: str, out: str, threshold: float | None = THRESHO
 
 
 def write_gpuidx(path: str, seed: int = 1) -> list[np.ndarray]:
-    """A GPU split file; returns the per-layer masks. Layer 1 has no GPU neuron (no bucket)."""
+    """A GPU split file as upstream's powerinfer-py ``export_split`` writes it (gpu_idx and
+    gpu_bucket for every layer); returns the per-layer masks. Layer 1 has no GPU neuron: its
+    bucket is empty (torch.topk of 0 there; ggml reads a tensor of 0 elements)."""
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(path, "generic.gpu_index")
     masks = []
@@ -117,8 +119,8 @@ def write_gpuidx(path: str, seed: int = 1) -> list[np.ndarray]:
         mask = (rng.random(N_FF) < 0.3).astype(np.int32) if i == 0 else np.zeros(N_FF, np.int32)
         masks.append(mask)
         w.add_tensor(f"blk.{i}.gpu_idx", mask, raw_dtype=QT.I32)
-        if mask.any():
-            w.add_tensor(f"blk.{i}.gpu_bucket", np.flatnonzero(mask).astype(np.int32), raw_dtype=QT.I32)
+        bucket = np.flatnonzero(mask).astype(np.int32)
+        w.add_tensor(f"blk.{i}.gpu_bucket", bucket, raw_shape=bucket.shape, raw_dtype=QT.I32)
     w.add_block_count(N_LAYER)
     w.add_uint64("split.vram_capacity", VRAM_CAPACITY)
     _write(w)
