@@ -1183,12 +1183,32 @@ def decode_attn(float[::1] x, const float[::1] attn_norm, float eps,
     cdef const float *ppost = _opt_ptr(post_norm, n_embd, "decode_attn post_norm")
     if window < 0:
         raise ValueError(f"decode_attn: window {window} < 0")
+    cdef const uint8_t *ws[4]
+    cdef int qts[4]
+    cdef Py_ssize_t strides[4]
+    ws[0], ws[1], ws[2], ws[3] = &wq[0, 0], &wk[0, 0], &wv[0, 0], &wo[0, 0]
+    qts[0], qts[1], qts[2], qts[3] = tq, tk, tv, to
+    strides[0], strides[1], strides[2], strides[3] = wq.shape[1], wk.shape[1], wv.shape[1], wo.shape[1]
+    with nogil:
+        _decode_attn_raw(&x[0], &attn_norm[0], eps, n_embd, ws, qts, strides, &k_cache[0, 0, 0],
+                         &v_cache[0, 0, 0], kv_f16, n_kv, hd, n_past, n_head, freq_base,
+                         n_threads, div, pbq, pbk, pbv, pqn, pkn, q_scale, window, ppost)
+
+
+cdef void _decode_attn_raw(float *x, const float *attn_norm, float eps, int n_embd,
+                           const uint8_t **ws, const int *qts, const Py_ssize_t *strides,
+                           uint16_t *kc, uint16_t *vc, int kv_f16, Py_ssize_t n_kv, Py_ssize_t hd,
+                           Py_ssize_t n_past, int n_head, double freq_base, int n_threads,
+                           const float *div, const float *pbq, const float *pbk, const float *pbv,
+                           const float *pqn, const float *pkn, float q_scale, Py_ssize_t window,
+                           const float *ppost) noexcept nogil:
+    """decode_attn's work over checked pointers (decode_layers_rows runs it for every layer):
+    ws / qts / strides the raw rows, types and row bytes of wq, wk, wv, wo; kc, vc row 0 of the
+    layer's caches (uint16 units, _kv_width values a float); optional vectors NULL."""
     # the rows the query sees: 0..n_past, or the window's last ones (families.attention_window)
     cdef Py_ssize_t first_row = n_past + 1 - window if 0 < window <= n_past else 0
+    cdef Py_ssize_t nq = n_head * hd, nkv = n_kv * hd, kvw = _kv_width(kv_f16)
     cdef double *inv_freq = NULL
-    cdef const uint8_t *ws[3]
-    cdef int qts[3]
-    cdef Py_ssize_t strides[3]
     cdef Py_ssize_t rows[3]
     cdef float *outs[3]
     cdef float *buf
@@ -1199,66 +1219,54 @@ def decode_attn(float[::1] x, const float[::1] attn_norm, float eps,
     cdef float *kv
     cdef Py_ssize_t i, n_att = n_past + 1 - first_row
     cdef float scale = 1.0 / sqrtf(<float> hd)
-    with nogil:
-        buf = <float *> malloc((2 * n_embd + 2 * nq + hd + 2 * nkv) * sizeof(float))
-        h = buf
-        y = h + n_embd
-        q = y + n_embd
-        att = q + nq
-        kv = att + nq + hd
-        _rmsnorm1(&x[0], &attn_norm[0], eps, h, n_embd)
-        ws[0] = &wq[0, 0]
-        ws[1] = &wk[0, 0]
-        ws[2] = &wv[0, 0]
-        qts[0] = tq
-        qts[1] = tk
-        qts[2] = tv
-        strides[0] = wq.shape[1]
-        strides[1] = wk.shape[1]
-        strides[2] = wv.shape[1]
-        rows[0] = nq
-        rows[1] = nkv
-        rows[2] = nkv
-        outs[0] = q
-        outs[1] = kv
-        outs[2] = kv + nkv
-        _multi_matvec(3, ws, qts, strides, rows, n_embd, h, outs, n_threads)
-        _add_bias(q, pbq, nq)
-        _add_bias(kv, pbk, nkv)
-        _add_bias(kv + nkv, pbv, nkv)
-        if pqn != NULL:
-            for i in range(n_head):
-                _rmsnorm1(q + i * hd, pqn, eps, q + i * hd, <int> hd)
-        if pkn != NULL:
-            for i in range(n_kv):
-                _rmsnorm1(kv + i * hd, pkn, eps, kv + i * hd, <int> hd)
-        if div == NULL:
-            _rope1(q, n_head, hd, n_past, freq_base, hd, att, att + hd // 2)
-        else:
-            inv_freq = <double *> malloc((hd // 2) * sizeof(double))
-            for i in range(hd // 2):  # families.rope_scaled's frequencies, in double
-                inv_freq[i] = pow(freq_base, -2.0 * i / hd) / <double> div[i]
-            _rope1_tab(q, n_head, hd, n_past, inv_freq, hd, att, att + hd // 2)
-            free(inv_freq)
-        # K turns by the same angles: reuse the cos/sin the rope left in att (same bits, half
-        # the libm calls)
-        _rope_rotate(kv, n_kv, hd, hd // 2, att, att + hd // 2)
-        if q_scale != 1.0:
-            for i in range(nq):
-                q[i] *= q_scale
-        _kv_store(kv, &k_cache[0, 0, 0], n_past * nkv, kv_f16, nkv)
-        _kv_store(kv + nkv, &v_cache[0, 0, 0], n_past * nkv, kv_f16, nkv)
+    buf = <float *> malloc((2 * n_embd + 2 * nq + hd + 2 * nkv) * sizeof(float))
+    h = buf
+    y = h + n_embd
+    q = y + n_embd
+    att = q + nq
+    kv = att + nq + hd
+    _rmsnorm1(x, attn_norm, eps, h, n_embd)
+    rows[0] = nq
+    rows[1] = nkv
+    rows[2] = nkv
+    outs[0] = q
+    outs[1] = kv
+    outs[2] = kv + nkv
+    _multi_matvec(3, ws, qts, strides, rows, n_embd, h, outs, n_threads)
+    _add_bias(q, pbq, nq)
+    _add_bias(kv, pbk, nkv)
+    _add_bias(kv + nkv, pbv, nkv)
+    if pqn != NULL:
+        for i in range(n_head):
+            _rmsnorm1(q + i * hd, pqn, eps, q + i * hd, <int> hd)
+    if pkn != NULL:
+        for i in range(n_kv):
+            _rmsnorm1(kv + i * hd, pkn, eps, kv + i * hd, <int> hd)
+    if div == NULL:
+        _rope1(q, n_head, hd, n_past, freq_base, hd, att, att + hd // 2)
+    else:
+        inv_freq = <double *> malloc((hd // 2) * sizeof(double))
+        for i in range(hd // 2):  # families.rope_scaled's frequencies, in double
+            inv_freq[i] = pow(freq_base, -2.0 * i / hd) / <double> div[i]
+        _rope1_tab(q, n_head, hd, n_past, inv_freq, hd, att, att + hd // 2)
+        free(inv_freq)
+    # K turns by the same angles: reuse the cos/sin the rope left in att (same bits, half
+    # the libm calls)
+    _rope_rotate(kv, n_kv, hd, hd // 2, att, att + hd // 2)
+    if q_scale != 1.0:
+        for i in range(nq):
+            q[i] *= q_scale
+    _kv_store(kv, kc, n_past * nkv, kv_f16, nkv)
+    _kv_store(kv + nkv, vc, n_past * nkv, kv_f16, nkv)
     # one pass over the cache rows for the scores, then each thread's heads (attend.h)
-    with nogil:
-        _attend_decode(q, &k_cache[first_row, 0, 0], &v_cache[first_row, 0, 0], kv_f16, n_att,
-                       <int> hd, n_head, <int> n_kv, scale, att, n_threads)
-    with nogil:
-        _matvec1(&wo[0, 0], to, wo.shape[1], n_embd, nq, att, y, n_threads)
-        if ppost != NULL:
-            _rmsnorm1(y, ppost, eps, y, n_embd)
-        for i in range(n_embd):
-            x[i] += y[i]
-        free(buf)
+    _attend_decode(q, kc + first_row * nkv * kvw, vc + first_row * nkv * kvw, kv_f16, n_att,
+                   <int> hd, n_head, <int> n_kv, scale, att, n_threads)
+    _matvec1(ws[3], qts[3], strides[3], n_embd, nq, att, y, n_threads)
+    if ppost != NULL:
+        _rmsnorm1(y, ppost, eps, y, n_embd)
+    for i in range(n_embd):
+        x[i] += y[i]
+    free(buf)
 
 
 def decode_ffn(float[::1] x, const float[::1] ffn_norm, float eps,
@@ -1366,6 +1374,17 @@ def decode_ffn_rows(float[::1] x, const float[::1] ffn_norm, float eps,
     _check_len(wg.shape[0], n_ff, "decode_ffn_rows gate rows")
     _check_len(wu.shape[0], n_ff, "decode_ffn_rows up rows")
     _check_len(wd.shape[0], n_embd, "decode_ffn_rows down rows")
+    with nogil:
+        _decode_ffn_rows_raw(&x[0], &ffn_norm[0], eps, n_embd, &wg[0, 0], tg, wg.shape[1],
+                             &wu[0, 0], tu, wu.shape[1], &wd[0, 0], td, wd.shape[1], n_ff, silu,
+                             n_threads)
+
+
+cdef void _decode_ffn_rows_raw(float *x, const float *ffn_norm, float eps, int n_embd,
+                               const uint8_t *wg, int tg, Py_ssize_t sg, const uint8_t *wu, int tu,
+                               Py_ssize_t su, const uint8_t *wd, int td, Py_ssize_t sd,
+                               Py_ssize_t n_ff, int silu, int n_threads) noexcept nogil:
+    """decode_ffn_rows' work over checked pointers (s*: the matrices' row bytes)."""
     cdef float *buf
     cdef float *h
     cdef float *y
@@ -1373,25 +1392,162 @@ def decode_ffn_rows(float[::1] x, const float[::1] ffn_norm, float eps,
     cdef float *u
     cdef float a
     cdef Py_ssize_t j
+    buf = <float *> malloc((2 * n_embd + 2 * n_ff) * sizeof(float))
+    h = buf
+    y = h + n_embd
+    g = y + n_embd
+    u = g + n_ff
+    _rmsnorm1(x, ffn_norm, eps, h, n_embd)
+    _gate_up_matvec(2, wg, tg, sg, wu, tu, su, n_ff, n_embd, h, g, u, n_threads)
+    for j in range(n_ff):  # silu_mul's / relu_mul's expressions, so the same bits
+        a = g[j]
+        if silu:
+            g[j] = a / (1.0 + expf(-a)) * u[j]
+        else:
+            g[j] = (a if a > 0.0 else 0.0) * u[j]
+    _matvec1(wd, td, sd, n_embd, <int> n_ff, g, y, n_threads)
+    for j in range(n_embd):
+        x[j] += y[j]
+    free(buf)
+
+
+DEF DENSE_MATS = 7  # wq, wk, wv, wo, gate, up, down
+DEF DENSE_VECS = 7  # attn_norm, ffn_norm, bq, bk, bv, q_norm, k_norm
+
+
+cdef class DenseDecodePlan:
+    """The per-layer weights of a dense Llama-shaped model whose ffn_down is in llama.cpp's row
+    layout (a llama.cpp file, a ``--dense`` file) as raw pointers, checked once, for
+    ``decode_layers_rows``: one call per token instead of two calls and about 17 memoryview
+    acquisitions per layer (about 7 us a layer of Python and argument work, session 37).
+    Holds references to every array it points into.
+
+    layers: one tuple per layer (attn_norm (n_embd,) f32, wq raw, type, wk raw, type, wv raw,
+    type, wo raw, type, ffn_norm (n_embd,) f32, gate raw, type, up raw, type, down raw, type,
+    bq, bk, bv (f32 or None), q_norm, k_norm ((head_dim,) f32 or None)): the arguments of
+    decode_attn and decode_ffn_rows; freq_base (n_layer,) f64 each layer's RoPE base; rope_div
+    (hd/2,) f32 or None. ValueError on shapes that do not fit (those two functions' checks)."""
+    cdef readonly int n_layer, n_embd, n_head, n_kv, hd, n_ff
+    cdef float eps
+    cdef int silu
+    cdef const float *div
+    cdef const uint8_t **w
+    cdef Py_ssize_t *stride
+    cdef int *qtype
+    cdef const float **vec
+    cdef double *base
+    cdef list _keep
+
+    def __cinit__(self, list layers, int n_head, int n_kv, int hd, float eps,
+                  const double[::1] freq_base, int silu, const float[::1] rope_div=None):
+        cdef int n = len(layers), i, k
+        cdef const uint8_t[:, ::1] wv
+        cdef const float[::1] fv
+        self.w = NULL
+        self.stride = NULL
+        self.qtype = NULL
+        self.vec = NULL
+        self.base = NULL
+        if n == 0 or n_kv <= 0 or n_head % n_kv or hd % 2:
+            raise ValueError("DenseDecodePlan: no layers, or heads that do not fit")
+        _check_len(freq_base.shape[0], n, "DenseDecodePlan freq_base")
+        self.n_layer, self.n_head, self.n_kv, self.hd = n, n_head, n_kv, hd
+        self.eps, self.silu = eps, silu
+        self._keep = [list(layers), rope_div]
+        self.div = _opt_ptr(rope_div, hd // 2, "DenseDecodePlan rope_div")
+        self.w = <const uint8_t **> malloc(DENSE_MATS * n * sizeof(uint8_t *))
+        self.stride = <Py_ssize_t *> malloc(DENSE_MATS * n * sizeof(Py_ssize_t))
+        self.qtype = <int *> malloc(DENSE_MATS * n * sizeof(int))
+        self.vec = <const float **> malloc(DENSE_VECS * n * sizeof(float *))
+        self.base = <double *> malloc(n * sizeof(double))
+        if not (self.w and self.stride and self.qtype and self.vec and self.base):
+            raise MemoryError()
+        cdef Py_ssize_t nq = n_head * hd, nkv = n_kv * hd, n_embd = -1, n_ff = -1
+        cdef Py_ssize_t outs[DENSE_MATS]
+        for i in range(n):
+            lt = layers[i]
+            if len(lt) != 21:
+                raise ValueError("DenseDecodePlan: each layer needs 21 entries")
+            fv = lt[0]
+            if n_embd < 0:
+                n_embd = fv.shape[0]
+                wv = lt[10]  # gate (n_ff, ...)
+                n_ff = wv.shape[0]
+            _check_len(fv.shape[0], n_embd, "DenseDecodePlan attn_norm")
+            self.vec[DENSE_VECS * i] = &fv[0]
+            fv = lt[9]
+            _check_len(fv.shape[0], n_embd, "DenseDecodePlan ffn_norm")
+            self.vec[DENSE_VECS * i + 1] = &fv[0]
+            outs[0], outs[1], outs[2], outs[3] = nq, nkv, nkv, n_embd
+            outs[4], outs[5], outs[6] = n_ff, n_ff, n_embd
+            for k in range(DENSE_MATS):  # (raw, type) pairs at 1, 3, 5, 7 and 10, 12, 14
+                wv = lt[(1, 3, 5, 7, 10, 12, 14)[k]]
+                self.qtype[DENSE_MATS * i + k] = int(lt[(2, 4, 6, 8, 11, 13, 15)[k]])
+                _check_w(wv, self.qtype[DENSE_MATS * i + k],
+                         <int> (nq if k == 3 else (n_ff if k == 6 else n_embd)))
+                _check_len(wv.shape[0], outs[k], "DenseDecodePlan matrix rows")
+                self.w[DENSE_MATS * i + k] = &wv[0, 0]
+                self.stride[DENSE_MATS * i + k] = wv.shape[1]
+            self.vec[DENSE_VECS * i + 2] = _opt_ptr(lt[16], nq, "DenseDecodePlan bq")
+            self.vec[DENSE_VECS * i + 3] = _opt_ptr(lt[17], nkv, "DenseDecodePlan bk")
+            self.vec[DENSE_VECS * i + 4] = _opt_ptr(lt[18], nkv, "DenseDecodePlan bv")
+            self.vec[DENSE_VECS * i + 5] = _opt_ptr(lt[19], hd, "DenseDecodePlan q_norm")
+            self.vec[DENSE_VECS * i + 6] = _opt_ptr(lt[20], hd, "DenseDecodePlan k_norm")
+            self.base[i] = freq_base[i]
+        self.n_embd, self.n_ff = <int> n_embd, <int> n_ff
+
+    def __dealloc__(self):
+        free(self.w)
+        free(self.stride)
+        free(self.qtype)
+        free(self.vec)
+        free(self.base)
+
+
+def decode_layers_rows(DenseDecodePlan plan, float[::1] x, uint16_t[:, :, :, ::1] k_cache,
+                       uint16_t[:, :, :, ::1] v_cache, int kv_f16, int n_past, int first,
+                       int n_threads):
+    """Layers first .. n_layer - 1 of one token of a dense model, in place on x (n_embd,) f32:
+    per layer decode_attn then decode_ffn_rows over the plan's pointers (the same work, so the
+    same bits) in one call. k_cache, v_cache (n_layer, n_ctx, n_head_kv, head_dim) as
+    ``decode_attn`` takes each layer's (uint16: f16 values with kv_f16, else f32, the last axis
+    2 head_dim), row n_past of each layer written. ValueError on shapes that do not fit."""
+    cdef int L = plan.n_layer, l
+    cdef Py_ssize_t hd = plan.hd, n_kv = plan.n_kv, layer
+    _check_len(x.shape[0], plan.n_embd, "decode_layers_rows x")
+    if (k_cache.shape[0] != L or v_cache.shape[0] != L or k_cache.shape[1] != v_cache.shape[1]
+            or k_cache.shape[2] != n_kv or v_cache.shape[2] != n_kv
+            or k_cache.shape[3] != hd * _kv_width(kv_f16) or v_cache.shape[3] != k_cache.shape[3]):
+        raise ValueError("decode_layers_rows: cache shapes do not match the plan")
+    if n_past < 0 or n_past >= k_cache.shape[1]:
+        raise ValueError(f"decode_layers_rows: position {n_past} outside the cache "
+                         f"({k_cache.shape[1]})")
+    if first < 0 or first > L:
+        raise ValueError(f"decode_layers_rows: first layer {first} outside 0..{L}")
+    if first == L:
+        return
+    layer = k_cache.shape[1] * n_kv * hd * _kv_width(kv_f16)  # uint16 units a layer
+    cdef uint16_t *kc = &k_cache[0, 0, 0, 0]
+    cdef uint16_t *vc = &v_cache[0, 0, 0, 0]
+    cdef const uint8_t **w = plan.w
+    cdef Py_ssize_t *st = plan.stride
+    cdef int *qt = plan.qtype
+    cdef const float **vec = plan.vec
     with nogil:
-        buf = <float *> malloc((2 * n_embd + 2 * n_ff) * sizeof(float))
-        h = buf
-        y = h + n_embd
-        g = y + n_embd
-        u = g + n_ff
-        _rmsnorm1(&x[0], &ffn_norm[0], eps, h, n_embd)
-        _gate_up_matvec(2, &wg[0, 0], tg, wg.shape[1], &wu[0, 0], tu, wu.shape[1], n_ff, n_embd, h,
-                        g, u, n_threads)
-        for j in range(n_ff):  # silu_mul's / relu_mul's expressions, so the same bits
-            a = g[j]
-            if silu:
-                g[j] = a / (1.0 + expf(-a)) * u[j]
-            else:
-                g[j] = (a if a > 0.0 else 0.0) * u[j]
-        _matvec1(&wd[0, 0], td, wd.shape[1], n_embd, n_ff, g, y, n_threads)
-        for j in range(n_embd):
-            x[j] += y[j]
-        free(buf)
+        for l in range(first, L):
+            _decode_attn_raw(&x[0], vec[DENSE_VECS * l], plan.eps, plan.n_embd,
+                             w + DENSE_MATS * l, qt + DENSE_MATS * l, st + DENSE_MATS * l,
+                             kc + l * layer, vc + l * layer, kv_f16, n_kv, hd, n_past,
+                             plan.n_head, plan.base[l], n_threads, plan.div,
+                             vec[DENSE_VECS * l + 2], vec[DENSE_VECS * l + 3],
+                             vec[DENSE_VECS * l + 4], vec[DENSE_VECS * l + 5],
+                             vec[DENSE_VECS * l + 6], 1.0, 0, NULL)
+            _decode_ffn_rows_raw(&x[0], vec[DENSE_VECS * l + 1], plan.eps, plan.n_embd,
+                                 w[DENSE_MATS * l + 4], qt[DENSE_MATS * l + 4],
+                                 st[DENSE_MATS * l + 4], w[DENSE_MATS * l + 5],
+                                 qt[DENSE_MATS * l + 5], st[DENSE_MATS * l + 5],
+                                 w[DENSE_MATS * l + 6], qt[DENSE_MATS * l + 6],
+                                 st[DENSE_MATS * l + 6], plan.n_ff, plan.silu, n_threads)
 
 
 # ---------------------------------------------------------------- input sparsity (TEAL / WINA)

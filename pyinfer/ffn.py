@@ -163,6 +163,12 @@ class FFNStats:
         """Fraction of FFN neurons skipped (0 for dense)."""
         return 1.0 - self.active / self.total if self.total else 0.0
 
+    def count_dense(self, n_layers: int, n_ff: int) -> None:
+        """One token's layers with every neuron computed (``DenseFFN.decode`` per layer)."""
+        self.total += n_layers * n_ff
+        self.active += n_layers * n_ff
+        self.candidates += n_layers * n_ff
+
 
 class DenseFFN:
     """Every neuron of every token."""
@@ -211,9 +217,7 @@ class DenseFFN:
         else:
             cpu.decode_ffn(x, lw.ffn_norm, eps, lw.ffn_gate, lw.ffn_up, lw.ffn_down_t,
                            cpu.FFN_DENSE, self.cfg.hidden_act == "silu", 0.0, n_threads)
-        self.stats.total += n_ff
-        self.stats.active += n_ff
-        self.stats.candidates += n_ff
+        self.stats.count_dense(1, n_ff)
         return True
 
 

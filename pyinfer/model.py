@@ -10,7 +10,7 @@ import numpy as np
 
 from pyinfer.config import ModelConfig
 from pyinfer.errors import PyinferError
-from pyinfer.ffn import DenseFFN, linear, linear_many
+from pyinfer.ffn import DenseFFN, _llama_ffn, linear, linear_many
 from pyinfer.kv_cache import CACHE_TYPE_AUTO, KVCache, cache_dtype
 from pyinfer.ops import cpu
 from pyinfer.ops import families as fam
@@ -61,6 +61,11 @@ class Model:
                         else np.float32(1.0))
         if self.input_sparse is not None:
             self.input_sparse.rope_freqs = weights.rope_freqs
+        # a dense model's token in one kernel call (``cpu.decode_layers_rows``; built at the first
+        # token, False where it does not apply); a tool that wraps the half-layer methods sets
+        # whole_token False
+        self.whole_token = True
+        self._rows_plan = None
         if cfg.positions == "learned" and n_ctx > weights.pos_embd.rows:
             raise PyinferError(f"a context of {n_ctx} exceeds the {weights.pos_embd.rows} learned "
                                "positions of this model (-c/--ctx-size)")
@@ -231,6 +236,11 @@ class Model:
             self.input_sparse.decode_layers(w.layers, xv, self.cache.k, self.cache.v, n_past,
                                             first, nt)
             return x
+        plan = self._dense_rows_plan() if self.whole_token else None
+        if plan:  # one kernel call: _decode_attn and DenseFFN.decode of every layer
+            cpu.decode_layers_rows(plan, xv, self.cache.k, self.cache.v, n_past, first, nt)
+            self.ffn.stats.count_dense(cfg.n_layer - first, cfg.n_ff)
+            return x
         h = y = None
         for i in range(first, cfg.n_layer):
             lw = w.layers[i]
@@ -246,6 +256,23 @@ class Model:
                 self.ffn(lw, i, x, h, y, nt)
                 x += y
         return x
+
+    def _dense_rows_plan(self):
+        """``cpu.dense_decode_plan`` of a dense model whose every layer ``_decode_attn`` and
+        ``DenseFFN.decode`` over ffn_down's rows compute (a llama.cpp or ``--dense`` file of a
+        Llama-shaped model), made once; False where that is not the case."""
+        if self._rows_plan is None:
+            cfg, w = self.cfg, self.w
+            # (llama_fused: no window, score scale or post-norm, which the plan leaves out)
+            ok = (type(self.ffn) is DenseFFN and self.input_sparse is None and self.llama_fused
+                  and all(lw.ffn_down_t is None and _llama_ffn(cfg, lw) for lw in w.layers))
+            self._rows_plan = ok and cpu.dense_decode_plan(
+                [(lw.attn_norm, lw.wq, lw.wk, lw.wv, lw.wo, lw.ffn_norm, lw.ffn_gate, lw.ffn_up,
+                  lw.ffn_down, lw.bq, lw.bk, lw.bv, lw.attn_q_norm, lw.attn_k_norm)
+                 for lw in w.layers], cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.rms_eps,
+                [cfg.rope_base(i) for i in range(cfg.n_layer)], cfg.hidden_act == "silu",
+                w.rope_freqs)
+        return self._rows_plan
 
     def logits(self, x: np.ndarray, all_logits: bool = False) -> np.ndarray:
         """Final norm and output projection: (n_vocab,) of the last row, or (n_tok, n_vocab).

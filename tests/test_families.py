@@ -831,3 +831,29 @@ def test_config_keys_left_to_transformers_defaults(tmp_path, family):
         assert [eng.cfg.rope_base(i) for i in range(3)] == [1e6, 1e4, 1e4]
     else:
         assert eng.cfg.head_dim == 128
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama3", "qwen3"])
+def test_dense_token_in_one_call_equals_the_layer_calls(tmp_path, family):
+    """A dense file (ffn_down in row layout) decodes a token in one kernel call
+    (``cpu.decode_layers_rows`` over a plan of every layer's pointers): bit for bit the
+    per-layer calls (``cpu.decode_attn`` + ``decode_ffn_rows``) with Qwen2's biases, Llama 3's
+    RoPE divisors and Qwen3's head norms, for f16 and f32 caches, 1-3 threads and a start past
+    layer 0 (the hybrid's CPU layers); the FFN counters the same."""
+    d, ref = tiny_qwen2_or_llama3(tmp_path, family, "rows")
+    path = convert(d, tmp_path)  # --dense: row-layout ffn_down
+    for cache, n_threads in (("f16", 1), ("f32", 2), ("f16", 3)):
+        got = {}
+        for whole in (True, False):
+            eng = Engine(path, n_ctx=64, n_threads=n_threads, cache_type=cache)
+            m = eng.model
+            m.whole_token = whole
+            m.forward(PROMPT[:3], 0)
+            steps = [m.forward([PROMPT[i]], i) for i in range(3, len(PROMPT))]
+            x = np.random.default_rng(0).standard_normal((1, eng.cfg.n_embd)).astype(np.float32)
+            m.run_layers(x, len(PROMPT), first=1)  # layers 1.. only, as GpuModel hands them over
+            got[whole] = (np.array(steps), x, m.cache.k.copy(), m.ffn.stats.total)
+            assert bool(m._rows_plan) == whole
+        for a, b in zip(got[True], got[False]):
+            np.testing.assert_array_equal(a, b)
+    assert rel_err(got[True][0], ref[3:]) < TOL
