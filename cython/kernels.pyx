@@ -1358,6 +1358,11 @@ def decode_ffn(float[::1] x, const float[::1] ffn_norm, float eps,
     return n
 
 
+DEF ACT_RELU = 0  # _decode_ffn_rows_raw's activations
+DEF ACT_SILU = 1
+DEF ACT_GELU_TANH = 2
+
+
 def decode_ffn_rows(float[::1] x, const float[::1] ffn_norm, float eps,
                     const uint8_t[:, ::1] wg, int tg, const uint8_t[:, ::1] wu, int tu,
                     const uint8_t[:, ::1] wd, int td, int n_ff, int silu, int n_threads):
@@ -1376,15 +1381,19 @@ def decode_ffn_rows(float[::1] x, const float[::1] ffn_norm, float eps,
     _check_len(wd.shape[0], n_embd, "decode_ffn_rows down rows")
     with nogil:
         _decode_ffn_rows_raw(&x[0], &ffn_norm[0], eps, n_embd, &wg[0, 0], tg, wg.shape[1],
-                             &wu[0, 0], tu, wu.shape[1], &wd[0, 0], td, wd.shape[1], n_ff, silu,
-                             n_threads)
+                             &wu[0, 0], tu, wu.shape[1], &wd[0, 0], td, wd.shape[1], n_ff,
+                             ACT_SILU if silu else ACT_RELU, NULL, n_threads)
 
 
 cdef void _decode_ffn_rows_raw(float *x, const float *ffn_norm, float eps, int n_embd,
                                const uint8_t *wg, int tg, Py_ssize_t sg, const uint8_t *wu, int tu,
                                Py_ssize_t su, const uint8_t *wd, int td, Py_ssize_t sd,
-                               Py_ssize_t n_ff, int silu, int n_threads) noexcept nogil:
-    """decode_ffn_rows' work over checked pointers (s*: the matrices' row bytes)."""
+                               Py_ssize_t n_ff, int act, const float *post,
+                               int n_threads) noexcept nogil:
+    """decode_ffn_rows' work over checked pointers (s*: the matrices' row bytes); act ACT_RELU,
+    ACT_SILU or ACT_GELU_TANH (Gemma's: pi_gelu_tanh, ``cpu.gelu_tanh``'s bits, times up as
+    ``ffn_coef``'s ``up *= a``); post (n_embd,) or NULL: Gemma 3's RMSNorm of the output before
+    the residual add (``Model.run_layers``' ffn_post_norm)."""
     cdef float *buf
     cdef float *h
     cdef float *y
@@ -1399,47 +1408,59 @@ cdef void _decode_ffn_rows_raw(float *x, const float *ffn_norm, float eps, int n
     u = g + n_ff
     _rmsnorm1(x, ffn_norm, eps, h, n_embd)
     _gate_up_matvec(2, wg, tg, sg, wu, tu, su, n_ff, n_embd, h, g, u, n_threads)
-    for j in range(n_ff):  # silu_mul's / relu_mul's expressions, so the same bits
-        a = g[j]
-        if silu:
-            g[j] = a / (1.0 + expf(-a)) * u[j]
-        else:
-            g[j] = (a if a > 0.0 else 0.0) * u[j]
+    if act == ACT_GELU_TANH:
+        pi_gelu_tanh(g, g, n_ff)
+        for j in range(n_ff):
+            g[j] = u[j] * g[j]
+    else:
+        for j in range(n_ff):  # silu_mul's / relu_mul's expressions, so the same bits
+            a = g[j]
+            if act == ACT_SILU:
+                g[j] = a / (1.0 + expf(-a)) * u[j]
+            else:
+                g[j] = (a if a > 0.0 else 0.0) * u[j]
     _matvec1(wd, td, sd, n_embd, <int> n_ff, g, y, n_threads)
+    if post != NULL:
+        _rmsnorm1(y, post, eps, y, n_embd)
     for j in range(n_embd):
         x[j] += y[j]
     free(buf)
 
 
 DEF DENSE_MATS = 7  # wq, wk, wv, wo, gate, up, down
-DEF DENSE_VECS = 7  # attn_norm, ffn_norm, bq, bk, bv, q_norm, k_norm
+DEF DENSE_VECS = 9  # attn_norm, ffn_norm, bq, bk, bv, q_norm, k_norm, attn_post, ffn_post
 
 
 cdef class DenseDecodePlan:
-    """The per-layer weights of a dense Llama-shaped model whose ffn_down is in llama.cpp's row
-    layout (a llama.cpp file, a ``--dense`` file) as raw pointers, checked once, for
-    ``decode_layers_rows``: one call per token instead of two calls and about 17 memoryview
-    acquisitions per layer (about 7 us a layer of Python and argument work, session 37).
-    Holds references to every array it points into.
+    """The per-layer weights of a dense model whose ffn_down is in llama.cpp's row layout (a
+    llama.cpp file, a ``--dense`` file: Llama-shaped, or Gemma 3 / windowed Mistral and Qwen2,
+    whose attention half ``decode_attn`` computes) as raw pointers, checked once, for
+    ``decode_layers_rows``: one call per token instead of two calls (Gemma: about ten) and about
+    17 memoryview acquisitions per layer (about 7 us a layer of Python and argument work,
+    session 37). Holds references to every array it points into.
 
     layers: one tuple per layer (attn_norm (n_embd,) f32, wq raw, type, wk raw, type, wv raw,
     type, wo raw, type, ffn_norm (n_embd,) f32, gate raw, type, up raw, type, down raw, type,
-    bq, bk, bv (f32 or None), q_norm, k_norm ((head_dim,) f32 or None)): the arguments of
-    decode_attn and decode_ffn_rows; freq_base (n_layer,) f64 each layer's RoPE base; rope_div
-    (hd/2,) f32 or None. ValueError on shapes that do not fit (those two functions' checks)."""
+    bq, bk, bv (f32 or None), q_norm, k_norm ((head_dim,) f32 or None), attn_post_norm,
+    ffn_post_norm ((n_embd,) f32 or None), window (int, 0: none)): the arguments of decode_attn
+    and decode_ffn_rows; freq_base (n_layer,) f64 each layer's RoPE base; act 0 relu, 1 silu, 2
+    GELU-tanh; q_scale decode_attn's; rope_div (hd/2,) f32 or None. ValueError on shapes that do
+    not fit (those two functions' checks)."""
     cdef readonly int n_layer, n_embd, n_head, n_kv, hd, n_ff
-    cdef float eps
-    cdef int silu
+    cdef float eps, q_scale
+    cdef int act
     cdef const float *div
     cdef const uint8_t **w
     cdef Py_ssize_t *stride
     cdef int *qtype
     cdef const float **vec
     cdef double *base
+    cdef Py_ssize_t *window
     cdef list _keep
 
     def __cinit__(self, list layers, int n_head, int n_kv, int hd, float eps,
-                  const double[::1] freq_base, int silu, const float[::1] rope_div=None):
+                  const double[::1] freq_base, int act, float q_scale=1.0,
+                  const float[::1] rope_div=None):
         cdef int n = len(layers), i, k
         cdef const uint8_t[:, ::1] wv
         cdef const float[::1] fv
@@ -1448,11 +1469,14 @@ cdef class DenseDecodePlan:
         self.qtype = NULL
         self.vec = NULL
         self.base = NULL
+        self.window = NULL
         if n == 0 or n_kv <= 0 or n_head % n_kv or hd % 2:
             raise ValueError("DenseDecodePlan: no layers, or heads that do not fit")
+        if act not in (ACT_RELU, ACT_SILU, ACT_GELU_TANH):
+            raise ValueError(f"DenseDecodePlan: unknown activation {act}")
         _check_len(freq_base.shape[0], n, "DenseDecodePlan freq_base")
         self.n_layer, self.n_head, self.n_kv, self.hd = n, n_head, n_kv, hd
-        self.eps, self.silu = eps, silu
+        self.eps, self.act, self.q_scale = eps, act, q_scale
         self._keep = [list(layers), rope_div]
         self.div = _opt_ptr(rope_div, hd // 2, "DenseDecodePlan rope_div")
         self.w = <const uint8_t **> malloc(DENSE_MATS * n * sizeof(uint8_t *))
@@ -1460,14 +1484,15 @@ cdef class DenseDecodePlan:
         self.qtype = <int *> malloc(DENSE_MATS * n * sizeof(int))
         self.vec = <const float **> malloc(DENSE_VECS * n * sizeof(float *))
         self.base = <double *> malloc(n * sizeof(double))
-        if not (self.w and self.stride and self.qtype and self.vec and self.base):
+        self.window = <Py_ssize_t *> malloc(n * sizeof(Py_ssize_t))
+        if not (self.w and self.stride and self.qtype and self.vec and self.base and self.window):
             raise MemoryError()
         cdef Py_ssize_t nq = n_head * hd, nkv = n_kv * hd, n_embd = -1, n_ff = -1
         cdef Py_ssize_t outs[DENSE_MATS]
         for i in range(n):
             lt = layers[i]
-            if len(lt) != 21:
-                raise ValueError("DenseDecodePlan: each layer needs 21 entries")
+            if len(lt) != 24:
+                raise ValueError("DenseDecodePlan: each layer needs 24 entries")
             fv = lt[0]
             if n_embd < 0:
                 n_embd = fv.shape[0]
@@ -1493,6 +1518,13 @@ cdef class DenseDecodePlan:
             self.vec[DENSE_VECS * i + 4] = _opt_ptr(lt[18], nkv, "DenseDecodePlan bv")
             self.vec[DENSE_VECS * i + 5] = _opt_ptr(lt[19], hd, "DenseDecodePlan q_norm")
             self.vec[DENSE_VECS * i + 6] = _opt_ptr(lt[20], hd, "DenseDecodePlan k_norm")
+            if (self.vec[DENSE_VECS * i + 5] == NULL) != (self.vec[DENSE_VECS * i + 6] == NULL):
+                raise ValueError("DenseDecodePlan: q_norm and k_norm go together")
+            self.vec[DENSE_VECS * i + 7] = _opt_ptr(lt[21], n_embd, "DenseDecodePlan attn_post_norm")
+            self.vec[DENSE_VECS * i + 8] = _opt_ptr(lt[22], n_embd, "DenseDecodePlan ffn_post_norm")
+            self.window[i] = lt[23]
+            if self.window[i] < 0:
+                raise ValueError(f"DenseDecodePlan: window {self.window[i]} < 0")
             self.base[i] = freq_base[i]
         self.n_embd, self.n_ff = <int> n_embd, <int> n_ff
 
@@ -1502,6 +1534,7 @@ cdef class DenseDecodePlan:
         free(self.qtype)
         free(self.vec)
         free(self.base)
+        free(self.window)
 
 
 def decode_layers_rows(DenseDecodePlan plan, float[::1] x, uint16_t[:, :, :, ::1] k_cache,
@@ -1541,13 +1574,15 @@ def decode_layers_rows(DenseDecodePlan plan, float[::1] x, uint16_t[:, :, :, ::1
                              plan.n_head, plan.base[l], n_threads, plan.div,
                              vec[DENSE_VECS * l + 2], vec[DENSE_VECS * l + 3],
                              vec[DENSE_VECS * l + 4], vec[DENSE_VECS * l + 5],
-                             vec[DENSE_VECS * l + 6], 1.0, 0, NULL)
+                             vec[DENSE_VECS * l + 6], plan.q_scale, plan.window[l],
+                             vec[DENSE_VECS * l + 7])
             _decode_ffn_rows_raw(&x[0], vec[DENSE_VECS * l + 1], plan.eps, plan.n_embd,
                                  w[DENSE_MATS * l + 4], qt[DENSE_MATS * l + 4],
                                  st[DENSE_MATS * l + 4], w[DENSE_MATS * l + 5],
                                  qt[DENSE_MATS * l + 5], st[DENSE_MATS * l + 5],
                                  w[DENSE_MATS * l + 6], qt[DENSE_MATS * l + 6],
-                                 st[DENSE_MATS * l + 6], plan.n_ff, plan.silu, n_threads)
+                                 st[DENSE_MATS * l + 6], plan.n_ff, plan.act,
+                                 vec[DENSE_VECS * l + 8], n_threads)
 
 
 # ---------------------------------------------------------------- input sparsity (TEAL / WINA)

@@ -10,7 +10,7 @@ import numpy as np
 
 from pyinfer.config import ModelConfig
 from pyinfer.errors import PyinferError
-from pyinfer.ffn import DenseFFN, _llama_ffn, linear, linear_many
+from pyinfer.ffn import DenseFFN, linear, linear_many
 from pyinfer.kv_cache import CACHE_TYPE_AUTO, KVCache, cache_dtype
 from pyinfer.ops import cpu
 from pyinfer.ops import families as fam
@@ -130,6 +130,12 @@ class Model:
         (A GPU model runs its leading layers on the device and hands the rest to this.)"""
         cfg, w, nt = self.cfg, self.w, self.n_threads
         T = x.shape[0]
+        if T == 1 and self.fused and self.whole_token and self._dense_rows_plan():
+            # every layer in one kernel call: _decode_attn and the FFN half of each
+            cpu.decode_layers_rows(self._rows_plan, x[0], self.cache.k, self.cache.v, n_past,
+                                   first, nt)
+            self.ffn.stats.count_dense(cfg.n_layer - first, cfg.n_ff)
+            return x
         if T == 1 and self.fused and self.llama_fused:
             return self._decode_fused(x, n_past, first)
         positions = np.arange(n_past, n_past + T, dtype=np.int32)
@@ -236,11 +242,6 @@ class Model:
             self.input_sparse.decode_layers(w.layers, xv, self.cache.k, self.cache.v, n_past,
                                             first, nt)
             return x
-        plan = self._dense_rows_plan() if self.whole_token else None
-        if plan:  # one kernel call: _decode_attn and DenseFFN.decode of every layer
-            cpu.decode_layers_rows(plan, xv, self.cache.k, self.cache.v, n_past, first, nt)
-            self.ffn.stats.count_dense(cfg.n_layer - first, cfg.n_ff)
-            return x
         h = y = None
         for i in range(first, cfg.n_layer):
             lw = w.layers[i]
@@ -258,20 +259,25 @@ class Model:
         return x
 
     def _dense_rows_plan(self):
-        """``cpu.dense_decode_plan`` of a dense model whose every layer ``_decode_attn`` and
-        ``DenseFFN.decode`` over ffn_down's rows compute (a llama.cpp or ``--dense`` file of a
-        Llama-shaped model), made once; False where that is not the case."""
+        """``cpu.dense_decode_plan`` of a dense model whose every layer's one-token step is
+        ``_decode_attn`` and a gated FFN over ffn_down's rows (a llama.cpp or ``--dense`` file of
+        a Llama-shaped model, Gemma 3, a windowed Mistral or Qwen2), made once; False where
+        that is not the case."""
         if self._rows_plan is None:
             cfg, w = self.cfg, self.w
-            # (llama_fused: no window, score scale or post-norm, which the plan leaves out)
-            ok = (type(self.ffn) is DenseFFN and self.input_sparse is None and self.llama_fused
-                  and all(lw.ffn_down_t is None and _llama_ffn(cfg, lw) for lw in w.layers))
+            ok = (type(self.ffn) is DenseFFN and self.input_sparse is None
+                  and (self.llama_fused or self.attn_fused)
+                  and cfg.hidden_act in cpu.DENSE_ACTS and not cfg.ffn_up_act
+                  and all(lw.ffn_gate is not None and lw.ffn_down_t is None
+                          and lw.ffn_norm_b is None and lw.ffn_up_b is None
+                          and lw.ffn_down_b is None for lw in w.layers))
             self._rows_plan = ok and cpu.dense_decode_plan(
                 [(lw.attn_norm, lw.wq, lw.wk, lw.wv, lw.wo, lw.ffn_norm, lw.ffn_gate, lw.ffn_up,
-                  lw.ffn_down, lw.bq, lw.bk, lw.bv, lw.attn_q_norm, lw.attn_k_norm)
-                 for lw in w.layers], cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.rms_eps,
-                [cfg.rope_base(i) for i in range(cfg.n_layer)], cfg.hidden_act == "silu",
-                w.rope_freqs)
+                  lw.ffn_down, lw.bq, lw.bk, lw.bv, lw.attn_q_norm, lw.attn_k_norm,
+                  lw.attn_post_norm, lw.ffn_post_norm, cfg.window(i))
+                 for i, lw in enumerate(w.layers)], cfg.n_head, cfg.n_head_kv, cfg.head_dim,
+                cfg.rms_eps, [cfg.rope_base(i) for i in range(cfg.n_layer)], cfg.hidden_act,
+                self.q_scale, w.rope_freqs)
         return self._rows_plan
 
     def logits(self, x: np.ndarray, all_logits: bool = False) -> np.ndarray:

@@ -772,26 +772,33 @@ def decode_layers_in(plan, x: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarr
                                int(first), n_threads, logits, float(head_thr))
 
 
+#: ``dense_decode_plan``'s activations
+DENSE_ACTS = {"relu": 0, "silu": 1, "gelu_tanh": 2}
+
+
 def dense_decode_plan(layers, n_head: int, n_head_kv: int, head_dim: int, eps: float,
-                      freq_base, silu: bool, rope_div: np.ndarray | None = None):
+                      freq_base, act: str, q_scale: float = 1.0,
+                      rope_div: np.ndarray | None = None):
     """The raw pointers of a dense model's layers (ffn_down in row layout), checked once, for
     ``decode_layers_rows``. layers: per layer (attn_norm, wq, wk, wv, wo, ffn_norm, gate, up,
-    down, bq, bk, bv, q_norm, k_norm): the QTensors and (n,) f32 vectors (biases and head norms
-    may be None) of ``decode_attn`` and ``decode_ffn_rows``; freq_base: each layer's RoPE base
-    (n_layer,); rope_div as ``decode_attn``'s. ValueError on shapes that do not fit."""
+    down, bq, bk, bv, q_norm, k_norm, attn_post_norm, ffn_post_norm, window): the QTensors, (n,)
+    f32 vectors (biases, head norms and post-norms may be None) and sliding window (0: none) of
+    ``decode_attn`` and the FFN half; freq_base: each layer's RoPE base (n_layer,); act a key of
+    DENSE_ACTS; q_scale and rope_div as ``decode_attn``'s. ValueError on shapes that do not fit."""
     rows = [(_f32_or_none(an), wq.raw, int(wq.qtype), wk.raw, int(wk.qtype), wv.raw, int(wv.qtype),
              wo.raw, int(wo.qtype), _f32_or_none(fn), g.raw, int(g.qtype), u.raw, int(u.qtype),
-             d.raw, int(d.qtype), *(_f32_or_none(v) for v in rest))
-            for an, wq, wk, wv, wo, fn, g, u, d, *rest in layers]
+             d.raw, int(d.qtype), *(_f32_or_none(v) for v in vecs), int(window))
+            for an, wq, wk, wv, wo, fn, g, u, d, *vecs, window in layers]
     return _k.DenseDecodePlan(rows, int(n_head), int(n_head_kv), int(head_dim), float(eps),
-                              np.ascontiguousarray(freq_base, np.float64), int(silu),
-                              _f32_or_none(rope_div))
+                              np.ascontiguousarray(freq_base, np.float64), DENSE_ACTS[act],
+                              float(q_scale), _f32_or_none(rope_div))
 
 
 def decode_layers_rows(plan, x: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                        n_past: int, first: int = 0, n_threads: int = 1) -> np.ndarray:
     """Layers first .. n_layer - 1 of one token of a dense model, in place on x (n_embd,) f32:
-    ``decode_attn`` then ``decode_ffn_rows`` per layer (the same bits) in one call. k_cache,
+    ``decode_attn`` then the FFN half (``decode_ffn_rows``; Gemma's GELU-tanh and post-norm as
+    ``Model.run_layers`` computes them) per layer, the same bits, in one call. k_cache,
     v_cache (n_layer, n_ctx, n_head_kv, head_dim) float16 or float32. ValueError on shapes that
     do not fit."""
     _k.decode_layers_rows(plan, x, *kv_pair(k_cache, v_cache), int(n_past), int(first),
