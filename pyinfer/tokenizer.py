@@ -216,14 +216,10 @@ class Tokenizer:
         self._control_ids = frozenset(int(i) for i in np.nonzero(token_types == TT_CONTROL)[0])
         if sp is not None:
             self._sp_ids = {tokens[i]: int(i) for i in special}
-            # Longest first, so "<|im_end|>" wins over a shorter token it starts with.
-            names = sorted(self._sp_ids, key=len, reverse=True)
-            self._sp_split = re.compile("(" + "|".join(map(re.escape, names)) + ")") if names else None
-            self._sp_ctrl_split = (
-                re.compile("(" + "|".join(re.escape(n) for n in names if self._sp_ids[n] not in self._control_ids) + ")")
-                if any(self._sp_ids[n] not in self._control_ids for n in names)
-                else None
-            )
+            names = [n for n in self._sp_ids if n]
+            self._sp_split = SpecialSplitter(names) if names else None
+            user = [n for n in names if self._sp_ids[n] not in self._control_ids]
+            self._sp_ctrl_split = SpecialSplitter(user) if user else None
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -536,6 +532,37 @@ def _build_bpe(tokens: list[str], types: np.ndarray, merges: list[str], pre: str
         if user:
             tok.add_tokens(user)
     return tok
+
+
+class SpecialSplitter:
+    """Splits text on special-token texts as ``re.split`` does over the alternation of the texts,
+    longest first and in one capturing group ([text, token, text, token, ..., text]: at the
+    leftmost position where one begins, the longest that does), without compiling that
+    alternation: Gemma's 6,414 special tokens took Python's ``re`` 0.33 s at every load. A
+    position is tried only where a token's first character stands (one character class), with
+    the lengths the tokens beginning with it have, longest first. names: non-empty strings."""
+
+    def __init__(self, names):
+        self._names = frozenset(names)
+        by_first: dict[str, set[int]] = {}
+        for n in self._names:
+            by_first.setdefault(n[0], set()).add(len(n))
+        self._lengths = {c: sorted(ls, reverse=True) for c, ls in by_first.items()}
+        self._starts = re.compile("[" + "".join(re.escape(c) for c in by_first) + "]")
+
+    def split(self, text: str) -> list[str]:
+        out, done = [], 0
+        for m in self._starts.finditer(text):
+            p = m.start()
+            if p < done:  # inside the token just taken
+                continue
+            for n in self._lengths[text[p]]:
+                if text[p:p + n] in self._names:
+                    out += (text[done:p], text[p:p + n])
+                    done = p + n
+                    break
+        out.append(text[done:])
+        return out
 
 
 def _build_spm(tokens: list[str], types: np.ndarray, scores: np.ndarray, unk_id, add_space_prefix: bool):

@@ -645,3 +645,25 @@ def test_completions_keep_their_first_space(fixture_files, kind):
     text = llm.create_completion(prompt, max_tokens=8, temperature=0, ignore_eos=True)
     want = decode(prompt + gen)[len(decode(prompt)):]
     assert text["choices"][0]["text"] == want and want.startswith(" ")
+
+
+def test_special_splitter_is_re_split_over_the_alternation():
+    """``SpecialSplitter`` (the SentencePiece path's split on special tokens) against Python's
+    ``re.split`` over the alternation of the same texts, longest first, in one group (what it
+    replaced: 0.33 s to compile for Gemma's 6,414 special tokens): random texts built from the
+    tokens, their prefixes and overlaps, and plain text."""
+    import random
+    import re
+
+    from pyinfer.tokenizer import SpecialSplitter
+
+    names = ["<s>", "</s>", "<start_of_turn>", "<start>", "<end_of_turn>", "<unused12>",
+             "<unused1>", "[multimodal]", "[m", "<|im_end|>", "<|im", "\u2581<x>", "a<b"]
+    want_re = re.compile("(" + "|".join(map(re.escape, sorted(names, key=len, reverse=True))) + ")")
+    sp = SpecialSplitter(names)
+    pieces = names + [n[:k] for n in names for k in range(1, len(n))] + ["x", " ", "<", "[", "\u2581",
+                                                                          "hello ", "\n"]
+    rng = random.Random(0)
+    for _ in range(3000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 12)))
+        assert sp.split(text) == want_re.split(text), text
