@@ -393,7 +393,10 @@ class LlamaHParams(FamilyTraits):
         n_layer = _cfg_int(cfg, "num_hidden_layers")
         theta, theta_swa = _gemma3_rope(cfg)
         # transformers' Gemma3TextConfig default: without the key the local layers still slide
-        # (and take the local RoPE base)
+        # (and take the local RoPE base); a null one transformers cannot run: refused
+        if "sliding_window" in cfg and cfg["sliding_window"] is None:
+            raise PyinferError("config.json: Gemma 3's sliding_window is null (transformers "
+                               "cannot run that either); give the window in tokens")
         window = _cfg_int(cfg, "sliding_window", 4096, lo=0)
         types = cfg.get("layer_types")
         if types is not None:

@@ -1358,7 +1358,7 @@ def decode_ffn(float[::1] x, const float[::1] ffn_norm, float eps,
     return n
 
 
-DEF ACT_RELU = 0  # _decode_ffn_rows_raw's activations
+DEF ACT_RELU = 0  # _decode_ffn_rows_raw's activations (pyinfer.ops.cpu.DENSE_ACTS: the same numbers)
 DEF ACT_SILU = 1
 DEF ACT_GELU_TANH = 2
 
@@ -1526,6 +1526,8 @@ cdef class DenseDecodePlan:
             if self.window[i] < 0:
                 raise ValueError(f"DenseDecodePlan: window {self.window[i]} < 0")
             self.base[i] = freq_base[i]
+        if n_embd <= 0 or n_ff <= 0:
+            raise ValueError("DenseDecodePlan: empty layers")
         self.n_embd, self.n_ff = <int> n_embd, <int> n_ff
 
     def __dealloc__(self):

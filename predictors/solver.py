@@ -393,25 +393,39 @@ def solve_placement(
 def _quiet_highs(highspy):
     """``highspy.Highs()`` with the C-level stdout (fd 1) sent to /dev/null meanwhile: the first
     one a process makes prints HiGHS's banner there, before any option can turn output off, and
-    stdout carries a run's generated text (usage.md). C's buffers are flushed before fd 1 comes
-    back, so nothing printed meanwhile reaches the terminal later."""
-    sys.stdout.flush()
+    stdout carries a run's generated text (usage.md). Python's and C's buffers are flushed
+    before the switch (what was printed earlier still reaches stdout) and C's again before fd 1
+    comes back (the banner does not). Without an fd 1 to protect, or where the switch fails, a
+    plain constructor. (The switch is process-wide: placement runs at load, before any thread
+    writes an answer.)"""
+    if sys.stdout is not None:
+        sys.stdout.flush()
+    _c_fflush()
     try:
         saved = os.dup(1)
-    except OSError:  # no fd 1 (a daemon): nothing to protect
+    except OSError:  # no fd 1 (a daemon, pythonw): nothing to protect
         return highspy.Highs()
-    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+    except OSError:
+        os.close(saved)
+        return highspy.Highs()
     try:
         os.dup2(null, 1)
         h = highspy.Highs()
-        try:
-            import ctypes
-
-            ctypes.CDLL(None).fflush(None)
-        except (OSError, AttributeError, TypeError):  # no C library handle (Windows)
-            pass
+        _c_fflush()
     finally:
         os.dup2(saved, 1)
         os.close(saved)
         os.close(null)
     return h
+
+
+def _c_fflush() -> None:
+    """fflush(NULL) of the C library, where ctypes reaches it (not on Windows)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError, TypeError):
+        pass

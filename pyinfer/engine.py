@@ -354,12 +354,14 @@ class Engine:
         (n_vocab,) logits each token was drawn from (for log-probabilities), stop token included.
         Sets ``finish_reason`` when it ends by itself: "stop" for a stop id (even one drawn at the
         context's last position) or a complete grammar, "length" for max_tokens or a full context.
-        ``ignore_eos``: the stop ids are never drawn (their logits -inf, as llama.cpp's
-        --ignore-eos biases its end-of-generation tokens).
+        ``ignore_eos``: the model's end-of-generation tokens (``Tokenizer.stop_ids``) are never
+        drawn (their logits -inf, as llama.cpp's --ignore-eos biases them), and no stop id ends
+        the generation.
         """
         self.finish_reason = None
         stops = set(self.tokenizer.stop_ids if stop_ids is None else stop_ids)
-        banned = np.fromiter(stops, np.int64) if ignore_eos and stops else None
+        eog = self.tokenizer.stop_ids  # (ids inside the vocabulary: the tokenizer checks them)
+        banned = np.fromiter(eog, np.int64) if ignore_eos and eog else None
         rng = np.random.default_rng(seed)
         logits = self.eval_prompt(list(prompt_tokens))
         epoch = self._epoch

@@ -32,7 +32,9 @@ class Model:
     families (``ModelConfig`` fields after ``name``: LayerNorm, biases, learned positions, scaled
     RoPE, sliding windows, parallel blocks, Gemma 3's extra norms and scales) run the kernel-by-kernel
     loop of ``run_layers``, where one token's attention half is one kernel call too wherever
-    ``attn_fusable`` says so (Gemma 3, Mistral's and Qwen2's sliding windows)."""
+    ``attn_fusable`` says so (Gemma 3, Mistral's and Qwen2's sliding windows). A dense file whose
+    ffn_down is in row layout (a llama.cpp or ``--dense`` file) decodes a token's layers in one
+    kernel call instead (``_dense_rows_plan``), sparse mode input likewise (its own plan)."""
 
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, n_ctx: int, n_threads: int = 1,
                  ffn=None, fused: bool = True, cache_type: str = CACHE_TYPE_AUTO, lm_head=None):
@@ -53,7 +55,8 @@ class Model:
         # and Qwen2's q/k/v biases (the GPU engine takes them too; sparse mode input likewise)
         self.llama_fused = fused_model(cfg, weights)
         # the other families' one-token attention half in one kernel call (Gemma 3's norms,
-        # scale and window included); their FFN half stays the loop's
+        # scale and window included); their FFN half stays the loop's unless the dense plan
+        # (_dense_rows_plan) takes the whole token
         self.attn_fused = not self.llama_fused and attn_fusable(cfg, weights)
         # the factor folded into Q where the family's score scale (Gemma 3's
         # query_pre_attn_scalar^-0.5) differs from the kernels' head_dim^-0.5; 1: none
@@ -262,11 +265,13 @@ class Model:
         """``cpu.dense_decode_plan`` of a dense model whose every layer's one-token step is
         ``_decode_attn`` and a gated FFN over ffn_down's rows (a llama.cpp or ``--dense`` file of
         a Llama-shaped model, Gemma 3, a windowed Mistral or Qwen2), made once; False where
-        that is not the case."""
+        that is not the case. The FFN object is checked at every call (a tool may swap it: the
+        profiler's recording FFN), the plan of the weights made once."""
+        if type(self.ffn) is not DenseFFN or self.input_sparse is not None:
+            return False
         if self._rows_plan is None:
             cfg, w = self.cfg, self.w
-            ok = (type(self.ffn) is DenseFFN and self.input_sparse is None
-                  and (self.llama_fused or self.attn_fused)
+            ok = ((self.llama_fused or self.attn_fused)
                   and cfg.hidden_act in cpu.DENSE_ACTS and not cfg.ffn_up_act
                   and all(lw.ffn_gate is not None and lw.ffn_down_t is None
                           and lw.ffn_norm_b is None and lw.ffn_up_b is None

@@ -275,15 +275,20 @@ def repl(session: ChatSession, verbose: bool = False, out=sys.stdout, err=sys.st
         def should_stop():  # called after every token: from the first one on, Ctrl-C only sets stop
             generating[0] = True
             return stop[0]
+        typed_eof = [False]  # end of input typed while the answer streamed (_keep_typeahead)
         try:
             with _sigint_sets_flag(stop, generating), _keep_typeahead() as typed_eof:
                 last = session.ask(text, show, should_stop=should_stop)
         except PyinferError as e:
             print(f"error: {e}", file=err)
+            if typed_eof[0]:
+                return 0
             continue
         except KeyboardInterrupt:  # while rendering or evaluating the prompt
             session.llm.reset()  # the cache may hold part of the prompt: start it afresh next time
             print("\n[interrupted]", file=err)
+            if typed_eof[0]:
+                return 0
             continue
         print(file=out)
         if session.last_dropped:

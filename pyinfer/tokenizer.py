@@ -34,26 +34,38 @@ _EOT_NAMES = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")
 # Tokens that end generation by their text, whatever ids the file names: llama.cpp's
 # end-of-generation set (llama_vocab::impl::load, special_eog_ids), so that e.g. Qwen2.5's
 # <|endoftext|> and Llama 3.1's <|eom_id|> stop an answer as they do there (and in transformers,
-# whose generation_config.json lists them); the last three are Qwen's FIM tokens, which llama.cpp
-# takes as its fim_pad / fim_rep / fim_sep and ends generation at too.
+# whose generation_config.json lists them).
 _EOG_NAMES = frozenset(("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>",
                         "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<|end_of_text|>", "<EOT>",
-                        "_<EOT>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"))
+                        "_<EOT>", "<end_of_utterance>"))
+# llama.cpp's FIM pad / repo / file-separator tokens, found by their text (the first of each list
+# the vocabulary has) where the file names no id for them; they end generation too
+_FIM_EOG_NAMES = {C.K_TOK_FIM_PAD: ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>"),
+                  C.K_TOK_FIM_REP: ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>",
+                                    "<reponame>"),
+                  C.K_TOK_FIM_SEP: ("<|file_sep|>",)}
+# GGUF ids that end generation too: end of message (Llama 3.1's <|eom_id|>) and the FIM ones
+_EOG_KEYS = (C.K_TOK_EOM, *_FIM_EOG_NAMES)
 
-# GGUF ids that end generation too (llama.cpp: end of message, Llama 3.1's <|eom_id|>; its FIM
-# pad / repo / file-separator tokens)
-_EOG_KEYS = (C.K_TOK_EOM, C.K_TOK_FIM_PAD, C.K_TOK_FIM_REP, C.K_TOK_FIM_SEP)
 
-
-def _eog_ids(tokens: list[str], named: tuple) -> frozenset[int]:
-    """The end-of-generation ids: ``named`` (eos, eot ... ; None skipped) and the first id of
-    each token whose text is in ``_EOG_NAMES`` (llama.cpp's first-id-wins text map), without
-    <|end|> where <|return|> and <|call|> are there too (llama.cpp's rule for gpt-oss' vocabulary,
-    whose <|end|> ends a message, not the answer)."""
-    found = _EOG_NAMES.intersection(tokens)
+def _eog_ids(tokens: list[str], named, given: dict) -> frozenset[int]:
+    """The end-of-generation ids: ``named`` (eos, eot; None skipped), the ids ``given`` for
+    _EOG_KEYS (key -> id; one outside the vocabulary is ignored, as llama.cpp ignores it with a
+    warning), each token whose text is in ``_EOG_NAMES`` and, for a FIM key not given, the first
+    of its ``_FIM_EOG_NAMES`` the vocabulary has; without <|end|> where <|return|> and <|call|>
+    are there too (llama.cpp's rule for gpt-oss' vocabulary, whose <|end|> ends a message). A
+    text's first id (llama.cpp refuses vocabularies whose texts repeat)."""
+    present = _EOG_NAMES.union(*_FIM_EOG_NAMES.values()).intersection(tokens)  # one pass
+    found = set(present & _EOG_NAMES)
+    for key, fim in _FIM_EOG_NAMES.items():
+        first = next((n for n in fim if n in present), None)
+        if key not in given and first is not None:
+            found.add(first)
     if {"<|return|>", "<|call|>"} <= found:
         found.discard("<|end|>")
-    return frozenset({i for i in named if i is not None} | {tokens.index(t) for t in found})
+    ids = {i for i in named if i is not None}
+    ids.update(i for i in given.values() if 0 <= i < len(tokens))
+    return frozenset(ids | {tokens.index(t) for t in found})
 
 
 # ---- byte-level BPE pre-tokenizer regexes ---------------------------------------------------
@@ -192,10 +204,9 @@ class Tokenizer:
         hf=None,
         sp=None,
         chat_template: str | None = None,
-        eog_ids: tuple[int, ...] = (),
+        eog_ids: dict | None = None,
     ):
-        for what, i in (("bos", bos_id), ("eos", eos_id), ("eot", eot_id),
-                        *(("end-of-generation", i) for i in eog_ids)):
+        for what, i in (("bos", bos_id), ("eos", eos_id), ("eot", eot_id)):
             if i is not None and not 0 <= i < len(tokens):
                 raise PyinferError(f"the {what} token id {i} is outside the vocabulary "
                                    f"({len(tokens)} tokens)")
@@ -203,7 +214,7 @@ class Tokenizer:
         self._tokens = tokens
         self._types = token_types  # (n_vocab,) int32, llama.cpp token types
         self._bos, self._eos, self._eot = bos_id, eos_id, eot_id
-        self._stop = _eog_ids(tokens, (eos_id, eot_id, *eog_ids))
+        self._stop = _eog_ids(tokens, (eos_id, eot_id), eog_ids or {})
         self.add_bos = add_bos
         self.add_space_prefix = add_space_prefix
         self._hf = hf  # tokenizers.Tokenizer (paths 1 and 2)
@@ -254,7 +265,7 @@ class Tokenizer:
         bos = _field(C.K_TOK_BOS, kind=int)
         eos = _field(C.K_TOK_EOS, kind=int)
         eot = _field(C.K_TOK_EOT, kind=int)
-        eog = tuple(int(i) for i in (_field(k, kind=int) for k in _EOG_KEYS) if i is not None)
+        eog = {k: int(i) for k, i in ((k, _field(k, kind=int)) for k in _EOG_KEYS) if i is not None}
         if eot is None:
             index = {t: i for i, t in ((int(i), tokens[i]) for i in np.nonzero(types != TT_NORMAL)[0])}
             eot = next((index[n] for n in _EOT_NAMES if n in index), None)
@@ -320,7 +331,8 @@ class Tokenizer:
     @property
     def stop_ids(self) -> frozenset[int]:
         """Ids that end generation, as llama.cpp's end-of-generation set: eos, end-of-turn, the
-        file's eom / FIM ids and the tokens named in ``_EOG_NAMES``."""
+        file's eom / FIM ids, the tokens named in ``_EOG_NAMES`` and FIM tokens by their text
+        where the file names none (``_eog_ids``)."""
         return self._stop
 
     def is_special(self, token_id: int) -> bool:

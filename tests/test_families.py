@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 
 from convert.cli import main as convert_main  # noqa: E402
 from pyinfer.engine import Engine  # noqa: E402
-from pyinfer.ffn import SparseFFN  # noqa: E402
+from pyinfer.ffn import DenseFFN, SparseFFN  # noqa: E402
 from pyinfer.weights import fused_model  # noqa: E402
 from tests._models import convert_neuron_major, make_bpe_tokenizer  # noqa: E402
 
@@ -501,7 +501,6 @@ def test_gpu_model_runs_biases_rope_divisors_and_head_norms(tmp_path, family, ki
     (each head's RMSNorm of Q and K before RoPE): decode and prefill give the CPU model's
     logits, every layer on the device or one (the rest on the CPU); place_model takes them."""
     from pyinfer.device import NumpyDevice
-    from pyinfer.ffn import DenseFFN
     from pyinfer.hybrid import place_model
     from tests.test_hybrid import TOL_SAME, compare, plan_for
 
@@ -527,7 +526,6 @@ def _biased_or_scaled(tmp_path, family):
 def test_gpu_device_runs_biases_rope_divisors_and_head_norms(tmp_path, family):
     """On a CUDA device: the CupyDevice GpuModel of a Qwen2 / Llama 3 / Qwen3 file gives the CPU
     model's logits (decode through CUDA graphs, prefill), every layer resident."""
-    from pyinfer.ffn import DenseFFN
     from pyinfer.ops import cuda
     from tests.test_hybrid import TOL, compare, plan_for
 
@@ -801,6 +799,18 @@ def test_gemma3_from_llama_cpp_gguf(tmp_path):
         assert rel_err(m.forward([PROMPT[i]], i), ref[i]) < TOL
 
 
+def test_gemma3_null_sliding_window_is_refused(tmp_path):
+    """"sliding_window": null (transformers' Gemma 3 cannot run it: a TypeError) is a one-line
+    error, not a guess."""
+    d, _ = build(tmp_path, "gemma3-null", transformers.Gemma3ForCausalLM,
+                 transformers.Gemma3TextConfig, hidden_size=64, intermediate_size=128,
+                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 config_edit=lambda c: c.update(sliding_window=None))
+    out = str(tmp_path / "null.gguf")
+    assert convert_main([d, out, "--dense", "--outtype", "f32"]) == 1
+    assert not os.path.exists(out)
+
+
 @pytest.mark.parametrize("family", ["gemma3", "qwen3"])
 def test_config_keys_left_to_transformers_defaults(tmp_path, family):
     """A config.json without a key whose transformers default is not derived from the others
@@ -871,6 +881,8 @@ def test_dense_token_in_one_call_equals_the_layer_calls(tmp_path, family):
             m.run_layers(x, len(PROMPT), first=1)  # layers 1.. only, as GpuModel hands them over
             got[whole] = (np.array(steps), x, m.cache.k.copy(), m.ffn.stats.total)
             assert bool(m._rows_plan) == whole
+            m.ffn = type("OtherFFN", (DenseFFN,), {})(eng.cfg)  # a tool's FFN (the profiler's)
+            assert m._dense_rows_plan() is False  # its own calls, not the plan
         for a, b in zip(got[True], got[False]):
             np.testing.assert_array_equal(a, b)
         if cache == "f32":  # (an f16 cache's rounding costs Gemma 3e-3)

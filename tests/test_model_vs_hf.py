@@ -165,5 +165,8 @@ def test_generation_stops_where_transformers_stops(tmp_path):
     free = list(llm.generate(llm.tokenize("The capital of France is"), max_tokens=8,
                              temperature=0, ignore_eos=True))
     assert len(free) == 8 and free[:3] == got and not set(free) & llm.engine.tokenizer.stop_ids
+    # ... whatever stop ids the request names (the model's own end tokens stay banned)
+    assert list(llm.generate(llm.tokenize("The capital of France is"), max_tokens=8,
+                             temperature=0, ignore_eos=True, stop_ids=[free[5]])) == free
     assert json.loads(open(f"{d}/generation_config.json").read())["eos_token_id"] == [
         tok.eos_token_id, end]

@@ -520,8 +520,10 @@ def test_smollm2_from_gguf(smollm2_reader):
     elapsed = time.perf_counter() - t0
     assert elapsed < 3.0, f"Tokenizer.from_gguf took {elapsed:.2f} s"
     assert tok.kind == "gpt2" and tok.n_vocab == 49152
-    # llama.cpp's end-of-generation set holds <|endoftext|> (id 0) too, by its text
-    assert (tok.bos_id, tok.eos_id, tok.eot_id, tok.stop_ids) == (1, 2, 2, {0, 2})
+    # llama.cpp's end-of-generation set holds <|endoftext|> (id 0) too, by its text, and
+    # <reponame> (id 4), which it takes as the FIM repo token
+    assert (tok.bos_id, tok.eos_id, tok.eot_id, tok.stop_ids) == (1, 2, 2, {0, 2, 4})
+    assert [tok.token_to_piece(i) for i in (0, 4)] == ["<|endoftext|>", "<reponame>"]
     assert not tok.add_bos
     assert tok.encode("<|im_start|>user\nhi<|im_end|>") == [1, 4093, 198, 6004, 2]
     assert tok.encode("12345") == [33, 34, 35, 36, 37]
@@ -667,3 +669,22 @@ def test_special_splitter_is_re_split_over_the_alternation():
     for _ in range(3000):
         text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 12)))
         assert sp.split(text) == want_re.split(text), text
+
+
+def test_end_of_generation_set_follows_llama_cpp_rules():
+    """``_eog_ids`` by llama.cpp's rules (llama_vocab::impl::load): eos / eot ids; tokens by text
+    (<|endoftext|>, <end_of_utterance> ...); a FIM token found by text only where the file names
+    no id for its kind (then the named one); a named id outside the vocabulary ignored (llama.cpp
+    warns and keeps its default: the file still loads); <|end|> dropped where <|return|> and
+    <|call|> are there too (gpt-oss)."""
+    from pyinfer import constants as C
+    from pyinfer.tokenizer import _eog_ids
+
+    toks = ["a", "<|endoftext|>", "<|fim_pad|>", "<PAD>", "<|repo_name|>", "b", "<end_of_utterance>",
+            "<|end|>", "<|file_sep|>"]
+    assert _eog_ids(toks, (5, None), {}) == {5, 1, 2, 4, 6, 7, 8}  # <PAD>: <|fim_pad|> came first
+    # the file names its FIM pad id (0): the text-found <|fim_pad|> is not added; an eom id past
+    # the vocabulary is ignored
+    assert _eog_ids(toks, (5, None), {C.K_TOK_FIM_PAD: 0, C.K_TOK_EOM: 99}) == {5, 1, 0, 4, 6, 7, 8}
+    oss = ["x", "<|return|>", "<|call|>", "<|end|>", "<|endoftext|>"]
+    assert _eog_ids(oss, (None, None), {}) == {1, 2, 4}

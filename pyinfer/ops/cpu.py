@@ -772,7 +772,7 @@ def decode_layers_in(plan, x: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarr
                                int(first), n_threads, logits, float(head_thr))
 
 
-#: ``dense_decode_plan``'s activations
+#: ``dense_decode_plan``'s activations (cython/kernels.pyx ACT_RELU, ACT_SILU, ACT_GELU_TANH)
 DENSE_ACTS = {"relu": 0, "silu": 1, "gelu_tanh": 2}
 
 
