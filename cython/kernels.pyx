@@ -1470,8 +1470,7 @@ cdef class DenseDecodePlan:
         self.vec = NULL
         self.base = NULL
         self.window = NULL
-        if n == 0 or n_kv <= 0 or n_head % n_kv or hd % 2:
-            raise ValueError("DenseDecodePlan: no layers, or heads that do not fit")
+        _check_plan_heads(n, n_head, n_kv, hd, "DenseDecodePlan")
         if act not in (ACT_RELU, ACT_SILU, ACT_GELU_TANH):
             raise ValueError(f"DenseDecodePlan: unknown activation {act}")
         _check_len(freq_base.shape[0], n, "DenseDecodePlan freq_base")
@@ -1962,6 +1961,13 @@ def decode_attn_in(float[::1] x, const float[::1] attn_norm, float eps,
 DEF PLAN_VECS = 9
 
 
+cdef inline int _check_plan_heads(int n, int n_head, int n_kv, int hd, str what) except -1:
+    """ValueError unless a decode plan has layers and heads its kernels take."""
+    if n == 0 or n_kv <= 0 or n_head % n_kv or hd % 2:
+        raise ValueError(f"{what}: no layers, or heads that do not fit")
+    return 0
+
+
 cdef class InputDecodePlan:
     """The per-layer weights of an input-sparse model as raw pointers, checked once, for
     ``decode_layers_in`` (one call and one parallel region per token instead of two calls, two
@@ -1998,8 +2004,7 @@ cdef class InputDecodePlan:
         self.qtype = NULL
         self.vec = NULL
         self.head.raw = NULL
-        if n == 0 or n_kv <= 0 or n_head % n_kv or hd % 2:
-            raise ValueError("InputDecodePlan: no layers, or heads that do not fit")
+        _check_plan_heads(n, n_head, n_kv, hd, "InputDecodePlan")
         self.n_layer, self.n_head, self.n_kv, self.hd = n, n_head, n_kv, hd
         self.eps, self.freq_base, self.silu = eps, freq_base, silu
         self._keep = [list(layers), rope_div]

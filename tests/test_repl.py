@@ -9,6 +9,7 @@ import shutil
 import sys
 import time
 import types
+from contextlib import contextmanager
 
 import pytest
 
@@ -360,14 +361,25 @@ def _spawn_slow():
                          encoding="utf-8", timeout=30, dimensions=(40, 200))
 
 
-@pytest.mark.parametrize("ctrl_c", [False, True])
-def test_text_typed_while_an_answer_streams_starts_the_next_message(ctrl_c):
-    """Typed during an answer: not echoed into it, not dropped by Ctrl-C (the terminal flushes
-    its input on SIGINT unless NOFLSH is set), and read as the start of the next message."""
+@contextmanager
+def _slow_chat():
+    """(child, pexpect) of the scripted slow chat at its first prompt; closed afterwards, its
+    exit status then checked (0)."""
     pexpect = pytest.importorskip("pexpect")
     child = _spawn_slow()
     try:
         child.expect("> ")
+        yield child, pexpect
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0
+
+
+@pytest.mark.parametrize("ctrl_c", [False, True])
+def test_text_typed_while_an_answer_streams_starts_the_next_message(ctrl_c):
+    """Typed during an answer: not echoed into it, not dropped by Ctrl-C (the terminal flushes
+    its input on SIGINT unless NOFLSH is set), and read as the start of the next message."""
+    with _slow_chat() as (child, pexpect):
         child.sendline("first")
         child.expect(r"<<GOT:'first'>>")
         child.expect("w3 ")
@@ -386,16 +398,10 @@ def test_text_typed_while_an_answer_streams_starts_the_next_message(ctrl_c):
         child.expect(PROMPT)
         child.sendeof()
         child.expect(pexpect.EOF)
-    finally:
-        child.close(force=True)
-    assert child.exitstatus == 0
 
 
 def test_a_whole_line_typed_ahead_is_the_next_message():
-    pexpect = pytest.importorskip("pexpect")
-    child = _spawn_slow()
-    try:
-        child.expect("> ")
+    with _slow_chat() as (child, pexpect):
         child.sendline("first")
         child.expect("w3 ")
         child.send("second\r")
@@ -408,26 +414,17 @@ def test_a_whole_line_typed_ahead_is_the_next_message():
         child.expect(PROMPT)
         child.sendeof()
         child.expect(pexpect.EOF)
-    finally:
-        child.close(force=True)
-    assert child.exitstatus == 0
 
 
 def test_ctrl_d_typed_while_an_answer_streams_ends_the_chat_after_it():
     """End of input (Ctrl-D on an empty line) typed during an answer ends the chat once the
     answer is complete, as it does at the prompt (it was lost: the chat waited for input)."""
-    pexpect = pytest.importorskip("pexpect")
-    child = _spawn_slow()
-    try:
-        child.expect("> ")
+    with _slow_chat() as (child, pexpect):
         child.sendline("first")
         child.expect("w3 ")
         child.sendeof()
         child.expect("w19 ")
         child.expect(pexpect.EOF, timeout=10)
-    finally:
-        child.close(force=True)
-    assert child.exitstatus == 0
 
 
 def test_an_answer_fills_what_the_context_has_left(smollm2_q8):
