@@ -502,7 +502,7 @@ class LLM:
                                dry_multiplier: float = 0.0, dry_base: float = 1.75,
                                dry_allowed_length: int = 2, dry_penalty_last_n: int = -1,
                                chat_template_kwargs: dict | None = None,
-                               reasoning_format: str = "none"):
+                               reasoning_format: str = "none", ignore_eos: bool = False):
         """Answer a conversation. ``messages``: ``[{"role": "system"|"user"|"assistant",
         "content": str}, ...]``. Returns an OpenAI ``chat.completion`` dict::
 
@@ -524,6 +524,8 @@ class LLM:
         "auto": a ``<think>...</think>`` block (opened in the answer or by the prompt) goes to
         ``message.reasoning_content`` (streamed: ``delta.reasoning_content``), the rest to
         ``content`` (``pyinfer.reasoning``); a message without one has no such key.
+        ``ignore_eos``: the model's end-of-generation tokens are never drawn (llama.cpp's
+        ``ignore_eos``), so the answer runs to ``max_tokens`` or the context's end.
         """
         dry = dict(dry_multiplier=dry_multiplier, dry_base=dry_base,
                    dry_allowed_length=dry_allowed_length, dry_penalty_last_n=dry_penalty_last_n)
@@ -544,7 +546,7 @@ class LLM:
         self.check_fits(ids)
         kw = dict(max_tokens=max_tokens, stop=stop, temperature=temperature, top_k=top_k, top_p=top_p,
                   min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, should_stop=should_stop,
-                  grammar=gram, logprobs=rec, **dry)
+                  grammar=gram, logprobs=rec, ignore_eos=bool(ignore_eos), **dry)
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         # the answer's thinking block apart (reasoning_format), or None: the text as written

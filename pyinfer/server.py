@@ -3,8 +3,8 @@
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``"stream": true`` answers with
 server-sent events, ending with ``data: [DONE]``), ``POST /v1/embeddings`` (mean-pooled final hidden
 states, unit length), ``GET /v1/models``, ``GET /health``.
-Requests take OpenAI's fields plus llama.cpp's ``top_k``, ``min_p``, ``repeat_penalty``, ``dry_*``, ``grammar``
-and ``json_schema``; ``response_format`` (json_object, json_schema) and ``grammar`` constrain the
+Requests take OpenAI's fields plus llama.cpp's ``top_k``, ``min_p``, ``repeat_penalty``, ``dry_*``,
+``ignore_eos``, ``grammar`` and ``json_schema``; ``response_format`` (json_object, json_schema) and ``grammar`` constrain the
 output (pyinfer/grammar.py), ``logprobs``/``top_logprobs`` return log-probabilities in OpenAI's
 shapes. A field the server does not implement is refused with 400 naming it (``FIELDS``), and so is
 a value it cannot honour (``presence_penalty`` other than 0, ``tools``, ``echo``, ``n`` > 1 ...);
@@ -60,7 +60,7 @@ _COMMON = {"model", "user", "metadata", "store", "service_tier",  # informationa
            "max_tokens", "temperature", "top_p", "top_k", "min_p", "repeat_penalty", "seed", "stop",
            "stream", "stream_options", "n", "logprobs", "response_format", "grammar", "json_schema",
            "presence_penalty", "frequency_penalty", "logit_bias",
-           "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n"}
+           "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "ignore_eos"}
 #: The request fields each endpoint reads; any other field is refused with 400.
 FIELDS = {
     "/v1/completions": _COMMON | {"prompt", "echo", "best_of", "suffix"},
@@ -117,6 +117,9 @@ def sampling_options(body: dict, max_tokens_default: int | None) -> dict:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be a boolean", "stream")
+    ignore_eos = body.get("ignore_eos", False)  # llama.cpp server's: the end tokens never drawn
+    if not isinstance(ignore_eos, bool):
+        raise BadRequest("'ignore_eos' must be a boolean", "ignore_eos")
     grammar_fields = _grammar_fields(body)
     request_grammar(body)  # its shape; check_grammar converts it, off the event loop
     opts = dict(
@@ -135,6 +138,7 @@ def sampling_options(body: dict, max_tokens_default: int | None) -> dict:
         seed=_number(body, "seed", None, "seed"),  # -1: random, as llama.cpp's server
         stop=stop,
         stream=stream,
+        ignore_eos=ignore_eos,
         **{k: v for k, v in grammar_fields.items() if v is not None},
     )
     return opts

@@ -146,6 +146,23 @@ def test_chat_completion_with_the_openai_client(client):
 
 
 @pytest.mark.slow
+def test_ignore_eos_runs_the_answer_to_max_tokens(server, client):
+    """llama.cpp server's ``ignore_eos``: the end-of-generation tokens are never drawn, so a chat
+    answer that ends by itself within 24 tokens runs to all 24 ("length"); a non-boolean is a 400."""
+    import httpx
+
+    kw = dict(model="smollm2", messages=GERMANY, temperature=0, max_tokens=24)
+    client.chat.completions.create(**dict(kw, max_tokens=1))
+    own = client.chat.completions.create(**kw)
+    assert own.choices[0].finish_reason == "stop" and own.usage.completion_tokens < 24
+    full = client.chat.completions.create(**kw, extra_body={"ignore_eos": True})
+    assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 24
+    assert full.choices[0].message.content.startswith(own.choices[0].message.content)
+    r = httpx.post(server + "/v1/chat/completions", json=dict(kw, ignore_eos="yes"), timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "ignore_eos"
+
+
+@pytest.mark.slow
 def test_completion_with_the_openai_client(client):
     kw = dict(model="smollm2", prompt="The capital of Germany is", temperature=0, max_tokens=8)
     client.completions.create(**dict(kw, max_tokens=1))
