@@ -1431,6 +1431,27 @@ DEF DENSE_MATS = 7  # wq, wk, wv, wo, gate, up, down
 DEF DENSE_VECS = 9  # attn_norm, ffn_norm, bq, bk, bv, q_norm, k_norm, attn_post, ffn_post
 
 
+cdef inline int _check_plan_heads(int n, int n_head, int n_kv, int hd, str what) except -1:
+    """ValueError unless a decode plan has layers and heads its kernels take."""
+    if n == 0 or n_kv <= 0 or n_head % n_kv or hd % 2:
+        raise ValueError(f"{what}: no layers, or heads that do not fit")
+    return 0
+
+
+cdef int _check_plan_caches(uint16_t[:, :, :, ::1] k_cache, uint16_t[:, :, :, ::1] v_cache,
+                            int kv_f16, int n_past, int L, int n_kv, int hd, str what) except -1:
+    """ValueError unless the (n_layer, n_ctx, n_head_kv, head_dim) caches fit a decode plan of L
+    layers (uint16: f16 values with kv_f16, else f32, the last axis 2 head_dim) and hold row
+    n_past."""
+    if (k_cache.shape[0] != L or v_cache.shape[0] != L or k_cache.shape[1] != v_cache.shape[1]
+            or k_cache.shape[2] != n_kv or v_cache.shape[2] != n_kv
+            or k_cache.shape[3] != hd * _kv_width(kv_f16) or v_cache.shape[3] != k_cache.shape[3]):
+        raise ValueError(f"{what}: cache shapes do not match the plan")
+    if n_past < 0 or n_past >= k_cache.shape[1]:
+        raise ValueError(f"{what}: position {n_past} outside the cache ({k_cache.shape[1]})")
+    return 0
+
+
 cdef class DenseDecodePlan:
     """The per-layer weights of a dense model whose ffn_down is in llama.cpp's row layout (a
     llama.cpp file, a ``--dense`` file: Llama-shaped, or Gemma 3 / windowed Mistral and Qwen2,
@@ -1538,9 +1559,9 @@ cdef class DenseDecodePlan:
         free(self.window)
 
 
-def decode_layers_rows(DenseDecodePlan plan, float[::1] x, uint16_t[:, :, :, ::1] k_cache,
-                       uint16_t[:, :, :, ::1] v_cache, int kv_f16, int n_past, int first,
-                       int n_threads):
+def decode_layers_rows(DenseDecodePlan plan, float[::1] x,
+                       uint16_t[:, :, :, ::1] k_cache, uint16_t[:, :, :, ::1] v_cache, int kv_f16,
+                       int n_past, int first, int n_threads):
     """Layers first .. n_layer - 1 of one token of a dense model, in place on x (n_embd,) f32:
     per layer decode_attn then decode_ffn_rows over the plan's pointers (the same work, so the
     same bits) in one call. k_cache, v_cache (n_layer, n_ctx, n_head_kv, head_dim) as
@@ -1549,13 +1570,8 @@ def decode_layers_rows(DenseDecodePlan plan, float[::1] x, uint16_t[:, :, :, ::1
     cdef int L = plan.n_layer, l
     cdef Py_ssize_t hd = plan.hd, n_kv = plan.n_kv, layer
     _check_len(x.shape[0], plan.n_embd, "decode_layers_rows x")
-    if (k_cache.shape[0] != L or v_cache.shape[0] != L or k_cache.shape[1] != v_cache.shape[1]
-            or k_cache.shape[2] != n_kv or v_cache.shape[2] != n_kv
-            or k_cache.shape[3] != hd * _kv_width(kv_f16) or v_cache.shape[3] != k_cache.shape[3]):
-        raise ValueError("decode_layers_rows: cache shapes do not match the plan")
-    if n_past < 0 or n_past >= k_cache.shape[1]:
-        raise ValueError(f"decode_layers_rows: position {n_past} outside the cache "
-                         f"({k_cache.shape[1]})")
+    _check_plan_caches(k_cache, v_cache, kv_f16, n_past, L, <int> n_kv, <int> hd,
+                       "decode_layers_rows")
     if first < 0 or first > L:
         raise ValueError(f"decode_layers_rows: first layer {first} outside 0..{L}")
     if first == L:
@@ -1961,11 +1977,6 @@ def decode_attn_in(float[::1] x, const float[::1] attn_norm, float eps,
 DEF PLAN_VECS = 9
 
 
-cdef inline int _check_plan_heads(int n, int n_head, int n_kv, int hd, str what) except -1:
-    """ValueError unless a decode plan has layers and heads its kernels take."""
-    if n == 0 or n_kv <= 0 or n_head % n_kv or hd % 2:
-        raise ValueError(f"{what}: no layers, or heads that do not fit")
-    return 0
 
 
 cdef class InputDecodePlan:
@@ -2132,9 +2143,9 @@ cdef void _layers_in_team(int t, int T, int first, int L, float *x, uint16_t *kc
         cts[4 * L] = n
 
 
-def decode_layers_in(InputDecodePlan plan, float[::1] x, uint16_t[:, :, :, ::1] k_cache,
-                     uint16_t[:, :, :, ::1] v_cache, int kv_f16, int n_past, const float[:, ::1] thr,
-                     int64_t[:, ::1] counts, int first, int n_threads, float[::1] logits=None,
+def decode_layers_in(InputDecodePlan plan, float[::1] x,
+                     uint16_t[:, :, :, ::1] k_cache, uint16_t[:, :, :, ::1] v_cache, int kv_f16,
+                     int n_past, const float[:, ::1] thr, int64_t[:, ::1] counts, int first, int n_threads, float[::1] logits=None,
                      float head_thr=-1.0):
     """Layers first .. n_layer - 1 of one token with input sparsity, in place on x (n_embd,) f32:
     per layer decode_attn_in then decode_ffn_in (the same team functions, so the same bits), in
@@ -2152,12 +2163,7 @@ def decode_layers_in(InputDecodePlan plan, float[::1] x, uint16_t[:, :, :, ::1] 
     cdef int hd = plan.hd, T = max(n_threads, 1), l, t
     cdef Py_ssize_t n_ff = plan.n_ff, nq = n_head * hd, nkv = n_kv * hd, rs = nkv
     _check_len(x.shape[0], n_embd, "decode_layers_in x")
-    if (k_cache.shape[0] != L or v_cache.shape[0] != L or k_cache.shape[1] != v_cache.shape[1]
-            or k_cache.shape[2] != n_kv or v_cache.shape[2] != n_kv
-            or k_cache.shape[3] != hd * _kv_width(kv_f16) or v_cache.shape[3] != k_cache.shape[3]):
-        raise ValueError("decode_layers_in: cache shapes do not match the plan")
-    if n_past < 0 or n_past >= k_cache.shape[1]:
-        raise ValueError(f"decode_layers_in: position {n_past} outside the cache ({k_cache.shape[1]})")
+    _check_plan_caches(k_cache, v_cache, kv_f16, n_past, L, n_kv, hd, "decode_layers_in")
     if (thr.shape[0] != 4 or thr.shape[1] != L
             or (counts is not None and (counts.shape[0] != L or counts.shape[1] != 4))):
         raise ValueError("decode_layers_in: thr must be (4, n_layer), counts (n_layer, 4)")
