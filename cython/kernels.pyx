@@ -1559,7 +1559,7 @@ cdef class DenseDecodePlan:
         free(self.window)
 
 
-def decode_layers_rows(DenseDecodePlan plan, float[::1] x,
+def decode_layers_rows(DenseDecodePlan plan not None, float[::1] x,
                        uint16_t[:, :, :, ::1] k_cache, uint16_t[:, :, :, ::1] v_cache, int kv_f16,
                        int n_past, int first, int n_threads):
     """Layers first .. n_layer - 1 of one token of a dense model, in place on x (n_embd,) f32:
@@ -2143,7 +2143,7 @@ cdef void _layers_in_team(int t, int T, int first, int L, float *x, uint16_t *kc
         cts[4 * L] = n
 
 
-def decode_layers_in(InputDecodePlan plan, float[::1] x,
+def decode_layers_in(InputDecodePlan plan not None, float[::1] x,
                      uint16_t[:, :, :, ::1] k_cache, uint16_t[:, :, :, ::1] v_cache, int kv_f16,
                      int n_past, const float[:, ::1] thr, int64_t[:, ::1] counts, int first, int n_threads, float[::1] logits=None,
                      float head_thr=-1.0):

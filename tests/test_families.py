@@ -881,6 +881,15 @@ def test_dense_token_in_one_call_equals_the_layer_calls(tmp_path, family):
             m.run_layers(x, len(PROMPT), first=1)  # layers 1.. only, as GpuModel hands them over
             got[whole] = (np.array(steps), x, m.cache.k.copy(), m.ffn.stats.total)
             assert bool(m._rows_plan) == whole
+            if whole:  # bad arguments are errors, not reads through a missing plan or cache
+                from pyinfer.ops import cpu
+
+                with pytest.raises(TypeError):
+                    cpu.decode_layers_rows(None, x[0], m.cache.k, m.cache.v, 3)
+                with pytest.raises(ValueError, match="cache shapes do not match"):
+                    cpu.decode_layers_rows(m._rows_plan, x[0], m.cache.k[1:], m.cache.v[1:], 3)
+                with pytest.raises(ValueError, match="position 64 outside the cache"):
+                    cpu.decode_layers_rows(m._rows_plan, x[0], m.cache.k, m.cache.v, 64)
             m.ffn = type("OtherFFN", (DenseFFN,), {})(eng.cfg)  # a tool's FFN (the profiler's)
             assert m._dense_rows_plan() is False  # its own calls, not the plan
         for a, b in zip(got[True], got[False]):
