@@ -105,22 +105,28 @@ def token_ids(ids, what: str = "tokens") -> list[int]:
 
 def text_of_parts(parts: list, where: str) -> str:
     """A message content given as OpenAI's parts (``[{"type": "text", "text": ...}, ...]``)
-    as one string, the texts joined; PyinferError naming ``where`` for a part that is not text
-    (the API's ``text_messages`` and the server's ``chat_messages`` both read parts so)."""
+    as one string: the texts joined by a newline after any text so far, as llama.cpp's
+    ``common_chat_msg::to_json_oaicompat(concat_typed_text)`` joins them (``["Hello", "world"]``
+    -> "Hello\nworld"); PyinferError naming ``where`` for a part that is not text (the API's
+    ``text_messages`` and the server's ``chat_messages`` both read parts so)."""
     if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                for p in parts):
         raise PyinferError(f"{where}: only text parts are supported")
-    return "".join(p["text"] for p in parts)
+    text = ""
+    for p in parts:
+        text += ("\n" if text else "") + p["text"]
+    return text
 
 
 def text_messages(messages) -> list:
-    """``messages`` with each content given as OpenAI's parts joined into one string
-    (``text_of_parts``); other messages as they are (the template checks them). PyinferError for
-    an empty list or a part that is not text."""
-    if isinstance(messages, list) and not messages:
+    """``messages`` (a list or tuple) as a list, each content given as OpenAI's parts joined
+    into one string (``text_of_parts``); other messages as they are (the template checks them).
+    PyinferError for another type, an empty sequence or a part that is not text."""
+    if not isinstance(messages, (list, tuple)):
+        raise PyinferError("messages must be a list of {\"role\", \"content\"} messages, not "
+                           f"{type(messages).__name__}")
+    if not messages:
         raise PyinferError("messages is empty: a chat needs at least one message")
-    if not isinstance(messages, list):
-        return messages
     return [dict(m, content=text_of_parts(m["content"], f"messages[{i}].content"))
             if isinstance(m, dict) and isinstance(m.get("content"), list) else m
             for i, m in enumerate(messages)]
@@ -242,9 +248,11 @@ class LLM:
         return int(self._rng.integers(2**63)) if seed is None else int(seed)
 
     @staticmethod
-    def _check_request(max_tokens, stop, seed) -> None:
+    def _check_request(max_tokens, stop, seed, should_stop=None) -> None:
         """PyinferError for a bad ``max_tokens`` (None, -1, 0 or a positive count), ``stop``
-        (a string or a list of strings) or ``seed``."""
+        (a string or a list of strings), ``seed`` or ``should_stop`` (None or a callable)."""
+        if should_stop is not None and not callable(should_stop):
+            raise PyinferError("should_stop must be a function (called after every token) or None")
         options.check_optional("n_predict", max_tokens, "max_tokens")
         if stop is not None and not isinstance(stop, str) and not (
                 isinstance(stop, (list, tuple)) and all(isinstance(x, str) for x in stop)):
@@ -426,7 +434,7 @@ class LLM:
         dry = dict(dry_multiplier=dry_multiplier, dry_base=dry_base,
                    dry_allowed_length=dry_allowed_length, dry_penalty_last_n=dry_penalty_last_n)
         self._params(temperature, top_k, top_p, min_p, repeat_penalty, **dry)
-        self._check_request(max_tokens, stop, seed)
+        self._check_request(max_tokens, stop, seed, should_stop)
         gram = grammar_of(response_format, grammar, json_schema)
         if gram is not None:
             gram.check(self.tokenizer)  # a bad grammar fails here, before a stream starts
@@ -476,19 +484,38 @@ class LLM:
         ``template_kwargs``: more template variables (``chat.template_kwargs``), over
         ``self.chat_template_kwargs``. Raises PyinferError for no messages, a part that is not
         text, or template variables that ``chat.template_kwargs`` refuses."""
+        return self._render(text_messages(messages), add_generation_prompt, template_kwargs)
+
+    def _render(self, messages: list, add_generation_prompt: bool,
+                template_kwargs: dict | None) -> str:
+        """``render_chat`` of messages ``text_messages`` has read (the list may be empty)."""
         from pyinfer.chat import render_chat, template_kwargs as check_kwargs
 
         variables = {**check_kwargs(self.chat_template_kwargs, "LLM.chat_template_kwargs"),
                      **check_kwargs(template_kwargs)}
-        return render_chat(self.chat_template, text_messages(messages),
-                           add_generation_prompt=add_generation_prompt,
+        return render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
                            bos_token=self.bos_token, eos_token=self.eos_token, variables=variables)
 
     def chat_tokens(self, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
         """Token ids of ``messages`` rendered with a generation prompt (the start of an assistant
         turn; ``template_kwargs`` as ``render_chat``'s). BOS is added only when the model wants
-        it and the template did not write it."""
-        text = self.render_chat(messages, template_kwargs=template_kwargs)
+        it and the template did not write it. A last message of role "assistant" is continued,
+        as llama.cpp's server does (its ``prefill_assistant``, on by default): the messages
+        before it rendered with a generation prompt, then its content, so the answer goes on
+        from that text. PyinferError for two assistant messages at the end."""
+        msgs = text_messages(messages)
+        last = msgs[-1]
+        if isinstance(last, dict) and last.get("role") == "assistant":
+            before = msgs[:-1]
+            if before and isinstance(before[-1], dict) and before[-1].get("role") == "assistant":
+                raise PyinferError("messages end with two assistant messages: only the last "
+                                   "one can be continued")
+            content = last.get("content")
+            if content is not None and not isinstance(content, str):
+                raise PyinferError(f"messages[{len(msgs) - 1}].content must be a string")
+            text = self._render(before, True, template_kwargs) + (content or "")
+        else:
+            text = self.render_chat(msgs, template_kwargs=template_kwargs)
         add_bos = False if self.bos_token and text.startswith(self.bos_token) else None
         return self.tokenize(text, add_bos=add_bos, special=True)
 
@@ -504,7 +531,9 @@ class LLM:
                                chat_template_kwargs: dict | None = None,
                                reasoning_format: str = "none", ignore_eos: bool = False):
         """Answer a conversation. ``messages``: ``[{"role": "system"|"user"|"assistant",
-        "content": str}, ...]``. Returns an OpenAI ``chat.completion`` dict::
+        "content": str}, ...]``; a last assistant message is continued (its text is the start of
+        the answer, which holds only what follows it: ``chat_tokens``). Returns an OpenAI
+        ``chat.completion`` dict::
 
             {"id", "object": "chat.completion", "created", "model",
              "choices": [{"index": 0, "message": {"role": "assistant", "content"},
@@ -530,7 +559,7 @@ class LLM:
         dry = dict(dry_multiplier=dry_multiplier, dry_base=dry_base,
                    dry_allowed_length=dry_allowed_length, dry_penalty_last_n=dry_penalty_last_n)
         self._params(temperature, top_k, top_p, min_p, repeat_penalty, **dry)
-        self._check_request(max_tokens, stop, seed)
+        self._check_request(max_tokens, stop, seed, should_stop)
         if not isinstance(logprobs, bool):
             raise PyinferError("logprobs must be true or false")
         check_format(reasoning_format)
@@ -607,6 +636,8 @@ class LLM:
             input = [input]
         if not isinstance(input, list) or not input:
             raise PyinferError("input must be a string, a list of strings or a list of token ids")
+        if should_stop is not None and not callable(should_stop):
+            raise PyinferError("should_stop must be a function (called before each input) or None")
         if len(input) > MAX_EMBEDDING_INPUTS:
             raise PyinferError(f"input has {len(input)} items, more than {MAX_EMBEDDING_INPUTS} "
                                "(OpenAI's limit): send them in several requests")

@@ -351,7 +351,8 @@ class Engine:
 
         ``constraint``: a ``pyinfer.grammar.Constraint``; only tokens it allows are drawn, and
         generation ends when its grammar is complete. ``on_token(logits, token)``: called with the
-        (n_vocab,) logits each token was drawn from (for log-probabilities), stop token included.
+        model's (n_vocab,) logits each token was drawn from (for log-probabilities; before the
+        ``ignore_eos`` ban, as llama.cpp reports them), stop token included.
         Sets ``finish_reason`` when it ends by itself: "stop" for a stop id (even one drawn at the
         context's last position) or a complete grammar, "length" for max_tokens or a full context.
         ``ignore_eos``: the model's end-of-generation tokens (``Tokenizer.stop_ids``) are never
@@ -370,15 +371,16 @@ class Engine:
             t0 = time.perf_counter()
             recent = self.tokens[-params.repeat_last_n:] if params.repeat_last_n > 0 else ()
             allowed = None if constraint is None else constraint.allowed()
+            drawn = logits
             if banned is not None:
-                logits = logits.copy()  # (the model's array may be a cached prompt's)
-                logits[banned] = -np.inf
+                drawn = logits.copy()  # (the model's array may be a cached prompt's)
+                drawn[banned] = -np.inf
             dry = params.dry_multiplier > 0
-            tok = sample(logits, params, rng, recent, allowed, self.tokens if dry else (),
+            tok = sample(drawn, params, rng, recent, allowed, self.tokens if dry else (),
                          self.dry_breakers() if dry else frozenset())
             self.timings.sample_ms += (time.perf_counter() - t0) * 1e3
             self.timings.sample_n += 1
-            if on_token is not None:
+            if on_token is not None:  # the model's logits, before the ban (llama.cpp's probs)
                 on_token(logits, tok)
             if tok in stops and not ignore_eos:
                 self.finish_reason = "stop"

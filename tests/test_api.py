@@ -592,18 +592,49 @@ def test_arguments_of_the_wrong_type_raise_pyinfer_error(smollm2_llm, tmp_path):
 
 
 def test_chat_content_parts_and_no_messages(smollm2_llm):
-    """OpenAI's content parts (a list of text parts) render as their joined text, as the server
-    takes them (they were a template TypeError); no messages at all is refused (OpenAI does)."""
+    """OpenAI's content parts (a list of text parts) render as their texts joined by newlines,
+    as llama.cpp joins them (they were a template TypeError, then glued with nothing between);
+    no messages at all, or messages of another type, are refused (OpenAI does)."""
     from pyinfer.errors import PyinferError
 
     llm = smollm2_llm
-    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital "},
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital"},
                                           {"type": "text", "text": "of Germany?"}]}]
-    plain = [{"role": "user", "content": "What is the capital of Germany?"}]
+    plain = [{"role": "user", "content": "What is the capital\nof Germany?"}]
     assert llm.chat_tokens(parts) == llm.chat_tokens(plain)
-    for bad in ([], [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]):
+    assert llm.chat_tokens(tuple(plain)) == llm.chat_tokens(plain)
+    for bad in ([], (), None, "hi", [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]):
         with pytest.raises(PyinferError):
             llm.create_chat_completion(bad, max_tokens=2)
+    with pytest.raises(PyinferError, match="should_stop"):  # before any token, not a TypeError after
+        llm.create_chat_completion(plain, max_tokens=2, should_stop=True)
+    with pytest.raises(PyinferError, match="should_stop"):
+        llm.create_completion("Hi", max_tokens=2, should_stop=1)
+
+
+def test_chat_continues_a_last_assistant_message(smollm2_llm):
+    """A chat ending with an assistant message is continued from its text (llama.cpp's server,
+    prefill_assistant): the prompt is transformers' apply_chat_template(continue_final_message=True)
+    of the same template, and the answer holds only what follows."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models
+
+    from pyinfer.errors import PyinferError
+
+    llm = smollm2_llm
+    hf = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")))
+    hf.chat_template = llm.chat_template
+    chat = [{"role": "user", "content": "What is the capital of Germany?"},
+            {"role": "assistant", "content": "The capital of Germany is"}]
+    text = hf.apply_chat_template(chat, tokenize=False, continue_final_message=True)
+    assert text.endswith("assistant\nThe capital of Germany is")
+    assert llm.chat_tokens(chat) == llm.tokenize(text, special=True)
+    out = llm.create_chat_completion(chat, max_tokens=3, temperature=0)
+    answer = out["choices"][0]["message"]["content"]
+    assert "Berlin" in answer and not answer.startswith("The capital")
+    with pytest.raises(PyinferError, match="two assistant"):
+        llm.chat_tokens(chat + [{"role": "assistant", "content": "x"}])
 
 
 def test_close_and_the_with_block(smollm2_q8):
@@ -689,3 +720,25 @@ def test_next_turn_reuses_the_previous_prompt(smollm2_llm):
     # the first prompt's rows are reused; the answer's (written by the decode kernels, which
     # round otherwise) are evaluated again, batched, with the new message
     assert llm.last_stats.prompt_evaluated == len(ids) - n_first
+
+
+def test_ignore_eos_reports_the_models_logprobs(smollm2_llm):
+    """With ignore_eos the end-of-generation tokens are never drawn, but the log-probabilities
+    are the model's (llama.cpp's server reads them before its ignore_eos bias): the same as a
+    plain greedy run's token for token, and where that run ended, its end-of-turn token is the
+    most likely alternative (they came from the banned logits, renormalised without it)."""
+    llm = smollm2_llm
+    chat = [{"role": "user", "content": "What is 2+2?"}]
+    a = llm.create_chat_completion(chat, temperature=0, max_tokens=48, logprobs=True, top_logprobs=2)
+    assert a["choices"][0]["finish_reason"] == "stop"
+    la = a["choices"][0]["logprobs"]["content"]
+    n = len(la)
+    b = llm.create_chat_completion(chat, temperature=0, max_tokens=n + 1, logprobs=True,
+                                   top_logprobs=2, ignore_eos=True)
+    lb = b["choices"][0]["logprobs"]["content"]
+    assert [e["logprob"] for e in lb[:n]] == [e["logprob"] for e in la]
+    assert [e["top_logprobs"] for e in lb[:n]] == [e["top_logprobs"] for e in la]
+    eot = llm.tokenizer.decode([llm.tokenizer.eot_id if getattr(llm.tokenizer, "eot_id", None)
+                                is not None else llm.tokenizer.eos_id], skip_special=False)
+    assert lb[n]["top_logprobs"][0]["token"] == eot
+    assert lb[n]["token"] != eot

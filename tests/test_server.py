@@ -44,10 +44,14 @@ def test_bad_messages(messages):
         chat_messages({"messages": messages})
 
 
-def test_message_text_parts_are_joined():
-    m = chat_messages({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
-                                                                  {"type": "text", "text": "b"}]}]})
-    assert m == [{"role": "user", "content": "ab"}]
+@pytest.mark.parametrize("texts, joined", [(["a", "b"], "a\nb"), (["", "b"], "b"), (["a", ""], "a\n"),
+                                           (["a", "", "b"], "a\n\nb")])
+def test_message_text_parts_are_joined(texts, joined):
+    """as llama.cpp's common_chat_msg::to_json_oaicompat(concat_typed_text): a newline before a
+    part wherever some text came before it"""
+    m = chat_messages({"messages": [{"role": "user",
+                                     "content": [{"type": "text", "text": t} for t in texts]}]})
+    assert m == [{"role": "user", "content": joined}]
 
 
 @pytest.mark.parametrize("prompt", [None, "", 5, [], [1, "a"], ["a", "b"]])
