@@ -517,18 +517,27 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
         secs["predictor training"] = time.perf_counter() - t0
         del prof
 
-        # 4. placement (fixed bytes include the predictors about to be written)
+        meta, jobs = plan(src, outtype, allow_unused, down_type=down_type)
+        # 4. placement, counting what the GPU engine will put on the device (pyinfer.hybrid):
+        # the predictors about to be written that it runs (the layers whose CPU decode runs
+        # them), and the two-stage head's copy in place of the exact head where the final
+        # write adds one
         placement = None
         if budget is not None:
             t0 = time.perf_counter()
+            device_preds = [bool(r.cpu_predictor) for r in rows]
             for i, (fc1, fc2, _) in enumerate(preds):
                 sizes[C.FC1.format(bid=i)] = fc1.size * pred_elt
                 sizes[C.FC2.format(bid=i)] = fc2.size * pred_elt
-            rank = max(int(fc1.shape[0]) for fc1, _, _ in preds)
-            placement = solve(counts, sizes, cfg, budget, group_size=DEFAULT_GROUP_SIZE, rank=rank)
+            rank = max([int(fc1.shape[0]) for (fc1, _, _), on in zip(preds, device_preds) if on]
+                       or [1])
+            head = _two_stage_head_bytes(jobs, cfg, opts.lm_head_candidates)
+            placement = solve(counts, sizes, cfg, budget, group_size=DEFAULT_GROUP_SIZE, rank=rank,
+                              device_predictors=device_preds, head_bytes=head)
             for r, b in zip(rows, placement.gpu_bucket):
                 r.gpu = int(b.size)
-            total = model_gpu_bytes(sizes, cfg, rank=rank)
+            total = model_gpu_bytes(sizes, cfg, rank=rank, device_predictors=device_preds,
+                                    head_bytes=head)
             if budget >= total:
                 _log(f"--vram-budget {opts.vram_budget_gib:g} GiB holds the whole model with the "
                      f"GPU engine's buffers ({total / 2**30:.4g} GiB at a {placement_ctx(cfg)}-token "
@@ -536,7 +545,6 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
             secs["placement"] = time.perf_counter() - t0
         # the importance matrix for q4_0 / q5_0 scales (input_sparse.weighted_jobs): the rows
         # whose inputs lie along them; ffn_down_t's blocks run along outputs, where it is flat
-        meta, jobs = plan(src, outtype, allow_unused, down_type=down_type)
         if opts.imatrix and input_mode_model(cfg, eng.weights):
             from predictors.input_sparse import importance, takes_weighted_scales, weighted_jobs
 
@@ -595,6 +603,22 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
     _log("offline stage: " + ", ".join(f"{k} {v:.1f} s" for k, v in secs.items())
          + f"; calibration {sum(len(s) for s in seqs)} tokens ({source})", opts.progress)
     return {"rows": rows, "mode": mode, "calib_source": source, "seconds": secs, "placement": placement}
+
+
+def _two_stage_head_bytes(jobs, cfg, asked: int | None) -> int | None:
+    """The GPU engine's device bytes of the two-stage lm head the final write adds to a file of
+    sparse mode relu / glu (``input_sparse.two_stage_head``; ``gpu_model.ib_head_bytes``), or
+    None where it adds none (the exact head goes on the device)."""
+    import gguf
+
+    from pyinfer.gpu_model import ib_head_bytes
+    from predictors.input_sparse import head_candidates, head_copy_type, lm_head_jobs
+
+    if not head_candidates(jobs, cfg, asked):
+        return None
+    (copy,) = lm_head_jobs(jobs, cfg, C.LM_HEAD_CHUNK, None, head_copy_type(jobs, cfg))
+    block, block_bytes = gguf.GGML_QUANT_SIZES[copy.qtype]
+    return ib_head_bytes(cfg, copy.shape[0] * copy.shape[1] // block * block_bytes, C.LM_HEAD_CHUNK)
 
 
 def dense_importance(src: str, out: str, outtype: str, opts: OfflineOptions | None = None,

@@ -146,10 +146,23 @@ def output_bytes(cfg: ModelConfig, weights: ModelWeights, head=None,
     input, kept bits and counters; the two-stage head's exact rows stay on the host)."""
     if ib_head(head, weights):
         scale = weights.output_in_scale
-        own = 0 if input_mode else (4 * cfg.n_embd + 4 * (q8_len(cfg) // 32) + 8 * N_KEPT)
-        return (cfg.n_embd * 4 + weights.output_ib.nbytes + 4 * head_scratch_len(weights)
-                + (0 if scale is None else scale.nbytes) + own)
+        return ib_head_bytes(cfg, weights.output_ib.nbytes, weights.output_ib.chunk,
+                             0 if scale is None else scale.nbytes, input_mode)
     return cfg.n_embd * 4 + weights.output.nbytes
+
+
+def ib_head_bytes(cfg: ModelConfig, ib_nbytes: int, chunk: int, scale_nbytes: int = 0,
+                  input_mode: bool = False) -> int:
+    """``output_bytes`` of a head over ``output_ib`` from sizes alone (the converter places
+    neurons before the file exists): the output norm, ``output_ib``'s ``ib_nbytes`` (cut in
+    output chunks of ``chunk``), the f32 partial sums of its largest chunk's GEMV
+    (``head_scratch_len``), its WINA scales' ``scale_nbytes`` and, unless sparse mode input's
+    buffers have them, its masked input, kept bits and counters."""
+    from pyinfer.ops.cpu import ib_chunks
+
+    scratch = max(cuda.ib_scratch_len(cfg.n_embd, c1 - c0) for c0, c1 in ib_chunks(cfg.n_vocab, chunk))
+    own = 0 if input_mode else (4 * cfg.n_embd + 4 * (q8_len(cfg) // 32) + 8 * N_KEPT)
+    return cfg.n_embd * 4 + ib_nbytes + 4 * scratch + scale_nbytes + own
 
 
 def buffer_bytes(cfg: ModelConfig, n_ctx: int, rank: int, input_mode: bool = False,

@@ -111,6 +111,7 @@ def plan_layers(cfg: ModelConfig, sizes: _Sizes, budget: int, n_layers: int | No
         used += step
         k += 1
     if n_layers is not None:
+        n_layers = min(n_layers, cfg.n_layer)  # llama.cpp's -ngl 99: every layer
         if n_layers > k:
             raise PyinferError(f"-ngl {n_layers}: {n_layers} whole layers do not fit in "
                                f"{budget / GiB:.2f} GiB of device memory (at most {k} do)")
@@ -213,7 +214,8 @@ def place_model(reader, cfg: ModelConfig, weights: ModelWeights, cpu_ffn, n_ctx:
     one-line notice); None ("auto" without the notice); "cuda" (PyinferError without a device).
     vram_budget: GiB (default: free memory minus a margin). reset_gpu_index: re-solve the split
     from the stored activation counts. disable_gpu_index: whole layers instead of the hot-neuron
-    split. n_gpu_layers: llama.cpp ``-ngl``: the first k layers whole on the device. backend: a
+    split. n_gpu_layers: llama.cpp ``-ngl``: the first k layers whole on the device (k over the
+    model's layer count: all of them, as llama.cpp's ``-ngl 99``). backend: a
     ``pyinfer.device`` backend instead of CupyDevice (tests pass NumpyDevice). cache_type: the
     KV cache of a CPU ``Model`` (``kv_cache.cache_dtype``; a GpuModel keeps f32, as its device).
     lm_head: a two-stage head over ``output_ib`` for a file not of sparse mode input
@@ -248,9 +250,11 @@ def place_model(reader, cfg: ModelConfig, weights: ModelWeights, cpu_ffn, n_ctx:
             return cpu_model()
         raise PyinferError(msg)
     if device == "cpu" and backend is None:
-        if vram_budget is not None or n_gpu_layers:
-            raise PyinferError("a VRAM budget (--vram-budget, vram_budget=) or GPU layers (-ngl, "
-                               "n_gpu_layers=) need a GPU device (--device / device= cuda or auto)")
+        if vram_budget is not None or n_gpu_layers or reset_gpu_index or disable_gpu_index:
+            raise PyinferError("a VRAM budget (--vram-budget, vram_budget=), GPU layers (-ngl, "
+                               "n_gpu_layers=) or the GPU split's flags (--reset-gpu-index, "
+                               "--disable-gpu-index) need a GPU device (--device / device= cuda "
+                               "or auto)")
         return cpu_model()
     # the output matrix itself goes on the device unless the head is the CPU's or input-sparse
     head = model_head(cpu_ffn, lm_head)

@@ -189,6 +189,19 @@ def _layers(reader, n_layer: int, n_ff: int | None, calib_tokens: int | None, na
     return rows
 
 
+def budget_text(nbytes: int) -> str:
+    """The shortest decimal GiB figure that ``placement.budget_bytes`` turns back into ``nbytes``
+    (what --vram-budget must be given to run a stored split: 3 decimals printed 0.014 for a split
+    solved at 0.0141 GiB, which re-solved)."""
+    from pyinfer.placement import budget_bytes
+
+    for digits in range(3, 18):
+        text = f"{nbytes / 2**30:.{digits}g}"
+        if budget_bytes(float(text)) == nbytes:
+            return text
+    return repr(nbytes / 2**30)
+
+
 def _fmt(v, spec: str = "") -> str:
     return "-" if v is None else format(v, spec)
 
@@ -244,7 +257,9 @@ def render(info: dict) -> str:
                f"target sparsity {_fmt(sp['target_sparsity'], '.3g')}")
     out.append(calib)
     if sp["vram_budget_bytes"]:
-        out.append(f"gpu split:     solved for {sp['vram_budget_bytes'] / 2**30:.3f} GiB")
+        out.append(f"gpu split:     solved for {budget_text(sp['vram_budget_bytes'])} GiB "
+                   f"({sp['vram_budget_bytes']:,} bytes): pyinfer-run --vram-budget with this "
+                   "figure runs it")
     out.append("layer  act_thr  calib_sparsity  rank  recall  precision  cpu_pred  gpu_neurons")
     for r in sp["layers"]:
         out.append(f"{r['layer']:5d}  {_fmt(r['act_threshold'], '7.4f'):>7}  "

@@ -8,7 +8,11 @@ The budget the user gives is for the whole GPU. What the FFN neurons may use is
                       ffn_down in a dense file's row layout),
                       except token_embd when the output matrix is separate (the embedding lookup
                       stays on the CPU; with tied embeddings token_embd *is* the output matrix)
-                      -> attention matrices, norms, output matrix, predictors fc1/fc2
+                      -> attention matrices, norms, output matrix, predictors fc1/fc2,
+                      where the predictors are only those of the layers whose decode runs them
+                      (``pyinfer.predictor.cpu``), and a file with the two-stage lm head counts
+                      its copy (``output_ib``) and its GEMV's partial sums in place of the exact
+                      head, which stays on the host (``gpu_model.ib_head_bytes``)
                     + the KV cache for n_ctx tokens: 2 * n_layer * n_ctx * n_head_kv * head_dim * 4
                       bytes (f32, as pyinfer's cache holds it), n_ctx = min(4096, training context)
                       (the engine's default context)
@@ -77,20 +81,36 @@ def kv_cache_bytes(cfg: ModelConfig, n_ctx: int | None = None) -> int:
     return 2 * cfg.n_layer * placement_ctx(cfg, n_ctx) * cfg.n_embd_kv * KV_BYTES_PER_ELEMENT
 
 
+_HEAD_TENSORS = (C.OUTPUT_NORM, C.OUTPUT, C.OUTPUT_IB, C.OUTPUT_IN_SCALE)
+
+
 def fixed_gpu_bytes(sizes: dict[str, int], cfg: ModelConfig, n_ctx: int | None = None,
-                    rank: int = 1) -> int:
-    """Bytes that go to the GPU before any FFN neuron (module docstring formula).
+                    rank: int = 1, device_predictors: list | None = None,
+                    head_bytes: int | None = None) -> int:
+    """Bytes that go to the GPU before any FFN neuron (module docstring formula), as
+    ``pyinfer.hybrid`` counts them.
 
     sizes: tensor name -> bytes (:func:`tensor_sizes`, plus any tensor about to be written);
-    rank: the largest predictor's rank (the engine's hidden buffer)."""
+    rank: the largest device predictor's rank (the engine's hidden buffer);
+    device_predictors: per layer, whether the device runs its predictor (the file's
+    ``pyinfer.predictor.cpu`` flags, ``gpu_model.device_predictors``): the fc1 / fc2 of the
+    others stay off the device (None: every predictor goes);
+    head_bytes: the device bytes of a head over ``output_ib`` (``gpu_model.ib_head_bytes``:
+    the exact head's rows stay on the host), in place of the output norm and matrix."""
     fixed = 0
     for name, nbytes in sizes.items():
         if _is_ffn(name) or name.endswith((".gpu_idx", ".gpu_bucket", ".act_count")):
             continue
-        if name == C.TOKEN_EMBD and not cfg.tied_embeddings:
+        if name == C.TOKEN_EMBD and (not cfg.tied_embeddings or head_bytes is not None):
+            continue
+        if head_bytes is not None and name in _HEAD_TENSORS:
+            continue
+        if device_predictors is not None and name.endswith((".fc1.weight", ".fc2.weight")) \
+                and not device_predictors[int(name.split(".")[1])]:
             continue
         fixed += nbytes
-    return fixed + kv_cache_bytes(cfg, n_ctx) + runtime_gpu_bytes(cfg, n_ctx, rank)
+    return (fixed + (head_bytes or 0) + kv_cache_bytes(cfg, n_ctx)
+            + runtime_gpu_bytes(cfg, n_ctx, rank))
 
 
 def ffn_bytes_per_neuron(sizes: dict[str, int], cfg: ModelConfig) -> list[int]:
@@ -107,28 +127,52 @@ def ffn_bytes_per_neuron(sizes: dict[str, int], cfg: ModelConfig) -> list[int]:
 
 
 def model_gpu_bytes(sizes: dict[str, int], cfg: ModelConfig, n_ctx: int | None = None,
-                    rank: int = 1) -> int:
-    """Everything the GPU would hold if the whole model fit: fixed bytes + all FFN neurons."""
-    return (fixed_gpu_bytes(sizes, cfg, n_ctx, rank)
+                    rank: int = 1, device_predictors: list | None = None,
+                    head_bytes: int | None = None) -> int:
+    """Everything the GPU would hold if the whole model fit: fixed bytes (``fixed_gpu_bytes``,
+    the same arguments) + all FFN neurons."""
+    return (fixed_gpu_bytes(sizes, cfg, n_ctx, rank, device_predictors, head_bytes)
             + sum(b * cfg.n_ff for b in ffn_bytes_per_neuron(sizes, cfg)))
 
 
-def predictor_rank_of(reader) -> int:
+def predictor_rank_of(reader, device_predictors: list | None = None) -> int:
     """The largest predictor rank of a file (rows of ``blk.N.fc1``: GGUF's shape lists them
-    second), 1 without predictors."""
+    second) among the layers ``device_predictors`` marks (None: all), 1 without any."""
     ranks = [int(t.shape[1]) for t in reader.tensors
-             if t.name.endswith(".fc1.weight") and len(t.shape) > 1]
+             if t.name.endswith(".fc1.weight") and len(t.shape) > 1
+             and (device_predictors is None or device_predictors[int(t.name.split(".")[1])])]
     return max(ranks or [1])
+
+
+def device_predictors_of(reader, cfg: ModelConfig) -> list[bool]:
+    """Per layer, whether the GPU engine runs the layer's predictor: the file's
+    ``pyinfer.predictor.cpu`` flags (absent: all), as ``gpu_model.device_predictors`` reads them."""
+    flags = read_field(reader, C.K_PRED_CPU)
+    return [True] * cfg.n_layer if flags is None else [bool(f) for f in flags]
+
+
+def head_bytes_of(reader, cfg: ModelConfig) -> int | None:
+    """``gpu_model.ib_head_bytes`` of a file's head over ``output_ib`` (None without one)."""
+    from pyinfer.gpu_model import ib_head_bytes
+
+    sizes = tensor_sizes(reader)
+    chunk = read_field(reader, C.K_LM_HEAD_CHUNK)
+    if C.OUTPUT_IB not in sizes or not isinstance(chunk, int):
+        return None
+    mode = read_field(reader, C.K_SPARSE_MODE)
+    return ib_head_bytes(cfg, sizes[C.OUTPUT_IB], chunk, sizes.get(C.OUTPUT_IN_SCALE, 0),
+                         mode == C.SPARSE_MODE_INPUT)
 
 
 def solve(counts: list[np.ndarray], sizes: dict[str, int], cfg: ModelConfig, vram_budget_bytes: int,
           group_size: int | None = None, n_ctx: int | None = None, time_limit: float | None = None,
-          rank: int = 1):
+          rank: int = 1, device_predictors: list | None = None, head_bytes: int | None = None):
     """``predictors.solver.solve_placement`` for a whole-GPU budget (module docstring formula;
-    ``rank``: the largest predictor's)."""
+    ``rank``, ``device_predictors`` and ``head_bytes`` as ``fixed_gpu_bytes`` takes them)."""
     from predictors.solver import DEFAULT_GROUP_SIZE, DEFAULT_TIME_LIMIT_S, solve_placement
 
-    budget = max(0, int(vram_budget_bytes) - fixed_gpu_bytes(sizes, cfg, n_ctx, rank))
+    budget = max(0, int(vram_budget_bytes) - fixed_gpu_bytes(sizes, cfg, n_ctx, rank,
+                                                             device_predictors, head_bytes))
     p = solve_placement(counts, ffn_bytes_per_neuron(sizes, cfg), budget,
                         group_size=group_size or DEFAULT_GROUP_SIZE,
                         time_limit=DEFAULT_TIME_LIMIT_S if time_limit is None else time_limit)
@@ -206,6 +250,8 @@ def placement_from_gguf(reader, cfg: ModelConfig, vram_budget_bytes: int | None 
                            "convert it with the offline stage (pyinfer-convert without --dense)")
     group = read_field(reader, C.K_GROUP_SIZE)
     sizes = tensor_sizes(reader)
+    preds = device_predictors_of(reader, cfg)
     return solve(counts, sizes, cfg, int(vram_budget_bytes),
                  group_size=int(group) if group is not None else None, n_ctx=n_ctx,
-                 rank=predictor_rank_of(reader))
+                 rank=predictor_rank_of(reader, preds), device_predictors=preds,
+                 head_bytes=head_bytes_of(reader, cfg))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import threading
 from typing import Iterable
 
 import numpy as np
@@ -113,6 +114,11 @@ _SEED_CODER_RE = (
 )
 _DEFAULT_RES = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_RE, r"\p{N}+", r"[0-9][0-9][0-9]")
 
+#: the pre-tokenizer names llama.cpp runs as llama3's (its regex, merges ignored), which add BOS
+#: where the file does not say (llama-vocab.cpp load())
+_LLAMA3_PRES = ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0",
+                "lfm2", "jina-v5-nano")
+
 #: tokenizer.ggml.pre -> (regexes in order, ignore_merges). llama.cpp's names (llama-vocab.cpp load()).
 BPE_PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...], bool]] = {
     "default": (_DEFAULT_RES, False),
@@ -128,8 +134,7 @@ BPE_PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...], bool]] = {
     "codeshell": ((r"\p{N}", _GPT2_RE), False),
     "exaone": ((r"\p{N}", _GPT2_RE), False),
     "minerva-7b": ((r"\p{N}", _GPT2_RE), False),
-    "llama-bpe": ((_LLAMA3_RE,), True),
-    "llama3": ((_LLAMA3_RE,), True),
+    **{n: ((_LLAMA3_RE,), True) for n in _LLAMA3_PRES},
     "dbrx": ((_LLAMA3_RE,), False),
     "smaug-bpe": ((_LLAMA3_RE,), False),
     "qwen2": ((_QWEN2_RE,), False),
@@ -138,7 +143,6 @@ BPE_PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...], bool]] = {
     **{n: ((_GPT2_RE,), False) for n in ("phi-2", "jina-es", "jina-de", "gigachat", "jina-v1-en",
                                          "jina-v2-es", "jina-v2-de", "jina-v2-code", "roberta-bpe",
                                          "trillion")},
-    **{n: ((_LLAMA3_RE,), True) for n in ("llama-v3", "falcon3", "pixtral")},
     **{n: ((_QWEN2_RE,), False) for n in ("deepseek-r1-qwen", "megrez")},
     **{n: ((_LLAMA3_RE,), False) for n in ("glm4", "chatglm-bpe")},  # llama3's regex, merges kept
     "falcon": ((_PUNCT_RE, _GPT2_RE, r"[0-9][0-9][0-9]"), False),
@@ -185,9 +189,10 @@ class NoTokenizerError(PyinferError):
 class Tokenizer:
     """Encode text to token ids and decode ids to text for one model.
 
-    Build it with ``Tokenizer.from_gguf(reader)``. Thread-safety: ``encode(parse_special=False)`` on the
-    Hugging Face / gpt2 paths flips a flag on the shared ``tokenizers`` object; do not call it
-    concurrently with ``parse_special=True`` on the same instance.
+    Build it with ``Tokenizer.from_gguf(reader)``. Encoding is thread-safe: ``encode(parse_special=
+    False)`` on the Hugging Face / gpt2 paths runs a copy of the ``tokenizers`` object made once
+    with control tokens off (a flag flipped on the shared one spelled ``<|im_start|>`` out in
+    another thread's prompt: the server tokenizes prompts while a JSON-schema grammar encodes).
     """
 
     def __init__(
@@ -218,6 +223,8 @@ class Tokenizer:
         self.add_bos = add_bos
         self.add_space_prefix = add_space_prefix
         self._hf = hf  # tokenizers.Tokenizer (paths 1 and 2)
+        self._hf_plain = None  # its copy for parse_special=False (_plain_hf)
+        self._hf_plain_lock = threading.Lock()
         self._sp = sp  # sentencepiece.SentencePieceProcessor (path 3)
         self.chat_template = chat_template
         self._byte_level = kind == "gpt2" or (kind == "huggingface" and _uses_byte_level(hf))
@@ -275,7 +282,7 @@ class Tokenizer:
         add_space_prefix = _field(C.K_TOK_ADD_SPACE_PREFIX, kind=bool)
         pre = _field(C.K_TOK_PRE, "default", kind=str)
         if add_bos is None:  # llama.cpp's defaults (llama_vocab::impl::load)
-            add_bos = model == "llama" or pre in ("llama-bpe", "llama3")
+            add_bos = model == "llama" or pre in _LLAMA3_PRES
         if add_space_prefix is None:
             add_space_prefix = model == "llama"
         common = dict(
@@ -370,14 +377,26 @@ class Tokenizer:
         elif parse_special:
             ids = self._hf.encode(text, add_special_tokens=False).ids
         else:
-            self._hf.encode_special_tokens = True
-            try:
-                ids = self._hf.encode(text, add_special_tokens=False).ids
-            finally:
-                self._hf.encode_special_tokens = False
+            ids = self._plain_hf().encode(text, add_special_tokens=False).ids
         if add_bos and self._bos is not None:
             ids = [self._bos] + list(ids)
         return list(ids)
+
+    def _plain_hf(self):
+        """The ``tokenizers`` object with control tokens tokenized as text
+        (``encode_special_tokens``), a copy of ``self._hf`` made at the first call (the lock: one
+        copy whatever threads race to it)."""
+        plain = self._hf_plain
+        if plain is None:
+            with self._hf_plain_lock:
+                if self._hf_plain is None:
+                    from tokenizers import Tokenizer as HFTokenizer
+
+                    copy = HFTokenizer.from_str(self._hf.to_str())
+                    copy.encode_special_tokens = True
+                    self._hf_plain = copy
+                plain = self._hf_plain
+        return plain
 
     def _encode_spm(self, text: str, parse_special: bool) -> list[int]:
         # llama.cpp (llama_vocab::impl::tokenize, SPM): split on special tokens first; every text

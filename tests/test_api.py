@@ -245,9 +245,11 @@ def test_constructor_errors(tmp_path, kw, message):
     assert message in str(e.value)
 
 
-@pytest.mark.parametrize("kw", [dict(vram_budget=1.0), dict(n_gpu_layers=2)])
+@pytest.mark.parametrize("kw", [dict(vram_budget=1.0), dict(n_gpu_layers=2),
+                                dict(reset_gpu_index=True), dict(disable_gpu_index=True)])
 def test_gpu_options_on_the_cpu_name_the_api_arguments(smollm2_q8, kw):
-    """The message named only the command-line flags (--vram-budget, -ngl) to API callers."""
+    """The message named only the command-line flags (--vram-budget, -ngl) to API callers; the
+    GPU split's flags were accepted silently with device cpu (README: an error)."""
     with pytest.raises(PyinferError, match=r"vram_budget=.*n_gpu_layers=.*need a GPU device"):
         LLM(smollm2_q8, device="cpu", **kw)
 

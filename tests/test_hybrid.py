@@ -299,6 +299,10 @@ def test_budget_counts_what_is_allocated(tmp_path, capsys):
     lo = place_model(None, cfg, w, DenseFFN(cfg), 64, 2, device="cuda", n_gpu_layers=2,
                      backend=NumpyDevice(free_bytes=1 * GiB))
     assert lo.plan.n_resident == 2 and lo.device_bytes == lo.plan.planned_bytes
+    # llama.cpp's -ngl 99 (more than the model's layers): every layer, not "99 do not fit"
+    every = place_model(None, cfg, w, DenseFFN(cfg), 64, 2, device="cuda", n_gpu_layers=99,
+                        backend=NumpyDevice(free_bytes=1 * GiB))
+    assert every.plan.n_resident == cfg.n_layer and every.plan.output
     with pytest.raises(PyinferError, match="do not fit"):
         place_model(None, cfg, w, DenseFFN(cfg), 64, 2, device="cuda", n_gpu_layers=3,
                     vram_budget=budget / GiB, backend=NumpyDevice(free_bytes=1 * GiB))

@@ -87,6 +87,7 @@ def test_text_output(calibrated):
     assert r.returncode == 0, r.stderr
     assert "sparse:        mode glu, target recall 0.99, target sparsity 0.5" in r.stdout
     assert f"calibration:   {CALIB_TOKENS} tokens of self-generated, seed 7" in r.stdout
+    assert f"gpu split:     solved for 0.0029296875 GiB ({3 << 20:,} bytes)" in r.stdout
     first = f"{1 - counts[0].sum() / (T.N_FF * CALIB_TOKENS):.1%}"
     assert any(ln.split()[:1] == ["0"] and first in ln for ln in r.stdout.splitlines()), r.stdout
 
@@ -181,3 +182,16 @@ def test_an_input_sparse_file(tmp_path):
     text = inspect(out).stdout
     assert "sparse:        mode input, score magnitude" in text and "attn_qkv" in text
     assert f"{inp['layers'][1]['ffn_down']['calibration_sparsity']:.1%}" in text.splitlines()[-1]
+
+
+@pytest.mark.parametrize("gib", [0.0141, 0.0143, 0.0146, 0.7, 24.0, 3 / 1024])
+def test_budget_text_runs_the_stored_split(gib):
+    """The printed budget is what --vram-budget must be given to run the stored split: it goes
+    back to the stored bytes through placement.budget_bytes (3 decimals printed 0.014 GiB for
+    splits solved at 0.0141 and 0.0143, and 0.015 for 0.0146, which re-solved)."""
+    from pyinfer.info import budget_text
+    from pyinfer.placement import budget_bytes
+
+    stored = budget_bytes(gib)
+    text = budget_text(stored)
+    assert budget_bytes(float(text)) == stored and float(text) == pytest.approx(gib, rel=1e-6)

@@ -102,7 +102,8 @@ def test_run_sparse_and_dense(relu_sparse, capsys):
 
 
 def test_placement_resolve_from_counts(relu_sparse):
-    from pyinfer.placement import fixed_gpu_bytes, ffn_bytes_per_neuron, placement_from_gguf, tensor_sizes
+    from pyinfer.placement import (device_predictors_of, ffn_bytes_per_neuron, fixed_gpu_bytes,
+                                   head_bytes_of, placement_from_gguf, predictor_rank_of, tensor_sizes)
 
     r = gguf.GGUFReader(relu_sparse)
     cfg = ModelConfig.from_gguf(r)
@@ -115,7 +116,10 @@ def test_placement_resolve_from_counts(relu_sparse):
         assert time.perf_counter() - t0 < 1.0
         bpn = ffn_bytes_per_neuron(sizes, cfg)
         used = sum(int(m.sum()) * bpn[i] for i, m in enumerate(p.gpu_idx))
-        assert used == p.bytes_used <= budget - fixed_gpu_bytes(sizes, cfg)
+        preds = device_predictors_of(r, cfg)
+        assert used == p.bytes_used <= budget - fixed_gpu_bytes(
+            sizes, cfg, rank=predictor_rank_of(r, preds), device_predictors=preds,
+            head_bytes=head_bytes_of(r, cfg))
         for m, b in zip(p.gpu_idx, p.gpu_bucket):
             np.testing.assert_array_equal(np.flatnonzero(m), b)
     assert placement_from_gguf(r, cfg, int(0.0045 * 2**30)).n_gpu_neurons > stored.n_gpu_neurons
@@ -141,6 +145,42 @@ def test_the_gpu_engine_runs_the_stored_split_at_its_budget(relu_dir, tmp_path, 
     gm = place_model(eng.reader, eng.cfg, eng.weights, eng.model.ffn, placement_ctx(eng.cfg), 1,
                      device="cuda", vram_budget=float(budget), backend=NumpyDevice(free_bytes=GiB))
     assert [h.tolist() for h in gm.plan.hot] == [b.tolist() for b in stored.gpu_bucket]
+    _stored_split_is_the_engines(eng, budget, stored)
+
+
+def _stored_split_is_the_engines(eng, budget: str, stored) -> None:
+    """The split the converter stored is the one the engine solves itself for the same budget
+    (--reset-gpu-index): it counted every layer's predictors and, where the file has the
+    two-stage head, the exact head's bytes, while the engine puts on the device only the
+    predictors it runs and the head's copy, so the stored split left budget unused."""
+    from pyinfer.device import NumpyDevice
+    from pyinfer.hybrid import GiB, place_model
+    from pyinfer.placement import placement_ctx
+
+    gm = place_model(eng.reader, eng.cfg, eng.weights, eng.model.ffn, placement_ctx(eng.cfg), 1,
+                     device="cuda", vram_budget=float(budget), backend=NumpyDevice(free_bytes=GiB),
+                     reset_gpu_index=True, lm_head=eng.model.lm_head)
+    assert [h.tolist() for h in gm.plan.hot] == [b.tolist() for b in stored.gpu_bucket]
+
+
+def test_stored_split_with_the_two_stage_head_is_the_engines(tmp_path):
+    """A SwiGLU q8_0 model (tied head, n_vocab a multiple of 64: the file gets the two-stage
+    head, whose q4_1 copy the engine puts on the device instead of the exact head) at a budget
+    that holds part of the FFN."""
+    from pyinfer.engine import Engine
+    from pyinfer.placement import stored_placement
+
+    d = make_random_llama(tmp_path, hidden_act="silu", tied=True, tokenizer="bpe",
+                          intermediate_size=256, n_layers=3, vocab_size=576, name="silu576")
+    out = str(tmp_path / "m.gguf")
+    budget = "0.0038"
+    assert convert_main([d, out, "--outtype", "q8_0", "--sparse-mode", "glu", "--vram-budget",
+                         budget, *FAST]) == 0
+    eng = Engine(out, n_ctx=64, n_threads=1)
+    assert eng.model.lm_head is not None  # the two-stage head
+    stored = stored_placement(eng.reader, eng.cfg)
+    assert 0 < stored.n_gpu_neurons < eng.cfg.n_layer * eng.cfg.n_ff
+    _stored_split_is_the_engines(eng, budget, stored)
 
 
 @pytest.mark.parametrize("act", ["relu", "silu"])

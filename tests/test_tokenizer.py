@@ -688,3 +688,48 @@ def test_end_of_generation_set_follows_llama_cpp_rules():
     assert _eog_ids(toks, (5, None), {C.K_TOK_FIM_PAD: 0, C.K_TOK_EOM: 99}) == {5, 1, 0, 4, 6, 7, 8}
     oss = ["x", "<|return|>", "<|call|>", "<|end|>", "<|endoftext|>"]
     assert _eog_ids(oss, (None, None), {}) == {1, 2, 4}
+
+
+@pytest.mark.parametrize("pre, bos", [("llama3", True), ("llama-v3", True), ("falcon3", True),
+                                      ("falcon-h1", True), ("pixtral", True), ("lfm2", True),
+                                      ("gpt-2", False), ("qwen2", False)])
+def test_add_bos_default_follows_llama_cpp(tmp_path, bpe_source, pre, bos):
+    """Without tokenizer.ggml.add_bos_token, llama.cpp adds BOS for the pre-tokenizers it runs as
+    llama3's (llama-vocab.cpp load(): llama3, llama-v3, llama-bpe, falcon3, falcon-h1, pixtral,
+    midm-2.0, lfm2, jina-v5-nano); llama-v3, falcon3 and pixtral got none here."""
+    path = _bpe_gguf(tmp_path, bpe_source, pre)
+    r = gguf.GGUFReader(path)
+    kv = {f.name: f.contents() for f in r.fields.values() if f.name.startswith("tokenizer.")}
+    del kv[C.K_TOK_ADD_BOS]
+    _write_gguf(tmp_path / "nobos.gguf", kv)
+    tok = _load(str(tmp_path / "nobos.gguf"))
+    assert tok.add_bos is bos
+    assert (tok.encode("hi")[:1] == [bpe_source.token_to_id("<|im_start|>")]) is bos
+
+
+def test_encode_is_thread_safe(tmp_path, bpe_source):
+    """encode(parse_special=False) flipped encode_special_tokens on the shared tokenizers object,
+    so a prompt encoded meanwhile in another thread got <|im_start|> spelled out as text (the
+    server tokenizes prompts while a grammar encodes with parse_special=False)."""
+    import threading
+
+    tok = _load(_bpe_gguf(tmp_path, bpe_source, "gpt-2"))
+    want_special, want_plain = tok.encode(SPECIAL_TEXT), tok.encode(SPECIAL_TEXT, parse_special=False)
+    assert want_special != want_plain
+    stop, bad = threading.Event(), []
+
+    def plain():
+        while not stop.is_set():
+            if tok.encode(SPECIAL_TEXT, parse_special=False) != want_plain:
+                bad.append("plain")
+
+    t = threading.Thread(target=plain)
+    t.start()
+    try:
+        for _ in range(3000):
+            if tok.encode(SPECIAL_TEXT) != want_special:
+                bad.append("special")
+    finally:
+        stop.set()
+        t.join()
+    assert not bad, f"{len(bad)} wrong encodings"
