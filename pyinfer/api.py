@@ -407,7 +407,7 @@ class LLM:
                           logprobs: int | None = None, response_format: dict | None = None,
                           grammar: str | None = None, json_schema=None, dry_multiplier: float = 0.0,
                           dry_base: float = 1.75, dry_allowed_length: int = 2,
-                          dry_penalty_last_n: int = -1):
+                          dry_penalty_last_n: int = -1, repeat_last_n: int = 64):
         """Complete ``prompt`` (text, or token ids). Returns an OpenAI ``text_completion`` dict::
 
             {"id", "object": "text_completion", "created", "model",
@@ -426,14 +426,15 @@ class LLM:
         the text (pyinfer/grammar.py; at most one of them).
         Raises PyinferError for a prompt that does not fit, bad sampling parameters or a bad
         grammar (before any chunk is produced). ``dry_*``: the DRY repetition penalty, as in
-        ``generate`` (off by default, as llama.cpp's server).
+        ``generate`` (off by default, as llama.cpp's server). ``repeat_last_n``: the tokens
+        ``repeat_penalty`` looks back over (0: none, -1: the whole context, as llama.cpp).
         """
         ids = (self.tokenize(prompt) if isinstance(prompt, (str, bytes))
                else token_ids(prompt, "prompt"))
         self.check_fits(ids)
         dry = dict(dry_multiplier=dry_multiplier, dry_base=dry_base,
                    dry_allowed_length=dry_allowed_length, dry_penalty_last_n=dry_penalty_last_n)
-        self._params(temperature, top_k, top_p, min_p, repeat_penalty, **dry)
+        self._params(temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, **dry)
         self._check_request(max_tokens, stop, seed, should_stop)
         gram = grammar_of(response_format, grammar, json_schema)
         if gram is not None:
@@ -443,7 +444,8 @@ class LLM:
             options.check("top_logprobs", logprobs, "logprobs")
             rec = LogprobRecorder(self.tokenizer, logprobs)
         kw = dict(max_tokens=max_tokens, stop=stop, temperature=temperature, top_k=top_k, top_p=top_p,
-                  min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, ignore_eos=ignore_eos,
+                  min_p=min_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
+                  seed=seed, ignore_eos=ignore_eos,
                   should_stop=should_stop, grammar=gram, logprobs=rec, **dry)
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -529,7 +531,8 @@ class LLM:
                                dry_multiplier: float = 0.0, dry_base: float = 1.75,
                                dry_allowed_length: int = 2, dry_penalty_last_n: int = -1,
                                chat_template_kwargs: dict | None = None,
-                               reasoning_format: str = "none", ignore_eos: bool = False):
+                               reasoning_format: str = "none", ignore_eos: bool = False,
+                               repeat_last_n: int = 64):
         """Answer a conversation. ``messages``: ``[{"role": "system"|"user"|"assistant",
         "content": str}, ...]``; a last assistant message is continued (its text is the start of
         the answer, which holds only what follows it: ``chat_tokens``). Returns an OpenAI
@@ -546,7 +549,8 @@ class LLM:
         ``seed`` and ``should_stop`` as in ``create_completion``. ``logprobs`` True: each token's
         log-probability in OpenAI's ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}``
         with ``top_logprobs`` (0..20) alternatives. ``response_format``, ``grammar``,
-        ``json_schema``: constrain the answer as in ``create_completion``; ``dry_*`` as there.
+        ``json_schema``: constrain the answer as in ``create_completion``; ``dry_*`` and
+        ``repeat_last_n`` as there.
         ``chat_template_kwargs``: more chat-template variables (e.g. Qwen3's
         ``{"enable_thinking": False}``), as ``render_chat``'s ``template_kwargs``.
         ``reasoning_format``: "none" (the text as written) or, as llama.cpp's server, "deepseek" /
@@ -558,7 +562,7 @@ class LLM:
         """
         dry = dict(dry_multiplier=dry_multiplier, dry_base=dry_base,
                    dry_allowed_length=dry_allowed_length, dry_penalty_last_n=dry_penalty_last_n)
-        self._params(temperature, top_k, top_p, min_p, repeat_penalty, **dry)
+        self._params(temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, **dry)
         self._check_request(max_tokens, stop, seed, should_stop)
         if not isinstance(logprobs, bool):
             raise PyinferError("logprobs must be true or false")
@@ -574,7 +578,8 @@ class LLM:
         ids = self.chat_tokens(messages, chat_template_kwargs)
         self.check_fits(ids)
         kw = dict(max_tokens=max_tokens, stop=stop, temperature=temperature, top_k=top_k, top_p=top_p,
-                  min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, should_stop=should_stop,
+                  min_p=min_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
+                  seed=seed, should_stop=should_stop,
                   grammar=gram, logprobs=rec, ignore_eos=bool(ignore_eos), **dry)
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 

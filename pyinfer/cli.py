@@ -59,11 +59,14 @@ def build_parser(prog: str = "pyinfer-run", chat: bool = False) -> argparse.Argu
                    help="KV cache type (llama.cpp's --cache-type-k/v): f16 halves the bytes each "
                         "token's attention reads; auto: f32 for an f32 file, else f16")
     p.add_argument("--temp", type=arg_type("temperature"), default=0.8, help="temperature (0: greedy)")
-    p.add_argument("--top-k", type=arg_type("top_k"), default=40)
+    p.add_argument("--top-k", type=arg_type("top_k"), default=40,
+                   help="keep the k most likely tokens (0 or -1: all; default 40)")
     p.add_argument("--top-p", type=arg_type("top_p"), default=0.95)
     p.add_argument("--min-p", type=arg_type("min_p"), default=0.05)
     p.add_argument("--repeat-penalty", type=arg_type("repeat_penalty"), default=1.0)
-    p.add_argument("--repeat-last-n", type=arg_type("repeat_last_n"), default=64)
+    p.add_argument("--repeat-last-n", type=arg_type("repeat_last_n"), default=64,
+                   help="tokens the repeat penalty looks back over (0: none, -1: the whole "
+                        "context; default 64)")
     p.add_argument("--dry-multiplier", type=arg_type("dry_multiplier"), default=None,
                    help=f"DRY repetition penalty strength (0: off; default {CHAT_DRY_MULTIPLIER} "
                         "in the chat, 0 otherwise)")

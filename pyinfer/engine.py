@@ -369,7 +369,8 @@ class Engine:
         n = 0
         while max_tokens < 0 or n < max_tokens:
             t0 = time.perf_counter()
-            recent = self.tokens[-params.repeat_last_n:] if params.repeat_last_n > 0 else ()
+            last_n = params.repeat_last_n  # -1: the whole context (llama.cpp), 0: none
+            recent = self.tokens if last_n < 0 else self.tokens[-last_n:] if last_n > 0 else ()
             allowed = None if constraint is None else constraint.allowed()
             drawn = logits
             if banned is not None:

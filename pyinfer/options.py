@@ -76,11 +76,11 @@ OPTIONS: dict[str, Range] = {
     "n_predict": Range(integer=True, lo=-1, hi=MAX_CTX),  # -1: until end of text or a full context
     "max_tokens": Range(integer=True, lo=1, hi=MAX_CTX),  # the server's (OpenAI: positive)
     "temperature": Range(integer=False, lo=0.0),
-    "top_k": Range(integer=True, lo=0, hi=2**31 - 1),  # 0: off
+    "top_k": Range(integer=True, lo=0, hi=2**31 - 1, extra=(-1,)),  # 0 or -1: off (llama.cpp)
     "top_p": Range(integer=False, lo=0.0, hi=1.0),  # 0: only the most likely token (OpenAI)
     "min_p": Range(integer=False, lo=0.0, hi=1.0),
     "repeat_penalty": Range(integer=False, lo=0.0, lo_open=True),
-    "repeat_last_n": Range(integer=True, lo=0, hi=MAX_CTX),
+    "repeat_last_n": Range(integer=True, lo=0, hi=MAX_CTX, extra=(-1,)),  # -1: the whole context
     "dry_multiplier": Range(integer=False, lo=0.0, hi=1e6),  # 0: off
     "dry_base": Range(integer=False, lo=1.0, hi=1e6),
     "dry_allowed_length": Range(integer=True, lo=1, hi=MAX_CTX),

@@ -314,7 +314,9 @@ def describe_settings(session: ChatSession) -> str:
         chain = (f"temp {sp.get('temperature', 0.8):.2f}, top-k {sp.get('top_k', 40)}, "
                  f"top-p {sp.get('top_p', 0.95):.2f}, min-p {sp.get('min_p', 0.05):.2f}")
     rp = sp.get("repeat_penalty", 1.0)
-    penalty = (f"repeat-penalty {rp:.2f} over the last {sp.get('repeat_last_n', 64)} tokens"
+    rn = sp.get("repeat_last_n", 64)
+    penalty = (f"repeat-penalty {rp:.2f} over "
+               f"{'the whole context' if rn < 0 else f'the last {rn} tokens'}"
                if rp != 1.0 else "no repeat penalty")
     dm = sp.get("dry_multiplier", 0.0)
     if dm > 0:

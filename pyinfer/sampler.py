@@ -21,7 +21,7 @@ class SamplingParams:
     top_p: float = 0.95
     min_p: float = 0.05
     repeat_penalty: float = 1.0  # 1.0 is off
-    repeat_last_n: int = 64  # how many recent tokens the penalty looks at
+    repeat_last_n: int = 64  # how many recent tokens the penalty looks at (-1: all, 0: none)
     # DRY ("don't repeat yourself", see dry_penalty); llama.cpp's defaults, multiplier 0 is off
     dry_multiplier: float = 0.0
     dry_base: float = 1.75
@@ -113,7 +113,9 @@ def apply_dry(logits: np.ndarray, history, params: SamplingParams,
         return logits
     if params.dry_penalty_last_n > 0:
         history = history[-params.dry_penalty_last_n:]
-    cap = 80 if params.dry_base <= 1 else int(np.log(3e38 / params.dry_multiplier) / np.log(params.dry_base))
+    # (in logs: 3e38 / a multiplier under 1e-270 overflowed to inf, and int(inf) raised)
+    cap = 80 if params.dry_base <= 1 else int(
+        (np.log(3e38) - np.log(params.dry_multiplier)) / np.log(params.dry_base))
     for t, n in dry_match_lengths(history, breakers).items():
         if n >= params.dry_allowed_length and t < logits.shape[0]:
             e = min(n - params.dry_allowed_length, cap)

@@ -57,7 +57,8 @@ def error_body(message: str, param: str | None = None, kind: str = "invalid_requ
 
 # ---- request validation ------------------------------------------------------------------------
 _COMMON = {"model", "user", "metadata", "store", "service_tier",  # informational: no effect
-           "max_tokens", "temperature", "top_p", "top_k", "min_p", "repeat_penalty", "seed", "stop",
+           "max_tokens", "temperature", "top_p", "top_k", "min_p", "repeat_penalty", "repeat_last_n",
+           "seed", "stop",
            "stream", "stream_options", "n", "logprobs", "response_format", "grammar", "json_schema",
            "presence_penalty", "frequency_penalty", "logit_bias",
            "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "ignore_eos"}
@@ -130,6 +131,7 @@ def sampling_options(body: dict, max_tokens_default: int | None) -> dict:
         top_k=_number(body, "top_k", 40, "top_k"),
         min_p=_number(body, "min_p", 0.05, "min_p"),
         repeat_penalty=_number(body, "repeat_penalty", 1.0, "repeat_penalty"),
+        repeat_last_n=_number(body, "repeat_last_n", 64, "repeat_last_n"),  # -1: whole context
         # llama.cpp server's DRY fields and defaults (multiplier 0: off)
         dry_multiplier=_number(body, "dry_multiplier", 0.0, "dry_multiplier"),
         dry_base=_number(body, "dry_base", 1.75, "dry_base"),

@@ -199,7 +199,7 @@ def test_bad_sampling_parameters_raise_before_streaming():
     (dict(temperature=-0.1), "temperature must be a finite number >= 0"),
     (dict(temperature=float("nan")), "temperature must be a finite number"),
     (dict(temperature=float("inf")), "temperature must be a finite number"),
-    (dict(top_k=-1), "top_k must be an integer in 0.."),
+    (dict(top_k=-2), "top_k must be an integer in 0.."),
     (dict(top_k=2.5), "top_k must be an integer"),
     (dict(min_p=1.5), "min_p must be a finite number >= 0 and <= 1"),
     (dict(top_p=float("nan")), "top_p must be a finite number"),

@@ -73,7 +73,7 @@ def test_bad_threads(tmp_path, value):
     ("--temp", "-1", "must be a finite number >= 0"),
     ("--temp", "nan", "must be a finite number >= 0"),
     ("--temp", "inf", "--temp"),
-    ("--top-k", "-1", "--top-k"),
+    ("--top-k", "-2", "--top-k"),
     ("--top-p", "1.5", "must be a finite number >= 0 and <= 1"),
     ("--min-p", "-0.1", "--min-p"),
     ("--repeat-penalty", "nan", "must be a finite number > 0"),

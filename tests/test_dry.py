@@ -194,3 +194,12 @@ def test_server_fields():
     assert sampling_options({}, 16)["dry_multiplier"] == 0.0  # llama.cpp's server: off
     with pytest.raises(BadRequest, match="dry_base"):
         sampling_options({"dry_base": 0.5}, 16)
+
+
+def test_a_tiny_multiplier_is_a_tiny_penalty():
+    """3e38 / 1e-300 overflowed to inf and int(inf) raised OverflowError (a traceback from
+    pyinfer-run --dry-multiplier 1e-300): the cap is now computed in logs."""
+    hist = [1, 2, 1, 2, 1, 2, 1]
+    for mult in (1e-300, 5e-324):
+        z = apply_dry(np.zeros(8, np.float32), hist, SamplingParams(dry_multiplier=mult))
+        assert np.all(np.isfinite(z)) and z[2] <= 0 and z[2] > -1e-30

@@ -174,3 +174,32 @@ def test_repeat_penalty_window_is_the_last_n_tokens():
     history = [1, 0, 0]  # token 1 fell out of a 2-token window: only token 0 is penalized
     assert sample(z, params, None, recent=history[-params.repeat_last_n:]) == 1  # 1.1/1.2 < 1.0
     assert sample(z, params, None, recent=history) == 0  # both penalized: 1.1/1.2 > 1.0/1.2
+
+
+def test_minus_one_means_all_as_in_llama_cpp(smollm2_q8):
+    """llama.cpp's --top-k -1 (any k <= 0 keeps every token) and --repeat-last-n -1 (the penalty
+    over the whole context) were refused; -1 now works in the CLI, the API and the server."""
+    from pyinfer import LLM
+    from pyinfer.cli import main as run_main
+    from pyinfer.engine import Engine
+    from pyinfer.options import check
+
+    assert check("top_k", -1) == -1 and check("repeat_last_n", -1) == -1
+    z = np.arange(10, dtype=np.float32)
+    counts = draws(z, SamplingParams(temperature=5.0, top_k=-1, top_p=1.0, min_p=0.0))
+    assert (counts > 0).all()
+    assert run_main([smollm2_q8, "-p", "hi", "-n", "2", "-t", "1", "-c", "64", "--top-k", "-1",
+                     "--repeat-last-n", "-1", "--repeat-penalty", "1.3"]) == 0
+    # the whole context: a prompt token further back than 64 is penalised, as with last_n = n_ctx
+    eng = Engine(smollm2_q8, n_ctx=256, n_threads=1)
+    prompt = eng.tokenizer.encode("The capital of France is Paris. " + "one two three four " * 20)
+    outs = []
+    for last_n in (-1, 256, 64):
+        eng.reset()
+        p = SamplingParams(temperature=0, repeat_penalty=50.0, repeat_last_n=last_n)
+        outs.append(list(eng.generate(prompt, p, max_tokens=12, seed=0)))
+    assert outs[0] == outs[1] and outs[0] != outs[2]
+    llm = LLM(smollm2_q8, n_ctx=128, n_threads=1)
+    for call in (llm.create_completion, llm.create_chat_completion):
+        arg = "hi" if call == llm.create_completion else [{"role": "user", "content": "hi"}]
+        assert call(arg, max_tokens=2, repeat_last_n=-1, top_k=-1)["usage"]["completion_tokens"] >= 1

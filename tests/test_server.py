@@ -34,6 +34,16 @@ def test_good_sampling_options():
     o = sampling_options({"max_tokens": 5, "temperature": 0, "stop": "x", "seed": 3, "model": "any"}, 16)
     assert o["max_tokens"] == 5 and o["temperature"] == 0 and o["stop"] == ["x"] and o["seed"] == 3
     assert sampling_options({}, None)["max_tokens"] is None
+    # llama.cpp server's repeat_last_n (was refused as an unknown field); -1: the whole context
+    from pyinfer.server import check_fields
+
+    for endpoint in ("/v1/completions", "/v1/chat/completions"):
+        check_fields({"repeat_last_n": -1, "top_k": -1}, endpoint)
+    o = sampling_options({"repeat_last_n": -1, "top_k": -1}, None)
+    assert o["repeat_last_n"] == -1 and o["top_k"] == -1
+    assert sampling_options({}, None)["repeat_last_n"] == 64
+    with pytest.raises(BadRequest):
+        sampling_options({"repeat_last_n": -2}, None)
 
 
 @pytest.mark.parametrize("messages", [None, [], "hi", [{"role": "wizard", "content": "x"}],
@@ -310,7 +320,7 @@ def _client(llm=None, api_key=None):
     (b'{"prompt": "hi", "top_p": -Infinity}', "'top_p' must be a finite number"),
     (b'{"prompt": "hi", "seed": -2}', "'seed' must be an integer in 0..18446744073709551615 (or -1)"),
     (b'{"prompt": "hi", "seed": 1e30}', "'seed' must be an integer"),
-    (b'{"prompt": "hi", "top_k": -1}', "'top_k' must be an integer in 0.."),
+    (b'{"prompt": "hi", "top_k": -2}', "'top_k' must be an integer in 0.."),
     (b'{"prompt": "hi", "max_tokens": 99999999999999999999}', "'max_tokens' must be an integer in 1..16777216"),
     (b'{"prompt": "\\ud800"}', "not valid Unicode"),
     (b'{"prompt": "hi", "stop": ["\\udfff"]}', "not valid Unicode"),
