@@ -353,8 +353,10 @@ class Engine:
         generation ends when its grammar is complete. ``on_token(logits, token)``: called with the
         model's (n_vocab,) logits each token was drawn from (for log-probabilities; before the
         ``ignore_eos`` ban, as llama.cpp reports them), stop token included.
-        Sets ``finish_reason`` when it ends by itself: "stop" for a stop id (even one drawn at the
-        context's last position) or a complete grammar, "length" for max_tokens or a full context.
+        Sets ``finish_reason`` when it ends by itself: "stop" for a stop id (even one drawn in the
+        last draw the context allows) or a complete grammar, "length" for max_tokens or a full
+        context: prompt and answer together fill at most n_ctx tokens (llama.cpp's server), so a
+        P-token prompt gets at most n_ctx - P.
         ``ignore_eos``: the model's end-of-generation tokens (``Tokenizer.stop_ids``) are never
         drawn (their logits -inf, as llama.cpp's --ignore-eos biases them), and no stop id ends
         the generation.
@@ -390,7 +392,9 @@ class Engine:
                 constraint.advance(tok)
             yield tok
             n += 1
-            if len(self.tokens) >= self.n_ctx or (max_tokens >= 0 and n >= max_tokens):
+            # the yielded token is not in the cache yet: prompt + answer stop at n_ctx (llama.cpp's
+            # server ends a slot at n_past + 1 >= n_ctx; the API and server check max_tokens so)
+            if len(self.tokens) + 1 >= self.n_ctx or (max_tokens >= 0 and n >= max_tokens):
                 self.finish_reason = "length"
                 return
             if constraint is not None and constraint.done:

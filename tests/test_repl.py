@@ -429,8 +429,9 @@ def test_ctrl_d_typed_while_an_answer_streams_ends_the_chat_after_it():
 
 def test_an_answer_fills_what_the_context_has_left(smollm2_q8):
     """A message that leaves two free positions got a 1-token answer (the REPL capped answers one
-    short of the context); like pyinfer-run's, the answer now runs until the context is full: the
-    engine evaluates up to n_ctx tokens and samples one more (Engine.generate)."""
+    short of the context); like pyinfer-run's, the answer now runs until the context is full:
+    prompt and answer fill n_ctx tokens, as llama.cpp's server (Engine.generate; the last answer
+    token is drawn, not evaluated)."""
     from pyinfer import LLM
 
     llm = LLM(smollm2_q8, n_ctx=64, seed=0)
@@ -445,6 +446,6 @@ def test_an_answer_fills_what_the_context_has_left(smollm2_q8):
     assert free >= 2
     s = ChatSession(llm, temperature=0.0, ignore_eos=True)
     stats = s.ask(text)
-    assert stats.completion_tokens == free + 1
+    assert stats.completion_tokens == free
     assert stats.finish_reason == "length"
-    assert len(llm.engine.tokens) == llm.n_ctx
+    assert len(llm.engine.tokens) == llm.n_ctx - 1
