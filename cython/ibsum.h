@@ -65,7 +65,7 @@
  * quantizes every block itself (AVX-512: 32 lanes per block) into its own stack arrays, so the
  * team needs no barrier. Block-outer, tile-inner: a block's kept rows stream together. Prefetch (into L2, session 11,
  * measured on 30 matrices streamed from memory: tools/ab_input_kernels.py --evict-mib): the
- * VNNI path prefetches, while doing tile u of block b, tile u + 8 of the thread's (block, tile)
+ * VNNI path prefetches, while doing tile u of block b, tile u + 16 (PI_IB_PF_DIST; 8 until session 38) of the thread's (block, tile)
  * sequence (the current block's rows, or the next non-empty block's past the range; at most one
  * block ahead) and the next block's scale row of tile u; the AVX2 path the next block's kept
  * rows of tile u, one prefetch per tile. On the VNNI path one prefetch per 32 bytes (two per
@@ -634,8 +634,12 @@ static inline void pi_ib_scalar(const int t, const uint8_t *val, const int32_t *
 #ifndef PI_IB_PF_LINES
 #define PI_IB_PF_LINES 2
 #endif
+/* tiles ahead (>= 1). 16 since session 38 (8 before): SmolLM2's default input files, decode in
+ * one process with the distance switched round by round: 1 thread q4_0 / q4_1 / q8_0 1.056 /
+ * 1.050 / 1.047x, 2 threads (rounds with two cores' compute) 1.030 / 1.011 / 0.998x; 24 and 32
+ * no better (docs/benchmarks.md, session 38) */
 #ifndef PI_IB_PF_DIST
-#define PI_IB_PF_DIST 8 /* >= 1 */
+#define PI_IB_PF_DIST 16
 #endif
 #ifndef PI_IB_PF_SCALES
 #define PI_IB_PF_SCALES 1
