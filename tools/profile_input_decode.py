@@ -154,6 +154,9 @@ def main(argv=None):
             r.append(0.0)
         for bname, kmod in builds:
             cpu._k = kmod
+            # the one-call decode plans are objects of the build that made them: remake them
+            dense.model._rows_plan = None
+            inp.model.input_sparse._plan = None
             # dense file: fused half-layers, then each projection
             for i, lw in enumerate(dl):
                 x = rec[i, "attn"].copy()
