@@ -103,19 +103,30 @@ def token_ids(ids, what: str = "tokens") -> list[int]:
     return out
 
 
-def text_of_parts(parts: list, where: str) -> str:
+def text_of_parts(parts: list, where: str, prefill: bool = False) -> str:
     """A message content given as OpenAI's parts (``[{"type": "text", "text": ...}, ...]``)
     as one string: the texts joined by a newline after any text so far, as llama.cpp's
     ``common_chat_msg::to_json_oaicompat(concat_typed_text)`` joins them (``["Hello", "world"]``
-    -> "Hello\nworld"); PyinferError naming ``where`` for a part that is not text (the API's
-    ``text_messages`` and the server's ``chat_messages`` both read parts so)."""
+    -> "Hello\nworld"); ``prefill``: the last assistant message a chat continues, whose parts
+    llama.cpp's server appends as they are (nothing between). PyinferError naming ``where`` for
+    a part that is not text (the API's ``text_messages`` and the server's ``chat_messages`` both
+    read parts so)."""
     if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                for p in parts):
         raise PyinferError(f"{where}: only text parts are supported")
+    if prefill:
+        return "".join(p["text"] for p in parts)
     text = ""
     for p in parts:
         text += ("\n" if text else "") + p["text"]
     return text
+
+
+def continues_last(messages) -> bool:
+    """True where a chat's last message is the assistant's, which the answer continues
+    (llama.cpp's server, ``prefill_assistant``)."""
+    return (isinstance(messages, (list, tuple)) and bool(messages) and isinstance(messages[-1], dict)
+            and messages[-1].get("role") == "assistant")
 
 
 def text_messages(messages) -> list:
@@ -127,7 +138,8 @@ def text_messages(messages) -> list:
                            f"{type(messages).__name__}")
     if not messages:
         raise PyinferError("messages is empty: a chat needs at least one message")
-    return [dict(m, content=text_of_parts(m["content"], f"messages[{i}].content"))
+    last = len(messages) - 1 if continues_last(messages) else -1
+    return [dict(m, content=text_of_parts(m["content"], f"messages[{i}].content", i == last))
             if isinstance(m, dict) and isinstance(m.get("content"), list) else m
             for i, m in enumerate(messages)]
 
@@ -504,10 +516,11 @@ class LLM:
         it and the template did not write it. A last message of role "assistant" is continued,
         as llama.cpp's server does (its ``prefill_assistant``, on by default): the messages
         before it rendered with a generation prompt, then its content, so the answer goes on
-        from that text. PyinferError for two assistant messages at the end."""
+        from that text (its parts joined with nothing between, as llama.cpp appends them).
+        PyinferError for two assistant messages at the end."""
         msgs = text_messages(messages)
         last = msgs[-1]
-        if isinstance(last, dict) and last.get("role") == "assistant":
+        if continues_last(msgs):
             before = msgs[:-1]
             if before and isinstance(before[-1], dict) and before[-1].get("role") == "assistant":
                 raise PyinferError("messages end with two assistant messages: only the last "
@@ -556,7 +569,8 @@ class LLM:
         ``reasoning_format``: "none" (the text as written) or, as llama.cpp's server, "deepseek" /
         "auto": a ``<think>...</think>`` block (opened in the answer or by the prompt) goes to
         ``message.reasoning_content`` (streamed: ``delta.reasoning_content``), the rest to
-        ``content`` (``pyinfer.reasoning``); a message without one has no such key.
+        ``content`` (``pyinfer.reasoning``); a message without one has no such key. A continued
+        last assistant message takes "none" (llama.cpp's server does the same).
         ``ignore_eos``: the model's end-of-generation tokens are never drawn (llama.cpp's
         ``ignore_eos``), so the answer runs to ``max_tokens`` or the context's end.
         """
@@ -576,6 +590,8 @@ class LLM:
             gram.check(self.tokenizer)
         rec = LogprobRecorder(self.tokenizer, top_logprobs or 0) if logprobs else None
         ids = self.chat_tokens(messages, chat_template_kwargs)
+        if continues_last(messages):  # a continued message's text as written (llama.cpp's server)
+            reasoning_format = "none"
         self.check_fits(ids)
         kw = dict(max_tokens=max_tokens, stop=stop, temperature=temperature, top_k=top_k, top_p=top_p,
                   min_p=min_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,

@@ -367,6 +367,9 @@ class Engine:
         banned = np.fromiter(eog, np.int64) if ignore_eos and eog else None
         rng = np.random.default_rng(seed)
         logits = self.eval_prompt(list(prompt_tokens))
+        if len(self.tokens) >= self.n_ctx:  # the prompt filled the context: no room for an answer
+            self.finish_reason = "length"
+            return
         epoch = self._epoch
         n = 0
         while max_tokens < 0 or n < max_tokens:

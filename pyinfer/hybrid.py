@@ -111,9 +111,9 @@ def plan_layers(cfg: ModelConfig, sizes: _Sizes, budget: int, n_layers: int | No
         used += step
         k += 1
     if n_layers is not None:
-        n_layers = min(n_layers, cfg.n_layer)  # llama.cpp's -ngl 99: every layer
+        asked, n_layers = n_layers, min(n_layers, cfg.n_layer)  # llama.cpp's -ngl 99: every layer
         if n_layers > k:
-            raise PyinferError(f"-ngl {n_layers}: {n_layers} whole layers do not fit in "
+            raise PyinferError(f"-ngl {asked}: {n_layers} whole layers do not fit in "
                                f"{budget / GiB:.2f} GiB of device memory (at most {k} do)")
         k = n_layers
         used = sizes.buffers + sizes.reserve + sum(sizes.whole_layer(i) + 4 * cfg.n_ff
@@ -250,11 +250,14 @@ def place_model(reader, cfg: ModelConfig, weights: ModelWeights, cpu_ffn, n_ctx:
             return cpu_model()
         raise PyinferError(msg)
     if device == "cpu" and backend is None:
-        if vram_budget is not None or n_gpu_layers or reset_gpu_index or disable_gpu_index:
-            raise PyinferError("a VRAM budget (--vram-budget, vram_budget=), GPU layers (-ngl, "
-                               "n_gpu_layers=) or the GPU split's flags (--reset-gpu-index, "
-                               "--disable-gpu-index) need a GPU device (--device / device= cuda "
-                               "or auto)")
+        given = [name for name, on in (
+            ("--vram-budget (vram_budget=)", vram_budget is not None),
+            ("-ngl (n_gpu_layers=)", bool(n_gpu_layers)),
+            ("--reset-gpu-index (reset_gpu_index=)", reset_gpu_index),
+            ("--disable-gpu-index (disable_gpu_index=)", disable_gpu_index)) if on]
+        if given:
+            raise PyinferError(f"{', '.join(given)}: for a GPU device (--device / device= cuda "
+                               "or auto), not the CPU")
         return cpu_model()
     # the output matrix itself goes on the device unless the head is the CPU's or input-sparse
     head = model_head(cpu_ffn, lm_head)

@@ -113,13 +113,13 @@ def apply_dry(logits: np.ndarray, history, params: SamplingParams,
         return logits
     if params.dry_penalty_last_n > 0:
         history = history[-params.dry_penalty_last_n:]
-    # (in logs: 3e38 / a multiplier under 1e-270 overflowed to inf, and int(inf) raised)
-    cap = 80 if params.dry_base <= 1 else int(
-        (np.log(3e38) - np.log(params.dry_multiplier)) / np.log(params.dry_base))
+    # the penalty in logs, capped at 3e38 (f32's range): a tiny multiplier with a large base
+    # overflowed (3e38 / 1e-300 to inf, then base ** e itself: OverflowError)
+    log_m, log_b, log_max = np.log(params.dry_multiplier), np.log(params.dry_base), np.log(3e38)
     for t, n in dry_match_lengths(history, breakers).items():
         if n >= params.dry_allowed_length and t < logits.shape[0]:
-            e = min(n - params.dry_allowed_length, cap)
-            logits[t] -= np.float32(params.dry_multiplier * params.dry_base ** e)
+            e = n - params.dry_allowed_length
+            logits[t] -= np.float32(np.exp(min(log_m + e * log_b, log_max)))
     return logits
 
 

@@ -3,7 +3,8 @@
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``"stream": true`` answers with
 server-sent events, ending with ``data: [DONE]``), ``POST /v1/embeddings`` (mean-pooled final hidden
 states, unit length), ``GET /v1/models``, ``GET /health``.
-Requests take OpenAI's fields plus llama.cpp's ``top_k``, ``min_p``, ``repeat_penalty``, ``dry_*``,
+Requests take OpenAI's fields plus llama.cpp's ``top_k``, ``min_p``, ``repeat_penalty``,
+``repeat_last_n``, ``dry_*``,
 ``ignore_eos``, ``grammar`` and ``json_schema``; ``response_format`` (json_object, json_schema) and ``grammar`` constrain the
 output (pyinfer/grammar.py), ``logprobs``/``top_logprobs`` return log-probabilities in OpenAI's
 shapes. A field the server does not implement is refused with 400 naming it (``FIELDS``), and so is
@@ -241,8 +242,9 @@ def chat_messages(body: dict) -> list[dict]:
         if role not in _ROLES:
             raise BadRequest(f"messages[{i}].role must be one of {', '.join(_ROLES)}", "messages")
         if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-            try:
-                content = text_of_parts(content, f"messages[{i}].content")
+            try:  # (the last assistant message, which the answer continues: joined as they are)
+                content = text_of_parts(content, f"messages[{i}].content",
+                                        role == "assistant" and i == len(msgs) - 1)
             except PyinferError as e:
                 raise BadRequest(str(e), "messages") from None
         if content is None and role == "assistant":

@@ -189,10 +189,12 @@ class NoTokenizerError(PyinferError):
 class Tokenizer:
     """Encode text to token ids and decode ids to text for one model.
 
-    Build it with ``Tokenizer.from_gguf(reader)``. Encoding is thread-safe: ``encode(parse_special=
-    False)`` on the Hugging Face / gpt2 paths runs a copy of the ``tokenizers`` object made once
-    with control tokens off (a flag flipped on the shared one spelled ``<|im_start|>`` out in
-    another thread's prompt: the server tokenizes prompts while a JSON-schema grammar encodes).
+    Build it with ``Tokenizer.from_gguf(reader)``. Encoding is thread-safe: on the Hugging Face
+    / gpt2 paths ``encode(parse_special=False)`` flips ``encode_special_tokens`` on the shared
+    ``tokenizers`` object, so every encode there holds one lock (the flag, flipped unguarded,
+    spelled ``<|im_start|>`` out in another thread's prompt: the server tokenizes prompts while a
+    JSON-schema grammar encodes; a copy of the object per mode cost 0.8 s and the vocabulary's
+    memory again for SmolLM2).
     """
 
     def __init__(
@@ -223,8 +225,7 @@ class Tokenizer:
         self.add_bos = add_bos
         self.add_space_prefix = add_space_prefix
         self._hf = hf  # tokenizers.Tokenizer (paths 1 and 2)
-        self._hf_plain = None  # its copy for parse_special=False (_plain_hf)
-        self._hf_plain_lock = threading.Lock()
+        self._hf_lock = threading.Lock()  # held by every encode on _hf (its special-token flag)
         self._sp = sp  # sentencepiece.SentencePieceProcessor (path 3)
         self.chat_template = chat_template
         self._byte_level = kind == "gpt2" or (kind == "huggingface" and _uses_byte_level(hf))
@@ -374,29 +375,16 @@ class Tokenizer:
             add_bos = self.add_bos
         if self._sp is not None:
             ids = self._encode_spm(text, parse_special)
-        elif parse_special:
-            ids = self._hf.encode(text, add_special_tokens=False).ids
         else:
-            ids = self._plain_hf().encode(text, add_special_tokens=False).ids
+            with self._hf_lock:
+                self._hf.encode_special_tokens = not parse_special
+                try:
+                    ids = self._hf.encode(text, add_special_tokens=False).ids
+                finally:
+                    self._hf.encode_special_tokens = False
         if add_bos and self._bos is not None:
             ids = [self._bos] + list(ids)
         return list(ids)
-
-    def _plain_hf(self):
-        """The ``tokenizers`` object with control tokens tokenized as text
-        (``encode_special_tokens``), a copy of ``self._hf`` made at the first call (the lock: one
-        copy whatever threads race to it)."""
-        plain = self._hf_plain
-        if plain is None:
-            with self._hf_plain_lock:
-                if self._hf_plain is None:
-                    from tokenizers import Tokenizer as HFTokenizer
-
-                    copy = HFTokenizer.from_str(self._hf.to_str())
-                    copy.encode_special_tokens = True
-                    self._hf_plain = copy
-                plain = self._hf_plain
-        return plain
 
     def _encode_spm(self, text: str, parse_special: bool) -> list[int]:
         # llama.cpp (llama_vocab::impl::tokenize, SPM): split on special tokens first; every text

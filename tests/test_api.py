@@ -249,9 +249,12 @@ def test_constructor_errors(tmp_path, kw, message):
                                 dict(reset_gpu_index=True), dict(disable_gpu_index=True)])
 def test_gpu_options_on_the_cpu_name_the_api_arguments(smollm2_q8, kw):
     """The message named only the command-line flags (--vram-budget, -ngl) to API callers; the
-    GPU split's flags were accepted silently with device cpu (README: an error)."""
-    with pytest.raises(PyinferError, match=r"vram_budget=.*n_gpu_layers=.*need a GPU device"):
+    GPU split's flags were accepted silently with device cpu (README: an error). It names the
+    option given, in both spellings."""
+    (name,) = kw
+    with pytest.raises(PyinferError, match=rf"^\S+ \({name}=\): for a GPU device") as e:
         LLM(smollm2_q8, device="cpu", **kw)
+    assert "\n" not in str(e.value)
 
 
 def test_decode_rate_counts_decode_runs(tmp_path):
@@ -620,8 +623,12 @@ def test_chat_content_parts_and_no_messages(smollm2_llm):
 
 def test_chat_continues_a_last_assistant_message(smollm2_llm):
     """A chat ending with an assistant message is continued from its text (llama.cpp's server,
-    prefill_assistant): the prompt is transformers' apply_chat_template(continue_final_message=True)
-    of the same template, and the answer holds only what follows."""
+    prefill_assistant): for a user turn and the assistant's start, with SmolLM2's template, the
+    prompt is transformers' apply_chat_template(continue_final_message=True) (a chat of the
+    assistant's message alone differs: transformers renders the template's default system turn,
+    llama.cpp and pyinfer render the empty chat before the text), and the answer holds only what
+    follows. Parts of the continued message join with nothing between (llama.cpp appends them);
+    its text is not split into reasoning."""
     transformers = pytest.importorskip("transformers")
     from tokenizers import Tokenizer, models
 
@@ -641,6 +648,12 @@ def test_chat_continues_a_last_assistant_message(smollm2_llm):
     assert "Berlin" in answer and not answer.startswith("The capital")
     with pytest.raises(PyinferError, match="two assistant"):
         llm.chat_tokens(chat + [{"role": "assistant", "content": "x"}])
+    parts = [chat[0], {"role": "assistant", "content": [{"type": "text", "text": "The capital "},
+                                                        {"type": "text", "text": "of Germany is"}]}]
+    assert llm.chat_tokens(parts) == llm.chat_tokens(chat)
+    think = [chat[0], {"role": "assistant", "content": "<think>\n"}]
+    out = llm.create_chat_completion(think, max_tokens=4, temperature=0, reasoning_format="auto")
+    assert "reasoning_content" not in out["choices"][0]["message"]
 
 
 def test_close_and_the_with_block(smollm2_q8):
@@ -748,3 +761,17 @@ def test_ignore_eos_reports_the_models_logprobs(smollm2_llm):
                                 is not None else llm.tokenizer.eos_id], skip_special=False)
     assert lb[n]["top_logprobs"][0]["token"] == eot
     assert lb[n]["token"] != eot
+
+
+def test_a_prompt_that_fills_the_context_gets_no_answer(smollm2_q8):
+    """Engine.generate with a prompt of exactly n_ctx tokens (the API refuses it, the engine
+    takes it) drew one token past the context: prompt + answer is at most n_ctx."""
+    from pyinfer.engine import Engine
+    from pyinfer.sampler import SamplingParams
+
+    eng = Engine(smollm2_q8, n_ctx=16, n_threads=1)
+    ids = eng.tokenizer.encode("one two three four five six seven eight nine ten " * 3)
+    for p in (15, 16):
+        eng.reset()
+        out = list(eng.generate(ids[:p], SamplingParams(temperature=0), ignore_eos=True))
+        assert len(out) == 16 - p and eng.finish_reason == "length"

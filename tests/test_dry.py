@@ -203,3 +203,13 @@ def test_a_tiny_multiplier_is_a_tiny_penalty():
     for mult in (1e-300, 5e-324):
         z = apply_dry(np.zeros(8, np.float32), hist, SamplingParams(dry_multiplier=mult))
         assert np.all(np.isfinite(z)) and z[2] <= 0 and z[2] > -1e-30
+    # a long repeat with a large base: base ** e itself overflowed a float; capped at 3e38
+    long = [1, 2] * 100 + [1]
+    for mult, base in ((1e-300, 1000.0), (1e6, 1e6)):
+        z = apply_dry(np.zeros(8, np.float32), long, SamplingParams(dry_multiplier=mult, dry_base=base))
+        assert np.isfinite(z[2]) and z[2] == np.float32(-3e38)
+    # and the formula where nothing overflows: multiplier * base ** (n - allowed)
+    z = apply_dry(np.zeros(8, np.float32), hist, SamplingParams(dry_multiplier=0.5, dry_base=2.0,
+                                                                dry_allowed_length=2))
+    n = dry_match_lengths(hist)[2]
+    assert z[2] == pytest.approx(-0.5 * 2.0 ** (n - 2), rel=1e-6)

@@ -306,6 +306,9 @@ def test_budget_counts_what_is_allocated(tmp_path, capsys):
     with pytest.raises(PyinferError, match="do not fit"):
         place_model(None, cfg, w, DenseFFN(cfg), 64, 2, device="cuda", n_gpu_layers=3,
                     vram_budget=budget / GiB, backend=NumpyDevice(free_bytes=1 * GiB))
+    with pytest.raises(PyinferError, match=f"^-ngl 99: {cfg.n_layer} whole layers do not fit"):
+        place_model(None, cfg, w, DenseFFN(cfg), 64, 2, device="cuda", n_gpu_layers=99,
+                    vram_budget=budget / GiB, backend=NumpyDevice(free_bytes=1 * GiB))
 
 
 def test_place_model_options(tmp_path, capsys):
@@ -321,7 +324,7 @@ def test_place_model_options(tmp_path, capsys):
                     backend=NumpyDevice())
     with pytest.raises(PyinferError, match="unknown device"):
         place_model(eng.reader, cfg, w, ffn, 64, 2, device="tpu")
-    with pytest.raises(PyinferError, match="need a GPU"):
+    with pytest.raises(PyinferError, match="for a GPU device"):
         place_model(eng.reader, cfg, w, ffn, 64, 2, device="cpu", vram_budget=1.0)
     assert type(place_model(eng.reader, cfg, w, ffn, 64, 2, device="cpu")) is Model
     if not cuda.available():
