@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pyinfer.errors import PyinferError
 from pyinfer.ops import cpu
 
 
@@ -134,8 +135,8 @@ def distribution(logits: np.ndarray, params: SamplingParams, recent=(),
     top_p; min-p keeps tokens with p >= min_p * p_max; then softmax of logit / temperature over
     what is left. ``allowed`` (n_vocab,) bool: a grammar's mask, applied first (tokens outside it
     are never drawn). ``history``: the tokens DRY scans (``apply_dry``; the whole context so
-    far), ``breakers``: DRY's sequence-breaker ids. Raises ValueError for a mask that allows no
-    token.
+    far), ``breakers``: DRY's sequence-breaker ids. Raises PyinferError for a mask that allows
+    no token, or only tokens whose logit is -inf (e.g. the end of generation ignore_eos bans).
     """
     if allowed is None and not _penalty_applies(recent, params.repeat_penalty) and not _dry_applies(
             history, params):
@@ -145,8 +146,11 @@ def distribution(logits: np.ndarray, params: SamplingParams, recent=(),
         apply_dry(z, history, params, breakers)
     if allowed is not None:
         if not allowed.any():
-            raise ValueError("the grammar allows no token")
+            raise PyinferError("the grammar allows no token")
         z[~allowed] = -np.inf
+        if not z.max() > -np.inf:  # argmax would pick token 0 whatever the mask; softmax NaN
+            raise PyinferError("no token the grammar allows can be drawn (with ignore_eos: the "
+                               "grammar can only end here, and the end is banned)")
     if params.temperature <= 0:
         return np.array([int(np.argmax(z))]), np.ones(1)
 

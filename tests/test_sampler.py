@@ -163,8 +163,17 @@ def test_grammar_mask_is_applied_before_the_chain():
     ids, p = distribution(z, SamplingParams(top_k=2), allowed=allowed)
     assert ids.tolist() == [2, 3]  # top-k counts only allowed tokens
     assert sample(z, SamplingParams(temperature=0), None, allowed=allowed) == 2
-    with pytest.raises(ValueError):
+    from pyinfer.errors import PyinferError
+
+    with pytest.raises(PyinferError, match="allows no token"):
         distribution(z, SamplingParams(), allowed=np.zeros(5, bool))
+    # every allowed token banned (ignore_eos's -inf on the end a grammar needs): greedy took
+    # token 0, outside the mask; sampling got NaN probabilities
+    zb = z.copy()
+    zb[2:] = -np.inf
+    for temp in (0.0, 0.8):
+        with pytest.raises(PyinferError, match="can be drawn"):
+            distribution(zb, SamplingParams(temperature=temp), allowed=allowed)
 
 
 def test_repeat_penalty_window_is_the_last_n_tokens():
