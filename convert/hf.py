@@ -250,17 +250,41 @@ def _gemma3_rope(cfg: dict[str, Any]) -> tuple[float, float]:
     return bases[0], bases[1]
 
 
+#: the config.json ``model_type`` of each family (transformers builds the model from it:
+#: Gemma 3's text-only checkpoints say gemma3_text, Falcon's first ones RefinedWeb*)
+_MODEL_TYPES = {"llama": ("llama",), "mistral": ("mistral",), "qwen2": ("qwen2",),
+                "qwen3": ("qwen3",), "opt": ("opt",),
+                "falcon": ("falcon", "RefinedWeb", "RefinedWebModel"),
+                "gemma3": ("gemma3_text", "gemma3")}
+
+
 def _family(cfg: Any) -> str:
-    """The pyinfer family of a parsed config.json, or PyinferError naming what is supported."""
+    """The pyinfer family of a parsed config.json, or PyinferError naming what is supported.
+    ``architectures[0]`` names it (or, where the config has none, ``model_type``, as
+    transformers' AutoModelForCausalLM reads it); a ``model_type`` of another family is refused
+    (transformers would build that family's model: a Llama architecture with model_type
+    mistral and a sliding window gave other logits)."""
     if not isinstance(cfg, dict):
         raise PyinferError(f"config.json must be a JSON object, not a {type(cfg).__name__}")
-    archs = cfg.get("architectures") or ["(none)"]
+    mt = cfg.get("model_type")
+    if mt is not None and not isinstance(mt, str):
+        raise PyinferError(f"config.json: model_type must be a name, got {mt!r}")
+    by_type = {t: fam for fam, types in _MODEL_TYPES.items() for t in types}
+    archs = cfg.get("architectures")
+    if not archs and mt in by_type:
+        return by_type[mt]
+    archs = archs or ["(none)"]
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
         raise PyinferError(f"config.json: architectures must be a list of names, got {archs!r}")
     if archs[0] not in C.HF_ARCHITECTURES:
         raise PyinferError(f"unsupported architecture {archs[0]} "
                            f"(supported: {', '.join(C.HF_ARCHITECTURES)})")
-    return C.HF_ARCHITECTURES[archs[0]]
+    family = C.HF_ARCHITECTURES[archs[0]]
+    if mt is not None and mt not in _MODEL_TYPES[family]:
+        raise PyinferError(f"config.json: model_type {mt!r} is not {archs[0]}'s "
+                           f"({' or '.join(_MODEL_TYPES[family])}): transformers would build a "
+                           f"{mt} model from it; fix one of the two")
+    return family
 
 
 def _cfg_bool(cfg: dict[str, Any], key: str, default: bool) -> bool:

@@ -272,6 +272,14 @@ def _tokenizer_metadata(model_dir: str, n_vocab: int, tcfg: dict[str, Any], tj: 
     elif tj is not None and (tj.get("model") or {}).get("type") == "BPE" and _is_byte_level(tj):
         tokens, kind = _gpt2_vocab(meta, tj, n_vocab), "gpt2"
     else:
+        # the engine loads it with tokenizers: one it cannot load fails here, not at every run
+        import tokenizers
+
+        from pyinfer.tokenizer import _tokenizers_errors
+
+        if tj_text is not None:
+            with _tokenizers_errors(os.path.join(model_dir, "tokenizer.json")):
+                tokenizers.Tokenizer.from_str(tj_text)
         warn(f"tokenizer.json model {(tj.get('model') or {}).get('type')!r} is not byte-level BPE: "
              "storing tokenizer.json only")
         tokens = []

@@ -900,6 +900,12 @@ def test_success_keeps_the_users_tmp_file_and_a_normal_mode(models, tmp_path):
     (dict(rope_parameters={"rope_type": "default", "rope_theta": None}), "rope_theta must be a positive"),
     (dict(tie_word_embeddings="yes"), "tie_word_embeddings must be true or false"),
     (dict(hidden_act=["silu"]), "unsupported hidden_act"),
+    # transformers builds the model from model_type: a Llama architecture with model_type
+    # mistral (and a sliding window) converted as Llama and gave other logits; an unknown one
+    # was accepted
+    (dict(model_type="mistral", sliding_window=4), "model_type 'mistral' is not LlamaForCausalLM's"),
+    (dict(model_type="foobar"), "model_type 'foobar' is not LlamaForCausalLM's (llama)"),
+    (dict(model_type=3), "model_type must be a name"),
 ])
 def test_error_config_value_types(models, tmp_path, changes, contains):
     d = _copy_with_config(models, tmp_path, **changes)
@@ -984,6 +990,28 @@ def test_error_malformed_tokenizer_json(models, tmp_path, edit, contains):
     with open(d / "tokenizer.json", "w") as f:
         json.dump(tj, f)
     _expect_error(tmp_path, str(d), contains=contains)
+
+
+def test_error_tokenizer_json_the_engine_cannot_load(models, tmp_path):
+    """A tokenizer.json that is not byte-level BPE is stored for the engine's tokenizers to load;
+    one it cannot load (here {}: no model) converted with a warning and every run then failed."""
+    d = tmp_path / "tok"
+    shutil.copytree(models["bpe"], d)
+    (d / "tokenizer.json").write_text("{}")
+    _expect_error(tmp_path, str(d), contains="tokenizer.json: ")
+
+
+def test_a_config_without_architectures_takes_its_model_type(models, tmp_path):
+    """transformers loads a config with model_type and no architectures; pyinfer refused it as
+    'unsupported architecture (none)'."""
+    from convert.cli import main as convert_main
+
+    d = _copy_with_config(models, tmp_path, architectures=None)
+    out = str(tmp_path / "m.gguf")
+    assert convert_main([d, out, "--dense", "--outtype", "f32"]) == 0
+    from pyinfer.config import ModelConfig
+
+    assert ModelConfig.from_gguf(gguf.GGUFReader(out)).family == "llama"
 
 
 def test_error_tokenizer_json_not_an_object(models, tmp_path):
