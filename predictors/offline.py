@@ -609,16 +609,14 @@ def _two_stage_head_bytes(jobs, cfg, asked: int | None) -> int | None:
     """The GPU engine's device bytes of the two-stage lm head the final write adds to a file of
     sparse mode relu / glu (``input_sparse.two_stage_head``; ``gpu_model.ib_head_bytes``), or
     None where it adds none (the exact head goes on the device)."""
-    import gguf
-
+    from convert.writer import tensor_nbytes
     from pyinfer.gpu_model import ib_head_bytes
     from predictors.input_sparse import head_candidates, head_copy_type, lm_head_jobs
 
     if not head_candidates(jobs, cfg, asked):
         return None
     (copy,) = lm_head_jobs(jobs, cfg, C.LM_HEAD_CHUNK, None, head_copy_type(jobs, cfg))
-    block, block_bytes = gguf.GGML_QUANT_SIZES[copy.qtype]
-    return ib_head_bytes(cfg, copy.shape[0] * copy.shape[1] // block * block_bytes, C.LM_HEAD_CHUNK)
+    return ib_head_bytes(cfg, tensor_nbytes(copy.shape, copy.qtype), C.LM_HEAD_CHUNK)
 
 
 def dense_importance(src: str, out: str, outtype: str, opts: OfflineOptions | None = None,

@@ -522,7 +522,7 @@ class LLM:
         last = msgs[-1]
         if continues_last(msgs):
             before = msgs[:-1]
-            if before and isinstance(before[-1], dict) and before[-1].get("role") == "assistant":
+            if continues_last(before):
                 raise PyinferError("messages end with two assistant messages: only the last "
                                    "one can be continued")
             content = last.get("content")

@@ -158,11 +158,9 @@ def ib_head_bytes(cfg: ModelConfig, ib_nbytes: int, chunk: int, scale_nbytes: in
     output chunks of ``chunk``), the f32 partial sums of its largest chunk's GEMV
     (``head_scratch_len``), its WINA scales' ``scale_nbytes`` and, unless sparse mode input's
     buffers have them, its masked input, kept bits and counters."""
-    from pyinfer.ops.cpu import ib_chunks
-
-    scratch = max(cuda.ib_scratch_len(cfg.n_embd, c1 - c0) for c0, c1 in ib_chunks(cfg.n_vocab, chunk))
     own = 0 if input_mode else (4 * cfg.n_embd + 4 * (q8_len(cfg) // 32) + 8 * N_KEPT)
-    return cfg.n_embd * 4 + ib_nbytes + 4 * scratch + scale_nbytes + own
+    return (cfg.n_embd * 4 + ib_nbytes + 4 * _head_scratch(cfg.n_embd, cfg.n_vocab, chunk)
+            + scale_nbytes + own)
 
 
 def buffer_bytes(cfg: ModelConfig, n_ctx: int, rank: int, input_mode: bool = False,
@@ -205,7 +203,17 @@ def input_scratch_len(cfg: ModelConfig) -> int:
 
 def head_scratch_len(weights: ModelWeights) -> int:
     """f32 partial sums of sparse mode input's lm head on the device (its largest chunk)."""
-    return max(cuda.ib_scratch_len(t.rows, t.cols) for _c0, t in weights.output_ib.parts)
+    ib = weights.output_ib
+    return _head_scratch(ib.rows, ib.cols, ib.chunk)
+
+
+def _head_scratch(n_in: int, n_out: int, chunk: int) -> int:
+    """``head_scratch_len`` of an (n_out, n_in) head in output chunks of ``chunk``
+    (``cpu.ib_chunks``), from its sizes alone (``ib_head_bytes`` counts it before the file
+    exists)."""
+    from pyinfer.ops.cpu import ib_chunks
+
+    return max(cuda.ib_scratch_len(n_in, c1 - c0) for c0, c1 in ib_chunks(n_out, chunk))
 
 
 def q8_len(cfg: ModelConfig, input_mode: bool = False) -> int:
