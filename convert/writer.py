@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import errno
 import os
-import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -24,6 +23,7 @@ import numpy as np
 
 from pyinfer.constants import ARCH, K_ARCH, K_QUANT_FALLBACK, OUTTYPES, QK_BLOCK, QT
 from pyinfer.errors import PyinferError
+from pyinfer.options import temp_path_beside  # noqa: F401  (this module's callers import it from here)
 
 VT = gguf.GGUFValueType
 
@@ -157,23 +157,6 @@ def encode(arr: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
     from pyinfer.quants import quantize  # gguf's quantizers plus ggml's reference K-quants
 
     return np.ascontiguousarray(quantize(arr, qtype))
-
-
-def temp_path_beside(path: str, suffix: str = ".tmp") -> str:
-    """A new, empty file of a unique name in ``path``'s directory (``.<name>.<random><suffix>``),
-    so that a rename onto ``path`` is atomic and no file of the user's is overwritten or removed.
-    Its mode is what a plain ``open(path, "w")`` would give (mkstemp's is 0600).
-    Raises PyinferError when the directory does not take a new file."""
-    directory, name = os.path.split(os.path.abspath(path))
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=suffix, dir=directory)
-    except OSError as e:
-        raise PyinferError(f"cannot create a file in {directory}: {e.strerror or e}") from None
-    os.close(fd)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
-    return tmp
 
 
 class WriteError(PyinferError):

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
+import tempfile
 from dataclasses import dataclass
 
 from pyinfer.errors import PyinferError
@@ -167,6 +169,23 @@ def read_text_file(path: str, limit: int, what: str = "file",
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise PyinferError(f"cannot read {what} {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def temp_path_beside(path: str, suffix: str = ".tmp") -> str:
+    """A new, empty file of a unique name in ``path``'s directory (``.<name>.<random><suffix>``),
+    so that a rename onto ``path`` is atomic and no file of the user's is overwritten or removed.
+    Its mode is what a plain ``open(path, "w")`` would give (mkstemp's is 0600).
+    Raises PyinferError when the directory does not take a new file."""
+    directory, name = os.path.split(os.path.abspath(path))
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=suffix, dir=directory)
+    except OSError as e:
+        raise PyinferError(f"cannot create a file in {directory}: {e.strerror or e}") from None
+    os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
+    return tmp
 
 
 class Parser(argparse.ArgumentParser):

@@ -6,11 +6,13 @@ when the tokenizer adds one) and only the second half of each chunk is scored, s
 token sees at least n_ctx/2 tokens of context (llama.cpp ``examples/perplexity/perplexity.cpp``,
 which also gives the final estimate's +/- error: the standard error of the mean per-token
 negative log-likelihood, times the perplexity). In sparse mode it also prints the mean fraction
-of FFN neurons computed per token.
+of FFN neurons computed per token. ``--kl-divergence-base`` / ``--kl-divergence``: llama.cpp's
+comparison of two models' distributions on the same chunks (pyinfer/kld.py).
 """
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from typing import NamedTuple
@@ -18,8 +20,8 @@ from typing import NamedTuple
 import numpy as np
 
 from pyinfer.errors import PyinferError, exit_code_of
-from pyinfer.options import (MAX_TEXT_FILE_BYTES, Parser, add_model, add_version, arg_type, model_path,
-                             read_text_file, warn_past_training)
+from pyinfer.options import (MAX_TEXT_FILE_BYTES, Parser, add_model, add_version, arg_type,
+                             model_path, read_text_file, warn_past_training)
 
 
 def log_softmax_at(logits: np.ndarray, targets: np.ndarray, rows: int = 64) -> np.ndarray:
@@ -58,29 +60,45 @@ def perplexity(engine, tokens: list[int], n_ctx: int, max_chunks: int = 0, progr
     return tuple(estimate(engine, tokens, n_ctx, max_chunks, progress)[:3])
 
 
-def estimate(engine, tokens: list[int], n_ctx: int, max_chunks: int = 0, progress=True) -> Estimate:
-    """Perplexity of ``tokens`` (the whole text's ids, :func:`text_tokens`) in chunks of ``n_ctx``
-    (<= engine.n_ctx), at most ``max_chunks`` (0 or -1: all), with llama.cpp's error estimate.
-    Raises PyinferError when the text is shorter than one chunk."""
+def chunk_tokens(engine, tokens, n_ctx: int, max_chunks: int = 0) -> np.ndarray:
+    """(n_chunks, n_ctx) int64: the chunks :func:`estimate` evaluates, each with its first token
+    replaced by BOS where the tokenizer adds one, at most ``max_chunks`` (0 or -1: all). Raises
+    PyinferError when the text is shorter than one chunk."""
     n_chunks = len(tokens) // n_ctx
     if max_chunks > 0:
         n_chunks = min(n_chunks, max_chunks)
     if n_chunks == 0:
         raise PyinferError(f"the text has {len(tokens)} tokens, fewer than one chunk of {n_ctx}; "
                            "use a longer text or a smaller -c")
+    chunks = np.asarray(tokens[:n_chunks * n_ctx], np.int64).reshape(n_chunks, n_ctx)
+    if engine.tokenizer.add_bos:
+        chunks[:, 0] = engine.tokenizer.bos_id
+    return chunks
+
+
+def estimate(engine, tokens, n_ctx: int, max_chunks: int = 0, progress=True, sink=None,
+             as_given: bool = False) -> Estimate:
+    """Perplexity of ``tokens`` (the whole text's ids, :func:`text_tokens`) in chunks of ``n_ctx``
+    (<= engine.n_ctx), at most ``max_chunks`` (0 or -1: all), with llama.cpp's error estimate.
+    as_given: ``tokens`` are the chunks to evaluate ((n_chunks, n_ctx), BOS already in place:
+    a KL-divergence base file's). sink: an object whose ``rows(logits (n, n_vocab) f32,
+    targets (n,) int)`` receives the scored positions' logits and next tokens in order, a batch
+    at a time within a chunk (pyinfer.kld's writer and comparison). Raises PyinferError when the
+    text is shorter than one chunk."""
     from pyinfer.engine import prompt_batches
     from pyinfer.progress import progress_bar
 
+    if as_given:
+        chunks = np.asarray(tokens)[:max_chunks if max_chunks > 0 else None]
+    else:
+        chunks = chunk_tokens(engine, tokens, n_ctx, max_chunks)
     engine.reset_stats()
-    bos = engine.tokenizer.bos_id if engine.tokenizer.add_bos else None
     first = n_ctx // 2
     nll, nll2, count = 0.0, 0.0, 0
     running = []
-    bar = progress_bar(range(n_chunks), desc="perplexity", unit="chunk", enabled=progress)
+    bar = progress_bar(range(chunks.shape[0]), desc="perplexity", unit="chunk", enabled=progress)
     for c in bar:
-        chunk = list(tokens[c * n_ctx:(c + 1) * n_ctx])
-        if bos is not None:
-            chunk[0] = bos
+        chunk = [int(t) for t in chunks[c]]
         engine.reset()
         # in the prompt's batches (engine.prompt_batches: at most PROMPT_BATCH positions' logits
         # held at once), scoring positions first .. n_ctx - 2 as their batch comes
@@ -88,7 +106,10 @@ def estimate(engine, tokens: list[int], n_ctx: int, max_chunks: int = 0, progres
             logits = engine.forward(chunk[s:e], s, all_logits=True)  # (e - s, n_vocab)
             a, b = max(s, first), min(e, n_ctx - 1)
             if a < b:
-                lp = log_softmax_at(logits[a - s:b - s], np.asarray(chunk[a + 1:b + 1]))
+                targets = np.asarray(chunk[a + 1:b + 1])
+                lp = log_softmax_at(logits[a - s:b - s], targets)
+                if sink is not None:
+                    sink.rows(logits[a - s:b - s], targets)
                 nll -= lp.sum()
                 nll2 += float(np.dot(lp, lp))
                 count += lp.shape[0]
@@ -108,29 +129,73 @@ def _main(argv) -> int:
     ap = Parser(prog="pyinfer-perplexity", description=__doc__.splitlines()[0])
     add_version(ap)
     add_model(ap)
-    ap.add_argument("-f", "--file", required=True, help="text file to score")
-    ap.add_argument("-c", "--ctx-size", type=arg_type("ctx_size"), default=512,
-                    help="chunk size in tokens (0: the model's default context, as pyinfer-run)")
+    ap.add_argument("-f", "--file", help="text file to score")
+    ap.add_argument("-c", "--ctx-size", type=arg_type("ctx_size"), default=None,
+                    help="chunk size in tokens (default 512; 0: the model's default context, as "
+                         "pyinfer-run; with --kl-divergence: the base file's)")
     ap.add_argument("-t", "--threads", type=arg_type("threads"), default=None)
     ap.add_argument("--chunks", type=arg_type("chunks"), default=-1,
                     help="score at most this many chunks (-1 or 0: all)")
     ap.add_argument("--dense", action="store_true", help="compute every FFN neuron")
     ap.add_argument("-ctk", "--cache-type", choices=["auto", "f16", "f32"], default="auto",
                     help="KV cache type (auto: f32 for an f32 file, else f16)")
+    ap.add_argument("--kl-divergence-base", metavar="FILE",
+                    help="save this run's log-probabilities of every scored position to FILE "
+                         "(llama.cpp's flag; about 2 bytes a vocabulary entry a position), or "
+                         "with --kl-divergence read them")
+    ap.add_argument("--kl-divergence", action="store_true",
+                    help="score the chunks of --kl-divergence-base FILE (no -f) and compare: "
+                         "KL divergence from the base, perplexity ratio, same top token")
     args = ap.parse_args(argv)
     from pyinfer.engine import Engine
 
     path = model_path(args, "pyinfer-perplexity MODEL.gguf -f TEXT (or -m MODEL.gguf)")
-    text = read_text_file(args.file, MAX_TEXT_FILE_BYTES, "text file", hint="score a part of it")
-    if 0 < args.ctx_size < 8:
+    base = None
+    if args.kl_divergence:
+        base = _base_for_compare(args)
+        ctx = base.n_ctx
+    else:
+        if not args.file:
+            raise PyinferError("no text given: -f/--file TEXT (or --kl-divergence with "
+                               "--kl-divergence-base FILE)")
+        text = read_text_file(args.file, MAX_TEXT_FILE_BYTES, "text file",
+                              hint="score a part of it")
+        if args.kl_divergence_base:
+            _check_base_path(args.kl_divergence_base)
+        ctx = 512 if args.ctx_size is None else args.ctx_size
+    if 0 < ctx < 8:
         raise PyinferError("-c/--ctx-size must be 0 or at least 8")
-    eng = Engine(path, n_ctx=args.ctx_size or None, n_threads=args.threads, dense=args.dense,
+    eng = Engine(path, n_ctx=ctx or None, n_threads=args.threads, dense=args.dense,
                  cache_type=args.cache_type)
     n_ctx = eng.n_ctx
     warn_past_training(n_ctx, eng.cfg.n_ctx_train)
-    tokens = text_tokens(eng, text)
+    sink = None
+    if base is not None:
+        from pyinfer.kld import Comparison
+
+        if n_ctx != base.n_ctx:
+            raise PyinferError(f"the base file scored chunks of {base.n_ctx} tokens; this model "
+                               f"runs a context of at most {n_ctx}")
+        if base.n_vocab != eng.cfg.n_vocab:
+            raise PyinferError(f"the base file's vocabulary has {base.n_vocab} tokens, this "
+                               f"model's {eng.cfg.n_vocab}: compare models of one tokenizer")
+        tokens, as_given, sink = base.tokens, True, Comparison(base)
+    else:
+        tokens, as_given = text_tokens(eng, text), False
+        if args.kl_divergence_base:
+            tokens = chunk_tokens(eng, tokens, n_ctx, args.chunks)
+            sink = _base_writer(args.kl_divergence_base, tokens, eng.cfg.n_vocab, path)
+            as_given = True
     t0 = time.perf_counter()
-    ppl, n, frac, err, running = estimate(eng, tokens, n_ctx, args.chunks)
+    try:
+        ppl, n, frac, err, running = estimate(eng, tokens, n_ctx, args.chunks, sink=sink,
+                                              as_given=as_given)
+    except BaseException:
+        if hasattr(sink, "abort"):
+            sink.abort()
+        raise
+    if hasattr(sink, "close"):
+        sink.close()
     dt = time.perf_counter() - t0
     mode = "sparse" if eng.is_sparse else "dense"
     print(f"perplexity: {ppl:.4f} over {n} tokens ({mode}, ctx {n_ctx}, {dt:.1f} s)")
@@ -151,7 +216,62 @@ def _main(argv) -> int:
         print(f"ffn neurons computed per token: {frac:.1%} (sparsity {1 - frac:.1%})")
     if head and isp is None:
         print(head)
+    if base is not None:
+        from pyinfer.kld import report
+
+        print()
+        print(report(sink))
+    elif args.kl_divergence_base:
+        print(f"saved the log-probabilities of {n} positions to {args.kl_divergence_base}")
     return 0
+
+
+def _base_for_compare(args):
+    """The base file of a --kl-divergence run, its flags checked (-f unused: the base's tokens
+    are scored; -c, when given, must be the base's). Raises PyinferError."""
+    from pyinfer.kld import BaseFile
+
+    if not args.kl_divergence_base:
+        raise PyinferError("--kl-divergence compares against a base: give --kl-divergence-base "
+                           "FILE (written by a run with --kl-divergence-base FILE -f TEXT)")
+    if args.file:
+        raise PyinferError("-f is not used with --kl-divergence: the chunks scored are the base "
+                           "file's own")
+    base = BaseFile(args.kl_divergence_base)
+    if args.ctx_size is not None and args.ctx_size != base.n_ctx:
+        raise PyinferError(f"-c {args.ctx_size}: the base file scored chunks of {base.n_ctx} "
+                           "tokens; leave -c out or give that")
+    return base
+
+
+def _check_base_path(out: str) -> str:
+    """The directory of a base file to write, checked before the model loads: a regular file
+    (or none) in an existing directory. Raises PyinferError."""
+    if os.path.isdir(out) or (os.path.exists(out) and not os.path.isfile(out)):
+        raise PyinferError(f"--kl-divergence-base {out}: not a regular file; name a new file")
+    directory = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(directory):
+        raise PyinferError(f"--kl-divergence-base {out}: directory {directory} does not exist")
+    return directory
+
+
+def _base_writer(out: str, chunks: np.ndarray, n_vocab: int, model: str):
+    """A pyinfer.kld.BaseWriter for ``out``, after the checks a long run should not fail at the
+    end of: a regular file (or none) in an existing directory with room for it."""
+    import shutil
+
+    from pyinfer.kld import BaseWriter
+
+    directory = _check_base_path(out)
+    first = chunks.shape[1] // 2
+    size = BaseWriter.nbytes(chunks.shape[0], chunks.shape[1], first, n_vocab)
+    free = shutil.disk_usage(directory).free
+    if size > free:
+        raise PyinferError(f"--kl-divergence-base {out} needs {size / 2**20:.1f} MiB and "
+                           f"{directory} has {free / 2**20:.1f} MiB free; score fewer --chunks")
+    print(f"pyinfer-perplexity: writing {size / 2**20:.1f} MiB of log-probabilities to {out}",
+          file=sys.stderr)
+    return BaseWriter(out, chunks, n_vocab, chunks.shape[1] // 2, model)
 
 
 if __name__ == "__main__":
