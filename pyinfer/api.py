@@ -48,6 +48,8 @@ class GenerationStats:
     neurons_total: int = 0
     finish_reason: str | None = None
     interrupted: bool = False
+    # the stop string that ended the text (cut just before it); None when none did
+    stop_string: str | None = None
     # what ``ffn_sparsity`` counts: FFN neurons, or in sparse mode "input" projection weight bytes
     sparsity_label: str = "FFN sparsity"
 
@@ -88,6 +90,17 @@ def stop_holdback(text: str, stops: Iterable[str]) -> int:
         if any(s.startswith(tail) for s in stops):
             return i
     return len(text)
+
+
+def first_stop(text: str, stops: list[str]) -> tuple[int, str | None]:
+    """(index, stop string) of the earliest stop string in ``text`` (of two at one index, the
+    first listed); (-1, None) when none occurs."""
+    best, which = -1, None
+    for s in stops:
+        i = text.find(s)
+        if i >= 0 and (best < 0 or i < best):
+            best, which = i, s
+    return best, which
 
 
 def token_ids(ids, what: str = "tokens") -> list[int]:
@@ -366,7 +379,7 @@ class LLM:
                     logprobs.commit(len(piece))
                 pending += piece
                 if stops:
-                    cut = min((i for i in (pending.find(s) for s in stops) if i >= 0), default=-1)
+                    cut, stats.stop_string = first_stop(pending, stops)
                     if cut >= 0:
                         pending = pending[:cut]
                         finish = "stop"
@@ -387,7 +400,7 @@ class LLM:
             else:
                 pending += dec.flush()
                 if stops:
-                    cut = min((i for i in (pending.find(s) for s in stops) if i >= 0), default=-1)
+                    cut, stats.stop_string = first_stop(pending, stops)
                     if cut >= 0:
                         pending = pending[:cut]
                         finish = "stop"

@@ -83,6 +83,11 @@ def build_parser(prog: str = "pyinfer-run", chat: bool = False) -> argparse.Argu
     g.add_argument("-j", "--json-schema", default=None,
                    help="constrain the output to JSON valid under this schema, e.g. '{\"type\": \"object\"}'")
     g.add_argument("-jf", "--json-schema-file", default=None, help="read the JSON schema from this file")
+    p.add_argument("-r", "--reverse-prompt", action="append", default=None, metavar="PROMPT",
+                   help="halt generation at PROMPT (llama.cpp's flag; give it again for more: the "
+                        "first to appear ends the text)" + ("" if chat else
+                        "; printed, as llama.cpp prints it, after a -p/-f prompt's text, left out of "
+                        "a chat's answer"))
     if not chat:
         p.add_argument("--ignore-eos", action="store_true", help="keep generating past end of text")
         p.add_argument("--chat", action="store_true",
@@ -140,6 +145,11 @@ def sampling_kwargs(args, chat: bool = False) -> dict:
     grammar = grammar_of_args(args)
     if grammar is not None:
         kw["grammar"] = grammar
+    stops = getattr(args, "reverse_prompt", None)
+    if stops:
+        if not all(stops):
+            raise PyinferError("-r/--reverse-prompt: an empty reverse prompt stops nothing")
+        kw["stop"] = list(stops)
     return kw
 
 
@@ -308,9 +318,11 @@ def run(args) -> int:
         except KeyboardInterrupt:  # the text so far and the timings stay, as in llama.cpp
             print("\n[interrupted]", file=sys.stderr)
             status = EXIT_INTERRUPTED
+    s = llm.last_stats
+    if status == 0 and s is not None and s.stop_string is not None:
+        sys.stdout.write(s.stop_string)  # llama.cpp prints the reverse prompt it halted at
     sys.stdout.write("\n")
     sys.stdout.flush()
-    s = llm.last_stats
     if n_predict != 0 and status == 0 and s is not None and s.finish_reason == "length" and (
             n_predict < 0 or s.completion_tokens < n_predict):
         print(f"[generation stopped after {s.completion_tokens} tokens: the context "

@@ -328,6 +328,8 @@ def describe_settings(session: ChatSession) -> str:
         penalty += ", no DRY"
     cap = f"answers capped at {session.max_tokens} tokens (-n)" if session.max_tokens else \
         "answers not capped (-n -1)"
+    if sp.get("stop"):
+        cap += "; halted at " + ", ".join(repr(s) for s in sp["stop"]) + " (-r)"
     return f"sampling: {chain}, {penalty}; {cap}"
 
 

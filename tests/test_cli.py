@@ -135,6 +135,27 @@ def test_prompt_longer_than_context(smollm2_q8):
 
 
 @pytest.mark.slow
+def test_reverse_prompt_halts_the_text_and_is_printed(smollm2_q8):
+    """-r/--reverse-prompt (llama.cpp's): the greedy text ends at the first reverse prompt to
+    appear, printed; of two, the one that completes first; an empty one is refused."""
+    args = ("-p", "Here is a list of fruits: apple, banana,", "--temp", "0", "-t", "1",
+            "--no-display-prompt")
+    r = pyinfer_run(smollm2_q8, *args, "-n", "32")
+    assert r.returncode == 0, r.stderr
+    text = r.stdout[:-1]
+    words = text.split()
+    assert len(words) >= 6, text
+    early, late = words[1], words[4]
+    end = text.find(early) + len(early)
+    assert text.find(late) + len(late) > end
+    for flags in (("-r", early), ("-r", late, "--reverse-prompt", early)):
+        r = pyinfer_run(smollm2_q8, *args, "-n", "32", *flags)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout == text[:end] + "\n", (flags, r.stdout, text)
+    assert_user_error(pyinfer_run(smollm2_q8, *args, "-r", ""), "-r/--reverse-prompt")
+
+
+@pytest.mark.slow
 def test_greedy_chat_answers_berlin(smollm2_q8):
     r = pyinfer_run(smollm2_q8, "--chat", "-p", "What is the capital of Germany?", "--temp", "0",
                     "-n", "24", "-c", "256", timeout=300)

@@ -47,6 +47,7 @@ def smollm2_q4_0(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_kl_divergence_of_q4_0_from_q8_0_is_torchs(smollm2_q8, smollm2_q4_0, text_file, tmp_path):
     """SmolLM2 at q4_0 against its q8_0 file as the base (llama.cpp's use: a quantization's
     cost), 2 chunks of 64: mean and largest KLD, perplexity ratio, Δp and same-top-token rate
@@ -116,6 +117,7 @@ def test_a_model_against_itself(runnable_gguf, tmp_path):
     assert r.returncode == 0 and "over 7 tokens" in r.stdout, r.stderr
 
 
+@pytest.mark.slow
 def test_kl_divergence_errors(runnable_gguf, smollm2_q8, tmp_path):
     """Each mistake is one line and status 1; no base file is left by a run that fails."""
     text = tmp_path / "t.txt"

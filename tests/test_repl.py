@@ -449,3 +449,26 @@ def test_an_answer_fills_what_the_context_has_left(smollm2_q8):
     assert stats.completion_tokens == free
     assert stats.finish_reason == "length"
     assert len(llm.engine.tokens) == llm.n_ctx - 1
+
+
+@pytest.mark.slow
+def test_reverse_prompt_ends_a_chat_answer_before_it(smollm2_q8):
+    """pyinfer-chat -r WORD: the greedy answer ends just before WORD's first appearance (the
+    server's stop strings), the conversation keeps what was shown, and the settings line says so."""
+    from pyinfer import LLM
+    from pyinfer.cli import build_parser, sampling_kwargs
+    from pyinfer.repl import describe_settings
+
+    llm = LLM(smollm2_q8, n_ctx=512, n_threads=1)
+    s = ChatSession(llm, max_tokens=40, temperature=0)
+    assert s.ask("Name three fruits.").stop_string is None
+    answer = s.messages[-1]["content"]
+    assert len(answer.split()) >= 4, answer
+    word = answer.split()[3]
+    args = build_parser("pyinfer-chat", chat=True).parse_args(["m.gguf", "--temp", "0", "-r", word])
+    cut = ChatSession(llm, max_tokens=40, **sampling_kwargs(args, chat=False))
+    shown = []
+    st = cut.ask("Name three fruits.", on_text=shown.append)
+    assert "".join(shown) == cut.messages[-1]["content"] == answer[:answer.find(word)]
+    assert st.stop_string == word and st.finish_reason == "stop"
+    assert f"halted at {word!r} (-r)" in describe_settings(cut)
