@@ -27,11 +27,6 @@ ANY_OBJECT_SCHEMA = {"type": "object"}
 #: llguidance's JSON layout options (its docs/json_schema.md, "Whitespace handling"): JSON on one
 #: line as Python's json.dumps writes it.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-#: Most rules ("::=") a GBNF grammar may have. llguidance's GBNF conversion grows with the square
-#: of a chain of rules (each naming the next: 1,000 rules 0.6-1.3 s, 2,000 6.4 s, 15,000 minutes
-#: on the 2-core box) and cannot be interrupted; real grammars have tens (llama.cpp's json.gbnf
-#: 9). Lark text has no such cost.
-MAX_GBNF_RULES = 1000
 
 
 def _llguidance():
@@ -62,19 +57,21 @@ class Grammar:
     def json_schema(cls, schema) -> "Grammar":
         """From a schema given as a dict or as JSON text. Raises PyinferError for text that is not
         a JSON object."""
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except ValueError as e:
-                raise PyinferError(f"the JSON schema is not valid JSON: {e}") from None
-        if not isinstance(schema, dict):
-            raise PyinferError("a JSON schema must be a JSON object")
-        return cls("json_schema", json.dumps(schema))
+        try:
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as e:
+                    raise PyinferError(f"the JSON schema is not valid JSON: {e}") from None
+            if not isinstance(schema, dict):
+                raise PyinferError("a JSON schema must be a JSON object")
+            return cls("json_schema", json.dumps(schema))
+        except RecursionError:
+            raise PyinferError("the JSON schema is nested too deeply") from None
 
     def llguidance_grammar(self) -> str:
         """The grammar in llguidance's own format (converted once: the last few are cached).
-        Raises PyinferError when it does not parse, or for a GBNF grammar of more than
-        MAX_GBNF_RULES rules."""
+        Raises PyinferError when it does not parse (pyinfer.gbnf.GbnfError for GBNF)."""
         return _converted(self.kind, self.text)
 
     def check(self, tokenizer=None) -> None:
@@ -100,21 +97,29 @@ def _converted(kind: str, text: str) -> str:
     used by the API and the matcher; converting it three times tripled a slow conversion."""
     llg = _llguidance()
     if kind == "gbnf":
-        n_rules = text.count("::=")
-        if n_rules > MAX_GBNF_RULES:
-            raise PyinferError(f"the GBNF grammar has {n_rules} rules, more than {MAX_GBNF_RULES} "
-                               "(its conversion would take minutes); write it in Lark, or with "
-                               "fewer rules")
+        from pyinfer import gbnf
+
+        if gbnf.looks_like_gbnf(text):  # (else Lark under the "gbnf" name: llguidance's own)
+            try:
+                return llg.grammar_from("lark", gbnf.to_lark(text))
+            except gbnf.GbnfError as e:
+                raise PyinferError(f"bad gbnf: {e}") from None
+            except (ValueError, RuntimeError, TypeError) as e:
+                raise PyinferError(f"bad gbnf: {_first_line(e)}") from None
     try:
         if kind in ("json_object", "json_schema"):
             schema = ANY_OBJECT_SCHEMA if kind == "json_object" else json.loads(text)
-            if "x-guidance" not in schema:  # one line, one space after ':' and ',' (a small
-                # model given free whitespace can emit newlines until the token limit)
-                schema = dict(schema, **{"x-guidance": JSON_LAYOUT})
+            # one line, one space after ':' and ',' (a small model given free whitespace can emit
+            # newlines until the token limit), unless the schema's own x-guidance says otherwise
+            own = schema.get("x-guidance")
+            schema = dict(schema, **{"x-guidance": dict(JSON_LAYOUT, **(
+                own if isinstance(own, dict) else {}))})
             return llg.grammar_from("json_schema", json.dumps(schema))
         return llg.grammar_from(kind, text)
     except (ValueError, RuntimeError, TypeError) as e:
         raise PyinferError(f"bad {kind.replace('_', ' ')}: {_first_line(e)}") from None
+    except RecursionError:
+        raise PyinferError(f"bad {kind.replace('_', ' ')}: nested too deeply") from None
 
 
 def _first_line(e: Exception) -> str:
@@ -176,14 +181,16 @@ class Constraint:
         when the matcher has failed."""
         self._m.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
         if self._m.is_error():
-            raise PyinferError(f"grammar matcher failed: {self._m.get_error()}")
+            raise PyinferError("grammar matcher failed: "
+                               f"{_first_line(Exception(self._m.get_error()))}")
         bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little")
         return bits[:self.n_vocab].astype(bool)
 
     def advance(self, token: int) -> None:
         """Feed the sampled ``token`` (one ``allowed()`` permitted). Raises PyinferError otherwise."""
         if not self._m.consume_token(int(token)) or self._m.is_error():
-            raise PyinferError(f"grammar matcher failed: {self._m.get_error()}")
+            raise PyinferError("grammar matcher failed: "
+                               f"{_first_line(Exception(self._m.get_error()))}")
 
     @property
     def done(self) -> bool:

@@ -1,0 +1,213 @@
+"""GBNF grammars (pyinfer/gbnf.py, run by llguidance) mean what llama.cpp's grammars/README.md
+says: checked character by character through a matcher over a byte vocabulary, against Python's
+``json`` module for a JSON grammar (RFC 8259's, written in GBNF here) and against ``re`` for
+regular ones."""
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import pytest
+
+pytest.importorskip("llguidance")
+
+from pyinfer.errors import PyinferError  # noqa: E402
+from pyinfer.grammar import Grammar  # noqa: E402
+
+
+class ByteTokenizer:
+    """A vocabulary of the 256 bytes and an end-of-text token, what Grammar.matcher reads."""
+
+    n_vocab = 257
+    eos_id = 256
+    bos_id = None
+    stop_ids = {256}
+
+    def is_special(self, i):
+        return i == 256
+
+    def token_to_bytes(self, i):
+        return b"" if i == 256 else bytes([i])
+
+    def encode(self, text, add_bos=False, parse_special=False):
+        return list(text.encode())
+
+
+TOK = ByteTokenizer()
+
+
+def accepts(grammar: str, text: str) -> bool:
+    """Whether the matcher takes every byte of ``text`` and then stands at a complete sentence."""
+    c = Grammar("gbnf", grammar).matcher(TOK)
+    for b in text.encode():
+        if not c.allowed()[b]:
+            return False
+        c.advance(b)
+    return bool(c.accepting)
+
+
+# RFC 8259's grammar (section 2-7) in GBNF
+JSON_GBNF = r"""
+root   ::= ws value ws
+value  ::= object | array | string | number | "true" | "false" | "null"
+object ::= "{" ws ( member ( ws "," ws member )* ws )? "}"
+member ::= string ws ":" ws value
+array  ::= "[" ws ( value ( ws "," ws value )* ws )? "]"
+string ::= "\"" char* "\""
+char   ::= [^"\\\x00-\x1F] | "\\" ( ["\\/bfnrt] | "u" [0-9a-fA-F]{4} )   # escapes
+number ::= "-"? ( "0" | [1-9] [0-9]* ) ( "." [0-9]+ )? ( [eE] [-+]? [0-9]+ )?
+ws     ::= [ \t\n\r]*
+"""
+
+
+def _python_json(text: str) -> bool:
+    def no_constants(name):
+        raise ValueError(name)  # NaN / Infinity: Python's extension, not RFC 8259
+
+    try:
+        json.loads(text, parse_constant=no_constants)
+        return True
+    except ValueError:
+        return False
+
+
+def _random_value(rng: random.Random, depth: int = 0):
+    kind = rng.randrange(7 if depth < 3 else 4)
+    if kind == 0:
+        return rng.choice([True, False, None])
+    if kind == 1:
+        return rng.choice([0, -7, 12345678901234567890, 0.5, -1e-7, 3.25e21])
+    if kind in (2, 3):
+        return _random_string(rng)
+    if kind in (4, 5):
+        return [_random_value(rng, depth + 1) for _ in range(rng.randrange(4))]
+    return {_random_string(rng): _random_value(rng, depth + 1) for _ in range(rng.randrange(4))}
+
+
+def _random_string(rng: random.Random) -> str:
+    return "".join(rng.choice('ab"\\/\n\t\x01é😀 ') for _ in range(rng.randrange(6)))
+
+
+def test_json_grammar_accepts_what_pythons_json_reads():
+    """Values written by json.dumps (compact, indented, ASCII-escaped or not) are accepted; and for
+    300 random short strings over JSON's characters, and 300 mutations of valid documents, the
+    grammar accepts exactly what json.loads reads."""
+    rng = random.Random(0)
+    for _ in range(60):
+        v = _random_value(rng)
+        for kw in ({}, {"indent": 2}, {"ensure_ascii": False}, {"separators": (",", ":")}):
+            text = json.dumps(v, **kw)
+            assert accepts(JSON_GBNF, text), text
+    alphabet = '{}[],:"\\0123456789-+.eEtrufalsn \n/bu'
+    checked = {True: 0, False: 0}
+    for _ in range(300):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 7)))
+        want = _python_json(text)
+        assert accepts(JSON_GBNF, text) == want, text
+        checked[want] += 1
+    for _ in range(300):
+        doc = list(json.dumps(_random_value(rng)))
+        i = rng.randrange(len(doc))
+        op = rng.randrange(3)
+        if op == 0:
+            del doc[i]
+        elif op == 1:
+            doc.insert(i, rng.choice(alphabet))
+        else:
+            doc[i] = rng.choice(alphabet)
+        text = "".join(doc)
+        want = _python_json(text)
+        assert accepts(JSON_GBNF, text) == want, text
+        checked[want] += 1
+    assert min(checked.values()) > 20, checked  # both answers were put to the test
+
+
+@pytest.mark.parametrize("grammar,regex", [
+    # each rule made only of characters stays a grammar rule: llama.cpp accepts "1230" here
+    ('root ::= digits "0"\ndigits ::= [0-9]+', r"[0-9]+0"),
+    ('root ::= name " is " age\nname ::= [a-zA-Z ]+\nage ::= [0-9]+', r"[a-zA-Z ]+ is [0-9]+"),
+    ('root ::= "a" . "b"', r"a.b"),  # "." is any character, a newline too
+    ('root ::= [^"]+', r'[^"]+'),
+    ('root ::= "a"{2,3} "b"{2} "c"{1,} "d"{0} ("e" | "f")?', r"a{2,3}b{2}c{1,}(e|f)?"),
+    ('root ::= ("ab" | "c")* "d"  # a comment\n', r"(ab|c)*d"),
+    ('root ::= "x" |\n  "y" (\n  "z"\n  | "w" )', r"x|y(z|w)"),
+    ('root ::= start\nstart ::= "a" start-2\nstart-2 ::= "b"', r"ab"),  # a rule named start
+    ('root ::= "\\[\\]\\"\\\\" [\\]\\[-] "\\x41\\u00e9\\U0001F600"', '\\[\\]"\\\\[\\]\\[-]Aé😀'),
+    ('root ::= [\\x20-\\U0010FFFF]+', r"[\x20-\U0010FFFF]+"),
+    ('root ::= "::=" "="', r"::=="),  # "::=" in a literal is no rule
+])
+def test_regular_grammars_accept_what_re_matches(grammar, regex):
+    """On every string of up to 4 characters over the grammar's alphabet (and a few longer ones),
+    the grammar accepts what Python's re.fullmatch does (re.DOTALL: llama.cpp's "." takes a
+    newline)."""
+    import itertools
+
+    pattern = re.compile(regex, re.DOTALL)
+    alphabet = sorted(set(re.sub(r"\\[xuU][0-9a-fA-F]+|\\.", "", grammar)) - set("()|*+?{},")
+                      | set('aB"\n1230 isé😀[]\\-x'))
+    strings = ["".join(p) for n in range(5) for p in itertools.product("a0 \n", repeat=n)]
+    rng = random.Random(1)
+    strings += ["".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 10))) for _ in range(400)]
+    strings += ["1230", "Bob is 5", "a\nb", "aab", "aaabbcce", "ababcd", "yw", "ab", '[]"\\]Aé😀',
+                "::==", "hi 😀"]
+    matched = 0
+    for s in strings:
+        want = pattern.fullmatch(s) is not None
+        matched += want
+        assert accepts(grammar, s) == want, (grammar, s)
+    assert matched > 0
+
+
+@pytest.mark.parametrize("grammar,message", [
+    ('root ::= "a" (', "line 1, column 14: a group without its closing )"),
+    ('root ::= "a"\nx ::= "b" y', "line 2, column 11: undefined rule y"),
+    ('x ::= "a"', "no root rule"),
+    ('root ::= "a"\nroot ::= "b"', "line 2, column 1: rule root is defined twice"),
+    ('root ::= "\\q"', "unknown escape \\q"),
+    ('root ::= "\\u00"', "\\u needs 4 hexadecimal digits"),
+    ('root ::= "\\UFFFFFFFF"', "not a Unicode character"),
+    ('root ::= [z-a]', "runs backwards"),
+    ('root ::= []', "an empty character class"),
+    ('root ::= "a"{3,2}', "the most is less than the least"),
+    ('root ::= * "a"', "* follows nothing"),
+    ('root ::= <[42]>', "token references"),
+    ('root ::= "a" "b', "without its closing quote"),
+    ("root ::= " + "(" * 21 + '"a"' + ")" * 21, "nested more than 20 deep"),
+    # no finite text completes these (llguidance's matcher failed after the model loaded)
+    ('root ::= "a" root', "matches no text"),
+    ('root ::= root "a"', "matches no text"),
+    ('root ::= x+\nx ::= "(" x ")"', "matches no text"),
+    ("root ::= r0\n" + "".join(f'r{i} ::= "a" r{i + 1}\n' for i in range(1000)) + 'r1000 ::= "b"',
+     "more than 1000 rules"),
+])
+def test_grammar_mistakes_are_one_line_errors_with_their_place(grammar, message):
+    with pytest.raises(PyinferError) as e:
+        Grammar("gbnf", grammar).check()
+    text = str(e.value)
+    assert text.startswith("bad gbnf: ") and message in text and "\n" not in text, text
+
+
+def test_lark_under_the_gbnf_name_is_still_read():
+    """A grammar with no ``name ::=`` line is llguidance's Lark (as before)."""
+    assert accepts('start: "a" b\nb: "c"+', "acc")
+    assert not accepts('start: "a" b\nb: "c"+', "ab")
+
+
+def test_json_schema_layout_and_depth():
+    """A schema's own x-guidance options keep the one-line layout unless they set it; a schema
+    nested past Python's recursion limit is a one-line error, not a traceback."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    for s in (schema, dict(schema, **{"x-guidance": {"coerce_one_of": True}})):
+        g = Grammar.json_schema(s)
+        c = g.matcher(TOK)
+        c.advance(ord("{"))
+        assert not c.allowed()[ord("\n")]
+    with pytest.raises(PyinferError, match="nested too deeply"):
+        Grammar.json_schema("[" * 5000 + "]" * 5000)
+    deep: dict = {"type": "array"}
+    for _ in range(5000):
+        deep = {"type": "array", "items": deep}
+    with pytest.raises(PyinferError, match="nested too deeply"):
+        Grammar.json_schema(deep)
