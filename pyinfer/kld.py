@@ -178,9 +178,10 @@ class BaseFile:
             self.n_ctx, self.n_vocab = int(header["n_ctx"]), int(header["n_vocab"])
             self.n_chunks, self.first = int(header["n_chunks"]), int(header["first"])
             self.window, self.model = float(header["window"]), str(header["model"])
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError):
             raise PyinferError(f"{path}: a damaged KL-divergence base file") from None
-        if self.window != WINDOW or not 0 <= self.first < self.n_ctx - 1 or self.n_chunks < 1:
+        if (self.window != WINDOW or not 0 <= self.first < self.n_ctx - 1 or self.n_chunks < 1
+                or self.n_vocab < 1 or self.first != self.n_ctx // 2):
             raise PyinferError(f"{path}: a damaged KL-divergence base file")
         start = len(MAGIC) + 4 + n
         size = start + BaseWriter.nbytes(self.n_chunks, self.n_ctx, self.first, self.n_vocab)
@@ -192,6 +193,9 @@ class BaseFile:
             self.n_chunks, self.n_ctx)
         self._data = start + 4 * self.n_chunks * self.n_ctx
         self.n_rows = self.n_ctx - 1 - self.first
+        if self.tokens.size and (self.tokens.min() < 0 or self.tokens.max() >= self.n_vocab):
+            raise PyinferError(f"{path}: a token id outside the vocabulary of {self.n_vocab}; a "
+                               "damaged KL-divergence base file")
 
     def chunk(self, c: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(top (n_rows,) f32, lp_next (n_rows,) f32, q (n_rows, n_vocab) uint16) of chunk c."""

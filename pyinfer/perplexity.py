@@ -113,6 +113,9 @@ def estimate(engine, tokens, n_ctx: int, max_chunks: int = 0, progress=True, sin
                 nll -= lp.sum()
                 nll2 += float(np.dot(lp, lp))
                 count += lp.shape[0]
+        if not math.isfinite(nll):
+            raise PyinferError(f"the model produced non-finite logits in chunk {c + 1}: a "
+                               "damaged file, or weights outside the file type's range")
         running.append(math.exp(nll / count))
         bar.set_postfix(ppl=f"{running[-1]:.4f}")
     ppl = math.exp(nll / count)
@@ -161,7 +164,7 @@ def _main(argv) -> int:
         text = read_text_file(args.file, MAX_TEXT_FILE_BYTES, "text file",
                               hint="score a part of it")
         if args.kl_divergence_base:
-            _check_base_path(args.kl_divergence_base)
+            _check_base_path(args.kl_divergence_base, (path, args.file))
         ctx = 512 if args.ctx_size is None else args.ctx_size
     if 0 < ctx < 8:
         raise PyinferError("-c/--ctx-size must be 0 or at least 8")
@@ -244,11 +247,16 @@ def _base_for_compare(args):
     return base
 
 
-def _check_base_path(out: str) -> str:
+def _check_base_path(out: str, inputs: tuple = ()) -> str:
     """The directory of a base file to write, checked before the model loads: a regular file
-    (or none) in an existing directory. Raises PyinferError."""
+    (or none) in an existing directory, none of ``inputs`` (the model, the text). Raises
+    PyinferError."""
     if os.path.isdir(out) or (os.path.exists(out) and not os.path.isfile(out)):
         raise PyinferError(f"--kl-divergence-base {out}: not a regular file; name a new file")
+    for path in inputs:
+        if os.path.exists(out) and os.path.exists(path) and os.path.samefile(out, path):
+            raise PyinferError(f"--kl-divergence-base {out} would overwrite {path}, an input; "
+                               "name a new file")
     directory = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(directory):
         raise PyinferError(f"--kl-divergence-base {out}: directory {directory} does not exist")
@@ -262,7 +270,7 @@ def _base_writer(out: str, chunks: np.ndarray, n_vocab: int, model: str):
 
     from pyinfer.kld import BaseWriter
 
-    directory = _check_base_path(out)
+    directory = _check_base_path(out, (model,))
     first = chunks.shape[1] // 2
     size = BaseWriter.nbytes(chunks.shape[0], chunks.shape[1], first, n_vocab)
     free = shutil.disk_usage(directory).free

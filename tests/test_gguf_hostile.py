@@ -339,3 +339,14 @@ def test_converter_refuses_the_2_32_count_file(tmp_path):
     bad = patched(src, tmp_path / "count.gguf", ("array_count", "pyinfer.test.bytes", 1 << 32))
     msg = open_error_in_child("convert.from_gguf", bad)
     assert "4294967296 elements of UINT8" in msg, msg
+
+
+def test_nan_logits_in_perplexity(tmp_path):
+    """pyinfer-perplexity printed PPL = nan with status 0 where pyinfer-run reports the file."""
+    from pyinfer.perplexity import estimate
+
+    bad = write_tiny_gguf(str(tmp_path / "nan.gguf"), tensors={
+        C.OUTPUT_NORM: (np.full(N_EMBD, np.nan, np.float32), QT.F32)})
+    e = Engine(bad, device="cpu", n_threads=1)
+    one_line_error(lambda: estimate(e, list(range(1, 33)), 16, progress=False),
+                   "non-finite logits in chunk 1")

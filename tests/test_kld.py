@@ -142,6 +142,23 @@ def test_kl_divergence_errors(runnable_gguf, smollm2_q8, tmp_path):
                                      "--kl-divergence"), "chunks of 16 tokens")
     assert_user_error(perplexity_run(smollm2_q8, "--kl-divergence-base", base, "--kl-divergence"),
                       "vocabulary")
+    # the base file never replaces an input (the model, the text)
+    for victim in (runnable_gguf, str(text)):
+        before = open(victim, "rb").read()
+        assert_user_error(perplexity_run(runnable_gguf, "-f", str(text), "-c", "16",
+                                         "--kl-divergence-base", victim), "would overwrite")
+        assert open(victim, "rb").read() == before
+    # a token id outside the vocabulary (the header's n_vocab) is a damaged file
+    import json
+    import struct
+
+    raw = open(base, "rb").read()
+    (n,) = struct.unpack("<I", raw[12:16])
+    header = json.loads(raw[16:16 + n])
+    bad_tok = tmp_path / "tok.kld"
+    bad_tok.write_bytes(raw[:16 + n] + struct.pack("<i", header["n_vocab"]) + raw[20 + n:])
+    assert_user_error(perplexity_run(runnable_gguf, "--kl-divergence-base", str(bad_tok),
+                                     "--kl-divergence"), "outside the vocabulary")
     cut = tmp_path / "cut.kld"
     cut.write_bytes(open(base, "rb").read()[:-10])
     assert_user_error(perplexity_run(runnable_gguf, "--kl-divergence-base", str(cut),
@@ -152,7 +169,7 @@ def test_kl_divergence_errors(runnable_gguf, smollm2_q8, tmp_path):
     assert_user_error(perplexity_run(runnable_gguf, "-f", str(short), "-c", "16",
                                      "--kl-divergence-base", str(tmp_path / "c.kld")),
                       "fewer than one chunk")
-    assert sorted(os.listdir(tmp_path)) == ["b.kld", "cut.kld", "s.txt", "t.txt"]
+    assert sorted(os.listdir(tmp_path)) == ["b.kld", "cut.kld", "s.txt", "t.txt", "tok.kld"]
 
 
 def test_an_interrupted_base_run_leaves_no_file(runnable_gguf, tmp_path):
