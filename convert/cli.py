@@ -77,6 +77,9 @@ def check_paths(src: str, out: str) -> None:
     any work."""
     if not os.path.exists(src):
         raise PyinferError(f"{src} does not exist")
+    from pyinfer.engine import check_readable_file
+
+    check_readable_file(src)  # (a FIFO: every later look at it would wait for a writer)
     if not out or out.endswith((os.sep, os.altsep or os.sep)):
         raise PyinferError(f"the output {out!r} does not name a file")
     try:

@@ -7,6 +7,7 @@ Python API). Keeps the evaluated tokens so a follow-up prompt that shares a pref
 from __future__ import annotations
 
 import os
+import stat
 import time
 from dataclasses import dataclass
 from typing import Iterable, Iterator
@@ -38,6 +39,19 @@ PROMPT_BATCH = 512
 DRY_BREAKERS = (b"\n", b":", b'"', b"*")
 
 
+def check_readable_file(path: str) -> None:
+    """Raise PyinferError for a FIFO or a socket (opening one waits for a writer for ever) and
+    for a file this process may not read; a missing path or a directory is the caller's to say."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return
+    if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+        raise PyinferError(f"{path} is a pipe or a socket, not a GGUF file")
+    if stat.S_ISREG(mode) and not os.access(path, os.R_OK):
+        raise PyinferError(f"cannot read {path}: permission denied")
+
+
 def open_gguf(path: str) -> gguf.GGUFReader:
     """Memory-map a GGUF file read-only. Raises PyinferError for a missing, non-GGUF, truncated
     or malformed file: ``pyinfer.gguf_check`` bounds every count, length and offset first, so
@@ -47,8 +61,12 @@ def open_gguf(path: str) -> gguf.GGUFReader:
         raise PyinferError(f"model file not found: {path}")
     if os.path.isdir(path):
         raise PyinferError(f"{path} is a directory, not a GGUF file")
-    with open(path, "rb") as f:
-        magic = f.read(4)
+    check_readable_file(path)
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise PyinferError(f"cannot read {path}: {e.strerror or e}") from None
     if magic != b"GGUF":
         raise PyinferError(f"{path} is not a GGUF file (bad magic {magic!r})")
     check_gguf(path)

@@ -47,6 +47,33 @@ def test_missing_model_file(tmp_path):
     assert_user_error(pyinfer_run(str(tmp_path / "nope.gguf"), "-p", "hi"), "not found")
 
 
+def test_a_pipe_or_an_unreadable_file_as_the_model(tmp_path, runnable_gguf):
+    """A FIFO as the model waited for a writer for ever (pyinfer-inspect, pyinfer-convert); a
+    file the user may not read was a PermissionError traceback (checked where setpriv can drop
+    root's right to read anything)."""
+    import shutil
+
+    fifo = tmp_path / "f.gguf"
+    os.mkfifo(fifo)
+    for module, args in (("pyinfer.info", ()), ("pyinfer.cli", ("-p", "hi")),
+                         ("convert.cli", (str(tmp_path / "o.gguf"), "--dense"))):
+        assert_user_error(run_module(module, str(fifo), *args, timeout=60), "pipe or a socket")
+    locked = tmp_path / "locked.gguf"
+    shutil.copy(runnable_gguf, locked)
+    os.chmod(locked, 0)
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("setpriv is not installed")
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    for module, args in (("pyinfer.info", ()), ("convert.cli", (str(tmp_path / "o.gguf"), "--dense"))):
+        r = subprocess.run([setpriv, "--bounding-set=-dac_override,-dac_read_search", sys.executable,
+                            "-m", module, str(locked), *args], capture_output=True, text=True,
+                           timeout=120, cwd=ROOT, env=env)
+        if os.geteuid() == 0 and "setpriv" in r.stderr:
+            pytest.skip(f"setpriv cannot drop capabilities here: {r.stderr.strip()}")
+        assert_user_error(r, "cannot read", "permission denied")
+
+
 def test_not_a_gguf_file(tmp_path):
     p = tmp_path / "model.gguf"
     p.write_text("this is not a model\n")
