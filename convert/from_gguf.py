@@ -38,6 +38,7 @@ import numpy as np
 
 from pyinfer import __version__
 from pyinfer import constants as C
+from pyinfer.config import read_field
 from pyinfer.errors import PyinferError
 from pyinfer.gguf_check import check_gguf
 from pyinfer.gguf_reader import GGUFReader
@@ -140,11 +141,43 @@ def open_gguf(path: str) -> gguf.GGUFReader:
     return reader
 
 
+#: The stored kind each metadata key the conversion reads must have (config.read_field's check;
+#: a string where a count belongs raised TypeError / ValueError / struct.error mid-conversion).
+_KINDS = {**{k: str for k in (C.K_ARCH, C.K_ROPE_SCALING_TYPE, C.K_FAMILY, C.K_SPARSE_MODE,
+                                C.K_HIDDEN_ACT, C.K_SOURCE)},
+          **{k: int for k in (C.K_EMBEDDING_LENGTH, C.K_BLOCK_COUNT, C.K_FEED_FORWARD_LENGTH,
+                                C.K_HEAD_COUNT, C.K_HEAD_COUNT_KV, C.K_KEY_LENGTH, C.K_ROPE_DIM,
+                                C.K_FILE_TYPE, C.K_CONTEXT_LENGTH, C.K_VALUE_LENGTH,
+                                C.K_SLIDING_WINDOW)},
+          **{k: float for k in (C.K_RMS_EPS, C.K_ROPE_FREQ_BASE, C.K_ATTN_SCALE,
+                                  C.K_ROPE_FREQ_BASE_SWA, C.K_FINAL_SOFTCAP)}}
+
+
 def _scalar(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
+    """Metadata ``key``'s value, or ``default``; PyinferError when it is stored as another kind
+    than _KINDS says."""
+    return read_field(reader, key, default, kind=_KINDS.get(key))
+
+
+def _check_tokenizer(reader) -> None:
+    """PyinferError for tokenizer metadata the converted file's every run would refuse (an
+    eos id outside the vocabulary, an unknown tokenizer model or pre-tokenizer, a chat template
+    that is not a string): the engine's own reading of it, 0.2 s for SmolLM2's. A file with no
+    tokenizer at all converts (its runs take token ids)."""
+    from pyinfer.tokenizer import NoTokenizerError, Tokenizer
+
+    try:
+        Tokenizer.from_gguf(reader)
+    except NoTokenizerError:
+        pass
+
+
+def _check_sizes(path: str, **sizes) -> None:
+    """PyinferError unless every size is a positive integer below 2**31 (what the engine's
+    loader requires of the converted file)."""
+    for name, v in sizes.items():
+        if not 0 < int(v) < 2**31:
+            raise PyinferError(f"{path}: {name} is {v}; a model needs a positive count")
 
 
 def _copy_field(meta: Metadata, field: Any) -> None:
@@ -180,6 +213,7 @@ def plan_gguf(path: str, outtype: str, allow_unused: bool = False,
         raise PyinferError(f"unsupported PowerInfer architecture {arch} (supported: {C.ARCH})")
     if arch not in _GGUF_ARCHS:
         raise PyinferError(f"unsupported architecture {arch} (supported: {', '.join(_GGUF_ARCHS)})")
+    _check_tokenizer(reader)
     gemma3 = arch == "gemma3"
     qwen2 = arch == "qwen2"  # llama.cpp's Qwen2: q/k/v biases, NeoX RoPE (rows unpermuted)
     qwen3 = arch == "qwen3"  # llama.cpp's Qwen3: per-head Q/K norms, NeoX RoPE (rows unpermuted)
@@ -214,7 +248,18 @@ def plan_gguf(path: str, outtype: str, allow_unused: bool = False,
     n_embd, n_layer, n_ff = need(C.K_EMBEDDING_LENGTH), need(C.K_BLOCK_COUNT), need(C.K_FEED_FORWARD_LENGTH)
     n_head = need(C.K_HEAD_COUNT)
     n_head_kv = _scalar(reader, C.K_HEAD_COUNT_KV, n_head)
+    _check_sizes(path, n_embd=n_embd, n_layer=n_layer, n_ff=n_ff, n_head=n_head,
+                 n_head_kv=n_head_kv)
+    if n_head % n_head_kv:
+        raise PyinferError(f"{path}: {n_head} attention heads do not share {n_head_kv} key/value "
+                           "heads evenly")
     head_dim = _scalar(reader, C.K_KEY_LENGTH, _scalar(reader, C.K_ROPE_DIM, n_embd // n_head))
+    n_ctx_train = _scalar(reader, C.K_CONTEXT_LENGTH, 2048)
+    _check_sizes(path, head_dim=head_dim, context_length=n_ctx_train)
+    for key, default in ((C.K_RMS_EPS, 1e-5), (C.K_ROPE_FREQ_BASE, 10000.0)):
+        v = _scalar(reader, key, default)
+        if not (np.isfinite(v) and v > 0):
+            raise PyinferError(f"{path}: {key} is {v}; it must be a positive number")
     if C.TOKEN_EMBD not in tensors:
         raise PyinferError(f"{path} has no {C.TOKEN_EMBD}")
     n_vocab = int(tensors[C.TOKEN_EMBD].shape[1])  # GGUF shapes are (cols, rows)
@@ -234,7 +279,7 @@ def plan_gguf(path: str, outtype: str, allow_unused: bool = False,
         meta.u32(C.K_FILE_TYPE, FILE_TYPES[outtype])
     if outtype not in ("f32", "f16", "bf16"):
         meta.u32("general.quantization_version", 2)
-    meta.u32(C.K_CONTEXT_LENGTH, _scalar(reader, C.K_CONTEXT_LENGTH, 2048))
+    meta.u32(C.K_CONTEXT_LENGTH, n_ctx_train)
     meta.u32(C.K_EMBEDDING_LENGTH, n_embd)
     meta.u32(C.K_BLOCK_COUNT, n_layer)
     meta.u32(C.K_FEED_FORWARD_LENGTH, n_ff)
@@ -273,7 +318,8 @@ def plan_gguf(path: str, outtype: str, allow_unused: bool = False,
         if t is None:
             raise PyinferError(f"{path} has no tensor {name}")
         if tuple(int(d) for d in t.shape[::-1]) != shape:
-            raise PyinferError(f"tensor {name} has shape {tuple(t.shape[::-1])}, expected {shape}")
+            raise PyinferError(f"tensor {name} has shape {tuple(int(d) for d in t.shape[::-1])}, "
+                               f"expected {tuple(int(d) for d in shape)}")
         used.add(name)
         return t
 

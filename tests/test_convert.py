@@ -1102,3 +1102,30 @@ def test_perplexity_tokenizes_as_llama_cpp_does(models, tmp_path):
     assert got[1] == "".join(f"[{k}]{math.exp(nll[:15 * k].mean()):.4f},"
                              for k in range(1, len(nll) // 15 + 1)), got[1]
     assert got[2] == f"Final estimate: PPL = {ppl:.4f} +/- {err:.5f}", (got, err)
+
+
+@pytest.mark.parametrize("key,value,vtype,message", [
+    (C.K_EMBEDDING_LENGTH, "64", "STRING", "stored as STRING, expected an integer"),
+    (C.K_CONTEXT_LENGTH, -5, "INT32", "context_length is -5"),
+    (C.K_CONTEXT_LENGTH, 0, "UINT32", "context_length is 0"),
+    (C.K_HEAD_COUNT, 0, "UINT32", "n_head is 0"),
+    (C.K_HEAD_COUNT_KV, 3, "UINT32", "do not share 3 key/value heads evenly"),
+    (C.K_RMS_EPS, 0.0, "FLOAT32", "must be a positive number"),
+    (C.K_ROPE_FREQ_BASE, "1e4", "STRING", "stored as STRING, expected a number"),
+    (C.K_TOK_EOS, 10**6, "UINT32", "eos token id 1000000 is outside the vocabulary"),
+])
+def test_bad_source_metadata_is_one_line_before_anything_is_written(tmp_path, key, value, vtype,
+                                                                     message):
+    """A llama.cpp-style source whose metadata no run could use: the converter raised
+    ZeroDivisionError / TypeError / struct.error mid-way, or wrote a file every run refused."""
+    from gguf import GGUFValueType as VT
+
+    from tests._tiny_gguf import write_tiny_gguf
+
+    src = write_tiny_gguf(str(tmp_path / "src.gguf"), overrides={key: (value, VT[vtype], None)})
+    r = subprocess.run([sys.executable, "-m", "convert.cli", src, str(tmp_path / "o.gguf"),
+                        "--dense", "-t", "1"], capture_output=True, text=True, cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
+    assert r.returncode == 1 and message in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert sorted(os.listdir(tmp_path)) == ["src.gguf"]
