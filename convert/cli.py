@@ -257,6 +257,12 @@ def _run(args) -> int:
     if args.dense:
         opts.check_flags(None)
         opts.check()
+        from predictors.offline import CALIB_FLAGS
+
+        unread = sorted(f for f in opts.given if f in CALIB_FLAGS)
+        if unread and not args.imatrix:
+            raise PyinferError(f"{', '.join(unread)} need{'s' if len(unread) == 1 else ''} the "
+                               "importance matrix's calibration, which --no-imatrix turns off")
     elif is_powerinfer(args.src):
         opts.check_flags(None, "the offline stage, which an upstream PowerInfer file skips (it "
                                "brings its own predictors)")

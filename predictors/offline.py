@@ -642,8 +642,13 @@ def dense_importance(src: str, out: str, outtype: str, opts: OfflineOptions | No
     if not (os.path.isdir(src) or (os.path.isfile(src) and is_gguf_or_powerinfer(src))):
         return None  # the conversion itself says what is wrong with the source
     jobs = plan(src, outtype, allow_unused, down_type=down_type, down_rows=True)[1]
-    if not takes_weighted_scales(jobs):
-        return None  # nothing quantized to q4_0 / q5_0 from floats (e.g. a q4_0 source's blocks)
+    if not takes_weighted_scales(jobs):  # nothing quantized to q4_0 / q5_0 from floats (e.g. a
+        # q4_0 source's blocks): no calibration, so its flags would go unread
+        unread = sorted(f for f in opts.given if f in CALIB_FLAGS)
+        if unread:
+            raise PyinferError(f"{', '.join(unread)}: this --dense conversion quantizes no tensor "
+                               "to q4_0 / q5_0 from floats, so it runs no calibration")
+        return None
     calib_text = read_calib_files(opts.calib_files) if opts.calib_files else None
     staging = temp_path_beside(out, ".dense.tmp")
     t0 = time.perf_counter()
@@ -812,6 +817,8 @@ OFFLINE_FLAGS = {"calib": "--calib", "calib_tokens": "--calib-tokens", "calib_se
 #: what a --dense conversion reads: the importance matrix's calibration, the two-stage head
 DENSE_FLAGS = frozenset({"--calib", "--calib-tokens", "--calib-seed", "--no-imatrix",
                          "--lm-head-candidates"})
+#: the calibration text's flags (what --dense reads only for its importance matrix)
+CALIB_FLAGS = frozenset({"--calib", "--calib-tokens", "--calib-seed"})
 #: read only where predictors are trained (modes glu, relu)
 PREDICTOR_FLAGS = frozenset({"--target-recall", "--predictor-rank", "--epochs"})
 #: read only by sparse mode input

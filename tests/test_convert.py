@@ -1129,3 +1129,27 @@ def test_bad_source_metadata_is_one_line_before_anything_is_written(tmp_path, ke
     assert r.returncode == 1 and message in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert sorted(os.listdir(tmp_path)) == ["src.gguf"]
+
+
+def test_dense_refuses_calibration_flags_it_would_not_read(tmp_path):
+    """--dense reads --calib/--calib-tokens/--calib-seed only for its importance matrix: with
+    --no-imatrix, or where nothing is quantized to q4_0 / q5_0 from floats (q8_0 here), they were
+    accepted and ignored (a binary --calib file too)."""
+    from tests._tiny_gguf import write_tiny_gguf
+
+    src = write_tiny_gguf(str(tmp_path / "src.gguf"))
+    calib = tmp_path / "c.txt"
+    calib.write_text("the cat sat on the mat\n" * 50)
+
+    def run(*flags):
+        return subprocess.run([sys.executable, "-m", "convert.cli", src, str(tmp_path / "o.gguf"),
+                               "--dense", "-t", "1", *flags], capture_output=True, text=True,
+                              cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
+
+    r = run("--no-imatrix", "--calib", str(calib))
+    assert r.returncode == 1 and "--calib needs the importance matrix's calibration" in r.stderr
+    r = run("--outtype", "q8_0", "--calib-tokens", "64")
+    assert r.returncode == 1 and "quantizes no tensor to q4_0 / q5_0" in r.stderr, r.stderr
+    assert sorted(os.listdir(tmp_path)) == ["c.txt", "src.gguf"]
+    r = run("--outtype", "q8_0")
+    assert r.returncode == 0, r.stderr
