@@ -184,7 +184,17 @@ def convert(src: str, out: str, outtype: str = OUTTYPE_AUTO, progress: bool | No
 
 
 def _interrupt(signum, frame):  # noqa: ARG001 - signal handler signature
+    """Ctrl-C or `kill`: stop the conversion (its temporary file is removed), unless the output
+    is already written whole (the rename done: write_gguf's COMPLETED), where there is nothing
+    left to stop and the conversion ends as a success."""
+    from .writer import COMPLETED
+
+    if _OUTPUT[0] is not None and os.path.abspath(_OUTPUT[0]) in COMPLETED:
+        return
     raise KeyboardInterrupt
+
+
+_OUTPUT: list = [None]  # the running conversion's output path, for _interrupt
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -235,12 +245,23 @@ def main(argv: list[str] | None = None) -> int:
         args.src, args.out = args.model_opt, args.src
     if args.src is None or args.out is None:
         parser.error("the source and the output are required: pyinfer-convert SRC OUT")
-    # `kill` cleans up the temporary file like Ctrl-C, while this runs (the caller's handler after)
-    old = signal.signal(signal.SIGTERM, _interrupt)
+    # `kill` cleans up the temporary file like Ctrl-C, while this runs (the caller's handlers
+    # after; a signal that comes while they are put back is dropped: the run has ended)
+    from .writer import COMPLETED, signals_held
+
+    COMPLETED.discard(os.path.abspath(args.out))
+    _OUTPUT[0] = args.out
+    old = (signal.signal(signal.SIGTERM, _interrupt), signal.signal(signal.SIGINT, _interrupt))
     try:
         return exit_code_of(_run, args)
     finally:
-        signal.signal(signal.SIGTERM, old)
+        with signals_held():
+            signal.signal(signal.SIGTERM, old[0])
+            signal.signal(signal.SIGINT, old[1])
+            _OUTPUT[0] = None
+            pending = signal.sigpending() & {signal.SIGINT, signal.SIGTERM}
+            while pending:
+                pending.discard(signal.sigwait(pending))
 
 
 def _run(args) -> int:

@@ -13,6 +13,7 @@ file it points to is replaced and the link stays.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 from dataclasses import dataclass
@@ -185,6 +186,29 @@ def _write_reason(e: OSError, tmp_path: str, size: int) -> str:
     return reason
 
 
+#: Absolute paths write_gguf has renamed a finished file onto, in this process: a Ctrl-C handler
+#: that arrives after the rename reads it (convert/cli.py: the conversion has succeeded).
+COMPLETED: set = set()
+
+
+@contextlib.contextmanager
+def signals_held():
+    """SIGINT and SIGTERM held back (blocked) for the block, in the main thread; one that came
+    meanwhile is delivered as the block ends. Elsewhere (another thread) a plain block."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = {signal.SIGINT, signal.SIGTERM}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 def write_gguf(out_path: str, meta: Metadata, jobs: Sequence[TensorJob], progress: bool | None = None) -> None:
     """Write ``meta`` and the tensors of ``jobs`` to ``out_path`` via a unique temporary file in
     the same directory (``temp_path_beside``), renamed over ``out_path`` when complete (over the
@@ -198,6 +222,8 @@ def write_gguf(out_path: str, meta: Metadata, jobs: Sequence[TensorJob], progres
     from pyinfer.progress import progress_bar
 
     target = os.path.realpath(out_path) if os.path.islink(out_path) else out_path
+    COMPLETED.discard(os.path.abspath(out_path))
+    renamed = False
     tmp_path = temp_path_beside(target)
     try:
         writer = gguf.GGUFWriter(tmp_path, ARCH)
@@ -237,20 +263,28 @@ def write_gguf(out_path: str, meta: Metadata, jobs: Sequence[TensorJob], progres
             writer.write_tensor_data(data)
         bar.close()
         writer.close()
-        os.replace(tmp_path, target)
+        with signals_held():  # the rename and its record are one step for a signal handler
+            os.replace(tmp_path, target)
+            renamed = True
+            COMPLETED.add(os.path.abspath(out_path))
     except BaseException as e:
-        reason = None
-        if isinstance(e, OSError):
-            size = sum(tensor_nbytes(j.shape, j.qtype) for j in jobs)
-            reason = _write_reason(e, tmp_path, size)
-        try:
-            writer.close()
-        except OSError:
-            pass
-        try:
-            os.remove(tmp_path)
-        except FileNotFoundError:
-            pass
+        if renamed:
+            raise  # (an interrupt after the rename: the output is whole, nothing to remove)
+        with signals_held():  # a second Ctrl-C must not leave the temporary file behind
+            reason = None
+            if isinstance(e, OSError):
+                size = sum(tensor_nbytes(j.shape, j.qtype) for j in jobs)
+                reason = _write_reason(e, tmp_path, size)
+            try:
+                try:
+                    writer.close()
+                except OSError:
+                    pass
+            finally:  # (removed even when closing fails)
+                try:
+                    os.remove(tmp_path)
+                except FileNotFoundError:
+                    pass
         if reason is not None:
             raise WriteError(out_path, reason) from None
         raise

@@ -840,6 +840,54 @@ def test_signal_mid_write_leaves_nothing(tmp_path, sig):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists(SMOL), reason=f"{SMOL} not downloaded")
+def test_a_signal_after_the_rename_is_a_success(tmp_path):
+    """Ctrl-C in the seconds after the finished file was renamed over OUT (the success line's
+    work) reported "error: interrupted" and status 130 while OUT had been replaced: now the
+    conversion ends as the success it is."""
+    import signal
+    import time
+
+    out = tmp_path / "out.gguf"
+    out.write_text("precious\n")
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    p = subprocess.Popen([sys.executable, "-m", "convert.cli", SMOL, str(out), "--dense"], cwd=ROOT,
+                         env=env, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.time() + 120
+    while os.path.getsize(out) < 100 and time.time() < deadline and p.poll() is None:
+        time.sleep(0.01)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 0 and err.strip().splitlines()[-1].startswith("wrote "), err
+    assert open(out, "rb").read(4) == b"GGUF" and os.listdir(tmp_path) == ["out.gguf"]
+
+
+def test_a_second_interrupt_during_cleanup_leaves_no_file(tmp_path, monkeypatch):
+    """Ctrl-C twice: the second landed in write_gguf's cleanup (while the writer closed) and
+    left the temporary file behind."""
+    from convert.writer import Metadata, TensorJob, write_gguf
+
+    closes = []
+
+    def close(self):
+        closes.append(1)
+        if len(closes) == 1:
+            raise KeyboardInterrupt  # the second Ctrl-C
+        return real_close(self)
+
+    def load():
+        raise KeyboardInterrupt  # the first, while a tensor is made
+
+    real_close = gguf.GGUFWriter.close
+    monkeypatch.setattr(gguf.GGUFWriter, "close", close)
+    with pytest.raises(KeyboardInterrupt):
+        write_gguf(str(tmp_path / "o.gguf"), Metadata(),
+                   [TensorJob("t", (4, 32), gguf.GGMLQuantizationType.F32, load)], progress=False)
+    assert os.listdir(tmp_path) == []
+
+
 def test_main_restores_the_callers_sigterm_handler(converted, tmp_path):
     """convert.cli.main installs its SIGTERM handler (cleanup, like Ctrl-C) only while it runs:
     a program that calls it keeps its own handler afterwards, after a success or an error."""
