@@ -36,7 +36,7 @@ from pyinfer import options
 from pyinfer.api import text_of_parts
 from pyinfer.chat import template_kwargs
 from pyinfer.reasoning import REASONING_FORMATS, check_format
-from pyinfer.errors import PyinferError
+from pyinfer.errors import PyinferError, exit_code_of
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more than any prompt that fits a context
 _ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -660,35 +660,64 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_listen(host: str, port: int) -> None:
+    """Raise PyinferError unless this process can listen on host:port now (an address in use, a
+    host that does not resolve or is not this machine's): uvicorn would say so in several log
+    lines after the model loaded and the "serving at" line was printed."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        raise PyinferError(f"cannot listen on {host}: {getattr(e, 'strerror', None) or e}") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            raise PyinferError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        try:
-            import uvicorn
-        except ImportError:
-            raise PyinferError("the server needs Starlette and uvicorn: pip install -e '.[server]' "
-                               "in the pyinfer checkout") from None
-        if args.api_key is not None and (not args.api_key or any(c.isspace() for c in args.api_key)):
-            raise PyinferError("--api-key must be a non-empty key without spaces")
-        if not is_loopback(args.host) and not args.api_key and not args.no_api_key:
-            raise PyinferError(f"refusing to listen on {args.host}, which other machines can reach, "
-                               "without --api-key KEY (or pass --no-api-key to serve anyone)")
-        if not 0 <= args.port <= 65535:
-            raise PyinferError(f"--port must be in 0..65535, got {args.port}")
-        if args.queue_size < 0:
-            raise PyinferError("--queue-size must be >= 0")
-        from pyinfer.cli import load
+    ready = {}
+    status = exit_code_of(_setup, args, ready)  # one error line, Ctrl-C while loading too
+    if status:
+        return status
+    import uvicorn
 
-        llm = load(args, options.model_path(args, "pyinfer-serve MODEL.gguf (or -m MODEL.gguf)"))
-        app = create_app(llm, max_queue=args.queue_size, api_key=args.api_key,
-                         reasoning_format=args.reasoning_format)
-    except PyinferError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(f"pyinfer-serve: {llm.model_name}, context {llm.n_ctx} tokens, "
+    print(f"pyinfer-serve: {ready['llm'].model_name}, context {ready['llm'].n_ctx} tokens, "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     # SIGTERM waits at most a few seconds for open requests (a stream stops within a token)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    uvicorn.run(ready["app"], host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=5)
+    return 0
+
+
+def _setup(args, ready: dict) -> int:
+    """main's checks and the model's load, into ``ready`` (llm, app). Raises PyinferError."""
+    import importlib.util
+
+    if importlib.util.find_spec("uvicorn") is None:
+        raise PyinferError("the server needs Starlette and uvicorn: pip install -e '.[server]' "
+                           "in the pyinfer checkout")
+    if args.api_key is not None and (not args.api_key or any(c.isspace() for c in args.api_key)):
+        raise PyinferError("--api-key must be a non-empty key without spaces")
+    if not is_loopback(args.host) and not args.api_key and not args.no_api_key:
+        raise PyinferError(f"refusing to listen on {args.host}, which other machines can reach, "
+                           "without --api-key KEY (or pass --no-api-key to serve anyone)")
+    if not 0 <= args.port <= 65535:
+        raise PyinferError(f"--port must be in 0..65535, got {args.port}")
+    if args.queue_size < 0:
+        raise PyinferError("--queue-size must be >= 0")
+    check_listen(args.host, args.port)
+    from pyinfer.cli import load
+
+    llm = load(args, options.model_path(args, "pyinfer-serve MODEL.gguf (or -m MODEL.gguf)"))
+    ready["llm"] = llm
+    ready["app"] = create_app(llm, max_queue=args.queue_size, api_key=args.api_key,
+                              reasoning_format=args.reasoning_format)
     return 0
 
 

@@ -571,3 +571,24 @@ def test_slow_template_blocks_no_endpoint_and_sigterm_still_stops_the_server():
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=20)
+
+
+def test_an_address_it_cannot_listen_on_is_one_line_before_the_load(tmp_path):
+    """A port in use, or a host that is no address of this machine: uvicorn's multi-line log
+    and status 3 after the model loaded and "serving at" was printed; now one error line."""
+    import socket
+
+    from tests._tiny_gguf import write_tiny_gguf
+
+    model = write_tiny_gguf(str(tmp_path / "tiny.gguf"))
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for args, words in ((["--port", str(port)], "Address already in use"),
+                            (["--host", "256.1.1.1", "--no-api-key"], "cannot listen on 256.1.1.1")):
+            r = subprocess.run([sys.executable, "-m", "pyinfer.server", model, "-t", "1", *args],
+                               capture_output=True, text=True, cwd=ROOT, env=env, timeout=60)
+            lines = r.stderr.strip().splitlines()
+            assert r.returncode == 1 and len(lines) == 1 and words in lines[0], r.stderr
