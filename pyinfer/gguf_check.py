@@ -209,6 +209,13 @@ class _Scanner:
                 self.fail(f"tensor {name!r}: data at offset {offset} + {nbytes} bytes extends "
                           f"past the end of the file ({max(data_size, 0)} bytes of tensor data; "
                           "truncated?)")
+        # no two tensors share bytes (llama.cpp's reader requires each tensor to start where the
+        # one before it ends, aligned: a type or a shape changed after the fact overlaps)
+        by_offset = sorted(tensors, key=lambda t: (t[1], t[2]))  # (empty ones first)
+        for (a, a_off, a_n), (b, b_off, _) in zip(by_offset, by_offset[1:]):
+            if a_off + a_n > b_off:
+                self.fail(f"tensor {a!r} (offset {a_off}, {a_n} bytes) overlaps tensor {b!r} "
+                          f"(offset {b_off}): a damaged file")
 
     def tensor_info(self, name: str, alignment: int) -> tuple[int, int]:
         """Check one tensor's dims, type and offset; returns (offset, nbytes)."""
@@ -252,7 +259,8 @@ def check_gguf(path: str, magic: bytes = b"GGUF", allow_empty: bool = False) -> 
     counts; every key (UTF-8, unique), value type (known, no nested arrays), string length and
     array count; ``general.alignment`` (a UINT32 power of two); every tensor's name (UTF-8,
     unique), 1 to 4 dimensions, none 0 and their product within 64 bits, a known ggml type whose
-    block divides the row, an aligned offset and data that lies inside the file. Reads only the
+    block divides the row, an aligned offset and data that lies inside the file and overlaps no
+    other tensor's. Reads only the
     header (a memory map; nothing is copied but names). Does not check what the values mean
     (``pyinfer.config`` and ``pyinfer.weights`` do) nor that metadata strings are UTF-8 (read
     lazily; ``pyinfer.config.read_field`` checks the ones pyinfer reads).

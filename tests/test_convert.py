@@ -726,7 +726,7 @@ def test_offline_flags_the_conversion_would_ignore_are_refused(converted, tmp_pa
         p = run_cli(converted, out, *args)
         assert p.returncode == 1 and p.stderr.startswith("error: ") and words in p.stderr, (args, p.stderr)
         assert "Traceback" not in p.stderr and not os.path.exists(out)
-    p = run_cli(converted, "--outtype", "f32", "--dense", "--calib-seed", "7", out)
+    p = run_cli(converted, "--outtype", "q4_0", "--dense", "--calib-seed", "7", out)
     assert p.returncode == 0, p.stderr
     assert os.path.exists(out)
 

@@ -120,6 +120,8 @@ def test_array_count_2_32_in_a_400kb_file(tmp_path):
     ("tensor_offset", C.OUTPUT, (1 << 64) - 32, ["extends past the end"]),
     ("tensor_offset", C.OUTPUT, 1 << 62, ["extends past the end"]),
     ("tensor_offset", C.OUTPUT, 33, ["not a multiple of the alignment 32"]),
+    # two tensors over the same bytes: ran to NaN logits, or to a perplexity of nan
+    ("tensor_offset", C.OUTPUT, 0, ["overlaps"]),
 ])
 def test_header_field(tiny, tmp_path, role, where, value, words):
     bad = patched(tiny, tmp_path / "bad.gguf", (role, where, value))
