@@ -251,7 +251,10 @@ def main(argv: list[str] | None = None) -> int:
 
     COMPLETED.discard(os.path.abspath(args.out))
     _OUTPUT[0] = args.out
-    old = (signal.signal(signal.SIGTERM, _interrupt), signal.signal(signal.SIGINT, _interrupt))
+    old = tuple(signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT))
+    for sig, was in zip((signal.SIGTERM, signal.SIGINT), old):
+        if was is not signal.SIG_IGN:  # (a background job's ignored SIGINT stays ignored)
+            signal.signal(sig, _interrupt)
     try:
         return exit_code_of(_run, args)
     finally:

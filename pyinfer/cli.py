@@ -319,7 +319,7 @@ def run(args) -> int:
             print("\n[interrupted]", file=sys.stderr)
             status = EXIT_INTERRUPTED
     s = llm.last_stats
-    if status == 0 and s is not None and s.stop_string is not None:
+    if status == 0 and s is not None and s.stop_string is not None and not args.chat:
         sys.stdout.write(s.stop_string)  # llama.cpp prints the reverse prompt it halted at
     sys.stdout.write("\n")
     sys.stdout.flush()

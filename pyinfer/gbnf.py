@@ -5,16 +5,16 @@ grammar over characters: ``name ::= alternatives`` rules, ``root`` the start; "l
 [character classes] (``^`` negates; ``a-z`` ranges) with the escapes ``\\n \\r \\t \\\\ \\" \\[
 \\] \\xHH \\uHHHH \\UHHHHHHHH``; ``.`` any character (a newline too); rule names ([A-Za-z0-9-]);
 groups ``( )``; ``* + ?`` and ``{m} {m,} {m,n}`` after an item; ``#`` comments to the end of the
-line. A rule ends at a newline except inside parentheses and after ``|``.
+line. A rule ends at a newline except right after ``::=`` or ``|`` and inside parentheses.
 
 llguidance reads GBNF too, through its own conversion, which turns every rule made only of
 characters into one lexer token: a token that matches as much text as it can, so
 ``root ::= digits "0"``, ``digits ::= [0-9]+`` refused "1230" (llama.cpp accepts it) and
 ``name ::= [a-zA-Z ]+`` ate the " is " of ``name " is " age``; it also read ``.`` without the
 newline, ``\\u00e9`` as ``\\ue9``, a rule named ``start`` as Lark. Here every GBNF rule stays a
-grammar rule (llguidance's Earley parser decides where one ends, as llama.cpp's matcher does);
-literals and single character classes are the lexemes, a repetition of a class repeats single
-characters.
+grammar rule (llguidance's Earley parser decides where one ends, as llama.cpp's matcher does)
+and every lexeme is one character (a literal is a sequence of them: a whole-string lexeme is
+matched greedily too), so a repetition of a class repeats single characters.
 
 ``to_lark(text)`` returns the Lark text; ``GbnfError`` (a PyinferError) gives the line and
 column of the first mistake.
@@ -126,7 +126,8 @@ class _Parser:
             if len(self.order) > MAX_RULES:
                 raise self.error(m.start(), f"more than {MAX_RULES} rules; write the grammar "
                                  "with fewer")
-            body, form, pos = self.alternatives(self.space(pos + 3, False), nested=False)
+            # (llama.cpp's parse_rule: newlines and comments may follow "::=")
+            body, form, pos = self.alternatives(self.space(pos + 3, True), nested=False)
             self.rules[name] = body
             self.forms[name] = form
             if pos < len(s) and s[pos] not in "\r\n":
@@ -137,10 +138,15 @@ class _Parser:
         for name, at in self.refs.items():
             if name not in self.rules:
                 raise self.error(at, f"undefined rule {name}")
-        if "root" not in self._rules_that_end():
+        ends = self._rules_that_end()
+        if "root" not in ends:
             raise GbnfError("the GBNF grammar matches no text: root never ends (no alternative "
                             "of it, or of a rule it needs, finishes without the rule itself, "
                             "as in root ::= \"a\" root)")
+        for name in self._reachable():  # (llguidance's matcher fails on entering one)
+            if name not in ends:
+                raise self.error(self.refs[name], f"rule {name} never ends (each alternative "
+                                 "needs the rule itself again)")
         lark_names = {name: "start" if name == "root" else f"r{i}_{name.lower().replace('-', '_')}"
                       for i, name in enumerate(self.order)}
 
@@ -152,6 +158,16 @@ class _Parser:
             body = re.sub(r"\x00([A-Za-z0-9-]+)\x00", lark_name, self.rules[name])
             out.append(f"{lark_names[name]}: {body}")
         return "\n".join(out) + "\n"
+
+    def _reachable(self) -> list:
+        """The rules root can reach, in the order of their definition."""
+        seen, todo = {"root"}, ["root"]
+        while todo:
+            for name in re.findall(r"\x00([A-Za-z0-9-]+)\x00", self.rules[todo.pop()]):
+                if name not in seen:
+                    seen.add(name)
+                    todo.append(name)
+        return [n for n in self.order if n in seen]
 
     def _rules_that_end(self) -> set:
         """The rules that derive some finite text (the least fixed point over self.forms)."""
@@ -200,7 +216,7 @@ class _Parser:
                 if pos >= len(s):
                     raise self.error(start, "a literal without its closing quote")
                 pos += 1
-                items.append(json.dumps("".join(text), ensure_ascii=False))
+                items.append(_literal(text))
                 forms.append(True)
             elif c == "[":
                 pos += 1
@@ -288,6 +304,18 @@ class _Parser:
             return '""', True, m.end()
         bound = f"{{{lo}}}" if hi == lo else f"{{{lo},}}" if hi is None else f"{{{lo},{hi}}}"
         return f"{_operand(item)}{bound}", lo == 0, m.end()
+
+
+def _literal(chars: list) -> str:
+    """A GBNF literal as Lark items of one character each: llguidance matches each Lark string
+    as one lexeme, as long as it can, so ("a" | "ab") "bc" written with whole strings refused
+    "abc", which llama.cpp's character-by-character matcher accepts. Printable characters as
+    strings, others (controls, U+007F, which llguidance's Lark refuses raw) as \\x{..}."""
+    if not chars:
+        return '""'
+    parts = [json.dumps(c, ensure_ascii=False) if c.isprintable() else f"/\\x{{{ord(c):x}}}/"
+             for c in chars]
+    return parts[0] if len(parts) == 1 else f"({' '.join(parts)})"
 
 
 def _operand(item: str) -> str:

@@ -180,6 +180,13 @@ def test_reverse_prompt_halts_the_text_and_is_printed(smollm2_q8):
         assert r.returncode == 0, r.stderr
         assert r.stdout == text[:end] + "\n", (flags, r.stdout, text)
     assert_user_error(pyinfer_run(smollm2_q8, *args, "-r", ""), "-r/--reverse-prompt")
+    # --chat: the answer stops before the reverse prompt, which is left out (as in pyinfer-chat)
+    chat = ("--chat", "-p", "Count from 1 to 10 separated by commas.", "--temp", "0", "-t", "1",
+            "-n", "40")
+    answer = pyinfer_run(smollm2_q8, *chat).stdout
+    assert "5" in answer, answer
+    r = pyinfer_run(smollm2_q8, *chat, "-r", "5")
+    assert r.returncode == 0 and r.stdout == answer[:answer.find("5")] + "\n", (r.stdout, answer)
 
 
 @pytest.mark.slow

@@ -864,6 +864,24 @@ def test_a_signal_after_the_rename_is_a_success(tmp_path):
     assert open(out, "rb").read(4) == b"GGUF" and os.listdir(tmp_path) == ["out.gguf"]
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists(SMOL), reason=f"{SMOL} not downloaded")
+def test_an_inherited_ignored_sigint_stays_ignored(tmp_path):
+    """A conversion started with SIGINT ignored (a `cmd &` job of a non-interactive shell)
+    runs through a SIGINT, as Python leaves an inherited SIG_IGN alone."""
+    import signal
+    import time
+
+    out = tmp_path / "out.gguf"
+    p = subprocess.Popen([sys.executable, "-m", "convert.cli", SMOL, str(out), "--dense"], cwd=ROOT,
+                         env=dict(os.environ, PYTHONPATH=ROOT), stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    time.sleep(0.6)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 0 and open(out, "rb").read(4) == b"GGUF", err
+
+
 def test_a_second_interrupt_during_cleanup_leaves_no_file(tmp_path, monkeypatch):
     """Ctrl-C twice: the second landed in write_gguf's cleanup (while the writer closed) and
     left the temporary file behind."""

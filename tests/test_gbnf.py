@@ -136,6 +136,15 @@ def test_json_grammar_accepts_what_pythons_json_reads():
     ('root ::= "\\[\\]\\"\\\\" [\\]\\[-] "\\x41\\u00e9\\U0001F600"', '\\[\\]"\\\\[\\]\\[-]Aé😀'),
     ('root ::= [\\x20-\\U0010FFFF]+', r"[\x20-\U0010FFFF]+"),
     ('root ::= "::=" "="', r"::=="),  # "::=" in a literal is no rule
+    # a literal is matched character by character too: whole-string lexemes refused "12",
+    # "abc", "foobar" here (and C identifiers beginning with a keyword in llama.cpp's c.gbnf)
+    ('root ::= "12"? [0-9]+', r"(12)?[0-9]+"),
+    ('root ::= ("a" | "ab") "bc"', r"(a|ab)bc"),
+    ('root ::= ("foo" | "foobar") "bar"', r"(foo|foobar)bar"),
+    ('root ::= "ab" | "a" "bc"', r"ab|abc"),
+    ('root ::= # the body may start on the next line, as in llama.cpp\'s json.gbnf\n  "a" x\n'
+     'x ::=\n  "b"\n', r"ab"),
+    ('root ::= "a\\x7Fb\\x01"', "a\x7fb\x01"),  # U+007F, which llguidance's Lark refuses raw
 ])
 def test_regular_grammars_accept_what_re_matches(grammar, regex):
     """On every string of up to 4 characters over the grammar's alphabet (and a few longer ones),
@@ -150,7 +159,8 @@ def test_regular_grammars_accept_what_re_matches(grammar, regex):
     rng = random.Random(1)
     strings += ["".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 10))) for _ in range(400)]
     strings += ["1230", "Bob is 5", "a\nb", "aab", "aaabbcce", "ababcd", "yw", "ab", '[]"\\]Aé😀',
-                "::==", "hi 😀"]
+                "::==", "hi 😀", "abc", "abbc", "foobar", "foobarbar", "12", "123", "a\x7fb\x01",
+                "a\x7fb"]
     matched = 0
     for s in strings:
         want = pattern.fullmatch(s) is not None
@@ -178,6 +188,8 @@ def test_regular_grammars_accept_what_re_matches(grammar, regex):
     ('root ::= "a" root', "matches no text"),
     ('root ::= root "a"', "matches no text"),
     ('root ::= x+\nx ::= "(" x ")"', "matches no text"),
+    # root ends, but a rule it reaches never does (llguidance failed on entering it)
+    ('root ::= "a" | x\nx ::= "c" x', "line 1, column 16: rule x never ends"),
     ("root ::= r0\n" + "".join(f'r{i} ::= "a" r{i + 1}\n' for i in range(1000)) + 'r1000 ::= "b"',
      "more than 1000 rules"),
 ])
