@@ -89,6 +89,13 @@ def build_parser(prog: str = "pyinfer-run", chat: bool = False) -> argparse.Argu
                         "; printed, as llama.cpp prints it, after a -p/-f prompt's text, left out of "
                         "a chat's answer"))
     if not chat:
+        p.add_argument("--context-shift", action="store_true",
+                       help="where the context fills, drop the oldest half of the text after "
+                            "--keep tokens and go on (llama.cpp's flag; off: generation stops "
+                            "at a full context)")
+        p.add_argument("--keep", type=arg_type("keep"), default=0,
+                       help="with --context-shift, the prompt's first N tokens always kept (-1: "
+                            "the whole prompt; BOS is always kept; default 0)")
         p.add_argument("--ignore-eos", action="store_true", help="keep generating past end of text")
         p.add_argument("--chat", action="store_true",
                        help="render the prompt as one user turn with the GGUF's chat template")
@@ -295,6 +302,9 @@ def run(args) -> int:
     if args.seed != -1:  # the request's seed, as llama.cpp's -s and the API's / server's seed
         sampling["seed"] = args.seed
 
+    if args.keep != 0 and not args.context_shift:
+        raise PyinferError("--keep goes with --context-shift (without it nothing is dropped)")
+    shift = args.keep if args.context_shift else None
     llm = load(args, model_path)
     show_prompt_progress(llm.engine)
     if args.chat:
@@ -312,7 +322,8 @@ def run(args) -> int:
     if n_predict != 0:
         try:
             for piece in llm.stream_text(ids, max_tokens=None if n_predict < 0 else n_predict,
-                                         ignore_eos=args.ignore_eos, **sampling):
+                                         ignore_eos=args.ignore_eos, context_shift=shift,
+                                         **sampling):
                 sys.stdout.write(piece)
                 sys.stdout.flush()
         except KeyboardInterrupt:  # the text so far and the timings stay, as in llama.cpp
@@ -326,7 +337,7 @@ def run(args) -> int:
     if n_predict != 0 and status == 0 and s is not None and s.finish_reason == "length" and (
             n_predict < 0 or s.completion_tokens < n_predict):
         print(f"[generation stopped after {s.completion_tokens} tokens: the context "
-              f"({llm.n_ctx} tokens) is full; raise -c]", file=sys.stderr)
+              f"({llm.n_ctx} tokens) is full; raise -c, or --context-shift]", file=sys.stderr)
     print(file=sys.stderr)
     # llama.cpp's system_info line, with the summary (so that an error stays one line)
     from pyinfer.ops import cpu

@@ -362,7 +362,7 @@ class Engine:
     def generate(self, prompt_tokens: list[int], params: SamplingParams = SamplingParams(), *,
                  max_tokens: int = -1, seed: int | None = None, ignore_eos: bool = False,
                  stop_ids: Iterable[int] | None = None, constraint=None,
-                 on_token=None) -> Iterator[int]:
+                 on_token=None, context_shift: int | None = None) -> Iterator[int]:
         """Yield sampled token ids after ``prompt_tokens`` until a stop id, ``max_tokens``
         (-1: until the context is full) or the end of the context. The stop token is not yielded.
         Deterministic for a given ``seed`` (None: fresh entropy).
@@ -378,6 +378,12 @@ class Engine:
         ``ignore_eos``: the model's end-of-generation tokens (``Tokenizer.stop_ids``) are never
         drawn (their logits -inf, as llama.cpp's --ignore-eos biases them), and no stop id ends
         the generation.
+        ``context_shift`` (None: off): n_keep of llama.cpp's --context-shift / --keep. Where the
+        context is full, the first n_keep tokens (a negative n_keep: the whole prompt; BOS kept
+        in any case, as llama.cpp's main adds it to n_keep) stay, half of the others (the oldest)
+        are dropped, and generation goes on; llama.cpp moves the cache rows and re-rotates their
+        keys, this re-evaluates the kept tokens at their new positions (the same function, in
+        exact arithmetic).
         """
         self.finish_reason = None
         stops = set(self.tokenizer.stop_ids if stop_ids is None else stop_ids)
@@ -389,6 +395,12 @@ class Engine:
             self.finish_reason = "length"
             return
         epoch = self._epoch
+        n_keep = None
+        if context_shift is not None:
+            bos = 1 if self.tokenizer.add_bos and prompt_tokens and \
+                prompt_tokens[0] == self.tokenizer.bos_id else 0
+            n_keep = len(prompt_tokens) if context_shift < 0 else min(
+                context_shift + bos, len(prompt_tokens))
         n = 0
         while max_tokens < 0 or n < max_tokens:
             t0 = time.perf_counter()
@@ -415,9 +427,20 @@ class Engine:
             n += 1
             # the yielded token is not in the cache yet: prompt + answer stop at n_ctx (llama.cpp's
             # server ends a slot at n_past + 1 >= n_ctx; the API and server check max_tokens so)
-            if len(self.tokens) + 1 >= self.n_ctx or (max_tokens >= 0 and n >= max_tokens):
+            if max_tokens >= 0 and n >= max_tokens:
                 self.finish_reason = "length"
                 return
+            if len(self.tokens) + 1 >= self.n_ctx:
+                kept = self._shifted(n_keep)
+                if kept is None:
+                    self.finish_reason = "length"
+                    return
+                if constraint is not None and constraint.done:
+                    self.finish_reason = "stop"
+                    return
+                logits = self.eval_prompt(kept + [tok])  # (the cache's first n_keep reused)
+                epoch = self._epoch
+                continue
             if constraint is not None and constraint.done:
                 self.finish_reason = "stop"
                 return
@@ -427,6 +450,17 @@ class Engine:
                                    "at a time); start it again")
             logits = self.eval_token(tok)
         self.finish_reason = "length"  # max_tokens 0: nothing drawn
+
+    def _shifted(self, n_keep: int | None) -> list[int] | None:
+        """The tokens a context shift keeps of the full cache (llama.cpp's main: n_left = n_past
+        - n_keep, the n_left // 2 after the first n_keep dropped), or None: no shift (off, or
+        nothing left to drop)."""
+        if n_keep is None:
+            return None
+        n_discard = (len(self.tokens) - n_keep) // 2
+        if n_discard <= 0:
+            return None
+        return self.tokens[:n_keep] + self.tokens[n_keep + n_discard:]
 
     def dry_breakers(self) -> frozenset[int]:
         """DRY's sequence breakers as token ids: every token whose text holds one of llama.cpp's

@@ -76,6 +76,7 @@ OPTIONS: dict[str, Range] = {
     "threads": Range(integer=True, lo=1, hi=MAX_THREADS),
     "ctx_size": Range(integer=True, lo=0, hi=MAX_CTX),  # 0: the default context
     "n_predict": Range(integer=True, lo=-1, hi=MAX_CTX),  # -1: until end of text or a full context
+    "keep": Range(integer=True, lo=-1, hi=MAX_CTX),  # --keep: -1 the whole prompt
     "max_tokens": Range(integer=True, lo=1, hi=MAX_CTX),  # the server's (OpenAI: positive)
     "temperature": Range(integer=False, lo=0.0),
     "top_k": Range(integer=True, lo=0, hi=2**31 - 1, extra=(-1,)),  # 0 or -1: off (llama.cpp)

@@ -775,3 +775,47 @@ def test_a_prompt_that_fills_the_context_gets_no_answer(smollm2_q8):
         eng.reset()
         out = list(eng.generate(ids[:p], SamplingParams(temperature=0), ignore_eos=True))
         assert len(out) == 16 - p and eng.finish_reason == "length"
+
+
+@pytest.mark.parametrize("keep", [0, 3, -1])
+def test_context_shift_keeps_llama_cpps_window_and_goes_on(keep, tmp_path):
+    """context_shift (llama.cpp's --context-shift --keep N): each time the context fills, the
+    first n_keep tokens (BOS added to N; -1: the whole prompt) stay, the oldest half of the
+    rest goes (n_discard = (n_past - n_keep) // 2, llama.cpp's main), and the answer goes on to
+    max_tokens; the logits after a shift are a fresh engine's over the kept tokens."""
+    from pyinfer.engine import Engine
+    from pyinfer.sampler import SamplingParams
+    from tests._tiny_gguf import write_tiny_gguf
+
+    path = write_tiny_gguf(str(tmp_path / "tiny.gguf"))
+    eng = Engine(path, n_ctx=16, n_threads=1, device="cpu")
+    fresh = Engine(path, n_ctx=16, n_threads=1, device="cpu")
+    prompt = eng.tokenizer.encode("the cat sat", add_bos=True)
+    bos = int(eng.tokenizer.add_bos and prompt[0] == eng.tokenizer.bos_id)
+    n_keep = len(prompt) if keep < 0 else min(keep + bos, len(prompt))
+    windows = []
+    real = eng.eval_prompt
+
+    def spy(tokens):
+        logits = real(tokens)
+        windows.append((list(tokens), np.array(logits)))
+        return logits
+
+    eng.eval_prompt = spy
+    out = list(eng.generate(prompt, SamplingParams(temperature=0), max_tokens=40, ignore_eos=True,
+                            context_shift=keep))
+    assert len(out) == 40 and eng.finish_reason == "length"
+    # replay llama.cpp's rule over the text the engine produced (the last token is never
+    # evaluated: max_tokens ends the answer first)
+    text, want = list(prompt), []
+    for tok in out[:-1]:
+        if len(text) + 1 >= 16:
+            n_discard = (len(text) - n_keep) // 2
+            text = text[:n_keep] + text[n_keep + n_discard:]
+            want.append(text + [tok])
+        text.append(tok)
+    assert windows[0][0] == prompt  # (the prompt's own evaluation)
+    assert [w for w, _ in windows[1:]] == want and len(want) >= 3
+    for window, logits in windows[1:]:
+        fresh.reset()
+        np.testing.assert_allclose(logits, fresh.eval_prompt(window), rtol=1e-5, atol=1e-5)

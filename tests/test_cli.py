@@ -74,6 +74,18 @@ def test_a_pipe_or_an_unreadable_file_as_the_model(tmp_path, runnable_gguf):
         assert_user_error(r, "cannot read", "permission denied")
 
 
+def test_context_shift_flags(runnable_gguf):
+    """--context-shift: -n 40 in a context of 16 runs its 40 tokens (without it, the text stops
+    at the full context and says so); --keep without --context-shift is refused."""
+    args = ("-p", "the cat", "-n", "40", "-c", "16", "--temp", "0", "-t", "1", "--ignore-eos")
+    r = pyinfer_run(runnable_gguf, *args)
+    assert r.returncode == 0 and "the context (16 tokens) is full" in r.stderr, r.stderr
+    r = pyinfer_run(runnable_gguf, *args, "--context-shift", "--keep", "1")
+    assert r.returncode == 0 and "is full" not in r.stderr, r.stderr
+    assert re.search(r"sampling time =.*/\s+40 runs", r.stderr), r.stderr
+    assert_user_error(pyinfer_run(runnable_gguf, *args, "--keep", "2"), "--keep goes with")
+
+
 def test_not_a_gguf_file(tmp_path):
     p = tmp_path / "model.gguf"
     p.write_text("this is not a model\n")
