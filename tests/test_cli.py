@@ -315,7 +315,7 @@ def test_a_full_context_is_said(runnable_gguf):
     on stderr; one that stops at -n does not."""
     r = pyinfer_run(runnable_gguf, "-p", "the", "-n", "500", "--ignore-eos", "-t", "1", "--temp", "0")
     assert r.returncode == 0, r.stderr
-    assert "the context (64 tokens) is full; raise -c]" in r.stderr
+    assert "the context (64 tokens) is full; raise -c, or --context-shift]" in r.stderr
     r = pyinfer_run(runnable_gguf, "-p", "the", "-n", "5", "--ignore-eos", "-t", "1", "--temp", "0",
                     "--verbose")
     assert r.returncode == 0 and "is full" not in r.stderr, r.stderr

@@ -181,13 +181,15 @@ def test_an_interrupted_base_run_leaves_no_file(runnable_gguf, tmp_path):
     text = tmp_path / "t.txt"
     text.write_text(" ".join(["the cat sat on the mat", "a dog ran"] * 4000))
     env = dict(os.environ, PYTHONPATH=ROOT)
+    # (SIGINT as a terminal sends it: a background job's inherited "ignore" set back)
     p = subprocess.Popen([sys.executable, "-m", "pyinfer.perplexity", runnable_gguf, "-f", str(text),
                           "-c", "16", "-t", "1", "--kl-divergence-base", str(tmp_path / "b.kld")],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=env)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=env,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 60
     while not any(n.startswith(".b.kld.") for n in os.listdir(tmp_path)) and time.time() < deadline:
-        time.sleep(0.05)
-    time.sleep(0.5)
+        time.sleep(0.01)
+    time.sleep(0.2)
     p.send_signal(signal.SIGINT)
     err = p.communicate(timeout=60)[1].decode()
     assert p.returncode != 0 and "Traceback" not in err, (p.returncode, err)
