@@ -435,6 +435,10 @@ class Engine:
                 if kept is None:
                     self.finish_reason = "length"
                     return
+                if self._epoch != epoch:  # (another call's cache is not this one's to shift)
+                    raise PyinferError("this generation was interrupted: another prompt, reset "
+                                       "or embedding ran on the same model meanwhile (one "
+                                       "generation at a time); start it again")
                 if constraint is not None and constraint.done:
                     self.finish_reason = "stop"
                     return
