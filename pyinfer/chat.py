@@ -230,15 +230,28 @@ class _Budget:
         return self.local_trace
 
 
+#: Deepest nesting of lists and dicts a chat's messages and template variables may have (a
+#: tool's JSON schema is a few levels; a request nested 500 deep overflowed Python's stack).
+MAX_MESSAGE_DEPTH = 64
+
+
 def _text_size(x) -> int:
-    """Characters of the strings in a (nested) message structure."""
-    if isinstance(x, str):
-        return len(x)
-    if isinstance(x, dict):
-        return sum(_text_size(k) + _text_size(v) for k, v in x.items())
-    if isinstance(x, (list, tuple)):
-        return sum(_text_size(v) for v in x)
-    return 8
+    """Characters of the strings in a (nested) message structure, walked without recursion.
+    Raises PyinferError past MAX_MESSAGE_DEPTH levels."""
+    size, todo = 0, [(x, 0)]
+    while todo:
+        v, depth = todo.pop()
+        if isinstance(v, str):
+            size += len(v)
+        elif isinstance(v, (dict, list, tuple)):
+            if depth >= MAX_MESSAGE_DEPTH:
+                raise PyinferError(f"the messages or template variables are nested more than "
+                                   f"{MAX_MESSAGE_DEPTH} levels deep")
+            items = [w for kv in v.items() for w in kv] if isinstance(v, dict) else v
+            todo.extend((w, depth + 1) for w in items)
+        else:
+            size += 8
+    return size
 
 
 def _render_bounded(tmpl: jinja2.Template, limits: RenderLimits, max_out: int,

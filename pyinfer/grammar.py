@@ -84,6 +84,10 @@ class Grammar:
                else llg.LLMatcher.validate_grammar(grammar, lltokenizer(tokenizer)))
         if err:
             raise PyinferError(f"bad grammar: {_first_line(Exception(err))}")
+        # what only building a matcher finds (llguidance's limit of 65,525 grammar symbols: a
+        # GBNF of 20,000 alternatives passed and failed in the engine), over a 257-token
+        # vocabulary of the bytes: milliseconds for a real grammar
+        Constraint(lltokenizer(_BYTE_VOCAB), grammar, _BYTE_VOCAB.n_vocab)
 
     def matcher(self, tokenizer) -> "Constraint":
         """A fresh ``Constraint`` for one generation with ``tokenizer`` (pyinfer.tokenizer.Tokenizer).
@@ -125,6 +129,28 @@ def _converted(kind: str, text: str) -> str:
 def _first_line(e: Exception) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
+
+
+class _ByteVocab:
+    """The 256 bytes and an end-of-text token: a vocabulary to build a matcher with before the
+    model's tokenizer is at hand (Grammar.check)."""
+
+    n_vocab = 257
+    eos_id = 256
+    bos_id = None
+    stop_ids = frozenset({256})
+
+    def is_special(self, i):
+        return i == 256
+
+    def token_to_bytes(self, i):
+        return b"" if i == 256 else bytes([i])
+
+    def encode(self, text, add_bos=False, parse_special=False):
+        return list(text.encode())
+
+
+_BYTE_VOCAB = _ByteVocab()
 
 
 class _VocabView:

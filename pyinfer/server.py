@@ -116,10 +116,11 @@ def sampling_options(body: dict, max_tokens_default: int | None) -> dict:
             stop = [stop]
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 16:
             raise BadRequest("'stop' must be a string or a list of at most 16 strings", "stop")
-    stream = body.get("stream", False)
+    stream = False if body.get("stream") is None else body["stream"]  # (null counts as absent)
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be a boolean", "stream")
-    ignore_eos = body.get("ignore_eos", False)  # llama.cpp server's: the end tokens never drawn
+    # llama.cpp server's: the end tokens never drawn
+    ignore_eos = False if body.get("ignore_eos") is None else body["ignore_eos"]
     if not isinstance(ignore_eos, bool):
         raise BadRequest("'ignore_eos' must be a boolean", "ignore_eos")
     grammar_fields = _grammar_fields(body)

@@ -223,3 +223,11 @@ def test_json_schema_layout_and_depth():
         deep = {"type": "array", "items": deep}
     with pytest.raises(PyinferError, match="nested too deeply"):
         Grammar.json_schema(deep)
+
+
+def test_a_grammar_the_matcher_cannot_build_fails_the_check():
+    """20,000 alternatives pass llguidance's validation but exceed its 65,525 grammar symbols
+    when a matcher is built: the server queued the request and failed it in the engine."""
+    g = Grammar("gbnf", "root ::= " + " | ".join(f'"w{i}"' for i in range(20000)))
+    with pytest.raises(PyinferError, match="bad grammar"):
+        g.check()

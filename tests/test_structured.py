@@ -322,3 +322,29 @@ def test_openai_client_response_format_json_schema(client):
     assert len(content) == out.usage.completion_tokens and len(content[0].top_logprobs) == 3
     emb = client.embeddings.create(model="smollm2", input=["Berlin", "Paris"])
     assert len(emb.data) == 2 and len(emb.data[0].embedding) == 576
+
+
+@pytest.mark.parametrize("nest", ["list", "dict"])
+def test_deeply_nested_template_variables_are_a_400(app_client, nest):
+    """chat_template_kwargs nested 500 deep reached the chat's size count, which recursed:
+    RecursionError and HTTP 500; now 400 naming the nesting (the server keeps serving)."""
+    deep = "x"
+    for _ in range(500):
+        deep = [deep] if nest == "list" else {"a": deep}
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+            "chat_template_kwargs": {"x": deep}}
+    r = app_client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and "nested more than 64 levels" in r.text, r.text
+    r = app_client.post("/v1/chat/completions", json={"messages": [{"role": "user",
+                                                                    "content": "Hi"}],
+                                                       "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
+def test_null_stream_and_ignore_eos_count_as_absent(app_client):
+    """The server's rule (check_fields: null counts as absent) held for every field but these
+    two, which answered 400 "'stream' must be a boolean"."""
+    for field in ("stream", "ignore_eos"):
+        r = app_client.post("/v1/completions", json={"prompt": "the", "max_tokens": 2,
+                                                     field: None})
+        assert r.status_code == 200 and r.json()["object"] == "text_completion", r.text
