@@ -93,20 +93,33 @@ def _check_value(v):
     return v
 
 
-def _check_args(args, kwargs) -> None:
+#: Filters, string methods and globals whose integer arguments are sizes of what they build
+#: (``"x".center(n)``, ``indent(n)``, ``lipsum(n=...)``): those are bounded by MAX_VALUE; any
+#: other integer argument is a value (an order id of 12,345,678 through ``tojson`` or ``string``
+#: in a tool call was refused as hostile).
+_SIZE_ARGS = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs", "indent", "wordwrap",
+                        "batch", "slice", "truncate", "lipsum", "join", "replace"})
+
+
+def _check_args(args, kwargs, sizes: bool = True) -> None:
     for a in (*args, *kwargs.values()):
-        if isinstance(a, int) and not isinstance(a, bool) and abs(a) > MAX_VALUE:
+        if sizes and isinstance(a, int) and not isinstance(a, bool) and abs(a) > MAX_VALUE:
             raise _TemplateLimit(f"an argument larger than {MAX_VALUE} ({a})")
         _check_value(a)
 
 
-def _check_format(fmt) -> None:
-    if isinstance(fmt, str) and _HUGE_WIDTH.search(fmt.replace("%%", "")) and ("%" in fmt or "{" in fmt):
-        # "%0*d" or "{:>9999999}": a width that makes gigabytes from one value
-        for m in re.finditer(r"%[-+ #0]*(\*|\d+)?(?:\.(\*|\d+))?|\{[^{}]*:[^{}]*?(\d+)[^{}]*\}", fmt):
-            for width in m.groups():  # width, precision, or a {:...} spec's first number
-                if width == "*" or (width and int(width) > MAX_VALUE):
-                    raise _TemplateLimit("a format with a huge or computed width")
+def _check_format(fmt, style: str = "%") -> None:
+    """Refuse a format with a huge or computed width: ``style`` "%" for ``%`` and the
+    ``format`` filter ("%0*d", "%9999999d"), "{}" for ``str.format`` ("{:>9999999}"; there
+    "*" is a fill character: "{:*^30}" and Markdown's "**50%**" are fine)."""
+    if not isinstance(fmt, str) or not _HUGE_WIDTH.search(fmt.replace("%%", "")):
+        return
+    spec = (r"%[-+ #0]*(\*|\d+)?(?:\.(\*|\d+))?" if style == "%"
+            else r"\{[^{}]*:[^{}]*?(\d+)[^{}]*\}")
+    for m in re.finditer(spec, fmt):
+        for width in m.groups():  # width, precision, or a {:...} spec's first number
+            if width == "*" or (width and int(width) > MAX_VALUE):
+                raise _TemplateLimit("a format with a huge or computed width")
 
 
 def _safe_range(*args):
@@ -123,9 +136,9 @@ class _BoundedNamespace(Namespace):
         super().__setitem__(name, _check_value(value))
 
 
-def _bounded_filter(f):
+def _bounded_filter(f, sizes: bool = True):
     def wrapper(*args, **kwargs):
-        _check_args(args, kwargs)
+        _check_args(args, kwargs, sizes)
         if f is _FORMAT_FILTER and args:  # "%9999999d"|format(1)
             _check_format(args[0])
         return _check_value(f(*args, **kwargs))
@@ -167,16 +180,16 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
 
     def getattr(self, obj, attribute):
         if isinstance(obj, str) and attribute in ("format", "format_map"):  # "{:>9999999}".format(1)
-            _check_format(obj)
+            _check_format(obj, "{}")
         return super().getattr(obj, attribute)
 
     def getitem(self, obj, argument):
         if isinstance(obj, str) and argument in ("format", "format_map"):
-            _check_format(obj)
+            _check_format(obj, "{}")
         return super().getitem(obj, argument)
 
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - Jinja's own signature
-        _check_args(args, kwargs)
+        _check_args(args, kwargs, getattr(__obj, "__name__", None) in _SIZE_ARGS)
         return _check_value(super().call(__context, __obj, *args, **kwargs))
 
 
@@ -196,8 +209,8 @@ class _GenerationTag(jinja2.ext.Extension):
 def _compile(template: str) -> jinja2.Template:
     env = _BoundedEnvironment(trim_blocks=True, lstrip_blocks=True,
                               extensions=["jinja2.ext.loopcontrols", _GenerationTag])
-    env.filters = {name: _bounded_filter(f) for name, f in env.filters.items()}
-    env.filters["tojson"] = _bounded_filter(_tojson)
+    env.filters = {name: _bounded_filter(f, name in _SIZE_ARGS) for name, f in env.filters.items()}
+    env.filters["tojson"] = _bounded_filter(_tojson, False)
     env.globals.pop("lipsum", None)  # lorem ipsum generator: no template needs it, lipsum(n=10**7) costs
     env.globals["range"] = _safe_range
     env.globals["namespace"] = _BoundedNamespace
@@ -312,6 +325,21 @@ def parse_template_kwargs(text: str, name: str = "--chat-template-kwargs") -> di
     return template_kwargs(value, name)
 
 
+#: The names templates read an assistant's reasoning by: llama.cpp's server sets both
+#: reasoning_content and thinking (gpt-oss's template reads "thinking"), transformers aliases all
+#: three (its _alias_reasoning_fields).
+_REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _with_reasoning_aliases(m: dict) -> dict:
+    """``m`` with its reasoning text under each name of _REASONING_KEYS it lacks (the first
+    present is the text); unchanged when it has none."""
+    text = next((m[k] for k in _REASONING_KEYS if k in m), None)
+    if text is None:
+        return m
+    return {**{k: text for k in _REASONING_KEYS}, **m}
+
+
 def render_chat(
     template: str | None,
     messages: list[dict],
@@ -338,8 +366,8 @@ def render_chat(
         template = CHATML_TEMPLATE
     # as transformers' apply_chat_template: keys set to None are left out of a message (a
     # "content": None renders as nothing, not "None"), and tools / documents are always defined
-    messages = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m
-                for m in messages]
+    messages = [_with_reasoning_aliases({k: v for k, v in m.items() if v is not None})
+                if isinstance(m, dict) else m for m in messages]
     extra = {**extra, **(variables or {})}
     max_out = limits.output_base + limits.output_per_input * _text_size([messages, extra])
     try:

@@ -204,7 +204,7 @@ def test_smollm2_embedded_template(hf_tokenizer):
     # no output and no calls inside the loops: only the step budget sees them
     ("{% set r = range(10000) %}{% for i in r %}{% for j in r %}{% endfor %}{% endfor %}", "too many steps"),
     ("{{ 2 ** (2 ** 40) }}", "a number of more than 4096 bits"),
-    ("{{ lipsum(n=10**7) }}", "an argument larger than"),
+    ("{{ lipsum(n=10**7) }}", "'lipsum' is undefined"),  # (no global: refused before any size)
     ("{{ lipsum() }}", "'lipsum' is undefined"),
     ("{{ 'x' * 10**10 }}", "a value of more than"),
     ("{{ 'x'|center(10**9) }}", "an argument larger than"),
@@ -272,3 +272,44 @@ def test_bounded_rendering_restores_the_tracer():
         assert sys.gettrace() is tracer
     finally:
         sys.settrace(None)
+
+
+@pytest.mark.parametrize("template,kw", [
+    # an integer argument that is a value, not a size: GLM-4.6's tool arguments through tojson,
+    # Seed-OSS's through string (an order id of 12,345,678 refused the whole template)
+    ("{{ n | tojson }} {{ n | string }} {{ '%d' | format(n) }} {{ (n | int) + 1 }}",
+     {"n": 12345678}),
+    ("{% macro f(a) %}<{{ a }}>{% endmacro %}{{ f(n) }}{{ namespace(t=n).t }}", {"n": 12345678}),
+    # str.format on text with Markdown's "%**": "*" is no computed width there
+    ("{{ '**50%** done for {name}'.format(name='x') }} {{ '{:*^9}'.format('a') }}", {}),
+])
+def test_values_that_are_no_sizes_render_as_jinja_renders_them(template, kw):
+    """The bounds on sizes (widths, counts) let values through: the text is jinja2's own
+    sandbox's (the reference), where pyinfer refused these templates as hostile."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from pyinfer.chat import render_chat
+
+    msgs = [{"role": "user", "content": "x"}]
+    want = ImmutableSandboxedEnvironment().from_string(template).render(messages=msgs, **kw)
+    assert render_chat(template, msgs, **kw) == want
+
+
+def test_reasoning_content_reaches_a_template_that_reads_thinking():
+    """An assistant's reasoning_content is also its "thinking" and "reasoning" (llama.cpp's
+    server sets thinking for gpt-oss's template; transformers aliases the three): a template
+    reading message.thinking dropped an earlier turn's reasoning. The reference rendering is
+    jinja2's own over the message with the alias written in by hand."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from pyinfer.chat import render_chat
+
+    template = ("{% for m in messages %}[{{ m.role }}]{% if m.thinking %}<think>{{ m.thinking }}"
+                "</think>{% endif %}{{ m.content }}{% endfor %}")
+    msgs = [{"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": "Sunny.", "reasoning_content": "Look it up."}]
+    hand = [msgs[0], dict(msgs[1], thinking="Look it up.")]
+    want = ImmutableSandboxedEnvironment().from_string(template).render(messages=hand)
+    assert "<think>Look it up.</think>" in want
+    assert render_chat(template, msgs, add_generation_prompt=False) == want
+    assert "thinking" not in msgs[1]  # (the caller's message untouched)
