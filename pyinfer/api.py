@@ -520,8 +520,14 @@ class LLM:
         """``render_chat`` of messages ``text_messages`` has read (the list may be empty)."""
         from pyinfer.chat import render_chat, template_kwargs as check_kwargs
 
+        from pyinfer.chat import wants_typed_content
+
         variables = {**check_kwargs(self.chat_template_kwargs, "LLM.chat_template_kwargs"),
                      **check_kwargs(template_kwargs)}
+        if wants_typed_content(self.chat_template):  # (SmolVLM's: it reads only parts)
+            messages = [dict(m, content=[{"type": "text", "text": m["content"]}])
+                        if isinstance(m, dict) and isinstance(m.get("content"), str) else m
+                        for m in messages]
         return render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
                            bos_token=self.bos_token, eos_token=self.eos_token, variables=variables)
 

@@ -325,6 +325,28 @@ def parse_template_kwargs(text: str, name: str = "--chat-template-kwargs") -> di
     return template_kwargs(value, name)
 
 
+_PROBE = "pyinfer-typed-content-probe"
+
+
+@lru_cache(maxsize=8)
+def wants_typed_content(template: str | None) -> bool:
+    """True for a template that shows a message's text only when its content is a list of
+    OpenAI's parts (SmolVLM's loops over ``message['content']``: a string's characters gave
+    nothing): a user message rendered once as a string and once as one text part, as llama.cpp's
+    minja tells such templates (its ``requires_typed_content`` capability). Contents are
+    joined into strings for every other template, as llama.cpp joins them. False where the
+    probe does not render."""
+    if not template:
+        return False
+    try:
+        as_text = render_chat(template, [{"role": "user", "content": _PROBE}])
+        as_part = render_chat(template, [{"role": "user",
+                                          "content": [{"type": "text", "text": _PROBE}]}])
+    except PyinferError:
+        return False
+    return _PROBE not in as_text and _PROBE in as_part
+
+
 #: The names templates read an assistant's reasoning by: llama.cpp's server sets both
 #: reasoning_content and thinking (gpt-oss's template reads "thinking"), transformers aliases all
 #: three (its _alias_reasoning_fields).

@@ -313,3 +313,31 @@ def test_reasoning_content_reaches_a_template_that_reads_thinking():
     assert "<think>Look it up.</think>" in want
     assert render_chat(template, msgs, add_generation_prompt=False) == want
     assert "thinking" not in msgs[1]  # (the caller's message untouched)
+
+
+def test_a_template_that_reads_only_parts_gets_parts(tmp_path):
+    """A template that loops over message['content'] as parts (SmolVLM's kind) rendered a
+    string content as nothing, and the joined parts too: the user's text was lost. Such a
+    template gets each content as one text part (llama.cpp's minja: requires_typed_content);
+    the reference is jinja2's own rendering of the same messages given as parts."""
+    from gguf import GGUFValueType as VT
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from pyinfer import LLM
+    from pyinfer import constants as C
+    from pyinfer.chat import CHATML_TEMPLATE, wants_typed_content
+    from tests._tiny_gguf import write_tiny_gguf
+
+    template = ("{% for m in messages %}{{ m['role'] }}: {% for p in m['content'] %}"
+                "{% if p['type'] == 'text' %}{{ p['text'] }}{% endif %}{% endfor %}\n{% endfor %}"
+                "{% if add_generation_prompt %}assistant:{% endif %}")
+    assert wants_typed_content(template) and not wants_typed_content(CHATML_TEMPLATE)
+    path = write_tiny_gguf(str(tmp_path / "t.gguf"),
+                           overrides={C.K_CHAT_TEMPLATE: (template, VT.STRING, None)})
+    llm = LLM(path, n_threads=1, device="cpu")
+    parts = [{"role": "user", "content": [{"type": "text", "text": "the cat"}]}]
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)  # (transformers')
+    want = env.from_string(template).render(messages=parts, add_generation_prompt=True)
+    assert "the cat" in want
+    for msgs in (parts, [{"role": "user", "content": "the cat"}]):
+        assert llm.detokenize(llm.chat_tokens(msgs)).lstrip() == want
