@@ -231,7 +231,8 @@ def chat_messages(body: dict) -> list[dict]:
     """``messages`` of a chat request as ``[{"role", "content": str}]``; text parts are joined;
     an assistant message's ``reasoning_content`` (a string: the thinking block this server gave
     out, sent back) is kept for the template, as llama.cpp's server keeps it (Qwen3's template
-    renders it for the turns after the last user message)."""
+    renders it for the turns after the last user message), and so are ``tool_calls`` (an
+    assistant's list of objects), ``tool_call_id`` and ``name`` (strings)."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise BadRequest("'messages' must be a non-empty list", "messages")
@@ -258,6 +259,20 @@ def chat_messages(body: dict) -> list[dict]:
             if not isinstance(thoughts, str):
                 raise BadRequest(f"messages[{i}].reasoning_content must be a string", "messages")
             msg["reasoning_content"] = thoughts
+        # a tool-using history, passed to the template as given (transformers' and llama.cpp's
+        # servers pass them; dropped, a tool result rendered with no call before it)
+        calls = m.get("tool_calls")
+        if calls is not None:
+            if role != "assistant" or not isinstance(calls, list) or not all(
+                    isinstance(c, dict) for c in calls):
+                raise BadRequest(f"messages[{i}].tool_calls must be a list of objects on an "
+                                 "assistant message", "messages")
+            msg["tool_calls"] = calls
+        for key in ("tool_call_id", "name"):
+            if m.get(key) is not None:
+                if not isinstance(m[key], str):
+                    raise BadRequest(f"messages[{i}].{key} must be a string", "messages")
+                msg[key] = m[key]
         out.append(msg)
     return out
 

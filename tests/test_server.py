@@ -374,6 +374,34 @@ def test_reasoning_content_sent_back_reaches_the_template():
         chat_messages({"messages": [{"role": "assistant", "content": "a", "reasoning_content": 1}]})
 
 
+def test_a_tool_using_history_reaches_the_template():
+    """tool_calls, tool_call_id and name of OpenAI's tool messages are kept for the template
+    (they were dropped: a tool result rendered with no call before it): a template that reads
+    them renders the call, then its result; other shapes of them are a 400."""
+    from pyinfer.chat import render_chat
+    from pyinfer.server import BadRequest, chat_messages
+
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    msgs = [{"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "name": "get_weather", "content": "22C"}]
+    kept = chat_messages({"messages": msgs})
+    assert kept[1]["tool_calls"] == [call] and kept[2]["tool_call_id"] == "c1"
+    assert kept[2]["name"] == "get_weather"
+    template = ("{% for m in messages %}{% if m.tool_calls %}{% for c in m.tool_calls %}"
+                "<call {{ c.function.name }} {{ c.function.arguments | tojson }}>{% endfor %}"
+                "{% elif m.role == 'tool' %}<result {{ m.tool_call_id }}: {{ m.content }}>"
+                "{% else %}{{ m.content }}{% endif %}{% endfor %}")
+    assert render_chat(template, kept, add_generation_prompt=False) == (
+        'Weather in Paris?<call get_weather {"city": "Paris"}><result c1: 22C>')
+    for bad in ({"role": "user", "content": "x", "tool_calls": [call]},
+                {"role": "assistant", "content": "x", "tool_calls": "call"},
+                {"role": "tool", "content": "x", "tool_call_id": 5}):
+        with pytest.raises(BadRequest):
+            chat_messages({"messages": [bad]})
+
+
 def test_reasoning_format_default_and_per_request():
     """The server splits thinking blocks by default (llama.cpp's "auto"; --reasoning-format
     sets the default), a request's reasoning_format wins, anything else is a 400."""
