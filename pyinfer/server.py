@@ -558,8 +558,10 @@ def create_app(llm, max_queue: int = 4, api_key: str | None = None,
             opts.update(logprob_options(body, chat=True))
             usage = include_usage(body)
             await run_in_threadpool(check_grammar, body, llm.tokenizer)
-            if body.get("max_completion_tokens") is not None and body.get("max_tokens") is None:
-                opts["max_tokens"] = _number(body, "max_completion_tokens", None, "max_tokens")
+            # OpenAI's newer name; checked even beside max_tokens (which wins, as in llama.cpp)
+            completion_cap = _number(body, "max_completion_tokens", None, "max_tokens")
+            if completion_cap is not None and body.get("max_tokens") is None:
+                opts["max_tokens"] = completion_cap
             try:  # (llama.cpp's and vLLM's field: more template variables, over --chat-template-kwargs)
                 opts["chat_template_kwargs"] = template_kwargs(body.get("chat_template_kwargs"))
             except PyinferError as e:

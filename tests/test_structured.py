@@ -348,3 +348,14 @@ def test_null_stream_and_ignore_eos_count_as_absent(app_client):
         r = app_client.post("/v1/completions", json={"prompt": "the", "max_tokens": 2,
                                                      field: None})
         assert r.status_code == 200 and r.json()["object"] == "text_completion", r.text
+
+
+def test_max_completion_tokens_is_checked_beside_max_tokens(app_client):
+    """An invalid max_completion_tokens went unread (200) when max_tokens was also given."""
+    msgs = [{"role": "user", "content": "Hi"}]
+    r = app_client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2,
+                                                      "max_completion_tokens": "x"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens", r.text
+    r = app_client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2,
+                                                      "max_completion_tokens": 5})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2, r.text
