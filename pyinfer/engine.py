@@ -319,8 +319,12 @@ class Engine:
 
     def eval_token(self, token: int) -> np.ndarray:
         """Append one token to the cache and return its logits (n_vocab,). Raises PyinferError
-        for an id outside the vocabulary or NaN/Inf logits (the token is then not appended)."""
+        for an id outside the vocabulary, a full context (the kernels' ValueError before) or
+        NaN/Inf logits (the token is then not appended)."""
         self._check_ids([token])
+        if len(self.tokens) >= self.n_ctx:
+            raise PyinferError(f"the context ({self.n_ctx} tokens) is full: no room for another "
+                               "token")
         t0 = time.perf_counter()
         logits = self.forward([token], len(self.tokens))
         self.timings.eval_ms += (time.perf_counter() - t0) * 1e3

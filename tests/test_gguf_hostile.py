@@ -352,3 +352,11 @@ def test_nan_logits_in_perplexity(tmp_path):
     e = Engine(bad, device="cpu", n_threads=1)
     one_line_error(lambda: estimate(e, list(range(1, 33)), 16, progress=False),
                    "non-finite logits in chunk 1")
+
+
+def test_a_token_past_a_full_context_is_one_line(tiny):
+    """Engine.eval_token on a full cache raised the kernels' ValueError."""
+    e = Engine(tiny, device="cpu", n_threads=1, n_ctx=8)
+    e.eval_prompt([1, 5, 9, 2, 3, 4, 6, 7])
+    one_line_error(lambda: e.eval_token(7), "the context (8 tokens) is full")
+    assert len(e.tokens) == 8
