@@ -39,20 +39,12 @@ import struct
 import numpy as np
 
 from pyinfer.errors import PyinferError
+from pyinfer.perplexity import first_scored
 
 MAGIC = b"PYINFER-KLD1"
 VERSION = 1
 WINDOW = 32.0  # nats below the most likely token kept (what lies lower adds under 1e-9 to p)
 LEVELS = 65535
-ROWS = 64  # positions converted to f64 at a time
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """(n, n_vocab) f32 logits -> (n, n_vocab) f64 log-probabilities."""
-    z = logits.astype(np.float64)
-    z -= z.max(axis=1, keepdims=True)
-    z -= np.log(np.exp(z).sum(axis=1, keepdims=True))
-    return z
 
 
 def quantize(lp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -77,17 +69,18 @@ def _header_bytes(header: dict) -> bytes:
 
 
 class BaseWriter:
-    """Writes a base file: ``rows(logits, targets)`` for each scored batch of positions in order
-    (perplexity.estimate's ``sink``), then ``close()``; written to a temporary file beside ``path``
-    and renamed over it by ``close`` only once every position has come (``abort`` removes it).
-    chunks: (n_chunks, n_ctx) int the tokens as evaluated. Raises PyinferError when the file
-    cannot be written."""
+    """Writes a base file: ``rows(logprobs, targets)`` for each scored batch of positions in
+    order (perplexity.estimate's ``sink``), then ``close()``; written to a temporary file beside
+    ``path`` and renamed over it by ``close`` only once every position has come (``abort``
+    removes it). chunks: (n_chunks, n_ctx) int the tokens as evaluated. Raises PyinferError
+    when the file cannot be written."""
 
-    def __init__(self, path: str, chunks: np.ndarray, n_vocab: int, first: int, model: str):
+    def __init__(self, path: str, chunks: np.ndarray, n_vocab: int, model: str):
         from pyinfer.options import temp_path_beside
 
         self.path = path
         n_chunks, n_ctx = chunks.shape
+        first = first_scored(n_ctx)
         self.expected = n_chunks * (n_ctx - 1 - first)
         self.written = 0
         self.n_vocab = n_vocab
@@ -108,18 +101,17 @@ class BaseWriter:
         self.rows_per_chunk = n_ctx - 1 - first
 
     @staticmethod
-    def nbytes(n_chunks: int, n_ctx: int, first: int, n_vocab: int) -> int:
+    def nbytes(n_chunks: int, n_ctx: int, n_vocab: int) -> int:
         """The data bytes of a file of these sizes (tokens and log-probabilities)."""
-        return 4 * n_chunks * n_ctx + n_chunks * (n_ctx - 1 - first) * (8 + 2 * n_vocab)
+        return 4 * n_chunks * n_ctx + n_chunks * (n_ctx - 1 - first_scored(n_ctx)) * (
+            8 + 2 * n_vocab)
 
-    def rows(self, logits: np.ndarray, targets: np.ndarray) -> None:
-        for s in range(0, logits.shape[0], ROWS):
-            lp = log_softmax(logits[s:s + ROWS])
-            top, q = quantize(lp)
-            self._tops.append(top)
-            self._next.append(lp[np.arange(lp.shape[0]), np.asarray(targets[s:s + ROWS])])
-            self._qs.append(q)
-            self.written += top.shape[0]
+    def rows(self, lp: np.ndarray, targets: np.ndarray) -> None:
+        top, q = quantize(lp)
+        self._tops.append(top)
+        self._next.append(lp[np.arange(lp.shape[0]), np.asarray(targets)])
+        self._qs.append(q)
+        self.written += top.shape[0]
         if sum(t.shape[0] for t in self._tops) == self.rows_per_chunk:  # a chunk complete
             try:
                 self.f.write(np.concatenate(self._tops).astype("<f4").tobytes())
@@ -181,10 +173,10 @@ class BaseFile:
         except (KeyError, TypeError, ValueError, OverflowError):
             raise PyinferError(f"{path}: a damaged KL-divergence base file") from None
         if (self.window != WINDOW or not 0 <= self.first < self.n_ctx - 1 or self.n_chunks < 1
-                or self.n_vocab < 1 or self.first != self.n_ctx // 2):
+                or self.n_vocab < 1 or self.first != first_scored(self.n_ctx)):
             raise PyinferError(f"{path}: a damaged KL-divergence base file")
         start = len(MAGIC) + 4 + n
-        size = start + BaseWriter.nbytes(self.n_chunks, self.n_ctx, self.first, self.n_vocab)
+        size = start + BaseWriter.nbytes(self.n_chunks, self.n_ctx, self.n_vocab)
         if os.path.getsize(path) != size:
             raise PyinferError(f"{path}: {os.path.getsize(path)} bytes where its header says "
                                f"{size}; a damaged or unfinished KL-divergence base file")
@@ -211,7 +203,7 @@ class BaseFile:
 
 class Comparison:
     """The per-position figures of a model against a base file, as perplexity.estimate's
-    ``sink``: ``rows(logits, targets)`` for each scored batch in order. Arrays after the run
+    ``sink``: ``rows(logprobs, targets)`` for each scored batch in order. Arrays after the run
     (each (n,) over the scored positions): nll (the model's -log q_t), nll_base, kld, dp,
     same_top (bool)."""
 
@@ -221,24 +213,22 @@ class Comparison:
         self._parts: dict[str, list[np.ndarray]] = {k: [] for k in
                                                     ("nll", "nll_base", "kld", "dp", "same_top")}
 
-    def rows(self, logits: np.ndarray, targets: np.ndarray) -> None:
-        for s in range(0, logits.shape[0], ROWS):
-            lq = log_softmax(logits[s:s + ROWS])
-            t = np.asarray(targets[s:s + ROWS])
-            top, lp_next, q = self.base.chunk(self.chunk)
-            n = lq.shape[0]
-            lp = dequantize(top[self.row:self.row + n], q[self.row:self.row + n])
-            lp_t = lp_next[self.row:self.row + n].astype(np.float64)
-            self.row += n
-            if self.row == self.base.n_rows:
-                self.chunk, self.row = self.chunk + 1, 0
-            i = np.arange(n)
-            p = np.exp(lp)
-            self._parts["kld"].append((p * (lp - lq)).sum(axis=1))
-            self._parts["nll"].append(-lq[i, t])
-            self._parts["nll_base"].append(-lp_t)
-            self._parts["dp"].append(np.exp(lq[i, t]) - np.exp(lp_t))
-            self._parts["same_top"].append(lq.argmax(axis=1) == lp.argmax(axis=1))
+    def rows(self, lq: np.ndarray, targets: np.ndarray) -> None:
+        t = np.asarray(targets)
+        top, lp_next, q = self.base.chunk(self.chunk)
+        n = lq.shape[0]
+        lp = dequantize(top[self.row:self.row + n], q[self.row:self.row + n])
+        lp_t = lp_next[self.row:self.row + n].astype(np.float64)
+        self.row += n
+        if self.row == self.base.n_rows:
+            self.chunk, self.row = self.chunk + 1, 0
+        i = np.arange(n)
+        p = np.exp(lp)
+        self._parts["kld"].append((p * (lp - lq)).sum(axis=1))
+        self._parts["nll"].append(-lq[i, t])
+        self._parts["nll_base"].append(-lp_t)
+        self._parts["dp"].append(np.exp(lq[i, t]) - np.exp(lp_t))
+        self._parts["same_top"].append(lq.argmax(axis=1) == lp.argmax(axis=1))
 
     def __getattr__(self, name):
         parts = self.__dict__.get("_parts", {})

@@ -23,16 +23,25 @@ from pyinfer.errors import PyinferError, exit_code_of
 from pyinfer.options import (MAX_TEXT_FILE_BYTES, Parser, add_model, add_version, arg_type,
                              model_path, read_text_file, warn_past_training)
 
+#: Positions converted to f64 log-probabilities at a time (their copies stay small).
+ROWS = 64
 
-def log_softmax_at(logits: np.ndarray, targets: np.ndarray, rows: int = 64) -> np.ndarray:
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """(n, n_vocab) f32 logits -> (n, n_vocab) f64 log-probabilities."""
+    z = logits.astype(np.float64)
+    z -= z.max(axis=1, keepdims=True)
+    z -= np.log(np.exp(z).sum(axis=1, keepdims=True))
+    return z
+
+
+def log_softmax_at(logits: np.ndarray, targets: np.ndarray, rows: int = ROWS) -> np.ndarray:
     """log p(target) per row: logits (n, n_vocab) f32, targets (n,) int -> (n,) f64, computed
     in f64 ``rows`` rows at a time (the f64 copies stay small whatever n)."""
     out = np.empty(logits.shape[0], np.float64)
     for s in range(0, logits.shape[0], rows):
-        z = logits[s:s + rows].astype(np.float64)
-        m = z.max(axis=1, keepdims=True)
-        lse = m[:, 0] + np.log(np.exp(z - m).sum(axis=1))
-        out[s:s + rows] = z[np.arange(z.shape[0]), targets[s:s + rows]] - lse
+        t = np.asarray(targets[s:s + rows])
+        out[s:s + rows] = log_softmax(logits[s:s + rows])[np.arange(t.shape[0]), t]
     return out
 
 
@@ -60,6 +69,12 @@ def perplexity(engine, tokens: list[int], n_ctx: int, max_chunks: int = 0, progr
     return tuple(estimate(engine, tokens, n_ctx, max_chunks, progress)[:3])
 
 
+def first_scored(n_ctx: int) -> int:
+    """The first position of a chunk that is scored (llama.cpp's: the second half, so every
+    scored token sees at least n_ctx/2 of context)."""
+    return n_ctx // 2
+
+
 def chunk_tokens(engine, tokens, n_ctx: int, max_chunks: int = 0) -> np.ndarray:
     """(n_chunks, n_ctx) int64: the chunks :func:`estimate` evaluates, each with its first token
     replaced by BOS where the tokenizer adds one, at most ``max_chunks`` (0 or -1: all). Raises
@@ -81,10 +96,11 @@ def estimate(engine, tokens, n_ctx: int, max_chunks: int = 0, progress=True, sin
     """Perplexity of ``tokens`` (the whole text's ids, :func:`text_tokens`) in chunks of ``n_ctx``
     (<= engine.n_ctx), at most ``max_chunks`` (0 or -1: all), with llama.cpp's error estimate.
     as_given: ``tokens`` are the chunks to evaluate ((n_chunks, n_ctx), BOS already in place:
-    a KL-divergence base file's). sink: an object whose ``rows(logits (n, n_vocab) f32,
-    targets (n,) int)`` receives the scored positions' logits and next tokens in order, a batch
-    at a time within a chunk (pyinfer.kld's writer and comparison). Raises PyinferError when the
-    text is shorter than one chunk."""
+    a KL-divergence base file's). sink: an object whose ``rows(logprobs (n, n_vocab) f64,
+    targets (n,) int)`` receives the scored positions' log-probabilities (the ones the
+    perplexity is taken from) and next tokens in order, at most ROWS at a time within a chunk
+    (pyinfer.kld's writer and comparison). Raises PyinferError when the text is shorter than
+    one chunk."""
     from pyinfer.engine import prompt_batches
     from pyinfer.progress import progress_bar
 
@@ -93,7 +109,7 @@ def estimate(engine, tokens, n_ctx: int, max_chunks: int = 0, progress=True, sin
     else:
         chunks = chunk_tokens(engine, tokens, n_ctx, max_chunks)
     engine.reset_stats()
-    first = n_ctx // 2
+    first = first_scored(n_ctx)
     nll, nll2, count = 0.0, 0.0, 0
     running = []
     bar = progress_bar(range(chunks.shape[0]), desc="perplexity", unit="chunk", enabled=progress)
@@ -105,11 +121,13 @@ def estimate(engine, tokens, n_ctx: int, max_chunks: int = 0, progress=True, sin
         for s, e in prompt_batches(n_ctx):
             logits = engine.forward(chunk[s:e], s, all_logits=True)  # (e - s, n_vocab)
             a, b = max(s, first), min(e, n_ctx - 1)
-            if a < b:
-                targets = np.asarray(chunk[a + 1:b + 1])
-                lp = log_softmax_at(logits[a - s:b - s], targets)
+            for r in range(a, b, ROWS):
+                r1 = min(r + ROWS, b)
+                targets = np.asarray(chunk[r + 1:r1 + 1])
+                full = log_softmax(logits[r - s:r1 - s])
+                lp = full[np.arange(r1 - r), targets]
                 if sink is not None:
-                    sink.rows(logits[a - s:b - s], targets)
+                    sink.rows(full, targets)
                 nll -= lp.sum()
                 nll2 += float(np.dot(lp, lp))
                 count += lp.shape[0]
@@ -271,15 +289,14 @@ def _base_writer(out: str, chunks: np.ndarray, n_vocab: int, model: str):
     from pyinfer.kld import BaseWriter
 
     directory = _check_base_path(out, (model,))
-    first = chunks.shape[1] // 2
-    size = BaseWriter.nbytes(chunks.shape[0], chunks.shape[1], first, n_vocab)
+    size = BaseWriter.nbytes(chunks.shape[0], chunks.shape[1], n_vocab)
     free = shutil.disk_usage(directory).free
     if size > free:
         raise PyinferError(f"--kl-divergence-base {out} needs {size / 2**20:.1f} MiB and "
                            f"{directory} has {free / 2**20:.1f} MiB free; score fewer --chunks")
     print(f"pyinfer-perplexity: writing {size / 2**20:.1f} MiB of log-probabilities to {out}",
           file=sys.stderr)
-    return BaseWriter(out, chunks, n_vocab, chunks.shape[1] // 2, model)
+    return BaseWriter(out, chunks, n_vocab, model)
 
 
 if __name__ == "__main__":
