@@ -254,8 +254,7 @@ class _Parser:
                 pos += 1
                 items.append(f"({body})")
                 forms.append(form)
-            elif _NAME.match(s, pos):
-                m = _NAME.match(s, pos)
+            elif m := _NAME.match(s, pos):
                 name = m.group()
                 after = self.space(m.end(), False)
                 if s.startswith("::=", after):  # the next rule (nested: a missing ")")

@@ -84,10 +84,7 @@ class Grammar:
                else llg.LLMatcher.validate_grammar(grammar, lltokenizer(tokenizer)))
         if err:
             raise PyinferError(f"bad grammar: {_first_line(Exception(err))}")
-        # what only building a matcher finds (llguidance's limit of 65,525 grammar symbols: a
-        # GBNF of 20,000 alternatives passed and failed in the engine), over a 257-token
-        # vocabulary of the bytes: milliseconds for a real grammar
-        Constraint(lltokenizer(_BYTE_VOCAB), grammar, _BYTE_VOCAB.n_vocab)
+        _builds(grammar)
 
     def matcher(self, tokenizer) -> "Constraint":
         """A fresh ``Constraint`` for one generation with ``tokenizer`` (pyinfer.tokenizer.Tokenizer).
@@ -126,14 +123,24 @@ def _converted(kind: str, text: str) -> str:
         raise PyinferError(f"bad {kind.replace('_', ' ')}: nested too deeply") from None
 
 
+@functools.lru_cache(maxsize=8)
+def _builds(grammar: str) -> None:
+    """Raise PyinferError unless a matcher builds: what only building one finds (llguidance's
+    limit of 65,525 grammar symbols: a GBNF of 20,000 alternatives passed and failed in the
+    engine), over the 257-token vocabulary of the bytes (milliseconds for a real grammar; once
+    per grammar text, as the conversion: the server checks every request's)."""
+    Constraint(lltokenizer(_BYTE_VOCAB), grammar, _BYTE_VOCAB.n_vocab)
+
+
 def _first_line(e: Exception) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
 
 
-class _ByteVocab:
-    """The 256 bytes and an end-of-text token: a vocabulary to build a matcher with before the
-    model's tokenizer is at hand (Grammar.check)."""
+class ByteVocab:
+    """The 256 bytes and an end-of-text token (id 256): a vocabulary to build a matcher with
+    before the model's tokenizer is at hand (Grammar.check), or to feed a grammar text byte by
+    byte (tests/test_gbnf.py)."""
 
     n_vocab = 257
     eos_id = 256
@@ -150,7 +157,7 @@ class _ByteVocab:
         return list(text.encode())
 
 
-_BYTE_VOCAB = _ByteVocab()
+_BYTE_VOCAB = ByteVocab()
 
 
 class _VocabView:

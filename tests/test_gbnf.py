@@ -13,28 +13,10 @@ import pytest
 pytest.importorskip("llguidance")
 
 from pyinfer.errors import PyinferError  # noqa: E402
-from pyinfer.grammar import Grammar  # noqa: E402
+from pyinfer.grammar import ByteVocab, Grammar  # noqa: E402
 
 
-class ByteTokenizer:
-    """A vocabulary of the 256 bytes and an end-of-text token, what Grammar.matcher reads."""
-
-    n_vocab = 257
-    eos_id = 256
-    bos_id = None
-    stop_ids = {256}
-
-    def is_special(self, i):
-        return i == 256
-
-    def token_to_bytes(self, i):
-        return b"" if i == 256 else bytes([i])
-
-    def encode(self, text, add_bos=False, parse_special=False):
-        return list(text.encode())
-
-
-TOK = ByteTokenizer()
+TOK = ByteVocab()  # the bytes and an end-of-text token
 
 
 def accepts(grammar: str, text: str) -> bool:
