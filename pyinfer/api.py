@@ -516,8 +516,9 @@ class LLM:
         return self._render(text_messages(messages), add_generation_prompt, template_kwargs)
 
     def _render(self, messages: list, add_generation_prompt: bool,
-                template_kwargs: dict | None) -> str:
-        """``render_chat`` of messages ``text_messages`` has read (the list may be empty)."""
+                template_kwargs: dict | None, tools: list | None = None) -> str:
+        """``render_chat`` of messages ``text_messages`` has read (the list may be empty);
+        ``tools``: the template's ``tools`` variable (OpenAI's definitions) or None."""
         from pyinfer.chat import render_chat, template_kwargs as check_kwargs
 
         from pyinfer.chat import wants_typed_content
@@ -529,17 +530,26 @@ class LLM:
                         if isinstance(m, dict) and isinstance(m.get("content"), str) else m
                         for m in messages]
         return render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
-                           bos_token=self.bos_token, eos_token=self.eos_token, variables=variables)
+                           bos_token=self.bos_token, eos_token=self.eos_token, variables=variables,
+                           tools=tools)
 
-    def chat_tokens(self, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
+    def chat_tokens(self, messages: list[dict], template_kwargs: dict | None = None,
+                    tools=None) -> list[int]:
         """Token ids of ``messages`` rendered with a generation prompt (the start of an assistant
         turn; ``template_kwargs`` as ``render_chat``'s). BOS is added only when the model wants
         it and the template did not write it. A last message of role "assistant" is continued,
         as llama.cpp's server does (its ``prefill_assistant``, on by default): the messages
         before it rendered with a generation prompt, then its content, so the answer goes on
         from that text (its parts joined with nothing between, as llama.cpp appends them).
-        PyinferError for two assistant messages at the end."""
+        ``tools``: a ``pyinfer.tools.ToolUse`` (its messages and ``tools`` variable) or None.
+        PyinferError for two assistant messages at the end, or a continued one with tools."""
         msgs = text_messages(messages)
+        if tools is not None:
+            if continues_last(msgs):
+                raise PyinferError("a last assistant message is continued, which tools cannot be "
+                                   "combined with")
+            msgs = tools.messages(msgs, self.chat_template)
+        defined = tools.definitions() if tools is not None else None
         last = msgs[-1]
         if continues_last(msgs):
             before = msgs[:-1]
@@ -551,7 +561,7 @@ class LLM:
                 raise PyinferError(f"messages[{len(msgs) - 1}].content must be a string")
             text = self._render(before, True, template_kwargs) + (content or "")
         else:
-            text = self.render_chat(msgs, template_kwargs=template_kwargs)
+            text = self._render(msgs, True, template_kwargs, defined)
         add_bos = False if self.bos_token and text.startswith(self.bos_token) else None
         return self.tokenize(text, add_bos=add_bos, special=True)
 
@@ -566,7 +576,8 @@ class LLM:
                                dry_allowed_length: int = 2, dry_penalty_last_n: int = -1,
                                chat_template_kwargs: dict | None = None,
                                reasoning_format: str = "none", ignore_eos: bool = False,
-                               repeat_last_n: int = 64):
+                               repeat_last_n: int = 64, tools: list[dict] | None = None,
+                               tool_choice=None, parallel_tool_calls: bool | None = None):
         """Answer a conversation. ``messages``: ``[{"role": "system"|"user"|"assistant",
         "content": str}, ...]``; a last assistant message is continued (its text is the start of
         the answer, which holds only what follows it: ``chat_tokens``). Returns an OpenAI
@@ -594,6 +605,15 @@ class LLM:
         last assistant message takes "none" (llama.cpp's server does the same).
         ``ignore_eos``: the model's end-of-generation tokens are never drawn (llama.cpp's
         ``ignore_eos``), so the answer runs to ``max_tokens`` or the context's end.
+        ``tools``, ``tool_choice`` ("auto" when tools are given, "none", "required" or
+        ``{"type": "function", "function": {"name"}}``), ``parallel_tool_calls`` (default
+        False, as llama.cpp's server): OpenAI's function calling, in the chat template's format
+        or llama.cpp's generic JSON format (``pyinfer.tools``). An answer that calls tools has
+        ``message.tool_calls`` (``[{"id", "type": "function", "function": {"name", "arguments":
+        JSON text}}]``), ``content`` None unless the model also wrote text, and finish_reason
+        "tool_calls". Streamed, such an answer's content and calls come in one chunk at its end
+        (the calls have to be read from the whole text). Tools cannot be combined with
+        ``response_format``, ``grammar`` or ``json_schema``.
         """
         dry = dict(dry_multiplier=dry_multiplier, dry_base=dry_base,
                    dry_allowed_length=dry_allowed_length, dry_penalty_last_n=dry_penalty_last_n)
@@ -606,11 +626,22 @@ class LLM:
             options.check("top_logprobs", top_logprobs, "top_logprobs")
             if not logprobs:
                 raise PyinferError("top_logprobs needs logprobs set to true")
+        from pyinfer.tools import ToolUse
+
         gram = grammar_of(response_format, grammar, json_schema)
+        tool_use = ToolUse.of(tools, tool_choice, parallel_tool_calls, self.chat_template)
+        if tool_use is not None:
+            if gram is not None:
+                raise PyinferError("tools cannot be combined with response_format, grammar or "
+                                   "json_schema (llama.cpp's server refuses it too)")
+            gram = tool_use.grammar()
+            if tool_use.format == "generic":  # (the answer is JSON: no thinking block to split)
+                reasoning_format = "none"
         if gram is not None:
             gram.check(self.tokenizer)
         rec = LogprobRecorder(self.tokenizer, top_logprobs or 0) if logprobs else None
-        ids = self.chat_tokens(messages, chat_template_kwargs)
+        ids = (self.chat_tokens(messages, chat_template_kwargs) if tool_use is None
+               else self.chat_tokens(messages, chat_template_kwargs, tool_use))
         if continues_last(messages):  # a continued message's text as written (llama.cpp's server)
             reasoning_format = "none"
         self.check_fits(ids)
@@ -630,27 +661,45 @@ class LLM:
             return None if rec is None else {"content": rec.chat_content(rec.take(upto)),
                                              "refusal": None}
 
-        def chunk(delta, finish):
-            sent[0] = split.consumed if split else sent[0] + len(delta.get("content", ""))
+        def chunk(delta, finish, upto=0):
+            sent[0] = split.consumed if split else sent[0] + len(delta.get("content") or "")
             return {"id": cid, "object": "chat.completion.chunk", "created": created,
                     "model": self.model_name,
                     "choices": [{"index": 0, "delta": delta,
-                                 "logprobs": lp(None if finish else sent[0]),
+                                 "logprobs": lp(None if finish or upto is None else sent[0]),
                                  "finish_reason": finish}]}
 
         def deltas(parts):  # (kind, text) pieces of the splitter as chunk deltas
             return [{"reasoning_content" if kind == "reasoning" else "content": text}
                     for kind, text in parts]
 
+        def finish_reason(calls):
+            return "tool_calls" if calls else self.last_stats.finish_reason
+
         if stream:
             def chunks():
                 yield chunk({"role": "assistant", "content": ""}, None)
+                held = []  # with tools: the content, read for calls at the end
                 for piece in self.stream_text(ids, **kw):
                     for delta in deltas(split.feed(piece)) if split else [{"content": piece}]:
-                        yield chunk(delta, None)
+                        if tool_use is not None and "content" in delta:
+                            held.append(delta["content"])
+                        else:
+                            yield chunk(delta, None)
                 for delta in deltas(split.flush()) if split else []:
-                    yield chunk(delta, None)
-                yield chunk({}, self.last_stats.finish_reason)
+                    if tool_use is not None and "content" in delta:
+                        held.append(delta["content"])
+                    else:
+                        yield chunk(delta, None)
+                calls = []
+                if tool_use is not None:
+                    content, calls = tool_use.parse("".join(held))
+                    delta = {"content": content} if content else {}
+                    if calls:
+                        delta["tool_calls"] = [dict(c, index=i) for i, c in enumerate(calls)]
+                    if delta:
+                        yield chunk(delta, None, upto=None)
+                yield chunk({}, finish_reason(calls))
             return chunks()
         text = "".join(self.stream_text(ids, **kw))
         message = {"role": "assistant", "content": text}
@@ -658,9 +707,14 @@ class LLM:
             thoughts, message["content"] = split_reasoning(text, thinking)
             if thoughts:
                 message["reasoning_content"] = thoughts
+        calls = []
+        if tool_use is not None:
+            message["content"], calls = tool_use.parse(message["content"])
+            if calls:
+                message["tool_calls"] = calls
         return {"id": cid, "object": "chat.completion", "created": created, "model": self.model_name,
                 "choices": [{"index": 0, "message": message,
-                             "logprobs": lp(), "finish_reason": self.last_stats.finish_reason}],
+                             "logprobs": lp(), "finish_reason": finish_reason(calls)}],
                 "usage": self.usage()}
 
     def create_embedding(self, input: str | list, model: str | None = None,  # noqa: A002

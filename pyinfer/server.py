@@ -8,7 +8,8 @@ Requests take OpenAI's fields plus llama.cpp's ``top_k``, ``min_p``, ``repeat_pe
 ``ignore_eos``, ``grammar`` and ``json_schema``; ``response_format`` (json_object, json_schema) and ``grammar`` constrain the
 output (pyinfer/grammar.py), ``logprobs``/``top_logprobs`` return log-probabilities in OpenAI's
 shapes. A field the server does not implement is refused with 400 naming it (``FIELDS``), and so is
-a value it cannot honour (``presence_penalty`` other than 0, ``tools``, ``echo``, ``n`` > 1 ...);
+a value it cannot honour (``presence_penalty`` other than 0, ``echo``, ``n`` > 1 ...); ``tools``,
+``tool_choice`` and ``parallel_tool_calls`` are OpenAI's function calling (``pyinfer.tools``);
 ``model``, ``user``, ``metadata``, ``store`` and ``service_tier`` are accepted and have no effect.
 One engine serves one request at a time: requests wait in a bounded queue, and a request that finds
 it full gets 503. A malformed request gets a 4xx with an OpenAI-style error body; nothing a client
@@ -36,6 +37,7 @@ from pyinfer import options
 from pyinfer.api import text_of_parts
 from pyinfer.chat import template_kwargs
 from pyinfer.reasoning import REASONING_FORMATS, check_format
+from pyinfer.tools import ToolError, ToolUse
 from pyinfer.errors import PyinferError, exit_code_of
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more than any prompt that fits a context
@@ -73,8 +75,7 @@ FIELDS = {
 }
 #: Fields accepted only at the value that asks for nothing (OpenAI's defaults).
 _NEUTRAL = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},),
-            "echo": (False,), "best_of": (1,), "suffix": ("",), "tools": ([],), "tool_choice": ("none",),
-            "parallel_tool_calls": (True, False)}
+            "echo": (False,), "best_of": (1,), "suffix": ("",)}
 
 
 def check_fields(body: dict, endpoint: str) -> None:
@@ -566,6 +567,16 @@ def create_app(llm, max_queue: int = 4, api_key: str | None = None,
                 opts["chat_template_kwargs"] = template_kwargs(body.get("chat_template_kwargs"))
             except PyinferError as e:
                 raise BadRequest(str(e), "chat_template_kwargs") from None
+            for key in ("tools", "tool_choice", "parallel_tool_calls"):
+                opts[key] = body.get(key)
+            try:
+                tool_use = ToolUse.of(opts["tools"], opts["tool_choice"], opts["parallel_tool_calls"],
+                                      llm.chat_template if opts["tools"] is not None else None)
+            except ToolError as e:
+                raise BadRequest(str(e), e.param) from None
+            if tool_use is not None and request_grammar(body) is not None:
+                raise BadRequest("tools cannot be combined with response_format, grammar or "
+                                 "json_schema", "tools")
             fmt = body.get("reasoning_format")
             try:  # (null: not given, as every field here)
                 opts["reasoning_format"] = check_format(reasoning_format if fmt is None else fmt)
@@ -574,7 +585,8 @@ def create_app(llm, max_queue: int = 4, api_key: str | None = None,
             try:
                 # the template is the model file's code: rendered in a worker thread (bounded in
                 # time and size by pyinfer/chat.py), so a slow one never blocks other requests
-                ids = await run_in_threadpool(llm.chat_tokens, messages, opts["chat_template_kwargs"])
+                ids = await run_in_threadpool(llm.chat_tokens, messages, opts["chat_template_kwargs"],
+                                              tool_use)
             except PyinferError as e:
                 raise BadRequest(str(e), "messages") from None
             check_room(ids, opts["max_tokens"], "messages")

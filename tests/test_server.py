@@ -288,7 +288,7 @@ class FakeLLM:
         text.encode("utf-8")  # as the real tokenizer: a lone surrogate would raise here
         return [1] * len(text)
 
-    def chat_tokens(self, messages, template_kwargs=None):
+    def chat_tokens(self, messages, template_kwargs=None, tools=None):
         return [1] * sum(len(m["content"]) for m in messages)
 
     def usage(self):
@@ -549,7 +549,7 @@ from tests.test_server import FakeLLM
 
 # two seconds of template work (the render time bound) per chat request
 SLOW = "{% macro f(n) %}{{ f(n - 1) ~ f(n - 1) if n else 'x' }}{% endmacro %}{{ f(60) }}"
-llm = FakeLLM(chat_tokens=lambda messages, kw=None: [1] * len(render_chat(SLOW, messages)))
+llm = FakeLLM(chat_tokens=lambda messages, kw=None, tools=None: [1] * len(render_chat(SLOW, messages)))
 uvicorn.run(create_app(llm), host="127.0.0.1", port=int(sys.argv[1]), log_level="warning",
             timeout_graceful_shutdown=5)
 """

@@ -1,0 +1,317 @@
+"""Tool calling (OpenAI's ``tools`` / ``tool_choice``) for chat completions.
+
+A request's ``tools`` are OpenAI's function definitions::
+
+    [{"type": "function", "function": {"name", "description"?, "parameters"?: JSON schema}}]
+
+How the model is asked, and how its answer is read, follows llama.cpp's server (common/chat.cpp),
+in one of two formats chosen by the chat template:
+
+- **hermes**: a template that writes ``<tool_call>`` itself (Qwen2.5, Qwen3, Hermes 2/3,
+  SmolLM3 ...) gets the tools as its ``tools`` variable and describes them in its own words;
+  the answer's ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks are its tool
+  calls and the text outside them its content (what transformers' ``parse_response`` does with
+  the Qwen family's response template). ``tool_choice`` "required" (or a named function)
+  constrains the answer to such blocks holding a call of a given tool with arguments of its
+  schema (through llguidance, ``pyinfer.grammar``); "auto" leaves the model free.
+- **generic**: any other template (SmolLM2's, Llama's ...). As llama.cpp's generic format, the
+  answer is constrained to one JSON object, ``{"tool_call": {"name", "arguments"}}`` (with
+  ``parallel_tool_calls``: ``{"tool_calls": [...]}``) or, unless a call is required,
+  ``{"response": "text"}``; a system message asks for that JSON (llama.cpp's sentence) and,
+  where the template does not read ``tools``, lists the tools as JSON. Earlier assistant tool
+  calls and tool results are written back in the same JSON where the template does not read
+  them (as llama.cpp's template polyfills do).
+
+``tool_choice`` "none" (or no tools) is a plain chat: the tools are not shown to the model.
+Call ids are made here (``call_`` and 24 hex digits), as llama.cpp makes them for models that
+write none.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from pyinfer.errors import PyinferError
+
+#: llama.cpp's system text for its generic format (common_chat_params_init_generic)
+GENERIC_INSTRUCTION = ("Respond in JSON format, either with `tool_call` (a request to call tools) "
+                       "or with `response` reply to the user's request")
+TOOL_CHOICES = ("none", "auto", "required")
+#: OpenAI's rule for function names
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+MAX_TOOLS = 128  # OpenAI's limit
+
+
+class ToolError(PyinferError):
+    """A malformed ``tools`` / ``tool_choice`` / ``parallel_tool_calls``; ``param`` names which."""
+
+    def __init__(self, message: str, param: str = "tools"):
+        super().__init__(message)
+        self.param = param
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def tool_format(template: str | None) -> str:
+    """"hermes" for a chat template that writes ``<tool_call>`` blocks itself, else "generic"."""
+    return "hermes" if template and "<tool_call>" in template else "generic"
+
+
+def _check_tools(tools) -> list[dict]:
+    if not isinstance(tools, (list, tuple)):
+        raise ToolError("tools must be a list of {\"type\": \"function\", \"function\": {...}} objects")
+    if len(tools) > MAX_TOOLS:
+        raise ToolError(f"tools has {len(tools)} entries, more than {MAX_TOOLS} (OpenAI's limit)")
+    out, names = [], set()
+    for i, t in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
+            raise ToolError(f"{where} must be {{\"type\": \"function\", \"function\": {{\"name\", "
+                               "\"description\", \"parameters\"}}")
+        f = t["function"]
+        name = f.get("name")
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise ToolError(f"{where}.function.name must be 1-64 letters, digits, '_' or '-'")
+        if name in names:
+            raise ToolError(f"{where}.function.name {name!r} is given twice")
+        names.add(name)
+        if f.get("description") is not None and not isinstance(f["description"], str):
+            raise ToolError(f"{where}.function.description must be a string")
+        params = f.get("parameters")
+        if params is None:
+            params = {"type": "object", "properties": {}}
+        if not isinstance(params, dict):
+            raise ToolError(f"{where}.function.parameters must be a JSON schema object")
+        fn = {"name": name, "description": f["description"]} if f.get("description") is not None else {"name": name}
+        out.append({"type": "function", "function": dict(fn, parameters=params)})
+    return out
+
+
+def _check_choice(choice, names: set[str]) -> tuple[str, str | None]:
+    """(kind, function name or None) of a ``tool_choice``."""
+    if choice is None:
+        return "auto", None
+    if isinstance(choice, str):
+        if choice not in TOOL_CHOICES:
+            raise ToolError(f"tool_choice must be one of {', '.join(TOOL_CHOICES)} or "
+                               "{\"type\": \"function\", \"function\": {\"name\": ...}}, got "
+                               f"{choice!r}", "tool_choice")
+        return choice, None
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and isinstance(
+        choice.get("function"), dict) and choice.get("type") == "function" else None
+    if not isinstance(name, str):
+        raise ToolError("tool_choice must be \"none\", \"auto\", \"required\" or "
+                           "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
+    if name not in names:
+        raise ToolError(f"tool_choice names {name!r}, which is not one of the tools", "tool_choice")
+    return "function", name
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """What one request asks of tool calling (``ToolUse.of``); None stands for a plain chat.
+
+    tools: the checked definitions (each ``parameters`` filled in); choice: "auto",
+    "required" or "function" (``function`` names the one tool that must be called); parallel:
+    more than one call may be made in an answer; format: "hermes" or "generic" (module
+    docstring).
+    """
+
+    tools: tuple
+    choice: str
+    parallel: bool
+    format: str
+    function: str | None = None
+
+    @classmethod
+    def of(cls, tools, tool_choice=None, parallel_tool_calls=None,
+           template: str | None = None) -> "ToolUse | None":
+        """The request's tool use, or None when it has no tools or ``tool_choice`` is "none".
+        ``parallel_tool_calls`` None: False (llama.cpp's server default). Raises PyinferError
+        (one line) for malformed tools, an unknown choice or a name that is not a tool's."""
+        if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
+            raise ToolError("parallel_tool_calls must be true or false", "parallel_tool_calls")
+        if tools is None:
+            if tool_choice not in (None, "none", "auto"):
+                raise ToolError("tool_choice needs tools", "tool_choice")
+            return None
+        checked = _check_tools(tools)
+        choice, function = _check_choice(tool_choice, {t["function"]["name"] for t in checked})
+        if choice == "none" or not checked:
+            if choice not in ("none", "auto"):
+                raise ToolError("tool_choice needs tools", "tool_choice")
+            return None
+        return cls(tuple(checked), choice, bool(parallel_tool_calls), tool_format(template), function)
+
+    @property
+    def required(self) -> bool:
+        return self.choice != "auto"
+
+    @property
+    def callable_tools(self) -> list[dict]:
+        """The tools the answer may call (only the named one when ``tool_choice`` names one)."""
+        return [t for t in self.tools if self.function is None or t["function"]["name"] == self.function]
+
+    def _call_schema(self, t: dict) -> dict:
+        f = t["function"]
+        return {"type": "object", "properties": {"name": {"type": "string", "const": f["name"]},
+                                                 "arguments": closed(f["parameters"])},
+                "required": ["name", "arguments"], "additionalProperties": False}
+
+    def _calls_schema(self) -> dict:
+        calls = [self._call_schema(t) for t in self.callable_tools]
+        return calls[0] if len(calls) == 1 else {"anyOf": calls}
+
+    def schema(self) -> dict:
+        """The generic format's JSON schema of an answer (llama.cpp's, without the model-written
+        call ids, and with no properties beside those named: a small model given the room
+        wrote a "response" after its call)."""
+        one = self._calls_schema()
+        key, value = (("tool_calls", {"type": "array", "items": one, "minItems": 1}) if self.parallel
+                      else ("tool_call", one))
+        call = _only(key, value)
+        return call if self.required else {"anyOf": [call, _only("response", {"type": "string"})]}
+
+    def grammar(self):
+        """The ``pyinfer.grammar.Grammar`` the answer is held to, or None (hermes, "auto")."""
+        from pyinfer.grammar import Grammar
+
+        if self.format == "generic":
+            return Grammar.json_schema(self.schema())
+        if not self.required:
+            return None
+        # hermes: one (or, parallel, several) <tool_call> blocks of a call's JSON, nothing else
+        call = json.dumps(dict(self._calls_schema(), **{"x-guidance": {"whitespace_flexible": False,
+                                                                       "item_separator": ", ",
+                                                                       "key_separator": ": "}}))
+        block = 'block: "<tool_call>\\n" call "\\n</tool_call>"\n'
+        start = 'start: block ("\\n" block)*\n' if self.parallel else "start: block\n"
+        return Grammar("lark", start + block + f"call: %json {call}\n")
+
+    # ---- the prompt ----------------------------------------------------------------------------
+    def definitions(self) -> list[dict]:
+        """The template's ``tools`` variable: the checked definitions, as transformers'
+        ``apply_chat_template(tools=...)`` passes JSON-schema tools."""
+        return [{"type": "function", "function": dict(t["function"])} for t in self.tools]
+
+    def messages(self, messages: list, template: str | None) -> list:
+        """``messages`` as the template is given them: for the generic format, a system message
+        asking for the JSON answer (and listing the tools where the template does not read
+        ``tools``), and earlier tool calls and results as JSON text where the template does not
+        read them. The hermes format's templates take the messages as they are."""
+        if self.format == "hermes":
+            return list(messages)
+        template = template or ""
+        text = GENERIC_INSTRUCTION
+        if "tools" not in template:
+            listing = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in self.tools)
+            text = ("You can call these tools (each a JSON object with its name, description and "
+                    f"the JSON schema of its arguments):\n{listing}\n\n{text}")
+        out = [self._history(m, template) for m in messages]
+        if out and isinstance(out[0], dict) and out[0].get("role") == "system" and isinstance(
+                out[0].get("content"), str):
+            return [dict(out[0], content=f"{out[0]['content']}\n\n{text}")] + out[1:]
+        return [{"role": "system", "content": text}] + out
+
+    def _history(self, m, template: str):
+        """One earlier message in the generic format's JSON, where the template does not read
+        its tool parts (calls: ``{"tool_call"...}`` or ``{"tool_calls": [...]}``; a result: a
+        user message ``{"tool_response": {"tool", "content"}}``, llama.cpp's polyfill shape)."""
+        if not isinstance(m, dict):
+            return m
+        if m.get("tool_calls") and "tool_calls" not in template:
+            calls = [{"name": c.get("function", {}).get("name"),
+                      "arguments": _arguments_value(c.get("function", {}).get("arguments"))}
+                     for c in m["tool_calls"] if isinstance(c, dict)]
+            body = {"tool_call": calls[0]} if len(calls) == 1 else {"tool_calls": calls}
+            m = {k: v for k, v in m.items() if k != "tool_calls"}
+            return dict(m, content=json.dumps(body, ensure_ascii=False))
+        if m.get("role") == "tool" and "tool" not in template.replace("tools", ""):
+            result = {"tool": m.get("name"), "content": m.get("content")} if m.get("name") else {
+                "content": m.get("content")}
+            return {"role": "user", "content": json.dumps({"tool_response": result}, ensure_ascii=False)}
+        return m
+
+    # ---- the answer ----------------------------------------------------------------------------
+    def parse(self, text: str) -> tuple[str | None, list[dict]]:
+        """(content, tool_calls) of an answer's text: tool_calls in OpenAI's shape
+        ``[{"id", "type": "function", "function": {"name", "arguments": JSON text}}]`` (empty
+        when the answer calls none) and the content outside them (None when the answer is only
+        calls). Text that does not parse (an answer cut by max_tokens) is all content."""
+        if self.format == "generic":
+            try:
+                value = json.loads(text)
+            except ValueError:
+                return text, []
+            if isinstance(value, dict) and isinstance(value.get("response"), str):
+                return value["response"], []
+            calls = (value.get("tool_calls") if "tool_calls" in value else [value.get("tool_call")]
+                     ) if isinstance(value, dict) else None
+            made = [_call(c) for c in calls or []]
+            if not made or None in made:
+                return text, []
+            return None, made
+        made, pieces, at = [], [], 0
+        for mt in _HERMES_BLOCK.finditer(text):
+            try:
+                c = _call(json.loads(mt.group(1)))
+            except ValueError:
+                c = None
+            if c is None:
+                continue  # (a block that is not a call stays in the content)
+            made.append(c)
+            pieces.append(text[at:mt.start()])
+            at = mt.end()
+        pieces.append(text[at:])
+        content = "".join(pieces).strip() if made else text
+        return (content or None) if made else content, made
+
+
+def closed(schema, depth: int = 0):
+    """``schema`` with ``"additionalProperties": false`` wherever an object schema lists
+    ``properties`` and says nothing of others: llama.cpp's grammars take that default
+    (grammars/README.md), llguidance takes JSON Schema's (any other property allowed), and a
+    small model given the room writes made-up arguments after the real ones."""
+    if depth > 64:
+        raise ToolError("a tool's parameters schema is nested too deeply")
+    if isinstance(schema, list):
+        return [closed(v, depth + 1) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed(v, depth + 1) if k not in ("const", "enum", "default", "examples") else v
+           for k, v in schema.items()}
+    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
+
+
+def _only(key: str, schema: dict) -> dict:
+    """The schema of an object with exactly one property, ``key``."""
+    return {"type": "object", "properties": {key: schema}, "required": [key],
+            "additionalProperties": False}
+
+
+def _arguments_value(args):
+    """A call's ``arguments`` as the JSON value it stands for (OpenAI sends JSON text)."""
+    if isinstance(args, str):
+        try:
+            return json.loads(args)
+        except ValueError:
+            return args
+    return args
+
+
+def _call(c) -> dict | None:
+    """An OpenAI tool call from a parsed ``{"name", "arguments"}`` (Hermes' and the generic
+    format's shape), or None for anything else."""
+    if not isinstance(c, dict) or not isinstance(c.get("name"), str):
+        return None
+    args = c.get("arguments", c.get("parameters", {}))
+    return {"id": new_call_id(), "type": "function",
+            "function": {"name": c["name"],
+                         "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}}
