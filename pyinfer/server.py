@@ -507,7 +507,20 @@ def create_app(llm, max_queue: int = 4, api_key: str | None = None,
                 return error(500, f"internal error: {type(result).__name__}: {result}", kind="server_error")
             return JSONResponse(result)
 
-        first = await out.get()  # an error before the first chunk is still a proper status code
+        # an error before the first chunk is still a proper status code; a client that leaves
+        # while its request waits in the queue cancels it there (it ran its prefill before)
+        got = asyncio.ensure_future(out.get())
+        gone = asyncio.ensure_future(_until_disconnect(request.receive))
+        try:
+            await asyncio.wait({got, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            left = gone.done() and not gone.cancelled()
+            gone.cancel()
+        if left or not got.done():
+            cancel.set()
+            got.cancel()
+            return Response(status_code=499)
+        first = got.result()
         if isinstance(first, BadRequest):
             cancel.set()
             return error(first.status, str(first), first.param)

@@ -620,3 +620,60 @@ def test_an_address_it_cannot_listen_on_is_one_line_before_the_load(tmp_path):
                                capture_output=True, text=True, cwd=ROOT, env=env, timeout=60)
             lines = r.stderr.strip().splitlines()
             assert r.returncode == 1 and len(lines) == 1 and words in lines[0], r.stderr
+
+
+def test_a_queued_stream_whose_client_left_never_runs():
+    """A streaming request whose client leaves while it waits in the queue is dropped there: it
+    used to start once the engine was free and run its prompt's prefill for nobody."""
+    httpx = pytest.importorskip("httpx")
+    uvicorn = pytest.importorskip("uvicorn")
+    from pyinfer.server import create_app
+
+    gate = threading.Event()
+
+    class Blocking(FakeLLM):
+        def create_completion(self, ids, should_stop=None, **opts):
+            self.calls.append("completion")
+            gate.wait(30)
+            return {"object": "text_completion", "choices": []}
+
+        def create_chat_completion(self, messages, should_stop=None, **opts):
+            self.calls.append("chat")
+            return iter([{"object": "chat.completion.chunk", "choices": []}])
+
+    llm = Blocking()
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(create_app(llm), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while not srv.started:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+
+        def pending():
+            return httpx.get(url + "/health", timeout=10).json()["requests_pending"]
+
+        first = threading.Thread(target=lambda: httpx.post(url + "/v1/completions",
+                                                           json={"prompt": "hi"}, timeout=60))
+        first.start()
+        while pending() < 1:
+            time.sleep(0.02)
+        raw = json.dumps({"messages": GERMANY, "stream": True}).encode()
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                         b"application/json\r\n" + f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
+            while pending() < 2:
+                time.sleep(0.02)
+        time.sleep(0.5)  # the socket is closed: the server sees the disconnect
+        gate.set()
+        first.join(30)
+        while pending():
+            time.sleep(0.02)
+        assert llm.calls == ["completion"]
+    finally:
+        gate.set()
+        srv.should_exit = True
+        thread.join(10)
