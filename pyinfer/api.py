@@ -245,6 +245,7 @@ class LLM:
     def tokenize(self, text: str | bytes, add_bos: bool | None = None, special: bool = True) -> list[int]:
         """Token ids of ``text`` (bytes are read as UTF-8). ``add_bos`` None: the model's default;
         ``special``: control tokens written in the text (``<|im_end|>``) become one id each."""
+        self.engine  # (PyinferError once closed, as every call)
         if isinstance(text, bytes):
             text = text.decode("utf-8", errors="replace")
         return self.tokenizer.encode(text, add_bos=add_bos, parse_special=special)
@@ -273,9 +274,19 @@ class LLM:
         return int(self._rng.integers(2**63)) if seed is None else int(seed)
 
     @staticmethod
-    def _check_request(max_tokens, stop, seed, should_stop=None) -> None:
+    def _check_request(max_tokens, stop, seed, should_stop=None, *, context_shift=None,
+                       **flags) -> None:
         """PyinferError for a bad ``max_tokens`` (None, -1, 0 or a positive count), ``stop``
-        (a string or a list of strings), ``seed`` or ``should_stop`` (None or a callable)."""
+        (a string or a list of strings), ``seed``, ``should_stop`` (None or a callable),
+        ``context_shift`` (None or an integer) or a flag of ``flags`` (``stream``,
+        ``ignore_eos``: True, False or None; "false" was taken as True)."""
+        for name, value in flags.items():
+            if value is not None and not isinstance(value, bool):
+                raise PyinferError(f"{name} must be true or false, got {value!r}")
+        if context_shift is not None and (isinstance(context_shift, bool)
+                                          or not isinstance(context_shift, (int, np.integer))):
+            raise PyinferError(f"context_shift must be an integer (the tokens kept, -1: the "
+                               f"whole prompt) or None, got {context_shift!r}")
         if should_stop is not None and not callable(should_stop):
             raise PyinferError("should_stop must be a function (called after every token) or None")
         options.check_optional("n_predict", max_tokens, "max_tokens")
@@ -305,7 +316,7 @@ class LLM:
         if stop_ids is not None:
             stop_ids = token_ids(stop_ids, "stop_ids")
         self.check_fits(tokens)
-        self._check_request(max_tokens, None, seed)
+        self._check_request(max_tokens, None, seed, context_shift=context_shift, ignore_eos=ignore_eos)
         params = self._params(temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
                               dry_multiplier=dry_multiplier, dry_base=dry_base,
                               dry_allowed_length=dry_allowed_length,
@@ -326,9 +337,10 @@ class LLM:
                                "which leaves no room for an answer; raise n_ctx (-c/--ctx-size) or "
                                "shorten the prompt")
 
-    def _snapshot(self) -> _Snapshot:
-        t = self.engine.timings
-        ffn = getattr(getattr(self.engine, "model", None), "ffn", None)
+    def _snapshot(self, engine=None) -> _Snapshot:
+        engine = engine or self.engine
+        t = engine.timings
+        ffn = getattr(getattr(engine, "model", None), "ffn", None)
         # FFNs count neurons in ``ffn.stats`` (active of total, pyinfer/ffn.py FFNStats); read through
         # getattr so an FFN without counters reports no sparsity instead of failing.
         st = getattr(ffn, "stats", None)
@@ -343,7 +355,8 @@ class LLM:
                     top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
                     repeat_last_n: int = 64, seed: int | None = None, ignore_eos: bool = False,
                     should_stop=None, grammar=None, logprobs: "LogprobRecorder | None" = None,
-                    context_shift: int | None = None, **dry) -> Iterator[str]:
+                    context_shift: int | None = None, stats: GenerationStats | None = None,
+                    **dry) -> Iterator[str]:
         """Yield the text that follows ``prompt_tokens``, piece by piece, as it is generated.
 
         Honours ``stop`` strings: the text ends just before the first one, and no part of a stop
@@ -353,18 +366,24 @@ class LLM:
         and ``finish_reason`` ("stop" or "length").
         ``grammar``: a ``pyinfer.grammar.Grammar`` the text must follow (generation ends when it is
         complete). ``logprobs``: a ``LogprobRecorder`` that collects each generated token's
-        log-probability. ``context_shift`` and ``dry``: the options of ``generate``. Raises PyinferError for
-        a grammar that does not compile.
+        log-probability. ``context_shift`` and ``dry``: the options of ``generate``. ``stats``: a
+        GenerationStats to fill (it is also ``last_stats`` until another call replaces it: a
+        stream's caller keeps its own). Raises PyinferError for a grammar that does not compile,
+        and when the LLM is closed while the stream is open (at its next piece).
         """
         stops = [s for s in ([stop] if isinstance(stop, str) else stop or []) if s]  # "" stops nothing
-        stats = self.last_stats = GenerationStats(prompt_tokens=len(prompt_tokens))
-        if getattr(getattr(getattr(self.engine, "model", None), "ffn", None), "is_input_sparse", False):
+        engine = self.engine
+        if stats is None:
+            stats = GenerationStats()
+        stats.prompt_tokens = len(prompt_tokens)
+        self.last_stats = stats
+        if getattr(getattr(getattr(engine, "model", None), "ffn", None), "is_input_sparse", False):
             stats.sparsity_label = "weight reads skipped"
-        before = self._snapshot()
+        before = self._snapshot(engine)
         dec = self.tokenizer.stream_decoder(skip_special=True, continuation=True)
         limit = None if max_tokens is None or max_tokens <= 0 else int(max_tokens)
         constraint = None if grammar is None else grammar.matcher(self.tokenizer)
-        self.engine.finish_reason = None  # not the last generation's, should this one fail early
+        engine.finish_reason = None  # not the last generation's, should this one fail early
         gen = self.generate(prompt_tokens, max_tokens=limit, temperature=temperature, top_k=top_k,
                             top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
                             repeat_last_n=repeat_last_n, seed=seed, ignore_eos=ignore_eos,
@@ -375,6 +394,8 @@ class LLM:
         finish = None
         try:
             for tok in gen:
+                if self._engine is None:  # closed while this stream was paused
+                    raise PyinferError("this LLM is closed")
                 stats.completion_tokens += 1
                 piece = dec.feed(tok)
                 if logprobs is not None:
@@ -415,9 +436,9 @@ class LLM:
             if finish is None and constraint is not None and constraint.done:
                 finish = "stop"  # the grammar is complete: the natural end of this answer
             if finish is None:  # the generation ended by itself: the engine says why
-                finish = self.engine.finish_reason or "stop"
+                finish = engine.finish_reason or "stop"
             stats.finish_reason = finish
-            after = self._snapshot()
+            after = self._snapshot(engine)
             stats.prompt_evaluated = after.prompt_n - before.prompt_n
             stats.prompt_ms = after.prompt_ms - before.prompt_ms
             stats.eval_ms = after.eval_ms - before.eval_ms
@@ -456,6 +477,7 @@ class LLM:
         ``generate`` (off by default, as llama.cpp's server). ``repeat_last_n``: the tokens
         ``repeat_penalty`` looks back over (0: none, -1: the whole context, as llama.cpp).
         """
+        self._check_request(max_tokens, stop, seed, should_stop, stream=stream, ignore_eos=ignore_eos)
         ids = (self.tokenize(prompt) if isinstance(prompt, (str, bytes))
                else token_ids(prompt, "prompt"))
         self.check_fits(ids)
@@ -475,6 +497,7 @@ class LLM:
                   seed=seed, ignore_eos=ignore_eos,
                   should_stop=should_stop, grammar=gram, logprobs=rec, **dry)
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        stats = GenerationStats()  # this answer's (last_stats may be a later call's by its end)
 
         sent = [0]  # characters streamed: a chunk's logprobs cover only tokens whose text it sent
 
@@ -486,18 +509,19 @@ class LLM:
 
         if stream:
             def chunks():
-                for piece in self.stream_text(ids, **kw):
+                for piece in self.stream_text(ids, stats=stats, **kw):
                     yield chunk(piece, None)
-                yield chunk("", self.last_stats.finish_reason)
+                yield chunk("", stats.finish_reason)
             return chunks()
-        text = "".join(self.stream_text(ids, **kw))
-        out = chunk(text, self.last_stats.finish_reason)
-        out["usage"] = self.usage()
+        text = "".join(self.stream_text(ids, stats=stats, **kw))
+        out = chunk(text, stats.finish_reason)
+        out["usage"] = self.usage(stats)
         return out
 
-    def usage(self) -> dict:
-        """OpenAI ``usage`` of the last completion: prompt, completion and total tokens."""
-        s = self.last_stats
+    def usage(self, stats: GenerationStats | None = None) -> dict:
+        """OpenAI ``usage`` of ``stats`` (default: the last completion's): prompt, completion
+        and total tokens."""
+        s = stats or self.last_stats
         return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens,
                 "total_tokens": s.prompt_tokens + s.completion_tokens}
 
@@ -519,6 +543,7 @@ class LLM:
                 template_kwargs: dict | None, tools: list | None = None) -> str:
         """``render_chat`` of messages ``text_messages`` has read (the list may be empty);
         ``tools``: the template's ``tools`` variable (OpenAI's definitions) or None."""
+        self.engine  # (PyinferError once closed, as every call)
         from pyinfer.chat import render_chat, template_kwargs as check_kwargs
 
         from pyinfer.chat import wants_typed_content
@@ -618,7 +643,7 @@ class LLM:
         dry = dict(dry_multiplier=dry_multiplier, dry_base=dry_base,
                    dry_allowed_length=dry_allowed_length, dry_penalty_last_n=dry_penalty_last_n)
         self._params(temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, **dry)
-        self._check_request(max_tokens, stop, seed, should_stop)
+        self._check_request(max_tokens, stop, seed, should_stop, stream=stream, ignore_eos=ignore_eos)
         if not isinstance(logprobs, bool):
             raise PyinferError("logprobs must be true or false")
         check_format(reasoning_format)
@@ -650,6 +675,7 @@ class LLM:
                   seed=seed, should_stop=should_stop,
                   grammar=gram, logprobs=rec, ignore_eos=bool(ignore_eos), **dry)
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        stats = GenerationStats()  # this answer's (last_stats may be a later call's by its end)
 
         # the answer's thinking block apart (reasoning_format), or None: the text as written
         thinking = reasoning_format != "none" and opens_thinking(
@@ -674,13 +700,13 @@ class LLM:
                     for kind, text in parts]
 
         def finish_reason(calls):
-            return "tool_calls" if calls else self.last_stats.finish_reason
+            return "tool_calls" if calls else stats.finish_reason
 
         if stream:
             def chunks():
                 yield chunk({"role": "assistant", "content": ""}, None)
                 held = []  # with tools: the content, read for calls at the end
-                for piece in self.stream_text(ids, **kw):
+                for piece in self.stream_text(ids, stats=stats, **kw):
                     for delta in deltas(split.feed(piece)) if split else [{"content": piece}]:
                         if tool_use is not None and "content" in delta:
                             held.append(delta["content"])
@@ -701,7 +727,7 @@ class LLM:
                         yield chunk(delta, None, upto=None)
                 yield chunk({}, finish_reason(calls))
             return chunks()
-        text = "".join(self.stream_text(ids, **kw))
+        text = "".join(self.stream_text(ids, stats=stats, **kw))
         message = {"role": "assistant", "content": text}
         if split:
             thoughts, message["content"] = split_reasoning(text, thinking)
@@ -715,7 +741,7 @@ class LLM:
         return {"id": cid, "object": "chat.completion", "created": created, "model": self.model_name,
                 "choices": [{"index": 0, "message": message,
                              "logprobs": lp(), "finish_reason": finish_reason(calls)}],
-                "usage": self.usage()}
+                "usage": self.usage(stats)}
 
     def create_embedding(self, input: str | list, model: str | None = None,  # noqa: A002
                          should_stop=None) -> dict:

@@ -108,10 +108,13 @@ class LogprobRecorder:
         "token_logprobs", "top_logprobs", "text_offset"}``; an offset is the character of the
         answer where the token's text begins (the tokens of a split character share one)."""
         top = []
-        for (_, _, alts), _ in taken:  # best first; tokens that print alike keep the best one's
+        for (t, lp, alts), _ in taken:  # best first; tokens that print alike keep the best one's
             d: dict[str, float] = {}
             for a, alp in alts:
                 d.setdefault(self._text(a), alp)
+            # OpenAI: "the API will always return the logprob of the sampled token, so there may
+            # be up to logprobs+1 elements" (llama-cpp-python adds it too)
+            d.setdefault(self._text(t), lp)
             top.append(d)
         return {"tokens": [self._text(t) for (t, _, _), _ in taken],
                 "token_logprobs": [lp for (_, lp, _), _ in taken],

@@ -819,3 +819,87 @@ def test_context_shift_keeps_llama_cpps_window_and_goes_on(keep, tmp_path):
     for window, logits in windows[1:]:
         fresh.reset()
         np.testing.assert_allclose(logits, fresh.eval_prompt(window), rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from pyinfer import LLM
+    from tests._tiny_gguf import write_tiny_gguf
+
+    return LLM(write_tiny_gguf(str(tmp_path_factory.mktemp("tiny") / "t.gguf")), n_ctx=64,
+               n_threads=1, seed=0, device="cpu")
+
+
+def test_a_stream_ends_with_its_own_finish_reason_and_usage(tiny):
+    """A stream's last chunk reported whatever call ran last on the LLM (it read last_stats):
+    a stream whose tokens were all drawn, finished after another call, says "length"."""
+    pytest.importorskip("llguidance")
+    # (a regex of ASCII letters: one token, one piece of text, on the tiny byte-level model)
+    kw = dict(max_tokens=4, temperature=0, ignore_eos=True, grammar="start: /[a-z]{8}/")
+    a = tiny.create_completion("the", stream=True, **kw)
+    pieces = [next(a) for _ in range(4)]
+    other = tiny.create_completion("th", max_tokens=1, temperature=0, stop=["a", "e", "t", " "])
+    assert other["choices"][0]["finish_reason"] in ("stop", "length")
+    rest = list(a)
+    assert [c["choices"][0]["finish_reason"] for c in pieces + rest][-1] == "length"
+    msgs = [{"role": "user", "content": "the"}]
+    c = tiny.create_chat_completion(msgs, stream=True, **kw)
+    [next(c) for _ in range(5)]  # the role, then 4 pieces
+    tiny.create_completion("th", max_tokens=1, temperature=0)
+    assert list(c)[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_closing_the_llm_ends_an_open_stream(tmp_path):
+    """A stream resumed after close() went on generating, then raised from its finally block (and
+    printed "Exception ignored" when collected unfinished); tokenize still worked."""
+    import gc
+
+    from pyinfer import LLM
+    from pyinfer.errors import PyinferError
+    from tests._tiny_gguf import write_tiny_gguf
+
+    llm = LLM(write_tiny_gguf(str(tmp_path / "t.gguf")), n_ctx=64, n_threads=1, device="cpu")
+    s = llm.create_completion("the", max_tokens=20, temperature=0, ignore_eos=True, stream=True)
+    next(s)
+    llm.close()
+    with pytest.raises(PyinferError, match="closed"):
+        next(s)
+    for call in (lambda: llm.tokenize("x"), lambda: llm.render_chat([{"role": "user", "content": "x"}])):
+        with pytest.raises(PyinferError, match="closed"):
+            call()
+    llm2 = LLM(write_tiny_gguf(str(tmp_path / "u.gguf")), n_ctx=64, n_threads=1, device="cpu")
+    left = llm2.create_completion("the", max_tokens=20, temperature=0, ignore_eos=True, stream=True)
+    next(left)
+    llm2.close()
+    hook_calls = []
+    import sys
+
+    old, sys.unraisablehook = sys.unraisablehook, hook_calls.append
+    try:
+        del left
+        gc.collect()
+    finally:
+        sys.unraisablehook = old
+    assert hook_calls == []
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(stream="no"), "stream must be true or false"), (dict(ignore_eos="false"), "ignore_eos must be"),
+    (dict(stream=1), "stream must be"),
+])
+def test_flags_of_the_wrong_type_are_refused(tiny, kw, message):
+    from pyinfer.errors import PyinferError
+
+    for call in (lambda: tiny.create_completion("the", max_tokens=2, **kw),
+                 lambda: tiny.create_chat_completion([{"role": "user", "content": "x"}], max_tokens=2, **kw)):
+        with pytest.raises(PyinferError, match=message):
+            call()
+
+
+@pytest.mark.parametrize("shift", [1.5, "2", True])
+def test_context_shift_of_the_wrong_type_is_refused_up_front(tiny, shift):
+    """(a float failed with a TypeError from a slice, and only once the context filled)"""
+    from pyinfer.errors import PyinferError
+
+    with pytest.raises(PyinferError, match="context_shift must be an integer"):
+        next(tiny.generate(tiny.tokenize("the"), max_tokens=2, context_shift=shift))

@@ -359,3 +359,17 @@ def test_max_completion_tokens_is_checked_beside_max_tokens(app_client):
     r = app_client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2,
                                                       "max_completion_tokens": 5})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2, r.text
+
+
+def test_completion_top_logprobs_always_hold_the_sampled_token(tiny_llm):
+    """OpenAI's legacy logprobs: "the API will always return the logprob of the sampled token, so
+    there may be up to logprobs+1 elements" (llama-cpp-python adds it too); a sampled token
+    outside the N best was missing."""
+    out = tiny_llm.create_completion("the", max_tokens=12, temperature=1.5, top_k=0, top_p=1.0,
+                                     min_p=0.0, logprobs=1, seed=5, ignore_eos=True)
+    lp = out["choices"][0]["logprobs"]
+    outside = 0
+    for tok, tok_lp, alts in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert alts[tok] == tok_lp and 1 <= len(alts) <= 2
+        outside += len(alts) == 2
+    assert outside  # (the case that was wrong: some draws were not the most likely token)
