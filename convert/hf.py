@@ -44,7 +44,9 @@ class SafetensorsDir:
 
     def __init__(self, model_dir: str) -> None:
         index = os.path.join(model_dir, "model.safetensors.index.json")
-        if os.path.isfile(index):
+        if os.path.isfile(os.path.join(model_dir, "model.safetensors")):
+            files = ["model.safetensors"]  # transformers' order: the single file before an index
+        elif os.path.isfile(index):
             idx = _read_json(index)
             wmap = idx.get("weight_map") if isinstance(idx, dict) else None
             if not isinstance(wmap, dict) or not all(isinstance(v, str) and os.path.basename(v) == v
@@ -335,6 +337,8 @@ class LlamaHParams(FamilyTraits):
         if family == "gemma3":
             return cls._gemma3(cfg)
         act = cfg.get("hidden_act", "silu")
+        if act == "swish":  # transformers' ACT2FN: another name of SiLU
+            act = "silu"
         up_act, shift = "", 0.0
         if act == "drelu":  # dReLU (TurboSparse, Bamboo): relu on gate and on up
             act, up_act = "relu", "relu"
@@ -405,7 +409,7 @@ class LlamaHParams(FamilyTraits):
         act = cfg.get("hidden_activation", cfg.get("hidden_act", "gelu_pytorch_tanh"))
         acts = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu",
                 "relu": "relu", "silu": "silu"}
-        if act not in acts:
+        if not isinstance(act, str) or act not in acts:
             raise PyinferError(f"unsupported Gemma 3 hidden_activation {act!r} ({', '.join(acts)})")
         n_embd = _cfg_int(cfg, "hidden_size")
         n_head = _cfg_int(cfg, "num_attention_heads", 8)
@@ -539,11 +543,12 @@ def _check_shape(st: SafetensorsDir, name: str, shape: tuple[int, ...], model_di
 _IGNORABLE_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
-def _check_all_used(st: SafetensorsDir, used: set[str], hp: LlamaHParams, allow_unused: bool) -> None:
+def _check_all_used(st: SafetensorsDir, used: set[str], hp: LlamaHParams, allow_unused: bool,
+                    tied: bool) -> None:
     """Refuse a checkpoint with tensors the conversion leaves out: a config.json whose
     num_hidden_layers is smaller than the checkpoint would otherwise give a truncated model."""
     unused = sorted(n for n in st.entries if n not in used and not n.endswith(_IGNORABLE_SUFFIXES)
-                    and not (n == "lm_head.weight" and hp.tied))  # tied: a copy of the embeddings
+                    and not (n == "lm_head.weight" and tied))  # tied: a copy of the embeddings
     if not unused:
         return
     listed = ", ".join(unused[:3]) + (" ..." if len(unused) > 3 else "")
@@ -587,6 +592,13 @@ def plan_hf(model_dir: str, outtype: str, allow_unused: bool = False,
     if not tied and "lm_head.weight" not in st:
         warn("tie_word_embeddings is false but there is no lm_head.weight: using the embeddings")
         tied = True
+    elif tied and "lm_head.weight" in st and st.shape("lm_head.weight") == st.shape(embd) and \
+            not np.array_equal(st.load("lm_head.weight"), st.load(embd)):
+        # transformers 5 leaves such a pair untied ("both are present in the checkpoints with
+        # different values, so we will NOT tie them"): its lm_head is the checkpoint's own
+        warn("tie_word_embeddings is true but lm_head.weight differs from the embeddings: using "
+             "lm_head.weight, as transformers does")
+        tied = False
 
     meta = Metadata()
     meta.string(C.K_ARCH, C.ARCH)
@@ -720,7 +732,7 @@ def plan_hf(model_dir: str, outtype: str, allow_unused: bool = False,
     jobs += norm(C.OUTPUT_NORM, final_norm)
     if not tied:
         jobs.append(mat(C.OUTPUT, "lm_head.weight", (hp.n_vocab, hp.n_embd)))
-    _check_all_used(st, st.used, hp, allow_unused)
+    _check_all_used(st, st.used, hp, allow_unused, tied)
     return meta, jobs
 
 

@@ -1219,3 +1219,89 @@ def test_dense_refuses_calibration_flags_it_would_not_read(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["c.txt", "src.gguf"]
     r = run("--outtype", "q8_0")
     assert r.returncode == 0, r.stderr
+
+
+def _tiny_hf(model_dir: str, seed: int = 0, tie: bool = False):
+    """A 2-layer random Llama saved with transformers, with a BPE tokenizer; returns the model."""
+    import torch
+    import transformers as T
+
+    from tests._models import make_bpe_tokenizer
+
+    os.makedirs(model_dir, exist_ok=True)
+    vocab = make_bpe_tokenizer(model_dir)
+    torch.manual_seed(seed)
+    cfg = T.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie,
+                        initializer_range=0.1, bos_token_id=1, eos_token_id=2)
+    return T.LlamaForCausalLM(cfg).eval()
+
+
+def _logits_both(model_dir: str, out: str, ids: list[int]):
+    """(pyinfer's, transformers') logits of ``ids`` for an f32 --dense conversion of model_dir."""
+    import torch
+    import transformers as T
+
+    from convert.cli import main as convert_main
+    from pyinfer.engine import Engine
+
+    assert convert_main([model_dir, out, "--dense", "--outtype", "f32", "-t", "1"]) == 0
+    ref_model = T.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([ids])).logits[0].numpy()
+    return Engine(out, n_ctx=32, n_threads=1).model.forward(ids, 0, all_logits=True), ref
+
+
+IDS = [1, 17, 42, 7, 99, 3, 64, 5]
+
+
+def test_tied_config_with_its_own_lm_head_uses_it_as_transformers_does(tmp_path, capsys):
+    """tie_word_embeddings true and an lm_head.weight unlike the embeddings: transformers 5 leaves
+    them untied ("we will NOT tie them"); the converter dropped lm_head.weight silently."""
+    d = str(tmp_path / "m")
+    _tiny_hf(d, tie=False).save_pretrained(d)
+    cfg = json.load(open(os.path.join(d, "config.json")))
+    cfg["tie_word_embeddings"] = True
+    json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
+    ours, ref = _logits_both(d, str(tmp_path / "m.gguf"), IDS)
+    assert np.abs(ours - ref).max() <= 1e-4 * np.abs(ref).max()
+    assert "lm_head.weight differs from the embeddings" in capsys.readouterr().err
+
+
+def test_a_single_safetensors_file_wins_over_an_index_as_in_transformers(tmp_path):
+    """model.safetensors beside model.safetensors.index.json and its shards: transformers loads
+    the single file; the converter took the shards."""
+    from safetensors.torch import save_file
+
+    d = str(tmp_path / "m")
+    _tiny_hf(d, seed=0).save_pretrained(d, max_shard_size="40KB")
+    assert os.path.isfile(os.path.join(d, "model.safetensors.index.json"))
+    other = _tiny_hf(d, seed=1)
+    save_file({k: v.contiguous() for k, v in other.state_dict().items() if k != "lm_head.weight"
+               or not other.config.tie_word_embeddings},
+              os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+    ours, ref = _logits_both(d, str(tmp_path / "m.gguf"), IDS)
+    assert np.abs(ours - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("act", [["gelu_pytorch_tanh"], {"a": 1}])
+def test_gemma3_activation_of_the_wrong_type_is_one_line(act):
+    from convert.hf import LlamaHParams
+    from pyinfer.errors import PyinferError
+
+    cfg = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 64,
+           "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 300, "hidden_activation": act}
+    with pytest.raises(PyinferError, match="unsupported Gemma 3 hidden_activation"):
+        LlamaHParams.from_config(cfg)
+
+
+def test_swish_is_silu(tmp_path):
+    """transformers' ACT2FN takes "swish" as SiLU; the converter refused it."""
+    d = str(tmp_path / "m")
+    _tiny_hf(d).save_pretrained(d)
+    cfg = json.load(open(os.path.join(d, "config.json")))
+    cfg["hidden_act"] = "swish"
+    json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
+    ours, ref = _logits_both(d, str(tmp_path / "m.gguf"), IDS)
+    assert np.abs(ours - ref).max() <= 1e-4 * np.abs(ref).max()
