@@ -301,14 +301,15 @@ class LLM:
                  stop_ids: Iterable[int] | None = None, ignore_eos: bool = False,
                  constraint=None, on_token=None, dry_multiplier: float = 0.0,
                  dry_base: float = 1.75, dry_allowed_length: int = 2,
-                 dry_penalty_last_n: int = -1, context_shift: int | None = None) -> Iterator[int]:
+                 dry_penalty_last_n: int = -1, context_shift: int | None = None,
+                 halt_ids: Iterable[int] | None = None) -> Iterator[int]:
         """Yield token ids that follow ``tokens`` until an end-of-text/turn id (not yielded),
         ``max_tokens`` (None or <= 0: until the context is full) or a full context.
 
         The KV cache keeps the longest common prefix with the previous call, so a prompt that
         extends the last one (a chat's next turn) evaluates only its new tokens.
-        ``constraint``, ``on_token`` and ``context_shift`` (llama.cpp's --context-shift with
-        --keep N: None off): see ``pyinfer.engine.Engine.generate``. ``dry_*``: the DRY
+        ``constraint``, ``on_token``, ``context_shift`` (llama.cpp's --context-shift with
+        --keep N: None off) and ``halt_ids``: see ``pyinfer.engine.Engine.generate``. ``dry_*``: the DRY
         repetition penalty (``pyinfer.sampler.apply_dry``; multiplier 0, the default, is off).
         Raises PyinferError when ``tokens`` is empty or does not leave room for one token.
         """
@@ -322,8 +323,12 @@ class LLM:
                               dry_allowed_length=dry_allowed_length,
                               dry_penalty_last_n=dry_penalty_last_n)
         limit = -1 if max_tokens is None or max_tokens <= 0 else int(max_tokens)
+        if halt_ids is not None:
+            halt_ids = token_ids(halt_ids, "halt_ids")
+            self.engine._check_ids(halt_ids)
         hooks = {k: v for k, v in (("constraint", constraint), ("on_token", on_token),
-                                   ("context_shift", context_shift)) if v is not None}
+                                   ("context_shift", context_shift), ("halt_ids", halt_ids))
+                 if v is not None}
         yield from self.engine.generate(tokens, params, max_tokens=limit, seed=self._seed(seed),
                                         ignore_eos=ignore_eos, stop_ids=stop_ids, **hooks)
 
@@ -356,7 +361,7 @@ class LLM:
                     repeat_last_n: int = 64, seed: int | None = None, ignore_eos: bool = False,
                     should_stop=None, grammar=None, logprobs: "LogprobRecorder | None" = None,
                     context_shift: int | None = None, stats: GenerationStats | None = None,
-                    **dry) -> Iterator[str]:
+                    halt_ids: Iterable[int] | None = None, **dry) -> Iterator[str]:
         """Yield the text that follows ``prompt_tokens``, piece by piece, as it is generated.
 
         Honours ``stop`` strings: the text ends just before the first one, and no part of a stop
@@ -366,7 +371,8 @@ class LLM:
         and ``finish_reason`` ("stop" or "length").
         ``grammar``: a ``pyinfer.grammar.Grammar`` the text must follow (generation ends when it is
         complete). ``logprobs``: a ``LogprobRecorder`` that collects each generated token's
-        log-probability. ``context_shift`` and ``dry``: the options of ``generate``. ``stats``: a
+        log-probability. ``context_shift``, ``halt_ids`` and ``dry``: the options of
+        ``generate``. ``stats``: a
         GenerationStats to fill (it is also ``last_stats`` until another call replaces it: a
         stream's caller keeps its own). Raises PyinferError for a grammar that does not compile,
         and when the LLM is closed while the stream is open (at its next piece).
@@ -387,7 +393,7 @@ class LLM:
         gen = self.generate(prompt_tokens, max_tokens=limit, temperature=temperature, top_k=top_k,
                             top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
                             repeat_last_n=repeat_last_n, seed=seed, ignore_eos=ignore_eos,
-                            constraint=constraint, context_shift=context_shift,
+                            constraint=constraint, context_shift=context_shift, halt_ids=halt_ids,
                             on_token=None if logprobs is None else logprobs.on_token, **dry)
         pending = ""  # decoded text not yet yielded (could be the start of a stop string)
         sent = 0  # characters yielded

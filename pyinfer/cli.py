@@ -11,8 +11,9 @@ import sys
 
 from pyinfer.errors import EXIT_INTERRUPTED, PyinferError, exit_code_of
 from pyinfer.options import Parser as _Parser
-from pyinfer.options import (add_engine_flags, add_model, add_version, arg_type, prompt_file_limit,
-                             read_text_file, warn_past_training)
+from pyinfer.options import (add_engine_flags, add_model, add_version, arg_type, process_escapes,
+                             prompt_file_limit, read_text_file, temperature_arg, threads_arg,
+                             warn_past_training)
 from pyinfer.options import model_path as _model_path
 
 
@@ -45,20 +46,29 @@ def build_parser(prog: str = "pyinfer-run", chat: bool = False) -> argparse.Argu
         src.add_argument("-f", "--file", help="read the prompt from this file")
         p.add_argument("-i", "--interactive", action="store_true",
                        help="chat in a read-eval-print loop (same as pyinfer-chat)")
-        p.add_argument("-n", "--n-predict", type=arg_type("n_predict"), default=None,
-                       help=f"tokens to generate (-1: until end of text or a full context; "
-                            f"default {RUN_N_PREDICT}, with -i {CHAT_N_PREDICT} per answer)")
+        p.add_argument("-n", "--n-predict", type=n_predict_arg, default=None,
+                       help=f"tokens to generate (-1: until end of text or a full context; -2: "
+                            f"the same, never shifting the context (llama.cpp's); default "
+                            f"{RUN_N_PREDICT}, with -i {CHAT_N_PREDICT} per answer)")
+        esc = p.add_mutually_exclusive_group()
+        esc.add_argument("-e", "--escape", action="store_true", default=True,
+                         help="process escapes (\\n, \\t, \\xNN ...) in the prompt and reverse "
+                              "prompts (the default, as llama.cpp)")
+        esc.add_argument("--no-escape", dest="escape", action="store_false",
+                         help="take the prompt and reverse prompts as written")
     else:
         p.add_argument("-n", "--n-predict", type=arg_type("n_predict"), default=None,
                        help=f"longest answer in tokens (default {CHAT_N_PREDICT}; -1: until the "
                             "end of the turn or a full context)")
-    p.add_argument("-t", "--threads", type=arg_type("threads"), default=None, help="kernel threads (default: the physical cores this process may use)")
+    p.add_argument("-t", "--threads", type=threads_arg, default=None,
+                   help="kernel threads (default, or 0 or less: the physical cores this process may use)")
     p.add_argument("-c", "--ctx-size", type=arg_type("ctx_size"), default=0,
                    help="context size in tokens (0: min(4096, the model's))")
     p.add_argument("-ctk", "--cache-type", choices=["auto", "f16", "f32"], default="auto",
                    help="KV cache type (llama.cpp's --cache-type-k/v): f16 halves the bytes each "
                         "token's attention reads; auto: f32 for an f32 file, else f16")
-    p.add_argument("--temp", type=arg_type("temperature"), default=0.8, help="temperature (0: greedy)")
+    p.add_argument("--temp", type=temperature_arg, default=0.8,
+                   help="temperature (0 or less: greedy, as llama.cpp)")
     p.add_argument("--top-k", type=arg_type("top_k"), default=40,
                    help="keep the k most likely tokens (0 or -1: all; default 40)")
     p.add_argument("--top-p", type=arg_type("top_p"), default=0.95)
@@ -138,6 +148,25 @@ def check_args(args) -> str:
     return _model_path(args, "pyinfer-run MODEL.gguf -p PROMPT (or -m MODEL.gguf)")
 
 
+def control_token_stops(llm, stops) -> list[int]:
+    """The ids of the reverse prompts that are one control token (``<|im_start|>``): the text
+    never shows such a token, so llama.cpp's main matches them against the sampled token
+    (``antiprompt_token``); text matching alone never halted at them."""
+    out = []
+    for s in stops:
+        ids = llm.tokenize(s, add_bos=False, special=True)
+        if len(ids) == 1 and llm.tokenizer.is_control(ids[0]):
+            out.append(ids[0])
+    return out
+
+
+def n_predict_arg(text: str) -> int:
+    """argparse ``type=`` of pyinfer-run's ``-n``: ``n_predict``'s range, and llama.cpp's -2."""
+    if text.strip() == "-2":
+        return -2
+    return arg_type("n_predict")(text)
+
+
 def sampling_kwargs(args, chat: bool = False) -> dict:
     """Keyword arguments of ``LLM.stream_text`` for the sampling and grammar flags (``chat``: for
     the interactive chat, whose DRY default is CHAT_DRY_MULTIPLIER). Raises PyinferError for a
@@ -154,6 +183,8 @@ def sampling_kwargs(args, chat: bool = False) -> dict:
         kw["grammar"] = grammar
     stops = getattr(args, "reverse_prompt", None)
     if stops:
+        if getattr(args, "escape", False):
+            stops = [process_escapes(s) for s in stops]
         if not all(stops):
             raise PyinferError("-r/--reverse-prompt: an empty reverse prompt stops nothing")
         kw["stop"] = list(stops)
@@ -280,7 +311,9 @@ def run(args) -> int:
     model_path = check_args(args)
     if args.interactive:
         one_shot = [f for f, on in (("--chat", args.chat), ("--ignore-eos", args.ignore_eos),
-                                    ("--no-display-prompt", args.no_display_prompt)) if on]
+                                    ("--no-display-prompt", args.no_display_prompt),
+                                    ("--context-shift", args.context_shift),
+                                    ("--keep", args.keep != 0)) if on]
         if one_shot:
             raise PyinferError(f"{', '.join(one_shot)} go{'es' if len(one_shot) == 1 else ''} "
                                "with a one-shot prompt (-p/-f), not -i (the chat always "
@@ -293,11 +326,17 @@ def run(args) -> int:
                            "renders no template)")
     if args.file:
         prompt = read_text_file(args.file, prompt_file_limit(args.ctx_size), "prompt file")
+        if prompt.endswith("\n"):  # llama.cpp's -f drops one trailing newline
+            prompt = prompt[:-1]
     else:
         prompt = args.prompt
     if prompt is None:
         raise PyinferError("no prompt given: use -p PROMPT, -f FILE or -i")
+    if args.escape:
+        prompt = process_escapes(prompt)
     n_predict = RUN_N_PREDICT if args.n_predict is None else args.n_predict
+    if n_predict == -2:  # llama.cpp's "until the context is filled": no shift, even if asked
+        n_predict, args.context_shift, args.keep = -1, False, 0
     sampling = sampling_kwargs(args)  # a bad grammar is reported before the model loads
     if args.seed != -1:  # the request's seed, as llama.cpp's -s and the API's / server's seed
         sampling["seed"] = args.seed
@@ -315,6 +354,9 @@ def run(args) -> int:
     else:
         ids = llm.tokenize(prompt)
     llm.check_fits(ids)
+    halt = control_token_stops(llm, sampling.get("stop", ()))
+    if halt:
+        sampling["halt_ids"] = halt
     if not args.no_display_prompt and not args.chat:
         sys.stdout.write(prompt)
         sys.stdout.flush()
@@ -336,8 +378,10 @@ def run(args) -> int:
     sys.stdout.flush()
     if n_predict != 0 and status == 0 and s is not None and s.finish_reason == "length" and (
             n_predict < 0 or s.completion_tokens < n_predict):
+        hint = ("--context-shift has nothing left to drop after --keep's tokens; raise -c or "
+                "lower --keep" if shift is not None else "raise -c, or --context-shift")
         print(f"[generation stopped after {s.completion_tokens} tokens: the context "
-              f"({llm.n_ctx} tokens) is full; raise -c, or --context-shift]", file=sys.stderr)
+              f"({llm.n_ctx} tokens) is full; {hint}]", file=sys.stderr)
     print(file=sys.stderr)
     # llama.cpp's system_info line, with the summary (so that an error stays one line)
     from pyinfer.ops import cpu

@@ -366,7 +366,8 @@ class Engine:
     def generate(self, prompt_tokens: list[int], params: SamplingParams = SamplingParams(), *,
                  max_tokens: int = -1, seed: int | None = None, ignore_eos: bool = False,
                  stop_ids: Iterable[int] | None = None, constraint=None,
-                 on_token=None, context_shift: int | None = None) -> Iterator[int]:
+                 on_token=None, context_shift: int | None = None,
+                 halt_ids: Iterable[int] = ()) -> Iterator[int]:
         """Yield sampled token ids after ``prompt_tokens`` until a stop id, ``max_tokens``
         (-1: until the context is full) or the end of the context. The stop token is not yielded.
         Deterministic for a given ``seed`` (None: fresh entropy).
@@ -388,9 +389,13 @@ class Engine:
         are dropped, and generation goes on; llama.cpp moves the cache rows and re-rotates their
         keys, this re-evaluates the kept tokens at their new positions (the same function, in
         exact arithmetic).
+        ``halt_ids``: ids that end the generation ("stop", not yielded) even under
+        ``ignore_eos``: a reverse prompt that is one control token (llama.cpp's main checks such
+        an ``antiprompt_token`` against the last sampled token).
         """
         self.finish_reason = None
         stops = set(self.tokenizer.stop_ids if stop_ids is None else stop_ids)
+        halt = frozenset(int(i) for i in halt_ids)
         eog = self.tokenizer.stop_ids  # (ids inside the vocabulary: the tokenizer checks them)
         banned = np.fromiter(eog, np.int64) if ignore_eos and eog else None
         rng = np.random.default_rng(seed)
@@ -422,7 +427,7 @@ class Engine:
             self.timings.sample_n += 1
             if on_token is not None:  # the model's logits, before the ban (llama.cpp's probs)
                 on_token(logits, tok)
-            if tok in stops and not ignore_eos:
+            if (tok in stops and not ignore_eos) or tok in halt:
                 self.finish_reason = "stop"
                 return
             if constraint is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import string
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -150,6 +151,64 @@ def arg_type(option: str):
     return parse
 
 
+def threads_arg(text: str) -> int | None:
+    """argparse ``type=`` of ``-t/--threads``: a count in 1..MAX_THREADS, or None (the default)
+    for 0 and negative counts, which llama.cpp's tools also read as "pick for me"."""
+    try:
+        v = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {OPTIONS['threads'].describe()} (0 or less: "
+                                         f"the default), got {text!r}") from None
+    if v <= 0:
+        return None
+    if not OPTIONS["threads"].accepts(v):
+        raise argparse.ArgumentTypeError(f"must be {OPTIONS['threads'].describe()}, got {text}")
+    return v
+
+
+def temperature_arg(text: str) -> float:
+    """argparse ``type=`` of ``--temp``: a finite number; below 0 is 0 (greedy), as llama.cpp's
+    ``--temp`` clamps it."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return max(v, 0.0)
+
+
+def process_escapes(text: str) -> str:
+    """llama.cpp's ``string_process_escapes`` (common.cpp), which its tools apply to -p/-f prompts
+    and reverse prompts unless ``--no-escape``: ``\\n``, ``\\r``, ``\\t``, ``\\'``, ``\\"``,
+    ``\\\\`` and ``\\xNN`` (a byte, two hex digits) are replaced; any other backslash, and one
+    at the very end, stays as written. The bytes are read back as UTF-8 (a ``\\xNN`` that
+    leaves an incomplete character becomes U+FFFD)."""
+    if "\\" not in text:
+        return text
+    src = text.encode("utf-8", "surrogatepass")
+    out = bytearray()
+    simple = {ord("n"): b"\n", ord("r"): b"\r", ord("t"): b"\t", ord("'"): b"'", ord('"'): b'"',
+              ord("\\"): b"\\"}
+    i, n = 0, len(src)
+    while i < n:
+        c = src[i]
+        if c == 0x5C and i + 1 < n:
+            i += 1
+            e = src[i]
+            if e in simple:
+                out += simple[e]
+            elif e == ord("x") and i + 2 < n and all(chr(h) in string.hexdigits for h in src[i + 1:i + 3]):
+                out.append(int(src[i + 1:i + 3], 16))
+                i += 2
+            else:
+                out += bytes((0x5C, e))
+        else:
+            out.append(c)
+        i += 1
+    return out.decode("utf-8", "replace")
+
+
 def prompt_file_limit(ctx_size: int | None) -> int:
     """Most bytes a prompt file for a context of ``ctx_size`` tokens (0/None: the default) may hold."""
     return PROMPT_BYTES_PER_TOKEN * max(ctx_size or DEFAULT_CTX_FOR_LIMIT, DEFAULT_CTX_FOR_LIMIT)
@@ -190,7 +249,13 @@ def temp_path_beside(path: str, suffix: str = ".tmp") -> str:
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse that reports a bad flag as one ``error:`` line and exit status 1 (not usage + 2)."""
+    """argparse that reports a bad flag as one ``error:`` line and exit status 1 (not usage + 2),
+    and takes no abbreviated flags (llama.cpp takes none: ``--chat-template`` was read as
+    pyinfer's ``--chat-template-kwargs``)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         self.exit(1, f"error: {message} (see {self.prog} --help)\n")

@@ -21,7 +21,7 @@ import numpy as np
 
 from pyinfer.errors import PyinferError, exit_code_of
 from pyinfer.options import (MAX_TEXT_FILE_BYTES, Parser, add_model, add_version, arg_type,
-                             model_path, read_text_file, warn_past_training)
+                             model_path, read_text_file, threads_arg, warn_past_training)
 
 #: Positions converted to f64 log-probabilities at a time (their copies stay small).
 ROWS = 64
@@ -154,7 +154,8 @@ def _main(argv) -> int:
     ap.add_argument("-c", "--ctx-size", type=arg_type("ctx_size"), default=None,
                     help="chunk size in tokens (default 512; 0: the model's default context, as "
                          "pyinfer-run; with --kl-divergence: the base file's)")
-    ap.add_argument("-t", "--threads", type=arg_type("threads"), default=None)
+    ap.add_argument("-t", "--threads", type=threads_arg, default=None,
+                    help="kernel threads (default, or 0 or less: the physical cores this process may use)")
     ap.add_argument("--chunks", type=arg_type("chunks"), default=-1,
                     help="score at most this many chunks (-1 or 0: all)")
     ap.add_argument("--dense", action="store_true", help="compute every FFN neuron")

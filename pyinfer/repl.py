@@ -310,6 +310,8 @@ def describe_settings(session: ChatSession) -> str:
     sp = session.sampling
     if sp.get("temperature", 0.8) <= 0:
         chain = "greedy (temp 0)"
+    elif sp.get("top_p", 0.95) <= 0:  # (options.sampling: top-p 0 is greedy, as OpenAI's)
+        chain = "greedy (top-p 0)"
     else:
         chain = (f"temp {sp.get('temperature', 0.8):.2f}, top-k {sp.get('top_k', 40)}, "
                  f"top-p {sp.get('top_p', 0.95):.2f}, min-p {sp.get('min_p', 0.05):.2f}")
@@ -317,9 +319,9 @@ def describe_settings(session: ChatSession) -> str:
     rn = sp.get("repeat_last_n", 64)
     penalty = (f"repeat-penalty {rp:.2f} over "
                f"{'the whole context' if rn < 0 else f'the last {rn} tokens'}"
-               if rp != 1.0 else "no repeat penalty")
+               if rp != 1.0 and rn != 0 else "no repeat penalty")
     dm = sp.get("dry_multiplier", 0.0)
-    if dm > 0:
+    if dm > 0 and sp.get("dry_penalty_last_n", -1) != 0:  # (last-n 0: DRY off, as llama.cpp)
         last_n = sp.get("dry_penalty_last_n", -1)
         penalty += (f", DRY {dm:g} (base {sp.get('dry_base', 1.75):g}, allowed length "
                     f"{sp.get('dry_allowed_length', 2)}, "

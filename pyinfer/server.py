@@ -687,7 +687,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="context size in tokens (0: min(4096, the model's))")
     p.add_argument("-ctk", "--cache-type", choices=["auto", "f16", "f32"], default="auto",
                    help="KV cache type (auto: f32 for an f32 file, else f16)")
-    p.add_argument("-t", "--threads", type=arg_type("threads"), default=None, help="kernel threads (default: the physical cores this process may use)")
+    p.add_argument("-t", "--threads", type=options.threads_arg, default=None,
+                   help="kernel threads (default, or 0 or less: the physical cores this process may use)")
     p.add_argument("--queue-size", type=int, default=4,
                    help="requests that may wait behind the running one before 503 (default 4)")
     add_engine_flags(p)

@@ -347,6 +347,10 @@ class Tokenizer:
         """Control or user-defined token (``<|im_start|>``, ``<s>`` ...)."""
         return token_id in self._special_ids
 
+    def is_control(self, token_id: int) -> bool:
+        """A control token: one that ``skip_special`` decoding leaves out of the text."""
+        return token_id in self._control_ids
+
     # ---- encode / decode ----------------------------------------------------------------------
     def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = True) -> list[int]:
         """Token ids of ``text``.

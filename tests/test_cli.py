@@ -99,7 +99,7 @@ def test_truncated_gguf(tmp_path, tiny_gguf):
     assert_user_error(pyinfer_run(str(p), "-p", "hi"), "truncated")
 
 
-@pytest.mark.parametrize("value", ["0", "-2", "two", "100000", "2147483648"])
+@pytest.mark.parametrize("value", ["two", "100000", "2147483648"])
 def test_bad_threads(tmp_path, value):
     assert_user_error(pyinfer_run(str(tmp_path / "m.gguf"), "-p", "hi", "-t", value),
                       "-t/--threads", "must be an integer in 1..512")
@@ -109,15 +109,14 @@ def test_bad_threads(tmp_path, value):
 @pytest.mark.parametrize("flag,value,words", [
     ("-c", "9999999999999999999", "must be an integer in 0..16777216"),
     ("-c", "-1", "-c/--ctx-size"),
-    ("--temp", "-1", "must be a finite number >= 0"),
-    ("--temp", "nan", "must be a finite number >= 0"),
+    ("--temp", "nan", "must be a finite number"),
     ("--temp", "inf", "--temp"),
     ("--top-k", "-2", "--top-k"),
     ("--top-p", "1.5", "must be a finite number >= 0 and <= 1"),
     ("--min-p", "-0.1", "--min-p"),
     ("--repeat-penalty", "nan", "must be a finite number > 0"),
     ("--repeat-penalty", "0", "--repeat-penalty"),
-    ("-n", "-2", "-n/--n-predict"),
+    ("-n", "-3", "-n/--n-predict"),
     ("--vram-budget", "-1", "--vram-budget"),
     ("--vram-budget", "nan", "--vram-budget"),
     ("-ngl", "-1", "-ngl/--n-gpu-layers"),
@@ -498,3 +497,83 @@ def test_prompt_bar_after_an_interrupted_prompt(tmp_path):
         eng.prompt_progress)
     eng.eval_prompt([5 + i % 200 for i in range(PROMPT_BATCH + 40)])
     assert seen[0] == (0, PROMPT_BATCH + 40) and not bars
+
+
+# ---- llama.cpp's meaning of -f, escapes, -t 0, --temp < 0, -n -2 and control-token -r ------------
+@pytest.mark.parametrize("raw, out", [
+    ("a\\nb", "a\nb"), ("tab\\there", "tab\there"), ("\\r\\'\\\"", "\r'\""),
+    ("back\\\\n", "back\\n"),  # an escaped backslash, then a plain n
+    ("\\x41\\x62", "Ab"), ("\\xe2\\x82\\xac", "\u20ac"), ("\\x4", "\\x4"), ("\\x4g", "\\x4g"),
+    ("\\q", "\\q"), ("end\\", "end\\"), ("\\xff", "\ufffd"), ("plain", "plain"),
+])
+def test_escapes_as_llama_cpp_processes_them(raw, out):
+    """common.cpp's string_process_escapes: \\n \\r \\t \\' \\" \\\\ and \\xNN; any other
+    backslash, a short \\x and a last lone backslash stay as written."""
+    from pyinfer.options import process_escapes
+
+    assert process_escapes(raw) == out
+
+
+def _prompt_tokens(stderr: str) -> int:
+    return int(re.search(r"prompt eval time =.*/\s+(\d+) tokens", stderr).group(1))
+
+
+def test_prompt_file_newline_and_escapes(runnable_gguf, tmp_path):
+    """-f drops one trailing newline (llama.cpp's -f); -p's escapes are processed unless
+    --no-escape (llama.cpp's default), so the echoed prompt holds a real newline."""
+    f = tmp_path / "p.txt"
+    f.write_text("the cat\n")
+    common = ("-n", "1", "--temp", "0", "-t", "1")
+    by_file = pyinfer_run(runnable_gguf, "-f", str(f), *common)
+    by_flag = pyinfer_run(runnable_gguf, "-p", "the cat", *common)
+    assert by_file.returncode == by_flag.returncode == 0, by_file.stderr
+    assert _prompt_tokens(by_file.stderr) == _prompt_tokens(by_flag.stderr)
+    r = pyinfer_run(runnable_gguf, "-p", "the\\ncat", *common)
+    assert r.returncode == 0 and r.stdout.startswith("the\ncat"), r.stdout
+    r = pyinfer_run(runnable_gguf, "-p", "the\\ncat", "--no-escape", *common)
+    assert r.returncode == 0 and r.stdout.startswith("the\\ncat"), r.stdout
+
+
+def test_llama_cpp_values_that_mean_a_default(runnable_gguf):
+    """-t 0 / -t -1 pick the threads, --temp -1 is greedy (llama.cpp clamps it), -n -2 runs to a
+    full context and never shifts it."""
+    base = ("-p", "the cat", "-n", "8", "--ignore-eos")
+    greedy = pyinfer_run(runnable_gguf, *base, "--temp", "0", "-t", "1")
+    for extra in (("--temp", "-1", "-t", "0", "-s", "1"), ("--temp", "-0.5", "-t", "-1", "-s", "2")):
+        r = pyinfer_run(runnable_gguf, *base, *extra)
+        assert r.returncode == 0 and r.stdout == greedy.stdout, (extra, r.stderr)
+    r = pyinfer_run(runnable_gguf, "-p", "the cat", "-n", "-2", "-c", "16", "--ignore-eos", "--temp", "0",
+                    "-t", "1", "--context-shift")
+    assert r.returncode == 0 and "the context (16 tokens) is full" in r.stderr, r.stderr
+
+
+def test_context_shift_flags_are_refused_in_the_chat(runnable_gguf):
+    """-i ignored --context-shift and --keep (the chat has no context shift)."""
+    for flags in (("--context-shift",), ("--keep", "3"), ("--context-shift", "--keep", "1")):
+        assert_user_error(pyinfer_run(runnable_gguf, "-i", *flags), "not -i")
+
+
+def test_abbreviated_flags_are_refused(runnable_gguf):
+    """argparse took --chat-template (llama.cpp's flag, not pyinfer's) as --chat-template-kwargs."""
+    r = pyinfer_run(runnable_gguf, "-p", "x", "--chat", "--chat-template", "chatml")
+    assert_user_error(r, "unrecognized arguments: --chat-template")
+    assert_user_error(pyinfer_run(runnable_gguf, "-p", "x", "--temperature", "0"), "unrecognized")
+
+
+@pytest.mark.slow
+def test_a_control_token_reverse_prompt_halts_at_that_token(smollm2_q8, smollm2_llm):
+    """llama.cpp's main halts at a reverse prompt that is one control token by the sampled token
+    (its antiprompt_token); the text never shows such a token, so it ran to -n."""
+    prompt = "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\nHi!<|im_end|>\n"
+    start = smollm2_llm.tokenize("<|im_start|>", add_bos=False)
+    assert len(start) == 1
+    smollm2_llm.reset()
+    drawn = list(smollm2_llm.generate(smollm2_llm.tokenize(prompt), max_tokens=30, temperature=0,
+                                      ignore_eos=True))
+    assert start[0] in drawn, drawn  # (after a turn's end the greedy model opens the next)
+    k = drawn.index(start[0])
+    r = pyinfer_run(smollm2_q8, "-p", prompt, "--ignore-eos", "-r", "<|im_start|>", "-n", "30",
+                    "--temp", "0", "-t", "1", "--no-display-prompt")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == smollm2_llm.detokenize(drawn[:k], skip_special=True) + "\n"
+    assert re.search(rf"sampling time =.*/\s+{k + 1} runs", r.stderr), r.stderr

@@ -474,3 +474,20 @@ def test_reverse_prompt_ends_a_chat_answer_before_it(smollm2_q8):
     assert "".join(shown) == cut.messages[-1]["content"] == answer[:answer.find(word)]
     assert st.stop_string == word and st.finish_reason == "stop"
     assert f"halted at {word!r} (-r)" in describe_settings(cut)
+
+
+def test_settings_line_says_what_is_off():
+    """The start-up line printed repeat-penalty and DRY as active with a look-back of 0 tokens
+    (both off then, as in llama.cpp), and top-p 0 as sampling (it is greedy)."""
+    from types import SimpleNamespace
+
+    from pyinfer.repl import describe_settings
+
+    def line(**sp):
+        return describe_settings(SimpleNamespace(sampling=sp, max_tokens=512))
+
+    assert "no repeat penalty" in line(repeat_penalty=1.1, repeat_last_n=0)
+    assert "repeat-penalty 1.10 over the last 64 tokens" in line(repeat_penalty=1.1, repeat_last_n=64)
+    assert "no DRY" in line(dry_multiplier=0.8, dry_penalty_last_n=0)
+    assert "DRY 0.8" in line(dry_multiplier=0.8, dry_penalty_last_n=-1)
+    assert line(top_p=0.0).startswith("sampling: greedy (top-p 0)")
