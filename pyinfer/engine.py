@@ -6,8 +6,10 @@ Python API). Keeps the evaluated tokens so a follow-up prompt that shares a pref
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
+import threading
 import time
 from dataclasses import dataclass
 from typing import Iterable, Iterator
@@ -180,6 +182,7 @@ class Engine:
         # (max_tokens, a full context); None while one runs or when its consumer left early
         self.finish_reason: str | None = None
         self._epoch = 0  # bumped by whatever replaces the cache's contents (generate checks it)
+        self._busy = threading.RLock()  # held while the model computes (_exclusive)
         self._dry_breakers: frozenset[int] | None = None  # see dry_breakers
         # fewer threads while other processes hold CPUs (spinning OpenMP waits: pyinfer.threads)
         self.governor = ThreadGovernor(n_threads)
@@ -274,6 +277,10 @@ class Engine:
         Raises PyinferError if the prompt does not fit, holds an id outside the model's
         vocabulary, or the model produces NaN/Inf logits.
         """
+        with self._exclusive():
+            return self._eval_prompt(tokens)
+
+    def _eval_prompt(self, tokens: list[int]) -> np.ndarray:
         if not tokens:
             raise PyinferError("empty prompt")
         self._check_ids(tokens)
@@ -321,6 +328,10 @@ class Engine:
         """Append one token to the cache and return its logits (n_vocab,). Raises PyinferError
         for an id outside the vocabulary, a full context (the kernels' ValueError before) or
         NaN/Inf logits (the token is then not appended)."""
+        with self._exclusive():
+            return self._eval_token(token)
+
+    def _eval_token(self, token: int) -> np.ndarray:
         self._check_ids([token])
         if len(self.tokens) >= self.n_ctx:
             raise PyinferError(f"the context ({self.n_ctx} tokens) is full: no room for another "
@@ -337,6 +348,25 @@ class Engine:
         """``model.forward`` (see ``pyinfer.model.Model.forward``) on the thread count the
         governor gives this pass (``pyinfer.threads``); the cache bookkeeping of ``tokens`` is
         the caller's."""
+        with self._exclusive():
+            return self._forward(tokens, n_past, all_logits)
+
+    @contextlib.contextmanager
+    def _exclusive(self):
+        """Held while the model computes or its cache bookkeeping changes (``eval_prompt``,
+        ``eval_token``, ``forward``, ``embeddings``; reentrant): a second thread's call (two
+        threads sharing one LLM) is a PyinferError instead of both writing the same cache and
+        buffers (their answers came back silently garbled)."""
+        if not self._busy.acquire(blocking=False):
+            raise PyinferError("the model is busy in another thread: one engine computes one "
+                               "thing at a time (give each thread its own LLM, or queue the "
+                               "requests, as pyinfer-serve does)")
+        try:
+            yield
+        finally:
+            self._busy.release()
+
+    def _forward(self, tokens: list[int], n_past: int, all_logits: bool) -> np.ndarray:
         n = self.governor.begin()
         self.timings.passes += 1
         self.timings.passes_reduced += n < self.n_threads
@@ -499,11 +529,12 @@ class Engine:
         if not tokens or len(tokens) > self.n_ctx:
             raise PyinferError(f"the input is {len(tokens)} tokens; it must be 1..{self.n_ctx}")
         self._check_ids(tokens)
-        self.tokens = []
-        self._n_batched = 0
-        self._epoch += 1
-        x = model.embed(tokens, 0)
-        model.run_layers(x, 0, 0)
-        h = np.empty_like(x)  # (n_tok, n_embd)
-        cpu.rmsnorm(x, model.w.output_norm, self.cfg.rms_eps, h)
+        with self._exclusive():
+            self.tokens = []
+            self._n_batched = 0
+            self._epoch += 1
+            x = model.embed(tokens, 0)
+            model.run_layers(x, 0, 0)
+            h = np.empty_like(x)  # (n_tok, n_embd)
+            cpu.rmsnorm(x, model.w.output_norm, self.cfg.rms_eps, h)
         return h

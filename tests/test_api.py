@@ -903,3 +903,39 @@ def test_context_shift_of_the_wrong_type_is_refused_up_front(tiny, shift):
 
     with pytest.raises(PyinferError, match="context_shift must be an integer"):
         next(tiny.generate(tiny.tokenize("the"), max_tokens=2, context_shift=shift))
+
+
+def test_a_second_thread_gets_an_error_not_a_garbled_answer(tmp_path):
+    """Two threads sharing one LLM ran their forward passes over one cache at once and got
+    silently wrong text; a forward pass that finds another one running is a PyinferError."""
+    import threading
+
+    from pyinfer import LLM
+    from pyinfer.errors import PyinferError
+    from tests._tiny_gguf import write_tiny_gguf
+
+    llm = LLM(write_tiny_gguf(str(tmp_path / "t.gguf")), n_ctx=64, n_threads=1, device="cpu")
+    want = llm.create_completion("the", max_tokens=4, temperature=0, ignore_eos=True)
+    model = llm.engine.model
+    inside, release = threading.Event(), threading.Event()
+    real = model.forward
+
+    def slow_forward(*a, **kw):
+        inside.set()
+        release.wait(30)
+        return real(*a, **kw)
+
+    model.forward = slow_forward
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("a", llm.create_completion(
+        "the", max_tokens=4, temperature=0, ignore_eos=True)))
+    t.start()
+    assert inside.wait(30)
+    model.forward = real  # (the other thread's pass is the slow one)
+    with pytest.raises(PyinferError, match="busy in another thread"):
+        llm.create_completion("then", max_tokens=2, temperature=0)
+    with pytest.raises(PyinferError, match="busy in another thread"):
+        llm.create_embedding("the")
+    release.set()
+    t.join(30)
+    assert out["a"]["choices"][0]["text"] == want["choices"][0]["text"]
