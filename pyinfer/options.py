@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import numbers
 import os
 import string
 import sys
@@ -60,13 +61,17 @@ class Range:
         return f"{kind} {rng}{also}"
 
     def accepts(self, v) -> bool:
-        if isinstance(v, int) and not isinstance(v, bool) and v in self.extra:
+        """``v`` is a number of the right kind in range (NumPy's integers and floats count, as
+        Python's; bools do not)."""
+        if isinstance(v, bool):  # (NumPy's bool_ is no numbers.Integral either)
+            return False
+        if isinstance(v, numbers.Integral) and v in self.extra:
             return True
         if self.integer:
-            ok_type = isinstance(v, int)
+            ok_type = isinstance(v, numbers.Integral)
         else:
-            ok_type = isinstance(v, (int, float)) and math.isfinite(v)
-        if not ok_type or isinstance(v, bool):
+            ok_type = isinstance(v, numbers.Real) and math.isfinite(v)
+        if not ok_type:
             return False
         if v < self.lo or (self.lo_open and v == self.lo):
             return False
@@ -103,7 +108,7 @@ def check(option: str, value, name: str | None = None):
     r = OPTIONS[option]
     if not r.accepts(value):
         raise PyinferError(f"{name or option} must be {r.describe()}, got {value!r}")
-    return value
+    return int(value) if isinstance(value, numbers.Integral) else value
 
 
 def check_optional(option: str, value, name: str | None = None):

@@ -939,3 +939,18 @@ def test_a_second_thread_gets_an_error_not_a_garbled_answer(tmp_path):
     release.set()
     t.join(30)
     assert out["a"]["choices"][0]["text"] == want["choices"][0]["text"]
+
+
+def test_numpy_numbers_are_numbers(tiny):
+    """np.int64 max_tokens / seed and np.float32 temperature were refused as of the wrong type
+    (NumPy integers were already taken as token ids); NumPy's bool stays refused."""
+    import numpy as np
+
+    from pyinfer.errors import PyinferError
+
+    a = tiny.create_completion("the", max_tokens=np.int64(3), seed=np.int64(7),
+                               temperature=np.float32(0.5), ignore_eos=True)
+    b = tiny.create_completion("the", max_tokens=3, seed=7, temperature=0.5, ignore_eos=True)
+    assert a["choices"][0]["text"] == b["choices"][0]["text"] and a["usage"] == b["usage"]
+    with pytest.raises(PyinferError, match="max_tokens"):
+        tiny.create_completion("the", max_tokens=np.bool_(True))
