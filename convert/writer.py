@@ -13,7 +13,6 @@ file it points to is replaced and the link stays.
 """
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ import numpy as np
 
 from pyinfer.constants import ARCH, K_ARCH, K_QUANT_FALLBACK, OUTTYPES, QK_BLOCK, QT
 from pyinfer.errors import PyinferError
-from pyinfer.options import temp_path_beside  # noqa: F401  (this module's callers import it from here)
+from pyinfer.options import signals_held, temp_path_beside  # noqa: F401  (callers import them from here)
 
 VT = gguf.GGUFValueType
 
@@ -189,24 +188,6 @@ def _write_reason(e: OSError, tmp_path: str, size: int) -> str:
 #: Absolute paths write_gguf has renamed a finished file onto, in this process: a Ctrl-C handler
 #: that arrives after the rename reads it (convert/cli.py: the conversion has succeeded).
 COMPLETED: set = set()
-
-
-@contextlib.contextmanager
-def signals_held():
-    """SIGINT and SIGTERM held back (blocked) for the block, in the main thread; one that came
-    meanwhile is delivered as the block ends. Elsewhere (another thread) a plain block."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    held = {signal.SIGINT, signal.SIGTERM}
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def write_gguf(out_path: str, meta: Metadata, jobs: Sequence[TensorJob], progress: bool | None = None) -> None:

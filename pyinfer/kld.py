@@ -135,14 +135,18 @@ class BaseWriter:
             raise PyinferError(f"cannot write {self.path}: {e.strerror or e}") from None
 
     def abort(self) -> None:
-        """Remove the temporary file (the path named by the user is left as it was)."""
-        f = getattr(self, "f", None)
-        if f is not None:
-            f.close()
-        try:
-            os.remove(self.tmp)
-        except FileNotFoundError:
-            pass
+        """Remove the temporary file (the path named by the user is left as it was); SIGINT and
+        SIGTERM are held meanwhile, so a second Ctrl-C cannot leave it behind."""
+        from pyinfer.options import signals_held
+
+        with signals_held():
+            f = getattr(self, "f", None)
+            if f is not None:
+                f.close()
+            try:
+                os.remove(self.tmp)
+            except FileNotFoundError:
+                pass
 
 
 class BaseFile:

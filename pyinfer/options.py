@@ -10,6 +10,7 @@ overflows the KV cache's size arithmetic.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import numbers
 import os
@@ -234,6 +235,24 @@ def read_text_file(path: str, limit: int, what: str = "file",
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise PyinferError(f"cannot read {what} {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+@contextlib.contextmanager
+def signals_held():
+    """SIGINT and SIGTERM held back (blocked) for the block, in the main thread; one that came
+    meanwhile is delivered as the block ends. Elsewhere (another thread) a plain block."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = {signal.SIGINT, signal.SIGTERM}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def temp_path_beside(path: str, suffix: str = ".tmp") -> str:

@@ -2,7 +2,7 @@
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``"stream": true`` answers with
 server-sent events, ending with ``data: [DONE]``), ``POST /v1/embeddings`` (mean-pooled final hidden
-states, unit length), ``GET /v1/models``, ``GET /health``.
+states, unit length), ``GET /v1/models`` (and ``/v1/models/{model}``), ``GET /health``.
 Requests take OpenAI's fields plus llama.cpp's ``top_k``, ``min_p``, ``repeat_penalty``,
 ``repeat_last_n``, ``dry_*``,
 ``ignore_eos``, ``grammar`` and ``json_schema``; ``response_format`` (json_object, json_schema) and ``grammar`` constrain the
@@ -642,15 +642,27 @@ def create_app(llm, max_queue: int = 4, api_key: str | None = None,
         return await run_job(request, lambda stop: encode_embeddings(
             llm.create_embedding(inp, should_stop=stop), fmt), stream=False)
 
+    model_card = {"id": llm.model_name, "object": "model", "created": created, "owned_by": "pyinfer"}
+
     async def models(request: Request):
-        return JSONResponse({"object": "list", "data": [
-            {"id": llm.model_name, "object": "model", "created": created, "owned_by": "pyinfer"}]})
+        return JSONResponse({"object": "list", "data": [model_card]})
+
+    async def model(request: Request):  # OpenAI's GET /v1/models/{model}
+        name = request.path_params["name"]
+        if name != llm.model_name:
+            body = error_body(f"The model '{name}' does not exist (this server serves "
+                              f"'{llm.model_name}')", "model")
+            body["error"]["code"] = "model_not_found"
+            return JSONResponse(body, status_code=404)
+        return JSONResponse(model_card)
 
     async def health(request: Request):
         return JSONResponse({"status": "ok", "requests_pending": worker.pending})
 
     async def not_found(request: Request, exc):
-        return error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+        r = error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+        r.headers.update(exc.headers or {})  # (405's Allow: the methods the path takes)
+        return r
 
     async def server_error(request: Request, exc):
         return error(500, f"internal error: {type(exc).__name__}", kind="server_error")
@@ -660,6 +672,7 @@ def create_app(llm, max_queue: int = 4, api_key: str | None = None,
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/embeddings", embeddings, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{name:path}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
     ]
     from starlette.exceptions import HTTPException

@@ -677,3 +677,15 @@ def test_a_queued_stream_whose_client_left_never_runs():
         gate.set()
         srv.should_exit = True
         thread.join(10)
+
+
+def test_retrieve_model_and_method_not_allowed():
+    """OpenAI's GET /v1/models/{model} (404 before) and a 405 that names the allowed methods."""
+    client = _client()
+    r = client.get("/v1/models/fake")
+    assert r.status_code == 200 and r.json() == client.get("/v1/models").json()["data"][0]
+    r = client.get("/v1/models/gpt-4o")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = client.get("/v1/chat/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    assert r.json()["error"]["type"] == "invalid_request_error"
