@@ -642,8 +642,10 @@ class LLM:
         or llama.cpp's generic JSON format (``pyinfer.tools``). An answer that calls tools has
         ``message.tool_calls`` (``[{"id", "type": "function", "function": {"name", "arguments":
         JSON text}}]``), ``content`` None unless the model also wrote text, and finish_reason
-        "tool_calls". Streamed, such an answer's content and calls come in one chunk at its end
-        (the calls have to be read from the whole text). Tools cannot be combined with
+        "tool_calls". Streamed, the text for the user streams as it is written (the generic
+        format's ``response`` string decoded as it comes, a Hermes answer's text before its
+        first ``<tool_call>``); the calls come in one chunk at the end (with the logprobs of
+        the tokens the earlier chunks' text held). Tools cannot be combined with
         ``response_format``, ``grammar`` or ``json_schema``.
         """
         dry = dict(dry_multiplier=dry_multiplier, dry_base=dry_base,
@@ -657,7 +659,7 @@ class LLM:
             options.check("top_logprobs", top_logprobs, "top_logprobs")
             if not logprobs:
                 raise PyinferError("top_logprobs needs logprobs set to true")
-        from pyinfer.tools import ToolUse
+        from pyinfer.tools import ToolStream, ToolUse
 
         gram = grammar_of(response_format, grammar, json_schema)
         tool_use = ToolUse.of(tools, tool_choice, parallel_tool_calls, self.chat_template)
@@ -694,11 +696,15 @@ class LLM:
                                              "refusal": None}
 
         def chunk(delta, finish, upto=0):
+            """A chunk of ``delta``; its logprobs: the tokens whose text it completes (``upto``
+            None: all the rest, -1: none, kept for a later chunk)."""
             sent[0] = split.consumed if split else sent[0] + len(delta.get("content") or "")
+            taken = None if finish or upto is None else -1 if upto == -1 else sent[0]
             return {"id": cid, "object": "chat.completion.chunk", "created": created,
                     "model": self.model_name,
                     "choices": [{"index": 0, "delta": delta,
-                                 "logprobs": lp(None if finish or upto is None else sent[0]),
+                                 "logprobs": lp(taken) if taken != -1 or rec is None
+                                 else {"content": [], "refusal": None},
                                  "finish_reason": finish}]}
 
         def deltas(parts):  # (kind, text) pieces of the splitter as chunk deltas
@@ -711,22 +717,27 @@ class LLM:
         if stream:
             def chunks():
                 yield chunk({"role": "assistant", "content": ""}, None)
-                held = []  # with tools: the content, read for calls at the end
+                # with tools: the content is what ToolStream finds in the text (the calls are
+                # read from the whole answer); its chunks' logprobs come with the last one
+                tools_out = ToolStream(tool_use) if tool_use is not None else None
+
+                def out(delta):
+                    if tools_out is None or "content" not in delta:
+                        return chunk(delta, None)
+                    text = tools_out.feed(delta["content"])
+                    return chunk({"content": text}, None, upto=-1) if text else None
+
                 for piece in self.stream_text(ids, stats=stats, **kw):
                     for delta in deltas(split.feed(piece)) if split else [{"content": piece}]:
-                        if tool_use is not None and "content" in delta:
-                            held.append(delta["content"])
-                        else:
-                            yield chunk(delta, None)
+                        if (c := out(delta)) is not None:
+                            yield c
                 for delta in deltas(split.flush()) if split else []:
-                    if tool_use is not None and "content" in delta:
-                        held.append(delta["content"])
-                    else:
-                        yield chunk(delta, None)
+                    if (c := out(delta)) is not None:
+                        yield c
                 calls = []
-                if tool_use is not None:
-                    content, calls = tool_use.parse("".join(held))
-                    delta = {"content": content} if content else {}
+                if tools_out is not None:
+                    rest, calls = tools_out.finish()
+                    delta = {"content": rest} if rest else {}
                     if calls:
                         delta["tool_calls"] = [dict(c, index=i) for i, c in enumerate(calls)]
                     if delta:

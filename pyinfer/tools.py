@@ -246,8 +246,9 @@ class ToolUse:
         if self.format == "generic":
             try:
                 value = json.loads(text)
-            except ValueError:
-                return text, []
+            except ValueError:  # cut short: the text for the user so far, or the text as it is
+                partial = _response_so_far(text)
+                return (text if partial is None else partial), []
             if isinstance(value, dict) and isinstance(value.get("response"), str):
                 return value["response"], []
             calls = (value.get("tool_calls") if "tool_calls" in value else [value.get("tool_call")]
@@ -268,8 +269,94 @@ class ToolUse:
             pieces.append(text[at:mt.start()])
             at = mt.end()
         pieces.append(text[at:])
-        content = "".join(pieces).strip() if made else text
-        return (content or None) if made else content, made
+        if not made:
+            return text, []
+        # the whitespace around the calls goes (transformers' parser closes the content at
+        # \s*<tool_call>); text between or after calls is kept, a line each
+        parts = [pieces[0].rstrip()] + [p.strip() for p in pieces[1:]]
+        return "\n".join(p for p in parts if p) or None, made
+
+
+#: how the generic format's answer begins when it is text for the user (pyinfer.grammar's JSON
+#: layout: one space after ':')
+_RESPONSE_OPEN = '{"response": "'
+
+
+class ToolStream:
+    """The content of a tool-using answer while it streams: ``feed(piece)`` returns the text now
+    known to be content (for a delta), ``finish()`` the rest of the content and the calls, so
+    that the deltas add up to ``ToolUse.parse`` of the whole answer. Hermes: the text before a
+    ``<tool_call>`` (held back where it could begin one, and whitespace that may precede one);
+    generic: the string of ``{"response": "..."}`` decoded as it comes (a call's JSON streams
+    nothing)."""
+
+    def __init__(self, use: ToolUse):
+        self.use = use
+        self.text = ""  # the answer so far
+        self.sent = ""  # content given out
+
+    def _known(self) -> str:
+        t = self.text
+        if self.use.format == "hermes":
+            at = t.find(_HERMES_OPEN)
+            if at < 0:
+                at = len(t) - _partial_open(t)
+            return t[:at].rstrip()
+        return _response_so_far(t) or ""
+
+    def feed(self, piece: str) -> str:
+        self.text += piece
+        known = self._known()
+        if len(known) <= len(self.sent) or not known.startswith(self.sent):
+            return ""
+        delta, self.sent = known[len(self.sent):], known
+        return delta
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """(the content not yet given out, the calls) of the whole answer."""
+        content, calls = self.use.parse(self.text)
+        content = content or ""
+        return (content[len(self.sent):] if content.startswith(self.sent) else ""), calls
+
+
+_HERMES_OPEN = "<tool_call>"
+
+
+def _response_so_far(text: str) -> str | None:
+    """The user's text of a generic-format answer ``{"response": "..."}``, decoded as far as it
+    has come (an escape cut short waits), or None for an answer that is not one."""
+    if not text.startswith(_RESPONSE_OPEN):
+        return None
+    body, i = text[len(_RESPONSE_OPEN):], 0
+    while i < len(body) and body[i] != '"':  # the string's end: its first unescaped quote
+        if body[i] != "\\":
+            i += 1
+        elif i + 1 < len(body) and body[i + 1] != "u":
+            i += 2
+        elif i + 6 <= len(body) and not (0xD800 <= _hex(body[i + 2:i + 6]) <= 0xDBFF
+                                         and i + 12 > len(body)):
+            i += 6  # (a pair's first half waits for its second)
+        else:
+            break  # an escape cut short: wait for the rest
+    try:
+        return json.loads('"' + body[:i] + '"')
+    except ValueError:
+        return None
+
+
+def _hex(text: str) -> int:
+    try:
+        return int(text, 16)
+    except ValueError:
+        return -1
+
+
+def _partial_open(text: str) -> int:
+    """Length of the longest end of ``text`` that begins ``<tool_call>``."""
+    for n in range(min(len(text), len(_HERMES_OPEN) - 1), 0, -1):
+        if _HERMES_OPEN.startswith(text[-n:]):
+            return n
+    return 0
 
 
 def closed(schema, depth: int = 0):

@@ -198,6 +198,58 @@ def test_streamed_calls_equal_the_answer(tiny_llm):
         (i, c["function"]) for i, c in enumerate(whole["message"].get("tool_calls", []))]
 
 
+def _stream_pieces(tu, text, sizes):
+    """ToolStream's deltas for ``text`` fed in pieces of the given sizes, and its finish."""
+    from pyinfer.tools import ToolStream
+
+    ts, out, at, k = ToolStream(tu), [], 0, 0
+    while at < len(text):
+        n = sizes[k % len(sizes)]
+        out.append(ts.feed(text[at:at + n]))
+        at, k = at + n, k + 1
+    return out, ts.finish()
+
+
+@pytest.mark.parametrize("sizes", [[1], [2, 5], [7, 1, 3], [1000]])
+def test_streamed_content_adds_up_to_the_parsed_answer(sizes):
+    """Fed in any pieces, the content deltas and the finish add up to ``parse`` of the whole
+    text (json decodes the generic format's string, escapes and surrogate pairs included), and
+    text for the user streams before the answer ends."""
+    generic = ToolUse.of(TOOLS, "auto")
+    hermes = ToolUse.of(TOOLS, "auto", template=HERMES_TEMPLATE)
+    said = 'It is 22 \u00b0C "in" Paris\n\\ today \U0001F600 \ud800 end'
+    cases = [(generic, json.dumps({"response": said})),
+             (generic, json.dumps({"response": said}, ensure_ascii=False)),
+             (generic, '{"tool_call": {"name": "get_time", "arguments": {"zone": "UTC"}}}'),
+             (generic, '{"response": "cut sho'),
+             (hermes, 'Let me look.  \n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'),
+             (hermes, 'No call: a < b and <tool_ is not a tag.\n'),
+             (hermes, '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\nDone.'),
+             (hermes, 'Odd <tool_call>not json</tool_call> text')]
+    for tu, text in cases:
+        deltas, (rest, calls) = _stream_pieces(tu, text, sizes)
+        content, want_calls = tu.parse(text)
+        assert "".join(deltas) + rest == (content or ""), text
+        assert [c["function"] for c in calls] == [c["function"] for c in want_calls]
+        if content and not text.startswith("<tool_call>") and sizes != [1000]:
+            assert "".join(deltas), text  # (text before any call streamed before the end)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_streamed_answers_with_tools_equal_the_whole_answer(tiny_llm, seed):
+    tiny_llm.chat_template = None
+    kw = dict(tools=TOOLS, tool_choice="auto", temperature=1.0, seed=seed, max_tokens=120,
+              logprobs=True)
+    msgs = [{"role": "user", "content": "hello"}]
+    whole = tiny_llm.create_chat_completion(msgs, **kw)["choices"][0]
+    chunks = [c["choices"][0] for c in tiny_llm.create_chat_completion(msgs, stream=True, **kw)]
+    text = "".join(c["delta"].get("content") or "" for c in chunks)
+    assert text == (whole["message"]["content"] or "")
+    assert chunks[-1]["finish_reason"] == whole["finish_reason"]
+    streamed_lp = [e for c in chunks for e in (c["logprobs"] or {}).get("content", [])]
+    assert streamed_lp == whole["logprobs"]["content"]
+
+
 def test_tools_with_a_grammar_or_a_continued_message_are_refused(tiny_llm):
     msgs = [{"role": "user", "content": "x"}]
     with pytest.raises(PyinferError, match="tools cannot be combined"):
