@@ -574,7 +574,9 @@ class LLM:
         from that text (its parts joined with nothing between, as llama.cpp appends them).
         ``tools``: a ``pyinfer.tools.ToolUse`` (its messages and ``tools`` variable) or None.
         PyinferError for two assistant messages at the end, or a continued one with tools."""
-        msgs = text_messages(messages)
+        from pyinfer.tools import template_messages
+
+        msgs = template_messages(text_messages(messages), self.chat_template)
         if tools is not None:
             if continues_last(msgs):
                 raise PyinferError("a last assistant message is continued, which tools cannot be "
@@ -667,14 +669,15 @@ class LLM:
             if gram is not None:
                 raise PyinferError("tools cannot be combined with response_format, grammar or "
                                    "json_schema (llama.cpp's server refuses it too)")
-            gram = tool_use.grammar()
             if tool_use.format == "generic":  # (the answer is JSON: no thinking block to split)
                 reasoning_format = "none"
+        ids = (self.chat_tokens(messages, chat_template_kwargs) if tool_use is None
+               else self.chat_tokens(messages, chat_template_kwargs, tool_use))
+        if tool_use is not None:  # (a required call closes a thinking block the prompt opened)
+            gram = tool_use.grammar(opens_thinking(self.tokenizer.decode(ids[-8:], skip_special=False)))
         if gram is not None:
             gram.check(self.tokenizer)
         rec = LogprobRecorder(self.tokenizer, top_logprobs or 0) if logprobs else None
-        ids = (self.chat_tokens(messages, chat_template_kwargs) if tool_use is None
-               else self.chat_tokens(messages, chat_template_kwargs, tool_use))
         if continues_last(messages):  # a continued message's text as written (llama.cpp's server)
             reasoning_format = "none"
         self.check_fits(ids)
@@ -716,7 +719,8 @@ class LLM:
 
         if stream:
             def chunks():
-                yield chunk({"role": "assistant", "content": ""}, None)
+                # (with tools the answer may be only calls: content null, as OpenAI sends it)
+                yield chunk({"role": "assistant", "content": None if tool_use else ""}, None)
                 # with tools: the content is what ToolStream finds in the text (the calls are
                 # read from the whole answer); its chunks' logprobs come with the last one
                 tools_out = ToolStream(tool_use) if tool_use is not None else None

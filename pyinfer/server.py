@@ -36,7 +36,7 @@ from typing import Any, Callable
 from pyinfer import options
 from pyinfer.api import text_of_parts
 from pyinfer.chat import template_kwargs
-from pyinfer.reasoning import REASONING_FORMATS, check_format
+from pyinfer.reasoning import REASONING_FORMATS, check_format, opens_thinking
 from pyinfer.tools import ToolError, ToolUse
 from pyinfer.errors import PyinferError, exit_code_of
 
@@ -602,6 +602,14 @@ def create_app(llm, max_queue: int = 4, api_key: str | None = None,
                                               tool_use)
             except PyinferError as e:
                 raise BadRequest(str(e), "messages") from None
+            if tool_use is not None:  # a tool schema llguidance refuses: 400 before the queue
+                gram = tool_use.grammar(opens_thinking(
+                    llm.tokenizer.decode(ids[-8:], skip_special=False)))
+                if gram is not None:
+                    try:
+                        await run_in_threadpool(gram.check, llm.tokenizer)
+                    except PyinferError as e:
+                        raise BadRequest(str(e), "tools") from None
             check_room(ids, opts["max_tokens"], "messages")
         except BadRequest as e:
             return error(e.status, str(e), e.param)

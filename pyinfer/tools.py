@@ -28,6 +28,7 @@ write none.
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 import uuid
@@ -157,40 +158,50 @@ class ToolUse:
         """The tools the answer may call (only the named one when ``tool_choice`` names one)."""
         return [t for t in self.tools if self.function is None or t["function"]["name"] == self.function]
 
-    def _call_schema(self, t: dict) -> dict:
-        f = t["function"]
-        return {"type": "object", "properties": {"name": {"type": "string", "const": f["name"]},
-                                                 "arguments": closed(f["parameters"])},
-                "required": ["name", "arguments"], "additionalProperties": False}
-
     def _calls_schema(self) -> dict:
-        calls = [self._call_schema(t) for t in self.callable_tools]
-        return calls[0] if len(calls) == 1 else {"anyOf": calls}
+        """The schema of one call of a callable tool; each tool's ``parameters`` sits in the
+        root's ``$defs`` (its own ``$ref`` pointers rewritten to its new place: llama.cpp
+        resolves them too), closed (``closed``); llguidance is lenient about keywords it does
+        not implement (``uniqueItems`` ...), as llama.cpp's converter is."""
+        calls, defs = [], {}
+        for t in self.callable_tools:
+            f = t["function"]
+            key = f"tool-{f['name']}"
+            defs[key] = _moved_refs(closed(f["parameters"]), f"/$defs/{key}")
+            calls.append({"type": "object", "properties": {
+                "name": {"type": "string", "const": f["name"]}, "arguments": {"$ref": f"#/$defs/{key}"}},
+                "required": ["name", "arguments"], "additionalProperties": False})
+        one = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        return {**one, "$defs": defs, "x-guidance": {"lenient": True}}
 
     def schema(self) -> dict:
         """The generic format's JSON schema of an answer (llama.cpp's, without the model-written
         call ids, and with no properties beside those named: a small model given the room
         wrote a "response" after its call)."""
         one = self._calls_schema()
+        root = {k: one.pop(k) for k in ("$defs", "x-guidance")}
         key, value = (("tool_calls", {"type": "array", "items": one, "minItems": 1}) if self.parallel
                       else ("tool_call", one))
         call = _only(key, value)
-        return call if self.required else {"anyOf": [call, _only("response", {"type": "string"})]}
+        return {**(call if self.required else {"anyOf": [call, _only("response", {"type": "string"})]}),
+                **root}
 
-    def grammar(self):
-        """The ``pyinfer.grammar.Grammar`` the answer is held to, or None (hermes, "auto")."""
-        from pyinfer.grammar import Grammar
+    def grammar(self, thinking_open: bool = False):
+        """The ``pyinfer.grammar.Grammar`` the answer is held to, or None (hermes, "auto").
+        ``thinking_open``: the prompt opened a ``<think>`` block, which a required call's
+        grammar closes first (llama.cpp's ``thinking_forced_open``)."""
+        from pyinfer.grammar import JSON_LAYOUT, Grammar
 
         if self.format == "generic":
             return Grammar.json_schema(self.schema())
         if not self.required:
             return None
         # hermes: one (or, parallel, several) <tool_call> blocks of a call's JSON, nothing else
-        call = json.dumps(dict(self._calls_schema(), **{"x-guidance": {"whitespace_flexible": False,
-                                                                       "item_separator": ", ",
-                                                                       "key_separator": ": "}}))
+        one = self._calls_schema()
+        call = json.dumps(dict(one, **{"x-guidance": dict(JSON_LAYOUT, **one["x-guidance"])}))
         block = 'block: "<tool_call>\\n" call "\\n</tool_call>"\n'
-        start = 'start: block ("\\n" block)*\n' if self.parallel else "start: block\n"
+        start = "start: " + ('"</think>" /[ \\t\\n]*/ ' if thinking_open else "") + (
+            'block ("\\n" block)*\n' if self.parallel else "block\n")
         return Grammar("lark", start + block + f"call: %json {call}\n")
 
     # ---- the prompt ----------------------------------------------------------------------------
@@ -200,10 +211,10 @@ class ToolUse:
         return [{"type": "function", "function": dict(t["function"])} for t in self.tools]
 
     def messages(self, messages: list, template: str | None) -> list:
-        """``messages`` as the template is given them: for the generic format, a system message
-        asking for the JSON answer (and listing the tools where the template does not read
-        ``tools``), and earlier tool calls and results as JSON text where the template does not
-        read them. The hermes format's templates take the messages as they are."""
+        """``messages`` (``template_messages``'s already) as the template is given them with
+        tools: for the generic format, a system message asking for the JSON answer (and
+        listing the tools where the template does not read ``tools``); the hermes format's
+        templates take them as they are."""
         if self.format == "hermes":
             return list(messages)
         template = template or ""
@@ -212,30 +223,11 @@ class ToolUse:
             listing = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in self.tools)
             text = ("You can call these tools (each a JSON object with its name, description and "
                     f"the JSON schema of its arguments):\n{listing}\n\n{text}")
-        out = [self._history(m, template) for m in messages]
+        out = list(messages)
         if out and isinstance(out[0], dict) and out[0].get("role") == "system" and isinstance(
                 out[0].get("content"), str):
             return [dict(out[0], content=f"{out[0]['content']}\n\n{text}")] + out[1:]
         return [{"role": "system", "content": text}] + out
-
-    def _history(self, m, template: str):
-        """One earlier message in the generic format's JSON, where the template does not read
-        its tool parts (calls: ``{"tool_call"...}`` or ``{"tool_calls": [...]}``; a result: a
-        user message ``{"tool_response": {"tool", "content"}}``, llama.cpp's polyfill shape)."""
-        if not isinstance(m, dict):
-            return m
-        if m.get("tool_calls") and "tool_calls" not in template:
-            calls = [{"name": c.get("function", {}).get("name"),
-                      "arguments": _arguments_value(c.get("function", {}).get("arguments"))}
-                     for c in m["tool_calls"] if isinstance(c, dict)]
-            body = {"tool_call": calls[0]} if len(calls) == 1 else {"tool_calls": calls}
-            m = {k: v for k, v in m.items() if k != "tool_calls"}
-            return dict(m, content=json.dumps(body, ensure_ascii=False))
-        if m.get("role") == "tool" and "tool" not in template.replace("tools", ""):
-            result = {"tool": m.get("name"), "content": m.get("content")} if m.get("name") else {
-                "content": m.get("content")}
-            return {"role": "user", "content": json.dumps({"tool_response": result}, ensure_ascii=False)}
-        return m
 
     # ---- the answer ----------------------------------------------------------------------------
     def parse(self, text: str) -> tuple[str | None, list[dict]]:
@@ -359,22 +351,145 @@ def _partial_open(text: str) -> int:
     return 0
 
 
+#: schema keywords whose values are schemas (one, a list, or a map of them) that stand alone
+_SUB_ONE = ("items", "additionalProperties", "additionalItems", "contains", "propertyNames",
+            "unevaluatedProperties", "unevaluatedItems")
+_SUB_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+#: keywords whose branches combine with their parent (closing a branch changes what it accepts)
+_COMBINING = ("allOf", "not", "if", "then", "else")
+
+
 def closed(schema, depth: int = 0):
     """``schema`` with ``"additionalProperties": false`` wherever an object schema lists
-    ``properties`` and says nothing of others: llama.cpp's grammars take that default
-    (grammars/README.md), llguidance takes JSON Schema's (any other property allowed), and a
-    small model given the room writes made-up arguments after the real ones."""
+    ``properties`` and says nothing of other properties (no ``patternProperties``, no
+    combination with ``allOf`` / ``anyOf`` / ``oneOf`` / ``if``): llama.cpp's grammars take
+    that default (grammars/README.md), llguidance takes JSON Schema's (any other property
+    allowed), and a small model given the room writes made-up arguments after the real ones.
+    Walks the schema keywords only (a property named "enum" is a property); the branches of
+    ``anyOf`` / ``oneOf`` are closed only where their parent lists no properties of its own,
+    those of ``allOf``, ``not`` and ``if`` never. Raises ToolError past 64 levels."""
     if depth > 64:
         raise ToolError("a tool's parameters schema is nested too deeply")
-    if isinstance(schema, list):
-        return [closed(v, depth + 1) for v in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: closed(v, depth + 1) if k not in ("const", "enum", "default", "examples") else v
-           for k, v in schema.items()}
-    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema:
+    out = dict(schema)
+    for k in _SUB_ONE:
+        if isinstance(schema.get(k), dict):
+            out[k] = closed(schema[k], depth + 1)
+    if isinstance(schema.get("items"), list):
+        out["items"] = [closed(v, depth + 1) for v in schema["items"]]
+    if isinstance(schema.get("prefixItems"), list):
+        out["prefixItems"] = [closed(v, depth + 1) for v in schema["prefixItems"]]
+    for k in _SUB_MAPS:
+        if isinstance(schema.get(k), dict):
+            out[k] = {n: closed(v, depth + 1) for n, v in schema[k].items()}
+    own = isinstance(schema.get("properties"), dict)
+    for k in ("anyOf", "oneOf"):
+        if not own and isinstance(schema.get(k), list):
+            out[k] = [closed(v, depth + 1) for v in schema[k]]
+    if own and not any(k in schema for k in ("additionalProperties", "patternProperties",
+                                             "unevaluatedProperties", "anyOf", "oneOf",
+                                             *_COMBINING)):
         out["additionalProperties"] = False
     return out
+
+
+def _moved_refs(schema, to: str, depth: int = 0):
+    """``schema`` with each local ``$ref`` ("#/..." or "#") pointing under ``to`` (the JSON
+    pointer where the schema now sits in a larger one)."""
+    if depth > 128:
+        raise ToolError("a tool's parameters schema is nested too deeply")
+    if isinstance(schema, list):
+        return [_moved_refs(v, to, depth + 1) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _moved_refs(v, to, depth + 1) for k, v in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        out["$ref"] = "#" + to + ref[1:]
+    return out
+
+
+def template_messages(messages: list, template: str | None) -> list:
+    """``messages`` with their tool parts as ``template`` can read them, with or without tools
+    in the request (a last turn after tool results often has none): where it does not read
+    ``tool_calls``, an assistant's calls become JSON text, ``{"tool_call": {"name",
+    "arguments", "id"}}`` (or ``{"tool_calls": [...]}``, with its ``content`` where it wrote
+    text too); where it knows neither calls nor a "tool" role, a result becomes a user message
+    ``{"tool_response": {"tool", "tool_call_id", "content"}}`` (the tool's name found from
+    the call's id; llama.cpp's template polyfills write these shapes); where it reads calls
+    whose arguments it writes as JSON (``arguments | tojson``: Qwen2.5's), arguments sent as
+    JSON text (as OpenAI clients send them) are given as the object they stand for, as
+    llama.cpp does. Raises ToolError (param "messages") for a call that is not
+    ``{"function": {"name", "arguments"}}``."""
+    template = template or ""
+    reads_calls = "tool_calls" in template
+    knows_tool_role = "tool" in template.replace("tools", "").replace("tool_call", "")
+    objects = reads_calls and _wants_object_arguments(template)
+    names: dict[str, str] = {}
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            out.append(m)
+            continue
+        calls = m.get("tool_calls")
+        if calls:
+            calls = _checked_calls(calls, i)
+            for c in calls:
+                if isinstance(c.get("id"), str):
+                    names[c["id"]] = c["function"]["name"]
+            if not reads_calls:
+                plain = [dict({"name": c["function"]["name"],
+                               "arguments": _arguments_value(c["function"].get("arguments"))},
+                              **({"id": c["id"]} if isinstance(c.get("id"), str) else {}))
+                         for c in calls]
+                text = m.get("content") if isinstance(m.get("content"), str) else ""
+                body = ({"tool_call": plain[0]} if len(plain) == 1 and not text
+                        else dict({"tool_calls": plain}, **({"content": text} if text else {})))
+                m = {k: v for k, v in m.items() if k != "tool_calls"}
+                m["content"] = json.dumps(body, ensure_ascii=False)
+            elif objects:
+                m = dict(m, tool_calls=[dict(c, function=dict(
+                    c["function"], arguments=_arguments_value(c["function"].get("arguments"))))
+                    for c in calls])
+        elif m.get("role") == "tool" and not (knows_tool_role or reads_calls):
+            call_id = m.get("tool_call_id")
+            result = {"tool": m.get("name") or names.get(call_id), "tool_call_id": call_id,
+                      "content": m.get("content")}
+            m = {"role": "user", "content": json.dumps(
+                {"tool_response": {k: v for k, v in result.items() if v is not None}},
+                ensure_ascii=False)}
+        out.append(m)
+    return out
+
+
+def _checked_calls(calls, i: int) -> list[dict]:
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise ToolError(f"{where} must be a list", "messages")
+    for j, c in enumerate(calls):
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not isinstance(
+                f.get("arguments", ""), (str, dict)):
+            raise ToolError(f"{where}[{j}] must be {{\"type\": \"function\", \"function\": "
+                            "{\"name\": str, \"arguments\": JSON text}}", "messages")
+    return calls
+
+
+@functools.lru_cache(maxsize=16)
+def _wants_object_arguments(template: str) -> bool:
+    """Does ``template`` write a call's arguments as JSON (``| tojson``) when given an object?
+    Found by rendering a probe call, as llama.cpp's minja probes a template's capabilities."""
+    from pyinfer.chat import render_chat
+
+    probe = [{"role": "user", "content": "x"},
+             {"role": "assistant", "content": None, "tool_calls": [
+                 {"id": "call_probe", "type": "function",
+                  "function": {"name": "probe_tool", "arguments": {"probe_key": "probe_value"}}}]}]
+    try:
+        return '"probe_key"' in render_chat(template, probe, add_generation_prompt=False)
+    except PyinferError:
+        return False
 
 
 def _only(key: str, schema: dict) -> dict:

@@ -307,7 +307,8 @@ def test_smollm2_calls_the_weather_tool_and_reads_its_result(smollm2_llm):
     text = smollm2_llm.detokenize(smollm2_llm.chat_tokens(history, None, ToolUse.of(
         [WEATHER], template=smollm2_llm.chat_template)))
     assert '{"tool_call": {"name": "get_weather", "arguments": {"city": "Paris"' in text
-    assert '{"tool_response": {"tool": "get_weather", "content": "22 C and sunny"}}' in text
+    assert ('{"tool_response": {"tool": "get_weather", "tool_call_id": "%s", '
+            '"content": "22 C and sunny"}}' % call["id"]) in text
     again = smollm2_llm.create_chat_completion(history, tools=[WEATHER], temperature=0,
                                                max_tokens=64)["choices"][0]
     assert again["finish_reason"] in ("stop", "tool_calls", "length")
@@ -341,3 +342,160 @@ def test_openai_client_tool_calls(client):  # noqa: F811
         client.chat.completions.create(model="smollm2", messages=msgs, tools=[WEATHER],
                                        tool_choice={"type": "function", "function": {"name": "x"}})
     assert e.value.body["param"] == "tool_choice"
+
+
+# ---- schemas as clients write them (a QA pass against OpenAI's and llama.cpp's behaviour) ---------
+def _pydantic_tool():
+    """A tool as ``openai.pydantic_function_tool`` writes it: nested models under $defs, $ref."""
+    pydantic = pytest.importorskip("pydantic")
+
+    class Point(pydantic.BaseModel):
+        x: int
+        y: int
+
+    class Route(pydantic.BaseModel):
+        start: Point
+        end: Point
+
+    return {"type": "function", "function": {"name": "plan_route",
+                                             "parameters": Route.model_json_schema()}}
+
+
+@pytest.mark.parametrize("template", [None, HERMES_TEMPLATE])
+def test_defs_and_refs_in_parameters_are_followed(tiny_llm, template):
+    """A tool's own "#/$defs/..." pointers broke once the schema was nested in the answer's
+    (400 "Pointer '/$defs/Point' does not exist"); llama.cpp resolves them."""
+    tool = _pydantic_tool()
+    assert "$defs" in tool["function"]["parameters"]
+    tiny_llm.chat_template = template
+    for seed in range(3):
+        out = tiny_llm.create_chat_completion([{"role": "user", "content": "x"}], tools=[tool],
+                                              tool_choice="required", temperature=1.0, seed=seed,
+                                              max_tokens=300)["choices"][0]
+        if out["finish_reason"] == "length":
+            continue
+        args = json.loads(out["message"]["tool_calls"][0]["function"]["arguments"])
+        jsonschema.validate(args, tool["function"]["parameters"])
+        return
+    pytest.fail("no call completed in 300 tokens")
+
+
+@pytest.mark.parametrize("schema, value", [
+    ({"type": "object", "allOf": [{"properties": {"a": {"type": "integer"}}},
+                                  {"properties": {"b": {"type": "integer"}}}]}, {"a": 1, "b": 2}),
+    ({"type": "object", "properties": {"kind": {"type": "string"}},
+      "anyOf": [{"properties": {"a": {"type": "integer"}}}, {"properties": {"b": {"type": "integer"}}}]},
+     {"kind": "x", "a": 1}),
+    ({"type": "object", "properties": {"enum": {"type": "object", "properties": {"x": {"type": "integer"}}}}},
+     {"enum": {"x": 1}}),
+])
+def test_closing_objects_keeps_what_the_schema_accepts(schema, value):
+    """closed() made allOf / anyOf-with-properties schemas refuse their own valid values (each
+    branch closed alone), and walked a property named "enum" as a keyword."""
+    from pyinfer.tools import closed
+
+    jsonschema.validate(value, schema)
+    jsonschema.validate(value, closed(schema))
+    if "enum" in schema.get("properties", {}):
+        with pytest.raises(jsonschema.ValidationError):  # (its inner object is closed)
+            jsonschema.validate({"enum": {"x": 1, "y": 2}}, closed(schema))
+
+
+def test_keywords_llguidance_does_not_implement_do_not_fail_the_request(tiny_llm):
+    """uniqueItems, not, contains ... are left unenforced (llama.cpp's converter ignores what it
+    does not implement); the whole request was refused, even under "auto"."""
+    from pyinfer.grammar import ByteVocab
+
+    tool = {"type": "function", "function": {"name": "tag", "parameters": {
+        "type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"},
+                                                  "uniqueItems": True}}, "required": ["tags"]}}}
+    for choice in ("auto", "required"):
+        for template in (None, HERMES_TEMPLATE):
+            g = ToolUse.of([tool], choice, template=template).grammar()
+            if g is not None:
+                g.check(ByteVocab())
+
+
+def test_history_tool_parts_reach_a_template_without_tool_support(tiny_llm):
+    """Calls and results of earlier turns are written as JSON for a template that reads neither,
+    with or without tools in the request (with "none" the calls vanished and the result was a
+    bare "tool" turn); a result names its tool (found from the call's id) and keeps the id; text
+    beside a call is kept."""
+    tiny_llm.chat_template = None  # (chatml: no tool support)
+    calls = [{"id": "call_a", "type": "function",
+              "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+             {"id": "call_b", "type": "function",
+              "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]
+    msgs = [{"role": "user", "content": "Weather in Paris and Rome?"},
+            {"role": "assistant", "content": "Let me look.", "tool_calls": calls},
+            {"role": "tool", "tool_call_id": "call_a", "content": "22 C"},
+            {"role": "tool", "tool_call_id": "call_b", "content": "25 C"}]
+    for tools in (None, ToolUse.of(TOOLS, "auto")):
+        text = tiny_llm.detokenize(tiny_llm.chat_tokens(msgs, None, tools))
+        said = json.loads(text.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0])
+        assert said == {"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"},
+                                        "id": "call_a"},
+                                       {"name": "get_weather", "arguments": {"city": "Rome"},
+                                        "id": "call_b"}], "content": "Let me look."}
+        assert ('{"tool_response": {"tool": "get_weather", "tool_call_id": "call_b", '
+                '"content": "25 C"}}') in text
+
+
+def test_string_arguments_are_objects_for_a_template_that_writes_json():
+    """OpenAI clients send a call's arguments as JSON text; a template that writes them with
+    tojson (Qwen2.5's, ours here) rendered them double-encoded; llama.cpp gives it the object."""
+    from pyinfer.tools import template_messages
+
+    call = {"id": "c", "type": "function", "function": {"name": "get_weather",
+                                                        "arguments": '{"city": "Paris"}'}}
+    out = template_messages([{"role": "assistant", "content": None, "tool_calls": [call]}],
+                            HERMES_TEMPLATE)
+    assert out[0]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    string_template = "{% for m in messages %}{% for c in m.tool_calls %}{{ c.function.arguments }}{% endfor %}{% endfor %}"
+    out = template_messages([{"role": "assistant", "content": None, "tool_calls": [call]}],
+                            string_template)
+    assert out[0]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
+
+
+@pytest.mark.parametrize("function", ["get_weather", None, [1], {"arguments": "{}"}])
+def test_a_malformed_call_in_the_history_is_a_one_line_error(tiny_llm, function):
+    from pyinfer.errors import PyinferError
+
+    msgs = [{"role": "user", "content": "x"},
+            {"role": "assistant", "content": None,
+             "tool_calls": [{"id": "c", "type": "function", "function": function}]}]
+    with pytest.raises(PyinferError, match=r"messages\[1\]\.tool_calls\[0\]"):
+        tiny_llm.chat_tokens(msgs)
+
+
+def test_a_required_call_closes_a_thinking_block_the_prompt_opened(tiny_llm):
+    """A template whose generation prompt opens <think>: the required call's grammar starts with
+    </think> (llama.cpp's thinking_forced_open), so the call is content, not reasoning."""
+    tiny_llm.chat_template = HERMES_TEMPLATE.replace("assistant\n{%- endif %}",
+                                                     "assistant\n<think>\n{%- endif %}")
+    assert tiny_llm.render_chat([{"role": "user", "content": "x"}]).endswith("<think>")
+    out = tiny_llm.create_chat_completion([{"role": "user", "content": "x"}], tools=TOOLS,
+                                          tool_choice="required", temperature=1.0, seed=2,
+                                          max_tokens=200, reasoning_format="deepseek")["choices"][0]
+    assert out["finish_reason"] == "tool_calls", out
+    _check_calls(out["message"]["tool_calls"])
+
+
+def test_server_tool_schema_errors_name_tools(tiny_llm):
+    pytest.importorskip("starlette")
+    from starlette.testclient import TestClient
+
+    from pyinfer.server import create_app
+
+    tiny_llm.chat_template = None
+    app = TestClient(create_app(tiny_llm), raise_server_exceptions=False)
+    bad = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"p": {"$ref": "#/$defs/missing"}}}}}
+    r = app.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                               "tools": [bad]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+    r = app.post("/v1/chat/completions", json={"messages": [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": "f"}]}],
+        "tools": TOOLS})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
