@@ -50,16 +50,16 @@ def build_parser(prog: str = "pyinfer-run", chat: bool = False) -> argparse.Argu
                        help=f"tokens to generate (-1: until end of text or a full context; -2: "
                             f"the same, never shifting the context (llama.cpp's); default "
                             f"{RUN_N_PREDICT}, with -i {CHAT_N_PREDICT} per answer)")
-        esc = p.add_mutually_exclusive_group()
-        esc.add_argument("-e", "--escape", action="store_true", default=True,
-                         help="process escapes (\\n, \\t, \\xNN ...) in the prompt and reverse "
-                              "prompts (the default, as llama.cpp)")
-        esc.add_argument("--no-escape", dest="escape", action="store_false",
-                         help="take the prompt and reverse prompts as written")
     else:
         p.add_argument("-n", "--n-predict", type=arg_type("n_predict"), default=None,
                        help=f"longest answer in tokens (default {CHAT_N_PREDICT}; -1: until the "
                             "end of the turn or a full context)")
+    esc = p.add_mutually_exclusive_group()
+    esc.add_argument("-e", "--escape", action="store_true", default=True,
+                     help="process escapes (\\n, \\t, \\xNN ...) in " + ("" if chat else "the prompt and ")
+                     + "reverse prompts (the default, as llama.cpp)")
+    esc.add_argument("--no-escape", dest="escape", action="store_false",
+                     help="take " + ("" if chat else "the prompt and ") + "reverse prompts as written")
     p.add_argument("-t", "--threads", type=threads_arg, default=None,
                    help="kernel threads (default, or 0 or less: the physical cores this process may use)")
     p.add_argument("-c", "--ctx-size", type=arg_type("ctx_size"), default=0,
@@ -297,14 +297,19 @@ def run_chat(args) -> int:
     n = CHAT_N_PREDICT if args.n_predict is None else args.n_predict
     if n == 0:
         raise PyinferError("-n 0 leaves no room for an answer")
+    sampling = sampling_kwargs(args, chat=True)
     llm = load(args, model_path)
     show_prompt_progress(llm.engine)
-    session = ChatSession(llm, system=args.system, max_tokens=None if n < 0 else n,
-                          **sampling_kwargs(args, chat=True))
+    halt = control_token_stops(llm, sampling.get("stop", ()))
+    if halt:
+        sampling["halt_ids"] = halt
+    session = ChatSession(llm, system=args.system, max_tokens=None if n < 0 else n, **sampling)
     print(f"pyinfer chat: {llm.model_name}, context {llm.n_ctx} tokens. "
           "/help for commands, Ctrl-C stops an answer, Ctrl-D exits.", file=sys.stderr)
     print(describe_settings(session), file=sys.stderr)
-    return repl(session, verbose=args.verbose)
+    status = repl(session, verbose=args.verbose)
+    print_timings(llm.engine.timings)  # the whole session's, as llama.cpp's main at its end
+    return status
 
 
 def run(args) -> int:

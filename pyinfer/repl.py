@@ -12,6 +12,7 @@ next message.
 """
 from __future__ import annotations
 
+import io
 import os
 import signal
 import sys
@@ -82,8 +83,10 @@ class ChatSession:
                 if len(ids) < self.llm.n_ctx:  # no room for a full answer, but some
                     return ids, dropped
                 what = "the system message and the message are" if n_sys else "the message is"
-                raise PyinferError(f"{what} {len(ids)} tokens with the template, more than "
-                                   f"the context ({self.llm.n_ctx}); raise -c/--ctx-size")
+                than = "more than" if len(ids) > self.llm.n_ctx else "as long as"
+                raise PyinferError(f"{what} {len(ids)} tokens with the template, {than} "
+                                   f"the context ({self.llm.n_ctx}), which leaves no room for an "
+                                   "answer; raise -c/--ctx-size")
             # drop the oldest turn: a user message and the assistant answers after it
             del messages[n_sys]
             dropped += 1
@@ -97,11 +100,15 @@ class ChatSession:
         ``should_stop`` (callable) ends the answer early; the part said so far is kept.
         Returns the answer's GenerationStats; ``self.last_dropped`` says how many old messages
         were dropped to fit it.
-        Raises PyinferError (conversation unchanged) when the message cannot fit at all.
+        Raises PyinferError (conversation unchanged) when the message cannot fit at all; a
+        KeyboardInterrupt before the first token (rendering, evaluating the prompt) leaves the
+        conversation unchanged too, and the KV cache holds the prompt's batches evaluated so
+        far (the next turn reuses them).
         """
         messages = self.messages + [{"role": "user", "content": text}]
         ids, dropped = self.fit(messages)
         parts = []
+        early = False
         # the turn reuses the previous answer's cache rows as the decode kernels wrote them: the
         # answer starts sooner, but may differ from a fresh replay of the conversation (the
         # LLM's other callers keep the exact rule)
@@ -112,11 +119,14 @@ class ChatSession:
                                               should_stop=should_stop, **self.sampling):
                 parts.append(piece)
                 on_text(piece)
+        except KeyboardInterrupt:
+            early = True  # (before the first token: see _sigint_sets_flag)
+            raise
         finally:
             engine.reuse_decoded_rows = False
-            # Kept even when interrupted, so the conversation matches what the user saw.
-            messages.append({"role": "assistant", "content": "".join(parts)})
-            self.messages = messages
+            if not early:  # kept even when interrupted, so the conversation matches what was said
+                messages.append({"role": "assistant", "content": "".join(parts)})
+                self.messages = messages
         self.last_dropped = dropped
         return self.llm.last_stats
 
@@ -212,15 +222,29 @@ def _eof_pending(fd: int) -> bool:
         return False
 
 
+def _input(prompt: str) -> str:
+    """``input(prompt)`` on a terminal (readline's editing); from a pipe or file, one line of
+    bytes decoded alone, so that a line that is not UTF-8 (UnicodeDecodeError) costs only
+    itself (the text layer decodes 8 KiB blocks: the lines around it went too)."""
+    if not isinstance(sys.stdin, io.TextIOWrapper) or sys.stdin.isatty():
+        return input(prompt)
+    sys.stdout.write(prompt)
+    sys.stdout.flush()
+    raw = sys.stdin.buffer.readline()
+    if not raw:
+        raise EOFError
+    return raw.decode("utf-8").removesuffix("\n")
+
+
 def _read_message(prompt: str) -> str:
     """One message from the terminal; a line ending with a backslash continues on the next (end
     of input there ends the message: it is not dropped)."""
     lines = []
-    line = input(prompt)
+    line = _input(prompt)
     while line.endswith("\\"):
         lines.append(line[:-1])
         try:
-            line = input("")
+            line = _input("")
         except EOFError:
             return "\n".join(lines)
     lines.append(line)
@@ -284,9 +308,8 @@ def repl(session: ChatSession, verbose: bool = False, out=sys.stdout, err=sys.st
             if typed_eof[0]:
                 return 0
             continue
-        except KeyboardInterrupt:  # while rendering or evaluating the prompt
-            session.llm.reset()  # the cache may hold part of the prompt: start it afresh next time
-            print("\n[interrupted]", file=err)
+        except KeyboardInterrupt:  # while rendering or evaluating the prompt: nothing said
+            print("\n[interrupted: the message was not sent]", file=err)
             if typed_eof[0]:
                 return 0
             continue

@@ -174,13 +174,18 @@ def test_ctrl_c_works_while_rendering_and_evaluating_the_prompt(monkeypatch, slo
     timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
     t0 = time.monotonic()
     timer.start()
+    session = ChatSession(llm)
     try:
-        assert repl(ChatSession(llm), out=out, err=err) == 0
+        assert repl(session, out=out, err=err) == 0
     finally:
         timer.cancel()
     assert time.monotonic() - t0 < 5  # not the 10 s of the slow step
-    assert "[interrupted]" in err.getvalue()
-    assert llm.resets == 1  # the half-evaluated prompt is not trusted
+    assert "[interrupted: the message was not sent]" in err.getvalue()
+    # the interrupted message is not in the conversation (it was kept with an empty answer, and
+    # the whole cache thrown away: the next turn evaluated everything again); the cache keeps
+    # the batches evaluated (Engine.eval_prompt claims a batch only once it is written)
+    assert [m["content"] for m in session.messages] == ["hello", "ok then "]
+    assert llm.resets == 0
     assert "ok then" in out.getvalue()  # the next message was answered
 
 
@@ -491,3 +496,40 @@ def test_settings_line_says_what_is_off():
     assert "no DRY" in line(dry_multiplier=0.8, dry_penalty_last_n=0)
     assert "DRY 0.8" in line(dry_multiplier=0.8, dry_penalty_last_n=-1)
     assert line(top_p=0.0).startswith("sampling: greedy (top-p 0)")
+
+
+def test_a_piped_line_that_is_not_utf8_costs_only_itself(tiny_model):
+    """Read from a pipe, stdin's text layer decoded 8 KiB blocks: one bad line took the lines
+    around it (no answer to them, and the chat ended). Now each line is decoded alone."""
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONIOENCODING="utf-8:strict")
+    r = subprocess.run([sys.executable, "-m", "pyinfer.repl", tiny_model, "-t", "1", "--temp", "0",
+                        "-n", "3"], input=b"the cat\n\xff\xfe bad\nthe dog\n", capture_output=True,
+                       env=env, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    err = r.stderr.decode()
+    assert err.count("error: the message is not valid UTF-8") == 1, err
+    assert err.count("[answer cut at 3 tokens") == 2, err  # both good lines were answered
+    assert "prompt eval time" in err  # the session's timings at its end, as llama.cpp's main
+
+
+def test_chat_reverse_prompts_take_escapes_and_control_tokens(tiny_model, monkeypatch):
+    """pyinfer-chat's -r '\\n' waited for a backslash and an n (pyinfer-run's had escapes); a
+    reverse prompt that is one control token halts at that token in the chat too."""
+    import pyinfer.repl
+    from pyinfer.cli import chat_main
+
+    seen = {}
+
+    def fake_repl(session, verbose=False):
+        seen["s"] = session
+        return 0
+
+    monkeypatch.setattr(pyinfer.repl, "repl", fake_repl)
+    assert chat_main([tiny_model, "-t", "1", "-r", "\\n", "-r", "<|im_start|>"]) == 0
+    sampling = seen["s"].sampling
+    assert sampling["stop"] == ["\n", "<|im_start|>"]
+    assert sampling["halt_ids"] == seen["s"].llm.tokenize("<|im_start|>", add_bos=False)
+    assert chat_main([tiny_model, "-t", "1", "-r", "\\n", "--no-escape"]) == 0
+    assert seen["s"].sampling["stop"] == ["\\n"] and "halt_ids" not in seen["s"].sampling
