@@ -3,7 +3,7 @@
 GBNF (llama.cpp ``grammars/README.md``; its parser ``src/llama-grammar.cpp``) is a context-free
 grammar over characters: ``name ::= alternatives`` rules, ``root`` the start; "literals" and
 [character classes] (``^`` negates; ``a-z`` ranges) with the escapes ``\\n \\r \\t \\\\ \\" \\[
-\\] \\xHH \\uHHHH \\UHHHHHHHH``; ``.`` any character (a newline too); rule names ([A-Za-z0-9-]);
+\\] \\- \\xHH \\uHHHH \\UHHHHHHHH``; ``.`` any character (a newline too); rule names ([A-Za-z0-9-]);
 groups ``( )``; ``* + ?`` and ``{m} {m,} {m,n}`` after an item; ``#`` comments to the end of the
 line. A rule ends at a newline except right after ``::=`` or ``|`` and inside parentheses.
 
@@ -38,7 +38,7 @@ MAX_DEPTH = 20
 MAX_REPEAT = 10_000
 _NAME = re.compile(r"[A-Za-z0-9-]+")
 _RULE_START = re.compile(r"(?m)^[ \t]*[A-Za-z0-9-]+[ \t]*::=")
-_SIMPLE = {"n": "\n", "r": "\r", "t": "\t", "\\": "\\", '"': '"', "[": "[", "]": "]"}
+_SIMPLE = {"n": "\n", "r": "\r", "t": "\t", "\\": "\\", '"': '"', "[": "[", "]": "]", "-": "-"}
 _HEX_DIGITS = {"x": 2, "u": 4, "U": 8}
 
 
@@ -275,7 +275,7 @@ class _Parser:
             elif c == "{":
                 if not items:
                     raise self.error(pos, "{ follows nothing")
-                items[-1], zero, pos = self.repeat(items[-1], pos)
+                items[-1], zero, pos = self.repeat(items[-1], pos, nested)
                 if zero:
                     forms[-1] = True
             elif c == "<":
@@ -288,21 +288,38 @@ class _Parser:
             pos = self.space(pos, True)
         return (" ".join(items) if items else '""'), ("all", forms), pos
 
-    def repeat(self, item: str, pos: int) -> tuple[str, bool, int]:
-        """x{m}, x{m,}, x{m,n} as Lark's repetitions of the same spelling; the bool: m == 0."""
-        m = re.compile(r"\{[ \t]*(\d+)[ \t]*(?:(,)[ \t]*(\d*)[ \t]*)?\}").match(self.s, pos)
-        if not m:
-            raise self.error(pos, "expected {m}, {m,} or {m,n}")
-        lo = int(m.group(1))
-        hi = lo if m.group(2) is None else (int(m.group(3)) if m.group(3) else None)
+    def repeat(self, item: str, pos: int, nested: bool) -> tuple[str, bool, int]:
+        """x{m}, x{m,}, x{m,n} as Lark's repetitions of the same spelling; the bool: m == 0.
+        Spaces and comments may stand around the numbers (newlines too inside parentheses),
+        as llama.cpp's ``parse_space(pos, is_nested)`` skips them."""
+        s, start = self.s, pos
+
+        def number(at):
+            end = at
+            while end < len(s) and s[end] in "0123456789":  # (ASCII digits only, as llama.cpp)
+                end += 1
+            return (int(s[at:end]) if end > at else None), end
+
+        at = self.space(pos + 1, nested)
+        lo, at = number(at)
+        at = self.space(at, nested)
+        comma = at < len(s) and s[at] == ","
+        hi = lo
+        if comma:
+            hi, at = number(self.space(at + 1, nested))
+            at = self.space(at, nested)
+        if lo is None or at >= len(s) or s[at] != "}":
+            raise self.error(start, "expected {m}, {m,} or {m,n}")
+        end = at + 1
+        pos = start
         if hi is not None and hi < lo:
             raise self.error(pos, f"{{{lo},{hi}}}: the most is less than the least")
         if max(lo, hi or 0) > MAX_REPEAT:
             raise self.error(pos, f"a repetition of more than {MAX_REPEAT}")
         if hi == 0:
-            return '""', True, m.end()
+            return '""', True, end
         bound = f"{{{lo}}}" if hi == lo else f"{{{lo},}}" if hi is None else f"{{{lo},{hi}}}"
-        return f"{_operand(item)}{bound}", lo == 0, m.end()
+        return f"{_operand(item)}{bound}", lo == 0, end
 
 
 def _literal(chars: list) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -80,10 +81,10 @@ class Grammar:
         it is also checked against the vocabulary. Cheap after the first call (cached)."""
         grammar = self.llguidance_grammar()
         llg = _llguidance()
-        err = (llg.LLMatcher.validate_grammar(grammar) if tokenizer is None
-               else llg.LLMatcher.validate_grammar(grammar, lltokenizer(tokenizer)))
+        err = (on_deep_stack(llg.LLMatcher.validate_grammar, grammar) if tokenizer is None
+               else on_deep_stack(llg.LLMatcher.validate_grammar, grammar, lltokenizer(tokenizer)))
         if err:
-            raise PyinferError(f"bad grammar: {_first_line(Exception(err))}")
+            raise PyinferError(f"bad grammar: {_why(err)}")
         _builds(grammar)
 
     def matcher(self, tokenizer) -> "Constraint":
@@ -130,6 +131,46 @@ def _builds(grammar: str) -> None:
     engine), over the 257-token vocabulary of the bytes (milliseconds for a real grammar; once
     per grammar text, as the conversion: the server checks every request's)."""
     Constraint(lltokenizer(_BYTE_VOCAB), grammar, _BYTE_VOCAB.n_vocab)
+
+
+#: Stack of the thread llguidance compiles grammars on: its compiler recurses along chains of
+#: rules and groups, and overflowed a thread's 8 MiB (SIGSEGV, the process gone) on a GBNF of
+#: 999 rules each a group 3 deep; this takes ~30x that (the memory is only reserved).
+DEEP_STACK_BYTES = 256 << 20
+_stack_lock = threading.Lock()
+
+
+def on_deep_stack(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` run on a thread with DEEP_STACK_BYTES of stack (its result, or
+    what it raised). A grammar compile needs it (about 0.1 ms a call)."""
+    box: list = []
+
+    def run():
+        try:
+            box.append((True, fn(*args, **kwargs)))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            box.append((False, e))
+
+    with _stack_lock:  # (stack_size is a process-wide setting for threads made after it)
+        old = threading.stack_size(DEEP_STACK_BYTES)
+        try:
+            t = threading.Thread(target=run, name="pyinfer-grammar")
+            t.start()
+        finally:
+            threading.stack_size(old)
+    t.join()
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
+
+
+def _why(err: str) -> str:
+    """llguidance's error text as one line, its internal limits said in words."""
+    if "symbols.len() < u16::MAX" in err:  # (an assertion, not a message)
+        return ("too large for llguidance: more than about 65,500 grammar symbols (each "
+                "character of a literal is one)")
+    return _first_line(Exception(err))
 
 
 def _first_line(e: Exception) -> str:
@@ -203,9 +244,9 @@ class Constraint:
 
     def __init__(self, llt, grammar: str, n_vocab: int):
         llg = _llguidance()
-        self._m = llg.LLMatcher(llt, grammar, log_level=0)
+        self._m = on_deep_stack(llg.LLMatcher, llt, grammar, log_level=0)
         if self._m.is_error():
-            raise PyinferError(f"bad grammar: {_first_line(Exception(self._m.get_error()))}")
+            raise PyinferError(f"bad grammar: {_why(self._m.get_error())}")
         self.n_vocab = n_vocab
         self._bits = np.zeros((n_vocab + 31) // 32, dtype=np.int32)
 

@@ -5,6 +5,7 @@ regular ones."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 
@@ -213,3 +214,41 @@ def test_a_grammar_the_matcher_cannot_build_fails_the_check():
     g = Grammar("gbnf", "root ::= " + " | ".join(f'"w{i}"' for i in range(20000)))
     with pytest.raises(PyinferError, match="bad grammar"):
         g.check()
+
+
+# ---- from a QA pass against llama.cpp's src/llama-grammar.cpp --------------------------------------
+def test_a_long_chain_of_nested_rules_is_compiled_not_a_crash():
+    """999 rules each a group 3 deep (within MAX_RULES and MAX_DEPTH) overflowed the stack of
+    llguidance's compiler: SIGSEGV, the server gone. It now compiles on a thread with a deep
+    stack. Run in a child process, so that a crash fails this test and not the run."""
+    import subprocess
+    import sys
+
+    code = ("from pyinfer.grammar import Grammar\n"
+            "n, d = 998, 3\n"
+            "g = 'root ::= r0\\n' + ''.join(f'r{i} ::= ' + '(' * d + f'\"a\" r{i+1}' + ')' * d + '\\n'"
+            " for i in range(n)) + f'r{n} ::= \"b\"\\n'\n"
+            "Grammar('gbnf', g).check()\n"
+            "print('ok')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stderr[-2000:])
+
+
+@pytest.mark.parametrize("grammar, good, bad", [
+    ('root ::= [a\\-z]+', ["a-z", "-"], ["b"]),  # \- (llama.cpp's parse_char; its generator writes it)
+    ('root ::= "x\\-y"', ["x-y"], ["xy"]),
+    ('root ::= ("a"{2,\n  3} # two or three\n)', ["aa", "aaa"], ["a", "aaaa"]),  # parse_space in a group
+])
+def test_llama_cpp_spellings(grammar, good, bad):
+    for text in good:
+        assert accepts(grammar, text), (grammar, text)
+    for text in bad:
+        assert not accepts(grammar, text), (grammar, text)
+
+
+def test_a_grammar_past_llguidance_symbol_limit_says_so():
+    from pyinfer.errors import PyinferError
+
+    with pytest.raises(PyinferError, match="too large for llguidance"):
+        Grammar("gbnf", 'root ::= "' + "ab" * 35000 + '"').check()
