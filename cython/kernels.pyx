@@ -2543,3 +2543,54 @@ def topk_indices(const float[::1] x, int k, int32_t[::1] out):
     free(gm)
     free(cand)
     return m
+
+
+def dry_match(const int32_t[::1] hist, const uint8_t[::1] is_breaker, int32_t[::1] best,
+              int32_t[::1] toks):
+    """DRY's match lengths (``pyinfer.sampler.dry_match_lengths``, its pure-Python reference)
+    over ``hist`` (L,) int32: for each token t that would continue a repetition of the history's
+    end, best[t] = the longest such run (the Z-function of the reversed history, Gusfield;
+    matching never crosses a sequence breaker and a breaker is never listed). ``is_breaker``
+    (n_vocab,) uint8; ``best`` (n_vocab,) int32 all zero on entry (the caller zeroes the
+    entries it read); ``toks`` (>= L,) int32 receives the listed tokens. Returns their count.
+    The Python reference took 2.2 ms on a 4,096-token history (docs/benchmarks.md, session 40)."""
+    cdef Py_ssize_t L = hist.shape[0], nv = best.shape[0], nb = is_breaker.shape[0]
+    cdef Py_ssize_t j, k, left = 0, right = 0, tail = 0, m = 0
+    cdef int32_t t, n
+    if toks.shape[0] < L:
+        raise ValueError(f"dry_match: toks holds {toks.shape[0]}, needs {L}")
+    if L < 2:
+        return 0
+    t = hist[L - 1]
+    if 0 <= t < nb and is_breaker[t]:
+        return 0
+    cdef int32_t *z = <int32_t *> calloc(L, sizeof(int32_t))
+    if z == NULL:
+        raise MemoryError()
+    with nogil:
+        while tail < L:
+            t = hist[L - 1 - tail]
+            if 0 <= t < nb and is_breaker[t]:
+                break
+            tail += 1
+        # r[k] = hist[L-1-k]: z[j] = longest common prefix of r and r[j:]
+        for j in range(1, L):
+            if j < right:
+                z[j] = min(right - j, z[j - left])
+            while j + z[j] < L and hist[L - 1 - z[j]] == hist[L - 1 - j - z[j]]:
+                z[j] += 1
+            if j + z[j] > right:
+                left = j
+                right = j + z[j]
+        for j in range(1, L):  # the token after position L-1-j is r[j-1] = hist[L-j]
+            n = <int32_t> min(<Py_ssize_t> z[j], tail)
+            t = hist[L - j]
+            if n <= 0 or t < 0 or t >= nv or (t < nb and is_breaker[t]):
+                continue
+            if n > best[t]:
+                if best[t] == 0:
+                    toks[m] = t
+                    m += 1
+                best[t] = n
+    free(z)
+    return m

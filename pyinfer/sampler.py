@@ -5,6 +5,7 @@ top-p -> min-p -> temperature -> draw. Temperature <= 0 is greedy (argmax after 
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -117,11 +118,51 @@ def apply_dry(logits: np.ndarray, history, params: SamplingParams,
     # the penalty in logs, capped at 3e38 (f32's range): a tiny multiplier with a large base
     # overflowed (3e38 / 1e-300 to inf, then base ** e itself: OverflowError)
     log_m, log_b, log_max = np.log(params.dry_multiplier), np.log(params.dry_base), np.log(3e38)
-    for t, n in dry_match_lengths(history, breakers).items():
+    for t, n in _match_lengths(history, breakers, logits.shape[0]):
         if n >= params.dry_allowed_length and t < logits.shape[0]:
             e = n - params.dry_allowed_length
             logits[t] -= np.float32(np.exp(min(log_m + e * log_b, log_max)))
     return logits
+
+
+class _DryScratch:
+    """The compiled match's buffers for one vocabulary size: best (n_vocab,) int32 kept all
+    zero between calls, and the breakers' mask of the last breaker set."""
+
+    def __init__(self, n_vocab: int):
+        self.best = np.zeros(n_vocab, np.int32)
+        self.breakers = None
+        self.mask = np.zeros(n_vocab, np.uint8)
+
+
+_SCRATCH = threading.local()  # per thread: best is written during a call
+
+
+def _match_lengths(history, breakers, n_vocab: int):
+    """(token, match length) pairs of ``dry_match_lengths``, from the compiled match
+    (``cpu.dry_match``, ~40x the Python at 4,096 tokens) where every id is inside the
+    vocabulary, else from the reference."""
+    h = np.asarray(history, dtype=np.int64)
+    if h.size < 2 or h.min() < 0 or h.max() >= n_vocab or any(
+            not 0 <= b < n_vocab for b in breakers):
+        return dry_match_lengths(history, breakers).items()
+    per_size = getattr(_SCRATCH, "by_size", None)
+    if per_size is None:
+        per_size = _SCRATCH.by_size = {}
+    sc = per_size.get(n_vocab)
+    if sc is None:
+        sc = per_size[n_vocab] = _DryScratch(n_vocab)
+    if sc.breakers is not breakers:
+        sc.mask[:] = 0
+        if breakers:
+            sc.mask[np.fromiter(breakers, np.int64)] = 1
+        sc.breakers = breakers
+    toks = np.empty(h.size, np.int32)
+    m = cpu.dry_match(h.astype(np.int32), sc.mask, sc.best, toks)
+    toks = toks[:m]
+    lengths = sc.best[toks].copy()
+    sc.best[toks] = 0
+    return zip(toks.tolist(), lengths.tolist())
 
 
 def distribution(logits: np.ndarray, params: SamplingParams, recent=(),

@@ -213,3 +213,26 @@ def test_a_tiny_multiplier_is_a_tiny_penalty():
                                                                 dry_allowed_length=2))
     n = dry_match_lengths(hist)[2]
     assert z[2] == pytest.approx(-0.5 * 2.0 ** (n - 2), rel=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_compiled_match_lengths_equal_the_reference(seed):
+    """cpu.dry_match (C) against dry_match_lengths (the Python reference, tested above against
+    hand-worked cases): the same lengths for every token, on histories with repeats, breakers
+    and a breaker at the end."""
+    from pyinfer.sampler import _match_lengths
+
+    rng = np.random.default_rng(seed)
+    n_vocab = 50
+    for L in (0, 1, 2, 5, 40, 600):
+        phrase = list(rng.integers(0, 12, 7))
+        h = []
+        while len(h) < L:  # repeated phrases with noise: long matches
+            h += phrase if rng.random() < 0.6 else list(rng.integers(0, n_vocab, 3))
+        h = h[:L]
+        for breakers in (frozenset(), frozenset({3, 5}), frozenset({int(h[-1])}) if h else frozenset()):
+            want = dry_match_lengths(h, breakers)
+            got = dict(_match_lengths(h, breakers, n_vocab))
+            assert got == want, (L, breakers)
+            again = dict(_match_lengths(h, breakers, n_vocab))  # (its scratch is left all zero)
+            assert again == want

@@ -682,6 +682,13 @@ def topk_indices(x: np.ndarray, k: int, out: np.ndarray) -> int:
     return _k.topk_indices(x, int(k), out)
 
 
+def dry_match(hist: np.ndarray, is_breaker: np.ndarray, best: np.ndarray, toks: np.ndarray) -> int:
+    """DRY's match lengths over hist (L,) int32 into best (n_vocab,) int32 (zero on entry) for
+    the tokens listed in toks[:m] (int32, at least L); is_breaker (n_vocab,) uint8. Returns m.
+    ``pyinfer.sampler.dry_match_lengths`` is the reference."""
+    return _k.dry_match(hist, is_breaker, best, toks)
+
+
 def mask_inputs(x: np.ndarray, scale: np.ndarray | None, threshold: float, out: np.ndarray,
                 n_threads: int = 1) -> int:
     """``select_inputs`` over a batch as a mask: out (n_tok, n) f32 = x (n_tok, n) f32 with the
