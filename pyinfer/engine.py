@@ -511,10 +511,8 @@ class Engine:
         boundary ends a repetition too). Computed once (one pass over the vocabulary)."""
         if self._dry_breakers is None:
             tk = self.tokenizer
-            ids = set()
-            for i in range(tk.n_vocab):
-                if tk.is_special(i) or any(b in tk.token_to_bytes(i) for b in DRY_BREAKERS):
-                    ids.add(i)
+            ids = tk.ids_holding(DRY_BREAKERS)
+            ids.update(i for i in range(tk.n_vocab) if tk.is_special(i))
             self._dry_breakers = frozenset(ids)
         return self._dry_breakers
 

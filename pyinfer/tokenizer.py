@@ -426,6 +426,25 @@ class Tokenizer:
             out.append(self._sp.decode(run))
         return "".join(out)
 
+    def ids_holding(self, pieces: tuple[bytes, ...]) -> set[int]:
+        """The ids of the tokens whose bytes (``token_to_bytes``) hold one of ``pieces``. On a
+        byte-level vocabulary the pieces are looked up in the tokens' own spelling (one string
+        search a piece over the whole vocabulary: ~10 ms on SmolLM2's 49,152 tokens, where
+        turning every token into bytes took 0.25 s)."""
+        if not self._byte_level:
+            return {i for i in range(len(self._tokens))
+                    if any(p in self.token_to_bytes(i) for p in pieces)}
+        table = _bytes_to_unicode()
+        spelled = ["".join(table[c] for c in p) for p in pieces]
+        out = set()
+        for i, piece in enumerate(self._tokens):
+            if i in self._special_ids:
+                if any(p in piece.encode("utf-8") for p in pieces):
+                    out.add(i)
+            elif any(p in piece for p in spelled):
+                out.add(i)
+        return out
+
     def token_to_bytes(self, token_id: int) -> bytes:
         """The bytes token ``token_id`` stands for (spaces restored, byte tokens as their byte).
 

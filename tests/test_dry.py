@@ -236,3 +236,17 @@ def test_compiled_match_lengths_equal_the_reference(seed):
             assert got == want, (L, breakers)
             again = dict(_match_lengths(h, breakers, n_vocab))  # (its scratch is left all zero)
             assert again == want
+
+
+def test_breakers_found_in_the_tokens_spelling_are_those_of_their_bytes(tmp_path):
+    """Tokenizer.ids_holding searches a byte-level vocabulary's own spelling (~4x faster than
+    turning every token into bytes, the first DRY step's cost in the chat): the same ids."""
+    from pyinfer import LLM
+    from pyinfer.engine import DRY_BREAKERS
+    from tests._tiny_gguf import write_tiny_gguf
+
+    tk = LLM(write_tiny_gguf(str(tmp_path / "t.gguf")), n_ctx=32, n_threads=1, device="cpu").tokenizer
+    assert tk._byte_level
+    for pieces in (DRY_BREAKERS, (b"th", b"\xc3"), (b"<|im",)):
+        want = {i for i in range(tk.n_vocab) if any(p in tk.token_to_bytes(i) for p in pieces)}
+        assert tk.ids_holding(pieces) == want and want, pieces
