@@ -18,9 +18,14 @@ in one of two formats chosen by the chat template:
   answer is constrained to one JSON object, ``{"tool_call": {"name", "arguments"}}`` (with
   ``parallel_tool_calls``: ``{"tool_calls": [...]}``) or, unless a call is required,
   ``{"response": "text"}``; a system message asks for that JSON (llama.cpp's sentence) and,
-  where the template does not read ``tools``, lists the tools as JSON. Earlier assistant tool
-  calls and tool results are written back in the same JSON where the template does not read
-  them (as llama.cpp's template polyfills do).
+  where the template does not read ``tools``, lists the tools as JSON.
+
+Earlier assistant tool calls and tool results are written back as JSON where the template does
+not read them, whether or not the request has tools (``template_messages``, as llama.cpp's
+template polyfills do). A tool's ``parameters`` keep their own ``$defs``/``$ref`` (moved under
+the answer's schema); objects that list their properties take no others (``closed``, llama.cpp's
+default); keywords llguidance does not implement are left unenforced (lenient), as llama.cpp's
+converter leaves them. ``ToolStream`` gives a streamed answer's text for the user as it comes.
 
 ``tool_choice`` "none" (or no tools) is a plain chat: the tools are not shown to the model.
 Call ids are made here (``call_`` and 24 hex digits), as llama.cpp makes them for models that
