@@ -24,7 +24,7 @@ import time
 
 from pyinfer import constants as C
 from pyinfer.constants import OUTTYPE_AUTO, OUTTYPES
-from pyinfer.errors import PyinferError, exit_code_of
+from pyinfer.errors import EXIT_INTERRUPTED, PyinferError, exit_code_of
 
 
 def with_down_type(jobs: list, down_type: str) -> list:
@@ -191,10 +191,14 @@ def _interrupt(signum, frame):  # noqa: ARG001 - signal handler signature
 
     if _OUTPUT[0] is not None and os.path.abspath(_OUTPUT[0]) in COMPLETED:
         return
+    _SIGNAL[0] = signum
     raise KeyboardInterrupt
 
 
 _OUTPUT: list = [None]  # the running conversion's output path, for _interrupt
+_SIGNAL: list = [None]  # the signal that stopped it (its exit status: 128 + its number)
+#: what stops a conversion and removes its temporary file: Ctrl-C, `kill`, a closed terminal
+STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, n))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -250,19 +254,22 @@ def main(argv: list[str] | None = None) -> int:
     from .writer import COMPLETED, signals_held
 
     COMPLETED.discard(os.path.abspath(args.out))
-    _OUTPUT[0] = args.out
-    old = tuple(signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT))
-    for sig, was in zip((signal.SIGTERM, signal.SIGINT), old):
-        if was is not signal.SIG_IGN:  # (a background job's ignored SIGINT stays ignored)
+    _OUTPUT[0], _SIGNAL[0] = args.out, None
+    old = tuple(signal.getsignal(sig) for sig in STOP_SIGNALS)
+    for sig, was in zip(STOP_SIGNALS, old):
+        if was is not signal.SIG_IGN:  # (a background job's ignored SIGINT stays ignored; nohup's SIGHUP)
             signal.signal(sig, _interrupt)
     try:
-        return exit_code_of(_run, args)
+        status = exit_code_of(_run, args)
+        if status == EXIT_INTERRUPTED and _SIGNAL[0] not in (None, signal.SIGINT):
+            status = 128 + _SIGNAL[0]  # (the shell's status of a process a signal ended)
+        return status
     finally:
         with signals_held():
-            signal.signal(signal.SIGTERM, old[0])
-            signal.signal(signal.SIGINT, old[1])
+            for sig, was in zip(STOP_SIGNALS, old):
+                signal.signal(sig, was)
             _OUTPUT[0] = None
-            pending = signal.sigpending() & {signal.SIGINT, signal.SIGTERM}
+            pending = signal.sigpending() & set(STOP_SIGNALS)
             while pending:
                 pending.discard(signal.sigwait(pending))
 

@@ -42,7 +42,7 @@ from pyinfer.config import read_field
 from pyinfer.errors import PyinferError
 from pyinfer.gguf_check import check_gguf
 from pyinfer.gguf_reader import GGUFReader
-from pyinfer.llamacpp import ArchKeys
+from pyinfer.llamacpp import ArchKeys, linear_rope_factor, scaled_rope_freqs
 from pyinfer.ops.cpu import SUPPORTED
 
 from . import warn
@@ -219,9 +219,7 @@ def plan_gguf(path: str, outtype: str, allow_unused: bool = False,
     qwen3 = arch == "qwen3"  # llama.cpp's Qwen3: per-head Q/K norms, NeoX RoPE (rows unpermuted)
     if gemma3 or qwen2 or qwen3:  # the source's keys carry its architecture's prefix: read as llama.*
         reader = ArchKeys(reader, arch)
-    scaling = _scalar(reader, C.K_ROPE_SCALING_TYPE, "none")
-    if scaling not in ("none", "", None):
-        raise PyinferError(f"unsupported rope scaling {scaling!r}")
+    rope_factor = linear_rope_factor(reader)  # (PyinferError for YaRN and the others)
     tensors = {t.name: t for t in reader.tensors}
     ours = C.K_ROPE_LAYOUT in reader.fields  # written by pyinfer: already neox / neuron-major
     family = _scalar(reader, C.K_FAMILY, "llama")
@@ -390,7 +388,11 @@ def plan_gguf(path: str, outtype: str, allow_unused: bool = False,
         if gemma3:
             jobs += [norm(C.ATTN_POST_NORM.format(bid=i)), norm(C.FFN_POST_NORM.format(bid=i))]
     jobs.append(norm(C.OUTPUT_NORM))
-    if C.ROPE_FREQS in tensors:  # Llama 3's RoPE frequency divisors, as llama.cpp stores them
+    if rope_factor is not None:  # linear scaling: written as divisors (over Llama 3's own)
+        own = norm(C.ROPE_FREQS, head_dim // 2).load if C.ROPE_FREQS in tensors else (lambda: None)
+        jobs.append(TensorJob(C.ROPE_FREQS, (head_dim // 2,), C.QT.F32,
+                              lambda: scaled_rope_freqs(own(), rope_factor, head_dim)))
+    elif C.ROPE_FREQS in tensors:  # Llama 3's RoPE frequency divisors, as llama.cpp stores them
         jobs.append(norm(C.ROPE_FREQS, head_dim // 2))
     if C.OUTPUT in tensors:
         jobs.append(mat(C.OUTPUT, (n_vocab, n_embd)))

@@ -164,7 +164,9 @@ SRC_FFN_DOWN = "blk.{bid}.ffn_down.weight"  # (n_embd, n_ff)
 # ---- appended by convert/ ---------------------------------------------------------------------
 K_KEY_LENGTH = gguf.Keys.Attention.KEY_LENGTH.format(arch=ARCH)  # head_dim of K (written always)
 K_VALUE_LENGTH = gguf.Keys.Attention.VALUE_LENGTH.format(arch=ARCH)  # head_dim of V (written always)
-K_ROPE_SCALING_TYPE = gguf.Keys.Rope.SCALING_TYPE.format(arch=ARCH)  # read from sources: must be none
+K_ROPE_SCALING_TYPE = gguf.Keys.Rope.SCALING_TYPE.format(arch=ARCH)  # read from sources: none or linear
+K_ROPE_SCALING_FACTOR = gguf.Keys.Rope.SCALING_FACTOR.format(arch=ARCH)  # a source's linear factor
+K_ROPE_SCALE_LINEAR = f"{ARCH}.rope.scale_linear"  # its older spelling (llama.cpp LLM_KV_ROPE_SCALE_LINEAR)
 K_TOK_SEP = gguf.Keys.Tokenizer.SEP_ID
 K_TOK_PREFIX = "tokenizer.ggml."  # every llama.cpp tokenizer key starts with this
 K_CHAT_TEMPLATE_PREFIX = "tokenizer.chat_template"  # also matches named templates (.tool_use, ...)

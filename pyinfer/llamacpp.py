@@ -24,6 +24,7 @@ CPU; the engine says so once on stderr.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 
@@ -83,6 +84,34 @@ def unpermute_qk_rows(w: QTensor, n_head: int) -> QTensor:
     return QTensor(np.ascontiguousarray(w.data[order]), w.qtype, w.rows, w.cols)
 
 
+def linear_rope_factor(reader) -> float | None:
+    """The linear RoPE scaling factor of a llama.cpp file, or None (none, or a factor of 1):
+    ``rope.scaling.factor`` (or the older ``rope.scale_linear``) with ``rope.scaling.type``
+    linear, none or unset, as llama.cpp's loader reads them (its type defaults to linear, and
+    ``rope_freq_scale_train`` = 1 / factor); positions are divided by the factor. PyinferError
+    for another scaling type (YaRN ...) or a factor that is not a positive number. ``reader``
+    reads the llama.* keys (``ArchKeys`` for other architectures)."""
+    kind = read_field(reader, C.K_ROPE_SCALING_TYPE, None, kind=str)
+    if kind not in (None, "", "none", "linear"):
+        raise PyinferError(f"unsupported rope scaling {kind!r} in this llama.cpp file "
+                           "(pyinfer computes linear scaling and Llama 3's frequency factors)")
+    factor = read_field(reader, C.K_ROPE_SCALING_FACTOR, None, kind=float)
+    if factor is None:
+        factor = read_field(reader, C.K_ROPE_SCALE_LINEAR, None, kind=float)
+    if factor is None or factor in (0.0, 1.0):  # (llama.cpp: 0 means none)
+        return None
+    if not (math.isfinite(factor) and factor > 0):
+        raise PyinferError(f"rope scaling factor {factor} must be a positive number")
+    return factor
+
+
+def scaled_rope_freqs(freqs, factor: float, head_dim: int) -> np.ndarray:
+    """RoPE's frequency divisors (head_dim/2,) f32 with a linear ``factor`` applied (over the
+    file's own ``rope_freqs``, which llama.cpp applies beside it)."""
+    base = np.ones(head_dim // 2, np.float32) if freqs is None else np.asarray(freqs, np.float32)
+    return (base * np.float32(factor)).astype(np.float32)
+
+
 def load(reader: gguf.GGUFReader, path: str = "") -> tuple[ModelConfig, ModelWeights]:
     """(config, weights) of a llama.cpp file (``is_llamacpp``), laid out for the dense CPU path.
 
@@ -94,9 +123,7 @@ def load(reader: gguf.GGUFReader, path: str = "") -> tuple[ModelConfig, ModelWei
     arch = read_field(reader, C.K_ARCH)
     if arch != C.ARCH:  # qwen2 / qwen3: their keys read as llama.*, the family theirs
         reader = ArchKeys(reader, arch)
-    scaling = read_field(reader, C.K_ROPE_SCALING_TYPE, "none", kind=str)
-    if scaling not in ("none", ""):
-        raise PyinferError(f"unsupported rope scaling {scaling!r} in this llama.cpp file")
+    factor = linear_rope_factor(reader)
     cfg = ModelConfig.from_gguf(reader, llamacpp=True)
     if arch != C.ARCH:  # (llama.cpp runs Qwen2 without its sliding window: so does pyinfer)
         cfg = dataclasses.replace(cfg, family=arch)
@@ -117,6 +144,8 @@ def load(reader: gguf.GGUFReader, path: str = "") -> tuple[ModelConfig, ModelWei
     if val_len is not None and val_len != cfg.head_dim:
         raise PyinferError(f"value length {val_len} differs from key length {cfg.head_dim}")
     weights = ModelWeights.from_gguf(reader, cfg, llamacpp=True, qk_permuted=arch == C.ARCH)
+    if factor is not None:
+        weights.rope_freqs = scaled_rope_freqs(weights.rope_freqs, factor, cfg.head_dim)
     if path and path not in _noticed:
         _noticed.add(path)
         name = os.path.basename(path)

@@ -238,8 +238,38 @@ def read_text_file(path: str, limit: int, what: str = "file",
 
 
 @contextlib.contextmanager
+def stop_signals_interrupt():
+    """While inside (main thread), SIGTERM and SIGHUP raise KeyboardInterrupt as Ctrl-C does, so
+    that a ``kill`` or a closed terminal runs the same cleanup (a temporary file removed) instead
+    of ending the process where it stands; signals the caller ignores stay ignored. Yields a
+    one-item list that holds the signal's number once one came (its exit status: 128 + it)."""
+    import signal
+    import threading
+
+    came: list = [None]
+    sigs = [getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n)]
+    if threading.current_thread() is not threading.main_thread():
+        yield came
+        return
+
+    def handler(signum, frame):  # noqa: ARG001 - signal handler signature
+        came[0] = signum
+        raise KeyboardInterrupt
+
+    old = [signal.getsignal(s) for s in sigs]
+    for s, was in zip(sigs, old):
+        if was is not signal.SIG_IGN:
+            signal.signal(s, handler)
+    try:
+        yield came
+    finally:
+        for s, was in zip(sigs, old):
+            signal.signal(s, was)
+
+
+@contextlib.contextmanager
 def signals_held():
-    """SIGINT and SIGTERM held back (blocked) for the block, in the main thread; one that came
+    """SIGINT, SIGTERM and SIGHUP held back (blocked) for the block, in the main thread; one that came
     meanwhile is delivered as the block ends. Elsewhere (another thread) a plain block."""
     import signal
     import threading
@@ -247,7 +277,7 @@ def signals_held():
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    held = {signal.SIGINT, signal.SIGTERM}
+    held = {signal.SIGINT, signal.SIGTERM} | ({signal.SIGHUP} if hasattr(signal, "SIGHUP") else set())
     old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
     try:
         yield

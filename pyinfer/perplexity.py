@@ -143,7 +143,11 @@ def estimate(engine, tokens, n_ctx: int, max_chunks: int = 0, progress=True, sin
 
 
 def main(argv=None) -> int:
-    return exit_code_of(_main, argv)
+    from pyinfer.options import stop_signals_interrupt
+
+    with stop_signals_interrupt() as came:  # (`kill` removes a half-written base file too)
+        status = exit_code_of(_main, argv)
+    return 128 + came[0] if came[0] is not None else status
 
 
 def _main(argv) -> int:

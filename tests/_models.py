@@ -181,7 +181,8 @@ def load_hf_state_dict(model_dir: str) -> dict:
 
 
 def write_llamacpp_gguf(model_dir: str, out_path: str, qtype: str = "f32",
-                        down_qtype: str | None = None, qtype_of=None, arch: str = "llama") -> None:
+                        down_qtype: str | None = None, qtype_of=None, arch: str = "llama",
+                        extra: dict | None = None) -> None:
     """Write ``model_dir`` (from `make_random_llama`) as llama.cpp's convert_hf_to_gguf.py would.
 
     Q/K rows permuted for llama.cpp's RoPE (its ``LlamaModel.permute``), ``ffn_down`` untransposed,
@@ -193,7 +194,7 @@ def write_llamacpp_gguf(model_dir: str, out_path: str, qtype: str = "f32",
     the default above), for a per-tensor mix such as the one llama-quantize writes. ``arch``
     "qwen2": llama.cpp's Qwen2 (keys ``qwen2.*``, Q/K rows as in Hugging Face, q/k/v biases);
     "qwen3": llama.cpp's Qwen3 (keys ``qwen3.*``, Q/K rows as in Hugging Face, attn_q_norm /
-    attn_k_norm).
+    attn_k_norm). ``extra``: more metadata, key -> (value, gguf.GGUFValueType).
     """
     import tempfile
 
@@ -228,6 +229,8 @@ def write_llamacpp_gguf(model_dir: str, out_path: str, qtype: str = "f32",
                     w.add_key_value(name, v, field.types[0], field.types[-1])
                 else:
                     w.add_key_value(name, v, field.types[0])
+        for name, (v, vtype) in (extra or {}).items():
+            w.add_key_value(name, v, vtype)
         del reader
     from convert.writer import FILE_TYPES
 

@@ -172,9 +172,11 @@ def test_kl_divergence_errors(runnable_gguf, smollm2_q8, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["b.kld", "cut.kld", "s.txt", "t.txt", "tok.kld"]
 
 
-def test_an_interrupted_base_run_leaves_no_file(runnable_gguf, tmp_path):
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM", "SIGHUP"])
+def test_an_interrupted_base_run_leaves_no_file(runnable_gguf, tmp_path, sig):
     """SIGINT during the scoring: exit 130 (errors.exit_code_of), and neither the base file nor
-    its temporary file is left in the directory."""
+    its temporary file is left in the directory; `kill` and a closed terminal too (they ended
+    the process with the temporary file left), exit 128 + the signal's number."""
     import signal
     import time
 
@@ -190,7 +192,8 @@ def test_an_interrupted_base_run_leaves_no_file(runnable_gguf, tmp_path):
     while not any(n.startswith(".b.kld.") for n in os.listdir(tmp_path)) and time.time() < deadline:
         time.sleep(0.01)
     time.sleep(0.2)
-    p.send_signal(signal.SIGINT)
+    p.send_signal(getattr(signal, sig))
     err = p.communicate(timeout=60)[1].decode()
-    assert p.returncode != 0 and "Traceback" not in err, (p.returncode, err)
+    want = 130 if sig == "SIGINT" else 128 + getattr(signal, sig)
+    assert p.returncode == want and "Traceback" not in err, (p.returncode, err)
     assert sorted(os.listdir(tmp_path)) == ["t.txt"]

@@ -213,3 +213,56 @@ def test_smollm2_llamacpp_file_runs_directly(tmp_path):
     r1, r2 = cli("pyinfer.cli", "-m", SMOL, *args), cli("pyinfer.cli", "-m", auto, *args)
     assert r1.returncode == 0 and r2.returncode == 0, r1.stderr + r2.stderr
     assert r1.stdout == r2.stdout and "Berlin" in r1.stdout
+
+
+@pytest.mark.parametrize("keys", [
+    {"llama.rope.scaling.factor": 4.0},  # no type: llama.cpp's default is linear
+    {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0},
+    {"llama.rope.scale_linear": 4.0},  # the older key
+])
+def test_linear_rope_scaling_of_a_llamacpp_file(tiny, tmp_path, keys):
+    """A llama.cpp file's linear RoPE scaling (positions / factor, as llama.cpp's loader reads
+    the keys) was ignored: the file ran, and converted, unscaled. Reference: transformers with
+    rope_scaling linear x4 on the same weights."""
+    import gguf
+
+    from convert.cli import convert
+    from pyinfer.engine import Engine
+
+    model_dir = tiny[0]
+    types = {str: gguf.GGUFValueType.STRING, float: gguf.GGUFValueType.FLOAT32}
+    src = str(tmp_path / "scaled.gguf")
+    write_llamacpp_gguf(model_dir, src, "f32", extra={k: (v, types[type(v)]) for k, v in keys.items()})
+    tokens = list(range(3, 40))
+    cfg = transformers.AutoConfig.from_pretrained(model_dir)
+    own = getattr(cfg, "rope_parameters", None) or {}
+    theta = own.get("rope_theta") or getattr(cfg, "rope_theta", None) or 10000.0
+    linear = {"rope_type": "linear", "factor": 4.0, "rope_theta": theta}
+    if hasattr(cfg, "rope_parameters"):  # transformers 5's spelling (rope_scaling is its alias)
+        cfg.rope_parameters = linear
+    else:
+        cfg.rope_scaling = linear
+    ref_model = transformers.LlamaForCausalLM.from_pretrained(model_dir, config=cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([tokens])).logits[0].numpy()
+    unscaled = hf_logits(model_dir, tokens)
+    assert rel_err(unscaled, ref) > 2e-3  # (the scaling matters at these positions: 100x the tolerance)
+    conv = str(tmp_path / "conv.gguf")
+    convert(src, conv, "f32", progress=False)
+    for path in (src, conv):
+        got = Engine(path, n_ctx=64, n_threads=1).model.forward(tokens, 0, all_logits=True)
+        assert rel_err(got, ref) < 2e-5, path
+
+
+def test_other_rope_scaling_of_a_llamacpp_file_is_refused(tiny, tmp_path):
+    import gguf
+
+    from pyinfer.engine import Engine
+    from pyinfer.errors import PyinferError
+
+    src = str(tmp_path / "yarn.gguf")
+    write_llamacpp_gguf(tiny[0], src, "f32", extra={
+        "llama.rope.scaling.type": ("yarn", gguf.GGUFValueType.STRING),
+        "llama.rope.scaling.factor": (4.0, gguf.GGUFValueType.FLOAT32)})
+    with pytest.raises(PyinferError, match="unsupported rope scaling 'yarn'"):
+        Engine(src, n_ctx=64, n_threads=1)
