@@ -252,6 +252,10 @@ def plan_gguf(path: str, outtype: str, allow_unused: bool = False,
         raise PyinferError(f"{path}: {n_head} attention heads do not share {n_head_kv} key/value "
                            "heads evenly")
     head_dim = _scalar(reader, C.K_KEY_LENGTH, _scalar(reader, C.K_ROPE_DIM, n_embd // n_head))
+    rot = _scalar(reader, C.K_ROPE_DIM)
+    if rot is not None and rot != head_dim:  # (the engine and llama.cpp refuse such a file)
+        raise PyinferError(f"{path}: partial rotary embeddings (rope dimension_count {rot}, head "
+                           f"dim {head_dim}) are not supported")
     n_ctx_train = _scalar(reader, C.K_CONTEXT_LENGTH, 2048)
     _check_sizes(path, head_dim=head_dim, context_length=n_ctx_train)
     for key, default in ((C.K_RMS_EPS, 1e-5), (C.K_ROPE_FREQ_BASE, 10000.0)):
@@ -264,8 +268,12 @@ def plan_gguf(path: str, outtype: str, allow_unused: bool = False,
 
     meta = Metadata()
     meta.string(C.K_ARCH, C.ARCH)
-    for key in _GENERAL_COPY:
-        if key in reader.fields:
+    for key in _GENERAL_COPY:  # descriptive only: one that is not a string is left out (every
+        if key in reader.fields:  # run of the written file refused an array general.name)
+            try:
+                read_field(reader, key, kind=str)
+            except PyinferError:
+                continue
             _copy_field(meta, reader.fields[key])
     auto = outtype == C.OUTTYPE_AUTO
     if auto:

@@ -194,7 +194,8 @@ def write_llamacpp_gguf(model_dir: str, out_path: str, qtype: str = "f32",
     the default above), for a per-tensor mix such as the one llama-quantize writes. ``arch``
     "qwen2": llama.cpp's Qwen2 (keys ``qwen2.*``, Q/K rows as in Hugging Face, q/k/v biases);
     "qwen3": llama.cpp's Qwen3 (keys ``qwen3.*``, Q/K rows as in Hugging Face, attn_q_norm /
-    attn_k_norm). ``extra``: more metadata, key -> (value, gguf.GGUFValueType).
+    attn_k_norm). ``extra``: more metadata (or metadata written anew), key -> (value,
+    gguf.GGUFValueType[, the element type of an array]).
     """
     import tempfile
 
@@ -225,12 +226,14 @@ def write_llamacpp_gguf(model_dir: str, out_path: str, qtype: str = "f32",
                 v = field.contents()
                 if name.startswith("llama."):
                     name = arch + name[len("llama"):]
+                if name in (extra or {}):  # (given anew below)
+                    continue
                 if field.types[0] == gguf.GGUFValueType.ARRAY:
                     w.add_key_value(name, v, field.types[0], field.types[-1])
                 else:
                     w.add_key_value(name, v, field.types[0])
-        for name, (v, vtype) in (extra or {}).items():
-            w.add_key_value(name, v, vtype)
+        for name, (v, vtype, *sub) in (extra or {}).items():
+            w.add_key_value(name, v, vtype, *sub)
         del reader
     from convert.writer import FILE_TYPES
 

@@ -266,3 +266,30 @@ def test_other_rope_scaling_of_a_llamacpp_file_is_refused(tiny, tmp_path):
         "llama.rope.scaling.factor": (4.0, gguf.GGUFValueType.FLOAT32)})
     with pytest.raises(PyinferError, match="unsupported rope scaling 'yarn'"):
         Engine(src, n_ctx=64, n_threads=1)
+
+
+def test_the_converter_refuses_what_the_engine_refuses_and_drops_a_bad_name(tiny, tmp_path):
+    """A rope dimension_count below the head dim (partial rotary: the engine and llama.cpp
+    refuse it) was converted into a file no run could load; a general.name stored as an array
+    (descriptive only) was copied into a file every run refused."""
+    import gguf
+
+    from convert.cli import convert
+    from pyinfer.engine import Engine
+    from pyinfer.errors import PyinferError
+
+    src = str(tmp_path / "rot.gguf")
+    write_llamacpp_gguf(tiny[0], src, "f32", extra={
+        "llama.rope.dimension_count": (8, gguf.GGUFValueType.UINT32)})
+    for make in (lambda: Engine(src, n_ctx=32, n_threads=1),
+                 lambda: convert(src, str(tmp_path / "rot.out.gguf"), "f32", progress=False)):
+        with pytest.raises(PyinferError, match="partial rotary"):
+            make()
+    src = str(tmp_path / "name.gguf")
+    write_llamacpp_gguf(tiny[0], src, "f32", extra={
+        "general.name": (["a", "b"], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING)})
+    out = str(tmp_path / "name.out.gguf")
+    convert(src, out, "f32", progress=False)
+    tokens = [1, 5, 9, 2]
+    np.testing.assert_allclose(Engine(out, n_ctx=32, n_threads=1).model.forward(tokens, 0, True),
+                               hf_logits(tiny[0], tokens), rtol=0, atol=1e-4)
