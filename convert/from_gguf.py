@@ -38,7 +38,7 @@ import numpy as np
 
 from pyinfer import __version__
 from pyinfer import constants as C
-from pyinfer.config import read_field
+from pyinfer.config import read_field, refuse_unsupported_kind
 from pyinfer.errors import PyinferError
 from pyinfer.gguf_check import check_gguf
 from pyinfer.gguf_reader import GGUFReader
@@ -214,6 +214,7 @@ def plan_gguf(path: str, outtype: str, allow_unused: bool = False,
     if arch not in _GGUF_ARCHS:
         raise PyinferError(f"unsupported architecture {arch} (supported: {', '.join(_GGUF_ARCHS)})")
     _check_tokenizer(reader)
+    refuse_unsupported_kind(reader)
     gemma3 = arch == "gemma3"
     qwen2 = arch == "qwen2"  # llama.cpp's Qwen2: q/k/v biases, NeoX RoPE (rows unpermuted)
     qwen3 = arch == "qwen3"  # llama.cpp's Qwen3: per-head Q/K norms, NeoX RoPE (rows unpermuted)

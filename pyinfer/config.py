@@ -48,6 +48,24 @@ def read_field(reader: gguf.GGUFReader, key: str, default=None, kind: type | Non
     return value
 
 
+def refuse_unsupported_kind(reader) -> None:
+    """PyinferError, saying what it is, for a GGUF that is one part of a gguf-split set (its
+    tensors spread over several files: runs failed on a "missing" tensor) or a mixture of experts
+    (Mixtral-style ``*_exps`` tensors: the error suggested converting it, which failed too)."""
+    n_split = read_field(reader, "split.count", 0, kind=int) or 0
+    if n_split > 1:
+        part = read_field(reader, "split.no", 0, kind=int) or 0
+        raise PyinferError(f"this GGUF is part {part + 1} of {n_split} of a split model "
+                           "(gguf-split): merge the parts into one file first "
+                           "(llama-gguf-split --merge FIRST-PART OUT.gguf)")
+    arch = read_field(reader, "general.architecture")
+    experts = read_field(reader, f"{arch}.expert_count", 0) if isinstance(arch, str) else 0
+    if (isinstance(experts, int) and experts > 0) or any(
+            t.name.endswith(("_exps.weight", "_exps.bias")) for t in reader.tensors):
+        raise PyinferError(f"mixture-of-experts models ({experts or 'several'} experts a layer) "
+                           "are not supported")
+
+
 def _check_kind(f, key: str, kind: type, item: type | None):
     types = list(f.types)
     stored = " of ".join(_VT(t).name for t in types) if types else "empty"
@@ -187,6 +205,7 @@ class ModelConfig(FamilyTraits):
         key, or, without ``llamacpp``, a llama.cpp file).
         """
         arch = read_field(reader, C.K_ARCH)
+        refuse_unsupported_kind(reader)
         if arch != C.ARCH and not (llamacpp and arch in C.LLAMACPP_RUN_ARCHS):
             hint = "; pyinfer-convert SRC out.gguf converts it" if arch == "gemma3" else ""
             raise PyinferError(f"unsupported architecture {arch!r} (pyinfer runs '{C.ARCH}' files, "

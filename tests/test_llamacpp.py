@@ -8,6 +8,7 @@ import is itself checked against transformers' GGUF loader in test_convert.py).
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -293,3 +294,26 @@ def test_the_converter_refuses_what_the_engine_refuses_and_drops_a_bad_name(tiny
     tokens = [1, 5, 9, 2]
     np.testing.assert_allclose(Engine(out, n_ctx=32, n_threads=1).model.forward(tokens, 0, True),
                                hf_logits(tiny[0], tokens), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"split.count": (2, "UINT16"), "split.no": (0, "UINT16")}, "part 1 of 2 of a split model"),
+    ({"llama.expert_count": (8, "UINT32")}, "mixture-of-experts models (8 experts"),
+])
+def test_split_parts_and_expert_models_are_named(tiny, tmp_path, extra, message):
+    """One part of a gguf-split set failed on a "missing" tensor, a Mixtral-style file was told
+    to be converted (which failed): both are now said for what they are, by the run and the
+    converter."""
+    import gguf
+
+    from convert.cli import convert
+    from pyinfer.engine import Engine
+    from pyinfer.errors import PyinferError
+
+    src = str(tmp_path / "odd.gguf")
+    write_llamacpp_gguf(tiny[0], src, "f32", extra={
+        k: (v, getattr(gguf.GGUFValueType, t)) for k, (v, t) in extra.items()})
+    for make in (lambda: Engine(src, n_ctx=32, n_threads=1),
+                 lambda: convert(src, str(tmp_path / "out.gguf"), "f32", progress=False)):
+        with pytest.raises(PyinferError, match=re.escape(message)):
+            make()
