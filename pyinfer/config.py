@@ -35,6 +35,8 @@ def read_field(reader: gguf.GGUFReader, key: str, default=None, kind: type | Non
     f = reader.fields.get(key)
     if f is None:
         return default
+    if kind is int and key.endswith(PER_LAYER_KEYS) and list(f.types[:1]) == [_VT.ARRAY]:
+        return _uniform(f, key)
     if kind is not None:
         _check_kind(f, key, kind, item)
     try:
@@ -46,6 +48,22 @@ def read_field(reader: gguf.GGUFReader, key: str, default=None, kind: type | Non
     elif kind is list and item is float:
         value = [float(v) for v in value]
     return value
+
+
+#: keys llama.cpp reads as one number or one per layer (``get_key_or_arr``)
+PER_LAYER_KEYS = (".feed_forward_length", ".attention.head_count", ".attention.head_count_kv")
+
+
+def _uniform(f, key: str) -> int:
+    """A per-layer array's one value (every layer the same: what pyinfer computes); PyinferError
+    for values that differ by layer or are not integers."""
+    if len(f.types) < 2 or f.types[-1] not in _TYPES_OF_KIND[int]:
+        raise PyinferError(f"GGUF metadata {key!r} is an array of non-integers")
+    values = [int(v) for v in f.contents()]
+    if not values or any(v != values[0] for v in values):
+        raise PyinferError(f"GGUF metadata {key!r} differs from layer to layer ({values[:8]}"
+                           f"{' ...' if len(values) > 8 else ''}): not supported")
+    return values[0]
 
 
 def refuse_unsupported_kind(reader) -> None:
@@ -240,7 +258,10 @@ class ModelConfig(FamilyTraits):
         norm = get(C.K_NORM, "rms", str)
         swa = read_field(reader, C.K_SWA_LAYERS, None, kind=list, item=int)
         return cls(
-            n_vocab=get(C.K_VOCAB_SIZE, int(embd.shape[-1])),
+            # (a llama.cpp file: its embedding rows, as llama.cpp sizes the model by its tokens
+            # and reads vocab_size only to name the model type; a file whose key disagreed was
+            # refused, though llama.cpp runs it)
+            n_vocab=int(embd.shape[-1]) if llamacpp else get(C.K_VOCAB_SIZE, int(embd.shape[-1])),
             n_embd=n_embd,
             n_layer=need(C.K_BLOCK_COUNT),
             n_ff=need(C.K_FEED_FORWARD_LENGTH),

@@ -317,3 +317,45 @@ def test_split_parts_and_expert_models_are_named(tiny, tmp_path, extra, message)
                  lambda: convert(src, str(tmp_path / "out.gguf"), "f32", progress=False)):
         with pytest.raises(PyinferError, match=re.escape(message)):
             make()
+
+
+def test_per_layer_arrays_of_one_value_are_read_as_that_value(tiny, tmp_path):
+    """llama.cpp reads feed_forward_length / head_count / head_count_kv as one number or one per
+    layer (get_key_or_arr); a file with per-layer arrays (all layers alike) was refused."""
+    import json as _json
+
+    import gguf
+
+    from pyinfer.engine import Engine
+    from pyinfer.errors import PyinferError
+
+    cfg = _json.load(open(os.path.join(tiny[0], "config.json")))
+    n = cfg["num_hidden_layers"]
+    arr = gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT32
+    src = str(tmp_path / "arrays.gguf")
+    write_llamacpp_gguf(tiny[0], src, "f32", extra={
+        "llama.feed_forward_length": ([cfg["intermediate_size"]] * n, *arr),
+        "llama.attention.head_count": ([cfg["num_attention_heads"]] * n, *arr),
+        "llama.attention.head_count_kv": ([cfg["num_key_value_heads"]] * n, *arr)})
+    tokens = [1, 7, 3, 9]
+    got = Engine(src, n_ctx=32, n_threads=1).model.forward(tokens, 0, all_logits=True)
+    assert rel_err(got, hf_logits(tiny[0], tokens)) < 1e-4
+    bad = str(tmp_path / "mixed.gguf")
+    write_llamacpp_gguf(tiny[0], bad, "f32", extra={
+        "llama.attention.head_count_kv": ([cfg["num_key_value_heads"]] * (n - 1) + [1], *arr)})
+    with pytest.raises(PyinferError, match="differs from layer to layer"):
+        Engine(bad, n_ctx=32, n_threads=1)
+
+
+def test_a_vocab_size_key_that_disagrees_does_not_size_a_llamacpp_model(tiny, tmp_path):
+    """llama.cpp sizes the model by its token list (vocab_size only names the model type): a
+    file whose llama.vocab_size disagreed with token_embd was refused by the direct run."""
+    import gguf
+
+    from pyinfer.engine import Engine
+
+    src = str(tmp_path / "vs.gguf")
+    write_llamacpp_gguf(tiny[0], src, "f32", extra={"llama.vocab_size": (100000, gguf.GGUFValueType.UINT32)})
+    tokens = [1, 7, 3, 9]
+    got = Engine(src, n_ctx=32, n_threads=1).model.forward(tokens, 0, all_logits=True)
+    assert rel_err(got, hf_logits(tiny[0], tokens)) < 1e-4
