@@ -96,6 +96,9 @@ def check_paths(src: str, out: str) -> None:
     out_dir = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(out_dir):
         raise PyinferError(f"output directory {out_dir} does not exist")
+    if os.path.islink(out) and not os.path.isdir(os.path.dirname(real_out)):  # (found only at the end)
+        raise PyinferError(f"{out} is a symbolic link into {os.path.dirname(real_out)}, which "
+                           "does not exist")
     if os.path.isdir(out):
         raise PyinferError(f"{out} is a directory")
     if os.path.abspath(src) == os.path.abspath(out) or (

@@ -50,8 +50,15 @@ def read_calib_files(paths: list[str]) -> str:
     Raises PyinferError for a missing or unreadable file, one larger than MAX_CALIB_FILE_BYTES,
     an empty one, or one that is not text (contains NUL bytes or is not valid UTF-8).
     """
+    import stat
+
     parts = []
     for p in paths:
+        try:  # (a FIFO: opening it waits for a writer for ever)
+            if stat.S_ISFIFO(os.stat(p).st_mode) or stat.S_ISSOCK(os.stat(p).st_mode):
+                raise PyinferError(f"calibration file {p} is a pipe or a socket, not a text file")
+        except OSError:
+            pass  # (missing: the open below says so)
         try:
             with open(p, "rb") as f:
                 raw = f.read(MAX_CALIB_FILE_BYTES + 1)

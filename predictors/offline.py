@@ -202,6 +202,9 @@ class OfflineOptions:
         if self.lm_head_candidates is not None:
             if self.lm_head_candidates < 0:
                 raise PyinferError(f"--lm-head-candidates must be >= 0, got {self.lm_head_candidates}")
+            if self.lm_head_candidates > 0 and self.lm_head_sparsity == 0.0:  # (it was dropped)
+                raise PyinferError("--lm-head-candidates goes with an input-sparse lm head: "
+                                   "--lm-head-sparsity 0 asks for the exact head alone")
         if self.fisher_weight is not None:
             if self.input_alloc != "fisher":
                 raise PyinferError("--fisher-weight needs --sparse-alloc fisher")
@@ -449,6 +452,13 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
             return {"rows": [], "mode": None, "calib_source": None, "seconds": secs,
                     "placement": None}
         opts.check_flags(mode)
+        from predictors.input_sparse import MAX_LEVEL
+
+        if mode == C.SPARSE_MODE_INPUT and opts.input_alloc != "uniform" and \
+                (opts.target_sparsity or 0) * 100 > MAX_LEVEL:
+            raise PyinferError(f"--target-sparsity {opts.target_sparsity} is above what the "
+                               f"{opts.input_alloc} allocation reaches ({MAX_LEVEL / 100:.2f}: no "
+                               "projection skips more than that); --sparse-alloc uniform goes higher")
         if mode == C.SPARSE_MODE_GLU and opts.lm_head_sparsity is not None:
             raise PyinferError("--lm-head-sparsity needs --sparse-mode input (this model takes glu "
                                "by default: its projections are not all q8_0, q4_0, q4_1, "

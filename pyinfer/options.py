@@ -291,6 +291,10 @@ def temp_path_beside(path: str, suffix: str = ".tmp") -> str:
     Its mode is what a plain ``open(path, "w")`` would give (mkstemp's is 0600).
     Raises PyinferError when the directory does not take a new file."""
     directory, name = os.path.split(os.path.abspath(path))
+    # (a name near the 255-byte limit: the temporary one is cut, so that any legal name works)
+    room = 255 - len(".") - len(".") - 8 - len(suffix.encode())
+    while len(name.encode("utf-8", "surrogateescape")) > room:
+        name = name[:-1]
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=suffix, dir=directory)
     except OSError as e:

@@ -277,6 +277,12 @@ def test_bad_inputs(relu_dir, silu_dir, tmp_path, capsys):
         # a bf16 SwiGLU model takes glu by default: no lm head sparsity there
         ([silu_dir, "--outtype", "bf16", "--lm-head-sparsity", "0.1", *FAST], "needs --sparse-mode input"),
         ([relu_dir, "--predictor-rank", "zero"], "--predictor-rank"),
+        # found by a QA pass: the greedy and fisher allocations stop at 95% (the target stored
+        # anyway), and candidates with an exact head were dropped
+        ([silu_dir, "--target-sparsity", "0.99", "--sparse-alloc", "greedy", *FAST_INPUT],
+         "above what the greedy allocation reaches"),
+        ([silu_dir, "--lm-head-sparsity", "0", "--lm-head-candidates", "64", *FAST_INPUT],
+         "asks for the exact head alone"),
     ]
     if not torch.cuda.is_available():  # a GPU asked for by name: refused before any work
         cases.append(([relu_dir, "--train-device", "cuda"], "no CUDA device"))
@@ -570,3 +576,36 @@ def test_predictor_pays():
     relu_pred = 64 * (128 + 512) * 4  # the fixture: rank 64, f32
     assert predictor_pays(C.SPARSE_MODE_RELU, 0.86, relu_pred, 128 * 4, 512)
     assert not predictor_pays(C.SPARSE_MODE_RELU, 0.99, 10 * 512 * 128 * 4, 128 * 4, 512)
+
+
+def test_a_fifo_calibration_file_is_refused_not_waited_on(tmp_path):
+    """--calib naming a FIFO opened it and waited for a writer for ever."""
+    import subprocess
+    import sys
+
+    fifo = tmp_path / "calib.fifo"
+    os.mkfifo(fifo)
+    code = ("from predictors.calibrate import read_calib_files\n"
+            "from pyinfer.errors import PyinferError\n"
+            f"try:\n    read_calib_files([{str(fifo)!r}])\nexcept PyinferError as e:\n    print(e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert "is a pipe or a socket" in r.stdout, r.stderr
+
+
+def test_output_paths_found_wrong_only_at_the_end(silu_dir, tmp_path):
+    """A symbolic link OUT into a missing directory failed after the whole offline stage; a
+    legal OUT name near 255 bytes failed (its temporary name went past the limit)."""
+    from convert.cli import check_paths
+    from pyinfer.errors import PyinferError
+    from pyinfer.options import temp_path_beside
+
+    link = tmp_path / "out.gguf"
+    os.symlink(tmp_path / "missing" / "x.gguf", link)
+    with pytest.raises(PyinferError, match="does not exist"):
+        check_paths(silu_dir, str(link))
+    long = tmp_path / ("m" * 250 + ".gguf")
+    tmp = temp_path_beside(str(long), ".dense.tmp")
+    assert os.path.exists(tmp) and len(os.path.basename(tmp)) <= 255
+    os.remove(tmp)
+    assert convert_main([silu_dir, str(long), "--dense"]) == 0 and long.exists()
