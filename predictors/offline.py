@@ -261,6 +261,9 @@ def cpu_note_input(weights) -> str:
             "(docs/benchmarks.md, session 28): --dense keeps full quality")
 
 
+#: ffn_down_t types whose re-encoding along the transposed rows costs noticeable accuracy
+_FOUR_FIVE_BIT = tuple(C.QT[n] for n in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K"))
+
 #: families the GPU engine never runs, whatever their weights (``weights.fused_model`` says so
 #: after the staging conversion; this list lets --vram-budget be refused before it)
 _NOT_GPU_FAMILIES = ("opt", "falcon", "gemma3")
@@ -464,6 +467,13 @@ def convert_sparse(src: str, out: str, outtype: str = C.OUTTYPE_AUTO, opts: Offl
                                "by default: its projections are not all q8_0, q4_0, q4_1, "
                                "q5_0, q5_1 or f16, "
                                "or --vram-budget was given)")
+        if mode in (C.SPARSE_MODE_GLU, C.SPARSE_MODE_RELU) and down_type is None:
+            down_t = eng.weights.layers[0].ffn_down_t
+            if down_t is not None and down_t.qtype in _FOUR_FIVE_BIT:
+                _log(f"ffn_down_t is stored at {down_t.qtype.name} along its transposed rows; from "
+                     "a 4/5-bit source that is a second rounding, which costs accuracy (SmolLM2's "
+                     "Q4_1: +1.6% perplexity, docs/benchmarks.md session 5); --down-type q8_0 "
+                     "keeps it for about 12% more bytes", opts.progress)
         if opts.sparse_mode is None:  # say which mode the default chose, and what it means
             if mode == C.SPARSE_MODE_INPUT:
                 opts.note_alloc_fallback()
