@@ -61,6 +61,8 @@ def describe(path: str) -> dict:
         "family": read_field(reader, C.K_FAMILY, kind=str),
         "sliding_window": read_field(reader, C.K_SLIDING_WINDOW, kind=int),
     }
+    if info["head_dim"] is None and info["n_embd"] and info["n_head"]:  # (llama.cpp's default)
+        info["head_dim"] = info["n_embd"] // info["n_head"]
     names = {t.name for t in reader.tensors}
     ffn_layout = read_field(reader, C.K_FFN_LAYOUT, kind=str)
     converted = ffn_layout in C.FFN_LAYOUTS
@@ -240,7 +242,10 @@ def render(info: dict) -> str:
     out.append(f"tokenizer:     {kind}, bos {tk['bos_id']}, "
                f"eos {tk['eos_id']}, chat template {'yes' if tk['chat_template'] else 'no'}")
     if info["split"]:
-        out.append(f"split:         part {info['split']['part']} of {info['split']['count']} (gguf-split)")
+        # (split.no counts from 0; the parts' names, -00001-of-00003, and llama.cpp from 1)
+        out.append(f"split:         part {info['split']['part'] + 1} of {info['split']['count']} "
+                   "(gguf-split; the other parts hold more of the model: the figures here are this "
+                   "part's)")
     head = info.get("two_stage_head")
     if head:
         out.append(f"lm head:       two-stage: a {head['copy']} copy picks {head['candidates']} "

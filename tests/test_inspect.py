@@ -99,7 +99,9 @@ def test_a_llama_cpp_file_and_a_dense_one(tmp_path):
     r = inspect(path)
     assert r.returncode == 0, r.stderr
     assert "llama.cpp file (not converted" in r.stdout and "sparse:        no (dense FFN)" in r.stdout
-    assert "split:         part 0 of 3" in r.stdout
+    assert "split:         part 1 of 3" in r.stdout  # (split.no 0: the first part, -00001-of-00003)
+    # head_dim of a file without attention.key_length: n_embd / n_head, as llama.cpp derives it
+    assert json.loads(inspect(path, "--json").stdout)["head_dim"] == T.HEAD_DIM
 
 
 def test_the_family_and_its_window(tmp_path):
