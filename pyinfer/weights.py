@@ -159,8 +159,10 @@ class ModelWeights:
             try:
                 q = QTensor.from_reader_tensor(t)
             except ValueError as e:  # an unsupported type or a row length its blocks do not fit
+                hint = ("; pyinfer-convert re-encodes a llama.cpp file's other types (Q2_K, Q3_K "
+                        "...) at types it runs" if llamacpp else "")
                 raise PyinferError(f"tensor {name}: {e} (pyinfer runs "
-                                   f"{', '.join(s.name for s in SUPPORTED)})") from None
+                                   f"{', '.join(s.name for s in SUPPORTED)}{hint})") from None
             if (q.rows, q.cols) != (rows, cols):
                 raise PyinferError(f"tensor {name} has shape ({q.rows}, {q.cols}), "
                                    f"expected ({rows}, {cols})")
