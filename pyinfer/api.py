@@ -471,6 +471,7 @@ class LLM:
         or, with ``stream=True``, an iterator of chunks of the same shape whose ``text`` pieces add
         up to the full text (the last chunk carries the finish_reason and empty text).
         max_tokens None, 0 or -1: until end of text or a full context. seed None or -1: random.
+        An empty prompt text is the start of a document: the BOS token (llama-cpp-python's rule).
         ``should_stop``: a callable checked after every token (see ``stream_text``); the server
         passes "the client has gone".
         ``logprobs`` N (0..20): each token's log-probability and its N most likely alternatives, in
@@ -486,6 +487,8 @@ class LLM:
         self._check_request(max_tokens, stop, seed, should_stop, stream=stream, ignore_eos=ignore_eos)
         ids = (self.tokenize(prompt) if isinstance(prompt, (str, bytes))
                else token_ids(prompt, "prompt"))
+        if not ids and isinstance(prompt, (str, bytes)) and self.tokenizer.bos_id is not None:
+            ids = [self.tokenizer.bos_id]  # "": the start of a document (OpenAI's, llama-cpp-python's)
         self.check_fits(ids)
         dry = dict(dry_multiplier=dry_multiplier, dry_base=dry_base,
                    dry_allowed_length=dry_allowed_length, dry_penalty_last_n=dry_penalty_last_n)

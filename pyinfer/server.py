@@ -283,13 +283,11 @@ def completion_prompt(body: dict):
     p = body.get("prompt")
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
         p = p[0]
-    if isinstance(p, str):
-        if not p:
-            raise BadRequest("'prompt' must not be empty", "prompt")
+    if isinstance(p, str):  # ("" is the start of a document: the API generates from BOS)
         return p
     if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
         return p
-    raise BadRequest("'prompt' must be a non-empty string (or a list of token ids)", "prompt")
+    raise BadRequest("'prompt' must be a string (or a non-empty list of token ids)", "prompt")
 
 
 # ---- the engine worker -------------------------------------------------------------------------
@@ -557,6 +555,11 @@ def create_app(llm, max_queue: int = 4, api_key: str | None = None,
             ids = await run_in_threadpool(llm.tokenize, prompt) if isinstance(prompt, str) else prompt
             if isinstance(prompt, list) and any(not 0 <= t < llm.tokenizer.n_vocab for t in prompt):
                 raise BadRequest("'prompt' has a token id outside the vocabulary", "prompt")
+            if not ids:  # "" (or text of no tokens): the start of a document, as the API has it
+                if llm.tokenizer.bos_id is None:
+                    raise BadRequest("'prompt' is empty and the model has no BOS token to start "
+                                     "from", "prompt")
+                ids = [llm.tokenizer.bos_id]
             check_room(ids, opts["max_tokens"], "prompt")
         except BadRequest as e:
             return error(e.status, str(e), e.param)

@@ -954,3 +954,11 @@ def test_numpy_numbers_are_numbers(tiny):
     assert a["choices"][0]["text"] == b["choices"][0]["text"] and a["usage"] == b["usage"]
     with pytest.raises(PyinferError, match="max_tokens"):
         tiny.create_completion("the", max_tokens=np.bool_(True))
+
+
+def test_an_empty_prompt_is_the_start_of_a_document(tiny):
+    """llama-cpp-python evaluates [BOS] for prompt "" (OpenAI's default prompt is the document's
+    start); pyinfer refused it as an empty prompt."""
+    a = tiny.create_completion("", max_tokens=3, temperature=0, ignore_eos=True)
+    b = tiny.create_completion([tiny.tokenizer.bos_id], max_tokens=3, temperature=0, ignore_eos=True)
+    assert a["choices"][0]["text"] == b["choices"][0]["text"] and a["usage"]["prompt_tokens"] == 1

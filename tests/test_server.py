@@ -64,7 +64,7 @@ def test_message_text_parts_are_joined(texts, joined):
     assert m == [{"role": "user", "content": joined}]
 
 
-@pytest.mark.parametrize("prompt", [None, "", 5, [], [1, "a"], ["a", "b"]])
+@pytest.mark.parametrize("prompt", [None, 5, [], [1, "a"], ["a", "b"]])
 def test_bad_prompt(prompt):
     with pytest.raises(BadRequest):
         completion_prompt({"prompt": prompt})
@@ -689,3 +689,17 @@ def test_retrieve_model_and_method_not_allowed():
     r = client.get("/v1/chat/completions")
     assert r.status_code == 405 and r.headers["allow"] == "POST"
     assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_an_empty_prompt_completes_from_bos(tmp_path):
+    pytest.importorskip("starlette")
+    from starlette.testclient import TestClient
+
+    from pyinfer import LLM
+    from pyinfer.server import create_app
+    from tests._tiny_gguf import write_tiny_gguf
+
+    llm = LLM(write_tiny_gguf(str(tmp_path / "t.gguf")), n_ctx=64, n_threads=1, device="cpu")
+    r = TestClient(create_app(llm)).post("/v1/completions", json={
+        "prompt": "", "max_tokens": 3, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 1, r.text
