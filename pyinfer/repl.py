@@ -193,7 +193,11 @@ def _keep_typeahead(stream=None):
         yield eof
         return
     new = list(old)
-    new[3] = (new[3] & ~termios.ECHO) | termios.NOFLSH  # lflag
+    # (ICANON off too: in canonical mode the terminal keeps at most 4,095 bytes of a line and
+    # dropped the rest of a longer paste; raw, a full queue holds the writer back instead)
+    new[3] = (new[3] & ~(termios.ECHO | termios.ICANON)) | termios.NOFLSH  # lflag
+    new[6] = list(new[6])
+    new[6][termios.VMIN], new[6][termios.VTIME] = 1, 0
     termios.tcsetattr(fd, termios.TCSADRAIN, new)
     try:
         yield eof

@@ -533,3 +533,20 @@ def test_chat_reverse_prompts_take_escapes_and_control_tokens(tiny_model, monkey
     assert sampling["halt_ids"] == seen["s"].llm.tokenize("<|im_start|>", add_bos=False)
     assert chat_main([tiny_model, "-t", "1", "-r", "\\n", "--no-escape"]) == 0
     assert seen["s"].sampling["stop"] == ["\\n"] and "halt_ids" not in seen["s"].sampling
+
+
+def test_a_long_paste_typed_while_an_answer_streams_is_kept_whole():
+    """A paste of more than 4,095 bytes during an answer came through cut to 4,095 (a line's
+    limit in the terminal's canonical mode) and was sent so; raw, the terminal holds it whole."""
+    with _slow_chat() as (child, pexpect):
+        child.sendline("first")
+        child.expect("w3 ")
+        pasted = " ".join(f"p{i}" for i in range(1500))  # ~7,400 bytes
+        for i in range(0, len(pasted), 1000):
+            child.send(pasted[i:i + 1000])
+        child.send(" END\r")
+        child.expect(r"<<GOT:'(.*?)'>>", timeout=60)
+        assert child.match.group(1) == pasted + " END"
+        child.expect(PROMPT)
+        child.sendeof()
+        child.expect(pexpect.EOF)
