@@ -705,12 +705,13 @@ class LLM:
             """A chunk of ``delta``; its logprobs: the tokens whose text it completes (``upto``
             None: all the rest, -1: none, kept for a later chunk)."""
             sent[0] = split.consumed if split else sent[0] + len(delta.get("content") or "")
-            taken = None if finish or upto is None else -1 if upto == -1 else sent[0]
+            if rec is not None and upto == -1 and not finish:
+                logprobs = {"content": [], "refusal": None}  # (kept for a later chunk)
+            else:
+                logprobs = lp(None if finish or upto is None else sent[0])
             return {"id": cid, "object": "chat.completion.chunk", "created": created,
                     "model": self.model_name,
-                    "choices": [{"index": 0, "delta": delta,
-                                 "logprobs": lp(taken) if taken != -1 or rec is None
-                                 else {"content": [], "refusal": None},
+                    "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
                                  "finish_reason": finish}]}
 
         def deltas(parts):  # (kind, text) pieces of the splitter as chunk deltas
