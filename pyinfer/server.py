@@ -291,11 +291,58 @@ def completion_prompt(body: dict):
 
 
 # ---- the engine worker -------------------------------------------------------------------------
+class ShuttingDown(Exception):
+    """What a request gets when the server stops before or while it runs (a 503, or an error
+    event before a stream's [DONE])."""
+
+    def __init__(self):
+        super().__init__("the server is shutting down; retry on another instance or later")
+
+
+class Job:
+    """A request's place in the EngineWorker: ``set()`` says its client has gone (a waiting job
+    then gives its place up at once; a running one sees ``is_set()`` within a token), and
+    ``release()``, called by the job just before it hands out its last item, frees its place
+    then (freed only when the worker came back to its loop, a client that sent its next request
+    at once could find the queue "full": a false 503)."""
+
+    def __init__(self, worker: "EngineWorker", fn: Callable[["Job"], None]):
+        self.worker, self.fn = worker, fn
+        self._cancel = threading.Event()
+        self.started = False
+        self.released = False
+        #: called (any thread) when the job gives its place up before it ran, so that whoever
+        #: waits for its answer hears of it (a shutdown's 503)
+        self.on_abandon: Callable[[], None] | None = None
+
+    def set(self) -> None:
+        self._cancel.set()
+        with self.worker._lock:
+            abandoned = not self.started and not self.released
+            if not self.started:
+                self._release()
+        if abandoned and self.on_abandon is not None:
+            self.on_abandon()
+
+    def is_set(self) -> bool:
+        return self._cancel.is_set()
+
+    def release(self) -> None:
+        with self.worker._lock:
+            self._release()
+
+    def _release(self) -> None:  # (under the worker's lock)
+        if not self.released:
+            self.released = True
+            self.worker._pending -= 1
+
+
 class EngineWorker:
     """Runs jobs on the model one at a time in a daemon thread; at most ``max_queue`` wait.
 
     ``submit(fn)`` raises ``QueueFull`` when ``max_queue`` jobs are already waiting behind the
-    running one. A job is a callable taking a ``threading.Event`` (set when the client has gone).
+    running one, and otherwise returns the ``Job``; ``fn`` is called with it (``is_set()``: its
+    client has gone). ``cancel_all()`` sets every job (a shutdown).
     """
 
     class QueueFull(Exception):
@@ -305,7 +352,9 @@ class EngineWorker:
         self.max_queue = max_queue
         self._jobs: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
-        self._pending = 0  # waiting + running
+        self._pending = 0  # waiting + running, not released
+        self._live: set[Job] = set()
+        self.shutting_down = False
         self._thread = threading.Thread(target=self._loop, name="pyinfer-engine", daemon=True)
         self._thread.start()
 
@@ -314,25 +363,41 @@ class EngineWorker:
         """Requests waiting or running."""
         return self._pending
 
-    def submit(self, fn: Callable[[threading.Event], None]) -> threading.Event:
+    def submit(self, fn: Callable[[Job], None]) -> Job:
+        job = Job(self, fn)
         with self._lock:
-            if self._pending >= 1 + self.max_queue:
+            if self._pending >= 1 + self.max_queue or self.shutting_down:
                 raise self.QueueFull()
             self._pending += 1
-        cancel = threading.Event()
-        self._jobs.put((fn, cancel))
-        return cancel
+            self._live.add(job)
+        self._jobs.put(job)
+        return job
+
+    def cancel_all(self) -> None:
+        """The server is stopping: every job is set (a stream stops within a token, a waiting
+        request is answered 503 at once) and no new one is taken."""
+        self.shutting_down = True
+        with self._lock:
+            live = list(self._live)
+        for job in live:
+            job.set()
 
     def _loop(self):
         while True:
-            fn, cancel = self._jobs.get()
+            job = self._jobs.get()
+            with self._lock:
+                if job.released:  # its client left while it waited
+                    self._live.discard(job)
+                    continue
+                job.started = True
             try:
-                fn(cancel)
+                job.fn(job)
             except BaseException:  # noqa: BLE001 - fn reports its own errors; the worker must live
                 pass
             finally:
+                job.release()
                 with self._lock:
-                    self._pending -= 1
+                    self._live.discard(job)
 
 
 # ---- the app -----------------------------------------------------------------------------------
@@ -453,38 +518,49 @@ def create_app(llm, max_queue: int = 4, api_key: str | None = None,
         out: asyncio.Queue = asyncio.Queue()
         done = object()
 
-        def job(cancel: threading.Event):
+        def job(cancel: Job):
+            def last(item):  # the job's place is free before its client can send the next request
+                cancel.release()
+                loop.call_soon_threadsafe(out.put_nowait, item)
+
             if cancel.is_set():  # the client left while the job waited
-                loop.call_soon_threadsafe(out.put_nowait, done)
+                last(done)
                 return
             try:
                 result = make(cancel.is_set)
                 if not stream:
-                    loop.call_soon_threadsafe(out.put_nowait, result)
+                    last(ShuttingDown() if worker.shutting_down else result)
                     return
                 chunk = None
                 for chunk in result:
                     if cancel.is_set():
                         result.close()
+                        if worker.shutting_down:  # (said in the stream, before its [DONE])
+                            loop.call_soon_threadsafe(out.put_nowait, ShuttingDown())
                         break
                     if usage:  # OpenAI: "usage": null on every chunk before the last
                         chunk = dict(chunk, usage=None)
                     loop.call_soon_threadsafe(out.put_nowait, chunk)
                 else:
                     if usage and chunk is not None:
-                        last = dict(chunk, choices=[], usage=llm.usage())
-                        loop.call_soon_threadsafe(out.put_nowait, last)
-                loop.call_soon_threadsafe(out.put_nowait, done)
+                        loop.call_soon_threadsafe(out.put_nowait, dict(chunk, choices=[],
+                                                                       usage=llm.usage()))
+                last(done)
             except PyinferError as e:
-                loop.call_soon_threadsafe(out.put_nowait, BadRequest(str(e)))
+                last(BadRequest(str(e)))
             except Exception as e:  # noqa: BLE001 - reported to the client, the server lives on
-                loop.call_soon_threadsafe(out.put_nowait, e)
+                print(f"pyinfer-serve: internal error: {type(e).__name__}: {e}", file=sys.stderr)
+                last(e)
 
         try:
             cancel = worker.submit(job)
         except EngineWorker.QueueFull:
+            if worker.shutting_down:
+                return error(503, str(ShuttingDown()), kind="server_busy")
             return error(503, "the server is busy (request queue full); retry later",
                          kind="server_busy")
+        cancel.on_abandon = lambda: loop.call_soon_threadsafe(
+            out.put_nowait, ShuttingDown() if worker.shutting_down else done)
         if not stream:
             # Wait for the answer or the client's disconnect, whichever comes first; on a
             # disconnect the job's should_stop turns True and the engine is free within a token.
@@ -499,6 +575,8 @@ def create_app(llm, max_queue: int = 4, api_key: str | None = None,
                 answer.cancel()
                 return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
             result = answer.result()
+            if isinstance(result, ShuttingDown):
+                return error(503, str(result), kind="server_busy")
             if isinstance(result, BadRequest):
                 return error(result.status, str(result), result.param)
             if isinstance(result, Exception):
@@ -519,6 +597,8 @@ def create_app(llm, max_queue: int = 4, api_key: str | None = None,
             got.cancel()
             return Response(status_code=499)
         first = got.result()
+        if isinstance(first, ShuttingDown):
+            return error(503, str(first), kind="server_busy")
         if isinstance(first, BadRequest):
             cancel.set()
             return error(first.status, str(first), first.param)
@@ -676,6 +756,8 @@ def create_app(llm, max_queue: int = 4, api_key: str | None = None,
         return r
 
     async def server_error(request: Request, exc):
+        print(f"pyinfer-serve: internal error in {request.method} {request.url.path}: "
+              f"{type(exc).__name__}: {exc}", file=sys.stderr)  # (the log had no trace of it)
         return error(500, f"internal error: {type(exc).__name__}", kind="server_error")
 
     routes = [
@@ -689,8 +771,10 @@ def create_app(llm, max_queue: int = 4, api_key: str | None = None,
     from starlette.exceptions import HTTPException
 
     middleware = [Middleware(ApiKeyMiddleware, api_key=api_key)] if api_key else []
-    return Starlette(routes=routes, middleware=middleware,
-                     exception_handlers={HTTPException: not_found, Exception: server_error})
+    app = Starlette(routes=routes, middleware=middleware,
+                    exception_handlers={HTTPException: not_found, Exception: server_error})
+    app.state.worker = worker  # (main stops its jobs at a shutdown)
+    return app
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -757,9 +841,19 @@ def main(argv=None) -> int:
 
     print(f"pyinfer-serve: {ready['llm'].model_name}, context {ready['llm'].n_ctx} tokens, "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-    # SIGTERM waits at most a few seconds for open requests (a stream stops within a token)
-    uvicorn.run(ready["app"], host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=5)
+    # Ctrl-C / SIGTERM: every request is stopped at once (a stream within a token, with an
+    # error event before its [DONE]; a waiting one answered 503), so the graceful shutdown does
+    # not wait out its timeout and cut them (plain-text 500s, a traceback a request)
+    server = uvicorn.Server(uvicorn.Config(ready["app"], host=args.host, port=args.port,
+                                           log_level=args.log_level, timeout_graceful_shutdown=5))
+    stop = server.handle_exit
+
+    def handle_exit(sig, frame):
+        ready["app"].state.worker.cancel_all()
+        stop(sig, frame)
+
+    server.handle_exit = handle_exit
+    server.run()
     return 0
 
 

@@ -703,3 +703,58 @@ def test_an_empty_prompt_completes_from_bos(tmp_path):
     r = TestClient(create_app(llm)).post("/v1/completions", json={
         "prompt": "", "max_tokens": 3, "temperature": 0, "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 1, r.text
+
+
+def test_a_job_frees_its_place_before_its_answer_goes_out():
+    """The place was freed only when the worker came back to its loop, after the answer had
+    gone out: a client sending its next request at once could get a false 503 (2 of 200 with
+    --queue-size 0)."""
+    handed, hold = threading.Event(), threading.Event()
+
+    def job(handle):
+        handle.release()  # what run_job's job does just before its last item
+        handed.set()
+        hold.wait(10)  # (the worker not yet back in its loop)
+
+    w = EngineWorker(max_queue=0)
+    w.submit(job)
+    assert handed.wait(10)
+    ran = threading.Event()
+    w.submit(lambda handle: ran.set())  # no QueueFull: the first one's place is free
+    hold.set()
+    assert ran.wait(10)
+
+
+def test_a_waiting_job_whose_client_left_frees_its_place_at_once():
+    """A client that left while its request waited kept its place until the engine reached it
+    (503s meanwhile, requests_pending counting it)."""
+    gate, ran = threading.Event(), []
+    w = EngineWorker(max_queue=1)
+    w.submit(lambda h: gate.wait(10))  # running
+    abandoned = []
+    queued = w.submit(lambda h: ran.append("queued"))
+    queued.on_abandon = lambda: abandoned.append(True)
+    with pytest.raises(EngineWorker.QueueFull):
+        w.submit(lambda h: None)
+    queued.set()  # its client left
+    assert w.pending == 1 and abandoned == [True]
+    later = w.submit(lambda h: ran.append("later"))  # its place is free
+    gate.set()
+    deadline = time.monotonic() + 10
+    while w.pending and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ran == ["later"] and later.released  # the abandoned job never ran
+
+
+def test_a_shutdown_stops_every_job_and_takes_no_new_one():
+    gate = threading.Event()
+    w = EngineWorker(max_queue=2)
+    running = w.submit(lambda h: gate.wait(10))
+    told = []
+    waiting = w.submit(lambda h: told.append("ran"))
+    waiting.on_abandon = lambda: told.append("abandoned")
+    w.cancel_all()
+    assert running.is_set() and waiting.is_set() and told == ["abandoned"]
+    with pytest.raises(EngineWorker.QueueFull):
+        w.submit(lambda h: None)
+    gate.set()
