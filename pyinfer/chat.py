@@ -70,11 +70,15 @@ _HUGE_WIDTH = re.compile(r"\d{7,}|\*")
 
 @dataclass(frozen=True)
 class RenderLimits:
-    """Budget of one rendering: template lines executed, wall-clock seconds, output characters
-    (``output_base`` plus ``output_per_input`` times the characters of the messages)."""
+    """Budget of one rendering: template lines executed, seconds of the rendering thread's own
+    CPU time (wall-clock time counted other threads' work too: under a busy server a template
+    well inside the budget alone was refused as hostile), with ``wall_seconds`` as a backstop,
+    and output characters (``output_base`` plus ``output_per_input`` times the characters of the
+    messages)."""
 
     steps: int = 1_000_000
     seconds: float = 2.0
+    wall_seconds: float = 20.0
     output_base: int = 1 << 20
     output_per_input: int = 4
 
@@ -225,8 +229,16 @@ class _Budget:
 
     def __init__(self, limits: RenderLimits):
         self.steps = limits.steps
-        self.seconds = limits.seconds
-        self.deadline = time.monotonic() + limits.seconds
+        self.limits = limits
+        self.cpu_deadline = time.thread_time() + limits.seconds
+        self.wall_deadline = time.monotonic() + limits.wall_seconds
+
+    def check_time(self) -> None:
+        """_TemplateLimit past the CPU budget (or the wall-clock backstop)."""
+        if time.thread_time() > self.cpu_deadline:
+            raise _TemplateLimit(f"more than {self.limits.seconds:g} s")
+        if time.monotonic() > self.wall_deadline:
+            raise _TemplateLimit(f"more than {self.limits.wall_seconds:g} s of waiting")
 
     def global_trace(self, frame, event, arg):
         if frame.f_code.co_filename == "<template>":
@@ -238,8 +250,8 @@ class _Budget:
             self.steps -= 1
             if self.steps < 0:
                 raise _TemplateLimit("too many steps")
-            if self.steps & 1023 == 0 and time.monotonic() > self.deadline:
-                raise _TemplateLimit(f"more than {self.seconds:g} s")
+            if self.steps & 1023 == 0:
+                self.check_time()
         return self.local_trace
 
 
@@ -278,8 +290,7 @@ def _render_bounded(tmpl: jinja2.Template, limits: RenderLimits, max_out: int,
             n += len(piece)
             if n > max_out:
                 raise _TemplateLimit(f"an output of more than {max_out} characters")
-            if time.monotonic() > budget.deadline:
-                raise _TemplateLimit(f"more than {limits.seconds:g} s")
+            budget.check_time()
             parts.append(piece)
         return "".join(parts)
     finally:

@@ -341,3 +341,38 @@ def test_a_template_that_reads_only_parts_gets_parts(tmp_path):
     assert "the cat" in want
     for msgs in (parts, [{"role": "user", "content": "the cat"}]):
         assert llm.detokenize(llm.chat_tokens(msgs)).lstrip() == want
+
+
+def test_the_time_bound_counts_the_rendering_threads_own_time():
+    """Under a busy server (threads sharing the GIL) a template well inside the time bound alone
+    was refused as hostile: the bound counted wall-clock time. It counts the rendering thread's
+    CPU time now (a wall-clock backstop stays)."""
+    import threading
+    import time
+
+    from pyinfer.chat import RenderLimits, render_chat
+
+    tmpl = ("{% for j in range(n) %}{% for i in range(5000) %}{{ i % 7 }}{% endfor %}"
+            "{% endfor %}")
+    render_chat(tmpl, [{"role": "user", "content": "x"}], variables={"n": 4})  # (compiled once)
+    t0 = time.thread_time()
+    render_chat(tmpl, [{"role": "user", "content": "x"}], variables={"n": 4})
+    alone = time.thread_time() - t0
+    limits = RenderLimits(seconds=max(3 * alone, 0.05), steps=10_000_000)
+    n = 4
+    stop = threading.Event()
+
+    def burn():
+        while not stop.is_set():
+            sum(range(2000))
+
+    burners = [threading.Thread(target=burn) for _ in range(8)]  # (the render gets ~1/9 of the GIL)
+    for b in burners:
+        b.start()
+    try:
+        out = render_chat(tmpl, [{"role": "user", "content": "x"}], limits=limits, variables={"n": n})
+    finally:
+        stop.set()
+        for b in burners:
+            b.join()
+    assert len(out) == n * 5000  # (rendered: about 9x its CPU budget's wall-clock time went by)
