@@ -439,6 +439,14 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+def _log_gone(request) -> None:
+    """One log line for a request whose client left before its answer (uvicorn writes no access
+    line for a response nobody takes)."""
+    client = f"{request.client.host}:{request.client.port}" if request.client else "?"
+    print(f"pyinfer-serve: {client} - \"{request.method} {request.url.path}\" 499: the client "
+          "left before the answer (stopped)", file=sys.stderr)
+
+
 async def _until_disconnect(receive) -> None:
     """Return when the client has gone (the body has been read: the next message is the disconnect)."""
     while (await receive())["type"] != "http.disconnect":
@@ -573,6 +581,7 @@ def create_app(llm, max_queue: int = 4, api_key: str | None = None,
                 gone.cancel()
             if not answer.done():
                 answer.cancel()
+                _log_gone(request)
                 return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
             result = answer.result()
             if isinstance(result, ShuttingDown):
@@ -595,6 +604,7 @@ def create_app(llm, max_queue: int = 4, api_key: str | None = None,
         if left or not got.done():
             cancel.set()
             got.cancel()
+            _log_gone(request)
             return Response(status_code=499)
         first = got.result()
         if isinstance(first, ShuttingDown):
@@ -728,10 +738,21 @@ def create_app(llm, max_queue: int = 4, api_key: str | None = None,
             if dims is not None and dims != llm.engine.cfg.n_embd:
                 raise BadRequest(f"'dimensions' must be {llm.engine.cfg.n_embd} (the model's n_embd)",
                                  "dimensions")
+            # every input's tokens checked before the queue, as a prompt's are (an input longer
+            # than the context was refused only when its turn came); handed on as token ids
+            items = [inp] if isinstance(inp, str) or isinstance(inp[0], int) else inp
+            ids = await run_in_threadpool(
+                lambda: [llm.tokenize(x) if isinstance(x, str) else list(x) for x in items])
+            for i, t in enumerate(ids):
+                if not t or len(t) > llm.n_ctx:
+                    raise BadRequest(f"input[{i}] is {len(t)} tokens; it must be 1..{llm.n_ctx} "
+                                     "(this model's context)", "input")
+                if any(not 0 <= v < llm.tokenizer.n_vocab for v in t):
+                    raise BadRequest(f"input[{i}] has a token id outside the vocabulary", "input")
         except BadRequest as e:
             return error(e.status, str(e), e.param)
         return await run_job(request, lambda stop: encode_embeddings(
-            llm.create_embedding(inp, should_stop=stop), fmt), stream=False)
+            llm.create_embedding(ids, should_stop=stop), fmt), stream=False)
 
     model_card = {"id": llm.model_name, "object": "model", "created": created, "owned_by": "pyinfer"}
 

@@ -622,7 +622,7 @@ def test_an_address_it_cannot_listen_on_is_one_line_before_the_load(tmp_path):
             assert r.returncode == 1 and len(lines) == 1 and words in lines[0], r.stderr
 
 
-def test_a_queued_stream_whose_client_left_never_runs():
+def test_a_queued_stream_whose_client_left_never_runs(capfd):
     """A streaming request whose client leaves while it waits in the queue is dropped there: it
     used to start once the engine was free and run its prompt's prefill for nobody."""
     httpx = pytest.importorskip("httpx")
@@ -673,6 +673,8 @@ def test_a_queued_stream_whose_client_left_never_runs():
         while pending():
             time.sleep(0.02)
         assert llm.calls == ["completion"]
+        # logged (uvicorn writes no access line for a response nobody takes)
+        assert '"POST /v1/chat/completions" 499: the client left' in capfd.readouterr().err
     finally:
         gate.set()
         srv.should_exit = True

@@ -373,3 +373,12 @@ def test_completion_top_logprobs_always_hold_the_sampled_token(tiny_llm):
         assert alts[tok] == tok_lp and 1 <= len(alts) <= 2
         outside += len(alts) == 2
     assert outside  # (the case that was wrong: some draws were not the most likely token)
+
+
+def test_an_embedding_input_longer_than_the_context_is_refused_before_the_queue(app_client, tiny_llm):
+    long = "the cat " * (tiny_llm.n_ctx + 8)
+    r = app_client.post("/v1/embeddings", json={"input": ["the", long]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+    assert r.json()["error"]["message"].startswith("input[1] is ")
+    ok = app_client.post("/v1/embeddings", json={"input": ["the", "then"]})
+    assert ok.status_code == 200 and len(ok.json()["data"]) == 2
