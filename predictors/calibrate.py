@@ -47,18 +47,20 @@ MAX_CALIB_FILE_BYTES = 64 << 20
 def read_calib_files(paths: list[str]) -> str:
     """The text of the ``--calib`` files, joined by blank lines.
 
-    Raises PyinferError for a missing or unreadable file, one larger than MAX_CALIB_FILE_BYTES,
-    an empty one, or one that is not text (contains NUL bytes or is not valid UTF-8).
+    Raises PyinferError for a missing or unreadable file, a FIFO or socket (opening one waited
+    for a writer for ever), one larger than MAX_CALIB_FILE_BYTES, an empty one, or one that is
+    not text (contains NUL bytes or is not valid UTF-8).
     """
     import stat
 
     parts = []
     for p in paths:
         try:  # (a FIFO: opening it waits for a writer for ever)
-            if stat.S_ISFIFO(os.stat(p).st_mode) or stat.S_ISSOCK(os.stat(p).st_mode):
-                raise PyinferError(f"calibration file {p} is a pipe or a socket, not a text file")
+            mode = os.stat(p).st_mode
         except OSError:
-            pass  # (missing: the open below says so)
+            mode = 0  # (missing: the open below says so)
+        if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+            raise PyinferError(f"calibration file {p} is a pipe or a socket, not a text file")
         try:
             with open(p, "rb") as f:
                 raw = f.read(MAX_CALIB_FILE_BYTES + 1)

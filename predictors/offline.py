@@ -41,7 +41,7 @@ import numpy as np
 from pyinfer import constants as C
 from pyinfer.errors import PyinferError
 from pyinfer.ops.cpu import default_n_threads
-from pyinfer.options import arg_type, check_optional
+from pyinfer.options import arg_type, check_optional, threads_arg
 from predictors.train import TRAIN_DEVICES
 
 DEFAULT_CALIB_TOKENS = 4096  # SmolLM2-135M: about 2 min of generation + 1 min profiling, 1 thread
@@ -822,8 +822,8 @@ def add_arguments(parser) -> None:
     g.add_argument("--train-device", choices=list(TRAIN_DEVICES), default="auto",
                    help="where PyTorch trains the predictors and runs the Fisher pass: auto (a CUDA "
                         "GPU when PyTorch sees one, default), cpu or cuda")
-    g.add_argument("-t", "--threads", type=arg_type("threads"), default=None,
-                   help="threads for profiling and training (default: the physical cores this process may use)")
+    g.add_argument("-t", "--threads", type=threads_arg, default=None,
+                   help="threads for profiling and training (default, or 0 or less: the physical cores this process may use)")
 
 
 #: the offline stage's flags by argparse dest (add_arguments), as a user spells them

@@ -471,7 +471,8 @@ class LLM:
         or, with ``stream=True``, an iterator of chunks of the same shape whose ``text`` pieces add
         up to the full text (the last chunk carries the finish_reason and empty text).
         max_tokens None, 0 or -1: until end of text or a full context. seed None or -1: random.
-        An empty prompt text is the start of a document: the BOS token (llama-cpp-python's rule).
+        An empty prompt text is the start of a document: the BOS token (llama-cpp-python's
+        rule); a model with no BOS refuses it (empty prompt).
         ``should_stop``: a callable checked after every token (see ``stream_text``); the server
         passes "the client has gone".
         ``logprobs`` N (0..20): each token's log-probability and its N most likely alternatives, in
@@ -544,9 +545,14 @@ class LLM:
         """Prompt text for ``messages`` with the GGUF's chat template (sandboxed Jinja2).
         A message's content may be OpenAI's list of text parts (``text_messages``).
         ``template_kwargs``: more template variables (``chat.template_kwargs``), over
-        ``self.chat_template_kwargs``. Raises PyinferError for no messages, a part that is not
-        text, or template variables that ``chat.template_kwargs`` refuses."""
-        return self._render(text_messages(messages), add_generation_prompt, template_kwargs)
+        ``self.chat_template_kwargs``. Tool calls and results in the history are given as
+        ``chat_tokens`` gives them (``pyinfer.tools.template_messages``). Raises PyinferError
+        for no messages, a part that is not text, a malformed tool call, or template variables
+        that ``chat.template_kwargs`` refuses."""
+        from pyinfer.tools import template_messages
+
+        return self._render(template_messages(text_messages(messages), self.chat_template),
+                            add_generation_prompt, template_kwargs)
 
     def _render(self, messages: list, add_generation_prompt: bool,
                 template_kwargs: dict | None, tools: list | None = None) -> str:
@@ -567,6 +573,10 @@ class LLM:
                            bos_token=self.bos_token, eos_token=self.eos_token, variables=variables,
                            tools=tools)
 
+    def prompt_opens_thinking(self, ids: list[int]) -> bool:
+        """Does the rendered prompt ``ids`` end inside an open ``<think>`` block?"""
+        return opens_thinking(self.tokenizer.decode(ids[-8:], skip_special=False))
+
     def chat_tokens(self, messages: list[dict], template_kwargs: dict | None = None,
                     tools=None) -> list[int]:
         """Token ids of ``messages`` rendered with a generation prompt (the start of an assistant
@@ -576,6 +586,8 @@ class LLM:
         before it rendered with a generation prompt, then its content, so the answer goes on
         from that text (its parts joined with nothing between, as llama.cpp appends them).
         ``tools``: a ``pyinfer.tools.ToolUse`` (its messages and ``tools`` variable) or None.
+        Tool calls and results of the history are written as the template can read them
+        (``pyinfer.tools.template_messages``; ToolError, a PyinferError, for a malformed call).
         PyinferError for two assistant messages at the end, or a continued one with tools."""
         from pyinfer.tools import template_messages
 
@@ -646,7 +658,8 @@ class LLM:
         False, as llama.cpp's server): OpenAI's function calling, in the chat template's format
         or llama.cpp's generic JSON format (``pyinfer.tools``). An answer that calls tools has
         ``message.tool_calls`` (``[{"id", "type": "function", "function": {"name", "arguments":
-        JSON text}}]``), ``content`` None unless the model also wrote text, and finish_reason
+        JSON text}}]``), ``content`` None unless the model also wrote text (a ``</think>`` a
+        required call's grammar wrote to close a prompt's thinking block is not text), and finish_reason
         "tool_calls". Streamed, the text for the user streams as it is written (the generic
         format's ``response`` string decoded as it comes, a Hermes answer's text before its
         first ``<tool_call>``); the calls come in one chunk at the end (with the logprobs of
@@ -676,8 +689,9 @@ class LLM:
                 reasoning_format = "none"
         ids = (self.chat_tokens(messages, chat_template_kwargs) if tool_use is None
                else self.chat_tokens(messages, chat_template_kwargs, tool_use))
+        prompt_thinks = self.prompt_opens_thinking(ids)
         if tool_use is not None:  # (a required call closes a thinking block the prompt opened)
-            gram = tool_use.grammar(opens_thinking(self.tokenizer.decode(ids[-8:], skip_special=False)))
+            gram = tool_use.grammar(prompt_thinks)
         if gram is not None:
             gram.check(self.tokenizer)
         rec = LogprobRecorder(self.tokenizer, top_logprobs or 0) if logprobs else None
@@ -692,9 +706,12 @@ class LLM:
         stats = GenerationStats()  # this answer's (last_stats may be a later call's by its end)
 
         # the answer's thinking block apart (reasoning_format), or None: the text as written
-        thinking = reasoning_format != "none" and opens_thinking(
-            self.tokenizer.decode(ids[-8:], skip_special=False))  # the prompt opened the block
+        thinking = reasoning_format != "none" and prompt_thinks  # the prompt opened the block
         split = None if reasoning_format == "none" else ReasoningSplitter(thinking)
+        # a required call's grammar wrote the </think> the prompt left open: not content where
+        # no reasoning split takes it
+        closed_thinking = (tool_use is not None and tool_use.required and prompt_thinks
+                           and tool_use.format == "hermes" and split is None)
         sent = [0]  # characters decided: a chunk's logprobs cover only tokens whose text it sent
 
         def lp(upto=None):
@@ -727,7 +744,7 @@ class LLM:
                 yield chunk({"role": "assistant", "content": None if tool_use else ""}, None)
                 # with tools: the content is what ToolStream finds in the text (the calls are
                 # read from the whole answer); its chunks' logprobs come with the last one
-                tools_out = ToolStream(tool_use) if tool_use is not None else None
+                tools_out = ToolStream(tool_use, closed_thinking) if tool_use is not None else None
 
                 def out(delta):
                     if tools_out is None or "content" not in delta:
@@ -760,7 +777,7 @@ class LLM:
                 message["reasoning_content"] = thoughts
         calls = []
         if tool_use is not None:
-            message["content"], calls = tool_use.parse(message["content"])
+            message["content"], calls = tool_use.parse(message["content"], closed_thinking)
             if calls:
                 message["tool_calls"] = calls
         return {"id": cid, "object": "chat.completion", "created": created, "model": self.model_name,

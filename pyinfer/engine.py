@@ -256,10 +256,12 @@ class Engine:
 
     # ---- evaluation ------------------------------------------------------------------------
     def reset(self):
-        """Forget the cached tokens (the cache memory is reused)."""
-        self.tokens = []
-        self._n_batched = 0
-        self._epoch += 1
+        """Forget the cached tokens (the cache memory is reused). PyinferError while another
+        thread computes on the model."""
+        with self._exclusive():
+            self.tokens = []
+            self._n_batched = 0
+            self._epoch += 1
 
     def eval_prompt(self, tokens: list[int]) -> np.ndarray:
         """Make the cache hold exactly ``tokens`` and return the last token's logits (n_vocab,).
@@ -474,25 +476,27 @@ class Engine:
                 if kept is None:
                     self.finish_reason = "length"
                     return
-                if self._epoch != epoch:  # (another call's cache is not this one's to shift)
-                    raise PyinferError("this generation was interrupted: another prompt, reset "
-                                       "or embedding ran on the same model meanwhile (one "
-                                       "generation at a time); start it again")
                 if constraint is not None and constraint.done:
                     self.finish_reason = "stop"
                     return
-                logits = self.eval_prompt(kept + [tok])  # (the cache's first n_keep reused)
-                epoch = self._epoch
+                with self._exclusive():  # (the check and the shift as one step: no thread between)
+                    self._check_epoch(epoch)
+                    logits = self.eval_prompt(kept + [tok])  # (the cache's first n_keep reused)
+                    epoch = self._epoch
                 continue
             if constraint is not None and constraint.done:
                 self.finish_reason = "stop"
                 return
-            if self._epoch != epoch:  # resumed after another call took the cache
-                raise PyinferError("this generation was interrupted: another prompt, reset or "
-                                   "embedding ran on the same model meanwhile (one generation "
-                                   "at a time); start it again")
-            logits = self.eval_token(tok)
+            with self._exclusive():  # (the check and the token as one step: no thread between)
+                self._check_epoch(epoch)  # resumed after another call took the cache?
+                logits = self.eval_token(tok)
         self.finish_reason = "length"  # max_tokens 0: nothing drawn
+
+    def _check_epoch(self, epoch: int) -> None:
+        if self._epoch != epoch:
+            raise PyinferError("this generation was interrupted: another prompt, reset or "
+                               "embedding ran on the same model meanwhile (one generation at a "
+                               "time); start it again")
 
     def _shifted(self, n_keep: int | None) -> list[int] | None:
         """The tokens a context shift keeps of the full cache (llama.cpp's main: n_left = n_past

@@ -120,7 +120,7 @@ class ChatSession:
                 parts.append(piece)
                 on_text(piece)
         except KeyboardInterrupt:
-            early = True  # (before the first token: see _sigint_sets_flag)
+            early = not parts  # (before any text: see _sigint_sets_flag; after, the turn is kept)
             raise
         finally:
             engine.reuse_decoded_rows = False
@@ -151,7 +151,8 @@ def _sigint_sets_flag(flag: list, generating: list | None = None):
     """While inside, Ctrl-C sets ``flag[0]`` instead of raising, so an answer stops between two
     tokens and the engine's cache bookkeeping is never cut in half. Until ``generating[0]`` is
     True (rendering the template, evaluating the prompt) there is no token to stop at: Ctrl-C
-    raises KeyboardInterrupt there, and the caller forgets the half-filled KV cache."""
+    raises KeyboardInterrupt there: the message is not sent (``ChatSession.ask`` leaves the
+    conversation unchanged; the cache keeps the prompt batches already evaluated)."""
     def handler(signum, frame):
         if generating is not None and not generating[0]:
             raise KeyboardInterrupt
@@ -170,16 +171,18 @@ def _sigint_sets_flag(flag: list, generating: list | None = None):
 @contextmanager
 def _keep_typeahead(stream=None):
     """While an answer streams, text the user types is kept for the next message: the terminal
-    stops echoing it into the answer (``ECHO`` off) and Ctrl-C no longer discards it (``NOFLSH``:
-    without it the terminal flushes pending input on SIGINT, POSIX termios). It waits in the
-    terminal's queue, and readline reads it as the start of the next message. The settings are
-    restored with ``TCSADRAIN``, which keeps pending input (``TCSAFLUSH`` would drop it). Does
-    nothing when ``stream`` (default stdin) is not a terminal or termios is missing (Windows).
+    stops echoing it into the answer (``ECHO`` off), Ctrl-C no longer discards it (``NOFLSH``:
+    without it the terminal flushes pending input on SIGINT, POSIX termios), and it is raw
+    (``ICANON`` off: a canonical line holds at most 4,095 bytes, and a longer paste was cut).
+    It waits in the terminal's queue, and readline reads it as the start of the next message;
+    a Ctrl-D typed meanwhile is a byte there, which readline reads as the end of input on an
+    empty line (the chat ends after the answer, as at the prompt). The settings are restored
+    with ``TCSADRAIN``, which keeps pending input (``TCSAFLUSH`` would drop it). Does nothing
+    when ``stream`` (default stdin) is not a terminal or termios is missing (Windows).
 
-    Yields ``eof``, a one-item list set to True at the end where the user typed end of input
-    (Ctrl-D on an empty line) meanwhile: in this (canonical) mode that is no character but a
-    read that returns nothing, which the terminal forgets once readline changes its mode, so it
-    is taken here (``_eof_pending``) for the caller to end the chat after the answer."""
+    Yields ``eof``, a one-item list set to True at the end where the terminal holds a canonical
+    end of input (``_eof_pending``: a terminal whose mode another program left canonical); in
+    the raw mode set here Ctrl-D reaches readline instead."""
     stream = sys.stdin if stream is None else stream
     eof = [False]
     try:
@@ -237,7 +240,7 @@ def _input(prompt: str) -> str:
     raw = sys.stdin.buffer.readline()
     if not raw:
         raise EOFError
-    return raw.decode("utf-8").removesuffix("\n")
+    return raw.decode("utf-8").removesuffix("\n").removesuffix("\r")  # (CRLF as input() reads it)
 
 
 def _read_message(prompt: str) -> str:

@@ -36,7 +36,7 @@ from typing import Any, Callable
 from pyinfer import options
 from pyinfer.api import text_of_parts
 from pyinfer.chat import template_kwargs
-from pyinfer.reasoning import REASONING_FORMATS, check_format, opens_thinking
+from pyinfer.reasoning import REASONING_FORMATS, check_format
 from pyinfer.tools import ToolError, ToolUse
 from pyinfer.errors import PyinferError, exit_code_of
 
@@ -340,9 +340,10 @@ class Job:
 class EngineWorker:
     """Runs jobs on the model one at a time in a daemon thread; at most ``max_queue`` wait.
 
-    ``submit(fn)`` raises ``QueueFull`` when ``max_queue`` jobs are already waiting behind the
-    running one, and otherwise returns the ``Job``; ``fn`` is called with it (``is_set()``: its
-    client has gone). ``cancel_all()`` sets every job (a shutdown).
+    ``submit(fn, on_abandon)`` raises ``QueueFull`` when ``max_queue`` jobs are already waiting
+    behind the running one or the server is shutting down, and otherwise returns the ``Job``;
+    ``fn`` is called with it (``is_set()``: its client has gone). ``cancel_all()`` sets every
+    job (a shutdown; call it from a thread of its own, not a signal handler: it takes the lock).
     """
 
     class QueueFull(Exception):
@@ -363,8 +364,9 @@ class EngineWorker:
         """Requests waiting or running."""
         return self._pending
 
-    def submit(self, fn: Callable[[Job], None]) -> Job:
+    def submit(self, fn: Callable[[Job], None], on_abandon: Callable[[], None] | None = None) -> Job:
         job = Job(self, fn)
+        job.on_abandon = on_abandon  # (before the job is visible to a shutdown)
         with self._lock:
             if self._pending >= 1 + self.max_queue or self.shutting_down:
                 raise self.QueueFull()
@@ -554,21 +556,20 @@ def create_app(llm, max_queue: int = 4, api_key: str | None = None,
                         loop.call_soon_threadsafe(out.put_nowait, dict(chunk, choices=[],
                                                                        usage=llm.usage()))
                 last(done)
-            except PyinferError as e:
-                last(BadRequest(str(e)))
+            except PyinferError as e:  # (stopped by a shutdown: a 503, as the other requests)
+                last(ShuttingDown() if worker.shutting_down else BadRequest(str(e)))
             except Exception as e:  # noqa: BLE001 - reported to the client, the server lives on
                 print(f"pyinfer-serve: internal error: {type(e).__name__}: {e}", file=sys.stderr)
                 last(e)
 
         try:
-            cancel = worker.submit(job)
+            cancel = worker.submit(job, on_abandon=lambda: loop.call_soon_threadsafe(
+                out.put_nowait, ShuttingDown() if worker.shutting_down else done))
         except EngineWorker.QueueFull:
             if worker.shutting_down:
                 return error(503, str(ShuttingDown()), kind="server_busy")
             return error(503, "the server is busy (request queue full); retry later",
                          kind="server_busy")
-        cancel.on_abandon = lambda: loop.call_soon_threadsafe(
-            out.put_nowait, ShuttingDown() if worker.shutting_down else done)
         if not stream:
             # Wait for the answer or the client's disconnect, whichever comes first; on a
             # disconnect the job's should_stop turns True and the engine is free within a token.
@@ -696,8 +697,7 @@ def create_app(llm, max_queue: int = 4, api_key: str | None = None,
             except PyinferError as e:
                 raise BadRequest(str(e), "messages") from None
             if tool_use is not None:  # a tool schema llguidance refuses: 400 before the queue
-                gram = tool_use.grammar(opens_thinking(
-                    llm.tokenizer.decode(ids[-8:], skip_special=False)))
+                gram = tool_use.grammar(llm.prompt_opens_thinking(ids))
                 if gram is not None:
                     try:
                         await run_in_threadpool(gram.check, llm.tokenizer)
@@ -870,7 +870,9 @@ def main(argv=None) -> int:
     stop = server.handle_exit
 
     def handle_exit(sig, frame):
-        ready["app"].state.worker.cancel_all()
+        # (a thread: this runs as a signal handler in the event loop's thread, which may hold
+        # the worker's lock at that moment, in submit or Job.set)
+        threading.Thread(target=ready["app"].state.worker.cancel_all, daemon=True).start()
         stop(sig, frame)
 
     server.handle_exit = handle_exit

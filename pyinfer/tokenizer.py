@@ -428,9 +428,9 @@ class Tokenizer:
 
     def ids_holding(self, pieces: tuple[bytes, ...]) -> set[int]:
         """The ids of the tokens whose bytes (``token_to_bytes``) hold one of ``pieces``. On a
-        byte-level vocabulary the pieces are looked up in the tokens' own spelling (one string
-        search a piece over the whole vocabulary: ~10 ms on SmolLM2's 49,152 tokens, where
-        turning every token into bytes took 0.25 s)."""
+        byte-level vocabulary the pieces are looked up in the tokens' own spelling (SmolLM2's
+        49,152 tokens: 37 ms, where turning every token into bytes took 153 ms;
+        docs/benchmarks.md session 40)."""
         if not self._byte_level:
             return {i for i in range(len(self._tokens))
                     if any(p in self.token_to_bytes(i) for p in pieces)}

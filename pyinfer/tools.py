@@ -60,6 +60,7 @@ class ToolError(PyinferError):
 
 
 def new_call_id() -> str:
+    """An OpenAI-style call id: ``call_`` and 24 hex digits."""
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
@@ -156,6 +157,7 @@ class ToolUse:
 
     @property
     def required(self) -> bool:
+        """A call must be made ("required" or a named function)."""
         return self.choice != "auto"
 
     @property
@@ -235,11 +237,15 @@ class ToolUse:
         return [{"role": "system", "content": text}] + out
 
     # ---- the answer ----------------------------------------------------------------------------
-    def parse(self, text: str) -> tuple[str | None, list[dict]]:
+    def parse(self, text: str, closed_thinking: bool = False) -> tuple[str | None, list[dict]]:
         """(content, tool_calls) of an answer's text: tool_calls in OpenAI's shape
         ``[{"id", "type": "function", "function": {"name", "arguments": JSON text}}]`` (empty
         when the answer calls none) and the content outside them (None when the answer is only
-        calls). Text that does not parse (an answer cut by max_tokens) is all content."""
+        calls). Text that does not parse (an answer cut by max_tokens) is all content.
+        ``closed_thinking``: the grammar began the answer with ``</think>`` (``grammar``'s
+        thinking_open; the text read as written, no reasoning split): not content."""
+        if closed_thinking and text.startswith("</think>"):
+            text = text[len("</think>"):].lstrip()
         if self.format == "generic":
             try:
                 value = json.loads(text)
@@ -287,13 +293,19 @@ class ToolStream:
     generic: the string of ``{"response": "..."}`` decoded as it comes (a call's JSON streams
     nothing)."""
 
-    def __init__(self, use: ToolUse):
+    def __init__(self, use: ToolUse, closed_thinking: bool = False):
         self.use = use
+        self.closed_thinking = closed_thinking  # (as ToolUse.parse's)
         self.text = ""  # the answer so far
         self.sent = ""  # content given out
 
     def _known(self) -> str:
         t = self.text
+        if self.closed_thinking:
+            if len(t) < len("</think>") + 1 and "</think>".startswith(t.rstrip()):
+                return ""  # (could still be the forced tag)
+            if t.startswith("</think>"):
+                t = t[len("</think>"):].lstrip()
         if self.use.format == "hermes":
             at = t.find(_HERMES_OPEN)
             if at < 0:
@@ -302,6 +314,7 @@ class ToolStream:
         return _response_so_far(t) or ""
 
     def feed(self, piece: str) -> str:
+        """The content ``piece`` makes known (possibly ""), for a delta."""
         self.text += piece
         known = self._known()
         if len(known) <= len(self.sent) or not known.startswith(self.sent):
@@ -311,7 +324,7 @@ class ToolStream:
 
     def finish(self) -> tuple[str, list[dict]]:
         """(the content not yet given out, the calls) of the whole answer."""
-        content, calls = self.use.parse(self.text)
+        content, calls = self.use.parse(self.text, self.closed_thinking)
         content = content or ""
         return (content[len(self.sent):] if content.startswith(self.sent) else ""), calls
 
@@ -459,6 +472,8 @@ def template_messages(messages: list, template: str | None) -> list:
                     for c in calls])
         elif m.get("role") == "tool" and not (knows_tool_role or reads_calls):
             call_id = m.get("tool_call_id")
+            if call_id is not None and not isinstance(call_id, str):
+                raise ToolError(f"messages[{i}].tool_call_id must be a string", "messages")
             result = {"tool": m.get("name") or names.get(call_id), "tool_call_id": call_id,
                       "content": m.get("content")}
             m = {"role": "user", "content": json.dumps(

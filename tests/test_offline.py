@@ -609,3 +609,8 @@ def test_output_paths_found_wrong_only_at_the_end(silu_dir, tmp_path):
     assert os.path.exists(tmp) and len(os.path.basename(tmp)) <= 255
     os.remove(tmp)
     assert convert_main([silu_dir, str(long), "--dense"]) == 0 and long.exists()
+
+
+def test_threads_zero_is_the_default_as_in_every_other_command(silu_dir, tmp_path):
+    """-t 0 (llama.cpp's "pick for me") was refused by pyinfer-convert alone."""
+    assert convert_main([silu_dir, str(tmp_path / "o.gguf"), "--dense", "-t", "0"]) == 0

@@ -550,3 +550,25 @@ def test_a_long_paste_typed_while_an_answer_streams_is_kept_whole():
         child.expect(PROMPT)
         child.sendeof()
         child.expect(pexpect.EOF)
+
+
+def test_crlf_piped_lines_and_an_interrupt_after_text(tiny_model, monkeypatch):
+    """From the review: a piped CRLF line kept its \\r (input() drops it); an interrupt after
+    some of the answer was shown dropped the shown turn from the conversation."""
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    r = subprocess.run([sys.executable, "-c", "import sys; from pyinfer.repl import _input; "
+                        "print(repr(_input('')), repr(_input('')))"],
+                       input=b"hello\r\nworld\n", capture_output=True, env=env, timeout=60, cwd=ROOT)
+    assert r.stdout.decode().strip() == "'hello' 'world'", r.stderr
+
+    class Interrupting(FakeLLM):
+        def stream_text(self, ids, max_tokens=None, should_stop=None, **kw):
+            yield "shown "
+            raise KeyboardInterrupt
+
+    session = ChatSession(Interrupting())
+    with pytest.raises(KeyboardInterrupt):
+        session.ask("hello")
+    assert [m["content"] for m in session.messages] == ["hello", "shown "]

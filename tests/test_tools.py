@@ -170,20 +170,23 @@ def tiny_llm(tmp_path_factory):
 
 
 @pytest.mark.parametrize("template", [None, HERMES_TEMPLATE])
-@pytest.mark.parametrize("seed", range(3))
-def test_required_calls_are_calls_of_the_tools(tiny_llm, template, seed):
+def test_required_calls_are_calls_of_the_tools(tiny_llm, template):
     tiny_llm.chat_template = template
     msgs = [{"role": "user", "content": "the weather"}]
-    for choice, names in (("required", ("get_weather", "get_time")),
-                          ({"type": "function", "function": {"name": "get_time"}}, ("get_time",))):
-        out = tiny_llm.create_chat_completion(msgs, tools=TOOLS, tool_choice=choice, temperature=1.0,
-                                              seed=seed, max_tokens=200)
-        choice0 = out["choices"][0]
-        if choice0["finish_reason"] == "length":
-            continue  # (a random model may run out of tokens inside a string)
-        assert choice0["finish_reason"] == "tool_calls"
-        _check_calls(choice0["message"]["tool_calls"], names)
-        assert choice0["message"]["content"] is None
+    checked = 0
+    for seed in range(6):
+        for choice, names in (("required", ("get_weather", "get_time")),
+                              ({"type": "function", "function": {"name": "get_time"}}, ("get_time",))):
+            out = tiny_llm.create_chat_completion(msgs, tools=TOOLS, tool_choice=choice,
+                                                  temperature=1.0, seed=seed, max_tokens=200)
+            choice0 = out["choices"][0]
+            if choice0["finish_reason"] == "length":
+                continue  # (a random model may run out of tokens inside a string)
+            assert choice0["finish_reason"] == "tool_calls"
+            _check_calls(choice0["message"]["tool_calls"], names)
+            assert choice0["message"]["content"] is None
+            checked += 1
+    assert checked >= 6  # (most answers complete: the test is not vacuous)
 
 
 def test_streamed_calls_equal_the_answer(tiny_llm):
@@ -191,8 +194,9 @@ def test_streamed_calls_equal_the_answer(tiny_llm):
     kw = dict(tools=TOOLS, tool_choice="required", temperature=1.0, seed=3, max_tokens=200)
     msgs = [{"role": "user", "content": "the time"}]
     whole = tiny_llm.create_chat_completion(msgs, **kw)["choices"][0]
+    assert whole["message"].get("tool_calls")  # (something to compare)
     chunks = list(tiny_llm.create_chat_completion(msgs, stream=True, **kw))
-    streamed = [d for c in chunks for d in c["choices"][0]["delta"].get("tool_calls", [])]
+    streamed = [d for c in chunks for d in c["choices"][0]["delta"].get("tool_calls") or []]
     assert chunks[-1]["choices"][0]["finish_reason"] == whole["finish_reason"]
     assert [(d["index"], d["function"]) for d in streamed] == [
         (i, c["function"]) for i, c in enumerate(whole["message"].get("tool_calls", []))]
@@ -311,7 +315,7 @@ def test_smollm2_calls_the_weather_tool_and_reads_its_result(smollm2_llm):
             '"content": "22 C and sunny"}}' % call["id"]) in text
     again = smollm2_llm.create_chat_completion(history, tools=[WEATHER], temperature=0,
                                                max_tokens=64)["choices"][0]
-    assert again["finish_reason"] in ("stop", "tool_calls", "length")
+    assert again["message"].get("tool_calls") or again["message"]["content"]  # (an answer)
 
 
 from tests.test_server import client, server  # noqa: E402,F401,F811 - the server fixtures
@@ -499,3 +503,30 @@ def test_server_tool_schema_errors_name_tools(tiny_llm):
         {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": "f"}]}],
         "tools": TOOLS})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+
+
+def test_review_cases(tiny_llm):
+    """From the review of the change: a required call that closes a prompt's thinking block had
+    content "</think>" where no reasoning split takes it (the docstring says None); a tool_call_id
+    that is not a string raised TypeError; render_chat showed another prompt than chat_tokens
+    sends for a tool history."""
+    from pyinfer.errors import PyinferError
+
+    tiny_llm.chat_template = HERMES_TEMPLATE.replace("assistant\n{%- endif %}",
+                                                     "assistant\n<think>\n{%- endif %}")
+    for seed in range(4):
+        out = tiny_llm.create_chat_completion([{"role": "user", "content": "x"}], tools=TOOLS,
+                                              tool_choice="required", temperature=1.0, seed=seed,
+                                              max_tokens=200)["choices"][0]
+        if out["finish_reason"] == "tool_calls":
+            break
+    assert out["finish_reason"] == "tool_calls" and out["message"]["content"] is None, out
+    tiny_llm.chat_template = None
+    call = {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+    history = [{"role": "user", "content": "x"},
+               {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": ["c1"], "content": "noon"}]
+    with pytest.raises(PyinferError, match=r"tool_call_id must be a string"):
+        tiny_llm.chat_tokens(history)
+    history[2]["tool_call_id"] = "c1"
+    assert tiny_llm.detokenize(tiny_llm.chat_tokens(history)) == tiny_llm.render_chat(history)
