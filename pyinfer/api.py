@@ -486,10 +486,7 @@ class LLM:
         ``repeat_penalty`` looks back over (0: none, -1: the whole context, as llama.cpp).
         """
         self._check_request(max_tokens, stop, seed, should_stop, stream=stream, ignore_eos=ignore_eos)
-        ids = (self.tokenize(prompt) if isinstance(prompt, (str, bytes))
-               else token_ids(prompt, "prompt"))
-        if not ids and isinstance(prompt, (str, bytes)) and self.tokenizer.bos_id is not None:
-            ids = [self.tokenizer.bos_id]  # "": the start of a document (OpenAI's, llama-cpp-python's)
+        ids = self.prompt_ids(prompt)
         self.check_fits(ids)
         dry = dict(dry_multiplier=dry_multiplier, dry_base=dry_base,
                    dry_allowed_length=dry_allowed_length, dry_penalty_last_n=dry_penalty_last_n)
@@ -572,6 +569,18 @@ class LLM:
         return render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
                            bos_token=self.bos_token, eos_token=self.eos_token, variables=variables,
                            tools=tools)
+
+    def prompt_ids(self, prompt: str | bytes | list[int]) -> list[int]:
+        """A completion prompt's token ids: text tokenized, token ids checked (``token_ids``);
+        text of no tokens ("") is the start of a document, the BOS token where the model has
+        one (OpenAI's default prompt; llama-cpp-python evaluates [BOS]), else [] (the caller's
+        ``check_fits`` refuses it)."""
+        if not isinstance(prompt, (str, bytes)):
+            return token_ids(prompt, "prompt")
+        ids = self.tokenize(prompt)
+        if not ids and self.tokenizer.bos_id is not None:
+            ids = [self.tokenizer.bos_id]
+        return ids
 
     def prompt_opens_thinking(self, ids: list[int]) -> bool:
         """Does the rendered prompt ``ids`` end inside an open ``<think>`` block?"""

@@ -148,16 +148,18 @@ def check_args(args) -> str:
     return _model_path(args, "pyinfer-run MODEL.gguf -p PROMPT (or -m MODEL.gguf)")
 
 
-def control_token_stops(llm, stops) -> list[int]:
-    """The ids of the reverse prompts that are one control token (``<|im_start|>``): the text
-    never shows such a token, so llama.cpp's main matches them against the sampled token
-    (``antiprompt_token``); text matching alone never halted at them."""
-    out = []
-    for s in stops:
+def add_control_token_stops(llm, sampling: dict) -> None:
+    """``sampling["halt_ids"]``: the ids of its reverse prompts (``stop``) that are one control
+    token (``<|im_start|>``), where there are any. The text never shows such a token, so
+    llama.cpp's main matches them against the sampled token (``antiprompt_token``); text
+    matching alone never halted at them."""
+    halt = []
+    for s in sampling.get("stop", ()):
         ids = llm.tokenize(s, add_bos=False, special=True)
         if len(ids) == 1 and llm.tokenizer.is_control(ids[0]):
-            out.append(ids[0])
-    return out
+            halt.append(ids[0])
+    if halt:
+        sampling["halt_ids"] = halt
 
 
 def n_predict_arg(text: str) -> int:
@@ -300,9 +302,7 @@ def run_chat(args) -> int:
     sampling = sampling_kwargs(args, chat=True)
     llm = load(args, model_path)
     show_prompt_progress(llm.engine)
-    halt = control_token_stops(llm, sampling.get("stop", ()))
-    if halt:
-        sampling["halt_ids"] = halt
+    add_control_token_stops(llm, sampling)
     session = ChatSession(llm, system=args.system, max_tokens=None if n < 0 else n, **sampling)
     print(f"pyinfer chat: {llm.model_name}, context {llm.n_ctx} tokens. "
           "/help for commands, Ctrl-C stops an answer, Ctrl-D exits.", file=sys.stderr)
@@ -359,9 +359,7 @@ def run(args) -> int:
     else:
         ids = llm.tokenize(prompt)
     llm.check_fits(ids)
-    halt = control_token_stops(llm, sampling.get("stop", ()))
-    if halt:
-        sampling["halt_ids"] = halt
+    add_control_token_stops(llm, sampling)
     if not args.no_display_prompt and not args.chat:
         sys.stdout.write(prompt)
         sys.stdout.flush()

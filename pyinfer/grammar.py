@@ -93,6 +93,12 @@ class Grammar:
         return Constraint(lltokenizer(tokenizer), self.llguidance_grammar(), tokenizer.n_vocab)
 
 
+def with_layout(schema: dict) -> dict:
+    """``schema`` with JSON_LAYOUT in its ``x-guidance`` (its own options there win)."""
+    own = schema.get("x-guidance")
+    return dict(schema, **{"x-guidance": dict(JSON_LAYOUT, **(own if isinstance(own, dict) else {}))})
+
+
 @functools.lru_cache(maxsize=8)
 def _converted(kind: str, text: str) -> str:
     """``Grammar.llguidance_grammar``'s work: a request's grammar is checked by the server, then
@@ -113,9 +119,7 @@ def _converted(kind: str, text: str) -> str:
             schema = ANY_OBJECT_SCHEMA if kind == "json_object" else json.loads(text)
             # one line, one space after ':' and ',' (a small model given free whitespace can emit
             # newlines until the token limit), unless the schema's own x-guidance says otherwise
-            own = schema.get("x-guidance")
-            schema = dict(schema, **{"x-guidance": dict(JSON_LAYOUT, **(
-                own if isinstance(own, dict) else {}))})
+            schema = with_layout(schema)
             return llg.grammar_from("json_schema", json.dumps(schema))
         return llg.grammar_from(kind, text)
     except (ValueError, RuntimeError, TypeError) as e:

@@ -643,14 +643,12 @@ def create_app(llm, max_queue: int = 4, api_key: str | None = None,
             usage = include_usage(body)
             await run_in_threadpool(check_grammar, body, llm.tokenizer)
             # tokenizing up to 1 MiB takes a while: off the event loop, which keeps serving
-            ids = await run_in_threadpool(llm.tokenize, prompt) if isinstance(prompt, str) else prompt
+            ids = await run_in_threadpool(llm.prompt_ids, prompt)  # ("": BOS, as the API has it)
             if isinstance(prompt, list) and any(not 0 <= t < llm.tokenizer.n_vocab for t in prompt):
                 raise BadRequest("'prompt' has a token id outside the vocabulary", "prompt")
-            if not ids:  # "" (or text of no tokens): the start of a document, as the API has it
-                if llm.tokenizer.bos_id is None:
-                    raise BadRequest("'prompt' is empty and the model has no BOS token to start "
-                                     "from", "prompt")
-                ids = [llm.tokenizer.bos_id]
+            if not ids:
+                raise BadRequest("'prompt' is empty and the model has no BOS token to start "
+                                 "from", "prompt")
             check_room(ids, opts["max_tokens"], "prompt")
         except BadRequest as e:
             return error(e.status, str(e), e.param)

@@ -197,15 +197,14 @@ class ToolUse:
         """The ``pyinfer.grammar.Grammar`` the answer is held to, or None (hermes, "auto").
         ``thinking_open``: the prompt opened a ``<think>`` block, which a required call's
         grammar closes first (llama.cpp's ``thinking_forced_open``)."""
-        from pyinfer.grammar import JSON_LAYOUT, Grammar
+        from pyinfer.grammar import Grammar, with_layout
 
         if self.format == "generic":
             return Grammar.json_schema(self.schema())
         if not self.required:
             return None
         # hermes: one (or, parallel, several) <tool_call> blocks of a call's JSON, nothing else
-        one = self._calls_schema()
-        call = json.dumps(dict(one, **{"x-guidance": dict(JSON_LAYOUT, **one["x-guidance"])}))
+        call = json.dumps(with_layout(self._calls_schema()))
         block = 'block: "<tool_call>\\n" call "\\n</tool_call>"\n'
         start = "start: " + ('"</think>" /[ \\t\\n]*/ ' if thinking_open else "") + (
             'block ("\\n" block)*\n' if self.parallel else "block\n")

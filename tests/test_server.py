@@ -288,6 +288,9 @@ class FakeLLM:
         text.encode("utf-8")  # as the real tokenizer: a lone surrogate would raise here
         return [1] * len(text)
 
+    def prompt_ids(self, prompt):
+        return self.tokenize(prompt) or [1] if isinstance(prompt, str) else list(prompt)
+
     def chat_tokens(self, messages, template_kwargs=None, tools=None):
         return [1] * sum(len(m["content"]) for m in messages)
 
@@ -659,19 +662,23 @@ def test_a_queued_stream_whose_client_left_never_runs(capfd):
         first = threading.Thread(target=lambda: httpx.post(url + "/v1/completions",
                                                            json={"prompt": "hi"}, timeout=60))
         first.start()
-        while pending() < 1:
-            time.sleep(0.02)
+
+        def wait_for(ok):
+            deadline = time.monotonic() + 30
+            while not ok():
+                assert time.monotonic() < deadline, "the server never got there"
+                time.sleep(0.02)
+
+        wait_for(lambda: pending() >= 1)
         raw = json.dumps({"messages": GERMANY, "stream": True}).encode()
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
             sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
                          b"application/json\r\n" + f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
-            while pending() < 2:
-                time.sleep(0.02)
+            wait_for(lambda: pending() >= 2)
         time.sleep(0.5)  # the socket is closed: the server sees the disconnect
         gate.set()
         first.join(30)
-        while pending():
-            time.sleep(0.02)
+        wait_for(lambda: pending() == 0)
         assert llm.calls == ["completion"]
         # logged (uvicorn writes no access line for a response nobody takes)
         assert '"POST /v1/chat/completions" 499: the client left' in capfd.readouterr().err
