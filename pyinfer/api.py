@@ -491,7 +491,6 @@ class LLM:
         dry = dict(dry_multiplier=dry_multiplier, dry_base=dry_base,
                    dry_allowed_length=dry_allowed_length, dry_penalty_last_n=dry_penalty_last_n)
         self._params(temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, **dry)
-        self._check_request(max_tokens, stop, seed, should_stop)
         gram = grammar_of(response_format, grammar, json_schema)
         if gram is not None:
             gram.check(self.tokenizer)  # a bad grammar fails here, before a stream starts

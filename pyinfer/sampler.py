@@ -133,6 +133,19 @@ class _DryScratch:
         self.best = np.zeros(n_vocab, np.int32)
         self.breakers = None
         self.mask = np.zeros(n_vocab, np.uint8)
+        self.breakers_fit = True  # every breaker id is inside the vocabulary
+
+    def use(self, breakers) -> bool:
+        """The mask of ``breakers`` (rebuilt only when another set comes: an engine keeps its
+        own, so once); False where a breaker lies outside the vocabulary (the reference then)."""
+        if self.breakers is not breakers:
+            b = np.fromiter(breakers, np.int64, len(breakers))
+            self.breakers_fit = bool(b.size == 0 or (b.min() >= 0 and b.max() < self.mask.size))
+            self.mask[:] = 0
+            if self.breakers_fit and b.size:
+                self.mask[b] = 1
+            self.breakers = breakers
+        return self.breakers_fit
 
 
 _SCRATCH = threading.local()  # per thread: best is written during a call
@@ -143,20 +156,15 @@ def _match_lengths(history, breakers, n_vocab: int):
     (``cpu.dry_match``: 11x the Python at 4,096 tokens of history, docs/benchmarks.md session
     40) where every id is inside the vocabulary, else from the reference."""
     h = np.asarray(history, dtype=np.int64)
-    if h.size < 2 or h.min() < 0 or h.max() >= n_vocab or any(
-            not 0 <= b < n_vocab for b in breakers):
-        return dry_match_lengths(history, breakers).items()
     per_size = getattr(_SCRATCH, "by_size", None)
     if per_size is None:
         per_size = _SCRATCH.by_size = {}
     sc = per_size.get(n_vocab)
     if sc is None:
         sc = per_size[n_vocab] = _DryScratch(n_vocab)
-    if sc.breakers is not breakers:
-        sc.mask[:] = 0
-        if breakers:
-            sc.mask[np.fromiter(breakers, np.int64)] = 1
-        sc.breakers = breakers
+    # (the breakers' range checked once per set, not a Python loop over them every token)
+    if h.size < 2 or h.min() < 0 or h.max() >= n_vocab or not sc.use(breakers):
+        return dry_match_lengths(history, breakers).items()
     toks = np.empty(h.size, np.int32)
     m = 0
     try:

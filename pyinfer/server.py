@@ -441,6 +441,22 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+async def next_or_gone(out: asyncio.Queue, request) -> tuple[Any, bool]:
+    """(the next item of ``out``, or None where the client left first; whether it left) -
+    whichever comes first of a job's next item and the client's disconnect."""
+    got = asyncio.ensure_future(out.get())
+    gone = asyncio.ensure_future(_until_disconnect(request.receive))
+    try:
+        await asyncio.wait({got, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        left = gone.done() and not gone.cancelled()
+        gone.cancel()
+    if not got.done():
+        got.cancel()
+        return None, left
+    return got.result(), left
+
+
 def _log_gone(request) -> None:
     """One log line for a request whose client left before its answer (uvicorn writes no access
     line for a response nobody takes)."""
@@ -520,6 +536,21 @@ def create_app(llm, max_queue: int = 4, api_key: str | None = None,
                              f"tokens + max_tokens {max_tokens} = {len(prompt_ids) + max_tokens}",
                              "max_tokens")
 
+    def outside_vocab(ids: list[int]) -> bool:
+        """Does ``ids`` hold a token id outside the model's vocabulary?"""
+        return any(not 0 <= t < llm.tokenizer.n_vocab for t in ids)
+
+    def error_of(item) -> Response | None:
+        """The error response of a job's item (a shutdown, a bad request, an internal error),
+        or None for an answer."""
+        if isinstance(item, ShuttingDown):
+            return error(503, str(item), kind="server_busy")
+        if isinstance(item, BadRequest):
+            return error(item.status, str(item), item.param)
+        if isinstance(item, Exception):
+            return error(500, f"internal error: {type(item).__name__}: {item}", kind="server_error")
+        return None
+
     async def run_job(request: Request, make: Callable[[Callable[[], bool]], Any], stream: bool,
                       usage: bool = False):
         """Queue ``make(should_stop)`` (which returns a dict, or an iterator of chunk dicts) on the
@@ -573,49 +604,26 @@ def create_app(llm, max_queue: int = 4, api_key: str | None = None,
         if not stream:
             # Wait for the answer or the client's disconnect, whichever comes first; on a
             # disconnect the job's should_stop turns True and the engine is free within a token.
-            answer = asyncio.ensure_future(out.get())
-            gone = asyncio.ensure_future(_until_disconnect(request.receive))
             try:
-                await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+                result, _ = await next_or_gone(out, request)
             finally:
                 cancel.set()
-                gone.cancel()
-            if not answer.done():
-                answer.cancel()
+            if result is None:
                 _log_gone(request)
                 return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
-            result = answer.result()
-            if isinstance(result, ShuttingDown):
-                return error(503, str(result), kind="server_busy")
-            if isinstance(result, BadRequest):
-                return error(result.status, str(result), result.param)
-            if isinstance(result, Exception):
-                return error(500, f"internal error: {type(result).__name__}: {result}", kind="server_error")
-            return JSONResponse(result)
+            return error_of(result) or JSONResponse(result)
 
         # an error before the first chunk is still a proper status code; a client that leaves
         # while its request waits in the queue cancels it there (it ran its prefill before)
-        got = asyncio.ensure_future(out.get())
-        gone = asyncio.ensure_future(_until_disconnect(request.receive))
-        try:
-            await asyncio.wait({got, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            left = gone.done() and not gone.cancelled()
-            gone.cancel()
-        if left or not got.done():
+        first, left = await next_or_gone(out, request)
+        if left or first is None:
             cancel.set()
-            got.cancel()
             _log_gone(request)
             return Response(status_code=499)
-        first = got.result()
-        if isinstance(first, ShuttingDown):
-            return error(503, str(first), kind="server_busy")
-        if isinstance(first, BadRequest):
+        failed = error_of(first)
+        if failed is not None:
             cancel.set()
-            return error(first.status, str(first), first.param)
-        if isinstance(first, Exception):
-            cancel.set()
-            return error(500, f"internal error: {type(first).__name__}: {first}", kind="server_error")
+            return failed
 
         async def events():
             item = first
@@ -644,7 +652,7 @@ def create_app(llm, max_queue: int = 4, api_key: str | None = None,
             await run_in_threadpool(check_grammar, body, llm.tokenizer)
             # tokenizing up to 1 MiB takes a while: off the event loop, which keeps serving
             ids = await run_in_threadpool(llm.prompt_ids, prompt)  # ("": BOS, as the API has it)
-            if isinstance(prompt, list) and any(not 0 <= t < llm.tokenizer.n_vocab for t in prompt):
+            if isinstance(prompt, list) and outside_vocab(prompt):
                 raise BadRequest("'prompt' has a token id outside the vocabulary", "prompt")
             if not ids:
                 raise BadRequest("'prompt' is empty and the model has no BOS token to start "
@@ -745,7 +753,7 @@ def create_app(llm, max_queue: int = 4, api_key: str | None = None,
                 if not t or len(t) > llm.n_ctx:
                     raise BadRequest(f"input[{i}] is {len(t)} tokens; it must be 1..{llm.n_ctx} "
                                      "(this model's context)", "input")
-                if any(not 0 <= v < llm.tokenizer.n_vocab for v in t):
+                if outside_vocab(t):
                     raise BadRequest(f"input[{i}] has a token id outside the vocabulary", "input")
         except BadRequest as e:
             return error(e.status, str(e), e.param)
