@@ -39,7 +39,7 @@ def opens_thinking(prompt_text: str) -> bool:
     return prompt_text.rstrip(_WS).endswith(OPEN)
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """The length of the longest end of ``text`` that begins ``tag`` (a tag cut by the stream)."""
     for n in range(min(len(text), len(tag) - 1), 0, -1):
         if tag.startswith(text[-n:]):
@@ -94,7 +94,7 @@ class ReasoningSplitter:
                     self._take(len(CLOSE))
                     self.state = "content"
                 else:  # all but a possible cut tag, and the whitespace a tag may follow
-                    keep = _partial_suffix(self.buf, CLOSE)
+                    keep = partial_suffix(self.buf, CLOSE)
                     body = self.buf[:len(self.buf) - keep]
                     text = self._take(len(body.rstrip(_WS)))
                     if not text:

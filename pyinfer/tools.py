@@ -40,6 +40,7 @@ import uuid
 from dataclasses import dataclass
 
 from pyinfer.errors import PyinferError
+from pyinfer.reasoning import partial_suffix
 
 #: llama.cpp's system text for its generic format (common_chat_params_init_generic)
 GENERIC_INSTRUCTION = ("Respond in JSON format, either with `tool_call` (a request to call tools) "
@@ -308,7 +309,7 @@ class ToolStream:
         if self.use.format == "hermes":
             at = t.find(_HERMES_OPEN)
             if at < 0:
-                at = len(t) - _partial_open(t)
+                at = len(t) - partial_suffix(t, _HERMES_OPEN)
             return t[:at].rstrip()
         return _response_so_far(t) or ""
 
@@ -358,14 +359,6 @@ def _hex(text: str) -> int:
         return int(text, 16)
     except ValueError:
         return -1
-
-
-def _partial_open(text: str) -> int:
-    """Length of the longest end of ``text`` that begins ``<tool_call>``."""
-    for n in range(min(len(text), len(_HERMES_OPEN) - 1), 0, -1):
-        if _HERMES_OPEN.startswith(text[-n:]):
-            return n
-    return 0
 
 
 #: schema keywords whose values are schemas (one, a list, or a map of them) that stand alone
